@@ -1,0 +1,5 @@
+import sys
+
+from cpn.cli import main
+
+sys.exit(main())

@@ -1,0 +1,241 @@
+"""`cpn up`: a whole demo federation on this machine.
+
+Starts (or uses) etcd, joins every site of configs/sites/, starts the WAN emulation (in this
+process) and one `cpn agent` process per site, prints what runs where, and on SIGINT/SIGTERM
+stops everything: agents first (they revoke their leases), then the emulation, then etcd.
+
+Address plan with the WAN emulation: site number N (1-based, in id order) owns 127.0.1.N; its
+agent listens there and its probes leave from there; peers reach it through the emulator's front
+127.0.2.N on the same port, which delays each direction by rtt/2 (docs/wan-emulation.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from cpn import render
+from cpn.state import clear_up_state, state_dir, write_up_state
+from sites import wan
+from sites.catalog import DeviceCatalog
+from sites.config import load_sites, site_files
+from sites.errors import ConfigError, Problem
+from sites.etcd_server import EmbeddedEtcd, free_port
+from sites.latency import Endpoint, LatencyModel
+from sites.registry import Registry
+from sites.spec import SiteSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    config_dir: Path
+    etcd: str | None = None
+    interval_s: float = 2.0
+    wan_emulation: bool = True
+    only: tuple[str, ...] = ()
+
+
+@dataclass
+class SitePlan:
+    spec: SiteSpec
+    file: Path
+    listen: str = "127.0.0.1:0"
+    advertise: str | None = None
+    service_urls: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+
+def node_ip(n: int) -> str:
+    return f"127.0.1.{n}"
+
+
+def front_ip(n: int) -> str:
+    return f"127.0.2.{n}"
+
+
+def endpoint_of(spec: SiteSpec) -> Endpoint:
+    return Endpoint(lat=spec.coordinates.lat, lon=spec.coordinates.lon, zone=spec.latency_zone)
+
+
+class Launcher:
+    def __init__(self, settings: LaunchSettings) -> None:
+        self.settings = settings
+        self.etcd: EmbeddedEtcd | None = None
+        self.emulator: wan.WanEmulator | None = None
+        self.plans: list[SitePlan] = []
+        self.run_dir = state_dir() / f"up-{os.getpid()}"
+        self._stop = asyncio.Event()
+
+    def run(self) -> int:
+        return wan.run(self._main())
+
+    def load(self) -> list[SitePlan]:
+        cfg = self.settings.config_dir
+        catalog = DeviceCatalog.load(cfg / "devices.yaml")
+        files = site_files(cfg / "sites")
+        if not files:
+            raise ConfigError([Problem(str(cfg / "sites"), "", "no site files (*.yaml) found")])
+        specs = load_sites(files, catalog)
+        by_id = {spec.id: path for spec, path in zip(specs, files, strict=True)}
+        unknown = sorted(set(self.settings.only) - set(by_id))
+        if unknown:
+            raise ConfigError([Problem("--sites", "", f"unknown site(s): {', '.join(unknown)}")])
+        wanted = self.settings.only or tuple(sorted(by_id))
+        if len(wanted) > 250:
+            raise ConfigError([Problem(str(cfg), "", "the demo address plan holds 250 sites")])
+        specs_by_id = {s.id: s for s in specs}
+        return [SitePlan(spec=specs_by_id[i], file=by_id[i]) for i in sorted(wanted)]
+
+    async def _main(self) -> int:
+        self.plans = self.load()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        try:
+            url = self.settings.etcd or self._start_etcd()
+            async with Registry.from_urls(url) as registry:
+                for plan in self.plans:
+                    await registry.join(plan.spec)
+            if self.settings.wan_emulation:
+                await self._start_wan()
+            else:
+                for plan in self.plans:
+                    plan.listen = f"127.0.0.1:{free_port()}"
+            self._start_agents(url)
+            write_up_state(
+                {
+                    "pid": os.getpid(),
+                    "etcd": url,
+                    "started_at": time.time(),
+                    "sites": {p.spec.id: p.advertise or p.listen for p in self.plans},
+                }
+            )
+            print(self.describe(url), flush=True)
+            await self._supervise()
+        finally:
+            await self.shutdown()
+        return 0
+
+    def _start_etcd(self) -> str:
+        self.etcd = EmbeddedEtcd()
+        return self.etcd.start()
+
+    async def _start_wan(self) -> None:
+        latency = LatencyModel.from_dir(self.settings.config_dir / "latency")
+        endpoints = {p.spec.id: endpoint_of(p.spec) for p in self.plans}
+
+        def rtt(src: str, dst: str) -> float:
+            return latency.rtt_ms(endpoints[src], endpoints[dst])
+
+        ips = {node_ip(n): p.spec.id for n, p in enumerate(self.plans, start=1)}
+        self.emulator = wan.WanEmulator(node_of_ip=ips, rtt_ms=rtt)
+        for n, plan in enumerate(self.plans, start=1):
+            port = free_port(node_ip(n))
+            plan.listen = f"{node_ip(n)}:{port}"
+            host, fport = await self.emulator.add_route(
+                front=(front_ip(n), port), backend=(node_ip(n), port), node=plan.spec.id
+            )
+            plan.advertise = f"{host}:{fport}"
+            for svc in plan.spec.services:
+                parts = urlsplit(svc.url)
+                backend = (parts.hostname or "127.0.0.1", parts.port or 80)
+                fhost, fport = await self.emulator.add_route(
+                    front=(front_ip(n), backend[1]), backend=backend, node=plan.spec.id
+                )
+                plan.service_urls[svc.name] = urlunsplit(parts._replace(netloc=f"{fhost}:{fport}"))
+
+    def _start_agents(self, url: str) -> None:
+        for plan in self.plans:
+            args = [
+                sys.executable, "-m", "cpn", "agent",
+                "--site", str(plan.file),
+                "--catalog", str(self.settings.config_dir / "devices.yaml"),
+                "--etcd", url,
+                "--listen", plan.listen,
+                "--interval", str(self.settings.interval_s),
+            ]  # fmt: skip
+            if plan.advertise:
+                args += ["--advertise", plan.advertise, "--wan-emulated"]
+            for name, svc_url in plan.service_urls.items():
+                args += ["--service-url", f"{name}={svc_url}"]
+            plan.log_path = self.run_dir / f"agent-{plan.spec.id}.log"
+            with open(plan.log_path, "ab") as logfile:
+                plan.process = subprocess.Popen(
+                    args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                )
+
+    def describe(self, url: str) -> str:
+        mode = "WAN EMULATED (user-space delay, one machine)" if self.emulator else "plain loopback"
+        etcd = f"embedded etcd {url} (data {self.etcd.data_dir})" if self.etcd else f"etcd {url}"
+        rows = [
+            [
+                p.spec.id,
+                p.spec.region,
+                str(p.process.pid if p.process else "-"),
+                p.listen,
+                p.advertise or "-",
+                ", ".join(f"{k}={v}" for k, v in p.service_urls.items())
+                or ", ".join(s.name for s in p.spec.services)
+                or "-",
+            ]
+            for p in self.plans
+        ]
+        table = render.table(["SITE", "REGION", "PID", "LISTEN", "REACHED AT", "SERVICES"], rows)
+        return (
+            f"cpn up: {len(self.plans)} sites, {etcd}\n"
+            f"network: {mode}\n"
+            f"logs: {self.run_dir}\n{table}\n"
+            f"try: CPN_ETCD={url} cpn sites   (Ctrl-C stops everything)"
+        )
+
+    async def _supervise(self) -> None:
+        reported: set[str] = set()
+        while not self._stop.is_set():
+            for plan in self.plans:
+                proc = plan.process
+                if proc is not None and proc.poll() is not None and plan.spec.id not in reported:
+                    reported.add(plan.spec.id)
+                    print(
+                        f"cpn up: agent of {plan.spec.id} exited with {proc.returncode} "
+                        f"(log {plan.log_path}); its site goes down",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            try:
+                await asyncio.wait_for(self._stop.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+    async def shutdown(self) -> None:
+        procs = [
+            p.process for p in self.plans if p.process is not None and p.process.poll() is None
+        ]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            while proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if self.emulator is not None:
+            await self.emulator.close()
+            self.emulator = None
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+        clear_up_state(os.getpid())
+        print("cpn up: stopped", flush=True)

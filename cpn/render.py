@@ -1,0 +1,89 @@
+"""Tables and JSON documents for the CLI."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sites.catalog import DeviceCatalog, normalize_inventory
+from sites.status import SiteView
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def ago(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h ago"
+    return f"{seconds / 86400:.0f}d ago"
+
+
+def _num(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def sites_table(views: Sequence[SiteView], *, catalog: DeviceCatalog, now: float) -> str:
+    headers = ["SITE", "STATE", "LAST SEEN", "REGION", "GPUS FREE/TOTAL", "FP16 TFLOPS", "CPU",
+               "MEM GB", "STORAGE TB", "NEAREST PEERS (RTT ms)"]  # fmt: skip
+    rows = []
+    for v in views:
+        if v.status is not None:
+            cap, free = v.status.capacity, v.status.free
+            gpus = ", ".join(
+                f"{m} {free.devices.get(m, 0)}/{n}" for m, n in sorted(cap.devices.items())
+            )
+        else:
+            cap = normalize_inventory(v.spec.inventory, catalog)
+            gpus = ", ".join(f"{m} -/{n}" for m, n in sorted(cap.devices.items()))
+        peers = ", ".join(f"{p} {ms:.1f}" for p, ms in list(v.rtt_ms.items())[:3])
+        rows.append([
+            v.id,
+            v.state.value,
+            ago(None if v.last_seen is None else now - v.last_seen),
+            v.region,
+            gpus or "-",
+            _num(cap.fp16_tflops),
+            str(cap.cpu_cores),
+            _num(cap.mem_gb),
+            _num(cap.storage_tb),
+            peers or "-",
+        ])  # fmt: skip
+    return table(headers, rows) if rows else "no sites joined"
+
+
+def site_json(v: SiteView, *, now: float) -> dict[str, Any]:
+    status = v.status
+    return {
+        "id": v.id,
+        "region": v.region,
+        "country": v.spec.country,
+        "provider": v.spec.provider.value,
+        "state": v.state.value,
+        "alive": v.alive,
+        "last_seen": v.last_seen,
+        "last_seen_ago_s": None if v.last_seen is None else round(now - v.last_seen, 3),
+        "rtt_ms": v.rtt_ms,
+        "links": {dst: ln.model_dump(mode="json") for dst, ln in v.links.items()},
+        "capacity": None if status is None else status.capacity.model_dump(mode="json"),
+        "free": None if status is None else status.free.model_dump(mode="json"),
+        "host": None if status is None else status.host.model_dump(mode="json"),
+        "agent": None if v.agent is None else v.agent.model_dump(mode="json"),
+        "cordon": None if v.cordon is None else v.cordon.model_dump(mode="json"),
+        "services": [ep.model_dump(mode="json") for ep in v.services],
+        "labels": v.spec.labels,
+    }

@@ -1,0 +1,418 @@
+"""The perception agent: measures its site, publishes it under one lease, serves probes.
+
+Lifecycle: check the site is joined -> serve HTTP -> grant a lease (TTL ~ 3 intervals) -> take
+the site's agent lock under it -> every interval publish status, links and services in one
+transaction -> on a graceful stop revoke the lease (the site goes down at once). When killed,
+the lease expires by itself and the site is down within the TTL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import socket
+import uuid
+from collections.abc import Coroutine
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sites import keys
+from sites.agent_metrics import AgentMetrics
+from sites.catalog import Capacity, DeviceCatalog, normalize
+from sites.clock import Clock, SystemClock
+from sites.collectors.host import host_usage, storage_usage
+from sites.collectors.nvml import NvmlCollector
+from sites.collectors.probes import METHODS, Prober, choose_method
+from sites.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
+from sites.mirror import PrefixMirror
+from sites.registry import Registry
+from sites.spec import SiteSpec
+from sites.status import AgentRecord, GpuDevice, ServiceEndpoint, SiteStatus
+
+log = logging.getLogger(__name__)
+
+MIN_TTL_S = 2  # etcd rounds shorter leases up to its minimum TTL anyway
+
+
+class AgentSettings(BaseModel):
+    """Run-time settings of one agent; defaults come from the site file's `agent:` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    listen: str = Field(description="host:port to bind; port 0 picks a free one")
+    advertise: str | None = Field(
+        default=None, description="host:port peers use to reach us (the WAN front when emulated)"
+    )
+    interval_s: float = Field(gt=0)
+    probe_method: str = "auto"
+    probe_samples: int = Field(default=5, ge=1)
+    probe_timeout_s: float = Field(default=2.0, gt=0)
+    wan_emulated: bool = False
+    service_urls: dict[str, str] = Field(
+        default_factory=dict, description="service name -> URL to publish instead of the spec's"
+    )
+
+    @property
+    def ttl_s(self) -> int:
+        return max(MIN_TTL_S, math.ceil(3 * self.interval_s))
+
+    @classmethod
+    def from_spec(cls, spec: SiteSpec, **overrides: Any) -> AgentSettings:
+        base: dict[str, Any] = {
+            "listen": spec.agent.listen,
+            "interval_s": spec.agent.interval_s,
+            "probe_samples": spec.agent.probe_samples,
+            "probe_timeout_s": spec.agent.probe_timeout_s,
+        }
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    @field_validator("probe_method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        if method not in METHODS:
+            raise ValueError(f"must be one of {', '.join(METHODS)}")
+        return method
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        spec: SiteSpec,
+        catalog: DeviceCatalog,
+        registry: Registry,
+        settings: AgentSettings,
+        clock: Clock | None = None,
+    ) -> None:
+        self.spec = spec
+        self.catalog = catalog
+        self.registry = registry
+        self.settings = settings
+        self.clock: Clock = clock or SystemClock()
+        self.instance = uuid.uuid4().hex[:12]
+        self.metrics = AgentMetrics(spec.id)
+        self.record: AgentRecord | None = None
+        self.url = ""
+        self.seq = 0
+        self.last_publish_at: float | None = None
+        self.last_error: str | None = None
+        self.stopped = asyncio.Event()
+        self.stop_reason = ""
+        self._runner: web.AppRunner | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._nvml: NvmlCollector | None = None
+        self._published_links: set[str] = set()
+        self._published_services: set[str] = set()
+        method = choose_method(settings.probe_method, emulated=settings.wan_emulated)
+        host = settings.listen.rsplit(":", 1)[0]
+        self.prober = Prober(
+            site=spec.id,
+            method=method,
+            samples=settings.probe_samples,
+            interval_s=settings.interval_s,
+            timeout_s=settings.probe_timeout_s,
+            # bind probes to our own address so the WAN emulation can tell who is calling
+            source=host if host not in ("0.0.0.0", "", "localhost") else None,
+            emulated=settings.wan_emulated,
+        )
+        self._peers = PrefixMirror(registry=registry, prefix=keys.AGENTS, on_change=self._on_agents)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if await self.registry.get_spec(self.spec.id) is None:
+            raise NotJoined(self.spec.id)
+        if self.spec.perception.mode == "host":
+            self._nvml = NvmlCollector(catalog=self.catalog)
+        await self._serve()
+        try:
+            await self._acquire()
+        except BaseException:
+            await self._close_http()
+            raise
+        self._spawn(self._keepalive_loop(), "keepalive")
+        self._spawn(self._publish_loop(), "publish")
+        self._spawn(self._peers.run(), "peers")
+        log.info(
+            "agent of %s up: %s, lease ttl %ss, probes %s%s",
+            self.spec.id,
+            self.url,
+            self.settings.ttl_s,
+            self.prober.method,
+            " (WAN emulated)" if self.settings.wan_emulated else "",
+        )
+
+    async def stop(self, *, revoke: bool = True) -> None:
+        """Graceful stop: cancel loops, revoke the lease so the site is down at once."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.prober.close()
+        if revoke and self.record is not None:
+            try:
+                await self.registry.revoke(self.record.lease_id)
+            except RegistryError as exc:
+                log.warning("could not revoke lease (it will expire): %s", exc)
+        await self._close_http()
+        if self._nvml is not None:
+            self._nvml.close()
+        self.stopped.set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=f"agent {self.spec.id} {name}")
+        task.add_done_callback(self._guard)
+        self._tasks.append(task)
+
+    def _guard(self, task: asyncio.Task[None]) -> None:
+        """A background loop that ends on its own stops the agent; a crash is logged."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("%s crashed", task.get_name(), exc_info=exc)
+            self.stop_reason = self.stop_reason or f"{task.get_name()} crashed: {exc}"
+        self.stopped.set()
+
+    async def _acquire(self) -> None:
+        lease_id = await self.registry.grant_lease(self.settings.ttl_s)
+        record = AgentRecord(
+            site=self.spec.id,
+            instance=self.instance,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started_at=self.clock.time(),
+            url=self.url,
+            lease_id=lease_id,
+            wan_emulated=self.settings.wan_emulated,
+        )
+        try:
+            await self.registry.acquire_agent(record, is_stale=_dead_on_this_host)
+        except BaseException:
+            await self.registry.revoke(lease_id)
+            raise
+        self.record = record
+        self.metrics.lease_ttl.labels(self.spec.id).set(self.settings.ttl_s)
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            await self.clock.sleep(self.settings.ttl_s / 3)
+            record = self.record
+            if record is None:
+                continue
+            try:
+                ttl = await self.registry.keepalive(record.lease_id)
+                self.metrics.lease_ttl.labels(self.spec.id).set(ttl)
+            except LeaseLost:
+                log.warning("lease of %s expired; taking the site again", self.spec.id)
+                await self._reacquire()
+            except RegistryUnavailable as exc:
+                log.warning("keepalive failed: %s", exc)
+
+    async def _reacquire(self) -> None:
+        self.record = None
+        self._published_links.clear()
+        self._published_services.clear()
+        await self._acquire()
+
+    async def _publish_loop(self) -> None:
+        next_at = self.clock.monotonic()
+        while True:
+            await self.publish_once()
+            next_at += self.settings.interval_s
+            await self.clock.sleep(max(0.0, next_at - self.clock.monotonic()))
+
+    async def publish_once(self) -> None:
+        record = self.record
+        if record is None:
+            return
+        now = self.clock.time()
+        status = self.measure(now)
+        links = self.prober.links(now)
+        services = self.service_endpoints(now)
+        link_dsts = {ln.dst for ln in links}
+        svc_names = {ep.service for ep in services}
+        started = self.clock.monotonic()
+        try:
+            await self.registry.publish(
+                record,
+                status=status,
+                links=links,
+                services=services,
+                stale_links=self._published_links - link_dsts,
+                stale_services=self._published_services - svc_names,
+            )
+        except LeaseLost:
+            self.metrics.publish_errors.labels(self.spec.id, "lease").inc()
+            if await self.registry.get_spec(self.spec.id) is None:
+                self.stop_reason = f"site {self.spec.id} was removed from the federation"
+                log.info("%s; stopping", self.stop_reason)
+                self.stopped.set()
+                return
+            await self._reacquire()
+            return
+        except RegistryError as exc:
+            self.last_error = str(exc)
+            self.metrics.publish_errors.labels(self.spec.id, "registry").inc()
+            log.warning("publish failed: %s", exc)
+            return
+        self.metrics.publish_seconds.labels(self.spec.id).observe(self.clock.monotonic() - started)
+        self.metrics.publishes.labels(self.spec.id).inc()
+        self.metrics.observe_status(status)
+        self.metrics.observe_links(links)
+        for gone in self._published_links - link_dsts:
+            self.metrics.forget_peer(gone)
+        self._published_links = link_dsts
+        self._published_services = svc_names
+        self.seq += 1
+        self.last_publish_at = now
+        self.last_error = None
+
+    def _on_agents(self, items: dict[str, bytes]) -> None:
+        peers: dict[str, str] = {}
+        for key, raw in items.items():
+            site = keys.split(key, keys.AGENTS)[0]
+            try:
+                peers[site] = json.loads(raw)["url"]
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring malformed agent record at %s", key)
+        peers.pop(self.spec.id, None)
+        self.prober.set_peers(peers)
+
+    # -- measurement -------------------------------------------------------------------------
+
+    def measure(self, now: float) -> SiteStatus:
+        spec = self.spec
+        host = host_usage()
+        storage = storage_usage(spec.perception.storage_paths)
+        gpus: list[GpuDevice] = []
+        if spec.perception.mode == "host":
+            gpus = self._nvml.collect() if self._nvml else []
+            devices: dict[str, int] = {}
+            busy: dict[str, int] = {}
+            for gpu in gpus:
+                if gpu.model is None:
+                    continue
+                devices[gpu.model] = devices.get(gpu.model, 0) + 1
+                busy[gpu.model] = busy.get(gpu.model, 0) + int(gpu.busy)
+            capacity = normalize(
+                devices=devices,
+                cpu_cores=host.cpu_cores,
+                mem_gb=host.mem_gb,
+                storage_tb=sum(s.total_tb for s in storage),
+                catalog=self.catalog,
+            )
+            used = normalize(
+                devices=busy,
+                cpu_cores=0,
+                mem_gb=host.mem_used_gb,
+                storage_tb=sum(s.used_tb for s in storage),
+                catalog=self.catalog,
+            )
+        else:
+            inv = spec.inventory
+            capacity = normalize(
+                devices={pool.model: pool.count for pool in inv.devices},
+                cpu_cores=inv.cpu_cores,
+                mem_gb=inv.mem_gb,
+                storage_tb=inv.storage_tb,
+                catalog=self.catalog,
+            )
+            used = Capacity.zero()
+        return SiteStatus(
+            site=spec.id,
+            instance=self.instance,
+            seq=self.seq,
+            published_at=now,
+            interval_s=self.settings.interval_s,
+            mode=spec.perception.mode,
+            capacity=capacity,
+            free=capacity.minus(used),
+            gpus=tuple(gpus),
+            storage=tuple(storage),
+            host=host,
+        )
+
+    def service_endpoints(self, now: float) -> list[ServiceEndpoint]:
+        return [
+            ServiceEndpoint(
+                service=svc.name,
+                site=self.spec.id,
+                model=svc.model,
+                url=self.settings.service_urls.get(svc.name, svc.url),
+                max_concurrency=svc.max_concurrency,
+                updated_at=now,
+            )
+            for svc in self.spec.services
+        ]
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    async def _serve(self) -> None:
+        app = web.Application()
+        app.router.add_get("/probe", self._probe)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        host, port = self.settings.listen.rsplit(":", 1)
+        site = web.TCPSite(self._runner, host, int(port), reuse_address=True)
+        await site.start()
+        bound = self._runner.addresses[0]
+        advertise = self.settings.advertise or f"{bound[0]}:{bound[1]}"
+        self.url = f"http://{advertise}"
+        self.bound = (str(bound[0]), int(bound[1]))
+
+    async def _close_http(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _probe(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        now = self.clock.time()
+        stale = self.last_publish_at is None or now - self.last_publish_at > self.settings.ttl_s
+        body = {
+            "site": self.spec.id,
+            "instance": self.instance,
+            "status": "degraded" if stale else "ok",
+            "lease_id": self.record.lease_id if self.record else None,
+            "url": self.url,
+            "seq": self.seq,
+            "last_publish_at": self.last_publish_at,
+            "last_error": self.last_error,
+            "probe_method": self.prober.method,
+            "wan_emulated": self.settings.wan_emulated,
+            "nvml": None if self._nvml is None else (self._nvml.available or self._nvml.reason),
+        }
+        return web.json_response(body, status=503 if stale and self.seq else 200)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+
+def _dead_on_this_host(record: AgentRecord) -> bool:
+    """True when the record names a process on this host that no longer exists."""
+    if record.host != socket.gethostname():
+        return False
+    try:
+        os.kill(record.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

@@ -1,0 +1,73 @@
+"""Exceptions raised by the sites package.
+
+    SitesError
+    ├── ConfigError              a site file or config is invalid; carries every Problem found
+    ├── RegistryError            the federation registry (etcd) failed us
+    │   ├── RegistryUnavailable  (ConnectionError) etcd cannot be reached or timed out
+    │   ├── Conflict             a guarded transaction lost a race (the key changed under us)
+    │   └── LeaseLost            our lease expired or was revoked while we still needed it
+    ├── NotJoined (LookupError)  the site id has no spec in the registry
+    ├── AgentConflict            another live agent already holds the site
+    └── EtcdStartError           the embedded etcd did not start
+
+etcd and gRPC errors are translated where they enter (sites.registry) and chained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class SitesError(Exception):
+    """Base of every error the sites package raises on purpose."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with an input: where (file, dotted field path) and why."""
+
+    source: str
+    field: str
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"{self.source}: {self.field}" if self.field else self.source
+        return f"{where}: {self.reason}"
+
+
+class ConfigError(SitesError, ValueError):
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = list(problems)
+        first = str(self.problems[0]) if self.problems else "invalid configuration"
+        more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+        super().__init__(first + more)
+
+
+class RegistryError(SitesError):
+    pass
+
+
+class RegistryUnavailable(RegistryError, ConnectionError):
+    pass
+
+
+class Conflict(RegistryError):
+    pass
+
+
+class LeaseLost(RegistryError):
+    pass
+
+
+class NotJoined(SitesError, LookupError):
+    def __init__(self, site: str) -> None:
+        self.site = site
+        super().__init__(f"site {site!r} is not joined; run `cpn site join FILE` first")
+
+
+class AgentConflict(SitesError):
+    pass
+
+
+class EtcdStartError(SitesError):
+    pass

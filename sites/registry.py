@@ -1,0 +1,525 @@
+"""The federation registry client: the one module that talks to etcd (through aetcd).
+
+Every state change that matters is one etcd transaction. Values are JSON documents of the
+models in sites.spec and sites.status; keys are spelled in sites.keys only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+import aetcd
+import aetcd.exceptions
+import aetcd.utils
+from aetcd import rpc
+from pydantic import BaseModel, ValidationError
+
+from sites import keys
+from sites.errors import (
+    AgentConflict,
+    Conflict,
+    LeaseLost,
+    NotJoined,
+    RegistryError,
+    RegistryUnavailable,
+)
+from sites.spec import SiteSpec
+from sites.status import (
+    AgentRecord,
+    Cordon,
+    LastSeen,
+    LinkStatus,
+    ServiceEndpoint,
+    SiteState,
+    SiteStatus,
+    SiteView,
+)
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_S = 5
+
+
+def parse_endpoints(urls: str) -> list[tuple[str, int]]:
+    """'http://127.0.0.1:2379,http://10.0.0.2:2379' -> [(host, port), ...]; ValueError if bad."""
+    endpoints: list[tuple[str, int]] = []
+    for raw in urls.split(","):
+        url = raw.strip()
+        if not url:
+            continue
+        if "://" not in url:
+            url = "http://" + url
+        parts = urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"etcd endpoint {raw!r}: only http:// is supported")
+        try:
+            port = parts.port
+        except ValueError:
+            raise ValueError(f"etcd endpoint {raw!r}: bad port") from None
+        if not parts.hostname or port is None:
+            raise ValueError(f"etcd endpoint {raw!r}: expected http://HOST:PORT")
+        endpoints.append((parts.hostname, port))
+    if not endpoints:
+        raise ValueError("no etcd endpoint given")
+    return endpoints
+
+
+def _grpc_target(endpoints: Sequence[tuple[str, int]]) -> tuple[str, int]:
+    """The (host, port) pair aetcd formats into a gRPC target.
+
+    With several IP endpoints we hand gRPC an `ipv4:a:1,b:2` address list, so it fails over
+    between members by itself; aetcd appends `:port` to host, hence the split.
+    """
+    if len(endpoints) == 1:
+        return endpoints[0]
+    try:
+        for host, _ in endpoints:
+            ipaddress.IPv4Address(host)
+    except ValueError:
+        log.warning("several etcd endpoints given by name; using %s:%d", *endpoints[0])
+        return endpoints[0]
+    head = ",".join(f"{h}:{p}" for h, p in endpoints[:-1])
+    return f"ipv4:{head},{endpoints[-1][0]}", endpoints[-1][1]
+
+
+def _decode(model: type[M], raw: bytes, key: str) -> M | None:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        log.warning("ignoring malformed registry value at %s: %s", key, exc.errors()[0]["msg"])
+        return None
+
+
+def _encode(value: BaseModel) -> bytes:
+    return value.model_dump_json().encode()
+
+
+@dataclass
+class Snapshot:
+    """Every registry value under /cpn/v1/ at one revision, decoded."""
+
+    revision: int
+    specs: dict[str, SiteSpec] = field(default_factory=dict)
+    statuses: dict[str, SiteStatus] = field(default_factory=dict)
+    cordons: dict[str, Cordon] = field(default_factory=dict)
+    last_seen: dict[str, LastSeen] = field(default_factory=dict)
+    agents: dict[str, AgentRecord] = field(default_factory=dict)
+    links: dict[tuple[str, str], LinkStatus] = field(default_factory=dict)
+    services: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        """Apply one put (value) or delete (None) of `key` to this snapshot."""
+        if key.startswith(keys.SITES):
+            parts = keys.split(key, keys.SITES)
+            if len(parts) != 2:
+                return
+            site, leaf = parts
+            tables: dict[str, tuple[dict[str, Any], type[BaseModel]]] = {
+                "spec": (self.specs, SiteSpec),
+                "status": (self.statuses, SiteStatus),
+                "cordon": (self.cordons, Cordon),
+                "last_seen": (self.last_seen, LastSeen),
+            }
+            if leaf not in tables:
+                return
+            table, model = tables[leaf]
+            _apply(table, site, model, key, value)
+        elif key.startswith(keys.AGENTS):
+            _apply(self.agents, keys.split(key, keys.AGENTS)[0], AgentRecord, key, value)
+        elif key.startswith(keys.LINKS):
+            parts = keys.split(key, keys.LINKS)
+            if len(parts) == 2:
+                _apply(self.links, (parts[0], parts[1]), LinkStatus, key, value)
+        elif key.startswith(keys.SERVICES):
+            parts = keys.split(key, keys.SERVICES)
+            if len(parts) == 2:
+                _apply(self.services, (parts[0], parts[1]), ServiceEndpoint, key, value)
+
+    def site_ids(self) -> list[str]:
+        return sorted(self.specs)
+
+    def view(self, site: str) -> SiteView:
+        spec = self.specs.get(site)
+        if spec is None:
+            raise NotJoined(site)
+        status = self.statuses.get(site)
+        agent = self.agents.get(site)
+        cordon = self.cordons.get(site)
+        alive = agent is not None and status is not None
+        if cordon is not None:
+            state = SiteState.cordoned
+        elif alive:
+            state = SiteState.up
+        else:
+            state = SiteState.down
+        seen = self.last_seen.get(site)
+        last_seen = status.published_at if status else (seen.at if seen else None)
+        links = {dst: ln for (src, dst), ln in self.links.items() if src == site}
+        rtt = {dst: ln.rtt_ms for dst, ln in links.items() if ln.rtt_ms is not None}
+        services = tuple(ep for (_, s), ep in sorted(self.services.items()) if s == site)
+        return SiteView(
+            id=site,
+            region=spec.region,
+            state=state,
+            alive=alive,
+            last_seen=last_seen,
+            spec=spec,
+            status=status,
+            agent=agent,
+            cordon=cordon,
+            rtt_ms=dict(sorted(rtt.items(), key=lambda kv: kv[1])),
+            links=links,
+            services=services,
+        )
+
+    def views(self) -> list[SiteView]:
+        return [self.view(site) for site in self.site_ids()]
+
+
+def _apply(
+    table: dict[Any, Any], name: Any, model: type[BaseModel], key: str, value: bytes | None
+) -> None:
+    if value is None:
+        table.pop(name, None)
+        return
+    decoded = _decode(model, value, key)
+    if decoded is not None:
+        table[name] = decoded
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change seen by a watch: value is None for a delete."""
+
+    key: str
+    value: bytes | None
+    revision: int
+
+
+@dataclass(frozen=True)
+class LeaveResult:
+    removed: bool
+    pending_assignments: int
+
+
+class Registry:
+    """An open connection to the registry. Use `async with Registry.from_urls(url) as reg:`."""
+
+    def __init__(self, *, endpoints: Sequence[tuple[str, int]], timeout_s: int = DEFAULT_TIMEOUT_S):
+        self.endpoints = list(endpoints)
+        host, port = _grpc_target(self.endpoints)
+        self._timeout_s = timeout_s
+        self._client = aetcd.Client(host=host, port=port, timeout=timeout_s)
+        self._tx = self._client.transactions
+
+    @classmethod
+    def from_urls(cls, urls: str, *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Registry:
+        return cls(endpoints=parse_endpoints(urls), timeout_s=timeout_s)
+
+    @property
+    def url(self) -> str:
+        return ",".join(f"http://{h}:{p}" for h, p in self.endpoints)
+
+    async def __aenter__(self) -> Registry:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def connect(self) -> None:
+        """Connect and check that etcd answers (a cheap read), so errors surface here."""
+        await self._call(self._client.connect)
+        await self._call(lambda: self._client.get(b"/cpn/v1/"))
+
+    async def close(self) -> None:
+        try:
+            await self._client.close()
+        except (aetcd.exceptions.ClientError, OSError) as exc:
+            log.debug("closing etcd client: %r", exc)
+
+    async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        try:
+            return await fn()
+        except (
+            TimeoutError,
+            aetcd.exceptions.ConnectionFailedError,
+            aetcd.exceptions.ConnectionTimeoutError,
+        ) as exc:
+            raise RegistryUnavailable(f"etcd at {self.url} is unavailable: {exc}") from exc
+        except aetcd.exceptions.ClientError as exc:
+            raise RegistryError(f"etcd request failed: {exc}") from exc
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def _range(self, prefix: str, revision: int | None = None) -> tuple[int, list[Any]]:
+        key = prefix.encode()
+        request = rpc.RangeRequest(key=key, range_end=aetcd.utils.prefix_range_end(key))
+        if revision is not None:
+            request.revision = revision
+        client = self._client
+
+        async def call() -> Any:
+            await client.connect()
+            return await client.kvstub.Range(
+                request, timeout=self._timeout_s, metadata=client.metadata
+            )
+
+        try:
+            response = await self._call(call)
+        except rpc.AioRpcError as exc:
+            try:
+                aetcd.exceptions._handle_exception(exc)  # noqa: SLF001 - aetcd's own mapping
+            except aetcd.exceptions.ClientError as mapped:
+                raise RegistryUnavailable(f"etcd at {self.url}: {mapped}") from exc
+            raise
+        return int(response.header.revision), list(response.kvs)
+
+    async def list_prefix(self, prefix: str) -> tuple[int, list[tuple[str, bytes, int]]]:
+        """(revision, [(key, value, mod_revision), ...]) of every key under `prefix`."""
+        revision, kvs = await self._range(prefix)
+        return revision, [(kv.key.decode(), bytes(kv.value), int(kv.mod_revision)) for kv in kvs]
+
+    async def snapshot(self, prefixes: Iterable[str] = (keys.ROOT,)) -> Snapshot:
+        """Everything under `prefixes`, read at one revision."""
+        revision: int | None = None
+        snap = Snapshot(revision=0)
+        for prefix in prefixes:
+            rev, kvs = await self._range(prefix, revision)
+            revision = revision or rev
+            for kv in kvs:
+                snap.apply(kv.key.decode(), bytes(kv.value))
+        snap.revision = revision or 0
+        return snap
+
+    async def get_spec(self, site: str) -> SiteSpec | None:
+        got = await self._call(lambda: self._client.get(keys.site_spec(site).encode()))
+        return None if got is None else _decode(SiteSpec, got.value, keys.site_spec(site))
+
+    async def get_raw(self, key: str) -> tuple[bytes, int] | None:
+        """Value and mod_revision of one key, or None."""
+        got = await self._call(lambda: self._client.get(key.encode()))
+        return None if got is None else (bytes(got.value), int(got.mod_revision))
+
+    async def watch(self, prefix: str, *, start_revision: int) -> AsyncIterator[Event]:
+        """Events under `prefix` from `start_revision` on; raises RegistryError when broken.
+
+        The caller re-lists with snapshot() and watches again after an error (a compacted
+        revision or a lost stream).
+        """
+        key = prefix.encode()
+        watch = await self._call(
+            lambda: self._client.watch(
+                key, range_end=aetcd.utils.prefix_range_end(key), start_revision=start_revision
+            )
+        )
+        try:
+            iterator = aiter(watch)
+            while True:
+                try:
+                    ev = await anext(iterator)
+                except StopAsyncIteration:
+                    return
+                except aetcd.exceptions.RevisionCompactedError as exc:
+                    raise RegistryError(f"watch of {prefix} compacted: {exc}") from exc
+                except aetcd.exceptions.ClientError as exc:
+                    raise RegistryUnavailable(f"watch of {prefix} lost: {exc}") from exc
+                value = None if ev.kind == "DELETE" else bytes(ev.kv.value)
+                yield Event(ev.kv.key.decode(), value, int(ev.kv.mod_revision))
+        finally:
+            try:
+                await asyncio.shield(watch.cancel())
+            except (aetcd.exceptions.ClientError, OSError, RuntimeError) as exc:
+                log.debug("cancelling watch of %s: %r", prefix, exc)
+
+    # -- operator actions -------------------------------------------------------------------
+
+    async def join(self, spec: SiteSpec) -> bool:
+        """Register or update a site's spec and lift any cordon; True if the site is new."""
+        key = keys.site_spec(spec.id).encode()
+        ok, _ = await self._call(
+            lambda: self._client.transaction(
+                compare=[self._tx.version(key) == 0],
+                success=[self._tx.put(key, _encode(spec))],
+                failure=[
+                    self._tx.put(key, _encode(spec)),
+                    self._tx.delete(keys.site_cordon(spec.id).encode()),
+                ],
+            )
+        )
+        return bool(ok)
+
+    async def cordon(self, site: str, *, reason: str, now: float) -> None:
+        spec_key = keys.site_spec(site).encode()
+        ok, _ = await self._call(
+            lambda: self._client.transaction(
+                compare=[self._tx.version(spec_key) > 0],
+                success=[
+                    self._tx.put(
+                        keys.site_cordon(site).encode(),
+                        _encode(Cordon(since=now, reason=reason)),
+                    )
+                ],
+                failure=[],
+            )
+        )
+        if not ok:
+            raise NotJoined(site)
+
+    async def leave(self, site: str, *, now: float) -> LeaveResult:
+        """Cordon the site; remove it (spec, cordon, last_seen) only if no job is assigned.
+
+        Removal is one transaction that checks the assignments prefix is empty, so a job placed
+        concurrently is never orphaned.
+        """
+        existing = await self.get_raw(keys.site_cordon(site))
+        if existing is None:
+            await self.cordon(site, reason="leaving", now=now)
+        prefix = keys.assignments(site).encode()
+        end = aetcd.utils.prefix_range_end(prefix)
+        ok, _ = await self._call(
+            lambda: self._client.transaction(
+                compare=[
+                    self._tx.version(prefix, range_end=end) == 0,
+                    self._tx.version(keys.site_spec(site).encode()) > 0,
+                ],
+                success=[
+                    self._tx.delete(keys.site_spec(site).encode()),
+                    self._tx.delete(keys.site_cordon(site).encode()),
+                    self._tx.delete(keys.site_last_seen(site).encode()),
+                ],
+                failure=[],
+            )
+        )
+        if ok:
+            return LeaveResult(removed=True, pending_assignments=0)
+        _, pending = await self._range(keys.assignments(site))
+        if not pending and await self.get_spec(site) is None:
+            raise NotJoined(site)
+        return LeaveResult(removed=False, pending_assignments=len(pending))
+
+    # -- agent ------------------------------------------------------------------------------
+
+    async def grant_lease(self, ttl_s: int) -> int:
+        lease = await self._call(lambda: self._client.lease(ttl_s))
+        return int(lease.id)
+
+    async def keepalive(self, lease_id: int) -> int:
+        """Refresh the lease; returns its TTL; raises LeaseLost if it is gone."""
+        reply = await self._call(lambda: self._client.refresh_lease(lease_id))
+        ttl = int(getattr(reply, "TTL", 0)) if reply is not None else 0
+        if ttl <= 0:
+            raise LeaseLost(f"lease {lease_id:x} expired")
+        return ttl
+
+    async def revoke(self, lease_id: int) -> None:
+        try:
+            await self._call(lambda: self._client.revoke_lease(lease_id))
+        except RegistryError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    async def acquire_agent(
+        self, record: AgentRecord, *, is_stale: Callable[[AgentRecord], bool]
+    ) -> None:
+        """Take the site's agent lock (/cpn/v1/agents/<site>) under record.lease_id.
+
+        Fails with AgentConflict while another live agent holds it. A record whose process is
+        known dead (`is_stale`, e.g. same host and no such pid) is taken over at once instead of
+        waiting for its lease to expire, revoking the dead agent's lease (its keys go with it).
+        """
+        site = record.site
+        key = keys.agent(site).encode()
+        spec_key = keys.site_spec(site).encode()
+        for _ in range(3):
+            ok, responses = await self._call(
+                lambda: self._client.transaction(
+                    compare=[self._tx.version(key) == 0, self._tx.version(spec_key) > 0],
+                    success=[self._tx.put(key, _encode(record), lease=record.lease_id)],
+                    failure=[self._tx.get(key), self._tx.get(spec_key)],
+                )
+            )
+            if ok:
+                return
+            holder_kvs, spec_kvs = responses
+            if not spec_kvs:
+                raise NotJoined(site)
+            if not holder_kvs:
+                continue  # released in between; try again
+            raw, meta = holder_kvs[0]
+            holder = _decode(AgentRecord, raw, key.decode())
+            if holder is not None and not is_stale(holder):
+                since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.started_at))
+                raise AgentConflict(
+                    f"site {site!r} already has a live agent (pid {holder.pid} on "
+                    f"{holder.host}, {holder.url}, since {since}); stop it first"
+                )
+            log.warning("taking over site %s from a dead agent (%s)", site, holder)
+            if holder is not None:
+                await self.revoke(holder.lease_id)
+            await self._delete_if_unchanged(key, int(meta.mod_revision))
+        raise Conflict(f"could not take the agent lock of site {site!r}: it keeps changing")
+
+    async def _delete_if_unchanged(self, key: bytes, mod_revision: int) -> bool:
+        ok, _ = await self._call(
+            lambda: self._client.transaction(
+                compare=[self._tx.mod(key) == mod_revision],
+                success=[self._tx.delete(key)],
+                failure=[],
+            )
+        )
+        return bool(ok)
+
+    async def publish(
+        self,
+        record: AgentRecord,
+        *,
+        status: SiteStatus,
+        links: Sequence[LinkStatus],
+        services: Sequence[ServiceEndpoint],
+        stale_links: Iterable[str] = (),
+        stale_services: Iterable[str] = (),
+    ) -> None:
+        """Publish one snapshot of the site in one transaction.
+
+        Guarded by the agent lock: if the agent key is no longer ours (lease expired, another
+        agent took over), nothing is written and LeaseLost is raised.
+        """
+        site = record.site
+        lease = record.lease_id
+        akey = keys.agent(site).encode()
+        ops = [
+            self._tx.put(keys.site_status(site).encode(), _encode(status), lease=lease),
+            self._tx.put(
+                keys.site_last_seen(site).encode(),
+                _encode(LastSeen(at=status.published_at, instance=record.instance)),
+            ),
+        ]
+        ops += [
+            self._tx.put(keys.link(site, ln.dst).encode(), _encode(ln), lease=lease) for ln in links
+        ]
+        ops += [
+            self._tx.put(keys.service(ep.service, site).encode(), _encode(ep), lease=lease)
+            for ep in services
+        ]
+        ops += [self._tx.delete(keys.link(site, dst).encode()) for dst in stale_links]
+        ops += [self._tx.delete(keys.service(svc, site).encode()) for svc in stale_services]
+        ok, _ = await self._call(
+            lambda: self._client.transaction(
+                compare=[self._tx.value(akey) == _encode(record)],
+                success=ops,
+                failure=[],
+            )
+        )
+        if not ok:
+            raise LeaseLost(f"site {site!r}: this agent no longer holds the agent lock")

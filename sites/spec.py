@@ -1,0 +1,165 @@
+"""The site specification: what an operator declares in configs/sites/<id>.yaml.
+
+One validated model serves the YAML file, the registry value at /cpn/v1/sites/<id>/spec and the
+API. Money is in US dollars throughout (field names say so); units live in field names.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+SITE_ID_RE = r"^[a-z][a-z0-9-]{0,62}$"
+NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+
+SiteId = Annotated[str, Field(pattern=SITE_ID_RE, description="lower-case DNS label")]
+Name = Annotated[str, Field(pattern=NAME_RE)]
+NonNegative = Annotated[float, Field(ge=0)]
+Positive = Annotated[float, Field(gt=0)]
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Provider(enum.StrEnum):
+    on_prem = "on-prem"
+    aws = "aws"
+    azure = "azure"
+    gcp = "gcp"
+    ibm = "ibm"
+    oracle = "oracle"
+    alibaba = "alibaba"
+    tencent = "tencent"
+    huawei = "huawei"
+    other = "other"
+
+
+class Coordinates(Frozen):
+    lat: float = Field(ge=-90, le=90, description="degrees north")
+    lon: float = Field(ge=-180, le=180, description="degrees east")
+
+
+class DevicePool(Frozen):
+    """A pool of identical accelerators; `model` names a catalog entry (configs/devices.yaml)."""
+
+    model: str = Field(min_length=1)
+    count: int = Field(ge=1, le=1_000_000)
+
+
+class Inventory(Frozen):
+    """Declared inventory. Sites whose hardware is this host may measure instead (perception)."""
+
+    devices: tuple[DevicePool, ...] = ()
+    cpu_cores: int = Field(ge=0)
+    mem_gb: NonNegative
+    storage_tb: NonNegative = 0.0
+
+    @field_validator("devices")
+    @classmethod
+    def _unique_models(cls, pools: tuple[DevicePool, ...]) -> tuple[DevicePool, ...]:
+        seen: set[str] = set()
+        for pool in pools:
+            if pool.model in seen:
+                raise ValueError(f"device model {pool.model!r} listed twice; merge the pools")
+            seen.add(pool.model)
+        return pools
+
+
+class Prices(Frozen):
+    """List prices in USD. A device model without a price here cannot be placed on."""
+
+    usd_per_gpu_hour: dict[str, NonNegative] = Field(default_factory=dict)
+    usd_per_core_hour: NonNegative = 0.0
+    usd_per_gb_mem_hour: NonNegative = 0.0
+    usd_per_gb_egress: NonNegative = 0.0
+
+
+class Power(Frozen):
+    pue: float = Field(ge=1.0, le=3.0, description="power usage effectiveness")
+    usd_per_kwh: NonNegative
+    grid_kgco2_per_kwh: NonNegative = Field(le=2.0)
+    assumed: bool = Field(default=False, description="true when a figure is an estimate")
+
+
+class Service(Frozen):
+    """An inference service hosted at the site."""
+
+    name: Name
+    model: str = Field(min_length=1, description="served model, e.g. qwen2.5-72b-instruct")
+    url: str = Field(pattern=r"^https?://[^\s/]+(/\S*)?$")
+    max_concurrency: int = Field(ge=1, le=100_000)
+
+
+class ExecutorKind(enum.StrEnum):
+    local = "local"
+    slurm = "slurm"
+
+
+class Executor(Frozen):
+    kind: ExecutorKind = ExecutorKind.local
+    work_dir: str | None = Field(default=None, description="where job logs and files go")
+    partition: str | None = Field(default=None, description="slurm partition (slurm only)")
+
+    @field_validator("partition")
+    @classmethod
+    def _partition_only_for_slurm(cls, partition: str | None, info: ValidationInfo) -> str | None:
+        if partition is not None and info.data.get("kind") is not ExecutorKind.slurm:
+            raise ValueError("partition applies to the slurm executor only")
+        return partition
+
+
+class Perception(Frozen):
+    """How the agent learns the site's capacity.
+
+    declared: the inventory above is the capacity (the site's hardware is not this host).
+    host: measure this host (CPU, memory, NVML GPUs, storage of `storage_paths`).
+    """
+
+    mode: Literal["declared", "host"] = "declared"
+    storage_paths: tuple[str, ...] = ("/",)
+
+
+class Agent(Frozen):
+    listen: str = Field(
+        default="127.0.0.1:0",
+        pattern=r"^[^\s:]+:\d{1,5}$",
+        description="host:port of /probe, /healthz and /metrics; port 0 picks a free one",
+    )
+    interval_s: float = Field(default=5.0, ge=0.2, le=300, description="publish period")
+    probe_samples: int = Field(
+        default=5, ge=1, le=100, description="RTT samples per peer per interval"
+    )
+    probe_timeout_s: float = Field(default=2.0, gt=0, le=30)
+
+
+class SiteSpec(Frozen):
+    id: SiteId
+    region: Name = Field(description="placement/sovereignty region, e.g. yangtze-delta")
+    country: str = Field(pattern=r"^[A-Z]{2}$", description="ISO 3166-1 alpha-2, for sovereignty")
+    provider: Provider
+    coordinates: Coordinates
+    latency_zone: Name | None = Field(
+        default=None,
+        description="zone name in a measured latency matrix (configs/latency/); WAN emulation "
+        "uses the matrix between two sites that both have one, else the great-circle estimate",
+    )
+    labels: dict[str, str] = Field(default_factory=dict)
+    inventory: Inventory
+    prices: Prices
+    power: Power
+    services: tuple[Service, ...] = ()
+    executor: Executor = Executor()
+    perception: Perception = Perception()
+    agent: Agent = Agent()
+
+    @field_validator("labels")
+    @classmethod
+    def _label_keys(cls, labels: dict[str, str]) -> dict[str, str]:
+        for key in labels:
+            if not re.fullmatch(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?", key):
+                raise ValueError(f"label key {key!r} must be a lower-case DNS-like name")
+        return labels

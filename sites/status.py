@@ -1,0 +1,129 @@
+"""Values the agents publish to the registry, and the per-site view assembled from them."""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sites.catalog import Capacity
+from sites.spec import SiteSpec
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class AgentRecord(Frozen):
+    """Held under the agent's lease at /cpn/v1/agents/<site>: the lock and the way to reach it."""
+
+    site: str
+    instance: str = Field(description="random id of this agent process")
+    pid: int
+    host: str = Field(description="hostname the agent runs on")
+    started_at: float = Field(description="unix seconds")
+    url: str = Field(description="advertised base URL of /probe, /healthz, /metrics")
+    lease_id: int
+    wan_emulated: bool = False
+
+
+class Cordon(Frozen):
+    since: float
+    reason: str = ""
+
+
+class LastSeen(Frozen):
+    at: float = Field(description="unix seconds of the last status the agent published")
+    instance: str
+
+
+class GpuDevice(Frozen):
+    index: int
+    model: str | None = Field(description="catalog model, None when NVML names an unknown device")
+    name: str = Field(description="NVML device name")
+    uuid: str = ""
+    mem_gb: float
+    mem_used_gb: float
+    util_pct: float
+    power_w: float | None = None
+    temperature_c: float | None = None
+    busy: bool = Field(description="compute processes are running on it")
+
+
+class StorageUsage(Frozen):
+    path: str
+    total_tb: float
+    used_tb: float
+
+
+class HostUsage(Frozen):
+    """What the agent measured of the host it runs on (in declared mode: the agent's host)."""
+
+    cpu_cores: int
+    cpu_util_pct: float
+    mem_gb: float
+    mem_used_gb: float
+    load_1m: float
+
+
+class SiteStatus(Frozen):
+    site: str
+    instance: str
+    seq: int = Field(description="publish counter of this agent instance")
+    published_at: float = Field(description="unix seconds")
+    interval_s: float
+    mode: str = Field(description="declared | host")
+    capacity: Capacity = Field(description="total capacity, concrete and normalized")
+    free: Capacity = Field(description="capacity not held by jobs or busy devices")
+    gpus: tuple[GpuDevice, ...] = ()
+    storage: tuple[StorageUsage, ...] = ()
+    host: HostUsage
+
+
+class LinkStatus(Frozen):
+    src: str
+    dst: str
+    rtt_ms: float | None = Field(description="median of this interval's samples; None if all lost")
+    rtt_min_ms: float | None
+    jitter_ms: float | None = Field(description="mean absolute difference of successive samples")
+    loss_pct: float
+    samples: int
+    method: str = Field(description="http | tcp-connect | icmp | tcp-syn")
+    emulated: bool = Field(description="the path's delay comes from the WAN emulation")
+    measured_at: float
+
+
+class ServiceEndpoint(Frozen):
+    service: str
+    site: str
+    model: str
+    url: str
+    max_concurrency: int
+    in_flight: int = 0
+    queue: int = 0
+    latency_ms: float | None = None
+    healthy: bool = True
+    updated_at: float
+
+
+class SiteState(enum.StrEnum):
+    up = "up"
+    down = "down"
+    cordoned = "cordoned"
+
+
+class SiteView(Frozen):
+    """Everything the registry knows about one site, as `cpn sites` shows it."""
+
+    id: str
+    region: str
+    state: SiteState
+    alive: bool = Field(description="an agent holds the site's lease")
+    last_seen: float | None
+    spec: SiteSpec
+    status: SiteStatus | None
+    agent: AgentRecord | None
+    cordon: Cordon | None
+    rtt_ms: dict[str, float] = Field(description="peer site id -> measured RTT")
+    links: dict[str, LinkStatus]
+    services: tuple[ServiceEndpoint, ...] = ()
