@@ -342,6 +342,13 @@ class Registry:
             except (aetcd.exceptions.ClientError, OSError, RuntimeError) as exc:
                 log.debug("cancelling watch of %s: %r", prefix, exc)
 
+    async def delete_prefix(self, prefix: str) -> None:
+        """Remove every key under `prefix` (tests and `cpn` maintenance only)."""
+        await self._call(lambda: self._client.delete_prefix(prefix.encode()))
+
+    async def put_raw(self, key: str, value: bytes) -> None:
+        await self._call(lambda: self._client.put(key.encode(), value))
+
     # -- operator actions -------------------------------------------------------------------
 
     async def join(self, spec: SiteSpec) -> bool:

@@ -1,0 +1,147 @@
+"""Shared fixtures: a real etcd for the session, site files, and agent processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sites import keys
+from sites.etcd_server import EmbeddedEtcd
+from sites.registry import Registry
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = REPO / "configs"
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
+    server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"), unsafe_no_fsync=True)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def registry(etcd: EmbeddedEtcd) -> AsyncIterator[Registry]:
+    reg = Registry.from_urls(etcd.url)
+    await reg.connect()
+    await reg.delete_prefix(keys.ROOT)
+    yield reg
+    await reg.delete_prefix(keys.ROOT)
+    await reg.close()
+
+
+def site_doc(site_id: str, **overrides: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "id": site_id,
+        "region": "test-region",
+        "country": "CN",
+        "provider": "on-prem",
+        "coordinates": {"lat": 40.0, "lon": 116.0},
+        "inventory": {
+            "devices": [{"model": "H100", "count": 16}],
+            "cpu_cores": 224,
+            "mem_gb": 4096,
+            "storage_tb": 50,
+        },
+        "prices": {
+            "usd_per_gpu_hour": {"H100": 2.5},
+            "usd_per_core_hour": 0.02,
+            "usd_per_gb_mem_hour": 0.003,
+            "usd_per_gb_egress": 0.05,
+        },
+        "power": {"pue": 1.2, "usd_per_kwh": 0.1, "grid_kgco2_per_kwh": 0.5},
+        "services": [],
+        "agent": {"interval_s": 1.0},
+    }
+    doc.update(overrides)
+    return doc
+
+
+@pytest.fixture
+def site_file(tmp_path: Path) -> Callable[..., Path]:
+    def make(site_id: str, **overrides: Any) -> Path:
+        path = tmp_path / f"{site_id}.yaml"
+        path.write_text(yaml.safe_dump(site_doc(site_id, **overrides), sort_keys=False))
+        return path
+
+    return make
+
+
+def cpn_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cpn", *args]
+
+
+def run_cpn(*args: str, etcd_url: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if etcd_url:
+        env["CPN_ETCD"] = etcd_url
+    return subprocess.run(
+        cpn_cmd(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
+
+
+class Processes:
+    """Starts processes and makes sure none outlives the test."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *args: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            cpn_cmd(*args), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    procs = Processes(tmp_path)
+    yield procs
+    procs.stop_all()
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
+    """Poll an async or sync predicate until it returns something truthy."""
+    import asyncio
+    import inspect
+
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await asyncio.sleep(interval)
