@@ -499,8 +499,9 @@ class Registry:
     ) -> None:
         """Publish one snapshot of the site in one transaction.
 
-        Guarded by the agent lock: if the agent key is no longer ours (lease expired, another
-        agent took over), nothing is written and LeaseLost is raised.
+        Guarded by the agent lock and the site's spec: if the agent key is no longer ours (lease
+        expired, another agent took over) or the site has left, nothing is written and LeaseLost
+        is raised.
         """
         site = record.site
         lease = record.lease_id
@@ -523,7 +524,10 @@ class Registry:
         ops += [self._tx.delete(keys.service(svc, site).encode()) for svc in stale_services]
         ok, _ = await self._call(
             lambda: self._client.transaction(
-                compare=[self._tx.value(akey) == _encode(record)],
+                compare=[
+                    self._tx.value(akey) == _encode(record),
+                    self._tx.version(keys.site_spec(site).encode()) > 0,
+                ],
                 success=ops,
                 failure=[],
             )

@@ -1,0 +1,172 @@
+"""Collectors: NVML with no GPU here, a FAKE NVML standing in for a GPU host, probe statistics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from sites.agent import Agent, AgentSettings
+from sites.catalog import DeviceCatalog
+from sites.collectors.host import host_usage, storage_usage
+from sites.collectors.nvml import NvmlCollector
+from sites.collectors.probes import choose_method, summarize
+from sites.registry import Registry
+from sites.spec import SiteSpec
+from tests.conftest import CONFIGS, site_doc
+
+
+@pytest.fixture(scope="module")
+def catalog() -> DeviceCatalog:
+    return DeviceCatalog.load(CONFIGS / "devices.yaml")
+
+
+def test_no_gpu_means_zero_gpus_and_a_log_line(
+    catalog: DeviceCatalog, caplog: pytest.LogCaptureFixture
+) -> None:
+    """This machine has no NVIDIA driver: NVML fails to init, the collector reports none."""
+    caplog.set_level(logging.INFO, logger="sites.collectors.nvml")
+    collector = NvmlCollector(catalog=catalog)
+    if collector.available:  # pragma: no cover - only on a GPU host
+        pytest.skip("this host has a working NVML")
+    assert collector.collect() == []
+    assert any("NVML unavailable" in r.message for r in caplog.records)
+
+
+class FakeNVMLError(Exception):
+    pass
+
+
+def fake_pynvml(devices: list[dict[str, Any]]) -> types.ModuleType:
+    """A FAKE pynvml module: this machine has no GPU, so the NVML API is imitated here."""
+    nv = types.ModuleType("pynvml")
+    nv.NVMLError = FakeNVMLError  # type: ignore[attr-defined]
+    nv.NVML_TEMPERATURE_GPU = 0  # type: ignore[attr-defined]
+    nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetCount = lambda: len(devices)  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetHandleByIndex = lambda i: devices[i]  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetName = lambda h: h["name"]  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetUUID = lambda h: f"GPU-{h['name'][-4:]}"  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(  # type: ignore[attr-defined]
+        total=h["mem"], used=h["mem"] // 4
+    )
+    nv.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=h["util"])  # type: ignore[attr-defined]
+
+    def power(h: dict[str, Any]) -> int:
+        if h.get("no_power"):
+            raise FakeNVMLError("Not Supported")
+        return 350_000
+
+    nv.nvmlDeviceGetPowerUsage = power  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetTemperature = lambda h, _: 61  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetComputeRunningProcesses = lambda h: [1] * h["procs"]  # type: ignore[attr-defined]
+    return nv
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    gb = 1024**3
+    devices = [
+        {"name": "NVIDIA H100 80GB HBM3", "mem": 80 * gb, "util": 90, "procs": 1},
+        {"name": "NVIDIA H100 80GB HBM3", "mem": 80 * gb, "util": 0, "procs": 0},
+        {"name": "NVIDIA H200", "mem": 141 * gb, "util": 0, "procs": 0, "no_power": True},
+        {"name": "Mystery Accelerator 9000", "mem": 16 * gb, "util": 0, "procs": 0},
+    ]
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(devices))
+    yield
+
+
+def test_nvml_devices_map_to_catalog(fake_gpus: None, catalog: DeviceCatalog) -> None:
+    gpus = NvmlCollector(catalog=catalog).collect()
+    assert [g.model for g in gpus] == ["H100", "H100", "H200", None]
+    assert gpus[0].busy and not gpus[1].busy
+    assert gpus[0].mem_gb == 80 and gpus[0].util_pct == 90 and gpus[0].power_w == 350
+    assert gpus[2].power_w is None  # unsupported query -> None, not an error
+
+
+async def test_host_mode_capacity_from_measured_devices(
+    fake_gpus: None, catalog: DeviceCatalog, etcd: Any
+) -> None:
+    spec = SiteSpec.model_validate(
+        site_doc("gpu-host", perception={"mode": "host", "storage_paths": ["/", "/nope"]})
+    )
+    registry = Registry.from_urls(etcd.url)
+    agent = Agent(
+        spec=spec,
+        catalog=catalog,
+        registry=registry,
+        settings=AgentSettings.from_spec(spec, listen="127.0.0.1:0"),
+    )
+    agent._nvml = NvmlCollector(catalog=catalog)
+    status = agent.measure(now=1.0)
+    assert status.capacity.devices == {"H100": 2, "H200": 1}
+    assert status.free.devices == {"H100": 1, "H200": 1}  # one H100 runs a process
+    h100, h200 = catalog.get("H100"), catalog.get("H200")
+    assert status.capacity.fp16_tflops == pytest.approx(2 * h100.fp16_tflops + h200.fp16_tflops)
+    assert status.capacity.cpu_cores == host_usage().cpu_cores
+    assert [s.path for s in status.storage] == ["/"]  # the missing path is skipped
+    assert len(status.gpus) == 4
+
+
+def test_storage_usage_of_root() -> None:
+    (root,) = storage_usage(["/"])
+    assert root.total_tb > 0 and 0 <= root.used_tb <= root.total_tb
+
+
+def test_summarize_statistics() -> None:
+    link = summarize("a", "b", [10.0, 12.0, None, 11.0, 13.0], method="http", emulated=True, now=5)
+    assert link.rtt_ms == 11.5 and link.rtt_min_ms == 10.0
+    assert link.loss_pct == 20.0 and link.samples == 5
+    assert link.jitter_ms == pytest.approx((2 + 1 + 2) / 3, abs=1e-3)
+    lost = summarize("a", "b", [None, None], method="icmp", emulated=False, now=5)
+    assert lost.rtt_ms is None and lost.loss_pct == 100.0 and lost.jitter_ms is None
+
+
+def test_probe_method_choice() -> None:
+    assert choose_method("auto", emulated=True) == "http"
+    assert choose_method("tcp-connect", emulated=True) == "tcp-connect"
+    assert choose_method("auto", emulated=False) in ("icmp", "tcp-connect")
+
+
+@pytest.mark.parametrize("method", ["http", "tcp-connect", "icmp", "tcp-syn"])
+async def test_probe_methods_measure_a_live_peer(method: str) -> None:
+    from aiohttp import web
+
+    from sites.collectors import icmp
+    from sites.collectors.probes import Prober
+
+    if method in ("icmp", "tcp-syn") and not icmp.available():
+        pytest.skip("scapy probes need root")
+
+    async def ok(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/probe", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    prober = Prober(
+        site="a", method=method, samples=3, interval_s=0.3, timeout_s=2, source=None, emulated=False
+    )
+    try:
+        prober.set_peers({"b": f"http://{host}:{port}"})
+        for _ in range(100):
+            links = prober.links(now=0)
+            if links and links[0].samples == 3:
+                break
+            await asyncio.sleep(0.05)
+        (link,) = prober.links(now=0)
+        assert link.dst == "b" and link.method == method and link.loss_pct == 0, link
+        assert link.rtt_ms is not None and 0 < link.rtt_ms < 100
+    finally:
+        await prober.close()
+        await runner.cleanup()
