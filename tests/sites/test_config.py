@@ -43,6 +43,10 @@ def with_(path: str, value: Any) -> dict[str, Any]:
     return doc
 
 
+def svc(**overrides: Any) -> dict[str, Any]:
+    return {"name": "s", "model": "m", "url": "http://h:1", "max_concurrency": 1, **overrides}
+
+
 INVALID = [
     ("id", "Bad_ID", "id"),
     ("region", ..., "region"),
@@ -55,8 +59,9 @@ INVALID = [
     ("prices.usd_per_gpu_hour", {}, "prices.usd_per_gpu_hour.H100"),
     ("prices.usd_per_core_hour", -0.1, "prices.usd_per_core_hour"),
     ("power.pue", 0.8, "power.pue"),
-    ("services", [{"name": "s", "model": "m", "url": "ftp://x", "max_concurrency": 1}], "services[0].url"),
-    ("services", [{"name": "s", "model": "m", "url": "http://h:1", "max_concurrency": 0}], "services[0].max_concurrency"),
+    ("services", [svc(url="ftp://x")], "services[0].url"),
+    ("services", [svc(max_concurrency=0)], "services[0].max_concurrency"),
+    ("services", [svc(), svc()], "services[1].name"),
     ("executor", {"kind": "local", "partition": "gpu"}, "executor.partition"),
     ("agent", {"interval_s": 0}, "agent.interval_s"),
     ("labels", {"Bad Key": "x"}, "labels"),
@@ -64,7 +69,9 @@ INVALID = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("path", "value", "field"), INVALID, ids=[c[2] for c in INVALID])
+@pytest.mark.parametrize(
+    ("path", "value", "field"), INVALID, ids=[str(i) for i in range(len(INVALID))]
+)
 def test_invalid_field_is_named(
     tmp_path: Path, catalog: DeviceCatalog, path: str, value: Any, field: str
 ) -> None:
