@@ -81,7 +81,9 @@ def cpn_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "cpn", *args]
 
 
-def run_cpn(*args: str, etcd_url: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_cpn(
+    *args: str, etcd_url: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     if etcd_url:
         env["CPN_ETCD"] = etcd_url
@@ -97,7 +99,9 @@ class Processes:
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, *args: str, name: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    def start(
+        self, *args: str, name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             cpn_cmd(*args), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,

@@ -1,0 +1,495 @@
+"""The WAN emulator (a fake WAN, see sites/wan.py) and the latency model behind it.
+
+Emulator scenarios run on the precise-timer loop (`sites.wan.run`), not on pytest-asyncio's
+loop, whose epoll selector rounds timers to whole milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import statistics
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import pytest
+
+from sites.latency import (
+    Endpoint,
+    LatencyConfigError,
+    LatencyModel,
+    great_circle_km,
+    load_matrix_csv,
+    rtt_matrix,
+)
+from sites.wan import WanEmulator, WanStats, new_event_loop
+from sites.wan import run as run_precise
+
+NODE_A_IP = "127.0.1.2"  # the client's node
+NODE_B_IP = "127.0.1.1"  # the service's node
+FRONT_B_IP = "127.0.2.1"
+NODES = {NODE_A_IP: "a", NODE_B_IP: "b"}
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_CSV = Path("/work/shared/data/ibm-cloud-vpc-latency-2024.csv")
+
+
+# --- a tiny backend -------------------------------------------------------------------------
+
+
+class _Echo(asyncio.Protocol):
+    """Writes back what it reads; closes when the peer sends EOF."""
+
+    def __init__(self, transports: set[asyncio.BaseTransport]) -> None:
+        self.transports = transports
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.transports.add(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(data)  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transports.discard(self.transport)
+
+
+class _SayByeAndClose(_Echo):
+    """Answers the first chunk with b"bye", then closes the connection from the server side."""
+
+    def data_received(self, data: bytes) -> None:
+        self.transport.write(b"bye")  # type: ignore[attr-defined]
+        self.transport.close()
+
+
+class _KeepOpenOnEof(_Echo):
+    """Stays open after the peer's EOF (a half-close) and records when it is closed."""
+
+    lost: asyncio.Event | None = None
+    last: _KeepOpenOnEof | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        _KeepOpenOnEof.last = self
+
+    def eof_received(self) -> bool:
+        return True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if _KeepOpenOnEof.lost is not None:
+            _KeepOpenOnEof.lost.set()
+
+
+def _symmetric(rtt: float) -> Callable[[str, str], float]:
+    return lambda src, dst: 0.0 if src == dst else rtt
+
+
+@contextlib.asynccontextmanager
+async def federation(
+    rtt_ms: float | Callable[[str, str], float],
+    *,
+    backend: type[_Echo] = _Echo,
+    max_queued_bytes: int | None = None,
+) -> AsyncIterator[tuple[WanEmulator, tuple[str, int]]]:
+    """A backend on node b's IP and an emulator route to it from node b's front."""
+    loop = asyncio.get_running_loop()
+    transports: set[asyncio.BaseTransport] = set()
+    server = await loop.create_server(lambda: backend(transports), NODE_B_IP, 0)
+    rtt = rtt_ms if callable(rtt_ms) else _symmetric(rtt_ms)
+    extra = {} if max_queued_bytes is None else {"max_queued_bytes": max_queued_bytes}
+    wan = WanEmulator(node_of_ip=NODES, rtt_ms=rtt, **extra)
+    front = await wan.add_route(
+        front=(FRONT_B_IP, 0), backend=server.sockets[0].getsockname()[:2], node="b"
+    )
+    try:
+        yield wan, front
+    finally:
+        await wan.close()
+        server.close()
+        for transport in list(transports):
+            transport.close()
+        await server.wait_closed()
+        await asyncio.sleep(0)
+
+
+async def _connect(
+    front: tuple[str, int], local_ip: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection(*front, local_addr=(local_ip, 0))
+
+
+async def _close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+async def _round_trips(front: tuple[str, int], local_ip: str, n: int) -> list[float]:
+    """Round-trip times in ms of `n` small messages sent one at a time on one connection."""
+    reader, writer = await _connect(front, local_ip)
+    try:
+        samples = []
+        for i in range(n + 1):
+            message = f"probe {i:04d}\n".encode()
+            start = time.perf_counter()
+            writer.write(message)
+            echoed = await asyncio.wait_for(reader.readexactly(len(message)), 5)
+            elapsed_ms = (time.perf_counter() - start) * 1000
+            assert echoed == message
+            if i:  # the first one warms up the backend connection
+                samples.append(elapsed_ms)
+        return samples
+    finally:
+        await _close(writer)
+
+
+# --- delay ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rtt_ms", [5.0, 20.0, 80.0])
+def test_round_trip_matches_configured_rtt(rtt_ms: float) -> None:
+    async def scenario() -> tuple[list[float], WanStats]:
+        async with federation(rtt_ms) as (wan, front):
+            samples = await _round_trips(front, NODE_A_IP, 20)
+            return samples, wan.stats()
+
+    samples, stats = run_precise(scenario())
+    median = statistics.median(samples)
+    error = (median - rtt_ms) / rtt_ms
+    print(f"rtt {rtt_ms} ms: median {median:.3f} ms ({error:+.1%}), min {min(samples):.3f} ms")
+    assert abs(error) <= 0.10, samples
+    assert min(samples) >= 0.95 * rtt_ms, samples
+    assert stats["connections"] == 1
+    assert stats["unknown_source"] == 0
+    (route,) = stats["routes"].values()
+    assert route["node"] == "b"
+    assert route["bytes_to_backend"] == route["bytes_to_client"] == 21 * len(b"probe 0000\n")
+
+
+def test_unknown_source_ip_gets_no_delay() -> None:
+    async def scenario() -> tuple[list[float], WanStats]:
+        async with federation(80.0) as (wan, front):
+            samples = await _round_trips(front, "127.0.0.1", 10)
+            return samples, wan.stats()
+
+    samples, stats = run_precise(scenario())
+    assert statistics.median(samples) < 8.0, samples  # a tenth of the configured 80 ms
+    assert stats["unknown_source"] == 1
+
+
+def test_rtt_is_read_per_source_node() -> None:
+    rtts = {("a", "b"): 40.0, ("b", "b"): 0.0}
+
+    async def scenario() -> tuple[list[float], list[float]]:
+        async with federation(lambda s, d: rtts[(s, d)]) as (_, front):
+            far = await _round_trips(front, NODE_A_IP, 5)
+            local = await _round_trips(front, NODE_B_IP, 5)
+            return far, local
+
+    far, local = run_precise(scenario())
+    assert statistics.median(far) >= 0.95 * 40.0
+    assert statistics.median(local) < 8.0
+
+
+def test_large_transfer_arrives_intact_and_in_order() -> None:
+    payload = random.Random(7).randbytes(4 * 1024 * 1024)
+
+    async def scenario() -> tuple[bytes, WanStats]:
+        # A small queue cap makes the relay pause and resume reading many times.
+        async with federation(20.0, max_queued_bytes=256 * 1024) as (wan, front):
+            reader, writer = await _connect(front, NODE_A_IP)
+
+            async def send() -> None:
+                for offset in range(0, len(payload), 65536):
+                    writer.write(payload[offset : offset + 65536])
+                    await writer.drain()
+
+            sender = asyncio.create_task(send())
+            try:
+                received = await asyncio.wait_for(reader.readexactly(len(payload)), 60)
+                await sender
+            finally:
+                await _close(writer)
+            return received, wan.stats()
+
+    received, stats = run_precise(scenario())
+    assert received == payload
+    (route,) = stats["routes"].values()
+    assert route["bytes_to_backend"] == route["bytes_to_client"] == len(payload)
+
+
+# --- lifecycle ------------------------------------------------------------------------------
+
+
+def test_backend_close_closes_client_after_the_delay() -> None:
+    async def scenario() -> tuple[bytes, float]:
+        async with federation(20.0, backend=_SayByeAndClose) as (_, front):
+            reader, writer = await _connect(front, NODE_A_IP)
+            start = time.perf_counter()
+            writer.write(b"hello")
+            received = await asyncio.wait_for(reader.read(), 5)  # read() returns at EOF
+            elapsed_ms = (time.perf_counter() - start) * 1000
+            await _close(writer)
+            return received, elapsed_ms
+
+    received, elapsed_ms = run_precise(scenario())
+    assert received == b"bye"
+    assert elapsed_ms >= 0.95 * 20.0
+
+
+def test_client_half_close_reaches_backend_after_its_data() -> None:
+    async def scenario() -> bytes:
+        async with federation(10.0) as (_, front):
+            reader, writer = await _connect(front, NODE_A_IP)
+            writer.write(b"last words")
+            writer.write_eof()
+            received = await asyncio.wait_for(reader.read(), 5)
+            await _close(writer)
+            return received
+
+    assert run_precise(scenario()) == b"last words"
+
+
+def test_client_close_after_half_close_closes_backend() -> None:
+    async def scenario() -> bool:
+        _KeepOpenOnEof.lost = lost = asyncio.Event()
+        try:
+            async with federation(5.0, backend=_KeepOpenOnEof) as (_, front):
+                reader, writer = await _connect(front, NODE_A_IP)
+                writer.write(b"ping")
+                assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+                writer.write_eof()
+                await asyncio.sleep(0.02)  # the EOF has reached the backend, which stays open
+                assert not lost.is_set()
+                await _close(writer)
+                # As over TCP, the full close shows only when writes to the closed side fail.
+                backend = _KeepOpenOnEof.last
+                assert backend is not None
+                for _ in range(500):
+                    if lost.is_set():
+                        return True
+                    backend.transport.write(b"anyone there?")  # type: ignore[attr-defined]
+                    await asyncio.sleep(0.01)
+                return False
+        finally:
+            _KeepOpenOnEof.lost = _KeepOpenOnEof.last = None
+
+    assert run_precise(scenario())
+
+
+def test_unreachable_backend_closes_client() -> None:
+    async def scenario() -> tuple[bytes, WanStats]:
+        loop = asyncio.get_running_loop()
+        # Bind then close a listener to get a port on which nothing listens.
+        probe = await loop.create_server(asyncio.Protocol, NODE_B_IP, 0)
+        dead = probe.sockets[0].getsockname()[:2]
+        probe.close()
+        await probe.wait_closed()
+        wan = WanEmulator(node_of_ip=NODES, rtt_ms=_symmetric(5.0))
+        try:
+            front = await wan.add_route(front=(FRONT_B_IP, 0), backend=dead, node="b")
+            reader, writer = await _connect(front, NODE_A_IP)
+            try:
+                received = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionResetError:
+                received = b""
+            await _close(writer)
+            return received, wan.stats()
+        finally:
+            await wan.close()
+
+    received, stats = run_precise(scenario())
+    assert received == b""
+    (route,) = stats["routes"].values()
+    assert route["connect_errors"] == 1
+
+
+def test_failing_rtt_callable_refuses_only_that_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def rtt(src: str, dst: str) -> float:
+        raise KeyError(src)
+
+    async def scenario() -> bytes:
+        async with federation(rtt) as (_, front):
+            reader, writer = await _connect(front, NODE_A_IP)
+            try:
+                received = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionResetError:
+                received = b""
+            await _close(writer)
+            return received
+
+    with caplog.at_level("ERROR", logger="sites.wan"):
+        assert run_precise(scenario()) == b""
+    assert "no RTT for a -> b" in caplog.text
+
+
+def test_close_leaves_no_tasks_and_drops_open_connections() -> None:
+    async def scenario() -> tuple[set[asyncio.Task[object]], bytes, WanStats]:
+        async with federation(80.0) as (wan, front):
+            reader, writer = await _connect(front, NODE_A_IP)
+            writer.write(b"in flight")  # still in the delay line when close() runs
+            await asyncio.sleep(0.01)
+            await wan.close()
+            leftover = asyncio.all_tasks() - {asyncio.current_task()}
+            try:
+                received = await asyncio.wait_for(reader.read(), 5)
+            except ConnectionResetError:
+                received = b""
+            await _close(writer)
+            return leftover, received, wan.stats()  # type: ignore[return-value]
+
+    leftover, received, stats = run_precise(scenario())
+    assert leftover == set()
+    assert received == b""
+    assert stats["active"] == 0
+
+
+def test_add_route_after_close_is_refused() -> None:
+    async def scenario() -> None:
+        wan = WanEmulator(node_of_ip={}, rtt_ms=_symmetric(1.0))
+        await wan.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            await wan.add_route(front=(FRONT_B_IP, 0), backend=(NODE_B_IP, 1), node="b")
+
+    run_precise(scenario())
+
+
+def test_precise_loop_timer_resolution() -> None:
+    """A 2.5 ms timer on the precise loop fires well within 10 % of a 5 ms RTT."""
+
+    async def lateness_ms() -> float:
+        loop = asyncio.get_running_loop()
+        late = []
+        for _ in range(20):
+            due = loop.time() + 0.0025
+            fired = loop.create_future()
+            loop.call_at(due, lambda f=fired: f.set_result(loop.time()))
+            late.append((await fired - due) * 1000)
+        return statistics.median(late)
+
+    loop = new_event_loop()
+    try:
+        assert loop.run_until_complete(lateness_ms()) < 0.25
+    finally:
+        loop.close()
+
+
+# --- latency model --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def ibm_csv() -> Path:
+    """configs/latency's copy of the IBM Cloud table if present, else the shared original."""
+    for path in (REPO / "configs/latency/ibm-cloud-vpc-2024.csv", SHARED_CSV):
+        if path.is_file():
+            return path
+    pytest.skip("IBM Cloud VPC latency CSV not found")
+
+
+def test_great_circle_beijing_shanghai() -> None:
+    km = great_circle_km(39.90, 116.40, 31.23, 121.47)
+    assert 1050 < km < 1085
+    assert great_circle_km(10, 20, 10, 20) == 0.0
+
+
+def test_formula_beijing_shanghai_is_about_18_ms() -> None:
+    model = LatencyModel()
+    rtt = model.rtt_ms(Endpoint(39.90, 116.40), Endpoint(31.23, 121.47))
+    assert rtt == pytest.approx(18.0, abs=1.0)
+
+
+def test_same_point_or_zone_is_zero() -> None:
+    model = LatencyModel(matrix={"x": {"y": 50.0}})
+    assert model.rtt_ms(Endpoint(1, 2), Endpoint(1, 2)) == 0.0
+    assert model.rtt_ms(Endpoint(1, 2, "x"), Endpoint(30, 40, "x")) == 0.0
+    assert model.rtt_ms(Endpoint(1, 2, "x"), Endpoint(1, 2, "y")) == 50.0
+
+
+def test_matrix_lookup_and_reverse_fallback(ibm_csv: Path) -> None:
+    model = LatencyModel(matrix=load_matrix_csv(ibm_csv))
+    frankfurt = Endpoint(50.11, 8.68, "frankfurt")
+    tokyo = Endpoint(35.68, 139.69, "tokyo")
+    osaka = Endpoint(34.69, 135.50, "osaka")
+    assert model.rtt_ms(frankfurt, tokyo) == 233.0
+    # Published asymmetry is kept: rows are the source.
+    assert model.rtt_ms(frankfurt, osaka) == 232.0
+    assert model.rtt_ms(osaka, frankfurt) == 231.0
+
+    one_way = LatencyModel(matrix={"p": {"q": 12.5}})
+    p, q = Endpoint(0, 0, "p"), Endpoint(0, 90, "q")
+    assert one_way.rtt_ms(q, p) == 12.5
+    # A zone outside the matrix falls back to the formula.
+    r = Endpoint(0, 90, "r")
+    assert one_way.rtt_ms(p, r) == pytest.approx(0.015 * great_circle_km(0, 0, 0, 90) + 2.0)
+
+
+def test_ibm_csv_loads_whole(ibm_csv: Path) -> None:
+    matrix = load_matrix_csv(ibm_csv)
+    assert len(matrix) == 10
+    assert all(len(row) == 10 and row[zone] == 0.0 for zone, row in matrix.items())
+    assert matrix["sao-paulo"]["sydney"] == 328.0
+
+
+def test_rtt_matrix_covers_every_ordered_pair() -> None:
+    nodes = {"bj": Endpoint(39.90, 116.40), "sh": Endpoint(31.23, 121.47), "x": Endpoint(0, 0)}
+    matrix = rtt_matrix(nodes, LatencyModel())
+    assert set(matrix) == set(nodes)
+    assert all(set(row) == set(nodes) for row in matrix.values())
+    assert matrix["bj"]["bj"] == 0.0
+    assert matrix["bj"]["sh"] == matrix["sh"]["bj"] == pytest.approx(18.0, abs=1.0)
+
+
+def test_from_dir_merges_files_in_order(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("# first\nfrom,x,y\nx,0,10\ny,11,0\n")
+    (tmp_path / "b.csv").write_text("from,y,z\nx,99,30\nz,31,0\n")
+    (tmp_path / "notes.txt").write_text("ignored")
+    model = LatencyModel.from_dir(tmp_path)
+    assert model.matrix == {"x": {"x": 0.0, "y": 99.0, "z": 30.0}, "y": {"x": 11.0, "y": 0.0},
+                            "z": {"y": 31.0, "z": 0.0}}  # fmt: skip
+
+
+def test_from_dir_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(LatencyConfigError, match="not a directory"):
+        LatencyModel.from_dir(tmp_path / "nope")
+
+
+@pytest.mark.parametrize(
+    ("body", "line", "message"),
+    [
+        ("# c\nfrom,x,y\nx,0,1\ny,oops,0\n", 4, "'oops' is not a non-negative number"),
+        ("from,x,y\nx,0,-3\n", 2, "is not a non-negative number"),
+        ("from,x,y\nx,0\n", 2, "has 1 values, header has 2 zones"),
+        ("to,x,y\nx,0,1\n", 1, "header must start with 'from'"),
+        ("from,x,x\nx,0,1\n", 1, "header repeats zones"),
+        ("from,x,y\nx,0,1\nx,0,1\n", 3, "zone 'x' has two rows"),
+        ("from,x\nx,nan\n", 2, "is not a non-negative number"),
+    ],
+)
+def test_malformed_csv_names_file_and_line(
+    tmp_path: Path, body: str, line: int, message: str
+) -> None:
+    path = tmp_path / "bad.csv"
+    path.write_text(body)
+    with pytest.raises(LatencyConfigError, match=message) as info:
+        load_matrix_csv(path)
+    assert info.value.line == line
+    assert info.value.path == str(path)
+    assert str(info.value).startswith(f"{path}:{line}: ")
+
+
+def test_csv_without_header(tmp_path: Path) -> None:
+    path = tmp_path / "empty.csv"
+    path.write_text("# only a comment\n")
+    with pytest.raises(LatencyConfigError, match="no header") as info:
+        load_matrix_csv(path)
+    assert info.value.path == str(path)
+
+
+def test_model_rejects_negative_matrix_values() -> None:
+    with pytest.raises(ValueError, match="greater than or equal to 0"):
+        LatencyModel(matrix={"x": {"y": -1.0}})
