@@ -124,6 +124,8 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         spec,
         listen=args.listen,
         advertise=args.advertise,
+        probe_listen=args.probe_listen,
+        probe_advertise=args.probe_advertise,
         interval_s=args.interval,
         probe_method=args.probe_method,
         wan_emulated=args.wan_emulated,
@@ -208,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     etcd_arg(agent)
     agent.add_argument("--listen", metavar="HOST:PORT", help="override agent.listen")
     agent.add_argument("--advertise", metavar="HOST:PORT", help="address peers should use")
+    agent.add_argument("--probe-listen", metavar="HOST:PORT", help="probe responder address")
+    agent.add_argument("--probe-advertise", metavar="HOST:PORT", help="address peers probe")
     agent.add_argument("--interval", type=float, help="override agent.interval_s")
     agent.add_argument("--probe-method", choices=METHODS, default="auto")
     agent.add_argument("--wan-emulated", action="store_true", help="label links as emulated")

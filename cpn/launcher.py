@@ -51,6 +51,8 @@ class SitePlan:
     file: Path
     listen: str = "127.0.0.1:0"
     advertise: str | None = None
+    probe_listen: str | None = None
+    probe_advertise: str | None = None
     service_urls: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
@@ -148,6 +150,12 @@ class Launcher:
                 front=(front_ip(n), port), backend=(node_ip(n), port), node=plan.spec.id
             )
             plan.advertise = f"{host}:{fport}"
+            pport = free_port(node_ip(n))
+            plan.probe_listen = f"{node_ip(n)}:{pport}"
+            phost, pfport = await self.emulator.add_route(
+                front=(front_ip(n), pport), backend=(node_ip(n), pport), node=plan.spec.id
+            )
+            plan.probe_advertise = f"{phost}:{pfport}"
             for svc in plan.spec.services:
                 parts = urlsplit(svc.url)
                 backend = (parts.hostname or "127.0.0.1", parts.port or 80)
@@ -168,6 +176,9 @@ class Launcher:
             ]  # fmt: skip
             if plan.advertise:
                 args += ["--advertise", plan.advertise, "--wan-emulated"]
+            if plan.probe_listen and plan.probe_advertise:
+                args += ["--probe-listen", plan.probe_listen]
+                args += ["--probe-advertise", plan.probe_advertise]
             for name, svc_url in plan.service_urls.items():
                 args += ["--service-url", f"{name}={svc_url}"]
             plan.log_path = self.run_dir / f"agent-{plan.spec.id}.log"

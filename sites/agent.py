@@ -28,7 +28,7 @@ from sites.catalog import Capacity, DeviceCatalog, normalize
 from sites.clock import Clock, SystemClock
 from sites.collectors.host import host_usage, storage_usage
 from sites.collectors.nvml import NvmlCollector
-from sites.collectors.probes import METHODS, Prober, choose_method
+from sites.collectors.probes import METHODS, Prober, ProbeResponder, choose_method
 from sites.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
@@ -49,6 +49,10 @@ class AgentSettings(BaseModel):
     advertise: str | None = Field(
         default=None, description="host:port peers use to reach us (the WAN front when emulated)"
     )
+    probe_listen: str | None = Field(
+        default=None, description="host:port of the probe responder; default: listen host, port 0"
+    )
+    probe_advertise: str | None = Field(default=None, description="host:port peers probe")
     interval_s: float = Field(gt=0)
     probe_method: str = "auto"
     probe_samples: int = Field(default=5, ge=1)
@@ -100,6 +104,8 @@ class Agent:
         self.metrics = AgentMetrics(spec.id)
         self.record: AgentRecord | None = None
         self.url = ""
+        self.probe_url = ""
+        self._probe_server: asyncio.Server | None = None
         self.seq = 0
         self.last_publish_at: float | None = None
         self.last_error: str | None = None
@@ -140,6 +146,7 @@ class Agent:
         self._spawn(self._keepalive_loop(), "keepalive")
         self._spawn(self._publish_loop(), "publish")
         self._spawn(self._peers.run(), "peers")
+        self.prober.set_self(self.probe_url)
         log.info(
             "agent of %s up: %s, lease ttl %ss, probes %s%s",
             self.spec.id,
@@ -190,6 +197,7 @@ class Agent:
             host=socket.gethostname(),
             started_at=self.clock.time(),
             url=self.url,
+            probe_url=self.probe_url,
             lease_id=lease_id,
             wan_emulated=self.settings.wan_emulated,
         )
@@ -282,7 +290,8 @@ class Agent:
         for key, raw in items.items():
             site = keys.split(key, keys.AGENTS)[0]
             try:
-                peers[site] = json.loads(raw)["url"]
+                record = json.loads(raw)
+                peers[site] = record.get("probe_url") or record["url"]
             except (ValueError, KeyError, TypeError):
                 log.warning("ignoring malformed agent record at %s", key)
         peers.pop(self.spec.id, None)
@@ -370,9 +379,19 @@ class Agent:
         bound = self._runner.addresses[0]
         advertise = self.settings.advertise or f"{bound[0]}:{bound[1]}"
         self.url = f"http://{advertise}"
+        probe_host, probe_port = (self.settings.probe_listen or f"{host}:0").rsplit(":", 1)
+        self._probe_server = await asyncio.get_running_loop().create_server(
+            ProbeResponder, probe_host, int(probe_port), reuse_address=True
+        )
+        pbound = self._probe_server.sockets[0].getsockname()
+        self.probe_url = f"http://{self.settings.probe_advertise or f'{pbound[0]}:{pbound[1]}'}"
         self.bound = (str(bound[0]), int(bound[1]))
 
     async def _close_http(self) -> None:
+        if self._probe_server is not None:
+            self._probe_server.close()
+            await self._probe_server.wait_closed()
+            self._probe_server = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -389,6 +408,7 @@ class Agent:
             "status": "degraded" if stale else "ok",
             "lease_id": self.record.lease_id if self.record else None,
             "url": self.url,
+            "probe_url": self.probe_url,
             "seq": self.seq,
             "last_publish_at": self.last_publish_at,
             "last_error": self.last_error,

@@ -23,6 +23,7 @@ class AgentRecord(Frozen):
     host: str = Field(description="hostname the agent runs on")
     started_at: float = Field(description="unix seconds")
     url: str = Field(description="advertised base URL of /probe, /healthz, /metrics")
+    probe_url: str = Field(default="", description="advertised URL of the probe responder")
     lease_id: int
     wan_emulated: bool = False
 
@@ -83,13 +84,18 @@ class SiteStatus(Frozen):
 class LinkStatus(Frozen):
     src: str
     dst: str
-    rtt_ms: float | None = Field(description="median of this interval's samples; None if all lost")
-    rtt_min_ms: float | None
+    rtt_ms: float | None = Field(
+        description="path RTT: minimum of the window's samples; None if all were lost"
+    )
+    rtt_median_ms: float | None = Field(description="median of the window's samples")
     jitter_ms: float | None = Field(description="mean absolute difference of successive samples")
     loss_pct: float
     samples: int
     method: str = Field(description="http | tcp-connect | icmp | tcp-syn")
     emulated: bool = Field(description="the path's delay comes from the WAN emulation")
+    host_overhead_ms: float = Field(
+        default=0.0, description="round trip to our own responder, subtracted from every sample"
+    )
     measured_at: float
 
 

@@ -121,7 +121,7 @@ def test_storage_usage_of_root() -> None:
 
 def test_summarize_statistics() -> None:
     link = summarize("a", "b", [10.0, 12.0, None, 11.0, 13.0], method="http", emulated=True, now=5)
-    assert link.rtt_ms == 11.5 and link.rtt_min_ms == 10.0
+    assert link.rtt_ms == 10.0 and link.rtt_median_ms == 11.5
     assert link.loss_pct == 20.0 and link.samples == 5
     assert link.jitter_ms == pytest.approx((2 + 1 + 2) / 3, abs=1e-3)
     lost = summarize("a", "b", [None, None], method="icmp", emulated=False, now=5)
@@ -170,3 +170,13 @@ async def test_probe_methods_measure_a_live_peer(method: str) -> None:
     finally:
         await prober.close()
         await runner.cleanup()
+
+
+def test_host_overhead_is_subtracted_and_clamped() -> None:
+    link = summarize(
+        "a", "b", [5.5, 5.7, 5.6], method="http", emulated=True, now=1, host_overhead_ms=0.5
+    )
+    assert link.rtt_ms == 5.0 and link.rtt_median_ms == pytest.approx(5.1)
+    assert link.host_overhead_ms == 0.5
+    tiny = summarize("a", "b", [0.2], method="http", emulated=False, now=1, host_overhead_ms=0.3)
+    assert tiny.rtt_ms == 0.0

@@ -1,0 +1,91 @@
+"""`cpn up` end to end: a federation on the WAN emulation, measured RTTs, clean Ctrl-C."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import psutil
+
+from sites.catalog import DeviceCatalog
+from sites.config import load_site
+from sites.latency import LatencyModel
+from sites.registry import Registry
+from sites.status import SiteState
+from tests.conftest import CONFIGS, REPO, cpn_cmd, run_cpn, wait_for
+
+# two hub clusters ~240 km apart (~5.6 ms), an inland hub and two foreign clouds (matrix RTT)
+SITES = ("yrd-demo-zone", "wuhu", "tianfu", "frankfurt", "tokyo")
+
+
+def expected_rtts() -> dict[tuple[str, str], float]:
+    from cpn.launcher import endpoint_of
+
+    catalog = DeviceCatalog.load(CONFIGS / "devices.yaml")
+    specs = {s: load_site(CONFIGS / "sites" / f"{s}.yaml", catalog) for s in SITES}
+    model = LatencyModel.from_dir(CONFIGS / "latency")
+    return {
+        (a, b): model.rtt_ms(endpoint_of(specs[a]), endpoint_of(specs[b]))
+        for a, b in itertools.permutations(SITES, 2)
+    }
+
+
+async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: Path) -> None:
+    env = {**os.environ, "CPN_STATE_DIR": str(tmp_path)}
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
+    up = subprocess.Popen(
+        cpn_cmd("up", "--etcd", registry.url, "--interval", "1", "--sites", ",".join(SITES)),
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+    )  # fmt: skip
+    log.close()
+    try:
+        expected = expected_rtts()
+
+        async def measured() -> dict[tuple[str, str], float] | None:
+            if up.poll() is not None:
+                raise AssertionError((tmp_path / "up.log").read_text())
+            snap = await registry.snapshot()
+            links = {k: v for k, v in snap.links.items() if v.samples >= 5 and v.rtt_ms}
+            if set(links) != set(expected):
+                return None
+            assert all(v.emulated and v.method == "http" for v in links.values())
+            return {k: v.rtt_ms for k, v in links.items() if v.rtt_ms is not None}
+
+        await wait_for(measured, timeout=60, interval=0.5)
+        # steady state: every sample in the window taken after all agents finished starting
+        await asyncio.sleep(3)
+        rtts = await measured()
+        assert rtts is not None
+        errors = {k: abs(rtts[k] - expected[k]) / expected[k] for k in expected}
+        print({k: f"{100 * e:.1f}%" for k, e in sorted(errors.items(), key=lambda i: -i[1])[:3]})
+        worst = max(errors, key=lambda k: errors[k])
+        assert errors[worst] <= 0.10, (worst, rtts[worst], expected[worst])
+        assert expected[("yrd-demo-zone", "wuhu")] < 8  # the short link really is short
+        assert expected[("frankfurt", "tokyo")] == 233  # from the IBM matrix
+
+        result = run_cpn("sites", "-o", "json", etcd_url=registry.url)
+        doc = {s["id"]: s for s in json.loads(result.stdout)}
+        assert set(doc) == set(SITES)
+        assert all(s["state"] == "up" for s in doc.values())
+        assert "frankfurt" in doc["tokyo"]["rtt_ms"]
+        table = run_cpn("sites", etcd_url=registry.url).stdout
+        assert "NEAREST PEERS" in table and "yrd-demo-zone" in table
+
+        state = json.loads((tmp_path / "up.json").read_text())
+        assert state["etcd"] == registry.url and state["pid"] == up.pid
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert len(children) >= len(SITES)
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(30)
+    assert code == 0
+    assert "cpn up: stopped" in (tmp_path / "up.log").read_text()
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    snap = await registry.snapshot()
+    assert all(snap.view(s).state is SiteState.down for s in SITES)
+    assert not (tmp_path / "up.json").exists()
