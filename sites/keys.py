@@ -18,6 +18,9 @@ AGENTS = ROOT + "agents/"
 LINKS = ROOT + "links/"
 SERVICES = ROOT + "services/"
 ASSIGNMENTS = ROOT + "assignments/"
+REPORTS = ROOT + "reports/"
+JOBS = ROOT + "jobs/"
+LEADER = ROOT + "leader"
 
 
 def site_spec(site: str) -> str:
@@ -58,6 +61,22 @@ def service(name: str, site: str) -> str:
 
 def assignments(site: str) -> str:
     return f"{ASSIGNMENTS}{site}/"
+
+
+def assignment(site: str, job: str) -> str:
+    return f"{ASSIGNMENTS}{site}/{job}"
+
+
+def reports(site: str) -> str:
+    return f"{REPORTS}{site}/"
+
+
+def report(site: str, job: str) -> str:
+    return f"{REPORTS}{site}/{job}"
+
+
+def job(job_id: str) -> str:
+    return f"{JOBS}{job_id}"
 
 
 def split(key: str, prefix: str) -> list[str]:

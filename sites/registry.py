@@ -22,6 +22,7 @@ from aetcd import rpc
 from pydantic import BaseModel, ValidationError
 
 from sites import keys
+from sites.assignments import Report
 from sites.errors import (
     AgentConflict,
     Conflict,
@@ -290,7 +291,9 @@ class Registry:
         revision, kvs = await self._range(prefix)
         return revision, [(kv.key.decode(), bytes(kv.value), int(kv.mod_revision)) for kv in kvs]
 
-    async def snapshot(self, prefixes: Iterable[str] = (keys.ROOT,)) -> Snapshot:
+    async def snapshot(
+        self, prefixes: Iterable[str] = (keys.SITES, keys.AGENTS, keys.LINKS, keys.SERVICES)
+    ) -> Snapshot:
         """Everything under `prefixes`, read at one revision."""
         revision: int | None = None
         snap = Snapshot(revision=0)
@@ -476,6 +479,21 @@ class Registry:
                 await self.revoke(holder.lease_id)
             await self._delete_if_unchanged(key, int(meta.mod_revision))
         raise Conflict(f"could not take the agent lock of site {site!r}: it keeps changing")
+
+    async def write_report(self, record: AgentRecord, report: Report) -> None:
+        """Write a job report, fenced by the agent lock like publish(); LeaseLost if not ours."""
+        akey = keys.agent(record.site).encode()
+        ok, _ = await self._call(
+            lambda: self._client.transaction(
+                compare=[self._tx.value(akey) == _encode(record)],
+                success=[
+                    self._tx.put(keys.report(report.site, report.job).encode(), _encode(report))
+                ],
+                failure=[],
+            )
+        )
+        if not ok:
+            raise LeaseLost(f"site {record.site!r}: this agent no longer holds the agent lock")
 
     async def _delete_if_unchanged(self, key: bytes, mod_revision: int) -> bool:
         ok, _ = await self._call(

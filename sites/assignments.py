@@ -1,0 +1,63 @@
+"""Work handed to a site and what the site says about it.
+
+The broker writes an Assignment at /cpn/v1/assignments/<site>/<job>; the site's agent watches
+its own prefix, runs the job with its executor, and writes a Report at
+/cpn/v1/reports/<site>/<job>. Each key has one writer. Every report echoes the assignment's
+`fence` (the job record's revision when it was placed): the broker ignores a report whose fence
+is not the job's current one, so a site that comes back after its job moved elsewhere can never
+change the job's fate.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Assignment(Frozen):
+    job: str
+    site: str
+    tenant: str
+    attempt: int = Field(ge=1, description="1 for the first run, +1 for every retry or move")
+    fence: int = Field(ge=0, description="job record revision at placement; echoed by reports")
+    command: tuple[str, ...] = Field(min_length=1, description="argv; a shell line is sh -c")
+    env: dict[str, str] = Field(default_factory=dict)
+    model: str | None = Field(default=None, description="accelerator model, None for CPU-only")
+    gpus: int = Field(default=0, ge=0)
+    cpu: int = Field(default=0, ge=0)
+    mem_gb: float = Field(default=0.0, ge=0)
+    checkpoint_path: str | None = None
+    resume: bool = Field(default=False, description="restart from checkpoint_path")
+    assigned_at: float
+
+
+class RunState(enum.StrEnum):
+    starting = "starting"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    stopped = "stopped"  # killed because the assignment was withdrawn (cancel, suspend, move)
+
+    @property
+    def terminal(self) -> bool:
+        return self in (RunState.succeeded, RunState.failed, RunState.stopped)
+
+
+class Report(Frozen):
+    job: str
+    site: str
+    attempt: int
+    fence: int
+    state: RunState
+    exit_code: int | None = None
+    message: str = ""
+    devices: tuple[int, ...] = Field(default=(), description="device indices held")
+    started_at: float | None = None
+    finished_at: float | None = None
+    log_path: str | None = None
+    updated_at: float
