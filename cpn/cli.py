@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from cpn import render
+from cpn.client import ApiError, BrokerClient, broker_url
 from cpn.state import read_up_state
 from sites.agent import Agent, AgentSettings
 from sites.catalog import CatalogError, DeviceCatalog
@@ -145,6 +146,78 @@ async def cmd_agent(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_job_file(path: str) -> Any:
+    from sites.config import read_yaml
+
+    data = read_yaml(Path(path))
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: expected a mapping of job fields")
+    return data
+
+
+async def cmd_submit(args: argparse.Namespace) -> int:
+    body = _load_job_file(args.file)
+    async with BrokerClient(broker_url(args.broker)) as client:
+        record = await client.call("POST", "/v1/jobs", body)
+    if args.output == "json":
+        print(json.dumps(record, indent=2))
+    else:
+        print(f"job {record['id']} submitted ({record['state']})")
+    return 0
+
+
+async def cmd_jobs(args: argparse.Namespace) -> int:
+    params = {k: v for k, v in (("tenant", args.tenant), ("state", args.state)) if v}
+    async with BrokerClient(broker_url(args.broker)) as client:
+        records = await client.call("GET", "/v1/jobs", **params)
+    if args.output == "json":
+        print(json.dumps(records, indent=2))
+    else:
+        print(render.jobs_table(records, now=SystemClock().time()))
+    return 0
+
+
+async def cmd_describe(args: argparse.Namespace) -> int:
+    async with BrokerClient(broker_url(args.broker)) as client:
+        record = await client.call("GET", f"/v1/jobs/{args.job}")
+    if args.output == "json":
+        print(json.dumps(record, indent=2))
+    else:
+        print(render.describe_job(record))
+    return 0
+
+
+async def cmd_job_action(args: argparse.Namespace) -> int:
+    async with BrokerClient(broker_url(args.broker)) as client:
+        record = await client.call("POST", f"/v1/jobs/{args.job}/{args.action}")
+    print(f"job {record['id']} {record['state']}")
+    return 0
+
+
+async def cmd_logs(args: argparse.Namespace) -> int:
+    params = {"follow": "1"} if args.follow else {}
+    async with BrokerClient(broker_url(args.broker)) as client:
+        await client.stream(f"/v1/jobs/{args.job}/logs", **params)
+    return 0
+
+
+async def cmd_broker(args: argparse.Namespace) -> int:
+    from broker.server import serve
+
+    await serve(
+        etcd=_etcd_url(args),
+        listen=args.listen,
+        config_dir=Path(args.config_dir) if args.config_dir else config_dir(),
+    )
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from broker.plan_cli import main as plan_main
+
+    return plan_main(args.rest)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from cpn.launcher import Launcher, LaunchSettings
 
@@ -154,6 +227,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         interval_s=args.interval,
         wan_emulation=not args.no_wan_emulation,
         only=tuple(s for s in (args.sites or "").split(",") if s),
+        broker_listen=args.broker_listen,
     )
     return Launcher(settings).run()
 
@@ -179,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config-dir", metavar="DIR", help="configs/ directory to run")
     up.add_argument("--interval", type=float, default=2.0, help="agent publish period (s)")
     up.add_argument("--sites", metavar="ID,ID", help="run only these sites")
+    up.add_argument("--broker-listen", default="127.0.0.1:8080", metavar="HOST:PORT")
     up.add_argument(
         "--no-wan-emulation", action="store_true", help="plain loopback, no emulated RTT"
     )
@@ -217,6 +292,56 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--wan-emulated", action="store_true", help="label links as emulated")
     agent.add_argument("--service-url", action="append", metavar="NAME=URL")
     agent.set_defaults(func=cmd_agent)
+
+    def broker_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--broker", metavar="URL", help="broker API (default: $CPN_BROKER or cpn up's)"
+        )
+        p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+
+    broker = sub.add_parser("broker", help="run a broker replica (API, placement, failover)")
+    etcd_arg(broker)
+    broker.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT")
+    broker.add_argument("--config-dir", metavar="DIR", help="configs/ directory")
+    broker.set_defaults(func=cmd_broker)
+
+    submit = sub.add_parser("submit", help="submit a job from a YAML file")
+    submit.add_argument("file", metavar="FILE")
+    broker_arg(submit)
+    submit.set_defaults(func=cmd_submit)
+
+    jobs = sub.add_parser("jobs", help="list jobs")
+    jobs.add_argument("--tenant")
+    jobs.add_argument("--state")
+    broker_arg(jobs)
+    jobs.set_defaults(func=cmd_jobs)
+
+    describe = sub.add_parser("describe", help="a job's placement, state and events")
+    describe.add_argument("job", metavar="JOB")
+    broker_arg(describe)
+    describe.set_defaults(func=cmd_describe)
+
+    for action, text in (
+        ("cancel", "cancel a job"),
+        ("suspend", "stop a job, keep it"),
+        ("resume", "re-queue a suspended job"),
+    ):
+        p = sub.add_parser(action, help=text)
+        p.add_argument("job", metavar="JOB")
+        broker_arg(p)
+        p.set_defaults(func=cmd_job_action, action=action)
+
+    logs = sub.add_parser("logs", help="a job's output from its site")
+    logs.add_argument("job", metavar="JOB")
+    logs.add_argument("-f", "--follow", action="store_true", help="stream until the run ends")
+    broker_arg(logs)
+    logs.set_defaults(func=cmd_logs)
+
+    plan = sub.add_parser(
+        "plan", help="solve a placement problem offline (docs/placement.md)", add_help=False
+    )
+    plan.add_argument("rest", nargs=argparse.REMAINDER)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 
@@ -236,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
         for problem in exc.problems:
             print(f"cpn: error: {problem}", file=sys.stderr)
         return 2
+    except ApiError as exc:
+        print(f"cpn: error: {exc}", file=sys.stderr)
+        return 2 if 400 <= exc.status < 500 else 1
     except (UsageError, CatalogError, NotJoined, AgentConflict, ValueError) as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 2
@@ -247,4 +375,26 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
-    return asyncio.run(coro)
+    async def main() -> int:
+        # `kill -USR1 PID` prints every task's stack: what a stuck process is waiting for
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dump_tasks)
+        return await coro
+
+    return asyncio.run(main())
+
+
+def _dump_tasks() -> None:
+    for task in asyncio.all_tasks():
+        print(f"--- task {task.get_name()}", file=sys.stderr)
+        awaitable: Any = task.get_coro()
+        while awaitable is not None:  # follow the await chain down to what blocks
+            frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "ag_frame", None)
+            if frame is None:
+                print(f"    {awaitable!r}", file=sys.stderr)
+                break
+            print(
+                f"    {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}",
+                file=sys.stderr,
+            )
+            awaitable = getattr(awaitable, "cr_await", None) or getattr(awaitable, "ag_await", None)
+    sys.stderr.flush()

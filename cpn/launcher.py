@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +44,7 @@ class LaunchSettings:
     interval_s: float = 2.0
     wan_emulation: bool = True
     only: tuple[str, ...] = ()
+    broker_listen: str = "127.0.0.1:8080"
 
 
 @dataclass
@@ -76,7 +78,10 @@ class Launcher:
         self.etcd: EmbeddedEtcd | None = None
         self.emulator: wan.WanEmulator | None = None
         self.plans: list[SitePlan] = []
+        self.broker: subprocess.Popen[bytes] | None = None
+        self.broker_url = ""
         self.run_dir = state_dir() / f"up-{os.getpid()}"
+        self.broker_log = self.run_dir / "broker.log"
         self._stop = asyncio.Event()
 
     def run(self) -> int:
@@ -116,10 +121,12 @@ class Launcher:
                 for plan in self.plans:
                     plan.listen = f"127.0.0.1:{free_port()}"
             self._start_agents(url)
+            self._start_broker(url)
             write_up_state(
                 {
                     "pid": os.getpid(),
                     "etcd": url,
+                    "broker": self.broker_url,
                     "started_at": time.time(),
                     "sites": {p.spec.id: p.advertise or p.listen for p in self.plans},
                 }
@@ -187,6 +194,29 @@ class Launcher:
                     args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
                 )
 
+    def _start_broker(self, url: str) -> None:
+        host, port = self.settings.broker_listen.rsplit(":", 1)
+        try:
+            with socket.socket() as probe:
+                probe.bind((host, int(port)))
+        except OSError:
+            port = str(free_port(host))
+            log.warning(
+                "%s is taken; the broker listens on port %s", self.settings.broker_listen, port
+            )
+        listen = f"{host}:{port}"
+        self.broker_url = f"http://{listen}"
+        args = [
+            sys.executable, "-m", "cpn", "broker",
+            "--etcd", url,
+            "--listen", listen,
+            "--config-dir", str(self.settings.config_dir),
+        ]  # fmt: skip
+        with open(self.broker_log, "ab") as logfile:
+            self.broker = subprocess.Popen(
+                args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+
     def describe(self, url: str) -> str:
         mode = "WAN EMULATED (user-space delay, one machine)" if self.emulator else "plain loopback"
         etcd = f"embedded etcd {url} (data {self.etcd.data_dir})" if self.etcd else f"etcd {url}"
@@ -204,16 +234,31 @@ class Launcher:
             for p in self.plans
         ]
         table = render.table(["SITE", "REGION", "PID", "LISTEN", "REACHED AT", "SERVICES"], rows)
+        broker = f"broker {self.broker_url} (pid {self.broker.pid if self.broker else '-'})"
         return (
             f"cpn up: {len(self.plans)} sites, {etcd}\n"
+            f"{broker}\n"
             f"network: {mode}\n"
             f"logs: {self.run_dir}\n{table}\n"
-            f"try: CPN_ETCD={url} cpn sites   (Ctrl-C stops everything)"
+            "try: cpn sites; cpn submit configs/jobs/train-small.yaml; cpn jobs"
+            "   (Ctrl-C stops everything)"
         )
 
     async def _supervise(self) -> None:
         reported: set[str] = set()
         while not self._stop.is_set():
+            if (
+                self.broker is not None
+                and self.broker.poll() is not None
+                and "broker" not in reported
+            ):
+                reported.add("broker")
+                print(
+                    f"cpn up: the broker exited with {self.broker.returncode} "
+                    f"(log {self.broker_log})",
+                    file=sys.stderr,
+                    flush=True,
+                )
             for plan in self.plans:
                 proc = plan.process
                 if proc is not None and proc.poll() is not None and plan.spec.id not in reported:
@@ -225,7 +270,8 @@ class Launcher:
                         flush=True,
                     )
             try:
-                await asyncio.wait_for(self._stop.wait(), 0.5)
+                async with asyncio.timeout(0.5):
+                    await self._stop.wait()
             except TimeoutError:
                 pass
 

@@ -87,3 +87,68 @@ def site_json(v: SiteView, *, now: float) -> dict[str, Any]:
         "services": [ep.model_dump(mode="json") for ep in v.services],
         "labels": v.spec.labels,
     }
+
+
+def gpus_wanted(gpu: dict[str, Any], model: str | None) -> str:
+    if not gpu["count"]:
+        return "cpu"
+    what = model or gpu.get("model") or ",".join(gpu.get("models") or [])
+    return f"{gpu['count']} x {what or '>=' + str(gpu.get('min_mem_gb')) + 'GB'}"
+
+
+def jobs_table(records: Sequence[dict[str, Any]], *, now: float) -> str:
+    rows = []
+    for r in records:
+        placement = r.get("placement") or {}
+        rows.append([
+            r["id"],
+            r["spec"]["tenant"],
+            r["state"],
+            placement.get("site", "-"),
+            gpus_wanted(r["spec"]["gpu"], placement.get("model")),
+            str(r["attempt"]),
+            ago(now - r["created_at"]),
+            (r.get("unschedulable") or "")[:70] if r["state"] == "PENDING" else "",
+        ])  # fmt: skip
+    headers = ["JOB", "TENANT", "STATE", "SITE", "GPUS", "ATTEMPT", "AGE", "WAITING FOR"]
+    return table(headers, rows) if rows else "no jobs"
+
+
+def describe_job(r: dict[str, Any]) -> str:
+    import time as _time
+
+    spec = r["spec"]
+    placement = r.get("placement")
+    lines = [
+        f"Name:        {r['id']}",
+        f"Tenant:      {spec['tenant']}",
+        f"Priority:    {spec['priority']}",
+        f"State:       {r['state']} (attempt {r['attempt']}, "
+        f"retries {r['retries']}/{spec['max_retries']})",
+    ]
+    if placement:
+        what = (
+            f"{placement['gpus']} x {placement['model']}" if placement.get("model") else "CPU only"
+        )
+        lines.append(
+            f"Site:        {placement['site']} ({placement['region']}), {what}, "
+            f"est. {placement['cost_usd']:.2f} USD"
+        )
+        lines.append(f"Why:         {placement['reason']}")
+    if r.get("unschedulable") and r["state"] == "PENDING":
+        lines.append(f"Waiting:     {r['unschedulable']}")
+    if r.get("exit_code") is not None:
+        lines.append(f"Exit code:   {r['exit_code']}")
+    lines.append(f"Command:     {' '.join(spec['command'])}")
+    lines.append("Events:")
+    rows = [
+        [
+            _time.strftime("%H:%M:%S", _time.localtime(e["at"])),
+            e["type"],
+            e.get("site") or "-",
+            e["message"],
+        ]
+        for e in r.get("events", [])
+    ]
+    lines += ["  " + line for line in table(["TIME", "TYPE", "SITE", "MESSAGE"], rows).splitlines()]
+    return "\n".join(lines)

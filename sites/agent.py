@@ -1,9 +1,11 @@
 """The perception agent: measures its site, publishes it under one lease, serves probes.
 
 Lifecycle: check the site is joined -> serve HTTP -> grant a lease (TTL ~ 3 intervals) -> take
-the site's agent lock under it -> every interval publish status, links and services in one
-transaction -> on a graceful stop revoke the lease (the site goes down at once). When killed,
-the lease expires by itself and the site is down within the TTL.
+the site's agent lock under it -> start the workload (the jobs assigned to the site,
+sites.workload) -> every interval publish status, links and services in one transaction -> on a
+graceful stop SIGTERM the jobs (reporting nothing) and revoke the lease (the site goes down at
+once, and the broker moves its jobs). When killed, the lease expires by itself and the site is
+down within the TTL; the jobs die with the agent (docs/executor.md).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import math
 import os
 import socket
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -30,10 +32,12 @@ from sites.collectors.host import host_usage, storage_usage
 from sites.collectors.nvml import NvmlCollector
 from sites.collectors.probes import METHODS, Prober, ProbeResponder, choose_method
 from sites.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
+from sites.executor import make_executor
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.spec import SiteSpec
 from sites.status import AgentRecord, GpuDevice, ServiceEndpoint, SiteStatus
+from sites.workload import STOP_GRACE_S, SiteResources, UnknownJob, Workload, declared_resources
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,11 @@ class AgentSettings(BaseModel):
     wan_emulated: bool = False
     service_urls: dict[str, str] = Field(
         default_factory=dict, description="service name -> URL to publish instead of the spec's"
+    )
+    job_stop_grace_s: float = Field(
+        default=STOP_GRACE_S,
+        ge=0,
+        description="seconds between SIGTERM and SIGKILL when a job is stopped; time to checkpoint",
     )
 
     @property
@@ -116,6 +125,7 @@ class Agent:
         self._nvml: NvmlCollector | None = None
         self._published_links: set[str] = set()
         self._published_services: set[str] = set()
+        self.workload: Workload | None = None
         method = choose_method(settings.probe_method, emulated=settings.wan_emulated)
         host = settings.listen.rsplit(":", 1)[0]
         self.prober = Prober(
@@ -143,6 +153,18 @@ class Agent:
         except BaseException:
             await self._close_http()
             raise
+        # only now, holding the site's lock: the workload kills what a dead predecessor left
+        self.workload = Workload(
+            registry=self.registry,
+            spec=self.spec,
+            catalog=self.catalog,
+            executor=make_executor(self.spec, catalog=self.catalog, clock=self.clock),
+            clock=self.clock,
+            record=lambda: self.record,
+            resources=self._resources,
+            stop_grace_s=self.settings.job_stop_grace_s,
+        )
+        self._spawn(self.workload.run(), "workload")
         self._spawn(self._keepalive_loop(), "keepalive")
         self._spawn(self._publish_loop(), "publish")
         self._spawn(self._peers.run(), "peers")
@@ -157,7 +179,14 @@ class Agent:
         )
 
     async def stop(self, *, revoke: bool = True) -> None:
-        """Graceful stop: cancel loops, revoke the lease so the site is down at once."""
+        """Graceful stop: stop the jobs, cancel loops, revoke the lease so the site is down at once.
+
+        Jobs get SIGTERM (SIGKILL after the grace) while the lease still holds the site, so the
+        broker cannot start them elsewhere before they are gone; no report follows, since the
+        revoked lease is what tells the broker to move them.
+        """
+        if self.workload is not None:
+            await self.workload.stop()
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
@@ -304,15 +333,18 @@ class Agent:
         host = host_usage()
         storage = storage_usage(spec.perception.storage_paths)
         gpus: list[GpuDevice] = []
+        held = self.workload.held() if self.workload is not None else Capacity.zero()
         if spec.perception.mode == "host":
             gpus = self._nvml.collect() if self._nvml else []
+            held_ix = self.workload.held_devices() if self.workload is not None else {}
             devices: dict[str, int] = {}
-            busy: dict[str, int] = {}
+            busy: dict[str, int] = {}  # busy with a process or held by a job, counted once
             for gpu in gpus:
                 if gpu.model is None:
                     continue
+                taken = gpu.busy or gpu.index in held_ix.get(gpu.model, frozenset())
                 devices[gpu.model] = devices.get(gpu.model, 0) + 1
-                busy[gpu.model] = busy.get(gpu.model, 0) + int(gpu.busy)
+                busy[gpu.model] = busy.get(gpu.model, 0) + int(taken)
             capacity = normalize(
                 devices=devices,
                 cpu_cores=host.cpu_cores,
@@ -322,8 +354,9 @@ class Agent:
             )
             used = normalize(
                 devices=busy,
-                cpu_cores=0,
-                mem_gb=host.mem_used_gb,
+                cpu_cores=min(held.cpu_cores, host.cpu_cores),
+                # measured use includes the jobs' own; their reservation is a floor
+                mem_gb=max(host.mem_used_gb, held.mem_gb),
                 storage_tb=sum(s.used_tb for s in storage),
                 catalog=self.catalog,
             )
@@ -336,7 +369,7 @@ class Agent:
                 storage_tb=inv.storage_tb,
                 catalog=self.catalog,
             )
-            used = Capacity.zero()
+            used = held
         return SiteStatus(
             site=spec.id,
             instance=self.instance,
@@ -349,6 +382,21 @@ class Agent:
             gpus=tuple(gpus),
             storage=tuple(storage),
             host=host,
+        )
+
+    def _resources(self) -> SiteResources:
+        """What jobs may be given: NVML's GPUs and this host in host mode, else the inventory."""
+        if self.spec.perception.mode != "host":
+            return declared_resources(self.spec)
+        devices: dict[str, list[int]] = {}
+        for gpu in self._nvml.collect() if self._nvml else []:
+            if gpu.model is not None:
+                devices.setdefault(gpu.model, []).append(gpu.index)
+        host = host_usage()
+        return SiteResources(
+            devices={model: tuple(ix) for model, ix in devices.items()},
+            cpu_cores=host.cpu_cores,
+            mem_gb=host.mem_gb,
         )
 
     def service_endpoints(self, now: float) -> list[ServiceEndpoint]:
@@ -371,7 +419,12 @@ class Agent:
         app.router.add_get("/probe", self._probe)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        app.router.add_get("/jobs", self._jobs)
+        app.router.add_get("/jobs/{job}/log", self._job_log)
+        # bounded: a client following a log must not hold up the agent's stop
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=5.0
+        )
         await self._runner.setup()
         host, port = self.settings.listen.rsplit(":", 1)
         site = web.TCPSite(self._runner, host, int(port), reuse_address=True)
@@ -423,6 +476,61 @@ class Agent:
             body=generate_latest(self.metrics.registry),
             headers={"Content-Type": CONTENT_TYPE_LATEST},
         )
+
+    async def _jobs(self, _: web.Request) -> web.Response:
+        runs = self.workload.runs() if self.workload is not None else []
+        return web.json_response([run.to_json() for run in runs])
+
+    async def _job_log(self, request: web.Request) -> web.StreamResponse:
+        """The job's log as plain text from `offset`; `follow=1` tails it until the run ends."""
+        job = request.match_info["job"]
+        query = request.query
+        offset = _int_param(query, "offset", minimum=0) or 0
+        attempt = _int_param(query, "attempt", minimum=1)
+        follow = query.get("follow", "0").lower() in ("1", "true", "yes")
+        if self.workload is None:
+            return _error(503, "unavailable", "the agent is starting", None)
+        try:
+            job_log = self.workload.log(job, attempt)
+        except UnknownJob as exc:
+            return _error(404, "not_found", str(exc), "job")
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/plain; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Cpn-Attempt": str(job_log.attempt),
+            }
+        )
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            async for chunk in job_log.chunks(clock=self.clock, offset=offset, follow=follow):
+                await response.write(chunk)
+        except ConnectionResetError:
+            return response  # the client went away
+        await response.write_eof()
+        return response
+
+
+def _error(status: int, code: str, message: str, field: str | None) -> web.Response:
+    body = {"error": {"code": code, "message": message, "field": field}}
+    return web.json_response(body, status=status)
+
+
+def _int_param(query: Mapping[str, str], name: str, *, minimum: int) -> int | None:
+    """An optional integer query parameter; a bad one is a 400 naming it."""
+    raw = query.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        message = f"{name} must be an integer >= {minimum}, got {raw!r}"
+        body = {"error": {"code": "invalid", "message": message, "field": name}}
+        raise web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
+    return value
 
 
 def _dead_on_this_host(record: AgentRecord) -> bool:

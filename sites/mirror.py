@@ -29,6 +29,7 @@ class PrefixMirror:
         self.registry = registry
         self.prefix = prefix
         self.items: dict[str, bytes] = {}
+        self.revisions: dict[str, int] = {}  # key -> mod_revision, for guarded updates
         self.revision = 0
         self.synced = asyncio.Event()
         self._on_change = on_change
@@ -47,13 +48,16 @@ class PrefixMirror:
     async def _follow(self) -> None:
         self.revision, kvs = await self.registry.list_prefix(self.prefix)
         self.items = {key: value for key, value, _ in kvs}
+        self.revisions = {key: rev for key, _, rev in kvs}
         self._changed()
         self.synced.set()
         async for event in self.registry.watch(self.prefix, start_revision=self.revision + 1):
             if event.value is None:
                 self.items.pop(event.key, None)
+                self.revisions.pop(event.key, None)
             else:
                 self.items[event.key] = event.value
+                self.revisions[event.key] = event.revision
             self.revision = event.revision
             self._changed()
 

@@ -10,7 +10,7 @@ import asyncio
 import ipaddress
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -208,6 +208,15 @@ class Event:
 
 
 @dataclass(frozen=True)
+class Guard:
+    """A transaction precondition: `key` is at `mod_revision` (0: absent) or holds `value`."""
+
+    key: str
+    mod_revision: int | None = None
+    value: bytes | None = None
+
+
+@dataclass(frozen=True)
 class LeaveResult:
     removed: bool
     pending_assignments: int
@@ -245,8 +254,10 @@ class Registry:
 
     async def close(self) -> None:
         try:
-            await self._client.close()
-        except (aetcd.exceptions.ClientError, OSError) as exc:
+            # bounded: aetcd's watcher shutdown can wait forever on a stream whose peer is gone
+            async with asyncio.timeout(3.0):
+                await self._client.close()
+        except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
             log.debug("closing etcd client: %r", exc)
 
     async def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
@@ -341,8 +352,11 @@ class Registry:
                 yield Event(ev.kv.key.decode(), value, int(ev.kv.mod_revision))
         finally:
             try:
-                await asyncio.shield(watch.cancel())
-            except (aetcd.exceptions.ClientError, OSError, RuntimeError) as exc:
+                # bounded: aetcd's cancel waits for the server's answer on the watch stream,
+                # which never comes if the stream is already gone
+                async with asyncio.timeout(1.0):
+                    await asyncio.shield(watch.cancel())
+            except (aetcd.exceptions.ClientError, OSError, RuntimeError, TimeoutError) as exc:
                 log.debug("cancelling watch of %s: %r", prefix, exc)
 
     async def delete_prefix(self, prefix: str) -> None:
@@ -479,6 +493,33 @@ class Registry:
                 await self.revoke(holder.lease_id)
             await self._delete_if_unchanged(key, int(meta.mod_revision))
         raise Conflict(f"could not take the agent lock of site {site!r}: it keeps changing")
+
+    async def commit(
+        self,
+        *,
+        guards: Sequence[Guard],
+        puts: Mapping[str, bytes] | None = None,
+        deletes: Iterable[str] = (),
+        lease_id: int | None = None,
+    ) -> bool:
+        """One transaction: if every guard holds, apply puts and deletes; False if one failed."""
+        compare = []
+        for guard in guards:
+            key = guard.key.encode()
+            if guard.value is not None:
+                compare.append(self._tx.value(key) == guard.value)
+            elif guard.mod_revision == 0:
+                compare.append(self._tx.version(key) == 0)
+            elif guard.mod_revision is not None:
+                compare.append(self._tx.mod(key) == guard.mod_revision)
+        ops = [
+            self._tx.put(key.encode(), value, lease=lease_id) for key, value in (puts or {}).items()
+        ]
+        ops += [self._tx.delete(key.encode()) for key in deletes]
+        ok, _ = await self._call(
+            lambda: self._client.transaction(compare=compare, success=ops, failure=[])
+        )
+        return bool(ok)
 
     async def write_report(self, record: AgentRecord, report: Report) -> None:
         """Write a job report, fenced by the agent lock like publish(); LeaseLost if not ours."""

@@ -123,6 +123,9 @@ class Processes:
             try:
                 proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                sys.stderr.write(f"process {proc.args} ignored SIGTERM; killing it\n")
+                proc.send_signal(signal.SIGUSR1)  # faulthandler: its stacks go to its log
+                time.sleep(0.5)
                 proc.kill()
                 proc.wait()
 

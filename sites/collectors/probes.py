@@ -85,7 +85,10 @@ class _Peer:
 
     async def sample(self) -> float | None:
         try:
-            return await asyncio.wait_for(self._sample(), self.timeout_s)
+            # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that
+            # races with completion, and this runs in a loop that must stop when cancelled
+            async with asyncio.timeout(self.timeout_s):
+                return await self._sample()
         except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
             log.debug("probe %s via %s failed: %r", self.target, self.method, exc)
             self._close()

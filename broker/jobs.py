@@ -1,0 +1,242 @@
+"""Jobs: the tenant's spec, the lifecycle state machine and the stored record.
+
+    PENDING -> PLACED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
+    any live state -> SUSPENDED (by the user) -> PENDING (resumed)
+    PLACED | RUNNING -> PENDING (retry with backoff, or the site failed: re-queued elsewhere)
+
+The record lives at /cpn/v1/jobs/<id>; every transition is one etcd transaction guarded by the
+record's mod_revision (broker.store).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import shlex
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from broker.errors import IllegalTransition
+
+NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+Name = Annotated[str, Field(pattern=NAME_RE)]
+MAX_EVENTS = 100
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class GpuRequest(Frozen):
+    """Accelerators: one model, a set of acceptable models, or any model with a memory floor."""
+
+    count: int = Field(default=0, ge=0, le=4096)
+    model: str | None = Field(default=None, description="exactly this model")
+    models: tuple[str, ...] | None = Field(default=None, description="any of these models")
+    min_mem_gb: float | None = Field(default=None, gt=0, description="per-device memory floor")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> GpuRequest:
+        if self.model is not None and self.models is not None:
+            raise ValueError("give either model or models, not both")
+        if self.models is not None and not self.models:
+            raise ValueError("models must not be empty")
+        if (
+            self.count > 0
+            and self.model is None
+            and self.models is None
+            and self.min_mem_gb is None
+        ):
+            raise ValueError("say which accelerators: model, models or min_mem_gb")
+        if self.count == 0 and (self.model or self.models or self.min_mem_gb):
+            raise ValueError("count must be >= 1 when accelerators are named")
+        return self
+
+    @property
+    def acceptable(self) -> tuple[str, ...] | None:
+        """Named models, or None when any model meeting min_mem_gb will do."""
+        if self.model is not None:
+            return (self.model,)
+        return self.models
+
+
+class DataLocation(Frozen):
+    region: Name | None = None
+    site: Name | None = None
+    size_gb: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_place(self) -> DataLocation:
+        if (self.region is None) == (self.site is None):
+            raise ValueError("give exactly one of region or site")
+        return self
+
+
+class UserLocation(Frozen):
+    region: Name
+    max_latency_ms: float | None = Field(default=None, gt=0)
+
+
+class Group(Frozen):
+    name: Name
+    kind: Literal["spread", "colocate"]
+
+
+class Gang(Frozen):
+    name: Name
+    size: int = Field(ge=2, le=1024, description="members; none is placed until all fit")
+
+
+class JobSpec(Frozen):
+    name: Name
+    tenant: Name
+    priority: int = Field(default=0, ge=0, le=1000, description="higher is placed first")
+    gpu: GpuRequest = GpuRequest()
+    cpu: int = Field(default=1, ge=0, le=100_000)
+    mem_gb: float = Field(default=1.0, ge=0, le=1_000_000)
+    duration_hours: float = Field(default=1.0, gt=0, le=24 * 365)
+    data: DataLocation | None = None
+    user: UserLocation | None = None
+    latency_weight: float = Field(default=0.0, ge=0, description="USD per ms of user RTT")
+    allowed_regions: tuple[Name, ...] | None = None
+    denied_regions: tuple[Name, ...] = ()
+    group: Group | None = None
+    gang: Gang | None = None
+    deadline: datetime | None = Field(default=None, description="ISO 8601; must finish by then")
+    budget_usd: float | None = Field(default=None, gt=0)
+    command: tuple[str, ...] = Field(min_length=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    checkpoint_path: str | None = None
+    max_retries: int = Field(default=3, ge=0, le=100)
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split_shell(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(shlex.split(value)) if value.strip() else ()
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"{key!r} is not a valid environment variable name")
+            if key.startswith("CPN_"):
+                raise ValueError(f"{key!r}: CPN_ variables are set by cpn")
+        return env
+
+    @field_validator("deadline")
+    @classmethod
+    def _aware(cls, deadline: datetime | None) -> datetime | None:
+        if deadline is not None and deadline.tzinfo is None:
+            return deadline.replace(tzinfo=UTC)
+        return deadline
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.allowed_regions is not None:
+            both = sorted(set(self.allowed_regions) & set(self.denied_regions))
+            if both:
+                raise ValueError(f"regions both allowed and denied: {', '.join(both)}")
+        if self.gpu.count == 0 and self.cpu == 0:
+            raise ValueError("a job needs at least one CPU core or one accelerator")
+        if self.latency_weight > 0 and self.user is None:
+            raise ValueError("latency_weight needs user.region")
+        return self
+
+
+class JobState(enum.StrEnum):
+    PENDING = "PENDING"
+    PLACED = "PLACED"
+    RUNNING = "RUNNING"
+    SUSPENDED = "SUSPENDED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+    def check(self, new: JobState) -> None:
+        if new not in TRANSITIONS[self]:
+            raise IllegalTransition(f"a {self.value} job cannot become {new.value}")
+
+
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset(
+        {JobState.PLACED, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}
+    ),
+    JobState.PLACED: frozenset(
+        {
+            JobState.RUNNING,
+            JobState.PENDING,
+            JobState.SUSPENDED,
+            JobState.CANCELLED,
+            JobState.FAILED,
+            JobState.SUCCEEDED,
+        }
+    ),  # fmt: skip
+    JobState.RUNNING: frozenset(
+        {
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.PENDING,
+            JobState.SUSPENDED,
+            JobState.CANCELLED,
+        }
+    ),  # fmt: skip
+    JobState.SUSPENDED: frozenset({JobState.PENDING, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class Event(Frozen):
+    at: float
+    type: str = Field(description="submitted, placed, running, retried, migrated, ...")
+    message: str
+    site: str | None = None
+    attempt: int | None = None
+
+
+class Placement(Frozen):
+    site: str
+    region: str
+    model: str | None
+    gpus: int
+    cost_usd: float = Field(description="estimated cost of the run at list prices")
+    reason: str = Field(description="why this site: the cost breakdown and the runner-up")
+
+
+class JobRecord(Frozen):
+    id: str
+    spec: JobSpec
+    state: JobState
+    attempt: int = Field(default=0, description="runs started so far, 0 before the first")
+    retries: int = Field(default=0, description="re-runs after failures or site loss")
+    placement: Placement | None = None
+    fence: int = Field(default=0, description="mod_revision at placement, echoed by reports")
+    not_before: float = Field(default=0.0, description="backoff: do not place before (unix s)")
+    unschedulable: str | None = Field(default=None, description="why it is pending, per site")
+    exit_code: int | None = None
+    created_at: float
+    updated_at: float
+    events: tuple[Event, ...] = ()
+
+    def with_event(self, event: Event, **changes: object) -> JobRecord:
+        """A copy with `changes` applied and `event` appended (the log keeps MAX_EVENTS)."""
+        new_state = changes.get("state")
+        if isinstance(new_state, JobState) and new_state is not self.state:
+            self.state.check(new_state)
+        events = (*self.events, event)[-MAX_EVENTS:]
+        return self.model_copy(update={**changes, "events": events, "updated_at": event.at})
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)

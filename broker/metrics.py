@@ -1,0 +1,33 @@
+"""The broker's Prometheus metrics (one registry per broker instance)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class BrokerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.submitted = Counter("cpn_broker_jobs_submitted", "Jobs accepted", registry=r)
+        self.placements = Counter("cpn_broker_placements", "Jobs placed on a site", registry=r)
+        self.migrations = Counter(
+            "cpn_broker_migrations", "Jobs re-queued because their site went down", registry=r
+        )
+        self.transitions = Counter(
+            "cpn_broker_job_transitions",
+            "Job state changes from site reports",
+            ["state"],
+            registry=r,
+        )
+        self.pending = Gauge("cpn_broker_jobs_pending", "Jobs waiting for a site", registry=r)
+        self.leader = Gauge("cpn_broker_leader", "1 if this replica places jobs", registry=r)
+        self.placement_seconds = Histogram(
+            "cpn_broker_placement_duration_seconds",
+            "Time of one fast-path placement decision",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+            registry=r,
+        )
+        self.http_requests = Counter(
+            "cpn_broker_http_requests", "API requests", ["method", "route", "status"], registry=r
+        )

@@ -1,0 +1,76 @@
+"""Run a broker replica: mirrors, leader election, the reconcile loop and the HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from aiohttp import web
+
+from broker.api import make_app
+from broker.regions import load_user_regions, user_rtt_ms
+from broker.service import Broker, BrokerSettings, load_settings
+from broker.tenants import load_quotas
+from sites.catalog import DeviceCatalog
+from sites.config import load_sites, site_files
+from sites.latency import LatencyModel
+from sites.registry import Registry
+
+log = logging.getLogger(__name__)
+
+
+async def serve(
+    *,
+    etcd: str,
+    listen: str,
+    config_dir: Path,
+    settings: BrokerSettings | None = None,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM (or cancellation)."""
+    catalog = DeviceCatalog.load(config_dir / "devices.yaml")
+    regions = load_user_regions(config_dir / "regions.yaml")
+    specs = load_sites(site_files(config_dir / "sites"), catalog)
+    latency = LatencyModel.from_dir(config_dir / "latency")
+    quotas = load_quotas(config_dir / "tenants.yaml")
+    if settings is None:
+        settings = load_settings(config_dir / "broker.yaml")
+    host, port = listen.rsplit(":", 1)
+    registry = Registry.from_urls(etcd)
+    await registry.connect()
+    broker = Broker(
+        registry=registry,
+        catalog=catalog,
+        user_rtt_ms=user_rtt_ms(regions, specs, latency),
+        quotas=quotas,
+        settings=settings,
+        url=f"http://{listen}",
+    )
+    app = make_app(broker)
+
+    async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        await broker.start()
+        yield
+        await broker.stop()
+
+    app.cleanup_ctx.append(lifetime)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, int(port), reuse_address=True)
+        await site.start()
+        log.info("broker %s serving http://%s", broker.instance, listen)
+        print(f"broker serving http://{listen} (etcd {etcd})", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await registry.close()

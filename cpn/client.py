@@ -1,0 +1,71 @@
+"""A small client of the broker's API for the CLI."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import aiohttp
+
+from cpn.state import read_up_state
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, field: str | None = None) -> None:
+        self.status = status
+        self.field = field
+        super().__init__(message + (f" (field: {field})" if field else ""))
+
+
+def broker_url(explicit: str | None) -> str:
+    url = explicit or os.environ.get("CPN_BROKER")
+    if not url:
+        state = read_up_state()
+        url = state.get("broker") if state else None
+    if not url:
+        raise ApiError(0, "no broker: pass --broker URL, set CPN_BROKER, or start `cpn up`")
+    return url.rstrip("/")
+
+
+class BrokerClient:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+        )
+
+    async def __aenter__(self) -> BrokerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._session.close()
+
+    async def call(self, method: str, path: str, body: Any = None, **params: str) -> Any:
+        try:
+            async with self._session.request(
+                method, self.url + path, json=body, params=params or None
+            ) as resp:
+                data = await resp.json(content_type=None)
+                if resp.status >= 400:
+                    err = (data or {}).get("error", {}) if isinstance(data, dict) else {}
+                    raise ApiError(
+                        resp.status, err.get("message", f"HTTP {resp.status}"), err.get("field")
+                    )
+                return data
+        except aiohttp.ClientError as exc:
+            raise ApiError(0, f"broker at {self.url} is unreachable: {exc}") from exc
+
+    async def stream(self, path: str, **params: str) -> None:
+        """Copy a text stream (job logs) to stdout as it arrives."""
+        try:
+            async with self._session.get(self.url + path, params=params or None) as resp:
+                if resp.status >= 400:
+                    data = await resp.json(content_type=None)
+                    err = data.get("error", {}) if isinstance(data, dict) else {}
+                    raise ApiError(resp.status, err.get("message", f"HTTP {resp.status}"))
+                async for chunk in resp.content.iter_any():
+                    sys.stdout.write(chunk.decode(errors="replace"))
+                    sys.stdout.flush()
+        except aiohttp.ClientError as exc:
+            raise ApiError(0, f"broker at {self.url} is unreachable: {exc}") from exc

@@ -1,0 +1,492 @@
+"""Executors: how a site runs the jobs the broker assigns to it (long form: docs/executor.md).
+
+The interface is four calls; `sites.workload` decides what to run, an executor only runs it:
+
+- ``start(assignment, devices, log_path) -> RunHandle``: launch the job on the given device
+  indices, output appended to ``log_path``; also persist a run record (``run.json``) so a
+  restarted agent can find what its predecessor launched;
+- ``wait(handle) -> int``: the exit code once the run ends (negative: killed by that signal);
+- ``stop(handle, grace_s)``: SIGTERM, then SIGKILL after ``grace_s``;
+- ``reap(grace_s) -> [RunRecord]``: at agent start, before anything runs, stop whatever runs
+  recorded by a previous agent of this site still have going, and forget their records.
+
+``LocalExecutor`` runs the command as a process in its own session on this host. The child gets
+PR_SET_PDEATHSIG(SIGKILL), so it dies with the agent; processes it spawned itself do not inherit
+that, and are killed through their process group by the next agent's ``reap()``. The prctl is
+made by a few lines of Python that then exec the command (same pid), not by a ``preexec_fn``:
+that runs Python in the forked child of a process full of gRPC threads, and gRPC's fork hooks
+crash such a child (seen as SIGSEGV when the exec fails).
+
+A Slurm executor maps onto the same calls: ``start`` writes a batch script that exports
+``job_env()`` and runs ``command_argv()``, submits it with ``sbatch --parsable --output=LOG
+--open-mode=append --gres=gpu:<model>:<n> --cpus-per-task --mem [--partition]`` and records the
+Slurm job id as ``RunHandle.ref`` (and in run.json); ``wait`` polls ``squeue -h -j ID -o %T``
+and then ``sacct -j ID -o ExitCode``; ``stop`` is ``scancel --signal=TERM ID``, then ``scancel
+ID`` after the grace; ``reap`` runs ``scancel`` on every recorded id. Slurm picks the GPUs, so
+the device indices are the allocation's, not the agent's, and jobs do not die with the agent
+(the next agent cancels them in ``reap``).
+
+Exceptions: ``ExecutorError`` (a ``sites.errors.SitesError``) when a run cannot be started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import psutil
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from sites.assignments import Assignment
+from sites.catalog import DeviceCatalog
+from sites.clock import Clock
+from sites.errors import SitesError
+from sites.spec import ExecutorKind, SiteSpec
+
+log = logging.getLogger(__name__)
+
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+RUN_RECORD = "run.json"
+POLL_S = 0.05
+KILL_WAIT_S = 5.0  # a process in uninterruptible sleep (D) dies only when its I/O ends
+
+# Device visibility per catalog vendor: the runtime then sees only the devices the job holds.
+VISIBLE_DEVICES_ENV = {
+    "nvidia": "CUDA_VISIBLE_DEVICES",
+    "amd": "ROCR_VISIBLE_DEVICES",
+    "huawei": "ASCEND_RT_VISIBLE_DEVICES",
+    "intel": "ZE_AFFINITY_MASK",
+}
+
+
+class ExecutorError(SitesError):
+    """A run could not be started (bad job id, missing program, executor unavailable)."""
+
+
+@dataclass(frozen=True)
+class RunHandle:
+    """One launched run. ``ref`` is the executor's id: the process group locally, a Slurm id."""
+
+    job: str
+    attempt: int
+    fence: int
+    ref: str
+    pid: int | None
+    log_path: Path
+    started_at: float
+
+
+class RunRecord(BaseModel):
+    """What run.json holds: enough for a later agent to find and stop the run."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    site: str
+    job: str
+    attempt: int
+    fence: int
+    ref: str
+    pid: int | None
+    created_at: float | None  # the process's start time, to tell a reused pid apart
+    started_at: float
+    log_path: str
+    agent_pid: int
+
+
+class Executor(Protocol):
+    kind: str
+    work_dir: Path
+
+    async def start(
+        self, assignment: Assignment, devices: tuple[int, ...], log_path: Path
+    ) -> RunHandle: ...
+
+    async def wait(self, handle: RunHandle) -> int: ...
+
+    async def stop(self, handle: RunHandle, grace_s: float) -> None: ...
+
+    async def reap(self, grace_s: float) -> list[RunRecord]: ...
+
+
+# -- layout and environment (shared by every executor) ---------------------------------------
+
+
+def check_job_id(job: str) -> None:
+    if not JOB_ID_RE.fullmatch(job):
+        raise ExecutorError(
+            f"job id {job!r} is not usable as a directory name ({JOB_ID_RE.pattern})"
+        )
+
+
+def job_dir(work_dir: Path, job: str) -> Path:
+    """<work_dir>/jobs/<job>: run.json and one log per attempt; work/ is the job's cwd."""
+    return work_dir / "jobs" / job
+
+
+def log_path(work_dir: Path, job: str, attempt: int) -> Path:
+    return job_dir(work_dir, job) / f"attempt-{attempt}.log"
+
+
+def command_argv(command: Sequence[str]) -> list[str]:
+    """argv as given; a single string with whitespace in it is a shell line for /bin/sh -c."""
+    if len(command) == 1 and any(ch.isspace() for ch in command[0]):
+        return ["/bin/sh", "-c", command[0]]
+    return list(command)
+
+
+def job_env(
+    assignment: Assignment,
+    devices: tuple[int, ...],
+    *,
+    site: str,
+    vendor: str | None,
+    base: Mapping[str, str],
+) -> dict[str, str]:
+    """The job's environment: ``base`` + the assignment's env + what cpn sets (which wins).
+
+    CPN_DEVICES is ``MODEL:i,j,...`` (empty without devices). The vendor's visibility variable
+    (CUDA_VISIBLE_DEVICES for NVIDIA, see VISIBLE_DEVICES_ENV) lists the indices; a job without
+    accelerators gets CUDA_VISIBLE_DEVICES="" so it cannot use GPUs it does not hold.
+    """
+    env = {k: v for k, v in base.items() if k not in ("CPN_CHECKPOINT_PATH", "CPN_RESUME")}
+    env.update(assignment.env)
+    indices = ",".join(str(i) for i in devices)
+    env.update(
+        CPN_JOB_ID=assignment.job,
+        CPN_SITE=site,
+        CPN_TENANT=assignment.tenant,
+        CPN_ATTEMPT=str(assignment.attempt),
+        CPN_DEVICES=f"{assignment.model}:{indices}" if devices and assignment.model else "",
+    )
+    if not devices:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    elif vendor in VISIBLE_DEVICES_ENV:
+        env[VISIBLE_DEVICES_ENV[vendor]] = indices
+    if assignment.checkpoint_path:
+        env["CPN_CHECKPOINT_PATH"] = assignment.checkpoint_path
+    if assignment.resume:
+        env["CPN_RESUME"] = "1"
+    return env
+
+
+def default_work_dir(spec: SiteSpec) -> Path:
+    """spec.executor.work_dir, else $CPN_STATE_DIR/sites/<site>, else the XDG state dir."""
+    if spec.executor.work_dir:
+        return Path(spec.executor.work_dir).expanduser()
+    state = os.environ.get("CPN_STATE_DIR")
+    if state:
+        return Path(state) / "sites" / spec.id
+    xdg = os.environ.get("XDG_STATE_HOME")
+    root = Path(xdg) if xdg else Path.home() / ".local" / "state"
+    return root / "cpn" / "sites" / spec.id
+
+
+def make_executor(spec: SiteSpec, *, catalog: DeviceCatalog, clock: Clock) -> Executor:
+    """The executor spec.executor names; Slurm is not implemented yet (its runs fail)."""
+    work_dir = default_work_dir(spec)
+    if spec.executor.kind is ExecutorKind.slurm:
+        if shutil.which("sbatch") is None:
+            log.error("site %s: slurm executor: sbatch not found on PATH", spec.id)
+            return UnavailableExecutor("slurm", work_dir, "slurm executor: sbatch not found")
+        return UnavailableExecutor("slurm", work_dir, "slurm executor: not implemented yet")
+    return LocalExecutor(work_dir=work_dir, site=spec.id, catalog=catalog, clock=clock)
+
+
+# -- local processes ---------------------------------------------------------------------------
+
+
+class LocalExecutor:
+    """Runs each job as a process group on this host (see the module docstring)."""
+
+    kind = "local"
+
+    def __init__(self, *, work_dir: Path, site: str, catalog: DeviceCatalog, clock: Clock) -> None:
+        self.work_dir = work_dir
+        self.site = site
+        self._catalog = catalog
+        self._clock = clock
+        self._procs: dict[str, asyncio.subprocess.Process] = {}
+
+    async def start(
+        self, assignment: Assignment, devices: tuple[int, ...], log_path: Path
+    ) -> RunHandle:
+        check_job_id(assignment.job)
+        jdir = job_dir(self.work_dir, assignment.job)
+        cwd = jdir / "work"
+        vendor = None
+        if assignment.model is not None and assignment.model in self._catalog:
+            vendor = self._catalog.get(assignment.model).vendor
+        env = job_env(assignment, devices, site=self.site, vendor=vendor, base=os.environ)
+        argv = command_argv(assignment.command)
+        _check_program(argv[0], env=env, cwd=cwd)
+        try:
+            cwd.mkdir(parents=True, exist_ok=True)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "ab") as out:
+                proc = await asyncio.create_subprocess_exec(
+                    *_die_with_parent(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=cwd,
+                    env=env,
+                    start_new_session=True,  # own session and process group: stop() kills it all
+                )
+        except OSError as exc:
+            raise ExecutorError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from exc
+        handle = RunHandle(
+            job=assignment.job,
+            attempt=assignment.attempt,
+            fence=assignment.fence,
+            ref=str(proc.pid),
+            pid=proc.pid,
+            log_path=log_path,
+            started_at=self._clock.time(),
+        )
+        record = RunRecord(
+            site=self.site,
+            job=handle.job,
+            attempt=handle.attempt,
+            fence=handle.fence,
+            ref=handle.ref,
+            pid=proc.pid,
+            created_at=_create_time(proc.pid),
+            started_at=handle.started_at,
+            log_path=str(log_path),
+            agent_pid=os.getpid(),
+        )
+        try:
+            _write_record(jdir / RUN_RECORD, record)
+        except OSError as exc:
+            # without a record a crashed agent's successor could not find it: do not run it
+            _signal_group(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            raise ExecutorError(f"cannot write {jdir / RUN_RECORD}: {exc}") from exc
+        self._procs[handle.ref] = proc
+        log.info(
+            "job %s attempt %d started: pid %d, devices %s",
+            handle.job,
+            handle.attempt,
+            proc.pid,
+            list(devices),
+        )
+        return handle
+
+    async def wait(self, handle: RunHandle) -> int:
+        proc = self._procs.get(handle.ref)
+        if proc is None:
+            raise ExecutorError(f"run {handle.ref} of job {handle.job} is not ours")
+        try:
+            code = await proc.wait()
+        finally:
+            if proc.returncode is not None:
+                # what the job left behind in its group dies with it, as under Slurm
+                _signal_group(int(handle.ref), signal.SIGKILL)
+                self._procs.pop(handle.ref, None)
+                _remove_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, handle.ref)
+        return code
+
+    async def stop(self, handle: RunHandle, grace_s: float) -> None:
+        """SIGTERM the group, SIGKILL it after ``grace_s``; returns once it is gone."""
+        pgid = int(handle.ref)
+        if not _signal_group(pgid, signal.SIGTERM):
+            return
+        if await self._wait_gone(pgid, grace_s):
+            return
+        log.warning("job %s (pgid %d) outlived its %.1fs grace; killing it", handle.job, pgid,
+                    grace_s)  # fmt: skip
+        _signal_group(pgid, signal.SIGKILL)
+        if not await self._wait_gone(pgid, KILL_WAIT_S):
+            log.error("job %s (pgid %d) survived SIGKILL for %.0fs", handle.job, pgid, KILL_WAIT_S)
+
+    async def _wait_gone(self, pgid: int, timeout_s: float) -> bool:
+        deadline = self._clock.monotonic() + timeout_s
+        while _group_members(pgid):
+            if self._clock.monotonic() >= deadline:
+                return False
+            await self._clock.sleep(POLL_S)
+        return True
+
+    async def reap(self, grace_s: float) -> list[RunRecord]:
+        found: list[tuple[Path, RunRecord]] = []
+        for path in sorted((self.work_dir / "jobs").glob(f"*/{RUN_RECORD}")):
+            record = _read_record(path)
+            if record is None:
+                path.unlink(missing_ok=True)
+            elif record.site == self.site:
+                found.append((path, record))
+        alive = [(p, r) for p, r in found if _leftover_alive(r)]
+        for _, record in alive:
+            log.warning(
+                "killing leftover job %s attempt %d (pgid %s) of a previous agent",
+                record.job,
+                record.attempt,
+                record.ref,
+            )
+        await asyncio.gather(*(self.stop(_handle_of(r), grace_s) for _, r in alive))
+        for path, _ in found:
+            path.unlink(missing_ok=True)
+        return [r for _, r in alive]
+
+
+class UnavailableExecutor:
+    """Stands in for an executor that cannot run here: every start fails with ``reason``.
+
+    Its methods keep the Executor signatures, hence the unused arguments.
+    """
+
+    def __init__(self, kind: str, work_dir: Path, reason: str) -> None:
+        self.kind = kind
+        self.work_dir = work_dir
+        self.reason = reason
+
+    async def start(
+        self,
+        assignment: Assignment,  # noqa: ARG002
+        devices: tuple[int, ...],  # noqa: ARG002
+        log_path: Path,  # noqa: ARG002
+    ) -> RunHandle:
+        raise ExecutorError(self.reason)
+
+    async def wait(self, handle: RunHandle) -> int:  # noqa: ARG002
+        raise ExecutorError(self.reason)
+
+    async def stop(self, handle: RunHandle, grace_s: float) -> None:  # noqa: ARG002
+        return None
+
+    async def reap(self, grace_s: float) -> list[RunRecord]:  # noqa: ARG002
+        return []
+
+
+# -- process helpers ---------------------------------------------------------------------------
+
+# Sets PR_SET_PDEATHSIG(SIGKILL), checks the agent did not die first, then becomes the job.
+_EXEC_WITH_PDEATHSIG = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(137)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    print(f"cpn: cannot start {sys.argv[2]!r}: {exc.strerror}", file=sys.stderr)
+    os._exit(127)
+"""
+
+
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """argv wrapped so the job gets SIGKILL when the agent (its parent) dies. Linux only."""
+    if sys.platform != "linux":
+        return argv
+    return [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *argv]
+
+
+def _check_program(program: str, *, env: Mapping[str, str], cwd: Path) -> None:
+    """Fail early, with a clear message, for a program that cannot be executed."""
+    if os.sep in program:
+        path = Path(program) if os.path.isabs(program) else cwd / program
+        ok = path.is_file() and os.access(path, os.X_OK)
+    else:
+        ok = shutil.which(program, path=env.get("PATH", os.defpath)) is not None
+    if not ok:
+        raise ExecutorError(f"cannot start {program!r}: no such executable")
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> bool:
+    """Send ``sig`` to the process group; False when the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        log.warning("no permission to signal process group %d", pgid)
+        return False
+    return True
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of the group; zombies answer signal 0, so look closer."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return []
+    if _running(pgid):
+        return [pgid]  # the leader still runs: no need to scan every process
+    members = []
+    for proc in psutil.process_iter(["status"]):
+        if proc.info.get("status") in (None, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+            continue
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                members.append(proc.pid)
+        except OSError:
+            continue
+    return members
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.Error:
+        return False
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _leftover_alive(record: RunRecord) -> bool:
+    """Does the recorded run still have processes? A reused pid is somebody else's."""
+    pgid = int(record.ref)
+    if record.pid is not None:
+        created = _create_time(record.pid)
+        if created is not None and record.created_at is not None:
+            if abs(created - record.created_at) > 0.5:
+                return False  # the pid now names another process (and so no group of ours)
+    return bool(_group_members(pgid))
+
+
+def _handle_of(record: RunRecord) -> RunHandle:
+    return RunHandle(
+        job=record.job,
+        attempt=record.attempt,
+        fence=record.fence,
+        ref=record.ref,
+        pid=record.pid,
+        log_path=Path(record.log_path),
+        started_at=record.started_at,
+    )
+
+
+def _write_record(path: Path, record: RunRecord) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(record.model_dump_json())
+    tmp.replace(path)
+
+
+def _read_record(path: Path) -> RunRecord | None:
+    try:
+        return RunRecord.model_validate_json(path.read_bytes())
+    except (OSError, ValidationError) as exc:
+        log.warning("ignoring unreadable run record %s: %s", path, exc)
+        return None
+
+
+def _remove_record(path: Path, ref: str) -> None:
+    record = _read_record(path) if path.exists() else None
+    if record is not None and record.ref == ref:
+        path.unlink(missing_ok=True)

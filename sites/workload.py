@@ -1,0 +1,568 @@
+"""The jobs placed on this site: follow the assignments, run them, report on them.
+
+The broker writes an Assignment at /cpn/v1/assignments/<site>/<job>; the Workload mirrors that
+prefix and converges on it: a new assignment is allocated devices and started, a withdrawn one
+(key deleted, or replaced by another attempt/fence) is stopped. Each run reports `starting`
+(written before the process is launched), `running`, then a terminal state, at
+/cpn/v1/reports/<site>/<job>, every report fenced by the agent lock and retried with backoff
+while etcd is unavailable. An attempt runs at most once per site: at start, a job whose
+attempt+fence already has a report is not run again; one left `starting`/`running` by a
+crashed predecessor (whose process died with it) is reported `failed` as lost, for the broker
+to retry. Long form: docs/executor.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sites import keys
+from sites.assignments import Assignment, Report, RunState
+from sites.catalog import Capacity, DeviceCatalog, normalize
+from sites.clock import Clock
+from sites.errors import RegistryError, SitesError
+from sites.executor import JOB_ID_RE, Executor, ExecutorError, RunHandle, log_path
+from sites.mirror import PrefixMirror
+from sites.registry import Registry
+from sites.spec import SiteSpec
+from sites.status import AgentRecord
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 10.0
+KEEP_FINISHED = 200  # finished runs listed by /jobs once their assignment is gone
+RETRY_MIN_S = 0.2
+RETRY_MAX_S = 5.0
+LOG_POLL_S = 0.2
+LOG_CHUNK = 64 * 1024
+
+
+class UnknownJob(SitesError, LookupError):
+    def __init__(self, job: str, attempt: int | None = None) -> None:
+        self.job = job
+        what = f"job {job!r}" + ("" if attempt is None else f" attempt {attempt}")
+        super().__init__(f"{what} has no run at this site")
+
+
+class DoesNotFit(SitesError):
+    """An assignment asks for more than the site has free (the broker should have prevented it)."""
+
+
+@dataclass(frozen=True)
+class SiteResources:
+    """What jobs can be given: device indices per model, cores and RAM."""
+
+    devices: Mapping[str, tuple[int, ...]]
+    cpu_cores: int
+    mem_gb: float
+
+
+def declared_resources(spec: SiteSpec) -> SiteResources:
+    """The declared inventory; device indices are 0..count-1 per model."""
+    inv = spec.inventory
+    return SiteResources(
+        devices={pool.model: tuple(range(pool.count)) for pool in inv.devices},
+        cpu_cores=inv.cpu_cores,
+        mem_gb=inv.mem_gb,
+    )
+
+
+@dataclass(eq=False)
+class Run:
+    """One attempt of one job at this site, as this agent knows it."""
+
+    assignment: Assignment
+    devices: tuple[int, ...] = ()
+    log_path: Path | None = None
+    state: RunState = RunState.starting
+    handle: RunHandle | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    exit_code: int | None = None
+    message: str = ""
+    withdrawn: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def job(self) -> str:
+        return self.assignment.job
+
+    @property
+    def live(self) -> bool:
+        return not self.state.terminal
+
+    def same_attempt(self, assignment: Assignment) -> bool:
+        a = self.assignment
+        return (a.attempt, a.fence) == (assignment.attempt, assignment.fence)
+
+    def finish(self, state: RunState, now: float, exit_code: int | None, message: str) -> None:
+        self.state = state
+        self.finished_at = now
+        self.exit_code = exit_code
+        self.message = message
+
+    def report(self, now: float) -> Report:
+        a = self.assignment
+        return Report(
+            job=a.job,
+            site=a.site,
+            attempt=a.attempt,
+            fence=a.fence,
+            state=self.state,
+            exit_code=self.exit_code,
+            message=self.message,
+            devices=self.devices,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            log_path=None if self.log_path is None else str(self.log_path),
+            updated_at=now,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        a = self.assignment
+        return {
+            "job": a.job,
+            "tenant": a.tenant,
+            "attempt": a.attempt,
+            "fence": a.fence,
+            "state": self.state.value,
+            "exit_code": self.exit_code,
+            "message": self.message,
+            "model": a.model,
+            "devices": list(self.devices),
+            "cpu": a.cpu,
+            "mem_gb": a.mem_gb,
+            "pid": None if self.handle is None else self.handle.pid,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "log_path": None if self.log_path is None else str(self.log_path),
+            "withdrawn": self.withdrawn.is_set(),
+        }
+
+
+def allocate(
+    assignment: Assignment, resources: SiteResources, held: Iterable[Run]
+) -> tuple[int, ...]:
+    """Device indices for ``assignment`` next to the live runs ``held`` (pure); DoesNotFit."""
+    holding = [run for run in held if run.live]
+    a = assignment
+    devices: tuple[int, ...] = ()
+    if a.gpus > 0:
+        if a.model is None:
+            raise DoesNotFit(f"asks for {a.gpus} accelerator(s) but names no model")
+        pool = resources.devices.get(a.model, ())
+        if not pool:
+            have = ", ".join(f"{len(ix)} x {m}" for m, ix in resources.devices.items()) or "none"
+            raise DoesNotFit(f"site has no {a.model} devices (it has: {have})")
+        taken = {i for run in holding if run.assignment.model == a.model for i in run.devices}
+        free = [i for i in pool if i not in taken]
+        if len(free) < a.gpus:
+            raise DoesNotFit(f"needs {a.gpus} x {a.model}, only {len(free)} of {len(pool)} free")
+        devices = tuple(free[: a.gpus])
+    cpu_free = resources.cpu_cores - sum(run.assignment.cpu for run in holding)
+    if a.cpu > cpu_free:
+        raise DoesNotFit(f"needs {a.cpu} CPU cores, only {max(0, cpu_free)} free")
+    mem_free = resources.mem_gb - sum(run.assignment.mem_gb for run in holding)
+    if a.mem_gb > mem_free + 1e-9:
+        raise DoesNotFit(f"needs {a.mem_gb:g} GB of memory, only {max(0.0, mem_free):g} free")
+    return devices
+
+
+@dataclass(frozen=True)
+class JobLog:
+    """One attempt's log file; ``run`` is set while this agent knows the attempt's run."""
+
+    job: str
+    attempt: int
+    path: Path
+    run: Run | None
+
+    @property
+    def live(self) -> bool:
+        return self.run is not None and self.run.live
+
+    async def chunks(
+        self, *, clock: Clock, offset: int = 0, follow: bool = False, poll_s: float = LOG_POLL_S
+    ) -> AsyncIterator[bytes]:
+        """The log from ``offset``; with ``follow``, keep tailing until the run has ended."""
+        while not self.path.exists():
+            if not (follow and self.live):
+                return
+            await clock.sleep(poll_s)
+        # local reads of a bounded chunk are fast enough for the loop; no thread needed
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            while True:
+                was_live = self.live  # sampled before reading: output precedes the exit
+                data = f.read(LOG_CHUNK)
+                if data:
+                    yield data
+                    continue
+                if not (follow and was_live):
+                    return
+                await clock.sleep(poll_s)
+
+
+class Workload:
+    """Runs this site's assignments with an executor; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        spec: SiteSpec,
+        catalog: DeviceCatalog,
+        executor: Executor,
+        clock: Clock,
+        record: Callable[[], AgentRecord | None],
+        resources: Callable[[], SiteResources] | None = None,
+        stop_grace_s: float = STOP_GRACE_S,
+        retry_max_s: float = RETRY_MAX_S,
+    ) -> None:
+        self.registry = registry
+        self.spec = spec
+        self.site = spec.id
+        self.catalog = catalog
+        self.executor = executor
+        self.clock = clock
+        self.stop_grace_s = stop_grace_s
+        self._record = record
+        self._resources = resources or (lambda: declared_resources(spec))
+        self._retry_max_s = retry_max_s
+        self._mirror = PrefixMirror(
+            registry=registry, prefix=keys.assignments(self.site), on_change=self._on_change
+        )
+        self._dirty = asyncio.Event()
+        self._runs: dict[str, Run] = {}  # job -> its current (or last) run here
+        self._reported: dict[str, Report] = {}  # job -> last report known to be in etcd
+        self._parsed: dict[str, tuple[bytes, Assignment | None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._main: asyncio.Task[Any] | None = None
+        self._closing = asyncio.Event()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Reap leftovers, read reports, then follow the assignments until cancelled."""
+        self._main = asyncio.current_task()
+        for record in await self.executor.reap(self.stop_grace_s):
+            log.warning(
+                "stopped leftover run of job %s attempt %d from a previous agent",
+                record.job,
+                record.attempt,
+            )
+        self._reported = await self._load_reports()
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._mirror.run(), name=f"workload {self.site} assignments")
+            group.create_task(self._reconcile_loop(), name=f"workload {self.site} reconcile")
+
+    async def stop(self) -> None:
+        """Graceful agent stop: SIGTERM every job (SIGKILL after the grace), report nothing.
+
+        The agent then revokes its lease; the broker sees the site go down and moves the jobs.
+        """
+        self._closing.set()
+        main = self._main
+        if main is not None and not main.done():
+            main.cancel()
+            await asyncio.gather(main, return_exceptions=True)
+        live = [run for run in self._runs.values() if run.live and run.handle is not None]
+        await asyncio.gather(
+            *(self.executor.stop(run.handle, self.stop_grace_s) for run in live if run.handle)
+        )
+        tasks = list(self._tasks)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=2.0)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        now = self.clock.time()
+        for run in self._runs.values():
+            if run.live:
+                run.finish(RunState.stopped, now, run.exit_code, "the agent stopped")
+
+    # -- what the agent publishes and serves --------------------------------------------------
+
+    def runs(self) -> list[Run]:
+        return sorted(self._runs.values(), key=lambda run: run.job)
+
+    def held_devices(self) -> dict[str, frozenset[int]]:
+        held: dict[str, set[int]] = {}
+        for run in self._runs.values():
+            if run.live and run.devices and run.assignment.model is not None:
+                held.setdefault(run.assignment.model, set()).update(run.devices)
+        return {model: frozenset(ix) for model, ix in held.items()}
+
+    def held(self) -> Capacity:
+        """Capacity held by live runs: their devices per model, cores and memory."""
+        live = [run for run in self._runs.values() if run.live]
+        return normalize(
+            devices={model: len(ix) for model, ix in self.held_devices().items()},
+            cpu_cores=sum(run.assignment.cpu for run in live),
+            mem_gb=sum(run.assignment.mem_gb for run in live),
+            storage_tb=0.0,
+            catalog=self.catalog,
+        )
+
+    def log(self, job: str, attempt: int | None = None) -> JobLog:
+        """The log of ``job``'s attempt (default: the current run's, else the latest on disk)."""
+        if not JOB_ID_RE.fullmatch(job):
+            raise UnknownJob(job, attempt)
+        run = self._runs.get(job)
+        if attempt is None:
+            if run is not None:
+                attempt = run.assignment.attempt
+            else:
+                attempt = max(self._attempts_on_disk(job), default=None)
+                if attempt is None:
+                    raise UnknownJob(job)
+        if run is not None and run.assignment.attempt != attempt:
+            run = None
+        path = log_path(self.executor.work_dir, job, attempt)
+        if run is None and not path.exists():
+            raise UnknownJob(job, attempt)
+        return JobLog(job=job, attempt=attempt, path=path, run=run)
+
+    def _attempts_on_disk(self, job: str) -> list[int]:
+        found = []
+        for path in log_path(self.executor.work_dir, job, 1).parent.glob("attempt-*.log"):
+            number = path.stem.removeprefix("attempt-")
+            if number.isdigit():
+                found.append(int(number))
+        return found
+
+    # -- converging on the assignments --------------------------------------------------------
+
+    def _on_change(self, _: dict[str, bytes]) -> None:
+        self._dirty.set()
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            if self._closing.is_set():
+                return
+            self._reconcile(self._desired())
+
+    def _desired(self) -> dict[str, Assignment]:
+        desired: dict[str, Assignment] = {}
+        parsed: dict[str, tuple[bytes, Assignment | None]] = {}
+        for key, raw in self._mirror.items.items():
+            cached = self._parsed.get(key)
+            assignment = (
+                cached[1] if cached is not None and cached[0] == raw else self._parse(key, raw)
+            )
+            parsed[key] = (raw, assignment)
+            if assignment is not None:
+                desired[assignment.job] = assignment
+        self._parsed = parsed
+        return desired
+
+    def _parse(self, key: str, raw: bytes) -> Assignment | None:
+        parts = keys.split(key, keys.assignments(self.site))
+        try:
+            assignment = Assignment.model_validate_json(raw)
+        except ValidationError as exc:
+            log.warning("ignoring malformed assignment at %s: %s", key, exc.errors()[0]["msg"])
+            return None
+        if parts != [assignment.job] or assignment.site != self.site:
+            log.warning(
+                "ignoring assignment at %s: it names job %r at site %r",
+                key,
+                assignment.job,
+                assignment.site,
+            )
+            return None
+        return assignment
+
+    def _reconcile(self, desired: dict[str, Assignment]) -> None:
+        """Decide and act, without awaiting: stop what is withdrawn, start what is new."""
+        for job, run in self._runs.items():
+            wanted = desired.get(job)
+            if (
+                run.live
+                and not run.withdrawn.is_set()
+                and (wanted is None or not run.same_attempt(wanted))
+            ):
+                run.withdrawn.set()
+                log.info("job %s attempt %d withdrawn; stopping it", job, run.assignment.attempt)
+                self._spawn(self._withdraw(run), f"stop {job}")
+        for job, assignment in sorted(desired.items()):
+            current = self._runs.get(job)
+            if current is not None and (current.live or current.same_attempt(assignment)):
+                continue  # running, stopping for a successor, or this very attempt already ran
+            self._start(assignment)
+        self._prune(desired)
+
+    def _start(self, assignment: Assignment) -> None:
+        job = assignment.job
+        now = self.clock.time()
+        prior = self._reported.get(job)
+        attempt = (assignment.attempt, assignment.fence)
+        if prior is not None and (prior.attempt, prior.fence) == attempt:
+            if prior.state.terminal:
+                return  # this attempt already ran here; never run it twice
+            run = Run(assignment=assignment, devices=prior.devices, started_at=prior.started_at)
+            run.log_path = None if prior.log_path is None else Path(prior.log_path)
+            run.finish(
+                RunState.failed,
+                now,
+                None,
+                "lost: the agent restarted while this attempt ran; exit status unknown",
+            )
+        else:
+            run = Run(assignment=assignment)
+            try:
+                run.devices = allocate(assignment, self._resources(), self._runs.values())
+            except DoesNotFit as exc:
+                run.finish(
+                    RunState.failed, now, None, f"not run: does not fit at site {self.site}: {exc}"
+                )
+            else:
+                run.log_path = log_path(self.executor.work_dir, job, assignment.attempt)
+        self._runs[job] = run
+        if run.state is RunState.failed:
+            log.warning("job %s attempt %d: %s", job, assignment.attempt, run.message)
+        run.task = self._spawn(self._execute(run), f"job {job}")
+
+    def _prune(self, desired: Mapping[str, Assignment]) -> None:
+        gone = [job for job in self._reported if job not in desired]
+        for job in gone:  # a new placement always has a new fence, so this is safe to forget
+            del self._reported[job]
+        finished = sorted(
+            (run for job, run in self._runs.items() if not run.live and job not in desired),
+            key=lambda run: run.finished_at or 0.0,
+        )
+        for run in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+            del self._runs[run.job]
+
+    # -- one run ------------------------------------------------------------------------------
+
+    async def _execute(self, run: Run) -> None:
+        try:
+            await self._run(run)
+        except Exception as exc:
+            # a bug here must not leave the run holding its devices, nor go unreported
+            log.exception("job %s attempt %d: agent error", run.job, run.assignment.attempt)
+            if run.live:
+                run.finish(RunState.failed, self.clock.time(), None, f"agent error: {exc!r}")
+                await self._write(run)
+        finally:
+            self._dirty.set()  # a successor assignment of this job may be waiting for us
+
+    async def _run(self, run: Run) -> None:
+        a = run.assignment
+        if run.state.terminal:  # did not fit, or lost with a previous agent
+            await self._write(run)
+            return
+        await self._write(run)  # `starting` is in etcd before anything runs
+        if self._closing.is_set():
+            return
+        if run.withdrawn.is_set():
+            run.finish(RunState.stopped, self.clock.time(), None, "withdrawn before it started")
+            await self._write(run)
+            return
+        if run.log_path is None:  # allocated runs always have one
+            raise ExecutorError(f"job {a.job}: no log path")
+        try:
+            handle = await self.executor.start(a, run.devices, run.log_path)
+        except ExecutorError as exc:
+            run.finish(RunState.failed, self.clock.time(), None, str(exc))
+            log.warning("job %s attempt %d: %s", a.job, a.attempt, exc)
+            await self._write(run)
+            return
+        run.handle = handle
+        run.started_at = handle.started_at
+        run.state = RunState.running
+        if self._closing.is_set():  # the agent began stopping while this one started
+            await self.executor.stop(handle, self.stop_grace_s)
+        elif run.withdrawn.is_set():
+            self._spawn(self._withdraw(run), f"stop {a.job}")
+        await self._write(run)
+        code = await self.executor.wait(handle)
+        if self._closing.is_set():
+            return  # graceful agent stop: nothing more is reported (docs/executor.md)
+        if run.withdrawn.is_set():
+            state, message = RunState.stopped, "stopped: the assignment was withdrawn"
+        elif code == 0:
+            state, message = RunState.succeeded, ""
+        else:
+            state, message = RunState.failed, _exit_message(code)
+        run.finish(state, self.clock.time(), code, message)
+        log.info("job %s attempt %d %s (exit %d)", a.job, a.attempt, state.value, code)
+        await self._write(run)
+
+    async def _withdraw(self, run: Run) -> None:
+        if run.handle is not None:
+            await self.executor.stop(run.handle, self.stop_grace_s)
+
+    async def _write(self, run: Run) -> None:
+        """Write the run's report; retried with backoff until it lands or the agent stops."""
+        delay = RETRY_MIN_S
+        while not self._closing.is_set():
+            report = run.report(self.clock.time())
+            record = self._record()
+            if record is not None:
+                try:
+                    await self.registry.write_report(record, report)
+                except RegistryError as exc:
+                    log.warning(
+                        "report of job %s (%s) not written: %s; retrying in %.1fs",
+                        run.job,
+                        report.state.value,
+                        exc,
+                        delay,
+                    )
+                else:
+                    self._reported[run.job] = report
+                    return
+            await self.clock.sleep(delay)
+            delay = min(delay * 2, self._retry_max_s)
+
+    async def _load_reports(self) -> dict[str, Report]:
+        prefix = keys.reports(self.site)
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                _, kvs = await self.registry.list_prefix(prefix)
+                break
+            except RegistryError as exc:
+                log.warning("cannot read reports (%s); retrying in %.1fs", exc, delay)
+                await self.clock.sleep(delay)
+                delay = min(delay * 2, self._retry_max_s)
+        reports: dict[str, Report] = {}
+        for key, raw, _ in kvs:
+            try:
+                report = Report.model_validate_json(raw)
+            except ValidationError:
+                log.warning("ignoring malformed report at %s", key)
+                continue
+            reports[report.job] = report
+        return reports
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        task = asyncio.create_task(coro, name=f"workload {self.site} {name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._guard)
+        return task
+
+    def _guard(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s crashed", task.get_name(), exc_info=task.exception())
+
+
+def _exit_message(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with {code}"

@@ -1,0 +1,226 @@
+"""A small real federation per test: etcd (session), agent processes, one broker process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sites import keys
+from sites.etcd_server import EmbeddedEtcd, free_port
+from sites.registry import Registry
+from tests.conftest import CONFIGS, Processes, run_cpn, site_doc
+
+BROKER_SETTINGS = {
+    "leader_ttl_s": 2,
+    "tick_s": 0.2,
+    "failover_grace_s": 0.2,
+    "retry_base_s": 0.2,
+    "retry_max_s": 1.0,
+    "batch_interval_s": 2.0,
+    "batch_time_limit_s": 1.0,
+}
+
+# Four small sites: two in "east" (b cheaper than a), one far "west" with A100s, one abroad.
+SITES: dict[str, dict[str, Any]] = {
+    "east-a": {"region": "east", "coordinates": {"lat": 31.2, "lon": 121.4}, "price": 3.0},
+    "east-b": {"region": "east", "coordinates": {"lat": 31.3, "lon": 120.6}, "price": 2.0},
+    "west": {
+        "region": "west",
+        "coordinates": {"lat": 37.5, "lon": 105.2},
+        "price": 1.0,
+        "model": "A100-80GB",
+    },
+    "abroad": {
+        "region": "eu",
+        "country": "DE",
+        "coordinates": {"lat": 50.1, "lon": 8.7},
+        "price": 1.5,
+        "count": 8,
+    },
+}
+
+
+def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
+    model = spec.get("model", "H100")
+    doc = site_doc(
+        site_id,
+        region=spec["region"],
+        country=spec.get("country", "CN"),
+        coordinates=spec["coordinates"],
+        inventory={
+            "devices": [{"model": model, "count": spec.get("count", 16)}],
+            "cpu_cores": 256,
+            "mem_gb": 4096,
+            "storage_tb": 10,
+        },
+        prices={
+            "usd_per_gpu_hour": {model: spec["price"]},
+            "usd_per_core_hour": 0.01,
+            "usd_per_gb_mem_hour": 0.001,
+            "usd_per_gb_egress": 0.05,
+        },
+    )
+    doc["agent"] = {"interval_s": 0.5}
+    return doc
+
+
+@dataclass
+class Federation:
+    registry: Registry
+    processes: Processes
+    config_dir: Path
+    broker_url: str = ""
+    broker: subprocess.Popen[bytes] | None = None
+    agents: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+
+    def site_file(self, site: str) -> Path:
+        return self.config_dir / "sites" / f"{site}.yaml"
+
+    def start_agent(self, site: str) -> subprocess.Popen[bytes]:
+        proc = self.processes.start(
+            "agent", "--site", str(self.site_file(site)), "--etcd", self.registry.url,
+            "--catalog", str(self.config_dir / "devices.yaml"), "--probe-method", "tcp-connect",
+            name=f"agent-{site}-{len(self.processes.procs)}",
+            env={"CPN_STATE_DIR": str(self.config_dir / "state")},
+        )  # fmt: skip
+        self.agents[site] = proc
+        return proc
+
+    def start_broker(self) -> subprocess.Popen[bytes]:
+        port = free_port()
+        self.broker_url = f"http://127.0.0.1:{port}"
+        self.broker = self.processes.start(
+            "broker", "--etcd", self.registry.url, "--listen", f"127.0.0.1:{port}",
+            "--config-dir", str(self.config_dir), name=f"broker-{len(self.processes.procs)}",
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.broker.poll() is not None:
+                raise AssertionError(
+                    "broker exited: "
+                    + self.processes.log(f"broker-{len(self.processes.procs) - 1}")
+                )
+            try:
+                if json.loads(self.get("/healthz")[1])["leader"]:
+                    return self.broker
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.1)
+        raise AssertionError("broker did not become leader")
+
+    def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+        proc.send_signal(sig)
+        proc.wait(15)
+
+    def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.broker_url + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": "application/json"} if data is not None else {},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def get(self, path: str) -> tuple[int, str]:
+        with urllib.request.urlopen(self.broker_url + path, timeout=30) as resp:
+            return resp.status, resp.read().decode()
+
+    def submit(self, **spec: Any) -> dict[str, Any]:
+        body = {"tenant": "t1", "command": ["sh", "-c", "echo hello from $CPN_SITE"], **spec}
+        status, record = self.request("POST", "/v1/jobs", body)
+        assert status == 201, record
+        return record  # type: ignore[no-any-return]
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        status, record = self.request("GET", f"/v1/jobs/{job_id}")
+        assert status == 200, record
+        return record  # type: ignore[no-any-return]
+
+    def wait_state(self, job_id: str, *states: str, timeout: float = 30) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        record: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            record = self.job(job_id)
+            if record["state"] in states:
+                return record
+            time.sleep(0.1)
+        raise AssertionError(
+            f"{job_id} is {record.get('state')}, not {states}: {record.get('events')}"
+        )
+
+
+@pytest.fixture
+def make_federation(
+    etcd: EmbeddedEtcd, registry: Registry, processes: Processes, tmp_path: Path
+) -> Iterator[Callable[..., Federation]]:
+    def make(sites: dict[str, dict[str, Any]] | None = None, *, agents: bool = True) -> Federation:
+        cfg = tmp_path / "configs"
+        (cfg / "sites").mkdir(parents=True)
+        shutil.copy(CONFIGS / "devices.yaml", cfg / "devices.yaml")
+        shutil.copytree(CONFIGS / "latency", cfg / "latency")
+        regions = {
+            "user_regions": [
+                {"id": "user-east", "lat": 31.23, "lon": 121.47},
+                {"id": "user-eu", "lat": 50.1, "lon": 8.7},
+            ]
+        }
+        (cfg / "regions.yaml").write_text(yaml.safe_dump(regions))
+        (cfg / "tenants.yaml").write_text(yaml.safe_dump({"tenants": {"small": {"gpus": 4}}}))
+        (cfg / "broker.yaml").write_text(yaml.safe_dump(BROKER_SETTINGS))
+        chosen = sites or SITES
+        for site_id, spec in chosen.items():
+            (cfg / "sites" / f"{site_id}.yaml").write_text(
+                yaml.safe_dump(federation_site(site_id, spec))
+            )
+        result = run_cpn(
+            "site",
+            "join",
+            *map(str, sorted((cfg / "sites").glob("*.yaml"))),
+            "--catalog",
+            str(cfg / "devices.yaml"),
+            etcd_url=registry.url,
+        )
+        assert result.returncode == 0, result.stderr
+        fed = Federation(registry=registry, processes=processes, config_dir=cfg)
+        if agents:
+            for site_id in chosen:
+                fed.start_agent(site_id)
+        fed.start_broker()
+        if agents:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                _, sites_json = fed.get("/v1/sites")
+                if all(s["state"] == "up" for s in json.loads(sites_json)):
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError(f"sites not up: {sites_json}")
+        return fed
+
+    yield make
+
+
+async def assignments_of(registry: Registry) -> dict[str, list[str]]:
+    _, kvs = await registry.list_prefix(keys.ASSIGNMENTS)
+    out: dict[str, list[str]] = {}
+    for key, _, _ in kvs:
+        site, job = keys.split(key, keys.ASSIGNMENTS)
+        out.setdefault(site, []).append(job)
+    return out
