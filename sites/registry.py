@@ -222,6 +222,63 @@ class LeaveResult:
     pending_assignments: int
 
 
+class _LeaseKeepAlive:
+    """Refreshes leases over ONE LeaseKeepAlive stream, as etcd's Go client does.
+
+    aetcd's refresh_lease opens a bidirectional stream per refresh; at 1000 leases a second that
+    costs a core of Python (bench/README.md). Requests are queued onto the shared stream and each
+    reply resolves the waiter of its lease id.
+    """
+
+    def __init__(self, client: aetcd.Client, timeout_s: float) -> None:
+        self._client = client
+        self._timeout_s = timeout_s
+        self._requests: asyncio.Queue[int] = asyncio.Queue()
+        self._pending: dict[int, asyncio.Future[int]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def refresh(self, lease_id: int) -> int:
+        """The lease's TTL after the refresh (<= 0: it is gone)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="etcd lease keepalive stream")
+        future = self._pending.get(lease_id)
+        if future is None or future.done():
+            future = self._pending[lease_id] = asyncio.get_running_loop().create_future()
+            self._requests.put_nowait(lease_id)
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await asyncio.shield(future)
+        except TimeoutError as exc:
+            self._pending.pop(lease_id, None)
+            raise RegistryUnavailable(f"keepalive of lease {lease_id:x}: no answer") from exc
+
+    async def _request_stream(self) -> AsyncIterator[Any]:
+        while True:
+            yield rpc.LeaseKeepAliveRequest(ID=await self._requests.get())
+
+    async def _run(self) -> None:
+        client = self._client
+        try:
+            await client.connect()
+            call = client.leasestub.LeaseKeepAlive(self._request_stream(), metadata=client.metadata)
+            async for reply in call:
+                future = self._pending.pop(int(reply.ID), None)
+                if future is not None and not future.done():
+                    future.set_result(int(reply.TTL))
+        except (rpc.AioRpcError, aetcd.exceptions.ClientError, OSError) as exc:
+            error = RegistryUnavailable(f"lease keepalive stream lost: {exc}")
+            for future in self._pending.values():
+                if not future.done():
+                    future.set_exception(error)
+            self._pending.clear()
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+
 class Registry:
     """An open connection to the registry. Use `async with Registry.from_urls(url) as reg:`."""
 
@@ -231,6 +288,7 @@ class Registry:
         self._timeout_s = timeout_s
         self._client = aetcd.Client(host=host, port=port, timeout=timeout_s)
         self._tx = self._client.transactions
+        self._leases = _LeaseKeepAlive(self._client, timeout_s)
 
     @classmethod
     def from_urls(cls, urls: str, *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Registry:
@@ -253,6 +311,7 @@ class Registry:
         await self._call(lambda: self._client.get(b"/cpn/v1/"))
 
     async def close(self) -> None:
+        await self._leases.close()
         try:
             # bounded: aetcd's watcher shutdown can wait forever on a stream whose peer is gone
             async with asyncio.timeout(3.0):
@@ -440,8 +499,7 @@ class Registry:
 
     async def keepalive(self, lease_id: int) -> int:
         """Refresh the lease; returns its TTL; raises LeaseLost if it is gone."""
-        reply = await self._call(lambda: self._client.refresh_lease(lease_id))
-        ttl = int(getattr(reply, "TTL", 0)) if reply is not None else 0
+        ttl = await self._leases.refresh(lease_id)
         if ttl <= 0:
             raise LeaseLost(f"lease {lease_id:x} expired")
         return ttl
