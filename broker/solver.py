@@ -1,0 +1,694 @@
+"""Batch placement by CP-SAT, guided by its LP relaxation. The only module importing OR-Tools.
+
+Model (`solve`):
+
+    Data     O_j = feasible_options(j) minus dominated ones (below): pairs (s, m), m None for a
+             CPU-only job; c[j,o] = job_cost, p_j = unplaced_penalty, both scaled by SCALE and
+             rounded to integers; cpu and mem in thousandths (exact integers).
+    Vars     x[j,o] in {0,1}        job j runs on option o = (s, m)
+             y[g,s] in {0,1}        colocate group g chose site s
+             z[g]   in {0,1}        gang g is placed
+    Minimize sum_j p_j + sum_{j,o} (c[j,o] - p_j) * x[j,o]
+             (= placed costs + penalties of the unplaced)
+    s.t.     sum_o x[j,o] <= 1                                    each job at most once
+             sum_{j, o=(s,m)} count_j * x[j,o] <= gpu_cap[s,m]    per site and model
+             sum_{j, o at s} cpu_j * x[j,o] <= cpu_cap[s]         per site
+             sum_{j, o at s} mem_j * x[j,o] <= mem_cap[s]         per site
+             sum_{j in g, o at s} x[j,o] <= 1                     spread g, every site s
+             sum_s y[g,s] <= 1;  sum_{o at s} x[j,o] <= y[g,s]    colocate g, j in g, s
+             sum_o x[j,o] = z[g]                                  gang g, j in g
+    Capacity rows that cannot bind (all candidates together fit) are left out.
+
+Dominance: an option of a job outside a gang whose cost is >= the job's penalty is dropped;
+leaving that job unplaced instead costs no more, frees capacity and never breaks a spread or
+colocate group. Nothing else is pruned: two models at a site draw on different pools and two
+sites on different capacity, so no option provably dominates another in general.
+
+Search, each step starting from the cheapest valid plan so far (docs/placement.md):
+1. `greedy`: units (a job, a colocate group, a gang) by net value per unit of resource, each
+   job's cheapest option that still fits, then a move/insert pass. The fallback.
+2. The LP relaxation of the model (GLOP): a bound, and a guide, as it is nearly integral for
+   this assignment structure: whole LP placements first, options by LP value.
+3. The caller's `hint`, when it is a valid plan.
+4. CP-SAT on sub-models: RENS (the LP's support; small, closed in well under a second), then
+   the support plus each job's NEIGHBOURS options of least reduced cost.
+5. CP-SAT on the full model, when it is small or step 4 was closed (above FULL_MODEL_OPTIONS
+   its presolve alone outlasts a 10 s budget on 2 cores, so step 4 gets the time instead).
+   Only this step can report OPTIMAL.
+
+Reported figures are in USD: the objective is recomputed from the chosen assignments
+(plan.evaluate); the bound is the best of CP-SAT's bound / SCALE, the LP bound (less a 1e-6
+relative tolerance) and the capacity-free sum_j min(p_j, min_o c[j,o]), never above the
+objective. SCALE = 10_000 counts costs to 0.0001 USD per job; plans closer than that may tie.
+
+`time_limit_s` bounds the whole call, model building included (a compute budget in real time,
+not domain time, hence the monotonic clock reads). The solve runs in the calling thread.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ortools.linear_solver import linear_solver_pb2, pywraplp
+from ortools.sat.python import cp_model
+
+from broker.plan import (
+    Assignment,
+    GroupKind,
+    Job,
+    PlanInputError,
+    PlanProblem,
+    PlanResult,
+    PlanStatus,
+    evaluate,
+    feasible_options,
+    job_cost,
+    to_milli,
+)
+
+SCALE = 10_000  # USD -> integer objective units: 0.0001 USD precision per job
+MAX_OBJECTIVE = 2**60  # CP-SAT needs the objective's range to fit int64 with room to spare
+LP_SHARE = 0.6  # the LP relaxation may use this share of the remaining time budget
+RENS_SHARE = 0.4  # of the time left: the sub-model over the LP's support
+NEIGHBOURHOOD_SHARE = 0.5  # of the time left: the support plus NEIGHBOURS options per job
+NEIGHBOURS = 5  # options of least LP reduced cost added per job in the wider sub-model
+# above this many options the full model does not get through CP-SAT's presolve in a 10 s
+# budget on 2 cores (measured: 86k options, UNKNOWN after 3.5 s), so it runs only when the
+# wider sub-model is closed; calibrated with bench/placement_plan.py
+FULL_MODEL_OPTIONS = 30_000
+BIG_MODEL_MIN_S = 2.0  # a model above FULL_MODEL_OPTIONS needs this much left to be worth building
+LP_TOLERANCE = 1e-6  # relative slack taken off the LP bound for GLOP's feasibility tolerances
+MIN_SEARCH_S = 0.2  # CP-SAT always gets this much, even when building used the budget
+FINISH_S = 0.3  # kept back from the budget to check the plan and report
+RANDOM_SEED = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One option (site, model) of one job, with its cost in USD and in scaled units."""
+
+    site: str
+    model: str | None
+    cost: float
+    cost_int: int
+
+
+def candidates(problem: PlanProblem) -> list[list[Candidate]]:
+    """Per job (input order): its feasible options minus dominated ones, cheapest first."""
+    out: list[list[Candidate]] = []
+    for job in problem.jobs:
+        in_gang = job.group is not None and job.group.kind is GroupKind.gang
+        row: list[Candidate] = []
+        for site_id, model in feasible_options(problem, job):
+            cost = job_cost(problem, job, problem.site_by_id[site_id], model)
+            if cost >= job.unplaced_penalty and not in_gang:
+                continue
+            row.append(Candidate(site_id, model, cost, round(cost * SCALE)))
+        row.sort(key=lambda c: c.cost)
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# constructive plans: greedy and LP-guided
+
+
+class _Ledger:
+    """Remaining capacity while a plan is built by hand."""
+
+    def __init__(self, problem: PlanProblem) -> None:
+        self.gpu: dict[tuple[str, str], int] = {}
+        self.cpu: dict[str, int] = {}
+        self.mem: dict[str, int] = {}
+        for site in problem.sites:
+            self.cpu[site.id] = to_milli(site.capacity.cpu)
+            self.mem[site.id] = to_milli(site.capacity.mem_gb)
+            for model, count in site.capacity.gpu.items():
+                self.gpu[(site.id, model)] = count
+
+    def fits(self, job: Job, c: Candidate) -> bool:
+        if c.model is not None and self.gpu.get((c.site, c.model), 0) < job.gpu.count:
+            return False
+        return self.cpu[c.site] >= to_milli(job.cpu) and self.mem[c.site] >= to_milli(job.mem_gb)
+
+    def take(self, job: Job, c: Candidate, sign: int = 1) -> None:
+        if c.model is not None:
+            self.gpu[(c.site, c.model)] -= sign * job.gpu.count
+        self.cpu[c.site] -= sign * to_milli(job.cpu)
+        self.mem[c.site] -= sign * to_milli(job.mem_gb)
+
+    def give(self, job: Job, c: Candidate) -> None:
+        self.take(job, c, -1)
+
+
+Plan = dict[int, Candidate]  # job index -> chosen option
+
+
+def greedy(problem: PlanProblem) -> dict[str, Assignment]:
+    """A plan that respects every hard constraint, built unit by unit (module docstring)."""
+    cands = candidates(problem)
+    return _assignments(problem, _construct(problem, cands, _units(problem, cands)))
+
+
+def _assignments(problem: PlanProblem, plan: Plan) -> dict[str, Assignment]:
+    return {problem.jobs[j].id: Assignment(site=c.site, model=c.model) for j, c in plan.items()}
+
+
+def _units(
+    problem: PlanProblem, cands: list[list[Candidate]], mass: Sequence[float] | None = None
+) -> list[list[int]]:
+    """Placement units (a job, a colocate group, a gang), most deserving first.
+
+    Without `mass`: by net value (penalty - cheapest cost) per unit of normalized resource
+    (GPUs, cores, GB over the federation's totals); net rather than bare penalty, so a job that
+    is dear everywhere does not crowd out one that saves more. With `mass` (per job, the share
+    the LP placed): whole LP placements first, then by mass, net value breaking ties.
+    """
+    totals = [0.0, 0.0, 0.0]
+    for site in problem.sites:
+        totals[0] += sum(site.capacity.gpu.values())
+        totals[1] += site.capacity.cpu
+        totals[2] += site.capacity.mem_gb
+
+    def density(j: int) -> float:
+        job = problem.jobs[j]
+        parts = (job.gpu.count, job.cpu, job.mem_gb)
+        size = sum(p / t for p, t in zip(parts, totals, strict=True) if t > 0) + 1e-9
+        value = job.unplaced_penalty - (cands[j][0].cost if cands[j] else job.unplaced_penalty)
+        return value / size
+
+    index = {job.id: j for j, job in enumerate(problem.jobs)}
+    units = [
+        [index[job.id] for job in jobs]
+        for kind, jobs in problem.groups.values()
+        if kind is not GroupKind.spread
+    ]
+    units += [
+        [j] for j in range(len(problem.jobs)) if _kind(problem, j) in (None, GroupKind.spread)
+    ]
+    dens = [density(j) for j in range(len(problem.jobs))]
+    for unit in units:
+        unit.sort(key=lambda j: -dens[j])
+
+    def key(unit: list[int]) -> tuple[float, float, int]:
+        avg = sum(dens[j] for j in unit) / len(unit)
+        if mass is None:
+            return (0.0, -avg, unit[0])
+        return (-sum(mass[j] for j in unit) / len(unit), -avg, unit[0])
+
+    return sorted(units, key=key)
+
+
+def _kind(problem: PlanProblem, j: int) -> GroupKind | None:
+    group = problem.jobs[j].group
+    return None if group is None else group.kind
+
+
+def _construct(
+    problem: PlanProblem,
+    prefs: list[list[Candidate]],
+    units: list[list[int]],
+    site_order: Mapping[str, list[str]] | None = None,
+) -> Plan:
+    """Place units in order; each job tries its options in `prefs` order.
+
+    A colocate group takes the first site in `site_order[group]` that places any of its jobs
+    if given, else the site with the least total cost (placed costs + penalties of the rest).
+    """
+    ledger = _Ledger(problem)
+    plan: Plan = {}
+    spread_sites: dict[str, set[str]] = defaultdict(set)
+    for unit in units:
+        group = problem.jobs[unit[0]].group
+        if group is not None and group.kind is GroupKind.colocate:
+            order = None if site_order is None else site_order.get(group.name)
+            _place_colocated(problem, prefs, unit, ledger, plan, order)
+        elif group is not None and group.kind is GroupKind.gang:
+            _place_gang(problem, prefs, unit, ledger, plan)
+        else:
+            j = unit[0]
+            used = spread_sites[group.name] if group is not None else None
+            for c in prefs[j]:
+                if (used is None or c.site not in used) and ledger.fits(problem.jobs[j], c):
+                    ledger.take(problem.jobs[j], c)
+                    plan[j] = c
+                    if used is not None:
+                        used.add(c.site)
+                    break
+    _improve(problem, prefs, ledger, plan)
+    return plan
+
+
+def _place_colocated(
+    problem: PlanProblem,
+    prefs: list[list[Candidate]],
+    unit: list[int],
+    ledger: _Ledger,
+    plan: Plan,
+    order: list[str] | None,
+) -> None:
+    all_sites = sorted({c.site for j in unit for c in prefs[j]})
+    best: tuple[float, dict[int, Candidate]] | None = None
+    for phase, sites in enumerate((order or [], all_sites)):
+        for site in sites:
+            picked: dict[int, Candidate] = {}
+            total = 0.0
+            for j in unit:
+                job = problem.jobs[j]
+                for c in prefs[j]:
+                    if c.site == site and ledger.fits(job, c):
+                        ledger.take(job, c)
+                        picked[j] = c
+                        total += c.cost
+                        break
+                else:
+                    total += job.unplaced_penalty
+            for j, c in picked.items():
+                ledger.give(problem.jobs[j], c)
+            if picked and (best is None or total < best[0]):
+                best = (total, picked)
+                if phase == 0:
+                    break
+        if best is not None:
+            break
+    if best is not None:
+        for j, c in best[1].items():
+            ledger.take(problem.jobs[j], c)
+            plan[j] = c
+
+
+def _place_gang(
+    problem: PlanProblem,
+    prefs: list[list[Candidate]],
+    unit: list[int],
+    ledger: _Ledger,
+    plan: Plan,
+) -> None:
+    picked: dict[int, Candidate] = {}
+    for j in unit:
+        job = problem.jobs[j]
+        for c in prefs[j]:
+            if ledger.fits(job, c):
+                ledger.take(job, c)
+                picked[j] = c
+                break
+    cost = sum(c.cost for c in picked.values())
+    penalty = sum(problem.jobs[j].unplaced_penalty for j in unit)
+    if len(picked) == len(unit) and cost < penalty:
+        plan.update(picked)
+        return
+    for j, c in picked.items():
+        ledger.give(problem.jobs[j], c)
+
+
+def _improve(
+    problem: PlanProblem, prefs: list[list[Candidate]], ledger: _Ledger, plan: Plan
+) -> None:
+    """Move ungrouped jobs to cheaper options with room; place unplaced ones that now fit."""
+    for _ in range(3):
+        changed = False
+        for j, job in enumerate(problem.jobs):
+            if job.group is not None:
+                continue
+            current = plan.get(j)
+            limit = current.cost if current is not None else job.unplaced_penalty
+            if current is not None:
+                ledger.give(job, current)
+            for c in sorted(prefs[j], key=lambda c: c.cost):
+                if c.cost >= limit:
+                    break
+                if ledger.fits(job, c):
+                    current, changed = c, True
+                    break
+            if current is not None:
+                ledger.take(job, current)
+                plan[j] = current
+        if not changed:
+            return
+
+
+# ---------------------------------------------------------------------------------------------
+# LP relaxation (GLOP)
+
+
+@dataclass(frozen=True)
+class _Relaxation:
+    bound: float  # USD, a lower bound on the optimum
+    x: list[list[float]]  # per job, per candidate: the LP value
+    reduced: list[list[float]]  # per job, per candidate: the LP reduced cost (USD)
+    y: dict[str, dict[str, float]]  # colocate group -> site -> LP value
+
+
+def _relax(
+    problem: PlanProblem, cands: list[list[Candidate]], time_limit_s: float
+) -> _Relaxation | None:
+    """The model above with 0 <= x, y, z <= 1; None when GLOP does not prove optimality.
+
+    Built as an MPModelProto (10x faster than one wrapper call per coefficient)."""
+    request = linear_solver_pb2.MPModelRequest(
+        solver_type=linear_solver_pb2.MPModelRequest.GLOP_LINEAR_PROGRAMMING,
+        solver_time_limit_seconds=max(0.01, time_limit_s),
+    )
+    lp = request.model
+    inf = math.inf
+
+    def new_vars(costs: Sequence[float]) -> list[int]:
+        first = len(lp.variable)
+        for cost in costs:
+            lp.variable.add(lower_bound=0.0, upper_bound=1.0, objective_coefficient=cost)
+        return list(range(first, first + len(costs)))
+
+    def row(terms: Sequence[tuple[int, float]], lower: float, upper: float) -> None:
+        ct = lp.constraint.add(lower_bound=lower, upper_bound=upper)
+        ct.var_index.extend(i for i, _ in terms)
+        ct.coefficient.extend(a for _, a in terms)
+
+    xs: list[list[int]] = []
+    rows: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
+    for job, cands_j in zip(problem.jobs, cands, strict=True):
+        lp.objective_offset += job.unplaced_penalty
+        ids = new_vars([c.cost - job.unplaced_penalty for c in cands_j])
+        xs.append(ids)
+        if len(ids) > 1:
+            row([(i, 1.0) for i in ids], -inf, 1.0)
+        cpu, mem = to_milli(job.cpu), to_milli(job.mem_gb)
+        for i, c in zip(ids, cands_j, strict=True):
+            if c.model is not None:
+                rows[(c.site, "gpu:" + c.model)].append((i, job.gpu.count))
+            if cpu:
+                rows[(c.site, "cpu")].append((i, cpu))
+            if mem:
+                rows[(c.site, "mem")].append((i, mem))
+    for (site_id, what), terms in rows.items():
+        cap = _cap(problem, site_id, what)
+        if sum(a for _, a in terms) > cap:
+            row(terms, -inf, cap)
+    ys: dict[str, dict[str, int]] = {}
+    index = {job.id: j for j, job in enumerate(problem.jobs)}
+    for name, (kind, jobs) in problem.groups.items():
+        members = [index[job.id] for job in jobs]
+        if kind is GroupKind.gang:
+            (z,) = new_vars([0.0])
+            for j in members:
+                row([(i, 1.0) for i in xs[j]] + [(z, -1.0)], 0.0, 0.0)
+            continue
+        at: dict[str, list[list[int]]] = defaultdict(list)  # site -> per member, its x there
+        for j in members:
+            per_site: dict[str, list[int]] = defaultdict(list)
+            for i, c in zip(xs[j], cands[j], strict=True):
+                per_site[c.site].append(i)
+            for site, ids in per_site.items():
+                at[site].append(ids)
+        if kind is GroupKind.spread:
+            for site in sorted(at):
+                row([(i, 1.0) for ids in at[site] for i in ids], -inf, 1.0)
+            continue
+        sites = sorted(at)
+        ys[name] = dict(zip(sites, new_vars([0.0] * len(sites)), strict=True))
+        row([(y, 1.0) for y in ys[name].values()], -inf, 1.0)
+        for site in sites:
+            for ids in at[site]:
+                row([(i, 1.0) for i in ids] + [(ys[name][site], -1.0)], -inf, 0.0)
+    response = linear_solver_pb2.MPSolutionResponse()
+    pywraplp.Solver.SolveWithProto(request, response)
+    if response.status != linear_solver_pb2.MPSOLVER_OPTIMAL:
+        return None
+    values, reduced = response.variable_value, response.reduced_cost
+    bound = response.objective_value
+    return _Relaxation(
+        bound=bound - LP_TOLERANCE * max(1.0, abs(bound)),
+        x=[[values[i] for i in ids] for ids in xs],
+        reduced=[[reduced[i] for i in ids] for ids in xs],
+        y={g: {s: values[i] for s, i in row_.items()} for g, row_ in ys.items()},
+    )
+
+
+def _cap(problem: PlanProblem, site_id: str, what: str) -> int:
+    capacity = problem.site_by_id[site_id].capacity
+    if what == "cpu":
+        return to_milli(capacity.cpu)
+    if what == "mem":
+        return to_milli(capacity.mem_gb)
+    return capacity.gpu.get(what.removeprefix("gpu:"), 0)
+
+
+def _lp_guided(problem: PlanProblem, cands: list[list[Candidate]], relaxed: _Relaxation) -> Plan:
+    prefs = [
+        [c for _, c in sorted(zip(values, row, strict=True), key=lambda vc: (-vc[0], vc[1].cost))]
+        for values, row in zip(relaxed.x, cands, strict=True)
+    ]
+    mass = [sum(values) for values in relaxed.x]
+    site_order = {
+        g: [s for s, v in sorted(row.items(), key=lambda sv: -sv[1]) if v > 1e-6]
+        for g, row in relaxed.y.items()
+    }
+    return _construct(problem, prefs, _units(problem, cands, mass), site_order)
+
+
+# ---------------------------------------------------------------------------------------------
+# CP-SAT
+
+
+def solve(
+    problem: PlanProblem,
+    *,
+    time_limit_s: float = 10.0,
+    workers: int | None = None,
+    hint: Mapping[str, Assignment] | None = None,
+) -> PlanResult:
+    """The cheapest plan found within `time_limit_s` (see the module docstring)."""
+    if not 0 < time_limit_s < math.inf:
+        raise ValueError(f"time_limit_s must be > 0 and finite, got {time_limit_s}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    started = time.monotonic()
+
+    def left() -> float:
+        return time_limit_s - (time.monotonic() - started)
+
+    cands = candidates(problem)
+    best = _Incumbent(problem)
+    best.offer(_assignments(problem, _construct(problem, cands, _units(problem, cands))))
+    bound = sum(
+        min([job.unplaced_penalty] + [c.cost for c in row])
+        for job, row in zip(problem.jobs, cands, strict=True)
+    )
+    relaxed = _relax(problem, cands, LP_SHARE * left())
+    if relaxed is not None:
+        bound = max(bound, relaxed.bound)
+        best.offer(_assignments(problem, _lp_guided(problem, cands, relaxed)))
+    if hint is not None and not evaluate(problem, hint)[1]:
+        best.offer(dict(hint))
+
+    deadline = started + time_limit_s - FINISH_S
+    total = sum(len(row) for row in cands)
+    full = True  # whether the full model is worth its time
+    if relaxed is not None:
+        # sub-models, each holding the incumbent: RENS (the LP's support; small, CP-SAT
+        # usually closes it in well under a second), then the support plus every job's
+        # NEIGHBOURS options of least reduced cost. The full model follows when it is small
+        # or the wider sub-model was closed; else that sub-model gets all the time left.
+        for width in (0, NEIGHBOURS):
+            sub = _neighbourhood(problem, cands, relaxed, best.plan, width)
+            if sum(len(row) for row in sub) == total:
+                break  # as large as the full model, which comes next
+            last = width > 0 and total > FULL_MODEL_OPTIONS
+            share = RENS_SHARE if width == 0 else 1.0 if last else NEIGHBOURHOOD_SHARE
+            until = min(deadline, time.monotonic() + share * (deadline - time.monotonic()))
+            status, plan, _ = _cp_solve(problem, sub, best.plan, until, workers, presolve=False)
+            if plan is not None:
+                best.offer(plan)
+            full = not last or status == cp_model.OPTIMAL
+
+    if total > FULL_MODEL_OPTIONS and deadline - time.monotonic() < BIG_MODEL_MIN_S:
+        full = False  # building alone would overrun the budget
+    status, solved, solver_bound = cp_model.UNKNOWN, None, None
+    if full:
+        status, solved, solver_bound = _cp_solve(problem, cands, best.plan, deadline, workers)
+    if solved is not None:
+        best.offer(solved)
+    # OPTIMAL on the full model: no plan beats the kept one by more than the scale's rounding
+    proven = status == cp_model.OPTIMAL
+    if solver_bound is not None:
+        bound = max(bound, solver_bound)
+    return PlanResult(
+        status=PlanStatus.optimal if proven else PlanStatus.feasible,
+        objective=best.objective,
+        bound=min(bound, best.objective),
+        assignments=best.plan,
+        unplaced=tuple(job.id for job in problem.jobs if job.id not in best.plan),
+    )
+
+
+class _Incumbent:
+    """The cheapest valid plan seen so far."""
+
+    def __init__(self, problem: PlanProblem) -> None:
+        self.problem = problem
+        self.plan: dict[str, Assignment] = {}
+        self.objective = math.inf
+
+    def offer(self, plan: dict[str, Assignment]) -> None:
+        """Keep `plan` if it is cheaper."""
+        objective, violations = evaluate(self.problem, plan)
+        if violations:
+            raise RuntimeError(f"plan violates {violations[0]}")  # a bug here, not input
+        if objective < self.objective:
+            self.plan, self.objective = plan, objective
+
+
+def _neighbourhood(
+    problem: PlanProblem,
+    cands: list[list[Candidate]],
+    relaxed: _Relaxation,
+    incumbent: Mapping[str, Assignment],
+    width: int,
+) -> list[list[Candidate]]:
+    """Per job: options in the LP's support, the incumbent's, and `width` of least reduced cost."""
+    out: list[list[Candidate]] = []
+    for job, row, values, reduced in zip(
+        problem.jobs, cands, relaxed.x, relaxed.reduced, strict=True
+    ):
+        cheapest = set(sorted(range(len(row)), key=lambda k: (reduced[k], k))[:width])
+        held = incumbent.get(job.id)
+        out.append(
+            [
+                c
+                for k, c in enumerate(row)
+                if values[k] > 1e-6 or k in cheapest or (held is not None and _same(held, c))
+            ]
+        )
+    return out
+
+
+def _same(a: Assignment, c: Candidate) -> bool:
+    return a.site == c.site and a.model == c.model
+
+
+def _cp_solve(
+    problem: PlanProblem,
+    cands: list[list[Candidate]],
+    start: Mapping[str, Assignment],
+    deadline: float,
+    workers: int | None,
+    *,
+    presolve: bool = True,
+) -> tuple[cp_model.CpSolverStatus, dict[str, Assignment] | None, float | None]:
+    """Solve the CP-SAT model over `cands` by `deadline` (time.monotonic()):
+    (status, plan or None, bound in USD or None)."""
+    model, x = _build(problem, cands, start)
+    solver = cp_model.CpSolver()
+    params = solver.parameters
+    params.max_time_in_seconds = max(MIN_SEARCH_S, deadline - time.monotonic())
+    params.num_workers = workers if workers is not None else _cpu_count()
+    params.random_seed = RANDOM_SEED
+    params.linearization_level = 2
+    params.cp_model_probing_level = 0  # probing 80k+ booleans costs seconds and buys little
+    # presolve rewrites capacity rows into forms whose LP is weaker; sub-models, small and
+    # LP-driven, close far faster without it (measured: 0.3 s vs not in 5 s)
+    params.cp_model_presolve = presolve
+    status = solver.solve(model)
+    if status == cp_model.MODEL_INVALID:
+        raise RuntimeError(f"invalid CP-SAT model: {model.validate()}")  # a bug, not input
+    plan = None
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        plan = {
+            problem.jobs[j].id: Assignment(site=c.site, model=c.model)
+            for (j, c), var in x.items()
+            if solver.boolean_value(var)
+        }
+    bound = None
+    if status != cp_model.INFEASIBLE and math.isfinite(solver.best_objective_bound):
+        bound = solver.best_objective_bound / SCALE
+    return status, plan, bound
+
+
+def _cpu_count() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _build(
+    problem: PlanProblem, cands: list[list[Candidate]], start: Mapping[str, Assignment]
+) -> tuple[cp_model.CpModel, dict[tuple[int, Candidate], cp_model.IntVar]]:
+    model = cp_model.CpModel()
+    x: dict[tuple[int, Candidate], cp_model.IntVar] = {}
+    per_job: list[list[cp_model.IntVar]] = []
+    at_site: list[dict[str, list[cp_model.IntVar]]] = []
+    rows: dict[tuple[str, str], list[tuple[cp_model.IntVar, int]]] = defaultdict(list)
+    obj_vars: list[cp_model.IntVar] = []
+    obj_coeffs: list[int] = []
+    offset = 0
+    biggest = 0
+    for j, (job, row) in enumerate(zip(problem.jobs, cands, strict=True)):
+        penalty = round(job.unplaced_penalty * SCALE)
+        offset += penalty
+        biggest += max([penalty] + [c.cost_int for c in row])
+        cpu, mem = to_milli(job.cpu), to_milli(job.mem_gb)
+        given = start.get(job.id)
+        vars_j: list[cp_model.IntVar] = []
+        sites_j: dict[str, list[cp_model.IntVar]] = defaultdict(list)
+        for k, c in enumerate(row):
+            var = model.new_bool_var(f"x[{j},{k}]")
+            x[(j, c)] = var
+            vars_j.append(var)
+            sites_j[c.site].append(var)
+            model.add_hint(
+                var, given is not None and given.site == c.site and given.model == c.model
+            )
+            obj_vars.append(var)
+            obj_coeffs.append(c.cost_int - penalty)
+            if c.model is not None:
+                rows[(c.site, "gpu:" + c.model)].append((var, job.gpu.count))
+            if cpu:
+                rows[(c.site, "cpu")].append((var, cpu))
+            if mem:
+                rows[(c.site, "mem")].append((var, mem))
+        if len(vars_j) > 1:
+            model.add_at_most_one(vars_j)
+        per_job.append(vars_j)
+        at_site.append(sites_j)
+    if biggest > MAX_OBJECTIVE:
+        raise PlanInputError(None, "costs too large to optimize at 0.0001 USD precision")
+
+    for (site_id, what), terms in rows.items():
+        cap = _cap(problem, site_id, what)
+        if sum(n for _, n in terms) > cap:  # else it cannot bind
+            expr = cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [n for _, n in terms])
+            model.add(expr <= cap)
+
+    index = {job.id: j for j, job in enumerate(problem.jobs)}
+    for name, (kind, jobs) in problem.groups.items():
+        members = [index[job.id] for job in jobs]
+        if kind is GroupKind.spread:
+            by_site: dict[str, list[cp_model.IntVar]] = defaultdict(list)
+            for j in members:
+                for site, site_vars in at_site[j].items():
+                    by_site[site].extend(site_vars)
+            for site_vars in by_site.values():
+                if len(site_vars) > 1:
+                    model.add_at_most_one(site_vars)
+        elif kind is GroupKind.colocate:
+            sites = sorted({site for j in members for site in at_site[j]})
+            placed_at = {a.site for job in jobs if (a := start.get(job.id)) is not None}
+            y = {site: model.new_bool_var(f"y[{name},{site}]") for site in sites}
+            for site, var in y.items():
+                model.add_hint(var, site in placed_at)
+            model.add_at_most_one(y.values())
+            for j in members:
+                for site, site_vars in at_site[j].items():
+                    model.add(sum(site_vars) <= y[site])
+        else:
+            z = model.new_bool_var(f"z[{name}]")
+            model.add_hint(z, any(job.id in start for job in jobs))
+            for j in members:
+                model.add(sum(per_job[j]) == z)
+    model.minimize(cp_model.LinearExpr.weighted_sum(obj_vars, obj_coeffs) + offset)
+    return model, x
