@@ -22,10 +22,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from broker import batch
 from broker import placement as pl
 from broker.errors import IllegalTransition, InvalidRequest
 from broker.jobs import Event, JobRecord, JobSpec, JobState, Placement
 from broker.metrics import BrokerMetrics
+from broker.solver import solve
 from broker.store import Change, JobStore, decode
 from sites import keys
 from sites.assignments import Assignment, Report, RunState
@@ -432,6 +434,9 @@ class Broker:
         await self._apply_reports(view, now)
         await self._fail_over(view, now)
         await self._place_pending(self.view(), now)
+        if now - self._last_batch >= self.settings.batch_interval_s:
+            self._last_batch = now
+            await self._batch_pass(self.view(), now)
         pending = sum(1 for r, _ in self.view().jobs.values() if r.state is JobState.PENDING)
         self.metrics.pending.set(pending)
 
@@ -614,6 +619,43 @@ class Broker:
                 fed = pl.apply(fed, decision, record.spec)
                 usage, groups = self.usage(self.view()), self.groups(self.view())
         await self._place_gangs([rr for rr in pending if rr[0].spec.gang is not None], fed, now)
+
+    async def _batch_pass(self, view: View, now: float) -> None:
+        """CP-SAT over every pending job the fast path left waiting (broker.batch)."""
+        jobs = [
+            batch.Pending(record.id, record.spec)
+            for record, _ in view.jobs.values()
+            if record.state is JobState.PENDING and record.not_before <= now
+        ]
+        if not jobs:
+            return
+        fed = self.federation(view)
+        when = datetime.fromtimestamp(now, UTC)
+        problem = batch.to_problem(
+            jobs, fed, now=when, groups=self.groups(view), quotas=self.quotas
+        )
+        if not problem.jobs:
+            return
+        started = time.perf_counter()
+        result = await asyncio.to_thread(
+            solve, problem, time_limit_s=self.settings.batch_time_limit_s
+        )
+        log.info(
+            "batch pass: %d pending jobs, %d placed (%s) in %.2fs",
+            len(problem.jobs),
+            len(result.assignments),
+            result.status.value,
+            time.perf_counter() - started,
+        )
+        for pending, decision in batch.decisions(result, problem, jobs, fed):
+            entry = self.view().jobs.get(pending.id)
+            if entry is None or entry[0].state is not JobState.PENDING:
+                continue  # changed while we solved
+            try:
+                fed = pl.apply(fed, decision, pending.spec)
+            except pl.PlacementError:
+                continue  # capacity taken meanwhile; the next pass sees it
+            await self._commit_placement(entry[0], entry[1], decision, now)
 
     async def _place_gangs(
         self, members: list[tuple[JobRecord, int]], fed: pl.Federation, now: float

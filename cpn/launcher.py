@@ -279,6 +279,8 @@ class Launcher:
         procs = [
             p.process for p in self.plans if p.process is not None and p.process.poll() is None
         ]
+        if self.broker is not None and self.broker.poll() is None:
+            procs.append(self.broker)
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10

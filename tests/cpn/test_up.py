@@ -79,7 +79,24 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
         state = json.loads((tmp_path / "up.json").read_text())
         assert state["etcd"] == registry.url and state["pid"] == up.pid
         children = psutil.Process(up.pid).children(recursive=True)
-        assert len(children) >= len(SITES)
+        assert len(children) >= len(SITES) + 1  # the agents and the broker
+
+        # the demo's broker takes a job, found through up.json like a user's `cpn submit`
+        job = tmp_path / "job.yaml"
+        job.write_text("name: demo\ntenant: t\ncpu: 1\ncommand: [sh, -c, 'echo hi']\n")
+        submitted = subprocess.run(
+            cpn_cmd("submit", str(job)), capture_output=True, text=True, env=env, cwd=REPO
+        )
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.split()[1]
+
+        def finished() -> bool:
+            out = subprocess.run(
+                cpn_cmd("describe", job_id, "-o", "json"), capture_output=True, text=True, env=env
+            )
+            return json.loads(out.stdout)["state"] == "SUCCEEDED"
+
+        await wait_for(finished, timeout=30, interval=0.5)
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(30)

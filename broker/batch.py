@@ -1,0 +1,231 @@
+"""The leader's batch pass: pending jobs and the federation's free capacity as one plan problem.
+
+Pure translation both ways (no I/O), so the broker, tests and the simulator share it:
+
+- `to_problem(jobs, fed, ...)` builds a broker.plan.PlanProblem in which every site is its own
+  plan region, so per-site facts become region facts: a job's `allowed_regions` are the sites
+  that pass its site-level filters (up, not cordoned, region allowed and not denied, user RTT
+  known and within max_latency_ms, a colocate group's site, not a spread group's sites, and the
+  cheapest acceptable model within budget_usd); `rtt_ms` maps user regions to sites; data
+  origins are pseudo-regions (`data@<region>`, `data@<site>`) whose egress to each site is 0
+  inside the data's region, else the fast path's rate. Capacity is what is free now.
+- Jobs the plan format cannot express are left to the fast path: a tenant with a GPU quota,
+  a deadline the run would miss, a gang with members missing.
+- The unplaced penalty is 1e6 USD x (1 + priority): placing beats leaving unplaced, and a higher
+  priority wins contended capacity.
+- `decisions(result, problem, jobs, fed)` turns the solver's assignments back into placement
+  Decisions with the cost broken down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from broker import placement as pl
+from broker.jobs import JobSpec
+from broker.plan import (
+    Capacity,
+    DataRef,
+    GpuRequest,
+    Group,
+    GroupKind,
+    Job,
+    PlanProblem,
+    PlanResult,
+    Price,
+    Site,
+    job_cost,
+)
+
+PENALTY_USD = 1_000_000.0
+
+
+@dataclass(frozen=True)
+class Pending:
+    id: str
+    spec: JobSpec
+
+
+def _acceptable(spec: JobSpec, offer: pl.SiteOffer) -> list[str]:
+    named = spec.gpu.acceptable
+    models = list(named) if named is not None else list(offer.free_gpus)
+    floor = spec.gpu.min_mem_gb
+    return [
+        m
+        for m in models
+        if m in offer.prices.usd_per_gpu_hour
+        and (floor is None or offer.gpu_mem_gb.get(m, 0.0) >= floor)
+    ]
+
+
+def _data_origin(spec: JobSpec) -> str | None:
+    data = spec.data
+    if data is None or data.size_gb == 0:
+        return None
+    return f"data@{data.site}" if data.site else f"data@{data.region}"
+
+
+def to_problem(
+    jobs: Sequence[Pending],
+    fed: pl.Federation,
+    *,
+    now: datetime,
+    groups: pl.GroupState,
+    quotas: Mapping[str, int],
+) -> PlanProblem:
+    sites = [s for s in fed.sites if s.up and not s.cordoned]
+    plan_sites = [
+        Site(
+            id=s.id,
+            region=s.id,
+            capacity=Capacity(
+                gpu=dict(s.free_gpus), cpu=s.free_cpu, mem_gb=round(s.free_mem_gb, 3)
+            ),
+            price=Price(
+                gpu_hour=dict(s.prices.usd_per_gpu_hour),
+                cpu_hour=s.prices.usd_per_core_hour,
+                mem_gb_hour=s.prices.usd_per_gb_mem_hour,
+            ),
+        )
+        for s in sites
+    ]
+    rtt: dict[str, dict[str, float]] = {}
+    egress: dict[str, dict[str, float]] = {}
+    plan_jobs: list[Job] = []
+    for pending in jobs:
+        spec = pending.spec
+        if spec.tenant in quotas:
+            continue
+        if spec.deadline is not None and now + timedelta(hours=spec.duration_hours) > spec.deadline:
+            continue
+        allowed = _allowed_sites(spec, sites, fed, groups)
+        if not allowed:
+            continue
+        origin = _data_origin(spec)
+        if origin is not None:
+            free_region, usd = fed.egress_terms(spec.data)
+            per_gb = usd / spec.data.size_gb if spec.data and spec.data.size_gb else 0.0
+            egress[origin] = {s.id: 0.0 if s.region == free_region else per_gb for s in sites}
+        user = spec.user
+        if user is not None:
+            rtt.setdefault(user.region, {}).update(fed.rtt_from(user.region))
+        group = None
+        if spec.gang is not None:
+            group = Group(name=f"gang:{spec.tenant}/{spec.gang.name}", kind=GroupKind.gang)
+        elif spec.group is not None:
+            group = Group(
+                name=f"{spec.group.kind}:{spec.group.name}", kind=GroupKind(spec.group.kind)
+            )
+        models = sorted({m for s in sites for m in _acceptable(spec, s)}) if spec.gpu.count else []
+        plan_jobs.append(
+            Job(
+                id=pending.id,
+                gpu=GpuRequest(models=tuple(models), count=spec.gpu.count),
+                cpu=spec.cpu,
+                mem_gb=spec.mem_gb,
+                duration_hours=spec.duration_hours,
+                data=None
+                if origin is None or spec.data is None
+                else DataRef(region=origin, size_gb=spec.data.size_gb),
+                user_region=None if user is None else user.region,
+                max_latency_ms=None if user is None else user.max_latency_ms,
+                latency_weight=spec.latency_weight,
+                allowed_regions=tuple(allowed),
+                group=group,
+                unplaced_penalty=PENALTY_USD * (1 + spec.priority),
+            )
+        )
+    rtt_ms = {
+        u: {s: ms for s, ms in by_site.items() if any(p.id == s for p in sites)}
+        for u, by_site in rtt.items()
+    }
+    return PlanProblem(
+        sites=tuple(plan_sites), rtt_ms=rtt_ms, egress_per_gb=egress, jobs=tuple(plan_jobs)
+    )
+
+
+def _allowed_sites(
+    spec: JobSpec, sites: Sequence[pl.SiteOffer], fed: pl.Federation, groups: pl.GroupState
+) -> list[str]:
+    allowed = []
+    user = spec.user
+    rtts = fed.rtt_from(user.region) if user is not None else {}
+    colocate = groups.site_of_colocate.get(spec.group.name) if spec.group else None
+    spread = groups.spread_sites.get(spec.group.name, frozenset()) if spec.group else frozenset()
+    for s in sites:
+        if spec.allowed_regions is not None and s.region not in spec.allowed_regions:
+            continue
+        if s.region in spec.denied_regions:
+            continue
+        if user is not None and (user.max_latency_ms is not None or spec.latency_weight > 0):
+            ms = rtts.get(s.id)
+            if ms is None or (user.max_latency_ms is not None and ms > user.max_latency_ms):
+                continue
+        if (
+            spec.group is not None
+            and spec.group.kind == "colocate"
+            and colocate not in (None, s.id)
+        ):
+            continue
+        if spec.group is not None and spec.group.kind == "spread" and s.id in spread:
+            continue
+        models = _acceptable(spec, s) if spec.gpu.count else [None]
+        if not models:
+            continue
+        if (
+            spec.budget_usd is not None
+            and min(_compute(spec, s, m) for m in models) > spec.budget_usd
+        ):
+            continue
+        allowed.append(s.id)
+    return allowed
+
+
+def _compute(spec: JobSpec, s: pl.SiteOffer, model: str | None) -> float:
+    p = s.prices
+    hourly = spec.cpu * p.usd_per_core_hour + spec.mem_gb * p.usd_per_gb_mem_hour
+    if model is not None:
+        hourly += spec.gpu.count * p.usd_per_gpu_hour[model]
+    return spec.duration_hours * hourly
+
+
+def decisions(
+    result: PlanResult, problem: PlanProblem, jobs: Sequence[Pending], fed: pl.Federation
+) -> list[tuple[Pending, pl.Decision]]:
+    by_id = {p.id: p for p in jobs}
+    plan_jobs = {j.id: j for j in problem.jobs}
+    plan_sites = {s.id: s for s in problem.sites}
+    gap = (result.objective - result.bound) / result.objective if result.objective else 0.0
+    out = []
+    for job_id, assignment in sorted(result.assignments.items()):
+        pending, job, site = by_id[job_id], plan_jobs[job_id], plan_sites[assignment.site]
+        offer = fed.site(assignment.site)
+        total = job_cost(problem, job, site, assignment.model)
+        compute = _compute(pending.spec, offer, assignment.model)
+        latency = 0.0
+        if job.user_region is not None and job.latency_weight > 0:
+            latency = job.latency_weight * (problem.rtt(job.user_region, site.region) or 0.0)
+        out.append(
+            (
+                pending,
+                pl.Decision(
+                    job=pending.spec.name,
+                    site=offer.id,
+                    region=offer.region,
+                    model=assignment.model,
+                    gpus=pending.spec.gpu.count,
+                    cost_usd=total,
+                    breakdown=pl.Breakdown(compute, total - compute - latency, latency),
+                    runner_up=None,
+                    feasible=len(job.allowed_regions or ()),
+                    reason=(
+                        f"batch plan of {len(problem.jobs)} pending jobs ({result.status.value}, "
+                        f"gap {100 * gap:.2f} %): {total:.2f} USD (compute {compute:.2f}, "
+                        f"egress {total - compute - latency:.2f}, latency {latency:.2f})"
+                    ),
+                ),
+            )
+        )
+    return out
