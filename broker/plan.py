@@ -28,7 +28,7 @@ import enum
 import json
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
@@ -36,6 +36,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.errors import InvalidRequest
+from sites.config import field_path
 
 MILLI = 1000  # cpu and mem_gb are compared in thousandths (millicores, MB): exact integers
 
@@ -229,17 +230,6 @@ def load_problem(source: str | Path | Mapping[str, Any]) -> PlanProblem:
         return PlanProblem.model_validate(data)
     except ValidationError as exc:
         raise _first_error(exc) from exc
-
-
-def field_path(loc: Iterable[int | str]) -> str:
-    """('jobs', 3, 'gpu', 'count') -> 'jobs[3].gpu.count'."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += ("." if out else "") + str(part)
-    return out
 
 
 def _first_error(exc: ValidationError) -> PlanInputError:

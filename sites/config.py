@@ -8,7 +8,7 @@ also checks ids are unique.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ def config_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "configs"
 
 
-def field_path(loc: Sequence[int | str]) -> str:
+def field_path(loc: Iterable[int | str]) -> str:
     """('inventory', 'devices', 0, 'model') -> 'inventory.devices[0].model'."""
     out = ""
     for part in loc:
