@@ -1,0 +1,455 @@
+"""Site selection for an inference request: filter, score, rank, then choose. Pure.
+
+No I/O and no clock reads: `now` is passed in, randomness comes from the caller's `rng`, so a
+seeded rng gives the same choices (the simulator replays them).
+
+rank(service, client_region, candidates, topology, policy, now) -> Ranking
+    Each candidate is checked in this order and excluded with the FIRST reason that applies:
+    wrong_service, sovereignty (the client region's allowed_regions), tenant_policy, unhealthy
+    (site down, endpoint unhealthy, report stale, ejected after failures, error rate at or above
+    eject_error_rate), full (in_flight + queue >= max_concurrency * (1 + queue_allowance)),
+    no_route (the topology has no path). The others are scored, in ms:
+
+        network_ms = shortest-path RTT client region -> site (routing.topology)
+        service_ms = L * (1 + w / c)        c = max_concurrency, L = endpoint latency_ms
+                     w = max(0, in_flight + queue + 1 - c)
+        penalty_ms = error_rate * error_penalty_ms + (draining_penalty_ms if draining)
+        total_ms   = network_ms + service_ms + penalty_ms
+
+    service_ms is an M/M/c-like FIFO estimate with the mean service time L: with a free slot the
+    request is served in L; otherwise it waits for w departures, and c busy slots complete one
+    request every L / c on average. L is the endpoint's observed per-request latency
+    (default_latency_ms until it reports one). Ranked ascending by total_ms, then site id.
+
+choose(ranking, rng=..., key=..., previous=...) -> Choice | None
+    near-best pool: ranked candidates with total_ms <= best + max(near_best_ms,
+    near_best_ratio * best). A site outside it is never chosen.
+    - key given (session affinity): rendezvous (HRW) hashing of the key over the AFFINITY pool,
+      every ranked candidate with total_ms <= best + affinity_slack_ms (None: all of them), i.e.
+      every acceptable site, not only the near-best. Each (key, site) gets a fixed pseudo-random
+      weight (blake2b) and the heaviest site wins, so adding or removing a site moves only the
+      keys that hash to that site; load changes inside the slack move none. If `previous` (the
+      site the session is on) is in the pool it is kept, so a session that moved during an
+      outage does not move back.
+    - else previous given (hysteresis): keep it while its total_ms <= best + hysteresis_ms.
+    - else power of two choices: draw two distinct sites of the near-best pool and take the less
+      loaded ((in_flight + queue) / max_concurrency, then total_ms; on a tie the first drawn), so
+      equal sites share the load instead of herding to the lowest score, and score noise inside
+      the pool changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sites.registry import Snapshot
+from sites.status import ServiceEndpoint, SiteState
+
+__all__ = [
+    "Candidate",
+    "Choice",
+    "ChoiceMode",
+    "Excluded",
+    "Exclusion",
+    "Policy",
+    "Ranking",
+    "RttSource",
+    "Score",
+    "Scored",
+    "ScoringSettings",
+    "TenantPolicy",
+    "candidates_from_snapshot",
+    "choose",
+    "expected_service_ms",
+    "hrw_weight",
+    "rank",
+]
+
+
+class RttSource(Protocol):
+    """What rank needs of the topology (routing.topology.Topology, or a simulator's)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def rtt_ms(self, client_region: str, site: str) -> float | None: ...
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ScoringSettings(_Frozen):
+    default_latency_ms: float = Field(
+        default=200.0, gt=0, description="service time assumed until an endpoint reports one"
+    )
+    queue_allowance: float = Field(
+        default=0.5,
+        ge=0,
+        description="waiting requests per slot before a site counts as full (0: full once every "
+        "slot is busy); queueing also raises service_ms, so this is a cut-off, not the preference",
+    )
+    error_penalty_ms: float = Field(
+        default=1000.0,
+        ge=0,
+        description="penalty at a 100 % error rate, scaled linearly: a failed try costs about a "
+        "retry elsewhere after a timeout",
+    )
+    eject_error_rate: float = Field(
+        default=0.5, gt=0, le=1, description="at or above this error rate the site is unhealthy"
+    )
+    draining_penalty_ms: float = Field(
+        default=10_000.0,
+        ge=0,
+        description="added to a draining (or cordoned) site: used only when nothing else is",
+    )
+    stale_after_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="an endpoint report older than this is unhealthy (agents publish every ~5 s)",
+    )
+
+
+class TenantPolicy(_Frozen):
+    """Where one tenant's requests may go; None means no restriction."""
+
+    allowed_regions: frozenset[str] | None = None
+    denied_regions: frozenset[str] = frozenset()
+    allowed_sites: frozenset[str] | None = None
+    denied_sites: frozenset[str] = frozenset()
+
+
+class Policy(_Frozen):
+    scoring: ScoringSettings = ScoringSettings()
+    sovereignty: Mapping[str, frozenset[str]] = Field(
+        default_factory=dict,
+        description="client region -> site regions that may serve it (Clients.sovereignty())",
+    )
+    tenant: TenantPolicy | None = None
+
+
+class Exclusion(enum.StrEnum):
+    wrong_service = "wrong_service"
+    sovereignty = "sovereignty"
+    tenant_policy = "tenant_policy"
+    unhealthy = "unhealthy"
+    full = "full"
+    no_route = "no_route"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One site's endpoint for the service, with what the caller knows about it."""
+
+    endpoint: ServiceEndpoint
+    region: str
+    site_state: SiteState = SiteState.up
+    error_rate: float = 0.0
+    draining: bool = False
+    ejected_until: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.error_rate) and 0 <= self.error_rate <= 1):
+            raise ValueError(f"{self.site}: error_rate {self.error_rate} is outside [0, 1]")
+
+    @property
+    def site(self) -> str:
+        return self.endpoint.site
+
+    @property
+    def load(self) -> float:
+        """Occupancy: (in_flight + queue) / max_concurrency; above 1 means a queue."""
+        ep = self.endpoint
+        return (ep.in_flight + ep.queue) / ep.max_concurrency
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    network_ms: float
+    service_ms: float
+    penalty_ms: float
+
+    @property
+    def total_ms(self) -> float:
+        return self.network_ms + self.service_ms + self.penalty_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    candidate: Candidate
+    score: Score
+
+    @property
+    def site(self) -> str:
+        return self.candidate.site
+
+    @property
+    def total_ms(self) -> float:
+        return self.score.total_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Excluded:
+    site: str
+    reason: Exclusion
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    service: str
+    client_region: str
+    now: float
+    topology_version: int
+    ranked: tuple[Scored, ...]
+    excluded: tuple[Excluded, ...]
+
+    @property
+    def best(self) -> Scored | None:
+        return self.ranked[0] if self.ranked else None
+
+    def get(self, site: str) -> Scored | None:
+        return next((s for s in self.ranked if s.site == site), None)
+
+    def reasons(self) -> dict[str, Exclusion]:
+        return {e.site: e.reason for e in self.excluded}
+
+
+class ChoiceMode(enum.StrEnum):
+    single = "single"  # one near-best candidate
+    p2c = "p2c"  # power of two choices in the near-best pool
+    sticky = "sticky"  # kept the previous site (hysteresis, or the session's current site)
+    affinity = "affinity"  # rendezvous hashing of the session key
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    site: str
+    scored: Scored
+    mode: ChoiceMode
+    pool: tuple[str, ...]  # the sites it was chosen among
+
+
+def expected_service_ms(endpoint: ServiceEndpoint, settings: ScoringSettings) -> float:
+    """L * (1 + w / c): see the module docstring."""
+    latency = endpoint.latency_ms
+    if latency is None:
+        latency = settings.default_latency_ms
+    slots = endpoint.max_concurrency
+    waiting = max(0, endpoint.in_flight + endpoint.queue + 1 - slots)
+    return latency * (1 + waiting / slots)
+
+
+def _policy_exclusion(
+    cand: Candidate, client_region: str, policy: Policy
+) -> tuple[Exclusion, str] | None:
+    allowed = policy.sovereignty.get(client_region)
+    if allowed is not None and cand.region not in allowed:
+        return Exclusion.sovereignty, (
+            f"region {cand.region!r} may not serve client region {client_region!r}"
+        )
+    tenant = policy.tenant
+    if tenant is None:
+        return None
+    if tenant.allowed_regions is not None and cand.region not in tenant.allowed_regions:
+        return Exclusion.tenant_policy, f"region {cand.region!r} is not in allowed_regions"
+    if cand.region in tenant.denied_regions:
+        return Exclusion.tenant_policy, f"region {cand.region!r} is in denied_regions"
+    if tenant.allowed_sites is not None and cand.site not in tenant.allowed_sites:
+        return Exclusion.tenant_policy, f"site {cand.site!r} is not in allowed_sites"
+    if cand.site in tenant.denied_sites:
+        return Exclusion.tenant_policy, f"site {cand.site!r} is in denied_sites"
+    return None
+
+
+def _health_exclusion(cand: Candidate, settings: ScoringSettings, now: float) -> str | None:
+    ep = cand.endpoint
+    if cand.site_state is SiteState.down:
+        return "site is down"
+    if not ep.healthy:
+        return "endpoint reports unhealthy"
+    age = now - ep.updated_at
+    if age > settings.stale_after_s:
+        return f"endpoint report is {age:.0f} s old (stale after {settings.stale_after_s:g} s)"
+    if cand.ejected_until is not None and now < cand.ejected_until:
+        return f"ejected after failures for {cand.ejected_until - now:.1f} s more"
+    if cand.error_rate >= settings.eject_error_rate:
+        return (
+            f"error rate {cand.error_rate:.0%} >= eject_error_rate {settings.eject_error_rate:.0%}"
+        )
+    return None
+
+
+def _full(cand: Candidate, settings: ScoringSettings) -> str | None:
+    ep = cand.endpoint
+    limit = ep.max_concurrency * (1 + settings.queue_allowance)
+    if ep.in_flight + ep.queue >= limit:
+        return (
+            f"{ep.in_flight} in flight + {ep.queue} queued >= {limit:g} "
+            f"(max_concurrency {ep.max_concurrency}, queue_allowance {settings.queue_allowance:g})"
+        )
+    return None
+
+
+def rank(
+    service: str,
+    client_region: str,
+    candidates: Iterable[Candidate],
+    topology: RttSource,
+    policy: Policy,
+    now: float,
+) -> Ranking:
+    """Filter and score the candidates (module docstring); raises ValueError on a repeated site."""
+    settings = policy.scoring
+    ranked: list[Scored] = []
+    excluded: list[Excluded] = []
+    seen: set[str] = set()
+    for cand in candidates:
+        if cand.site in seen:
+            raise ValueError(f"site {cand.site!r} is a candidate twice")
+        seen.add(cand.site)
+        network = topology.rtt_ms(client_region, cand.site)
+        reason = _exclusion(service, client_region, cand, network, policy, now)
+        if reason is not None or network is None:
+            excluded.append(Excluded(cand.site, *(reason or _NO_ROUTE)))
+            continue
+        draining = cand.draining or cand.site_state is SiteState.cordoned
+        penalty = cand.error_rate * settings.error_penalty_ms
+        penalty += settings.draining_penalty_ms if draining else 0.0
+        score = Score(network, expected_service_ms(cand.endpoint, settings), penalty)
+        ranked.append(Scored(cand, score))
+    ranked.sort(key=lambda s: (s.total_ms, s.site))
+    excluded.sort(key=lambda e: e.site)
+    return Ranking(
+        service=service,
+        client_region=client_region,
+        now=now,
+        topology_version=topology.version,
+        ranked=tuple(ranked),
+        excluded=tuple(excluded),
+    )
+
+
+def _exclusion(
+    service: str,
+    client_region: str,
+    cand: Candidate,
+    network_ms: float | None,
+    policy: Policy,
+    now: float,
+) -> tuple[Exclusion, str] | None:
+    if cand.endpoint.service != service:
+        return Exclusion.wrong_service, f"endpoint serves {cand.endpoint.service!r}"
+    by_policy = _policy_exclusion(cand, client_region, policy)
+    if by_policy is not None:
+        return by_policy
+    unhealthy = _health_exclusion(cand, policy.scoring, now)
+    if unhealthy is not None:
+        return Exclusion.unhealthy, unhealthy
+    full = _full(cand, policy.scoring)
+    if full is not None:
+        return Exclusion.full, full
+    if network_ms is None:
+        return Exclusion.no_route, f"no path from client region {client_region!r}"
+    return None
+
+
+_NO_ROUTE = (Exclusion.no_route, "no path")
+
+
+def hrw_weight(key: str, site: str) -> int:
+    """The rendezvous weight of (key, site): stable across processes and releases."""
+    digest = hashlib.blake2b(f"{key}\x00{site}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def choose(
+    ranking: Ranking,
+    *,
+    rng: random.Random,
+    key: str | None = None,
+    previous: str | None = None,
+    hysteresis_ms: float = 20.0,
+    near_best_ms: float = 10.0,
+    near_best_ratio: float = 0.1,
+    affinity_slack_ms: float | None = 100.0,
+) -> Choice | None:
+    """Pick a site from the ranking (module docstring); None when nothing is ranked."""
+    for name, value in (
+        ("hysteresis_ms", hysteresis_ms),
+        ("near_best_ms", near_best_ms),
+        ("near_best_ratio", near_best_ratio),
+        ("affinity_slack_ms", 0.0 if affinity_slack_ms is None else affinity_slack_ms),
+    ):
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+    best = ranking.best
+    if best is None:
+        return None
+    if key is not None:
+        limit = math.inf if affinity_slack_ms is None else best.total_ms + affinity_slack_ms
+        pool = [s for s in ranking.ranked if s.total_ms <= limit]
+        sites = tuple(s.site for s in pool)
+        kept = next((s for s in pool if s.site == previous), None)
+        if kept is not None:
+            return Choice(kept.site, kept, ChoiceMode.sticky, sites)
+        winner = max(pool, key=lambda s: (hrw_weight(key, s.site), s.site))
+        return Choice(winner.site, winner, ChoiceMode.affinity, sites)
+    if previous is not None:
+        prev = ranking.get(previous)
+        if prev is not None and prev.total_ms <= best.total_ms + hysteresis_ms:
+            return Choice(prev.site, prev, ChoiceMode.sticky, (prev.site,))
+    band = max(near_best_ms, near_best_ratio * best.total_ms)
+    near = [s for s in ranking.ranked if s.total_ms <= best.total_ms + band]
+    sites = tuple(s.site for s in near)
+    if len(near) == 1:
+        return Choice(best.site, best, ChoiceMode.single, sites)
+    first, second = rng.sample(near, 2)
+    pick = second if _lighter(second, first) else first
+    return Choice(pick.site, pick, ChoiceMode.p2c, sites)
+
+
+def _lighter(a: Scored, b: Scored) -> bool:
+    return (a.candidate.load, a.total_ms) < (b.candidate.load, b.total_ms)
+
+
+def candidates_from_snapshot(
+    snapshot: Snapshot,
+    service: str,
+    *,
+    error_rates: Mapping[str, float] | None = None,
+    ejected_until: Mapping[str, float] | None = None,
+    draining: Iterable[str] = (),
+) -> list[Candidate]:
+    """The candidates for `service`: every registered endpoint whose site has a spec.
+
+    Site state (up, down, cordoned) comes from the snapshot; the error rates, ejections and
+    drains are what the caller (the proxy) observed, keyed by site.
+    """
+    errors = error_rates or {}
+    ejected = ejected_until or {}
+    drain = frozenset(draining)
+    out: list[Candidate] = []
+    for (svc, site), endpoint in sorted(snapshot.services.items()):
+        if svc != service or site not in snapshot.specs:
+            continue
+        view = snapshot.view(site)
+        out.append(
+            Candidate(
+                endpoint=endpoint,
+                region=view.region,
+                site_state=view.state,
+                error_rate=errors.get(site, 0.0),
+                draining=site in drain,
+                ejected_until=ejected.get(site),
+            )
+        )
+    return out
