@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from broker.errors import IllegalTransition, InvalidRequest, NotFound, StaleRecord
 from broker.jobs import JobRecord, JobSpec, JobState
+from broker.router import Router, route_json
 from broker.service import Broker
 from sites.config import field_path
 from sites.errors import RegistryUnavailable
@@ -26,6 +27,7 @@ from sites.errors import RegistryUnavailable
 log = logging.getLogger(__name__)
 
 BROKER = web.AppKey("broker", Broker)
+ROUTER = web.AppKey("router", Router)
 MAX_BODY = 1024 * 1024
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -159,6 +161,26 @@ async def job_logs(request: web.Request) -> web.StreamResponse:
                 return response
         except aiohttp.ClientError as exc:
             return error(502, "site_unreachable", f"cannot reach the agent of {site}: {exc}")
+
+
+async def route(request: web.Request) -> web.Response:
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    service = body.get("service")
+    if not isinstance(service, str) or not service:
+        raise InvalidRequest("service is required", field="service")
+    for name in ("client_region", "client_address", "session_key"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise InvalidRequest(f"{name} must be a string", field=name)
+    unknown = sorted(set(body) - {"service", "client_region", "client_address", "session_key"})
+    if unknown:
+        raise InvalidRequest(f"unknown field {unknown[0]!r}", field=unknown[0])
+    broker, router = request.app[BROKER], request.app[ROUTER]
+    router.sync(broker.view().sites)
+    region = router.region(body.get("client_region"), body.get("client_address"))
+    result = router.route(service, region, now=time.time(), session_key=body.get("session_key"))
+    return web.json_response(route_json(result))
 
 
 async def list_sites(request: web.Request) -> web.Response:
@@ -314,9 +336,12 @@ def openapi_document() -> dict[str, Any]:
     }
 
 
-def make_app(broker: Broker) -> web.Application:
+def make_app(broker: Broker, router: Router | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY)
     app[BROKER] = broker
+    if router is not None:
+        app[ROUTER] = router
+        app.router.add_post("/v1/route", route)
     r = app.router
     r.add_post("/v1/jobs", submit)
     r.add_get("/v1/jobs", list_jobs)

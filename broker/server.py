@@ -12,8 +12,10 @@ from aiohttp import web
 
 from broker.api import make_app
 from broker.regions import load_user_regions, user_rtt_ms
+from broker.router import Router
 from broker.service import Broker, BrokerSettings, load_settings
 from broker.tenants import load_quotas
+from routing.clients import load_clients
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, site_files
 from sites.latency import LatencyModel
@@ -49,7 +51,13 @@ async def serve(
         settings=settings,
         url=f"http://{listen}",
     )
-    app = make_app(broker)
+    router = None
+    if (config_dir / "clients.yaml").exists():
+        clients = load_clients(config_dir / "clients.yaml", user_regions=regions, sites=specs)
+        router = Router(clients=clients, user_regions=regions, latency=latency)
+    else:
+        log.warning("no %s: inference routing is off", config_dir / "clients.yaml")
+    app = make_app(broker, router)
 
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
         await broker.start()

@@ -124,6 +124,7 @@ class Broker:
                 keys.ASSIGNMENTS,
                 keys.REPORTS,
                 keys.LINKS,
+                keys.SERVICES,
             )
         }
 
@@ -165,7 +166,7 @@ class Broker:
         if self._view is not None:
             return self._view
         sites = Snapshot(revision=0)
-        for prefix in (keys.SITES, keys.AGENTS, keys.LINKS):
+        for prefix in (keys.SITES, keys.AGENTS, keys.LINKS, keys.SERVICES):
             for key, value in self._mirrors[prefix].items.items():
                 sites.apply(key, value)
         jobs: dict[str, tuple[JobRecord, int]] = {}

@@ -31,6 +31,7 @@ from sites.clock import Clock, SystemClock
 from sites.collectors.host import host_usage, storage_usage
 from sites.collectors.nvml import NvmlCollector
 from sites.collectors.probes import METHODS, Prober, ProbeResponder, choose_method
+from sites.collectors.services import ServiceLoad, ServiceMonitor
 from sites.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
 from sites.executor import make_executor
 from sites.mirror import PrefixMirror
@@ -138,6 +139,7 @@ class Agent:
             source=host if host not in ("0.0.0.0", "", "localhost") else None,
             emulated=settings.wan_emulated,
         )
+        self.services = ServiceMonitor(spec.services)
         self._peers = PrefixMirror(registry=registry, prefix=keys.AGENTS, on_change=self._on_agents)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -168,6 +170,7 @@ class Agent:
         self._spawn(self._keepalive_loop(), "keepalive")
         self._spawn(self._publish_loop(), "publish")
         self._spawn(self._peers.run(), "peers")
+        self._spawn(self._services_loop(), "services")
         self.prober.set_self(self.probe_url)
         log.info(
             "agent of %s up: %s, lease ttl %ss, probes %s%s",
@@ -192,6 +195,7 @@ class Agent:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.prober.close()
+        await self.services.close()
         if revoke and self.record is not None:
             try:
                 await self.registry.revoke(self.record.lease_id)
@@ -314,6 +318,12 @@ class Agent:
         self.last_publish_at = now
         self.last_error = None
 
+    async def _services_loop(self) -> None:
+        # twice per interval, so a published endpoint's load is at most half an interval old
+        while True:
+            await self.services.poll()
+            await self.clock.sleep(self.settings.interval_s / 2)
+
     def _on_agents(self, items: dict[str, bytes]) -> None:
         peers: dict[str, str] = {}
         for key, raw in items.items():
@@ -400,17 +410,24 @@ class Agent:
         )
 
     def service_endpoints(self, now: float) -> list[ServiceEndpoint]:
-        return [
-            ServiceEndpoint(
-                service=svc.name,
-                site=self.spec.id,
-                model=svc.model,
-                url=self.settings.service_urls.get(svc.name, svc.url),
-                max_concurrency=svc.max_concurrency,
-                updated_at=now,
+        endpoints = []
+        for svc in self.spec.services:
+            load = self.services.loads.get(svc.name, ServiceLoad(healthy=False))
+            endpoints.append(
+                ServiceEndpoint(
+                    service=svc.name,
+                    site=self.spec.id,
+                    model=svc.model,
+                    url=self.settings.service_urls.get(svc.name, svc.url),
+                    max_concurrency=svc.max_concurrency,
+                    in_flight=load.in_flight,
+                    queue=load.queue,
+                    latency_ms=load.latency_ms,
+                    healthy=load.healthy,
+                    updated_at=now,
+                )
             )
-            for svc in self.spec.services
-        ]
+        return endpoints
 
     # -- HTTP ---------------------------------------------------------------------------------
 
