@@ -11,6 +11,7 @@ from pathlib import Path
 from aiohttp import web
 
 from broker.api import make_app
+from broker.inference import Gateway
 from broker.regions import load_user_regions, user_rtt_ms
 from broker.router import Router
 from broker.service import Broker, BrokerSettings, load_settings
@@ -31,6 +32,7 @@ async def serve(
     config_dir: Path,
     settings: BrokerSettings | None = None,
     ready: asyncio.Event | None = None,
+    wan_emulated: bool = False,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or cancellation)."""
     catalog = DeviceCatalog.load(config_dir / "devices.yaml")
@@ -58,6 +60,11 @@ async def serve(
     else:
         log.warning("no %s: inference routing is off", config_dir / "clients.yaml")
     app = make_app(broker, router)
+    if router is not None:
+        sources = {}
+        if wan_emulated:  # emulated WAN: each client region's traffic leaves from its own address
+            sources = router.clients.loopback_sources()
+        Gateway(broker=broker, router=router, client_source_ips=sources).install(app)
 
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
         await broker.start()

@@ -208,6 +208,7 @@ async def cmd_broker(args: argparse.Namespace) -> int:
         etcd=_etcd_url(args),
         listen=args.listen,
         config_dir=Path(args.config_dir) if args.config_dir else config_dir(),
+        wan_emulated=args.wan_emulated,
     )
     return 0
 
@@ -303,6 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
     etcd_arg(broker)
     broker.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT")
     broker.add_argument("--config-dir", metavar="DIR", help="configs/ directory")
+    broker.add_argument(
+        "--wan-emulated",
+        action="store_true",
+        help="one-machine demo: send each client region's requests from its loopback address",
+    )
     broker.set_defaults(func=cmd_broker)
 
     submit = sub.add_parser("submit", help="submit a job from a YAML file")

@@ -19,15 +19,18 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from broker.regions import load_user_regions
 from cpn import render
 from cpn.state import clear_up_state, state_dir, write_up_state
+from routing.clients import load_clients
 from sites import wan
 from sites.catalog import DeviceCatalog
-from sites.config import load_sites, site_files
+from sites.config import load_sites, read_yaml, site_files
 from sites.errors import ConfigError, Problem
 from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.latency import Endpoint, LatencyModel
@@ -79,6 +82,7 @@ class Launcher:
         self.emulator: wan.WanEmulator | None = None
         self.plans: list[SitePlan] = []
         self.broker: subprocess.Popen[bytes] | None = None
+        self.model_servers: list[subprocess.Popen[bytes]] = []
         self.broker_url = ""
         self.run_dir = state_dir() / f"up-{os.getpid()}"
         self.broker_log = self.run_dir / "broker.log"
@@ -120,6 +124,7 @@ class Launcher:
             else:
                 for plan in self.plans:
                     plan.listen = f"127.0.0.1:{free_port()}"
+            self._start_model_servers()
             self._start_agents(url)
             self._start_broker(url)
             write_up_state(
@@ -149,7 +154,15 @@ class Launcher:
             return latency.rtt_ms(endpoints[src], endpoints[dst])
 
         ips = {node_ip(n): p.spec.id for n, p in enumerate(self.plans, start=1)}
-        self.emulator = wan.WanEmulator(node_of_ip=ips, rtt_ms=rtt)
+        client_rtt, sources = self._client_rtts(latency, rtt)
+        ips.update({ip: region for region, ip in sources.items()})
+
+        def path_rtt(src: str, dst: str) -> float:
+            if src in client_rtt:  # a client region reaches a site through its ingress sites
+                return client_rtt[src].get(dst, 0.0)
+            return rtt(src, dst)
+
+        self.emulator = wan.WanEmulator(node_of_ip=ips, rtt_ms=path_rtt)
         for n, plan in enumerate(self.plans, start=1):
             port = free_port(node_ip(n))
             plan.listen = f"{node_ip(n)}:{port}"
@@ -170,6 +183,61 @@ class Launcher:
                     front=(front_ip(n), backend[1]), backend=backend, node=plan.spec.id
                 )
                 plan.service_urls[svc.name] = urlunsplit(parts._replace(netloc=f"{fhost}:{fport}"))
+
+    def _client_rtts(
+        self, latency: LatencyModel, rtt: Callable[[str, str], float]
+    ) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
+        """Client region -> site -> RTT (the best ingress site's access RTT plus its WAN RTT),
+        and client region -> the loopback address it sends from (its 127.0.3.n/32 in
+        configs/clients.yaml), as the broker's proxy does on its behalf when the WAN is emulated.
+        """
+        path = self.settings.config_dir / "clients.yaml"
+        if not path.exists():
+            return {}, {}
+        regions = load_user_regions(self.settings.config_dir / "regions.yaml")
+        specs = {p.spec.id: p.spec for p in self.plans}
+        clients = load_clients(path, user_regions=regions)
+        out: dict[str, dict[str, float]] = {}
+        for region in clients.regions:
+            attach = {
+                site: ms
+                for site, ms in clients.attach_rtt_ms(region, specs, regions, latency).items()
+                if site in specs
+            }
+            out[region] = {
+                site: min(
+                    (ms + (0.0 if a == site else rtt(a, site)) for a, ms in attach.items()),
+                    default=0.0,
+                )
+                for site in specs
+            }
+        return out, clients.loopback_sources()
+
+    def _start_model_servers(self) -> None:
+        """The STAND-IN model servers behind the demo's services (configs/standin.yaml)."""
+        path = self.settings.config_dir / "standin.yaml"
+        table = (read_yaml(path) or {}) if path.exists() else {}
+        models, default = table.get("models", {}), table.get("default", {})
+        for n, plan in enumerate(self.plans, start=1):
+            for svc in plan.spec.services:
+                parts = urlsplit(svc.url)
+                timing = {"median_ms": 300, "p99_ms": 1000, **default, **models.get(svc.model, {})}
+                args = [
+                    sys.executable, "-m", "routing.modelserver",
+                    "--listen", f"{parts.hostname}:{parts.port}",
+                    "--name", f"{plan.spec.id}/{svc.name}",
+                    "--median-ms", str(timing["median_ms"]),
+                    "--p99-ms", str(timing["p99_ms"]),
+                    "--max-concurrency", str(svc.max_concurrency),
+                    "--seed", str(n),
+                ]  # fmt: skip
+                log_path = self.run_dir / f"model-{plan.spec.id}-{svc.name}.log"
+                with open(log_path, "ab") as logfile:
+                    self.model_servers.append(
+                        subprocess.Popen(
+                            args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                        )
+                    )
 
     def _start_agents(self, url: str) -> None:
         for plan in self.plans:
@@ -212,6 +280,8 @@ class Launcher:
             "--listen", listen,
             "--config-dir", str(self.settings.config_dir),
         ]  # fmt: skip
+        if self.emulator is not None:
+            args.append("--wan-emulated")
         with open(self.broker_log, "ab") as logfile:
             self.broker = subprocess.Popen(
                 args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -281,6 +351,7 @@ class Launcher:
         ]
         if self.broker is not None and self.broker.poll() is None:
             procs.append(self.broker)
+        procs += [m for m in self.model_servers if m.poll() is None]
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10

@@ -143,6 +143,17 @@ class Clients:
     def __contains__(self, region: object) -> bool:
         return region in self.regions
 
+    def loopback_sources(self) -> dict[str, str]:
+        """Region -> its single loopback address (a 127.x.y.z/32 in cidrs), for the one-machine
+        demo whose WAN emulation tells a client region by the address it sends from."""
+        out: dict[str, str] = {}
+        for region in self.regions.values():
+            for net in region.cidrs:
+                if net.version == 4 and net.prefixlen == 32 and net.network_address.is_loopback:
+                    out[region.id] = str(net.network_address)
+                    break
+        return out
+
     def region_of(self, address: str | Address) -> str | None:
         """The client region of `address` by longest-prefix match; None if no range holds it.
 

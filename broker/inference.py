@@ -1,0 +1,143 @@
+"""The broker's inference gateway: `ANY /v1/infer/{service}/{path}` through routing's proxy.
+
+Wires the router (topology + selection over the mirrored registry) to routing.proxy's
+InferenceProxy: the chosen site first, the rest of the ranking after it for retries; passive
+ejections feed back into selection; an active checker GETs every endpoint's /healthz.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import aiohttp
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.errors import InvalidRequest, NotFound
+from broker.router import Router
+from broker.service import Broker
+from routing.health import (
+    ActiveHealthChecker,
+    HealthCheckSettings,
+    OutlierDetector,
+    OutlierSettings,
+)
+from routing.proxy import InferenceProxy, UnknownRegion, UnknownService, Upstream, upstream_key
+from routing.ratelimit import RateLimit, TenantLimiter
+
+
+class InferenceSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    response_timeout_s: float = Field(default=60.0, gt=0, description="to headers, then per chunk")
+    max_attempts: int = Field(default=3, ge=1, description="sites tried per request")
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=0)
+    tenant_rate_per_s: float = Field(default=1000.0, gt=0, description="per-tenant request rate")
+    tenant_burst: int = Field(default=2000, ge=1)
+    health_interval_s: float = Field(default=2.0, gt=0, description="active /healthz checks")
+    outlier: OutlierSettings = OutlierSettings()
+
+
+class Gateway:
+    """Owns the proxy's sessions and health checker; `install(app)` adds the route."""
+
+    def __init__(
+        self,
+        *,
+        broker: Broker,
+        router: Router,
+        settings: InferenceSettings | None = None,
+        client_source_ips: dict[str, str] | None = None,
+    ) -> None:
+        self.broker = broker
+        self.router = router
+        self.settings = settings or InferenceSettings()
+        # emulated WAN only: client region -> the loopback address its traffic leaves from
+        self.client_source_ips = client_source_ips or {}
+        self.health = OutlierDetector(settings=self.settings.outlier)
+        self._sessions: dict[str, aiohttp.ClientSession] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self.checker: ActiveHealthChecker | None = None
+        self.proxy: InferenceProxy | None = None
+
+    def _new_session(self, source_ip: str | None = None) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=0, local_addr=None if source_ip is None else (source_ip, 0), ttl_dns_cache=300
+        )
+        return aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+    def session_for(self, source_ip: str) -> aiohttp.ClientSession:
+        session = self._sessions.get(source_ip)
+        if session is None:
+            session = self._sessions[source_ip] = self._new_session(source_ip)
+        return session
+
+    async def pick(
+        self, service: str, region: str | None, session_key: str | None
+    ) -> Sequence[Upstream]:
+        self.router.sync(self.broker.view().sites)
+        if region is None:
+            raise UnknownRegion("no client region")
+        try:
+            region = self.router.region(region, None)
+            now = time.time()
+            proxy = self.proxy
+            ejected = proxy.ejected_sites(service, now) if proxy is not None else {}
+            route = self.router.route(
+                service, region, now=now, session_key=session_key, ejected_until=ejected
+            )
+        except InvalidRequest as exc:
+            raise UnknownRegion(exc.message) from None
+        except NotFound as exc:
+            raise UnknownService(str(exc)) from None
+        source = self.client_source_ips.get(region)
+        return [Upstream(site, url, source) for site, url in route.upstreams()]
+
+    def _health_targets(self) -> dict[str, str]:
+        return {
+            upstream_key(svc, Upstream(site, ep.url)): ep.url.rstrip("/") + "/healthz"
+            for (svc, site), ep in self.router.snapshot.services.items()
+        }
+
+    def install(self, app: web.Application) -> None:
+        settings = self.settings
+
+        async def lifetime(_: web.Application) -> AsyncIterator[None]:
+            self._session = self._new_session()
+            self.checker = ActiveHealthChecker(
+                targets=self._health_targets,
+                session=self._session,
+                settings=HealthCheckSettings(interval_s=settings.health_interval_s),
+            )
+            self.checker.start()
+            rate = RateLimit(rate_per_s=settings.tenant_rate_per_s, burst=settings.tenant_burst)
+            self.proxy = InferenceProxy(
+                pick=self.pick,
+                health=self.health,
+                limiter=TenantLimiter(default=rate),
+                connect_timeout_s=settings.connect_timeout_s,
+                response_timeout_s=settings.response_timeout_s,
+                max_attempts=settings.max_attempts,
+                max_body_bytes=settings.max_body_bytes,
+                session=self._session,
+                known_services=self.router.services,
+                resolve_region=self.router.clients.region_of,
+                known_regions=lambda: self.router.clients,
+                active=self.checker,
+                session_for=self.session_for,
+            )
+            yield
+            await self.checker.stop()
+            for session in [self._session, *self._sessions.values()]:
+                await session.close()
+
+        app.cleanup_ctx.append(lifetime)
+
+        async def handle(request: web.Request) -> web.StreamResponse:
+            if self.proxy is None:
+                raise web.HTTPServiceUnavailable()
+            return await self.proxy.handle(request)
+
+        app.router.add_route("*", "/v1/infer/{service}/{path:.*}", handle)

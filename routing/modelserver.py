@@ -1,0 +1,474 @@
+"""A STAND-IN model server for tests and the demo. It runs no model.
+
+It answers OpenAI-like requests after a service time drawn from a declared distribution, so the
+router has something with realistic latency, a concurrency limit and a queue to route to. Every
+response carries `X-Cpn-Standin: 1` so nobody mistakes it for a real inference server.
+
+    POST /v1/completions, POST /v1/chat/completions
+        JSON object in; after the service time, a small JSON completion out. With
+        `"stream": true` it sends server-sent events instead: `max_tokens` (default `tokens`)
+        `data: {...}` events spaced by service_time / tokens, then `data: [DONE]`.
+    GET /healthz          200 while healthy (the fault switch applies here too)
+    GET /stats            {in_flight, queue, served, errors, rejected, p50_ms, p99_ms,
+                           mean_ms, service_rate_per_s, max_concurrency, max_queue, ...}
+    POST /admin/fail      {"mode": "500" | "hang" | "ok"}: a fault switch for tests
+
+Service time: lognormal with the declared median and p99 (p99 == median gives a constant),
+drawn from a seeded generator. Concurrency: at most `max_concurrency` requests are served at
+once; the next `max_queue` wait in FIFO order; beyond that the answer is 429 with Retry-After.
+p50/p99/mean are over the last `window` service times (queueing excluded, the way the router's
+service estimate wants them); service_rate_per_s = max_concurrency / mean service time.
+
+Run: python -m routing.modelserver --listen HOST:PORT --name NAME --median-ms X --p99-ms Y
+     --max-concurrency N [--max-queue M] [--seed S] [--tokens T]
+It prints `listening on http://HOST:PORT` once it accepts connections (PORT 0 picks one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import importlib
+import itertools
+import json
+import math
+import random
+import signal
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "FAULT_MODES",
+    "ModelServer",
+    "ModelServerSettings",
+    "ServiceTime",
+    "main",
+    "make_app",
+]
+
+STANDIN_HEADER = "X-Cpn-Standin"
+FAULT_MODES = ("ok", "500", "hang")
+MAX_BODY = 1024 * 1024
+MAX_STREAM_TOKENS = 4096
+_Z99 = statistics.NormalDist().inv_cdf(0.99)
+
+
+class ModelServerSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1, description="shown in responses and /stats")
+    median_ms: float = Field(gt=0, description="median service time")
+    p99_ms: float = Field(gt=0, description="99th percentile service time (>= median_ms)")
+    max_concurrency: int = Field(ge=1, description="requests served at once")
+    max_queue: int = Field(64, ge=0, description="requests that may wait for a slot; then 429")
+    seed: int = Field(0, description="seeds the service-time draws, for repeatable runs")
+    tokens: int = Field(8, ge=1, le=MAX_STREAM_TOKENS, description="events in a stream")
+    window: int = Field(1000, ge=1, description="recent service times kept for /stats")
+
+    @model_validator(mode="after")
+    def _p99_above_median(self) -> ModelServerSettings:
+        if self.p99_ms < self.median_ms:
+            raise ValueError(f"p99_ms ({self.p99_ms:g}) must be >= median_ms ({self.median_ms:g})")
+        return self
+
+
+class ServiceTime:
+    """Lognormal service times in ms with a given median and p99, from a seeded generator."""
+
+    def __init__(self, *, median_ms: float, p99_ms: float, seed: int) -> None:
+        if not 0 < median_ms <= p99_ms:
+            raise ValueError("need 0 < median_ms <= p99_ms")
+        self.mu = math.log(median_ms)
+        self.sigma = math.log(p99_ms / median_ms) / _Z99
+        self.mean_ms = math.exp(self.mu + self.sigma**2 / 2)
+        self._rng = random.Random(seed)
+
+    def draw(self) -> float:
+        return self._rng.lognormvariate(self.mu, self.sigma)
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue is full."""
+
+
+class _Slots:
+    """max_concurrency slots with a bounded FIFO queue of waiters."""
+
+    def __init__(self, capacity: int, max_queue: int) -> None:
+        self.capacity = capacity
+        self.max_queue = max_queue
+        self.in_flight = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.in_flight < self.capacity and not self.waiters:
+            self.in_flight += 1
+            return
+        if len(self.waiters) >= self.max_queue:
+            raise QueueFull
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # the slot was handed over as we were cancelled: pass it on
+            else:
+                self.waiters.remove(fut)
+            raise
+
+    def release(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)  # the slot passes to the waiter; in_flight is unchanged
+                return
+        self.in_flight -= 1
+
+
+class ModelServer:
+    """The stand-in's state: slots, the fault switch, recent service times, counters."""
+
+    def __init__(self, settings: ModelServerSettings) -> None:
+        self.settings = settings
+        self.service_time = ServiceTime(
+            median_ms=settings.median_ms, p99_ms=settings.p99_ms, seed=settings.seed
+        )
+        self.slots = _Slots(settings.max_concurrency, settings.max_queue)
+        self.mode = "ok"
+        self._recovered = asyncio.Event()
+        self._recovered.set()
+        self.recent_ms: collections.deque[float] = collections.deque(maxlen=settings.window)
+        self.served = 0
+        self.errors = 0
+        self.rejected = 0
+        self._ids: Iterator[int] = itertools.count(1)
+
+    def set_mode(self, mode: str) -> None:
+        self.mode = mode
+        if mode == "hang":
+            self._recovered.clear()
+        else:
+            self._recovered.set()  # releases hung requests
+
+    async def fault(self) -> web.Response | None:
+        """The response the fault switch imposes, or None when healthy."""
+        if self.mode == "hang":
+            await self._recovered.wait()
+        if self.mode == "500":
+            self.errors += 1
+            return _error(500, "injected_fault", f"{self.settings.name}: fault switch is on")
+        return None
+
+    def retry_after_s(self) -> int:
+        """A queued request's expected wait: the queue drains max_concurrency per service time."""
+        per_slot_ms = self.mean_ms() / self.settings.max_concurrency
+        return max(1, math.ceil((len(self.slots.waiters) + 1) * per_slot_ms / 1000))
+
+    def mean_ms(self) -> float:
+        if self.recent_ms:
+            return statistics.fmean(self.recent_ms)
+        return self.service_time.mean_ms
+
+    def stats(self) -> dict[str, Any]:
+        recent = sorted(self.recent_ms)
+        mean_ms = self.mean_ms()
+        return {
+            "name": self.settings.name,
+            "standin": True,
+            "mode": self.mode,
+            "in_flight": self.slots.in_flight,
+            "queue": len(self.slots.waiters),
+            "served": self.served,
+            "errors": self.errors,
+            "rejected": self.rejected,
+            "p50_ms": _quantile(recent, 0.50),
+            "p99_ms": _quantile(recent, 0.99),
+            "mean_ms": round(mean_ms, 3),
+            "window": len(recent),
+            "service_rate_per_s": round(self.settings.max_concurrency * 1000 / mean_ms, 3),
+            "max_concurrency": self.settings.max_concurrency,
+            "max_queue": self.settings.max_queue,
+        }
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+
+def _quantile(ordered: list[float], q: float) -> float | None:
+    """Nearest-rank quantile of sorted values; None when there are none."""
+    if not ordered:
+        return None
+    return round(ordered[min(len(ordered) - 1, math.ceil(q * len(ordered)) - 1)], 3)
+
+
+def _error(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+    return web.json_response(
+        {"error": {"code": code, "message": message, "field": field}}, status=status
+    )
+
+
+SERVER = web.AppKey("modelserver", ModelServer)
+
+
+async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        return _error(413, "too_large", f"request body over {MAX_BODY} bytes", "body")
+    try:
+        body = json.loads(await request.read() or b"{}")
+    except web.HTTPRequestEntityTooLarge:
+        return _error(413, "too_large", f"request body over {MAX_BODY} bytes", "body")
+    except (ValueError, UnicodeDecodeError) as exc:
+        return _error(400, "invalid_json", f"request body is not JSON: {exc}", "body")
+    if not isinstance(body, dict):
+        return _error(400, "invalid", "request body must be a JSON object", "body")
+    return body
+
+
+def _token_count(body: dict[str, Any], default: int) -> int | web.Response:
+    value = body.get("max_tokens", default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STREAM_TOKENS:
+        return _error(
+            400, "invalid", f"max_tokens must be an integer in 1..{MAX_STREAM_TOKENS}", "max_tokens"
+        )
+    return value
+
+
+async def _infer(request: web.Request, chat: bool) -> web.StreamResponse:
+    server = request.app[SERVER]
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        return _error(400, "invalid", "stream must be true or false", "stream")
+    tokens = _token_count(body, server.settings.tokens)
+    if isinstance(tokens, web.Response):
+        return tokens
+    fault = await server.fault()
+    if fault is not None:
+        return fault
+    try:
+        await server.slots.acquire()
+    except QueueFull:
+        server.rejected += 1
+        busy = _error(
+            429,
+            "queue_full",
+            f"{server.settings.name}: {server.settings.max_concurrency} in flight and "
+            f"{server.settings.max_queue} queued",
+        )
+        busy.headers["Retry-After"] = str(server.retry_after_s())
+        return busy
+    try:
+        service_ms = server.service_time.draw()
+        rid = f"cmpl-{server.settings.name}-{server.next_id()}"
+        response: web.StreamResponse
+        if stream:
+            response = await _stream(request, server, rid, chat, tokens, service_ms)
+        else:
+            await asyncio.sleep(service_ms / 1000)
+            response = web.json_response(_completion(server, rid, chat, tokens, service_ms))
+        server.recent_ms.append(service_ms)
+        server.served += 1
+        return response
+    finally:
+        server.slots.release()
+
+
+def _completion(
+    server: ModelServer, rid: str, chat: bool, tokens: int, service_ms: float
+) -> dict[str, Any]:
+    text = " ".join(f"tok{i}" for i in range(tokens))
+    choice: dict[str, Any] = (
+        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        if chat
+        else {"index": 0, "text": text, "finish_reason": "stop"}
+    )
+    return {
+        "id": rid,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": server.settings.name,
+        "choices": [choice],
+        "usage": {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens},
+        "cpn": {
+            "standin": True,
+            "server": server.settings.name,
+            "service_ms": round(service_ms, 3),
+        },
+    }
+
+
+async def _stream(
+    request: web.Request,
+    server: ModelServer,
+    rid: str,
+    chat: bool,
+    tokens: int,
+    service_ms: float,
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    per_token_s = service_ms / tokens / 1000
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    try:
+        for i in range(tokens):
+            await asyncio.sleep(per_token_s)
+            choice: dict[str, Any] = (
+                {"index": 0, "delta": {"content": f"tok{i} "}}
+                if chat
+                else {"index": 0, "text": f"tok{i} "}
+            )
+            if i == tokens - 1:
+                choice["finish_reason"] = "stop"
+            event = {"id": rid, "object": kind, "model": server.settings.name, "choices": [choice]}
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionError:
+        pass  # the client left; aiohttp closes the connection
+    return response
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _infer(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _infer(request, chat=True)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    server = request.app[SERVER]
+    fault = await server.fault()
+    if fault is not None:
+        return fault
+    return web.json_response({"status": "ok", "name": server.settings.name, "standin": True})
+
+
+async def stats(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVER].stats())
+
+
+async def admin_fail(request: web.Request) -> web.Response:
+    server = request.app[SERVER]
+    body = await _read_json(request)
+    if isinstance(body, web.Response):
+        return body
+    mode = body.get("mode")
+    if mode not in FAULT_MODES:
+        return _error(400, "invalid", f"mode must be one of {', '.join(FAULT_MODES)}", "mode")
+    server.set_mode(mode)
+    return web.json_response({"mode": mode})
+
+
+async def _mark_standin(_request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[STANDIN_HEADER] = "1"
+
+
+async def _release_hung(app: web.Application) -> None:
+    # Hung requests would hold shutdown for the whole graceful timeout.
+    app[SERVER].set_mode("ok")
+
+
+def make_app(settings: ModelServerSettings) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    app[SERVER] = ModelServer(settings)
+    app.on_response_prepare.append(_mark_standin)
+    app.on_shutdown.append(_release_hung)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/stats", stats)
+    app.router.add_post("/admin/fail", admin_fail)
+    return app
+
+
+def _parse_listen(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {value!r}")
+    return host.strip("[]"), int(port)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m routing.modelserver",
+        description="A stand-in model server (runs no model) for cpn tests and the demo.",
+    )
+    p.add_argument("--listen", type=_parse_listen, required=True, metavar="HOST:PORT")
+    p.add_argument("--name", required=True)
+    p.add_argument("--median-ms", type=float, required=True)
+    p.add_argument("--p99-ms", type=float, required=True)
+    p.add_argument("--max-concurrency", type=int, required=True)
+    p.add_argument("--max-queue", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokens", type=int, default=8, help="events in a streamed answer")
+    return p
+
+
+async def serve(settings: ModelServerSettings, host: str, port: int) -> None:
+    """Serve until SIGTERM or SIGINT."""
+    runner = web.AppRunner(make_app(settings), access_log=None, shutdown_timeout=5)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = runner.addresses[0]
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        print(f"listening on http://{shown}:{bound[1]}", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    host, port = args.listen
+    try:
+        settings = ModelServerSettings(
+            name=args.name,
+            median_ms=args.median_ms,
+            p99_ms=args.p99_ms,
+            max_concurrency=args.max_concurrency,
+            max_queue=args.max_queue,
+            seed=args.seed,
+            tokens=args.tokens,
+        )
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        print(f"modelserver: {where + ': ' if where else ''}{first['msg']}", file=sys.stderr)
+        return 2
+    loop_factory = None
+    with contextlib.suppress(ImportError):
+        loop_factory = importlib.import_module("uvloop").new_event_loop  # used when installed
+    try:
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(serve(settings, host, port))
+    except OSError as exc:
+        print(
+            f"modelserver: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr
+        )
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,478 @@
+"""The inference proxy: `ANY /v1/infer/{service}/{path}` to the chosen site, streamed through.
+
+Per request, in this order (docs/inference.md is the long form):
+
+1. client region: header `X-Cpn-Client-Region`, else `resolve_region(peer address)` (CIDR
+   map); missing or unknown -> 400 (field `X-Cpn-Client-Region`).
+2. tenant: header `X-Cpn-Tenant` (default "anonymous"); over its token bucket -> 429 with
+   Retry-After (field `X-Cpn-Tenant`).
+3. body: read whole (a retry must resend it), at most `max_body_bytes` -> else 413.
+4. candidates: `await pick(service, region, session_key)`, an ordered list of upstreams; the
+   time it takes is `X-Cpn-Route-Ms`. Empty: 404 `unknown_service` when the service is not
+   in `known_services()`, else 503 `no_capacity`. The session key is header `X-Cpn-Session`,
+   else cookie `cpn-session`.
+5. attempts: candidates in order, skipping ejected ones (OutlierDetector) and ones the active
+   health checker calls unhealthy, at most `max_attempts`. None left -> 503 `no_capacity`.
+   After a failed attempt the next candidate is tried when `may_retry` says so:
+
+       failure                                  POST/PATCH   idempotent*
+       connect refused / connect timeout        retry        retry      (nothing was sent)
+       upstream 429 (no room)                   retry        retry      (it did no work)
+       upstream 5xx, response timeout, lost     no           retry
+       * GET, HEAD, OPTIONS, PUT, DELETE, or any request carrying `Idempotency-Key`
+
+   Once the first response byte went to the client nothing is retried: a stream that breaks
+   halfway is cut (the client sees a truncated body, never a silently shortened one).
+6. response: status and headers copied (minus hop-by-hop), body written chunk by chunk as it
+   arrives (chunked and server-sent events pass unbuffered), plus `X-Cpn-Site`,
+   `X-Cpn-Attempts`, `X-Cpn-Route-Ms`. When no attempt got an answer: 502 `upstream_unreachable`
+   / `upstream_error` or 504 `upstream_timeout`.
+
+Outcomes go to the OutlierDetector keyed `upstream_key(service, upstream)` ("service@site"):
+5xx, timeouts and connection errors are failures; any other status is a success; a 429 is
+neither (load, not ill health). Timeouts: `connect_timeout_s` for the TCP connect,
+`response_timeout_s` for the response headers and again for each gap between body chunks (a
+slow stream is fine, a stalled one is not).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Awaitable, Callable, Collection, Container, Sequence
+from typing import NamedTuple, Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from yarl import URL
+
+from routing.health import OutlierDetector
+from routing.ratelimit import TenantLimiter
+from sites.clock import Clock, SystemClock
+
+__all__ = [
+    "IDEMPOTENT_METHODS",
+    "Failure",
+    "HealthView",
+    "InferenceProxy",
+    "Pick",
+    "ProxyError",
+    "UnknownRegion",
+    "UnknownService",
+    "Upstream",
+    "add_routes",
+    "may_retry",
+    "upstream_key",
+]
+
+log = logging.getLogger(__name__)
+
+REGION_HEADER = "X-Cpn-Client-Region"
+TENANT_HEADER = "X-Cpn-Tenant"
+SESSION_HEADER = "X-Cpn-Session"
+SESSION_COOKIE = "cpn-session"
+DEFAULT_TENANT = "anonymous"
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+# RFC 9110 7.6.1 connection-specific fields, plus Host and Content-Length, which aiohttp sets
+# for the hop it makes.
+_HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+_NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length"}
+
+
+class ProxyError(Exception):
+    """Base of what `pick` may raise to turn a request away with a 4xx.
+
+    ProxyError
+     +-- UnknownRegion (LookupError)    -> 400 unknown_region, field X-Cpn-Client-Region
+     +-- UnknownService (LookupError)   -> 404 unknown_service, field service
+    """
+
+
+class UnknownRegion(ProxyError, LookupError):
+    pass
+
+
+class UnknownService(ProxyError, LookupError):
+    pass
+
+
+class Upstream(NamedTuple):
+    site: str
+    base_url: str
+    # the local address to connect from: on a one-machine federation the WAN emulation tells
+    # the client region by it (docs/wan-emulation.md); None in a real deployment
+    source_ip: str | None = None
+
+
+Pick = Callable[[str, str | None, str | None], Awaitable[Sequence[Upstream]]]
+
+
+class HealthView(Protocol):
+    """What the proxy asks of the active health checker (routing.health.ActiveHealthChecker)."""
+
+    def is_healthy(self, key: str) -> bool: ...
+
+
+def upstream_key(service: str, upstream: Upstream) -> str:
+    """The key of one (service, site) endpoint for the outlier detector and health checks."""
+    return f"{service}@{upstream.site}"
+
+
+class Failure(enum.StrEnum):
+    not_sent = "not_sent"  # connect refused or timed out: the request never left
+    busy = "busy"  # upstream 429: it turned the request away without doing the work
+    status_5xx = "5xx"
+    timeout = "timeout"  # no response headers within response_timeout_s
+    broken = "broken"  # the connection failed after the request was (maybe) sent
+
+
+def may_retry(failure: Failure, *, idempotent: bool) -> bool:
+    """Whether a failed attempt may go to the next candidate (see the module docstring)."""
+    return failure in (Failure.not_sent, Failure.busy) or idempotent
+
+
+def _error(
+    status: int, code: str, message: str, field: str | None = None, **headers: str
+) -> web.Response:
+    body = {"error": {"code": code, "message": message, "field": field}}
+    return web.json_response(body, status=status, headers=headers or None)
+
+
+class _Attempt(NamedTuple):
+    upstream: Upstream
+    response: aiohttp.ClientResponse | None
+    failure: Failure | None
+    detail: str
+
+
+class InferenceProxy:
+    """Routes `/v1/infer/{service}/{path}` to the best site; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        pick: Pick,
+        health: OutlierDetector,
+        limiter: TenantLimiter | None,
+        connect_timeout_s: float,
+        response_timeout_s: float,
+        max_attempts: int,
+        max_body_bytes: int,
+        session: aiohttp.ClientSession,
+        known_services: Callable[[], Collection[str]] | None = None,
+        resolve_region: Callable[[str], str | None] | None = None,
+        known_regions: Callable[[], Container[str]] | None = None,
+        require_region: bool = True,
+        active: HealthView | None = None,
+        clock: Clock | None = None,
+        session_for: Callable[[str], aiohttp.ClientSession] | None = None,
+    ) -> None:
+        if connect_timeout_s <= 0 or response_timeout_s <= 0:
+            raise ValueError("connect_timeout_s and response_timeout_s must be > 0")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if max_body_bytes < 0:
+            raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
+        self.pick = pick
+        self.health = health
+        self.limiter = limiter
+        self.max_attempts = max_attempts
+        self.max_body_bytes = max_body_bytes
+        self.session = session
+        self.session_for = session_for
+        self.known_services = known_services
+        self.resolve_region = resolve_region
+        self.known_regions = known_regions
+        self.require_region = require_region
+        self.active = active
+        self.clock: Clock = clock or SystemClock()
+        self.timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=response_timeout_s
+        )
+
+    def ejected_sites(self, service: str, now: float) -> dict[str, float]:
+        """Site -> end of its ejection for `service`, for routing.selection's candidates."""
+        prefix = f"{service}@"
+        return {
+            key.removeprefix(prefix): until
+            for key, until in self.health.ejections(now).items()
+            if key.startswith(prefix)
+        }
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        service = request.match_info["service"]
+        region = self._client_region(request)
+        if isinstance(region, web.Response):
+            return region
+        tenant = request.headers.get(TENANT_HEADER, "").strip() or DEFAULT_TENANT
+        if self.limiter is not None:
+            decision = self.limiter.acquire(tenant, self.clock.monotonic())
+            if not decision.allowed:
+                return _error(
+                    429,
+                    "rate_limited",
+                    f"tenant {tenant!r} is over its rate limit; retry in "
+                    f"{decision.retry_after_s:.2f} s",
+                    TENANT_HEADER,
+                    **{"Retry-After": decision.retry_after_header},
+                )
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
+        session_key = request.headers.get(SESSION_HEADER) or request.cookies.get(SESSION_COOKIE)
+
+        started = self.clock.monotonic()
+        try:
+            candidates = await self.pick(service, region, session_key or None)
+        except UnknownRegion as exc:
+            return _error(400, "unknown_region", str(exc), REGION_HEADER)
+        except UnknownService as exc:
+            return _error(404, "unknown_service", str(exc), "service")
+        route_ms = f"{(self.clock.monotonic() - started) * 1000:.3f}"
+
+        if not candidates:
+            if self.known_services is not None and service not in self.known_services():
+                return _error(
+                    404, "unknown_service", f"no service named {service!r}", "service",
+                    **{"X-Cpn-Route-Ms": route_ms},
+                )  # fmt: skip
+            return _error(
+                503, "no_capacity",
+                f"no site can take a {service!r} request from region {region!r} now",
+                **{"X-Cpn-Route-Ms": route_ms, "Retry-After": "1"},
+            )  # fmt: skip
+        return await self._forward(request, service, candidates, body, route_ms)
+
+    def _client_region(self, request: web.Request) -> str | None | web.Response:
+        region = request.headers.get(REGION_HEADER, "").strip()
+        if not region and self.resolve_region is not None and request.remote:
+            region = self.resolve_region(request.remote) or ""
+        if not region:
+            if not self.require_region:
+                return None
+            return _error(
+                400,
+                "missing_region",
+                f"say where the client is: header {REGION_HEADER}, or connect from an address "
+                "in a client region's CIDRs",
+                REGION_HEADER,
+            )
+        if self.known_regions is not None and region not in self.known_regions():
+            return _error(400, "unknown_region", f"no client region {region!r}", REGION_HEADER)
+        return region
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        limit = self.max_body_bytes
+        too_large = _error(413, "too_large", f"request body over {limit} bytes", "body")
+        if request.content_length is not None and request.content_length > limit:
+            return too_large
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                return too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _forward(
+        self,
+        request: web.Request,
+        service: str,
+        candidates: Sequence[Upstream],
+        body: bytes,
+        route_ms: str,
+    ) -> web.StreamResponse:
+        now = self.clock.time()
+        usable = [u for u in candidates if self._usable(service, u, now)][: self.max_attempts]
+        if not usable:
+            return _error(
+                503, "no_capacity",
+                f"every site for {service!r} ({', '.join(u.site for u in candidates)}) is "
+                "ejected or failing health checks",
+                **{"X-Cpn-Route-Ms": route_ms, "X-Cpn-Attempts": "0", "Retry-After": "1"},
+            )  # fmt: skip
+        idempotent = request.method in IDEMPOTENT_METHODS or "Idempotency-Key" in request.headers
+        headers = _forward_headers(request)
+        tail = _path_tail(request)
+        attempt: _Attempt | None = None
+        attempts = 0
+        for upstream in usable:
+            if attempt is not None:
+                if attempt.failure is None or not may_retry(attempt.failure, idempotent=idempotent):
+                    break
+                if not self._usable(service, upstream, self.clock.time()):
+                    continue  # ejected by a concurrent request meanwhile
+                log.info(
+                    "%s %s: %s on %s (%s); trying %s",
+                    request.method, request.path, attempt.failure, attempt.upstream.site,
+                    attempt.detail, upstream.site,
+                )  # fmt: skip
+                if attempt.response is not None:
+                    attempt.response.release()
+            attempt = await self._attempt(request, service, upstream, tail, headers, body)
+            attempts += 1
+        if attempt is None:
+            raise RuntimeError("unreachable: the first usable candidate is always tried")
+        extra = {
+            "X-Cpn-Site": attempt.upstream.site,
+            "X-Cpn-Attempts": str(attempts),
+            "X-Cpn-Route-Ms": route_ms,
+        }
+        if attempt.response is None:
+            return _no_answer(attempt, extra)
+        return await self._relay(request, service, attempt.upstream, attempt.response, extra)
+
+    def _usable(self, service: str, upstream: Upstream, now: float) -> bool:
+        key = upstream_key(service, upstream)
+        if self.health.is_ejected(key, now):
+            return False
+        return self.active is None or self.active.is_healthy(key)
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        service: str,
+        upstream: Upstream,
+        tail: str,
+        headers: CIMultiDict[str],
+        body: bytes,
+    ) -> _Attempt:
+        key = upstream_key(service, upstream)
+        url = URL(upstream.base_url.rstrip("/") + "/" + tail, encoded=True)
+        try:
+            session = self.session
+            if upstream.source_ip is not None and self.session_for is not None:
+                session = self.session_for(upstream.source_ip)
+            response = await session.request(
+                request.method,
+                url,
+                headers=headers,
+                data=body or None,
+                timeout=self.timeout,
+                allow_redirects=False,
+                auto_decompress=False,
+            )
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            failure, detail = Failure.not_sent, f"{type(exc).__name__}: {exc}"
+        except TimeoutError:
+            failure, detail = Failure.timeout, "no response headers in time"
+        except (aiohttp.ClientError, OSError) as exc:
+            failure, detail = Failure.broken, f"{type(exc).__name__}: {exc}"
+        else:
+            if response.status >= 500:
+                self.health.report(key, False, self.clock.time())
+                return _Attempt(upstream, response, Failure.status_5xx, f"HTTP {response.status}")
+            if response.status == 429:
+                return _Attempt(upstream, response, Failure.busy, "HTTP 429")
+            self.health.report(key, True, self.clock.time())
+            return _Attempt(upstream, response, None, "")
+        self.health.report(key, False, self.clock.time())
+        return _Attempt(upstream, None, failure, detail)
+
+    async def _relay(
+        self,
+        request: web.Request,
+        service: str,
+        upstream: Upstream,
+        response: aiohttp.ClientResponse,
+        extra: dict[str, str],
+    ) -> web.StreamResponse:
+        """Stream `response` to the client chunk by chunk; the client's first byte ends retries."""
+        try:
+            out = web.StreamResponse(status=response.status, reason=response.reason)
+            connection_tokens = _connection_tokens(response.headers.getall("Connection", []))
+            for name, value in response.headers.items():
+                lower = name.lower()
+                if lower not in _HOP_BY_HOP and lower not in connection_tokens:
+                    out.headers.add(name, value)
+            out.headers.update(extra)
+            try:
+                await out.prepare(request)
+            except ConnectionError:
+                return out  # the client left before the answer
+            while True:
+                try:
+                    chunk = await response.content.readany()
+                except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                    # Bytes already went out: no retry; cut the client's stream so it sees the
+                    # break instead of a body that looks complete.
+                    key = upstream_key(service, upstream)
+                    self.health.report(key, False, self.clock.time())
+                    log.warning(
+                        "%s %s: upstream %s broke mid-stream (%s: %s); cutting the client off",
+                        request.method, request.path, upstream.site, type(exc).__name__, exc,
+                    )  # fmt: skip
+                    if request.transport is not None:
+                        request.transport.close()
+                    return out
+                if not chunk:
+                    break
+                try:
+                    await out.write(chunk)
+                except ConnectionError:
+                    return out  # the client left; the finally drops the upstream connection
+            await out.write_eof()
+            return out
+        finally:
+            if response.content.at_eof():
+                response.release()
+            else:
+                response.close()
+
+
+def _no_answer(attempt: _Attempt, extra: dict[str, str]) -> web.Response:
+    site = attempt.upstream.site
+    if attempt.failure is Failure.timeout:
+        return _error(504, "upstream_timeout", f"site {site!r} did not answer in time", **extra)
+    if attempt.failure is Failure.not_sent:
+        return _error(
+            502, "upstream_unreachable", f"cannot connect to site {site!r}: {attempt.detail}",
+            **extra,
+        )  # fmt: skip
+    return _error(
+        502, "upstream_error", f"site {site!r} failed the request: {attempt.detail}", **extra
+    )
+
+
+def _connection_tokens(values: Sequence[str]) -> frozenset[str]:
+    return frozenset(t.strip().lower() for v in values for t in v.split(",") if t.strip())
+
+
+def _forward_headers(request: web.Request) -> CIMultiDict[str]:
+    connection_tokens = _connection_tokens(request.headers.getall("Connection", []))
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in request.headers.items():
+        lower = name.lower()
+        if lower not in _NOT_FORWARDED and lower not in connection_tokens:
+            headers.add(name, value)
+    prior = request.headers.get("X-Forwarded-For")
+    peer = request.remote or "unknown"
+    headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+    headers["X-Forwarded-Proto"] = request.scheme
+    headers["X-Forwarded-Host"] = request.host
+    return headers
+
+
+def _path_tail(request: web.Request) -> str:
+    """The raw (still percent-encoded) path after /v1/infer/{service}/, with the query."""
+    parts = request.raw_path.split("/", 4)  # ['', 'v1', 'infer', service, tail?query]
+    return parts[4] if len(parts) == 5 else ""
+
+
+def add_routes(app: web.Application, proxy: InferenceProxy) -> None:
+    """Route `ANY /v1/infer/{service}/{path}` to `proxy`."""
+    app.router.add_route("*", "/v1/infer/{service}/{path:.*}", proxy.handle)
