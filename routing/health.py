@@ -55,6 +55,12 @@ class OutlierSettings(_Frozen):
     consecutive_failures: int = Field(
         5, ge=1, description="failures in a row that eject an upstream (Envoy's consecutive_5xx)"
     )
+    consecutive_connect_failures: int = Field(
+        1,
+        ge=1,
+        description="refused or failed connections in a row that eject an upstream (Envoy's "
+        "consecutive_local_origin_failure): nothing is listening, so one is enough",
+    )
     base_ejection_time_s: float = Field(
         30.0, gt=0, description="first ejection; the n-th lasts n times as long (Envoy's default)"
     )
@@ -85,7 +91,7 @@ class OutlierDetector:
         self.settings = settings or OutlierSettings()
         self._hosts: dict[str, HostOutlier] = {}
 
-    def report(self, key: str, ok: bool, now: float) -> bool:
+    def report(self, key: str, ok: bool, now: float, *, connect_failure: bool = False) -> bool:
         """Record one attempt's outcome; True when this report ejected the key."""
         host = self._advance(self._hosts.get(key) or HostOutlier(key), now)
         ejected = False
@@ -95,7 +101,12 @@ class OutlierDetector:
             host = replace(host, consecutive_failures=0)
         else:
             failures = host.consecutive_failures + 1
-            if failures >= self.settings.consecutive_failures:
+            threshold = (
+                self.settings.consecutive_connect_failures
+                if connect_failure
+                else self.settings.consecutive_failures
+            )
+            if failures >= threshold:
                 times = host.times_ejected + 1
                 duration = min(
                     self.settings.base_ejection_time_s * times, self.settings.max_ejection_time_s

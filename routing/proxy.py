@@ -380,7 +380,8 @@ class InferenceProxy:
                 return _Attempt(upstream, response, Failure.busy, "HTTP 429")
             self.health.report(key, True, self.clock.time())
             return _Attempt(upstream, response, None, "")
-        self.health.report(key, False, self.clock.time())
+        connect = failure is Failure.not_sent
+        self.health.report(key, False, self.clock.time(), connect_failure=connect)
         return _Attempt(upstream, None, failure, detail)
 
     async def _relay(
