@@ -238,11 +238,18 @@ class Choice:
     pool: tuple[str, ...]  # the sites it was chosen among
 
 
-def expected_service_ms(endpoint: ServiceEndpoint, settings: ScoringSettings) -> float:
-    """L * (1 + w / c): see the module docstring."""
+def expected_service_ms(
+    endpoint: ServiceEndpoint, settings: ScoringSettings, default_ms: float | None = None
+) -> float:
+    """L * (1 + w / c): see the module docstring.
+
+    An endpoint that has not reported a latency yet is assumed as fast as `default_ms` (rank
+    passes the median of the service's other endpoints), else settings.default_latency_ms: a
+    fixed guess would push traffic towards whichever sites happened to serve first.
+    """
     latency = endpoint.latency_ms
     if latency is None:
-        latency = settings.default_latency_ms
+        latency = settings.default_latency_ms if default_ms is None else default_ms
     slots = endpoint.max_concurrency
     waiting = max(0, endpoint.in_flight + endpoint.queue + 1 - slots)
     return latency * (1 + waiting / slots)
@@ -312,6 +319,11 @@ def rank(
     ranked: list[Scored] = []
     excluded: list[Excluded] = []
     seen: set[str] = set()
+    candidates = list(candidates)
+    reported = sorted(
+        c.endpoint.latency_ms for c in candidates if c.endpoint.latency_ms is not None
+    )
+    default_ms = reported[len(reported) // 2] if reported else None
     for cand in candidates:
         if cand.site in seen:
             raise ValueError(f"site {cand.site!r} is a candidate twice")
@@ -324,7 +336,7 @@ def rank(
         draining = cand.draining or cand.site_state is SiteState.cordoned
         penalty = cand.error_rate * settings.error_penalty_ms
         penalty += settings.draining_penalty_ms if draining else 0.0
-        score = Score(network, expected_service_ms(cand.endpoint, settings), penalty)
+        score = Score(network, expected_service_ms(cand.endpoint, settings, default_ms), penalty)
         ranked.append(Scored(cand, score))
     ranked.sort(key=lambda s: (s.total_ms, s.site))
     excluded.sort(key=lambda e: e.site)

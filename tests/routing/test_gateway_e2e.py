@@ -1,0 +1,237 @@
+"""Inference routing end to end: `cpn up` (agents, WAN emulation, stand-in model servers, broker)
+on a real etcd, requests through the broker's /v1/infer and /v1/route on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+import yaml
+
+from sites import keys
+from sites.etcd_server import EmbeddedEtcd, free_port
+from sites.registry import Registry
+from tests.conftest import CONFIGS, REPO, cpn_cmd
+
+# qwen-72b is served at yrd-demo-zone, shaoguan, zhangjiakou and tokyo
+SITES = ("yrd-demo-zone", "wuhu", "shaoguan", "zhangjiakou", "tokyo", "frankfurt")
+
+
+class Demo:
+    def __init__(self, url: str, up: subprocess.Popen[bytes], state: Path) -> None:
+        self.url = url
+        self.up = up
+        self.state = state
+
+    def model_server(self, site: str, service: str) -> psutil.Process:
+        for child in psutil.Process(self.up.pid).children(recursive=True):
+            if f"{site}/{service}" in " ".join(child.cmdline()):
+                return child
+        raise AssertionError(f"no stand-in for {site}/{service}")
+
+
+@pytest.fixture(scope="module")
+def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Demo]:
+    cfg = tmp_path_factory.mktemp("configs")
+    for item in CONFIGS.iterdir():
+        (shutil.copytree if item.is_dir() else shutil.copy)(item, cfg / item.name)
+    fast = {"default": {"median_ms": 20, "p99_ms": 40}, "models": {}}
+    (cfg / "standin.yaml").write_text(yaml.safe_dump(fast))
+    state = tmp_path_factory.mktemp("state")
+    port = free_port()
+    asyncio.run(_clear(etcd.url))
+    log = open(state / "up.log", "wb")  # noqa: SIM115
+    up = subprocess.Popen(
+        cpn_cmd("up", "--etcd", etcd.url, "--config-dir", str(cfg), "--sites", ",".join(SITES),
+                "--interval", "0.5", "--broker-listen", f"127.0.0.1:{port}"),
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+        env={**os.environ, "CPN_STATE_DIR": str(state)},
+    )  # fmt: skip
+    log.close()
+    demo = Demo(f"http://127.0.0.1:{port}", up, state)
+    try:
+        asyncio.run(_wait_routable(demo))
+        yield demo
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.wait(30)
+        asyncio.run(_clear(etcd.url))
+
+
+async def _clear(url: str) -> None:
+    async with Registry.from_urls(url) as reg:
+        await reg.delete_prefix(keys.ROOT)
+
+
+async def _wait_routable(demo: Demo) -> None:
+    deadline = time.monotonic() + 60
+    async with aiohttp.ClientSession() as http:
+        while time.monotonic() < deadline:
+            if demo.up.poll() is not None:
+                raise AssertionError((demo.state / "up.log").read_text())
+            try:
+                async with http.post(
+                    demo.url + "/v1/route",
+                    json={"service": "qwen-72b", "client_region": "shanghai"},
+                ) as resp:
+                    body = await resp.json()
+                    if resp.status == 200 and len(body["candidates"]) == 3:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.3)
+    raise AssertionError("the demo never became routable")
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def infer(
+    http: aiohttp.ClientSession, demo: Demo, region: str, service: str = "qwen-72b", **headers: str
+) -> tuple[int, dict[str, str], Any]:
+    hdrs = {"X-Cpn-Client-Region": region, **headers}
+    async with http.post(
+        f"{demo.url}/v1/infer/{service}/v1/completions", json={"prompt": "hi"}, headers=hdrs
+    ) as resp:
+        return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+async def test_each_region_reaches_its_nearest_healthy_site(
+    demo: Demo, http: aiohttp.ClientSession
+) -> None:
+    expected = {"shanghai": "yrd-demo-zone", "beijing": "zhangjiakou", "shenzhen": "shaoguan"}
+    for region, site in expected.items():
+        status, headers, body = await infer(http, demo, region)
+        assert status == 200, body
+        assert headers["X-Cpn-Site"] == site, (region, headers)
+        assert float(headers["X-Cpn-Route-Ms"]) >= 0 and headers["X-Cpn-Attempts"] == "1"
+    async with http.post(
+        demo.url + "/v1/route", json={"service": "qwen-72b", "client_region": "shanghai"}
+    ) as resp:
+        route = await resp.json()
+    parts = route["candidates"][0]
+    assert route["site"] == "yrd-demo-zone"
+    assert parts["total_ms"] == pytest.approx(
+        parts["network_ms"] + parts["service_ms"] + parts["penalty_ms"], abs=0.01
+    )
+    assert [c["network_ms"] for c in route["candidates"]] == sorted(
+        c["network_ms"] for c in route["candidates"]
+    )
+
+
+async def test_restricted_region_never_reaches_a_disallowed_region(
+    demo: Demo, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(
+        demo.url + "/v1/route", json={"service": "qwen-72b", "client_region": "shanghai"}
+    ) as resp:
+        route = await resp.json()
+    assert {"site": "tokyo", "reason": "sovereignty"}.items() <= route["excluded"][0].items()
+    served = Counter()
+    for _ in range(30):
+        _, headers, _ = await infer(http, demo, "shanghai", **{"X-Cpn-Session": f"k{_}"})
+        served[headers["X-Cpn-Site"]] += 1
+    assert "tokyo" not in served
+    # an unrestricted region may use it
+    _, headers, _ = await infer(http, demo, "tokyo")
+    assert headers["X-Cpn-Site"] == "tokyo"
+
+
+async def test_session_affinity_holds_for_a_key(demo: Demo, http: aiohttp.ClientSession) -> None:
+    sites = set()
+    for _ in range(15):
+        status, headers, _ = await infer(http, demo, "frankfurt", **{"X-Cpn-Session": "user-42"})
+        assert status == 200
+        sites.add(headers["X-Cpn-Site"])
+    assert len(sites) == 1
+
+
+async def test_streamed_response_passes_through(demo: Demo, http: aiohttp.ClientSession) -> None:
+    hdrs = {"X-Cpn-Client-Region": "shanghai"}
+    body = {"prompt": "hi", "stream": True, "max_tokens": 6}
+    events = []
+    async with http.post(
+        f"{demo.url}/v1/infer/qwen-72b/v1/completions", json=body, headers=hdrs
+    ) as resp:
+        assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+    assert events[-1] == b"[DONE]" and len(events) == 7
+    assert all(json.loads(e)["choices"] for e in events[:-1])
+
+
+async def test_bad_input_gets_a_clear_4xx(demo: Demo, http: aiohttp.ClientSession) -> None:
+    status, _, body = await infer(http, demo, "shanghai", service="no-such-model")
+    assert status == 404 and body["error"]["code"] == "unknown_service"
+    async with http.post(f"{demo.url}/v1/infer/qwen-72b/v1/completions", json={}) as resp:
+        body = await resp.json()
+        assert resp.status == 400 and body["error"]["field"] == "X-Cpn-Client-Region"
+    status, _, body = await infer(http, demo, "atlantis")
+    assert status == 400 and body["error"]["code"] == "unknown_region"
+    big = io.BytesIO(b"x" * (5 * 1024 * 1024))
+    async with http.post(
+        f"{demo.url}/v1/infer/qwen-72b/v1/completions",
+        data=big,
+        headers={"X-Cpn-Client-Region": "shanghai"},
+    ) as resp:
+        assert resp.status == 413 and (await resp.json())["error"]["code"] == "too_large"
+    for body_json, field in (
+        ({"client_region": "shanghai"}, "service"),
+        ({"service": "qwen-72b"}, "client_region"),
+        ({"service": "qwen-72b", "client_region": "atlantis"}, "client_region"),
+    ):
+        async with http.post(demo.url + "/v1/route", json=body_json) as resp:
+            answer = await resp.json()
+            assert resp.status == 400 and answer["error"]["field"] == field, answer
+    async with http.post(
+        demo.url + "/v1/route", json={"service": "nope", "client_region": "shanghai"}
+    ) as resp:
+        assert resp.status == 404
+
+
+async def test_killed_site_gets_no_traffic_after_its_first_failure(
+    demo: Demo, http: aiohttp.ClientSession
+) -> None:
+    """Last: it kills yrd-demo-zone's model server for good."""
+    server = demo.model_server("yrd-demo-zone", "qwen-72b")
+    results: list[tuple[int, str]] = []
+
+    async def client(n: int) -> None:
+        for i in range(10):
+            status, headers, _ = await infer(
+                http, demo, "shanghai", **{"Idempotency-Key": f"{n}-{i}"}
+            )
+            results.append((status, headers.get("X-Cpn-Site", "")))
+            await asyncio.sleep(0.02)
+
+    traffic = asyncio.gather(*(client(n) for n in range(4)))
+    await asyncio.sleep(0.1)
+    server.kill()
+    await traffic
+    assert all(status == 200 for status, _ in results), results
+    sites = [site for _, site in results]
+    assert "yrd-demo-zone" in sites  # it served before it died
+    last_yrd = max(i for i, site in enumerate(sites) if site == "yrd-demo-zone")
+    after = sites[last_yrd + 1 :]
+    assert after and "yrd-demo-zone" not in after
+    # new requests keep away from it
+    for _ in range(10):
+        status, headers, _ = await infer(http, demo, "shanghai")
+        assert status == 200 and headers["X-Cpn-Site"] != "yrd-demo-zone"
