@@ -11,13 +11,14 @@ response carries `X-Cpn-Standin: 1` so nobody mistakes it for a real inference s
     GET /healthz          200 while healthy (the fault switch applies here too)
     GET /stats            {in_flight, queue, served, errors, rejected, p50_ms, p99_ms,
                            mean_ms, service_rate_per_s, max_concurrency, max_queue, ...}
-    POST /admin/fail      {"mode": "500" | "hang" | "ok"}: a fault switch for tests
+    POST /admin/fail      {"mode": "500" | "hang" | "slow" | "ok"}: a fault switch for tests
 
 Service time: lognormal with the declared median and p99 (p99 == median gives a constant),
 drawn from a seeded generator. Concurrency: at most `max_concurrency` requests are served at
 once; the next `max_queue` wait in FIFO order; beyond that the answer is 429 with Retry-After.
-p50/p99/mean are over the last `window` service times (queueing excluded, the way the router's
-service estimate wants them); service_rate_per_s = max_concurrency / mean service time.
+p50/p99/mean are over the service times of the last WINDOW_S seconds (at most `window` of
+them; queueing excluded, the way the router's service estimate wants them), so a burst of slow
+answers ages out; service_rate_per_s = max_concurrency / mean service time.
 
 Run: python -m routing.modelserver --listen HOST:PORT --name NAME --median-ms X --p99-ms Y
      --max-concurrency N [--max-queue M] [--seed S] [--tokens T]
@@ -55,7 +56,9 @@ __all__ = [
 ]
 
 STANDIN_HEADER = "X-Cpn-Standin"
-FAULT_MODES = ("ok", "500", "hang")
+FAULT_MODES = ("ok", "500", "hang", "slow")
+WINDOW_S = 10.0  # /stats covers the service times of the last 10 s
+SLOW_FACTOR = 50  # "slow": every service time x 50, so requests pile up (an overloaded site)
 MAX_BODY = 1024 * 1024
 MAX_STREAM_TOKENS = 4096
 _Z99 = statistics.NormalDist().inv_cdf(0.99)
@@ -146,7 +149,11 @@ class ModelServer:
         self.mode = "ok"
         self._recovered = asyncio.Event()
         self._recovered.set()
-        self.recent_ms: collections.deque[float] = collections.deque(maxlen=settings.window)
+        # (monotonic time, service ms): figures cover the last `window` times of the last
+        # WINDOW_S seconds, so a burst of slow answers ages out even when no traffic follows
+        self.recent: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=settings.window
+        )
         self.served = 0
         self.errors = 0
         self.rejected = 0
@@ -173,9 +180,20 @@ class ModelServer:
         per_slot_ms = self.mean_ms() / self.settings.max_concurrency
         return max(1, math.ceil((len(self.slots.waiters) + 1) * per_slot_ms / 1000))
 
+    @property
+    def recent_ms(self) -> list[float]:
+        horizon = time.monotonic() - WINDOW_S
+        while self.recent and self.recent[0][0] < horizon:
+            self.recent.popleft()
+        return [ms for _, ms in self.recent]
+
+    def record(self, service_ms: float) -> None:
+        self.recent.append((time.monotonic(), service_ms))
+
     def mean_ms(self) -> float:
-        if self.recent_ms:
-            return statistics.fmean(self.recent_ms)
+        recent = self.recent_ms
+        if recent:
+            return statistics.fmean(recent)
         return self.service_time.mean_ms
 
     def stats(self) -> dict[str, Any]:
@@ -269,7 +287,7 @@ async def _infer(request: web.Request, chat: bool) -> web.StreamResponse:
         busy.headers["Retry-After"] = str(server.retry_after_s())
         return busy
     try:
-        service_ms = server.service_time.draw()
+        service_ms = server.service_time.draw() * (SLOW_FACTOR if server.mode == "slow" else 1)
         rid = f"cmpl-{server.settings.name}-{server.next_id()}"
         response: web.StreamResponse
         if stream:
@@ -277,7 +295,7 @@ async def _infer(request: web.Request, chat: bool) -> web.StreamResponse:
         else:
             await asyncio.sleep(service_ms / 1000)
             response = web.json_response(_completion(server, rid, chat, tokens, service_ms))
-        server.recent_ms.append(service_ms)
+        server.record(service_ms)
         server.served += 1
         return response
     finally:

@@ -235,3 +235,45 @@ async def test_killed_site_gets_no_traffic_after_its_first_failure(
     for _ in range(10):
         status, headers, _ = await infer(http, demo, "shanghai")
         assert status == 200 and headers["X-Cpn-Site"] != "yrd-demo-zone"
+
+
+async def test_overloaded_site_sheds_its_share_and_gets_it_back(
+    demo: Demo, http: aiohttp.ClientSession
+) -> None:
+    """zhangjiakou serves beijing: slow it down and fill it, then let it drain."""
+    backend = "http://127.0.0.1:18101"  # zhangjiakou's qwen-72b stand-in (its site file)
+    async with http.post(backend + "/admin/fail", json={"mode": "slow"}) as resp:
+        assert resp.status == 200
+    # 24 slots: 24 in flight + 32 queued is over 1.5 x the slots: the site counts as full
+    load = [
+        asyncio.ensure_future(http.post(backend + "/v1/completions", json={"prompt": "x"}))
+        for _ in range(56)
+    ]
+    try:
+
+        async def moved() -> bool:
+            _, headers, _ = await infer(http, demo, "beijing")
+            return headers["X-Cpn-Site"] != "zhangjiakou"
+
+        deadline = time.monotonic() + 10
+        while not await moved():
+            assert time.monotonic() < deadline, "traffic never left the full site"
+            await asyncio.sleep(0.2)
+        sites = Counter()
+        for _ in range(10):
+            _, headers, _ = await infer(http, demo, "beijing")
+            sites[headers["X-Cpn-Site"]] += 1
+        assert sites["zhangjiakou"] == 0, sites
+    finally:
+        async with http.post(backend + "/admin/fail", json={"mode": "ok"}) as resp:
+            assert resp.status == 200
+        for response in await asyncio.gather(*load, return_exceptions=True):
+            if isinstance(response, aiohttp.ClientResponse):
+                response.release()
+    deadline = time.monotonic() + 20
+    while True:
+        _, headers, _ = await infer(http, demo, "beijing")
+        if headers["X-Cpn-Site"] == "zhangjiakou":
+            break
+        assert time.monotonic() < deadline, "traffic never came back"
+        await asyncio.sleep(0.2)
