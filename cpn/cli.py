@@ -386,7 +386,11 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
         asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, _dump_tasks)
         return await coro
 
-    return asyncio.run(main())
+    try:  # uvloop where present: the broker's proxy and API get ~2x the requests per core
+        import uvloop
+    except ImportError:
+        return asyncio.run(main())
+    return uvloop.run(main())
 
 
 def _dump_tasks() -> None:

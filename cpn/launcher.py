@@ -63,6 +63,9 @@ class SitePlan:
     log_path: Path | None = None
 
 
+CLIENT = "client:"  # emulator node names of client regions
+
+
 def node_ip(n: int) -> str:
     return f"127.0.1.{n}"
 
@@ -155,11 +158,12 @@ class Launcher:
 
         ips = {node_ip(n): p.spec.id for n, p in enumerate(self.plans, start=1)}
         client_rtt, sources = self._client_rtts(latency, rtt)
-        ips.update({ip: region for region, ip in sources.items()})
+        # client regions get their own node names: "frankfurt" is both a site and a client region
+        ips.update({ip: CLIENT + region for region, ip in sources.items()})
 
         def path_rtt(src: str, dst: str) -> float:
-            if src in client_rtt:  # a client region reaches a site through its ingress sites
-                return client_rtt[src].get(dst, 0.0)
+            if src.startswith(CLIENT):  # a client region reaches a site through its ingress
+                return client_rtt[src.removeprefix(CLIENT)].get(dst, 0.0)
             return rtt(src, dst)
 
         self.emulator = wan.WanEmulator(node_of_ip=ips, rtt_ms=path_rtt)

@@ -26,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 from sites.collectors import icmp
@@ -181,8 +182,8 @@ class ProbeResponder(asyncio.Protocol):
         self._buffer = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if isinstance(transport, asyncio.Transport):
-            self._transport = transport
+        # a cast, not isinstance: uvloop's transports do not subclass asyncio.Transport
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self._buffer += data
