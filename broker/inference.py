@@ -12,32 +12,18 @@ from collections.abc import AsyncIterator, Sequence
 
 import aiohttp
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field
 
 from broker.errors import InvalidRequest, NotFound
 from broker.router import Router
 from broker.service import Broker
+from broker.settings import InferenceSettings
 from routing.health import (
     ActiveHealthChecker,
     HealthCheckSettings,
     OutlierDetector,
-    OutlierSettings,
 )
 from routing.proxy import InferenceProxy, UnknownRegion, UnknownService, Upstream, upstream_key
 from routing.ratelimit import RateLimit, TenantLimiter
-
-
-class InferenceSettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    connect_timeout_s: float = Field(default=2.0, gt=0)
-    response_timeout_s: float = Field(default=60.0, gt=0, description="to headers, then per chunk")
-    max_attempts: int = Field(default=3, ge=1, description="sites tried per request")
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=0)
-    tenant_rate_per_s: float = Field(default=1000.0, gt=0, description="per-tenant request rate")
-    tenant_burst: int = Field(default=2000, ge=1)
-    health_interval_s: float = Field(default=2.0, gt=0, description="active /healthz checks")
-    outlier: OutlierSettings = OutlierSettings()
 
 
 class Gateway:

@@ -14,7 +14,8 @@ from broker.api import make_app
 from broker.inference import Gateway
 from broker.regions import load_user_regions, user_rtt_ms
 from broker.router import Router
-from broker.service import Broker, BrokerSettings, load_settings
+from broker.service import Broker
+from broker.settings import BrokerSettings, load_settings
 from broker.tenants import load_quotas
 from routing.clients import load_clients
 from sites.catalog import DeviceCatalog
@@ -64,7 +65,12 @@ async def serve(
         sources = {}
         if wan_emulated:  # emulated WAN: each client region's traffic leaves from its own address
             sources = router.clients.loopback_sources()
-        Gateway(broker=broker, router=router, client_source_ips=sources).install(app)
+        Gateway(
+            broker=broker,
+            router=router,
+            settings=broker.settings.inference,
+            client_source_ips=sources,
+        ).install(app)
 
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
         await broker.start()

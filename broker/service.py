@@ -17,53 +17,28 @@ import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from broker import batch
 from broker import placement as pl
 from broker.errors import IllegalTransition, InvalidRequest
 from broker.jobs import Event, JobRecord, JobSpec, JobState, Placement
 from broker.metrics import BrokerMetrics
+from broker.settings import BrokerSettings
 from broker.solver import solve
 from broker.store import Change, JobStore, decode
 from sites import keys
 from sites.assignments import Assignment, Report, RunState
 from sites.catalog import DeviceCatalog, normalize_inventory
 from sites.clock import Clock, SystemClock
-from sites.config import read_yaml, validation_problems
-from sites.errors import ConfigError, LeaseLost, RegistryError
+from sites.errors import LeaseLost, RegistryError
 from sites.mirror import PrefixMirror
 from sites.registry import Guard, Registry, Snapshot
 from sites.status import SiteState
 
 log = logging.getLogger(__name__)
-
-
-class BrokerSettings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    leader_ttl_s: int = Field(default=5, ge=2, description="leader lease; failover within it")
-    tick_s: float = Field(default=1.0, gt=0, description="reconcile at least this often")
-    failover_grace_s: float = Field(
-        default=1.0, ge=0, description="a site must stay down this long before its jobs move"
-    )
-    retry_base_s: float = Field(default=2.0, ge=0, description="first retry backoff")
-    retry_max_s: float = Field(default=300.0, ge=0, description="backoff cap")
-    batch_interval_s: float = Field(default=30.0, gt=0, description="CP-SAT pass period")
-    batch_time_limit_s: float = Field(default=5.0, gt=0)
-
-
-def load_settings(path: Path) -> BrokerSettings:
-    """configs/broker.yaml (optional): BrokerSettings fields; errors name file and field."""
-    if not path.exists():
-        return BrokerSettings()
-    try:
-        return BrokerSettings.model_validate(read_yaml(path) or {})
-    except ValidationError as exc:
-        raise ConfigError(validation_problems(str(path), exc)) from None
 
 
 class LeaderRecord(BaseModel):

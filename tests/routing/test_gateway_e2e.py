@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -50,6 +51,12 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         (shutil.copytree if item.is_dir() else shutil.copy)(item, cfg / item.name)
     fast = {"default": {"median_ms": 20, "p99_ms": 40}, "models": {}}
     (cfg / "standin.yaml").write_text(yaml.safe_dump(fast))
+    # short ejections and quick health checks, so a repaired site rejoins within the test
+    inference = {
+        "health_interval_s": 0.5,
+        "outlier": {"base_ejection_time_s": 2, "max_ejection_time_s": 4},
+    }
+    (cfg / "broker.yaml").write_text(yaml.safe_dump({"inference": inference}))
     state = tmp_path_factory.mktemp("state")
     port = free_port()
     asyncio.run(_clear(etcd.url))
@@ -235,6 +242,23 @@ async def test_killed_site_gets_no_traffic_after_its_first_failure(
     for _ in range(10):
         status, headers, _ = await infer(http, demo, "shanghai")
         assert status == 200 and headers["X-Cpn-Site"] != "yrd-demo-zone"
+    # repaired (a new server on its port): it rejoins once healthy and its ejection has run out
+    repaired = subprocess.Popen(
+        [sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:18100",
+         "--name", "repaired", "--median-ms", "20", "--p99-ms", "40", "--max-concurrency", "32"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            status, headers, _ = await infer(http, demo, "shanghai")
+            if headers.get("X-Cpn-Site") == "yrd-demo-zone":
+                break
+            assert time.monotonic() < deadline, "the repaired site never rejoined"
+            await asyncio.sleep(0.3)
+    finally:
+        repaired.terminate()
+        repaired.wait(10)
 
 
 async def test_overloaded_site_sheds_its_share_and_gets_it_back(

@@ -1,0 +1,49 @@
+"""Broker settings: configs/broker.yaml (optional), validated, every field documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from routing.health import OutlierSettings
+from sites.config import read_yaml, validation_problems
+from sites.errors import ConfigError
+
+
+class InferenceSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    response_timeout_s: float = Field(default=60.0, gt=0, description="to headers, then per chunk")
+    max_attempts: int = Field(default=3, ge=1, description="sites tried per request")
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=0)
+    tenant_rate_per_s: float = Field(default=1000.0, gt=0, description="per-tenant request rate")
+    tenant_burst: int = Field(default=2000, ge=1)
+    health_interval_s: float = Field(default=2.0, gt=0, description="active /healthz checks")
+    outlier: OutlierSettings = OutlierSettings()
+
+
+class BrokerSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    leader_ttl_s: int = Field(default=5, ge=2, description="leader lease; failover within it")
+    tick_s: float = Field(default=1.0, gt=0, description="reconcile at least this often")
+    failover_grace_s: float = Field(
+        default=1.0, ge=0, description="a site must stay down this long before its jobs move"
+    )
+    retry_base_s: float = Field(default=2.0, ge=0, description="first retry backoff")
+    retry_max_s: float = Field(default=300.0, ge=0, description="backoff cap")
+    batch_interval_s: float = Field(default=30.0, gt=0, description="CP-SAT pass period")
+    batch_time_limit_s: float = Field(default=5.0, gt=0)
+    inference: InferenceSettings = InferenceSettings()
+
+
+def load_settings(path: Path) -> BrokerSettings:
+    """configs/broker.yaml (optional): BrokerSettings fields; errors name file and field."""
+    if not path.exists():
+        return BrokerSettings()
+    try:
+        return BrokerSettings.model_validate(read_yaml(path) or {})
+    except ValidationError as exc:
+        raise ConfigError(validation_problems(str(path), exc)) from None
