@@ -22,9 +22,9 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from sites.config import config_dir, read_yaml, validation_problems
+from sites.config import config_dir, read_yaml, validate_mapping
 from sites.errors import ConfigError, Problem
 from sites.latency import Endpoint, LatencyModel
 from sites.spec import Name, SiteSpec
@@ -58,15 +58,7 @@ def load_user_regions(path: str | os.PathLike[str] | None = None) -> dict[str, E
     """Region id -> Endpoint, in file order. ConfigError names the file and field at fault."""
     file = Path(path) if path is not None else default_path()
     source = str(file)
-    data = read_yaml(file)
-    if not isinstance(data, dict):
-        kind = "empty" if data is None else type(data).__name__
-        problem = Problem(source, "", f"expected a mapping with user_regions, got {kind}")
-        raise ConfigError([problem])
-    try:
-        parsed = _RegionsFile.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(validation_problems(source, exc)) from None
+    parsed = validate_mapping(source, read_yaml(file), _RegionsFile, "with user_regions")
     regions: dict[str, Endpoint] = {}
     problems: list[Problem] = []
     for i, region in enumerate(parsed.user_regions):

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from routing.health import OutlierSettings
-from sites.config import read_yaml, validation_problems
-from sites.errors import ConfigError
+from sites.config import read_yaml, validate_mapping
 
 
 class InferenceSettings(BaseModel):
@@ -43,7 +42,4 @@ def load_settings(path: Path) -> BrokerSettings:
     """configs/broker.yaml (optional): BrokerSettings fields; errors name file and field."""
     if not path.exists():
         return BrokerSettings()
-    try:
-        return BrokerSettings.model_validate(read_yaml(path) or {})
-    except ValidationError as exc:
-        raise ConfigError(validation_problems(str(path), exc)) from None
+    return validate_mapping(str(path), read_yaml(path) or {}, BrokerSettings, "of broker settings")

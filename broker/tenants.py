@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
-from sites.config import read_yaml, validation_problems
-from sites.errors import ConfigError
+from sites.config import read_yaml, validate_mapping
 
 
 class Quota(BaseModel):
@@ -25,9 +24,5 @@ class TenantsFile(BaseModel):
 def load_quotas(path: Path) -> dict[str, int]:
     if not path.exists():
         return {}
-    data = read_yaml(path) or {}
-    try:
-        parsed = TenantsFile.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(validation_problems(str(path), exc)) from None
+    parsed = validate_mapping(str(path), read_yaml(path) or {}, TenantsFile, "with tenants")
     return {name: quota.gpus for name, quota in parsed.tenants.items()}

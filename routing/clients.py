@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from sites.config import config_dir, read_yaml, validation_problems
+from sites.config import config_dir, read_yaml, validate_mapping
 from sites.errors import ConfigError, Problem
 from sites.latency import Endpoint, LatencyModel
 from sites.spec import Name, SiteId, SiteSpec
@@ -265,14 +265,7 @@ def parse_clients(
     sites: Iterable[SiteSpec] | None = None,
 ) -> Clients:
     """Validate already-parsed YAML `data`; `source` names it in errors."""
-    if not isinstance(data, dict):
-        kind = "empty" if data is None else type(data).__name__
-        problem = Problem(source, "", f"expected a mapping with client_regions, got {kind}")
-        raise ConfigError([problem])
-    try:
-        parsed = _ClientsFile.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(validation_problems(source, exc)) from None
+    parsed = validate_mapping(source, data, _ClientsFile, "with client_regions")
     specs = None if sites is None else list(sites)
     problems = _cross_checks(source, parsed.client_regions, user_regions, specs)
     if problems:

@@ -10,14 +10,16 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from sites.catalog import DeviceCatalog
 from sites.errors import ConfigError, Problem
 from sites.spec import SiteSpec
+
+M = TypeVar("M", bound=BaseModel)
 
 
 def config_dir() -> Path:
@@ -86,14 +88,19 @@ def check_spec(source: str, spec: SiteSpec, catalog: DeviceCatalog) -> list[Prob
     return problems
 
 
-def parse_site(source: str, data: Any, catalog: DeviceCatalog) -> SiteSpec:
+def validate_mapping(source: str, data: Any, model: type[M], what: str) -> M:
+    """`data` (parsed YAML) as `model`; ConfigError naming `source` and each field at fault."""
     if not isinstance(data, dict):
         kind = "empty" if data is None else type(data).__name__
-        raise ConfigError([Problem(source, "", f"expected a mapping of site fields, got {kind}")])
+        raise ConfigError([Problem(source, "", f"expected a mapping {what}, got {kind}")])
     try:
-        spec = SiteSpec.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(validation_problems(source, exc)) from None
+
+
+def parse_site(source: str, data: Any, catalog: DeviceCatalog) -> SiteSpec:
+    spec = validate_mapping(source, data, SiteSpec, "of site fields")
     problems = check_spec(source, spec, catalog)
     if problems:
         raise ConfigError(problems)
