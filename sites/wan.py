@@ -305,8 +305,11 @@ class _Connection:
             return
         if close or not transport.can_write_eof():
             transport.close()
-        else:
+            return
+        try:
             transport.write_eof()
+        except OSError:  # the peer is already gone (ENOTCONN): nothing left to half-close
+            transport.close()
 
     def backend_made(self, transport: asyncio.Transport) -> None:
         if self.client is None:  # the client left while we connected
