@@ -92,7 +92,23 @@ class Launcher:
         self._stop = asyncio.Event()
 
     def run(self) -> int:
-        return wan.run(self._main())
+        try:
+            return wan.run(self._main())
+        finally:
+            self._reap()  # if the loop itself died, shutdown() may not have run to the end
+
+    def _reap(self) -> None:
+        """Last resort, without an event loop: no child process or etcd outlives `cpn up`."""
+        children = [p.process for p in self.plans if p.process is not None]
+        children += [self.broker] if self.broker is not None else []
+        children += self.model_servers
+        for proc in children:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
 
     def load(self) -> list[SitePlan]:
         cfg = self.settings.config_dir

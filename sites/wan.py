@@ -20,10 +20,10 @@ The RTT is read once per connection, when it is accepted. The backend connection
 client's IP where possible, so the backend sees the real source as it would over a WAN.
 
 Timers: asyncio's default epoll selector rounds timeouts up to whole milliseconds, which adds up
-to 1 ms per direction - 40 % of a 5 ms link. `new_event_loop()` returns a selector loop on
-select(2), which sleeps with microsecond resolution, and busy-polls the last <= 0.3 ms before
-each deadline to absorb wake-up latency (`PreciseSelector`). select() only takes descriptors
-below 1024, plenty for a demo federation. Run the emulator on that loop (`run(main())`).
+to 1 ms per direction - 40 % of a 5 ms link. `new_event_loop()` returns a loop whose epoll
+selector sleeps whole milliseconds that end before the deadline and busy-polls the rest, under
+~1.3 ms (`PreciseSelector`). (select(2) would sleep in microseconds but takes only descriptors
+below 1024, which a busy demo exceeds.) Run the emulator on that loop (`run(main())`).
 
 Backpressure: each direction holds at most `max_queued_bytes` in its delay line; past that it
 stops reading its source until the queue drains to half. Like a TCP window, this caps one
@@ -49,17 +49,17 @@ T = TypeVar("T")
 DEFAULT_MAX_QUEUED_BYTES = 4 * 1024 * 1024
 
 
-class PreciseSelector(selectors.SelectSelector):
-    """select(2) that meets its deadline to within tens of microseconds.
+class PreciseSelector(selectors.EpollSelector):
+    """epoll (Linux) that meets its deadline to within tens of microseconds.
 
-    select() takes microsecond timeouts, but a wake-up from an idle sleep still comes late by
-    roughly 50-300 us (kernel timer slack grows with the timeout; a virtual CPU must be woken).
-    So this sleeps until a learned margin before the deadline, then polls with select(0) -
-    which still returns I/O at once - until the deadline. The margin follows the observed
-    lateness (mean plus three mean deviations) and is capped at MAX_SPIN_S: a longer busy-wait
-    would spend the process's fair share of CPU, and on a contended machine the scheduler then
-    stalls it for a whole tick (seen: +2-4 ms on 2 busy cores). Wake-ups later than the cap are
-    such stalls, not timer slack, and are left out of the estimate.
+    epoll's timeout is in whole milliseconds (Python rounds it up), and a wake-up from an idle
+    sleep comes late by a further ~50-300 us. So this sleeps for the whole milliseconds that end
+    at least a learned margin before the deadline, then polls with a zero timeout - which still
+    returns I/O at once - until the deadline: at most ~1 ms of busy-wait per timer. The margin
+    follows the observed lateness (mean plus three mean deviations), capped at MAX_SPIN_S: a
+    longer busy-wait spends the process's fair share of CPU, and on a contended machine the
+    scheduler then stalls it for a whole tick. Unlike select(2), epoll has no limit on
+    descriptor numbers, so a busy demo (hundreds of relayed connections) cannot crash it.
     """
 
     MAX_SPIN_S = 0.0003
@@ -74,12 +74,12 @@ class PreciseSelector(selectors.SelectSelector):
             return super().select(timeout)
         deadline = time.monotonic() + timeout
         margin = min(self.MAX_SPIN_S, self._late_s + 3 * self._dev_s)
-        sleep_s = timeout - margin
-        if sleep_s > 0:
-            ready = super().select(sleep_s)
+        sleep_ms = math.floor((timeout - margin) * 1000)
+        if sleep_ms >= 1:
+            ready = super().select(sleep_ms / 1000)
             if ready:
                 return ready
-            self._learn(time.monotonic() - (deadline - margin))
+            self._learn(time.monotonic() - (deadline - timeout + sleep_ms / 1000))
         while True:
             ready = super().select(0)
             if ready or time.monotonic() >= deadline:

@@ -1,0 +1,1468 @@
+"""Inference routing: cpn's broker against nginx round robin and direct calls to the best site.
+
+Prints figures; it is not a timed test. Two set-ups, each a real `cpn up` this bench starts
+(and stops with SIGINT) on a copy of configs/ in a temporary directory, whose model servers get
+fresh free ports so that it cannot collide with another `cpn up` on this machine:
+
+1. **WAN mix** (`cpn up --interval 1`: the demo federation, every site, the WAN emulation and
+   the STAND-IN model servers of configs/standin.yaml, hundreds of ms per request). Clients in
+   every client region of configs/clients.yaml send an open-loop Poisson mix (the same seeded
+   arrivals and requests for each mode) of the services that region may use (qwen-72b,
+   deepseek-v3, qwen-7b, and llama-70b outside China), three times:
+   - **cpn**: `POST /v1/infer/{service}/v1/completions` on the broker with
+     `X-Cpn-Client-Region`; the broker connects to the chosen site's WAN front from the
+     region's loopback address, so the emulator applies that region's RTT.
+   - **nginx**: nginx round robin (from the system packages, installed with apt-get when
+     missing) over every site front of the service, with `proxy_bind` to the region's address
+     so its upstream connections cross the same emulated WAN, and upstream keep-alive. One
+     upstream block per (service, client region): nginx's keep-alive cache is not keyed by
+     source address, so a shared block would reuse one region's connection for another.
+     Round robin ignores sovereignty: the share of requests it sent to a disallowed site is
+     reported.
+   - **direct**: the client connects from its region's address straight to the front of the
+     site that `POST /v1/route` picks for (service, region) before the runs: a GSLB-style
+     client with no proxy hop.
+   Figures: p50/p99 end-to-end latency per client region and per service, the share served
+   in-region (by a site in the site region of the client region's primary ingress, its first
+   `attach` site in configs/clients.yaml), the share served against sovereignty, errors.
+2. **Loopback** (`cpn up --no-wan-emulation --sites chongqing,shaoguan`, every stand-in at
+   median 0.5 ms, p99 1 ms): the proxy's own cost. qwen-7b requests from several regions.
+   - added latency: open loop at 1,000 req/s, direct to the backend the broker would pick and
+     through the broker, alternated; added = p50 (p99) through the broker - p50 (p99) direct.
+   - throughput: closed loop, fixed concurrency, through the one broker process (and direct,
+     for what the generator and stand-ins alone reach); CPU of every process is reported.
+
+The load generator is an asyncio aiohttp client in this process. The machine has 2 cores
+shared by the generator, the broker, the emulator, the agents, etcd, nginx and the stand-ins:
+the CPU table under each run says who used what. Requests rotate over 16 tenants
+(`X-Cpn-Tenant: bench-N`) so the broker's per-tenant rate limit (1,000 req/s) does not cap
+the loopback runs.
+
+Limits of the set-up, handled here:
+- The WAN emulator runs in the `cpn up` process on select(), which fails on descriptors from
+  1024 up and takes the whole demo down. The agents' probe connections hold ~400 at rest, and
+  every relayed connection 2 more; the broker keeps a pool per (client region, site), about
+  210 connections at 50 req/s. So the default WAN rate is 40 req/s (at 50 req/s the emulator
+  peaked at 880-990 of 1024 descriptors; 80 req/s crashed it). The bench waits between modes
+  for the previous mode's idle keep-alive connections to close, records the peak, and if the
+  demo dies anyway reports the modes it completed.
+- If the agents publish their site links but every probe is lost (seen with uvloop, whose
+  transports fail `ProbeResponder`'s isinstance(asyncio.Transport) check), the broker has no
+  site-to-site paths; the WAN set-up is then restarted with uvloop blocked (a PYTHONPATH shim)
+  in its cpn processes, and says so. `--no-uvloop` does that for both set-ups.
+- Without the WAN emulation the agents, as root, probe with scapy ICMP, whose sniffers parse
+  every packet on lo: at 2,000 req/s through the broker they took ~60 % of a core. The
+  loopback set-up blocks scapy the same way (the agents fall back to tcp-connect) unless
+  `--scapy`.
+
+    .venv/bin/python bench/routing.py                      # about 4 minutes
+    .venv/bin/python bench/routing.py --quick              # smoke run, about 1.5 minutes
+    .venv/bin/python bench/routing.py --json /tmp/routing.json --profile /tmp/broker.prof
+
+Targets: p99 end-to-end at most half of nginx round robin's on the cross-region mix; added
+latency p50 under 1 ms at 1,000 req/s; at least 3,000 req/s through one broker process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import math
+import os
+import pstats
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ("qwen-72b", "deepseek-v3", "llama-70b", "qwen-7b")
+LOOPBACK_SITES = ("chongqing", "shaoguan")
+LOOPBACK_SERVICE = "qwen-7b"
+TENANTS = 16
+BODY = json.dumps({"prompt": "Summarize the East Data West Computing program in one line."})
+TARGET_P99_RATIO = 0.5
+TARGET_ADDED_P50_MS = 1.0
+TARGET_RPS = 3000.0
+
+
+def uvloop_installed() -> bool:
+    """Whether `cpn` (its CLI runs on uvloop when it can import it) finds uvloop."""
+    r = subprocess.run([sys.executable, "-c", "import uvloop"], capture_output=True, cwd=ROOT)
+    return r.returncode == 0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation; nan when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def fmt(v: float, digits: int = 1) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.{digits}f}"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+
+    def line(r: list[str]) -> str:
+        cells = enumerate(zip(r, widths, strict=True))
+        return " | ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in cells)
+
+    return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *map(line, rows)])
+
+
+def free_port(hosts: Iterable[str] = ("127.0.0.1",)) -> int:
+    """A port free on 127.0.0.1 and on every one of `hosts` (the WAN fronts reuse it)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        try:
+            for host in hosts:
+                with socket.socket() as s:
+                    s.bind((host, port))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port")
+
+
+# -- config copy -----------------------------------------------------------------------------
+
+
+def copy_configs(dest: Path, *, fast: bool) -> Path:
+    """configs/ copied to dest, every service URL on a fresh free port; `fast`: every stand-in
+    at median 0.5 ms, p99 1 ms."""
+    cfg = dest / "configs"
+    shutil.copytree(ROOT / "configs", cfg)
+    fronts = [f"127.0.2.{n}" for n in range(1, 1 + len(list((cfg / "sites").glob("*.yaml"))))]
+    for path in sorted((cfg / "sites").glob("*.yaml")):
+        text = re.sub(
+            r"url: http://127\.0\.0\.1:\d+",
+            lambda _: f"url: http://127.0.0.1:{free_port(fronts)}",
+            path.read_text(),
+        )
+        path.write_text(text)
+    if fast:
+        (cfg / "standin.yaml").write_text(
+            "# bench/routing.py: every stand-in fast, to measure the proxy itself\n"
+            "models: {}\ndefault: {median_ms: 0.5, p99_ms: 1.0}\n"
+        )
+    return cfg
+
+
+# -- the demo ----------------------------------------------------------------------------------
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return json.load(exc)
+
+
+@dataclass
+class Demo:
+    """A `cpn up` this bench started; stop() sends SIGINT to its pid and waits."""
+
+    config_dir: Path
+    state_dir: Path
+    wan: bool
+    sites: tuple[str, ...] = ()
+    block_uvloop: bool = False  # run cpn's processes on asyncio's own loop (see run_wan)
+    block_scapy: bool = False  # agents probe with tcp-connect, not scapy's ICMP (see run_loopback)
+    interval_s: float = 1.0  # the agents' publish period
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    children: dict[int, psutil.Process] = field(default_factory=dict)
+
+    @property
+    def broker(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.port = free_port()
+        args = [
+            sys.executable, "-m", "cpn", "up",
+            "--config-dir", str(self.config_dir),
+            "--broker-listen", f"127.0.0.1:{self.port}",
+            "--interval", str(self.interval_s),
+        ]  # fmt: skip
+        if not self.wan:
+            args.append("--no-wan-emulation")
+        if self.sites:
+            args += ["--sites", ",".join(self.sites)]
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.state_dir / "up.log"
+        env = self.env()
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                args, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True,
+            )  # fmt: skip
+        log(f"cpn up started (pid {self.proc.pid}, broker {self.broker}, log {self.log_path})")
+
+    def env(self) -> dict[str, str]:
+        """The environment of this demo's processes (and of `cpn` commands about it)."""
+        env = {**os.environ, "CPN_STATE_DIR": str(self.state_dir)}
+        blocked = [
+            m for m, on in (("uvloop", self.block_uvloop), ("scapy", self.block_scapy)) if on
+        ]
+        if blocked:  # `import uvloop` / `import scapy` fail in every process of this demo
+            shim = self.state_dir / "blocked-modules"
+            for module in blocked:
+                (shim / module).mkdir(parents=True, exist_ok=True)
+                (shim / module / "__init__.py").write_text(
+                    'raise ImportError("blocked by bench/routing.py")\n'
+                )
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
+        return env
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def route(self, service: str, region: str) -> dict[str, Any]:
+        answer: dict[str, Any] = http_json(
+            f"{self.broker}/v1/route", {"service": service, "client_region": region}, timeout=5
+        )
+        return answer
+
+    def expected_endpoints(self) -> int:
+        """How many service endpoints the running sites' files declare."""
+        n = 0
+        for path in (self.config_dir / "sites").glob("*.yaml"):
+            doc = yaml.safe_load(path.read_text())
+            if not self.sites or doc["id"] in self.sites:
+                n += len(doc.get("services") or [])
+        return n
+
+    def wait_ready(
+        self, pairs: list[tuple[str, str]], timeout: float = 120
+    ) -> dict[tuple[str, str], dict[str, Any]]:
+        """Wait until every declared endpoint is published and healthy, then until every
+        (service, region) pair that may be served routes to a site; returns those routes
+        (pairs refused for sovereignty or for lack of a path are left out)."""
+        deadline = time.monotonic() + timeout
+        want = self.expected_endpoints()
+        healthy, links, measured = -1, 0, 0
+        sites: list[dict[str, Any]] = []
+        links_deadline = math.inf
+        while True:
+            if not self.alive():
+                raise RuntimeError(f"cpn up exited; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{healthy} of {want} endpoints healthy after {timeout:.0f} s")
+            try:
+                sites = self.sites_json()
+                eps = [e for site in sites for e in site.get("services") or []]
+                healthy = sum(bool(e.get("healthy")) for e in eps)
+                all_links = [v for site in sites for v in (site.get("links") or {}).values()]
+                links = len(all_links)
+                measured = sum(v.get("rtt_ms") is not None for v in all_links)
+            except (subprocess.SubprocessError, ValueError, OSError):
+                healthy = -1
+            full_mesh = max(1, len(sites) * (len(sites) - 1))
+            # with the WAN emulated, routing needs the agents' site-to-site RTTs
+            if healthy >= want and (not self.wan or measured >= full_mesh):
+                break
+            if healthy >= want and links >= full_mesh and links_deadline == math.inf:
+                links_deadline = time.monotonic() + 20
+            if time.monotonic() > links_deadline:
+                raise ProbesDown(f"{measured} of {links} site links have an RTT after 20 s")
+            time.sleep(1)
+        log(f"{healthy} service endpoints healthy, {measured} of {links} site links measured")
+        last: dict[tuple[str, str], Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                last = {p: self.route(*p) for p in pairs}
+            except (OSError, ValueError):
+                time.sleep(1)
+                continue
+            pending = [p for p, r in last.items() if not r.get("site") and not _refused(r)]
+            if not pending:
+                return {p: r for p, r in last.items() if r.get("site")}
+            time.sleep(1)
+        raise RuntimeError(f"routes not ready after {timeout:.0f} s: {last}")
+
+    def sites_json(self) -> list[dict[str, Any]]:
+        out = subprocess.run(
+            [sys.executable, "-m", "cpn", "sites", "-o", "json"],
+            env=self.env(), cwd=ROOT, capture_output=True, check=True, timeout=60,
+        )  # fmt: skip
+        sites: list[dict[str, Any]] = json.loads(out.stdout)
+        return sites
+
+    def endpoints(self) -> dict[str, list[dict[str, Any]]]:
+        """service -> published endpoints (site, url, ...), from `cpn sites -o json`."""
+        by_service: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for site in self.sites_json():
+            for svc in site.get("services") or []:
+                by_service[svc["service"]].append({**svc, "region": site["region"]})
+        return dict(by_service)
+
+    def processes(self) -> dict[str, list[psutil.Process]]:
+        """Role -> processes of this demo (the launcher itself runs the WAN emulation)."""
+        roles: dict[str, list[psutil.Process]] = defaultdict(list)
+        if not self.alive() or self.proc is None:
+            return roles
+        root = psutil.Process(self.proc.pid)
+        roles["cpn up (WAN emulator)" if self.wan else "cpn up"].append(root)
+        for child in root.children(recursive=True):
+            self.children.setdefault(child.pid, child)
+            try:
+                cmd = " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if "cpn broker" in cmd:
+                roles["broker"].append(child)
+            elif "routing.modelserver" in cmd:
+                roles["stand-in model servers"].append(child)
+            elif "cpn agent" in cmd:
+                roles["agents"].append(child)
+            elif "etcd" in cmd:
+                roles["etcd"].append(child)
+        return roles
+
+    def fds(self) -> int:
+        """Open file descriptors of the `cpn up` process (the WAN emulator's select() takes
+        descriptors below 1024 only)."""
+        try:
+            return psutil.Process(self.proc.pid).num_fds() if self.alive() and self.proc else 0
+        except psutil.Error:
+            return 0
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.processes()  # remember the children, to clean up after a launcher that crashed
+        if self.proc.poll() is None:
+            log(f"stopping cpn up (SIGINT to pid {self.proc.pid})")
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                log("cpn up did not stop in 40 s: SIGTERM")
+                self.proc.terminate()
+                try:
+                    self.proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            return
+        log(f"cpn up had exited with {self.proc.returncode}; see {self.log_path}")
+        left = [p for p in self.children.values() if p.is_running()]
+        for p in left:
+            log(f"ending pid {p.pid} that cpn up left behind ({' '.join(p.cmdline()[:3])})")
+            p.terminate()
+        _, alive = psutil.wait_procs(left, timeout=10)
+        for p in alive:
+            p.kill()
+        # and the embedded etcd's data dir, which its shutdown would have removed
+        text = self.log_path.read_text(errors="replace") if self.log_path else ""
+        if m := re.search(r"embedded etcd \S+ \(data (/\S+)\)", text):
+            shutil.rmtree(m.group(1), ignore_errors=True)
+            Path(m.group(1) + ".log").unlink(missing_ok=True)
+
+
+class ProbesDown(RuntimeError):
+    """The agents publish their site links, but every probe is lost."""
+
+
+def _refused(route: dict[str, Any]) -> bool:
+    """A /v1/route answer with no site that waiting will not change: every site of the service
+    is ruled out for sovereignty, policy or lack of a path."""
+    excluded = route.get("excluded") or []
+    return (
+        "error" not in route
+        and not route.get("candidates")
+        and bool(excluded)
+        and all(e.get("reason") in ("sovereignty", "no_route", "tenant_policy") for e in excluded)
+    )
+
+
+# -- CPU accounting ----------------------------------------------------------------------------
+
+
+class CpuMeter:
+    """CPU seconds per role between start() and stop(), as % of one core."""
+
+    def __init__(self, roles: Callable[[], dict[str, list[psutil.Process]]]) -> None:
+        self.roles = roles
+        self._start: dict[str, dict[int, float]] = {}
+        self._procs: dict[str, list[psutil.Process]] = {}
+        self._t0 = 0.0
+        self._host0: Any = None
+
+    @staticmethod
+    def _cpu(p: psutil.Process) -> float | None:
+        try:
+            t = p.cpu_times()
+            return t.user + t.system
+        except psutil.Error:
+            return None
+
+    def start(self) -> None:
+        self._procs = {"bench (load generator)": [psutil.Process()], **self.roles()}
+        self._start = {
+            role: {p.pid: c for p in procs if (c := self._cpu(p)) is not None}
+            for role, procs in self._procs.items()
+        }
+        self._t0 = time.monotonic()
+        self._host0 = psutil.cpu_times()
+
+    def stop(self) -> dict[str, float]:
+        wall = max(time.monotonic() - self._t0, 1e-9)
+        out: dict[str, float] = {}
+        for role, procs in self._procs.items():
+            used = 0.0
+            for p in procs:
+                c, c0 = self._cpu(p), self._start[role].get(p.pid)
+                if c is not None and c0 is not None:
+                    used += c - c0
+            out[role] = 100 * used / wall
+        host = psutil.cpu_times()
+        busy = sum(host) - host.idle - getattr(host, "iowait", 0.0)
+        busy0 = sum(self._host0) - self._host0.idle - getattr(self._host0, "iowait", 0.0)
+        out["host busy (all processes)"] = 100 * (busy - busy0) / wall
+        return out
+
+
+def cpu_table(cpu: dict[str, dict[str, float]]) -> str:
+    roles = list(dict.fromkeys(r for m in cpu.values() for r in m))
+    rows = [[role, *(fmt(cpu[m].get(role, math.nan), 0) for m in cpu)] for role in roles]
+    return table(["CPU, % of one core", *cpu], rows)
+
+
+# -- load generation ---------------------------------------------------------------------------
+
+
+@dataclass
+class Req:
+    region: str
+    service: str
+    at: float  # offset from the start of the run, s (open loop)
+    tenant: str = "bench-0"
+
+
+@dataclass
+class Result:
+    req: Req
+    status: int
+    site: str | None
+    latency_ms: float
+    lag_ms: float  # how late the generator sent it against its schedule
+
+
+@dataclass
+class Target:
+    """How one mode sends a request: where, with which headers, over which session."""
+
+    url: Callable[[Req], str]
+    session: aiohttp.ClientSession | dict[str, aiohttp.ClientSession]  # one, or per region
+    region_header: bool = True
+    tenant_header: bool = False
+    site_header: str | None = None  # the response header that names the serving site
+    site_names: dict[str, str] = field(default_factory=dict)  # its value -> site id
+    fixed_site: Callable[[Req], str] | None = None  # direct calls: the site is known
+
+    def session_for(self, req: Req) -> aiohttp.ClientSession:
+        return self.session[req.region] if isinstance(self.session, dict) else self.session
+
+    def headers(self, req: Req) -> dict[str, str]:
+        out = {"Content-Type": "application/json"}
+        if self.region_header:
+            out["X-Cpn-Client-Region"] = req.region
+        if self.tenant_header:
+            out["X-Cpn-Tenant"] = req.tenant
+        return out
+
+    def site(self, req: Req, resp: aiohttp.ClientResponse) -> str | None:
+        if self.fixed_site is not None:
+            return self.fixed_site(req)
+        value = resp.headers.get(self.site_header) if self.site_header else None
+        return self.site_names.get(value, value) if value else None
+
+    async def close(self) -> None:
+        sessions = self.session.values() if isinstance(self.session, dict) else [self.session]
+        for s in sessions:
+            await s.close()
+
+
+def new_session(source_ip: str | None = None, limit: int = 0) -> aiohttp.ClientSession:
+    local = None if source_ip is None else (source_ip, 0)
+    connector = aiohttp.TCPConnector(limit=limit, local_addr=local, keepalive_timeout=10)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
+
+
+async def send(target: Target, req: Req) -> tuple[int, str | None]:
+    """(HTTP status, serving site); (0, the exception's name) when there was no answer."""
+    session, headers = target.session_for(req), target.headers(req)
+    try:
+        async with session.post(target.url(req), data=BODY, headers=headers) as r:
+            await r.read()
+            return r.status, target.site(req, r)
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return 0, type(exc).__name__
+
+
+def error_kinds(results: Iterable[Result]) -> dict[str, int]:
+    """Non-200 outcomes: 'HTTP 502', or the exception that left no answer."""
+    return dict(
+        Counter(f"HTTP {r.status}" if r.status else str(r.site) for r in results if r.status != 200)
+    )
+
+
+async def open_loop(target: Target, reqs: list[Req], label: str) -> tuple[list[Result], float]:
+    """Send each request at its scheduled time; latency counts from the schedule (no
+    coordinated omission). Returns the results and the run's wall time."""
+    loop = asyncio.get_running_loop()
+    results: list[Result] = []
+    t0 = loop.time() + 0.05
+
+    async def one(req: Req) -> None:
+        sent = loop.time()
+        status, site = await send(target, req)
+        done = loop.time()
+        results.append(
+            Result(req, status, site, (done - (t0 + req.at)) * 1000, (sent - t0 - req.at) * 1000)
+        )
+
+    async def progress() -> None:
+        while True:
+            await asyncio.sleep(5)
+            errs = sum(r.status != 200 for r in results)
+            log(f"  {label}: {len(results)}/{len(reqs)} done, {errs} errors")
+
+    ticker = asyncio.create_task(progress())
+    tasks = []
+    try:
+        for req in reqs:
+            delay = t0 + req.at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        await asyncio.gather(*tasks)
+    finally:
+        ticker.cancel()
+    return results, loop.time() - t0
+
+
+async def closed_loop(
+    target: Target, make: Callable[[int], Req], concurrency: int, warmup_s: float, duration_s: float
+) -> dict[str, Any]:
+    """`concurrency` workers back to back; counts what completes in the measured window."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    begin, end = start + warmup_s, start + warmup_s + duration_s
+    lat: list[float] = []
+    errors = Counter[str]()
+    count = 0
+
+    async def worker(w: int) -> None:
+        nonlocal count
+        i = w
+        while loop.time() < end:
+            req = make(i)
+            i += concurrency
+            t = loop.time()
+            status, site = await send(target, req)
+            done = loop.time()
+            if begin <= t and done <= end:
+                count += 1
+                lat.append((done - t) * 1000)
+                if status != 200:
+                    errors[f"HTTP {status}" if status else str(site)] += 1
+
+    await asyncio.gather(*(worker(w) for w in range(concurrency)))
+    return {
+        "concurrency": concurrency,
+        "completed": count,
+        "rps": count / duration_s,
+        "p50_ms": pct(lat, 50),
+        "p99_ms": pct(lat, 99),
+        "errors": dict(errors),
+    }
+
+
+def poisson_schedule(
+    rng: random.Random, mix: list[tuple[str, str]], n: int, rate: float
+) -> list[Req]:
+    t = 0.0
+    out = []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        region, service = rng.choice(mix)
+        out.append(Req(region, service, t, f"bench-{i % TENANTS}"))
+    return out
+
+
+# -- nginx -------------------------------------------------------------------------------------
+
+
+def ensure_nginx() -> tuple[str | None, str]:
+    """The nginx binary, installing the system package when missing; (None, why) if not."""
+    found = shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
+    )
+    if found:
+        return found, f"nginx found at {found}"
+    if not shutil.which("apt-get"):
+        return None, "nginx is not installed and there is no apt-get"
+    if os.geteuid() != 0:
+        return None, "nginx is not installed and installing it needs root (apt-get)"
+    log("nginx is not on PATH: installing it: apt-get update && apt-get install -y nginx")
+    running_before = _nginx_pids()
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    try:
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "nginx"]):
+            r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+                return None, f"`{' '.join(cmd)}` failed ({r.returncode}): {' / '.join(tail)}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"installing nginx failed: {exc}"
+    # The package's postinst may start the system nginx (port 80): stop what the install started.
+    for pid in _nginx_pids() - running_before:
+        try:
+            os.kill(pid, signal.SIGQUIT)
+            log(f"stopped the system nginx (pid {pid}) that the package install started")
+        except OSError:
+            pass
+    found = shutil.which("nginx") or (
+        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
+    )
+    return (found, "nginx installed from the system packages") if found else (None, "no nginx")
+
+
+def _nginx_pids() -> set[int]:
+    out = set()
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if p.info.get("name") == "nginx" and "master process" in cmd and "bench-routing" not in cmd:
+            out.add(p.info["pid"])
+    return out
+
+
+@dataclass
+class Nginx:
+    binary: str
+    workdir: Path
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def config(self, fronts: dict[str, list[str]], sources: dict[str, str]) -> str:
+        """One upstream per (service, region), all of the service's fronts, round robin."""
+        d = self.workdir
+        ups = []
+        for svc, urls in sorted(fronts.items()):
+            servers = "".join(f"    server {u.split('://', 1)[1].rstrip('/')};\n" for u in urls)
+            for region in sorted(sources):
+                ups.append(f"  upstream {svc}.{region} {{\n{servers}    keepalive 4;\n  }}\n")
+        src_map = "".join(f"    {region} {ip};\n" for region, ip in sorted(sources.items()))
+        region_map = "".join(f"    {region} {region};\n" for region in sorted(sources))
+        temps = "".join(
+            f"  {k}_temp_path {d}/tmp/{k};\n"
+            for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        return f"""# bench/routing.py: nginx round robin over the same site fronts (bench-routing)
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+{temps}  map $http_x_cpn_client_region $src {{
+    default "";
+{src_map}  }}
+  map $http_x_cpn_client_region $region_key {{
+    default none;
+{region_map}  }}
+{"".join(ups)}  server {{
+    listen 127.0.0.1:{self.port};
+    location ~ ^/v1/infer/(?<svc>[^/]+)/(?<rest>.*)$ {{
+      proxy_pass http://$svc.$region_key/$rest$is_args$args;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_bind $src;
+      proxy_buffering off;
+      proxy_read_timeout 60s;
+      add_header X-Upstream $upstream_addr always;
+    }}
+  }}
+}}
+"""
+
+    def start(self, fronts: dict[str, list[str]], sources: dict[str, str]) -> None:
+        for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (self.workdir / "tmp" / k).mkdir(parents=True, exist_ok=True)
+        conf = self.workdir / "nginx.conf"
+        conf.write_text(self.config(fronts, sources))
+        args = [self.binary, "-p", str(self.workdir), "-c", str(conf), "-g", "daemon off;"]
+        test = subprocess.run([*args[:5], "-t"], capture_output=True, text=True)
+        if test.returncode != 0:
+            raise RuntimeError(f"nginx -t: {test.stderr.strip()}")
+        with open(self.workdir / "stdout.log", "ab") as out:
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    log(f"nginx started (pid {self.proc.pid}, http://127.0.0.1:{self.port})")
+                    return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"nginx did not start; see {self.workdir}/error.log")
+
+    def processes(self) -> list[psutil.Process]:
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children()]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# -- scenario 1: the WAN mix ---------------------------------------------------------------
+
+
+def load_client_regions(cfg: Path) -> dict[str, dict[str, Any]]:
+    doc = yaml.safe_load((cfg / "clients.yaml").read_text())
+    return {r["id"]: r for r in doc["client_regions"]}
+
+
+def loopback_ip(entry: dict[str, Any]) -> str:
+    for cidr in entry.get("cidrs", []):
+        if str(cidr).startswith("127.") and str(cidr).endswith("/32"):
+            return str(cidr).split("/")[0]
+    raise ValueError(f"client region {entry['id']} has no 127.x.y.z/32 in cidrs")
+
+
+def summarize(results: list[Result], info: dict[str, Any]) -> dict[str, Any]:
+    site_region, allowed, home = info["site_region"], info["allowed"], info["home"]
+    ok = [r for r in results if r.status == 200]
+
+    def lat(rs: list[Result]) -> dict[str, float]:
+        v = [r.latency_ms for r in rs]
+        return {"n": len(v), "p50_ms": pct(v, 50), "p99_ms": pct(v, 99), "mean_ms": _mean(v)}
+
+    by_region = {reg: lat([r for r in ok if r.req.region == reg]) for reg in info["regions"]}
+    by_service = {s: lat([r for r in ok if r.req.service == s]) for s in info["services"]}
+    in_region = [r for r in ok if r.site and site_region.get(r.site) in home[r.req.region]]
+    disallowed = [
+        r
+        for r in ok
+        if r.site
+        and allowed[r.req.region] is not None
+        and site_region.get(r.site) not in allowed[r.req.region]
+    ]
+    sites = Counter(f"{r.req.service}@{r.site}" for r in ok)
+    return {
+        "requests": len(results),
+        "ok": len(ok),
+        "errors": error_kinds(results),
+        "all": lat(ok),
+        "by_region": by_region,
+        "by_service": by_service,
+        "in_region_share": len(in_region) / len(ok) if ok else math.nan,
+        "disallowed_share": len(disallowed) / len(ok) if ok else math.nan,
+        "sites": dict(sorted(sites.items())),
+        "generator_lag_p99_ms": pct([r.lag_ms for r in results], 99),
+    }
+
+
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v) if v else math.nan
+
+
+async def run_wan(args: argparse.Namespace, work: Path, nginx_bin: str | None) -> dict[str, Any]:
+    cfg = copy_configs(work / "wan", fast=False)
+    clients = load_client_regions(cfg)
+    sources = {r: loopback_ip(e) for r, e in clients.items()}
+    demo = Demo(cfg, work / "wan" / "state", wan=True, block_uvloop=args.no_uvloop)
+    nginx: Nginx | None = None
+    modes: dict[str, Target] = {}
+    note = ""
+    try:
+        demo.start()
+        pairs = [(s, r) for s in SERVICES for r in clients]
+        try:
+            routes = demo.wait_ready(pairs)
+        except ProbesDown as exc:
+            if demo.block_uvloop or not uvloop_installed():
+                raise
+            # Seen 2026-11-30: on uvloop the agents' ProbeResponder never answers (its
+            # isinstance(transport, asyncio.Transport) check fails on uvloop's transports), so
+            # every site link is 100 % lost and the broker has no site-to-site path.
+            note = (
+                f"site probes failed on uvloop ({exc}): the WAN set-up was restarted with "
+                "uvloop blocked in its cpn processes"
+            )
+            log(f"WARNING: {note}")
+            demo.stop()
+            demo = Demo(cfg, work / "wan" / "state2", wan=True, block_uvloop=True)
+            demo.start()
+            routes = demo.wait_ready(pairs)
+        log(f"routes ready: {len(routes)} of {len(pairs)} (service, region) pairs can be served")
+        endpoints = demo.endpoints()
+        fronts = {s: [e["url"] for e in endpoints.get(s, [])] for s in SERVICES}
+        site_region = {e["site"]: e["region"] for eps in endpoints.values() for e in eps}
+        ip_site = {
+            e["url"].split("://", 1)[1].rstrip("/"): e["site"]
+            for eps in endpoints.values()
+            for e in eps
+        }
+        best = {p: r["site"] for p, r in routes.items()}
+        best_url = {
+            p: next(e["url"] for e in endpoints[p[0]] if e["site"] == site)
+            for p, site in best.items()
+        }
+        primary = {r: e["attach"][0]["site"] for r, e in clients.items()}
+        site_files = {p.stem: yaml.safe_load(p.read_text()) for p in (cfg / "sites").glob("*.yaml")}
+        info = {
+            "regions": list(clients),
+            "services": [s for s in SERVICES if any(p[0] == s for p in routes)],
+            "site_region": site_region,
+            "allowed": {r: e.get("allowed_regions") for r, e in clients.items()},
+            "home": {r: {site_files[primary[r]]["region"]} for r in clients},
+        }
+        mix = sorted((r, s) for s, r in routes)
+        # every region sends at the same rate, spread over the services it may use
+        per_region: dict[str, list[str]] = defaultdict(list)
+        for r, s in mix:
+            per_region[r].append(s)
+        rng = random.Random(args.seed)
+        reqs: list[Req] = []
+        t = 0.0
+        for i in range(args.requests):
+            t += rng.expovariate(args.rate)
+            region = rng.choice(sorted(per_region))
+            reqs.append(Req(region, rng.choice(per_region[region]), t, f"bench-{i % TENANTS}"))
+        warm = [Req(r.region, r.service, r.at, r.tenant) for r in reqs if r.at < args.warmup]
+
+        broker = demo.broker
+        modes["cpn"] = Target(
+            url=lambda q: f"{broker}/v1/infer/{q.service}/v1/completions",
+            session=new_session(),
+            tenant_header=True,
+            site_header="X-Cpn-Site",
+        )
+        if nginx_bin:
+            nginx = Nginx(nginx_bin, work / "nginx-bench-routing", port=free_port())
+            nginx_base = f"http://127.0.0.1:{nginx.port}"
+            modes["nginx"] = Target(
+                url=lambda q: f"{nginx_base}/v1/infer/{q.service}/v1/completions",
+                session=new_session(),
+                site_header="X-Upstream",
+                site_names=ip_site,
+            )
+        modes["direct"] = Target(
+            url=lambda q: f"{best_url[(q.service, q.region)].rstrip('/')}/v1/completions",
+            session={r: new_session(ip) for r, ip in sources.items()},
+            region_header=False,
+            fixed_site=lambda q: best[(q.service, q.region)],
+        )
+        out: dict[str, Any] = {
+            "uvloop_blocked": demo.block_uvloop,
+            "note": note,
+            "rate_per_s": args.rate,
+            "requests_per_mode": args.requests,
+            "mix": {r: per_region[r] for r in sorted(per_region)},
+            "best_site": {f"{s}@{r}": site for (s, r), site in sorted(best.items())},
+            "modes": {},
+            "cpu": {},
+        }
+        demo.processes()
+        fd_max: dict[str, int] = {}
+        current = ["setup"]
+
+        async def watch_fds() -> None:
+            while True:
+                fd_max[current[0]] = max(fd_max.get(current[0], 0), demo.fds())
+                await asyncio.sleep(0.2)
+
+        watcher = asyncio.create_task(watch_fds())
+        out["emulator_fds_max"] = fd_max
+        baseline = demo.fds()
+        for name, target in modes.items():
+            await settle_fds(demo, baseline)
+            current[0] = name
+            if not demo.alive():
+                out["aborted"] = (
+                    f"cpn up exited before the {name} run (see its log: the WAN emulator's "
+                    "select() fails once it holds 1024 file descriptors)"
+                )
+                log(f"ERROR: {out['aborted']}; the remaining modes are skipped")
+                break
+            if name == "nginx" and nginx is not None:
+                nginx.start(fronts, sources)
+            proxy = nginx if name == "nginx" else None
+
+            def roles(proxy: Nginx | None = proxy) -> dict[str, list[psutil.Process]]:
+                return {**demo.processes(), **({"nginx": proxy.processes()} if proxy else {})}
+
+            log(f"WAN mix, {name}: warm-up {args.warmup:.0f} s ({len(warm)} requests)")
+            await open_loop(target, warm, f"{name} warm-up")
+            meter = CpuMeter(roles)
+            meter.start()
+            log(f"WAN mix, {name}: {len(reqs)} requests at {args.rate:g} req/s (open loop)")
+            results, wall = await open_loop(target, reqs, name)
+            out["cpu"][name] = meter.stop()
+            await target.close()
+            if name == "nginx" and nginx is not None:
+                nginx.stop()
+            summary = summarize(results, info)
+            summary["wall_s"] = wall
+            if not demo.alive():
+                summary["cpn_up_exited"] = True
+                log(f"ERROR: cpn up exited during the {name} run; see {demo.log_path}")
+            out["modes"][name] = summary
+            if name == "cpn" and demo.alive():
+                # what the router saw: each endpoint's published latency and size
+                out["endpoints_after_cpn"] = {
+                    f"{e['service']}@{e['site']}": {
+                        "latency_ms": e.get("latency_ms"),
+                        "max_concurrency": e.get("max_concurrency"),
+                    }
+                    for es in demo.endpoints().values()
+                    for e in es
+                }
+            log(
+                f"  {name}: p50 {fmt(summary['all']['p50_ms'])} ms, p99 "
+                f"{fmt(summary['all']['p99_ms'])} ms, errors {summary['errors'] or 0}, "
+                f"cpn up fds max {fd_max.get(name)}"
+            )
+        watcher.cancel()
+        return out
+    finally:
+        for target in modes.values():
+            await target.close()
+        if nginx is not None:
+            nginx.stop()
+        demo.stop()
+
+
+async def settle_fds(demo: Demo, baseline: int, timeout: float = 30) -> None:
+    """Wait for the idle keep-alive connections of the previous mode to close: the emulator's
+    select() fails on descriptors from 1024 up, which takes the whole `cpn up` down."""
+    deadline = time.monotonic() + timeout
+    while demo.alive() and demo.fds() > baseline + 60 and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    log(f"cpn up holds {demo.fds()} file descriptors (baseline {baseline})")
+
+
+def print_wan(wan: dict[str, Any], nginx_note: str) -> None:
+    modes = wan["modes"]
+    print(
+        f"\n== WAN mix: {wan['requests_per_mode']} requests per mode, open loop "
+        f"{wan['rate_per_s']:g} req/s, every client region at the same rate =="
+    )
+    print(f"({nginx_note})")
+    for key in ("note", "aborted"):
+        if wan.get(key):
+            print(f"{key.upper()}: {wan[key]}")
+    headers = ["client region"] + [f"{m} {q}" for m in modes for q in ("p50", "p99")]
+    regions = list(next(iter(modes.values()))["by_region"])
+    rows = [
+        [reg, *(fmt(modes[m]["by_region"][reg][q]) for m in modes for q in ("p50_ms", "p99_ms"))]
+        for reg in regions
+    ]
+    rows.append(["ALL", *(fmt(modes[m]["all"][q]) for m in modes for q in ("p50_ms", "p99_ms"))])
+    print("end-to-end latency, ms")
+    print(table(headers, rows))
+    services = list(next(iter(modes.values()))["by_service"])
+    rows = [
+        [svc, *(fmt(modes[m]["by_service"][svc][q]) for m in modes for q in ("p50_ms", "p99_ms"))]
+        for svc in services
+    ]
+    print("\nby service, ms")
+    print(table(["service"] + headers[1:], rows))
+    rows = [
+        ["served in-region", *(f"{100 * modes[m]['in_region_share']:.1f} %" for m in modes)],
+        ["against sovereignty", *(f"{100 * modes[m]['disallowed_share']:.1f} %" for m in modes)],
+        ["errors (non-200)", *(str(sum(modes[m]["errors"].values())) for m in modes)],
+        ["generator lag p99 (ms)", *(fmt(modes[m]["generator_lag_p99_ms"]) for m in modes)],
+        ["emulator fds max (of 1024)", *(str(wan["emulator_fds_max"].get(m, "-")) for m in modes)],
+        ["cpn up alive at the end", *("NO" if modes[m].get("cpn_up_exited") else "yes"
+                                      for m in modes)],
+    ]  # fmt: skip
+    print()
+    print(table(["", *modes], rows))
+    for m in modes:
+        if modes[m]["errors"]:
+            print(f"errors, {m}: {modes[m]['errors']}")
+    print()
+    eps = wan.get("endpoints_after_cpn", {})
+    keys = sorted({k for m in modes.values() for k in m["sites"]} | set(eps))
+    rows = [
+        [
+            k,
+            str(eps.get(k, {}).get("max_concurrency", "-")),
+            fmt(eps.get(k, {}).get("latency_ms") or math.nan, 0),
+            *(str(modes[m]["sites"].get(k, 0)) for m in modes),
+        ]
+        for k in keys
+    ]
+    print("\nrequests served per endpoint (and what each endpoint published after the cpn run)")
+    print(table(["service@site", "max conc.", "latency_ms", *modes], rows))
+    print()
+    print(cpu_table(wan["cpu"]))
+
+
+# -- scenario 2: loopback, the proxy's own cost ---------------------------------------------
+
+
+async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cfg = copy_configs(work / "loopback", fast=True)
+    clients = load_client_regions(cfg)
+    demo = Demo(
+        cfg, work / "loopback" / "state", wan=False, sites=LOOPBACK_SITES,
+        block_uvloop=args.no_uvloop, interval_s=2.0, block_scapy=not args.scapy,
+    )  # fmt: skip
+    try:
+        demo.start()
+        routes = demo.wait_ready([(LOOPBACK_SERVICE, r) for r in clients])
+        regions = sorted(r for _, r in routes)
+        endpoints = {e["site"]: e["url"] for e in demo.endpoints()[LOOPBACK_SERVICE]}
+        best = {r: routes[(LOOPBACK_SERVICE, r)]["site"] for r in regions}
+        log(f"loopback: {LOOPBACK_SERVICE} from {len(regions)} regions; best sites {best}")
+        session = new_session()
+        base = demo.broker
+        broker = Target(
+            url=lambda q: f"{base}/v1/infer/{q.service}/v1/completions",
+            session=session,
+            tenant_header=True,
+            site_header="X-Cpn-Site",
+        )
+        direct = Target(
+            url=lambda q: f"{endpoints[best[q.region]].rstrip('/')}/v1/completions",
+            session=session,
+            region_header=False,
+            fixed_site=lambda q: best[q.region],
+        )
+        paths = {"direct": direct, "cpn": broker}
+        rng = random.Random(args.seed)
+        mix = [(r, LOOPBACK_SERVICE) for r in regions]
+
+        # warm-up both paths (connections, the routers' caches)
+        for name, target in paths.items():
+            warm = poisson_schedule(rng, mix, int(args.added_rate * 1.5), args.added_rate)
+            await open_loop(target, warm, f"{name} warm-up")
+
+        samples: dict[str, list[Result]] = {"direct": [], "cpn": []}
+        rounds: list[dict[str, dict[int, float]]] = []
+        cpu: dict[str, dict[str, float]] = {}
+        for rnd in range(args.added_rounds):
+            for name, target in paths.items():
+                reqs = poisson_schedule(rng, mix, args.added_requests, args.added_rate)
+                meter = CpuMeter(demo.processes)
+                meter.start()
+                log(
+                    f"added latency, {name}, round {rnd + 1}/{args.added_rounds}: "
+                    f"{len(reqs)} requests at {args.added_rate:g} req/s"
+                )
+                res, wall = await open_loop(target, reqs, name)
+                cpu[f"{name} @{args.added_rate:g}/s"] = meter.stop()
+                samples[name] += res
+                if name == "direct":
+                    rounds.append({})
+                ok = [r.latency_ms for r in res if r.status == 200]
+                rounds[-1][name] = {q: pct(ok, q) for q in (50, 90, 99)}
+                log(f"  achieved {len(res) / wall:,.0f} req/s")
+        added: dict[str, Any] = {}
+        for name, res in samples.items():
+            ok = [r.latency_ms for r in res if r.status == 200]
+            added[name] = {
+                "n": len(res),
+                "errors": error_kinds(res),
+                "p50_ms": pct(ok, 50),
+                "p90_ms": pct(ok, 90),
+                "p99_ms": pct(ok, 99),
+                "generator_lag_p99_ms": pct([r.lag_ms for r in res], 99),
+            }
+        # added = the median over rounds of (cpn - direct) in the same round: a stall of this
+        # shared machine during one run then moves one round, not the figure
+        for q in (50, 90, 99):
+            diffs = [r["cpn"][q] - r["direct"][q] for r in rounds if "cpn" in r]
+            added[f"added_p{q}_ms"] = statistics.median(diffs) if diffs else math.nan
+            added[f"added_p{q}_ms_rounds"] = diffs
+        route_ms = await route_ms_sample(demo, regions)
+
+        throughput: dict[str, Any] = {}
+        for name, target in paths.items():
+            for conc in args.concurrency:
+                meter = CpuMeter(demo.processes)
+                meter.start()
+                log(f"throughput, {name}: {conc} clients, {args.throughput_s:g} s")
+
+                def make(k: int) -> Req:
+                    return Req(regions[k % len(regions)], LOOPBACK_SERVICE, 0.0, f"bench-{k % 16}")
+
+                r = await closed_loop(target, make, conc, 1.0, args.throughput_s)
+                r["cpu"] = meter.stop()
+                key = f"{name} c={conc}"
+                throughput[key] = r
+                cpu[key] = r["cpu"]
+                log(f"  {r['rps']:,.0f} req/s, p50 {fmt(r['p50_ms'], 2)} ms, errors {r['errors']}")
+        await session.close()
+        profile = None
+        if args.profile:
+            profile = await profile_broker(demo, cfg, regions, Path(args.profile), args)
+        return {
+            "scapy_blocked": demo.block_scapy,
+            "profile": profile,
+            "uvloop": uvloop_installed() and not demo.block_uvloop,
+            "service": LOOPBACK_SERVICE,
+            "sites": list(LOOPBACK_SITES),
+            "regions": regions,
+            "added": added,
+            "route_ms": route_ms,
+            "throughput": throughput,
+            "cpu": cpu,
+        }
+    finally:
+        demo.stop()
+
+
+async def profile_broker(
+    demo: Demo, cfg: Path, regions: list[str], out_file: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """A second broker on the demo's etcd, under cProfile, driven like the throughput runs."""
+    etcd = json.loads((demo.state_dir / "up.json").read_text())["etcd"]
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "cProfile", "-o", str(out_file),
+        "-m", "cpn", "broker", "--etcd", etcd, "--listen", f"127.0.0.1:{port}",
+        "--config-dir", str(cfg),
+    ]  # fmt: skip
+    log_path = demo.state_dir / "profiled-broker.log"
+    with open(log_path, "ab") as logfile:
+        proc = subprocess.Popen(
+            cmd, env=demo.env(), cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    log(f"profiled broker started (pid {proc.pid}, cProfile to {out_file})")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = http_json(
+                    f"{base}/v1/route", {"service": LOOPBACK_SERVICE, "client_region": regions[0]}
+                )
+                if r.get("site"):
+                    break
+            except (OSError, ValueError):
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the profiled broker did not come up; see {log_path}")
+            await asyncio.sleep(0.5)
+        target = Target(
+            url=lambda q: f"{base}/v1/infer/{q.service}/v1/completions",
+            session=new_session(),
+            tenant_header=True,
+            site_header="X-Cpn-Site",
+        )
+
+        def make(k: int) -> Req:
+            return Req(regions[k % len(regions)], LOOPBACK_SERVICE, 0.0, f"bench-{k % TENANTS}")
+
+        conc = args.concurrency[0]
+        log(f"profiled broker: {conc} clients, {args.throughput_s:g} s")
+        result = await closed_loop(target, make, conc, 1.0, args.throughput_s)
+        await target.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = io.StringIO()
+    stats = pstats.Stats(str(out_file), stream=text)
+    stats.sort_stats("tottime").print_stats(25)
+    top = text.getvalue()
+    log(f"  profiled: {result['rps']:,.0f} req/s (cProfile slows the broker)")
+    return {"file": str(out_file), "rps_under_profile": result["rps"], "top_tottime": top}
+
+
+async def route_ms_sample(demo: Demo, regions: list[str]) -> dict[str, float]:
+    """X-Cpn-Route-Ms (the broker's `pick`) of 200 sequential requests on an idle broker."""
+    vals = []
+    async with new_session() as s:
+        for k in range(200):
+            hdr = {"X-Cpn-Client-Region": regions[k % len(regions)], "X-Cpn-Tenant": "bench-r"}
+            url = f"{demo.broker}/v1/infer/{LOOPBACK_SERVICE}/v1/completions"
+            async with s.post(url, data=BODY, headers=hdr) as r:
+                await r.read()
+                if "X-Cpn-Route-Ms" in r.headers:
+                    vals.append(float(r.headers["X-Cpn-Route-Ms"]))
+    return {"p50_ms": pct(vals, 50), "p99_ms": pct(vals, 99)}
+
+
+def print_loopback(lb: dict[str, Any]) -> None:
+    a = lb["added"]
+    print(
+        f"\n== Loopback (no WAN emulation), {lb['service']} at {', '.join(lb['sites'])}, "
+        f"stand-ins at median 0.5 ms, cpn on {'uvloop' if lb['uvloop'] else 'asyncio'} =="
+    )
+    if lb.get("scapy_blocked"):
+        print(
+            "(scapy blocked in the demo's processes: the agents probe with tcp-connect instead "
+            "of ICMP, whose sniffers would parse every loopback packet; see --scapy)"
+        )
+    rows = [
+        [
+            name,
+            f"{a[name]['n']:,}",
+            fmt(a[name]["p50_ms"], 2),
+            fmt(a[name]["p90_ms"], 2),
+            fmt(a[name]["p99_ms"], 2),
+            str(sum(a[name]["errors"].values())),
+            fmt(a[name]["generator_lag_p99_ms"], 2),
+        ]
+        for name in ("direct", "cpn")
+    ]
+    added = [fmt(a[f"added_p{q}_ms"], 2) for q in (50, 90, 99)]
+    rows.append(["added by cpn", "", *added, "", ""])
+    print(
+        f"latency at the added-latency rate (open loop, {len(a['added_p50_ms_rounds'])} rounds "
+        "of direct then cpn), ms; added = median over rounds of (cpn - direct)"
+    )
+    print(table(["path", "requests", "p50", "p90", "p99", "errors", "gen. lag p99"], rows))
+    print(
+        f"broker route choice (X-Cpn-Route-Ms, idle): p50 {fmt(lb['route_ms']['p50_ms'], 3)} ms, "
+        f"p99 {fmt(lb['route_ms']['p99_ms'], 3)} ms"
+    )
+    rows = [
+        [
+            k,
+            f"{v['rps']:,.0f}",
+            fmt(v["p50_ms"], 2),
+            fmt(v["p99_ms"], 2),
+            fmt(v["cpu"].get("broker", math.nan), 0),
+            fmt(v["rps"] / (v["cpu"]["broker"] / 100), 0) if v["cpu"].get("broker") else "-",
+            str(sum(v["errors"].values())),
+        ]
+        for k, v in lb["throughput"].items()
+    ]
+    print("\nthroughput (closed loop)")
+    print(
+        table(
+            [
+                "path",
+                "req/s",
+                "p50 ms",
+                "p99 ms",
+                "broker CPU %",
+                "req/s per broker core",
+                "errors",
+            ],
+            rows,
+        )
+    )
+    print()
+    print(cpu_table(lb["cpu"]))
+    for name in ("direct", "cpn"):
+        if a[name]["errors"]:
+            print(f"errors at the added-latency rate, {name}: {a[name]['errors']}")
+    if lb.get("profile"):
+        prof = lb["profile"]
+        print(
+            f"\ncProfile of a second broker under the same closed loop "
+            f"({prof['rps_under_profile']:,.0f} req/s while profiled), by own time:"
+        )
+        lines = prof["top_tottime"].splitlines()
+        start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+        print("\n".join(lines[start : start + 26]))
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
+    out: list[tuple[str, bool | None, str]] = []
+    wan = results.get("wan")
+    if wan and "nginx" in wan["modes"]:
+        c, n = wan["modes"]["cpn"]["all"]["p99_ms"], wan["modes"]["nginx"]["all"]["p99_ms"]
+        out.append(
+            (
+                "p99 end-to-end at most half of nginx round robin's (cross-region mix)",
+                c <= TARGET_P99_RATIO * n,
+                f"cpn {fmt(c)} ms vs nginx {fmt(n)} ms: {c / n:.2f}x",
+            )
+        )
+    elif wan:
+        out.append(("p99 at most half of nginx round robin's", None, "nginx was not run"))
+    lb = results.get("loopback")
+    if lb:
+        a = lb["added"]["added_p50_ms"]
+        out.append(
+            (
+                f"added latency p50 under {TARGET_ADDED_P50_MS:g} ms at "
+                f"{results['settings']['added_rate']:g} req/s",
+                a < TARGET_ADDED_P50_MS,
+                f"{fmt(a, 2)} ms (p99 {fmt(lb['added']['added_p99_ms'], 2)} ms)",
+            )
+        )
+        best = max(
+            (v for k, v in lb["throughput"].items() if k.startswith("cpn")),
+            key=lambda v: v["rps"],
+            default=None,
+        )
+        if best:
+            out.append(
+                (
+                    f"at least {TARGET_RPS:,.0f} req/s through one broker process",
+                    best["rps"] >= TARGET_RPS,
+                    f"{best['rps']:,.0f} req/s at {best['concurrency']} clients, broker at "
+                    f"{fmt(best['cpu'].get('broker', math.nan), 0)} % of a core",
+                )
+            )
+    return out
+
+
+async def amain(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
+    results["machine"] = {
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "python": sys.version.split()[0],
+        "aiohttp": aiohttp.__version__,
+    }
+    work = Path(tempfile.mkdtemp(prefix="cpn-bench-routing-"))
+    log(f"work dir {work}; machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    try:
+        if not args.skip_wan:
+            nginx_bin, note = (None, "nginx skipped (--no-nginx)")
+            if not args.no_nginx:
+                nginx_bin, note = ensure_nginx()
+            log(note)
+            results["nginx"] = note
+            if nginx_bin:
+                v = subprocess.run([nginx_bin, "-v"], capture_output=True, text=True)
+                results["nginx_version"] = (v.stderr or v.stdout).strip()
+                note += f" ({results['nginx_version']})"
+            results["wan"] = await run_wan(args, work, nginx_bin)
+            print_wan(results["wan"], note)
+        if not args.skip_loopback:
+            results["loopback"] = await run_loopback(args, work)
+            print_loopback(results["loopback"])
+    finally:
+        if args.keep:
+            log(f"kept {work} (logs of cpn up, the agents, the broker and nginx)")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    results["machine"]["loadavg_end"] = os.getloadavg()
+    results["targets"] = [{"target": t, "met": met, "detail": d} for t, met, d in targets(results)]
+    print("\n== targets ==")
+    for t, met, d in targets(results):
+        word = "NOT RUN" if met is None else ("MET" if met else "NOT MET")
+        print(f"{t}: {word} ({d})")
+    print(
+        f"load average 1m: {results['machine']['loadavg_start'][0]:.1f} at the start, "
+        f"{results['machine']['loadavg_end'][0]:.1f} at the end ({os.cpu_count()} CPUs, shared)"
+    )
+    return results
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a smaller run (smoke test)")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--requests", type=int, help="WAN mix: requests per mode (default 1200)")
+    p.add_argument("--rate", type=float, help="WAN mix: offered req/s, all regions (default 40)")
+    p.add_argument("--warmup", type=float, help="WAN mix: warm-up seconds per mode (default 3)")
+    p.add_argument("--added-rate", type=float, default=1000.0, help="loopback open-loop req/s")
+    p.add_argument("--added-requests", type=int, help="loopback: requests per round and path")
+    p.add_argument("--added-rounds", type=int, help="loopback: rounds of direct, then cpn")
+    p.add_argument(
+        "--concurrency", type=lambda s: [int(x) for x in s.split(",")], help="e.g. 32,128"
+    )
+    p.add_argument("--throughput-s", type=float, help="seconds per throughput run")
+    p.add_argument("--no-nginx", action="store_true", help="skip the nginx comparison")
+    p.add_argument("--keep", action="store_true", help="keep the work dir and its logs")
+    p.add_argument(
+        "--scapy",
+        action="store_true",
+        help="loopback: let the agents probe with scapy ICMP (their sniffers see all traffic)",
+    )
+    p.add_argument(
+        "--profile", metavar="FILE", help="also run a second broker under cProfile (to FILE)"
+    )
+    p.add_argument(
+        "--no-uvloop", action="store_true", help="run cpn's processes on asyncio's own loop"
+    )
+    p.add_argument("--skip-wan", action="store_true")
+    p.add_argument("--skip-loopback", action="store_true")
+    args = p.parse_args(argv)
+    quick = args.quick
+    defaults = {
+        "requests": 400 if quick else 1200,
+        "rate": 40.0,
+        "warmup": 2.0 if quick else 3.0,
+        "added_requests": 2000 if quick else 5000,
+        "added_rounds": 1 if quick else 3,
+        "concurrency": [64] if quick else [32, 128],
+        "throughput_s": 4.0 if quick else 8.0,
+    }
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = asyncio.run(amain(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str))
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
