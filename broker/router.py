@@ -92,7 +92,9 @@ class Router:
             self.snapshot, service, error_rates=error_rates, ejected_until=ejected_until
         )
         ranking = rank(service, client_region, candidates, self.topology, self.policy, now)
-        previous = self._previous.get((service, client_region))
+        # hysteresis is per (service, region); a session key is placed by rendezvous hashing
+        # alone, so one region's sticky site does not capture every session of that region
+        previous = None if session_key else self._previous.get((service, client_region))
         # a tight near-best band: with service times of hundreds of ms, routing's default 10 %
         # would treat a site 20 ms further away as equal; 2 % (at least 5 ms) keeps traffic near
         choice = choose(

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import yaml
 
+from routing.selection import hrw_weight
 from sites import keys
 from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.registry import Registry
@@ -248,10 +249,17 @@ async def test_killed_site_gets_no_traffic_after_its_first_failure(
          "--name", "repaired", "--median-ms", "20", "--p99-ms", "40", "--max-concurrency", "32"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
     )  # fmt: skip
+    # a session key that rendezvous hashing puts on yrd-demo-zone among Shanghai's sites
+    pool = ("yrd-demo-zone", "shaoguan", "zhangjiakou")
+    key = next(
+        k
+        for k in (f"s{i}" for i in range(1000))
+        if max(pool, key=lambda site: hrw_weight(k, site)) == "yrd-demo-zone"
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
-            status, headers, _ = await infer(http, demo, "shanghai")
+            status, headers, _ = await infer(http, demo, "shanghai", **{"X-Cpn-Session": key})
             if headers.get("X-Cpn-Site") == "yrd-demo-zone":
                 break
             assert time.monotonic() < deadline, "the repaired site never rejoined"
