@@ -72,7 +72,12 @@ class Gateway:
             proxy = self.proxy
             ejected = proxy.ejected_sites(service, now) if proxy is not None else {}
             route = self.router.route(
-                service, region, now=now, session_key=session_key, ejected_until=ejected
+                service,
+                region,
+                now=now,
+                session_key=session_key,
+                ejected_until=ejected,
+                in_flight=proxy.in_flight(service) if proxy is not None else None,
             )
         except InvalidRequest as exc:
             raise UnknownRegion(exc.message) from None

@@ -7,6 +7,7 @@ the rest of the ranking after it, to retry on.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -85,12 +86,25 @@ class Router:
         session_key: str | None = None,
         error_rates: Mapping[str, float] | None = None,
         ejected_until: Mapping[str, float] | None = None,
+        in_flight: Mapping[str, int] | None = None,
     ) -> Route:
         if service not in self.services():
             raise NotFound(f"no site serves {service!r}")
         candidates = candidates_from_snapshot(
             self.snapshot, service, error_rates=error_rates, ejected_until=ejected_until
         )
+        if in_flight:
+            # the gateway's own count is exact and immediate; the site's report is up to half an
+            # interval old, and routing on stale load herds every request onto one site
+            candidates = [
+                dataclasses.replace(
+                    c,
+                    endpoint=c.endpoint.model_copy(
+                        update={"in_flight": max(c.endpoint.in_flight, in_flight.get(c.site, 0))}
+                    ),
+                )
+                for c in candidates
+            ]
         ranking = rank(service, client_region, candidates, self.topology, self.policy, now)
         # hysteresis is per (service, region); a session key is placed by rendezvous hashing
         # alone, so one region's sticky site does not capture every session of that region

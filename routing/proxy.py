@@ -193,6 +193,7 @@ class InferenceProxy:
         self.max_body_bytes = max_body_bytes
         self.session = session
         self.session_for = session_for
+        self._active: dict[str, int] = {}  # upstream key -> requests in flight through us
         self.known_services = known_services
         self.resolve_region = resolve_region
         self.known_regions = known_regions
@@ -323,6 +324,7 @@ class InferenceProxy:
                 )  # fmt: skip
                 if attempt.response is not None:
                     attempt.response.release()
+                    self._finished(service, attempt.upstream)
             attempt = await self._attempt(request, service, upstream, tail, headers, body)
             attempts += 1
         if attempt is None:
@@ -334,7 +336,24 @@ class InferenceProxy:
         }
         if attempt.response is None:
             return _no_answer(attempt, extra)
-        return await self._relay(request, service, attempt.upstream, attempt.response, extra)
+        try:
+            return await self._relay(request, service, attempt.upstream, attempt.response, extra)
+        finally:
+            self._finished(service, attempt.upstream)
+
+    def in_flight(self, service: str) -> dict[str, int]:
+        """site -> requests of `service` this proxy has in flight there now (its own view:
+        exact and immediate, where the sites' published load is up to an interval old)."""
+        prefix = upstream_key(service, Upstream("", ""))
+        return {k[len(prefix) :]: n for k, n in self._active.items() if k.startswith(prefix)}
+
+    def _finished(self, service: str, upstream: Upstream) -> None:
+        key = upstream_key(service, upstream)
+        left = self._active.get(key, 0) - 1
+        if left > 0:
+            self._active[key] = left
+        else:
+            self._active.pop(key, None)
 
     def _usable(self, service: str, upstream: Upstream, now: float) -> bool:
         key = upstream_key(service, upstream)
@@ -352,6 +371,7 @@ class InferenceProxy:
         body: bytes,
     ) -> _Attempt:
         key = upstream_key(service, upstream)
+        self._active[key] = self._active.get(key, 0) + 1
         url = URL(upstream.base_url.rstrip("/") + "/" + tail, encoded=True)
         try:
             session = self.session
@@ -382,6 +402,7 @@ class InferenceProxy:
             return _Attempt(upstream, response, None, "")
         connect = failure is Failure.not_sent
         self.health.report(key, False, self.clock.time(), connect_failure=connect)
+        self._finished(service, upstream)
         return _Attempt(upstream, None, failure, detail)
 
     async def _relay(
