@@ -686,3 +686,22 @@ async def test_rate_limit_per_tenant_is_a_429_with_retry_after(
     assert (await status("other")).status == 200
     clock.advance(2)
     assert (await status("acme")).status == 200
+
+
+async def test_counts_its_own_requests_in_flight_per_site(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    dead = Upstream("dead", dead_url())
+    slow, _ = await echo(serve, "slow", delay_s=0.5)
+    h = await make_proxy([dead, slow])
+
+    async def one() -> int:
+        async with http.post(h.infer_url(), json={}, headers=REGION) as resp:
+            await resp.read()
+            return resp.status
+
+    calls = [asyncio.ensure_future(one()) for _ in range(3)]
+    await asyncio.sleep(0.25)
+    assert h.proxy.in_flight("llm") == {"slow": 3}  # the refused site was counted and released
+    assert await asyncio.gather(*calls) == [200, 200, 200]
+    assert h.proxy.in_flight("llm") == {}
