@@ -36,7 +36,6 @@ from sites.clock import Clock, SystemClock
 from sites.errors import LeaseLost, RegistryError
 from sites.mirror import PrefixMirror
 from sites.registry import Guard, Registry, Snapshot
-from sites.status import SiteState
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +171,7 @@ class Broker:
         return self._view
 
     def site_up(self, view: View, site: str) -> bool:
-        return site in view.sites.specs and view.sites.view(site).alive
+        return site in view.sites.specs and view.sites.alive(site)
 
     def federation(self, view: View) -> pl.Federation:
         held: dict[str, dict[str, float]] = {}
@@ -189,12 +188,8 @@ class Broker:
                 g[a.model] = g.get(a.model, 0) + a.gpus
         offers = []
         for site_id, spec in sorted(view.sites.specs.items()):
-            sv = view.sites.view(site_id)
-            cap = (
-                sv.status.capacity
-                if sv.status
-                else normalize_inventory(spec.inventory, self.catalog)
-            )
+            status = view.sites.statuses.get(site_id)
+            cap = status.capacity if status else normalize_inventory(spec.inventory, self.catalog)
             used = held_gpus.get(site_id, {})
             h = held.get(site_id, {"cpu": 0.0, "mem": 0.0})
             offers.append(
@@ -202,8 +197,8 @@ class Broker:
                     id=site_id,
                     region=spec.region,
                     country=spec.country,
-                    up=sv.alive,
-                    cordoned=sv.state is SiteState.cordoned,
+                    up=view.sites.alive(site_id),
+                    cordoned=site_id in view.sites.cordons,
                     free_gpus={m: max(0, n - used.get(m, 0)) for m, n in cap.devices.items()},
                     free_cpu=max(0, cap.cpu_cores - int(h["cpu"])),
                     free_mem_gb=max(0.0, cap.mem_gb - h["mem"]),
@@ -593,7 +588,9 @@ class Broker:
                 continue
             if await self._commit_placement(record, rev, decision, now):
                 fed = pl.apply(fed, decision, record.spec)
-                usage, groups = self.usage(self.view()), self.groups(self.view())
+                # account the placement here: the mirrors see it only after their watch event
+                usage = usage.plus(record.spec.tenant, record.spec.gpu.count)
+                groups = groups.with_placed(record.spec.group, decision.site)
         await self._place_gangs([rr for rr in pending if rr[0].spec.gang is not None], fed, now)
 
     async def _batch_pass(self, view: View, now: float) -> None:

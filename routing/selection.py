@@ -453,12 +453,11 @@ def candidates_from_snapshot(
     for (svc, site), endpoint in sorted(snapshot.services.items()):
         if svc != service or site not in snapshot.specs:
             continue
-        view = snapshot.view(site)
         out.append(
             Candidate(
                 endpoint=endpoint,
-                region=view.region,
-                site_state=view.state,
+                region=snapshot.specs[site].region,
+                site_state=snapshot.state(site),
                 error_rate=errors.get(site, 0.0),
                 draining=site in drain,
                 ejected_until=ejected.get(site),

@@ -39,20 +39,12 @@ def site_last_seen(site: str) -> str:
     return f"{SITES}{site}/last_seen"
 
 
-def site_prefix(site: str) -> str:
-    return f"{SITES}{site}/"
-
-
 def agent(site: str) -> str:
     return f"{AGENTS}{site}"
 
 
 def link(src: str, dst: str) -> str:
     return f"{LINKS}{src}/{dst}"
-
-
-def links_from(src: str) -> str:
-    return f"{LINKS}{src}/"
 
 
 def service(name: str, site: str) -> str:

@@ -149,6 +149,16 @@ class Snapshot:
     def site_ids(self) -> list[str]:
         return sorted(self.specs)
 
+    def alive(self, site: str) -> bool:
+        """An agent holds the site's lease and has published a status."""
+        return site in self.agents and site in self.statuses
+
+    def state(self, site: str) -> SiteState:
+        """The site's state without building its whole view (which scans every link)."""
+        if site in self.cordons:
+            return SiteState.cordoned
+        return SiteState.up if self.alive(site) else SiteState.down
+
     def view(self, site: str) -> SiteView:
         spec = self.specs.get(site)
         if spec is None:
@@ -156,13 +166,6 @@ class Snapshot:
         status = self.statuses.get(site)
         agent = self.agents.get(site)
         cordon = self.cordons.get(site)
-        alive = agent is not None and status is not None
-        if cordon is not None:
-            state = SiteState.cordoned
-        elif alive:
-            state = SiteState.up
-        else:
-            state = SiteState.down
         seen = self.last_seen.get(site)
         last_seen = status.published_at if status else (seen.at if seen else None)
         links = {dst: ln for (src, dst), ln in self.links.items() if src == site}
@@ -171,8 +174,8 @@ class Snapshot:
         return SiteView(
             id=site,
             region=spec.region,
-            state=state,
-            alive=alive,
+            state=self.state(site),
+            alive=self.alive(site),
             last_seen=last_seen,
             spec=spec,
             status=status,
