@@ -25,6 +25,7 @@ from broker import batch
 from broker import placement as pl
 from broker.errors import IllegalTransition, InvalidRequest
 from broker.jobs import Event, JobRecord, JobSpec, JobState, Placement
+from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.metrics import BrokerMetrics
 from broker.settings import BrokerSettings
 from broker.solver import solve
@@ -75,6 +76,7 @@ class Broker:
         self.user_rtt_ms = user_rtt_ms or {}
         self.quotas = quotas or {}
         self.settings = settings or BrokerSettings()
+        self._retry_policy = RetryPolicy(self.settings.retry_base_s, self.settings.retry_max_s)
         self.clock: Clock = clock or SystemClock()
         self.url = url
         self.instance = secrets.token_hex(6)
@@ -500,7 +502,8 @@ class Broker:
         exit_code: int | None = None,
         kind: str = "retried",
     ) -> JobRecord:
-        if record.retries >= record.spec.max_retries:
+        backoff = retry_backoff_s(record.retries, record.spec.max_retries, self._retry_policy)
+        if backoff is None:
             ev = Event(
                 at=now,
                 type="failed",
@@ -509,7 +512,6 @@ class Broker:
                 attempt=record.attempt,
             )
             return record.with_event(ev, state=JobState.FAILED, exit_code=exit_code)
-        backoff = min(self.settings.retry_max_s, self.settings.retry_base_s * 2**record.retries)
         ev = Event(
             at=now,
             type=kind,

@@ -213,6 +213,18 @@ async def cmd_broker(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from simulations.cli import simulate_main
+
+    return simulate_main(args.rest)
+
+
+def cmd_plan_capacity(args: argparse.Namespace) -> int:
+    from simulations.cli import plan_capacity_main
+
+    return plan_capacity_main(args.rest)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from broker.plan_cli import main as plan_main
 
@@ -348,6 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("rest", nargs=argparse.REMAINDER)
     plan.set_defaults(func=cmd_plan)
+    simulate = sub.add_parser(
+        "simulate", help="capacity-planning simulation (docs/simulation.md)", add_help=False
+    )
+    simulate.add_argument("rest", nargs=argparse.REMAINDER)
+    simulate.set_defaults(func=cmd_simulate)
+    capacity = sub.add_parser(
+        "plan-capacity",
+        help="cheapest purchases that meet simulated targets (docs/simulation.md)",
+        add_help=False,
+    )
+    capacity.add_argument("rest", nargs=argparse.REMAINDER)
+    capacity.set_defaults(func=cmd_plan_capacity)
     return parser
 
 

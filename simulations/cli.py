@@ -1,0 +1,203 @@
+"""`cpn simulate` and `cpn plan-capacity` (docs/simulation.md).
+
+    cpn simulate SCENARIO.yaml [SCENARIO.yaml ...] [--out DIR] [--workers N]
+                 [--sweep FIELD=V1,V2,...] [--seed N] [--horizon 7d] [--no-progress] [--json]
+    cpn plan-capacity PLANNING.yaml [--out FILE] [--workers N] [--no-progress]
+
+Exit 0 when the run finished, 2 with one line per problem for bad input (a scenario or
+planning file that does not validate, a bad option), 1 when a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from simulations import report
+from simulations.capacity import load_planning, plan_capacity
+from simulations.runner import default_out, run_many, slug
+from simulations.scenario import Scenario, load_scenario, parse_duration_s
+from sites.errors import ConfigError
+
+__all__ = ["plan_capacity_main", "simulate_main"]
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _simulate_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="cpn simulate", description="run capacity-planning simulations")
+    p.add_argument("scenarios", nargs="+", help="scenario YAML files")
+    p.add_argument("--out", help="report folder (default sim-out/<scenario or 'comparison'>)")
+    p.add_argument("--workers", type=int, default=None, help="parallel processes")
+    p.add_argument(
+        "--sweep",
+        help="FIELD=V1,V2,...: run one scenario once per value of a dotted field "
+        "(e.g. policy.kind=fast-path,random or federation.edits.0.add_devices.count=64,128)",
+    )
+    p.add_argument("--seed", type=int, help="override the scenarios' seed")
+    p.add_argument("--horizon", help="override the scenarios' horizon (e.g. 2d)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true", help="print the results JSON, not a table")
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if args.seed is not None:
+        out["seed"] = args.seed
+    if args.horizon is not None:
+        try:
+            out["horizon"] = parse_duration_s(args.horizon)
+        except ValueError as exc:
+            raise _UsageError(f"--horizon: {exc}") from None
+    return out
+
+
+def _sweep(text: str) -> tuple[str, list[Any]]:
+    field, sep, values = text.partition("=")
+    if not sep or not field.strip() or not values.strip():
+        raise _UsageError(f"--sweep {text!r}: expected FIELD=V1,V2,...")
+    parsed = [yaml.safe_load(v) for v in values.split(",") if v.strip()]
+    if len(parsed) < 2:
+        raise _UsageError(f"--sweep {text!r}: give at least two values")
+    return field.strip(), parsed
+
+
+def simulate_main(argv: list[str]) -> int:
+    try:
+        args = _simulate_parser().parse_args(argv)
+    except _UsageError as exc:
+        print(f"cpn simulate: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _simulate(args)
+    except _UsageError as exc:
+        print(f"cpn simulate: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"cpn simulate: error: {problem}", file=sys.stderr)
+        return 2
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    overrides = _overrides(args)
+    if args.workers is not None and args.workers < 1:
+        raise _UsageError("--workers must be >= 1")
+    scenarios: list[Scenario] = []
+    files: list[str | None] = []
+    sweep: tuple[str, list[Any]] | None = None
+    if args.sweep:
+        if len(args.scenarios) != 1:
+            raise _UsageError("--sweep takes exactly one scenario file")
+        sweep = _sweep(args.sweep)
+        field, values = sweep
+        for value in values:
+            sc = load_scenario(args.scenarios[0], {**overrides, field: value})
+            scenarios.append(sc.model_copy(update={"name": f"{sc.name} {field}={value}"}))
+            files.append(args.scenarios[0])
+    else:
+        for path in args.scenarios:
+            scenarios.append(load_scenario(path, overrides))
+            files.append(path)
+    results = run_many(scenarios, files=files, workers=args.workers, progress=not args.no_progress)
+    console = Console()
+    if len(results) == 1:
+        out = Path(args.out) if args.out else default_out(scenarios[0].name)
+        index = report.write_report(results[0], out)
+        if args.json:
+            print(json.dumps(results[0], sort_keys=True))
+        else:
+            console.print(report.summary(results[0]))
+            console.print(f"report: {index}")
+        return 0
+    out = Path(args.out) if args.out else Path("sim-out") / "comparison"
+    sweep_arg = None
+    if sweep is not None:
+        sweep_arg = (
+            sweep[0],
+            [v if isinstance(v, int | float | str) else str(v) for v in sweep[1]],
+        )
+    index = report.write_comparison(results, out, sweep=sweep_arg)
+    if args.json:
+        print(json.dumps(results, sort_keys=True))
+    else:
+        console.print(report.compare_table(results))
+        console.print(f"report: {index}")
+    return 0
+
+
+def _plan_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="cpn plan-capacity",
+        description="cheapest purchases from a menu that meet the targets (docs/simulation.md)",
+    )
+    p.add_argument("planning", help="planning YAML: scenario, target, menu")
+    p.add_argument("--out", help="answer JSON file (default sim-out/<scenario>-capacity.json)")
+    p.add_argument("--workers", type=int, default=None, help="parallel processes")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def plan_capacity_main(argv: list[str]) -> int:
+    try:
+        args = _plan_parser().parse_args(argv)
+        if args.workers is not None and args.workers < 1:
+            raise _UsageError("--workers must be >= 1")
+        plan, scenario, _ = load_planning(args.planning)
+    except _UsageError as exc:
+        print(f"cpn plan-capacity: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"cpn plan-capacity: error: {problem}", file=sys.stderr)
+        return 2
+    console = Console(stderr=True)
+    answer = plan_capacity(
+        plan,
+        scenario,
+        workers=args.workers,
+        progress=not args.no_progress,
+        log=lambda line: console.print(line),
+    )
+    out = Path(args.out) if args.out else Path("sim-out") / f"{slug(scenario.name)}-capacity.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(answer, indent=1, sort_keys=True) + "\n")
+    Console().print(_answer_table(answer))
+    print(f"answer: {out}")
+    return 0 if answer["met"] else 1
+
+
+def _answer_table(answer: dict[str, Any]) -> Table:
+    verdict = "targets met" if answer["met"] else "targets NOT met with this menu"
+    table = Table(title=f"{answer['scenario']}: {verdict}, {answer['evaluations']} simulations")
+    table.add_column("purchase")
+    table.add_column("added", justify="right")
+    table.add_column("cost", justify="right")
+    for p in answer["purchases"]:
+        table.add_row(p["item"], f"{p['added']:,}", f"${p['cost_usd']:,.0f}")
+    table.add_row("total", "", f"${answer['total_cost_usd']:,.0f}")
+    for name in ("queue_delay_p95_s", "inference_slo", "unplaced", "cost_usd"):
+        before, after = answer["baseline"].get(name), answer["final"].get(name)
+        table.add_row(f"{name}: before -> after", "", f"{_fmt(before)} -> {_fmt(after)}")
+    return table
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.3f}" if isinstance(value, float) and abs(value) < 10 else f"{value:,.0f}"

@@ -1,0 +1,529 @@
+"""Simulation scenarios: a federation (a configs/ directory) with what-if edits, a horizon, a
+seed, a placement policy, workloads and site failures, as one validated YAML file.
+
+    name: next-year
+    federation:
+      configs: ../configs            # relative to the scenario file
+      edits:
+        - add_devices: {site: wuhu, model: H20, count: 512}
+        - remove_site: tokyo
+        - set_prices: {site: "*", scale: 0.9}
+        - set_power: {site: zhongwei, usd_per_kwh: 0.04}
+        - set_latency: {scale: 1.2}
+    horizon: 7d                      # or seconds; units s, m, h, d (e.g. 1d12h)
+    seed: 1
+    policy: {kind: fast-path}        # fast-path | batch | fifo-first-fit | random
+    workloads: [...]                 # simulations.workloads (docs/simulation-workloads.md)
+    failures:
+      - {site: wuhu, down_at: 2d, up_at: 2d6h}
+
+`load_scenario(path)` validates everything (pydantic, then cross-checks against the federation:
+sites, models and services that edits, failures and workloads name must exist) and raises
+sites.errors.ConfigError whose problems name the file and the field
+(``federation.edits[2].add_devices.count``). `build_federation(scenario)` loads the configs
+directory and applies the edits in order, returning a `SimFederation`; an edit that cannot apply
+(unknown site, a model without a price) is a ConfigError too. Nothing is written anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+
+from broker.regions import load_user_regions, user_rtt_ms
+from broker.tenants import load_quotas
+from routing.clients import Clients, load_clients
+from simulations.workloads import (
+    BatchWorkload,
+    InferenceWorkload,
+    TraceWorkload,
+    Workload,
+)
+from sites.catalog import DeviceCatalog
+from sites.config import load_sites, read_yaml, site_files, validation_problems
+from sites.errors import ConfigError, Problem
+from sites.latency import Endpoint, LatencyModel
+from sites.spec import SiteSpec
+
+__all__ = [
+    "Failure",
+    "PolicyKind",
+    "PolicySettings",
+    "Scenario",
+    "SimFederation",
+    "build_federation",
+    "load_scenario",
+    "parse_duration_s",
+]
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
+_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration_s(value: Any) -> float:
+    """Seconds from a number (seconds) or a string of number+unit parts: '7d', '1d12h', '90s'."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 3600, '12h' or '1d6h'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        parts = _DURATION.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            raise ValueError(f"{value!r} is not a duration (number + unit s/m/h/d, e.g. '1d12h')")
+        seconds = math.fsum(float(n) * _UNIT_S[u] for n, u in parts)
+    else:
+        raise ValueError("expected a duration such as 3600, '12h' or '1d6h'")
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"duration must be finite and >= 0, got {value!r}")
+    return seconds
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration_s)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+# -- edits --------------------------------------------------------------------------------------
+
+
+class AddDevices(_Frozen):
+    site: str
+    model: str = Field(description="a model of the device catalog")
+    count: int = Field(ge=1, le=1_000_000)
+    usd_per_gpu_hour: float | None = Field(
+        default=None, ge=0, description="price of the model there; needed if the site has none"
+    )
+    cpu_cores_per_8: int = Field(
+        default=112, ge=0, description="host cores added per 8 devices (one HGX-class node)"
+    )
+    mem_gb_per_8: float = Field(default=2048.0, ge=0, description="host memory added per 8")
+
+
+class RemoveDevices(_Frozen):
+    site: str
+    model: str
+    count: int = Field(ge=1)
+
+
+class RemoveSite(_Frozen):
+    site: str
+
+
+class SetPrices(_Frozen):
+    site: str = Field(description='a site id, or "*" for every site')
+    usd_per_gpu_hour: dict[str, float] = Field(default_factory=dict)
+    usd_per_core_hour: float | None = Field(default=None, ge=0)
+    usd_per_gb_mem_hour: float | None = Field(default=None, ge=0)
+    usd_per_gb_egress: float | None = Field(default=None, ge=0)
+    scale: float = Field(default=1.0, gt=0, description="multiplies every price (after the above)")
+
+
+class SetPower(_Frozen):
+    site: str = Field(description='a site id, or "*" for every site')
+    pue: float | None = Field(default=None, ge=1.0, le=3.0)
+    usd_per_kwh: float | None = Field(default=None, ge=0)
+    grid_kgco2_per_kwh: float | None = Field(default=None, ge=0, le=2.0)
+
+
+class SetLatency(_Frozen):
+    scale: float = Field(default=1.0, gt=0, description="multiplies every user-region RTT")
+    user_region: str | None = None
+    site: str | None = None
+    rtt_ms: float | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _pair(self) -> SetLatency:
+        given = [self.user_region is not None, self.site is not None, self.rtt_ms is not None]
+        if any(given) and not all(given):
+            raise ValueError("user_region, site and rtt_ms go together")
+        return self
+
+
+class SetService(_Frozen):
+    site: str
+    service: str
+    max_concurrency: int = Field(ge=1, le=100_000)
+    model: str | None = Field(default=None, description="needed when the site lacks the service")
+
+
+_EDIT_KINDS: dict[str, type[_Frozen]] = {
+    "add_devices": AddDevices,
+    "remove_devices": RemoveDevices,
+    "remove_site": RemoveSite,
+    "set_prices": SetPrices,
+    "set_power": SetPower,
+    "set_latency": SetLatency,
+    "set_service": SetService,
+}
+
+
+class Edit(_Frozen):
+    """One what-if edit: a mapping with exactly one of the keys below."""
+
+    add_devices: AddDevices | None = None
+    remove_devices: RemoveDevices | None = None
+    remove_site: RemoveSite | None = None
+    set_prices: SetPrices | None = None
+    set_power: SetPower | None = None
+    set_latency: SetLatency | None = None
+    set_service: SetService | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Edit:
+        given = [k for k in _EDIT_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"an edit has exactly one of {', '.join(_EDIT_KINDS)}; got {given}")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _EDIT_KINDS if getattr(self, k) is not None)
+
+    @property
+    def body(self) -> Any:
+        return getattr(self, self.kind)
+
+    def describe(self) -> str:
+        body = self.body.model_dump(exclude_defaults=True)
+        return f"{self.kind} " + ", ".join(f"{k}={v}" for k, v in body.items())
+
+
+class FederationRef(_Frozen):
+    configs: str = Field(default="configs", description="configs directory, relative to the file")
+    edits: tuple[Edit, ...] = ()
+
+
+# -- policy, failures, scenario -------------------------------------------------------------------
+
+
+class PolicyKind(enum.StrEnum):
+    fast_path = "fast-path"  # the broker's online placement at each arrival and release
+    batch = "batch"  # the broker's CP-SAT pass every batch_interval_s (+ fast path for the rest)
+    fifo_first_fit = "fifo-first-fit"  # baseline: strict FIFO, first site (file order) that fits
+    random = "random"  # baseline: a uniformly random site that fits, queue in arrival order
+
+
+class PolicySettings(_Frozen):
+    kind: PolicyKind = PolicyKind.fast_path
+    batch_interval_s: Duration = Field(default=300.0, gt=0)
+    batch_time_limit_s: float = Field(default=5.0, gt=0, le=600)
+    failover_grace_s: Duration = Field(
+        default=60.0, ge=0, description="a site must stay down this long before its jobs move"
+    )
+    retry_base_s: Duration = Field(default=2.0, ge=0)
+    retry_max_s: Duration = Field(default=300.0, ge=0)
+    max_retries: int = Field(default=3, ge=0, description="site losses a job survives")
+
+
+class Failure(_Frozen):
+    site: str
+    down_at: Duration
+    up_at: Duration | None = Field(default=None, description="None: down to the end")
+
+    @model_validator(mode="after")
+    def _order(self) -> Failure:
+        if self.up_at is not None and self.up_at <= self.down_at:
+            raise ValueError("up_at must be after down_at")
+        return self
+
+
+class Scenario(_Frozen):
+    name: str = Field(min_length=1, max_length=200)
+    description: str = ""
+    federation: FederationRef = FederationRef()
+    horizon: Duration = Field(gt=0, le=10 * 365 * 86400)
+    seed: int = 0
+    policy: PolicySettings = PolicySettings()
+    workloads: tuple[Workload, ...] = Field(min_length=1)
+    failures: tuple[Failure, ...] = ()
+    sample_s: Duration | None = Field(
+        default=None, gt=0, description="series sampling period; default horizon / 480"
+    )
+    inference_step_s: Duration = Field(default=300.0, gt=0, description="routing period")
+    # where relative paths resolve (the scenario file's folder); set by load_scenario
+    base_dir: str = Field(default=".", exclude=True)
+
+    @property
+    def batch_workloads(self) -> list[BatchWorkload | TraceWorkload]:
+        return [w for w in self.workloads if not isinstance(w, InferenceWorkload)]
+
+    @property
+    def inference_workloads(self) -> list[InferenceWorkload]:
+        return [w for w in self.workloads if isinstance(w, InferenceWorkload)]
+
+    @property
+    def configs_dir(self) -> Path:
+        return (Path(self.base_dir) / self.federation.configs).resolve()
+
+
+def load_scenario(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Scenario:
+    """The validated scenario of `path`; `overrides` maps dotted fields to values (a sweep:
+    {"policy.kind": "random"}). ConfigError names the file and the field."""
+    file = Path(path)
+    source = str(file)
+    data = read_yaml(file)
+    if not isinstance(data, dict):
+        raise ConfigError([Problem(source, "", "expected a mapping of scenario fields")])
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(data, dotted, value, source)
+    data = {**data, "base_dir": str(file.resolve().parent)}
+    try:
+        scenario = Scenario.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(validation_problems(source, exc)) from None
+    fed = build_federation(scenario, source=source)
+    problems = _cross_check(scenario, fed, source)
+    if problems:
+        raise ConfigError(problems)
+    return scenario
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    parts = dotted.split(".")
+    node: Any = data
+    for i, part in enumerate(parts[:-1]):
+        nxt = node[int(part)] if isinstance(node, list) and part.isdigit() else None
+        if isinstance(node, dict):
+            nxt = node.setdefault(part, {})
+        if not isinstance(nxt, dict | list):
+            where = ".".join(parts[: i + 1])
+            raise ConfigError([Problem(source, dotted, f"{where} is not a mapping or list")])
+        node = nxt
+    last = parts[-1]
+    if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+        node[int(last)] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError([Problem(source, dotted, "cannot set this field")])
+
+
+# -- the federation ---------------------------------------------------------------------------
+
+
+@dataclass
+class SimFederation:
+    """The federation a scenario runs on: site specs after the edits, and what goes with them."""
+
+    specs: dict[str, SiteSpec]  # file order
+    catalog: DeviceCatalog
+    quotas: dict[str, int]
+    user_regions: dict[str, Endpoint]
+    latency: LatencyModel
+    user_rtt_ms: dict[tuple[str, str], float]
+    clients: Clients | None
+    latency_scale: float = 1.0
+    rtt_overrides: dict[tuple[str, str], float] = field(default_factory=dict)  # set_latency pairs
+    edits: list[str] = field(default_factory=list)
+
+
+def build_federation(scenario: Scenario, *, source: str = "<scenario>") -> SimFederation:
+    """Load the scenario's configs directory and apply its edits in order (module docstring)."""
+    root = scenario.configs_dir
+    if not (root / "sites").is_dir():
+        raise ConfigError(
+            [Problem(source, "federation.configs", f"{root} has no sites/ directory")]
+        )
+    catalog = DeviceCatalog.load(root / "devices.yaml")
+    specs = {spec.id: spec for spec in load_sites(site_files(root / "sites"), catalog)}
+    quotas = load_quotas(root / "tenants.yaml") if (root / "tenants.yaml").exists() else {}
+    regions = load_user_regions(root / "regions.yaml")
+    latency_dir = root / "latency"
+    latency = LatencyModel.from_dir(latency_dir) if latency_dir.is_dir() else LatencyModel()
+    clients = load_clients(root / "clients.yaml") if (root / "clients.yaml").exists() else None
+    fed = SimFederation(
+        specs=specs,
+        catalog=catalog,
+        quotas=quotas,
+        user_regions=regions,
+        latency=latency,
+        user_rtt_ms={},
+        clients=clients,
+    )
+    pairs: dict[tuple[str, str], float] = {}
+    for i, edit in enumerate(scenario.federation.edits):
+        at = f"federation.edits[{i}].{edit.kind}"
+        try:
+            _apply(fed, edit, pairs)
+        except (KeyError, ValueError) as exc:
+            reason = exc.args[0] if isinstance(exc, KeyError) and exc.args else str(exc)
+            raise ConfigError([Problem(source, at, str(reason))]) from None
+        fed.edits.append(edit.describe())
+    if not fed.specs:
+        raise ConfigError([Problem(source, "federation", "no sites left after the edits")])
+    table = user_rtt_ms(regions, fed.specs.values(), latency)
+    fed.user_rtt_ms = {k: v * fed.latency_scale for k, v in table.items()}
+    fed.rtt_overrides = dict(pairs)
+    for key, ms in pairs.items():
+        if key not in fed.user_rtt_ms:
+            raise ConfigError(
+                [Problem(source, "federation.edits", f"no user region/site pair {key}")]
+            )
+        fed.user_rtt_ms[key] = ms
+    return fed
+
+
+def _site(fed: SimFederation, site: str) -> SiteSpec:
+    spec = fed.specs.get(site)
+    if spec is None:
+        raise KeyError(f"site {site!r} is not in the federation ({', '.join(fed.specs)})")
+    return spec
+
+
+def _targets(fed: SimFederation, site: str) -> list[SiteSpec]:
+    return list(fed.specs.values()) if site == "*" else [_site(fed, site)]
+
+
+def _revalidate(spec: SiteSpec, **changes: Any) -> SiteSpec:
+    return SiteSpec.model_validate({**spec.model_dump(mode="python"), **changes})
+
+
+def _apply(fed: SimFederation, edit: Edit, pairs: dict[tuple[str, str], float]) -> None:
+    body = edit.body
+    if isinstance(body, AddDevices):
+        spec = _site(fed, body.site)
+        fed.catalog.get(body.model)  # CatalogError (a ValueError) names an unknown model
+        prices = dict(spec.prices.usd_per_gpu_hour)
+        if body.usd_per_gpu_hour is not None:
+            prices[body.model] = body.usd_per_gpu_hour
+        if body.model not in prices:
+            raise ValueError(f"{body.site} has no price for {body.model}: give usd_per_gpu_hour")
+        pools = [p.model_dump() for p in spec.inventory.devices]
+        for pool in pools:
+            if pool["model"] == body.model:
+                pool["count"] += body.count
+                break
+        else:
+            pools.append({"model": body.model, "count": body.count})
+        nodes = body.count / 8
+        inventory = {
+            **spec.inventory.model_dump(),
+            "devices": pools,
+            "cpu_cores": spec.inventory.cpu_cores + round(nodes * body.cpu_cores_per_8),
+            "mem_gb": spec.inventory.mem_gb + nodes * body.mem_gb_per_8,
+        }
+        fed.specs[spec.id] = _revalidate(
+            spec,
+            inventory=inventory,
+            prices={**spec.prices.model_dump(), "usd_per_gpu_hour": prices},
+        )
+    elif isinstance(body, RemoveDevices):
+        spec = _site(fed, body.site)
+        pools = []
+        found = False
+        for have in spec.inventory.devices:
+            if have.model == body.model:
+                found = True
+                if have.count < body.count:
+                    raise ValueError(f"{body.site} has {have.count} {body.model}, not {body.count}")
+                if have.count > body.count:
+                    pools.append({"model": have.model, "count": have.count - body.count})
+            else:
+                pools.append(have.model_dump())
+        if not found:
+            raise ValueError(f"{body.site} has no {body.model}")
+        inventory = {**spec.inventory.model_dump(), "devices": pools}
+        fed.specs[spec.id] = _revalidate(spec, inventory=inventory)
+    elif isinstance(body, RemoveSite):
+        _site(fed, body.site)
+        del fed.specs[body.site]
+    elif isinstance(body, SetPrices):
+        for spec in _targets(fed, body.site):
+            p = spec.prices.model_dump()
+            for model in body.usd_per_gpu_hour:
+                if body.site != "*" and model not in {d.model for d in spec.inventory.devices}:
+                    raise ValueError(f"{spec.id} has no {model} devices to price")
+            p["usd_per_gpu_hour"] = {**p["usd_per_gpu_hour"], **body.usd_per_gpu_hour}
+            for name in ("usd_per_core_hour", "usd_per_gb_mem_hour", "usd_per_gb_egress"):
+                value = getattr(body, name)
+                if value is not None:
+                    p[name] = value
+            s = body.scale
+            p["usd_per_gpu_hour"] = {m: v * s for m, v in p["usd_per_gpu_hour"].items()}
+            for name in ("usd_per_core_hour", "usd_per_gb_mem_hour", "usd_per_gb_egress"):
+                p[name] *= s
+            fed.specs[spec.id] = _revalidate(spec, prices=p)
+    elif isinstance(body, SetPower):
+        for spec in _targets(fed, body.site):
+            power = spec.power.model_dump()
+            for name in ("pue", "usd_per_kwh", "grid_kgco2_per_kwh"):
+                value = getattr(body, name)
+                if value is not None:
+                    power[name] = value
+            fed.specs[spec.id] = _revalidate(spec, power=power)
+    elif isinstance(body, SetLatency):
+        fed.latency_scale *= body.scale
+        if body.user_region is not None and body.site is not None and body.rtt_ms is not None:
+            if body.user_region not in fed.user_regions:
+                raise ValueError(f"unknown user region {body.user_region!r}")
+            _site(fed, body.site)
+            pairs[(body.user_region, body.site)] = body.rtt_ms
+    elif isinstance(body, SetService):
+        spec = _site(fed, body.site)
+        services = [s.model_dump() for s in spec.services]
+        for svc in services:
+            if svc["name"] == body.service:
+                svc["max_concurrency"] = body.max_concurrency
+                break
+        else:
+            if body.model is None:
+                raise ValueError(f"{body.site} has no service {body.service!r}: give its model")
+            services.append(
+                {
+                    "name": body.service,
+                    "model": body.model,
+                    "url": "http://127.0.0.1:1",  # never called: the simulator has no servers
+                    "max_concurrency": body.max_concurrency,
+                }
+            )
+        fed.specs[spec.id] = _revalidate(spec, services=services)
+
+
+def _cross_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Problem]:
+    problems: list[Problem] = []
+    for i, failure in enumerate(scenario.failures):
+        if failure.site not in fed.specs:
+            problems.append(
+                Problem(source, f"failures[{i}].site", f"site {failure.site!r} is not simulated")
+            )
+        if failure.down_at >= scenario.horizon:
+            problems.append(Problem(source, f"failures[{i}].down_at", "is at or after the horizon"))
+    services = {svc.name for spec in fed.specs.values() for svc in spec.services}
+    models = set(fed.catalog.models)
+    for i, workload in enumerate(scenario.workloads):
+        at = f"workloads[{i}]"
+        if isinstance(workload, InferenceWorkload):
+            if workload.service not in services:
+                problems.append(
+                    Problem(source, f"{at}.service", f"no site serves {workload.service!r}")
+                )
+            for region in workload.requests_per_s:
+                if fed.clients is not None and region not in fed.clients:
+                    problems.append(
+                        Problem(source, f"{at}.requests_per_s.{region}", "unknown client region")
+                    )
+        elif isinstance(workload, BatchWorkload):
+            wanted = [workload.model] if isinstance(workload.model, str) else workload.model or []
+            for model in wanted:
+                if model not in models:
+                    problems.append(
+                        Problem(source, f"{at}.model", f"{model!r} is not in the device catalog")
+                    )
+    if scenario.inference_workloads and fed.clients is None:
+        problems.append(
+            Problem(source, "workloads", f"inference needs {scenario.configs_dir}/clients.yaml")
+        )
+    names = [w.name for w in scenario.workloads]
+    for name in {n for n in names if names.count(n) > 1}:
+        problems.append(Problem(source, "workloads", f"workload name {name!r} is used twice"))
+    return problems
