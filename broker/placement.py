@@ -43,12 +43,12 @@ cannot honour (stale: unknown site, capacity gone) or a snapshot has duplicate s
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
+from typing import Any
 
 from broker.errors import BrokerError, InvalidRequest
 from broker.jobs import DataLocation, Group, JobSpec, Placement
@@ -69,6 +69,7 @@ __all__ = [
     "apply",
     "place",
     "place_gang",
+    "release",
 ]
 
 FILTERS: tuple[str, ...] = (
@@ -153,7 +154,7 @@ class _Index:
     """What a snapshot derives once; shared by the snapshots `apply` makes from it, since
     apply changes free capacity only (never ids, regions, prices or RTTs)."""
 
-    __slots__ = ("by_id", "egress", "models", "regions", "rtt")
+    __slots__ = ("by_id", "egress", "models", "orders", "regions", "rtt")
 
     def __init__(self, sites: tuple[SiteOffer, ...]) -> None:
         self.by_id: dict[str, int] = {}
@@ -164,6 +165,9 @@ class _Index:
         self.egress: tuple[dict[str, float], float] | None = None
         self.models: dict[str, tuple[str, ...]] | None = None
         self.regions: Mapping[str, str] | None = None
+        # request shape -> place's index: sites by the lowest hourly rate the shape could cost
+        # there, each with its acceptable (model, price) pairs
+        self.orders: dict[tuple[object, ...], Any] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +251,14 @@ class Federation:
             index.models = {name: tuple(ids) for name, ids in table.items()}
         return index.models.get(model, ())
 
+    def site_order(self, key: tuple[object, ...], build: Callable[[], Any]) -> Any:
+        """A request shape's site order (place's index), built once per snapshot lineage."""
+        orders = self._index.orders
+        order = orders.get(key)
+        if order is None:
+            order = orders[key] = build()
+        return order
+
     def with_offer(self, offer: SiteOffer) -> Federation:
         """A snapshot with the site of the same id replaced; O(sites) pointer copies only.
 
@@ -255,7 +267,9 @@ class Federation:
         """
         pos = self.position(offer.id)
         new = object.__new__(Federation)
-        object.__setattr__(new, "sites", (*self.sites[:pos], offer, *self.sites[pos + 1 :]))
+        sites = list(self.sites)
+        sites[pos] = offer
+        object.__setattr__(new, "sites", tuple(sites))
         object.__setattr__(new, "user_rtt_ms", self.user_rtt_ms)
         object.__setattr__(new, "_index", self._index)
         return new
@@ -321,7 +335,7 @@ class Decision:
     cost_usd: float
     breakdown: Breakdown
     runner_up: RunnerUp | None  # the best option on another site
-    feasible: int  # feasible sites
+    feasible: int  # feasible sites; 0: not counted (place(explain=False))
     reason: str
 
     def placement(self) -> Placement:
@@ -348,11 +362,25 @@ class Unschedulable:
 
 
 def place(
-    job: JobSpec, fed: Federation, *, now: datetime, usage: TenantUsage, groups: GroupState
+    job: JobSpec,
+    fed: Federation,
+    *,
+    now: datetime,
+    usage: TenantUsage,
+    groups: GroupState,
+    explain: bool = True,
 ) -> Decision | Unschedulable:
     """The cheapest feasible (site, model) for `job`, or why there is none (module docstring).
 
     A naive `now` is taken as UTC. O(sites x acceptable models).
+
+    explain=False (the simulator) may answer from a per-shape index of sites ordered by their
+    lowest possible price, visiting sites cheapest first and stopping once no unvisited site
+    can beat or tie the best: the same site, model and cost as the full scan, but without a
+    runner-up, `feasible` 0 (not counted) and a reason that says so. Only jobs whose cost is the
+    compute term alone qualify (no data, user, regions, group, budget or deadline); others,
+    and every job the index cannot place, take the full scan, so an Unschedulable is always
+    fully explained.
     """
     if job.gang is not None:
         gang = job.gang
@@ -361,6 +389,10 @@ def place(
             message=f"gang {gang.name!r} ({gang.size} jobs) is placed all together "
             "(place_gang or the batch pass), not one member alone",
         )
+    if not explain and _indexable(job):
+        quick = _place_indexed(job, fed, usage)
+        if quick is not None:
+            return quick
     return _place(job, fed, now, usage, groups)
 
 
@@ -419,10 +451,42 @@ def apply(fed: Federation, decision: Decision, job: JobSpec) -> Federation:
         raise PlacementError(f"{decision.site} no longer has the cores or memory for {job.name}")
     # rounded to 1e-6 GB (a KB) so that repeated subtraction does not drift below an exact fit
     free_mem = round(site.free_mem_gb - job.mem_gb, 6)
-    offer = dataclasses.replace(
-        site, free_gpus=free_gpus, free_cpu=site.free_cpu - job.cpu, free_mem_gb=free_mem
+    return fed.with_offer(_with_free(site, free_gpus, site.free_cpu - job.cpu, free_mem))
+
+
+def release(
+    fed: Federation, site_id: str, model: str | None, gpus: int, cpu: int, mem_gb: float
+) -> Federation:
+    """The inverse of apply: a finished job's devices, cores and memory back at its site (the
+    simulator's completions). PlacementError for an unknown site or model."""
+    site = fed.site(site_id)
+    free_gpus = site.free_gpus
+    if model is not None and gpus:
+        have = free_gpus.get(model)
+        if have is None:
+            raise PlacementError(f"{site_id} has no {model} to give back")
+        free_gpus = {**free_gpus, model: have + gpus}
+    free_mem = round(site.free_mem_gb + mem_gb, 6)
+    return fed.with_offer(_with_free(site, free_gpus, site.free_cpu + cpu, free_mem))
+
+
+def _with_free(
+    site: SiteOffer, free_gpus: Mapping[str, int], free_cpu: int, free_mem_gb: float
+) -> SiteOffer:
+    # dataclasses.replace costs twice as much, and this runs once per placement and release
+    return SiteOffer(
+        site.id,
+        site.region,
+        site.country,
+        site.up,
+        site.cordoned,
+        free_gpus,
+        free_cpu,
+        free_mem_gb,
+        site.gpu_mem_gb,
+        site.prices,
+        site.labels,
     )
-    return fed.with_offer(offer)
 
 
 def _check_gang(jobs: Sequence[JobSpec]) -> None:
@@ -593,6 +657,117 @@ def _place(
         runner_up=runner_up,
         feasible=feasible,
         reason=reason,
+    )
+
+
+def _indexable(job: JobSpec) -> bool:
+    """Is the job's cost its compute term alone, with no site-specific filter but capacity?"""
+    return (
+        job.data is None
+        and job.user is None
+        and job.allowed_regions is None
+        and not job.denied_regions
+        and job.group is None
+        and job.budget_usd is None
+        and job.deadline is None
+    )
+
+
+_UNEXPLAINED = "cheapest feasible site (place(explain=False): not explained)"
+_Order = tuple[tuple[float, int, tuple[tuple[str, float], ...]], ...]
+
+
+def _order(job: JobSpec, fed: Federation) -> _Order:
+    """Sites that offer the job's request at a price, by the lowest hourly rate it could cost
+    there (its cheapest acceptable model), then position. Prices and models never change within
+    a snapshot lineage, so this is built once per request shape."""
+    gpu = job.gpu
+    key = (gpu.count, gpu.acceptable, gpu.min_mem_gb, job.cpu, job.mem_gb)
+    order: _Order = fed.site_order(key, lambda: _build_order(job, fed))
+    return order
+
+
+def _build_order(job: JobSpec, fed: Federation) -> _Order:
+    gpu = job.gpu
+    rows: list[tuple[float, int, tuple[tuple[str, float], ...]]] = []
+    for pos, site in enumerate(fed.sites):
+        rates = site.prices
+        hourly = job.cpu * rates.usd_per_core_hour + job.mem_gb * rates.usd_per_gb_mem_hour
+        offered: tuple[tuple[str, float], ...] = ()
+        if gpu.count:
+            offered = tuple(
+                (name, p)
+                for name in (site.free_gpus if gpu.acceptable is None else gpu.acceptable)
+                if name in site.free_gpus
+                and (p := rates.usd_per_gpu_hour.get(name)) is not None
+                and (gpu.min_mem_gb is None or site.gpu_mem_gb.get(name, 0.0) >= gpu.min_mem_gb)
+            )
+            if not offered:
+                continue  # the model filter would stop it: never feasible in this lineage
+            hourly += gpu.count * min(p for _, p in offered)
+        rows.append((hourly, pos, offered))
+    rows.sort(key=lambda row: (row[0], row[1]))
+    return tuple(rows)
+
+
+def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decision | None:
+    """The full scan's choice for an _indexable job, visiting sites cheapest first; None when
+    nothing fits (or quota stops it), for the full scan to explain. No runner-up: finding one
+    would mean visiting sites past the best."""
+    count = job.gpu.count
+    if count and usage.exceeds(job.tenant, count):
+        return None
+    cpu = job.cpu
+    mem = job.mem_gb
+    duration = job.duration_hours
+    sites = fed.sites
+    limit = math.inf
+    best_key: tuple[float, int, str] | None = None
+    best: tuple[SiteOffer, str | None, float] | None = None
+    for hourly_floor, pos, offered in _order(job, fed):
+        if duration * hourly_floor > limit:
+            break  # no site left can cost as little as the best
+        site = sites[pos]
+        if site.free_cpu < cpu or site.free_mem_gb < mem or not site.up or site.cordoned:
+            continue
+        # the full scan's per-site choice, in the same arithmetic
+        model: str | None = None
+        price = 0.0
+        free = site.free_cpu
+        if count:
+            free_gpus = site.free_gpus
+            for name, p in offered:
+                have = free_gpus[name]
+                if have >= count and (model is None or (p, -have, name) < (price, -free, model)):
+                    model, price, free = name, p, have
+            if model is None:
+                continue
+        rates = site.prices
+        hourly = cpu * rates.usd_per_core_hour + mem * rates.usd_per_gb_mem_hour
+        if count:
+            hourly += count * price
+        compute = duration * hourly
+        cost = compute + 0.0 + 0.0  # + egress + latency, both 0 here, as the scan adds them
+        key = (cost, -free, site.id)
+        if best_key is None or key < best_key:
+            best_key = key
+            best = (site, model, compute)
+            limit = cost
+    if best is None or best_key is None:
+        return None
+    site, model, compute = best
+    cost = best_key[0]
+    return Decision(
+        job=job.name,
+        site=site.id,
+        region=site.region,
+        model=model,
+        gpus=count,
+        cost_usd=cost,
+        breakdown=Breakdown(compute, 0.0, 0.0),
+        runner_up=None,
+        feasible=0,
+        reason=_UNEXPLAINED,
     )
 
 

@@ -48,6 +48,8 @@ from heapq import heapify, heappop, heappush
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from broker import batch as bt
 from broker import placement as pl
 from broker.jobs import DataLocation, GpuRequest, JobSpec
@@ -178,6 +180,8 @@ class Simulation:
         self.wait_total = 0.0  # every waiting period of every job, censored at the horizon
         self.jcts: list[float] = []
         self.templates: dict[tuple[Any, ...], _Class] = {}
+        self.class_index, self.class_keys = self._classify()
+        self.class_list: list[_Class | None] = [None] * len(self.class_keys)
         self.job_class: list[_Class | None] = [None] * n
         self.waiting_classes: dict[tuple[Any, ...], _Class] = {}
         self.fifo: deque[int] = deque()  # baselines and batch: waiting jobs in arrival order
@@ -198,6 +202,13 @@ class Simulation:
         self.cost_site = [0.0] * len(self.site_ids)
         self.kwh_site = [0.0] * len(self.site_ids)
         ntenants = len(self.arrivals.tenants)
+        # plain lists: indexing a numpy array per event costs more than the event
+        self.at = self.arrivals.at_s.tolist()
+        self.hours = [min(d / 3600.0, 24 * 365) for d in self.arrivals.duration_s.tolist()]
+        self.tenant_of = self.arrivals.tenant.tolist()
+        powers = [self.fedinfo.specs[site].power for site in self.site_ids]
+        self.pue = [pw.pue for pw in powers]
+        self.grid = [pw.grid_kgco2_per_kwh for pw in powers]
         self.cost_tenant = [0.0] * ntenants
         self.kwh_tenant = [0.0] * ntenants
         self.kgco2_tenant = [0.0] * ntenants
@@ -228,7 +239,7 @@ class Simulation:
             self._push(self.policy.batch_interval_s, _BATCH, 0, 0)
         if self.infer is not None:
             self._push(0.0, _INFER, 0, 0)
-        at = self.arrivals.at_s.tolist()
+        at = self.at
         n = len(at)
         i = 0
         next_sample = 0
@@ -301,23 +312,35 @@ class Simulation:
 
     # -- jobs --------------------------------------------------------------------------------
 
-    def _class_of(self, j: int) -> _Class:
+    def _classify(self) -> tuple[list[int], list[tuple[Any, ...]]]:
+        """Each job's class index and each class's key, in one vectorised pass."""
         arr = self.arrivals
-        model = int(arr.model[j])
-        region = int(arr.data_region[j])
-        key = (
-            int(arr.gpus[j]),
-            model,
-            int(arr.tenant[j]),
-            region,
-            int(arr.cpu[j]),
-            float(arr.mem_gb[j]),
-            int(arr.priority[j]),
-            float(arr.data_size_gb[j]) if region >= 0 else 0.0,
+        if not len(arr):
+            return [], []
+        size = np.where(arr.data_region >= 0, arr.data_size_gb, 0.0)
+        columns = (
+            arr.gpus,
+            arr.model,
+            arr.tenant,
+            arr.data_region,
+            arr.cpu,
+            arr.mem_gb,
+            arr.priority,
+            size,
         )
-        cls = self.templates.get(key)
+        table = np.rec.fromarrays([np.asarray(c) for c in columns])
+        keys, inverse = np.unique(table, return_inverse=True)
+        types = (int, int, int, int, int, float, int, float)
+        return inverse.ravel().tolist(), [
+            tuple(t(v) for t, v in zip(types, row, strict=True)) for row in keys.tolist()
+        ]
+
+    def _class_of(self, j: int) -> _Class:
+        k = self.class_index[j]
+        cls = self.class_list[k]
         if cls is None:
-            cls = _Class(key, self._template(key))
+            key = self.class_keys[k]
+            cls = self.class_list[k] = _Class(key, self._template(key))
             self.templates[key] = cls
         return cls
 
@@ -346,8 +369,7 @@ class Simulation:
         )
 
     def _spec(self, j: int, cls: _Class) -> JobSpec:
-        hours = min(float(self.arrivals.duration_s[j]) / 3600.0, 24 * 365)
-        return cls.spec.model_copy(update={"name": f"j{j}", "duration_hours": hours})
+        return cls.spec.model_copy(update={"name": f"j{j}", "duration_hours": self.hours[j]})
 
     def _arrive(self, j: int) -> None:
         cls = self._class_of(j)
@@ -379,7 +401,9 @@ class Simulation:
     def _try_fast(self, j: int, cls: _Class) -> bool:
         spec = self._spec(j, cls)
         when = EPOCH + timedelta(seconds=self.now)
-        outcome = pl.place(spec, self.fed, now=when, usage=self.usage, groups=self.groups)
+        outcome = pl.place(
+            spec, self.fed, now=when, usage=self.usage, groups=self.groups, explain=False
+        )
         if isinstance(outcome, pl.Unschedulable):
             self._blocked(cls, outcome)
             return False
@@ -404,7 +428,7 @@ class Simulation:
             self.wait_total += self.now - self.wait_since.pop(j)
         self.state[j] = 2
         self.placed += 1
-        arrived = float(self.arrivals.at_s[j])
+        arrived = self.at[j]
         if j not in self.first_start:
             self.first_start[j] = self.now
             self.waits.append(self.now - arrived)
@@ -429,25 +453,25 @@ class Simulation:
         self._release(j, run)
         self.state[j] = 3
         self.completed += 1
-        self.jcts.append(self.now - float(self.arrivals.at_s[j]))
+        self.jcts.append(self.now - self.at[j])
         self._capacity_returned(run.site, self._tenant(j))
 
     def _tenant(self, j: int) -> str:
-        return self.arrivals.tenants[int(self.arrivals.tenant[j])]
+        tenant: str = self.arrivals.tenants[self.tenant_of[j]]
+        return tenant
 
     def _charge(self, j: int, until: float) -> None:
         run = self.runs[j]
         ran = max(0.0, until - run.start)
         s = run.site
-        spec = self.fedinfo.specs[self.site_ids[s]]
         cost = run.compute_rate * ran + run.egress_usd
-        kwh = run.watts * ran / 3.6e6 * spec.power.pue
-        t = int(self.arrivals.tenant[j])
+        kwh = run.watts * ran / 3.6e6 * self.pue[s]
+        t = self.tenant_of[j]
         self.cost_site[s] += cost
         self.cost_tenant[t] += cost
         self.kwh_site[s] += kwh
         self.kwh_tenant[t] += kwh
-        self.kgco2_tenant[t] += kwh * spec.power.grid_kgco2_per_kwh
+        self.kgco2_tenant[t] += kwh * self.grid[s]
         cls = self.job_class[j]
         if cls is not None:
             self.busy_gpu_s[s] += cls.gpus * ran
@@ -459,18 +483,10 @@ class Simulation:
             raise RuntimeError(f"job {j} runs without a class")
         del self.runs[j]
         self.on_site[run.site].discard(j)
-        offer = self.fed.sites[run.site]
-        free_gpus = offer.free_gpus
         if run.model is not None and cls.gpus:
-            free_gpus = {**free_gpus, run.model: free_gpus[run.model] + cls.gpus}
             self.used[cls.tenant] -= cls.gpus
-        self.fed = self.fed.with_offer(
-            dataclasses.replace(
-                offer,
-                free_gpus=free_gpus,
-                free_cpu=offer.free_cpu + cls.cpu,
-                free_mem_gb=round(offer.free_mem_gb + cls.mem, 6),
-            )
+        self.fed = pl.release(
+            self.fed, self.site_ids[run.site], run.model, cls.gpus, cls.cpu, cls.mem
         )
 
     def _capacity_returned(self, s: int, tenant: str | None) -> None:

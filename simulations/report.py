@@ -193,6 +193,13 @@ def _number(value: float) -> str:
 _Fmt = Callable[[float], str]
 
 
+def _short(value: float) -> str:
+    """A count in a narrow column: 5.2M, 48k, 9,999."""
+    if abs(value) >= 999_500:
+        return f"{value / 1e6:,.1f}M"
+    return f"{value / 1e3:.0f}k" if abs(value) >= 9_999.5 else _number(value)
+
+
 def _unit(unit: str) -> _Fmt:
     return lambda value: f"{_number(value)} {unit}"
 
@@ -370,12 +377,10 @@ def _inference(results: Results) -> _Section:
         ms = (_or_none(_f(r, k), _ms) for k in ("p50_ms", "p99_ms", "slo_ms"))
         shares = (format_percent(_f(r, k)) for k in ("slo_attainment", "in_region_share"))
         rows.append(
-            (name, str(r.get("service")), _or_none(_f(r, "requests"), _number), *ms, *shares)
+            (name, str(r.get("service")), _or_none(_f(r, "requests"), _short), *ms, *shares)
         )
     requests = sum(_f(r, "requests") or 0.0 for r in _regions(results).values())
-    rows.append(
-        ("all", "", _number(requests), "", "", "", format_percent(overall_slo(results)), "")
-    )
+    rows.append(("all", "", _short(requests), "", "", "", format_percent(overall_slo(results)), ""))
     header = ("client region", "service", "requests", "p50", "p99", "SLO", "met", "in-region")
     return _Section("Inference", rows, header)
 
@@ -427,6 +432,7 @@ def summary(results: Results, *, top: int = TOP) -> Group:
                 name,
                 min_width=16 if i == 0 and not section.header else None,
                 justify="right" if right else "left",
+                overflow="fold",  # a figure is wrapped, never cut with an ellipsis
             )
         for row in section.rows:
             table.add_row(*map(Text, row))  # Text: a name from the results is never markup

@@ -739,3 +739,64 @@ def test_user_regions_errors_name_the_field(
     problem = err.value.problems[0]
     assert (problem.source, problem.field) == (str(path), field)
     assert reason in problem.reason
+
+
+# -- the index (place(explain=False)) ---------------------------------------------------------
+
+
+def test_indexed_place_equals_the_full_scan_on_random_federations() -> None:
+    rng = random.Random(11)
+    models = list(MEM)
+    compared = placed_count = 0
+    for _ in range(300):
+        sites = []
+        for i in range(rng.randint(1, 30)):
+            have = rng.sample(models, rng.randint(1, 3))
+            sites.append(
+                offer(
+                    f"s{i:02d}",
+                    gpus={m: rng.choice((0, 1, 4, 8, 16)) for m in have},
+                    # few distinct prices, so cost ties (broken by free devices, then id) happen
+                    price={m: rng.choice((1.0, 2.0, 2.5)) for m in have},
+                    cpu=rng.choice((8, 64, 256)),
+                    mem=rng.choice((64.0, 2048.0)),
+                    core=rng.choice((0.0, 0.01)),
+                    mem_hour=rng.choice((0.0, 0.001)),
+                    up=rng.random() > 0.1,
+                    cordoned=rng.random() < 0.05,
+                )
+            )
+        fed = Federation(tuple(sites))
+        usage = TenantUsage(
+            {"acme": rng.choice((0, 8))}, {"acme": 16} if rng.random() < 0.3 else {}
+        )
+        for _ in range(10):
+            gpu: dict[str, Any] = {"count": rng.choice((0, 1, 2, 4, 8))}
+            if gpu["count"]:
+                kind = rng.random()
+                if kind < 0.4:
+                    gpu["model"] = rng.choice(models)
+                elif kind < 0.7:
+                    gpu["models"] = rng.sample(models, 2)
+                else:
+                    gpu["min_mem_gb"] = rng.choice((1.0, 80.0, 141.0))
+            spec = job(
+                gpu=gpu,
+                cpu=rng.choice((1, 8, 32)),
+                mem_gb=rng.choice((1.0, 64.0, 512.0)),
+                duration_hours=rng.choice((0.1, 1.0, 3.7)),
+            )
+            full = place(spec, fed, now=NOW, usage=usage, groups=GroupState())
+            quick = place(spec, fed, now=NOW, usage=usage, groups=GroupState(), explain=False)
+            compared += 1
+            if isinstance(full, Unschedulable):
+                assert quick == full
+                continue
+            placed_count += 1
+            assert isinstance(quick, Decision)
+            assert quick.feasible == 0 and full.feasible > 0 and quick.runner_up is None
+            same = ("site", "model", "gpus", "cost_usd", "breakdown", "region")
+            for name in same:
+                assert getattr(quick, name) == getattr(full, name), (name, spec, sites)
+            fed = apply(fed, full, spec)  # capacity drains, so later jobs see fuller sites
+    assert compared == 3000 and 1000 < placed_count < 2900

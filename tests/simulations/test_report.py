@@ -252,6 +252,9 @@ def test_format_money_and_percent() -> None:
     assert format_percent(0.8734) == "87.3%"
     assert format_percent(1.0) == "100.0%"
     assert format_percent(None) == "none"
+    # request counts in the narrow inference column
+    shorts = [report._short(v) for v in (9999, 10_000, 48_400, 999_499, 999_500, 57_024_000)]
+    assert shorts == ["9,999", "10k", "48k", "999k", "1.0M", "57.0M"]
 
 
 # -- aggregates ---------------------------------------------------------------------------------
