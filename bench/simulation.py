@@ -169,21 +169,28 @@ def main() -> int:
         show(row)
         rows.append(row)
     print("baselines and the batch CP-SAT pass (every 300 s of virtual time):")
-    for policy, n, jobs in [("fifo-first-fit", 100, 100_000), ("random", 100, 100_000),
-                            ("batch", 10, 20_000 if not small else 5_000),
-                            ("batch", 100, 20_000 if not small else 5_000)]:
+    for policy, n, jobs in [
+        ("fifo-first-fit", 100, 100_000),
+        ("random", 100, 100_000),
+        ("batch", 10, 20_000 if not small else 5_000),
+        ("batch", 100, 20_000 if not small else 5_000),
+    ]:
         row = measure(n, jobs, policy)
         show(row)
         rows.append(row)
     fast100 = [r for r in rows if r["policy"] == "fast-path" and r["sites"] == 100]
     best = max(r["jobs_per_s"] for r in fast100)
     million = [r for r in rows if r["policy"] == "fast-path" and r["jobs"] >= 900_000]
-    print(f"target >= {TARGET_JOBS_PER_S:,} jobs/s at 100 sites (fast path): {best:,.0f} "
-          f"-> {'met' if best >= TARGET_JOBS_PER_S else 'NOT met'}")
+    print(
+        f"target >= {TARGET_JOBS_PER_S:,} jobs/s at 100 sites (fast path): {best:,.0f} "
+        f"-> {'met' if best >= TARGET_JOBS_PER_S else 'NOT met'}"
+    )
     if million:
         worst = max(r["wall_s"] for r in million)
-        print(f"target one million jobs < {TARGET_MILLION_S:.0f} s: {worst:.1f} s "
-              f"-> {'met' if worst < TARGET_MILLION_S else 'NOT met'}")
+        print(
+            f"target one million jobs < {TARGET_MILLION_S:.0f} s: {worst:.1f} s "
+            f"-> {'met' if worst < TARGET_MILLION_S else 'NOT met'}"
+        )
     return 0
 
 

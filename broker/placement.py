@@ -674,7 +674,7 @@ def _indexable(job: JobSpec) -> bool:
 
 
 _UNEXPLAINED = "cheapest feasible site (place(explain=False): not explained)"
-_Order = tuple[tuple[float, int, tuple[tuple[str, float], ...]], ...]
+_Order = tuple[tuple[float, int, tuple[tuple[str, float], ...], float], ...]
 
 
 def _order(job: JobSpec, fed: Federation) -> _Order:
@@ -689,10 +689,11 @@ def _order(job: JobSpec, fed: Federation) -> _Order:
 
 def _build_order(job: JobSpec, fed: Federation) -> _Order:
     gpu = job.gpu
-    rows: list[tuple[float, int, tuple[tuple[str, float], ...]]] = []
+    rows: list[tuple[float, int, tuple[tuple[str, float], ...], float]] = []
     for pos, site in enumerate(fed.sites):
         rates = site.prices
         hourly = job.cpu * rates.usd_per_core_hour + job.mem_gb * rates.usd_per_gb_mem_hour
+        base = hourly
         offered: tuple[tuple[str, float], ...] = ()
         if gpu.count:
             offered = tuple(
@@ -705,7 +706,7 @@ def _build_order(job: JobSpec, fed: Federation) -> _Order:
             if not offered:
                 continue  # the model filter would stop it: never feasible in this lineage
             hourly += gpu.count * min(p for _, p in offered)
-        rows.append((hourly, pos, offered))
+        rows.append((hourly, pos, offered, base))
     rows.sort(key=lambda row: (row[0], row[1]))
     return tuple(rows)
 
@@ -724,30 +725,39 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
     limit = math.inf
     best_key: tuple[float, int, str] | None = None
     best: tuple[SiteOffer, str | None, float] | None = None
-    for hourly_floor, pos, offered in _order(job, fed):
+    for hourly_floor, pos, offered, base in _order(job, fed):
         if duration * hourly_floor > limit:
             break  # no site left can cost as little as the best
         site = sites[pos]
-        if site.free_cpu < cpu or site.free_mem_gb < mem or not site.up or site.cordoned:
-            continue
-        # the full scan's per-site choice, in the same arithmetic
-        model: str | None = None
-        price = 0.0
-        free = site.free_cpu
+        # the full scan's per-site choice, in the same arithmetic (base: the cores and memory)
         if count:
             free_gpus = site.free_gpus
-            for name, p in offered:
-                have = free_gpus[name]
-                if have >= count and (model is None or (p, -have, name) < (price, -free, model)):
-                    model, price, free = name, p, have
-            if model is None:
-                continue
-        rates = site.prices
-        hourly = cpu * rates.usd_per_core_hour + mem * rates.usd_per_gb_mem_hour
-        if count:
-            hourly += count * price
+            if len(offered) == 1:
+                model, price = offered[0]
+                free = free_gpus[model]
+                if free < count:
+                    continue
+            else:
+                chosen: str | None = None
+                price = free = 0
+                for name, p in offered:
+                    have = free_gpus[name]
+                    if have >= count and (
+                        chosen is None or (p, -have, name) < (price, -free, chosen)
+                    ):
+                        chosen, price, free = name, p, have
+                if chosen is None:
+                    continue
+                model = chosen
+            hourly = base + count * price
+        else:
+            model, free, hourly = None, site.free_cpu, base
+        if site.free_cpu < cpu or site.free_mem_gb < mem or not site.up or site.cordoned:
+            continue
         compute = duration * hourly
         cost = compute + 0.0 + 0.0  # + egress + latency, both 0 here, as the scan adds them
+        if cost > limit:
+            continue
         key = (cost, -free, site.id)
         if best_key is None or key < best_key:
             best_key = key

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -191,13 +192,17 @@ def _answer_table(answer: dict[str, Any]) -> Table:
     for p in answer["purchases"]:
         table.add_row(p["item"], f"{p['added']:,}", f"${p['cost_usd']:,.0f}")
     table.add_row("total", "", f"${answer['total_cost_usd']:,.0f}")
-    for name in ("queue_delay_p95_s", "inference_slo", "unplaced", "cost_usd"):
+    shown = {
+        "queue delay p95": ("queue_delay_p95_s", report.format_duration),
+        "worst region's inference SLO": ("inference_slo", report.format_percent),
+        "jobs waiting at the end": ("unplaced", lambda v: f"{v:,.0f}"),
+        "cost of the simulated run": ("cost_usd", report.format_money),
+    }
+    for label, (name, fmt) in shown.items():
         before, after = answer["baseline"].get(name), answer["final"].get(name)
-        table.add_row(f"{name}: before -> after", "", f"{_fmt(before)} -> {_fmt(after)}")
+        table.add_row(f"{label}: before -> after", "", f"{_fmt(before, fmt)} -> {_fmt(after, fmt)}")
     return table
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    return f"{value:,.3f}" if isinstance(value, float) and abs(value) < 10 else f"{value:,.0f}"
+def _fmt(value: Any, fmt: Callable[[Any], str]) -> str:
+    return "-" if value is None else fmt(value)
