@@ -8,7 +8,13 @@ fresh free ports so that it cannot collide with another `cpn up` on this machine
    the STAND-IN model servers of configs/standin.yaml, hundreds of ms per request). Clients in
    every client region of configs/clients.yaml send an open-loop Poisson mix (the same seeded
    arrivals and requests for each mode) of the services that region may use (qwen-72b,
-   deepseek-v3, qwen-7b, and llama-70b outside China), three times:
+   deepseek-v3, qwen-7b, and llama-70b outside China), three times. The load is set near
+   capacity, the only regime where routing decides the tail (at low load every site answers
+   at once and the stand-ins' own service-time tail is all there is): every service's
+   max_concurrency is scaled by --capacity-scale (0.25), so that a rate this 2-core machine can
+   generate and relay (the emulator needs ~65 % of a core at 56 req/s) loads the most loaded
+   service to --load (85 %) of what its sites serve at full occupancy (sum of max_concurrency
+   / mean service time). Round robin then overloads the smaller sites of that service.
    - **cpn**: `POST /v1/infer/{service}/v1/completions` on the broker with
      `X-Cpn-Client-Region`; the broker connects to the chosen site's WAN front from the
      region's loopback address, so the emulator applies that region's RTT.
@@ -39,13 +45,10 @@ the CPU table under each run says who used what. Requests rotate over 16 tenants
 the loopback runs.
 
 Limits of the set-up, handled here:
-- The WAN emulator runs in the `cpn up` process on select(), which fails on descriptors from
-  1024 up and takes the whole demo down. The agents' probe connections hold ~400 at rest, and
-  every relayed connection 2 more; the broker keeps a pool per (client region, site), about
-  210 connections at 50 req/s. So the default WAN rate is 40 req/s (at 50 req/s the emulator
-  peaked at 880-990 of 1024 descriptors; 80 req/s crashed it). The bench waits between modes
+- The WAN emulator runs in the `cpn up` process (epoll). The agents' probe connections hold
+  ~400 descriptors at rest, every relayed connection 2 more. The bench waits between modes
   for the previous mode's idle keep-alive connections to close, records the peak, and if the
-  demo dies anyway reports the modes it completed.
+  demo dies reports the modes it completed.
 - If the agents publish their site links but every probe is lost (seen with uvloop, whose
   transports fail `ProbeResponder`'s isinstance(asyncio.Transport) check), the broker has no
   site-to-site paths; the WAN set-up is then restarted with uvloop blocked (a PYTHONPATH shim)
@@ -158,9 +161,9 @@ def free_port(hosts: Iterable[str] = ("127.0.0.1",)) -> int:
 # -- config copy -----------------------------------------------------------------------------
 
 
-def copy_configs(dest: Path, *, fast: bool) -> Path:
+def copy_configs(dest: Path, *, fast: bool, capacity_scale: float = 1.0) -> Path:
     """configs/ copied to dest, every service URL on a fresh free port; `fast`: every stand-in
-    at median 0.5 ms, p99 1 ms."""
+    at median 0.5 ms, p99 1 ms; every service's max_concurrency x capacity_scale (at least 1)."""
     cfg = dest / "configs"
     shutil.copytree(ROOT / "configs", cfg)
     fronts = [f"127.0.2.{n}" for n in range(1, 1 + len(list((cfg / "sites").glob("*.yaml"))))]
@@ -169,6 +172,11 @@ def copy_configs(dest: Path, *, fast: bool) -> Path:
             r"url: http://127\.0\.0\.1:\d+",
             lambda _: f"url: http://127.0.0.1:{free_port(fronts)}",
             path.read_text(),
+        )
+        text = re.sub(
+            r"max_concurrency: (\d+)",
+            lambda m: f"max_concurrency: {max(1, round(int(m.group(1)) * capacity_scale))}",
+            text,
         )
         path.write_text(text)
     if fast:
@@ -768,6 +776,33 @@ http {{
 # -- scenario 1: the WAN mix ---------------------------------------------------------------
 
 
+def service_capacity(cfg: Path) -> dict[str, float]:
+    """service -> requests/s the federation serves at full occupancy: the sum over its sites of
+    max_concurrency / mean service time (the stand-ins' lognormal, configs/standin.yaml)."""
+    standin = yaml.safe_load((cfg / "standin.yaml").read_text())
+    z99 = statistics.NormalDist().inv_cdf(0.99)
+
+    def mean_s(model: str) -> float:
+        prof = standin["models"].get(model, standin["default"])
+        sigma = math.log(prof["p99_ms"] / prof["median_ms"]) / z99
+        return prof["median_ms"] * math.exp(sigma * sigma / 2) / 1000
+
+    out: dict[str, float] = defaultdict(float)
+    for path in (cfg / "sites").glob("*.yaml"):
+        for svc in yaml.safe_load(path.read_text()).get("services") or []:
+            out[svc["name"]] += svc["max_concurrency"] / mean_s(svc["model"])
+    return dict(out)
+
+
+def service_share(per_region: dict[str, list[str]]) -> dict[str, float]:
+    """service -> share of the mix (regions equally likely, then their services)."""
+    out: dict[str, float] = defaultdict(float)
+    for services in per_region.values():
+        for s in services:
+            out[s] += 1 / len(per_region) / len(services)
+    return dict(out)
+
+
 def load_client_regions(cfg: Path) -> dict[str, dict[str, Any]]:
     doc = yaml.safe_load((cfg / "clients.yaml").read_text())
     return {r["id"]: r for r in doc["client_regions"]}
@@ -818,7 +853,7 @@ def _mean(v: list[float]) -> float:
 
 
 async def run_wan(args: argparse.Namespace, work: Path, nginx_bin: str | None) -> dict[str, Any]:
-    cfg = copy_configs(work / "wan", fast=False)
+    cfg = copy_configs(work / "wan", fast=False, capacity_scale=args.capacity_scale)
     clients = load_client_regions(cfg)
     sources = {r: loopback_ip(e) for r, e in clients.items()}
     demo = Demo(cfg, work / "wan" / "state", wan=True, block_uvloop=args.no_uvloop)
@@ -873,6 +908,16 @@ async def run_wan(args: argparse.Namespace, work: Path, nginx_bin: str | None) -
         per_region: dict[str, list[str]] = defaultdict(list)
         for r, s in mix:
             per_region[r].append(s)
+        capacity = service_capacity(cfg)
+        share = service_share(per_region)
+        if args.rate is None:
+            # the most loaded service at args.load of its capacity (requests/s it can serve)
+            args.rate = round(args.load * min(capacity[s] / share[s] for s in share), 1)
+        load = {s: args.rate * share[s] / capacity[s] for s in share}
+        log(
+            f"offered load at {args.rate:g} req/s: "
+            + ", ".join(f"{s} {100 * x:.0f} %" for s, x in sorted(load.items()))
+        )
         rng = random.Random(args.seed)
         reqs: list[Req] = []
         t = 0.0
@@ -908,6 +953,9 @@ async def run_wan(args: argparse.Namespace, work: Path, nginx_bin: str | None) -
             "uvloop_blocked": demo.block_uvloop,
             "note": note,
             "rate_per_s": args.rate,
+            "capacity_scale": args.capacity_scale,
+            "capacity_req_per_s": capacity,
+            "offered_load": load,
             "requests_per_mode": args.requests,
             "mix": {r: per_region[r] for r in sorted(per_region)},
             "best_site": {f"{s}@{r}": site for (s, r), site in sorted(best.items())},
@@ -1024,7 +1072,7 @@ def print_wan(wan: dict[str, Any], nginx_note: str) -> None:
         ["against sovereignty", *(f"{100 * modes[m]['disallowed_share']:.1f} %" for m in modes)],
         ["errors (non-200)", *(str(sum(modes[m]["errors"].values())) for m in modes)],
         ["generator lag p99 (ms)", *(fmt(modes[m]["generator_lag_p99_ms"]) for m in modes)],
-        ["emulator fds max (of 1024)", *(str(wan["emulator_fds_max"].get(m, "-")) for m in modes)],
+        ["emulator fds max", *(str(wan["emulator_fds_max"].get(m, "-")) for m in modes)],
         ["cpn up alive at the end", *("NO" if modes[m].get("cpn_up_exited") else "yes"
                                       for m in modes)],
     ]  # fmt: skip
@@ -1414,7 +1462,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--requests", type=int, help="WAN mix: requests per mode (default 1200)")
-    p.add_argument("--rate", type=float, help="WAN mix: offered req/s, all regions (default 40)")
+    p.add_argument(
+        "--rate", type=float, help="WAN mix: offered req/s, all regions (default: from --load)"
+    )
+    p.add_argument(
+        "--load",
+        type=float,
+        default=0.85,
+        help="WAN mix: the most loaded service's share of its capacity (default 0.85)",
+    )
+    p.add_argument(
+        "--capacity-scale",
+        type=float,
+        default=0.25,
+        help="WAN mix: max_concurrency of every service x this (default 0.25; see docstring)",
+    )
     p.add_argument("--warmup", type=float, help="WAN mix: warm-up seconds per mode (default 3)")
     p.add_argument("--added-rate", type=float, default=1000.0, help="loopback open-loop req/s")
     p.add_argument("--added-requests", type=int, help="loopback: requests per round and path")
@@ -1442,7 +1504,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     quick = args.quick
     defaults = {
         "requests": 400 if quick else 1200,
-        "rate": 40.0,
         "warmup": 2.0 if quick else 3.0,
         "added_requests": 2000 if quick else 5000,
         "added_rounds": 1 if quick else 3,

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 from broker.errors import InvalidRequest, NotFound
 from routing.clients import Clients
-from routing.selection import Choice, Policy, Ranking, candidates_from_snapshot, choose, rank
+from routing.selection import (
+    Choice,
+    Exclusion,
+    Policy,
+    Ranking,
+    candidates_from_snapshot,
+    choose,
+    rank,
+)
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
 from sites.registry import Snapshot
@@ -119,6 +127,22 @@ class Router:
             near_best_ms=5.0,
             near_best_ratio=0.02,
         )
+        if choice is None and any(e.reason is Exclusion.full for e in ranking.excluded):
+            # every site that may serve is full: queue the request where it waits least rather
+            # than refuse it while the sites' own queues have room (they answer 429 when not)
+            ranking = rank(
+                service,
+                client_region,
+                candidates,
+                self.topology,
+                self.policy,
+                now,
+                admit_full=True,
+            )
+            choice = choose(
+                ranking, rng=self._rng, key=session_key, near_best_ms=0.0, near_best_ratio=0.0
+            )
+            return Route(ranking, choice)
         if choice is not None and session_key is None:
             self._previous[(service, client_region)] = choice.site
         return Route(ranking, choice)

@@ -313,8 +313,13 @@ def rank(
     topology: RttSource,
     policy: Policy,
     now: float,
+    *,
+    admit_full: bool = False,
 ) -> Ranking:
-    """Filter and score the candidates (module docstring); raises ValueError on a repeated site."""
+    """Filter and score the candidates (module docstring); raises ValueError on a repeated site.
+
+    admit_full: do not exclude full sites (the caller's overflow when every site is full: the
+    request then queues where the score, which grows with the queue, is lowest)."""
     settings = policy.scoring
     ranked: list[Scored] = []
     excluded: list[Excluded] = []
@@ -329,7 +334,7 @@ def rank(
             raise ValueError(f"site {cand.site!r} is a candidate twice")
         seen.add(cand.site)
         network = topology.rtt_ms(client_region, cand.site)
-        reason = _exclusion(service, client_region, cand, network, policy, now)
+        reason = _exclusion(service, client_region, cand, network, policy, now, admit_full)
         if reason is not None or network is None:
             excluded.append(Excluded(cand.site, *(reason or _NO_ROUTE)))
             continue
@@ -357,6 +362,7 @@ def _exclusion(
     network_ms: float | None,
     policy: Policy,
     now: float,
+    admit_full: bool = False,
 ) -> tuple[Exclusion, str] | None:
     if cand.endpoint.service != service:
         return Exclusion.wrong_service, f"endpoint serves {cand.endpoint.service!r}"
@@ -366,7 +372,7 @@ def _exclusion(
     unhealthy = _health_exclusion(cand, policy.scoring, now)
     if unhealthy is not None:
         return Exclusion.unhealthy, unhealthy
-    full = _full(cand, policy.scoring)
+    full = None if admit_full else _full(cand, policy.scoring)
     if full is not None:
         return Exclusion.full, full
     if network_ms is None:

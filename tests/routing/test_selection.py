@@ -368,3 +368,20 @@ def test_candidates_from_snapshot() -> None:
     ranking = rank("llm", "city", cands, topo(a=5, b=5), Policy(), NOW)
     assert ranking.reasons() == {"b": Exclusion.unhealthy}
     assert ranking.ranked[0].score.penalty_ms == 100 + 10_000
+
+
+def test_admit_full_ranks_full_sites_by_their_queue() -> None:
+    # both sites full: excluded by default; admitted, the shorter queue scores better
+    cands = [
+        cand("long", max_concurrency=4, in_flight=4, queue=6),
+        cand("short", max_concurrency=4, in_flight=4, queue=2),
+        cand("down", max_concurrency=4, site_state=SiteState.down),
+    ]
+    rtts = {"long": 10.0, "short": 10.0, "down": 1.0}
+    strict = ranking_of(cands, rtts)
+    assert strict.ranked == () and strict.reasons()["short"] is Exclusion.full
+    admitted = rank("llm", "city", cands, topo(**rtts), Policy(), NOW, admit_full=True)
+    assert [s.site for s in admitted.ranked] == ["short", "long"]
+    assert admitted.reasons() == {"down": Exclusion.unhealthy}  # health still applies
+    # 100 ms x (1 + (4 + 2 + 1 - 4) / 4)
+    assert admitted.ranked[0].score.service_ms == pytest.approx(175.0)

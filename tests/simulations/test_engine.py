@@ -465,3 +465,29 @@ def test_bad_scenarios_name_the_field(
     assert problem.source == str(path)
     assert problem.field.startswith(field), problem
     assert text in str(problem)
+
+
+def test_trace_replay_runs_each_row_as_given(scenario: Callable[..., Any], tmp_path: Path) -> None:
+    (tmp_path / "trace.csv").write_text(
+        "# arrival_s, gpus, duration_s, tenant\n"
+        "arrival_s,gpus,duration_s,tenant,model\n"
+        "0,8,3600,a,H100\n"
+        "600,4,1800,b,H100\n"
+        "1200,2,7200,a,H100\n"
+    )
+    res = run(
+        scenario(
+            {"one": h100_site(64)},
+            horizon="1d",
+            workloads=[{"kind": "trace", "name": "replay", "path": "trace.csv"}],
+        )
+    )
+    jobs = res["jobs"]
+    assert (jobs["arrived"], jobs["completed"]) == (3, 3)
+    assert jobs["queue_delay_s"]["max"] == 0
+    assert jobs["completion_time_s"]["p50"] == pytest.approx(3600)
+    # 14 GPU-hours, each at 2.5 USD (tests/conftest.py site_doc) plus the trace workload's
+    # default 8 cores (0.02 USD/h each) and 64 GB (0.003 USD/GB-h) per GPU
+    per_gpu_hour = 2.5 + 8 * 0.02 + 64 * 0.003
+    assert res["cost"]["total_usd"] == pytest.approx(14 * per_gpu_hour)
+    assert set(res["cost"]["by_tenant"]) == {"a", "b"}
