@@ -4,7 +4,7 @@ site dies; inference demand is routed by the router's own selection code (simula
 
 Virtual time is seconds from the scenario's start (t = 0 is 00:00 UTC of day 0). Events:
 
-    arrival      the next job of the merged, time-sorted workloads (simulations.workloads)
+    arrival      the next job of the merged, time-sorted workloads (simulations.arrivals)
     finish       a running job completes; its capacity returns to its site
     down / up    a scenario failure starts / ends; `failover` fires failover_grace_s after down
                  and re-queues the site's jobs as the broker does (broker.lifecycle)
@@ -55,9 +55,9 @@ from broker import placement as pl
 from broker.jobs import DataLocation, GpuRequest, JobSpec
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.solver import solve
+from simulations.arrivals import Arrivals, generate
 from simulations.inference import InferenceSim
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
-from simulations.workloads import Arrivals, generate
 
 __all__ = ["EPOCH", "Simulation", "run_scenario"]
 

@@ -37,8 +37,9 @@ import numpy as np
 
 from routing.selection import Candidate, Policy, choose, rank
 from routing.topology import Topology
+from simulations.queueing import erlang_c
 from simulations.scenario import Scenario, SimFederation
-from simulations.workloads import InferenceWorkload, erlang_c
+from simulations.workloads import InferenceWorkload
 from sites.config import read_yaml
 from sites.latency import Endpoint
 from sites.status import LinkStatus, ServiceEndpoint, SiteState

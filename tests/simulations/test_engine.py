@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from simulations.engine import Simulation
+from simulations.queueing import mmc_waiting_time_s
 from simulations.scenario import load_scenario
-from simulations.workloads import mmc_waiting_time_s
 from sites.errors import ConfigError
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from simulations import report
+from simulations import plots, report
 from simulations.report import (
     ReportError,
     compare_text,
@@ -462,7 +462,7 @@ def test_many_sites_are_drawn_as_the_busiest_and_other() -> None:
     series = {f"s{i:02d}": [i / 20] * 3 for i in range(20)}
     weights = {f"s{i:02d}": 1.0 if i < 4 else 0.0 for i in range(20)}
     weights["s00"] = 3.0
-    lines = report._top_lines(series, weights)
+    lines = plots._top_lines(series, weights)
     assert list(lines)[:2] == ["s19", "s18"] and len(lines) == 16
     # s00..s04: weights 3, 1, 1, 1, 0 -> (0 * 3 + 0.05 + 0.1 + 0.15) / 6
     assert lines["other"] == pytest.approx([0.05] * 3)

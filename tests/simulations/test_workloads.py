@@ -1,4 +1,7 @@
-"""Workload models, generators, trace replay and the Erlang C helper (simulations.workloads)."""
+"""Workload models, generators, trace replay and the Erlang C helper.
+
+Modules: simulations.workloads, simulations.arrivals, simulations.traces, simulations.queueing.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +17,12 @@ import pytest
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
+from simulations.arrivals import Arrivals, generate
+from simulations.queueing import erlang_c, mmc_waiting_time_s
+from simulations.traces import load_trace
 from simulations.workloads import (
     MAX_JOBS,
     PRESETS,
-    Arrivals,
     BatchWorkload,
     DurationPreset,
     InferenceWorkload,
@@ -25,10 +30,6 @@ from simulations.workloads import (
     TraceWorkload,
     Workload,
     WorkloadError,
-    erlang_c,
-    generate,
-    load_trace,
-    mmc_waiting_time_s,
 )
 
 REPO = Path(__file__).resolve().parents[2]
