@@ -18,8 +18,11 @@ rank(service, client_region, candidates, topology, policy, now) -> Ranking
 
     service_ms is an M/M/c-like FIFO estimate with the mean service time L: with a free slot the
     request is served in L; otherwise it waits for w departures, and c busy slots complete one
-    request every L / c on average. L is the endpoint's observed per-request latency
-    (default_latency_ms until it reports one). Ranked ascending by total_ms, then site id.
+    request every L / c on average. L is the endpoint's observed per-request latency, pooled
+    per model: a report within a factor of 2 of the median of the same model's endpoints, or
+    none yet, counts as that median (their differences are sampling noise, and scoring on
+    them sends all traffic to the luckiest site); default_latency_ms while no endpoint of the
+    model reports. Ranked ascending by total_ms, then site id.
 
 choose(ranking, rng=..., key=..., previous=...) -> Choice | None
     near-best pool: ranked candidates with total_ms <= best + max(near_best_ms,
@@ -44,6 +47,7 @@ import enum
 import hashlib
 import math
 import random
+import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -239,20 +243,57 @@ class Choice:
 
 
 def expected_service_ms(
-    endpoint: ServiceEndpoint, settings: ScoringSettings, default_ms: float | None = None
+    endpoint: ServiceEndpoint,
+    settings: ScoringSettings,
+    default_ms: float | None = None,
+    *,
+    latency_ms: float | None = None,
 ) -> float:
     """L * (1 + w / c): see the module docstring.
 
-    An endpoint that has not reported a latency yet is assumed as fast as `default_ms` (rank
-    passes the median of the service's other endpoints), else settings.default_latency_ms: a
-    fixed guess would push traffic towards whichever sites happened to serve first.
+    L is `latency_ms` when given (rank passes the model's pooled figure), else the endpoint's
+    own report. An endpoint that has not reported a latency yet is assumed as fast as
+    `default_ms` (rank passes the median of the service's other endpoints), else
+    settings.default_latency_ms: a fixed guess would push traffic towards whichever sites
+    happened to serve first.
     """
-    latency = endpoint.latency_ms
+    latency = endpoint.latency_ms if latency_ms is None else latency_ms
     if latency is None:
         latency = settings.default_latency_ms if default_ms is None else default_ms
     slots = endpoint.max_concurrency
     waiting = max(0, endpoint.in_flight + endpoint.queue + 1 - slots)
     return latency * (1 + waiting / slots)
+
+
+POOL_RATIO = 2.0
+
+
+def _pooled_latency(candidates: list[Candidate]) -> dict[str, float]:
+    """site -> the per-request latency to score it with, where pooling applies.
+
+    Endpoints serving the same model report means of their recent service times, which differ
+    by tens of percent from sampling noise alone (identical servers: 100 vs 164 ms after a few
+    requests). Scored on their own figures, the luckiest endpoint takes the traffic and the
+    others never get requests to correct their estimate. So an endpoint whose report is within
+    a factor POOL_RATIO of its model's median is scored with that median, and so is one
+    without a report; a report further off (other hardware, a throttled device) is kept.
+    """
+    by_model: dict[str, list[float]] = {}
+    for c in candidates:
+        ep = c.endpoint
+        if ep.latency_ms is not None:
+            by_model.setdefault(ep.model, []).append(ep.latency_ms)
+    medians = {m: statistics.median(v) for m, v in by_model.items()}
+    out: dict[str, float] = {}
+    for c in candidates:
+        ep = c.endpoint
+        median = medians.get(ep.model)
+        if median is None:
+            continue
+        own = ep.latency_ms
+        if own is None or median / POOL_RATIO <= own <= median * POOL_RATIO:
+            out[c.site] = median
+    return out
 
 
 def _policy_exclusion(
@@ -329,6 +370,7 @@ def rank(
         c.endpoint.latency_ms for c in candidates if c.endpoint.latency_ms is not None
     )
     default_ms = reported[len(reported) // 2] if reported else None
+    pooled = _pooled_latency(candidates)
     for cand in candidates:
         if cand.site in seen:
             raise ValueError(f"site {cand.site!r} is a candidate twice")
@@ -341,7 +383,9 @@ def rank(
         draining = cand.draining or cand.site_state is SiteState.cordoned
         penalty = cand.error_rate * settings.error_penalty_ms
         penalty += settings.draining_penalty_ms if draining else 0.0
-        score = Score(network, expected_service_ms(cand.endpoint, settings, default_ms), penalty)
+        base = pooled.get(cand.site)
+        service_ms = expected_service_ms(cand.endpoint, settings, default_ms, latency_ms=base)
+        score = Score(network, service_ms, penalty)
         ranked.append(Scored(cand, score))
     ranked.sort(key=lambda s: (s.total_ms, s.site))
     excluded.sort(key=lambda e: e.site)

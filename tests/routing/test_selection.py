@@ -60,18 +60,19 @@ def test_score_parts_by_hand() -> None:
     b = cand("b", max_concurrency=8, in_flight=3, latency_ms=80, draining=True)
     ranking = ranking_of([b, a], {"a": 10, "b": 30})
     sa, sb = ranking.ranked
-    # a: 10 ms network; 5 ahead of 4 slots -> waits for 2 departures: 100 * (1 + 2/4) = 150;
+    # L: both serve model "m" and report within 2x of each other: the median, 90 ms, for both
+    # a: 10 ms network; 5 ahead of 4 slots -> waits for 2 departures: 90 * (1 + 2/4) = 135;
     # 10 % errors * 1000 ms = 100 ms penalty
     assert (sa.site, sa.score.network_ms, sa.score.service_ms, sa.score.penalty_ms) == (
         "a",
         10,
-        150,
+        135,
         100,
     )
-    assert sa.total_ms == 260
-    # b: a free slot -> 80 ms; draining -> +10 000 ms
-    assert (sb.score.network_ms, sb.score.service_ms, sb.score.penalty_ms) == (30, 80, 10_000)
-    assert sb.total_ms == 10_110
+    assert sa.total_ms == 245
+    # b: a free slot -> 90 ms; draining -> +10 000 ms
+    assert (sb.score.network_ms, sb.score.service_ms, sb.score.penalty_ms) == (30, 90, 10_000)
+    assert sb.total_ms == 10_120
     assert ranking.best is sa and ranking.get("b") is sb and ranking.get("zz") is None
     assert ranking.topology_version > 0 and ranking.excluded == ()
 
@@ -385,3 +386,16 @@ def test_admit_full_ranks_full_sites_by_their_queue() -> None:
     assert admitted.reasons() == {"down": Exclusion.unhealthy}  # health still applies
     # 100 ms x (1 + (4 + 2 + 1 - 4) / 4)
     assert admitted.ranked[0].score.service_ms == pytest.approx(175.0)
+
+
+def test_service_time_is_pooled_per_model_unless_far_off() -> None:
+    cands = [
+        cand("lucky", latency_ms=100),
+        cand("unlucky", latency_ms=164),  # the same model: noise, pooled
+        cand("silent", latency_ms=None),  # no report yet: the pool too
+        cand("slow", latency_ms=400),  # over 2x the median: its own figure
+        cand("other", model="big", latency_ms=700),  # another model: its own pool
+    ]
+    rtts = dict.fromkeys(["lucky", "unlucky", "silent", "slow", "other"], 0.0)
+    service = {s.site: s.score.service_ms for s in ranking_of(cands, rtts).ranked}
+    assert service == {"lucky": 164, "unlucky": 164, "silent": 164, "slow": 400, "other": 700}
