@@ -460,10 +460,19 @@ def solve(
     time_limit_s: float = 10.0,
     workers: int | None = None,
     hint: Mapping[str, Assignment] | None = None,
+    gap_limit: float | None = None,
 ) -> PlanResult:
-    """The cheapest plan found within `time_limit_s` (see the module docstring)."""
+    """The cheapest plan found within `time_limit_s` (see the module docstring).
+
+    gap_limit: stop before any CP-SAT step once the plan so far is within this relative gap
+    of the LP bound ((objective - bound) <= gap_limit * objective). Greedy, the LP and its
+    rounding do not depend on the clock (unless the LP itself runs out of time), so such an
+    answer is the same on every run: the simulator's batch policy relies on that.
+    """
     if not 0 < time_limit_s < math.inf:
         raise ValueError(f"time_limit_s must be > 0 and finite, got {time_limit_s}")
+    if gap_limit is not None and not (math.isfinite(gap_limit) and gap_limit >= 0):
+        raise ValueError(f"gap_limit must be a finite number >= 0, got {gap_limit}")
     if workers is not None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     started = time.monotonic()
@@ -484,6 +493,8 @@ def solve(
         best.offer(_assignments(problem, _lp_guided(problem, cands, relaxed)))
     if hint is not None and not evaluate(problem, hint)[1]:
         best.offer(dict(hint))
+    if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):
+        return _result(problem, best, bound, proven=best.objective <= bound)
 
     deadline = started + time_limit_s - FINISH_S
     total = sum(len(row) for row in cands)
@@ -516,6 +527,10 @@ def solve(
     proven = status == cp_model.OPTIMAL
     if solver_bound is not None:
         bound = max(bound, solver_bound)
+    return _result(problem, best, bound, proven=proven)
+
+
+def _result(problem: PlanProblem, best: _Incumbent, bound: float, *, proven: bool) -> PlanResult:
     return PlanResult(
         status=PlanStatus.optimal if proven else PlanStatus.feasible,
         objective=best.objective,

@@ -609,10 +609,17 @@ class Simulation:
         )
         placed: set[int] = set()
         if problem.jobs:
-            result = solve(problem, time_limit_s=self.policy.batch_time_limit_s, workers=1)
+            gap = self.policy.batch_gap
+            result = solve(
+                problem,
+                time_limit_s=self.policy.batch_time_limit_s,
+                workers=1,
+                gap_limit=gap or None,
+            )
             self.batch_passes += 1
-            if result.status.value != "optimal":
-                self.batch_limited += 1
+            within = result.objective - result.bound <= gap * abs(result.objective)
+            if result.status.value != "optimal" and not (gap and within):
+                self.batch_limited += 1  # searched until the clock stopped it
             for pending, decision in bt.decisions(result, problem, jobs, self.fed):
                 j, spec = specs[pending.id]
                 try:

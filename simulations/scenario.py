@@ -217,6 +217,13 @@ class PolicySettings(_Frozen):
     kind: PolicyKind = PolicyKind.fast_path
     batch_interval_s: Duration = Field(default=300.0, gt=0)
     batch_time_limit_s: float = Field(default=5.0, gt=0, le=600)
+    batch_gap: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="a pass stops once its plan is within this relative gap of the LP bound "
+        "(before any clock-limited CP-SAT step, so it is reproducible); 0: search to the limit",
+    )
     failover_grace_s: Duration = Field(
         default=60.0, ge=0, description="a site must stay down this long before its jobs move"
     )

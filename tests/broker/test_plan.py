@@ -631,3 +631,18 @@ def test_cli_as_a_process(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["status"] == "OPTIMAL"
+
+
+def test_gap_limit_stops_early_within_the_gap_and_repeats_itself() -> None:
+    for data in instances(60, seed=20240601)[:20]:
+        prob = load_problem(data)
+        exact = brute_force(prob)
+        first = solve(prob, time_limit_s=5, workers=1, gap_limit=0.05)
+        again = solve(prob, time_limit_s=5, workers=1, gap_limit=0.05)
+        # valid, within 5 % of the bound (so of the optimum), the bound below the optimum
+        assert evaluate(prob, first.assignments)[1] == []
+        assert first.objective - first.bound <= 0.05 * first.objective + 1e-9
+        assert first.bound <= exact + 1e-6 <= first.objective + 2e-6
+        assert (again.assignments, again.objective) == (first.assignments, first.objective)
+    with pytest.raises(ValueError, match="gap_limit"):
+        solve(prob, gap_limit=-0.1)
