@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import os
@@ -375,7 +376,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# commands with their own parser: everything after the name is theirs, `--help` included
+# (argparse's REMAINDER does not take an option that comes first)
+_DELEGATED = {
+    "plan": ("broker.plan_cli", "main"),
+    "simulate": ("simulations.cli", "simulate_main"),
+    "plan-capacity": ("simulations.cli", "plan_capacity_main"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _DELEGATED:
+        module, name = _DELEGATED[argv[0]]
+        command = getattr(importlib.import_module(module), name)
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+        return int(command(argv[1:]))
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2) if args.verbose else logging.INFO,

@@ -154,3 +154,10 @@ def test_plan_capacity_finds_the_cheapest_purchase(
     )
     refused = cpn("plan-capacity", str(bad), cwd=tmp_path)
     assert refused.returncode == 2 and "usd_per_device" in refused.stderr
+
+
+def test_help_of_the_delegated_commands(tmp_path: Path) -> None:
+    for command in ("simulate", "plan-capacity", "plan"):
+        done = cpn(command, "--help", cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"usage: cpn {command}")
