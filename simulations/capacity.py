@@ -266,9 +266,7 @@ def plan_capacity(
         if met:
             break
         options = [
-            tuple(n + (1 if k == i else 0) for k, n in enumerate(current))
-            for i, item in enumerate(menu)
-            if current[i] < item.max_steps
+            _step(current, i, +1) for i, item in enumerate(menu) if current[i] < item.max_steps
         ]
         if not options:
             break
@@ -284,30 +282,21 @@ def plan_capacity(
             met = True
             rounds.append({"bought": _describe(menu, current), "shortfall": 0.0})
             break
+        miss = shortfall(now, plan.target)
         gain = [
-            (
-                (shortfall(now, plan.target) - shortfall(f, plan.target))
-                / (cost(o) - cost(current)),
-                o,
-            )
+            ((miss - shortfall(f, plan.target)) / (cost(o) - cost(current)), o)
             for o, f in zip(options, figs, strict=True)
         ]
         best_gain, best = max(gain)
         if best_gain <= 0:
             break
         current, now = best, cache[best]
-        rounds.append(
-            {"bought": _describe(menu, current), "shortfall": shortfall(now, plan.target)}
-        )
         miss = shortfall(now, plan.target)
+        rounds.append({"bought": _describe(menu, current), "shortfall": miss})
         log(f"round {len(rounds)}: shortfall {miss:.3f}, {cost(current):,.0f} USD")
     if met:  # prune: drop steps the targets do not need
         while True:
-            lower = [
-                tuple(n - (1 if k == i else 0) for k, n in enumerate(current))
-                for i in range(len(menu))
-                if current[i] > 0
-            ]
+            lower = [_step(current, i, -1) for i in range(len(menu)) if current[i] > 0]
             if not lower:
                 break
             figs = evaluate(lower)
@@ -345,6 +334,11 @@ def plan_capacity(
         "rounds": rounds,
         "evaluations": evaluations,
     }
+
+
+def _step(steps: tuple[int, ...], i: int, delta: int) -> tuple[int, ...]:
+    """`steps` with item i moved by delta."""
+    return tuple(n + delta if k == i else n for k, n in enumerate(steps))
 
 
 def _describe(menu: Sequence[MenuItem], steps: Sequence[int]) -> str:

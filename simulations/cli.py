@@ -23,7 +23,8 @@ from rich.table import Table
 
 from simulations import report
 from simulations.capacity import load_planning, plan_capacity
-from simulations.runner import default_out, run_many, slug
+from simulations.report import slug
+from simulations.runner import default_out, run_many
 from simulations.scenario import Scenario, load_scenario, parse_duration_s
 from sites.errors import ConfigError
 
@@ -39,11 +40,39 @@ class _Parser(argparse.ArgumentParser):
         raise _UsageError(message)
 
 
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def _run(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    argv: list[str],
+    command: Callable[[argparse.Namespace], int],
+) -> int:
+    """Parse and run; bad input is exit 2 with one line per problem, named after `prog`."""
+    try:
+        return command(parser.parse_args(argv))
+    except _UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
+        for problem in exc.problems:
+            print(f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
+
+
 def _simulate_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="cpn simulate", description="run capacity-planning simulations")
     p.add_argument("scenarios", nargs="+", help="scenario YAML files")
     p.add_argument("--out", help="report folder (default sim-out/<scenario or 'comparison'>)")
-    p.add_argument("--workers", type=int, default=None, help="parallel processes")
+    p.add_argument("--workers", type=_workers, default=None, help="parallel processes")
     p.add_argument(
         "--sweep",
         help="FIELD=V1,V2,...: run one scenario once per value of a dotted field "
@@ -79,26 +108,11 @@ def _sweep(text: str) -> tuple[str, list[Any]]:
 
 
 def simulate_main(argv: list[str]) -> int:
-    try:
-        args = _simulate_parser().parse_args(argv)
-    except _UsageError as exc:
-        print(f"cpn simulate: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        return _simulate(args)
-    except _UsageError as exc:
-        print(f"cpn simulate: error: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"cpn simulate: error: {problem}", file=sys.stderr)
-        return 2
+    return _run("cpn simulate", _simulate_parser(), argv, _simulate)
 
 
 def _simulate(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
-    if args.workers is not None and args.workers < 1:
-        raise _UsageError("--workers must be >= 1")
     scenarios: list[Scenario] = []
     files: list[str | None] = []
     sweep: tuple[str, list[Any]] | None = None
@@ -149,24 +163,17 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("planning", help="planning YAML: scenario, target, menu")
     p.add_argument("--out", help="answer JSON file (default sim-out/<scenario>-capacity.json)")
-    p.add_argument("--workers", type=int, default=None, help="parallel processes")
+    p.add_argument("--workers", type=_workers, default=None, help="parallel processes")
     p.add_argument("--no-progress", action="store_true")
     return p
 
 
 def plan_capacity_main(argv: list[str]) -> int:
-    try:
-        args = _plan_parser().parse_args(argv)
-        if args.workers is not None and args.workers < 1:
-            raise _UsageError("--workers must be >= 1")
-        plan, scenario, _ = load_planning(args.planning)
-    except _UsageError as exc:
-        print(f"cpn plan-capacity: error: {exc}", file=sys.stderr)
-        return 2
-    except ConfigError as exc:
-        for problem in exc.problems:
-            print(f"cpn plan-capacity: error: {problem}", file=sys.stderr)
-        return 2
+    return _run("cpn plan-capacity", _plan_parser(), argv, _plan_capacity)
+
+
+def _plan_capacity(args: argparse.Namespace) -> int:
+    plan, scenario, _ = load_planning(args.planning)
     console = Console(stderr=True)
     answer = plan_capacity(
         plan,

@@ -489,7 +489,9 @@ class Simulation:
             self.fed, self.site_ids[run.site], run.model, cls.gpus, cls.cpu, cls.mem
         )
 
-    def _capacity_returned(self, s: int, tenant: str | None) -> None:
+    def _capacity_returned(self, s: int | None, tenant: str | None) -> None:
+        """Retry waiting jobs after capacity came back at site `s` (None: anywhere, e.g. a
+        site came up) from a job of `tenant`; the batch policy waits for its next pass."""
         kind = self.policy.kind
         if kind is PolicyKind.fast_path:
             self._retry_classes(s, tenant)
@@ -592,8 +594,7 @@ class Simulation:
     # -- batch -------------------------------------------------------------------------------
 
     def _batch_pass(self) -> None:
-        waiting = [j for j in self.fifo if self.state[j] == 1]
-        self.fifo = deque(waiting)
+        waiting = list(self.fifo)  # every job in it waits: placed ones leave at the pass's end
         if not waiting:
             return
         specs: dict[str, tuple[int, JobSpec]] = {}
@@ -674,14 +675,7 @@ class Simulation:
             if entry["site"] == self.site_ids[s] and entry["up_s"] is None:
                 entry["up_s"] = self.now
                 break
-        self._capacity_returned_everywhere()
-
-    def _capacity_returned_everywhere(self) -> None:
-        kind = self.policy.kind
-        if kind is PolicyKind.fast_path:
-            self._retry_classes(None, None)
-        elif kind is not PolicyKind.batch:
-            self._retry_fifo(None)
+        self._capacity_returned(None, None)
 
     def _failover(self, s: int, entry_index: int) -> None:
         if self.fed.sites[s].up:
@@ -715,7 +709,7 @@ class Simulation:
             else:
                 self.fifo = deque(sorted((*self.fifo, j)))
         if moved:
-            self._capacity_returned_everywhere()
+            self._capacity_returned(None, None)
 
     # -- series ------------------------------------------------------------------------------
 

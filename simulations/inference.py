@@ -162,7 +162,8 @@ class InferenceSim:
                 step_total[key] += total
                 lost = dropped.get(region, 0.0) * self.step_s
                 home = self.home.get(region)
-                for site, e in ((e.site, e) for e in eps):
+                for e in eps:
+                    site = e.site
                     lam_rs = flows.get((region, site), 0.0)
                     if lam_rs <= 0:
                         continue

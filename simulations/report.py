@@ -60,6 +60,7 @@ __all__ = [
     "key_figures",
     "overall_gpu_utilization",
     "overall_slo",
+    "slug",
     "summary",
     "summary_text",
     "write_comparison",
@@ -572,7 +573,8 @@ def write_report(results: Results, out_dir: Path) -> Path:
     return plots.write_report_page(results, out_dir)
 
 
-def _slug(name: str) -> str:
+def slug(name: str) -> str:
+    """A file-name-safe form of a scenario name (the reports' folder names)."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:60] or "scenario"
 
 
@@ -593,12 +595,12 @@ def write_comparison(
     if sweep is not None and len(sweep[1]) != len(figures):
         raise ReportError(f"{len(sweep[1])} sweep values for {len(figures)} results", field="sweep")
     names = [str(f["name"]) for f in figures]
-    slugs = _unique([_slug(n) for n in names], lambda s, n: f"{s}-{n}")
+    slugs = _unique([slug(n) for n in names], lambda s, n: f"{s}-{n}")
     out_dir.mkdir(parents=True, exist_ok=True)
     records = []
-    for i, (results, slug) in enumerate(zip(results_list, slugs, strict=True)):
-        write_report(results, out_dir / slug)
+    for i, (results, folder) in enumerate(zip(results_list, slugs, strict=True)):
+        write_report(results, out_dir / folder)
         extra = {"sweep": {"parameter": sweep[0], "value": sweep[1][i]}} if sweep else {}
-        records.append({**figures[i], "slug": slug, **extra})
+        records.append({**figures[i], "slug": folder, **extra})
     _dump(out_dir / "comparison.json", records)
     return plots.write_comparison_page(figures, out_dir, slugs=slugs, sweep=sweep)

@@ -23,9 +23,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from simulations.engine import Simulation
+from simulations.report import slug
 from simulations.scenario import Scenario
 
-__all__ = ["run_many", "run_one"]
+__all__ = ["default_out", "run_many"]
 
 
 def _bar(console: Console | None) -> Progress:
@@ -49,16 +50,6 @@ def _progress(
     with _bar(console) as bar:
         tasks = [bar.add_task(name, total=1.0) for name in names]
         yield lambda i, fraction: bar.update(tasks[i], completed=fraction)
-
-
-def run_one(
-    scenario: Scenario, *, file: str | None = None, progress: bool = False
-) -> dict[str, Any]:
-    """Run one scenario here; its results (simulations.results)."""
-    with _progress([scenario.name], progress) as update:
-        results = Simulation(scenario).run(lambda f: update(0, f))
-    results["scenario"]["file"] = file
-    return results
 
 
 def _worker(scenario: Scenario, index: int, file: str | None, updates: Any) -> dict[str, Any]:
@@ -115,12 +106,6 @@ def run_many(
                         break
                     update(index, fraction)
         return [f.result() for f in futures]
-
-
-def slug(name: str) -> str:
-    """A file-name-safe form of a scenario name."""
-    keep = "".join(c if c.isalnum() or c in "-_." else "-" for c in name.strip().lower())
-    return "-".join(part for part in keep.split("-") if part) or "scenario"
 
 
 def default_out(name: str) -> Path:

@@ -107,6 +107,9 @@ def test_bad_input_exits_2_with_one_line_each(
     assert sweep.returncode == 2 and "FIELD=V1,V2" in sweep.stderr
     typo = cpn("simulate", str(good), "--sweep", "policy.kind=fast-path,warp", cwd=tmp_path)
     assert typo.returncode == 2 and "policy.kind" in typo.stderr
+    workers = cpn("simulate", str(good), "--workers", "0", cwd=tmp_path)
+    assert workers.returncode == 2 and "--workers" in workers.stderr
+    assert workers.stderr.count("\n") == 1
 
 
 def test_plan_capacity_finds_the_cheapest_purchase(
