@@ -76,7 +76,9 @@ class Broker:
         self.user_rtt_ms = user_rtt_ms or {}
         self.quotas = quotas or {}
         self.settings = settings or BrokerSettings()
-        self._retry_policy = RetryPolicy(self.settings.retry_base_s, self.settings.retry_max_s)
+        self._retry_policy = RetryPolicy(
+            self.settings.scheduling.retry_base_s, self.settings.scheduling.retry_max_s
+        )
         self.clock: Clock = clock or SystemClock()
         self.url = url
         self.instance = secrets.token_hex(6)
@@ -407,7 +409,7 @@ class Broker:
         await self._apply_reports(view, now)
         await self._fail_over(view, now)
         await self._place_pending(self.view(), now)
-        if now - self._last_batch >= self.settings.batch_interval_s:
+        if now - self._last_batch >= self.settings.scheduling.batch_interval_s:
             self._last_batch = now
             await self._batch_pass(self.view(), now)
         pending = sum(1 for r, _ in self.view().jobs.values() if r.state is JobState.PENDING)
@@ -547,7 +549,7 @@ class Broker:
             since = self._down_since.get(site)
             if site in view.sites.specs and since is None:
                 continue
-            if since is not None and now - since < self.settings.failover_grace_s:
+            if since is not None and now - since < self.settings.scheduling.failover_grace_s:
                 continue
             await self._requeue(job_id, record.fence, site, now)
 
@@ -613,7 +615,7 @@ class Broker:
             return
         started = time.perf_counter()
         result = await asyncio.to_thread(
-            solve, problem, time_limit_s=self.settings.batch_time_limit_s
+            solve, problem, time_limit_s=self.settings.scheduling.batch_time_limit_s
         )
         log.info(
             "batch pass: %d pending jobs, %d placed (%s) in %.2fs",

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.health import OutlierSettings
+from sites.durations import Duration
 from sites.config import read_yaml, validate_mapping
 
 
@@ -23,18 +24,47 @@ class InferenceSettings(BaseModel):
     outlier: OutlierSettings = OutlierSettings()
 
 
+class SchedulingSettings(BaseModel):
+    """How the leader schedules jobs. One model, one set of defaults, shared by the broker
+    (configs/broker.yaml `scheduling:`) and the simulator (a scenario's `policy:` overrides
+    these fields; it does not redefine them), so a capacity plan runs the broker's rules.
+    Durations are seconds or strings such as '5m' (sites.durations)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    failover_grace_s: Duration = Field(
+        default=1.0,
+        ge=0,
+        description="a site must stay down this long before its jobs move: longer than one "
+        "missed agent heartbeat, shorter than a user would notice",
+    )
+    retry_base_s: Duration = Field(
+        default=2.0, ge=0, description="first retry backoff; it doubles per retry"
+    )
+    retry_max_s: Duration = Field(default=300.0, ge=0, description="backoff cap")
+    batch_interval_s: Duration = Field(
+        default=30.0,
+        gt=0,
+        description="period of the CP-SAT pass over jobs the fast path left waiting",
+    )
+    batch_time_limit_s: float = Field(
+        default=5.0, gt=0, le=600, description="seconds one batch pass may search"
+    )
+    batch_gap: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="a pass stops once its plan is within this relative gap of the LP bound "
+        "(before any clock-limited CP-SAT step, so it is reproducible); 0: search to the limit",
+    )
+
+
 class BrokerSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     leader_ttl_s: int = Field(default=5, ge=2, description="leader lease; failover within it")
     tick_s: float = Field(default=1.0, gt=0, description="reconcile at least this often")
-    failover_grace_s: float = Field(
-        default=1.0, ge=0, description="a site must stay down this long before its jobs move"
-    )
-    retry_base_s: float = Field(default=2.0, ge=0, description="first retry backoff")
-    retry_max_s: float = Field(default=300.0, ge=0, description="backoff cap")
-    batch_interval_s: float = Field(default=30.0, gt=0, description="CP-SAT pass period")
-    batch_time_limit_s: float = Field(default=5.0, gt=0)
+    scheduling: SchedulingSettings = SchedulingSettings()
     inference: InferenceSettings = InferenceSettings()
 
 

@@ -25,11 +25,13 @@ from tests.conftest import CONFIGS, Processes, run_cpn, site_doc
 BROKER_SETTINGS = {
     "leader_ttl_s": 2,
     "tick_s": 0.2,
-    "failover_grace_s": 0.2,
-    "retry_base_s": 0.2,
-    "retry_max_s": 1.0,
-    "batch_interval_s": 2.0,
-    "batch_time_limit_s": 1.0,
+    "scheduling": {
+        "failover_grace_s": 0.2,
+        "retry_base_s": 0.2,
+        "retry_max_s": 1.0,
+        "batch_interval_s": 2.0,
+        "batch_time_limit_s": 1.0,
+    },
 }
 
 # Four small sites: two in "east" (b cheaper than a), one far "west" with A100s, one abroad.

@@ -1,0 +1,40 @@
+"""Durations in config files: a number of seconds, or number+unit parts ('90s', '5m', '1d12h').
+
+`Duration` is the pydantic type every settings model uses for a field in seconds, so a broker
+setting and the same setting overridden in a simulation scenario read the same way.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
+
+__all__ = ["Duration", "parse_duration_s"]
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
+_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration_s(value: Any) -> float:
+    """Seconds from a number (seconds) or a string of number+unit parts: '7d', '1d12h', '90s'."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration such as 3600, '12h' or '1d6h'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        parts = _DURATION.findall(text)
+        if not parts or "".join(n + u for n, u in parts) != text:
+            raise ValueError(f"{value!r} is not a duration (number + unit s/m/h/d, e.g. '1d12h')")
+        seconds = math.fsum(float(n) * _UNIT_S[u] for n, u in parts)
+    else:
+        raise ValueError("expected a duration such as 3600, '12h' or '1d6h'")
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"duration must be finite and >= 0, got {value!r}")
+    return seconds
+
+
+Duration = Annotated[float, BeforeValidator(parse_duration_s)]
