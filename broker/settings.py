@@ -7,8 +7,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.health import OutlierSettings
-from sites.durations import Duration
 from sites.config import read_yaml, validate_mapping
+from sites.durations import Duration
 
 
 class InferenceSettings(BaseModel):
