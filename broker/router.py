@@ -25,7 +25,7 @@ from routing.selection import (
 )
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
-from sites.registry import Snapshot
+from sites.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

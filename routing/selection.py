@@ -54,7 +54,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sites.registry import Snapshot
+from sites.snapshot import Snapshot
 from sites.status import ServiceEndpoint, SiteState
 
 __all__ = [

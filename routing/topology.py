@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from routing.clients import Clients
 from sites.latency import Endpoint, LatencyModel
-from sites.registry import Snapshot
+from sites.snapshot import Snapshot
 from sites.status import LinkStatus
 
 __all__ = ["LinkWeights", "Topology", "link_weight"]

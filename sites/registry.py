@@ -1,7 +1,8 @@
 """The federation registry client: the one module that talks to etcd (through aetcd).
 
 Every state change that matters is one etcd transaction. Values are JSON documents of the
-models in sites.spec and sites.status; keys are spelled in sites.keys only.
+models in sites.spec and sites.status; keys are spelled in sites.keys only. What a read
+returns, decoded, is a sites.snapshot.Snapshot, which holds no etcd client.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -19,7 +20,7 @@ import aetcd
 import aetcd.exceptions
 import aetcd.utils
 from aetcd import rpc
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from sites import keys
 from sites.assignments import Report
@@ -31,6 +32,7 @@ from sites.errors import (
     RegistryError,
     RegistryUnavailable,
 )
+from sites.snapshot import Snapshot, decode_value
 from sites.spec import SiteSpec
 from sites.status import (
     AgentRecord,
@@ -38,14 +40,11 @@ from sites.status import (
     LastSeen,
     LinkStatus,
     ServiceEndpoint,
-    SiteState,
     SiteStatus,
-    SiteView,
 )
 
 log = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 5
@@ -93,112 +92,8 @@ def _grpc_target(endpoints: Sequence[tuple[str, int]]) -> tuple[str, int]:
     return f"ipv4:{head},{endpoints[-1][0]}", endpoints[-1][1]
 
 
-def _decode(model: type[M], raw: bytes, key: str) -> M | None:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        log.warning("ignoring malformed registry value at %s: %s", key, exc.errors()[0]["msg"])
-        return None
-
-
 def _encode(value: BaseModel) -> bytes:
     return value.model_dump_json().encode()
-
-
-@dataclass
-class Snapshot:
-    """Every registry value under /cpn/v1/ at one revision, decoded."""
-
-    revision: int
-    specs: dict[str, SiteSpec] = field(default_factory=dict)
-    statuses: dict[str, SiteStatus] = field(default_factory=dict)
-    cordons: dict[str, Cordon] = field(default_factory=dict)
-    last_seen: dict[str, LastSeen] = field(default_factory=dict)
-    agents: dict[str, AgentRecord] = field(default_factory=dict)
-    links: dict[tuple[str, str], LinkStatus] = field(default_factory=dict)
-    services: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
-
-    def apply(self, key: str, value: bytes | None) -> None:
-        """Apply one put (value) or delete (None) of `key` to this snapshot."""
-        if key.startswith(keys.SITES):
-            parts = keys.split(key, keys.SITES)
-            if len(parts) != 2:
-                return
-            site, leaf = parts
-            tables: dict[str, tuple[dict[str, Any], type[BaseModel]]] = {
-                "spec": (self.specs, SiteSpec),
-                "status": (self.statuses, SiteStatus),
-                "cordon": (self.cordons, Cordon),
-                "last_seen": (self.last_seen, LastSeen),
-            }
-            if leaf not in tables:
-                return
-            table, model = tables[leaf]
-            _apply(table, site, model, key, value)
-        elif key.startswith(keys.AGENTS):
-            _apply(self.agents, keys.split(key, keys.AGENTS)[0], AgentRecord, key, value)
-        elif key.startswith(keys.LINKS):
-            parts = keys.split(key, keys.LINKS)
-            if len(parts) == 2:
-                _apply(self.links, (parts[0], parts[1]), LinkStatus, key, value)
-        elif key.startswith(keys.SERVICES):
-            parts = keys.split(key, keys.SERVICES)
-            if len(parts) == 2:
-                _apply(self.services, (parts[0], parts[1]), ServiceEndpoint, key, value)
-
-    def site_ids(self) -> list[str]:
-        return sorted(self.specs)
-
-    def alive(self, site: str) -> bool:
-        """An agent holds the site's lease and has published a status."""
-        return site in self.agents and site in self.statuses
-
-    def state(self, site: str) -> SiteState:
-        """The site's state without building its whole view (which scans every link)."""
-        if site in self.cordons:
-            return SiteState.cordoned
-        return SiteState.up if self.alive(site) else SiteState.down
-
-    def view(self, site: str) -> SiteView:
-        spec = self.specs.get(site)
-        if spec is None:
-            raise NotJoined(site)
-        status = self.statuses.get(site)
-        agent = self.agents.get(site)
-        cordon = self.cordons.get(site)
-        seen = self.last_seen.get(site)
-        last_seen = status.published_at if status else (seen.at if seen else None)
-        links = {dst: ln for (src, dst), ln in self.links.items() if src == site}
-        rtt = {dst: ln.rtt_ms for dst, ln in links.items() if ln.rtt_ms is not None}
-        services = tuple(ep for (_, s), ep in sorted(self.services.items()) if s == site)
-        return SiteView(
-            id=site,
-            region=spec.region,
-            state=self.state(site),
-            alive=self.alive(site),
-            last_seen=last_seen,
-            spec=spec,
-            status=status,
-            agent=agent,
-            cordon=cordon,
-            rtt_ms=dict(sorted(rtt.items(), key=lambda kv: kv[1])),
-            links=links,
-            services=services,
-        )
-
-    def views(self) -> list[SiteView]:
-        return [self.view(site) for site in self.site_ids()]
-
-
-def _apply(
-    table: dict[Any, Any], name: Any, model: type[BaseModel], key: str, value: bytes | None
-) -> None:
-    if value is None:
-        table.pop(name, None)
-        return
-    decoded = _decode(model, value, key)
-    if decoded is not None:
-        table[name] = decoded
 
 
 @dataclass(frozen=True)
@@ -380,7 +275,7 @@ class Registry:
 
     async def get_spec(self, site: str) -> SiteSpec | None:
         got = await self._call(lambda: self._client.get(keys.site_spec(site).encode()))
-        return None if got is None else _decode(SiteSpec, got.value, keys.site_spec(site))
+        return None if got is None else decode_value(SiteSpec, got.value, keys.site_spec(site))
 
     async def get_raw(self, key: str) -> tuple[bytes, int] | None:
         """Value and mod_revision of one key, or None."""
@@ -542,7 +437,7 @@ class Registry:
             if not holder_kvs:
                 continue  # released in between; try again
             raw, meta = holder_kvs[0]
-            holder = _decode(AgentRecord, raw, key.decode())
+            holder = decode_value(AgentRecord, raw, key.decode())
             if holder is not None and not is_stale(holder):
                 since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.started_at))
                 raise AgentConflict(

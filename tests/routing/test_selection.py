@@ -22,7 +22,7 @@ from routing.selection import (
     rank,
 )
 from routing.topology import Topology
-from sites.registry import Snapshot
+from sites.snapshot import Snapshot
 from sites.status import Cordon, SiteState
 from tests.routing.helpers import endpoint, link, spec
 

@@ -11,7 +11,7 @@ from routing.clients import Attach, ClientRegion, Clients
 from routing.topology import LinkWeights, Topology, link_weight
 from sites.errors import ConfigError
 from sites.latency import Endpoint, LatencyModel
-from sites.registry import Snapshot
+from sites.snapshot import Snapshot
 from tests.routing.helpers import link, spec
 
 

@@ -1,0 +1,140 @@
+"""The registry's contents at one revision, decoded: the federation as policy code sees it.
+
+Pure: no etcd client, no I/O. The registry adapter (sites.registry) fills a Snapshot from a
+range read and keeps it current from watch events through `apply`; routing, placement and the
+simulator read it (or build one by hand) without importing the etcd client.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from sites import keys
+from sites.errors import NotJoined
+from sites.spec import SiteSpec
+from sites.status import (
+    AgentRecord,
+    Cordon,
+    LastSeen,
+    LinkStatus,
+    ServiceEndpoint,
+    SiteState,
+    SiteStatus,
+    SiteView,
+)
+
+__all__ = ["Snapshot", "decode_value"]
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def decode_value(model: type[M], raw: bytes, key: str) -> M | None:
+    """`raw` as a `model`, or None (logged) when it does not validate: one bad value written
+    by an old or broken agent must not stop a reader of the whole registry."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        log.warning("ignoring malformed registry value at %s: %s", key, exc.errors()[0]["msg"])
+        return None
+
+
+@dataclass
+class Snapshot:
+    """Every registry value under /cpn/v1/ at one revision, decoded."""
+
+    revision: int
+    specs: dict[str, SiteSpec] = field(default_factory=dict)
+    statuses: dict[str, SiteStatus] = field(default_factory=dict)
+    cordons: dict[str, Cordon] = field(default_factory=dict)
+    last_seen: dict[str, LastSeen] = field(default_factory=dict)
+    agents: dict[str, AgentRecord] = field(default_factory=dict)
+    links: dict[tuple[str, str], LinkStatus] = field(default_factory=dict)
+    services: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        """Apply one put (value) or delete (None) of `key` to this snapshot."""
+        if key.startswith(keys.SITES):
+            parts = keys.split(key, keys.SITES)
+            if len(parts) != 2:
+                return
+            site, leaf = parts
+            tables: dict[str, tuple[dict[str, Any], type[BaseModel]]] = {
+                "spec": (self.specs, SiteSpec),
+                "status": (self.statuses, SiteStatus),
+                "cordon": (self.cordons, Cordon),
+                "last_seen": (self.last_seen, LastSeen),
+            }
+            if leaf not in tables:
+                return
+            table, model = tables[leaf]
+            _apply(table, site, model, key, value)
+        elif key.startswith(keys.AGENTS):
+            _apply(self.agents, keys.split(key, keys.AGENTS)[0], AgentRecord, key, value)
+        elif key.startswith(keys.LINKS):
+            parts = keys.split(key, keys.LINKS)
+            if len(parts) == 2:
+                _apply(self.links, (parts[0], parts[1]), LinkStatus, key, value)
+        elif key.startswith(keys.SERVICES):
+            parts = keys.split(key, keys.SERVICES)
+            if len(parts) == 2:
+                _apply(self.services, (parts[0], parts[1]), ServiceEndpoint, key, value)
+
+    def site_ids(self) -> list[str]:
+        return sorted(self.specs)
+
+    def alive(self, site: str) -> bool:
+        """An agent holds the site's lease and has published a status."""
+        return site in self.agents and site in self.statuses
+
+    def state(self, site: str) -> SiteState:
+        """The site's state without building its whole view (which scans every link)."""
+        if site in self.cordons:
+            return SiteState.cordoned
+        return SiteState.up if self.alive(site) else SiteState.down
+
+    def view(self, site: str) -> SiteView:
+        spec = self.specs.get(site)
+        if spec is None:
+            raise NotJoined(site)
+        status = self.statuses.get(site)
+        agent = self.agents.get(site)
+        cordon = self.cordons.get(site)
+        seen = self.last_seen.get(site)
+        last_seen = status.published_at if status else (seen.at if seen else None)
+        links = {dst: ln for (src, dst), ln in self.links.items() if src == site}
+        rtt = {dst: ln.rtt_ms for dst, ln in links.items() if ln.rtt_ms is not None}
+        services = tuple(ep for (_, s), ep in sorted(self.services.items()) if s == site)
+        return SiteView(
+            id=site,
+            region=spec.region,
+            state=self.state(site),
+            alive=self.alive(site),
+            last_seen=last_seen,
+            spec=spec,
+            status=status,
+            agent=agent,
+            cordon=cordon,
+            rtt_ms=dict(sorted(rtt.items(), key=lambda kv: kv[1])),
+            links=links,
+            services=services,
+        )
+
+    def views(self) -> list[SiteView]:
+        return [self.view(site) for site in self.site_ids()]
+
+
+def _apply(
+    table: dict[Any, Any], name: Any, model: type[BaseModel], key: str, value: bytes | None
+) -> None:
+    if value is None:
+        table.pop(name, None)
+        return
+    decoded = decode_value(model, value, key)
+    if decoded is not None:
+        table[name] = decoded
