@@ -2,10 +2,15 @@
 
 BrokerError
 ├── InvalidRequest (ValueError)   a client sent something wrong: 400, names the field
+│   └── PlanInputError            a `cpn plan` problem is invalid; field is its JSON path
+│                                 (broker.plan)
 ├── NotFound (LookupError)        no such job: 404
 ├── IllegalTransition             the job's state does not allow it: 409
 ├── StaleRecord                   a guarded transaction lost a race; retry with a fresh read
-└── NotLeader                     this replica does not hold the leader lease
+└── PlacementError (ValueError)   a snapshot or decision placement cannot work with (a caller's
+                                  bug or a stale view; broker.placement)
+
+PlanInputError and PlacementError live beside the code that raises them.
 """
 
 from __future__ import annotations
@@ -32,8 +37,4 @@ class IllegalTransition(BrokerError):
 
 
 class StaleRecord(BrokerError):
-    pass
-
-
-class NotLeader(BrokerError):
     pass

@@ -236,7 +236,3 @@ class JobRecord(Frozen):
             self.state.check(new_state)
         events = (*self.events, event)[-MAX_EVENTS:]
         return self.model_copy(update={**changes, "events": events, "updated_at": event.at})
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)

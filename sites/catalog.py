@@ -9,11 +9,12 @@ giving ``cpu_fp64_tflops``; RAM and storage pass through. The concrete counts ar
 the sums, so a job can ask for ``H100: 8`` or for "800 FP16 TFLOPS on >= 80 GB devices" alike.
 Long form: docs/catalog.md.
 
-Exceptions::
+Exceptions (part of the sites tree, sites.errors)::
 
-    CatalogError
-    ├── InvalidCatalog (also ValueError)   a catalog file that cannot be read or is not valid
-    └── UnknownDevice (also KeyError)      a device model the catalog does not have
+    SitesError
+    └── CatalogError (also ValueError)     any catalog error; a cpu entry used as a device
+        ├── InvalidCatalog                 a catalog file that cannot be read or is not valid
+        └── UnknownDevice (also KeyError)  a device model the catalog does not have
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from pydantic import (
     model_validator,
 )
 
+from sites.errors import SitesError
 from sites.spec import Inventory
 
 __all__ = [
@@ -60,11 +62,11 @@ Figure = Annotated[float, Field(gt=0, strict=True)]
 Amount = Annotated[float, Field(ge=0)]
 
 
-class CatalogError(Exception):
-    """Base of the catalog's errors."""
+class CatalogError(SitesError, ValueError):
+    """Base of the catalog's errors: each is a bad value in a catalog, a site or a request."""
 
 
-class InvalidCatalog(CatalogError, ValueError):
+class InvalidCatalog(CatalogError):
     """A catalog file that cannot be read, parsed or validated.
 
     ``field`` is the dotted path of the first offending field (``devices.H100.fp16_tflops``),

@@ -1,16 +1,26 @@
 """Exceptions raised by the sites package.
 
     SitesError
-    ├── ConfigError              a site file or config is invalid; carries every Problem found
-    ├── RegistryError            the federation registry (etcd) failed us
-    │   ├── RegistryUnavailable  (ConnectionError) etcd cannot be reached or timed out
-    │   ├── Conflict             a guarded transaction lost a race (the key changed under us)
-    │   └── LeaseLost            our lease expired or was revoked while we still needed it
-    ├── NotJoined (LookupError)  the site id has no spec in the registry
-    ├── AgentConflict            another live agent already holds the site
-    └── EtcdStartError           the embedded etcd did not start
+    ├── ConfigError (ValueError)        a site file or config is invalid; carries every Problem
+    ├── RegistryError                   the federation registry (etcd) failed us
+    │   ├── RegistryUnavailable         (ConnectionError) etcd cannot be reached or timed out
+    │   ├── Conflict                    a guarded transaction lost a race (the key changed)
+    │   └── LeaseLost                   our lease expired or was revoked while still needed
+    ├── NotJoined (LookupError)         the site id has no spec in the registry
+    ├── AgentConflict                   another live agent already holds the site
+    ├── EtcdStartError                  the embedded etcd did not start
+    ├── CatalogError (ValueError)       the device catalog (sites.catalog)
+    │   ├── InvalidCatalog              a catalog file that cannot be read or is not valid
+    │   └── UnknownDevice (KeyError)    a device model the catalog does not have
+    ├── LatencyConfigError (ValueError) a latency matrix file is missing or malformed; names
+    │                                   the file and line (sites.latency)
+    ├── ExecutorError                   a run could not be started (sites.executor)
+    ├── UnknownJob (LookupError)        a job with no run at this site (sites.workload)
+    └── DoesNotFit                      an assignment asks for more than the site has free
+                                        (sites.workload)
 
-etcd and gRPC errors are translated where they enter (sites.registry) and chained.
+The classes drawn with a module live beside the code that raises them, which callers import
+anyway. etcd and gRPC errors are translated where they enter (sites.registry) and chained.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ Sources:
   (0.015 ms/km, 2 ms) come from configs' china-hubs data: fibre runs ~1.5x the great circle at
   ~200 km/ms, counted both ways, plus ~2 ms of equipment. Beijing-Shanghai gives ~18 ms.
 
-Errors: `LatencyConfigError(ValueError)`, its message naming the file and line.
+Errors: `LatencyConfigError` (a SitesError and a ValueError), its message naming the file
+and line.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sites.errors import SitesError
+
 EARTH_RADIUS_KM = 6371.0
 
 Rtt = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 
 
-class LatencyConfigError(ValueError):
+class LatencyConfigError(SitesError, ValueError):
     """A latency matrix file (or directory) is missing or malformed."""
 
     def __init__(self, message: str, *, path: str | None = None, line: int | None = None):

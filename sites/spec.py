@@ -18,7 +18,6 @@ NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,62}$"
 SiteId = Annotated[str, Field(pattern=SITE_ID_RE, description="lower-case DNS label")]
 Name = Annotated[str, Field(pattern=NAME_RE)]
 NonNegative = Annotated[float, Field(ge=0)]
-Positive = Annotated[float, Field(gt=0)]
 
 
 class Frozen(BaseModel):
