@@ -10,8 +10,9 @@ Sources:
   zone with the RTT in ms to each destination column. Rows are the source; published tables
   are slightly asymmetric and are kept so. An empty cell means "not published".
 - Without a matrix entry, rtt_ms = ms_per_km * great-circle km + base_ms. The defaults
-  (0.015 ms/km, 2 ms) come from configs' china-hubs data: fibre runs ~1.5x the great circle at
-  ~200 km/ms, counted both ways, plus ~2 ms of equipment. Beijing-Shanghai gives ~18 ms.
+  (0.015 ms/km, 2 ms) come from configs/data/china-hubs.yaml: fibre runs ~1.5x the great
+  circle at ~200 km/ms, counted both ways, plus ~2 ms of equipment. Beijing-Shanghai gives
+  ~18 ms.
 
 Errors: `LatencyConfigError` (a SitesError and a ValueError), its message naming the file
 and line.

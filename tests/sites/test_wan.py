@@ -33,7 +33,6 @@ FRONT_B_IP = "127.0.2.1"
 NODES = {NODE_A_IP: "a", NODE_B_IP: "b"}
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_CSV = Path("/work/shared/data/ibm-cloud-vpc-latency-2024.csv")
 
 
 # --- a tiny backend -------------------------------------------------------------------------
@@ -384,11 +383,8 @@ def test_precise_loop_timer_resolution() -> None:
 
 @pytest.fixture
 def ibm_csv() -> Path:
-    """configs/latency's copy of the IBM Cloud table if present, else the shared original."""
-    for path in (REPO / "configs/latency/ibm-cloud-vpc-2024.csv", SHARED_CSV):
-        if path.is_file():
-            return path
-    pytest.skip("IBM Cloud VPC latency CSV not found")
+    """The repository's copy of the IBM Cloud VPC inter-region table."""
+    return REPO / "configs/latency/ibm-cloud-vpc-2024.csv"
 
 
 def test_great_circle_beijing_shanghai() -> None:
