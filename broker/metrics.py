@@ -31,3 +31,19 @@ class BrokerMetrics:
         self.http_requests = Counter(
             "cpn_broker_http_requests", "API requests", ["method", "route", "status"], registry=r
         )
+        self.actions = Counter(
+            "cpn_broker_actions",
+            "Scheduler actions carried out (done) or dropped because the view was behind (stale)",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.task_crashes = Counter(
+            "cpn_broker_task_crashes",
+            "Crashes of the broker's supervised tasks (each restarted with backoff)",
+            ["task"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "cpn_broker_healthy", "1 unless a supervised task crashed recently", registry=r
+        )
+        self.healthy.set(1)

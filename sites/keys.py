@@ -8,6 +8,7 @@
 /cpn/v1/links/<src>/<dst>        LinkStatus       (lease)      agent of src, every interval
 /cpn/v1/services/<svc>/<site>    ServiceEndpoint  (lease)      agent, every interval
 /cpn/v1/assignments/<site>/<job> (broker)                      jobs placed on the site
+/cpn/v1/gangs/<tenant>/<gang>    GangRecord                    broker, at each member's submit
 """
 
 from __future__ import annotations
@@ -76,3 +77,11 @@ def split(key: str, prefix: str) -> list[str]:
     if not key.startswith(prefix):
         raise ValueError(f"key {key!r} is not under {prefix!r}")
     return key[len(prefix) :].split("/")
+
+
+GANGS = ROOT + "gangs/"
+
+
+def gang(tenant: str, name: str) -> str:
+    """/cpn/v1/gangs/<tenant>/<gang>: the gang's size, shape and members (broker, at submit)."""
+    return f"{GANGS}{tenant}/{name}"

@@ -1,0 +1,642 @@
+"""What the leader does next: `decide(view, now, ctx) -> Decided`. Pure: no I/O, no clock.
+
+The leader's loop reads its View, calls `decide`, and hands the actions to the actor
+(broker.actions), which carries each out as one guarded etcd transaction. An action is decided
+on the revisions the view holds; if a record changed meanwhile its transaction fails and the
+next pass decides again on the newer view. Tests check decisions without etcd.
+
+In one pass, in this order (a job gets at most one action per pass):
+
+1. Reports of the current run (fence and attempt match, job PLACED or RUNNING): RUNNING;
+   SUCCEEDED; a failed or stopped run is retried with backoff (PENDING) or FAILED when no
+   retries are left. A terminal report of a run that no longer matters is deleted.
+2. Failover: the jobs of a site down (or gone) for failover_grace_s are re-queued at once; a
+   lost site still uses up a retry (broker.lifecycle).
+3. The fast path, in priority then age order: broker.placement.place per job, the snapshot
+   updated after each placement. A job that cannot be placed waits with the reason
+   (unschedulable); a job whose own spec makes placement raise is FAILED with the error.
+4. Gangs (placed whole or not at all): a gang is placed, in one transaction, once all `size`
+   members are PENDING and past their backoff; fewer members wait ("k/n members submitted").
+   Members that disagree on gang.size or on their shape fail with that reason; members beyond
+   the size fail (newest first). When one member is re-queued (retry or failover) the others
+   are too, and when one fails for good the others fail with it, so no member runs alone.
+
+`batch_jobs` / `decide_batch` do the same for the CP-SAT batch pass: what the fast path left
+waiting becomes one plan problem (broker.batch), and a gang is committed only whole.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from broker import batch
+from broker import placement as pl
+from broker.errors import BrokerError
+from broker.jobs import TRANSITIONS, Event, JobRecord, JobState
+from broker.lifecycle import RetryPolicy, retry_backoff_s
+from broker.plan import PlanProblem, PlanResult
+from broker.settings import SchedulingSettings
+from broker.view import LIVE, View, federation, gang_key, gangs, groups, usage
+from sites import keys
+from sites.assignments import Assignment, Report, RunState
+from sites.catalog import DeviceCatalog
+from sites.registry import Guard
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "Context",
+    "Decided",
+    "JobWrite",
+    "batch_jobs",
+    "decide",
+    "decide_batch",
+    "track_down",
+]
+
+log = logging.getLogger(__name__)
+
+
+class ActionKind(enum.StrEnum):
+    place = "place"  # PENDING -> PLACED with an assignment (a gang: all members at once)
+    advance = "advance"  # a site's report moves the job: RUNNING, SUCCEEDED
+    requeue = "requeue"  # back to PENDING: retry after a failed run (its gang with it)
+    migrate = "migrate"  # back to PENDING at once: its site was lost (its gang with it)
+    fail = "fail"  # FAILED with the reason (no retries left, or the spec cannot run)
+    unschedulable = "unschedulable"  # stays PENDING; the reason recorded
+    drop_report = "drop_report"  # a finished report of a run that no longer matters
+
+
+@dataclass(frozen=True, slots=True)
+class JobWrite:
+    """One job record written (guarded on the revision it was decided on), with its keys."""
+
+    record: JobRecord  # the new record
+    revision: int
+    puts: Mapping[str, bytes] = field(default_factory=dict)
+    deletes: tuple[str, ...] = ()
+    guards: tuple[Guard, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """One transaction, fenced on the leader key. `jobs` are the records it writes."""
+
+    kind: ActionKind
+    jobs: tuple[JobWrite, ...]
+    message: str
+    deletes: tuple[str, ...] = ()  # keys deleted besides the jobs' own (drop_report)
+    guards: tuple[Guard, ...] = ()
+    assignments: tuple[Assignment, ...] = ()  # written by a place action
+
+    @property
+    def job_ids(self) -> tuple[str, ...]:
+        return tuple(w.record.id for w in self.jobs)
+
+    def key(self) -> tuple[str, tuple[str, ...]]:
+        return self.kind.value, self.job_ids
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What decisions need besides the view: configuration and the leader's own memory."""
+
+    catalog: DeviceCatalog
+    settings: SchedulingSettings
+    user_rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    quotas: Mapping[str, int] = field(default_factory=dict)
+    written: tuple[Assignment, ...] = ()  # assignments committed, not yet in the view
+    down_since: Mapping[str, float] = field(default_factory=dict)  # site -> first seen down
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(self.settings.retry_base_s, self.settings.retry_max_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Decided:
+    actions: tuple[Action, ...]
+    pending: int  # PENDING jobs in the view
+
+
+def track_down(view: View, previous: Mapping[str, float], now: float) -> dict[str, float]:
+    """site -> when the leader first saw it down, for the sites down now."""
+    return {site: previous.get(site, now) for site in view.sites.specs if not view.site_up(site)}
+
+
+def decide(view: View, now: float, ctx: Context) -> Decided:
+    """The next actions (module docstring)."""
+    out = _Pass(view, now, ctx)
+    out.reports()
+    out.failover()
+    out.place()
+    pending = sum(1 for r, _ in view.jobs.values() if r.state is JobState.PENDING)
+    return Decided(actions=tuple(out.actions), pending=pending)
+
+
+class _Pass:
+    def __init__(self, view: View, now: float, ctx: Context) -> None:
+        self.view = view
+        self.now = now
+        self.ctx = ctx
+        self.actions: list[Action] = []
+        self.touched: set[str] = set()
+        self.gangs = gangs(view)
+
+    def _emit(self, action: Action) -> None:
+        self.actions.append(action)
+        self.touched.update(action.job_ids)
+
+    # -- reports ----------------------------------------------------------------------------
+
+    def reports(self) -> None:
+        view = self.view
+        for (site, job_id), (report, report_rev) in sorted(view.reports.items()):
+            entry = view.jobs.get(job_id)
+            record = entry[0] if entry else None
+            current = (
+                record is not None
+                and record.placement is not None
+                and record.placement.site == site
+                and record.attempt == report.attempt
+                and record.fence == report.fence
+                and record.state in LIVE
+            )
+            if not current or entry is None or record is None:
+                assignment = view.assignments.get((site, job_id))
+                if (assignment is None or assignment.fence != report.fence) and (
+                    report.state.terminal
+                ):
+                    self.actions.append(
+                        Action(
+                            ActionKind.drop_report,
+                            (),
+                            f"report of {job_id} on {site}: the run no longer matters",
+                            deletes=(keys.report(site, job_id),),
+                            guards=(Guard(keys.report(site, job_id), mod_revision=report_rev),),
+                        )
+                    )
+                continue
+            if job_id in self.touched:
+                continue
+            self._report(record, entry[1], report, report_rev)
+
+    def _report(self, record: JobRecord, rev: int, report: Report, report_rev: int) -> None:
+        site, now = report.site, self.now
+        rkey, akey = keys.report(site, record.id), keys.assignment(site, record.id)
+        if report.state in (RunState.starting, RunState.running):
+            if record.state is JobState.RUNNING:
+                return
+            ev = Event(
+                at=now,
+                type="running",
+                message=f"running on {site}",
+                site=site,
+                attempt=record.attempt,
+            )
+            new = record.with_event(ev, state=JobState.RUNNING)
+            self._emit(Action(ActionKind.advance, (JobWrite(new, rev),), ev.message))
+            return
+        guard = (Guard(rkey, mod_revision=report_rev),)
+        if report.state is RunState.succeeded:
+            ev = Event(
+                at=now,
+                type="succeeded",
+                message=f"exit 0 on {site}",
+                site=site,
+                attempt=record.attempt,
+            )
+            new = record.with_event(ev, state=JobState.SUCCEEDED, exit_code=0)
+            write = JobWrite(new, rev, deletes=(akey, rkey), guards=guard)
+            self._emit(Action(ActionKind.advance, (write,), ev.message))
+            return
+        why = (
+            f"exit {report.exit_code} on {site}"
+            if report.state is RunState.failed
+            else (f"stopped on {site}")
+        )
+        if report.message:
+            why += f": {report.message}"
+        new = self._retry_or_fail(record, why, site, exit_code=report.exit_code)
+        self._stop_with_gang(record, rev, new, (akey, rkey), guard, why)
+
+    def _retry_or_fail(
+        self,
+        record: JobRecord,
+        why: str,
+        site: str,
+        *,
+        exit_code: int | None = None,
+        kind: str = "retried",
+    ) -> JobRecord:
+        now = self.now
+        backoff = retry_backoff_s(record.retries, record.spec.max_retries, self.ctx.retry)
+        if backoff is None:
+            ev = Event(
+                at=now,
+                type="failed",
+                message=f"{why}; no retries left ({record.spec.max_retries})",
+                site=site,
+                attempt=record.attempt,
+            )
+            return record.with_event(ev, state=JobState.FAILED, exit_code=exit_code)
+        resume = (
+            f", resuming from {record.spec.checkpoint_path}" if record.spec.checkpoint_path else ""
+        )
+        if kind == "migrated":
+            backoff = 0.0  # a lost site is no reason to wait
+        ev = Event(
+            at=now,
+            type=kind,
+            message=f"{why}; retry {record.retries + 1}/{record.spec.max_retries} in "
+            f"{backoff:.0f}s{resume}",
+            site=site,
+            attempt=record.attempt,
+        )
+        return record.with_event(
+            ev,
+            state=JobState.PENDING,
+            retries=record.retries + 1,
+            not_before=now + backoff,
+            exit_code=exit_code,
+        )
+
+    def _stop_with_gang(
+        self,
+        record: JobRecord,
+        rev: int,
+        new: JobRecord,
+        deletes: tuple[str, ...],
+        guards: tuple[Guard, ...],
+        why: str,
+        *,
+        lost_site: bool = False,
+    ) -> None:
+        """The job's run ended (retry, failure, lost site): write it, and its gang with it."""
+        writes = [JobWrite(new, rev, deletes=deletes, guards=guards)]
+        key = gang_key(record)
+        for other, other_rev in self.gangs.get(key, []) if key else []:
+            if other.id == record.id or other.id in self.touched:
+                continue
+            if new.state is JobState.FAILED and other.state in (JobState.PENDING, *LIVE):
+                ev = Event(
+                    at=self.now,
+                    type="failed",
+                    message=f"gang member {record.id} failed: {why}",
+                    attempt=other.attempt,
+                )
+                changed = other.with_event(ev, state=JobState.FAILED, placement=other.placement)
+            elif other.state in LIVE:
+                ev = Event(
+                    at=self.now,
+                    type="requeued",
+                    message=f"gang member {record.id} stopped ({why}); the gang restarts whole",
+                    attempt=other.attempt,
+                )
+                changed = other.with_event(
+                    ev, state=JobState.PENDING, not_before=new.not_before, placement=None
+                )
+            else:
+                continue  # pending or suspended: it waits for the gang anyway
+            writes.append(JobWrite(changed, other_rev, deletes=_run_keys(other)))
+        kind = ActionKind.requeue
+        if new.state is JobState.FAILED:
+            kind = ActionKind.fail
+        elif lost_site:
+            kind = ActionKind.migrate
+        self._emit(Action(kind, tuple(writes), new.events[-1].message))
+
+    # -- failover ---------------------------------------------------------------------------
+
+    def failover(self) -> None:
+        view, grace = self.view, self.ctx.settings.failover_grace_s
+        for job_id, (record, rev) in sorted(view.jobs.items()):
+            if record.state not in LIVE or record.placement is None or job_id in self.touched:
+                continue
+            site = record.placement.site
+            since = self.ctx.down_since.get(site)
+            if site in view.sites.specs and since is None:
+                continue  # up
+            if since is not None and self.now - since < grace:
+                continue
+            new = self._retry_or_fail(record, f"site {site} went down", site, kind="migrated")
+            deletes = (keys.assignment(site, job_id), keys.report(site, job_id))
+            self._stop_with_gang(
+                record, rev, new, deletes, (), f"site {site} went down", lost_site=True
+            )
+
+    # -- placement ----------------------------------------------------------------------------
+
+    def place(self) -> None:
+        view, ctx, now = self.view, self.ctx, self.now
+        pending = [
+            (record, rev)
+            for record, rev in view.jobs.values()
+            if record.state is JobState.PENDING
+            and record.not_before <= now
+            and record.id not in self.touched
+        ]
+        if not pending:
+            return
+        pending.sort(key=lambda rr: (-rr[0].spec.priority, rr[0].created_at, rr[0].id))
+        fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
+        used = usage(view, ctx.quotas, ctx.written)
+        grouped = groups(view)
+        when = datetime.fromtimestamp(now, UTC)
+        for record, rev in pending:
+            if record.spec.gang is not None:
+                continue
+            try:
+                decision = pl.place(record.spec, fed, now=when, usage=used, groups=grouped)
+                if isinstance(decision, pl.Decision):
+                    fed = pl.apply(fed, decision, record.spec)
+            except (BrokerError, ValueError) as exc:
+                self._fail_spec(record, rev, f"cannot be placed: {exc}")
+                continue
+            if isinstance(decision, pl.Unschedulable):
+                self._unschedulable(record, rev, decision.message)
+                continue
+            self._emit(_placement([(record, rev, decision)], now))
+            used = used.plus(record.spec.tenant, record.spec.gpu.count)
+            grouped = grouped.with_placed(record.spec.group, decision.site)
+        self._place_gangs(fed, used, grouped, when)
+
+    def _place_gangs(
+        self, fed: pl.Federation, used: pl.TenantUsage, grouped: pl.GroupState, when: datetime
+    ) -> None:
+        for name, members in sorted(self.gangs.items()):
+            if any(r.id in self.touched for r, _ in members):
+                continue
+            ready = self._gang_ready(name, members)
+            if ready is None:
+                continue
+            try:
+                result = pl.place_gang(
+                    [r.spec for r, _ in ready], fed, now=when, usage=used, groups=grouped
+                )
+                if not isinstance(result, pl.Unschedulable):
+                    for (record, _), decision in zip(ready, result, strict=True):
+                        fed = pl.apply(fed, decision, record.spec)
+            except (BrokerError, ValueError) as exc:
+                for record, rev in ready:
+                    self._fail_spec(record, rev, f"gang {name} cannot be placed: {exc}")
+                continue
+            if isinstance(result, pl.Unschedulable):
+                for record, rev in ready:
+                    self._unschedulable(record, rev, f"gang {name}: {result.message}")
+                continue
+            placed = [(r, rev, d) for (r, rev), d in zip(ready, result, strict=True)]
+            self._emit(_placement(placed, self.now))
+            for record, _, decision in placed:
+                used = used.plus(record.spec.tenant, record.spec.gpu.count)
+                grouped = grouped.with_placed(record.spec.group, decision.site)
+
+    def _gang_ready(
+        self, name: str, members: list[tuple[JobRecord, int]]
+    ) -> list[tuple[JobRecord, int]] | None:
+        """The members to place now, or None (each member then has its reason)."""
+        bad = gang_problem(name, [r for r, _ in members])
+        if bad is not None:
+            for record, rev in members:
+                if bad.job is None or bad.job == record.id:
+                    self._fail_spec(record, rev, bad.message)
+            return None
+        gang = members[0][0].spec.gang
+        size = gang.size if gang else 0
+        live = [(r, rev) for r, rev in members if r.state in LIVE]
+        waiting = [(r, rev) for r, rev in members if r.state is JobState.PENDING]
+        if live and waiting:
+            # a member runs while another waits (suspended and resumed alone): restart it whole
+            for record, rev in live:
+                ev = Event(
+                    at=self.now,
+                    type="requeued",
+                    message=f"gang {name} is placed whole; a member waits, so this one stops",
+                    attempt=record.attempt,
+                )
+                new = record.with_event(ev, state=JobState.PENDING, placement=None)
+                write = JobWrite(new, rev, deletes=_run_keys(record))
+                self._emit(Action(ActionKind.requeue, (write,), ev.message))
+            return None
+        if len(waiting) < size:
+            for record, rev in waiting:
+                self._unschedulable(
+                    record, rev, f"gang {name}: {len(waiting)}/{size} members submitted"
+                )
+            return None
+        if any(r.not_before > self.now for r, _ in waiting):
+            return None  # a member is in its backoff; the gang goes when all may
+        return waiting
+
+    def _unschedulable(self, record: JobRecord, rev: int, message: str) -> None:
+        if record.unschedulable == message:
+            return
+        new = record.with_event(
+            Event(at=self.now, type="unschedulable", message=message), unschedulable=message
+        )
+        self._emit(Action(ActionKind.unschedulable, (JobWrite(new, rev),), message))
+
+    def _fail_spec(self, record: JobRecord, rev: int, message: str) -> None:
+        """FAILED because of the job's own spec; a live run of it is withdrawn."""
+        if record.id in self.touched or JobState.FAILED not in TRANSITIONS[record.state]:
+            return
+        new = record.with_event(
+            Event(at=self.now, type="failed", message=message, attempt=record.attempt),
+            state=JobState.FAILED,
+        )
+        self._emit(
+            Action(ActionKind.fail, (JobWrite(new, rev, deletes=_run_keys(record)),), message)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class GangProblem:
+    message: str
+    job: str | None  # the one member at fault; None: every member
+
+
+def gang_problem(name: str, members: Sequence[JobRecord]) -> GangProblem | None:
+    """Why these unfinished members (oldest first) can never form their gang, if they cannot."""
+    if not members:
+        return None
+    first = members[0].spec
+    size = first.gang.size if first.gang else 0
+    for record in members[1:]:
+        gang = record.spec.gang
+        if gang is not None and gang.size != size:
+            return GangProblem(
+                f"gang {name}: members disagree on gang.size ({size} vs {gang.size})", None
+            )
+        if _shape(record) != _shape(members[0]):
+            return GangProblem(
+                f"gang {name}: member {record.id} asks for other resources than {members[0].id} "
+                "(gpu, cpu, mem_gb and duration_hours must agree)",
+                record.id,
+            )
+    if len(members) > size:
+        extra = members[size]
+        return GangProblem(
+            f"gang {name} has gang.size {size}; member {extra.id} is one too many", extra.id
+        )
+    return None
+
+
+def _run_keys(record: JobRecord) -> tuple[str, ...]:
+    """The assignment and report of the job's live run (none when it is not running)."""
+    if record.state not in LIVE or record.placement is None:
+        return ()
+    site = record.placement.site
+    return keys.assignment(site, record.id), keys.report(site, record.id)
+
+
+def _shape(record: JobRecord) -> tuple[object, ...]:
+    spec = record.spec
+    return spec.gpu, spec.cpu, spec.mem_gb, spec.duration_hours
+
+
+def _placement(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: float) -> Action:
+    """One place action: every (record, revision, decision) in one transaction."""
+    writes = []
+    assignments = []
+    for record, rev, decision in placed:
+        spec = record.spec
+        attempt = record.attempt + 1
+        assignment = Assignment(
+            job=record.id,
+            site=decision.site,
+            tenant=spec.tenant,
+            attempt=attempt,
+            fence=rev,
+            command=spec.command,
+            env=spec.env,
+            model=decision.model,
+            gpus=spec.gpu.count,
+            cpu=spec.cpu,
+            mem_gb=spec.mem_gb,
+            checkpoint_path=spec.checkpoint_path,
+            resume=record.retries > 0 and spec.checkpoint_path is not None,
+            assigned_at=now,
+        )
+        kind = "placed" if record.attempt == 0 else "re-placed"
+        placement = decision.placement()
+        new = record.with_event(
+            Event(
+                at=now,
+                type=kind,
+                message=f"on {decision.site}: {decision.reason}",
+                site=decision.site,
+                attempt=attempt,
+            ),
+            state=JobState.PLACED,
+            attempt=attempt,
+            fence=rev,
+            placement=placement.model_copy(update={"cost_usd": round(placement.cost_usd, 6)}),
+            unschedulable=None,
+        )
+        akey = keys.assignment(decision.site, record.id)
+        writes.append(
+            JobWrite(
+                new,
+                rev,
+                puts={akey: assignment.model_dump_json().encode()},
+                guards=(Guard(akey, mod_revision=0),),
+            )
+        )
+        assignments.append(assignment)
+    sites = sorted({d.site for _, _, d in placed})
+    what = placed[0][0].id if len(placed) == 1 else f"gang of {len(placed)}"
+    return Action(
+        ActionKind.place,
+        tuple(writes),
+        f"{what} on {', '.join(sites)}",
+        assignments=tuple(assignments),
+    )
+
+
+# -- the batch pass -------------------------------------------------------------------------
+
+
+def batch_jobs(
+    view: View, now: float, exclude: frozenset[str] = frozenset()
+) -> list[batch.Pending]:
+    """The jobs a batch pass may place: PENDING past backoff, gangs only whole and sound;
+    `exclude`: jobs just written (the view does not show it yet)."""
+    out = []
+    members = gangs(view)
+    for record, _ in sorted(view.jobs.values(), key=lambda rr: (rr[0].created_at, rr[0].id)):
+        if record.state is not JobState.PENDING or record.not_before > now:
+            continue
+        if record.id in exclude:
+            continue
+        key = gang_key(record)
+        if key is not None:
+            group = [r for r, _ in members.get(key, [])]
+            gang = record.spec.gang
+            complete = (
+                gang is not None
+                and len(group) == gang.size
+                and all(
+                    r.state is JobState.PENDING and r.not_before <= now and r.id not in exclude
+                    for r in group
+                )
+                and gang_problem(key, group) is None
+            )
+            if not complete:
+                continue
+        out.append(batch.Pending(record.id, record.spec))
+    return out
+
+
+def batch_problem(
+    view: View, jobs: Sequence[batch.Pending], now: float, ctx: Context
+) -> PlanProblem:
+    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
+    when = datetime.fromtimestamp(now, UTC)
+    return batch.to_problem(jobs, fed, now=when, groups=groups(view), quotas=ctx.quotas)
+
+
+def decide_batch(
+    view: View,
+    jobs: Sequence[batch.Pending],
+    problem: PlanProblem,
+    result: PlanResult,
+    now: float,
+    ctx: Context,
+) -> list[Action]:
+    """Place actions for the solver's assignments that still apply to `view` (the view after
+    the solve: a job that changed meanwhile is left out); a gang only with all its members."""
+    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
+    by_gang: dict[str, list[tuple[JobRecord, int, pl.Decision]]] = {}
+    singles: list[tuple[JobRecord, int, pl.Decision]] = []
+    for pending, decision in batch.decisions(result, problem, jobs, fed):
+        entry = view.jobs.get(pending.id)
+        if entry is None or entry[0].state is not JobState.PENDING:
+            continue
+        record, rev = entry
+        key = gang_key(record)
+        if key is None:
+            singles.append((record, rev, decision))
+        else:
+            by_gang.setdefault(key, []).append((record, rev, decision))
+    actions = []
+    groups_: Iterable[list[tuple[JobRecord, int, pl.Decision]]] = [
+        *([one] for one in singles),
+        *by_gang.values(),
+    ]
+    for group in groups_:
+        gang = group[0][0].spec.gang
+        if gang is not None and len(group) != gang.size:
+            continue  # part of a gang: never alone
+        try:
+            taken = fed
+            for record, _, decision in group:
+                taken = pl.apply(taken, decision, record.spec)
+        except pl.PlacementError:
+            continue  # capacity taken meanwhile; the next pass sees it
+        fed = taken
+        actions.append(_placement(group, now))
+    return actions

@@ -1,0 +1,242 @@
+"""What any broker replica does for an API call: validate and submit a job, read it, and the
+user's transitions (cancel, suspend, resume). Each write is one guarded transaction.
+
+A gang member is registered at submit in the gang's record (/cpn/v1/gangs/<tenant>/<gang>)
+in the same transaction as the job: members must agree on gang.size and on their shape (gpu,
+cpu, mem_gb, duration_hours), and a member beyond the size is refused (409, field gang.size).
+A gang whose members have all finished is forgotten by the next submit of its name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.errors import Conflict, IllegalTransition, InvalidRequest, NotFound, StaleRecord
+from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState
+from broker.metrics import BrokerMetrics
+from broker.store import Change, JobStore
+from broker.view import View
+from sites import keys
+from sites.clock import Clock
+from sites.registry import Guard, Registry
+
+__all__ = ["GangRecord", "Operations"]
+
+MAX_TRIES = 20
+
+
+class GangRecord(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    size: int = Field(ge=2)
+    gpu: GpuRequest
+    cpu: int
+    mem_gb: float
+    duration_hours: float
+    members: tuple[str, ...] = Field(description="job ids, in submit order")
+
+
+class Operations:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        store: JobStore,
+        catalog_models: Callable[[], dict[str, float | None]],
+        user_regions: frozenset[str],
+        clock: Clock,
+        metrics: BrokerMetrics,
+        view: Callable[[], View],
+        kick: asyncio.Event,
+    ) -> None:
+        self.registry = registry
+        self.store = store
+        self._models = catalog_models
+        self._user_regions = user_regions
+        self.clock = clock
+        self.metrics = metrics
+        self._view = view
+        self._kick = kick
+
+    def validate(self, spec: JobSpec) -> None:
+        """Checks that need the catalog, the clock or the federation; each names its field."""
+        models = self._models()
+        for i, model in enumerate(spec.gpu.acceptable or ()):
+            if model not in models:
+                known = ", ".join(sorted(models))
+                field = "gpu.model" if spec.gpu.model else f"gpu.models[{i}]"
+                raise InvalidRequest(f"unknown model {model!r} (catalog: {known})", field=field)
+        if spec.gpu.min_mem_gb is not None:
+            biggest = max((mem or 0.0) for mem in models.values())
+            if spec.gpu.min_mem_gb > biggest:
+                raise InvalidRequest(
+                    f"no catalog device has {spec.gpu.min_mem_gb} GB (largest: {biggest} GB)",
+                    field="gpu.min_mem_gb",
+                )
+        if spec.deadline is not None:
+            now = datetime.fromtimestamp(self.clock.time(), UTC)
+            if spec.deadline <= now:
+                raise InvalidRequest("deadline is in the past", field="deadline")
+            hours = (spec.deadline - now).total_seconds() / 3600
+            if spec.duration_hours > hours:
+                raise InvalidRequest(
+                    f"duration_hours {spec.duration_hours} does not fit before the deadline "
+                    f"({hours:.2f} h away)",
+                    field="duration_hours",
+                )
+        if spec.user is not None and spec.user.region not in self._user_regions:
+            regions = ", ".join(sorted(self._user_regions))
+            raise InvalidRequest(
+                f"unknown user region {spec.user.region!r} (known: {regions})",
+                field="user.region",
+            )
+        if spec.allowed_regions:
+            regions_known = {s.region for s in self._view().sites.specs.values()}
+            for i, region in enumerate(spec.allowed_regions):
+                if region not in regions_known:
+                    raise InvalidRequest(
+                        f"no site is in region {region!r}", field=f"allowed_regions[{i}]"
+                    )
+
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        self.validate(spec)
+        now = self.clock.time()
+        record = JobRecord(
+            id=f"{spec.name}-{secrets.token_hex(3)}",
+            spec=spec,
+            state=JobState.PENDING,
+            created_at=now,
+            updated_at=now,
+            events=(Event(at=now, type="submitted", message=f"submitted by {spec.tenant}"),),
+        )
+        if spec.gang is None:
+            await self.store.create(record)
+        else:
+            await self._create_member(record)
+        self.metrics.submitted.inc()
+        self._kick.set()
+        return record
+
+    async def _create_member(self, record: JobRecord) -> None:
+        spec = record.spec
+        gang = spec.gang
+        if gang is None:
+            raise InvalidRequest("not a gang member", field="gang")
+        key = keys.gang(spec.tenant, gang.name)
+        name = f"{spec.tenant}/{gang.name}"
+        for _ in range(MAX_TRIES):
+            got = await self.registry.get_raw(key)
+            guard = Guard(key, mod_revision=0)
+            members: tuple[str, ...] = ()
+            if got is not None:
+                raw, revision = got
+                guard = Guard(key, mod_revision=revision)
+                current = GangRecord.model_validate_json(raw)
+                members = await self._unfinished(current.members)
+                if members:
+                    _check_member(name, current, spec, len(members))
+            entry = GangRecord(
+                size=gang.size,
+                gpu=spec.gpu,
+                cpu=spec.cpu,
+                mem_gb=spec.mem_gb,
+                duration_hours=spec.duration_hours,
+                members=(*members, record.id),
+            )
+            ok = await self.store.commit(
+                record,
+                revision=0,
+                puts={key: entry.model_dump_json().encode()},
+                guards=[guard],
+            )
+            if ok:
+                return
+        raise StaleRecord(f"gang {name} kept changing; gave up after {MAX_TRIES} tries")
+
+    async def _unfinished(self, members: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for job_id in members:
+            try:
+                record, _ = await self.store.get(job_id)
+            except NotFound:
+                continue
+            if not record.state.terminal:
+                out.append(job_id)
+        return tuple(out)
+
+    async def get(self, job_id: str) -> JobRecord:
+        record, _ = await self.store.get(job_id)
+        return record
+
+    async def cancel(self, job_id: str) -> JobRecord:
+        return await self._transition(
+            job_id, JobState.CANCELLED, "cancelled", "cancelled by the user"
+        )
+
+    async def suspend(self, job_id: str) -> JobRecord:
+        return await self._transition(
+            job_id, JobState.SUSPENDED, "suspended", "suspended by the user"
+        )
+
+    async def resume(self, job_id: str) -> JobRecord:
+        return await self._transition(job_id, JobState.PENDING, "resumed", "resumed by the user")
+
+    async def _transition(self, job_id: str, state: JobState, kind: str, message: str) -> JobRecord:
+        now = self.clock.time()
+
+        def fn(record: JobRecord, _: int) -> Change | None:
+            if record.state is state:
+                return None  # idempotent
+            if kind == "resumed" and record.state is not JobState.SUSPENDED:
+                raise IllegalTransition(
+                    f"only a SUSPENDED job can be resumed; this one is {record.state.value}"
+                )
+            record.state.check(state)
+            change = Change(
+                record.with_event(
+                    Event(at=now, type=kind, message=message, attempt=record.attempt),
+                    state=state,
+                    placement=None if state is not JobState.CANCELLED else record.placement,
+                    not_before=0.0,
+                )
+            )
+            if record.placement is not None and record.state in (JobState.PLACED, JobState.RUNNING):
+                change.deletes.append(keys.assignment(record.placement.site, record.id))
+            return change
+
+        result = await self.store.mutate(job_id, fn)
+        self._kick.set()
+        if result is None:
+            return await self.get(job_id)
+        return result
+
+
+def _check_member(name: str, gang: GangRecord, spec: JobSpec, unfinished: int) -> None:
+    size = spec.gang.size if spec.gang else 0
+    if size != gang.size:
+        raise InvalidRequest(
+            f"gang {name} has gang.size {gang.size}; this member says {size}",
+            field="gang.size",
+        )
+    for field, mine, theirs in (
+        ("gpu", spec.gpu, gang.gpu),
+        ("cpu", spec.cpu, gang.cpu),
+        ("mem_gb", spec.mem_gb, gang.mem_gb),
+        ("duration_hours", spec.duration_hours, gang.duration_hours),
+    ):
+        if mine != theirs:
+            raise InvalidRequest(
+                f"gang {name}: every member asks for the same {field} "
+                f"(the gang has {theirs!r}, this member {mine!r})",
+                field=field,
+            )
+    if unfinished >= gang.size:
+        raise Conflict(
+            f"gang {name} already has its {gang.size} members (gang.size {gang.size})",
+            field="gang.size",
+        )

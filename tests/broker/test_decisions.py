@@ -1,0 +1,326 @@
+"""The leader's decisions on hand-built views: no etcd, no clock (broker.decisions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from broker import decisions as dc
+from broker.jobs import Event, JobRecord, JobSpec, JobState, Placement
+from broker.plan import Assignment as PlanAssignment
+from broker.plan import PlanResult, PlanStatus
+from broker.settings import SchedulingSettings
+from broker.view import View
+from sites import keys
+from sites.assignments import Assignment, Report, RunState
+from sites.catalog import DeviceCatalog, normalize_inventory
+from sites.snapshot import Snapshot
+from sites.spec import SiteSpec
+from sites.status import AgentRecord, HostUsage, SiteStatus
+from tests.conftest import CONFIGS, site_doc
+
+NOW = 1_800_000_000.0
+CATALOG = DeviceCatalog.load(CONFIGS / "devices.yaml")
+
+
+def snapshot(*site_ids: str, down: tuple[str, ...] = (), gpus: int = 16) -> Snapshot:
+    snap = Snapshot(revision=1)
+    for i, site_id in enumerate(site_ids):
+        doc = site_doc(site_id)
+        doc["inventory"]["devices"] = [{"model": "H100", "count": gpus}]
+        doc["prices"]["usd_per_gpu_hour"] = {"H100": 2.0 + i}
+        spec = SiteSpec.model_validate(doc)
+        snap.specs[site_id] = spec
+        if site_id in down:
+            continue
+        cap = normalize_inventory(spec.inventory, CATALOG)
+        snap.agents[site_id] = AgentRecord(
+            site=site_id, instance="a", pid=1, host="h", started_at=0, url="", lease_id=1
+        )
+        snap.statuses[site_id] = SiteStatus(
+            site=site_id,
+            instance="a",
+            seq=1,
+            published_at=NOW,
+            interval_s=1,
+            mode="declared",
+            capacity=cap,
+            free=cap,
+            host=HostUsage(cpu_cores=8, cpu_util_pct=0, mem_gb=8, mem_used_gb=1, load_1m=0),
+        )
+    return snap
+
+
+def job(job_id: str, rev: int = 10, **spec: Any) -> tuple[JobRecord, int]:
+    body = {"name": job_id, "tenant": "t1", "command": ["true"], **spec}
+    record = JobRecord(
+        id=job_id,
+        spec=JobSpec.model_validate(body),
+        state=JobState.PENDING,
+        created_at=NOW - 100 + rev,
+        updated_at=NOW - 100,
+        events=(Event(at=NOW - 100, type="submitted", message="submitted"),),
+    )
+    return record, rev
+
+
+def running(record: JobRecord, site: str, state: JobState = JobState.RUNNING) -> JobRecord:
+    return record.model_copy(
+        update={
+            "state": state,
+            "attempt": 1,
+            "fence": 5,
+            "placement": Placement(
+                site=site, region="test-region", model="H100", gpus=1, cost_usd=1.0, reason="r"
+            ),
+        }
+    )
+
+
+def view(snap: Snapshot, *jobs: tuple[JobRecord, int], **extra: Any) -> View:
+    return View(sites=snap, jobs={r.id: (r, rev) for r, rev in jobs}, **extra)
+
+
+def ctx(**kw: Any) -> dc.Context:
+    return dc.Context(catalog=CATALOG, settings=SchedulingSettings(), **kw)
+
+
+def kinds(decided: dc.Decided) -> list[tuple[str, tuple[str, ...]]]:
+    return [a.key() for a in decided.actions]
+
+
+def gpu(count: int = 1) -> dict[str, Any]:
+    return {"count": count, "model": "H100"}
+
+
+def test_pending_job_is_placed_on_the_cheapest_site_with_its_assignment() -> None:
+    decided = dc.decide(view(snapshot("a", "b"), job("j1", gpu=gpu())), NOW, ctx())
+    assert kinds(decided) == [("place", ("j1",))]
+    (write,) = decided.actions[0].jobs
+    assert write.record.state is JobState.PLACED and write.revision == 10
+    assert write.record.placement is not None and write.record.placement.site == "a"
+    assert write.record.fence == 10 and write.record.attempt == 1
+    assert list(write.puts) == [keys.assignment("a", "j1")]
+    assert decided.actions[0].assignments[0].fence == 10
+    assert decided.pending == 1
+
+
+def test_jobs_placed_in_one_pass_share_capacity() -> None:
+    snap = snapshot("a", "b", gpus=8)
+    decided = dc.decide(view(snap, job("j1", 1, gpu=gpu(8)), job("j2", 2, gpu=gpu(8))), NOW, ctx())
+    sites = [a.jobs[0].record.placement.site for a in decided.actions]  # type: ignore[union-attr]
+    assert sites == ["a", "b"]
+
+
+def test_written_assignments_hold_capacity_until_mirrored() -> None:
+    held = Assignment(
+        job="other", site="a", tenant="t1", attempt=1, fence=1, command=("x",), model="H100",
+        gpus=16, assigned_at=NOW,
+    )  # fmt: skip
+    decided = dc.decide(view(snapshot("a", "b"), job("j1", gpu=gpu())), NOW, ctx(written=(held,)))
+    assert decided.actions[0].jobs[0].record.placement.site == "b"  # type: ignore[union-attr]
+
+
+def test_unplaceable_job_waits_with_its_reason_once() -> None:
+    v = view(snapshot("a"), job("j1", gpu=gpu(64)))
+    decided = dc.decide(v, NOW, ctx())
+    assert kinds(decided) == [("unschedulable", ("j1",))]
+    record = decided.actions[0].jobs[0].record
+    assert record.state is JobState.PENDING and "not enough free GPUs" in (
+        record.unschedulable or ""
+    )
+    # the same reason again is not rewritten
+    again = dc.decide(view(snapshot("a"), (record, 11)), NOW, ctx())
+    assert kinds(again) == []
+
+
+def test_backoff_is_respected() -> None:
+    record, rev = job("j1", gpu=gpu())
+    record = record.model_copy(update={"not_before": NOW + 5})
+    assert kinds(dc.decide(view(snapshot("a"), (record, rev)), NOW, ctx())) == []
+
+
+def test_report_running_then_succeeded() -> None:
+    record, rev = job("j1", gpu=gpu())
+    placed = running(record, "a", JobState.PLACED)
+    report = Report(job="j1", site="a", attempt=1, fence=5, state=RunState.running, updated_at=NOW)
+    v = view(snapshot("a"), (placed, rev), reports={("a", "j1"): (report, 3)})
+    decided = dc.decide(v, NOW, ctx())
+    assert kinds(decided) == [("advance", ("j1",))]
+    assert decided.actions[0].jobs[0].record.state is JobState.RUNNING
+    done = report.model_copy(update={"state": RunState.succeeded, "exit_code": 0})
+    v = view(snapshot("a"), (running(record, "a"), rev), reports={("a", "j1"): (done, 4)})
+    action = dc.decide(v, NOW, ctx()).actions[0]
+    assert action.jobs[0].record.state is JobState.SUCCEEDED
+    assert set(action.jobs[0].deletes) == {keys.assignment("a", "j1"), keys.report("a", "j1")}
+
+
+def test_failed_run_retries_with_backoff_then_fails() -> None:
+    record, rev = job("j1", gpu=gpu(), max_retries=1)
+    report = Report(
+        job="j1", site="a", attempt=1, fence=5, state=RunState.failed, exit_code=3, updated_at=NOW
+    )
+    v = view(snapshot("a"), (running(record, "a"), rev), reports={("a", "j1"): (report, 4)})
+    action = dc.decide(v, NOW, ctx()).actions[0]
+    assert action.kind is dc.ActionKind.requeue
+    new = action.jobs[0].record
+    assert new.state is JobState.PENDING and new.retries == 1 and new.not_before == NOW + 2.0
+    exhausted = running(record, "a").model_copy(update={"retries": 1})
+    v = view(snapshot("a"), (exhausted, rev), reports={("a", "j1"): (report, 4)})
+    action = dc.decide(v, NOW, ctx()).actions[0]
+    assert action.kind is dc.ActionKind.fail
+    assert "no retries left" in action.message
+
+
+def test_stale_terminal_report_is_dropped() -> None:
+    report = Report(
+        job="gone", site="a", attempt=1, fence=5, state=RunState.stopped, updated_at=NOW
+    )
+    decided = dc.decide(view(snapshot("a"), reports={("a", "gone"): (report, 7)}), NOW, ctx())
+    (action,) = decided.actions
+    assert action.kind is dc.ActionKind.drop_report and action.deletes == (
+        keys.report("a", "gone"),
+    )
+
+
+def test_failover_waits_for_the_grace_then_migrates_at_once() -> None:
+    record, rev = job("j1", gpu=gpu())
+    v = view(snapshot("a", "b", down=("a",)), (running(record, "a"), rev))
+    down = dc.track_down(v, {}, NOW)
+    assert down == {"a": NOW}
+    assert kinds(dc.decide(v, NOW + 0.5, ctx(down_since=down))) == []
+    action = dc.decide(v, NOW + 1.0, ctx(down_since=down)).actions[0]
+    assert action.kind is dc.ActionKind.migrate
+    new = action.jobs[0].record
+    assert new.state is JobState.PENDING and new.not_before == NOW + 1.0 and new.retries == 1
+
+
+# -- gangs ----------------------------------------------------------------------------------
+
+
+def member(name: str, rev: int, size: int = 2, **spec: Any) -> tuple[JobRecord, int]:
+    return job(name, rev, gpu=gpu(), gang={"name": "g", "size": size}, **spec)
+
+
+def test_gang_is_placed_whole_in_one_action() -> None:
+    decided = dc.decide(view(snapshot("a"), member("m1", 1), member("m2", 2)), NOW, ctx())
+    assert kinds(decided) == [("place", ("m1", "m2"))]
+    assert len(decided.actions[0].assignments) == 2
+
+
+def test_incomplete_gang_waits() -> None:
+    decided = dc.decide(view(snapshot("a"), member("m1", 1)), NOW, ctx())
+    assert kinds(decided) == [("unschedulable", ("m1",))]
+    assert "1/2 members submitted" in decided.actions[0].message
+
+
+def test_gang_members_disagreeing_on_size_fail_and_the_loop_goes_on() -> None:
+    v = view(snapshot("a"), member("m1", 1), member("m2", 2, size=3), job("plain", 3, gpu=gpu()))
+    decided = dc.decide(v, NOW, ctx())
+    assert sorted(kinds(decided)) == [("fail", ("m1",)), ("fail", ("m2",)), ("place", ("plain",))]
+    failed = [a for a in decided.actions if a.kind is dc.ActionKind.fail]
+    assert all("gang.size" in a.message for a in failed)
+
+
+def test_member_beyond_the_size_fails_and_the_gang_runs() -> None:
+    v = view(snapshot("a"), member("m1", 1), member("m2", 2), member("m3", 3))
+    decided = dc.decide(v, NOW, ctx())
+    assert kinds(decided)[0] == ("fail", ("m3",))
+    assert "one too many" in decided.actions[0].message
+
+
+def test_gang_member_with_another_shape_fails() -> None:
+    other, rev = job("m2", 2, gpu=gpu(2), gang={"name": "g", "size": 2})
+    decided = dc.decide(view(snapshot("a"), member("m1", 1), (other, rev)), NOW, ctx())
+    assert kinds(decided) == [("fail", ("m2",))]
+
+
+def test_gang_that_does_not_fit_places_no_member() -> None:
+    v = view(snapshot("a", gpus=1), member("m1", 1), member("m2", 2))
+    decided = dc.decide(v, NOW, ctx())
+    assert {a.kind for a in decided.actions} == {dc.ActionKind.unschedulable}
+
+
+def test_a_lost_member_requeues_its_whole_gang() -> None:
+    m1, r1 = member("m1", 1)
+    m2, r2 = member("m2", 2)
+    v = view(snapshot("a", "b", down=("a",)), (running(m1, "a"), r1), (running(m2, "b"), r2))
+    action = dc.decide(v, NOW + 5, ctx(down_since={"a": NOW})).actions[0]
+    assert action.kind is dc.ActionKind.migrate and action.job_ids == ("m1", "m2")
+    assert all(w.record.state is JobState.PENDING for w in action.jobs)
+    assert keys.assignment("b", "m2") in action.jobs[1].deletes  # its run is withdrawn
+
+
+def test_a_member_that_fails_for_good_fails_its_gang() -> None:
+    m1, r1 = member("m1", 1, max_retries=0)
+    m2, r2 = member("m2", 2)
+    report = Report(
+        job="m1", site="a", attempt=1, fence=5, state=RunState.failed, exit_code=1, updated_at=NOW
+    )
+    v = view(
+        snapshot("a"), (running(m1, "a"), r1), (running(m2, "a"), r2),
+        reports={("a", "m1"): (report, 9)},
+    )  # fmt: skip
+    action = dc.decide(v, NOW, ctx()).actions[0]
+    assert action.kind is dc.ActionKind.fail and action.job_ids == ("m1", "m2")
+    assert all(w.record.state is JobState.FAILED for w in action.jobs)
+
+
+def test_member_running_while_another_waits_is_restarted() -> None:
+    m1, r1 = member("m1", 1)
+    m2, r2 = member("m2", 2)
+    v = view(snapshot("a"), (running(m1, "a"), r1), (m2, r2))
+    decided = dc.decide(v, NOW, ctx())
+    assert kinds(decided) == [("requeue", ("m1",))]
+
+
+def test_a_job_whose_spec_breaks_placement_fails_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from broker import placement as pl
+
+    real = pl.place
+
+    def place(spec: JobSpec, *args: Any, **kw: Any) -> Any:
+        if spec.name == "bad":
+            raise pl.PlacementError("a spec placement cannot work with")
+        return real(spec, *args, **kw)
+
+    monkeypatch.setattr(pl, "place", place)
+    v = view(snapshot("a"), job("bad", 1, gpu=gpu()), job("good", 2, gpu=gpu()))
+    decided = dc.decide(v, NOW, ctx())
+    assert kinds(decided) == [("fail", ("bad",)), ("place", ("good",))]
+    assert "a spec placement cannot work with" in decided.actions[0].message
+
+
+# -- the batch pass -------------------------------------------------------------------------
+
+
+def test_batch_never_takes_part_of_a_gang() -> None:
+    v = view(snapshot("a"), member("m1", 1, size=3), member("m2", 2, size=3), job("j", 3))
+    assert [p.id for p in dc.batch_jobs(v, NOW)] == ["j"]
+    v = view(snapshot("a"), member("m1", 1), member("m2", 2), member("m3", 3))
+    assert dc.batch_jobs(v, NOW) == []  # three members of a gang of 2: none
+
+
+def test_batch_decisions_commit_a_gang_only_whole() -> None:
+    v = view(snapshot("a"), member("m1", 1), member("m2", 2))
+    jobs = dc.batch_jobs(v, NOW)
+    problem = dc.batch_problem(v, jobs, NOW, ctx())
+    half = PlanResult(
+        status=PlanStatus.feasible,
+        objective=1.0,
+        bound=1.0,
+        assignments={"m1": PlanAssignment(site="a", model="H100")},
+        unplaced=("m2",),
+    )
+    assert dc.decide_batch(v, jobs, problem, half, NOW, ctx()) == []
+    whole = half.model_copy(
+        update={
+            "assignments": {j: PlanAssignment(site="a", model="H100") for j in ("m1", "m2")},
+            "unplaced": (),
+        }
+    )
+    (action,) = dc.decide_batch(v, jobs, problem, whole, NOW, ctx())
+    assert action.job_ids == ("m1", "m2")
