@@ -2,6 +2,7 @@
 
 BrokerError
 ├── InvalidRequest (ValueError)   a client sent something wrong: 400, names the field
+│   ├── Conflict                  it contradicts what is already there (a full gang): 409
 │   └── PlanInputError            a `cpn plan` problem is invalid; field is its JSON path
 │                                 (broker.plan)
 ├── NotFound (LookupError)        no such job: 404
@@ -26,6 +27,11 @@ class InvalidRequest(BrokerError, ValueError):
         self.message = message
         self.field = field
         self.code = code
+
+
+class Conflict(InvalidRequest):
+    def __init__(self, message: str, *, field: str | None = None, code: str = "conflict") -> None:
+        super().__init__(message, field=field, code=code)
 
 
 class NotFound(BrokerError, LookupError):
