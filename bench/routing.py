@@ -49,10 +49,10 @@ Limits of the set-up, handled here:
   ~400 descriptors at rest, every relayed connection 2 more. The bench waits between modes
   for the previous mode's idle keep-alive connections to close, records the peak, and if the
   demo dies reports the modes it completed.
-- If the agents publish their site links but every probe is lost (seen with uvloop, whose
-  transports fail `ProbeResponder`'s isinstance(asyncio.Transport) check), the broker has no
-  site-to-site paths; the WAN set-up is then restarted with uvloop blocked (a PYTHONPATH shim)
-  in its cpn processes, and says so. `--no-uvloop` does that for both set-ups.
+- cpn's processes run on uvloop where it is installed, as `cpn` itself does; `--no-uvloop`
+  blocks it (a PYTHONPATH shim) in both set-ups. If the agents publish their site links but
+  every probe is lost, the broker has no site-to-site path: the WAN set-up stops with that
+  error (ProbesDown) rather than measure a federation without links.
 - Without the WAN emulation the agents, as root, probe with scapy ICMP, whose sniffers parse
   every packet on lo: at 2,000 req/s through the broker they took ~60 % of a core. The
   loopback set-up blocks scapy the same way (the agents fall back to tcp-connect) unless
@@ -859,27 +859,10 @@ async def run_wan(args: argparse.Namespace, work: Path, nginx_bin: str | None) -
     demo = Demo(cfg, work / "wan" / "state", wan=True, block_uvloop=args.no_uvloop)
     nginx: Nginx | None = None
     modes: dict[str, Target] = {}
-    note = ""
     try:
         demo.start()
         pairs = [(s, r) for s in SERVICES for r in clients]
-        try:
-            routes = demo.wait_ready(pairs)
-        except ProbesDown as exc:
-            if demo.block_uvloop or not uvloop_installed():
-                raise
-            # Seen 2026-11-30: on uvloop the agents' ProbeResponder never answers (its
-            # isinstance(transport, asyncio.Transport) check fails on uvloop's transports), so
-            # every site link is 100 % lost and the broker has no site-to-site path.
-            note = (
-                f"site probes failed on uvloop ({exc}): the WAN set-up was restarted with "
-                "uvloop blocked in its cpn processes"
-            )
-            log(f"WARNING: {note}")
-            demo.stop()
-            demo = Demo(cfg, work / "wan" / "state2", wan=True, block_uvloop=True)
-            demo.start()
-            routes = demo.wait_ready(pairs)
+        routes = demo.wait_ready(pairs)
         log(f"routes ready: {len(routes)} of {len(pairs)} (service, region) pairs can be served")
         endpoints = demo.endpoints()
         fronts = {s: [e["url"] for e in endpoints.get(s, [])] for s in SERVICES}
@@ -950,8 +933,7 @@ async def run_wan(args: argparse.Namespace, work: Path, nginx_bin: str | None) -
             fixed_site=lambda q: best[(q.service, q.region)],
         )
         out: dict[str, Any] = {
-            "uvloop_blocked": demo.block_uvloop,
-            "note": note,
+            "uvloop": uvloop_installed() and not demo.block_uvloop,
             "rate_per_s": args.rate,
             "capacity_scale": args.capacity_scale,
             "capacity_req_per_s": capacity,
@@ -1048,9 +1030,8 @@ def print_wan(wan: dict[str, Any], nginx_note: str) -> None:
         f"{wan['rate_per_s']:g} req/s, every client region at the same rate =="
     )
     print(f"({nginx_note})")
-    for key in ("note", "aborted"):
-        if wan.get(key):
-            print(f"{key.upper()}: {wan[key]}")
+    if wan.get("aborted"):
+        print(f"ABORTED: {wan['aborted']}")
     headers = ["client region"] + [f"{m} {q}" for m in modes for q in ("p50", "p99")]
     regions = list(next(iter(modes.values()))["by_region"])
     rows = [
