@@ -17,8 +17,8 @@ In one pass, in this order (a job gets at most one action per pass):
    (unschedulable); a job whose own spec makes placement raise is FAILED with the error.
 4. Gangs (placed whole or not at all): a gang is placed, in one transaction, once all `size`
    members are PENDING and past their backoff; fewer members wait ("k/n members submitted").
-   Members that disagree on gang.size or on their shape fail with that reason; members beyond
-   the size fail (newest first). When one member is re-queued (retry or failover) the others
+   A member that disagrees with the gang's first member on gang.size or on its shape fails with
+   that reason, and so do members beyond the size (newest first); the others keep waiting. When one member is re-queued (retry or failover) the others
    are too, and when one fails for good the others fail with it, so no member runs alone.
 
 `batch_jobs` / `decide_batch` do the same for the CP-SAT batch pass: what the fast path left
@@ -468,8 +468,11 @@ def gang_problem(name: str, members: Sequence[JobRecord]) -> GangProblem | None:
     for record in members[1:]:
         gang = record.spec.gang
         if gang is not None and gang.size != size:
+            # the gang's first member defines it, as its record does at submit
             return GangProblem(
-                f"gang {name}: members disagree on gang.size ({size} vs {gang.size})", None
+                f"gang {name} has gang.size {size} (its first member {members[0].id}); "
+                f"member {record.id} says {gang.size}",
+                record.id,
             )
         if _shape(record) != _shape(members[0]):
             return GangProblem(

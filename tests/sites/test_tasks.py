@@ -1,0 +1,128 @@
+"""Supervised tasks (sites.tasks): crashes are logged, kept, surfaced, and restarted or fatal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from sites.tasks import Backoff, Crash, Supervisor
+
+FAST = Backoff(initial_s=0.01, max_s=0.04, reset_after_s=60.0)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def until(predicate: object, timeout: float = 2.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def test_a_crash_is_logged_kept_told_and_restarted(caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    told: list[Crash] = []
+    runs = 0
+
+    async def flaky() -> None:
+        nonlocal runs
+        runs += 1
+        if runs == 1:
+            raise RuntimeError("boom")
+        await asyncio.Event().wait()
+
+    sup = Supervisor(owner="test", on_crash=told.append, unhealthy_s=30.0, monotonic=clock)
+    with caplog.at_level(logging.ERROR):
+        sup.spawn("flaky", flaky, restart=FAST)
+        await until(lambda: runs == 2)
+    assert [c.task for c in told] == ["flaky"]
+    assert told[0].error == "RuntimeError: boom" and "Traceback" in told[0].traceback
+    assert told[0].restart_in_s == pytest.approx(0.01)
+    assert "test flaky crashed; restarting in" in caplog.text
+    assert "boom" in caplog.text  # the traceback is logged
+    # running again, but unhealthy for unhealthy_s after the crash
+    assert not sup.healthy
+    status = sup.status()
+    assert status["tasks"]["flaky"] == {"state": "running", "crashes": 1}
+    assert status["recent_crashes"][0]["task"] == "flaky"
+    clock.t += 31
+    assert sup.healthy
+    await sup.stop()
+
+
+async def test_backoff_doubles_up_to_the_cap() -> None:
+    delays = [FAST.delay_s(n) for n in range(1, 6)]
+    assert delays == [0.01, 0.02, 0.04, 0.04, 0.04]
+    with pytest.raises(ValueError):
+        Backoff(initial_s=5, max_s=1)
+
+
+async def test_without_restart_the_supervisor_fails() -> None:
+    async def broken() -> None:
+        raise KeyError("gone")
+
+    sup = Supervisor(owner="test")
+    sup.spawn("broken", broken)
+    await asyncio.wait_for(sup.failed.wait(), 2)
+    assert sup.fatal is not None and sup.fatal.task == "broken" and sup.fatal.restart_in_s is None
+    assert not sup.healthy
+    assert sup.status()["tasks"]["broken"]["state"] == "failed"
+    await sup.stop()
+
+
+async def test_a_loop_that_returns_counts_as_a_crash() -> None:
+    async def quits() -> None:
+        return None
+
+    sup = Supervisor(owner="test")
+    sup.spawn("quits", quits)
+    await asyncio.wait_for(sup.failed.wait(), 2)
+    assert sup.fatal is not None and "ended on its own" in sup.fatal.error
+    await sup.stop()
+
+
+async def test_cancellation_is_not_a_crash_and_stop_awaits_every_task() -> None:
+    started = asyncio.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    told: list[Crash] = []
+    sup = Supervisor(owner="test", on_crash=told.append)
+    sup.spawn("forever", forever, restart=FAST)
+    await started.wait()
+    await sup.stop()
+    assert told == [] and sup.healthy and not sup.failed.is_set()
+
+
+async def test_a_failing_crash_handler_does_not_hide_the_crash() -> None:
+    def handler(_: Crash) -> None:
+        raise ValueError("handler bug")
+
+    async def broken() -> None:
+        raise RuntimeError("real")
+
+    sup = Supervisor(owner="test", on_crash=handler)
+    sup.spawn("broken", broken)
+    await asyncio.wait_for(sup.failed.wait(), 2)
+    assert sup.fatal is not None and sup.fatal.error == "RuntimeError: real"
+    await sup.stop()
+
+
+async def test_names_are_unique() -> None:
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    sup = Supervisor(owner="test")
+    sup.spawn("x", forever)
+    with pytest.raises(ValueError, match="already runs"):
+        sup.spawn("x", forever)
+    await sup.stop()
