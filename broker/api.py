@@ -1,40 +1,56 @@
-"""The broker's HTTP API (aiohttp): /v1/jobs, /v1/sites, /openapi.json, /healthz, /metrics.
+"""The broker's HTTP API (aiohttp): /v1/jobs, /v1/sites, /v1/route, /openapi.json, /healthz,
+/metrics; the inference gateway adds /v1/infer (broker.inference).
 
-Errors are JSON `{"error": {"code", "message", "field"}}`: 4xx for anything the client got
-wrong, 503 when the registry is unreachable; a 500 is a bug.
+Every route is an `Operation` of broker.openapi, so /openapi.json lists exactly what is served.
+Bodies are validated strictly (broker.bodies). Errors are JSON
+`{"error": {"code", "message", "field"}}`: 4xx for anything the client got wrong, 503 when the
+registry is unreachable; a 500 is a bug.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from broker.errors import IllegalTransition, InvalidRequest, NotFound, StaleRecord
+from broker.bodies import UNSUPPORTED_MEDIA, read_model
+from broker.errors import Conflict, IllegalTransition, InvalidRequest, NotFound, StaleRecord
 from broker.jobs import JobRecord, JobSpec, JobState
+from broker.openapi import OPERATIONS, Many, Operation, Param, Reply, document, register
 from broker.router import Router, route_json
 from broker.service import Broker
+from sites.catalog import Capacity
 from sites.config import field_path
 from sites.errors import RegistryUnavailable
+from sites.status import SiteState
 
 log = logging.getLogger(__name__)
 
 BROKER = web.AppKey("broker", Broker)
 ROUTER = web.AppKey("router", Router)
+HTTP = web.AppKey("http", aiohttp.ClientSession)  # the broker's one client session (job logs)
 MAX_BODY = 1024 * 1024
+AGENT_CONNECT_TIMEOUT_S = 5.0  # a site's agent that does not accept in 5 s is unreachable
+FOLLOW = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error(status: int, code: str, message: str, field: str | None = None) -> web.Response:
     body = {"error": {"code": code, "message": message, "field": field}}
     return web.json_response(body, status=status)
+
+
+def _validation_error(exc: ValidationError) -> web.Response:
+    first = exc.errors(include_url=False)[0]
+    if first["type"] == "json_invalid":
+        return error(400, "malformed", f"body is not JSON: {first['msg']}")
+    return error(400, "invalid", first["msg"], field_path(first["loc"]) or None)
 
 
 @web.middleware
@@ -57,10 +73,14 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         else:
             response = error(exc.status, "http_error", exc.reason)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        response = error(400, "invalid", first["msg"], field_path(first["loc"]) or None)
+        response = _validation_error(exc)
     except InvalidRequest as exc:
-        response = error(409 if exc.code == "exists" else 400, exc.code, exc.message, exc.field)
+        status = (
+            409
+            if isinstance(exc, Conflict)
+            else {"exists": 409, UNSUPPORTED_MEDIA: 415}.get(exc.code, 400)
+        )
+        response = error(status, exc.code, exc.message, exc.field)
     except NotFound as exc:
         response = error(404, "not_found", str(exc))
     except IllegalTransition as exc:
@@ -73,27 +93,80 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     return response
 
 
-async def read_json(request: web.Request) -> Any:
-    if request.content_type not in ("application/json", "application/yaml", "text/yaml", ""):
-        raise InvalidRequest(
-            f"unsupported content type {request.content_type}", code="unsupported_media"
-        )
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"body is not JSON: {exc}", code="malformed") from None
+class RouteRequest(BaseModel):
+    """The body of POST /v1/route."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    service: str = Field(min_length=1, description="the inference service, e.g. qwen-72b")
+    client_region: str | None = Field(
+        default=None, description="the client region (configs/clients.yaml); or client_address"
+    )
+    client_address: str | None = Field(
+        default=None, description="the client's IP address, mapped to a region by its CIDRs"
+    )
+    session_key: str | None = Field(
+        default=None, description="keeps a session on one site (rendezvous hashing)"
+    )
 
 
-def job_json(record: JobRecord) -> dict[str, Any]:
+class RouteCandidate(BaseModel):
+    site: str
+    region: str
+    url: str = Field(description="the site's endpoint of the service")
+    network_ms: float = Field(description="client -> site round trip over the topology, ms")
+    service_ms: float = Field(description="expected queueing + service time at the site, ms")
+    penalty_ms: float = Field(description="error-rate and load penalties, ms")
+    total_ms: float = Field(description="network_ms + service_ms + penalty_ms")
+
+
+class RouteExclusion(BaseModel):
+    site: str
+    reason: str = Field(description="why the site may not serve: sovereignty, full, down, ...")
+    detail: str
+
+
+class RouteAnswer(BaseModel):
+    """The reply of POST /v1/route: the chosen site and the ranking it came from."""
+
+    service: str
+    client_region: str
+    site: str | None = Field(description="the chosen site; null when none may serve")
+    mode: str | None = Field(description="how it was chosen: single, p2c or sticky")
+    pool: list[str] = Field(description="the near-best sites the choice was made among")
+    candidates: list[RouteCandidate] = Field(description="best first")
+    excluded: list[RouteExclusion]
+
+
+class SiteInfo(BaseModel):
+    """One entry of GET /v1/sites."""
+
+    id: str
+    region: str
+    state: SiteState
+    last_seen: float | None = Field(description="unix time of the agent's last report, s")
+    last_seen_ago_s: float | None = Field(description="seconds since last_seen")
+    rtt_ms: dict[str, float] = Field(description="peer site -> measured round trip, ms")
+    free: Capacity | None = Field(description="capacity not held by jobs; null before a report")
+
+
+class Health(BaseModel):
+    """The reply of GET /healthz."""
+
+    status: str = Field(description="ok, or unhealthy (503) after a supervised task crashed")
+    instance: str = Field(description="this replica's id")
+    leader: bool = Field(description="whether this replica holds the leader lease")
+    healthy: bool = Field(description="false while a task is down or for 30 s after a crash")
+    tasks: dict[str, dict[str, Any]] = Field(description="task -> {state, crashes}")
+    recent_crashes: list[dict[str, Any]] = Field(description="{task, at, error, restart_in_s}")
+
+
+def job_json(record: JobRecord) -> object:
     return record.model_dump(mode="json")
 
 
 async def submit(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise InvalidRequest("body must be a JSON object (a job spec)")
-    spec = JobSpec.model_validate(body)
+    spec = await read_model(request, JobSpec)
     record = await request.app[BROKER].submit(spec)
     return web.json_response(job_json(record), status=201)
 
@@ -128,6 +201,9 @@ def _action(name: str) -> Handler:
 
 
 async def job_logs(request: web.Request) -> web.StreamResponse:
+    follow = request.query.get("follow", "0")
+    if follow not in FOLLOW:
+        raise InvalidRequest(f"follow must be one of {', '.join(FOLLOW)}", field="follow")
     broker = request.app[BROKER]
     record = await broker.get(request.match_info["job"])
     if record.placement is None:
@@ -139,76 +215,60 @@ async def job_logs(request: web.Request) -> web.StreamResponse:
     if agent is None:
         return error(503, "site_down", f"the logs of {record.id} are kept at {site}, which is down")
     params = {"attempt": str(record.attempt)}
-    if request.query.get("follow") in ("1", "true", "yes"):
+    if FOLLOW[follow]:
         params["follow"] = "1"
     url = f"{agent.url}/jobs/{record.id}/log"
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        try:
-            async with session.get(url, params=params) as upstream:
-                if upstream.status != 200:
-                    text = await upstream.text()
-                    return error(
-                        upstream.status if upstream.status < 500 else 502,
-                        "no_logs",
-                        text.strip()[:500],
-                    )
-                response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
-                await response.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-                await response.write_eof()
-                return response
-        except aiohttp.ClientError as exc:
-            return error(502, "site_unreachable", f"cannot reach the agent of {site}: {exc}")
+    try:
+        async with request.app[HTTP].get(url, params=params) as upstream:
+            if upstream.status != 200:
+                text = await upstream.text()
+                return error(
+                    upstream.status if upstream.status < 500 else 502,
+                    "no_logs",
+                    text.strip()[:500],
+                )
+            response = web.StreamResponse(headers={"Content-Type": "text/plain; charset=utf-8"})
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+    except aiohttp.ClientError as exc:
+        return error(502, "site_unreachable", f"cannot reach the agent of {site}: {exc}")
 
 
 async def route(request: web.Request) -> web.Response:
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise InvalidRequest("body must be a JSON object")
-    service = body.get("service")
-    if not isinstance(service, str) or not service:
-        raise InvalidRequest("service is required", field="service")
-    for name in ("client_region", "client_address", "session_key"):
-        if body.get(name) is not None and not isinstance(body[name], str):
-            raise InvalidRequest(f"{name} must be a string", field=name)
-    unknown = sorted(set(body) - {"service", "client_region", "client_address", "session_key"})
-    if unknown:
-        raise InvalidRequest(f"unknown field {unknown[0]!r}", field=unknown[0])
+    body = await read_model(request, RouteRequest)
     broker, router = request.app[BROKER], request.app[ROUTER]
     router.sync(broker.view().sites)
-    region = router.region(body.get("client_region"), body.get("client_address"))
-    result = router.route(service, region, now=time.time(), session_key=body.get("session_key"))
+    region = router.region(body.client_region, body.client_address)
+    result = router.route(body.service, region, now=time.time(), session_key=body.session_key)
     return web.json_response(route_json(result))
 
 
 async def list_sites(request: web.Request) -> web.Response:
     view = request.app[BROKER].view()
     now = time.time()
-    out = []
-    for site in view.sites.views():
-        out.append(
-            {
-                "id": site.id,
-                "region": site.region,
-                "state": site.state.value,
-                "last_seen": site.last_seen,
-                "last_seen_ago_s": None
-                if site.last_seen is None
-                else round(now - site.last_seen, 3),
-                "rtt_ms": site.rtt_ms,
-                "free": None if site.status is None else site.status.free.model_dump(mode="json"),
-            }
-        )
+    out = [
+        SiteInfo(
+            id=site.id,
+            region=site.region,
+            state=site.state,
+            last_seen=site.last_seen,
+            last_seen_ago_s=None if site.last_seen is None else round(now - site.last_seen, 3),
+            rtt_ms=site.rtt_ms,
+            free=None if site.status is None else site.status.free,
+        ).model_dump(mode="json")
+        for site in view.sites.views()
+    ]
     return web.json_response(out)
 
 
 async def healthz(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    return web.json_response(
-        {"status": "ok", "instance": broker.instance, "leader": broker.is_leader}
-    )
+    status = broker.health()
+    health = Health(status="ok" if status["healthy"] else "unhealthy", **status)
+    return web.json_response(health.model_dump(mode="json"), status=200 if health.healthy else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -216,141 +276,120 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def openapi(_: web.Request) -> web.Response:
-    return web.json_response(openapi_document())
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document(request.app))
 
 
-def openapi_document() -> dict[str, Any]:
-    err = {"$ref": "#/components/schemas/Error"}
-    job = {"$ref": "#/components/schemas/JobRecord"}
+def openapi_document(app: web.Application) -> dict[str, object]:
+    """The OpenAPI 3.1 document of every route `app` serves."""
+    operations: list[Operation] = app[OPERATIONS]
+    return document(operations, title="cpn broker", version="1")
 
-    def responses(ok: dict[str, Any], *codes: int) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "200": {"description": "ok", "content": {"application/json": {"schema": ok}}}
-        }
-        for code in codes:
-            out[str(code)] = {
-                "description": "error",
-                "content": {"application/json": {"schema": err}},
-            }
-        return out
 
-    job_param = [{"name": "job", "in": "path", "required": True, "schema": {"type": "string"}}]
-    paths: dict[str, Any] = {
-        "/v1/jobs": {
-            "post": {
-                "summary": "Submit a job",
-                "requestBody": {
-                    "required": True,
-                    "content": {
-                        "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}}
-                    },
-                },
-                "responses": {
-                    **responses(job, 400, 409, 413, 503),
-                    "201": {
-                        "description": "created",
-                        "content": {"application/json": {"schema": job}},
-                    },
-                },
-            },
-            "get": {
-                "summary": "List jobs",
-                "parameters": [
-                    {"name": "tenant", "in": "query", "schema": {"type": "string"}},
-                    {
-                        "name": "state",
-                        "in": "query",
-                        "schema": {"type": "string", "enum": [s.value for s in JobState]},
-                    },
-                ],
-                "responses": responses({"type": "array", "items": job}, 400, 503),
-            },
-        },
-        "/v1/jobs/{job}": {
-            "get": {
-                "summary": "Describe a job",
-                "parameters": job_param,
-                "responses": responses(job, 404),
-            }
-        },
-        "/v1/jobs/{job}/logs": {
-            "get": {
-                "summary": "The job's output, from its site (follow=1 streams)",
-                "parameters": [
-                    *job_param,
-                    {"name": "follow", "in": "query", "schema": {"type": "string"}},
-                ],
-                "responses": {
-                    "200": {"description": "text/plain stream"},
-                    "404": {
-                        "description": "error",
-                        "content": {"application/json": {"schema": err}},
-                    },
-                },
-            }
-        },
-        "/v1/sites": {
-            "get": {
-                "summary": "Sites and their state",
-                "responses": responses({"type": "array", "items": {"type": "object"}}),
-            }
-        },
-    }
-    for action in ("cancel", "suspend", "resume"):
-        paths[f"/v1/jobs/{{job}}/{action}"] = {
-            "post": {
-                "summary": f"{action.capitalize()} a job",
-                "parameters": job_param,
-                "responses": responses(job, 404, 409),
-            }
-        }
-    schemas: dict[str, Any] = {
-        "Error": {
-            "type": "object",
-            "properties": {
-                "error": {
-                    "type": "object",
-                    "properties": {
-                        "code": {"type": "string"},
-                        "message": {"type": "string"},
-                        "field": {"type": ["string", "null"]},
-                    },
-                    "required": ["code", "message", "field"],
-                }
-            },
-            "required": ["error"],
-        }
-    }
-    for model in (JobSpec, JobRecord):
-        schema = model.model_json_schema(
-            ref_template="#/components/schemas/{model}", mode="serialization"
+JOB = Param("job", "path", "the job id")
+STATE_PATTERN = "^(" + "|".join("".join(f"[{c}{c.lower()}]" for c in s) for s in JobState) + ")$"
+OK_JOB: dict[int | str, Reply] = {200: Reply("the job record", JobRecord)}
+
+
+def job_operations() -> list[Operation]:
+    ops = [
+        Operation(
+            "POST", "/v1/jobs", submit, "Submit a job", "submit_job",
+            body=JobSpec, replies={201: Reply("submitted: the new job record", JobRecord)},
+            errors=(400, 409, 413, 415, 503),
+        ),
+        Operation(
+            "GET", "/v1/jobs", list_jobs, "List jobs, oldest first", "list_jobs",
+            params=(
+                Param("tenant", "query", "only this tenant's jobs"),
+                Param(
+                    "state", "query", "only jobs in this state (any case)",
+                    {"type": "string", "pattern": STATE_PATTERN},
+                ),
+            ),
+            replies={200: Reply("the job records", Many(JobRecord))}, errors=(400, 503),
+        ),
+        Operation(
+            "GET", "/v1/jobs/{job}", get_job, "Describe a job", "get_job",
+            params=(JOB,), replies=OK_JOB, errors=(404, 503),
+        ),
+        Operation(
+            "GET", "/v1/jobs/{job}/logs", job_logs,
+            "The current run's output, from its site's agent (follow streams it)", "job_logs",
+            params=(
+                JOB,
+                Param(
+                    "follow", "query", "stream until the run ends",
+                    {"type": "string", "enum": list(FOLLOW)},
+                ),
+            ),
+            replies={200: Reply("the output", {"type": "string"}, "text/plain")},
+            errors=(400, 404, 502, 503),
+        ),
+    ]  # fmt: skip
+    for action, does in (
+        ("cancel", "Cancel a job for good"),
+        ("suspend", "Stop a job and keep it"),
+        ("resume", "Queue a suspended job again"),
+    ):
+        ops.append(
+            Operation(
+                "POST",
+                f"/v1/jobs/{{job}}/{action}",
+                _action(action),
+                does,
+                f"{action}_job",
+                params=(JOB,),
+                replies=OK_JOB,
+                errors=(404, 409, 503),
+            )  # fmt: skip
         )
-        schemas.update(schema.pop("$defs", {}))
-        schemas[model.__name__] = schema
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "cpn broker", "version": "1"},
-        "paths": paths,
-        "components": {"schemas": schemas},
-    }
+    ops += [
+        Operation(
+            "GET", "/v1/sites", list_sites, "Sites: state, last report, RTTs, free capacity",
+            "list_sites", replies={200: Reply("the sites", Many(SiteInfo))},
+        ),
+        Operation(
+            "GET", "/openapi.json", openapi, "This document", "openapi",
+            replies={200: Reply("OpenAPI 3.1", {"type": "object"})},
+        ),
+        Operation(
+            "GET", "/healthz", healthz, "Liveness and leadership", "healthz",
+            replies={
+                200: Reply("healthy", Health),
+                503: Reply("unhealthy: a supervised task is down or crashed lately", Health),
+            },
+        ),
+        Operation(
+            "GET", "/metrics", metrics, "Prometheus metrics", "metrics",
+            replies={200: Reply("text exposition format", {"type": "string"}, "text/plain")},
+        ),
+    ]  # fmt: skip
+    return ops
+
+
+ROUTE = Operation(
+    "POST", "/v1/route", route, "Where an inference request would go, and why", "route",
+    body=RouteRequest, replies={200: Reply("the choice and the ranking", RouteAnswer)},
+    errors=(400, 404, 413, 415),
+)  # fmt: skip
+
+
+async def _http_session(app: web.Application) -> AsyncIterator[None]:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=AGENT_CONNECT_TIMEOUT_S)
+    app[HTTP] = session = aiohttp.ClientSession(timeout=timeout)
+    yield
+    await session.close()
 
 
 def make_app(broker: Broker, router: Router | None = None) -> web.Application:
     app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY)
     app[BROKER] = broker
+    app[OPERATIONS] = []
+    app.cleanup_ctx.append(_http_session)
+    for op in job_operations():
+        register(app, op)
     if router is not None:
         app[ROUTER] = router
-        app.router.add_post("/v1/route", route)
-    r = app.router
-    r.add_post("/v1/jobs", submit)
-    r.add_get("/v1/jobs", list_jobs)
-    r.add_get("/v1/jobs/{job}", get_job)
-    r.add_get("/v1/jobs/{job}/logs", job_logs)
-    for action in ("cancel", "suspend", "resume"):
-        r.add_post(f"/v1/jobs/{{job}}/{action}", _action(action))
-    r.add_get("/v1/sites", list_sites)
-    r.add_get("/openapi.json", openapi)
-    r.add_get("/healthz", healthz)
-    r.add_get("/metrics", metrics)
+        register(app, ROUTE)
     return app

@@ -8,12 +8,13 @@ ejections feed back into selection; an active checker GETs every endpoint's /hea
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import aiohttp
 from aiohttp import web
 
 from broker.errors import InvalidRequest, NotFound
+from broker.openapi import JSON, Operation, Param, Reply, register
 from broker.router import Router
 from broker.service import Broker
 from broker.settings import InferenceSettings
@@ -22,8 +23,20 @@ from routing.health import (
     HealthCheckSettings,
     OutlierDetector,
 )
-from routing.proxy import InferenceProxy, UnknownRegion, UnknownService, Upstream, upstream_key
+from routing.proxy import (
+    REGION_HEADER,
+    SESSION_COOKIE,
+    SESSION_HEADER,
+    TENANT_HEADER,
+    InferenceProxy,
+    UnknownRegion,
+    UnknownService,
+    Upstream,
+    upstream_key,
+)
 from routing.ratelimit import RateLimit, TenantLimiter
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Gateway:
@@ -131,4 +144,35 @@ class Gateway:
                 raise web.HTTPServiceUnavailable()
             return await self.proxy.handle(request)
 
-        app.router.add_route("*", "/v1/infer/{service}/{path:.*}", handle)
+        register(app, infer_operation(handle))
+
+
+def infer_operation(handle: Handler) -> Operation:
+    """`ANY /v1/infer/{service}/{path}` as the OpenAPI document lists it (docs/inference.md)."""
+    return Operation(
+        "*", "/v1/infer/{service}/{path:.*}", handle,
+        "Proxy an inference request to the best site for the client", "infer",
+        params=(
+            Param("service", "path", "the inference service, e.g. qwen-72b"),
+            Param("path", "path", "the path at the site's model server, e.g. v1/completions"),
+            Param(REGION_HEADER, "header", "the client region; else the peer address's CIDR"),
+            Param(TENANT_HEADER, "header", "the tenant whose rate limit applies (anonymous)"),
+            Param(SESSION_HEADER, "header", "keeps a session on one site"),
+            Param(SESSION_COOKIE, "cookie", "the session key, when the header is absent"),
+            Param("Idempotency-Key", "header", "makes a POST safe to retry on another site"),
+        ),
+        body={"description": "passed through to the site as sent"},
+        body_types=(JSON, "text/plain"),
+        body_required=False,
+        replies={
+            "default": Reply(
+                "the site's answer, streamed through",
+                headers={
+                    "X-Cpn-Site": "the site that answered",
+                    "X-Cpn-Attempts": "sites tried, this one included",
+                    "X-Cpn-Route-Ms": "time spent choosing the site, ms",
+                },
+            )
+        },
+        errors=(400, 404, 413, 429, 502, 503, 504),
+    )  # fmt: skip

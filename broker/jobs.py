@@ -23,13 +23,25 @@ from broker.errors import IllegalTransition
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 Name = Annotated[str, Field(pattern=NAME_RE)]
 MAX_EVENTS = 100
+ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# what `command` accepts: a shell string (split by shlex) or the argument list itself
+CommandInput = Annotated[str, Field(pattern=r"\S")] | Annotated[list[str], Field(min_length=1)]
 
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class GpuRequest(Frozen):
+class TenantInput(Frozen):
+    """What a tenant sends: no NaN or infinity in any float (they would poison the costs).
+
+    The API validates these models in pydantic's strict mode (broker.bodies).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class GpuRequest(TenantInput):
     """Accelerators: one model, a set of acceptable models, or any model with a memory floor."""
 
     count: int = Field(default=0, ge=0, le=4096)
@@ -62,7 +74,7 @@ class GpuRequest(Frozen):
         return self.models
 
 
-class DataLocation(Frozen):
+class DataLocation(TenantInput):
     region: Name | None = None
     site: Name | None = None
     size_gb: float = Field(default=0.0, ge=0)
@@ -74,22 +86,22 @@ class DataLocation(Frozen):
         return self
 
 
-class UserLocation(Frozen):
+class UserLocation(TenantInput):
     region: Name
     max_latency_ms: float | None = Field(default=None, gt=0)
 
 
-class Group(Frozen):
+class Group(TenantInput):
     name: Name
     kind: Literal["spread", "colocate"]
 
 
-class Gang(Frozen):
+class Gang(TenantInput):
     name: Name
     size: int = Field(ge=2, le=1024, description="members; none is placed until all fit")
 
 
-class JobSpec(Frozen):
+class JobSpec(TenantInput):
     name: Name
     tenant: Name
     priority: int = Field(default=0, ge=0, le=1000, description="higher is placed first")
@@ -107,22 +119,27 @@ class JobSpec(Frozen):
     deadline: datetime | None = Field(default=None, description="ISO 8601; must finish by then")
     budget_usd: float | None = Field(default=None, gt=0)
     command: tuple[str, ...] = Field(min_length=1)
-    env: dict[str, str] = Field(default_factory=dict)
+    env: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_RE}}
+    )
     checkpoint_path: str | None = None
     max_retries: int = Field(default=3, ge=0, le=100)
 
-    @field_validator("command", mode="before")
+    @field_validator("command", mode="before", json_schema_input_type=CommandInput)
     @classmethod
     def _split_shell(cls, value: object) -> object:
+        # a shell string is split; a list becomes the tuple strict validation wants
         if isinstance(value, str):
             return tuple(shlex.split(value)) if value.strip() else ()
+        if isinstance(value, list):
+            return tuple(value)
         return value
 
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
         for key in env:
-            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            if not re.fullmatch(ENV_NAME_RE, key):
                 raise ValueError(f"{key!r} is not a valid environment variable name")
             if key.startswith("CPN_"):
                 raise ValueError(f"{key!r}: CPN_ variables are set by cpn")

@@ -1,0 +1,83 @@
+"""A broker process with inference routing on (the demo's clients.yaml) and no site joined.
+
+The API tests need every route the broker can serve, /v1/route and /v1/infer included, and no
+agents: without sites the router answers 404 or 400, and jobs stay PENDING.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from sites.etcd_server import free_port
+from tests.broker.conftest import BROKER_SETTINGS
+from tests.conftest import CONFIGS, Processes
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    content_type: str
+
+    def json(self) -> dict[str, object]:
+        data = json.loads(self.body)
+        assert isinstance(data, dict), data
+        return data
+
+    def error(self) -> tuple[str, object]:
+        """(code, field) of the JSON error body."""
+        err = self.json()["error"]
+        assert isinstance(err, dict) and set(err) == {"code", "message", "field"}, err
+        return err["code"], err["field"]
+
+
+@dataclass(frozen=True)
+class ApiBroker:
+    url: str
+
+    def call(
+        self, method: str, path: str, body: bytes | None = None, content_type: str | None = None
+    ) -> Reply:
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return Reply(resp.status, resp.read(), resp.headers.get("Content-Type", ""))
+        except urllib.error.HTTPError as exc:
+            return Reply(exc.code, exc.read(), exc.headers.get("Content-Type", ""))
+
+    def post_json(self, path: str, body: object) -> Reply:
+        return self.call("POST", path, json.dumps(body).encode(), "application/json")
+
+
+def start_api_broker(etcd_url: str, processes: Processes, root: Path) -> ApiBroker:
+    cfg = root / "configs"
+    shutil.copytree(CONFIGS, cfg)
+    (cfg / "broker.yaml").write_text(yaml.safe_dump(BROKER_SETTINGS))
+    port = free_port()
+    name = f"api-broker-{len(processes.procs)}"
+    proc = processes.start(
+        "broker", "--etcd", etcd_url, "--listen", f"127.0.0.1:{port}", "--config-dir", str(cfg),
+        name=name,
+    )  # fmt: skip
+    broker = ApiBroker(f"http://127.0.0.1:{port}")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError("broker exited: " + processes.log(name))
+        try:
+            reply = broker.call("GET", "/healthz")
+            if reply.status == 200 and reply.json()["leader"]:
+                return broker
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError("broker did not become leader: " + processes.log(name))

@@ -1,0 +1,254 @@
+"""The API's bad-input paths on a real broker: strict types, YAML bodies, content types.
+
+Every refusal names its code and its field. One broker process serves the whole module.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import pytest
+
+from broker.api import HTTP, OPERATIONS, make_app, openapi_document
+from broker.inference import Gateway
+from broker.openapi import spec_path
+from broker.router import Router
+from broker.service import Broker
+from sites.etcd_server import EmbeddedEtcd
+from tests.broker.apiserver import ApiBroker, start_api_broker
+from tests.conftest import Processes
+
+JOB: dict[str, Any] = {"name": "api-job", "tenant": "ai-lab", "command": ["true"]}
+
+
+@pytest.fixture(scope="module")
+def api(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiBroker]:
+    root = tmp_path_factory.mktemp("api")
+    processes = Processes(root)
+    try:
+        yield start_api_broker(etcd.url, processes, root)
+    finally:
+        processes.stop_all()
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"max_retries": False}, "max_retries"),  # lax mode read this as 0
+        ({"cpu": "4"}, "cpu"),
+        ({"cpu": 4.0}, "cpu"),
+        ({"mem_gb": "4.5"}, "mem_gb"),
+        ({"priority": True}, "priority"),
+        ({"gpu": {"count": True, "model": "H100"}}, "gpu.count"),
+        ({"gpu": {"count": 1, "min_mem_gb": "80"}}, "gpu.min_mem_gb"),
+        ({"duration_hours": "2"}, "duration_hours"),
+        ({"deadline": 4102444800}, "deadline"),  # a number is not an ISO 8601 date-time
+        ({"command": ["echo", 1]}, "command[1]"),
+        ({"env": {"A": 1}}, "env.A"),
+        ({"denied_regions": "eu-central"}, "denied_regions"),
+        ({"name": 7}, "name"),
+    ],
+)
+def test_a_value_of_the_wrong_json_type_is_a_400_naming_the_field(
+    api: ApiBroker, change: dict[str, Any], field: str
+) -> None:
+    reply = api.post_json("/v1/jobs", {**JOB, **change})
+    assert reply.status == 400, reply
+    assert reply.error() == ("invalid", field)
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b'"mem_gb": NaN', "mem_gb"),
+        (b'"latency_weight": Infinity, "user": {"region": "shanghai"}', "latency_weight"),
+        (b'"budget_usd": -Infinity', "budget_usd"),
+    ],
+)
+def test_json_non_finite_numbers_are_refused(api: ApiBroker, raw: bytes, field: str) -> None:
+    body = b'{"name": "x", "tenant": "ai-lab", "command": ["true"], ' + raw + b"}"
+    reply = api.call("POST", "/v1/jobs", body, "application/json")
+    assert reply.status == 400 and reply.error() == ("invalid", field), reply
+
+
+def test_strict_json_keeps_the_conversions_json_needs(api: ApiBroker) -> None:
+    body = {
+        **JOB,
+        "name": "conversions",
+        "deadline": "2099-01-01T00:00:00Z",  # ISO 8601 string -> datetime
+        "command": "sh -c 'echo hi'",  # a shell string is split
+        "denied_regions": ["eu-central"],  # an array -> a tuple
+        "mem_gb": 4,  # an integer is a fine number
+        "group": {"name": "g", "kind": "spread"},  # a string -> a literal
+    }
+    reply = api.post_json("/v1/jobs", body)
+    assert reply.status == 201, reply
+    spec = reply.json()["spec"]
+    assert isinstance(spec, dict)
+    assert spec["deadline"] == "2099-01-01T00:00:00Z"
+    assert spec["command"] == ["sh", "-c", "echo hi"]
+    assert spec["denied_regions"] == ["eu-central"] and spec["mem_gb"] == 4.0
+
+
+@pytest.mark.parametrize("content_type", ["application/yaml", "text/yaml"])
+def test_a_yaml_body_is_parsed_as_yaml(api: ApiBroker, content_type: str) -> None:
+    name = "yaml-" + content_type.split("/")[0]
+    text = (
+        f"name: {name}\ntenant: ai-lab\ncpu: 2\nmem_gb: 8\n"
+        "deadline: 2099-01-01 12:00:00+00:00\n"  # a YAML timestamp
+        "command: echo from yaml\nenv: {MODE: fast}\n"
+    )
+    reply = api.call("POST", "/v1/jobs", text.encode(), f"{content_type}; charset=utf-8")
+    assert reply.status == 201, reply
+    record = reply.json()
+    spec = record["spec"]
+    assert isinstance(spec, dict)
+    assert (spec["name"], spec["cpu"], spec["command"]) == (name, 2, ["echo", "from", "yaml"])
+    assert spec["deadline"] == "2099-01-01T12:00:00Z" and spec["env"] == {"MODE": "fast"}
+
+
+@pytest.mark.parametrize(
+    ("text", "code", "field"),
+    [
+        ("name: y\ntenant: ai-lab\ncommand: [x]\nmax_retries: false\n", "invalid", "max_retries"),
+        ("name: y\ntenant: ai-lab\ncommand: [x]\ncpu: '4'\n", "invalid", "cpu"),
+        ("name: y\ntenant: ai-lab\ncommand: [x]\nmem_gb: .nan\n", "invalid", "mem_gb"),
+        ("name: y\ntenant: ai-lab\ncommand: [x]\nenv: {1: a}\n", "invalid", "env"),
+        ("name: y\ntenant: ai-lab\ncommand: [x]\nsurprise: 1\n", "invalid", "surprise"),
+        ("name: y\ntenant: [unclosed\n", "malformed", None),
+        ("- name: y\n", "invalid", None),
+    ],
+)
+def test_a_bad_yaml_body_is_a_400(api: ApiBroker, text: str, code: str, field: str | None) -> None:
+    reply = api.call("POST", "/v1/jobs", text.encode(), "application/yaml")
+    assert reply.status == 400, reply
+    assert reply.error() == (code, field)
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/route"])
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "application/xml"]
+)
+def test_another_content_type_is_a_415(api: ApiBroker, path: str, content_type: str) -> None:
+    reply = api.call("POST", path, json.dumps(JOB).encode(), content_type)
+    assert reply.status == 415, reply
+    assert reply.error() == ("unsupported_media", "Content-Type")
+    assert reply.content_type.startswith("application/json")
+
+
+def test_a_body_without_content_type_is_read_as_json(api: ApiBroker) -> None:
+    url = urlsplit(api.url)
+    conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=10)
+    try:
+        conn.request("POST", "/v1/jobs", body=json.dumps({**JOB, "max_retries": "3"}))
+        resp = conn.getresponse()
+        error = json.loads(resp.read())["error"]
+    finally:
+        conn.close()
+    assert resp.status == 400 and (error["code"], error["field"]) == ("invalid", "max_retries")
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"service": 5, "client_region": "shanghai"}, "service"),
+        ({"service": "", "client_region": "shanghai"}, "service"),
+        ({"service": "qwen-72b", "client_region": False}, "client_region"),
+        ({"service": "qwen-72b", "client_region": "shanghai", "extra": 1}, "extra"),
+        ({"service": "qwen-72b", "client_region": "atlantis"}, "client_region"),
+        ({"service": "qwen-72b"}, "client_region"),
+    ],
+)
+def test_route_bodies_are_strict(api: ApiBroker, body: dict[str, Any], field: str) -> None:
+    reply = api.post_json("/v1/route", body)
+    assert reply.status == 400 and reply.error() == ("invalid", field), reply
+
+
+def test_route_to_a_service_nobody_serves_is_a_404(api: ApiBroker) -> None:
+    reply = api.post_json("/v1/route", {"service": "nope", "client_region": "shanghai"})
+    assert reply.status == 404 and reply.error() == ("not_found", None)
+
+
+def test_query_parameters_are_checked(api: ApiBroker) -> None:
+    reply = api.call("GET", "/v1/jobs?state=SLEEPING")
+    assert reply.status == 400 and reply.error() == ("invalid", "state")
+    assert api.call("GET", "/v1/jobs?state=pending").status == 200
+    reply = api.call("GET", "/v1/jobs/some-job/logs?follow=maybe")
+    assert reply.status == 400 and reply.error() == ("invalid", "follow")
+
+
+def _app_as_served() -> Any:
+    """The app as broker.server wires it, on stand-ins: only the routes matter here."""
+    broker, router = cast(Broker, object()), cast(Router, object())
+    app = make_app(broker, router)
+    Gateway(broker=broker, router=router).install(app)
+    return app
+
+
+def test_the_document_lists_exactly_the_routes_served() -> None:
+    app = _app_as_served()
+    served = set()
+    for route in app.router.routes():
+        methods = [m.lower() for m in route.method.split()]
+        path = spec_path(route.resource.canonical)
+        if route.method == "*":
+            methods = ["get", "put", "post", "delete", "options", "head", "patch"]
+        served |= {(m, path) for m in methods}
+    doc = openapi_document(app)
+    documented = {(m, p) for p, item in doc["paths"].items() for m in item}
+    assert served == documented
+    assert {"/v1/route", "/v1/infer/{service}/{path}"} <= set(doc["paths"])
+    assert len(app[OPERATIONS]) == len(app.router.routes())
+
+
+def test_the_document_describes_bodies_errors_and_parameters() -> None:
+    doc = openapi_document(_app_as_served())
+    schemas = doc["components"]["schemas"]
+    submit = doc["paths"]["/v1/jobs"]["post"]
+    assert set(submit["requestBody"]["content"]) == {
+        "application/json",
+        "application/yaml",
+        "text/yaml",
+    }
+    assert submit["requestBody"]["content"]["text/yaml"]["schema"] == {
+        "$ref": "#/components/schemas/JobSpec"
+    }
+    for status in ("400", "409", "413", "415"):
+        schema = submit["responses"][status]["content"]["application/json"]["schema"]
+        assert schema == {"$ref": "#/components/schemas/Error"}
+    assert schemas["Error"]["properties"]["error"]["required"] == ["code", "message", "field"]
+    # every $ref points at a component, and no $defs is left inside one
+    text = json.dumps(doc)
+    assert '"$defs"' not in text
+    for ref in {part.split('"')[0] for part in text.split('"$ref": "')[1:]}:
+        assert ref.removeprefix("#/components/schemas/") in schemas, ref
+    spec = schemas["JobSpec"]["properties"]
+    assert spec["max_retries"]["type"] == "integer"
+    assert {"type": "string"} in spec["command"]["anyOf"]  # a shell string is accepted
+    infer = doc["paths"]["/v1/infer/{service}/{path}"]["post"]
+    where = {(p["name"], p["in"]) for p in infer["parameters"]}
+    assert {("service", "path"), ("path", "path"), ("X-Cpn-Client-Region", "header")} <= where
+    assert {"400", "404", "429", "503"} <= set(infer["responses"])
+    route = doc["paths"]["/v1/route"]["post"]
+    assert route["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/RouteAnswer"
+    }
+    logs = doc["paths"]["/v1/jobs/{job}/logs"]["get"]
+    assert {p["name"]: p["in"] for p in logs["parameters"]} == {"job": "path", "follow": "query"}
+    assert "text/plain" in logs["responses"]["200"]["content"]
+
+
+async def test_one_client_session_lives_as_long_as_the_app() -> None:
+    from aiohttp import web
+
+    app = make_app(cast(Broker, object()))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    session = app[HTTP]
+    assert not session.closed
+    await runner.cleanup()
+    assert session.closed
