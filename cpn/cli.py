@@ -144,7 +144,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         await agent.stop()
         if agent.stop_reason:
             print(f"agent of {spec.id} stopped: {agent.stop_reason}", file=sys.stderr)
-    return 0
+    return 1 if agent.crashed else 0
 
 
 def _load_job_file(path: str) -> Any:

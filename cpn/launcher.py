@@ -36,6 +36,7 @@ from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.latency import Endpoint, LatencyModel
 from sites.registry import Registry
 from sites.spec import SiteSpec
+from sites.tasks import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +157,20 @@ class Launcher:
                 }
             )
             print(self.describe(url), flush=True)
-            await self._supervise()
+            supervisor = Supervisor(owner="cpn up")
+            supervisor.spawn("process monitor", self._supervise)
+            stop = asyncio.create_task(self._stop.wait(), name="cpn up stop")
+            failed = asyncio.create_task(supervisor.failed.wait(), name="cpn up failed")
+            try:
+                await asyncio.wait((stop, failed), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (stop, failed):
+                    task.cancel()
+                await asyncio.gather(stop, failed, return_exceptions=True)
+                await supervisor.stop()
+            if supervisor.fatal is not None:
+                print(f"cpn up: {supervisor.fatal.error}; stopping", file=sys.stderr, flush=True)
+                return 1
         finally:
             await self.shutdown()
         return 0
@@ -335,8 +349,9 @@ class Launcher:
         )
 
     async def _supervise(self) -> None:
+        """Report children that exit, until cancelled (a supervised task: sites.tasks)."""
         reported: set[str] = set()
-        while not self._stop.is_set():
+        while True:
             if (
                 self.broker is not None
                 and self.broker.poll() is not None
@@ -359,11 +374,7 @@ class Launcher:
                         file=sys.stderr,
                         flush=True,
                     )
-            try:
-                async with asyncio.timeout(0.5):
-                    await self._stop.wait()
-            except TimeoutError:
-                pass
+            await asyncio.sleep(0.5)
 
     async def shutdown(self) -> None:
         procs = [

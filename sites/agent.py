@@ -17,7 +17,7 @@ import math
 import os
 import socket
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from aiohttp import web
@@ -38,9 +38,12 @@ from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.spec import SiteSpec
 from sites.status import AgentRecord, GpuDevice, ServiceEndpoint, SiteStatus
+from sites.tasks import Backoff, Crash, Supervisor
 from sites.workload import STOP_GRACE_S, SiteResources, UnknownJob, Workload, declared_resources
 
 log = logging.getLogger(__name__)
+
+RESTART = Backoff(initial_s=0.5, max_s=10.0, reset_after_s=60.0)
 
 MIN_TTL_S = 2  # etcd rounds shorter leases up to its minimum TTL anyway
 
@@ -121,8 +124,9 @@ class Agent:
         self.last_error: str | None = None
         self.stopped = asyncio.Event()
         self.stop_reason = ""
+        self.crashed = False  # a fatal task crash stopped the agent: its process exits non-zero
         self._runner: web.AppRunner | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self.supervisor = Supervisor(owner=f"agent {spec.id}", on_crash=self._crashed)
         self._nvml: NvmlCollector | None = None
         self._published_links: set[str] = set()
         self._published_services: set[str] = set()
@@ -166,11 +170,14 @@ class Agent:
             resources=self._resources,
             stop_grace_s=self.settings.job_stop_grace_s,
         )
-        self._spawn(self.workload.run(), "workload")
-        self._spawn(self._keepalive_loop(), "keepalive")
-        self._spawn(self._publish_loop(), "publish")
-        self._spawn(self._peers.run(), "peers")
-        self._spawn(self._services_loop(), "services")
+        # the workload holds the jobs and keepalive the lease: if either dies the agent stops
+        # (its lease expires and the broker moves the jobs); the measuring loops restart
+        workload = self.workload
+        self.supervisor.spawn("workload", workload.run)
+        self.supervisor.spawn("keepalive", self._keepalive_loop)
+        self.supervisor.spawn("publish", self._publish_loop, restart=RESTART)
+        self.supervisor.spawn("peers", self._peers.run, restart=RESTART)
+        self.supervisor.spawn("services", self._services_loop, restart=RESTART)
         self.prober.set_self(self.probe_url)
         log.info(
             "agent of %s up: %s, lease ttl %ss, probes %s%s",
@@ -190,10 +197,7 @@ class Agent:
         """
         if self.workload is not None:
             await self.workload.stop()
-        tasks, self._tasks = self._tasks, []
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.supervisor.stop()
         await self.prober.close()
         await self.services.close()
         if revoke and self.record is not None:
@@ -206,20 +210,13 @@ class Agent:
             self._nvml.close()
         self.stopped.set()
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=f"agent {self.spec.id} {name}")
-        task.add_done_callback(self._guard)
-        self._tasks.append(task)
-
-    def _guard(self, task: asyncio.Task[None]) -> None:
-        """A background loop that ends on its own stops the agent; a crash is logged."""
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if exc is not None:
-            log.error("%s crashed", task.get_name(), exc_info=exc)
-            self.stop_reason = self.stop_reason or f"{task.get_name()} crashed: {exc}"
-        self.stopped.set()
+    def _crashed(self, crash: Crash) -> None:
+        """Counted; a task that is not restarted stops the agent (exit non-zero)."""
+        self.metrics.task_crashes.labels(self.spec.id, crash.task).inc()
+        if crash.restart_in_s is None:
+            self.crashed = True
+            self.stop_reason = self.stop_reason or f"{crash.task} crashed: {crash.error}"
+            self.stopped.set()
 
     async def _acquire(self) -> None:
         lease_id = await self.registry.grant_lease(self.settings.ttl_s)
@@ -472,10 +469,13 @@ class Agent:
     async def _healthz(self, _: web.Request) -> web.Response:
         now = self.clock.time()
         stale = self.last_publish_at is None or now - self.last_publish_at > self.settings.ttl_s
+        health = self.supervisor.status()
         body = {
             "site": self.spec.id,
             "instance": self.instance,
-            "status": "degraded" if stale else "ok",
+            "status": "unhealthy" if not health["healthy"] else ("degraded" if stale else "ok"),
+            "tasks": health["tasks"],
+            "recent_crashes": health["recent_crashes"],
             "lease_id": self.record.lease_id if self.record else None,
             "url": self.url,
             "probe_url": self.probe_url,
@@ -486,7 +486,8 @@ class Agent:
             "wan_emulated": self.settings.wan_emulated,
             "nvml": None if self._nvml is None else (self._nvml.available or self._nvml.reason),
         }
-        return web.json_response(body, status=503 if stale and self.seq else 200)
+        bad = (stale and self.seq) or not health["healthy"]
+        return web.json_response(body, status=503 if bad else 200)
 
     async def _metrics(self, _: web.Request) -> web.Response:
         return web.Response(

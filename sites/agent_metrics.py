@@ -28,6 +28,12 @@ class AgentMetrics:
         self.publishes = Counter(
             "cpn_agent_publishes", "Snapshots published to the registry", labels, registry=r
         )
+        self.task_crashes = Counter(
+            "cpn_agent_task_crashes",
+            "Crashes of the agent's supervised tasks",
+            labels + ["task"],
+            registry=r,
+        )
         self.publish_errors = Counter(
             "cpn_agent_publish_errors", "Publishes that failed", labels + ["reason"], registry=r
         )

@@ -22,6 +22,41 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
 
+TASK_GRACE_S = 2.0
+
+
+@pytest.fixture(autouse=True)
+async def no_pending_tasks() -> AsyncIterator[None]:
+    """Fail a test that leaves asyncio tasks behind (kopf's rule): every task a test or its
+    fixtures start must be finished, or cancelled and awaited, by the end of its teardown.
+    Autouse, so it is set up first and torn down last; tasks get TASK_GRACE_S to finish."""
+    import asyncio
+
+    before = asyncio.all_tasks()
+    yield
+    await check_no_pending_tasks(before)
+
+
+async def check_no_pending_tasks(before: set[Any], grace_s: float = TASK_GRACE_S) -> None:
+    """pytest.fail (after cancelling them) if tasks not in `before` are still pending."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    me = asyncio.current_task()
+    deadline = loop.time() + grace_s
+    while True:
+        left = [t for t in asyncio.all_tasks() - before if t is not me and not t.done()]
+        if not left or loop.time() >= deadline:
+            break
+        await asyncio.sleep(0.02)
+    if left:
+        names = sorted(t.get_name() + ": " + repr(t.get_coro()) for t in left)
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+        pytest.fail(f"the test left {len(left)} asyncio task(s) pending: " + "; ".join(names))
+
+
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
     server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"), unsafe_no_fsync=True)
