@@ -4,17 +4,20 @@ Pure translation both ways (no I/O), so the broker, tests and the simulator shar
 
 - `to_problem(jobs, fed, ...)` builds a broker.plan.PlanProblem in which every site is its own
   plan region, so per-site facts become region facts: a job's `allowed_regions` are the sites
-  that pass its site-level filters (up, not cordoned, region allowed and not denied, user RTT
-  known and within max_latency_ms, a colocate group's site, not a spread group's sites, and the
-  cheapest acceptable model within budget_usd); `rtt_ms` maps user regions to sites; data
-  origins are pseudo-regions (`data@<region>`, `data@<site>`) whose egress to each site is 0
-  inside the data's region, else the fast path's rate. Capacity is what is free now.
+  that pass the fast path's filter (broker.feasibility) without its capacity part, which the
+  solver accounts itself: up, not cordoned, region allowed and not denied, user RTT known and
+  within max_latency_ms, an acceptable model, the cheapest acceptable model's full cost
+  (broker.pricing) within budget_usd, a colocate group's site, not a spread group's sites;
+  `rtt_ms` maps user regions to sites; data origins are pseudo-regions (`data@<region>`,
+  `data@<site>`) whose egress per GB to each site is 0 inside the data's region, else the fast
+  path's rate. Capacity is what is free now.
 - Jobs the plan format cannot express are left to the fast path: a tenant with a GPU quota,
   a deadline the run would miss, a gang with members missing.
 - The unplaced penalty is 1e6 USD x (1 + priority): placing beats leaving unplaced, and a higher
   priority wins contended capacity.
 - `decisions(result, problem, jobs, fed)` turns the solver's assignments back into placement
-  Decisions with the cost broken down.
+  Decisions with the cost broken down (broker.plan.job_parts: the same parts, to the last bit,
+  as the fast path gives the same option).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from broker import feasibility
 from broker import placement as pl
 from broker.jobs import JobSpec
 from broker.plan import (
@@ -36,7 +40,7 @@ from broker.plan import (
     PlanResult,
     Price,
     Site,
-    job_cost,
+    job_parts,
 )
 
 PENALTY_USD = 1_000_000.0
@@ -46,18 +50,6 @@ PENALTY_USD = 1_000_000.0
 class Pending:
     id: str
     spec: JobSpec
-
-
-def _acceptable(spec: JobSpec, offer: pl.SiteOffer) -> list[str]:
-    named = spec.gpu.acceptable
-    models = list(named) if named is not None else list(offer.free_gpus)
-    floor = spec.gpu.min_mem_gb
-    return [
-        m
-        for m in models
-        if m in offer.prices.usd_per_gpu_hour
-        and (floor is None or offer.gpu_mem_gb.get(m, 0.0) >= floor)
-    ]
 
 
 def _data_origin(spec: JobSpec) -> str | None:
@@ -100,13 +92,12 @@ def to_problem(
             continue
         if spec.deadline is not None and now + timedelta(hours=spec.duration_hours) > spec.deadline:
             continue
-        allowed = _allowed_sites(spec, sites, fed, groups)
+        allowed = _allowed_sites(spec, fed, now, groups)
         if not allowed:
             continue
         origin = _data_origin(spec)
         if origin is not None:
-            free_region, usd = fed.egress_terms(spec.data)
-            per_gb = usd / spec.data.size_gb if spec.data and spec.data.size_gb else 0.0
+            free_region, per_gb = fed.egress_rate(spec.data)
             egress[origin] = {s.id: 0.0 if s.region == free_region else per_gb for s in sites}
         user = spec.user
         if user is not None:
@@ -118,7 +109,17 @@ def to_problem(
             group = Group(
                 name=f"{spec.group.kind}:{spec.group.name}", kind=GroupKind(spec.group.kind)
             )
-        models = sorted({m for s in sites for m in _acceptable(spec, s)}) if spec.gpu.count else []
+        models: list[str] = []
+        if spec.gpu.count:
+            offered = fed.offered(spec.gpu.acceptable, spec.gpu.min_mem_gb)
+            models = sorted(
+                {
+                    m
+                    for site, o in zip(fed.sites, offered, strict=True)
+                    if site.up and not site.cordoned
+                    for m, _ in o
+                }
+            )
         plan_jobs.append(
             Job(
                 id=pending.id,
@@ -147,48 +148,17 @@ def to_problem(
 
 
 def _allowed_sites(
-    spec: JobSpec, sites: Sequence[pl.SiteOffer], fed: pl.Federation, groups: pl.GroupState
+    spec: JobSpec, fed: pl.Federation, now: datetime, groups: pl.GroupState
 ) -> list[str]:
-    allowed = []
-    user = spec.user
-    rtts = fed.rtt_from(user.region) if user is not None else {}
-    colocate = groups.site_of_colocate.get(spec.group.name) if spec.group else None
-    spread = groups.spread_sites.get(spec.group.name, frozenset()) if spec.group else frozenset()
-    for s in sites:
-        if spec.allowed_regions is not None and s.region not in spec.allowed_regions:
-            continue
-        if s.region in spec.denied_regions:
-            continue
-        if user is not None and (user.max_latency_ms is not None or spec.latency_weight > 0):
-            ms = rtts.get(s.id)
-            if ms is None or (user.max_latency_ms is not None and ms > user.max_latency_ms):
-                continue
-        if (
-            spec.group is not None
-            and spec.group.kind == "colocate"
-            and colocate not in (None, s.id)
-        ):
-            continue
-        if spec.group is not None and spec.group.kind == "spread" and s.id in spread:
-            continue
-        models = _acceptable(spec, s) if spec.gpu.count else [None]
-        if not models:
-            continue
-        if (
-            spec.budget_usd is not None
-            and min(_compute(spec, s, m) for m in models) > spec.budget_usd
-        ):
-            continue
-        allowed.append(s.id)
-    return allowed
+    """The sites that pass the fast path's filter but its capacity part (the solver's) and
+    quota (a tenant with a quota is left to the fast path), in snapshot order."""
+    req = feasibility.request(
+        spec, fed, now=now, usage=_NO_QUOTAS, groups=groups, check_capacity=False
+    )
+    return [option[2] for option in feasibility.screen(req, fed).options]
 
 
-def _compute(spec: JobSpec, s: pl.SiteOffer, model: str | None) -> float:
-    p = s.prices
-    hourly = spec.cpu * p.usd_per_core_hour + spec.mem_gb * p.usd_per_gb_mem_hour
-    if model is not None:
-        hourly += spec.gpu.count * p.usd_per_gpu_hour[model]
-    return spec.duration_hours * hourly
+_NO_QUOTAS = pl.TenantUsage()
 
 
 def decisions(
@@ -202,11 +172,8 @@ def decisions(
     for job_id, assignment in sorted(result.assignments.items()):
         pending, job, site = by_id[job_id], plan_jobs[job_id], plan_sites[assignment.site]
         offer = fed.site(assignment.site)
-        total = job_cost(problem, job, site, assignment.model)
-        compute = _compute(pending.spec, offer, assignment.model)
-        latency = 0.0
-        if job.user_region is not None and job.latency_weight > 0:
-            latency = job.latency_weight * (problem.rtt(job.user_region, site.region) or 0.0)
+        parts = job_parts(problem, job, site, assignment.model)
+        total = parts.total_usd
         out.append(
             (
                 pending,
@@ -217,13 +184,14 @@ def decisions(
                     model=assignment.model,
                     gpus=pending.spec.gpu.count,
                     cost_usd=total,
-                    breakdown=pl.Breakdown(compute, total - compute - latency, latency),
+                    breakdown=parts,
                     runner_up=None,
                     feasible=len(job.allowed_regions or ()),
                     reason=(
                         f"batch plan of {len(problem.jobs)} pending jobs ({result.status.value}, "
-                        f"gap {100 * gap:.2f} %): {total:.2f} USD (compute {compute:.2f}, "
-                        f"egress {total - compute - latency:.2f}, latency {latency:.2f})"
+                        f"gap {100 * gap:.2f} %): {total:.2f} USD (compute "
+                        f"{parts.compute_usd:.2f}, egress {parts.egress_usd:.2f}, latency "
+                        f"{parts.latency_usd:.2f})"
                     ),
                 ),
             )

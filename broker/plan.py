@@ -2,7 +2,8 @@
 
 `load_problem(path_or_dict)` validates a problem (pydantic, then cross-references) and raises
 PlanInputError(field, message) naming the JSON path of the first problem found. The helpers are
-pure: `job_cost` prices one option, `feasible_options` lists where a job may go at all, and
+pure: `job_cost` prices one option (`job_parts` in parts; both through broker.pricing, the
+fast path's arithmetic), `feasible_options` lists where a job may go at all, and
 `evaluate` checks any plan against every hard constraint and recomputes its objective, so the
 solver's output can be verified independently (tests, bench).
 
@@ -35,7 +36,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from broker import pricing
 from broker.errors import InvalidRequest
+from broker.pricing import Breakdown
 from sites.config import field_path
 
 MILLI = 1000  # cpu and mem_gb are compared in thousandths (millicores, MB): exact integers
@@ -358,30 +361,42 @@ def _check_job(problem: PlanProblem, job: Job, at: str) -> None:
 # pure helpers
 
 
-def job_cost(problem: PlanProblem, job: Job, site: Site, model: str | None) -> float:
-    """USD of running `job` on `site` with `model` (None for a CPU-only job).
+def job_parts(problem: PlanProblem, job: Job, site: Site, model: str | None) -> Breakdown:
+    """The cost of running `job` on `site` with `model` (None for a CPU-only job), in parts,
+    priced by broker.pricing (the fast path's arithmetic, so both agree to the last bit):
 
-    duration_hours * (count * gpu_hour[model] + cpu * cpu_hour + mem_gb * mem_gb_hour)
+    duration_hours * (cpu * cpu_hour + mem_gb * mem_gb_hour + count * gpu_hour[model])
     + size_gb * egress(data region, site region) + latency_weight * rtt(user region, site region)
+
+    ValueError when the site does not price the model or a pair the job needs is missing.
     """
     price = site.price
-    hourly = job.cpu * price.cpu_hour + job.mem_gb * price.mem_gb_hour
+    gpu_rate = 0.0
     if job.gpu.count > 0:
         if model is None or model not in price.gpu_hour:
             raise ValueError(f"site {site.id!r} has no price for model {model!r}")
-        hourly += job.gpu.count * price.gpu_hour[model]
-    cost = job.duration_hours * hourly
+        gpu_rate = price.gpu_hour[model]
+    hourly = pricing.hourly_usd(
+        job.cpu, job.mem_gb, price.cpu_hour, price.mem_gb_hour, job.gpu.count, gpu_rate
+    )
+    egress = 0.0
     if job.data is not None and job.data.size_gb > 0:
         per_gb = problem.egress(job.data.region, site.region)
         if per_gb is None:
             raise ValueError(f"egress_per_gb has no entry for {job.data.region} <-> {site.region}")
-        cost += job.data.size_gb * per_gb
+        egress = pricing.egress_usd(job.data.size_gb, per_gb)
+    latency = 0.0
     if job.user_region is not None and job.latency_weight > 0:
         rtt = problem.rtt(job.user_region, site.region)
         if rtt is None:
             raise ValueError(f"rtt_ms has no entry for {job.user_region} <-> {site.region}")
-        cost += job.latency_weight * rtt
-    return cost
+        latency = pricing.latency_usd(job.latency_weight, rtt)
+    return pricing.breakdown(job.duration_hours, hourly, egress, latency)
+
+
+def job_cost(problem: PlanProblem, job: Job, site: Site, model: str | None) -> float:
+    """USD of running `job` on `site` with `model`: `job_parts`' total."""
+    return job_parts(problem, job, site, model).total_usd
 
 
 def region_allowed(problem: PlanProblem, job: Job, region: str) -> bool:

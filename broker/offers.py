@@ -1,0 +1,313 @@
+"""The federation snapshot that placement reads: site offers, RTTs, tenant usage, groups.
+
+The broker builds a `Federation` (plus `TenantUsage` and `GroupState`) from the registry; the
+simulator builds one from its scenario. Everything here is a frozen value: `with_offer` and
+`release` return new snapshots that share what a snapshot derives once (ids, regions, RTT
+tables, egress rates, per-shape site orders), since they change free capacity only.
+
+Errors: `PlacementError` (BrokerError, ValueError) for a snapshot with duplicate site ids, an
+unknown site, or capacity given back that the site never had.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from broker.errors import BrokerError
+from broker.jobs import DataLocation, Group
+from broker.pricing import egress_usd
+from sites.catalog import DeviceCatalog
+from sites.spec import Prices, SiteSpec
+
+__all__ = [
+    "Federation",
+    "GroupState",
+    "PlacementError",
+    "SiteOffer",
+    "TenantUsage",
+    "release",
+    "with_free",
+]
+
+_EMPTY: Mapping[str, float] = MappingProxyType({})
+
+
+class PlacementError(BrokerError, ValueError):
+    """A snapshot or decision that placement cannot work with (a caller's bug or a stale view)."""
+
+
+# -- the snapshot ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SiteOffer:
+    """What one site offers now. Mappings are read, never mutated."""
+
+    id: str
+    region: str
+    country: str
+    up: bool
+    cordoned: bool
+    free_gpus: Mapping[str, int]  # model -> free devices
+    free_cpu: int
+    free_mem_gb: float
+    gpu_mem_gb: Mapping[str, float]  # model -> memory per device, from the catalog
+    prices: Prices
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_spec(
+        cls, spec: SiteSpec, catalog: DeviceCatalog, *, up: bool = True, cordoned: bool = False
+    ) -> SiteOffer:
+        """The whole declared inventory free (a site with nothing running)."""
+        pools = spec.inventory.devices
+        return cls(
+            id=spec.id,
+            region=spec.region,
+            country=spec.country,
+            up=up,
+            cordoned=cordoned,
+            free_gpus={pool.model: pool.count for pool in pools},
+            free_cpu=spec.inventory.cpu_cores,
+            free_mem_gb=spec.inventory.mem_gb,
+            gpu_mem_gb={pool.model: catalog.get(pool.model).mem_gb or 0.0 for pool in pools},
+            prices=spec.prices,
+            labels=spec.labels,
+        )
+
+
+class _Index:
+    """What a snapshot derives once; shared by the snapshots `apply` makes from it, since
+    apply changes free capacity only (never ids, regions, prices or RTTs)."""
+
+    __slots__ = ("by_id", "egress", "models", "orders", "regions", "rtt")
+
+    def __init__(self, sites: tuple[SiteOffer, ...]) -> None:
+        self.by_id: dict[str, int] = {}
+        for pos, site in enumerate(sites):
+            if self.by_id.setdefault(site.id, pos) != pos:
+                raise PlacementError(f"site id {site.id!r} appears twice in the snapshot")
+        self.rtt: dict[str, Mapping[str, float]] | None = None
+        self.egress: tuple[dict[str, float], float] | None = None
+        self.models: dict[str, tuple[str, ...]] | None = None
+        self.regions: Mapping[str, str] | None = None
+        # request shape -> place's index: sites by the lowest hourly rate the shape could cost
+        # there, each with its acceptable (model, price) pairs
+        self.orders: dict[tuple[object, ...], Any] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class Federation:
+    """A snapshot: sites in a fixed order, and user region -> site RTTs.
+
+    `user_rtt_ms[(user region, site id)]` is the round trip in ms (broker.regions.user_rtt_ms
+    estimates it until measured client-to-site figures exist).
+    """
+
+    sites: tuple[SiteOffer, ...]
+    user_rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    _index: _Index = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", _Index(self.sites))
+
+    @property
+    def site_region(self) -> Mapping[str, str]:
+        """site id -> region (derived once per snapshot lineage)."""
+        index = self._index
+        if index.regions is None:
+            index.regions = MappingProxyType({site.id: site.region for site in self.sites})
+        return index.regions
+
+    def site(self, site_id: str) -> SiteOffer:
+        """The offer of `site_id`; PlacementError when the snapshot has no such site."""
+        return self.sites[self.position(site_id)]
+
+    def position(self, site_id: str) -> int:
+        pos = self._index.by_id.get(site_id)
+        if pos is None:
+            raise PlacementError(f"site {site_id!r} is not in the snapshot")
+        return pos
+
+    def rtt_from(self, region: str) -> Mapping[str, float]:
+        """site id -> RTT ms from the user region (sites without a figure are absent)."""
+        index = self._index
+        if index.rtt is None:
+            table: dict[str, dict[str, float]] = {}
+            for (user, site_id), ms in self.user_rtt_ms.items():
+                table.setdefault(user, {})[site_id] = ms
+            index.rtt = dict(table)
+        return index.rtt.get(region, _EMPTY)
+
+    def region_egress_usd_per_gb(self, region: str | None) -> float:
+        """Mean usd_per_gb_egress of the region's sites; of all sites if it has none (or None)."""
+        index = self._index
+        if index.egress is None:
+            sums: dict[str, list[float]] = {}
+            for site in self.sites:
+                sums.setdefault(site.region, []).append(site.prices.usd_per_gb_egress)
+            rates = [site.prices.usd_per_gb_egress for site in self.sites]
+            overall = math.fsum(rates) / len(rates) if rates else 0.0
+            index.egress = ({r: math.fsum(v) / len(v) for r, v in sums.items()}, overall)
+        by_region, overall = index.egress
+        return overall if region is None else by_region.get(region, overall)
+
+    def egress_rate(self, data: DataLocation | None) -> tuple[str | None, float]:
+        """(region where moving the data is free, USD per GB to move it anywhere else)."""
+        if data is None or data.size_gb == 0:
+            return None, 0.0
+        if data.site is not None:
+            pos = self._index.by_id.get(data.site)
+            if pos is None:
+                return None, self.region_egress_usd_per_gb(None)
+            site = self.sites[pos]
+            return site.region, site.prices.usd_per_gb_egress
+        return data.region, self.region_egress_usd_per_gb(data.region)
+
+    def egress_terms(self, data: DataLocation | None) -> tuple[str | None, float]:
+        """(region where moving the data is free, USD to move it anywhere else)."""
+        free_region, per_gb = self.egress_rate(data)
+        if data is None or data.size_gb == 0:
+            return free_region, 0.0
+        return free_region, egress_usd(data.size_gb, per_gb)
+
+    def sites_with(self, model: str) -> tuple[str, ...]:
+        """Ids of the sites that offer `model` at a price (free now or not), snapshot order."""
+        index = self._index
+        if index.models is None:
+            table: dict[str, list[str]] = {}
+            for site in self.sites:
+                priced = site.prices.usd_per_gpu_hour
+                for name in site.free_gpus:
+                    if name in priced:
+                        table.setdefault(name, []).append(site.id)
+            index.models = {name: tuple(ids) for name, ids in table.items()}
+        return index.models.get(model, ())
+
+    def offered(
+        self, named: tuple[str, ...] | None, floor: float | None
+    ) -> tuple[tuple[tuple[str, float], ...], ...]:
+        """Per site (snapshot order), the (model, USD per device-hour) a GPU request of these
+        acceptable models (None: any) and per-device memory floor could use there: priced, in
+        the inventory, with the memory. Built once per snapshot lineage (prices and models do
+        not change within one); the model filter's and the capacity check's input."""
+        key = ("offered", named, floor)
+        orders = self._index.orders
+        table = orders.get(key)
+        if table is None:
+            table = orders[key] = tuple(_offered(site, named, floor) for site in self.sites)
+        offered: tuple[tuple[tuple[str, float], ...], ...] = table
+        return offered
+
+    def site_order(self, key: tuple[object, ...], build: Callable[[], Any]) -> Any:
+        """A request shape's site order (place's index), built once per snapshot lineage."""
+        orders = self._index.orders
+        order = orders.get(key)
+        if order is None:
+            order = orders[key] = build()
+        return order
+
+    def with_offer(self, offer: SiteOffer) -> Federation:
+        """A snapshot with the site of the same id replaced; O(sites) pointer copies only.
+
+        The offer must keep the site's id, region, prices and models (apply's contract), so
+        the derived index is shared rather than rebuilt.
+        """
+        pos = self.position(offer.id)
+        new = object.__new__(Federation)
+        sites = list(self.sites)
+        sites[pos] = offer
+        object.__setattr__(new, "sites", tuple(sites))
+        object.__setattr__(new, "user_rtt_ms", self.user_rtt_ms)
+        object.__setattr__(new, "_index", self._index)
+        return new
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUsage:
+    """GPUs each tenant holds now, and quotas; a tenant without a quota is unlimited."""
+
+    gpus_by_tenant: Mapping[str, int] = field(default_factory=dict)
+    quota_gpus: Mapping[str, int] = field(default_factory=dict)
+
+    def exceeds(self, tenant: str, gpus: int) -> bool:
+        """Would `gpus` more put the tenant over its quota?"""
+        quota = self.quota_gpus.get(tenant)
+        return quota is not None and self.gpus_by_tenant.get(tenant, 0) + gpus > quota
+
+    def plus(self, tenant: str, gpus: int) -> TenantUsage:
+        used = {**self.gpus_by_tenant, tenant: self.gpus_by_tenant.get(tenant, 0) + gpus}
+        return TenantUsage(gpus_by_tenant=used, quota_gpus=self.quota_gpus)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupState:
+    """Where the groups' already placed jobs are: colocate group -> its site, spread group ->
+    the sites it uses."""
+
+    site_of_colocate: Mapping[str, str] = field(default_factory=dict)
+    spread_sites: Mapping[str, frozenset[str]] = field(default_factory=dict)
+
+    def with_placed(self, group: Group | None, site: str) -> GroupState:
+        if group is None:
+            return self
+        if group.kind == "colocate":
+            return GroupState({**self.site_of_colocate, group.name: site}, self.spread_sites)
+        taken = self.spread_sites.get(group.name, frozenset())
+        return GroupState(self.site_of_colocate, {**self.spread_sites, group.name: taken | {site}})
+
+
+def _offered(
+    site: SiteOffer, named: tuple[str, ...] | None, floor: float | None
+) -> tuple[tuple[str, float], ...]:
+    prices = site.prices.usd_per_gpu_hour
+    free = site.free_gpus
+    mem = site.gpu_mem_gb
+    return tuple(
+        (name, p)
+        for name in (free if named is None else named)
+        if name in free
+        and (p := prices.get(name)) is not None
+        and (floor is None or mem.get(name, 0.0) >= floor)
+    )
+
+
+def release(
+    fed: Federation, site_id: str, model: str | None, gpus: int, cpu: int, mem_gb: float
+) -> Federation:
+    """A finished job's devices, cores and memory back at its site (the inverse of
+    broker.placement.apply; the simulator's completions). PlacementError for an unknown site
+    or model."""
+    site = fed.site(site_id)
+    free_gpus = site.free_gpus
+    if model is not None and gpus:
+        have = free_gpus.get(model)
+        if have is None:
+            raise PlacementError(f"{site_id} has no {model} to give back")
+        free_gpus = {**free_gpus, model: have + gpus}
+    free_mem = round(site.free_mem_gb + mem_gb, 6)
+    return fed.with_offer(with_free(site, free_gpus, site.free_cpu + cpu, free_mem))
+
+
+def with_free(
+    site: SiteOffer, free_gpus: Mapping[str, int], free_cpu: int, free_mem_gb: float
+) -> SiteOffer:
+    """The offer with other free capacity (apply and release)."""
+    # dataclasses.replace costs twice as much, and this runs once per placement and release
+    return SiteOffer(
+        site.id,
+        site.region,
+        site.country,
+        site.up,
+        site.cordoned,
+        free_gpus,
+        free_cpu,
+        free_mem_gb,
+        site.gpu_mem_gb,
+        site.prices,
+        site.labels,
+    )

@@ -1,0 +1,93 @@
+"""The price of running a job at a site with a device model, and its parts: one place.
+
+Every consumer prices through here: the fast path (broker.feasibility's scan, the placement
+index), the batch pass (broker.batch.decisions), `cpn plan` (broker.plan.job_cost) and the
+simulator's baselines. The formula (docs/placement.md):
+
+    compute  = duration_hours * (cpu * usd_per_core_hour + mem_gb * usd_per_gb_mem_hour
+                                 + gpus * usd_per_gpu_hour[model])
+    egress   = size_gb * usd_per_gb        (0 inside the data's region)
+    latency  = latency_weight * rtt_ms
+    total    = compute + egress + latency
+
+The association is fixed (the cores and memory first, then the devices; compute, then egress,
+then latency), so every path that prices the same option gets the same float to the last bit,
+and the batch optimizer's objective, the fast path's choice and `cpn plan evaluate` agree.
+
+Energy and carbon join here when they are priced: a part of `Breakdown` each, added in
+`total_usd` after latency, so no consumer changes its arithmetic.
+
+Pure: plain floats in, floats out. The functions take rates as numbers rather than a price
+model, because the broker's site prices (sites.spec.Prices) and the plan format's
+(broker.plan.Price) name the same rates differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "Breakdown",
+    "breakdown",
+    "compute_usd",
+    "egress_usd",
+    "hourly_usd",
+    "latency_usd",
+    "total_usd",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Breakdown:
+    """An option's cost in its parts, USD each."""
+
+    compute_usd: float  # devices, cores and memory for the run's duration
+    egress_usd: float  # moving the job's data to the site
+    latency_usd: float  # latency_weight (USD per ms) x the user's RTT to the site
+
+    @property
+    def total_usd(self) -> float:
+        """The option's cost: the parts added in pricing's one order."""
+        return total_usd(self.compute_usd, self.egress_usd, self.latency_usd)
+
+
+def hourly_usd(
+    cpu: float,
+    mem_gb: float,
+    usd_per_core_hour: float,
+    usd_per_gb_mem_hour: float,
+    gpus: int = 0,
+    usd_per_gpu_hour: float = 0.0,
+) -> float:
+    """USD per hour for `cpu` cores, `mem_gb` GB of memory and `gpus` devices of one model."""
+    hourly = cpu * usd_per_core_hour + mem_gb * usd_per_gb_mem_hour
+    if gpus:
+        hourly += gpus * usd_per_gpu_hour
+    return hourly
+
+
+def compute_usd(duration_hours: float, hourly: float) -> float:
+    """USD for holding an `hourly` rate for `duration_hours`."""
+    return duration_hours * hourly
+
+
+def egress_usd(size_gb: float, usd_per_gb: float) -> float:
+    """USD to move `size_gb` GB at `usd_per_gb` (0 per GB inside the data's region)."""
+    return size_gb * usd_per_gb
+
+
+def latency_usd(latency_weight: float, rtt_ms: float) -> float:
+    """The latency term: `latency_weight` USD per ms times the user's RTT in ms."""
+    return latency_weight * rtt_ms
+
+
+def total_usd(compute: float, egress: float, latency: float) -> float:
+    """An option's total USD from its parts, always in this order."""
+    return compute + egress + latency
+
+
+def breakdown(
+    duration_hours: float, hourly: float, egress: float = 0.0, latency: float = 0.0
+) -> Breakdown:
+    """The parts of an option whose hourly rate (`hourly_usd`) and other terms are known."""
+    return Breakdown(compute_usd(duration_hours, hourly), egress, latency)
