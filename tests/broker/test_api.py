@@ -228,7 +228,7 @@ def test_the_document_describes_bodies_errors_and_parameters() -> None:
         assert ref.removeprefix("#/components/schemas/") in schemas, ref
     spec = schemas["JobSpec"]["properties"]
     assert spec["max_retries"]["type"] == "integer"
-    assert {"type": "string"} in spec["command"]["anyOf"]  # a shell string is accepted
+    assert {"type": "string", "pattern": "\\S"} in spec["command"]["anyOf"]  # a shell string
     infer = doc["paths"]["/v1/infer/{service}/{path}"]["post"]
     where = {(p["name"], p["in"]) for p in infer["parameters"]}
     assert {("service", "path"), ("path", "path"), ("X-Cpn-Client-Region", "header")} <= where

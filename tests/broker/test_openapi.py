@@ -2,8 +2,9 @@
 
 Every operation, /v1/route and /v1/infer included, gets schemathesis' coverage cases (boundary
 values and type mutations: `false` for an integer, `"4"` for a number) and a few fuzzed ones,
-positive and negative, under two checks: no response is a 5xx, and every request that breaks
-the schema is refused with a 4xx. Without sites the router answers 404 or 400, never a 5xx.
+positive and negative: no response is a 5xx, every request that breaks the schema is refused
+with a 4xx, and every reply has a documented status, content type and schema. Without sites
+the router answers 404 or 400, never a 5xx.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ CONFIG = {
         "enabled": False,
         "not_a_server_error": {"enabled": True},
         "negative_data_rejection": {"enabled": True},
+        # and the document tells the truth about what comes back
+        "status_code_conformance": {"enabled": True},
+        "content_type_conformance": {"enabled": True},
+        "response_schema_conformance": {"enabled": True},
     },
     # a known client region, so the proxy goes past region checks to the (empty) service list
     "parameters": {"header.X-Cpn-Client-Region": "shanghai"},
