@@ -134,6 +134,9 @@ class RouteAnswer(BaseModel):
     site: str | None = Field(description="the chosen site; null when none may serve")
     mode: str | None = Field(description="how it was chosen: single, p2c or sticky")
     pool: list[str] = Field(description="the near-best sites the choice was made among")
+    overflow: bool = Field(
+        description="every allowed site was full: the request queues on the one that waits least"
+    )
     candidates: list[RouteCandidate] = Field(description="best first")
     excluded: list[RouteExclusion]
 

@@ -1,44 +1,27 @@
-"""The broker's inference router: routing's topology and selection over the broker's view.
+"""The broker's inference router: a thin shell over routing.policy.route.
 
-The topology is synced from the mirrored registry when it changed (never per request); a route
-is rank() + choose() over the service's endpoints, and the proxy gets the chosen site first and
-the rest of the ranking after it, to retry on.
+The topology is synced from the mirrored registry when it changed (never per request). A route
+is routing.policy.route over the service's endpoints with the broker's RoutingSettings
+(broker.yaml `inference.routing`); the shell keeps what the pure policy returns for it to keep
+(the hysteresis site per (service, client region)) and the rng. The proxy gets the chosen site
+first and the rest of the ranking after it, to retry on.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from broker.errors import InvalidRequest, NotFound
 from routing.clients import Clients
-from routing.selection import (
-    Choice,
-    Exclusion,
-    Policy,
-    Ranking,
-    candidates_from_snapshot,
-    choose,
-    rank,
-)
+from routing.errors import InvalidParameter
+from routing.policy import Route, RoutingSettings, route
+from routing.selection import Policy, candidates_from_snapshot
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
 from sites.snapshot import Snapshot
 
-
-@dataclass(frozen=True)
-class Route:
-    ranking: Ranking
-    choice: Choice | None
-
-    def upstreams(self) -> list[tuple[str, str]]:
-        """(site, base URL): the choice first, then the others best first."""
-        ordered = sorted(
-            self.ranking.ranked, key=lambda s: (s.site != getattr(self.choice, "site", None),)
-        )
-        return [(s.site, s.candidate.endpoint.url) for s in ordered]
+__all__ = ["Route", "Router", "route_json"]
 
 
 class Router:
@@ -49,10 +32,22 @@ class Router:
         user_regions: Mapping[str, Endpoint],
         latency: LatencyModel,
         policy: Policy | None = None,
+        settings: RoutingSettings | None = None,
         seed: int | None = None,
     ) -> None:
         self.clients = clients
-        self.policy = policy or Policy(sovereignty=clients.sovereignty())
+        if settings is None:
+            settings = (
+                RoutingSettings() if policy is None else RoutingSettings(scoring=policy.scoring)
+            )
+        if policy is None:
+            policy = settings.policy(sovereignty=clients.sovereignty())
+        elif policy.scoring != settings.scoring:
+            raise InvalidParameter(
+                "policy.scoring differs from settings.scoring", field="policy.scoring"
+            )
+        self.settings = settings
+        self.policy = policy
         self.topology = Topology(clients=clients, user_regions=user_regions, latency=latency)
         self._rng = random.Random(seed)
         self._previous: dict[tuple[str, str], str] = {}
@@ -101,51 +96,23 @@ class Router:
         candidates = candidates_from_snapshot(
             self.snapshot, service, error_rates=error_rates, ejected_until=ejected_until
         )
-        if in_flight:
-            # the gateway's own count is exact and immediate; the site's report is up to half an
-            # interval old, and routing on stale load herds every request onto one site
-            candidates = [
-                dataclasses.replace(
-                    c,
-                    endpoint=c.endpoint.model_copy(
-                        update={"in_flight": max(c.endpoint.in_flight, in_flight.get(c.site, 0))}
-                    ),
-                )
-                for c in candidates
-            ]
-        ranking = rank(service, client_region, candidates, self.topology, self.policy, now)
-        # hysteresis is per (service, region); a session key is placed by rendezvous hashing
-        # alone, so one region's sticky site does not capture every session of that region
-        previous = None if session_key else self._previous.get((service, client_region))
-        # a tight near-best band: with service times of hundreds of ms, routing's default 10 %
-        # would treat a site 20 ms further away as equal; 2 % (at least 5 ms) keeps traffic near
-        choice = choose(
-            ranking,
+        key = (service, client_region)
+        result = route(
+            service,
+            client_region,
+            candidates,
+            self.topology,
+            self.policy,
+            self.settings,
+            now,
             rng=self._rng,
-            key=session_key,
-            previous=previous,
-            near_best_ms=5.0,
-            near_best_ratio=0.02,
+            in_flight=in_flight,
+            previous=self._previous.get(key),
+            session_key=session_key,
         )
-        if choice is None and any(e.reason is Exclusion.full for e in ranking.excluded):
-            # every site that may serve is full: queue the request where it waits least rather
-            # than refuse it while the sites' own queues have room (they answer 429 when not)
-            ranking = rank(
-                service,
-                client_region,
-                candidates,
-                self.topology,
-                self.policy,
-                now,
-                admit_full=True,
-            )
-            choice = choose(
-                ranking, rng=self._rng, key=session_key, near_best_ms=0.0, near_best_ratio=0.0
-            )
-            return Route(ranking, choice)
-        if choice is not None and session_key is None:
-            self._previous[(service, client_region)] = choice.site
-        return Route(ranking, choice)
+        if result.previous is not None:
+            self._previous[key] = result.previous
+        return result
 
 
 def route_json(route: Route) -> dict[str, object]:
@@ -156,6 +123,7 @@ def route_json(route: Route) -> dict[str, object]:
         "site": None if choice is None else choice.site,
         "mode": None if choice is None else choice.mode.value,
         "pool": [] if choice is None else list(choice.pool),
+        "overflow": route.overflow,
         "candidates": [
             {
                 "site": s.site,

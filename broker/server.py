@@ -57,7 +57,12 @@ async def serve(
     router = None
     if (config_dir / "clients.yaml").exists():
         clients = load_clients(config_dir / "clients.yaml", user_regions=regions, sites=specs)
-        router = Router(clients=clients, user_regions=regions, latency=latency)
+        router = Router(
+            clients=clients,
+            user_regions=regions,
+            latency=latency,
+            settings=settings.inference.routing,
+        )
     else:
         log.warning("no %s: inference routing is off", config_dir / "clients.yaml")
     app = make_app(broker, router)

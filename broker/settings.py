@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.health import OutlierSettings
+from routing.policy import RoutingSettings
 from sites.config import read_yaml, validate_mapping
 from sites.durations import Duration
 
@@ -22,6 +23,11 @@ class InferenceSettings(BaseModel):
     tenant_burst: int = Field(default=2000, ge=1)
     health_interval_s: float = Field(default=2.0, gt=0, description="active /healthz checks")
     outlier: OutlierSettings = OutlierSettings()
+    routing: RoutingSettings = Field(
+        default=RoutingSettings(),
+        description="the routing policy (band, hysteresis, overflow, in-flight accounting, "
+        "scoring) the gateway and the simulator share; docs/routing.md",
+    )
 
 
 class SchedulingSettings(BaseModel):

@@ -47,6 +47,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from yarl import URL
 
+from routing.errors import ProxyError, UnknownRegion, UnknownService
 from routing.health import OutlierDetector
 from routing.ratelimit import TenantLimiter
 from sites.clock import Clock, SystemClock
@@ -90,23 +91,6 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length"}
-
-
-class ProxyError(Exception):
-    """Base of what `pick` may raise to turn a request away with a 4xx.
-
-    ProxyError
-     +-- UnknownRegion (LookupError)    -> 400 unknown_region, field X-Cpn-Client-Region
-     +-- UnknownService (LookupError)   -> 404 unknown_service, field service
-    """
-
-
-class UnknownRegion(ProxyError, LookupError):
-    pass
-
-
-class UnknownService(ProxyError, LookupError):
-    pass
 
 
 class Upstream(NamedTuple):

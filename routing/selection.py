@@ -24,7 +24,10 @@ rank(service, client_region, candidates, topology, policy, now) -> Ranking
     them sends all traffic to the luckiest site); default_latency_ms while no endpoint of the
     model reports. Ranked ascending by total_ms, then site id.
 
-choose(ranking, rng=..., key=..., previous=...) -> Choice | None
+choose(ranking, rng=..., key=..., previous=..., <band, hysteresis, slack>) -> Choice | None
+    (the band, hysteresis and slack come from routing.policy.RoutingSettings, whose route() is
+    the whole gateway policy built on rank and choose: in-flight merge, hysteresis state,
+    overflow.)
     near-best pool: ranked candidates with total_ms <= best + max(near_best_ms,
     near_best_ratio * best). A site outside it is never chosen.
     - key given (session affinity): rendezvous (HRW) hashing of the key over the AFFINITY pool,
@@ -54,6 +57,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.errors import CandidateError, InvalidParameter
 from sites.snapshot import Snapshot
 from sites.status import ServiceEndpoint, SiteState
 
@@ -162,7 +166,7 @@ class Candidate:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.error_rate) and 0 <= self.error_rate <= 1):
-            raise ValueError(f"{self.site}: error_rate {self.error_rate} is outside [0, 1]")
+            raise CandidateError(f"{self.site}: error_rate {self.error_rate} is outside [0, 1]")
 
     @property
     def site(self) -> str:
@@ -357,7 +361,7 @@ def rank(
     *,
     admit_full: bool = False,
 ) -> Ranking:
-    """Filter and score the candidates (module docstring); raises ValueError on a repeated site.
+    """Filter and score the candidates (module docstring); CandidateError on a repeated site.
 
     admit_full: do not exclude full sites (the caller's overflow when every site is full: the
     request then queues where the score, which grows with the queue, is lowest)."""
@@ -373,7 +377,7 @@ def rank(
     pooled = _pooled_latency(candidates)
     for cand in candidates:
         if cand.site in seen:
-            raise ValueError(f"site {cand.site!r} is a candidate twice")
+            raise CandidateError(f"site {cand.site!r} is a candidate twice")
         seen.add(cand.site)
         network = topology.rtt_ms(client_region, cand.site)
         reason = _exclusion(service, client_region, cand, network, policy, now, admit_full)
@@ -439,12 +443,15 @@ def choose(
     rng: random.Random,
     key: str | None = None,
     previous: str | None = None,
-    hysteresis_ms: float = 20.0,
-    near_best_ms: float = 10.0,
-    near_best_ratio: float = 0.1,
-    affinity_slack_ms: float | None = 100.0,
+    hysteresis_ms: float,
+    near_best_ms: float,
+    near_best_ratio: float,
+    affinity_slack_ms: float | None,
 ) -> Choice | None:
-    """Pick a site from the ranking (module docstring); None when nothing is ranked."""
+    """Pick a site from the ranking (module docstring); None when nothing is ranked.
+
+    The band, hysteresis and slack have no defaults here: routing.policy.RoutingSettings holds
+    the one set the gateway and the simulator use. InvalidParameter names a bad one."""
     for name, value in (
         ("hysteresis_ms", hysteresis_ms),
         ("near_best_ms", near_best_ms),
@@ -452,7 +459,7 @@ def choose(
         ("affinity_slack_ms", 0.0 if affinity_slack_ms is None else affinity_slack_ms),
     ):
         if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+            raise InvalidParameter(f"{name} must be a finite number >= 0, got {value}", field=name)
     best = ranking.best
     if best is None:
         return None

@@ -1,15 +1,22 @@
-"""Inference demand in the simulator: routed by the router's own code, served by a queueing model.
+"""Inference demand in the simulator: routed by the gateway's policy, served by a queueing model.
 
 Every `inference_step_s` of virtual time, for each inference workload (a service and a request
 rate per client region with a daily curve, simulations.workloads.InferenceWorkload):
 
-1. Routing, with routing.selection.rank and choose on a routing.topology.Topology built like the
-   broker's (site-to-site links from the latency model, client regions attached as in
-   clients.yaml, sovereignty from it). Each region's rate is cut into `SLICES` equal slices, and
-   the slices of all regions are routed in turn, each seeing the load the earlier ones put on
-   the sites: an endpoint's in_flight is its offered concurrency (rate x mean service time, by
-   Little's law), its queue what exceeds max_concurrency. So a site fills up, its score rises,
-   the full ones are excluded, as in the live gateway. A slice no site can take is dropped.
+1. Routing, with routing.policy.route, the gateway's policy, and the scenario's `routing`
+   settings (the broker's RoutingSettings, same defaults), on a routing.topology.Topology built
+   like the broker's (site-to-site links from the latency model, client regions attached as in
+   clients.yaml, sovereignty from it). Each region's rate is cut into `SLICES` equal slices,
+   and the slices of all regions are routed in turn, each one request to the policy, seeing
+   the load the earlier ones put on the sites: a site's in-flight count is its offered
+   concurrency (rate x mean service time, by Little's law) up to max_concurrency, its queue
+   what exceeds it; the count goes through the policy's in-flight merge as the gateway's own
+   does. The hysteresis site per (service, client region) is kept across slices and steps
+   (SliceRouter), as the gateway keeps it. So a site fills up, its score rises, the full ones
+   are excluded; when every allowed site is full, the slice queues on the one that waits
+   least, as at the gateway (with `routing.overflow: refuse` it is dropped instead), and the
+   serving model below sees the overload. A slice that no site may serve at all (none up, no
+   route) is dropped.
 2. Serving, per site and service: M/M/c with c = max_concurrency and the service's mean service
    time. A request waits with the Erlang C probability, for an exponential time of rate
    c*mu - lambda. A site offered more than 98 % of its capacity serves 98 % and drops the rest
@@ -35,7 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from routing.selection import Candidate, Policy, choose, rank
+from routing.policy import Route, RoutingSettings, route
+from routing.selection import Candidate, Policy, RttSource
 from routing.topology import Topology
 from simulations.queueing import erlang_c
 from simulations.scenario import Scenario, SimFederation
@@ -44,7 +52,7 @@ from sites.config import read_yaml
 from sites.latency import Endpoint
 from sites.status import LinkStatus, ServiceEndpoint, SiteState
 
-__all__ = ["SAMPLES", "SLICES", "InferenceSim", "service_profiles"]
+__all__ = ["SAMPLES", "SLICES", "InferenceSim", "SliceRouter", "service_profiles"]
 
 SLICES = 8
 SAMPLES = 512
@@ -62,6 +70,55 @@ def service_profiles(path: Any) -> tuple[dict[str, tuple[float, float]], tuple[f
     }
     default = data.get("default") or {"median_ms": 300, "p99_ms": 1000}
     return models, (float(default["median_ms"]), float(default["p99_ms"]))
+
+
+class SliceRouter:
+    """The simulator's gateway: routing.policy.route, one slice as one request.
+
+    Keeps what broker.router.Router keeps (the hysteresis site per (service, client region),
+    the rng), so with the same settings, topology, candidates and loads it makes the same
+    choices (tests/routing/test_policy.py holds them equal).
+    """
+
+    def __init__(
+        self,
+        *,
+        topology: RttSource,
+        settings: RoutingSettings,
+        rng: random.Random,
+        sovereignty: dict[str, frozenset[str]] | None = None,
+    ) -> None:
+        self.topology = topology
+        self.settings = settings
+        self.policy: Policy = settings.policy(sovereignty=sovereignty)
+        self.rng = rng
+        self.previous: dict[tuple[str, str], str] = {}
+
+    def route(
+        self,
+        service: str,
+        region: str,
+        candidates: Sequence[Candidate],
+        now: float,
+        *,
+        in_flight: dict[str, int],
+    ) -> Route:
+        key = (service, region)
+        result = route(
+            service,
+            region,
+            candidates,
+            self.topology,
+            self.policy,
+            self.settings,
+            now,
+            rng=self.rng,
+            in_flight=in_flight,
+            previous=self.previous.get(key),
+        )
+        if result.previous is not None:
+            self.previous[key] = result.previous
+        return result
 
 
 @dataclass(slots=True)
@@ -113,7 +170,12 @@ class InferenceSim:
                     )
                 )
         self.topology, self.links = _topology(fed)
-        self.policy = Policy(sovereignty=self.clients.sovereignty())
+        self.router = SliceRouter(
+            topology=self.topology,
+            settings=scenario.routing,
+            rng=rng,
+            sovereignty=self.clients.sovereignty(),
+        )
         site_region = {s.id: s.region for s in fed.specs.values()}
         self.home: dict[str, str | None] = {}
         for region, entry in self.clients.regions.items():
@@ -194,19 +256,22 @@ class InferenceSim:
         up: dict[str, bool],
         now: float,
     ) -> tuple[dict[tuple[str, str], float], dict[str, float]]:
-        """Slices of each region's rate, routed in turn by rank + choose."""
+        """Slices of each region's rate, routed in turn by the gateway's policy."""
         offered = {e.site: 0.0 for e in eps}  # requests/s routed to each site so far
         flows: dict[tuple[str, str], float] = {}
         dropped: dict[str, float] = {}
         cands = [_candidate(service, e, 0.0, up[e.site], now) for e in eps]
+        # the simulator knows each site's load exactly: its own count (the gateway's, in the
+        # policy's in-flight merge) is the same figure as the site's report, so every
+        # RoutingSettings.in_flight mode sees the offered concurrency
+        counted = {c.site: c.endpoint.in_flight for c in cands}
         where = {e.site: i for i, e in enumerate(eps)}
         for _ in range(SLICES):
             for region, lam in rates.items():
                 if lam <= 0:
                     continue
                 piece = lam / SLICES
-                ranking = rank(service, region, cands, self.topology, self.policy, now)
-                pick = choose(ranking, rng=self.rng)
+                pick = self.router.route(service, region, cands, now, in_flight=counted).choice
                 if pick is None:
                     dropped[region] = dropped.get(region, 0.0) + piece
                     continue
@@ -215,6 +280,7 @@ class InferenceSim:
                 flows[(region, site)] = flows.get((region, site), 0.0) + piece
                 i = where[site]  # only the chosen site's load changed
                 cands[i] = _candidate(service, eps[i], offered[site], up[site], now)
+                counted[site] = cands[i].endpoint.in_flight
         return flows, dropped
 
     def _serve(self, e: _Endpoint, lam: float) -> tuple[float, float, float]:

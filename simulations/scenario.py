@@ -40,6 +40,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from broker.regions import load_user_regions, user_rtt_ms
 from broker.tenants import load_quotas
 from routing.clients import Clients, load_clients
+from routing.policy import RoutingSettings
 from simulations.workloads import (
     BatchWorkload,
     InferenceWorkload,
@@ -257,6 +258,11 @@ class Scenario(_Frozen):
         default=None, gt=0, description="series sampling period; default horizon / 480"
     )
     inference_step_s: Duration = Field(default=300.0, gt=0, description="routing period")
+    routing: RoutingSettings = Field(
+        default=RoutingSettings(),
+        description="the gateway's routing policy (broker.yaml inference.routing); a scenario "
+        "overrides its fields, the defaults are the broker's",
+    )
     # where relative paths resolve (the scenario file's folder); set by load_scenario
     base_dir: str = Field(default=".", exclude=True)
 

@@ -8,8 +8,11 @@ from typing import Any
 
 import pytest
 
+from routing.errors import CandidateError, InvalidParameter
+from routing.policy import RoutingSettings
 from routing.selection import (
     Candidate,
+    Choice,
     ChoiceMode,
     Exclusion,
     Policy,
@@ -45,6 +48,21 @@ def cand(site: str, region: str = "east", **fields: Any) -> Candidate:
 
 def ranking_of(cands: list[Candidate], rtts: dict[str, float], **policy: Any) -> Ranking:
     return rank("llm", "city", cands, topo(**rtts), Policy(**policy), NOW)
+
+
+DEFAULTS = RoutingSettings()
+
+
+def pick(ranking: Ranking, **kwargs: Any) -> Choice | None:
+    """choose() with RoutingSettings' band, hysteresis and slack unless given."""
+    args: dict[str, Any] = {
+        "hysteresis_ms": DEFAULTS.hysteresis_ms,
+        "near_best_ms": DEFAULTS.near_best_ms,
+        "near_best_ratio": DEFAULTS.near_best_ratio,
+        "affinity_slack_ms": DEFAULTS.affinity_slack_ms,
+    }
+    args.update(kwargs)
+    return choose(ranking, **args)
 
 
 def equal_sites(n: int, rtt: float = 10.0) -> tuple[list[Candidate], dict[str, float]]:
@@ -178,10 +196,11 @@ def test_expired_ejection_and_fresh_report_are_fine() -> None:
 
 
 def test_bad_candidates_are_rejected() -> None:
-    with pytest.raises(ValueError, match="error_rate"):
+    with pytest.raises(CandidateError, match="error_rate"):
         cand("x", error_rate=1.5)
-    with pytest.raises(ValueError, match="candidate twice"):
+    with pytest.raises(CandidateError, match="candidate twice"):
         ranking_of([cand("x"), cand("x")], {"x": 1})
+    assert issubclass(CandidateError, ValueError)  # callers that caught ValueError still do
 
 
 # -- power of two choices ----------------------------------------------------------------------
@@ -195,7 +214,7 @@ def test_p2c_spreads_load_among_equal_sites_and_never_picks_a_clearly_worse_one(
     rng = random.Random(42)
     counts: Counter[str] = Counter()
     for _ in range(10_000):
-        choice = choose(ranking, rng=rng)
+        choice = pick(ranking, rng=rng)
         assert choice is not None and choice.mode is ChoiceMode.p2c
         assert choice.pool == ("s0", "s1", "s2")
         counts[choice.site] += 1
@@ -209,18 +228,18 @@ def test_p2c_prefers_the_less_loaded_of_near_best_sites() -> None:
         [cand("busy", in_flight=6), cand("idle", in_flight=1)], {"busy": 10, "idle": 15}
     )
     rng = random.Random(0)
-    assert {choose(ranking, rng=rng).site for _ in range(100)} == {"idle"}  # type: ignore[union-attr]
+    assert {pick(ranking, rng=rng).site for _ in range(100)} == {"idle"}  # type: ignore[union-attr]
 
 
 def test_near_best_band_is_absolute_or_relative() -> None:
     cands = [cand("a", latency_ms=100), cand("b", latency_ms=100)]
     ranking = ranking_of(cands, {"a": 0, "b": 25})  # totals 100 and 125
     rng = random.Random(0)
-    narrow = choose(ranking, rng=rng, near_best_ms=10, near_best_ratio=0.1)
+    narrow = pick(ranking, rng=rng, near_best_ms=10, near_best_ratio=0.1)
     assert narrow is not None and (narrow.mode, narrow.pool) == (ChoiceMode.single, ("a",))
-    wide = choose(ranking, rng=rng, near_best_ms=10, near_best_ratio=0.3)
+    wide = pick(ranking, rng=rng, near_best_ms=10, near_best_ratio=0.3)
     assert wide is not None and wide.pool == ("a", "b")
-    wide = choose(ranking, rng=rng, near_best_ms=25, near_best_ratio=0)
+    wide = pick(ranking, rng=rng, near_best_ms=25, near_best_ratio=0)
     assert wide is not None and wide.pool == ("a", "b")
 
 
@@ -230,7 +249,7 @@ def test_choices_are_deterministic_for_a_seed() -> None:
 
     def run(seed: int) -> list[str]:
         rng = random.Random(seed)
-        return [choose(ranking, rng=rng).site for _ in range(50)]  # type: ignore[union-attr]
+        return [pick(ranking, rng=rng).site for _ in range(50)]  # type: ignore[union-attr]
 
     assert run(3) == run(3)
     assert run(3) != run(4)
@@ -238,16 +257,18 @@ def test_choices_are_deterministic_for_a_seed() -> None:
 
 def test_nothing_to_choose() -> None:
     ranking = ranking_of([cand("x", healthy=False)], {"x": 1})
-    assert choose(ranking, rng=random.Random(0)) is None
-    assert choose(ranking, rng=random.Random(0), key="k") is None
+    assert pick(ranking, rng=random.Random(0)) is None
+    assert pick(ranking, rng=random.Random(0), key="k") is None
 
 
 def test_bad_choice_parameters() -> None:
     ranking = ranking_of([cand("x")], {"x": 1})
-    with pytest.raises(ValueError, match="hysteresis_ms"):
-        choose(ranking, rng=random.Random(0), hysteresis_ms=-1)
-    with pytest.raises(ValueError, match="near_best_ratio"):
-        choose(ranking, rng=random.Random(0), near_best_ratio=float("nan"))
+    with pytest.raises(InvalidParameter, match="hysteresis_ms") as exc:
+        pick(ranking, rng=random.Random(0), hysteresis_ms=-1)
+    assert exc.value.field == "hysteresis_ms"
+    with pytest.raises(InvalidParameter, match="near_best_ratio") as exc:
+        pick(ranking, rng=random.Random(0), near_best_ratio=float("nan"))
+    assert exc.value.field == "near_best_ratio" and isinstance(exc.value, ValueError)
 
 
 # -- hysteresis ------------------------------------------------------------------------------
@@ -255,19 +276,19 @@ def test_bad_choice_parameters() -> None:
 
 def test_hysteresis_keeps_the_previous_site_within_the_threshold() -> None:
     ranking = ranking_of([cand("old"), cand("new")], {"old": 30, "new": 12})  # 18 ms better
-    choice = choose(ranking, rng=random.Random(0), previous="old", hysteresis_ms=20)
+    choice = pick(ranking, rng=random.Random(0), previous="old", hysteresis_ms=20)
     assert choice is not None and (choice.site, choice.mode) == ("old", ChoiceMode.sticky)
 
 
 def test_hysteresis_switches_beyond_the_threshold() -> None:
     ranking = ranking_of([cand("old"), cand("new")], {"old": 35, "new": 12})  # 23 ms better
-    choice = choose(ranking, rng=random.Random(0), previous="old", hysteresis_ms=20)
+    choice = pick(ranking, rng=random.Random(0), previous="old", hysteresis_ms=20)
     assert choice is not None and (choice.site, choice.mode) == ("new", ChoiceMode.single)
 
 
 def test_a_failed_previous_site_is_left_at_once() -> None:
     ranking = ranking_of([cand("old", healthy=False), cand("new")], {"old": 1, "new": 12})
-    choice = choose(ranking, rng=random.Random(0), previous="old", hysteresis_ms=1000)
+    choice = pick(ranking, rng=random.Random(0), previous="old", hysteresis_ms=1000)
     assert choice is not None and choice.site == "new"
 
 
@@ -277,7 +298,7 @@ def test_a_failed_previous_site_is_left_at_once() -> None:
 def assign(ranking: Ranking, keys: list[str], **kwargs: Any) -> dict[str, str]:
     out = {}
     for key in keys:
-        choice = choose(ranking, rng=random.Random(0), key=key, **kwargs)
+        choice = pick(ranking, rng=random.Random(0), key=key, **kwargs)
         assert choice is not None
         out[key] = choice.site
     return out
@@ -294,7 +315,7 @@ def test_same_key_same_site_while_healthy_despite_load_changes() -> None:
         loaded = [cand(c.site, in_flight=rng.randrange(8)) for c in cands]
         ranking = ranking_of(loaded, rtts)
         for key, site in first.items():
-            choice = choose(ranking, rng=rng, key=key)
+            choice = pick(ranking, rng=rng, key=key)
             assert choice is not None and choice.site == site and choice.mode is ChoiceMode.affinity
 
 
@@ -338,7 +359,7 @@ def test_affinity_keeps_the_session_site_and_ignores_far_sites() -> None:
     unslacked = assign(ranking, KEYS, affinity_slack_ms=None)
     assert "far" in unslacked.values()
     key = next(k for k, s in mapping.items() if s != "s0")
-    choice = choose(ranking, rng=random.Random(0), key=key, previous="s0")
+    choice = pick(ranking, rng=random.Random(0), key=key, previous="s0")
     assert choice is not None and (choice.site, choice.mode) == ("s0", ChoiceMode.sticky)
     assert choice.pool == ("s0", "s1", "s2")
 

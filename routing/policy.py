@@ -1,0 +1,240 @@
+"""The gateway's routing policy: one pure function for the broker's gateway and the simulator.
+
+No I/O, no clock reads, no hidden state: `now` is passed in, randomness comes from the caller's
+`rng`, and the one piece of memory the policy needs (the site a (service, client region) was
+last sent to, for hysteresis) goes in as `previous` and comes back as Route.previous. The
+gateway (broker.router.Router) and the capacity simulator (simulations.inference) each keep
+that per (service, client region) and call this with the same RoutingSettings, so a capacity
+plan routes as the gateway does, including near capacity.
+
+route(service, client_region, candidates, topology, policy, settings, now,
+      *, rng, in_flight=None, previous=None, session_key=None) -> Route
+
+1. In-flight merge (settings.in_flight), per candidate, into its endpoint's in_flight:
+     max       max(the site's report, the caller's own count); the default. The caller's count
+               is exact and immediate, the site's report is up to half a publish interval
+               old, and routing on stale load herds every request onto one site.
+     reported  the site's report alone (the caller's count is ignored).
+     counted   the caller's count alone (0 where it has none).
+   The endpoint's queue stays what the site reported.
+2. rank (routing.selection) with `policy`: sovereignty, the tenant's policy and the scoring,
+   which must be settings.scoring (else InvalidParameter, field policy.scoring; build the
+   policy with settings.policy(...)).
+3. choose (routing.selection) in the near-best band best + max(near_best_ms, near_best_ratio *
+   best):
+     session_key given: rendezvous hashing over the affinity pool (affinity_slack_ms); the
+       hysteresis state is neither read nor moved, so one region's sticky site does not
+       capture every session of that region.
+     else hysteresis: `previous` is kept while its total_ms <= best + hysteresis_ms.
+     else power of two choices in the band.
+4. Overflow: nothing chosen and at least one site excluded only for being full.
+     queue   (default) re-rank with admit_full=True and choose with a zero band: the request
+             queues where the score, which grows with the queue, is lowest (power of two
+             choices breaks exact ties; a session key still hashes over the affinity pool).
+             A site's own queue has room beyond the cut-off and it answers 429 when not, so
+             this beats refusing. Route.overflow is True.
+     refuse  no choice; the ranking's exclusions say which sites were full.
+   When the re-rank admits nothing either (a full site with no route), the first ranking is
+   returned with no choice.
+5. Route.previous, what the caller keeps for its next call for (service, client_region): the
+   chosen site after an ordinary choice (no session key, no overflow), else the `previous` it
+   passed in. An overflow does not move it: the sticky site is still the one to go back to.
+
+The defaults of RoutingSettings are documented once, in docs/routing.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from routing.errors import InvalidParameter
+from routing.selection import (
+    Candidate,
+    Choice,
+    Exclusion,
+    Policy,
+    Ranking,
+    RttSource,
+    ScoringSettings,
+    TenantPolicy,
+    choose,
+    rank,
+)
+
+__all__ = ["InFlight", "Overflow", "Route", "RoutingSettings", "merge_in_flight", "route"]
+
+
+class InFlight(enum.StrEnum):
+    """How a candidate's in_flight is made of the site's report and the caller's own count."""
+
+    max = "max"
+    reported = "reported"
+    counted = "counted"
+
+
+class Overflow(enum.StrEnum):
+    """What happens when every site that may serve a request is full."""
+
+    queue = "queue"
+    refuse = "refuse"
+
+
+class RoutingSettings(BaseModel):
+    """The gateway's routing policy settings (docs/routing.md: each default and why)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    near_best_ms: float = Field(
+        default=5.0,
+        ge=0,
+        description="ms: sites within this of the best score share the load (power of two "
+        "choices); with the ratio, the band is the larger of the two",
+    )
+    near_best_ratio: float = Field(
+        default=0.02,
+        ge=0,
+        le=1,
+        description="fraction of the best score: the relative near-best band; with service "
+        "times of hundreds of ms, 10 % would treat a site 20 ms further away as equal",
+    )
+    hysteresis_ms: float = Field(
+        default=20.0,
+        ge=0,
+        description="ms: a (service, client region) stays on its previous site while that "
+        "site scores within this of the best, so small score changes do not flap traffic",
+    )
+    affinity_slack_ms: float | None = Field(
+        default=100.0,
+        ge=0,
+        description="ms: a session key hashes over every site within this of the best "
+        "(None: every ranked site)",
+    )
+    overflow: Overflow = Field(
+        default=Overflow.queue,
+        description="every allowed site full: queue on the one that waits least, or refuse",
+    )
+    in_flight: InFlight = Field(
+        default=InFlight.max,
+        description="in-flight accounting: max of the site's report and the gateway's count, "
+        "the report alone, or the count alone",
+    )
+    scoring: ScoringSettings = Field(
+        default=ScoringSettings(), description="how rank scores and excludes sites"
+    )
+
+    def policy(
+        self,
+        *,
+        sovereignty: Mapping[str, frozenset[str]] | None = None,
+        tenant: TenantPolicy | None = None,
+    ) -> Policy:
+        """The rank policy with these settings' scoring."""
+        return Policy(scoring=self.scoring, sovereignty=dict(sovereignty or {}), tenant=tenant)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One routing decision, and the hysteresis state the caller keeps for the next one."""
+
+    ranking: Ranking
+    choice: Choice | None
+    overflow: bool = False  # the choice is a full site, taken because every allowed one was
+    previous: str | None = None  # the caller's new hysteresis state for (service, region)
+
+    @property
+    def site(self) -> str | None:
+        return None if self.choice is None else self.choice.site
+
+    def upstreams(self) -> list[tuple[str, str]]:
+        """(site, base URL): the choice first, then the others best first."""
+        chosen = self.site
+        ordered = sorted(self.ranking.ranked, key=lambda s: s.site != chosen)
+        return [(s.site, s.candidate.endpoint.url) for s in ordered]
+
+
+def merge_in_flight(
+    candidates: Iterable[Candidate], counted: Mapping[str, int] | None, mode: InFlight
+) -> list[Candidate]:
+    """The candidates with in_flight accounted per `mode` (module docstring, step 1).
+
+    Candidates whose figure does not change are returned as they are (no copy)."""
+    counts = counted or {}
+    out: list[Candidate] = []
+    for cand in candidates:
+        reported = cand.endpoint.in_flight
+        if mode is InFlight.max:
+            value = max(reported, counts.get(cand.site, 0))
+        elif mode is InFlight.counted:
+            value = counts.get(cand.site, 0)
+        else:
+            value = reported
+        if value < 0:
+            raise InvalidParameter(
+                f"in_flight[{cand.site!r}] is {value}, must be >= 0", field="in_flight"
+            )
+        if value != reported:
+            endpoint = cand.endpoint.model_copy(update={"in_flight": value})
+            cand = dataclasses.replace(cand, endpoint=endpoint)
+        out.append(cand)
+    return out
+
+
+def route(
+    service: str,
+    client_region: str,
+    candidates: Iterable[Candidate],
+    topology: RttSource,
+    policy: Policy,
+    settings: RoutingSettings,
+    now: float,
+    *,
+    rng: random.Random,
+    in_flight: Mapping[str, int] | None = None,
+    previous: str | None = None,
+    session_key: str | None = None,
+) -> Route:
+    """Route one request (module docstring). CandidateError on a repeated site."""
+    if policy.scoring is not settings.scoring and policy.scoring != settings.scoring:
+        raise InvalidParameter(
+            "policy.scoring differs from settings.scoring: build the policy with "
+            "settings.policy(...)",
+            field="policy.scoring",
+        )
+    cands = merge_in_flight(candidates, in_flight, settings.in_flight)
+    ranking = rank(service, client_region, cands, topology, policy, now)
+    sessioned = session_key is not None
+    choice = choose(
+        ranking,
+        rng=rng,
+        key=session_key,
+        previous=None if sessioned else previous,
+        hysteresis_ms=settings.hysteresis_ms,
+        near_best_ms=settings.near_best_ms,
+        near_best_ratio=settings.near_best_ratio,
+        affinity_slack_ms=settings.affinity_slack_ms,
+    )
+    if choice is not None:
+        return Route(ranking, choice, previous=previous if sessioned else choice.site)
+    if settings.overflow is Overflow.refuse or not any(
+        e.reason is Exclusion.full for e in ranking.excluded
+    ):
+        return Route(ranking, None, previous=previous)
+    admitted = rank(service, client_region, cands, topology, policy, now, admit_full=True)
+    choice = choose(
+        admitted,
+        rng=rng,
+        key=session_key,
+        hysteresis_ms=settings.hysteresis_ms,
+        near_best_ms=0.0,
+        near_best_ratio=0.0,
+        affinity_slack_ms=settings.affinity_slack_ms,
+    )
+    if choice is None:
+        return Route(ranking, None, previous=previous)
+    return Route(admitted, choice, overflow=True, previous=previous)
