@@ -10,13 +10,17 @@ plan routes as the gateway does, including near capacity.
 route(service, client_region, candidates, topology, policy, settings, now,
       *, rng, in_flight=None, previous=None, session_key=None) -> Route
 
-1. In-flight merge (settings.in_flight), per candidate, into its endpoint's in_flight:
-     max       max(the site's report, the caller's own count); the default. The caller's count
-               is exact and immediate, the site's report is up to half a publish interval
-               old, and routing on stale load herds every request onto one site.
+1. In-flight merge (settings.in_flight), per candidate: the requests the site holds, being
+   served or waiting (`total`), then split back into in_flight = min(total, max_concurrency)
+   and queue = the rest. The caller's count is its outstanding requests to the site, which are
+   served or queued there, so it compares with the report's in_flight + queue (adding it to
+   the reported queue would count the queue twice and call a site full early):
+     max       max(the site's in_flight + queue, the caller's own count); the default. The
+               caller's count is exact and immediate, the site's report is up to half a
+               publish interval old, and routing on stale load herds every request onto one
+               site.
      reported  the site's report alone (the caller's count is ignored).
      counted   the caller's count alone (0 where it has none).
-   The endpoint's queue stays what the site reported.
 2. rank (routing.selection) with `policy`: sovereignty, the tenant's policy and the scoring,
    which must be settings.scoring (else InvalidParameter, field policy.scoring; build the
    policy with settings.policy(...)).
@@ -167,19 +171,20 @@ def merge_in_flight(
     counts = counted or {}
     out: list[Candidate] = []
     for cand in candidates:
-        reported = cand.endpoint.in_flight
-        if mode is InFlight.max:
-            value = max(reported, counts.get(cand.site, 0))
-        elif mode is InFlight.counted:
-            value = counts.get(cand.site, 0)
-        else:
-            value = reported
-        if value < 0:
+        ep = cand.endpoint
+        if mode is InFlight.reported:
+            out.append(cand)
+            continue
+        count = counts.get(cand.site, 0)
+        if count < 0:
             raise InvalidParameter(
-                f"in_flight[{cand.site!r}] is {value}, must be >= 0", field="in_flight"
+                f"in_flight[{cand.site!r}] is {count}, must be >= 0", field="in_flight"
             )
-        if value != reported:
-            endpoint = cand.endpoint.model_copy(update={"in_flight": value})
+        total = count if mode is InFlight.counted else max(ep.in_flight + ep.queue, count)
+        in_flight = min(total, ep.max_concurrency)
+        queue = total - in_flight
+        if (in_flight, queue) != (ep.in_flight, ep.queue):
+            endpoint = ep.model_copy(update={"in_flight": in_flight, "queue": queue})
             cand = dataclasses.replace(cand, endpoint=endpoint)
         out.append(cand)
     return out

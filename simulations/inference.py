@@ -262,9 +262,9 @@ class InferenceSim:
         dropped: dict[str, float] = {}
         cands = [_candidate(service, e, 0.0, up[e.site], now) for e in eps]
         # the simulator knows each site's load exactly: its own count (the gateway's, in the
-        # policy's in-flight merge) is the same figure as the site's report, so every
-        # RoutingSettings.in_flight mode sees the offered concurrency
-        counted = {c.site: c.endpoint.in_flight for c in cands}
+        # policy's in-flight merge: requests served or queued there) is the same figure as the
+        # site's report, so every RoutingSettings.in_flight mode sees the offered concurrency
+        counted = {c.site: c.endpoint.in_flight + c.endpoint.queue for c in cands}
         where = {e.site: i for i, e in enumerate(eps)}
         for _ in range(SLICES):
             for region, lam in rates.items():
@@ -280,7 +280,7 @@ class InferenceSim:
                 flows[(region, site)] = flows.get((region, site), 0.0) + piece
                 i = where[site]  # only the chosen site's load changed
                 cands[i] = _candidate(service, eps[i], offered[site], up[site], now)
-                counted[site] = cands[i].endpoint.in_flight
+                counted[site] = cands[i].endpoint.in_flight + cands[i].endpoint.queue
         return flows, dropped
 
     def _serve(self, e: _Endpoint, lam: float) -> tuple[float, float, float]:
