@@ -21,11 +21,12 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from simulations import report
+from simulations import plots, report
 from simulations.capacity import load_planning, plan_capacity
 from simulations.report import slug
 from simulations.runner import default_out, run_many
-from simulations.scenario import Scenario, load_scenario, parse_duration_s
+from simulations.scenario import Scenario, load_scenario
+from sites.durations import parse_duration_s
 from sites.errors import ConfigError
 
 __all__ = ["plan_capacity_main", "simulate_main"]
@@ -133,7 +134,7 @@ def _simulate(args: argparse.Namespace) -> int:
     console = Console()
     if len(results) == 1:
         out = Path(args.out) if args.out else default_out(scenarios[0].name)
-        index = report.write_report(results[0], out)
+        index = plots.write_report(results[0], out)
         if args.json:
             print(json.dumps(results[0], sort_keys=True))
         else:
@@ -147,7 +148,7 @@ def _simulate(args: argparse.Namespace) -> int:
             sweep[0],
             [v if isinstance(v, int | float | str) else str(v) for v in sweep[1]],
         )
-    index = report.write_comparison(results, out, sweep=sweep_arg)
+    index = plots.write_comparison(results, out, sweep=sweep_arg)
     if args.json:
         print(json.dumps(results, sort_keys=True))
     else:

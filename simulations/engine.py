@@ -51,21 +51,23 @@ from typing import Any
 import numpy as np
 
 from broker import batch as bt
+from broker import feasibility as fz
 from broker import placement as pl
 from broker.jobs import DataLocation, GpuRequest, JobSpec
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.solver import solve
 from simulations.arrivals import Arrivals, generate
 from simulations.inference import InferenceSim
+from simulations.phase import Phase
+from simulations.results import collect
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
 
-__all__ = ["EPOCH", "Simulation", "run_scenario"]
+__all__ = ["EPOCH", "Phase", "Simulation"]
 
 EPOCH = datetime(2026, 1, 5, tzinfo=UTC)  # t = 0: a Monday 00:00 UTC
 
 # event kinds, in the order simultaneous events are handled
 _UP, _FINISH, _DOWN, _FAILOVER, _BATCH, _INFER = range(6)
-_CAPACITY = frozenset(("gpus", "cpu", "mem"))
 _STATIC = ("cordoned", "region", "latency", "model", "budget", "deadline")
 
 
@@ -75,6 +77,7 @@ class _Class:
     __slots__ = (
         "acceptable",
         "cpu",
+        "floor",
         "gpus",
         "ineligible",
         "key",
@@ -94,6 +97,7 @@ class _Class:
         self.queue: deque[int] = deque()
         self.gpus = spec.gpu.count
         self.acceptable = spec.gpu.acceptable
+        self.floor = spec.gpu.min_mem_gb
         self.cpu = spec.cpu
         self.mem = spec.mem_gb
         self.tenant = spec.tenant
@@ -103,17 +107,16 @@ class _Class:
         self.reason = ""
         self.message = ""
 
-    def fits(self, offer: pl.SiteOffer) -> bool:
-        """Could this site take the class's request now (capacity only)?"""
+    def fits(self, fed: pl.Federation, s: int) -> bool:
+        """Could site `s` take the class's request now? The filter's static verdicts from the
+        last try (`ineligible`), then its capacity part (broker.feasibility.capacity)."""
+        offer = fed.sites[s]
         if not offer.up or offer.cordoned or offer.id in self.ineligible:
             return False
-        if offer.free_cpu < self.cpu or offer.free_mem_gb < self.mem:
-            return False
-        if not self.gpus:
-            return True
-        free = offer.free_gpus
-        names = free if self.acceptable is None else self.acceptable
-        return any(free.get(m, 0) >= self.gpus for m in names)
+        offered = fed.offered(self.acceptable, self.floor)[s] if self.gpus else ()
+        if self.gpus and not offered:
+            return False  # the model filter
+        return fz.capacity(offer, offered, self.gpus, self.cpu, self.mem)[0] == fz.FITS
 
 
 @dataclasses.dataclass(slots=True)
@@ -169,7 +172,7 @@ class Simulation:
         self.groups = pl.GroupState()
         self.retry = RetryPolicy(base_s=self.policy.retry_base_s, max_s=self.policy.retry_max_s)
         n = len(self.arrivals)
-        self.state = bytearray(n)  # 0 future, 1 waiting, 2 running, 3 done, 4 failed
+        self.state = bytearray(n)  # Phase per job
         self.runs: dict[int, _Run] = {}
         self.on_site: list[set[int]] = [set() for _ in self.site_ids]
         self.attempts = [0] * n
@@ -276,8 +279,6 @@ class Simulation:
         self.wait_total += math.fsum(horizon - since for since in self.wait_since.values())
         if progress is not None:
             progress(1.0)
-        from simulations.results import collect
-
         return collect(self, time.perf_counter() - started)
 
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
@@ -389,8 +390,8 @@ class Simulation:
                 self._wait(j, cls)
 
     def _wait(self, j: int, cls: _Class) -> None:
-        if self.state[j] != 1:
-            self.state[j] = 1
+        if self.state[j] != Phase.WAITING:
+            self.state[j] = Phase.WAITING
             self.pending += 1
             self.wait_since[j] = self.now
         if self.policy.kind is PolicyKind.fast_path:
@@ -423,10 +424,10 @@ class Simulation:
         gpus = decision.gpus
         if gpus:
             self.used[spec.tenant] = self.used.get(spec.tenant, 0) + gpus
-        if self.state[j] == 1:
+        if self.state[j] == Phase.WAITING:
             self.pending -= 1
             self.wait_total += self.now - self.wait_since.pop(j)
-        self.state[j] = 2
+        self.state[j] = Phase.RUNNING
         self.placed += 1
         arrived = self.at[j]
         if j not in self.first_start:
@@ -451,7 +452,7 @@ class Simulation:
     def _finish(self, j: int, run: _Run) -> None:
         self._charge(j, self.now)
         self._release(j, run)
-        self.state[j] = 3
+        self.state[j] = Phase.DONE
         self.completed += 1
         self.jcts.append(self.now - self.at[j])
         self._capacity_returned(run.site, self._tenant(j))
@@ -506,17 +507,17 @@ class Simulation:
         if self.reference:
             self._retry_every_job()
             return
-        offer = self.fed.sites[s] if s is not None else None
+        fed = self.fed
         usage = self.usage
         heap = [
             (-c.priority, c.queue[0], c)
             for c in self.waiting_classes.values()
-            if offer is None
+            if s is None
             # blocked by its quota: only its tenant's releases can help, once under quota
             or (
                 (c.tenant == tenant and not usage.exceeds(c.tenant, c.gpus))
                 if c.quota_blocked
-                else c.fits(offer)
+                else c.fits(fed, s)
             )
         ]
         heapify(heap)
@@ -545,36 +546,17 @@ class Simulation:
     # -- baselines ---------------------------------------------------------------------------
 
     def _try_baseline(self, j: int, cls: _Class) -> bool:
+        """The head of the FIFO to the first site (fifo-first-fit) or a random one (random)
+        that broker.feasibility finds feasible, with the model and price it gives there."""
         spec = self._spec(j, cls)
-        count = spec.gpu.count
-        if count and self.usage.exceeds(spec.tenant, count):
+        when = EPOCH + timedelta(seconds=self.now)
+        req = fz.request(spec, self.fed, now=when, usage=self.usage, groups=self.groups)
+        options = fz.screen(req, self.fed, first=self.policy.kind is PolicyKind.fifo_first_fit)
+        if not options.options:
             return False
-        options: list[tuple[pl.SiteOffer, str | None]] = []
-        for offer in self.fed.sites:
-            if not offer.up or offer.cordoned:
-                continue
-            if offer.free_cpu < spec.cpu or offer.free_mem_gb < spec.mem_gb:
-                continue
-            model: str | None = None
-            if count:
-                names = offer.free_gpus if cls.acceptable is None else cls.acceptable
-                model = next(
-                    (
-                        m
-                        for m in names
-                        if offer.free_gpus.get(m, 0) >= count and m in offer.prices.usd_per_gpu_hour
-                    ),
-                    None,
-                )
-                if model is None:
-                    continue
-            options.append((offer, model))
-            if self.policy.kind is PolicyKind.fifo_first_fit:
-                break
-        if not options:
-            return False
-        offer, model = options[0] if len(options) == 1 else self.rng.choice(options)
-        self._start(j, spec, _decision(spec, offer, model, self.fed))
+        found = options.options
+        option = found[0] if len(found) == 1 else self.rng.choice(found)
+        self._start(j, spec, _decision(spec, option))
         return True
 
     def _retry_fifo(self, s: int | None) -> None:
@@ -584,7 +566,7 @@ class Simulation:
             cls = self.job_class[j]
             if cls is None:
                 raise RuntimeError(f"job {j} waits without a class")
-            if s is not None and not cls.fits(self.fed.sites[s]):
+            if s is not None and not cls.fits(self.fed, s):
                 return  # only site s changed: the head still fits nowhere
             if not self._try_baseline(j, cls):
                 return
@@ -689,7 +671,7 @@ class Simulation:
             retries = self.retries.get(j, 0)
             # the broker's rule (broker.lifecycle): a lost site uses up a retry, no backoff
             if retry_backoff_s(retries, self.policy.max_retries, self.retry) is None:
-                self.state[j] = 4
+                self.state[j] = Phase.FAILED
                 self.failed += 1
                 entry["jobs_failed"] += 1
                 continue
@@ -699,7 +681,7 @@ class Simulation:
             cls = self.job_class[j]
             if cls is None:
                 raise RuntimeError(f"job {j} ran without a class")
-            self.state[j] = 1
+            self.state[j] = Phase.WAITING
             self.pending += 1
             self.wait_since[j] = self.now
             if self.policy.kind is PolicyKind.fast_path:
@@ -725,33 +707,18 @@ class Simulation:
             self.up_series[s].append(offer.up)
 
 
-def _decision(
-    spec: JobSpec, offer: pl.SiteOffer, model: str | None, fed: pl.Federation
-) -> pl.Decision:
-    """A placement Decision for a baseline's choice, costed like the fast path's."""
-    rates = offer.prices
-    hourly = spec.cpu * rates.usd_per_core_hour + spec.mem_gb * rates.usd_per_gb_mem_hour
-    if model is not None and spec.gpu.count:
-        hourly += spec.gpu.count * rates.usd_per_gpu_hour[model]
-    compute = spec.duration_hours * hourly
-    free_region, egress_away = fed.egress_terms(spec.data)
-    egress = 0.0 if offer.region == free_region else egress_away
+def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision:
+    """A placement Decision for a baseline's choice, priced by the filter as the fast path is."""
+    cost, _, _, offer, model, compute, egress, latency = option
     return pl.Decision(
         job=spec.name,
         site=offer.id,
         region=offer.region,
         model=model,
         gpus=spec.gpu.count,
-        cost_usd=compute + egress,
-        breakdown=pl.Breakdown(compute, egress, 0.0),
+        cost_usd=cost,
+        breakdown=pl.Breakdown(compute, egress, latency),
         runner_up=None,
         feasible=1,
         reason="baseline",
     )
-
-
-def run_scenario(
-    scenario: Scenario, progress: Callable[[float], None] | None = None
-) -> dict[str, Any]:
-    """Build and run one scenario; the results mapping (simulations.results)."""
-    return Simulation(scenario).run(progress)

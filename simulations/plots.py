@@ -14,21 +14,25 @@ identical results give identical bytes; every string from the results is HTML-es
 from __future__ import annotations
 
 import html
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-# report does not import this module at its top (it imports it where it writes), so no cycle
+# report never imports this module: the dependency runs one way
 from simulations.report import (
     _ELECTRICITY,
     _FOOTPRINT,
     NONE,
+    ReportError,
     Results,
     _at,
+    _check,
     _f,
     _failures,
+    _figures_of,
     _floats,
     _Fmt,
     _grid,
@@ -43,16 +47,24 @@ from simulations.report import (
     _ranked,
     _sections,
     _series,
+    _unique,
     format_duration,
     format_money,
     format_percent,
+    slug,
 )
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.axis import Axis
 
-__all__ = ["PLOTS", "write_comparison_page", "write_report_page"]
+__all__ = [
+    "PLOTS",
+    "write_comparison",
+    "write_comparison_page",
+    "write_report",
+    "write_report_page",
+]
 
 MAX_LINES = 15  # lines or bars in one plot; the rest are aggregated as "other"
 
@@ -552,3 +564,44 @@ def write_comparison_page(
         encoding="utf-8",
     )
     return index
+
+
+# -- the folders: results.json / comparison.json beside the pages ----------------------------
+
+
+def _dump(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value, sort_keys=True, indent=1) + "\n", encoding="utf-8")
+
+
+def write_report(results: Results, out_dir: Path) -> Path:
+    """results.json, the PNG plots and index.html in `out_dir` (created); returns index.html."""
+    results = _check(results)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _dump(out_dir / "results.json", results)
+    return write_report_page(results, out_dir)
+
+
+def write_comparison(
+    results_list: Sequence[Results],
+    out_dir: Path,
+    *,
+    sweep: tuple[str, Sequence[float | str]] | None = None,
+) -> Path:
+    """The comparison page, comparison.json and each scenario's report in out_dir/<slug>/.
+
+    With `sweep=(parameter, values)`, one value per result in the same order, the key figures
+    are also plotted against the parameter. Returns out_dir/index.html.
+    """
+    figures = _figures_of(results_list)
+    if sweep is not None and len(sweep[1]) != len(figures):
+        raise ReportError(f"{len(sweep[1])} sweep values for {len(figures)} results", field="sweep")
+    names = [str(f["name"]) for f in figures]
+    slugs = _unique([slug(n) for n in names], lambda s, n: f"{s}-{n}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = []
+    for i, (results, folder) in enumerate(zip(results_list, slugs, strict=True)):
+        write_report(results, out_dir / folder)
+        extra = {"sweep": {"parameter": sweep[0], "value": sweep[1][i]}} if sweep else {}
+        records.append({**figures[i], "slug": folder, **extra})
+    _dump(out_dir / "comparison.json", records)
+    return write_comparison_page(figures, out_dir, slugs=slugs, sweep=sweep)

@@ -4,10 +4,9 @@ The simulator returns one JSON-serialisable `results` dict (schema "cpn.simulati
 docs/simulation-report.md); this module only reads it. `summary` / `summary_text` give one
 screen for a terminal; `compare_table` / `compare_text` set scenarios side by side and mark
 the best value of each row where "best" has one meaning (lower delay, cost, energy, carbon;
-higher SLO attainment and completed jobs). `write_report` writes results.json, and
-`write_comparison` comparison.json and one full report per scenario, into a folder; the PNG
-plots and HTML pages are drawn by simulations.plots, which imports this module, so this one
-imports it where it writes (and looks up `PLOTS` there on first use).
+higher SLO attainment and completed jobs). Writing the reports to a folder (results.json, PNG
+plots, HTML pages) is simulations.plots', which imports this module; this one does not import
+it, so the reading side needs no plotting library.
 
 How: an absent section, an empty dict or a null figure reads as "none", never as an error.
 Deciding is pure: `_sections` and `key_figures` say what to show; only `write_*` write, and only
@@ -21,35 +20,19 @@ results one to one.
 from __future__ import annotations
 
 import io
-import json
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:
-    from simulations.plots import PLOTS
-else:
-
-    def __getattr__(name: str) -> Any:
-        # simulations.plots imports this module, so its PLOTS is looked up on first use
-        if name == "PLOTS":
-            from simulations.plots import PLOTS
-
-            return PLOTS
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "SCHEMA",
-    "PLOTS",
     "ReportError",
     "Results",
     "compare_table",
@@ -63,8 +46,6 @@ __all__ = [
     "slug",
     "summary",
     "summary_text",
-    "write_comparison",
-    "write_report",
 ]
 
 # simulations.results.SCHEMA (a test holds them equal); not imported, so reading a saved
@@ -556,51 +537,6 @@ def compare_text(results_list: Sequence[Results], width: int = 120) -> str:
     return _render(compare_table(results_list), width)
 
 
-# -- writing: the JSON here, the PNG plots and HTML pages in simulations.plots ------------------
-
-
-def _dump(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value, sort_keys=True, indent=1) + "\n", encoding="utf-8")
-
-
-def write_report(results: Results, out_dir: Path) -> Path:
-    """results.json, the PNG plots and index.html in `out_dir` (created); returns index.html."""
-    from simulations import plots  # it imports this module: here, not at the top
-
-    results = _check(results)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    _dump(out_dir / "results.json", results)
-    return plots.write_report_page(results, out_dir)
-
-
 def slug(name: str) -> str:
     """A file-name-safe form of a scenario name (the reports' folder names)."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:60] or "scenario"
-
-
-def write_comparison(
-    results_list: Sequence[Results],
-    out_dir: Path,
-    *,
-    sweep: tuple[str, Sequence[float | str]] | None = None,
-) -> Path:
-    """The comparison page, comparison.json and each scenario's report in out_dir/<slug>/.
-
-    With `sweep=(parameter, values)`, one value per result in the same order, the key figures
-    are also plotted against the parameter. Returns out_dir/index.html.
-    """
-    from simulations import plots  # it imports this module: here, not at the top
-
-    figures = _figures_of(results_list)
-    if sweep is not None and len(sweep[1]) != len(figures):
-        raise ReportError(f"{len(sweep[1])} sweep values for {len(figures)} results", field="sweep")
-    names = [str(f["name"]) for f in figures]
-    slugs = _unique([slug(n) for n in names], lambda s, n: f"{s}-{n}")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    records = []
-    for i, (results, folder) in enumerate(zip(results_list, slugs, strict=True)):
-        write_report(results, out_dir / folder)
-        extra = {"sweep": {"parameter": sweep[0], "value": sweep[1][i]}} if sweep else {}
-        records.append({**figures[i], "slug": folder, **extra})
-    _dump(out_dir / "comparison.json", records)
-    return plots.write_comparison_page(figures, out_dir, slugs=slugs, sweep=sweep)

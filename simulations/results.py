@@ -3,21 +3,25 @@
 Every figure the summary, the HTML report (simulations.report) and comparisons show comes from
 this mapping; docs/simulation.md describes each key. Times are seconds of virtual time, money
 USD, energy kWh, carbon kg CO2e.
+
+`collect` reads a finished run through `Run`, the protocol of what it needs, so this module does
+not import the engine (simulations.engine.Simulation is one; the engine imports this module).
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from simulations.engine import Simulation
+from simulations.arrivals import Arrivals
+from simulations.phase import Phase
+from simulations.scenario import Scenario, SimFederation
 
-__all__ = ["SCHEMA", "collect", "stats"]
+__all__ = ["SCHEMA", "Run", "collect", "stats"]
 
 SCHEMA = "cpn.simulation/v1"
 _HIST_EDGES = np.concatenate(([0.0], np.geomspace(1.0, 90 * 86400.0, 60)))
@@ -38,7 +42,99 @@ def stats(values: Sequence[float]) -> dict[str, float | None]:
     }
 
 
-def collect(sim: Simulation, wall_s: float) -> dict[str, Any]:
+class _Why(Protocol):
+    """A class of waiting jobs: why its last try failed (filter name) and the message."""
+
+    @property
+    def reason(self) -> str: ...
+    @property
+    def message(self) -> str: ...
+
+
+class _Inference(Protocol):
+    def results(self) -> dict[str, Any]: ...
+
+
+class Run(Protocol):
+    """What `collect` reads of a finished simulation (simulations.engine.Simulation)."""
+
+    @property
+    def scenario(self) -> Scenario: ...
+    @property
+    def horizon(self) -> float: ...
+    @property
+    def arrivals(self) -> Arrivals: ...
+    @property
+    def site_ids(self) -> Sequence[str]: ...
+    @property
+    def fedinfo(self) -> SimFederation: ...
+    @property
+    def state(self) -> bytearray: ...  # a Phase per job
+    @property
+    def job_class(self) -> Sequence[_Why | None]: ...
+    @property
+    def templates(self) -> Mapping[Any, _Why]: ...
+    @property
+    def wait_total(self) -> float: ...
+    @property
+    def pending_area(self) -> float: ...
+    @property
+    def waits(self) -> Sequence[float]: ...
+    @property
+    def first_start(self) -> Mapping[int, float]: ...
+    @property
+    def jcts(self) -> Sequence[float]: ...
+    @property
+    def gpu_total(self) -> Sequence[int]: ...
+    @property
+    def core_total(self) -> Sequence[int]: ...
+    @property
+    def busy_gpu_s(self) -> Sequence[float]: ...
+    @property
+    def busy_core_s(self) -> Sequence[float]: ...
+    @property
+    def cost_site(self) -> Sequence[float]: ...
+    @property
+    def kwh_site(self) -> Sequence[float]: ...
+    @property
+    def cost_tenant(self) -> Sequence[float]: ...
+    @property
+    def kwh_tenant(self) -> Sequence[float]: ...
+    @property
+    def kgco2_tenant(self) -> Sequence[float]: ...
+    @property
+    def events(self) -> int: ...
+    @property
+    def batch_passes(self) -> int: ...
+    @property
+    def batch_limited(self) -> int: ...
+    @property
+    def placed(self) -> int: ...
+    @property
+    def completed(self) -> int: ...
+    @property
+    def failed(self) -> int: ...
+    @property
+    def migrations(self) -> int: ...
+    @property
+    def runs(self) -> Collection[int]: ...  # the jobs running at the end
+    @property
+    def series_t(self) -> Sequence[float]: ...
+    @property
+    def series(self) -> Mapping[str, Sequence[Any]]: ...
+    @property
+    def util_gpu(self) -> Sequence[Sequence[float]]: ...
+    @property
+    def util_cpu(self) -> Sequence[Sequence[float]]: ...
+    @property
+    def up_series(self) -> Sequence[Sequence[bool]]: ...
+    @property
+    def infer(self) -> _Inference | None: ...
+    @property
+    def failure_log(self) -> Sequence[Mapping[str, Any]]: ...
+
+
+def collect(sim: Run, wall_s: float) -> dict[str, Any]:
     sc = sim.scenario
     horizon = sim.horizon
     arr = sim.arrivals
@@ -47,7 +143,7 @@ def collect(sim: Simulation, wall_s: float) -> dict[str, Any]:
     tenants = arr.tenants
 
     arrived = int(np.searchsorted(arr.at_s, horizon, side="left"))
-    waiting = [j for j in range(arrived) if sim.state[j] == 1]
+    waiting = [j for j in range(arrived) if sim.state[j] == Phase.WAITING]
     reasons: Counter[str] = Counter()
     for j in waiting:
         cls = sim.job_class[j]
@@ -81,7 +177,7 @@ def collect(sim: Simulation, wall_s: float) -> dict[str, Any]:
             ]
             by_workload[name] = {
                 "arrived": int(mine.size),
-                "completed": int(np.count_nonzero(state == 3)),
+                "completed": int(np.count_nonzero(state == Phase.DONE)),
                 "queue_delay_p95_s": stats(delays)["p95"],
             }
 
@@ -181,6 +277,6 @@ def collect(sim: Simulation, wall_s: float) -> dict[str, Any]:
             "by_tenant": dict(zip(tenants, sim.kgco2_tenant, strict=True)),
         },
         "electricity_usd": {"total_usd": math.fsum(elec_site.values()), "by_site": elec_site},
-        "failures": sim.failure_log,
+        "failures": list(sim.failure_log),
     }
     return results

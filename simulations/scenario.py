@@ -28,16 +28,15 @@ directory and applies the edits in order, returning a `SimFederation`; an edit t
 from __future__ import annotations
 
 import enum
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker.regions import load_user_regions, user_rtt_ms
+from broker.settings import SchedulingSettings
 from broker.tenants import load_quotas
 from routing.clients import Clients, load_clients
 from routing.policy import RoutingSettings
@@ -49,6 +48,7 @@ from simulations.workloads import (
 )
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, read_yaml, site_files, validation_problems
+from sites.durations import Duration
 from sites.errors import ConfigError, Problem
 from sites.latency import Endpoint, LatencyModel
 from sites.spec import SiteSpec
@@ -61,33 +61,7 @@ __all__ = [
     "SimFederation",
     "build_federation",
     "load_scenario",
-    "parse_duration_s",
 ]
-
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
-_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
-
-
-def parse_duration_s(value: Any) -> float:
-    """Seconds from a number (seconds) or a string of number+unit parts: '7d', '1d12h', '90s'."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration such as 3600, '12h' or '1d6h'")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    elif isinstance(value, str):
-        text = value.strip().lower().replace(" ", "")
-        parts = _DURATION.findall(text)
-        if not parts or "".join(n + u for n, u in parts) != text:
-            raise ValueError(f"{value!r} is not a duration (number + unit s/m/h/d, e.g. '1d12h')")
-        seconds = math.fsum(float(n) * _UNIT_S[u] for n, u in parts)
-    else:
-        raise ValueError("expected a duration such as 3600, '12h' or '1d6h'")
-    if not (math.isfinite(seconds) and seconds >= 0):
-        raise ValueError(f"duration must be finite and >= 0, got {value!r}")
-    return seconds
-
-
-Duration = Annotated[float, BeforeValidator(parse_duration_s)]
 
 
 class _Frozen(BaseModel):
@@ -214,23 +188,20 @@ class PolicyKind(enum.StrEnum):
     random = "random"  # baseline: a uniformly random site that fits, queue in arrival order
 
 
-class PolicySettings(_Frozen):
-    kind: PolicyKind = PolicyKind.fast_path
-    batch_interval_s: Duration = Field(default=300.0, gt=0)
-    batch_time_limit_s: float = Field(default=5.0, gt=0, le=600)
-    batch_gap: float = Field(
-        default=0.01,
+class PolicySettings(SchedulingSettings):
+    """A scenario's `policy:`: the broker's scheduling settings (broker.settings.
+    SchedulingSettings: fields, units and defaults are documented there, once), which a
+    scenario overrides rather than redefines, plus what only a simulation needs."""
+
+    kind: PolicyKind = Field(
+        default=PolicyKind.fast_path, description="the placement policy (PolicyKind)"
+    )
+    max_retries: int = Field(
+        default=3,
         ge=0,
-        le=1,
-        description="a pass stops once its plan is within this relative gap of the LP bound "
-        "(before any clock-limited CP-SAT step, so it is reproducible); 0: search to the limit",
+        description="site losses a job survives; a simulated job carries no spec of its own, "
+        "so this stands in for JobSpec.max_retries (same default)",
     )
-    failover_grace_s: Duration = Field(
-        default=60.0, ge=0, description="a site must stay down this long before its jobs move"
-    )
-    retry_base_s: Duration = Field(default=2.0, ge=0)
-    retry_max_s: Duration = Field(default=300.0, ge=0)
-    max_retries: int = Field(default=3, ge=0, description="site losses a job survives")
 
 
 class Failure(_Frozen):

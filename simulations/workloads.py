@@ -82,7 +82,6 @@ I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
 
 MAX_JOBS = 50_000_000  # per workload; ~2.5 GB of columns, far past what a run can simulate
-DAY_S = 86400.0
 _Z99 = NormalDist().inv_cdf(0.99)
 _MIN_DURATION_S = 1e-3  # an exponential draw can be exactly 0; a job lasts at least 1 ms
 INT32_MAX = 2**31 - 1  # the most an int32 column (Trace, Arrivals) holds

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from simulations import plots, report
+from simulations.plots import write_comparison, write_report
 from simulations.report import (
     ReportError,
     compare_text,
@@ -21,8 +22,6 @@ from simulations.report import (
     overall_gpu_utilization,
     overall_slo,
     summary_text,
-    write_comparison,
-    write_report,
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"

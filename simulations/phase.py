@@ -1,0 +1,17 @@
+"""A simulated job's phase: the engine writes one per job, the results read them."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["Phase"]
+
+
+class Phase(enum.IntEnum):
+    """Where a job is; an IntEnum, so the engine's per-job table is a bytearray of these."""
+
+    FUTURE = 0  # not arrived yet
+    WAITING = 1  # arrived (or moved off a lost site), not running
+    RUNNING = 2
+    DONE = 3  # completed
+    FAILED = 4  # lost its site more often than max_retries allows
