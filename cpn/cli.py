@@ -157,9 +157,11 @@ def _load_job_file(path: str) -> Any:
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
-    body = _load_job_file(args.file)
+    _load_job_file(args.file)  # a readable YAML mapping, or exit 2 with one line
+    # sent as the YAML it is: the broker parses it (timestamps such as a deadline included)
+    text = Path(args.file).read_text()
     async with BrokerClient(broker_url(args.broker)) as client:
-        record = await client.call("POST", "/v1/jobs", body)
+        record = await client.call("POST", "/v1/jobs", yaml=text)
     if args.output == "json":
         print(json.dumps(record, indent=2))
     else:

@@ -41,10 +41,16 @@ class BrokerClient:
     async def __aexit__(self, *exc: object) -> None:
         await self._session.close()
 
-    async def call(self, method: str, path: str, body: Any = None, **params: str) -> Any:
+    async def call(
+        self, method: str, path: str, body: Any = None, *, yaml: str | None = None, **params: str
+    ) -> Any:
+        """`body` is sent as JSON, or `yaml` (a document's text) as application/yaml."""
+        extra: dict[str, Any] = {"json": body}
+        if yaml is not None:
+            extra = {"data": yaml.encode(), "headers": {"Content-Type": "application/yaml"}}
         try:
             async with self._session.request(
-                method, self.url + path, json=body, params=params or None
+                method, self.url + path, params=params or None, **extra
             ) as resp:
                 data = await resp.json(content_type=None)
                 if resp.status >= 400:

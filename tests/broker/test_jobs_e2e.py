@@ -357,6 +357,8 @@ def test_cli_submit_jobs_describe_logs(
     job_file = tmp_path / "job.yaml"
     job_file.write_text(
         "name: cli-job\ntenant: t1\ncpu: 1\ncommand: [sh, -c, 'echo line-one; echo line-two']\n"
+        # an unquoted YAML timestamp: the file goes to the broker as YAML, which parses it
+        f"duration_hours: 0.1\ndeadline: {SOON}\n"
     )
     out = run_cpn("submit", str(job_file), "--broker", fed.broker_url)
     assert out.returncode == 0, out.stderr
