@@ -18,8 +18,9 @@ In one pass, in this order (a job gets at most one action per pass):
 4. Gangs (placed whole or not at all): a gang is placed, in one transaction, once all `size`
    members are PENDING and past their backoff; fewer members wait ("k/n members submitted").
    A member that disagrees with the gang's first member on gang.size or on its shape fails with
-   that reason, and so do members beyond the size (newest first); the others keep waiting. When one member is re-queued (retry or failover) the others
-   are too, and when one fails for good the others fail with it, so no member runs alone.
+   that reason, and so do members beyond the size (newest first); the others keep waiting.
+   When one member is re-queued (retry or failover) the others are too, and when one fails
+   for good the others fail with it, so no member runs alone.
 
 `batch_jobs` / `decide_batch` do the same for the CP-SAT batch pass: what the fast path left
 waiting becomes one plan problem (broker.batch), and a gang is committed only whole.

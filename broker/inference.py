@@ -16,7 +16,7 @@ from aiohttp import web
 from broker.errors import InvalidRequest, NotFound
 from broker.openapi import JSON, Operation, Param, Reply, register
 from broker.router import Router
-from broker.service import Broker
+from broker.service import RESTART, Broker
 from broker.settings import InferenceSettings
 from routing.health import (
     ActiveHealthChecker,
@@ -115,7 +115,8 @@ class Gateway:
                 session=self._session,
                 settings=HealthCheckSettings(interval_s=settings.health_interval_s),
             )
-            self.checker.start()
+            # supervised with the broker's own tasks: a crash shows in /healthz, then restarts
+            self.broker.supervisor.spawn("health checker", self.checker.run, restart=RESTART)
             rate = RateLimit(rate_per_s=settings.tenant_rate_per_s, burst=settings.tenant_burst)
             self.proxy = InferenceProxy(
                 pick=self.pick,
@@ -133,7 +134,7 @@ class Gateway:
                 session_for=self.session_for,
             )
             yield
-            await self.checker.stop()
+            await self.broker.supervisor.cancel("health checker")
             for session in [self._session, *self._sessions.values()]:
                 await session.close()
 

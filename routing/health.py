@@ -273,7 +273,6 @@ class ActiveHealthChecker:
         self._targets = targets  # key -> health URL, read afresh each round
         self._session = session
         self._clock: Clock = clock or SystemClock()
-        self._task: asyncio.Task[None] | None = None
 
     def is_healthy(self, key: str) -> bool:
         return self.book.is_healthy(key)
@@ -291,30 +290,12 @@ class ActiveHealthChecker:
             self.book.record(key, ok, now, error)
 
     async def run(self) -> None:
+        """Check every interval, until cancelled; run it supervised (sites.tasks)."""
         while True:
             started = self._clock.monotonic()
             await self.check_once()
             elapsed = self._clock.monotonic() - started
             await self._clock.sleep(max(0.0, self.settings.interval_s - elapsed))
-
-    def start(self) -> asyncio.Task[None]:
-        if self._task is not None and not self._task.done():
-            raise RuntimeError("the health checker is already running")
-        self._task = asyncio.create_task(self.run(), name="cpn-active-health-checker")
-        self._task.add_done_callback(_log_crash)
-        return self._task
-
-    async def stop(self) -> None:
-        """Cancel the task and wait for it; re-raises what it crashed with, if it did."""
-        task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            if not task.cancelled():
-                raise  # we were cancelled ourselves, not (only) the task
 
     async def _probe(self, url: str) -> tuple[bool, str | None]:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
@@ -328,8 +309,3 @@ class ActiveHealthChecker:
             return False, f"no answer within {self.settings.timeout_s:g} s"
         except (aiohttp.ClientError, OSError) as exc:
             return False, f"{type(exc).__name__}: {exc}"
-
-
-def _log_crash(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("task %s crashed", task.get_name(), exc_info=task.exception())

@@ -131,6 +131,14 @@ class Supervisor:
             "recent_crashes": [c.as_dict() for c in self.crashes],
         }
 
+    async def cancel(self, name: str) -> None:
+        """Stop one task (no-op when it is not running) and wait for it."""
+        entry = self._entries.pop(name, None)
+        if entry is None or entry.task is None:
+            return
+        entry.task.cancel()
+        await asyncio.gather(entry.task, return_exceptions=True)
+
     async def stop(self) -> None:
         """Cancel every task and wait for them (idempotent)."""
         tasks = [e.task for e in self._entries.values() if e.task is not None]

@@ -37,6 +37,7 @@ from routing.proxy import (
     upstream_key,
 )
 from routing.ratelimit import RateLimit, TenantLimiter, TokenBucket
+from sites.tasks import Supervisor
 from tests.conftest import wait_for
 
 Serve = Callable[[web.Application], Awaitable[str]]
@@ -506,11 +507,12 @@ async def test_active_health_checks_take_a_site_out_and_back(
     assert await site() == "site-b"
 
     await http.post(a.base_url + "/admin/fail", json={"mode": "ok"})
-    checker.start()
+    supervisor = Supervisor(owner="test")
+    supervisor.spawn("health checker", checker.run)
     try:
         await wait_for(lambda: checker.is_healthy("llm@site-a"), timeout=5)
     finally:
-        await checker.stop()
+        await supervisor.stop()
     assert await site() == "site-a"
 
 
