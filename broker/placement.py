@@ -281,7 +281,9 @@ def _indexable(job: JobSpec) -> bool:
 
 
 _UNEXPLAINED = "cheapest feasible site (place(explain=False): not explained)"
-_Order = tuple[tuple[float, int, tuple[tuple[str, float], ...]], ...]
+# (lowest hourly USD the request could cost at the site, position, offered models, hourly USD
+# of its cores and memory)
+_Order = tuple[tuple[float, int, tuple[tuple[str, float], ...], float], ...]
 
 
 def _order(job: JobSpec, fed: Federation) -> _Order:
@@ -298,7 +300,7 @@ def _build_order(job: JobSpec, fed: Federation) -> _Order:
     gpu = job.gpu
     count = gpu.count
     offered_at = fed.offered(gpu.acceptable, gpu.min_mem_gb) if count else ()
-    rows: list[tuple[float, int, tuple[tuple[str, float], ...]]] = []
+    rows: list[tuple[float, int, tuple[tuple[str, float], ...], float]] = []
     for pos, site in enumerate(fed.sites):
         offered: tuple[tuple[str, float], ...] = ()
         lowest = 0.0
@@ -308,10 +310,13 @@ def _build_order(job: JobSpec, fed: Federation) -> _Order:
                 continue  # the model filter would stop it: never feasible in this lineage
             lowest = min(p for _, p in offered)
         rates = site.prices
+        base = pricing.hourly_usd(
+            job.cpu, job.mem_gb, rates.usd_per_core_hour, rates.usd_per_gb_mem_hour
+        )
         floor = pricing.hourly_usd(
             job.cpu, job.mem_gb, rates.usd_per_core_hour, rates.usd_per_gb_mem_hour, count, lowest
         )
-        rows.append((floor, pos, offered))
+        rows.append((floor, pos, offered, base))
     rows.sort(key=lambda row: (row[0], row[1]))
     return tuple(rows)
 
@@ -330,22 +335,26 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
     limit = math.inf
     best_key: tuple[float, int, str] | None = None
     best: tuple[SiteOffer, str | None, float] | None = None
-    for hourly_floor, pos, offered in _order(job, fed):
-        if pricing.compute_usd(duration, hourly_floor) > limit:
+    # The index's loop is hot too (the simulator visits every site that ties the best), so
+    # like feasibility.screen it writes pricing's arithmetic out, from the rates pricing
+    # computed for the row: hourly_usd is base + count * price in this very order.
+    for hourly_floor, pos, offered, base in _order(job, fed):
+        if duration * hourly_floor > limit:
             break  # no site left can cost as little as the best
         site = sites[pos]
         if not site.up or site.cordoned:
+            continue
+        # Most visits find the cheap sites full. A shortcut for a one-model request: fewer
+        # free devices than asked fails capacity()'s gpus check, without the call.
+        if count and len(offered) == 1 and site.free_gpus[offered[0][0]] < count:
             continue
         # the full scan's capacity part and prices (broker.feasibility, broker.pricing)
         bad, model, price, free = capacity(site, offered, count, cpu, mem)
         if bad >= 0:
             continue
-        rates = site.prices
-        hourly = pricing.hourly_usd(
-            cpu, mem, rates.usd_per_core_hour, rates.usd_per_gb_mem_hour, count, price
-        )
-        compute = pricing.compute_usd(duration, hourly)
-        cost = pricing.total_usd(compute, 0.0, 0.0)  # no data, no user: as the scan adds them
+        hourly = base + count * price if count else base
+        compute = duration * hourly
+        cost = compute + 0.0 + 0.0  # + egress + latency, both 0 here, as the scan adds them
         if cost > limit:
             continue
         key = (cost, -free, site.id)
