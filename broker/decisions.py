@@ -37,11 +37,12 @@ from datetime import UTC, datetime
 from broker import batch
 from broker import placement as pl
 from broker.errors import BrokerError
+from broker.gangs import gang_key, gang_problem, gangs
 from broker.jobs import TRANSITIONS, Event, JobRecord, JobState
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.plan import PlanProblem, PlanResult
 from broker.settings import SchedulingSettings
-from broker.view import LIVE, View, federation, gang_key, gangs, groups, usage
+from broker.view import LIVE, View, federation, groups, usage
 from sites import keys
 from sites.assignments import Assignment, Report, RunState
 from sites.catalog import DeviceCatalog
@@ -454,52 +455,12 @@ class _Pass:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class GangProblem:
-    message: str
-    job: str | None  # the one member at fault; None: every member
-
-
-def gang_problem(name: str, members: Sequence[JobRecord]) -> GangProblem | None:
-    """Why these unfinished members (oldest first) can never form their gang, if they cannot."""
-    if not members:
-        return None
-    first = members[0].spec
-    size = first.gang.size if first.gang else 0
-    for record in members[1:]:
-        gang = record.spec.gang
-        if gang is not None and gang.size != size:
-            # the gang's first member defines it, as its record does at submit
-            return GangProblem(
-                f"gang {name} has gang.size {size} (its first member {members[0].id}); "
-                f"member {record.id} says {gang.size}",
-                record.id,
-            )
-        if _shape(record) != _shape(members[0]):
-            return GangProblem(
-                f"gang {name}: member {record.id} asks for other resources than {members[0].id} "
-                "(gpu, cpu, mem_gb and duration_hours must agree)",
-                record.id,
-            )
-    if len(members) > size:
-        extra = members[size]
-        return GangProblem(
-            f"gang {name} has gang.size {size}; member {extra.id} is one too many", extra.id
-        )
-    return None
-
-
 def _run_keys(record: JobRecord) -> tuple[str, ...]:
     """The assignment and report of the job's live run (none when it is not running)."""
     if record.state not in LIVE or record.placement is None:
         return ()
     site = record.placement.site
     return keys.assignment(site, record.id), keys.report(site, record.id)
-
-
-def _shape(record: JobRecord) -> tuple[object, ...]:
-    spec = record.spec
-    return spec.gpu, spec.cpu, spec.mem_gb, spec.duration_hours
 
 
 def _placement(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: float) -> Action:

@@ -30,8 +30,6 @@ __all__ = [
     "View",
     "ViewCache",
     "federation",
-    "gang_key",
-    "gangs",
     "groups",
     "live_assignments",
     "usage",
@@ -200,21 +198,3 @@ def groups(view: View) -> pl.GroupState:
         site_of_colocate=colocate,
         spread_sites={k: frozenset(v) for k, v in spread.items()},
     )
-
-
-def gang_key(record: JobRecord) -> str | None:
-    """A gang is named per tenant: '<tenant>/<gang>'."""
-    gang = record.spec.gang
-    return None if gang is None else f"{record.spec.tenant}/{gang.name}"
-
-
-def gangs(view: View) -> dict[str, list[tuple[JobRecord, int]]]:
-    """Gang key -> its members that are not finished, oldest first."""
-    out: dict[str, list[tuple[JobRecord, int]]] = {}
-    for record, rev in view.jobs.values():
-        key = gang_key(record)
-        if key is not None and not record.state.terminal:
-            out.setdefault(key, []).append((record, rev))
-    for members in out.values():
-        members.sort(key=lambda rr: (rr[0].created_at, rr[0].id))
-    return out
