@@ -207,17 +207,22 @@ class Screen:
 
     options: list[Option]
     failed: list[list[str]]
+    feasible: int = 0  # feasible sites (with cheapest=True, more than `options` holds)
 
     def reasons(self) -> dict[str, list[str]]:
         """filter name -> site ids stopped there, for the filters that stopped any."""
         return {name: ids for name, ids in zip(FILTERS, self.failed, strict=True) if ids}
 
 
-def screen(req: Request, fed: Federation, *, first: bool = False) -> Screen:
+def screen(
+    req: Request, fed: Federation, *, first: bool = False, cheapest: bool = False
+) -> Screen:
     """Every site of `fed` through the filters (module docstring), each feasible one priced.
 
     first=True stops at the first feasible site (the first-fit baseline); the sites after it
-    are then in neither list.
+    are then in neither list. cheapest=True (the fast path) keeps only the best option and the
+    runner-up, by (cost, more free devices, site id), best first: it counts the others in
+    `feasible` without building them.
     """
     # The hot path: everything site-independent is in `req`, and the loop reads locals only.
     # So it writes out, rather than calls, two things kept once elsewhere: the capacity part
@@ -247,6 +252,11 @@ def screen(req: Request, fed: Federation, *, first: bool = False) -> Screen:
 
     failed: list[list[str]] = [[] for _ in FILTERS]
     options: list[Option] = []
+    feasible = 0
+    best_key: tuple[float, int, str] | None = None
+    second_key: tuple[float, int, str] | None = None
+    best: Option | None = None
+    second: Option | None = None
     for site in fed.sites:
         sid = site.id
         if not site.up:
@@ -318,10 +328,22 @@ def screen(req: Request, fed: Federation, *, first: bool = False) -> Screen:
         if over_quota:
             failed[QUOTA].append(sid)
             continue
+        feasible += 1
+        if cheapest:
+            key = (cost, -free, sid)
+            if best_key is None or key < best_key:
+                second_key, second = best_key, best
+                best_key, best = key, (cost, -free, sid, site, model, compute, egress, latency)
+            elif second_key is None or key < second_key:
+                second_key = key
+                second = (cost, -free, sid, site, model, compute, egress, latency)
+            continue
         options.append((cost, -free, sid, site, model, compute, egress, latency))
         if first:
             break
-    return Screen(options, failed)
+    if cheapest:
+        options = [o for o in (best, second) if o is not None]
+    return Screen(options, failed, feasible)
 
 
 # -- per site, in words ---------------------------------------------------------------------

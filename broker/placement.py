@@ -234,19 +234,14 @@ def _check_gang(jobs: Sequence[JobSpec]) -> None:
 def _place(
     job: JobSpec, fed: Federation, now: datetime, usage: TenantUsage, groups: GroupState
 ) -> Decision | Unschedulable:
-    found = screen(request(job, fed, now=now, usage=usage, groups=groups), fed)
+    found = screen(request(job, fed, now=now, usage=usage, groups=groups), fed, cheapest=True)
     options = found.options
     if not options:
         return _unschedulable(job, fed, found.failed)
-    # an Option orders as the ranking: cost, more free devices, site id (one option per site)
-    best = min(options)
-    feasible = len(options)
-    runner_up = None
-    if feasible > 1:
-        at = options.index(best)
-        second = min(options[:at] + options[at + 1 :])
-        runner_up = RunnerUp(second[2], second[0])
-    cost, _, _, site, model, compute, egress, latency = best
+    # best first, then the runner-up: by cost, more free devices, site id (one per site)
+    feasible = found.feasible
+    runner_up = None if len(options) < 2 else RunnerUp(options[1][2], options[1][0])
+    cost, _, _, site, model, compute, egress, latency = options[0]
     sites = "site" if feasible == 1 else "sites"
     reason_text = (
         f"cheapest of {feasible} feasible {sites}: {cost:.2f} USD (compute {compute:.2f}, "
