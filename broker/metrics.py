@@ -43,6 +43,11 @@ class BrokerMetrics:
             ["task"],
             registry=r,
         )
+        self.batch_errors = Counter(
+            "cpn_broker_batch_errors",
+            "Batch passes skipped because the pending jobs did not make a valid plan problem",
+            registry=r,
+        )
         self.healthy = Gauge(
             "cpn_broker_healthy", "1 unless a supervised task crashed recently", registry=r
         )

@@ -24,6 +24,7 @@ from typing import Any
 
 from broker import decisions as dc
 from broker.actions import Actor
+from broker.errors import BrokerError
 from broker.jobs import JobRecord, JobSpec
 from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
@@ -198,7 +199,14 @@ class Broker:
         jobs = dc.batch_jobs(view, now, just_written)
         if not jobs:
             return
-        problem = dc.batch_problem(view, jobs, now, self.context())
+        try:
+            problem = dc.batch_problem(view, jobs, now, self.context())
+        except (BrokerError, ValueError) as exc:
+            # jobs' data the plan format refuses must not stop the scheduler: the fast path
+            # still serves them; the pass is skipped, loudly, and counted
+            log.error("batch pass skipped: %s", exc, exc_info=exc)
+            self.metrics.batch_errors.inc()
+            return
         if not problem.jobs:
             return
         started = time.perf_counter()

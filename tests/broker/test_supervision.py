@@ -12,6 +12,7 @@ import pytest
 
 from broker import decisions as dc
 from broker.jobs import JobSpec
+from broker.plan import PlanInputError
 from broker.service import Broker
 from broker.settings import BrokerSettings
 from sites import keys
@@ -20,7 +21,9 @@ from sites.errors import RegistryUnavailable
 from sites.registry import Registry
 from tests.conftest import CONFIGS
 
-SETTINGS = BrokerSettings.model_validate({"leader_ttl_s": 2, "tick_s": 0.1})
+SETTINGS = BrokerSettings.model_validate(
+    {"leader_ttl_s": 2, "tick_s": 0.1, "scheduling": {"batch_interval_s": 0.2}}
+)
 
 
 @pytest.fixture
@@ -96,3 +99,21 @@ async def test_leader_election_survives_etcd_errors(
     assert broker.health()["tasks"]["leader election"] == {"state": "running", "crashes": 0}
     got = await registry.get_raw(keys.LEADER)
     assert got is not None and broker.instance.encode() in got[0]
+
+
+async def test_a_batch_problem_the_plan_refuses_skips_the_pass_not_the_scheduler(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await until(lambda: broker.is_leader)
+
+    def refuse(*args: Any, **kw: Any) -> Any:
+        raise PlanInputError("jobs[0].cpu", "not a plan amount (injected)")
+
+    monkeypatch.setattr(dc, "batch_problem", refuse)
+    record = await broker.submit(
+        JobSpec.model_validate({"name": "j", "tenant": "t", "command": ["true"]})
+    )
+    await until(lambda: broker.metrics.batch_errors._value.get() >= 1)
+    # the fast path still decided on the job, and nothing crashed
+    await until(lambda: (broker.view().jobs[record.id][0].unschedulable or "") != "")
+    assert broker.health()["healthy"]
