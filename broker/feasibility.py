@@ -214,9 +214,7 @@ class Screen:
         return {name: ids for name, ids in zip(FILTERS, self.failed, strict=True) if ids}
 
 
-def screen(
-    req: Request, fed: Federation, *, first: bool = False, cheapest: bool = False
-) -> Screen:
+def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool = False) -> Screen:
     """Every site of `fed` through the filters (module docstring), each feasible one priced.
 
     first=True stops at the first feasible site (the first-fit baseline); the sites after it
