@@ -5,7 +5,9 @@
     ├── RegistryError                   the federation registry (etcd) failed us
     │   ├── RegistryUnavailable         (ConnectionError) etcd cannot be reached or timed out
     │   ├── Conflict                    a guarded transaction lost a race (the key changed)
-    │   └── LeaseLost                   our lease expired or was revoked while still needed
+    │   ├── LeaseLost                   our lease expired or was revoked while still needed
+    │   └── RevisionCompacted           a read or watch asked for a revision etcd has already
+    │                                   compacted away; read again at the current revision
     ├── NotJoined (LookupError)         the site id has no spec in the registry
     ├── AgentConflict                   another live agent already holds the site
     ├── EtcdStartError                  the embedded etcd did not start
@@ -67,6 +69,14 @@ class Conflict(RegistryError):
 
 class LeaseLost(RegistryError):
     pass
+
+
+class RevisionCompacted(RegistryError):
+    """etcd no longer has `revision` (compacted); the read or watch must start again."""
+
+    def __init__(self, message: str, *, revision: int) -> None:
+        self.revision = revision
+        super().__init__(message)
 
 
 class NotJoined(SitesError, LookupError):

@@ -8,13 +8,11 @@ returns, decoded, is a sites.snapshot.Snapshot, which holds no etcd client.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import aetcd
 import aetcd.exceptions
@@ -22,8 +20,10 @@ import aetcd.utils
 from aetcd import rpc
 from pydantic import BaseModel
 
-from sites import keys
+from sites import keys, paging
 from sites.assignments import Report
+from sites.endpoints import grpc_target
+from sites.endpoints import parse_endpoints as parse_endpoints  # re-exported for callers
 from sites.errors import (
     AgentConflict,
     Conflict,
@@ -31,7 +31,9 @@ from sites.errors import (
     NotJoined,
     RegistryError,
     RegistryUnavailable,
+    RevisionCompacted,
 )
+from sites.paging import Page
 from sites.snapshot import Snapshot, decode_value
 from sites.spec import SiteSpec
 from sites.status import (
@@ -50,50 +52,12 @@ T = TypeVar("T")
 DEFAULT_TIMEOUT_S = 5
 
 
-def parse_endpoints(urls: str) -> list[tuple[str, int]]:
-    """'http://127.0.0.1:2379,http://10.0.0.2:2379' -> [(host, port), ...]; ValueError if bad."""
-    endpoints: list[tuple[str, int]] = []
-    for raw in urls.split(","):
-        url = raw.strip()
-        if not url:
-            continue
-        if "://" not in url:
-            url = "http://" + url
-        parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise ValueError(f"etcd endpoint {raw!r}: only http:// is supported")
-        try:
-            port = parts.port
-        except ValueError:
-            raise ValueError(f"etcd endpoint {raw!r}: bad port") from None
-        if not parts.hostname or port is None:
-            raise ValueError(f"etcd endpoint {raw!r}: expected http://HOST:PORT")
-        endpoints.append((parts.hostname, port))
-    if not endpoints:
-        raise ValueError("no etcd endpoint given")
-    return endpoints
-
-
-def _grpc_target(endpoints: Sequence[tuple[str, int]]) -> tuple[str, int]:
-    """The (host, port) pair aetcd formats into a gRPC target.
-
-    With several IP endpoints we hand gRPC an `ipv4:a:1,b:2` address list, so it fails over
-    between members by itself; aetcd appends `:port` to host, hence the split.
-    """
-    if len(endpoints) == 1:
-        return endpoints[0]
-    try:
-        for host, _ in endpoints:
-            ipaddress.IPv4Address(host)
-    except ValueError:
-        log.warning("several etcd endpoints given by name; using %s:%d", *endpoints[0])
-        return endpoints[0]
-    head = ",".join(f"{h}:{p}" for h, p in endpoints[:-1])
-    return f"ipv4:{head},{endpoints[-1][0]}", endpoints[-1][1]
-
-
 def _encode(value: BaseModel) -> bytes:
     return value.model_dump_json().encode()
+
+
+class _PageTooLarge(Exception):
+    """A Range response was over gRPC's message limit (internal: iter_prefix asks for less)."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +146,7 @@ class Registry:
 
     def __init__(self, *, endpoints: Sequence[tuple[str, int]], timeout_s: int = DEFAULT_TIMEOUT_S):
         self.endpoints = list(endpoints)
-        host, port = _grpc_target(self.endpoints)
+        host, port = grpc_target(self.endpoints)
         self._timeout_s = timeout_s
         self._client = aetcd.Client(host=host, port=port, timeout=timeout_s)
         self._tx = self._client.transactions
@@ -231,11 +195,8 @@ class Registry:
 
     # -- reads ------------------------------------------------------------------------------
 
-    async def _range(self, prefix: str, revision: int | None = None) -> tuple[int, list[Any]]:
-        key = prefix.encode()
-        request = rpc.RangeRequest(key=key, range_end=aetcd.utils.prefix_range_end(key))
-        if revision is not None:
-            request.revision = revision
+    async def _range_request(self, request: Any, what: str) -> Any:
+        """One Range call; gRPC errors become ours (a too-large page: _PageTooLarge)."""
         client = self._client
 
         async def call() -> Any:
@@ -245,33 +206,129 @@ class Registry:
             )
 
         try:
-            response = await self._call(call)
+            return await self._call(call)
         except rpc.AioRpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            # gRPC's own refusal of a big message; etcd's "too many requests" shares the code
+            if code == rpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
+                raise _PageTooLarge(details) from exc
+            if code == rpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
+                raise RevisionCompacted(
+                    f"read of {what} at revision {request.revision}: {details}",
+                    revision=int(request.revision),
+                ) from exc
             try:
                 aetcd.exceptions._handle_exception(exc)  # noqa: SLF001 - aetcd's own mapping
             except aetcd.exceptions.ClientError as mapped:
                 raise RegistryUnavailable(f"etcd at {self.url}: {mapped}") from exc
             raise
-        return int(response.header.revision), list(response.kvs)
 
-    async def list_prefix(self, prefix: str) -> tuple[int, list[tuple[str, bytes, int]]]:
-        """(revision, [(key, value, mod_revision), ...]) of every key under `prefix`."""
-        revision, kvs = await self._range(prefix)
-        return revision, [(kv.key.decode(), bytes(kv.value), int(kv.mod_revision)) for kv in kvs]
+    async def iter_prefix(
+        self, prefix: str, *, revision: int | None = None, page_keys: int = paging.PAGE_KEYS
+    ) -> AsyncIterator[Page]:
+        """The keys under `prefix` in key order, page by page, every page at ONE revision.
+
+        That revision is `revision`, or else the first page's; at least one page comes, so an
+        empty prefix still tells its revision. A page holds at most `page_keys` keys and about
+        paging.PAGE_BYTES (sites.paging says how). Raises RevisionCompacted when etcd compacts
+        the revision before a later page is read: the pages already seen are then stale, and
+        the caller starts again (list_prefix and snapshot do so themselves).
+        """
+        key = prefix.encode()
+        end = aetcd.utils.prefix_range_end(key)
+        limit = paging.next_page_keys(largest_item_bytes=0, page_keys=page_keys)
+        start = key
+        while True:
+            request = rpc.RangeRequest(
+                key=start,
+                range_end=end,
+                limit=limit,
+                sort_order=rpc.RangeRequest.ASCEND,
+                sort_target=rpc.RangeRequest.KEY,
+            )
+            if revision is not None:
+                request.revision = revision
+            try:
+                response = await self._range_request(request, prefix)
+            except _PageTooLarge as exc:
+                smaller = paging.halve(limit)
+                if smaller is None:
+                    raise RegistryError(f"read of {prefix}: one key is over gRPC's limit") from exc
+                log.debug(
+                    "read of %s: %d keys too large (%s), asking %d", prefix, limit, exc, smaller
+                )
+                limit = smaller
+                continue
+            if revision is None:
+                revision = int(response.header.revision)
+            kvs = response.kvs
+            more = bool(response.more) and len(kvs) > 0
+            items = [(kv.key.decode(), bytes(kv.value), int(kv.mod_revision)) for kv in kvs]
+            yield Page(revision=revision, items=items, more=more)
+            if not more:
+                return
+            start = bytes(kvs[-1].key) + b"\x00"  # the smallest key after the last one read
+            largest = max(kv.ByteSize() for kv in kvs)
+            limit = paging.next_page_keys(largest_item_bytes=largest, page_keys=page_keys)
+
+    async def _consistent(self, what: str, read: Callable[[], Awaitable[T]]) -> T:
+        """Run a whole paged read; start it again at the current revision if it was compacted."""
+        restarts = 0
+        while True:
+            try:
+                return await read()
+            except RevisionCompacted as exc:
+                restarts += 1
+                if restarts > paging.MAX_RESTARTS:
+                    raise
+                log.info("read of %s restarts at the current revision: %s", what, exc)
+
+    async def list_prefix(
+        self, prefix: str, *, page_keys: int = paging.PAGE_KEYS
+    ) -> tuple[int, list[tuple[str, bytes, int]]]:
+        """(revision, [(key, value, mod_revision), ...]) of every key under `prefix`.
+
+        Read in pages (iter_prefix) at one revision, so it is one consistent snapshot however
+        large the prefix; restarted at the current revision if etcd compacts it meanwhile.
+        """
+
+        async def read() -> tuple[int, list[tuple[str, bytes, int]]]:
+            revision = 0
+            items: list[tuple[str, bytes, int]] = []
+            async for page in self.iter_prefix(prefix, page_keys=page_keys):
+                revision = page.revision
+                items.extend(page.items)
+            return revision, items
+
+        return await self._consistent(prefix, read)
 
     async def snapshot(
         self, prefixes: Iterable[str] = (keys.SITES, keys.AGENTS, keys.LINKS, keys.SERVICES)
     ) -> Snapshot:
-        """Everything under `prefixes`, read at one revision."""
-        revision: int | None = None
-        snap = Snapshot(revision=0)
-        for prefix in prefixes:
-            rev, kvs = await self._range(prefix, revision)
-            revision = revision or rev
-            for kv in kvs:
-                snap.apply(kv.key.decode(), bytes(kv.value))
-        snap.revision = revision or 0
-        return snap
+        """Everything under `prefixes`, read in pages at one revision (as list_prefix)."""
+        wanted = tuple(prefixes)
+
+        async def read() -> Snapshot:
+            revision: int | None = None
+            snap = Snapshot(revision=0)
+            for prefix in wanted:
+                async for page in self.iter_prefix(prefix, revision=revision):
+                    revision = page.revision
+                    for key, value, _ in page.items:
+                        snap.apply(key, value)
+            snap.revision = revision or 0
+            return snap
+
+        return await self._consistent(", ".join(wanted), read)
+
+    async def count_prefix(self, prefix: str) -> int:
+        """How many keys are under `prefix` (a count-only read: no values travel)."""
+        key = prefix.encode()
+        request = rpc.RangeRequest(
+            key=key, range_end=aetcd.utils.prefix_range_end(key), count_only=True
+        )
+        response = await self._range_request(request, prefix)
+        return int(response.count)
 
     async def get_spec(self, site: str) -> SiteSpec | None:
         got = await self._call(lambda: self._client.get(keys.site_spec(site).encode()))
@@ -302,7 +359,9 @@ class Registry:
                 except StopAsyncIteration:
                     return
                 except aetcd.exceptions.RevisionCompactedError as exc:
-                    raise RegistryError(f"watch of {prefix} compacted: {exc}") from exc
+                    raise RevisionCompacted(
+                        f"watch of {prefix} compacted: {exc}", revision=start_revision
+                    ) from exc
                 except aetcd.exceptions.ClientError as exc:
                     raise RegistryUnavailable(f"watch of {prefix} lost: {exc}") from exc
                 value = None if ev.kind == "DELETE" else bytes(ev.kv.value)
@@ -384,10 +443,10 @@ class Registry:
         )
         if ok:
             return LeaveResult(removed=True, pending_assignments=0)
-        _, pending = await self._range(keys.assignments(site))
+        pending = await self.count_prefix(keys.assignments(site))
         if not pending and await self.get_spec(site) is None:
             raise NotJoined(site)
-        return LeaveResult(removed=False, pending_assignments=len(pending))
+        return LeaveResult(removed=False, pending_assignments=pending)
 
     # -- agent ------------------------------------------------------------------------------
 
