@@ -10,7 +10,7 @@ writes as a deposed leader. Only registry errors escape (the loop backs off and 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from broker.decisions import Action, ActionKind
@@ -43,10 +43,12 @@ class Actor:
         # assignments committed that the view has not mirrored yet: capacity they hold
         self.written: dict[str, Assignment] = {}
 
-    def forget_mirrored(self, attempts: dict[str, int]) -> None:
-        """Drop written assignments once the view has the job at (or past) their attempt."""
+    def forget_mirrored(self, attempts: Mapping[str, int]) -> None:
+        """Drop written assignments once the view has the job (an unfinished one: `attempts`)
+        at or past their attempt, or no longer has it (it finished)."""
         for key, a in list(self.written.items()):
-            if attempts.get(a.job, 0) >= a.attempt:
+            seen = attempts.get(a.job)
+            if seen is None or seen >= a.attempt:
                 del self.written[key]
 
     async def carry_out(self, actions: Iterable[Action]) -> Outcome:

@@ -62,6 +62,8 @@ class Operations:
         self.metrics = metrics
         self._view = view
         self._kick = kick
+        self._regions_cache: frozenset[str] = frozenset()
+        self._regions_at = (0, -1)
 
     def validate(self, spec: JobSpec) -> None:
         """Checks that need the catalog, the clock or the federation; each names its field."""
@@ -96,12 +98,20 @@ class Operations:
                 field="user.region",
             )
         if spec.allowed_regions:
-            regions_known = {s.region for s in self._view().sites.specs.values()}
+            regions_known = self._regions()
             for i, region in enumerate(spec.allowed_regions):
                 if region not in regions_known:
                     raise InvalidRequest(
                         f"no site is in region {region!r}", field=f"allowed_regions[{i}]"
                     )
+
+    def _regions(self) -> frozenset[str]:
+        """The regions sites are in, derived again only when the sites changed."""
+        sites = self._view().sites
+        if self._regions_at != (id(sites), sites.version):
+            self._regions_cache = frozenset(s.region for s in sites.specs.values())
+            self._regions_at = (id(sites), sites.version)
+        return self._regions_cache
 
     async def submit(self, spec: JobSpec) -> JobRecord:
         self.validate(spec)

@@ -9,7 +9,9 @@ first and the rest of the ranking after it, to retry on.
 
 from __future__ import annotations
 
+import math
 import random
+import time
 from collections.abc import Mapping
 
 from broker.errors import InvalidRequest, NotFound
@@ -20,6 +22,8 @@ from routing.selection import Policy, candidates_from_snapshot
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
 from sites.snapshot import Snapshot
+
+SYNC_INTERVAL_S = 0.25
 
 __all__ = ["Route", "Router", "route_json"]
 
@@ -52,12 +56,23 @@ class Router:
         self._rng = random.Random(seed)
         self._previous: dict[tuple[str, str], str] = {}
         self._synced: Snapshot | None = None
+        self._synced_version = -1
+        self._synced_at = -math.inf
         self.snapshot = Snapshot(revision=0)
 
     def sync(self, snapshot: Snapshot) -> None:
+        """Follow `snapshot` (the broker's view keeps one current in place). Endpoints are read
+        from it on every request; the topology is re-synced when it changed, at most every
+        SYNC_INTERVAL_S (a link moves every publish interval; a request must not pay for it)."""
         if snapshot is not self._synced:
+            self._synced_version = -1  # another snapshot: sync now
+        now = time.monotonic()
+        if snapshot.version != self._synced_version and (
+            self._synced_version < 0 or now - self._synced_at >= SYNC_INTERVAL_S
+        ):
             self.topology.sync(snapshot)
             self._synced = self.snapshot = snapshot
+            self._synced_version, self._synced_at = snapshot.version, now
 
     def services(self) -> set[str]:
         return {svc for svc, _ in self.snapshot.services}

@@ -159,11 +159,14 @@ class Broker:
             self._kick.clear()
             if not self.is_leader:
                 continue
+            started = time.monotonic()
             try:
                 await self.reconcile()
             except RegistryError as exc:
                 log.warning("reconcile: %s", exc)
                 await asyncio.sleep(0.5)
+            # at most one pass per min_pass_s: what changed meanwhile is decided on together
+            await asyncio.sleep(max(0.0, self.settings.min_pass_s - (time.monotonic() - started)))
 
     def context(self) -> dc.Context:
         return dc.Context(

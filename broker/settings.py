@@ -70,6 +70,14 @@ class BrokerSettings(BaseModel):
 
     leader_ttl_s: int = Field(default=5, ge=2, description="leader lease; failover within it")
     tick_s: float = Field(default=1.0, gt=0, description="reconcile at least this often")
+    min_pass_s: float = Field(
+        default=0.05,
+        ge=0,
+        le=10,
+        description="reconcile at most this often: the registry changes hundreds of times a "
+        "second in a large federation (every agent's heartbeat), and the changes that arrive "
+        "meanwhile are decided on together",
+    )
     scheduling: SchedulingSettings = SchedulingSettings()
     inference: InferenceSettings = InferenceSettings()
 

@@ -9,9 +9,11 @@ of a View, so decisions are tested without etcd.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from pydantic import ValidationError
 
@@ -21,7 +23,7 @@ from broker.store import decode
 from sites import keys
 from sites.assignments import Assignment, Report
 from sites.catalog import DeviceCatalog, normalize_inventory
-from sites.mirror import PrefixMirror
+from sites.mirror import KeyValues, PrefixMirror
 from sites.registry import Registry
 from sites.snapshot import Snapshot
 
@@ -37,6 +39,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 LIVE = (JobState.PLACED, JobState.RUNNING)
 PREFIXES = (
     keys.SITES,
@@ -51,31 +55,43 @@ PREFIXES = (
 
 @dataclass
 class View:
-    """Decoded registry state at one moment."""
+    """The registry as the broker holds it, kept current in place, one change at a time.
+
+    `jobs` holds the jobs that are not finished (a SUCCEEDED, FAILED or CANCELLED record is
+    dropped when its event arrives): what the scheduler works on, bounded by the live work,
+    not by history. `version` moves with every change (sites.version with the sites' part)."""
 
     sites: Snapshot
     jobs: dict[str, tuple[JobRecord, int]] = field(default_factory=dict)  # id -> (record, rev)
     assignments: dict[tuple[str, str], Assignment] = field(default_factory=dict)
     reports: dict[tuple[str, str], tuple[Report, int]] = field(default_factory=dict)
+    version: int = 0
 
     def site_up(self, site: str) -> bool:
         return site in self.sites.specs and self.sites.alive(site)
 
 
+_SITE_PREFIXES = (keys.SITES, keys.AGENTS, keys.LINKS, keys.SERVICES)
+
+
 class ViewCache:
-    """The mirrors and the View decoded from them (rebuilt on the first read after a change)."""
+    """The mirrors and the one View they keep current: each watch event is decoded and applied
+    to the entry it changes (a site's status, a link, a job), never the whole registry again.
+    The mirrors keep no raw copy of the values: the decoded entry is all that is held."""
 
     def __init__(self, *, registry: Registry, on_change: Callable[[], None]) -> None:
         self._on_change = on_change
-        self._view: View | None = None
+        self._view = View(sites=Snapshot(revision=0))
         self.mirrors = {
-            prefix: PrefixMirror(registry=registry, prefix=prefix, on_change=self._changed)
+            prefix: PrefixMirror(
+                registry=registry,
+                prefix=prefix,
+                on_reset=functools.partial(self._reset, prefix),
+                on_event=functools.partial(self._event, prefix),
+                keep_items=False,
+            )
             for prefix in PREFIXES
         }
-
-    def _changed(self, _: Mapping[str, bytes]) -> None:
-        self._view = None
-        self._on_change()
 
     async def synced(self, timeout_s: float) -> None:
         await asyncio.wait_for(
@@ -83,41 +99,79 @@ class ViewCache:
         )
 
     def view(self) -> View:
-        if self._view is None:
-            self._view = self._build()
         return self._view
 
-    def _build(self) -> View:
-        sites = Snapshot(revision=0)
-        for prefix in (keys.SITES, keys.AGENTS, keys.LINKS, keys.SERVICES):
-            for key, value in self.mirrors[prefix].items.items():
-                sites.apply(key, value)
-        view = View(sites=sites)
-        mirror = self.mirrors[keys.JOBS]
-        for key, raw in mirror.items.items():
-            try:
-                record = decode(raw)
-            except ValidationError:
-                log.warning("ignoring malformed job record at %s", key)
-                continue
-            view.jobs[record.id] = (record, mirror.revisions.get(key, 0))
-        for key, raw in self.mirrors[keys.ASSIGNMENTS].items.items():
+    def _reset(self, prefix: str, kvs: KeyValues) -> None:
+        """A (re-)list of `prefix`: its part of the view is replaced by what etcd holds."""
+        view, sites = self._view, self._view.sites
+        if prefix == keys.SITES:
+            for table in (sites.specs, sites.statuses, sites.cordons, sites.last_seen):
+                table.clear()
+        elif prefix == keys.AGENTS:
+            sites.agents.clear()
+        elif prefix == keys.LINKS:
+            sites.links.clear()
+        elif prefix == keys.SERVICES:
+            sites.services.clear()
+        elif prefix == keys.JOBS:
+            view.jobs.clear()
+        elif prefix == keys.ASSIGNMENTS:
+            view.assignments.clear()
+        elif prefix == keys.REPORTS:
+            view.reports.clear()
+        for key, value, rev in kvs:
+            self._apply(prefix, key, value, rev)
+        sites.version += 1
+        view.version += 1
+        self._on_change()
+
+    def _event(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:
+        self._apply(prefix, key, value, rev)
+        self._view.version += 1
+        self._on_change()
+
+    def _apply(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:
+        view = self._view
+        if prefix in _SITE_PREFIXES:
+            view.sites.apply(key, value)
+        elif prefix == keys.JOBS:
+            job_id = key[len(keys.JOBS) :]
+            record = None if value is None else _decoded(decode, value, key)
+            if record is None or record.state.terminal:
+                view.jobs.pop(job_id, None)
+            else:
+                view.jobs[record.id] = (record, rev)
+        elif prefix == keys.ASSIGNMENTS:
             site, job = keys.split(key, keys.ASSIGNMENTS)[:2]
-            try:
-                view.assignments[(site, job)] = Assignment.model_validate_json(raw)
-            except ValidationError:
-                log.warning("ignoring malformed assignment at %s", key)
-        rmirror = self.mirrors[keys.REPORTS]
-        for key, raw in rmirror.items.items():
+            assignment = None if value is None else _decoded(_assignment, value, key)
+            if assignment is None:
+                view.assignments.pop((site, job), None)
+            else:
+                view.assignments[(site, job)] = assignment
+        elif prefix == keys.REPORTS:
             site, job = keys.split(key, keys.REPORTS)[:2]
-            try:
-                view.reports[(site, job)] = (
-                    Report.model_validate_json(raw),
-                    rmirror.revisions[key],
-                )
-            except ValidationError:
-                log.warning("ignoring malformed report at %s", key)
-        return view
+            report = None if value is None else _decoded(_report, value, key)
+            if report is None:
+                view.reports.pop((site, job), None)
+            else:
+                view.reports[(site, job)] = (report, rev)
+
+
+def _assignment(raw: bytes) -> Assignment:
+    return Assignment.model_validate_json(raw)
+
+
+def _report(raw: bytes) -> Report:
+    return Report.model_validate_json(raw)
+
+
+def _decoded(fn: Callable[[bytes], T], raw: bytes, key: str) -> T | None:
+    """One value decoded, or None (logged): a malformed value is ignored, never fatal."""
+    try:
+        return fn(raw)
+    except ValidationError:
+        log.warning("ignoring malformed value at %s", key)
+        return None
 
 
 # -- derivations (pure) ---------------------------------------------------------------------

@@ -56,9 +56,13 @@ class Snapshot:
     agents: dict[str, AgentRecord] = field(default_factory=dict)
     links: dict[tuple[str, str], LinkStatus] = field(default_factory=dict)
     services: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
+    # +1 per applied change: a reader that derives something from a snapshot kept current in
+    # place (broker.view) rebuilds it when this moved, not per request
+    version: int = 0
 
     def apply(self, key: str, value: bytes | None) -> None:
         """Apply one put (value) or delete (None) of `key` to this snapshot."""
+        self.version += 1
         if key.startswith(keys.SITES):
             parts = keys.split(key, keys.SITES)
             if len(parts) != 2:
@@ -98,7 +102,13 @@ class Snapshot:
             return SiteState.cordoned
         return SiteState.up if self.alive(site) else SiteState.down
 
-    def view(self, site: str) -> SiteView:
+    def view(
+        self,
+        site: str,
+        *,
+        _links: dict[str, dict[str, LinkStatus]] | None = None,
+        _services: dict[str, list[ServiceEndpoint]] | None = None,
+    ) -> SiteView:
         spec = self.specs.get(site)
         if spec is None:
             raise NotJoined(site)
@@ -107,9 +117,15 @@ class Snapshot:
         cordon = self.cordons.get(site)
         seen = self.last_seen.get(site)
         last_seen = status.published_at if status else (seen.at if seen else None)
-        links = {dst: ln for (src, dst), ln in self.links.items() if src == site}
+        if _links is None:
+            links = {dst: ln for (src, dst), ln in self.links.items() if src == site}
+        else:
+            links = _links.get(site, {})
         rtt = {dst: ln.rtt_ms for dst, ln in links.items() if ln.rtt_ms is not None}
-        services = tuple(ep for (_, s), ep in sorted(self.services.items()) if s == site)
+        if _services is None:
+            services = tuple(ep for (_, s), ep in sorted(self.services.items()) if s == site)
+        else:
+            services = tuple(_services.get(site, ()))
         return SiteView(
             id=site,
             region=spec.region,
@@ -126,7 +142,14 @@ class Snapshot:
         )
 
     def views(self) -> list[SiteView]:
-        return [self.view(site) for site in self.site_ids()]
+        """Every site's view; links and services are grouped once (not once per site)."""
+        by_src: dict[str, dict[str, LinkStatus]] = {}
+        for (src, dst), ln in self.links.items():
+            by_src.setdefault(src, {})[dst] = ln
+        served: dict[str, list[ServiceEndpoint]] = {}
+        for (_, site), ep in sorted(self.services.items()):
+            served.setdefault(site, []).append(ep)
+        return [self.view(site, _links=by_src, _services=served) for site in self.site_ids()]
 
 
 def _apply(

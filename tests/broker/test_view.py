@@ -1,0 +1,105 @@
+"""The broker's view follows the registry one change at a time (broker.view), on the real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from broker.jobs import Event, JobRecord, JobSpec, JobState
+from broker.store import encode
+from broker.view import ViewCache
+from sites import keys
+from sites.registry import Registry
+from sites.spec import SiteSpec
+from sites.tasks import Supervisor
+from tests.conftest import site_doc
+
+
+def record(job_id: str, state: JobState = JobState.PENDING) -> JobRecord:
+    spec = JobSpec.model_validate({"name": job_id, "tenant": "t", "command": ["true"]})
+    return JobRecord(
+        id=job_id,
+        spec=spec,
+        state=state,
+        created_at=1.0,
+        updated_at=1.0,
+        events=(Event(at=1.0, type="submitted", message="x"),),
+    )
+
+
+@pytest.fixture
+async def cache(registry: Registry) -> AsyncIterator[tuple[ViewCache, list[int]]]:
+    kicks: list[int] = []
+    views = ViewCache(registry=registry, on_change=lambda: kicks.append(1))
+    supervisor = Supervisor(owner="test")
+    for prefix, mirror in views.mirrors.items():
+        supervisor.spawn(prefix, mirror.run)
+    await views.synced(10)
+    yield views, kicks
+    await supervisor.stop()
+
+
+async def until(predicate: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_each_change_is_applied_to_what_it_changes(
+    cache: tuple[ViewCache, list[int]], registry: Registry
+) -> None:
+    views, kicks = cache
+    view = views.view()
+    await registry.put_raw(keys.job("a"), encode(record("a")))
+    await registry.put_raw(keys.job("b"), encode(record("b")))
+    await until(lambda: set(view.jobs) == {"a", "b"})
+    b_before = view.jobs["b"][0]
+    version = view.version
+    running = record("a").model_copy(update={"state": JobState.RUNNING})
+    await registry.put_raw(keys.job("a"), encode(running))
+    await until(lambda: view.jobs["a"][0].state is JobState.RUNNING)
+    assert view.jobs["b"][0] is b_before  # the other record was not decoded again
+    assert view.version == version + 1 and views.view() is view  # one View, kept current
+    assert kicks  # the scheduler is told
+
+
+async def test_finished_jobs_are_not_held(
+    cache: tuple[ViewCache, list[int]], registry: Registry
+) -> None:
+    views, _ = cache
+    view = views.view()
+    await registry.put_raw(keys.job("done"), encode(record("done")))
+    await until(lambda: "done" in view.jobs)
+    await registry.put_raw(keys.job("done"), encode(record("done", JobState.SUCCEEDED)))
+    await until(lambda: "done" not in view.jobs)
+    # an old federation's history: none of it is held, and the mirror keeps no raw copy
+    puts = {keys.job(f"old-{i}"): encode(record(f"old-{i}", JobState.FAILED)) for i in range(100)}
+    await registry.commit(guards=[], puts=puts)
+    await registry.put_raw(keys.job("live"), encode(record("live")))
+    await until(lambda: "live" in view.jobs)
+    assert set(view.jobs) == {"live"}
+    assert views.mirrors[keys.JOBS].items == {}
+
+
+async def test_site_changes_move_the_snapshot_version_and_a_relist_agrees(
+    cache: tuple[ViewCache, list[int]], registry: Registry
+) -> None:
+    views, _ = cache
+    sites = views.view().sites
+    before = sites.version
+    await registry.join(SiteSpec.model_validate(site_doc("s1")))
+    await until(lambda: "s1" in sites.specs)
+    assert sites.version > before
+    await registry.put_raw(keys.job("j"), encode(record("j")))
+    await until(lambda: "j" in views.view().jobs)
+    # a re-list (after a broken watch) rebuilds each part from etcd: the same view
+    for prefix in views.mirrors:
+        _, kvs = await registry.list_prefix(prefix)
+        views._reset(prefix, kvs)
+    fresh = views.view()
+    assert set(fresh.sites.specs) == {"s1"} and set(fresh.jobs) == {"j"}
