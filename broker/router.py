@@ -15,10 +15,11 @@ import time
 from collections.abc import Mapping
 
 from broker.errors import InvalidRequest, NotFound
+from routing.candidates import CandidateIndex
 from routing.clients import Clients
 from routing.errors import InvalidParameter
 from routing.policy import Route, RoutingSettings, route
-from routing.selection import Policy, candidates_from_snapshot
+from routing.selection import Policy
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
 from sites.snapshot import Snapshot
@@ -59,6 +60,9 @@ class Router:
         self._synced_version = -1
         self._synced_at = -math.inf
         self.snapshot = Snapshot(revision=0)
+        # the candidates of self.snapshot at one version: rebuilt when the registry changed,
+        # never per request (a request lays only its own overlay over them)
+        self._index: tuple[Snapshot, int, CandidateIndex] | None = None
 
     def sync(self, snapshot: Snapshot) -> None:
         """Follow `snapshot` (the broker's view keeps one current in place). Endpoints are read
@@ -74,8 +78,16 @@ class Router:
             self._synced = self.snapshot = snapshot
             self._synced_version, self._synced_at = snapshot.version, now
 
-    def services(self) -> set[str]:
-        return {svc for svc, _ in self.snapshot.services}
+    def services(self) -> frozenset[str]:
+        return self._candidates().services
+
+    def _candidates(self) -> CandidateIndex:
+        snapshot, cached = self.snapshot, self._index
+        if cached is not None and cached[0] is snapshot and cached[1] == snapshot.version:
+            return cached[2]
+        index = CandidateIndex(snapshot)
+        self._index = (snapshot, snapshot.version, index)
+        return index
 
     def region(self, client_region: str | None, client_address: str | None) -> str:
         if client_region is not None:
@@ -106,11 +118,10 @@ class Router:
         ejected_until: Mapping[str, float] | None = None,
         in_flight: Mapping[str, int] | None = None,
     ) -> Route:
-        if service not in self.services():
+        index = self._candidates()
+        if service not in index.services:
             raise NotFound(f"no site serves {service!r}")
-        candidates = candidates_from_snapshot(
-            self.snapshot, service, error_rates=error_rates, ejected_until=ejected_until
-        )
+        candidates = index.candidates(service, error_rates=error_rates, ejected_until=ejected_until)
         key = (service, client_region)
         result = route(
             service,

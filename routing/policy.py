@@ -49,7 +49,6 @@ The defaults of RoutingSettings are documented once, in docs/routing.md.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import random
 from collections.abc import Iterable, Mapping
@@ -60,6 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from routing.errors import InvalidParameter
 from routing.selection import (
     Candidate,
+    CandidateSet,
     Choice,
     Exclusion,
     Policy,
@@ -167,25 +167,24 @@ def merge_in_flight(
 ) -> list[Candidate]:
     """The candidates with in_flight accounted per `mode` (module docstring, step 1).
 
-    Candidates whose figure does not change are returned as they are (no copy)."""
+    Candidates whose figure does not change are returned as they are (no copy); the others
+    carry the merged figure (Candidate.with_load), their endpoint untouched."""
+    if mode is InFlight.reported:
+        return list(candidates)
     counts = counted or {}
     out: list[Candidate] = []
     for cand in candidates:
-        ep = cand.endpoint
-        if mode is InFlight.reported:
-            out.append(cand)
-            continue
         count = counts.get(cand.site, 0)
         if count < 0:
             raise InvalidParameter(
                 f"in_flight[{cand.site!r}] is {count}, must be >= 0", field="in_flight"
             )
-        total = count if mode is InFlight.counted else max(ep.in_flight + ep.queue, count)
-        in_flight = min(total, ep.max_concurrency)
+        held = cand.in_flight + cand.queue
+        total = count if mode is InFlight.counted else max(held, count)
+        in_flight = min(total, cand.endpoint.max_concurrency)
         queue = total - in_flight
-        if (in_flight, queue) != (ep.in_flight, ep.queue):
-            endpoint = ep.model_copy(update={"in_flight": in_flight, "queue": queue})
-            cand = dataclasses.replace(cand, endpoint=endpoint)
+        if (in_flight, queue) != (cand.in_flight, cand.queue):
+            cand = cand.with_load(in_flight, queue)
         out.append(cand)
     return out
 
@@ -193,7 +192,7 @@ def merge_in_flight(
 def route(
     service: str,
     client_region: str,
-    candidates: Iterable[Candidate],
+    candidates: Iterable[Candidate] | CandidateSet,
     topology: RttSource,
     policy: Policy,
     settings: RoutingSettings,
@@ -211,7 +210,12 @@ def route(
             "settings.policy(...)",
             field="policy.scoring",
         )
-    cands = merge_in_flight(candidates, in_flight, settings.in_flight)
+    if isinstance(candidates, CandidateSet):  # the derived latency figures carry over
+        cands = candidates.replaced(
+            merge_in_flight(candidates.candidates, in_flight, settings.in_flight)
+        )
+    else:
+        cands = CandidateSet.of(merge_in_flight(candidates, in_flight, settings.in_flight))
     ranking = rank(service, client_region, cands, topology, policy, now)
     sessioned = session_key is not None
     choice = choose(

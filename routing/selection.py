@@ -51,18 +51,19 @@ import hashlib
 import math
 import random
 import statistics
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.errors import CandidateError, InvalidParameter
-from sites.snapshot import Snapshot
 from sites.status import ServiceEndpoint, SiteState
 
 __all__ = [
     "Candidate",
+    "CandidateSet",
     "Choice",
     "ChoiceMode",
     "Excluded",
@@ -74,7 +75,6 @@ __all__ = [
     "Scored",
     "ScoringSettings",
     "TenantPolicy",
-    "candidates_from_snapshot",
     "choose",
     "expected_service_ms",
     "hrw_weight",
@@ -89,6 +89,10 @@ class RttSource(Protocol):
     def version(self) -> int: ...
 
     def rtt_ms(self, client_region: str, site: str) -> float | None: ...
+
+    def rtt_table(self, client_region: str) -> Mapping[str, float]:
+        """site -> rtt_ms(client_region, site) for every reachable site (read, not kept)."""
+        ...
 
 
 class _Frozen(BaseModel):
@@ -155,7 +159,11 @@ class Exclusion(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    """One site's endpoint for the service, with what the caller knows about it."""
+    """One site's endpoint for the service, with what the caller knows about it.
+
+    `in_flight` and `queue` (requests) are the load rank scores it with: the endpoint's report,
+    or what routing.policy.merge_in_flight accounted (`with_load`), so a merge copies no
+    endpoint. `site` is the endpoint's site."""
 
     endpoint: ServiceEndpoint
     region: str
@@ -163,20 +171,49 @@ class Candidate:
     error_rate: float = 0.0
     draining: bool = False
     ejected_until: float | None = None
+    site: str = field(init=False)
+    in_flight: int = field(init=False)
+    queue: int = field(init=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.error_rate) and 0 <= self.error_rate <= 1):
-            raise CandidateError(f"{self.site}: error_rate {self.error_rate} is outside [0, 1]")
+            raise CandidateError(
+                f"{self.endpoint.site}: error_rate {self.error_rate} is outside [0, 1]"
+            )
+        ep = self.endpoint
+        object.__setattr__(self, "site", ep.site)
+        object.__setattr__(self, "in_flight", ep.in_flight)
+        object.__setattr__(self, "queue", ep.queue)
 
-    @property
-    def site(self) -> str:
-        return self.endpoint.site
+    def with_load(self, in_flight: int, queue: int) -> Candidate:
+        """This candidate scored with `in_flight` being served and `queue` waiting."""
+        out = Candidate(
+            self.endpoint,
+            self.region,
+            self.site_state,
+            self.error_rate,
+            self.draining,
+            self.ejected_until,
+        )
+        object.__setattr__(out, "in_flight", in_flight)
+        object.__setattr__(out, "queue", queue)
+        return out
+
+    def observed(
+        self, *, error_rate: float, draining: bool, ejected_until: float | None
+    ) -> Candidate:
+        """This candidate with what the caller observed of the site (its load kept)."""
+        out = Candidate(
+            self.endpoint, self.region, self.site_state, error_rate, draining, ejected_until
+        )
+        object.__setattr__(out, "in_flight", self.in_flight)
+        object.__setattr__(out, "queue", self.queue)
+        return out
 
     @property
     def load(self) -> float:
         """Occupancy: (in_flight + queue) / max_concurrency; above 1 means a queue."""
-        ep = self.endpoint
-        return (ep.in_flight + ep.queue) / ep.max_concurrency
+        return (self.in_flight + self.queue) / self.endpoint.max_concurrency
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,24 +221,22 @@ class Score:
     network_ms: float
     service_ms: float
     penalty_ms: float
+    total_ms: float = field(init=False)  # the sum, stored: sorting and choosing read it often
 
-    @property
-    def total_ms(self) -> float:
-        return self.network_ms + self.service_ms + self.penalty_ms
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "total_ms", self.network_ms + self.service_ms + self.penalty_ms)
 
 
 @dataclass(frozen=True, slots=True)
 class Scored:
     candidate: Candidate
     score: Score
+    site: str = field(init=False)
+    total_ms: float = field(init=False)
 
-    @property
-    def site(self) -> str:
-        return self.candidate.site
-
-    @property
-    def total_ms(self) -> float:
-        return self.score.total_ms
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "site", self.candidate.site)
+        object.__setattr__(self, "total_ms", self.score.total_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,15 +299,19 @@ def expected_service_ms(
     latency = endpoint.latency_ms if latency_ms is None else latency_ms
     if latency is None:
         latency = settings.default_latency_ms if default_ms is None else default_ms
-    slots = endpoint.max_concurrency
-    waiting = max(0, endpoint.in_flight + endpoint.queue + 1 - slots)
+    return _service_ms(latency, endpoint.max_concurrency, endpoint.in_flight + endpoint.queue)
+
+
+def _service_ms(latency: float, slots: int, held: int) -> float:
+    """L * (1 + w / c) with w = max(0, held + 1 - c): `held` requests served or waiting."""
+    waiting = max(0, held + 1 - slots)
     return latency * (1 + waiting / slots)
 
 
 POOL_RATIO = 2.0
 
 
-def _pooled_latency(candidates: list[Candidate]) -> dict[str, float]:
+def _pooled_latency(candidates: Sequence[Candidate]) -> dict[str, float]:
     """site -> the per-request latency to score it with, where pooling applies.
 
     Endpoints serving the same model report means of their recent service times, which differ
@@ -298,6 +337,41 @@ def _pooled_latency(candidates: list[Candidate]) -> dict[str, float]:
         if own is None or median / POOL_RATIO <= own <= median * POOL_RATIO:
             out[c.site] = median
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateSet:
+    """Candidates with what rank derives from their endpoints' reports alone, derived once.
+
+    default_ms (the median reported latency, for an endpoint with none) and pooled (site ->
+    the model's pooled latency, see _pooled_latency) depend only on the endpoints, never on
+    the load, errors or ejections a caller lays over them. So the gateway keeps one set per
+    registry change and service, and each request's overlay (`replaced`) reuses the figures
+    instead of taking medians again. rank on a set scores exactly as rank on its candidates.
+    """
+
+    candidates: tuple[Candidate, ...]
+    default_ms: float | None
+    pooled: Mapping[str, float]
+
+    @classmethod
+    def of(cls, candidates: Iterable[Candidate]) -> CandidateSet:
+        cands = tuple(candidates)
+        reported = sorted(c.endpoint.latency_ms for c in cands if c.endpoint.latency_ms is not None)
+        default_ms = reported[len(reported) // 2] if reported else None
+        return cls(cands, default_ms, _pooled_latency(cands))
+
+    def replaced(self, candidates: Sequence[Candidate]) -> CandidateSet:
+        """The same endpoints with other overlays (load, errors, ejections, drains).
+
+        CandidateError when `candidates` are not this set's endpoints in its order: the
+        derived figures would not be theirs."""
+        mine = self.candidates
+        if len(candidates) != len(mine) or any(
+            new.endpoint is not old.endpoint for new, old in zip(candidates, mine, strict=True)
+        ):
+            raise CandidateError("replaced() needs the same endpoints, in the same order")
+        return CandidateSet(tuple(candidates), self.default_ms, self.pooled)
 
 
 def _policy_exclusion(
@@ -341,12 +415,12 @@ def _health_exclusion(cand: Candidate, settings: ScoringSettings, now: float) ->
 
 
 def _full(cand: Candidate, settings: ScoringSettings) -> str | None:
-    ep = cand.endpoint
-    limit = ep.max_concurrency * (1 + settings.queue_allowance)
-    if ep.in_flight + ep.queue >= limit:
+    limit = cand.endpoint.max_concurrency * (1 + settings.queue_allowance)
+    if cand.in_flight + cand.queue >= limit:
         return (
-            f"{ep.in_flight} in flight + {ep.queue} queued >= {limit:g} "
-            f"(max_concurrency {ep.max_concurrency}, queue_allowance {settings.queue_allowance:g})"
+            f"{cand.in_flight} in flight + {cand.queue} queued >= {limit:g} "
+            f"(max_concurrency {cand.endpoint.max_concurrency}, "
+            f"queue_allowance {settings.queue_allowance:g})"
         )
     return None
 
@@ -354,7 +428,7 @@ def _full(cand: Candidate, settings: ScoringSettings) -> str | None:
 def rank(
     service: str,
     client_region: str,
-    candidates: Iterable[Candidate],
+    candidates: Iterable[Candidate] | CandidateSet,
     topology: RttSource,
     policy: Policy,
     now: float,
@@ -364,35 +438,63 @@ def rank(
     """Filter and score the candidates (module docstring); CandidateError on a repeated site.
 
     admit_full: do not exclude full sites (the caller's overflow when every site is full: the
-    request then queues where the score, which grows with the queue, is lowest)."""
+    request then queues where the score, which grows with the queue, is lowest).
+
+    The loop runs once per candidate per request, so each candidate first takes the cheap
+    tests inline; only one that fails one (or has a tenant policy to check) goes through
+    _exclusion, which names the first reason in the documented order."""
     settings = policy.scoring
+    pool = candidates if isinstance(candidates, CandidateSet) else CandidateSet.of(candidates)
+    default_ms, pooled = pool.default_ms, pool.pooled
+    allowed = policy.sovereignty.get(client_region)
+    screened = policy.tenant is not None
+    stale_after_s = settings.stale_after_s
+    eject_error_rate = settings.eject_error_rate
+    allowance = 1 + settings.queue_allowance  # _full's limit: max_concurrency * allowance
+    error_penalty_ms = settings.error_penalty_ms
+    draining_penalty_ms = settings.draining_penalty_ms
+    default_latency_ms = settings.default_latency_ms if default_ms is None else default_ms
+    rtts = topology.rtt_table(client_region)
+    down, cordoned = SiteState.down, SiteState.cordoned
     ranked: list[Scored] = []
     excluded: list[Excluded] = []
     seen: set[str] = set()
-    candidates = list(candidates)
-    reported = sorted(
-        c.endpoint.latency_ms for c in candidates if c.endpoint.latency_ms is not None
-    )
-    default_ms = reported[len(reported) // 2] if reported else None
-    pooled = _pooled_latency(candidates)
-    for cand in candidates:
-        if cand.site in seen:
-            raise CandidateError(f"site {cand.site!r} is a candidate twice")
-        seen.add(cand.site)
-        network = topology.rtt_ms(client_region, cand.site)
-        reason = _exclusion(service, client_region, cand, network, policy, now, admit_full)
-        if reason is not None or network is None:
-            excluded.append(Excluded(cand.site, *(reason or _NO_ROUTE)))
-            continue
-        draining = cand.draining or cand.site_state is SiteState.cordoned
-        penalty = cand.error_rate * settings.error_penalty_ms
-        penalty += settings.draining_penalty_ms if draining else 0.0
-        base = pooled.get(cand.site)
-        service_ms = expected_service_ms(cand.endpoint, settings, default_ms, latency_ms=base)
-        score = Score(network, service_ms, penalty)
-        ranked.append(Scored(cand, score))
-    ranked.sort(key=lambda s: (s.total_ms, s.site))
-    excluded.sort(key=lambda e: e.site)
+    for cand in pool.candidates:
+        site = cand.site
+        if site in seen:
+            raise CandidateError(f"site {site!r} is a candidate twice")
+        seen.add(site)
+        ep = cand.endpoint
+        network = rtts.get(site)
+        held = cand.in_flight + cand.queue
+        slots = ep.max_concurrency
+        if (
+            screened
+            or network is None
+            or ep.service != service
+            or (allowed is not None and cand.region not in allowed)
+            or cand.site_state is down
+            or not ep.healthy
+            or now - ep.updated_at > stale_after_s
+            or (cand.ejected_until is not None and now < cand.ejected_until)
+            or cand.error_rate >= eject_error_rate
+            or (not admit_full and held >= slots * allowance)
+        ):
+            reason = _exclusion(service, client_region, cand, network, policy, now, admit_full)
+            if reason is not None or network is None:
+                excluded.append(Excluded(site, *(reason or _NO_ROUTE)))
+                continue
+        draining = cand.draining or cand.site_state is cordoned
+        penalty = cand.error_rate * error_penalty_ms
+        penalty += draining_penalty_ms if draining else 0.0
+        latency = pooled.get(site)
+        if latency is None:
+            latency = ep.latency_ms
+            if latency is None:
+                latency = default_latency_ms
+        ranked.append(Scored(cand, Score(network, _service_ms(latency, slots, held), penalty)))
+    ranked.sort(key=_rank_key)
+    excluded.sort(key=_site_key)
     return Ranking(
         service=service,
         client_region=client_region,
@@ -401,6 +503,10 @@ def rank(
         ranked=tuple(ranked),
         excluded=tuple(excluded),
     )
+
+
+_rank_key = attrgetter("total_ms", "site")
+_site_key = attrgetter("site")
 
 
 def _exclusion(
@@ -452,14 +558,24 @@ def choose(
 
     The band, hysteresis and slack have no defaults here: routing.policy.RoutingSettings holds
     the one set the gateway and the simulator use. InvalidParameter names a bad one."""
-    for name, value in (
-        ("hysteresis_ms", hysteresis_ms),
-        ("near_best_ms", near_best_ms),
-        ("near_best_ratio", near_best_ratio),
-        ("affinity_slack_ms", 0.0 if affinity_slack_ms is None else affinity_slack_ms),
+    slack = 0.0 if affinity_slack_ms is None else affinity_slack_ms
+    # one chained test per call (a NaN fails every comparison); the loop only to name the field
+    if not (
+        0 <= hysteresis_ms < math.inf
+        and 0 <= near_best_ms < math.inf
+        and 0 <= near_best_ratio < math.inf
+        and 0 <= slack < math.inf
     ):
-        if not (math.isfinite(value) and value >= 0):
-            raise InvalidParameter(f"{name} must be a finite number >= 0, got {value}", field=name)
+        for name, value in (
+            ("hysteresis_ms", hysteresis_ms),
+            ("near_best_ms", near_best_ms),
+            ("near_best_ratio", near_best_ratio),
+            ("affinity_slack_ms", slack),
+        ):
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidParameter(
+                    f"{name} must be a finite number >= 0, got {value}", field=name
+                )
     best = ranking.best
     if best is None:
         return None
@@ -488,36 +604,3 @@ def choose(
 
 def _lighter(a: Scored, b: Scored) -> bool:
     return (a.candidate.load, a.total_ms) < (b.candidate.load, b.total_ms)
-
-
-def candidates_from_snapshot(
-    snapshot: Snapshot,
-    service: str,
-    *,
-    error_rates: Mapping[str, float] | None = None,
-    ejected_until: Mapping[str, float] | None = None,
-    draining: Iterable[str] = (),
-) -> list[Candidate]:
-    """The candidates for `service`: every registered endpoint whose site has a spec.
-
-    Site state (up, down, cordoned) comes from the snapshot; the error rates, ejections and
-    drains are what the caller (the proxy) observed, keyed by site.
-    """
-    errors = error_rates or {}
-    ejected = ejected_until or {}
-    drain = frozenset(draining)
-    out: list[Candidate] = []
-    for (svc, site), endpoint in sorted(snapshot.services.items()):
-        if svc != service or site not in snapshot.specs:
-            continue
-        out.append(
-            Candidate(
-                endpoint=endpoint,
-                region=snapshot.specs[site].region,
-                site_state=snapshot.state(site),
-                error_rate=errors.get(site, 0.0),
-                draining=site in drain,
-                ejected_until=ejected.get(site),
-            )
-        )
-    return out

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any, cast
 
 import networkx as nx
@@ -79,14 +80,19 @@ def _client(region: str) -> Node:
     return (CLIENT, region)
 
 
-class _Paths:
-    """One client region's shortest paths: distance and path per reachable node."""
+_NO_RTTS: Mapping[str, float] = MappingProxyType({})
 
-    __slots__ = ("dist", "paths")
+
+class _Paths:
+    """One client region's shortest paths: distance and path per reachable node, and the
+    distances by site name (what rank reads, once per request, instead of a lookup per site)."""
+
+    __slots__ = ("dist", "paths", "sites")
 
     def __init__(self, dist: dict[Node, float], paths: dict[Node, list[Node]]) -> None:
         self.dist = dist
         self.paths = paths
+        self.sites = {name: d for (kind, name), d in dist.items() if kind == SITE}
 
 
 class Topology:
@@ -169,10 +175,13 @@ class Topology:
 
     def rtts_from(self, client_region: str) -> dict[str, float]:
         """Site -> shortest-path RTT ms for every site reachable from the client region."""
+        return dict(self.rtt_table(client_region))
+
+    def rtt_table(self, client_region: str) -> Mapping[str, float]:
+        """rtts_from without the copy: the cached table itself, valid until the next change
+        (read it, do not keep it)."""
         paths = self._paths(client_region)
-        if paths is None:
-            return {}
-        return {name: d for (kind, name), d in paths.dist.items() if kind == SITE}
+        return _NO_RTTS if paths is None else paths.sites
 
     def _paths(self, client_region: str) -> _Paths | None:
         cached = self._cache.get(client_region)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from broker.router import Router, route_json
+from routing.candidates import candidates_from_snapshot
 from routing.clients import Clients, parse_clients
 from routing.errors import InvalidParameter, RoutingError
 from routing.policy import InFlight, Overflow, RoutingSettings, merge_in_flight, route
@@ -26,7 +27,6 @@ from routing.selection import (
     Exclusion,
     Policy,
     ScoringSettings,
-    candidates_from_snapshot,
 )
 from routing.topology import Topology
 from simulations.inference import SliceRouter
@@ -150,25 +150,27 @@ def test_in_flight_merge_modes() -> None:
     counted = {"a": 1, "b": 5}
 
     def flights(mode: InFlight) -> list[int]:
-        return [c.endpoint.in_flight for c in merge_in_flight(cands, counted, mode)]
+        return [c.in_flight for c in merge_in_flight(cands, counted, mode)]
 
     assert flights(InFlight.max) == [3, 5, 2]
     assert flights(InFlight.reported) == [3, 1, 2]
     assert flights(InFlight.counted) == [1, 5, 0]
     merged = merge_in_flight(cands, counted, InFlight.max)
-    assert merged[0] is cands[0] and cands[1].endpoint.in_flight == 1  # inputs untouched
+    assert merged[0] is cands[0] and cands[1].in_flight == 1  # inputs untouched
+    # the merged figure rides on the candidate; the site's report (its endpoint) is not copied
+    assert merged[1].endpoint is cands[1].endpoint and merged[1].endpoint.in_flight == 1
 
 
 def test_the_count_includes_the_sites_queue_and_is_never_added_to_it() -> None:
     # 4 slots, the site reports 4 served + 2 queued; the gateway has 5 of those 6 open
     site = cand("a", max_concurrency=4, in_flight=4, queue=2)
     (same,) = merge_in_flight([site], {"a": 5}, InFlight.max)
-    assert (same.endpoint.in_flight, same.endpoint.queue) == (4, 2)  # not 5 + 2 queued
+    assert same is site and (same.in_flight, same.queue) == (4, 2)  # not 5 + 2 queued
     # the gateway knows of 9 (the report is stale): 4 served, 5 queued
     (more,) = merge_in_flight([site], {"a": 9}, InFlight.max)
-    assert (more.endpoint.in_flight, more.endpoint.queue) == (4, 5)
+    assert (more.in_flight, more.queue, more.load) == (4, 5, 9 / 4)
     (counted,) = merge_in_flight([site], {"a": 3}, InFlight.counted)
-    assert (counted.endpoint.in_flight, counted.endpoint.queue) == (3, 0)
+    assert (counted.in_flight, counted.queue) == (3, 0)
     with pytest.raises(InvalidParameter) as caught:
         merge_in_flight([site], {"a": -1}, InFlight.counted)
     assert caught.value.field == "in_flight"
@@ -180,7 +182,7 @@ def test_the_gateways_count_moves_traffic_off_a_site_that_reports_idle() -> None
     assert go(cands, rtts).site == "a"
     # the gateway has 5 requests open at a (4 slots): 100 * (1 + 2/4) = 150 ms of service
     r = go(cands, rtts, in_flight={"a": 5})
-    merged = r.ranking.get("a").candidate.endpoint
+    merged = r.ranking.get("a").candidate
     assert r.site == "b" and (merged.in_flight, merged.queue) == (4, 1)
     blind = go(cands, rtts, RoutingSettings(in_flight=InFlight.reported), in_flight={"a": 5})
     assert blind.site == "a"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from typing import Any
 
 import pytest
 
+from routing.candidates import candidates_from_snapshot
 from routing.errors import CandidateError, InvalidParameter
 from routing.policy import RoutingSettings
 from routing.selection import (
@@ -19,7 +21,6 @@ from routing.selection import (
     Ranking,
     ScoringSettings,
     TenantPolicy,
-    candidates_from_snapshot,
     choose,
     expected_service_ms,
     rank,
@@ -41,8 +42,11 @@ def topo(**rtts: float) -> Topology:
     return topology
 
 
+_CANDIDATE_ARGS = frozenset(f.name for f in dataclasses.fields(Candidate) if f.init)
+
+
 def cand(site: str, region: str = "east", **fields: Any) -> Candidate:
-    opts = {k: fields.pop(k) for k in list(fields) if k in Candidate.__dataclass_fields__}
+    opts = {k: fields.pop(k) for k in list(fields) if k in _CANDIDATE_ARGS}
     return Candidate(endpoint=endpoint(site, **fields), region=region, **opts)
 
 
@@ -269,6 +273,10 @@ def test_bad_choice_parameters() -> None:
     with pytest.raises(InvalidParameter, match="near_best_ratio") as exc:
         pick(ranking, rng=random.Random(0), near_best_ratio=float("nan"))
     assert exc.value.field == "near_best_ratio" and isinstance(exc.value, ValueError)
+    for name, bad in [("near_best_ms", float("inf")), ("affinity_slack_ms", -0.5)]:
+        with pytest.raises(InvalidParameter) as exc:
+            pick(ranking, rng=random.Random(0), **{name: bad})
+        assert exc.value.field == name
 
 
 # -- hysteresis ------------------------------------------------------------------------------

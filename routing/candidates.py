@@ -1,0 +1,120 @@
+"""A registry snapshot's inference endpoints as routing.selection candidates. Pure.
+
+candidates_from_snapshot(snapshot, service, ...) builds one service's candidates (the
+simulator's and the tests' way). CandidateIndex is the gateway's: built once per registry
+change, it holds every service's candidates with their derived latency figures
+(selection.CandidateSet), so a request lays only its own overlay over them (the error rates,
+ejections and drains the proxy observed) instead of scanning, sorting and decoding the whole
+registry. `index.candidates(service, ...)` is equal, candidate for candidate, to
+`candidates_from_snapshot(snapshot, service, ...)` on the snapshot it was built from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from routing.selection import Candidate, CandidateSet
+from sites.snapshot import Snapshot
+from sites.status import ServiceEndpoint
+
+__all__ = ["CandidateIndex", "candidates_from_snapshot"]
+
+
+def _candidate(snapshot: Snapshot, site: str, endpoint: ServiceEndpoint) -> Candidate:
+    return Candidate(
+        endpoint=endpoint, region=snapshot.specs[site].region, site_state=snapshot.state(site)
+    )
+
+
+def candidates_from_snapshot(
+    snapshot: Snapshot,
+    service: str,
+    *,
+    error_rates: Mapping[str, float] | None = None,
+    ejected_until: Mapping[str, float] | None = None,
+    draining: Iterable[str] = (),
+) -> list[Candidate]:
+    """The candidates for `service`: every registered endpoint whose site has a spec.
+
+    Site state (up, down, cordoned) comes from the snapshot; the error rates, ejections and
+    drains are what the caller (the proxy) observed, keyed by site. Ordered by site.
+    """
+    errors = error_rates or {}
+    ejected = ejected_until or {}
+    drain = frozenset(draining)
+    out: list[Candidate] = []
+    for (svc, site), endpoint in sorted(snapshot.services.items()):
+        if svc != service or site not in snapshot.specs:
+            continue
+        out.append(
+            Candidate(
+                endpoint=endpoint,
+                region=snapshot.specs[site].region,
+                site_state=snapshot.state(site),
+                error_rate=errors.get(site, 0.0),
+                draining=site in drain,
+                ejected_until=ejected.get(site),
+            )
+        )
+    return out
+
+
+class CandidateIndex:
+    """Every service's candidates in one snapshot, each service's built on its first use.
+
+    A service is built from the snapshot on its first use, so a snapshot kept current in place
+    needs a new index after each change (the owner compares Snapshot.version).
+    """
+
+    __slots__ = ("_built", "_endpoints", "_snapshot", "services")
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        grouped: dict[str, list[tuple[str, ServiceEndpoint]]] = {}
+        for (svc, site), endpoint in snapshot.services.items():
+            grouped.setdefault(svc, []).append((site, endpoint))
+        # every registered service, as the proxy's "is it a service at all" answer (404 vs 503)
+        self.services: frozenset[str] = frozenset(grouped)
+        self._endpoints = grouped
+        self._snapshot = snapshot
+        self._built: dict[str, CandidateSet] = {}
+
+    def base(self, service: str) -> CandidateSet:
+        """The service's candidates with no overlay (empty for an unknown service)."""
+        built = self._built.get(service)
+        if built is None:
+            snapshot = self._snapshot
+            specs = snapshot.specs
+            rows = sorted(self._endpoints.get(service, ()), key=lambda row: row[0])
+            built = CandidateSet.of(
+                _candidate(snapshot, site, endpoint) for site, endpoint in rows if site in specs
+            )
+            self._built[service] = built
+        return built
+
+    def candidates(
+        self,
+        service: str,
+        *,
+        error_rates: Mapping[str, float] | None = None,
+        ejected_until: Mapping[str, float] | None = None,
+        draining: Iterable[str] = (),
+    ) -> CandidateSet:
+        """The service's candidates with the caller's observations laid over (only the sites
+        named in them are copied)."""
+        base = self.base(service)
+        drain = frozenset(draining)
+        if not (error_rates or ejected_until or drain):
+            return base
+        errors = error_rates or {}
+        ejected = ejected_until or {}
+        out = [
+            cand.observed(
+                error_rate=errors.get(cand.site, 0.0),
+                draining=cand.site in drain,
+                ejected_until=ejected.get(cand.site),
+            )
+            if cand.site in errors or cand.site in ejected or cand.site in drain
+            else cand
+            for cand in base.candidates
+        ]
+        return base.replaced(out)
