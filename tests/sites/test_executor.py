@@ -285,6 +285,9 @@ async def test_graceful_stop_stops_jobs_silently_and_a_restart_runs_nothing_twic
     await assign(registry, assignment("again", "long", "echo run >> ../starts; sleep 60"))
     await wait_report(registry, "again", "once", RunState.succeeded)
     await wait_report(registry, "again", "long", RunState.running)
+    # running means spawned; on a loaded machine its shell may not have run `echo` yet
+    starts = job_dir(work, "long") / "starts"
+    await wait_for(lambda: starts.exists() and starts.read_text() == "run\n", timeout=10)
     record = RunRecord.model_validate_json((job_dir(work, "long") / "run.json").read_bytes())
     assert record.pid is not None
     before = await registry.get_raw(keys.report("again", "once"))
