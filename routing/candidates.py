@@ -12,12 +12,15 @@ registry. `index.candidates(service, ...)` is equal, candidate for candidate, to
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 from routing.selection import Candidate, CandidateSet
 from sites.snapshot import Snapshot
 from sites.status import ServiceEndpoint
 
 __all__ = ["CandidateIndex", "candidates_from_snapshot"]
+
+_NONE: Mapping[str, float] = MappingProxyType({})
 
 
 def _candidate(snapshot: Snapshot, site: str, endpoint: ServiceEndpoint) -> Candidate:
@@ -103,18 +106,20 @@ class CandidateIndex:
         named in them are copied)."""
         base = self.base(service)
         drain = frozenset(draining)
-        if not (error_rates or ejected_until or drain):
-            return base
-        errors = error_rates or {}
-        ejected = ejected_until or {}
-        out = [
-            cand.observed(
-                error_rate=errors.get(cand.site, 0.0),
-                draining=cand.site in drain,
-                ejected_until=ejected.get(cand.site),
-            )
-            if cand.site in errors or cand.site in ejected or cand.site in drain
-            else cand
-            for cand in base.candidates
-        ]
-        return base.replaced(out)
+        # looked up per candidate, never asked for their size: a caller's mapping may be a view
+        # that answers per key (the proxy's ejections) rather than a dict
+        errors = _NONE if error_rates is None else error_rates
+        ejected = _NONE if ejected_until is None else ejected_until
+        out: list[Candidate] = []
+        copied = False
+        for cand in base.candidates:
+            site = cand.site
+            if site in errors or site in ejected or site in drain:
+                cand = cand.observed(
+                    error_rate=errors.get(site, 0.0),
+                    draining=site in drain,
+                    ejected_until=ejected.get(site),
+                )
+                copied = True
+            out.append(cand)
+        return base.replaced(out) if copied else base

@@ -98,7 +98,8 @@ class OutlierDetector:
         if host.ejected_until is not None:
             pass  # in flight before the ejection; the ejection already decided
         elif ok:
-            host = replace(host, consecutive_failures=0)
+            if host.consecutive_failures:  # the common case is a run of successes: no copy
+                host = replace(host, consecutive_failures=0)
         else:
             failures = host.consecutive_failures + 1
             threshold = (

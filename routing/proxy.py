@@ -39,7 +39,15 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Awaitable, Callable, Collection, Container, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Collection,
+    Container,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import NamedTuple, Protocol
 
 import aiohttp
@@ -91,6 +99,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length"}
+_NONE_ACTIVE: dict[str, int] = {}
 
 
 class Upstream(NamedTuple):
@@ -135,6 +144,38 @@ def _error(
     return web.json_response(body, status=status, headers=headers or None)
 
 
+class _Ejections(Mapping[str, float]):
+    """InferenceProxy.ejected_sites: site -> end of its ejection, looked up per site."""
+
+    __slots__ = ("_health", "_now", "_prefix")
+
+    def __init__(self, health: OutlierDetector, service: str, now: float) -> None:
+        self._health = health
+        self._prefix = upstream_key(service, Upstream("", ""))
+        self._now = now
+
+    def get(self, site: str, default: float | None = None) -> float | None:  # type: ignore[override]
+        until = self._health.ejected_until(self._prefix + site, self._now)
+        return default if until is None else until
+
+    def __contains__(self, site: object) -> bool:
+        return isinstance(site, str) and self.get(site) is not None
+
+    def __getitem__(self, site: str) -> float:
+        until = self.get(site)
+        if until is None:
+            raise KeyError(site)
+        return until
+
+    def __iter__(self) -> Iterator[str]:
+        prefix = self._prefix
+        keys = self._health.ejections(self._now)
+        return iter([key[len(prefix) :] for key in keys if key.startswith(prefix)])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class _Attempt(NamedTuple):
     upstream: Upstream
     response: aiohttp.ClientResponse | None
@@ -177,7 +218,8 @@ class InferenceProxy:
         self.max_body_bytes = max_body_bytes
         self.session = session
         self.session_for = session_for
-        self._active: dict[str, int] = {}  # upstream key -> requests in flight through us
+        # service -> site -> requests in flight through us (read per request by the router)
+        self._active: dict[str, dict[str, int]] = {}
         self.known_services = known_services
         self.resolve_region = resolve_region
         self.known_regions = known_regions
@@ -188,14 +230,12 @@ class InferenceProxy:
             total=None, sock_connect=connect_timeout_s, sock_read=response_timeout_s
         )
 
-    def ejected_sites(self, service: str, now: float) -> dict[str, float]:
-        """Site -> end of its ejection for `service`, for routing.selection's candidates."""
-        prefix = f"{service}@"
-        return {
-            key.removeprefix(prefix): until
-            for key, until in self.health.ejections(now).items()
-            if key.startswith(prefix)
-        }
+    def ejected_sites(self, service: str, now: float) -> Mapping[str, float]:
+        """Site -> end of its ejection for `service`, for routing.candidates' candidates.
+
+        A view, valid at `now`: a lookup asks the detector about that one site, so a request
+        pays for its service's candidates, not for every upstream the detector knows."""
+        return _Ejections(self.health, service, now)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         service = request.match_info["service"]
@@ -261,15 +301,14 @@ class InferenceProxy:
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         limit = self.max_body_bytes
-        too_large = _error(413, "too_large", f"request body over {limit} bytes", "body")
         if request.content_length is not None and request.content_length > limit:
-            return too_large
+            return _too_large(limit)
         chunks: list[bytes] = []
         size = 0
         async for chunk in request.content.iter_any():
             size += len(chunk)
             if size > limit:
-                return too_large
+                return _too_large(limit)
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -282,7 +321,12 @@ class InferenceProxy:
         route_ms: str,
     ) -> web.StreamResponse:
         now = self.clock.time()
-        usable = [u for u in candidates if self._usable(service, u, now)][: self.max_attempts]
+        usable: list[Upstream] = []
+        for candidate in candidates:  # the first max_attempts usable ones, checking no more
+            if self._usable(service, candidate, now):
+                usable.append(candidate)
+                if len(usable) == self.max_attempts:
+                    break
         if not usable:
             return _error(
                 503, "no_capacity",
@@ -328,16 +372,19 @@ class InferenceProxy:
     def in_flight(self, service: str) -> dict[str, int]:
         """site -> requests of `service` this proxy has in flight there now (its own view:
         exact and immediate, where the sites' published load is up to an interval old)."""
-        prefix = upstream_key(service, Upstream("", ""))
-        return {k[len(prefix) :]: n for k, n in self._active.items() if k.startswith(prefix)}
+        return dict(self._active.get(service, _NONE_ACTIVE))
 
     def _finished(self, service: str, upstream: Upstream) -> None:
-        key = upstream_key(service, upstream)
-        left = self._active.get(key, 0) - 1
+        active = self._active.get(service)
+        if active is None:
+            return
+        left = active.get(upstream.site, 0) - 1
         if left > 0:
-            self._active[key] = left
+            active[upstream.site] = left
         else:
-            self._active.pop(key, None)
+            active.pop(upstream.site, None)
+            if not active:
+                del self._active[service]
 
     def _usable(self, service: str, upstream: Upstream, now: float) -> bool:
         key = upstream_key(service, upstream)
@@ -355,7 +402,8 @@ class InferenceProxy:
         body: bytes,
     ) -> _Attempt:
         key = upstream_key(service, upstream)
-        self._active[key] = self._active.get(key, 0) + 1
+        active = self._active.setdefault(service, {})
+        active[upstream.site] = active.get(upstream.site, 0) + 1
         url = URL(upstream.base_url.rstrip("/") + "/" + tail, encoded=True)
         try:
             session = self.session
@@ -397,17 +445,36 @@ class InferenceProxy:
         response: aiohttp.ClientResponse,
         extra: dict[str, str],
     ) -> web.StreamResponse:
-        """Stream `response` to the client chunk by chunk; the client's first byte ends retries."""
+        """Stream `response` to the client chunk by chunk; the client's first byte ends retries.
+
+        A body that already arrived whole with the headers (a Content-Length answer of one
+        segment, the common short completion) goes out with its headers in one write: the same
+        bytes to the client, where streaming would send headers and body as two."""
         try:
-            out = web.StreamResponse(status=response.status, reason=response.reason)
-            connection_tokens = _connection_tokens(response.headers.getall("Connection", []))
+            connection_tokens = (
+                _NO_TOKENS
+                if "Connection" not in response.headers
+                else _connection_tokens(response.headers.getall("Connection"))
+            )
+            headers: CIMultiDict[str] = CIMultiDict()
             for name, value in response.headers.items():
                 lower = name.lower()
                 if lower not in _HOP_BY_HOP and lower not in connection_tokens:
-                    out.headers.add(name, value)
-            out.headers.update(extra)
+                    headers.add(name, value)
+            headers.update(extra)
+            whole = _arrived_whole(request, response)
+            status, reason = response.status, response.reason
+            out = (
+                web.Response(body=response.content.read_nowait(), status=status, reason=reason,
+                             headers=headers)
+                if whole
+                else web.StreamResponse(status=status, reason=reason, headers=headers)
+            )  # fmt: skip
             try:
                 await out.prepare(request)
+                if whole:
+                    await out.write_eof()
+                    return out
             except ConnectionError:
                 return out  # the client left before the answer
             while True:
@@ -440,6 +507,10 @@ class InferenceProxy:
                 response.close()
 
 
+def _too_large(limit: int) -> web.Response:
+    return _error(413, "too_large", f"request body over {limit} bytes", "body")
+
+
 def _no_answer(attempt: _Attempt, extra: dict[str, str]) -> web.Response:
     site = attempt.upstream.site
     if attempt.failure is Failure.timeout:
@@ -454,12 +525,33 @@ def _no_answer(attempt: _Attempt, extra: dict[str, str]) -> web.Response:
     )
 
 
+def _arrived_whole(request: web.Request, response: aiohttp.ClientResponse) -> bool:
+    """The upstream's whole body is already here, its length declared, nothing went wrong, and
+    the answer carries a body at all (not HEAD, 1xx, 204 or 304)."""
+    content = response.content
+    return (
+        content.is_eof()
+        and content.exception() is None
+        and "Content-Length" in response.headers
+        and response.status >= 200
+        and response.status not in (204, 304)
+        and request.method != "HEAD"
+    )
+
+
+_NO_TOKENS: frozenset[str] = frozenset()
+
+
 def _connection_tokens(values: Sequence[str]) -> frozenset[str]:
     return frozenset(t.strip().lower() for v in values for t in v.split(",") if t.strip())
 
 
 def _forward_headers(request: web.Request) -> CIMultiDict[str]:
-    connection_tokens = _connection_tokens(request.headers.getall("Connection", []))
+    connection_tokens = (
+        _NO_TOKENS
+        if "Connection" not in request.headers
+        else _connection_tokens(request.headers.getall("Connection"))
+    )
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in request.headers.items():
         lower = name.lower()

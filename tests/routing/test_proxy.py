@@ -457,7 +457,10 @@ async def test_failing_site_is_ejected_for_a_growing_time(
 
     assert [await attempts(), await attempts()] == ["2", "2"]
     assert h.detector.ejected_until(key, clock.now) == clock.now + 10
-    assert h.proxy.ejected_sites("llm", clock.now) == {"dead": clock.now + 10}
+    ejected = h.proxy.ejected_sites("llm", clock.now)
+    assert ejected == {"dead": clock.now + 10} and len(ejected) == 1
+    assert "dead" in ejected and "b" not in ejected and ejected.get("b") is None
+    assert h.proxy.ejected_sites("other", clock.now) == {}  # per service
     assert await attempts() == "1"  # skipped while ejected
     clock.advance(10)
     assert [await attempts(), await attempts()] == ["2", "2"]  # tried again, fails twice more
@@ -705,5 +708,43 @@ async def test_counts_its_own_requests_in_flight_per_site(
     calls = [asyncio.ensure_future(one()) for _ in range(3)]
     await asyncio.sleep(0.25)
     assert h.proxy.in_flight("llm") == {"slow": 3}  # the refused site was counted and released
+    assert h.proxy.in_flight("other") == {}
     assert await asyncio.gather(*calls) == [200, 200, 200]
     assert h.proxy.in_flight("llm") == {}
+
+
+async def test_a_body_that_arrived_whole_goes_out_as_a_streamed_one_would(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """The relay sends a body already in with its headers in one write; the client cannot tell
+    it from one streamed as it trickles in (same status, headers and bytes)."""
+    payload = b'{"text": "' + b"x" * 3000 + b'"}'
+
+    async def whole(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=payload, status=201, content_type="application/json",
+                            headers={"X-Up": "1"})  # fmt: skip
+
+    async def trickled(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(status=201, headers={"X-Up": "1"})
+        out.content_type = "application/json"
+        out.content_length = len(payload)
+        await out.prepare(request)
+        for i in range(0, len(payload) if request.method != "HEAD" else 0, 1000):
+            await out.write(payload[i : i + 1000])
+            await asyncio.sleep(0.02)  # the proxy has sent the headers before the rest is in
+        await out.write_eof()
+        return out
+
+    answers = []
+    for handler in (whole, trickled):
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        h = await make_proxy([Upstream("a", await serve(app))])
+        for method in ("POST", "HEAD"):
+            async with http.request(method, h.infer_url(), headers=REGION) as resp:
+                body = await resp.read()
+                drop = {"Date", "X-Cpn-Route-Ms"}
+                headers = sorted((k, v) for k, v in resp.headers.items() if k not in drop)
+                answers.append((method, resp.status, headers, body))
+    assert answers[0][3] == payload and answers[1][3] == b""
+    assert answers[:2] == answers[2:]
