@@ -276,11 +276,18 @@ async def test_overloaded_site_sheds_its_share_and_gets_it_back(
     backend = "http://127.0.0.1:18101"  # zhangjiakou's qwen-72b stand-in (its site file)
     async with http.post(backend + "/admin/fail", json={"mode": "slow"}) as resp:
         assert resp.status == 200
-    # 24 slots: 24 in flight + 32 queued is over 1.5 x the slots: the site counts as full
-    load = [
-        asyncio.ensure_future(http.post(backend + "/v1/completions", json={"prompt": "x"}))
-        for _ in range(56)
-    ]
+    # 24 slots: 24 in flight + 32 queued is over 1.5 x the slots: the site counts as full.
+    # Each of 56 clients sends its next request when the last one is answered, so the site stays
+    # full until the test lets go (a one-shot burst drains in ~2 s, and on a loaded machine the
+    # first probe could queue behind it and miss the window in which the report says "full").
+    holding = True
+
+    async def hold() -> None:
+        while holding:
+            async with http.post(backend + "/v1/completions", json={"prompt": "x"}) as resp:
+                await resp.read()
+
+    load = [asyncio.ensure_future(hold()) for _ in range(56)]
     try:
 
         async def moved() -> bool:
@@ -297,11 +304,10 @@ async def test_overloaded_site_sheds_its_share_and_gets_it_back(
             sites[headers["X-Cpn-Site"]] += 1
         assert sites["zhangjiakou"] == 0, sites
     finally:
+        holding = False
         async with http.post(backend + "/admin/fail", json={"mode": "ok"}) as resp:
             assert resp.status == 200
-        for response in await asyncio.gather(*load, return_exceptions=True):
-            if isinstance(response, aiohttp.ClientResponse):
-                response.release()
+        await asyncio.gather(*load, return_exceptions=True)
     deadline = time.monotonic() + 20
     while True:
         _, headers, _ = await infer(http, demo, "beijing")
