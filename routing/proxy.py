@@ -303,9 +303,13 @@ class InferenceProxy:
         limit = self.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             return _too_large(limit)
+        content = request.content
+        if content.is_eof() and content.exception() is None:
+            body = content.read_nowait()  # all of it came with the headers: no read loop
+            return _too_large(limit) if len(body) > limit else body
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.content.iter_any():
+        async for chunk in content.iter_any():
             size += len(chunk)
             if size > limit:
                 return _too_large(limit)
