@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -168,7 +168,7 @@ class _Pass:
                 and record.fence == report.fence
                 and record.state in LIVE
             )
-            if not current or entry is None or record is None:
+            if not current or entry is None or record is None:  # (the last two for mypy)
                 assignment = view.assignments.get((site, job_id))
                 if (assignment is None or assignment.fence != report.fence) and (
                     report.state.terminal
@@ -189,7 +189,6 @@ class _Pass:
 
     def _report(self, record: JobRecord, rev: int, report: Report, report_rev: int) -> None:
         site, now = report.site, self.now
-        rkey, akey = keys.report(site, record.id), keys.assignment(site, record.id)
         if report.state in (RunState.starting, RunState.running):
             if record.state is JobState.RUNNING:
                 return
@@ -203,7 +202,7 @@ class _Pass:
             new = record.with_event(ev, state=JobState.RUNNING)
             self._emit(Action(ActionKind.advance, (JobWrite(new, rev),), ev.message))
             return
-        guard = (Guard(rkey, mod_revision=report_rev),)
+        guard = (Guard(keys.report(site, record.id), mod_revision=report_rev),)
         if report.state is RunState.succeeded:
             ev = Event(
                 at=now,
@@ -213,7 +212,7 @@ class _Pass:
                 attempt=record.attempt,
             )
             new = record.with_event(ev, state=JobState.SUCCEEDED, exit_code=0)
-            write = JobWrite(new, rev, deletes=(akey, rkey), guards=guard)
+            write = JobWrite(new, rev, deletes=_run_keys(record), guards=guard)
             self._emit(Action(ActionKind.advance, (write,), ev.message))
             return
         why = (
@@ -224,7 +223,7 @@ class _Pass:
         if report.message:
             why += f": {report.message}"
         new = self._retry_or_fail(record, why, site, exit_code=report.exit_code)
-        self._stop_with_gang(record, rev, new, (akey, rkey), guard, why)
+        self._stop_with_gang(record, rev, new, _run_keys(record), guard, why)
 
     def _retry_or_fail(
         self,
@@ -291,7 +290,7 @@ class _Pass:
                     message=f"gang member {record.id} failed: {why}",
                     attempt=other.attempt,
                 )
-                changed = other.with_event(ev, state=JobState.FAILED, placement=other.placement)
+                changed = other.with_event(ev, state=JobState.FAILED)
             elif other.state in LIVE:
                 ev = Event(
                     at=self.now,
@@ -326,9 +325,8 @@ class _Pass:
             if since is not None and self.now - since < grace:
                 continue
             new = self._retry_or_fail(record, f"site {site} went down", site, kind="migrated")
-            deletes = (keys.assignment(site, job_id), keys.report(site, job_id))
             self._stop_with_gang(
-                record, rev, new, deletes, (), f"site {site} went down", lost_site=True
+                record, rev, new, _run_keys(record), (), f"site {site} went down", lost_site=True
             )
 
     # -- placement ----------------------------------------------------------------------------
@@ -575,24 +573,17 @@ def decide_batch(
     """Place actions for the solver's assignments that still apply to `view` (the view after
     the solve: a job that changed meanwhile is left out); a gang only with all its members."""
     fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
-    by_gang: dict[str, list[tuple[JobRecord, int, pl.Decision]]] = {}
-    singles: list[tuple[JobRecord, int, pl.Decision]] = []
+    # what is committed together: a job alone, or a gang (by its key)
+    units: dict[str, list[tuple[JobRecord, int, pl.Decision]]] = {}
     for pending, decision in batch.decisions(result, problem, jobs, fed):
         entry = view.jobs.get(pending.id)
         if entry is None or entry[0].state is not JobState.PENDING:
             continue
         record, rev = entry
-        key = gang_key(record)
-        if key is None:
-            singles.append((record, rev, decision))
-        else:
-            by_gang.setdefault(key, []).append((record, rev, decision))
+        unit = gang_key(record) or f"job:{record.id}"
+        units.setdefault(unit, []).append((record, rev, decision))
     actions = []
-    groups_: Iterable[list[tuple[JobRecord, int, pl.Decision]]] = [
-        *([one] for one in singles),
-        *by_gang.values(),
-    ]
-    for group in groups_:
+    for group in units.values():
         gang = group[0][0].spec.gang
         if gang is not None and len(group) != gang.size:
             continue  # part of a gang: never alone
