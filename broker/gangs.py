@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from broker.jobs import JobRecord
 from broker.view import View
 
-__all__ = ["GangProblem", "gang_key", "gang_problem", "gangs", "shape"]
+__all__ = ["SHAPE", "GangProblem", "gang_key", "gang_problem", "gangs", "shape"]
 
 
 def gang_key(record: JobRecord) -> str | None:
@@ -69,6 +69,8 @@ def gang_problem(name: str, members: Sequence[JobRecord]) -> GangProblem | None:
     return None
 
 
+SHAPE = ("gpu", "cpu", "mem_gb", "duration_hours")  # the JobSpec fields members share
+
+
 def shape(record: JobRecord) -> tuple[object, ...]:
-    spec = record.spec
-    return spec.gpu, spec.cpu, spec.mem_gb, spec.duration_hours
+    return tuple(getattr(record.spec, name) for name in SHAPE)

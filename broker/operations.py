@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from broker.errors import Conflict, IllegalTransition, InvalidRequest, NotFound, StaleRecord
+from broker.gangs import SHAPE
 from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState
 from broker.metrics import BrokerMetrics
 from broker.store import Change, JobStore
@@ -152,11 +153,8 @@ class Operations:
                     _check_member(name, current, spec, len(members))
             entry = GangRecord(
                 size=gang.size,
-                gpu=spec.gpu,
-                cpu=spec.cpu,
-                mem_gb=spec.mem_gb,
-                duration_hours=spec.duration_hours,
                 members=(*members, record.id),
+                **{field: getattr(spec, field) for field in SHAPE},
             )
             ok = await self.store.commit(
                 record,
@@ -233,12 +231,8 @@ def _check_member(name: str, gang: GangRecord, spec: JobSpec, unfinished: int) -
             f"gang {name} has gang.size {gang.size}; this member says {size}",
             field="gang.size",
         )
-    for field, mine, theirs in (
-        ("gpu", spec.gpu, gang.gpu),
-        ("cpu", spec.cpu, gang.cpu),
-        ("mem_gb", spec.mem_gb, gang.mem_gb),
-        ("duration_hours", spec.duration_hours, gang.duration_hours),
-    ):
+    for field in SHAPE:  # GangRecord keeps the first member's value of each
+        mine, theirs = getattr(spec, field), getattr(gang, field)
         if mine != theirs:
             raise InvalidRequest(
                 f"gang {name}: every member asks for the same {field} "
