@@ -80,8 +80,14 @@ async def test_gang_input_cannot_stop_the_scheduler(
         await registry.put_raw(keys.job(job_id), encode(record))
     failed = fed.wait_state("old-2", "FAILED", timeout=15)
     assert "gang.size" in failed["events"][-1]["message"], failed["events"]
-    first = fed.job("old-1")  # the gang's first member waits for a member that agrees
-    assert first["state"] == "PENDING" and "1/2 members" in first["unschedulable"], first
+    # the gang's first member waits for a member that agrees (its reason is written by the
+    # same pass or the next one)
+    deadline = time.monotonic() + 10
+    first = fed.job("old-1")
+    while not first["unschedulable"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        first = fed.job("old-1")
+    assert first["state"] == "PENDING" and "1/2 members" in (first["unschedulable"] or ""), first
     extra = fed.wait_state("over-2", "FAILED", timeout=15)
     assert "one too many" in extra["events"][-1]["message"]
     for job_id in ("over-0", "over-1"):
