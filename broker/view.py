@@ -59,13 +59,12 @@ class View:
 
     `jobs` holds the jobs that are not finished (a SUCCEEDED, FAILED or CANCELLED record is
     dropped when its event arrives): what the scheduler works on, bounded by the live work,
-    not by history. `version` moves with every change (sites.version with the sites' part)."""
+    not by history. `sites.version` moves with every change to the sites' part."""
 
     sites: Snapshot
     jobs: dict[str, tuple[JobRecord, int]] = field(default_factory=dict)  # id -> (record, rev)
     assignments: dict[tuple[str, str], Assignment] = field(default_factory=dict)
     reports: dict[tuple[str, str], tuple[Report, int]] = field(default_factory=dict)
-    version: int = 0
 
     def site_up(self, site: str) -> bool:
         return site in self.sites.specs and self.sites.alive(site)
@@ -121,13 +120,12 @@ class ViewCache:
             view.reports.clear()
         for key, value, rev in kvs:
             self._apply(prefix, key, value, rev)
-        sites.version += 1
-        view.version += 1
+        if prefix in _SITE_PREFIXES:
+            sites.version += 1  # the clear above moved it too, even when etcd held nothing
         self._on_change()
 
     def _event(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:
         self._apply(prefix, key, value, rev)
-        self._view.version += 1
         self._on_change()
 
     def _apply(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:

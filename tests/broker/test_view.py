@@ -59,12 +59,11 @@ async def test_each_change_is_applied_to_what_it_changes(
     await registry.put_raw(keys.job("b"), encode(record("b")))
     await until(lambda: set(view.jobs) == {"a", "b"})
     b_before = view.jobs["b"][0]
-    version = view.version
     running = record("a").model_copy(update={"state": JobState.RUNNING})
     await registry.put_raw(keys.job("a"), encode(running))
     await until(lambda: view.jobs["a"][0].state is JobState.RUNNING)
     assert view.jobs["b"][0] is b_before  # the other record was not decoded again
-    assert view.version == version + 1 and views.view() is view  # one View, kept current
+    assert views.view() is view  # one View, kept current
     assert kicks  # the scheduler is told
 
 
