@@ -25,6 +25,11 @@ __all__ = ["Actor", "Outcome"]
 
 log = logging.getLogger(__name__)
 
+# actions that move a job between lifecycle states (cpn_broker_job_transitions_total)
+_TRANSITIONS = frozenset(
+    {ActionKind.advance, ActionKind.requeue, ActionKind.migrate, ActionKind.fail}
+)
+
 
 @dataclass
 class Outcome:
@@ -89,11 +94,6 @@ class Actor:
             self.metrics.placements.inc(len(action.jobs))
         elif action.kind is ActionKind.migrate:
             self.metrics.migrations.inc(len(action.jobs))
-        for write in action.jobs:
-            if action.kind in (
-                ActionKind.advance,
-                ActionKind.requeue,
-                ActionKind.migrate,
-                ActionKind.fail,
-            ):
+        if action.kind in _TRANSITIONS:
+            for write in action.jobs:
                 self.metrics.transitions.labels(write.record.state.value).inc()
