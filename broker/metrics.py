@@ -22,10 +22,12 @@ class BrokerMetrics:
         )
         self.pending = Gauge("cpn_broker_jobs_pending", "Jobs waiting for a site", registry=r)
         self.leader = Gauge("cpn_broker_leader", "1 if this replica places jobs", registry=r)
-        self.placement_seconds = Histogram(
-            "cpn_broker_placement_duration_seconds",
-            "Time of one fast-path placement decision",
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1),
+        self.decide_seconds = Histogram(
+            "cpn_broker_decide_duration_seconds",
+            "Time of one scheduler pass's decisions (broker.decisions.decide): reports, "
+            "failover and every fast-path placement of the pass",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+            + (0.25, 0.5, 1.0),
             registry=r,
         )
         self.http_requests = Counter(

@@ -186,7 +186,7 @@ class Broker:
         self._down_since = dc.track_down(view, self._down_since, now)
         started = time.perf_counter()
         decided = dc.decide(view, now, self.context())
-        self.metrics.placement_seconds.observe(time.perf_counter() - started)
+        self.metrics.decide_seconds.observe(time.perf_counter() - started)
         self.metrics.pending.set(decided.pending)
         outcome = await self.actor.carry_out(decided.actions)
         if outcome.deposed:
