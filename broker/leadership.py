@@ -109,12 +109,14 @@ class Leadership:
                 except TimeoutError:
                     await self.registry.keepalive(lease)
         except LeaseLost as exc:
+            self._lease = None  # gone already: nothing for close() to revoke
             log.warning("lost leadership: %s", exc)
         finally:
             self._step_down()
             if self._resign.is_set():
                 self._resign.clear()
                 self._hold_off = True
+                self._lease = None
                 await self._revoke(lease)
 
     def _step_down(self) -> None:
