@@ -84,6 +84,20 @@ def offer(
     )
 
 
+def random_gpu(rng: random.Random, models: list[str]) -> dict[str, Any]:
+    """A random accelerator request: none, one model, two models, or a memory floor."""
+    gpu: dict[str, Any] = {"count": rng.choice((0, 1, 2, 4, 8))}
+    if gpu["count"]:
+        kind = rng.random()
+        if kind < 0.4:
+            gpu["model"] = rng.choice(models)
+        elif kind < 0.7:
+            gpu["models"] = rng.sample(models, 2)
+        else:
+            gpu["min_mem_gb"] = rng.choice((1.0, 80.0, 141.0))
+    return gpu
+
+
 def job(**fields: Any) -> JobSpec:
     doc: dict[str, Any] = {
         "name": "j",
@@ -771,15 +785,7 @@ def test_indexed_place_equals_the_full_scan_on_random_federations() -> None:
             {"acme": rng.choice((0, 8))}, {"acme": 16} if rng.random() < 0.3 else {}
         )
         for _ in range(10):
-            gpu: dict[str, Any] = {"count": rng.choice((0, 1, 2, 4, 8))}
-            if gpu["count"]:
-                kind = rng.random()
-                if kind < 0.4:
-                    gpu["model"] = rng.choice(models)
-                elif kind < 0.7:
-                    gpu["models"] = rng.sample(models, 2)
-                else:
-                    gpu["min_mem_gb"] = rng.choice((1.0, 80.0, 141.0))
+            gpu = random_gpu(rng, models)
             spec = job(
                 gpu=gpu,
                 cpu=rng.choice((1, 8, 32)),

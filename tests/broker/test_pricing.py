@@ -19,7 +19,7 @@ from broker.feasibility import Feasible, Infeasible
 from broker.jobs import JobSpec
 from broker.placement import Decision, Federation, GroupState, TenantUsage, place
 from broker.plan import Assignment, PlanResult, PlanStatus, job_cost, job_parts
-from tests.broker.test_placement import MEM, job, offer
+from tests.broker.test_placement import MEM, job, offer, random_gpu
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -65,18 +65,8 @@ def _random_fed(rng: random.Random) -> Federation:
 
 
 def _random_job(rng: random.Random, fed: Federation) -> JobSpec:
-    models = list(MEM)
-    gpu: dict[str, Any] = {"count": rng.choice((0, 1, 2, 4, 8))}
-    if gpu["count"]:
-        kind = rng.random()
-        if kind < 0.4:
-            gpu["model"] = rng.choice(models)
-        elif kind < 0.7:
-            gpu["models"] = rng.sample(models, 2)
-        else:
-            gpu["min_mem_gb"] = rng.choice((1.0, 80.0, 141.0))
     fields: dict[str, Any] = {
-        "gpu": gpu,
+        "gpu": random_gpu(rng, list(MEM)),
         "cpu": rng.choice((1, 8, 32)),
         "mem_gb": rng.choice((1.0, 64.0, 512.0)),
         "duration_hours": rng.choice((0.1, 1.0, 3.7)),
