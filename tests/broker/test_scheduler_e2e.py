@@ -48,15 +48,18 @@ async def test_gang_input_cannot_stop_the_scheduler(
     assert status == 201, first
     status, body = member(fed, "m2", 3)
     assert status == 400 and body["error"]["field"] == "gang.size", body
+    assert body["error"]["code"] == "invalid", body
     # a member asking for another shape is refused too
     status, body = member(fed, "m2", 2, gpu={"model": "H100", "count": 1})
     assert status == 400 and body["error"]["field"] == "gpu", body
+    assert body["error"]["code"] == "invalid", body
     # the second member completes the gang: both placed, in one transaction
     status, second = member(fed, "m2", 2)
     assert status == 201, second
     # a third member of a gang of 2 is refused with 409 naming gang.size
     status, body = member(fed, "m3", 2)
     assert status == 409 and body["error"]["field"] == "gang.size", body
+    assert body["error"]["code"] == "conflict", body
     a = fed.wait_state(first["id"], "SUCCEEDED", "FAILED")
     b = fed.wait_state(second["id"], "SUCCEEDED", "FAILED")
     assert a["state"] == b["state"] == "SUCCEEDED", (a["events"], b["events"])
