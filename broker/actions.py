@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from broker.decisions import Action, ActionKind
 from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
-from broker.store import encode
+from broker.store import writes
 from sites import keys
 from sites.assignments import Assignment
 from sites.registry import Guard, Registry
@@ -69,7 +69,7 @@ class Actor:
                 key = keys.job(write.record.id)
                 guards.append(Guard(key, mod_revision=write.revision))
                 guards.extend(write.guards)
-                puts[key] = encode(write.record)
+                puts.update(writes(write.record))
                 puts.update(write.puts)
                 deletes.extend(write.deletes)
             ok = await self.registry.commit(guards=guards, puts=puts, deletes=deletes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -20,7 +20,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.bodies import UNSUPPORTED_MEDIA, read_model
-from broker.errors import Conflict, IllegalTransition, InvalidRequest, NotFound, StaleRecord
+from broker.errors import (
+    Conflict,
+    Expired,
+    IllegalTransition,
+    InvalidRequest,
+    NotFound,
+    StaleRecord,
+)
+from broker.history import DEFAULT_LIMIT, MAX_LIMIT, JobQuery, list_page, parse_since
 from broker.jobs import JobRecord, JobSpec, JobState
 from broker.openapi import OPERATIONS, Many, Operation, Param, Reply, document, register
 from broker.router import Router, route_json
@@ -87,6 +95,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         response = error(409, "illegal_transition", str(exc))
     except StaleRecord as exc:
         response = error(409, "conflict", str(exc))
+    except Expired as exc:
+        response = error(410, "expired", str(exc), "continue")
     except RegistryUnavailable as exc:
         response = error(503, "registry_unavailable", str(exc))
     broker.metrics.http_requests.labels(request.method, route, str(response.status)).inc()
@@ -174,19 +184,48 @@ async def submit(request: web.Request) -> web.Response:
     return web.json_response(job_json(record), status=201)
 
 
+class JobList(BaseModel):
+    """A page of GET /v1/jobs: newest first; `continue` asks for the next page."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
+
+    items: list[JobRecord]
+    continue_: str | None = Field(
+        alias="continue",
+        description="pass as ?continue= for the next page (same filters); null on the last",
+    )
+
+
+def job_query(query: Mapping[str, str], now: float) -> JobQuery:
+    """The filters of GET /v1/jobs; each bad one is a 400 naming its parameter."""
+    states = set()
+    if "state" in query:
+        for name in query["state"].split(","):
+            if name.upper() not in JobState.__members__:
+                raise InvalidRequest(f"unknown state {name!r}", field="state")
+            states.add(JobState[name.upper()])
+    text = query.get("limit", str(DEFAULT_LIMIT))
+    if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
+        raise InvalidRequest(f"limit must be 1 to {MAX_LIMIT}, got {text!r}", field="limit")
+    include = query.get("include")
+    if include not in (None, "", "archived"):
+        raise InvalidRequest(f"include must be 'archived', got {include!r}", field="include")
+    since = query.get("since")
+    return JobQuery(
+        states=frozenset(states),
+        tenant=query.get("tenant") or None,
+        site=query.get("site") or None,
+        since=None if not since else parse_since(since, now),
+        include_archived=include == "archived",
+        limit=int(text),
+    )
+
+
 async def list_jobs(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
-    tenant = request.query.get("tenant")
-    state = request.query.get("state")
-    if state is not None and state.upper() not in JobState.__members__:
-        raise InvalidRequest(f"unknown state {state!r}", field="state")
-    records = [r for r, _ in await broker.store.list()]
-    if tenant:
-        records = [r for r in records if r.spec.tenant == tenant]
-    if state:
-        records = [r for r in records if r.state.value == state.upper()]
-    records.sort(key=lambda r: r.created_at)
-    return web.json_response([job_json(r) for r in records])
+    query = job_query(request.query, broker.clock.time())
+    page = await list_page(broker.registry, query, request.query.get("continue") or None)
+    return web.json_response({"items": [job_json(r) for r in page.items], "continue": page.next})
 
 
 async def get_job(request: web.Request) -> web.Response:
@@ -290,7 +329,8 @@ def openapi_document(app: web.Application) -> dict[str, object]:
 
 
 JOB = Param("job", "path", "the job id")
-STATE_PATTERN = "^(" + "|".join("".join(f"[{c}{c.lower()}]" for c in s) for s in JobState) + ")$"
+STATE_PATTERN = "(" + "|".join("".join(f"[{c}{c.lower()}]" for c in s) for s in JobState) + ")"
+STATES_PATTERN = f"^{STATE_PATTERN}(,{STATE_PATTERN})*$"
 OK_JOB: dict[int | str, Reply] = {200: Reply("the job record", JobRecord)}
 
 
@@ -302,15 +342,31 @@ def job_operations() -> list[Operation]:
             errors=(400, 409, 413, 415, 503),
         ),
         Operation(
-            "GET", "/v1/jobs", list_jobs, "List jobs, oldest first", "list_jobs",
+            "GET", "/v1/jobs", list_jobs, "List jobs, newest first, a page at a time",
+            "list_jobs",
             params=(
                 Param("tenant", "query", "only this tenant's jobs"),
                 Param(
-                    "state", "query", "only jobs in this state (any case)",
-                    {"type": "string", "pattern": STATE_PATTERN},
+                    "state", "query", "only jobs in these states (comma-separated, any case)",
+                    {"type": "string", "pattern": STATES_PATTERN},
+                ),
+                Param("site", "query", "only jobs placed on this site"),
+                Param(
+                    "since", "query",
+                    "only jobs created since: RFC 3339 time, unix seconds, or a duration ago "
+                    "('24h', '7d')",
+                ),
+                Param(
+                    "limit", "query", f"at most this many jobs (default {DEFAULT_LIMIT})",
+                    {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},
+                ),
+                Param("continue", "query", "the previous page's `continue`: the next page"),
+                Param(
+                    "include", "query", "'archived': archived jobs too",
+                    {"type": "string", "enum": ["archived"]},
                 ),
             ),
-            replies={200: Reply("the job records", Many(JobRecord))}, errors=(400, 503),
+            replies={200: Reply("a page of job records", JobList)}, errors=(400, 410, 503),
         ),
         Operation(
             "GET", "/v1/jobs/{job}", get_job, "Describe a job", "get_job",

@@ -8,6 +8,7 @@ BrokerError
 ├── NotFound (LookupError)        no such job: 404
 ├── IllegalTransition             the job's state does not allow it: 409
 ├── StaleRecord                   a guarded transaction lost a race; retry with a fresh read
+├── Expired                       a list's continue token outlived its revision: 410
 └── PlacementError (ValueError)   a snapshot or decision placement cannot work with (a caller's
                                   bug or a stale view; broker.placement)
 
@@ -44,3 +45,7 @@ class IllegalTransition(BrokerError):
 
 class StaleRecord(BrokerError):
     pass
+
+
+class Expired(BrokerError):
+    """A continue token whose revision etcd has compacted: list again from the first page."""

@@ -244,6 +244,9 @@ class JobRecord(Frozen):
     exit_code: int | None = None
     created_at: float
     updated_at: float
+    archived_at: float | None = Field(
+        default=None, description="when the finished job moved to the history (unix s)"
+    )
     events: tuple[Event, ...] = ()
 
     def with_event(self, event: Event, **changes: object) -> JobRecord:

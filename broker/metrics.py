@@ -54,3 +54,36 @@ class BrokerMetrics:
             "cpn_broker_healthy", "1 unless a supervised task crashed recently", registry=r
         )
         self.healthy.set(1)
+        self.archived = Counter(
+            "cpn_broker_jobs_archived",
+            "Finished jobs moved out of the hot prefix into the history (broker.history)",
+            registry=r,
+        )
+        self.expired = Counter(
+            "cpn_broker_jobs_expired",
+            "Archived jobs dropped from the history after history.archive_retention",
+            registry=r,
+        )
+        self.hot_finished = Gauge(
+            "cpn_broker_jobs_finished_hot",
+            "Finished jobs still in the hot prefix (waiting for history.retention)",
+            registry=r,
+        )
+        self.compactions = Counter(
+            "cpn_broker_etcd_compactions", "etcd compactions the leader asked for", registry=r
+        )
+        self.defrags = Counter(
+            "cpn_broker_etcd_defragmentations",
+            "etcd members the leader defragmented",
+            ["endpoint"],
+            registry=r,
+        )
+        self.etcd_db_bytes = Gauge(
+            "cpn_etcd_db_size_bytes", "etcd member's database file", ["endpoint"], registry=r
+        )
+        self.etcd_db_in_use_bytes = Gauge(
+            "cpn_etcd_db_size_in_use_bytes",
+            "etcd member's database pages in use (the rest is freed by a defragmentation)",
+            ["endpoint"],
+            registry=r,
+        )

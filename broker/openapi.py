@@ -67,6 +67,7 @@ ERROR_REASONS = {
     400: "invalid or malformed request (field names what)",
     404: "no such resource",
     409: "conflict: illegal transition, duplicate, or a lost race",
+    410: "gone: the continue token has expired; list again from the first page",
     413: "request body too large",
     415: "unsupported body content type",
     429: "rate limited (Retry-After says when to retry)",

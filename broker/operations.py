@@ -178,8 +178,8 @@ class Operations:
         return tuple(out)
 
     async def get(self, job_id: str) -> JobRecord:
-        record, _ = await self.store.get(job_id)
-        return record
+        """The job, hot or archived (broker.history)."""
+        return await self.store.find(job_id)
 
     async def cancel(self, job_id: str) -> JobRecord:
         return await self._transition(
@@ -217,7 +217,17 @@ class Operations:
                 change.deletes.append(keys.assignment(record.placement.site, record.id))
             return change
 
-        result = await self.store.mutate(job_id, fn)
+        try:
+            result = await self.store.mutate(job_id, fn)
+        except NotFound:
+            archived = await self.store.archived(job_id)
+            if archived is None:
+                raise
+            if archived.state is state:
+                return archived
+            raise IllegalTransition(
+                f"job {job_id!r} finished ({archived.state.value}) and is archived"
+            ) from None
         self._kick.set()
         if result is None:
             return await self.get(job_id)

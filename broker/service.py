@@ -6,6 +6,7 @@ scheduler, each in its own module:
     broker.leadership  leader election under a lease, the leader fence
     broker.decisions   decide(view, now) -> actions (pure)
     broker.actions     the actor: each action one guarded etcd transaction
+    broker.history     job pages, archive and expiry, etcd compaction (the leader's upkeep)
 
 Every long-lived task runs under a sites.tasks.Supervisor: a crash is logged with its
 traceback, counted (cpn_broker_task_crashes_total), turns /healthz unhealthy, and the task is
@@ -25,6 +26,7 @@ from typing import Any
 from broker import decisions as dc
 from broker.actions import Actor
 from broker.errors import BrokerError
+from broker.history import HistoryKeeper
 from broker.jobs import JobRecord, JobSpec
 from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
@@ -90,6 +92,13 @@ class Broker:
             view=self.view,
             kick=self._kick,
         )
+        self.history = HistoryKeeper(
+            registry=registry,
+            leadership=self.leadership,
+            settings=self.settings.history,
+            clock=self.clock,
+            metrics=self.metrics,
+        )
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
         self._down_since: dict[str, float] = {}
         self._last_batch = 0.0
@@ -102,6 +111,7 @@ class Broker:
         await self.views.synced(30)
         self.supervisor.spawn("leader election", self.leadership.run, restart=RESTART)
         self.supervisor.spawn("scheduler", self._schedule_loop, restart=RESTART)
+        self.supervisor.spawn("history", self.history.run, restart=RESTART)
 
     async def stop(self) -> None:
         await self.supervisor.stop()

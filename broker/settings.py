@@ -65,6 +65,45 @@ class SchedulingSettings(BaseModel):
     )
 
 
+class HistorySettings(BaseModel):
+    """Job history: how long finished jobs stay hot, then in the archive; etcd upkeep."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    retention_s: Duration = Field(
+        default=7 * 86400.0,
+        ge=0,
+        description="a finished job stays in the hot prefix this long, then is archived",
+    )
+    archive_retention_s: Duration = Field(
+        default=180 * 86400.0,
+        ge=0,
+        description="archived jobs created longer ago than this are dropped (0: kept forever); "
+        "export them first (`cpn jobs --all --since ... -o jsonl`)",
+    )
+    interval_s: Duration = Field(
+        default=30.0, gt=0, description="how often the leader archives, expires and checks etcd"
+    )
+    compaction_retention_s: Duration = Field(
+        default=3600.0,
+        ge=0,
+        description="etcd keeps this much key history; the leader compacts older revisions "
+        "(0: leave compaction to etcd's own --auto-compaction)",
+    )
+    defrag_interval_s: Duration = Field(
+        default=86400.0,
+        ge=0,
+        description="at most this often, defragment each etcd member whose database is at "
+        "least defrag_min_free of free pages (0: never)",
+    )
+    defrag_min_free: float = Field(
+        default=0.25, gt=0, le=1, description="share of a member's database that must be free"
+    )
+    defrag_min_free_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=0, description="and at least this many free bytes"
+    )
+
+
 class BrokerSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -79,6 +118,7 @@ class BrokerSettings(BaseModel):
         "meanwhile are decided on together",
     )
     scheduling: SchedulingSettings = SchedulingSettings()
+    history: HistorySettings = HistorySettings()
     inference: InferenceSettings = InferenceSettings()
 
 

@@ -4,16 +4,25 @@
 let `fn` compute the new record (plus keys to put or delete alongside, e.g. the assignment),
 and commit only if the record is unchanged; on a lost race, read again and retry. Nothing is
 ever written from a stale read.
+
+Every write of a record puts, in the same transaction, what `writes(record)` lists: the
+record, its entry in the newest-first job index (a `JobSummary`, what a list page filters on),
+and, once the job has finished, its place in the archive queue. broker.history reads them.
+An archived job's record lives at /cpn/v1/history/jobs/<id>, zlib-compressed; `find` reads
+the hot record and falls back to the archived one.
 """
 
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pydantic import BaseModel, ConfigDict
+
 from broker.errors import InvalidRequest, NotFound, StaleRecord
-from broker.jobs import JobRecord
+from broker.jobs import JobRecord, JobState
 from sites import keys
 from sites.registry import Guard, Registry
 
@@ -35,12 +44,69 @@ class Change:
 Mutation = Callable[[JobRecord, int], Change | None]
 
 
+_MAX_US = 10**17  # microseconds; the year 5138
+
+
+def micros(t: float) -> int:
+    return round(t * 1_000_000)
+
+
+def position(created_at: float) -> str:
+    """A job's place in the newest-first indexes: its creation time, inverted, 17 digits."""
+    return f"{_MAX_US - micros(created_at):017d}"
+
+
+class JobSummary(BaseModel):
+    """A job's index entry: what a list filters on, without reading the record."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    id: str
+    tenant: str
+    state: JobState
+    site: str | None = None
+    created_at: float
+    updated_at: float
+
+
+def summary(record: JobRecord) -> JobSummary:
+    return JobSummary(
+        id=record.id,
+        tenant=record.spec.tenant,
+        state=record.state,
+        site=record.placement.site if record.placement else None,
+        created_at=record.created_at,
+        updated_at=record.updated_at,
+    )
+
+
 def encode(record: JobRecord) -> bytes:
     return record.model_dump_json().encode()
 
 
 def decode(raw: bytes) -> JobRecord:
     return JobRecord.model_validate_json(raw)
+
+
+def encode_archived(record: JobRecord) -> bytes:
+    return zlib.compress(encode(record), 6)
+
+
+def decode_archived(raw: bytes) -> JobRecord:
+    return decode(zlib.decompress(raw))
+
+
+def writes(record: JobRecord) -> dict[str, bytes]:
+    """What every write of a hot record puts with it (in the same transaction)."""
+    puts = {
+        keys.job(record.id): encode(record),
+        keys.job_index(position(record.created_at), record.id): (
+            summary(record).model_dump_json().encode()
+        ),
+    }
+    if record.state.terminal:
+        puts[keys.finished(micros(record.updated_at), record.id)] = b""
+    return puts
 
 
 class JobStore:
@@ -50,7 +116,8 @@ class JobStore:
     async def create(self, record: JobRecord) -> None:
         key = keys.job(record.id)
         ok = await self.registry.commit(
-            guards=[Guard(key, mod_revision=0)], puts={key: encode(record)}
+            guards=[Guard(key, mod_revision=0), Guard(keys.archived_job(record.id), 0)],
+            puts=writes(record),
         )
         if not ok:
             raise InvalidRequest(f"job {record.id!r} already exists", field="name", code="exists")
@@ -62,9 +129,20 @@ class JobStore:
         raw, revision = got
         return decode(raw), revision
 
-    async def list(self) -> list[tuple[JobRecord, int]]:
-        _, kvs = await self.registry.list_prefix(keys.JOBS)
-        return [(decode(raw), rev) for _, raw, rev in kvs]
+    async def archived(self, job_id: str) -> JobRecord | None:
+        got = await self.registry.get_raw(keys.archived_job(job_id))
+        return None if got is None else decode_archived(got[0])
+
+    async def find(self, job_id: str) -> JobRecord:
+        """The hot record, else the archived one; NotFound if neither exists."""
+        try:
+            record, _ = await self.get(job_id)
+        except NotFound:
+            archived = await self.archived(job_id)
+            if archived is None:
+                raise
+            return archived
+        return record
 
     async def mutate(
         self, job_id: str, fn: Mutation, *, guards: Sequence[Guard] = ()
@@ -82,7 +160,7 @@ class JobStore:
             key = keys.job(job_id)
             ok = await self.registry.commit(
                 guards=[Guard(key, mod_revision=revision), *guards, *change.guards],
-                puts={key: encode(change.record), **change.puts},
+                puts={**writes(change.record), **change.puts},
                 deletes=change.deletes,
             )
             if ok:
@@ -101,8 +179,9 @@ class JobStore:
     ) -> bool:
         """Write `record` only if it is still at `revision` (and `guards` hold)."""
         key = keys.job(record.id)
+        guards = [Guard(key, mod_revision=revision), *guards]
+        if revision == 0:
+            guards.append(Guard(keys.archived_job(record.id), mod_revision=0))
         return await self.registry.commit(
-            guards=[Guard(key, mod_revision=revision), *guards],
-            puts={key: encode(record), **(puts or {})},
-            deletes=deletes,
+            guards=guards, puts={**writes(record), **(puts or {})}, deletes=deletes
         )

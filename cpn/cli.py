@@ -169,14 +169,48 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+JOBS_PAGE = 500
+
+
 async def cmd_jobs(args: argparse.Namespace) -> int:
-    params = {k: v for k, v in (("tenant", args.tenant), ("state", args.state)) if v}
-    async with BrokerClient(broker_url(args.broker)) as client:
-        records = await client.call("GET", "/v1/jobs", **params)
+    """Page through GET /v1/jobs, newest first, printing each page as it comes."""
+    filters = (("tenant", args.tenant), ("state", args.state), ("site", args.site))
+    params = {k: v for k, v in (*filters, ("since", args.since)) if v}
+    if args.all:
+        params["include"] = "archived"
+    if args.limit is not None and args.limit < 1:
+        raise UsageError("--limit must be at least 1")
+    table = render.PagedTable(render.JOB_HEADERS)
+    now = SystemClock().time()
+    shown = 0
+    token: str | None = None
     if args.output == "json":
-        print(json.dumps(records, indent=2))
-    else:
-        print(render.jobs_table(records, now=SystemClock().time()))
+        print("[")
+    async with BrokerClient(broker_url(args.broker)) as client:
+        while True:
+            left = JOBS_PAGE if args.limit is None else min(JOBS_PAGE, args.limit - shown)
+            page_params = {**params, "limit": str(left)}
+            if token:
+                page_params["continue"] = token
+            page = await client.call("GET", "/v1/jobs", **page_params)
+            items = page["items"]
+            for i, item in enumerate(items):
+                if args.output == "json":
+                    sep = "," if shown + i > 0 else ""
+                    print(sep + json.dumps(item, indent=2))
+                elif args.output == "jsonl":
+                    print(json.dumps(item, separators=(",", ":")))
+            if args.output == "table":
+                for line in table.lines(render.job_rows(items, now=now)):
+                    print(line)
+            shown += len(items)
+            token = page.get("continue")
+            if not token or (args.limit is not None and shown >= args.limit):
+                break
+    if args.output == "json":
+        print("]")
+    elif args.output == "table" and shown == 0:
+        print("no jobs")
     return 0
 
 
@@ -309,11 +343,13 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--service-url", action="append", metavar="NAME=URL")
     agent.set_defaults(func=cmd_agent)
 
-    def broker_arg(p: argparse.ArgumentParser) -> None:
+    def broker_arg(
+        p: argparse.ArgumentParser, outputs: tuple[str, ...] = ("table", "json")
+    ) -> None:
         p.add_argument(
             "--broker", metavar="URL", help="broker API (default: $CPN_BROKER or cpn up's)"
         )
-        p.add_argument("-o", "--output", choices=("table", "json"), default="table")
+        p.add_argument("-o", "--output", choices=outputs, default="table")
 
     broker = sub.add_parser("broker", help="run a broker replica (API, placement, failover)")
     etcd_arg(broker)
@@ -331,10 +367,16 @@ def build_parser() -> argparse.ArgumentParser:
     broker_arg(submit)
     submit.set_defaults(func=cmd_submit)
 
-    jobs = sub.add_parser("jobs", help="list jobs")
-    jobs.add_argument("--tenant")
-    jobs.add_argument("--state")
-    broker_arg(jobs)
+    jobs = sub.add_parser("jobs", help="list jobs, newest first (all pages)")
+    jobs.add_argument("--tenant", help="only this tenant's jobs")
+    jobs.add_argument("--state", help="only jobs in these states (comma-separated)")
+    jobs.add_argument("--site", help="only jobs placed on this site")
+    jobs.add_argument(
+        "--since", help="only jobs created since: RFC 3339 time, unix seconds, or '24h' ago"
+    )
+    jobs.add_argument("--all", action="store_true", help="archived jobs too (the history)")
+    jobs.add_argument("--limit", type=int, metavar="N", help="show at most N jobs")
+    broker_arg(jobs, ("table", "json", "jsonl"))
     jobs.set_defaults(func=cmd_jobs)
 
     describe = sub.add_parser("describe", help="a job's placement, state and events")

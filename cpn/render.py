@@ -96,7 +96,39 @@ def gpus_wanted(gpu: dict[str, Any], model: str | None) -> str:
     return f"{gpu['count']} x {what or '>=' + str(gpu.get('min_mem_gb')) + 'GB'}"
 
 
+JOB_HEADERS = ("JOB", "TENANT", "STATE", "SITE", "GPUS", "ATTEMPT", "AGE", "WAITING FOR")
+
+
 def jobs_table(records: Sequence[dict[str, Any]], *, now: float) -> str:
+    rows = job_rows(records, now=now)
+    return table(JOB_HEADERS, rows) if rows else "no jobs"
+
+
+class PagedTable:
+    """A table printed a page at a time: column widths come from the first page (a later
+    longer cell widens its line only), so a million rows need not be held to align them."""
+
+    def __init__(self, headers: Sequence[str]) -> None:
+        self.headers = headers
+        self.widths: list[int] | None = None
+
+    def lines(self, rows: Sequence[Sequence[str]]) -> list[str]:
+        if not rows:
+            return []
+        out = []
+        if self.widths is None:
+            self.widths = [len(h) for h in self.headers]
+            for row in rows:
+                self.widths = [max(w, len(c)) for w, c in zip(self.widths, row, strict=True)]
+            out.append(self._line(self.headers))
+        return out + [self._line(row) for row in rows]
+
+    def _line(self, cells: Sequence[str]) -> str:
+        assert self.widths is not None
+        return "  ".join(c.ljust(w) for c, w in zip(cells, self.widths, strict=True)).rstrip()
+
+
+def job_rows(records: Sequence[dict[str, Any]], *, now: float) -> list[list[str]]:
     rows = []
     for r in records:
         placement = r.get("placement") or {}
@@ -110,8 +142,7 @@ def jobs_table(records: Sequence[dict[str, Any]], *, now: float) -> str:
             ago(now - r["created_at"]),
             (r.get("unschedulable") or "")[:70] if r["state"] == "PENDING" else "",
         ])  # fmt: skip
-    headers = ["JOB", "TENANT", "STATE", "SITE", "GPUS", "ATTEMPT", "AGE", "WAITING FOR"]
-    return table(headers, rows) if rows else "no jobs"
+    return rows
 
 
 def describe_job(r: dict[str, Any]) -> str:

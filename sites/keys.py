@@ -9,6 +9,15 @@
 /cpn/v1/services/<svc>/<site>    ServiceEndpoint  (lease)      agent, every interval
 /cpn/v1/assignments/<site>/<job> (broker)                      jobs placed on the site
 /cpn/v1/gangs/<tenant>/<gang>    GangRecord                    broker, at each member's submit
+/cpn/v1/jobs/<id>                JobRecord                     broker: the hot record
+/cpn/v1/index/jobs/<inv>/<id>    JobSummary                    broker, with every job write
+/cpn/v1/index/history/<inv>/<id> JobSummary                    broker, when it archives a job
+/cpn/v1/index/finished/<ts>/<id> ""                            broker, when a job finishes
+/cpn/v1/history/jobs/<id>        zlib(JobRecord)               broker, when it archives a job
+/cpn/v1/migrations/<name>        {"done_at": ...}              broker, once per migration
+
+<inv> is the job's creation time inverted (broker.history.inverted_time), so etcd's key order
+is newest first; <ts> is a finish time in microseconds, so the oldest finished comes first.
 """
 
 from __future__ import annotations
@@ -22,6 +31,11 @@ ASSIGNMENTS = ROOT + "assignments/"
 REPORTS = ROOT + "reports/"
 JOBS = ROOT + "jobs/"
 LEADER = ROOT + "leader"
+JOB_INDEX = ROOT + "index/jobs/"
+HISTORY_INDEX = ROOT + "index/history/"
+FINISHED_INDEX = ROOT + "index/finished/"
+HISTORY = ROOT + "history/jobs/"
+MIGRATIONS = ROOT + "migrations/"
 
 
 def site_spec(site: str) -> str:
@@ -70,6 +84,29 @@ def report(site: str, job: str) -> str:
 
 def job(job_id: str) -> str:
     return f"{JOBS}{job_id}"
+
+
+def job_index(position: str, job_id: str) -> str:
+    """A hot job's entry in the newest-first index; `position` from broker.history."""
+    return f"{JOB_INDEX}{position}/{job_id}"
+
+
+def history_index(position: str, job_id: str) -> str:
+    """An archived job's entry in the newest-first history index."""
+    return f"{HISTORY_INDEX}{position}/{job_id}"
+
+
+def finished(finished_us: int, job_id: str) -> str:
+    """A finished job waiting to be archived, oldest first."""
+    return f"{FINISHED_INDEX}{finished_us:017d}/{job_id}"
+
+
+def archived_job(job_id: str) -> str:
+    return f"{HISTORY}{job_id}"
+
+
+def migration(name: str) -> str:
+    return f"{MIGRATIONS}{name}"
 
 
 def split(key: str, prefix: str) -> list[str]:

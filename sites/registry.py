@@ -10,7 +10,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -50,6 +58,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_S = 5
+GET_MANY_KEYS = 100
+"""Reads per transaction in get_many (count): under etcd's default --max-txn-ops (128)."""
 
 
 def _encode(value: BaseModel) -> bytes:
@@ -66,6 +76,16 @@ class Event:
 
     key: str
     value: bytes | None
+    revision: int
+
+
+@dataclass(frozen=True)
+class MemberStatus:
+    """One etcd member's database as its Status call reports it."""
+
+    endpoint: str
+    db_size_bytes: int
+    db_size_in_use_bytes: int
     revision: int
 
 
@@ -197,13 +217,16 @@ class Registry:
 
     async def _range_request(self, request: Any, what: str) -> Any:
         """One Range call; gRPC errors become ours (a too-large page: _PageTooLarge)."""
+        return await self._kv("Range", request, what, int(request.revision))
+
+    async def _kv(self, method: str, request: Any, what: str, revision: int) -> Any:
+        """One KV call (Range or Txn) with gRPC's errors mapped to the registry's."""
         client = self._client
 
         async def call() -> Any:
             await client.connect()
-            return await client.kvstub.Range(
-                request, timeout=self._timeout_s, metadata=client.metadata
-            )
+            stub = getattr(client.kvstub, method)
+            return await stub(request, timeout=self._timeout_s, metadata=client.metadata)
 
         try:
             return await self._call(call)
@@ -214,8 +237,7 @@ class Registry:
                 raise _PageTooLarge(details) from exc
             if code == rpc.StatusCode.OUT_OF_RANGE and "compacted" in details:
                 raise RevisionCompacted(
-                    f"read of {what} at revision {request.revision}: {details}",
-                    revision=int(request.revision),
+                    f"read of {what} at revision {revision}: {details}", revision=revision
                 ) from exc
             try:
                 aetcd.exceptions._handle_exception(exc)  # noqa: SLF001 - aetcd's own mapping
@@ -234,18 +256,32 @@ class Registry:
         the revision before a later page is read: the pages already seen are then stale, and
         the caller starts again (list_prefix and snapshot do so themselves).
         """
-        key = prefix.encode()
-        end = aetcd.utils.prefix_range_end(key)
-        limit = paging.next_page_keys(largest_item_bytes=0, page_keys=page_keys)
-        start = key
+        async for page in self.iter_range(
+            prefix, prefix=prefix, revision=revision, page_keys=page_keys
+        ):
+            yield page
+
+    async def iter_range(
+        self,
+        start_key: str,
+        *,
+        prefix: str,
+        revision: int | None = None,
+        page_keys: int = paging.PAGE_KEYS,
+    ) -> AsyncGenerator[Page, None]:
+        """As iter_prefix, from `start_key` (included) to the end of `prefix`.
+
+        Pages come in etcd's own key order (no sort asked: a sorted range makes etcd read the
+        whole range before it applies the limit), so a caller that stops early has paid only
+        for the pages it read.
+        """
+        if not start_key.startswith(prefix):
+            raise ValueError(f"start key {start_key!r} is not under {prefix!r}")
+        end = aetcd.utils.prefix_range_end(prefix.encode())
+        limit = paging.next_page_keys(largest_item_bytes=0, page_keys=min(page_keys, 10_000))
+        start = start_key.encode()
         while True:
-            request = rpc.RangeRequest(
-                key=start,
-                range_end=end,
-                limit=limit,
-                sort_order=rpc.RangeRequest.ASCEND,
-                sort_target=rpc.RangeRequest.KEY,
-            )
+            request = rpc.RangeRequest(key=start, range_end=end, limit=limit)
             if revision is not None:
                 request.revision = revision
             try:
@@ -330,9 +366,104 @@ class Registry:
         response = await self._range_request(request, prefix)
         return int(response.count)
 
+    # -- maintenance (the leader's history loop: broker.history) ---------------------------------
+
+    async def revision(self) -> int:
+        """etcd's current revision (a count-only read of one key)."""
+        request = rpc.RangeRequest(key=keys.LEADER.encode(), count_only=True)
+        response = await self._range_request(request, "the revision")
+        return int(response.header.revision)
+
+    async def compact(self, revision: int) -> None:
+        """Drop the history of every key before `revision` (etcd compaction, cluster-wide).
+
+        A revision already compacted is not an error: another replica or etcd's own periodic
+        compaction got there first.
+        """
+        client = self._client
+
+        async def call() -> Any:
+            await client.connect()
+            return await client.kvstub.Compact(
+                rpc.CompactionRequest(revision=revision, physical=False),
+                timeout=self._timeout_s,
+                metadata=client.metadata,
+            )
+
+        try:
+            await self._call(call)
+        except rpc.AioRpcError as exc:
+            if exc.code() == rpc.StatusCode.OUT_OF_RANGE:
+                log.debug("compaction to %d: %s", revision, exc.details())
+                return
+            raise RegistryError(f"compaction to {revision} failed: {exc.details()}") from exc
+
+    async def members(self) -> list[MemberStatus]:
+        """Each endpoint's database size, size in use and revision (etcd's Status call)."""
+        out = []
+        for host, port in self.endpoints:
+            client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
+            try:
+                await self._call(client.connect)
+                reply = await self._call(
+                    lambda c=client: c.maintenancestub.Status(  # type: ignore[misc]
+                        rpc.StatusRequest(), timeout=self._timeout_s, metadata=c.metadata
+                    )
+                )
+                out.append(
+                    MemberStatus(
+                        endpoint=f"{host}:{port}",
+                        db_size_bytes=int(reply.dbSize),
+                        db_size_in_use_bytes=int(reply.dbSizeInUse),
+                        revision=int(reply.header.revision),
+                    )
+                )
+            finally:
+                await client.close()
+        return out
+
+    async def defragment(self, endpoint: str) -> None:
+        """Defragment one member's database ("host:port"), giving its free pages back to the
+        file system. The member answers nothing else while it runs (about a second per
+        hundred MB), so the history loop defragments one member at a time, and only when
+        enough of its database is free."""
+        host, _, port = endpoint.rpartition(":")
+        client = aetcd.Client(host=host, port=int(port), timeout=max(self._timeout_s, 60))
+        try:
+            await self._call(client.connect)
+            await self._call(client.defragment)
+        finally:
+            await client.close()
+
     async def get_spec(self, site: str) -> SiteSpec | None:
         got = await self._call(lambda: self._client.get(keys.site_spec(site).encode()))
         return None if got is None else decode_value(SiteSpec, got.value, keys.site_spec(site))
+
+    async def get_many(
+        self, wanted: Sequence[str], *, revision: int | None = None
+    ) -> dict[str, tuple[bytes, int]]:
+        """{key: (value, mod_revision)} of those of `wanted` that exist, read in transactions
+        of at most GET_MANY_KEYS reads each (each at `revision` when given, else the latest).
+
+        One round trip per transaction instead of one per key: a list page of 100 records
+        costs one request. Raises RevisionCompacted when `revision` has been compacted.
+        """
+        out: dict[str, tuple[bytes, int]] = {}
+        for i in range(0, len(wanted), GET_MANY_KEYS):
+            chunk = wanted[i : i + GET_MANY_KEYS]
+            ops = []
+            for key in chunk:
+                request = rpc.RangeRequest(key=key.encode())
+                if revision is not None:
+                    request.revision = revision
+                ops.append(rpc.RequestOp(request_range=request))
+            response = await self._kv(
+                "Txn", rpc.TxnRequest(success=ops), f"{len(chunk)} keys", revision or 0
+            )
+            for reply in response.responses:
+                for kv in reply.response_range.kvs:
+                    out[kv.key.decode()] = (bytes(kv.value), int(kv.mod_revision))
+        return out
 
     async def get_raw(self, key: str) -> tuple[bytes, int] | None:
         """Value and mod_revision of one key, or None."""

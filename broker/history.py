@@ -1,0 +1,533 @@
+"""Job history: newest-first pages of jobs, and the leader's upkeep that keeps etcd bounded.
+
+A year-old federation has run a million jobs. What keeps that from costing anything on the hot
+paths (docs/jobs.md, "History and retention", has the long form):
+
+- **Index.** Every write of a job record also writes its `JobSummary` under
+  /cpn/v1/index/jobs/<inverted creation time>/<id> (broker.store.writes), so etcd's key
+  order is newest first and a page is one short range read from where the last one ended. No
+  sorted range is ever asked of etcd: it would read the whole range before applying a limit.
+- **Pages.** `list_page` reads the index from a `continue` position at ONE revision (the first
+  page's, carried in the token, as Kubernetes does), filters the summaries (state, tenant,
+  site, created since) and fetches only the records it returns, 100 per transaction. A page
+  scans at most SCAN_LIMIT index entries: a very selective filter returns fewer items than
+  asked, with a token to go on. A token whose revision etcd has compacted is `Expired` (410).
+- **Archive.** A finished job stays hot for `history.retention_s` (7 days), then the leader
+  moves it, in one transaction per job (or per batch of ARCHIVE_BATCH, all or nothing): hot
+  record, index entry and archive-queue entry deleted; the zlib-compressed record put under
+  /cpn/v1/history/jobs/<id> and its summary under /cpn/v1/index/history/. A broker killed
+  mid-archive leaves every job either hot or archived, never both or neither. `find` reads
+  either, so `cpn describe` and GET /v1/jobs/{id} keep working, and `include=archived` merges
+  the two indexes, still newest first.
+- **Expiry.** Archived jobs created before `history.archive_retention_s` (180 days) ago are
+  dropped, so the database does not grow without bound; `cpn jobs --all -o jsonl` exports.
+- **etcd upkeep.** The leader compacts revisions older than `history.compaction_retention_s`
+  and defragments, one member at a time, a member whose database is mostly free pages.
+- **Migration.** Records written before the index existed are indexed once, in the
+  background, by the first leader that finds /cpn/v1/migrations/job-index-v1 absent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import json
+import logging
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from pydantic import ValidationError
+
+from broker.errors import Expired, InvalidRequest
+from broker.jobs import JobRecord, JobState
+from broker.leadership import Leadership
+from broker.metrics import BrokerMetrics
+from broker.settings import HistorySettings
+from broker.store import (
+    JobSummary,
+    decode,
+    decode_archived,
+    encode_archived,
+    micros,
+    position,
+    summary,
+    writes,
+)
+from sites import keys
+from sites.clock import Clock
+from sites.durations import parse_duration_s
+from sites.errors import RegistryError, RevisionCompacted
+from sites.registry import Guard, MemberStatus, Registry
+
+__all__ = ["Expired", "HistoryKeeper", "JobPage", "JobQuery", "list_page"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LIMIT = 100
+MAX_LIMIT = 1000
+SCAN_LIMIT = 5000
+"""Most index entries one page reads (count): a filter that matches little costs at most this."""
+ARCHIVE_BATCH = 20
+"""Jobs moved per transaction (count): 5 operations each, under etcd's --max-txn-ops of 128."""
+EXPIRE_BATCH = 50
+"""Archived jobs dropped per transaction (count): 2 deletes each."""
+PASS_LIMIT = 2000
+"""Most jobs one archive or expiry pass handles (count) before the loop checks in again."""
+MIGRATION = "job-index-v1"
+
+
+# -- listing ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobQuery:
+    """A list's filters: each given one must match (states: any of them)."""
+
+    states: frozenset[JobState] = frozenset()
+    tenant: str | None = None
+    site: str | None = None
+    since: float | None = None
+    include_archived: bool = False
+    limit: int = DEFAULT_LIMIT
+
+    def matches(self, s: JobSummary) -> bool:
+        return (
+            (not self.states or s.state in self.states)
+            and (self.tenant is None or s.tenant == self.tenant)
+            and (self.site is None or s.site == self.site)
+        )
+
+    @property
+    def filtered(self) -> bool:
+        return bool(self.states) or self.tenant is not None or self.site is not None
+
+
+@dataclass(frozen=True)
+class JobPage:
+    items: list[JobRecord]
+    next: str | None = field(default=None)
+    revision: int = 0
+
+
+def parse_since(text: str, now: float) -> float:
+    """`since` as unix seconds: an RFC 3339 time or date, unix seconds, or a duration ago."""
+    value = text.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds):
+            raise InvalidRequest(f"since {text!r} is not a finite time", field="since")
+        return seconds
+    try:
+        return now - parse_duration_s(value)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidRequest(
+            f"since {text!r} is not a time (RFC 3339, unix seconds) or a duration ago ('24h')",
+            field="since",
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.timestamp()
+
+
+def _token(revision: int, after: str) -> str:
+    raw = json.dumps({"r": revision, "a": after}, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _untoken(token: str) -> tuple[int, str]:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
+        data = json.loads(raw)
+        revision, after = int(data["r"]), str(data["a"])
+    except (binascii.Error, ValueError, KeyError, TypeError) as exc:
+        raise InvalidRequest("not a continue token of this API", field="continue") from exc
+    if revision <= 0 or "/" not in after:
+        raise InvalidRequest("not a continue token of this API", field="continue")
+    return revision, after
+
+
+class _Cursor:
+    """Index entries of one prefix in key order, from after `after`, read lazily in pages."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        prefix: str,
+        *,
+        after: str | None,
+        revision: int | None,
+        page_keys: int,
+        archived: bool,
+    ) -> None:
+        start = prefix if after is None else prefix + after + "\x00"
+        self.prefix = prefix
+        self.archived = archived
+        self._pages = registry.iter_range(
+            start, prefix=prefix, revision=revision, page_keys=page_keys
+        )
+        self._buffer: list[tuple[str, bytes]] = []
+        self._done = False
+        self.revision = revision
+
+    async def head(self) -> tuple[str, bytes] | None:
+        """(suffix after the prefix, value) of the next entry, or None at the end."""
+        while not self._buffer and not self._done:
+            try:
+                page = await anext(self._pages)
+            except StopAsyncIteration:
+                self._done = True
+                break
+            self.revision = page.revision
+            self._buffer = [(k[len(self.prefix) :], v) for k, v, _ in reversed(page.items)]
+            if not page.more:
+                self._done = True
+        return self._buffer[-1] if self._buffer else None
+
+    def pop(self) -> None:
+        self._buffer.pop()
+
+    async def close(self) -> None:
+        await self._pages.aclose()
+
+
+async def list_page(registry: Registry, query: JobQuery, token: str | None = None) -> JobPage:
+    """One page of jobs, newest first (see the module docstring)."""
+    revision, after = _untoken(token) if token else (None, None)
+    page_keys = 500 if query.filtered else min(500, query.limit + 1)
+    prefixes = [(keys.JOB_INDEX, False)]
+    if query.include_archived:
+        prefixes.append((keys.HISTORY_INDEX, True))
+    try:
+        if revision is None:
+            revision = await registry.revision()
+        cursors = [
+            _Cursor(registry, p, after=after, revision=revision, page_keys=page_keys, archived=a)
+            for p, a in prefixes
+        ]
+        try:
+            picked, last, more = await _scan(cursors, query)
+        finally:
+            for cursor in cursors:
+                await cursor.close()
+        items = await _records(registry, picked, revision)
+    except RevisionCompacted as exc:
+        if token is None:
+            raise
+        raise Expired(
+            "this continue token's revision has been compacted: list again from the first page"
+        ) from exc
+    return JobPage(
+        items=items,
+        next=_token(revision, last) if more and last is not None else None,
+        revision=revision,
+    )
+
+
+async def _scan(
+    cursors: list[_Cursor], query: JobQuery
+) -> tuple[list[tuple[str, bool]], str | None, bool]:
+    """Walk the cursors merged in key order: ([(job id, archived)], last suffix, more left)."""
+    stop = None if query.since is None else position(query.since) + "/\xff"
+    picked: list[tuple[str, bool]] = []
+    last: str | None = None
+    scanned = 0
+    while True:
+        heads = [(h, c) for c in cursors if (h := await c.head()) is not None]
+        if not heads:
+            return picked, last, False
+        (suffix, value), cursor = min(heads, key=lambda hc: hc[0][0])
+        if stop is not None and suffix > stop:
+            return picked, last, False
+        if len(picked) >= query.limit or scanned >= SCAN_LIMIT:
+            return picked, last, True
+        cursor.pop()
+        scanned += 1
+        last = suffix
+        try:
+            entry = JobSummary.model_validate_json(value)
+        except ValidationError:
+            log.warning("skipping an unreadable index entry %s%s", cursor.prefix, suffix)
+            continue
+        if query.matches(entry):
+            picked.append((entry.id, cursor.archived))
+
+
+async def _records(
+    registry: Registry, picked: list[tuple[str, bool]], revision: int
+) -> list[JobRecord]:
+    hot = [keys.job(job_id) for job_id, archived in picked if not archived]
+    old = [keys.archived_job(job_id) for job_id, archived in picked if archived]
+    got = await registry.get_many(hot, revision=revision) if hot else {}
+    got_old = await registry.get_many(old, revision=revision) if old else {}
+    items = []
+    for job_id, archived in picked:
+        try:
+            if archived:
+                raw = got_old.get(keys.archived_job(job_id))
+                if raw is not None:
+                    items.append(decode_archived(raw[0]))
+            else:
+                raw = got.get(keys.job(job_id))
+                if raw is not None:
+                    items.append(decode(raw[0]))
+        except ValidationError as exc:
+            log.warning("skipping unreadable job record %s: %s", job_id, exc)
+    return items
+
+
+# -- the leader's upkeep ------------------------------------------------------------------------
+
+
+@dataclass
+class PassResult:
+    indexed: int = 0
+    archived: int = 0
+    expired: int = 0
+    compacted_to: int | None = None
+    defragmented: list[str] = field(default_factory=list)
+
+    @property
+    def busy(self) -> bool:
+        """True when a pass stopped at PASS_LIMIT: more work is waiting."""
+        return self.archived >= PASS_LIMIT or self.expired >= PASS_LIMIT
+
+
+class HistoryKeeper:
+    """The leader's history loop: migrate once, then archive, expire, compact, defragment."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        leadership: Leadership,
+        settings: HistorySettings,
+        clock: Clock,
+        metrics: BrokerMetrics,
+    ) -> None:
+        self.registry = registry
+        self.leadership = leadership
+        self.settings = settings
+        self.clock = clock
+        self.metrics = metrics
+        self._migrated = False
+        self._revisions: list[tuple[float, int]] = []  # (time, revision), oldest first
+        self._compacted = 0
+        self._last_defrag = time.monotonic()
+
+    async def run(self) -> None:
+        """Supervised. A registry error skips the rest of a pass; the next one tries again."""
+        while True:
+            busy = False
+            if self.leadership.is_leader:
+                try:
+                    busy = (await self.pass_once()).busy
+                except RegistryError as exc:
+                    log.warning("history pass: %s; trying again in %.0f s", exc, self.interval)
+            await asyncio.sleep(0 if busy else self.interval)
+
+    @property
+    def interval(self) -> float:
+        return float(self.settings.interval_s)
+
+    async def pass_once(self) -> PassResult:
+        out = PassResult()
+        now = self.clock.time()
+        if not self._migrated:
+            out.indexed = await self.migrate()
+        out.archived = await self.archive(now)
+        out.expired = await self.expire(now)
+        out.compacted_to = await self.compact()
+        out.defragmented = await self.defragment()
+        return out
+
+    # migration: index the records written before the index existed
+
+    async def migrate(self) -> int:
+        marker = keys.migration(MIGRATION)
+        if await self.registry.get_raw(marker) is not None:
+            self._migrated = True
+            return 0
+        indexed = 0
+        async for page in self.registry.iter_prefix(keys.JOBS):
+            records: list[tuple[JobRecord, int]] = []
+            for key, raw, rev in page.items:
+                try:
+                    records.append((decode(raw), rev))
+                except ValidationError as exc:
+                    log.warning("not indexing unreadable job record %s: %s", key, exc)
+            wanted = [keys.job_index(position(r.created_at), r.id) for r, _ in records]
+            have = await self.registry.get_many(wanted)
+            missing = [
+                (r, rev) for (r, rev), k in zip(records, wanted, strict=True) if k not in have
+            ]
+            for i in range(0, len(missing), 40):
+                indexed += await self._index(missing[i : i + 40])
+        done = json.dumps({"done_at": self.clock.time(), "indexed": indexed}).encode()
+        await self.registry.commit(guards=[self.leadership.guard()], puts={marker: done})
+        self._migrated = True
+        if indexed:
+            log.info("indexed %d job records written before the job index", indexed)
+        return indexed
+
+    async def _index(self, batch: list[tuple[JobRecord, int]]) -> int:
+        """Index entries for `batch`, all in one transaction; one by one if a record moved."""
+
+        def entries(record: JobRecord) -> dict[str, bytes]:
+            return {k: v for k, v in writes(record).items() if k != keys.job(record.id)}
+
+        puts: dict[str, bytes] = {}
+        guards = [self.leadership.guard()]
+        for record, rev in batch:
+            puts.update(entries(record))
+            guards.append(Guard(keys.job(record.id), mod_revision=rev))
+        if await self.registry.commit(guards=guards, puts=puts):
+            return len(batch)
+        if len(batch) == 1:
+            return 0  # it changed meanwhile: its new write carries its index entries
+        done = 0
+        for one in batch:
+            done += await self._index([one])
+        return done
+
+    # archive: finished jobs older than the retention leave the hot prefix
+
+    async def archive(self, now: float) -> int:
+        cutoff = keys.finished(micros(now - float(self.settings.retention_s)), "\xff")
+        due: list[tuple[str, str]] = []  # (finished key, job id)
+        waiting = 0
+        async for page in self.registry.iter_prefix(keys.FINISHED_INDEX, page_keys=500):
+            for key, _, _ in page.items:
+                if key > cutoff:
+                    waiting += 1
+                elif len(due) < PASS_LIMIT:
+                    due.append((key, keys.split(key, keys.FINISHED_INDEX)[1]))
+            if len(due) >= PASS_LIMIT or (page.items and page.items[-1][0] > cutoff):
+                break
+        moved = 0
+        for i in range(0, len(due), ARCHIVE_BATCH):
+            moved += await self._archive(due[i : i + ARCHIVE_BATCH], now)
+        self.metrics.archived.inc(moved)
+        if not due:
+            self.metrics.hot_finished.set(waiting)
+        return moved
+
+    async def _archive(self, batch: list[tuple[str, str]], now: float) -> int:
+        got = await self.registry.get_many([keys.job(job_id) for _, job_id in batch])
+        guards = [self.leadership.guard()]
+        puts: dict[str, bytes] = {}
+        deletes: list[str] = []
+        moving = 0
+        for finished_key, job_id in batch:
+            deletes.append(finished_key)
+            raw = got.get(keys.job(job_id))
+            if raw is None:
+                continue  # a stale queue entry: the job was archived or never finished here
+            try:
+                record = decode(raw[0])
+            except ValidationError as exc:
+                log.warning("not archiving unreadable job record %s: %s", job_id, exc)
+                continue
+            if not record.state.terminal:
+                continue
+            archived = record.model_copy(update={"archived_at": now})
+            pos = position(record.created_at)
+            guards.append(Guard(keys.job(job_id), mod_revision=raw[1]))
+            deletes += [keys.job(job_id), keys.job_index(pos, job_id)]
+            puts[keys.archived_job(job_id)] = encode_archived(archived)
+            puts[keys.history_index(pos, job_id)] = summary(archived).model_dump_json().encode()
+            moving += 1
+        if await self.registry.commit(guards=guards, puts=puts, deletes=deletes):
+            return moving
+        if len(batch) == 1:
+            return 0  # it changed meanwhile; the next pass sees it again
+        return sum([await self._archive([one], now) for one in batch])
+
+    # expiry: archived jobs older than the archive retention are dropped
+
+    async def expire(self, now: float) -> int:
+        if not self.settings.archive_retention_s:
+            return 0
+        start = keys.HISTORY_INDEX + position(now - float(self.settings.archive_retention_s))
+        due: list[tuple[str, int]] = []
+        async for page in self.registry.iter_range(start, prefix=keys.HISTORY_INDEX, page_keys=500):
+            due += [(key, rev) for key, _, rev in page.items]
+            if len(due) >= PASS_LIMIT:
+                break
+        dropped = 0
+        for i in range(0, min(len(due), PASS_LIMIT), EXPIRE_BATCH):
+            batch = due[i : i + EXPIRE_BATCH]
+            guards = [self.leadership.guard(), *(Guard(k, mod_revision=r) for k, r in batch)]
+            deletes = [k for k, _ in batch]
+            deletes += [keys.archived_job(keys.split(k, keys.HISTORY_INDEX)[1]) for k, _ in batch]
+            if await self.registry.commit(guards=guards, deletes=deletes):
+                dropped += len(batch)
+        self.metrics.expired.inc(dropped)
+        return dropped
+
+    # etcd upkeep
+
+    async def compact(self) -> int | None:
+        """Compact to the newest revision seen at least compaction_retention_s ago."""
+        keep = float(self.settings.compaction_retention_s)
+        if not keep:
+            return None
+        now = time.monotonic()
+        self._revisions.append((now, await self.registry.revision()))
+        target = None
+        while self._revisions and self._revisions[0][0] <= now - keep:
+            target = self._revisions.pop(0)[1]
+        if target is None or target <= self._compacted:
+            return None
+        await self.registry.compact(target)
+        self._compacted = target
+        self.metrics.compactions.inc()
+        return target
+
+    async def defragment(self, *, force: bool = False) -> list[str]:
+        """Defragment the members worth it, one at a time, at most every defrag_interval_s."""
+        members = await self.registry.members()
+        for m in members:
+            self.metrics.etcd_db_bytes.labels(m.endpoint).set(m.db_size_bytes)
+            self.metrics.etcd_db_in_use_bytes.labels(m.endpoint).set(m.db_size_in_use_bytes)
+        every = float(self.settings.defrag_interval_s)
+        now = time.monotonic()
+        if not force and (not every or now - self._last_defrag < every):
+            return []
+        self._last_defrag = now
+        done = []
+        for m in _worth_defragmenting(members, self.settings):
+            log.info(
+                "defragmenting etcd %s: %d of %d bytes free",
+                m.endpoint,
+                m.db_size_bytes - m.db_size_in_use_bytes,
+                m.db_size_bytes,
+            )
+            await self.registry.defragment(m.endpoint)
+            self.metrics.defrags.labels(m.endpoint).inc()
+            done.append(m.endpoint)
+        return done
+
+
+def _worth_defragmenting(
+    members: Iterable[MemberStatus], settings: HistorySettings
+) -> list[MemberStatus]:
+    out = []
+    for m in members:
+        free = m.db_size_bytes - m.db_size_in_use_bytes
+        if (
+            free >= settings.defrag_min_free_bytes
+            and free >= settings.defrag_min_free * m.db_size_bytes
+        ):
+            out.append(m)
+    return out
