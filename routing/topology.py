@@ -118,6 +118,9 @@ class Topology:
             clients.check_estimable(self._user_regions)
         self._graph: Any = nx.DiGraph()
         self._links: dict[tuple[str, str], LinkStatus] = {}
+        # site -> the keys of self._links that touch it: adding or removing a site looks at its
+        # own links only (a scan of every link per site made a first sync of N sites O(N^2))
+        self._links_of: dict[str, set[tuple[str, str]]] = {}
         self._attach: dict[str, dict[str, float]] = {}
         self._cache: dict[str, _Paths] = {}
         self._version = 0
@@ -208,10 +211,10 @@ class Topology:
             return
         self._graph.add_node(node)
         self._version += 1
-        for (src, dst), link in self._links.items():
+        for src, dst in sorted(self._links_of.get(site, ())):
             u, v = _site(src), _site(dst)
-            if site in (src, dst) and u in self._graph and v in self._graph:
-                self._set_edge(u, v, link_weight(link, self.weights))
+            if u in self._graph and v in self._graph:
+                self._set_edge(u, v, link_weight(self._links[(src, dst)], self.weights))
         for region, attach in self._attach.items():
             if site in attach:
                 self._set_edge(_client(region), node, attach[site])
@@ -219,7 +222,13 @@ class Topology:
     def remove_site(self, site: str) -> None:
         """Remove a site, its links and its access links; paths through it are recomputed."""
         node = _site(site)
-        self._links = {k: v for k, v in self._links.items() if site not in k}
+        for key in self._links_of.pop(site, ()):
+            self._links.pop(key, None)
+            other = key[1] if key[0] == site else key[0]
+            if other != site and (touching := self._links_of.get(other)) is not None:
+                touching.discard(key)
+                if not touching:
+                    del self._links_of[other]
         if node not in self._graph:
             return
         edges = list(self._graph.in_edges(node)) + list(self._graph.out_edges(node))
@@ -238,7 +247,13 @@ class Topology:
         for link in links:
             if link.src == link.dst:
                 continue
-            self._links[(link.src, link.dst)] = link
+            key = (link.src, link.dst)
+            if self._links.get(key) is link:
+                continue  # the very object applied before: nothing moved
+            if key not in self._links:
+                self._links_of.setdefault(link.src, set()).add(key)
+                self._links_of.setdefault(link.dst, set()).add(key)
+            self._links[key] = link
             u, v = _site(link.src), _site(link.dst)
             if u in self._graph and v in self._graph:
                 changed += self._set_edge(u, v, link_weight(link, self.weights))
@@ -246,7 +261,13 @@ class Topology:
 
     def remove_link(self, src: str, dst: str) -> None:
         """Forget the measured link src->dst (its registry key was deleted)."""
-        self._links.pop((src, dst), None)
+        if self._links.pop((src, dst), None) is not None:
+            for site in (src, dst):
+                touching = self._links_of.get(site)
+                if touching is not None:
+                    touching.discard((src, dst))
+                    if not touching:
+                        del self._links_of[site]
         self._set_edge(_site(src), _site(dst), None)
 
     def set_client_region(self, region: str, attach: Mapping[str, float]) -> None:
