@@ -1,6 +1,8 @@
 """The broker's inference router: a thin shell over routing.policy.route.
 
-The topology is synced from the mirrored registry when it changed (never per request). A route
+The topology and the candidates are synced from the mirrored registry when it changed, at most
+every SYNC_INTERVAL_S (never per request: at 1,000 sites publishing every second the registry
+changes thousands of times a second, so a route sees it at most that much late). A route
 is routing.policy.route over the service's endpoints with the broker's RoutingSettings
 (broker.yaml `inference.routing`); the shell keeps what the pure policy returns for it to keep
 (the hysteresis site per (service, client region)) and the rng. The proxy gets the chosen site
@@ -12,7 +14,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from broker.errors import InvalidRequest, NotFound
 from routing.candidates import CandidateIndex
@@ -39,8 +41,10 @@ class Router:
         policy: Policy | None = None,
         settings: RoutingSettings | None = None,
         seed: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.clients = clients
+        self._clock = clock
         if settings is None:
             settings = (
                 RoutingSettings() if policy is None else RoutingSettings(scoring=policy.scoring)
@@ -60,33 +64,33 @@ class Router:
         self._synced_version = -1
         self._synced_at = -math.inf
         self.snapshot = Snapshot(revision=0)
-        # the candidates of self.snapshot at one version: rebuilt when the registry changed,
-        # never per request (a request lays only its own overlay over them)
-        self._index: tuple[Snapshot, int, CandidateIndex] | None = None
+        # the candidates of self.snapshot as of the last sync: rebuilt with the topology, never
+        # per request (a request lays only its own overlay over them)
+        self._index: CandidateIndex | None = None
 
     def sync(self, snapshot: Snapshot) -> None:
-        """Follow `snapshot` (the broker's view keeps one current in place). Endpoints are read
-        from it on every request; the topology is re-synced when it changed, at most every
-        SYNC_INTERVAL_S (a link moves every publish interval; a request must not pay for it)."""
+        """Follow `snapshot` (the broker's view keeps one current in place). The topology and the
+        candidates are re-derived when it changed, at most every SYNC_INTERVAL_S: a status, an
+        endpoint's load or a link moves every publish interval, and a request must not pay for
+        every such change (a new snapshot object is followed at once)."""
         if snapshot is not self._synced:
             self._synced_version = -1  # another snapshot: sync now
-        now = time.monotonic()
+        now = self._clock()
         if snapshot.version != self._synced_version and (
             self._synced_version < 0 or now - self._synced_at >= SYNC_INTERVAL_S
         ):
             self.topology.sync(snapshot)
             self._synced = self.snapshot = snapshot
             self._synced_version, self._synced_at = snapshot.version, now
+            self._index = None
 
     def services(self) -> frozenset[str]:
         return self._candidates().services
 
     def _candidates(self) -> CandidateIndex:
-        snapshot, cached = self.snapshot, self._index
-        if cached is not None and cached[0] is snapshot and cached[1] == snapshot.version:
-            return cached[2]
-        index = CandidateIndex(snapshot)
-        self._index = (snapshot, snapshot.version, index)
+        index = self._index
+        if index is None:
+            index = self._index = CandidateIndex(self.snapshot)
         return index
 
     def region(self, client_region: str | None, client_address: str | None) -> str:

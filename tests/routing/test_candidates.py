@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.router import Router
+from broker.router import SYNC_INTERVAL_S, Router
 from routing.candidates import CandidateIndex, candidates_from_snapshot
 from routing.clients import parse_clients
 from routing.errors import CandidateError
@@ -137,7 +137,10 @@ def test_the_router_follows_a_snapshot_changed_in_place() -> None:
         links={("a", "b"): link("a", "b", 3.0)},
         services={("llm", s): endpoint(s) for s in ("a", "b")},
     )
-    router = Router(clients=clients, user_regions={}, latency=LatencyModel(), seed=1)
+    clock = [100.0]
+    router = Router(
+        clients=clients, user_regions={}, latency=LatencyModel(), seed=1, clock=lambda: clock[0]
+    )
     router.sync(snapshot)
     assert router.route("llm", "city", now=NOW).site == "a"
     assert router.services() == {"llm"}
@@ -145,6 +148,11 @@ def test_the_router_follows_a_snapshot_changed_in_place() -> None:
     snapshot.services[("llm", "a")] = endpoint("a", healthy=False)
     snapshot.services[("vision", "b")] = endpoint("b", service="vision")
     snapshot.version += 1
+    # within SYNC_INTERVAL_S of the last sync the router keeps what it derived (bounded rate)
+    router.sync(snapshot)
+    assert router.route("llm", "city", now=NOW).site == "a"
+    assert router.services() == {"llm"}
+    clock[0] += SYNC_INTERVAL_S
     router.sync(snapshot)
     r = router.route("llm", "city", now=NOW)
     assert r.site == "b" and r.ranking.reasons() == {"a": Exclusion.unhealthy}
