@@ -58,10 +58,13 @@ class ApiBroker:
         return self.call("POST", path, json.dumps(body).encode(), "application/json")
 
 
-def start_api_broker(etcd_url: str, processes: Processes, root: Path) -> ApiBroker:
+def start_api_broker(
+    etcd_url: str, processes: Processes, root: Path, settings: dict[str, object] | None = None
+) -> ApiBroker:
     cfg = root / "configs"
-    shutil.copytree(CONFIGS, cfg)
-    (cfg / "broker.yaml").write_text(yaml.safe_dump(BROKER_SETTINGS))
+    if not cfg.exists():
+        shutil.copytree(CONFIGS, cfg)
+    (cfg / "broker.yaml").write_text(yaml.safe_dump({**BROKER_SETTINGS, **(settings or {})}))
     port = free_port()
     name = f"api-broker-{len(processes.procs)}"
     proc = processes.start(

@@ -1,0 +1,110 @@
+"""Job records as a federation that has run for a while holds them, written straight to etcd.
+
+Used by tests/broker/test_history.py and bench/job_history.py. `old=True` writes what a
+broker from before the job index wrote (the record alone), so the first leader's migration
+has to index them; `old=False` writes them as today's broker does (broker.store.writes).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState, Placement
+from broker.store import encode, writes
+from sites import keys
+from sites.registry import Registry
+
+TENANTS = ("ai-lab", "vision", "speech", "search")
+SITES = ("east-a", "east-b", "west", "abroad")
+FINISHED = (JobState.SUCCEEDED,) * 8 + (JobState.FAILED, JobState.CANCELLED)
+
+
+def finished_jobs(
+    n: int, *, now: float, days: float = 30.0, seed: int = 1, prefix: str = "old"
+) -> list[JobRecord]:
+    """`n` finished jobs created over the last `days`, each run 1 min to 10 h, with the events
+    a real run leaves (submitted, placed, running, finished)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        created = now - rng.uniform(600.0, days * 86400.0)
+        ran = rng.uniform(60.0, 36_000.0)
+        finished = min(now - 1.0, created + 30.0 + ran)
+        state = rng.choice(FINISHED)
+        site = rng.choice(SITES)
+        tenant = rng.choice(TENANTS)
+        gpus = rng.choice((0, 1, 2, 8))
+        spec = JobSpec(
+            name=f"{prefix}-{i:06d}",
+            tenant=tenant,
+            command=("python", "train.py", f"--shard={i}"),
+            gpu=GpuRequest(count=gpus, model="H100") if gpus else GpuRequest(),
+            duration_hours=2.0,
+        )
+        events = (
+            Event(at=created, type="submitted", message=f"submitted by {tenant}"),
+            Event(at=created + 5, type="placed", message=f"placed on {site}", site=site, attempt=1),
+            Event(at=created + 30, type="running", message="running", site=site, attempt=1),
+            Event(
+                at=finished,
+                type=state.value.lower(),
+                message=f"{state.value.lower()} (exit {0 if state is JobState.SUCCEEDED else 1})",
+                site=site,
+                attempt=1,
+            ),
+        )
+        out.append(
+            JobRecord(
+                id=f"{spec.name}-{i % 4096:03x}",
+                spec=spec,
+                state=state,
+                attempt=1,
+                placement=Placement(
+                    site=site,
+                    region="east",
+                    model="H100" if gpus else None,
+                    gpus=gpus,
+                    cost_usd=round(gpus * 2.5 * 2.0 + 0.02, 4),
+                    reason=f"cheapest: {site}",
+                ),
+                fence=1,
+                exit_code=0 if state is JobState.SUCCEEDED else 1,
+                created_at=created,
+                updated_at=finished,
+                events=events,
+            )
+        )
+    return out
+
+
+def pending_jobs(n: int, *, now: float, seed: int = 2) -> list[JobRecord]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        created = now - rng.uniform(1.0, 3600.0)
+        tenant = rng.choice(TENANTS)
+        spec = JobSpec(name=f"waiting-{i:05d}", tenant=tenant, command=("true",))
+        out.append(
+            JobRecord(
+                id=f"{spec.name}-{i:03x}",
+                spec=spec,
+                state=JobState.PENDING,
+                created_at=created,
+                updated_at=created,
+                unschedulable="no site has room",
+                events=(Event(at=created, type="submitted", message=f"submitted by {tenant}"),),
+            )
+        )
+    return out
+
+
+async def write(
+    registry: Registry, records: Sequence[JobRecord], *, old: bool, batch: int = 40
+) -> None:
+    """Write `records` in transactions of `batch` (40 x 3 puts stays under --max-txn-ops)."""
+    for i in range(0, len(records), batch):
+        puts: dict[str, bytes] = {}
+        for record in records[i : i + batch]:
+            puts.update({keys.job(record.id): encode(record)} if old else writes(record))
+        assert await registry.commit(guards=[], puts=puts)

@@ -1,0 +1,338 @@
+"""Job history in a real etcd: the index migration, newest-first pages and their filters,
+the archive and its expiry, continue tokens, etcd upkeep, and a broker killed mid-archive."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from broker.errors import Expired, IllegalTransition, InvalidRequest, NotFound
+from broker.history import HistoryKeeper, JobQuery, list_page, parse_since
+from broker.jobs import JobRecord, JobState
+from broker.leadership import Leadership
+from broker.metrics import BrokerMetrics
+from broker.settings import HistorySettings
+from broker.store import JobStore, position
+from sites import keys
+from sites.clock import SystemClock
+from sites.etcd_server import EmbeddedEtcd
+from sites.registry import Registry
+from tests.broker import history_data
+from tests.broker.apiserver import start_api_broker
+from tests.conftest import Processes, run_cpn
+
+DAY = 86400.0
+
+
+@pytest.fixture
+async def leader(registry: Registry) -> AsyncIterator[Leadership]:
+    leadership = Leadership(
+        registry=registry,
+        instance="history-test",
+        url="",
+        ttl_s=5,
+        clock=SystemClock(),
+        metrics=BrokerMetrics(),
+        on_elected=asyncio.Event(),
+    )
+    task = asyncio.create_task(leadership.run())
+    deadline = time.monotonic() + 10
+    while not leadership.is_leader:
+        assert time.monotonic() < deadline, "no leadership"
+        await asyncio.sleep(0.02)
+    yield leadership
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await leadership.close()
+
+
+def keeper(registry: Registry, leader: Leadership, **settings: object) -> HistoryKeeper:
+    return HistoryKeeper(
+        registry=registry,
+        leadership=leader,
+        settings=HistorySettings.model_validate({"compaction_retention_s": 0, **settings}),
+        clock=SystemClock(),
+        metrics=BrokerMetrics(),
+    )
+
+
+async def all_pages(registry: Registry, query: JobQuery) -> tuple[list[JobRecord], int]:
+    items: list[JobRecord] = []
+    token, pages = None, 0
+    while True:
+        page = await list_page(registry, query, token)
+        items += page.items
+        pages += 1
+        assert len(page.items) <= query.limit
+        if page.next is None:
+            return items, pages
+        token = page.next
+
+
+def newest_first(records: list[JobRecord]) -> list[str]:
+    return [r.id for r in sorted(records, key=lambda r: (position(r.created_at), r.id))]
+
+
+async def check_one_place_each(registry: Registry, records: list[JobRecord]) -> tuple[int, int]:
+    """Every job is hot (record + job index entry) or archived (archived record + history
+    index entry), never both, never neither: (hot, archived)."""
+    hot_ids = {k.rsplit("/", 1)[1] for k, _, _ in (await registry.list_prefix(keys.JOBS))[1]}
+    old_ids = {k.rsplit("/", 1)[1] for k, _, _ in (await registry.list_prefix(keys.HISTORY))[1]}
+    hot_index = {k.rsplit("/", 1)[1] for k, _, _ in (await registry.list_prefix(keys.JOB_INDEX))[1]}
+    old_index = {
+        k.rsplit("/", 1)[1] for k, _, _ in (await registry.list_prefix(keys.HISTORY_INDEX))[1]
+    }
+    ids = {r.id for r in records}
+    assert not hot_ids & old_ids, "a job both hot and archived"
+    assert hot_ids | old_ids == ids, "a job lost"
+    assert old_index == old_ids, "an archived job without its history entry (or the reverse)"
+    assert hot_index <= hot_ids, "an index entry of a job that is not hot"  # (old records
+    # not yet migrated have no entry: the subset, not equality)
+    return len(hot_ids), len(old_ids)
+
+
+async def test_old_federation_is_indexed_and_pages_newest_first(
+    registry: Registry, leader: Leadership
+) -> None:
+    now = time.time()
+    records = history_data.finished_jobs(1200, now=now, days=30)
+    records += history_data.pending_jobs(30, now=now)
+    await history_data.write(registry, records, old=True)
+    assert (await list_page(registry, JobQuery())).items == []  # not indexed yet
+
+    k = keeper(registry, leader)
+    assert await k.migrate() == len(records)
+    assert await k.migrate() == 0  # once: the marker says it is done
+    k2 = keeper(registry, leader)
+    assert await k2.migrate() == 0
+
+    items, pages = await all_pages(registry, JobQuery(limit=100))
+    assert [r.id for r in items] == newest_first(records)
+    assert pages == 13  # 1,230 jobs in pages of 100
+
+    pending, _ = await all_pages(registry, JobQuery(states=frozenset({JobState.PENDING})))
+    assert {r.id for r in pending} == {r.id for r in records if r.state is JobState.PENDING}
+    either = frozenset({JobState.FAILED, JobState.CANCELLED})
+    failed, _ = await all_pages(registry, JobQuery(states=either, tenant="vision", limit=7))
+    want = [r for r in records if r.state in either and r.spec.tenant == "vision"]
+    assert [r.id for r in failed] == newest_first(want)
+    on_west, _ = await all_pages(registry, JobQuery(site="west", limit=500))
+    want = [r for r in records if r.placement and r.placement.site == "west"]
+    assert [r.id for r in on_west] == newest_first(want)
+    recent, _ = await all_pages(registry, JobQuery(since=now - 2 * DAY))
+    assert [r.id for r in recent] == newest_first(
+        [r for r in records if r.created_at >= now - 2 * DAY]
+    )
+
+
+async def test_a_new_write_is_indexed_with_its_record(registry: Registry) -> None:
+    now = time.time()
+    store = JobStore(registry=registry)
+    (record,) = history_data.pending_jobs(1, now=now)
+    await store.create(record)
+    page = await list_page(registry, JobQuery())
+    assert [r.id for r in page.items] == [record.id] and page.next is None
+
+    def finish(r: JobRecord, _: int) -> object:
+        from broker.jobs import Event
+        from broker.store import Change
+
+        return Change(
+            r.with_event(Event(at=now, type="cancelled", message="x"), state=JobState.CANCELLED)
+        )
+
+    await store.mutate(record.id, finish)  # type: ignore[arg-type]
+    page = await list_page(registry, JobQuery(states=frozenset({JobState.CANCELLED})))
+    assert [r.state for r in page.items] == [JobState.CANCELLED]
+    assert await registry.count_prefix(keys.FINISHED_INDEX) == 1  # queued for the archive
+
+
+async def test_archive_moves_old_finished_jobs_and_keeps_them_readable(
+    registry: Registry, leader: Leadership
+) -> None:
+    now = time.time()
+    records = history_data.finished_jobs(1500, now=now, days=60)
+    records += history_data.pending_jobs(20, now=now)
+    await history_data.write(registry, records, old=False)
+    due = [r for r in records if r.state.terminal and r.updated_at <= now - 7 * DAY]
+    k = keeper(registry, leader, retention_s="7d", archive_retention_s="40d")
+
+    assert await k.archive(now) == len(due)
+    assert await k.archive(now) == 0
+    hot, archived = await check_one_place_each(registry, records)
+    assert (hot, archived) == (len(records) - len(due), len(due))
+
+    hot_items, _ = await all_pages(registry, JobQuery(limit=250))
+    assert [r.id for r in hot_items] == newest_first([r for r in records if r not in due])
+    everything, _ = await all_pages(registry, JobQuery(limit=250, include_archived=True))
+    assert [r.id for r in everything] == newest_first(records)
+    due_ids = {r.id for r in due}
+    assert all((r.archived_at is not None) == (r.id in due_ids) for r in everything)
+    some = await all_pages(registry, JobQuery(tenant="speech", include_archived=True, limit=9))
+    assert [r.id for r in some[0]] == newest_first(
+        [r for r in records if r.spec.tenant == "speech"]
+    )
+
+    store = JobStore(registry=registry)
+    old = due[0]
+    found = await store.find(old.id)
+    assert found.archived_at is not None and found.model_copy(update={"archived_at": None}) == old
+    with pytest.raises(NotFound):
+        await store.get(old.id)
+
+    # expiry: archived jobs created before the archive retention are dropped
+    expired = [r for r in due if r.created_at < now - 40 * DAY]
+    assert expired and await k.expire(now) == len(expired)
+    with pytest.raises(NotFound):
+        await store.find(expired[0].id)
+    left, _ = await all_pages(registry, JobQuery(limit=500, include_archived=True))
+    assert [r.id for r in left] == newest_first([r for r in records if r not in expired])
+
+
+async def test_transitions_of_an_archived_job_are_refused(
+    registry: Registry, leader: Leadership
+) -> None:
+    from broker.operations import Operations
+    from broker.view import View
+
+    now = time.time()
+    records = history_data.finished_jobs(3, now=now - 30 * DAY, days=1)
+    await history_data.write(registry, records, old=False)
+    assert await keeper(registry, leader).archive(now) == 3
+    ops = Operations(
+        registry=registry,
+        store=JobStore(registry=registry),
+        catalog_models=dict,
+        user_regions=frozenset(),
+        clock=SystemClock(),
+        metrics=BrokerMetrics(),
+        view=View,
+        kick=asyncio.Event(),
+    )
+    job = next(r for r in records if r.state is not JobState.CANCELLED)
+    assert (await ops.get(job.id)).archived_at is not None
+    with pytest.raises(IllegalTransition, match="archived"):
+        await ops.cancel(job.id)
+    with pytest.raises(NotFound):
+        await ops.cancel("never-was")
+
+
+async def test_continue_tokens(registry: Registry, etcd: EmbeddedEtcd) -> None:
+    now = time.time()
+    records = history_data.finished_jobs(30, now=now)
+    await history_data.write(registry, records, old=False)
+    first = await list_page(registry, JobQuery(limit=10))
+    assert first.next is not None
+    # the next pages are read at the first page's revision: a job written since is not in them
+    later = history_data.pending_jobs(1, now=now + 10)
+    await history_data.write(registry, later, old=False)
+    rest, token = [], first.next
+    while token:
+        page = await list_page(registry, JobQuery(limit=10), token)
+        rest += page.items
+        token = page.next
+    assert [r.id for r in first.items + rest] == newest_first(records)
+
+    for bad in ("nonsense", "eyJyIjogMH0", first.next[:-3] + "%%%"):
+        with pytest.raises(InvalidRequest) as exc:
+            await list_page(registry, JobQuery(), bad)
+        assert exc.value.field == "continue"
+    await registry.compact(await registry.revision())
+    with pytest.raises(Expired):
+        await list_page(registry, JobQuery(limit=10), first.next)
+
+
+def test_since_is_a_time_or_a_duration_ago() -> None:
+    assert parse_since("1700000000", 0) == 1700000000.0
+    assert parse_since("24h", 100_000.0) == 100_000.0 - DAY
+    assert parse_since("2026-01-01T00:00:00Z", 0) == 1767225600.0
+    assert parse_since("2026-01-01", 0) == 1767225600.0
+    for bad in ("yesterday", "nan", "-"):
+        with pytest.raises(InvalidRequest) as exc:
+            parse_since(bad, 0)
+        assert exc.value.field == "since"
+
+
+async def test_etcd_upkeep(registry: Registry, leader: Leadership) -> None:
+    k = keeper(registry, leader, defrag_min_free=0.000001, defrag_min_free_bytes=0)
+    (member,) = await registry.members()
+    assert member.db_size_bytes > 0 and member.db_size_in_use_bytes > 0
+    assert await k.defragment() == []  # not due yet
+    assert await k.defragment(force=True) == [member.endpoint]
+    assert k.metrics.etcd_db_bytes.labels(member.endpoint)._value.get() > 0  # noqa: SLF001
+    # compaction: to the revision seen compaction_retention_s ago, never twice
+    k = keeper(registry, leader, compaction_retention_s=0.05)
+    assert await k.compact() is None  # nothing that old seen yet
+    seen = await registry.revision()
+    await asyncio.sleep(0.1)
+    assert await k.compact() == seen
+    assert await k.compact() is None
+
+
+async def test_a_broker_killed_mid_archive_leaves_nothing_half_moved(
+    etcd: EmbeddedEtcd, registry: Registry, processes: Processes, tmp_path: Path
+) -> None:
+    now = time.time()
+    records = history_data.finished_jobs(4000, now=now - 8 * DAY, days=30)
+    await history_data.write(registry, records, old=True)  # an old federation: no index yet
+    settings = {"history": {"interval_s": 0.1, "compaction_retention_s": 0}}
+    partial = 0
+    for delay in (0.0, 0.05, 0.2, 0.5):
+        start_api_broker(etcd.url, processes, tmp_path, settings)
+        proc = processes.procs[-1]
+        before = await registry.count_prefix(keys.HISTORY)
+        deadline = time.monotonic() + 30
+        while await registry.count_prefix(keys.HISTORY) == before:
+            assert time.monotonic() < deadline, "the broker archives nothing"
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        hot, archived = await check_one_place_each(registry, records)
+        partial += 0 < archived < len(records)
+        if archived == len(records):
+            break
+    assert partial >= 1, "never killed it mid-archive"
+
+    # a broker on this history finishes the archive; archived jobs are still found
+    broker = start_api_broker(etcd.url, processes, tmp_path, settings)
+    deadline = time.monotonic() + 60
+    while await registry.count_prefix(keys.HISTORY) < len(records):
+        assert time.monotonic() < deadline, "the archive did not finish"
+        await asyncio.sleep(0.05)
+    assert await check_one_place_each(registry, records) == (0, len(records))
+    reply = broker.call("GET", f"/v1/jobs/{records[0].id}")
+    assert reply.status == 200 and reply.json()["archived_at"] is not None
+    created = broker.post_json("/v1/jobs", {"name": "after", "tenant": "ai-lab", "command": "true"})
+    assert created.status == 201, created
+    page = broker.call("GET", "/v1/jobs?limit=5").json()
+    assert [r["id"] for r in page["items"]] == [created.json()["id"]]
+    assert page["continue"] is None
+    page = broker.call("GET", "/v1/jobs?include=archived&limit=3&state=succeeded").json()
+    assert len(page["items"]) == 3 and page["continue"]
+    assert (
+        broker.call("GET", f"/v1/jobs?continue={page['continue']}&include=archived").status == 200
+    )
+    assert broker.call("GET", "/v1/jobs?continue=xyz").error() == ("invalid", "continue")
+    assert broker.call("GET", "/v1/jobs?limit=0").error() == ("invalid", "limit")
+    assert broker.call("GET", "/v1/jobs?since=someday").error() == ("invalid", "since")
+    assert broker.call("GET", "/v1/jobs?include=all").error() == ("invalid", "include")
+    cancel = broker.call("POST", f"/v1/jobs/{records[0].id}/cancel")
+    assert cancel.status in (200, 409), cancel  # idempotent if CANCELLED, else refused
+
+    # the CLI pages through and exports JSON lines
+    out = run_cpn("jobs", "--all", "-o", "jsonl", "--broker", broker.url, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(lines) == len(records) + 1
+    assert [r["id"] for r in lines[1:]] == newest_first(records)
+    out = run_cpn("jobs", "--all", "--limit", "3", "--broker", broker.url)
+    assert out.returncode == 0 and len(out.stdout.splitlines()) == 4, out.stdout
+    out = run_cpn("jobs", "--broker", broker.url)
+    assert out.returncode == 0 and "after-" in out.stdout and "old-" not in out.stdout
