@@ -22,10 +22,11 @@ from broker.jobs import JobRecord, JobState
 from broker.store import decode
 from sites import keys
 from sites.assignments import Assignment, Report
-from sites.catalog import DeviceCatalog, normalize_inventory
+from sites.catalog import Capacity, DeviceCatalog, normalize_inventory
 from sites.mirror import KeyValues, PrefixMirror
 from sites.registry import Registry
 from sites.snapshot import Snapshot
+from sites.spec import SiteSpec
 
 __all__ = [
     "LIVE",
@@ -54,6 +55,15 @@ PREFIXES = (
 
 
 @dataclass
+class Derived:
+    """A cache of `federation`: each site's offer with the inputs it came from, and the
+    snapshot they made (whose placement index is reused with it)."""
+
+    offers: dict[str, tuple[_OfferInputs, pl.SiteOffer]] = field(default_factory=dict)
+    federation: pl.Federation | None = None
+
+
+@dataclass
 class View:
     """The registry as the broker holds it, kept current in place, one change at a time.
 
@@ -65,6 +75,8 @@ class View:
     jobs: dict[str, tuple[JobRecord, int]] = field(default_factory=dict)  # id -> (record, rev)
     assignments: dict[tuple[str, str], Assignment] = field(default_factory=dict)
     reports: dict[tuple[str, str], tuple[Report, int]] = field(default_factory=dict)
+    # what `federation` derived last, reused while what it reads is unchanged
+    derived: Derived = field(default_factory=Derived, repr=False, compare=False)
 
     def site_up(self, site: str) -> bool:
         return site in self.sites.specs and self.sites.alive(site)
@@ -191,7 +203,12 @@ def federation(
     user_rtt_ms: Mapping[tuple[str, str], float],
     written: Iterable[Assignment] = (),
 ) -> pl.Federation:
-    """The placement snapshot: every site's capacity less what live assignments hold."""
+    """The placement snapshot: every site's capacity less what live assignments hold.
+
+    Derived per scheduler pass, but not rebuilt from nothing: a site's offer is reused while
+    what it is made of is unchanged (its spec, declared capacity, state and held work; a status
+    published every interval changes none of these), and the whole snapshot, placement index
+    included, while every offer is."""
     held_cpu: dict[str, float] = {}
     held_mem: dict[str, float] = {}
     held_gpus: dict[str, dict[str, int]] = {}
@@ -201,29 +218,84 @@ def federation(
         if a.model is not None and a.gpus:
             g = held_gpus.setdefault(a.site, {})
             g[a.model] = g.get(a.model, 0) + a.gpus
+    sites = view.sites
+    cached = view.derived.offers
+    derived: dict[str, tuple[_OfferInputs, pl.SiteOffer]] = {}
     offers = []
-    for site_id, spec in sorted(view.sites.specs.items()):
-        status = view.sites.statuses.get(site_id)
-        cap = status.capacity if status else normalize_inventory(spec.inventory, catalog)
-        used = held_gpus.get(site_id, {})
-        offers.append(
-            pl.SiteOffer(
-                id=site_id,
-                region=spec.region,
-                country=spec.country,
-                up=view.sites.alive(site_id),
-                cordoned=site_id in view.sites.cordons,
-                free_gpus={m: max(0, n - used.get(m, 0)) for m, n in cap.devices.items()},
-                free_cpu=max(0, cap.cpu_cores - int(held_cpu.get(site_id, 0.0))),
-                free_mem_gb=max(0.0, cap.mem_gb - held_mem.get(site_id, 0.0)),
-                gpu_mem_gb={
-                    m: float(catalog.get(m).mem_gb or 0.0) for m in cap.devices if m in catalog
-                },
-                prices=spec.prices,
-                labels=spec.labels,
-            )
+    for site_id, spec in sorted(sites.specs.items()):
+        status = sites.statuses.get(site_id)
+        inputs = _OfferInputs(
+            spec=spec,
+            capacity=None if status is None else status.capacity,
+            up=sites.alive(site_id),
+            cordoned=site_id in sites.cordons,
+            held_cpu=held_cpu.get(site_id, 0.0),
+            held_mem_gb=held_mem.get(site_id, 0.0),
+            held_gpus=held_gpus.get(site_id, {}),
+            catalog=catalog,
         )
-    return pl.Federation(sites=tuple(offers), user_rtt_ms=user_rtt_ms)
+        entry = cached.get(site_id)
+        offer = entry[1] if entry is not None and entry[0].same(inputs) else inputs.offer(site_id)
+        derived[site_id] = (inputs, offer)
+        offers.append(offer)
+    view.derived.offers = derived
+    previous = view.derived.federation
+    if (
+        previous is not None
+        and previous.user_rtt_ms is user_rtt_ms
+        and len(previous.sites) == len(offers)
+        and all(a is b for a, b in zip(previous.sites, offers, strict=True))
+    ):
+        return previous
+    fed = view.derived.federation = pl.Federation(sites=tuple(offers), user_rtt_ms=user_rtt_ms)
+    return fed
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _OfferInputs:
+    """What one site's offer is made of."""
+
+    spec: SiteSpec
+    capacity: Capacity | None  # the status's declared capacity; None: the spec's inventory
+    up: bool
+    cordoned: bool
+    held_cpu: float
+    held_mem_gb: float
+    held_gpus: Mapping[str, int]
+    catalog: DeviceCatalog
+
+    def same(self, other: _OfferInputs) -> bool:
+        """The spec and the catalog by identity (replaced when they change), the rest by value
+        (a status is a new object every publish; its capacity rarely changes)."""
+        return (
+            self.spec is other.spec
+            and self.catalog is other.catalog
+            and (self.capacity is other.capacity or self.capacity == other.capacity)
+            and self.up == other.up
+            and self.cordoned == other.cordoned
+            and self.held_cpu == other.held_cpu
+            and self.held_mem_gb == other.held_mem_gb
+            and self.held_gpus == other.held_gpus
+        )
+
+    def offer(self, site_id: str) -> pl.SiteOffer:
+        spec, catalog, used = self.spec, self.catalog, self.held_gpus
+        cap = self.capacity or normalize_inventory(spec.inventory, catalog)
+        return pl.SiteOffer(
+            id=site_id,
+            region=spec.region,
+            country=spec.country,
+            up=self.up,
+            cordoned=self.cordoned,
+            free_gpus={m: max(0, n - used.get(m, 0)) for m, n in cap.devices.items()},
+            free_cpu=max(0, cap.cpu_cores - int(self.held_cpu)),
+            free_mem_gb=max(0.0, cap.mem_gb - self.held_mem_gb),
+            gpu_mem_gb={
+                m: float(catalog.get(m).mem_gb or 0.0) for m in cap.devices if m in catalog
+            },
+            prices=spec.prices,
+            labels=spec.labels,
+        )
 
 
 def usage(

@@ -11,10 +11,14 @@ import pytest
 
 from broker.jobs import Event, JobRecord, JobSpec, JobState
 from broker.store import encode
-from broker.view import ViewCache
+from broker.view import View, ViewCache, federation
 from sites import keys
+from sites.assignments import Assignment
+from sites.catalog import DeviceCatalog, normalize_inventory
 from sites.registry import Registry
+from sites.snapshot import Snapshot
 from sites.spec import SiteSpec
+from sites.status import AgentRecord, SiteStatus
 from sites.tasks import Supervisor
 from tests.conftest import site_doc
 
@@ -102,3 +106,35 @@ async def test_site_changes_move_the_snapshot_version_and_a_relist_agrees(
         views._reset(prefix, kvs)
     fresh = views.view()
     assert set(fresh.sites.specs) == {"s1"} and set(fresh.jobs) == {"j"}
+
+
+def test_the_placement_snapshot_is_reused_while_what_it_reads_is_unchanged() -> None:
+    catalog = DeviceCatalog.load()
+    specs = {s: SiteSpec.model_validate(site_doc(s)) for s in ("s1", "s2")}
+    cap = normalize_inventory(specs["s1"].inventory, catalog)
+
+    def publish(site: str) -> None:  # a status every interval: a new object, the same capacity
+        sites.statuses[site] = SiteStatus.model_construct(site=site, capacity=cap.model_copy())
+
+    sites = Snapshot(revision=1, specs=specs)
+    sites.agents.update({s: AgentRecord.model_construct(site=s) for s in specs})
+    for s in specs:
+        publish(s)
+    view = View(sites=sites)
+    rtt: dict[tuple[str, str], float] = {}
+    first = federation(view, catalog, rtt)
+    publish("s1")
+    assert federation(view, catalog, rtt) is first  # placement index and all
+    view.assignments[("s1", "j")] = Assignment(
+        job="j", site="s1", tenant="t", attempt=1, fence=1, command=("true",), cpu=4,
+        mem_gb=8.0, assigned_at=1.0,
+    )  # fmt: skip
+    held = federation(view, catalog, rtt)
+    assert held is not first and held.site("s2") is first.site("s2")
+    assert held.site("s1").free_cpu == first.site("s1").free_cpu - 4
+    del sites.agents["s2"]  # s2 goes down
+    down = federation(view, catalog, rtt)
+    assert not down.site("s2").up and down.site("s1") is held.site("s1")
+    # the same as derived from nothing
+    fresh = View(sites=sites, assignments=dict(view.assignments))
+    assert federation(fresh, catalog, rtt).sites == down.sites
