@@ -32,10 +32,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import bisect
 import json
 import logging
 import math
 import time
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,9 +50,7 @@ from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
 from broker.settings import HistorySettings
 from broker.store import (
-    JobSummary,
     decode,
-    decode_archived,
     encode_archived,
     micros,
     position,
@@ -94,13 +94,6 @@ class JobQuery:
     include_archived: bool = False
     limit: int = DEFAULT_LIMIT
 
-    def matches(self, s: JobSummary) -> bool:
-        return (
-            (not self.states or s.state in self.states)
-            and (self.tenant is None or s.tenant == self.tenant)
-            and (self.site is None or s.site == self.site)
-        )
-
     @property
     def filtered(self) -> bool:
         return bool(self.states) or self.tenant is not None or self.site is not None
@@ -108,9 +101,16 @@ class JobQuery:
 
 @dataclass(frozen=True)
 class JobPage:
-    items: list[JobRecord]
+    """A page: `raw` holds each record's stored JSON as is (the API sends it without decoding
+    and encoding it again); `items` decodes them."""
+
+    raw: list[bytes]
     next: str | None = field(default=None)
     revision: int = 0
+
+    @property
+    def items(self) -> list[JobRecord]:
+        return [decode(r) for r in self.raw]
 
 
 def parse_since(text: str, now: float) -> float:
@@ -158,7 +158,7 @@ def _untoken(token: str) -> tuple[int, str]:
 
 
 class _Cursor:
-    """Index entries of one prefix in key order, from after `after`, read lazily in pages."""
+    """Index entries of one prefix in key order, after `after`, read lazily a page at a time."""
 
     def __init__(
         self,
@@ -166,7 +166,7 @@ class _Cursor:
         prefix: str,
         *,
         after: str | None,
-        revision: int | None,
+        revision: int,
         page_keys: int,
         archived: bool,
     ) -> None:
@@ -176,26 +176,31 @@ class _Cursor:
         self._pages = registry.iter_range(
             start, prefix=prefix, revision=revision, page_keys=page_keys
         )
-        self._buffer: list[tuple[str, bytes]] = []
-        self._done = False
-        self.revision = revision
+        self.buffer: list[tuple[str, bytes]] = []  # (suffix after the prefix, value)
+        self.done = False
 
-    async def head(self) -> tuple[str, bytes] | None:
-        """(suffix after the prefix, value) of the next entry, or None at the end."""
-        while not self._buffer and not self._done:
+    async def fill(self) -> None:
+        """Read the next page once the buffer is used up (nothing once the range is)."""
+        while not self.buffer and not self.done:
             try:
                 page = await anext(self._pages)
             except StopAsyncIteration:
-                self._done = True
+                self.done = True
                 break
-            self.revision = page.revision
-            self._buffer = [(k[len(self.prefix) :], v) for k, v, _ in reversed(page.items)]
+            cut = len(self.prefix)
+            self.buffer = [(k[cut:], v) for k, v, _ in page.items]
             if not page.more:
-                self._done = True
-        return self._buffer[-1] if self._buffer else None
+                self.done = True
 
-    def pop(self) -> None:
-        self._buffer.pop()
+    def take(self, bound: str | None) -> list[tuple[str, bytes, bool]]:
+        """The buffered entries up to `bound` (all when None), removed from the buffer."""
+        if bound is None:
+            n = len(self.buffer)
+        else:
+            n = bisect.bisect_right(self.buffer, bound, key=lambda e: e[0])
+        out = [(k, v, self.archived) for k, v in self.buffer[:n]]
+        del self.buffer[:n]
+        return out
 
     async def close(self) -> None:
         await self._pages.aclose()
@@ -204,7 +209,7 @@ class _Cursor:
 async def list_page(registry: Registry, query: JobQuery, token: str | None = None) -> JobPage:
     """One page of jobs, newest first (see the module docstring)."""
     revision, after = _untoken(token) if token else (None, None)
-    page_keys = 500 if query.filtered else min(500, query.limit + 1)
+    page_keys = 2000 if query.filtered else min(500, query.limit + 1)
     prefixes = [(keys.JOB_INDEX, False)]
     if query.include_archived:
         prefixes.append((keys.HISTORY_INDEX, True))
@@ -220,7 +225,7 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
         finally:
             for cursor in cursors:
                 await cursor.close()
-        items = await _records(registry, picked, revision)
+        raw = await _records(registry, picked, revision)
     except RevisionCompacted as exc:
         if token is None:
             raise
@@ -228,7 +233,7 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
             "this continue token's revision has been compacted: list again from the first page"
         ) from exc
     return JobPage(
-        items=items,
+        raw=raw,
         next=_token(revision, last) if more and last is not None else None,
         revision=revision,
     )
@@ -237,53 +242,65 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
 async def _scan(
     cursors: list[_Cursor], query: JobQuery
 ) -> tuple[list[tuple[str, bool]], str | None, bool]:
-    """Walk the cursors merged in key order: ([(job id, archived)], last suffix, more left)."""
+    """Walk the cursors merged in key order: ([(job id, archived)], last suffix, more left).
+
+    Page-wise: every buffered entry up to the smallest last key among the cursors that may
+    read more is in order already, so it is merged and filtered in one tight loop.
+    """
     stop = None if query.since is None else position(query.since) + "/\xff"
+    # Entries are compact JSON in one field order (JobSummary.model_dump_json), and tenant,
+    # site and state are names (no quote or backslash can occur in them), so a filter is an
+    # exact byte match and no entry is parsed: 5,000 entries cost a few milliseconds.
+    states = [b'"state":' + json.dumps(s.value).encode() for s in query.states]
+    needles = [
+        b'"' + name + b'":' + json.dumps(value).encode()
+        for name, value in ((b"tenant", query.tenant), (b"site", query.site))
+        if value is not None
+    ]
     picked: list[tuple[str, bool]] = []
     last: str | None = None
     scanned = 0
     while True:
-        heads = [(h, c) for c in cursors if (h := await c.head()) is not None]
-        if not heads:
+        for cursor in cursors:
+            await cursor.fill()
+        live = [c for c in cursors if c.buffer]
+        if not live:
             return picked, last, False
-        (suffix, value), cursor = min(heads, key=lambda hc: hc[0][0])
-        if stop is not None and suffix > stop:
-            return picked, last, False
-        if len(picked) >= query.limit or scanned >= SCAN_LIMIT:
-            return picked, last, True
-        cursor.pop()
-        scanned += 1
-        last = suffix
-        try:
-            entry = JobSummary.model_validate_json(value)
-        except ValidationError:
-            log.warning("skipping an unreadable index entry %s%s", cursor.prefix, suffix)
-            continue
-        if query.matches(entry):
-            picked.append((entry.id, cursor.archived))
+        open_ends = [c.buffer[-1][0] for c in live if not c.done]
+        bound = min(open_ends) if open_ends else None
+        chunk = [e for c in live for e in c.take(bound)]
+        if len(live) > 1:
+            chunk.sort(key=lambda e: e[0])
+        for suffix, value, archived in chunk:
+            if stop is not None and suffix > stop:
+                return picked, last, False
+            if len(picked) >= query.limit or scanned >= SCAN_LIMIT:
+                return picked, last, True
+            scanned += 1
+            last = suffix
+            if (not states or any(s in value for s in states)) and all(n in value for n in needles):
+                picked.append((suffix.partition("/")[2], archived))
 
 
 async def _records(
     registry: Registry, picked: list[tuple[str, bool]], revision: int
-) -> list[JobRecord]:
+) -> list[bytes]:
+    """The stored JSON of each picked job, in order (archived ones decompressed)."""
     hot = [keys.job(job_id) for job_id, archived in picked if not archived]
     old = [keys.archived_job(job_id) for job_id, archived in picked if archived]
     got = await registry.get_many(hot, revision=revision) if hot else {}
-    got_old = await registry.get_many(old, revision=revision) if old else {}
-    items = []
+    if old:
+        got.update(await registry.get_many(old, revision=revision))
+    out = []
     for job_id, archived in picked:
+        raw = got.get(keys.archived_job(job_id) if archived else keys.job(job_id))
+        if raw is None:
+            continue  # written with its index entry, so only a record deleted by hand
         try:
-            if archived:
-                raw = got_old.get(keys.archived_job(job_id))
-                if raw is not None:
-                    items.append(decode_archived(raw[0]))
-            else:
-                raw = got.get(keys.job(job_id))
-                if raw is not None:
-                    items.append(decode(raw[0]))
-        except ValidationError as exc:
-            log.warning("skipping unreadable job record %s: %s", job_id, exc)
-    return items
+            out.append(zlib.decompress(raw[0]) if archived else raw[0])
+        except zlib.error:
+            log.warning("skipping unreadable archived record %s", job_id)
+    return out
 
 
 # -- the leader's upkeep ------------------------------------------------------------------------
@@ -404,22 +421,19 @@ class HistoryKeeper:
 
     async def archive(self, now: float) -> int:
         cutoff = keys.finished(micros(now - float(self.settings.retention_s)), "\xff")
-        due: list[tuple[str, str]] = []  # (finished key, job id)
-        waiting = 0
+        due: list[tuple[str, str]] = []  # (finished key, job id), oldest first
         async for page in self.registry.iter_prefix(keys.FINISHED_INDEX, page_keys=500):
             for key, _, _ in page.items:
-                if key > cutoff:
-                    waiting += 1
-                elif len(due) < PASS_LIMIT:
-                    due.append((key, keys.split(key, keys.FINISHED_INDEX)[1]))
+                if key > cutoff or len(due) >= PASS_LIMIT:
+                    break
+                due.append((key, keys.split(key, keys.FINISHED_INDEX)[1]))
             if len(due) >= PASS_LIMIT or (page.items and page.items[-1][0] > cutoff):
                 break
         moved = 0
         for i in range(0, len(due), ARCHIVE_BATCH):
             moved += await self._archive(due[i : i + ARCHIVE_BATCH], now)
         self.metrics.archived.inc(moved)
-        if not due:
-            self.metrics.hot_finished.set(waiting)
+        self.metrics.hot_finished.set(await self.registry.count_prefix(keys.FINISHED_INDEX))
         return moved
 
     async def _archive(self, batch: list[tuple[str, str]], now: float) -> int:

@@ -1,0 +1,311 @@
+"""Job history: does a broker with 100,000 finished jobs in etcd answer as fast as an empty one?
+
+Prints figures; it is not a timed test. For each N (0, 10,000, 100,000 by default):
+
+1. An embedded etcd (on /dev/shm, fsync off) gets N finished jobs written straight into it, as
+   a federation that has run for a while holds them (tests/broker/history_data.py: finished
+   over the last 30 days, four events each, indexed as today's broker writes them).
+2. **Hot phase.** A real `cpn up --etcd URL --no-wan-emulation --sites chongqing,shaoguan`
+   (bench/routing.py's loopback demo, stand-ins at 0.5 ms) with `history.retention_s: 400d`,
+   so all N stay in the hot prefix: the worst case. Measured, each sequentially from one
+   client: POST /v1/route (qwen-7b, rotating client regions), POST /v1/jobs (a one-core job),
+   GET /v1/jobs first pages (limit=100), deep pages (following `continue` ten times), a
+   filtered page (state=failed&tenant=vision), the broker's RSS and the etcd database size.
+3. **Archive phase** (N > 0). `cpn up` again with the default retention (7 days), the history
+   pass every second, compaction to 2 s ago and defragmentation every 10 s: the bench waits
+   for every job finished more than 7 days ago to be archived and for a defragmentation after
+   that, then measures the same figures again (and a page with include=archived), and the
+   etcd database size after archive and compaction.
+
+    .venv/bin/python bench/job_history.py                  # 0, 10k, 100k: about 10 minutes
+    .venv/bin/python bench/job_history.py --jobs 0,10000 --json /tmp/history.json
+
+Targets (docs: issue 10): route and submit latency with 100,000 finished jobs within 10 % of
+the empty case; a list page under 100 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sites import keys  # noqa: E402
+from sites.etcd_server import EmbeddedEtcd  # noqa: E402
+from sites.registry import Registry  # noqa: E402
+from tests.broker import history_data  # noqa: E402
+
+
+def _bench_routing() -> Any:
+    """bench/routing.py as a module (its name would shadow the routing package)."""
+    spec = importlib.util.spec_from_file_location("bench_routing", ROOT / "bench" / "routing.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_routing"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+rb = _bench_routing()
+log, pct, fmt, table = rb.log, rb.pct, rb.fmt, rb.table
+
+SERVICE = rb.LOOPBACK_SERVICE
+RETENTION_DAYS = 7.0
+TARGET_RATIO = 1.10
+TARGET_PAGE_MS = 100.0
+
+
+async def timed(
+    session: aiohttp.ClientSession, method: str, url: str, body: Any = None
+) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    async with session.request(method, url, json=body) as resp:
+        data = await resp.json(content_type=None)
+        if resp.status >= 400:
+            raise RuntimeError(f"{method} {url}: {resp.status} {data}")
+    return (time.perf_counter() - t0) * 1000, data
+
+
+def stats(ms: list[float]) -> dict[str, float]:
+    return {"p50": pct(ms, 50), "p99": pct(ms, 99), "n": len(ms)}
+
+
+async def measure(demo: Any, regions: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    base = demo.broker
+    out: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as session:
+        for i in range(20):  # warm-up: connections, the router's caches
+            await timed(session, "POST", f"{base}/v1/route", _route(regions, i))
+        route = [
+            (await timed(session, "POST", f"{base}/v1/route", _route(regions, i)))[0]
+            for i in range(args.routes)
+        ]
+        out["route_ms"] = stats(route)
+        submit = []
+        for i in range(args.submits):
+            body = {"name": f"bench-{i}", "tenant": "bench", "command": ["true"], "mem_gb": 0.1}
+            submit.append((await timed(session, "POST", f"{base}/v1/jobs", body))[0])
+        out["submit_ms"] = stats(submit)
+        first = [(await timed(session, "GET", f"{base}/v1/jobs?limit=100"))[0] for _ in range(20)]
+        out["page_first_ms"] = stats(first)
+        deep: list[float] = []
+        token = None
+        for _ in range(10):
+            url = f"{base}/v1/jobs?limit=100" + (f"&continue={token}" if token else "")
+            ms, page = await timed(session, "GET", url)
+            deep.append(ms)
+            token = page["continue"]
+            if not token:
+                break
+        out["page_deep_ms"] = stats(deep)
+        filtered = [
+            (await timed(session, "GET", f"{base}/v1/jobs?limit=100&state=failed&tenant=vision"))[0]
+            for _ in range(10)
+        ]
+        out["page_filtered_ms"] = stats(filtered)
+        archived = [
+            (await timed(session, "GET", f"{base}/v1/jobs?limit=100&include=archived"))[0]
+            for _ in range(10)
+        ]
+        out["page_archived_ms"] = stats(archived)
+    brokers = demo.processes().get("broker", [])
+    out["broker_rss_mb"] = brokers[0].memory_info().rss / 2**20 if brokers else None
+    return out
+
+
+def _route(regions: list[str], i: int) -> dict[str, Any]:
+    return {"service": SERVICE, "client_region": regions[i % len(regions)]}
+
+
+def metric(base: str, name: str) -> float:
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def db_size(reg: Registry) -> dict[str, float]:
+    (m,) = await reg.members()
+    return {"db_mb": m.db_size_bytes / 2**20, "db_in_use_mb": m.db_size_in_use_bytes / 2**20}
+
+
+def write_settings(cfg: Path, history: dict[str, Any]) -> None:
+    path = cfg / "broker.yaml"
+    doc = (yaml.safe_load(path.read_text()) if path.exists() else None) or {}
+    doc["history"] = history
+    path.write_text(yaml.safe_dump(doc))
+
+
+async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    result: dict[str, Any] = {"jobs": n}
+    data_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    etcd = EmbeddedEtcd(
+        data_dir=Path(tempfile.mkdtemp(prefix="jh-", dir=data_root)), unsafe_no_fsync=True
+    )
+    url = etcd.start()
+    demo = None
+    try:
+        async with Registry.from_urls(url) as reg:
+            now = time.time()
+            records = history_data.finished_jobs(n, now=now, days=30, seed=n)
+            t0 = time.perf_counter()
+            await history_data.write(reg, records, old=False)
+            result["write_s"] = time.perf_counter() - t0
+            due = sum(r.updated_at <= now - RETENTION_DAYS * 86400 for r in records)
+            result["due"] = due
+            result["before"] = await db_size(reg)
+            log(f"{n} finished jobs written in {result['write_s']:.1f} s; {due} past retention")
+
+            cfg = rb.copy_configs(work / f"n{n}", fast=True)
+            clients = sorted(rb.load_client_regions(cfg))
+            os.environ["CPN_ETCD"] = url
+            write_settings(cfg, {"retention_s": "400d", "interval_s": 5})
+            demo = rb.Demo(
+                cfg, work / f"n{n}" / "state", wan=False, sites=rb.LOOPBACK_SITES,
+                interval_s=1.0, block_scapy=True,
+            )  # fmt: skip
+            demo.start()
+            routes = demo.wait_ready([(SERVICE, r) for r in clients])
+            regions = sorted(r for _, r in routes)
+            result["hot"] = await measure(demo, regions, args)
+            result["hot"].update(await db_size(reg))
+            demo.stop()
+            demo = None
+            if n == 0:
+                return result
+
+            write_settings(
+                cfg,
+                {
+                    "retention_s": f"{RETENTION_DAYS:g}d",
+                    "interval_s": 1,
+                    "compaction_retention_s": 2,
+                    "defrag_interval_s": 10,
+                    "defrag_min_free_bytes": 1024 * 1024,
+                },
+            )
+            demo = rb.Demo(
+                cfg, work / f"n{n}" / "state2", wan=False, sites=rb.LOOPBACK_SITES,
+                interval_s=1.0, block_scapy=True,
+            )  # fmt: skip
+            t0 = time.perf_counter()
+            demo.start()
+            demo.wait_ready([(SERVICE, r) for r in regions])
+            deadline = time.monotonic() + args.archive_timeout
+            while await reg.count_prefix(keys.HISTORY) < due:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"archive did not finish in {args.archive_timeout} s")
+                await asyncio.sleep(0.5)
+            result["archive_s"] = time.perf_counter() - t0
+            log(f"archived {due} jobs in {result['archive_s']:.1f} s (broker start included)")
+            defrags = metric(demo.broker, "cpn_broker_etcd_defragmentations_total")
+            deadline = time.monotonic() + 60
+            while metric(demo.broker, "cpn_broker_etcd_defragmentations_total") <= defrags:
+                if time.monotonic() > deadline:
+                    log("no defragmentation within 60 s after the archive")
+                    break
+                await asyncio.sleep(1)
+            result["archived"] = await measure(demo, regions, args)
+            result["archived"].update(await db_size(reg))
+            result["hot_after"] = await reg.count_prefix(keys.JOBS)
+    finally:
+        if demo is not None:
+            demo.stop()
+        etcd.stop()
+        shutil.rmtree(etcd.data_dir, ignore_errors=True)
+    return result
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    headers = ["finished jobs", "phase", "route p50/p99 ms", "submit p50/p99 ms"]
+    headers += ["page p50/p99 ms", "deep page p99", "filtered p99", "+archived p99"]
+    headers += ["broker RSS MB", "etcd DB MB (in use)"]
+    rows = []
+    for r in results:
+        for phase in ("hot", "archived"):
+            m = r.get(phase)
+            if not m:
+                continue
+
+            def pair(key: str, m: dict[str, Any] = m) -> str:
+                return f"{fmt(m[key]['p50'], 2)} / {fmt(m[key]['p99'], 2)}"
+
+            rows.append([
+                f"{r['jobs']:,}", phase, pair("route_ms"), pair("submit_ms"),
+                pair("page_first_ms"), fmt(m["page_deep_ms"]["p99"], 1),
+                fmt(m["page_filtered_ms"]["p99"], 1), fmt(m["page_archived_ms"]["p99"], 1),
+                fmt(m["broker_rss_mb"], 0), f"{m['db_mb']:.1f} ({m['db_in_use_mb']:.1f})",
+            ])  # fmt: skip
+    lines = [table(headers, rows), ""]
+    for r in results:
+        if r["jobs"]:
+            lines.append(
+                f"{r['jobs']:,} jobs: written in {r['write_s']:.1f} s; etcd DB before "
+                f"{r['before']['db_mb']:.1f} MB; {r['due']:,} archived in "
+                f"{r.get('archive_s', float('nan')):.1f} s; {r.get('hot_after', '-')} hot left"
+            )
+    empty = next((r for r in results if r["jobs"] == 0), None)
+    if empty:
+        for r in results:
+            if not r["jobs"]:
+                continue
+            for phase in ("hot", "archived"):
+                m = r.get(phase)
+                if not m:
+                    continue
+                for key in ("route_ms", "submit_ms"):
+                    ratio = m[key]["p50"] / empty["hot"][key]["p50"]
+                    p99 = m[key]["p99"] / empty["hot"][key]["p99"]
+                    ok = "met" if ratio <= TARGET_RATIO else "MISSED"
+                    lines.append(
+                        f"target {key[:-3]} p50 at {r['jobs']:,} ({phase}) within 10 % of empty: "
+                        f"x{ratio:.2f} ({ok}); p99 x{p99:.2f}"
+                    )
+                worst = max(m[k]["p99"] for k in m if k.startswith("page_"))
+                ok = "met" if worst < TARGET_PAGE_MS else "MISSED"
+                lines.append(
+                    f"target page < 100 ms at {r['jobs']:,} ({phase}): {worst:.1f} ms ({ok})"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--jobs", default="0,10000,100000", help="comma-separated finished job counts")
+    p.add_argument("--routes", type=int, default=500, help="route requests per measurement")
+    p.add_argument("--submits", type=int, default=200, help="submits per measurement")
+    p.add_argument("--archive-timeout", type=float, default=900.0)
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="job-history-"))
+    results = []
+    try:
+        for n in (int(x) for x in args.jobs.split(",")):
+            results.append(asyncio.run(run_one(n, args, work)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(report(results))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
