@@ -450,20 +450,32 @@ class Registry:
         """
         out: dict[str, tuple[bytes, int]] = {}
         for i in range(0, len(wanted), GET_MANY_KEYS):
-            chunk = wanted[i : i + GET_MANY_KEYS]
-            ops = []
-            for key in chunk:
-                request = rpc.RangeRequest(key=key.encode())
-                if revision is not None:
-                    request.revision = revision
-                ops.append(rpc.RequestOp(request_range=request))
+            await self._get_chunk(wanted[i : i + GET_MANY_KEYS], revision, out)
+        return out
+
+    async def _get_chunk(
+        self, chunk: Sequence[str], revision: int | None, out: dict[str, tuple[bytes, int]]
+    ) -> None:
+        ops = []
+        for key in chunk:
+            request = rpc.RangeRequest(key=key.encode())
+            if revision is not None:
+                request.revision = revision
+            ops.append(rpc.RequestOp(request_range=request))
+        try:
             response = await self._kv(
                 "Txn", rpc.TxnRequest(success=ops), f"{len(chunk)} keys", revision or 0
             )
-            for reply in response.responses:
-                for kv in reply.response_range.kvs:
-                    out[kv.key.decode()] = (bytes(kv.value), int(kv.mod_revision))
-        return out
+        except _PageTooLarge as exc:  # large values: the same keys in two halves
+            if len(chunk) == 1:
+                raise RegistryError(f"read of {chunk[0]}: one key is over gRPC's limit") from exc
+            half = len(chunk) // 2
+            await self._get_chunk(chunk[:half], revision, out)
+            await self._get_chunk(chunk[half:], revision, out)
+            return
+        for reply in response.responses:
+            for kv in reply.response_range.kvs:
+                out[kv.key.decode()] = (bytes(kv.value), int(kv.mod_revision))
 
     async def get_raw(self, key: str) -> tuple[bytes, int] | None:
         """Value and mod_revision of one key, or None."""

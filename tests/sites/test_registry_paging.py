@@ -263,3 +263,40 @@ async def test_count_prefix_counts_without_reading_values(registry: Registry) ->
     await _write(registry, {f"{PREFIX}{i:03d}": b"v" * KB for i in range(250)})
     assert await registry.count_prefix(PREFIX) == 250
     assert await registry.count_prefix(PREFIX + "none/") == 0
+
+
+async def test_get_many_reads_at_one_revision_and_splits_what_is_too_large(
+    registry: Registry,
+) -> None:
+    # 12 values of 512 KiB: one transaction reading all of them would be over gRPC's limit
+    names = [f"{PREFIX}many/{i:02d}" for i in range(12)]
+    for i, name in enumerate(names):
+        await registry.put_raw(name, _value(i, 512 * KB))
+    revision = await registry.revision()
+    await registry.put_raw(names[0], b"changed later")
+    got = await registry.get_many([*names, f"{PREFIX}missing"], revision=revision)
+    assert sorted(got) == names
+    assert got[names[0]][0] == _value(0, 512 * KB)  # as it was at `revision`
+    assert (await registry.get_many(names[:1]))[names[0]][0] == b"changed later"
+    # more keys than one transaction may read (etcd's --max-txn-ops is 128)
+    small = [f"{PREFIX}small/{i:03d}" for i in range(250)]
+    for name in small:
+        await registry.put_raw(name, name.encode())
+    assert len(await registry.get_many(small)) == 250
+
+
+async def test_iter_range_starts_at_a_key_and_stops_when_asked(registry: Registry) -> None:
+    for i in range(50):
+        await registry.put_raw(f"{PREFIX}r/{i:02d}", b"x")
+    pages = registry.iter_range(f"{PREFIX}r/40", prefix=f"{PREFIX}r/", page_keys=4)
+    first = await anext(pages)
+    assert [k for k, _, _ in first.items] == [f"{PREFIX}r/{i}" for i in range(40, 44)]
+    await pages.aclose()
+    rest = [
+        k
+        async for p in registry.iter_range(f"{PREFIX}r/45", prefix=f"{PREFIX}r/")
+        for k, _, _ in p.items
+    ]
+    assert rest == [f"{PREFIX}r/{i}" for i in range(45, 50)]
+    with pytest.raises(ValueError, match="not under"):
+        await anext(registry.iter_range("/elsewhere", prefix=f"{PREFIX}r/"))
