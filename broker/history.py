@@ -48,6 +48,7 @@ from broker.errors import Expired, InvalidRequest
 from broker.jobs import JobRecord, JobState
 from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
+from broker.operations import GangRecord
 from broker.settings import HistorySettings
 from broker.store import (
     decode,
@@ -442,6 +443,7 @@ class HistoryKeeper:
         puts: dict[str, bytes] = {}
         deletes: list[str] = []
         moving = 0
+        gangs: set[tuple[str, str]] = set()
         for finished_key, job_id in batch:
             deletes.append(finished_key)
             raw = got.get(keys.job(job_id))
@@ -460,12 +462,33 @@ class HistoryKeeper:
             deletes += [keys.job(job_id), keys.job_index(pos, job_id)]
             puts[keys.archived_job(job_id)] = encode_archived(archived)
             puts[keys.history_index(pos, job_id)] = summary(archived).model_dump_json().encode()
+            if record.spec.gang is not None:
+                gangs.add((record.spec.tenant, record.spec.gang.name))
             moving += 1
         if await self.registry.commit(guards=guards, puts=puts, deletes=deletes):
+            for tenant, gang in sorted(gangs):
+                await self._forget_gang(tenant, gang)
             return moving
         if len(batch) == 1:
             return 0  # it changed meanwhile; the next pass sees it again
         return sum([await self._archive([one], now) for one in batch])
+
+    async def _forget_gang(self, tenant: str, gang: str) -> None:
+        """Delete a gang's record once none of its members is hot any more (else gang
+        records, one per gang name ever used, would pile up for ever)."""
+        key = keys.gang(tenant, gang)
+        got = await self.registry.get_raw(key)
+        if got is None:
+            return
+        try:
+            members = GangRecord.model_validate_json(got[0]).members
+        except ValidationError:
+            return
+        if await self.registry.get_many([keys.job(m) for m in members]):
+            return  # a member is still hot: the gang is forgotten with the last one
+        await self.registry.commit(
+            guards=[self.leadership.guard(), Guard(key, mod_revision=got[1])], deletes=[key]
+        )
 
     # expiry: archived jobs older than the archive retention are dropped
 

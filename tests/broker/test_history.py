@@ -336,3 +336,30 @@ async def test_a_broker_killed_mid_archive_leaves_nothing_half_moved(
     assert out.returncode == 0 and len(out.stdout.splitlines()) == 4, out.stdout
     out = run_cpn("jobs", "--broker", broker.url)
     assert out.returncode == 0 and "after-" in out.stdout and "old-" not in out.stdout
+
+
+async def test_a_gang_is_forgotten_with_its_last_member(
+    registry: Registry, leader: Leadership
+) -> None:
+    from broker.jobs import Gang
+    from broker.operations import GangRecord
+
+    now = time.time()
+    old = history_data.finished_jobs(3, now=now - 30 * DAY, days=1)
+    waiting = history_data.pending_jobs(1, now=now)
+    members = {"done": old[:2], "open": [old[2], *waiting]}
+    records = []
+    for gang, jobs in members.items():
+        for r in jobs:
+            spec = r.spec.model_copy(update={"gang": Gang(name=gang, size=2), "tenant": "ai-lab"})
+            records.append(r.model_copy(update={"spec": spec}))
+        first = records[-1].spec
+        entry = GangRecord(
+            size=2, gpu=first.gpu, cpu=first.cpu, mem_gb=first.mem_gb,
+            duration_hours=first.duration_hours, members=tuple(r.id for r in records[-2:]),
+        )  # fmt: skip
+        await registry.put_raw(keys.gang(first.tenant, gang), entry.model_dump_json().encode())
+    await history_data.write(registry, records, old=False)
+    assert await keeper(registry, leader).archive(now) == 3
+    assert await registry.get_raw(keys.gang("ai-lab", "done")) is None
+    assert await registry.get_raw(keys.gang("ai-lab", "open")) is not None  # one is pending
