@@ -50,7 +50,14 @@ from sites.errors import LeaseLost, RegistryError
 from sites.etcd_server import EmbeddedEtcd
 from sites.registry import Registry
 from sites.spec import SiteSpec
-from sites.status import AgentRecord, HostUsage, LinkStatus, SiteStatus, StorageUsage
+from sites.status import (
+    AgentRecord,
+    HostUsage,
+    LinkStatus,
+    ServiceEndpoint,
+    SiteStatus,
+    StorageUsage,
+)
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -166,7 +173,11 @@ class AgentConfig:
 
 
 class SimAgent:
-    """One site's agent as the real one behaves: lease, agent lock, publish and keepalive loops."""
+    """One site's agent as the real one behaves: lease, agent lock, publish and keepalive loops.
+
+    With `serves` (a service name) it also publishes one ServiceEndpoint of that service with
+    every status, as an agent fronting a model server does (bench/live_federation.py routes to
+    them); by default it serves nothing."""
 
     def __init__(
         self,
@@ -178,8 +189,10 @@ class SimAgent:
         stats: AgentStats,
         seed: int,
         keepalive: Callable[[int], Awaitable[int]] | None = None,
+        serves: str | None = None,
     ) -> None:
         self.spec = spec
+        self.serves = serves
         self.registry = registry
         self.keepalive = keepalive or registry.keepalive
         self.catalog = catalog
@@ -279,6 +292,25 @@ class SimAgent:
             )
         return out
 
+    def endpoints(self, now: float) -> list[ServiceEndpoint]:
+        if self.serves is None:
+            return []
+        in_flight = self.rng.randint(0, 8)
+        return [
+            ServiceEndpoint(
+                service=self.serves,
+                site=self.spec.id,
+                model=self.serves,
+                url=f"http://127.0.0.1:9/{self.spec.id}",  # never called: routes only
+                max_concurrency=32,
+                in_flight=in_flight,
+                queue=0,
+                latency_ms=round(self.rng.uniform(20.0, 60.0), 1),
+                healthy=True,
+                updated_at=now,
+            )
+        ]
+
     async def publish_loop(self, t0: float) -> None:
         """First publish at a random phase within the interval, then every interval."""
         loop = asyncio.get_running_loop()
@@ -295,9 +327,10 @@ class SimAgent:
             now = time.time()
             status = self.measure(now)
             links = self.links(now)
+            services = self.endpoints(now)
             started = time.perf_counter()
             try:
-                await self.registry.publish(record, status=status, links=links, services=())
+                await self.registry.publish(record, status=status, links=links, services=services)
             except LeaseLost:
                 self.stats.error("publish: LeaseLost")
                 await self._reacquire(record)
@@ -308,7 +341,7 @@ class SimAgent:
             call_ms = (time.perf_counter() - started) * 1000
             self.seq += 1
             size = len(status.model_dump_json()) if self.seq == 1 else 0
-            self.stats.published(call_ms, lag_ms, 2 + len(links), size)
+            self.stats.published(call_ms, lag_ms, 2 + len(links) + len(services), size)
 
     async def keepalive_loop(self, t0: float) -> None:
         loop = asyncio.get_running_loop()

@@ -1,0 +1,1016 @@
+"""A real broker process under a live federation: N synthetic sites publishing into its etcd.
+
+Prints figures; it is not a timed test. For each N (100, 1000, 5000 by default) and each publish
+interval (1 s, 5 s) it starts, from scratch:
+
+- an embedded etcd (sites.etcd_server.EmbeddedEtcd) on /dev/shm, fsync off;
+- the simulated agents of bench/registry_fanin.py (SimAgent: lease, agent lock, a SiteStatus
+  and 4 LinkStatus entries per publish, keepalives), all N in ONE process of their own
+  (`live_federation.py agents ...`); K of the sites (--service-sites) also publish an
+  endpoint of the inference service `bench-llm`;
+- a real broker, `cpn broker --etcd URL --listen 127.0.0.1:PORT --config-dir DIR`, whose
+  config dir has a clients.yaml attaching two client regions to four of the serving sites;
+
+then, after the broker sees the sites up and a warm-up, measures two windows:
+
+1. idle (--idle s): no API calls; the broker's CPU is what its view of the federation costs
+   (the watch events, the scheduler's passes, the leader lease);
+2. load (--duration s): a tenant submitting small CPU jobs (POST /v1/jobs, each cancelled
+   --job-life s later so capacity never runs out), inference clients asking POST /v1/route for
+   `bench-llm`, and an operator polling GET /v1/sites, each at a fixed rate (open loop).
+
+    .venv/bin/python bench/live_federation.py                         # 100,1000,5000 x 1,5 s
+    .venv/bin/python bench/live_federation.py --sites 1000 --intervals 1 --json out.json
+    .venv/bin/python bench/live_federation.py --sites 1000 --intervals 1 --profile /tmp/prof
+
+Progress goes to stderr, the table to stdout. Ctrl-C or SIGTERM stop every process this bench
+started (by pid) and remove its temp dir. See bench/README.md for what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import math
+import os
+import pstats
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import aiohttp
+import psutil
+import registry_fanin as fanin
+import yaml
+
+from sites.agent import MIN_TTL_S
+from sites.catalog import DeviceCatalog
+from sites.etcd_server import EmbeddedEtcd, free_port
+from sites.spec import SiteSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+SERVICE = "bench-llm"
+CLIENT_REGIONS = ("beijing", "shanghai")
+TARGET_SITES, TARGET_INTERVAL_S = 1000, 1.0
+TARGET_SUBMIT_P99_MS, TARGET_BROKER_CORES = 20.0, 0.5
+JOB: dict[str, Any] = {
+    "tenant": "ai-lab",
+    "command": ["sleep", "3600"],
+    "cpu": 1,
+    "mem_gb": 1.0,
+    "duration_hours": 1.0,
+}
+
+percentile = fanin.percentile
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- the federation: the same documents in the agents' process and in the broker's config -----
+
+
+def federation_docs(n: int, interval_s: float, seed: int) -> list[dict[str, Any]]:
+    """registry_fanin's synthetic sites, each declaring the publish interval it runs at."""
+    rng = random.Random(seed + n)
+    docs = [fanin.site_doc(site, rng) for site in fanin.site_ids(n)]
+    for doc in docs:
+        doc["agent"] = {**doc["agent"], "interval_s": interval_s}
+    return docs
+
+
+def serving_sites(ids: Sequence[str], k: int) -> list[str]:
+    """K sites spread evenly over the ring (the first, N/K-th, ...): they serve SERVICE."""
+    n = len(ids)
+    k = max(0, min(k, n))
+    return [ids[i * n // k] for i in range(k)] if k else []
+
+
+def attach_sites(ids: Sequence[str]) -> dict[str, list[str]]:
+    """Client region -> the sites it attaches to (serving ones, with the default K >= 4)."""
+    n = len(ids)
+    return {
+        "beijing": [ids[0], ids[n // 2]],
+        "shanghai": [ids[n // 4], ids[3 * n // 4]],
+    }
+
+
+# -- the agents' process -----------------------------------------------------------------------
+
+
+def emit(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def agents_main(args: argparse.Namespace) -> None:
+    """N SimAgents in this process; one JSON line per second on stdout; SIGTERM/SIGINT stop."""
+    n, interval = args.sites, args.interval
+    catalog = DeviceCatalog.load()
+    docs = federation_docs(n, interval, args.seed)
+    specs = [SiteSpec.model_validate(doc) for doc in docs]
+    ids = [spec.id for spec in specs]
+    serving = set(serving_sites(ids, args.service_sites))
+    n_clients = max(1, math.ceil(n / args.agents_per_client))
+    clients = [fanin.make_registry(args.etcd, local_subchannels=True) for _ in range(n_clients)]
+    control = fanin.make_registry(args.etcd, local_subchannels=True)
+    stats = fanin.AgentStats(measuring=True)
+    cfg = fanin.AgentConfig(interval_s=interval, ttl_s=args.ttl, keepalive_s=args.keepalive)
+    rng = random.Random(args.seed)
+    agents = [
+        fanin.SimAgent(
+            spec,
+            clients[i % n_clients],
+            catalog,
+            [ids[(i + k) % n] for k in range(1, min(args.peers, n - 1) + 1)],
+            cfg,
+            stats,
+            seed=rng.randrange(2**32),
+            serves=SERVICE if spec.id in serving else None,
+        )
+        for i, spec in enumerate(specs)
+    ]
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks: list[asyncio.Task[None]] = []
+    crashed: Counter[str] = Counter()
+
+    def on_done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            crashed[f"task crashed: {type(exc).__name__}: {exc}"] += 1
+
+    try:
+        await control.connect()
+        await asyncio.gather(*(c.connect() for c in clients))
+        t = time.monotonic()
+        await fanin.bounded([functools.partial(control.join, s) for s in specs], 64)
+        await fanin.bounded([a.acquire for a in agents], 64)
+        emit({"ready": True, "setup_s": round(time.monotonic() - t, 2)})
+        t0 = loop.time() + 0.2
+        for agent in agents:
+            for coro in (agent.publish_loop(t0), agent.keepalive_loop(t0)):
+                task = asyncio.create_task(coro)
+                task.add_done_callback(on_done)
+                tasks.append(task)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            emit(
+                {
+                    "t": time.time(),
+                    "publishes": stats.tick_publishes,
+                    "keepalives": stats.tick_keepalives,
+                    "errors": dict(stats.errors),
+                    "publish_ms": [round(x, 2) for x in stats.publish_ms],
+                    "lag_ms": [round(x, 1) for x in stats.lag_ms],
+                    "crashed": dict(crashed),
+                }
+            )
+            stats.tick_publishes = stats.tick_keepalives = stats.tick_errors = 0
+            stats.publish_ms, stats.lag_ms, stats.tick_publish_ms = [], [], []
+            stats.errors.clear()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        # the etcd goes away with the row; revoke what can be revoked quickly, no more
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(fanin.bounded([a.revoke for a in agents], 64), 10.0)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.gather(*(c.close() for c in clients), control.close()), 5.0
+            )
+        emit({"stopped": True})
+
+
+# -- processes this bench started --------------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+STARTED: list[Proc] = []  # stopped, by pid, in reverse order, on every exit path
+
+
+def start_process(name: str, argv: list[str], log_path: Path, *, stdout_pipe: bool) -> Proc:
+    with open(log_path, "ab") as logfile:
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout_pipe else logfile,
+            stderr=logfile,
+            cwd=ROOT,
+        )
+    proc = Proc(name, popen, log_path)
+    STARTED.append(proc)
+    return proc
+
+
+def stop_process(proc: Proc, timeout_s: float = 20.0) -> None:
+    """SIGTERM (the process cleans up), then SIGKILL after timeout_s; by pid, only ours."""
+    if proc.alive():
+        with contextlib.suppress(ProcessLookupError):
+            proc.popen.send_signal(signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            log(f"   {proc.name} (pid {proc.pid}) did not stop in {timeout_s:.0f}s: killed")
+            proc.popen.kill()
+            proc.popen.wait()
+    if proc.popen.stdout is not None:
+        with contextlib.suppress(OSError):
+            proc.popen.stdout.close()
+    if proc in STARTED:
+        STARTED.remove(proc)
+
+
+def stop_all() -> None:
+    for proc in reversed(list(STARTED)):
+        stop_process(proc)
+
+
+class LineReader:
+    """The agents' JSON lines, read by a thread (the event loop never blocks on the pipe)."""
+
+    def __init__(self, stream: IO[bytes]) -> None:
+        self.lines: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[bytes]) -> None:
+        with contextlib.suppress(ValueError, OSError):
+            for raw in stream:
+                with contextlib.suppress(ValueError):
+                    obj = json.loads(raw)
+                    with self._lock:
+                        self.lines.append(obj)
+
+    def take(self) -> list[dict[str, Any]]:
+        with self._lock:
+            out, self.lines = self.lines, []
+        return out
+
+
+# -- figures -----------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int | None) -> float | None:
+    return fanin.cpu_seconds(pid)
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return None
+
+
+def etcd_revision(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("etcd_debugging_mvcc_current_revision "):
+            return int(float(line.split()[1]))
+    return None
+
+
+@dataclass
+class Sampler:
+    """CPU seconds of each process at the start of a window; rates at its end."""
+
+    pids: dict[str, int | None]
+    wall: float = 0.0
+    cpu: dict[str, float | None] = field(default_factory=dict)
+    host: float = 0.0
+
+    def start(self) -> None:
+        self.wall = time.monotonic()
+        self.cpu = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+        self.host = fanin.host_busy_seconds()
+
+    def rates(self) -> dict[str, float | None]:
+        """% of one core per process over the window (and the host's busy %)."""
+        window = time.monotonic() - self.wall
+        out: dict[str, float | None] = {}
+        for name, pid in self.pids.items():
+            r = fanin.rate(self.cpu.get(name), cpu_seconds(pid), window)
+            out[name] = None if r is None else 100 * r
+        host = fanin.rate(self.host, fanin.host_busy_seconds(), window)
+        out["host"] = None if host is None else 100 * host
+        return out
+
+
+@dataclass
+class Calls:
+    """Latencies (ms) of one kind of call and how its answers went."""
+
+    ms: list[float] = field(default_factory=list)
+    outcomes: Counter[str] = field(default_factory=Counter)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "p50": percentile(self.ms, 50),
+            "p99": percentile(self.ms, 99),
+            "max": max(self.ms) if self.ms else None,
+            "count": len(self.ms),
+            "outcomes": dict(self.outcomes),
+        }
+
+
+@dataclass
+class Load:
+    submit: Calls = field(default_factory=Calls)
+    route: Calls = field(default_factory=Calls)
+    sites: Calls = field(default_factory=Calls)
+    cancels: Counter[str] = field(default_factory=Counter)
+    staleness_p50_s: list[float] = field(default_factory=list)
+    staleness_max_s: list[float] = field(default_factory=list)
+    sites_up: list[int] = field(default_factory=list)
+    measuring: bool = True
+
+
+async def timed(
+    session: aiohttp.ClientSession, method: str, url: str, body: object | None
+) -> tuple[float, int, bytes]:
+    started = time.perf_counter()
+    async with session.request(method, url, json=body) as resp:
+        data = await resp.read()
+    return (time.perf_counter() - started) * 1000, resp.status, data
+
+
+async def paced(rate: float, until: float, one: Callable[[], Any], in_flight: int = 32) -> None:
+    """Open loop: one call every 1/rate s until `until` (loop time), at most in_flight at once
+    (a slow answer does not lower the offered load, so it is not hidden)."""
+    if rate <= 0:
+        return
+    loop = asyncio.get_running_loop()
+    sem = asyncio.Semaphore(in_flight)
+    tasks: set[asyncio.Task[None]] = set()
+    next_at = loop.time() + random.uniform(0, 1 / rate)
+
+    async def run() -> None:
+        try:
+            await one()
+        finally:
+            sem.release()
+
+    while next_at < until:
+        await asyncio.sleep(max(0.0, next_at - loop.time()))
+        next_at += 1 / rate
+        await sem.acquire()
+        task = asyncio.create_task(run())
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def drive_load(base: str, args: argparse.Namespace, load: Load, until: float) -> None:
+    rng = random.Random(args.seed)
+    timeout = aiohttp.ClientTimeout(total=30)
+    cancels: set[asyncio.Task[None]] = set()
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+
+        async def cancel_later(job_id: str) -> None:
+            await asyncio.sleep(args.job_life)
+            try:
+                _, status, data = await timed(
+                    session, "POST", f"{base}/v1/jobs/{job_id}/cancel", None
+                )
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                load.cancels[f"error {type(exc).__name__}"] += 1
+                return
+            if status != 200:
+                load.cancels[f"HTTP {status}"] += 1
+                return
+            record = json.loads(data)
+            load.cancels["cancelled, was placed" if record.get("placement") else "cancelled"] += 1
+
+        async def submit() -> None:
+            body = {**JOB, "name": f"bench-{rng.randrange(16**8):08x}"}
+            try:
+                ms, status, data = await timed(session, "POST", f"{base}/v1/jobs", body)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                load.submit.outcomes[f"error {type(exc).__name__}"] += 1
+                return
+            load.submit.ms.append(ms)
+            load.submit.outcomes[f"HTTP {status}"] += 1
+            if status == 201:
+                task = asyncio.create_task(cancel_later(json.loads(data)["id"]))
+                cancels.add(task)
+                task.add_done_callback(cancels.discard)
+
+        async def route() -> None:
+            body = {"service": SERVICE, "client_region": rng.choice(CLIENT_REGIONS)}
+            try:
+                ms, status, data = await timed(session, "POST", f"{base}/v1/route", body)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                load.route.outcomes[f"error {type(exc).__name__}"] += 1
+                return
+            load.route.ms.append(ms)
+            if status == 200:
+                site = json.loads(data).get("site")
+                load.route.outcomes["routed" if site else "no site chosen"] += 1
+            else:
+                load.route.outcomes[f"HTTP {status}"] += 1
+
+        async def sites() -> None:
+            try:
+                ms, status, data = await timed(session, "GET", f"{base}/v1/sites", None)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                load.sites.outcomes[f"error {type(exc).__name__}"] += 1
+                return
+            load.sites.ms.append(ms)
+            load.sites.outcomes[f"HTTP {status}"] += 1
+            if status == 200:
+                rows = json.loads(data)
+                ago = [r["last_seen_ago_s"] for r in rows if r.get("last_seen_ago_s") is not None]
+                load.sites_up.append(sum(1 for r in rows if r.get("state") == "up"))
+                if ago:
+                    load.staleness_p50_s.append(percentile(ago, 50) or 0.0)
+                    load.staleness_max_s.append(max(ago))
+
+        await asyncio.gather(
+            paced(args.submit_rate, until, submit),
+            paced(args.route_rate, until, route),
+            paced(args.sites_rate, until, sites, in_flight=4),
+        )
+        if cancels:  # not timed: they free the capacity the window's jobs hold
+            await asyncio.wait(cancels, timeout=args.job_life + 10)
+
+
+async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> float:
+    """Until the broker leads and sees every site up; returns the seconds it took."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    up = -1
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while time.monotonic() < deadline:
+            if not proc.alive():
+                raise RuntimeError(f"the broker exited; its log:\n{proc.log_tail()}")
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+                _, status, data = await timed(session, "GET", f"{base}/healthz", None)
+                if status == 200 and json.loads(data).get("leader"):
+                    _, status, data = await timed(session, "GET", f"{base}/v1/sites", None)
+                    rows = json.loads(data)
+                    up = sum(1 for r in rows if r.get("state") == "up")
+                    if up >= n:
+                        return time.monotonic() - started
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the broker saw {up} of {n} sites up within {timeout_s:.0f}s")
+
+
+# -- one row -----------------------------------------------------------------------------------
+
+
+def write_config(cfg: Path, docs: list[dict[str, Any]]) -> None:
+    """The broker's config dir: the repo's catalog, regions, latency and tenants; a clients.yaml
+    attaching two client regions to serving synthetic sites (whose site files it holds)."""
+    cfg.mkdir(parents=True)
+    for name in ("devices.yaml", "regions.yaml", "tenants.yaml"):
+        shutil.copy(CONFIGS / name, cfg / name)
+    shutil.copytree(CONFIGS / "latency", cfg / "latency")
+    (cfg / "sites").mkdir()
+    ids = [doc["id"] for doc in docs]
+    attach = attach_sites(ids)
+    by_id = {doc["id"]: doc for doc in docs}
+    for site in sorted({s for sites in attach.values() for s in sites}):
+        (cfg / "sites" / f"{site}.yaml").write_text(yaml.safe_dump(by_id[site]))
+    regions = [
+        {
+            "id": region,
+            "attach": [{"site": s, "rtt_ms": 3.0 + 2 * j} for j, s in enumerate(sites)],
+            "cidrs": [f"10.{i + 1}.0.0/16"],
+        }
+        for i, (region, sites) in enumerate(attach.items())
+    ]
+    (cfg / "clients.yaml").write_text(yaml.safe_dump({"client_regions": regions}))
+
+
+# `cpn broker` with a gc callback that logs each collection of 5 ms or more ("gc <gen> <ms>")
+GC_LOG = """
+import gc, sys, time
+from cpn.cli import main
+_t = [0.0]
+def _cb(phase, info):
+    if phase == "start":
+        _t[0] = time.perf_counter()
+    elif (ms := (time.perf_counter() - _t[0]) * 1000) >= 5:
+        print(f"gc {info['generation']} {ms:.1f}", file=sys.stderr, flush=True)
+gc.callbacks.append(_cb)
+if (freeze_after := float(sys.argv.pop(1))) > 0:  # an experiment: gc.freeze() once set up
+    import threading
+    threading.Timer(freeze_after, gc.freeze).start()
+sys.argv[0] = "cpn"
+sys.exit(main())
+"""
+
+
+def gc_pauses(log_text: str) -> dict[str, Any]:
+    by_gen: dict[str, list[float]] = {}
+    for line in log_text.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "gc":
+            by_gen.setdefault(f"gen{parts[1]}", []).append(float(parts[2]))
+    return {
+        gen: {"count": len(ms), "max_ms": max(ms), "total_ms": round(sum(ms), 1)}
+        for gen, ms in sorted(by_gen.items())
+    }
+
+
+def cpn_argv() -> list[str]:
+    script = Path(sys.executable).parent / "cpn"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "cpn"]
+
+
+def agents_summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
+    publish_ms = [x for line in lines for x in line.get("publish_ms", ())]
+    lag_ms = [x for line in lines for x in line.get("lag_ms", ())]
+    errors: Counter[str] = Counter()
+    for line in lines:
+        errors.update(line.get("errors", {}))
+        errors.update(line.get("crashed", {}))
+    seconds = len(lines) or 1
+    return {
+        "publishes_per_s": sum(line.get("publishes", 0) for line in lines) / seconds,
+        "keepalives_per_s": sum(line.get("keepalives", 0) for line in lines) / seconds,
+        "publish_call_ms": {"p50": percentile(publish_ms, 50), "p99": percentile(publish_ms, 99)},
+        "schedule_lag_p99_ms": percentile(lag_ms, 99),
+        "errors": dict(errors),
+    }
+
+
+async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    row_dir = tmp / f"{n}x{interval:g}s"
+    row_dir.mkdir()
+    docs = federation_docs(n, interval, args.seed)
+    cfg = row_dir / "configs"
+    write_config(cfg, docs)
+    # as sites.agent does: a lease of 3 intervals (at least MIN_TTL_S), refreshed every third
+    ttl = args.ttl or max(MIN_TTL_S, math.ceil(3 * interval))
+    keepalive = args.keepalive or ttl / 3
+    log(f"\n== {n} sites publishing every {interval:g}s (lease {ttl}s, keepalive {keepalive:g}s)")
+    etcd = EmbeddedEtcd(
+        data_dir=row_dir / "etcd", log_path=row_dir / "etcd.log", unsafe_no_fsync=True
+    )
+    agents: Proc | None = None
+    broker: Proc | None = None
+    spies: list[Proc | None] = []
+    try:
+        url = await asyncio.to_thread(etcd.start)
+        assert etcd.process is not None
+        etcd_pid = etcd.process.pid
+        agents = start_process(
+            "agents",
+            [
+                sys.executable, str(Path(__file__).resolve()), "agents",
+                "--etcd", url, "--sites", str(n), "--interval", str(interval),
+                "--service-sites", str(args.service_sites), "--seed", str(args.seed),
+                "--ttl", str(ttl), "--keepalive", str(keepalive),
+                "--peers", str(args.peers), "--agents-per-client", str(args.agents_per_client),
+            ],
+            row_dir / "agents.log",
+            stdout_pipe=True,
+        )  # fmt: skip
+        assert agents.popen.stdout is not None
+        reader = LineReader(agents.popen.stdout)
+        deadline = time.monotonic() + 60 + n / 20
+        ready: dict[str, Any] | None = None
+        while ready is None:
+            if not agents.alive():
+                raise RuntimeError(f"the agents' process exited:\n{agents.log_tail()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the agents did not join in time:\n{agents.log_tail()}")
+            ready = next((line for line in reader.take() if line.get("ready")), None)
+            await asyncio.sleep(0.2)
+        log(f"   {n} sites joined, agent locks taken in {ready['setup_s']}s; agents publishing")
+
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        argv = cpn_argv()
+        if args.profile is not None:
+            args.profile.mkdir(parents=True, exist_ok=True)
+            prof = args.profile / f"broker-{n}x{interval:g}s.prof"
+            argv = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "cpn"]
+        elif args.gc_log:
+            argv = [sys.executable, "-c", GC_LOG, str(args.gc_freeze)]
+        argv += ["broker", "--etcd", url, "--listen", f"127.0.0.1:{port}"]
+        argv += ["--config-dir", str(cfg)]
+        broker = start_process("broker", argv, row_dir / "broker.log", stdout_pipe=False)
+        took = await wait_ready(base, n, broker, timeout_s=120 + n / 20)
+        log(f"   broker {base} (pid {broker.pid}) leads and sees {n} sites up after {took:.1f}s")
+        await asyncio.sleep(args.warmup)
+        reader.take()
+
+        pids: dict[str, int | None] = {
+            "broker": broker.pid,
+            "etcd": etcd_pid,
+            "agents": agents.pid,
+            "bench": os.getpid(),
+        }
+        # 1. idle: what the view costs
+        log(f"   idle window {args.idle:g}s (no API calls)")
+        sampler = Sampler(pids)
+        spy_idle = spy_load = None
+        if args.py_spy is not None:
+            args.py_spy.mkdir(parents=True, exist_ok=True)
+            spy_idle = args.py_spy / f"broker-{n}x{interval:g}s-idle.txt"
+            spies.append(start_py_spy(broker.pid, args.idle, spy_idle))
+        rev0 = etcd_revision(url)
+        sampler.start()
+        await asyncio.sleep(args.idle)
+        idle_cpu = sampler.rates()
+        rev1 = etcd_revision(url)
+        idle_agents = agents_summary(reader.take())
+        idle_rss = rss_mb(broker.pid)
+        log(
+            "   idle: broker {:.0f}%, etcd {:.0f}%, agents {:.0f}% of a core; "
+            "{:.0f} publishes/s".format(
+                idle_cpu["broker"] or 0,
+                idle_cpu["etcd"] or 0,
+                idle_cpu["agents"] or 0,
+                idle_agents["publishes_per_s"],
+            )
+        )
+        # 2. load: tenants, inference clients, an operator
+        log(
+            f"   load window {args.duration:g}s: {args.submit_rate:g} submits/s, "
+            f"{args.route_rate:g} routes/s, {args.sites_rate:g} GET /v1/sites per s"
+        )
+        load = Load()
+        if args.py_spy is not None:
+            spy_load = args.py_spy / f"broker-{n}x{interval:g}s-load.txt"
+            spies.append(start_py_spy(broker.pid, args.duration, spy_load))
+        sampler.start()
+        until = asyncio.get_running_loop().time() + args.duration
+        await drive_load(base, args, load, until)
+        load_cpu = sampler.rates()
+        load_agents = agents_summary(reader.take())
+        load_rss = rss_mb(broker.pid)
+        log(
+            "   load: submit p99 {} ms, route p99 {} ms, broker {:.0f}% of a core".format(
+                fanin.fmt_ms(percentile(load.submit.ms, 99)),
+                fanin.fmt_ms(percentile(load.route.ms, 99)),
+                load_cpu["broker"] or 0,
+            )
+        )
+        if not broker.alive():
+            raise RuntimeError(f"the broker exited during the window:\n{broker.log_tail()}")
+    finally:
+        for spy in spies:  # each stops after its window; it writes its file on the way out
+            if spy is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    await asyncio.to_thread(spy.popen.wait, 30)
+                stop_process(spy)
+        if broker is not None:
+            stop_process(broker)
+        if agents is not None:
+            stop_process(agents, timeout_s=30)
+        etcd.stop()
+
+    if args.profile is not None:
+        show_profile(args.profile / f"broker-{n}x{interval:g}s.prof")
+    gc_stats = gc_pauses((row_dir / "broker.log").read_text()) if args.gc_log else None
+    if gc_stats is not None:
+        log(f"   broker gc pauses >= 5 ms over the whole run: {gc_stats}")
+    for spy in (spy_idle, spy_load):
+        if spy is not None:
+            for line in py_spy_summary(spy):
+                log(line)
+    revisions = None if rev0 is None or rev1 is None else (rev1 - rev0) / args.idle
+    return {
+        "sites": n,
+        "interval_s": interval,
+        "service_sites": len(serving_sites([d["id"] for d in docs], args.service_sites)),
+        "publishes_target_per_s": n / interval,
+        "idle": {
+            "cpu_pct_of_one_core": idle_cpu,
+            "broker_rss_mb": idle_rss,
+            "etcd_revisions_per_s": revisions,
+            "agents": idle_agents,
+        },
+        "load": {
+            "cpu_pct_of_one_core": load_cpu,
+            "broker_rss_mb": load_rss,
+            "agents": load_agents,
+            "submit_ms": load.submit.summary(),
+            "route_ms": load.route.summary(),
+            "sites_ms": load.sites.summary(),
+            "cancels": dict(load.cancels),
+            "sites_up_min": min(load.sites_up) if load.sites_up else None,
+            "staleness_s": {
+                "p50": percentile(load.staleness_p50_s, 50),
+                "max": max(load.staleness_max_s) if load.staleness_max_s else None,
+            },
+        },
+        "broker_gc_pauses": gc_stats,
+        "host_cpus": psutil.cpu_count(),
+        "load_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def start_py_spy(pid: int, seconds: float, out: Path) -> Proc | None:
+    """py-spy sampling `pid` for `seconds` into `out` (collapsed stacks), if py-spy is here."""
+    exe = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
+    if exe is None:
+        log("   --py-spy: no py-spy found (pip install py-spy into the venv)")
+        return None
+    argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds)))]
+    argv += ["--rate", "100", "--format", "raw", "--nonblocking", "--gil", "--output", str(out)]
+    return start_process("py-spy", argv, out.with_suffix(".log"), stdout_pipe=False)
+
+
+def py_spy_summary(path: Path, top: int = 25) -> list[str]:
+    """Self and inclusive share of the samples (GIL held) per function, from collapsed stacks."""
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    total = 0
+    try:
+        text = path.read_text()
+    except OSError:
+        return [f"   no py-spy output at {path}"]
+    for line in text.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = [f.rsplit(":", 1)[0] if f.count(":") > 1 else f for f in stack.split(";")]
+        own[frames[-1]] += n
+        for frame in set(frames):
+            incl[frame] += n
+    if not total:
+        return [f"   py-spy: no samples in {path}"]
+    out = [f"   py-spy {path.name}: {total} samples with the GIL held; top by own time:"]
+    out += [f"     {100 * c / total:5.1f}%  {f}" for f, c in own.most_common(top)]
+    out.append("   top by inclusive time:")
+    out += [f"     {100 * c / total:5.1f}%  {f}" for f, c in incl.most_common(top)]
+    return out
+
+
+def show_profile(path: Path) -> None:
+    if not path.exists():
+        log(f"   no profile at {path} (the broker did not exit cleanly)")
+        return
+    log(f"   broker profile: {path} (python -m pstats {path}); top by own time:")
+    stats = pstats.Stats(str(path), stream=sys.stderr)
+    stats.sort_stats("tottime").print_stats(20)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def num(v: float | None, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
+    ("sites", lambda r: str(r["sites"])),
+    ("every", lambda r: f"{r['interval_s']:g}s"),
+    (
+        "pub/s (target)",
+        lambda r: f"{num(r['load']['agents']['publishes_per_s'])} "
+        f"({num(r['publishes_target_per_s'])})",
+    ),
+    ("submit p50", lambda r: num(r["load"]["submit_ms"]["p50"], 1)),
+    ("submit p99", lambda r: num(r["load"]["submit_ms"]["p99"], 1)),
+    ("route p50", lambda r: num(r["load"]["route_ms"]["p50"], 1)),
+    ("route p99", lambda r: num(r["load"]["route_ms"]["p99"], 1)),
+    ("sites p50", lambda r: num(r["load"]["sites_ms"]["p50"], 0)),
+    ("sites p99", lambda r: num(r["load"]["sites_ms"]["p99"], 0)),
+    ("broker idle %", lambda r: num(r["idle"]["cpu_pct_of_one_core"]["broker"])),
+    ("broker load %", lambda r: num(r["load"]["cpu_pct_of_one_core"]["broker"])),
+    ("RSS MB", lambda r: num(r["load"]["broker_rss_mb"])),
+    ("etcd %", lambda r: num(r["load"]["cpu_pct_of_one_core"]["etcd"])),
+    ("agents %", lambda r: num(r["load"]["cpu_pct_of_one_core"]["agents"])),
+    ("host %", lambda r: num(r["load"]["cpu_pct_of_one_core"]["host"])),
+    ("stale p50/max s", lambda r: "{}/{}".format(
+        num(r["load"]["staleness_s"]["p50"], 1), num(r["load"]["staleness_s"]["max"], 1)
+    )),
+]  # fmt: skip
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = [name for name, _ in COLUMNS]
+    body = [[cell(r) for _, cell in COLUMNS] for r in results]
+    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+
+    sep = "-+-".join("-" * w for w in widths)
+    return "\n".join([line(head), sep, *(line(row) for row in body)])
+
+
+def notes(results: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for r in results:
+        where = f"{r['sites']} sites / {r['interval_s']:g}s"
+        ld = r["load"]
+        for kind in ("submit_ms", "route_ms", "sites_ms"):
+            bad = {
+                k: v
+                for k, v in ld[kind]["outcomes"].items()
+                if k not in ("HTTP 201", "HTTP 200", "routed")
+            }
+            if bad:
+                out.append(f"{where}: {kind[:-3]} answers {bad}")
+        if ld["agents"]["errors"]:
+            out.append(f"{where}: agent errors {ld['agents']['errors']}")
+        out.append(f"{where}: cancels {ld['cancels']}; fewest sites up seen {ld['sites_up_min']}")
+    return out
+
+
+def target_line(results: list[dict[str, Any]]) -> str:
+    at = [r for r in results if r["sites"] == TARGET_SITES and r["interval_s"] == TARGET_INTERVAL_S]
+    if not at:
+        return (
+            f"target: not measured (no run with {TARGET_SITES} sites every {TARGET_INTERVAL_S:g}s)"
+        )
+    r = at[0]
+    p99 = r["load"]["submit_ms"]["p99"]
+    idle = r["idle"]["cpu_pct_of_one_core"]["broker"]
+    submit_ok = p99 is not None and p99 < TARGET_SUBMIT_P99_MS
+    cpu_ok = idle is not None and idle < 100 * TARGET_BROKER_CORES
+    achieved = r["idle"]["agents"]["publishes_per_s"] / r["publishes_target_per_s"]
+    caveat = (
+        ""
+        if achieved >= 0.95
+        else f" (the agents published only {100 * achieved:.0f} % of the target rate)"
+    )
+    return (
+        f"target at {TARGET_SITES} sites publishing every {TARGET_INTERVAL_S:g}s: "
+        f"submit p99 under {TARGET_SUBMIT_P99_MS:.0f} ms: {'MET' if submit_ok else 'NOT MET'} "
+        f"({fanin.fmt_ms(p99)} ms); broker under {TARGET_BROKER_CORES:g} core for the view "
+        f"(idle window): {'MET' if cpu_ok else 'NOT MET'} ({num(idle)} % of a core; "
+        f"{num(r['load']['cpu_pct_of_one_core']['broker'])} % under the API load){caveat}"
+    )
+
+
+# -- main --------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--sites", default="100,1000,5000", help="comma-separated site counts")
+    p.add_argument("--intervals", default="1,5", help="comma-separated publish intervals, s")
+    p.add_argument("--warmup", type=float, default=5.0, help="after the broker sees all sites, s")
+    p.add_argument("--idle", type=float, default=10.0, help="idle window (no API calls), s")
+    p.add_argument("--duration", type=float, default=20.0, help="load window, s")
+    p.add_argument("--submit-rate", type=float, default=5.0, help="POST /v1/jobs per s")
+    p.add_argument("--route-rate", type=float, default=20.0, help="POST /v1/route per s")
+    p.add_argument("--sites-rate", type=float, default=0.5, help="GET /v1/sites per s")
+    p.add_argument("--job-life", type=float, default=2.0, help="a job is cancelled after, s")
+    p.add_argument("--service-sites", type=int, default=8, help=f"sites serving {SERVICE}")
+    p.add_argument(
+        "--ttl", type=int, default=0, help="agents' lease TTL, s (default: as sites.agent)"
+    )
+    p.add_argument(
+        "--keepalive", type=float, default=0.0, help="keepalive period, s (default: ttl / 3)"
+    )
+    p.add_argument("--peers", type=int, default=4, help="LinkStatus entries per publish")
+    p.add_argument("--agents-per-client", type=int, default=100, help="agents per Registry")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", metavar="FILE", type=Path, help="also write the figures here")
+    p.add_argument(
+        "--profile",
+        metavar="DIR",
+        type=Path,
+        help="run each broker under cProfile into DIR/broker-<N>x<I>s.prof (inflates its CPU)",
+    )
+    p.add_argument(
+        "--py-spy",
+        metavar="DIR",
+        type=Path,
+        help="sample the broker with py-spy (if installed) in each window into DIR",
+    )
+    p.add_argument(
+        "--gc-log", action="store_true", help="log the broker's gc pauses of 5 ms or more"
+    )
+    p.add_argument(
+        "--gc-freeze",
+        metavar="S",
+        type=float,
+        default=0.0,
+        help="with --gc-log: gc.freeze() in the broker S seconds after it started (experiment)",
+    )
+    p.add_argument("--data-dir", metavar="DIR", type=Path, help="temp parent (default /dev/shm)")
+    return p.parse_args(argv)
+
+
+def parse_agents_args(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="live_federation.py agents")
+    p.add_argument("--etcd", required=True)
+    p.add_argument("--sites", type=int, required=True)
+    p.add_argument("--interval", type=float, required=True)
+    p.add_argument("--service-sites", type=int, default=8)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--ttl", type=int, default=3)
+    p.add_argument("--keepalive", type=float, default=1.0)
+    p.add_argument("--peers", type=int, default=4)
+    p.add_argument("--agents-per-client", type=int, default=100)
+    return p.parse_args(argv)
+
+
+async def amain(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    results = []
+    for n in [int(x) for x in args.sites.split(",") if x.strip()]:
+        for interval in [float(x) for x in args.intervals.split(",") if x.strip()]:
+            results.append(await run_row(n, interval, args, tmp))
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["agents"]:
+        asyncio.run(agents_main(parse_agents_args(argv[1:])))
+        return 0
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM unwinds like Ctrl-C
+    shm = Path("/dev/shm")
+    parent = args.data_dir or (shm if shm.is_dir() else None)
+    tmp = Path(tempfile.mkdtemp(prefix="cpn-live-", dir=parent))
+    header = [
+        f"etcd: embedded, data on {tmp} (fsync off); a fresh one per row",
+        f"agents: registry_fanin.SimAgent x N in ONE process of their own, "
+        f"{args.agents_per_client} per Registry client; {args.peers} links per publish; "
+        f"{args.service_sites} sites serve {SERVICE}; lease ttl "
+        + (f"{args.ttl}s" if args.ttl else "3 intervals (as sites.agent)")
+        + ", keepalive every "
+        + (f"{args.keepalive:g}s" if args.keepalive else "ttl / 3"),
+        "broker: `cpn broker` (default broker settings), a fresh one per row"
+        + (", under cProfile" if args.profile else ""),
+        f"windows: warm-up {args.warmup:g}s, idle {args.idle:g}s, load {args.duration:g}s "
+        f"({args.submit_rate:g} submits/s each cancelled after {args.job_life:g}s, "
+        f"{args.route_rate:g} routes/s, {args.sites_rate:g} GET /v1/sites per s)",
+        f"host: {psutil.cpu_count()} CPUs, load average "
+        + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        + " at start (shared machine: other work competes for the CPUs)",
+    ]
+    for line in header:
+        print(line, flush=True)
+    results: list[dict[str, Any]] = []
+    try:
+        results = asyncio.run(amain(args, tmp))
+    except KeyboardInterrupt:
+        log("interrupted: stopping what this bench started")
+        return 130
+    finally:
+        stop_all()
+        shutil.rmtree(tmp, ignore_errors=True)
+    print()
+    print("latencies in ms; CPU in % of one core; stale: GET /v1/sites' last_seen_ago_s")
+    print(table(results))
+    print()
+    for line in notes(results):
+        print(line)
+    print(target_line(results))
+    if args.json:
+        args.json.write_text(
+            json.dumps({"config": header, "argv": sys.argv, "results": results}, indent=2)
+        )
+        print(f"figures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
