@@ -478,8 +478,10 @@ async def drive_load(base: str, args: argparse.Namespace, load: Load, until: flo
             await asyncio.wait(cancels, timeout=args.job_life + 10)
 
 
-async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> float:
-    """Until the broker leads and sees every site up; returns the seconds it took."""
+async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> tuple[float, int]:
+    """Until the broker leads and sees every site up, or timeout_s (then the windows measure a
+    federation that is not all up: the agents' process could not keep every lease); returns the
+    seconds it took and the sites up."""
     started = time.monotonic()
     deadline = started + timeout_s
     up = -1
@@ -494,9 +496,12 @@ async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> float:
                     rows = json.loads(data)
                     up = sum(1 for r in rows if r.get("state") == "up")
                     if up >= n:
-                        return time.monotonic() - started
+                        return time.monotonic() - started, up
             await asyncio.sleep(0.5)
-    raise RuntimeError(f"the broker saw {up} of {n} sites up within {timeout_s:.0f}s")
+    if up < 0:
+        raise RuntimeError(f"the broker did not answer within {timeout_s:.0f}s")
+    log(f"   warning: the broker saw only {up} of {n} sites up after {timeout_s:.0f}s; going on")
+    return time.monotonic() - started, up
 
 
 # -- one row -----------------------------------------------------------------------------------
@@ -636,8 +641,8 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         argv += ["broker", "--etcd", url, "--listen", f"127.0.0.1:{port}"]
         argv += ["--config-dir", str(cfg)]
         broker = start_process("broker", argv, row_dir / "broker.log", stdout_pipe=False)
-        took = await wait_ready(base, n, broker, timeout_s=120 + n / 20)
-        log(f"   broker {base} (pid {broker.pid}) leads and sees {n} sites up after {took:.1f}s")
+        took, ready_up = await wait_ready(base, n, broker, timeout_s=60 + n / 20)
+        log(f"   broker {base} (pid {broker.pid}) leads, {ready_up} sites up after {took:.1f}s")
         await asyncio.sleep(args.warmup)
         reader.take()
 
@@ -722,6 +727,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         "interval_s": interval,
         "service_sites": len(serving_sites([d["id"] for d in docs], args.service_sites)),
         "publishes_target_per_s": n / interval,
+        "sites_up_when_ready": ready_up,
         "idle": {
             "cpu_pct_of_one_core": idle_cpu,
             "broker_rss_mb": idle_rss,
@@ -965,7 +971,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         asyncio.run(agents_main(parse_agents_args(argv[1:])))
         return 0
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM unwinds like Ctrl-C
+    # SIGTERM unwinds like Ctrl-C; SIGINT too, even where it was inherited ignored (a job
+    # started with & by a non-interactive shell)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     shm = Path("/dev/shm")
     parent = args.data_dir or (shm if shm.is_dir() else None)
     tmp = Path(tempfile.mkdtemp(prefix="cpn-live-", dir=parent))
