@@ -38,7 +38,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -62,6 +62,7 @@ from sites import keys
 from sites.clock import Clock
 from sites.durations import parse_duration_s
 from sites.errors import RegistryError, RevisionCompacted
+from sites.paging import Page
 from sites.registry import Guard, MemberStatus, Registry
 
 __all__ = ["Expired", "HistoryKeeper", "JobPage", "JobQuery", "list_page"]
@@ -79,6 +80,9 @@ EXPIRE_BATCH = 50
 PASS_LIMIT = 2000
 """Most jobs one archive or expiry pass handles (count) before the loop checks in again."""
 MIGRATION = "job-index-v1"
+WINDOW_US = 3600 * 1_000_000
+"""The first time window a page reads of the index (microseconds of creation time)."""
+_POSITIONS = 10**17
 
 
 # -- listing ------------------------------------------------------------------------------------
@@ -159,7 +163,14 @@ def _untoken(token: str) -> tuple[int, str]:
 
 
 class _Cursor:
-    """Index entries of one prefix in key order, after `after`, read lazily a page at a time."""
+    """Index entries of one prefix in key order, after `after`, read lazily a page at a time.
+
+    In time windows: etcd 3.5 counts every key left in a range for each page it answers, so a
+    page read to the end of a 100,000-key index costs 100,000 key visits. A window starts one
+    hour of creation time wide (positions are microseconds) and grows 4x each time it is
+    used up, so a page costs what the window holds, and a sparse or old stretch of the index
+    is crossed in a few reads.
+    """
 
     def __init__(
         self,
@@ -171,27 +182,55 @@ class _Cursor:
         page_keys: int,
         archived: bool,
     ) -> None:
-        start = prefix if after is None else prefix + after + "\x00"
+        self.registry = registry
         self.prefix = prefix
         self.archived = archived
-        self._pages = registry.iter_range(
-            start, prefix=prefix, revision=revision, page_keys=page_keys
-        )
+        self.revision = revision
+        self.page_keys = page_keys
         self.buffer: list[tuple[str, bytes]] = []  # (suffix after the prefix, value)
         self.done = False
+        self._start = prefix if after is None else prefix + after + "\x00"
+        self._span = WINDOW_US
+        self._pages: AsyncGenerator[Page, None] | None = None
+        self._last_window = False
+        self._end: str | None = None
+
+    def _open_window(self) -> AsyncGenerator[Page, None]:
+        digits = self._start[len(self.prefix) :][:17]
+        if len(digits) == 17 and digits.isdigit():
+            high = int(digits) + self._span
+        else:  # the first page: every job created in the last hour (or dated ahead of now)
+            high = int(position(time.time() - WINDOW_US / 1e6))
+        self._last_window = high >= _POSITIONS
+        self._end = None if self._last_window else f"{self.prefix}{high:017d}"
+        return self.registry.iter_range(
+            self._start,
+            prefix=self.prefix,
+            end_key=self._end,
+            revision=self.revision,
+            page_keys=self.page_keys,
+        )
 
     async def fill(self) -> None:
-        """Read the next page once the buffer is used up (nothing once the range is)."""
+        """Read the next page once the buffer is used up (nothing once the index is)."""
         while not self.buffer and not self.done:
+            if self._pages is None:
+                self._pages = self._open_window()
             try:
                 page = await anext(self._pages)
             except StopAsyncIteration:
-                self.done = True
-                break
+                self._pages = None
+                if self._last_window:
+                    self.done = True
+                else:  # this window is used up: the next, wider one
+                    assert self._end is not None
+                    self._start = self._end
+                    self._span *= 4
+                continue
             cut = len(self.prefix)
             self.buffer = [(k[cut:], v) for k, v, _ in page.items]
-            if not page.more:
-                self.done = True
+            if page.items:
+                self._start = page.items[-1][0] + "\x00"
 
     def take(self, bound: str | None) -> list[tuple[str, bytes, bool]]:
         """The buffered entries up to `bound` (all when None), removed from the buffer."""
@@ -204,7 +243,8 @@ class _Cursor:
         return out
 
     async def close(self) -> None:
-        await self._pages.aclose()
+        if self._pages is not None:
+            await self._pages.aclose()
 
 
 async def list_page(registry: Registry, query: JobQuery, token: str | None = None) -> JobPage:

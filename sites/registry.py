@@ -266,18 +266,27 @@ class Registry:
         start_key: str,
         *,
         prefix: str,
+        end_key: str | None = None,
         revision: int | None = None,
         page_keys: int = paging.PAGE_KEYS,
     ) -> AsyncGenerator[Page, None]:
-        """As iter_prefix, from `start_key` (included) to the end of `prefix`.
+        """As iter_prefix, from `start_key` (included) to `end_key` (excluded), else to the
+        end of `prefix`.
 
         Pages come in etcd's own key order (no sort asked: a sorted range makes etcd read the
-        whole range before it applies the limit), so a caller that stops early has paid only
-        for the pages it read.
+        whole range before it applies the limit). Mind that etcd (3.5) counts every key left
+        in the range for each page it answers: a caller that wants a few keys from a large
+        prefix bounds the range with `end_key` (broker.history reads in time windows).
         """
         if not start_key.startswith(prefix):
             raise ValueError(f"start key {start_key!r} is not under {prefix!r}")
-        end = aetcd.utils.prefix_range_end(prefix.encode())
+        if end_key is not None and not end_key.startswith(prefix):
+            raise ValueError(f"end key {end_key!r} is not under {prefix!r}")
+        end = (
+            end_key.encode()
+            if end_key is not None
+            else aetcd.utils.prefix_range_end(prefix.encode())
+        )
         limit = paging.next_page_keys(largest_item_bytes=0, page_keys=min(page_keys, 10_000))
         start = start_key.encode()
         while True:
