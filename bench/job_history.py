@@ -192,6 +192,7 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
             if n == 0:
                 return result
 
+            cfg = rb.copy_configs(work / f"n{n}-archive", fast=True)  # fresh ports
             write_settings(
                 cfg,
                 {
@@ -203,7 +204,7 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
                 },
             )
             demo = rb.Demo(
-                cfg, work / f"n{n}" / "state2", wan=False, sites=rb.LOOPBACK_SITES,
+                cfg, work / f"n{n}-archive" / "state", wan=False, sites=rb.LOOPBACK_SITES,
                 interval_s=1.0, block_scapy=True,
             )  # fmt: skip
             t0 = time.perf_counter()
@@ -300,8 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     try:
         for n in (int(x) for x in args.jobs.split(",")):
             results.append(asyncio.run(run_one(n, args, work)))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        log(f"failed; the demos' logs are kept under {work}")
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     print(report(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
