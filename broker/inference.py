@@ -35,12 +35,14 @@ from routing.proxy import (
     upstream_key,
 )
 from routing.ratelimit import RateLimit, TenantLimiter
+from routing.upstream import UpstreamPool
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Gateway:
-    """Owns the proxy's sessions and health checker; `install(app)` adds the route."""
+    """Owns the proxy (and its upstream connections) and the health checker; `install(app)`
+    adds the route."""
 
     def __init__(
         self,
@@ -56,22 +58,13 @@ class Gateway:
         # emulated WAN only: client region -> the loopback address its traffic leaves from
         self.client_source_ips = client_source_ips or {}
         self.health = OutlierDetector(settings=self.settings.outlier)
-        self._sessions: dict[str, aiohttp.ClientSession] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # the health checks'
         self.checker: ActiveHealthChecker | None = None
         self.proxy: InferenceProxy | None = None
 
-    def _new_session(self, source_ip: str | None = None) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(
-            limit=0, local_addr=None if source_ip is None else (source_ip, 0), ttl_dns_cache=300
-        )
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         return aiohttp.ClientSession(connector=connector, auto_decompress=False)
-
-    def session_for(self, source_ip: str) -> aiohttp.ClientSession:
-        session = self._sessions.get(source_ip)
-        if session is None:
-            session = self._sessions[source_ip] = self._new_session(source_ip)
-        return session
 
     async def pick(
         self, service: str, region: str | None, session_key: str | None
@@ -126,17 +119,16 @@ class Gateway:
                 response_timeout_s=settings.response_timeout_s,
                 max_attempts=settings.max_attempts,
                 max_body_bytes=settings.max_body_bytes,
-                session=self._session,
+                pool=UpstreamPool(),
                 known_services=self.router.services,
                 resolve_region=self.router.clients.region_of,
                 known_regions=lambda: self.router.clients,
                 active=self.checker,
-                session_for=self.session_for,
             )
             yield
             await self.broker.supervisor.cancel("health checker")
-            for session in [self._session, *self._sessions.values()]:
-                await session.close()
+            await self.proxy.close()
+            await self._session.close()
 
         app.cleanup_ctx.append(lifetime)
 
