@@ -9,6 +9,7 @@ registry is unreachable; a 500 is a bug.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -21,6 +22,18 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from broker.access import (
+    AUTH,
+    Access,
+    access_operations,
+    audit_middleware_for,
+    auth_middleware,
+    check_table,
+    note,
+    principal,
+    secured,
+)
+from broker.auth import Forbidden
 from broker.bodies import UNSUPPORTED_MEDIA, read_model
 from broker.errors import (
     Conflict,
@@ -197,7 +210,15 @@ def job_json(record: JobRecord) -> object:
 
 async def submit(request: web.Request) -> web.Response:
     spec = await read_model(request, JobSpec)
+    who = principal(request)
+    note(request, tenant=spec.tenant)
+    if not who.sees(spec.tenant):
+        raise Forbidden(
+            f"a {who.role.value} token of tenant {who.tenant} submits as {who.tenant} only, "
+            f"not as {spec.tenant}"
+        )
     record = await request.app[BROKER].submit(spec)
+    note(request, target=record.id)
     return web.json_response(job_json(record), status=201)
 
 
@@ -241,21 +262,35 @@ def job_query(query: Mapping[str, str], now: float) -> JobQuery:
 async def list_jobs(request: web.Request) -> web.Response:
     broker = request.app[BROKER]
     query = job_query(request.query, broker.clock.time())
+    who = principal(request)
+    if who.tenant is not None:  # a tenant's token lists its own tenant's jobs
+        if query.tenant not in (None, who.tenant):
+            raise Forbidden(f"a {who.role.value} token lists tenant {who.tenant}'s jobs only")
+        query = dataclasses.replace(query, tenant=who.tenant)
     page = await list_page(broker.registry, query, request.query.get("continue") or None)
     # the records go out as etcd holds them: a page is not decoded and encoded again
     body = b'{"items":[' + b",".join(page.raw) + b'],"continue":' + json.dumps(page.next).encode()
     return web.Response(body=body + b"}", content_type="application/json")
 
 
+async def visible_job(request: web.Request) -> JobRecord:
+    """The job named in the path, if the caller may see it (another tenant's: 404)."""
+    job_id = request.match_info["job"]
+    record = await request.app[BROKER].get(job_id)
+    principal(request).only_own(record.spec.tenant, f"job {job_id!r}")
+    return record
+
+
 async def get_job(request: web.Request) -> web.Response:
-    record = await request.app[BROKER].get(request.match_info["job"])
-    return web.json_response(job_json(record))
+    return web.json_response(job_json(await visible_job(request)))
 
 
 def _action(name: str) -> Handler:
     async def handler(request: web.Request) -> web.Response:
         broker = request.app[BROKER]
-        record = await getattr(broker, name)(request.match_info["job"])
+        seen = await visible_job(request)
+        note(request, tenant=seen.spec.tenant, target=seen.id)
+        record = await getattr(broker, name)(seen.id)
         return web.json_response(job_json(record))
 
     return handler
@@ -266,7 +301,7 @@ async def job_logs(request: web.Request) -> web.StreamResponse:
     if follow not in FOLLOW:
         raise InvalidRequest(f"follow must be one of {', '.join(FOLLOW)}", field="follow")
     broker = request.app[BROKER]
-    record = await broker.get(request.match_info["job"])
+    record = await visible_job(request)
     if record.placement is None:
         raise InvalidRequest(
             f"job {record.id} has not run yet ({record.state.value})", code="no_logs"
@@ -344,7 +379,8 @@ async def openapi(request: web.Request) -> web.Response:
 def openapi_document(app: web.Application) -> dict[str, object]:
     """The OpenAPI 3.1 document of every route `app` serves."""
     operations: list[Operation] = app[OPERATIONS]
-    return document(operations, title="cpn broker", version="1")
+    doc = document(operations, title="cpn broker", version="1")
+    return secured(doc, operations)
 
 
 JOB = Param("job", "path", "the job id")
@@ -453,6 +489,10 @@ ROUTE = Operation(
 )  # fmt: skip
 
 
+async def _check_access(app: web.Application) -> None:
+    check_table(app)
+
+
 async def _http_session(app: web.Application) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=AGENT_CONNECT_TIMEOUT_S)
     app[HTTP] = session = aiohttp.ClientSession(timeout=timeout)
@@ -461,11 +501,21 @@ async def _http_session(app: web.Application) -> AsyncIterator[None]:
 
 
 def make_app(broker: Broker, router: Router | None = None) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware], client_max_size=MAX_BODY)
+    app = web.Application(
+        middlewares=[audit_middleware_for(errors_middleware), auth_middleware],
+        client_max_size=MAX_BODY,
+    )
     app[BROKER] = broker
+    app[AUTH] = Access(
+        tokens=broker.tokens,
+        audit=broker.audit,
+        enabled=broker.settings.auth.enabled,
+        clock=broker.clock.time,
+    )
     app[OPERATIONS] = []
     app.cleanup_ctx.append(_http_session)
-    for op in job_operations():
+    app.on_startup.append(_check_access)
+    for op in [*job_operations(), *access_operations()]:
         register(app, op)
     if router is not None:
         app[ROUTER] = router

@@ -30,15 +30,12 @@ paths (docs/jobs.md, "History and retention", has the long form):
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import bisect
 import json
 import logging
 import math
 import time
 import zlib
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -48,6 +45,8 @@ from broker.errors import Expired, InvalidRequest
 from broker.jobs import JobRecord, JobState
 from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
+from broker.newest import Cursor, untoken
+from broker.newest import token as make_token
 from broker.operations import GangRecord
 from broker.settings import HistorySettings
 from broker.store import (
@@ -62,7 +61,6 @@ from sites import keys
 from sites.clock import Clock
 from sites.durations import parse_duration_s
 from sites.errors import RegistryError, RevisionCompacted
-from sites.paging import Page
 from sites.registry import Guard, MemberStatus, Registry
 
 __all__ = ["Expired", "HistoryKeeper", "JobPage", "JobQuery", "list_page"]
@@ -80,9 +78,6 @@ EXPIRE_BATCH = 50
 PASS_LIMIT = 2000
 """Most jobs one archive or expiry pass handles (count) before the loop checks in again."""
 MIGRATION = "job-index-v1"
-WINDOW_US = 3600 * 1_000_000
-"""The first time window a page reads of the index (microseconds of creation time)."""
-_POSITIONS = 10**17
 
 
 # -- listing ------------------------------------------------------------------------------------
@@ -145,111 +140,9 @@ def parse_since(text: str, now: float) -> float:
     return moment.timestamp()
 
 
-def _token(revision: int, after: str) -> str:
-    raw = json.dumps({"r": revision, "a": after}, separators=(",", ":")).encode()
-    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
-
-
-def _untoken(token: str) -> tuple[int, str]:
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
-        data = json.loads(raw)
-        revision, after = int(data["r"]), str(data["a"])
-    except (binascii.Error, ValueError, KeyError, TypeError) as exc:
-        raise InvalidRequest("not a continue token of this API", field="continue") from exc
-    if revision <= 0 or "/" not in after:
-        raise InvalidRequest("not a continue token of this API", field="continue")
-    return revision, after
-
-
-class _Cursor:
-    """Index entries of one prefix in key order, after `after`, read lazily a page at a time.
-
-    In time windows: etcd 3.5 counts every key left in a range for each page it answers, so a
-    page read to the end of a 100,000-key index costs 100,000 key visits. A window starts one
-    hour of creation time wide (positions are microseconds) and grows 4x each time it is
-    used up, so a page costs what the window holds, and a sparse or old stretch of the index
-    is crossed in a few reads.
-    """
-
-    def __init__(
-        self,
-        registry: Registry,
-        prefix: str,
-        *,
-        after: str | None,
-        revision: int,
-        page_keys: int,
-        archived: bool,
-    ) -> None:
-        self.registry = registry
-        self.prefix = prefix
-        self.archived = archived
-        self.revision = revision
-        self.page_keys = page_keys
-        self.buffer: list[tuple[str, bytes]] = []  # (suffix after the prefix, value)
-        self.done = False
-        self._start = prefix if after is None else prefix + after + "\x00"
-        self._span = WINDOW_US
-        self._pages: AsyncGenerator[Page, None] | None = None
-        self._last_window = False
-        self._end: str | None = None
-
-    def _open_window(self) -> AsyncGenerator[Page, None]:
-        digits = self._start[len(self.prefix) :][:17]
-        if len(digits) == 17 and digits.isdigit():
-            high = int(digits) + self._span
-        else:  # the first page: every job created in the last hour (or dated ahead of now)
-            high = int(position(time.time() - WINDOW_US / 1e6))
-        self._last_window = high >= _POSITIONS
-        self._end = None if self._last_window else f"{self.prefix}{high:017d}"
-        return self.registry.iter_range(
-            self._start,
-            prefix=self.prefix,
-            end_key=self._end,
-            revision=self.revision,
-            page_keys=self.page_keys,
-        )
-
-    async def fill(self) -> None:
-        """Read the next page once the buffer is used up (nothing once the index is)."""
-        while not self.buffer and not self.done:
-            if self._pages is None:
-                self._pages = self._open_window()
-            try:
-                page = await anext(self._pages)
-            except StopAsyncIteration:
-                self._pages = None
-                if self._last_window:
-                    self.done = True
-                else:  # this window is used up: the next, wider one
-                    assert self._end is not None
-                    self._start = self._end
-                    self._span *= 4
-                continue
-            cut = len(self.prefix)
-            self.buffer = [(k[cut:], v) for k, v, _ in page.items]
-            if page.items:
-                self._start = page.items[-1][0] + "\x00"
-
-    def take(self, bound: str | None) -> list[tuple[str, bytes, bool]]:
-        """The buffered entries up to `bound` (all when None), removed from the buffer."""
-        if bound is None:
-            n = len(self.buffer)
-        else:
-            n = bisect.bisect_right(self.buffer, bound, key=lambda e: e[0])
-        out = [(k, v, self.archived) for k, v in self.buffer[:n]]
-        del self.buffer[:n]
-        return out
-
-    async def close(self) -> None:
-        if self._pages is not None:
-            await self._pages.aclose()
-
-
 async def list_page(registry: Registry, query: JobQuery, token: str | None = None) -> JobPage:
     """One page of jobs, newest first (see the module docstring)."""
-    revision, after = _untoken(token) if token else (None, None)
+    revision, after = untoken(token) if token else (None, None)
     page_keys = 2000 if query.filtered else min(500, query.limit + 1)
     prefixes = [(keys.JOB_INDEX, False)]
     if query.include_archived:
@@ -258,7 +151,7 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
         if revision is None:
             revision = await registry.revision()
         cursors = [
-            _Cursor(registry, p, after=after, revision=revision, page_keys=page_keys, archived=a)
+            Cursor(registry, p, after=after, revision=revision, page_keys=page_keys, archived=a)
             for p, a in prefixes
         ]
         try:
@@ -275,13 +168,13 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
         ) from exc
     return JobPage(
         raw=raw,
-        next=_token(revision, last) if more and last is not None else None,
+        next=make_token(revision, last) if more and last is not None else None,
         revision=revision,
     )
 
 
 async def _scan(
-    cursors: list[_Cursor], query: JobQuery
+    cursors: list[Cursor], query: JobQuery
 ) -> tuple[list[tuple[str, bool]], str | None, bool]:
     """Walk the cursors merged in key order: ([(job id, archived)], last suffix, more left).
 
@@ -352,6 +245,7 @@ class PassResult:
     indexed: int = 0
     archived: int = 0
     expired: int = 0
+    audit_expired: int = 0
     compacted_to: int | None = None
     defragmented: list[str] = field(default_factory=list)
 
@@ -405,6 +299,7 @@ class HistoryKeeper:
             out.indexed = await self.migrate()
         out.archived = await self.archive(now)
         out.expired = await self.expire(now)
+        out.audit_expired = await self.expire_audit(now)
         out.compacted_to = await self.compact()
         out.defragmented = await self.defragment()
         return out
@@ -550,6 +445,23 @@ class HistoryKeeper:
             if await self.registry.commit(guards=guards, deletes=deletes):
                 dropped += len(batch)
         self.metrics.expired.inc(dropped)
+        return dropped
+
+    async def expire_audit(self, now: float) -> int:
+        """Drop audit entries older than history.audit_retention_s (oldest are last)."""
+        if not self.settings.audit_retention_s:
+            return 0
+        start = keys.AUDIT + position(now - float(self.settings.audit_retention_s))
+        due: list[str] = []
+        async for page in self.registry.iter_range(start, prefix=keys.AUDIT, page_keys=500):
+            due += [key for key, _, _ in page.items]
+            if len(due) >= PASS_LIMIT:
+                break
+        dropped = 0
+        for i in range(0, min(len(due), PASS_LIMIT), 100):
+            batch = due[i : i + 100]
+            if await self.registry.commit(guards=[self.leadership.guard()], deletes=batch):
+                dropped += len(batch)
         return dropped
 
     # etcd upkeep

@@ -25,6 +25,8 @@ from typing import Any
 
 from broker import decisions as dc
 from broker.actions import Actor
+from broker.audit import AuditLog
+from broker.auth import TokenBook
 from broker.errors import BrokerError
 from broker.history import HistoryKeeper
 from broker.jobs import JobRecord, JobSpec
@@ -69,6 +71,8 @@ class Broker:
         self.url = url
         self.instance = secrets.token_hex(6)
         self.store = JobStore(registry=registry)
+        self.tokens = TokenBook(registry=registry)
+        self.audit = AuditLog(registry=registry)
         self.metrics = BrokerMetrics()
         self._kick = asyncio.Event()
         self.views = ViewCache(registry=registry, on_change=self._kick.set)
@@ -108,7 +112,9 @@ class Broker:
     async def start(self) -> None:
         for prefix, mirror in self.views.mirrors.items():
             self.supervisor.spawn(f"mirror {prefix}", mirror.run, restart=RESTART)
+        self.supervisor.spawn("tokens", self.tokens.mirror.run, restart=RESTART)
         await self.views.synced(30)
+        await asyncio.wait_for(self.tokens.mirror.synced.wait(), 30)
         self.supervisor.spawn("leader election", self.leadership.run, restart=RESTART)
         self.supervisor.spawn("scheduler", self._schedule_loop, restart=RESTART)
         self.supervisor.spawn("history", self.history.run, restart=RESTART)

@@ -102,6 +102,21 @@ class HistorySettings(BaseModel):
     defrag_min_free_bytes: int = Field(
         default=16 * 1024 * 1024, ge=0, description="and at least this many free bytes"
     )
+    audit_retention_s: Duration = Field(
+        default=90 * 86400.0, ge=0, description="audit entries are kept this long (0: forever)"
+    )
+
+
+class AuthSettings(BaseModel):
+    """Who may call the API (broker.auth, docs/auth.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(
+        default=True,
+        description="require a bearer token on every endpoint but /healthz and /openapi.json; "
+        "false trusts every caller (a closed test bed only)",
+    )
 
 
 class BrokerSettings(BaseModel):
@@ -119,6 +134,7 @@ class BrokerSettings(BaseModel):
     )
     scheduling: SchedulingSettings = SchedulingSettings()
     history: HistorySettings = HistorySettings()
+    auth: AuthSettings = AuthSettings()
     inference: InferenceSettings = InferenceSettings()
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from cpn import render
-from cpn.client import ApiError, BrokerClient, broker_url
+from cpn.client import ApiError, BrokerClient
 from cpn.state import read_up_state
 from sites.agent import Agent, AgentSettings
 from sites.catalog import CatalogError, DeviceCatalog
@@ -160,7 +160,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     _load_job_file(args.file)  # a readable YAML mapping, or exit 2 with one line
     # sent as the YAML it is: the broker parses it (timestamps such as a deadline included)
     text = Path(args.file).read_text()
-    async with BrokerClient(broker_url(args.broker)) as client:
+    async with BrokerClient.to(args.broker) as client:
         record = await client.call("POST", "/v1/jobs", yaml=text)
     if args.output == "json":
         print(json.dumps(record, indent=2))
@@ -186,7 +186,7 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
     token: str | None = None
     if args.output == "json":
         print("[")
-    async with BrokerClient(broker_url(args.broker)) as client:
+    async with BrokerClient.to(args.broker) as client:
         while True:
             left = JOBS_PAGE if args.limit is None else min(JOBS_PAGE, args.limit - shown)
             page_params = {**params, "limit": str(left)}
@@ -215,7 +215,7 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 async def cmd_describe(args: argparse.Namespace) -> int:
-    async with BrokerClient(broker_url(args.broker)) as client:
+    async with BrokerClient.to(args.broker) as client:
         record = await client.call("GET", f"/v1/jobs/{args.job}")
     if args.output == "json":
         print(json.dumps(record, indent=2))
@@ -225,7 +225,7 @@ async def cmd_describe(args: argparse.Namespace) -> int:
 
 
 async def cmd_job_action(args: argparse.Namespace) -> int:
-    async with BrokerClient(broker_url(args.broker)) as client:
+    async with BrokerClient.to(args.broker) as client:
         record = await client.call("POST", f"/v1/jobs/{args.job}/{args.action}")
     print(f"job {record['id']} {record['state']}")
     return 0
@@ -233,8 +233,114 @@ async def cmd_job_action(args: argparse.Namespace) -> int:
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     params = {"follow": "1"} if args.follow else {}
-    async with BrokerClient(broker_url(args.broker)) as client:
+    async with BrokerClient.to(args.broker) as client:
         await client.stream(f"/v1/jobs/{args.job}/logs", **params)
+    return 0
+
+
+async def cmd_token_create(args: argparse.Namespace) -> int:
+    """Through the broker (with a token that may), or straight into etcd with --etcd (or
+    $CPN_ETCD and no token configured): how the first admin token is made."""
+    from broker.auth import Role, create_token, new_token
+    from broker.errors import InvalidRequest
+    from sites.durations import parse_duration_s
+
+    try:
+        ttl_s = parse_duration_s(args.ttl) if args.ttl else None
+        role = Role(args.role)
+    except ValueError as exc:
+        raise UsageError(f"--ttl/--role: {exc}") from None
+    direct = args.etcd or (os.environ.get("CPN_ETCD") and not _have_token(args.broker))
+    if direct:
+        try:
+            record, token = new_token(
+                role=role,
+                tenant=args.tenant,
+                now=SystemClock().time(),
+                created_by="etcd",
+                ttl_s=ttl_s,
+                description=args.description,
+            )
+        except InvalidRequest as exc:
+            raise UsageError(f"--{exc.field or 'tenant'}: {exc.message}") from None
+        async with Registry.from_urls(_etcd_url(args)) as registry:
+            await create_token(registry, record)
+        created: dict[str, Any] = {"token": token, **record.public()}
+    else:
+        body: dict[str, Any] = {"role": role.value, "description": args.description}
+        if args.tenant:
+            body["tenant"] = args.tenant
+        if ttl_s:
+            body["ttl_s"] = ttl_s
+        async with BrokerClient.to(args.broker) as client:
+            created = await client.call("POST", "/v1/tokens", body)
+    if args.output == "json":
+        print(json.dumps(created, indent=2))
+    else:
+        scope = f" of tenant {created['tenant']}" if created.get("tenant") else ""
+        print(f"token {created['id']} ({created['role']}{scope}); it is shown only once:")
+        print(created["token"])
+    return 0
+
+
+def _have_token(explicit: str | None) -> bool:
+    from cpn.client import connection
+
+    try:
+        return connection(explicit)[1] is not None
+    except ApiError:
+        return False
+
+
+async def cmd_token_list(args: argparse.Namespace) -> int:
+    async with BrokerClient.to(args.broker) as client:
+        tokens = await client.call("GET", "/v1/tokens")
+    if args.output == "json":
+        print(json.dumps(tokens, indent=2))
+    else:
+        print(render.tokens_table(tokens, now=SystemClock().time()))
+    return 0
+
+
+async def cmd_token_revoke(args: argparse.Namespace) -> int:
+    async with BrokerClient.to(args.broker) as client:
+        record = await client.call("DELETE", f"/v1/tokens/{args.id}")
+    print(f"token {record['id']} revoked")
+    return 0
+
+
+async def cmd_audit(args: argparse.Namespace) -> int:
+    params = {"tenant": args.tenant} if args.tenant else {}
+    shown, token = 0, None
+    rows: list[dict[str, Any]] = []
+    async with BrokerClient.to(args.broker) as client:
+        while shown < args.limit:
+            page_params = {**params, "limit": str(min(500, args.limit - shown))}
+            if token:
+                page_params["continue"] = token
+            page = await client.call("GET", "/v1/audit", **page_params)
+            rows += page["items"]
+            shown += len(page["items"])
+            token = page.get("continue")
+            if not token:
+                break
+    if args.output == "json":
+        print(json.dumps(rows, indent=2))
+    else:
+        print(render.audit_table(rows))
+    return 0
+
+
+async def cmd_whoami(args: argparse.Namespace) -> int:
+    async with BrokerClient.to(args.broker) as client:
+        me = await client.call("GET", "/v1/whoami")
+    if args.output == "json":
+        print(json.dumps(me, indent=2))
+    elif not me["auth"]:
+        print("this broker does not check tokens (auth.enabled: false)")
+    else:
+        scope = f" of tenant {me['tenant']}" if me.get("tenant") else ""
+        print(f"token {me['token_id']}: {me['role']}{scope}")
     return 0
 
 
@@ -399,6 +505,42 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("-f", "--follow", action="store_true", help="stream until the run ends")
     broker_arg(logs)
     logs.set_defaults(func=cmd_logs)
+
+    token = sub.add_parser("token", help="create, list or revoke API tokens (docs/auth.md)")
+    token_sub = token.add_subparsers(dest="token_command", required=True, parser_class=CliParser)
+    create = token_sub.add_parser("create", help="a new token; printed once")
+    create.add_argument(
+        "--role",
+        required=True,
+        choices=("admin", "operator", "tenant-admin", "tenant-user", "viewer"),
+    )
+    create.add_argument("--tenant", help="the tenant (tenant-admin, tenant-user, viewer)")
+    create.add_argument("--ttl", metavar="DURATION", help="lifetime, e.g. 30d or 12h")
+    create.add_argument("--description", default="", help="what it is for")
+    create.add_argument(
+        "--etcd",
+        metavar="URL[,URL...]",
+        help="write it straight into etcd (bootstrap: the first admin token)",
+    )
+    broker_arg(create)
+    create.set_defaults(func=cmd_token_create)
+    tlist = token_sub.add_parser("list", help="the tokens you may see (never their secrets)")
+    broker_arg(tlist)
+    tlist.set_defaults(func=cmd_token_list)
+    trevoke = token_sub.add_parser("revoke", help="revoke a token on every broker replica")
+    trevoke.add_argument("id", metavar="ID")
+    broker_arg(trevoke)
+    trevoke.set_defaults(func=cmd_token_revoke)
+
+    audit = sub.add_parser("audit", help="the audit log, newest first")
+    audit.add_argument("--tenant", help="only this tenant's entries")
+    audit.add_argument("--limit", type=int, default=100, metavar="N")
+    broker_arg(audit)
+    audit.set_defaults(func=cmd_audit)
+
+    whoami = sub.add_parser("whoami", help="the token in use: its id, role and tenant")
+    broker_arg(whoami)
+    whoami.set_defaults(func=cmd_whoami)
 
     plan = sub.add_parser(
         "plan", help="solve a placement problem offline (docs/placement.md)", add_help=False

@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 
+from cpn.config import ConfigFileError, load_contexts
 from cpn.state import read_up_state
 
 
@@ -19,21 +20,45 @@ class ApiError(Exception):
 
 
 def broker_url(explicit: str | None) -> str:
+    return connection(explicit)[0]
+
+
+def connection(explicit: str | None) -> tuple[str, str | None]:
+    """(broker URL, token) as cpn.config describes: --broker, $CPN_BROKER, the config file's
+    current entry, the running `cpn up`; $CPN_TOKEN, else the token stored for that URL."""
+    try:
+        current, contexts = load_contexts()
+    except ConfigFileError as exc:
+        raise ApiError(0, str(exc)) from None
+    state = read_up_state()
     url = explicit or os.environ.get("CPN_BROKER")
-    if not url:
-        state = read_up_state()
-        url = state.get("broker") if state else None
+    if not url and current in contexts:
+        url = contexts[current].url
+    if not url and state:
+        url = state.get("broker")
     if not url:
         raise ApiError(0, "no broker: pass --broker URL, set CPN_BROKER, or start `cpn up`")
-    return url.rstrip("/")
+    url = url.rstrip("/")
+    token = os.environ.get("CPN_TOKEN") or None
+    if token is None:
+        token = next((c.token for c in contexts.values() if c.url == url and c.token), None)
+    if token is None and state and str(state.get("broker", "")).rstrip("/") == url:
+        token = state.get("token")
+    return url, token
 
 
 class BrokerClient:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, token: str | None = None) -> None:
         self.url = url
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5)
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), headers=headers
         )
+
+    @classmethod
+    def to(cls, explicit: str | None) -> BrokerClient:
+        """A client of the broker (and with the token) cpn.config resolves."""
+        return cls(*connection(explicit))
 
     async def __aenter__(self) -> BrokerClient:
         return self

@@ -24,14 +24,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+from broker.auth import Role, create_token, new_token
 from broker.regions import load_user_regions
 from cpn import render
+from cpn.config import ConfigFileError, remove_context, save_context
 from cpn.state import clear_up_state, state_dir, write_up_state
 from routing.clients import load_clients
-from sites import wan
+from sites import keys, wan
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, read_yaml, site_files
-from sites.errors import ConfigError, Problem
+from sites.errors import ConfigError, Problem, RegistryError
 from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.latency import Endpoint, LatencyModel
 from sites.registry import Registry
@@ -79,6 +81,9 @@ def endpoint_of(spec: SiteSpec) -> Endpoint:
     return Endpoint(lat=spec.coordinates.lat, lon=spec.coordinates.lon, zone=spec.latency_zone)
 
 
+CONTEXT = "up"  # the CLI config entry `cpn up` writes (cpn.config)
+
+
 class Launcher:
     def __init__(self, settings: LaunchSettings) -> None:
         self.settings = settings
@@ -88,6 +93,9 @@ class Launcher:
         self.broker: subprocess.Popen[bytes] | None = None
         self.model_servers: list[subprocess.Popen[bytes]] = []
         self.broker_url = ""
+        self.token: str | None = None
+        self.token_id: str | None = None
+        self.etcd_url = ""
         self.run_dir = state_dir() / f"up-{os.getpid()}"
         self.broker_log = self.run_dir / "broker.log"
         self._stop = asyncio.Event()
@@ -136,9 +144,11 @@ class Launcher:
             loop.add_signal_handler(sig, self._stop.set)
         try:
             url = self.settings.etcd or self._start_etcd()
+            self.etcd_url = url
             async with Registry.from_urls(url) as registry:
                 for plan in self.plans:
                     await registry.join(plan.spec)
+                await self._make_token(registry)
             if self.settings.wan_emulation:
                 await self._start_wan()
             else:
@@ -152,10 +162,16 @@ class Launcher:
                     "pid": os.getpid(),
                     "etcd": url,
                     "broker": self.broker_url,
+                    "token": self.token,
                     "started_at": time.time(),
                     "sites": {p.spec.id: p.advertise or p.listen for p in self.plans},
                 }
             )
+            try:
+                where = save_context(CONTEXT, self.broker_url, self.token)
+                print(f"cpn up: the CLI's config {where} has the demo's admin token", flush=True)
+            except (OSError, ConfigFileError) as exc:
+                print(f"cpn up: could not write the CLI's config: {exc}", flush=True)
             print(self.describe(url), flush=True)
             supervisor = Supervisor(owner="cpn up")
             supervisor.spawn("process monitor", self._supervise)
@@ -174,6 +190,28 @@ class Launcher:
         finally:
             await self.shutdown()
         return 0
+
+    async def _make_token(self, registry: Registry) -> None:
+        """The demo's admin token, written straight into etcd (a bootstrap, as an operator
+        with etcd access makes the first one); revoked when `cpn up` stops."""
+        record, self.token = new_token(
+            role=Role.admin,
+            tenant=None,
+            now=time.time(),
+            created_by="cpn up",
+            description=f"cpn up (pid {os.getpid()})",
+        )
+        await create_token(registry, record)
+        self.token_id = record.id
+
+    async def _revoke_token(self) -> None:
+        if self.token_id is None or self.etcd is not None:
+            return  # an embedded etcd goes with its data
+        try:
+            async with Registry.from_urls(self.etcd_url) as registry:
+                await registry.commit(guards=[], deletes=[keys.token(self.token_id)])
+        except RegistryError as exc:
+            print(f"cpn up: could not revoke the demo token: {exc}", flush=True)
 
     def _start_etcd(self) -> str:
         self.etcd = EmbeddedEtcd()
@@ -395,8 +433,14 @@ class Launcher:
         if self.emulator is not None:
             await self.emulator.close()
             self.emulator = None
+        await self._revoke_token()
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        if self.token is not None:
+            try:
+                remove_context(CONTEXT, url=self.broker_url)
+            except OSError:
+                pass
         clear_up_state(os.getpid())
         print("cpn up: stopped", flush=True)

@@ -183,3 +183,40 @@ def describe_job(r: dict[str, Any]) -> str:
     ]
     lines += ["  " + line for line in table(["TIME", "TYPE", "SITE", "MESSAGE"], rows).splitlines()]
     return "\n".join(lines)
+
+
+def tokens_table(tokens: Sequence[dict[str, Any]], *, now: float) -> str:
+    rows = [
+        [
+            t["id"],
+            t["role"],
+            t.get("tenant") or "-",
+            ago(now - t["created_at"]),
+            "never" if t.get("expires_at") is None else f"in {ago(t['expires_at'] - now)}",
+            t.get("created_by", ""),
+            t.get("description", ""),
+        ]
+        for t in tokens
+    ]
+    headers = ["ID", "ROLE", "TENANT", "AGE", "EXPIRES", "CREATED BY", "DESCRIPTION"]
+    return table(headers, rows) if rows else "no tokens"
+
+
+def audit_table(entries: Sequence[dict[str, Any]]) -> str:
+    import time as _time
+
+    rows = [
+        [
+            _time.strftime("%Y-%m-%d %H:%M:%S", _time.gmtime(e["at"])),
+            f"{e.get('role') or '-'}:{e['actor']}",
+            e.get("tenant") or e.get("actor_tenant") or "-",
+            e["action"],
+            e.get("target") or "-",
+            str(e["status"]),
+            e["outcome"],
+            e["request_id"],
+        ]
+        for e in entries
+    ]
+    headers = ["TIME (UTC)", "WHO", "TENANT", "ACTION", "TARGET", "STATUS", "OUTCOME", "REQUEST"]
+    return table(headers, rows) if rows else "no audit entries"

@@ -23,7 +23,10 @@ def write_up_state(state: dict[str, Any]) -> None:
     path = up_state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds a token
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(state, indent=2))
+    os.chmod(tmp, 0o600)
     tmp.replace(path)
 
 

@@ -15,6 +15,8 @@
 /cpn/v1/index/finished/<ts>/<id> ""                            broker, when a job finishes
 /cpn/v1/history/jobs/<id>        zlib(JobRecord)               broker, when it archives a job
 /cpn/v1/migrations/<name>        {"done_at": ...}              broker, once per migration
+/cpn/v1/tokens/<id>              TokenRecord (hash only)       broker or `cpn token create`
+/cpn/v1/audit/<inv>/<id>         AuditEntry                    broker, for every change
 
 <inv> is the job's creation time inverted (broker.history.inverted_time), so etcd's key order
 is newest first; <ts> is a finish time in microseconds, so the oldest finished comes first.
@@ -36,6 +38,8 @@ HISTORY_INDEX = ROOT + "index/history/"
 FINISHED_INDEX = ROOT + "index/finished/"
 HISTORY = ROOT + "history/jobs/"
 MIGRATIONS = ROOT + "migrations/"
+TOKENS = ROOT + "tokens/"
+AUDIT = ROOT + "audit/"
 
 
 def site_spec(site: str) -> str:
@@ -107,6 +111,15 @@ def archived_job(job_id: str) -> str:
 
 def migration(name: str) -> str:
     return f"{MIGRATIONS}{name}"
+
+
+def token(token_id: str) -> str:
+    return f"{TOKENS}{token_id}"
+
+
+def audit(position: str, entry_id: str) -> str:
+    """An audit entry, newest first (`position` as a job's in the index)."""
+    return f"{AUDIT}{position}/{entry_id}"
 
 
 def split(key: str, prefix: str) -> list[str]:

@@ -21,6 +21,36 @@ from sites.registry import Registry
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 
+# Every broker the tests start checks tokens. The tests act as an admin with this token,
+# whose record (its hash) is written into etcd before each test; every `cpn` command they
+# run finds it in $CPN_TOKEN. $CPN_CONFIG points nowhere, so a developer's own config file
+# (and its tokens) never leaks into a test.
+ADMIN_TOKEN = "cpn_00000000000000a1_" + "t" * 43
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+os.environ["CPN_TOKEN"] = ADMIN_TOKEN
+os.environ["CPN_CONFIG"] = str(Path("/nonexistent/cpn-tests/config.yaml"))
+
+
+def admin_token_record() -> bytes:
+    import hashlib
+
+    from broker.auth import TokenRecord
+
+    token_id, secret = ADMIN_TOKEN[4:20], ADMIN_TOKEN[21:]
+    record = TokenRecord(
+        id=token_id,
+        role="admin",  # type: ignore[arg-type]
+        created_at=0.0,
+        created_by="tests",
+        description="tests/conftest.py",
+        sha256=hashlib.sha256(secret.encode()).hexdigest(),
+    )
+    return record.model_dump_json().encode()
+
+
+async def write_admin_token(registry: Registry) -> None:
+    await registry.put_raw(keys.token(ADMIN_TOKEN[4:20]), admin_token_record())
+
 
 TASK_GRACE_S = 2.0
 
@@ -61,6 +91,14 @@ async def check_no_pending_tasks(before: set[Any], grace_s: float = TASK_GRACE_S
 def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedEtcd]:
     server = EmbeddedEtcd(data_dir=tmp_path_factory.mktemp("etcd"), unsafe_no_fsync=True)
     server.start()
+
+    async def bootstrap() -> None:
+        async with Registry.from_urls(server.url) as reg:
+            await write_admin_token(reg)
+
+    import asyncio
+
+    asyncio.run(bootstrap())
     yield server
     server.stop()
 
@@ -70,8 +108,10 @@ async def registry(etcd: EmbeddedEtcd) -> AsyncIterator[Registry]:
     reg = Registry.from_urls(etcd.url)
     await reg.connect()
     await reg.delete_prefix(keys.ROOT)
+    await write_admin_token(reg)
     yield reg
     await reg.delete_prefix(keys.ROOT)
+    await write_admin_token(reg)
     await reg.close()
 
 

@@ -18,7 +18,7 @@ import yaml
 
 from sites.etcd_server import free_port
 from tests.broker.conftest import BROKER_SETTINGS
-from tests.conftest import CONFIGS, Processes
+from tests.conftest import AUTH, CONFIGS, Processes
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,20 @@ class Reply:
 @dataclass(frozen=True)
 class ApiBroker:
     url: str
+    token: str | None = None  # an Authorization header value; None: the tests' admin token
+
+    def as_(self, authorization: str) -> ApiBroker:
+        """The same broker, called with this Authorization header ("" for none)."""
+        return ApiBroker(self.url, authorization)
 
     def call(
         self, method: str, path: str, body: bytes | None = None, content_type: str | None = None
     ) -> Reply:
-        headers = {} if content_type is None else {"Content-Type": content_type}
+        headers = dict(AUTH) if self.token is None else {}
+        if self.token:
+            headers["Authorization"] = self.token
+        if content_type is not None:
+            headers["Content-Type"] = content_type
         req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:

@@ -20,7 +20,7 @@ import yaml
 from sites import keys
 from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.registry import Registry
-from tests.conftest import CONFIGS, Processes, run_cpn, site_doc
+from tests.conftest import AUTH, CONFIGS, Processes, run_cpn, site_doc
 
 BROKER_SETTINGS = {
     "leader_ttl_s": 2,
@@ -132,7 +132,7 @@ class Federation:
             self.broker_url + path,
             data=data,
             method=method,
-            headers={"Content-Type": "application/json"} if data is not None else {},
+            headers={**AUTH, **({"Content-Type": "application/json"} if data else {})},
         )
         try:
             with urllib.request.urlopen(req, timeout=30) as resp:
@@ -141,7 +141,8 @@ class Federation:
             return exc.code, json.loads(exc.read())
 
     def get(self, path: str) -> tuple[int, str]:
-        with urllib.request.urlopen(self.broker_url + path, timeout=30) as resp:
+        req = urllib.request.Request(self.broker_url + path, headers=AUTH)
+        with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, resp.read().decode()
 
     def submit(self, **spec: Any) -> dict[str, Any]:

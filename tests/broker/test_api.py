@@ -20,7 +20,7 @@ from broker.router import Router
 from broker.service import Broker
 from sites.etcd_server import EmbeddedEtcd
 from tests.broker.apiserver import ApiBroker, start_api_broker
-from tests.conftest import Processes
+from tests.conftest import AUTH, Processes
 
 JOB: dict[str, Any] = {"name": "api-job", "tenant": "ai-lab", "command": ["true"]}
 
@@ -144,7 +144,7 @@ def test_a_body_without_content_type_is_read_as_json(api: ApiBroker) -> None:
     url = urlsplit(api.url)
     conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=10)
     try:
-        conn.request("POST", "/v1/jobs", body=json.dumps({**JOB, "max_retries": "3"}))
+        conn.request("POST", "/v1/jobs", body=json.dumps({**JOB, "max_retries": "3"}), headers=AUTH)
         resp = conn.getresponse()
         error = json.loads(resp.read())["error"]
     finally:
@@ -181,9 +181,22 @@ def test_query_parameters_are_checked(api: ApiBroker) -> None:
     assert reply.status == 400 and reply.error() == ("invalid", "follow")
 
 
+def _stand_in() -> Broker:
+    """Enough of a Broker for make_app to wire its routes (no etcd behind it)."""
+    from types import SimpleNamespace
+
+    from broker.settings import BrokerSettings
+    from sites.clock import SystemClock
+
+    return cast(
+        Broker,
+        SimpleNamespace(tokens=None, audit=None, settings=BrokerSettings(), clock=SystemClock()),
+    )
+
+
 def _app_as_served() -> Any:
     """The app as broker.server wires it, on stand-ins: only the routes matter here."""
-    broker, router = cast(Broker, object()), cast(Router, object())
+    broker, router = _stand_in(), cast(Router, object())
     app = make_app(broker, router)
     Gateway(broker=broker, router=router).install(app)
     return app
@@ -245,7 +258,7 @@ def test_the_document_describes_bodies_errors_and_parameters() -> None:
 async def test_one_client_session_lives_as_long_as_the_app() -> None:
     from aiohttp import web
 
-    app = make_app(cast(Broker, object()))
+    app = make_app(_stand_in())
     runner = web.AppRunner(app)
     await runner.setup()
     session = app[HTTP]

@@ -16,7 +16,7 @@ from sites import keys
 from sites.assignments import Assignment
 from sites.registry import Registry
 from tests.broker.conftest import Federation, assignments_of
-from tests.conftest import run_cpn
+from tests.conftest import AUTH, run_cpn
 
 CPU_ONLY: dict[str, Any] = {"cpu": 2, "mem_gb": 4}
 SOON = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
@@ -324,7 +324,7 @@ def test_bad_specs_get_400_naming_the_field_and_store_nothing(
         fed.broker_url + "/v1/jobs",
         data=b"{nope",
         method="POST",
-        headers={"Content-Type": "application/json"},
+        headers={"Content-Type": "application/json", **AUTH},
     )
     try:
         urllib.request.urlopen(req, timeout=10)

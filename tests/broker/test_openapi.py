@@ -19,7 +19,7 @@ from schemathesis.engine.events import FatalError, NonFatalError, ScenarioFinish
 
 from sites.registry import Registry
 from tests.broker.apiserver import start_api_broker
-from tests.conftest import Processes
+from tests.conftest import AUTH, Processes
 
 # The engine is what `schemathesis run` drives; its pytest plugin's lazy loader does not run on
 # pytest 9. Deterministic, no shrinking, a handful of fuzzed cases: well under a minute.
@@ -48,6 +48,9 @@ CONFIG = {
     },
     # a known client region, so the proxy goes past region checks to the (empty) service list
     "parameters": {"header.X-Cpn-Client-Region": "shanghai"},
+    # as the tests' admin: past authentication, into every handler (tests/test_auth.py
+    # covers the refusals)
+    "headers": AUTH,
     "request-timeout": 10,
     "workers": 1,
 }

@@ -26,7 +26,7 @@ from routing.selection import hrw_weight
 from sites import keys
 from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.registry import Registry
-from tests.conftest import CONFIGS, REPO, cpn_cmd
+from tests.conftest import AUTH, CONFIGS, REPO, cpn_cmd
 
 # qwen-72b is served at yrd-demo-zone, shaoguan, zhangjiakou and tokyo
 SITES = ("yrd-demo-zone", "wuhu", "shaoguan", "zhangjiakou", "tokyo", "frankfurt")
@@ -86,7 +86,7 @@ async def _clear(url: str) -> None:
 
 async def _wait_routable(demo: Demo) -> None:
     deadline = time.monotonic() + 60
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession(headers=AUTH) as http:
         while time.monotonic() < deadline:
             if demo.up.poll() is not None:
                 raise AssertionError((demo.state / "up.log").read_text())
@@ -106,7 +106,7 @@ async def _wait_routable(demo: Demo) -> None:
 
 @pytest.fixture
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=AUTH) as session:
         yield session
 
 

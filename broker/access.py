@@ -1,0 +1,415 @@
+"""The API's access control: who may call what (one table), the audit of every change, and the
+token and audit endpoints. broker.auth holds the model (tokens, roles, grants); this module
+is its HTTP side.
+
+Every route the broker serves has a line in ACCESS; a route without one is refused at
+startup, so a new endpoint cannot go out unguarded. Per request, `auth_middleware` turns the
+bearer token into a `Principal` (a dict lookup and one SHA-256), checks the route's
+permission (403), and leaves the principal on the request for the handler's per-object
+checks (another tenant's job is 404). `audit_middleware` writes one audit entry per call that
+may change something, with its outcome, and answers every request with its `X-Request-Id`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.audit import MAX_LIMIT, AuditEntry, AuditLog
+from broker.auth import (
+    ANONYMOUS,
+    Forbidden,
+    Permission,
+    Principal,
+    Role,
+    TokenBook,
+    Unauthorized,
+    create_token,
+    may_grant,
+    new_token,
+)
+from broker.bodies import read_model
+from broker.errors import InvalidRequest
+from broker.jobs import NAME_RE
+from broker.openapi import OPERATIONS, Many, Operation, Param, Reply, spec_path
+from sites import keys
+from sites.durations import Duration
+from sites.registry import Guard
+
+__all__ = [
+    "ACCESS",
+    "AUTH",
+    "Access",
+    "access_operations",
+    "audit_middleware_for",
+    "auth_middleware",
+    "check_table",
+    "principal",
+    "secured",
+]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+P = Permission
+
+ACCESS: dict[tuple[str, str], Permission] = {
+    ("POST", "/v1/jobs"): P.jobs_submit,
+    ("GET", "/v1/jobs"): P.jobs_read,
+    ("GET", "/v1/jobs/{job}"): P.jobs_read,
+    ("GET", "/v1/jobs/{job}/logs"): P.jobs_read,
+    ("POST", "/v1/jobs/{job}/cancel"): P.jobs_act,
+    ("POST", "/v1/jobs/{job}/suspend"): P.jobs_act,
+    ("POST", "/v1/jobs/{job}/resume"): P.jobs_act,
+    ("GET", "/v1/sites"): P.sites_read,
+    ("POST", "/v1/route"): P.route,
+    ("*", "/v1/infer/{service}/{path}"): P.route,
+    ("POST", "/v1/tokens"): P.tokens,
+    ("GET", "/v1/tokens"): P.tokens,
+    ("DELETE", "/v1/tokens/{token}"): P.tokens,
+    ("GET", "/v1/audit"): P.audit,
+    ("GET", "/v1/whoami"): P.public,
+    ("GET", "/metrics"): P.metrics,
+    ("GET", "/healthz"): P.public,
+    ("GET", "/openapi.json"): P.public,
+}
+"""Each route's permission (broker.auth.GRANTS says which roles hold it)."""
+
+PRINCIPAL = "cpn.principal"
+TENANT_HEADER = "X-Cpn-Tenant"
+REQUEST_ID = "X-Request-Id"
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+_NOT_CHANGES = frozenset({"/v1/route", "/v1/infer/{service}/{path}"})
+
+
+@dataclass
+class Access:
+    """What the middlewares need: the tokens, the audit log, whether auth is on."""
+
+    tokens: TokenBook
+    audit: AuditLog
+    enabled: bool
+    clock: Callable[[], float] = time.time
+
+
+AUTH = web.AppKey("auth", Access)
+
+
+def principal(request: web.Request) -> Principal:
+    """The caller, as auth_middleware found it (ANONYMOUS with auth off)."""
+    got = request.get(PRINCIPAL)
+    return got if isinstance(got, Principal) else ANONYMOUS
+
+
+def _route_key(request: web.Request) -> tuple[str, str] | None:
+    resource = request.match_info.route.resource
+    if resource is None:
+        return None
+    method = request.match_info.route.method
+    return (method if method != "*" else "*", resource.canonical)
+
+
+def check_table(app: web.Application) -> None:
+    """Every registered route has its line in ACCESS (raises at startup otherwise)."""
+    missing = [
+        f"{op.method} {op.path}"
+        for op in app[OPERATIONS]
+        if (op.method, spec_path(op.path)) not in ACCESS
+    ]
+    if missing:
+        raise RuntimeError(f"routes without an access rule (broker.access.ACCESS): {missing}")
+
+
+def _refusal(status: int, code: str, message: str) -> web.Response:
+    body = {"error": {"code": code, "message": message, "field": "Authorization"}}
+    headers = {"WWW-Authenticate": 'Bearer realm="cpn"'} if status == 401 else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = _route_key(request)
+    permission = ACCESS.get(key) if key is not None else None
+    if key is None or permission is P.public:
+        return await handler(request)
+    access = request.app[AUTH]
+    try:
+        if permission is None:  # check_table makes this unreachable for registered routes
+            raise Forbidden("this route has no access rule")
+        if not access.enabled:
+            request[PRINCIPAL] = ANONYMOUS
+            return await handler(request)
+        who = access.tokens.authenticate(request.headers.get("Authorization"), access.clock())
+        request[PRINCIPAL] = who
+        who.check(permission)
+        if permission is P.route and who.tenant is not None:
+            # an inference token names its tenant: rate limits and policy key on it, not
+            # on whatever X-Cpn-Tenant the client sends
+            if request.headers.get(TENANT_HEADER) != who.tenant:
+                headers = request.headers.copy()
+                headers[TENANT_HEADER] = who.tenant
+                request = request.clone(headers=headers)
+                request[PRINCIPAL] = who
+        return await handler(request)
+    except Unauthorized as exc:
+        return _refusal(401, "unauthorized", str(exc))
+    except Forbidden as exc:
+        return _refusal(403, "forbidden", str(exc))
+
+
+def audit_middleware_for(
+    errors: Callable[[web.Request, Handler], Awaitable[web.StreamResponse]],
+) -> Middleware:
+    """The audit middleware around `errors` (the API's error mapping), so that it sees the
+    status a refused call got as well as a successful one's."""
+
+    @web.middleware
+    async def audit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        given = request.headers.get(REQUEST_ID, "")
+        request_id = given if _REQUEST_ID_RE.match(given) else secrets.token_hex(8)
+        response = await errors(request, handler)
+        response.headers[REQUEST_ID] = request_id
+        key = _route_key(request)
+        if request.method in _CHANGES and key is not None and key[1] not in _NOT_CHANGES:
+            await _audit(request, response, request_id, key)
+        return response
+
+    return audit_middleware
+
+
+async def _audit(
+    request: web.Request, response: web.StreamResponse, request_id: str, key: tuple[str, str]
+) -> None:
+    access = request.app[AUTH]
+    who = request.get(PRINCIPAL)
+    target = request.match_info.get("job") or request.match_info.get("token")
+    outcome = None
+    if response.status >= 400 and isinstance(response, web.Response) and response.body:
+        try:
+            outcome = json.loads(bytes(response.body))["error"]["code"]  # type: ignore[arg-type]
+        except (ValueError, KeyError, TypeError):
+            outcome = None
+    entry = AuditEntry(
+        id=AuditLog.new_id(),
+        at=access.clock(),
+        request_id=request_id,
+        actor=who.token_id if isinstance(who, Principal) else "-",
+        role=who.role.value if isinstance(who, Principal) else None,
+        actor_tenant=who.tenant if isinstance(who, Principal) else None,
+        tenant=request.get("cpn.tenant"),
+        action=f"{request.method} {key[1]}",
+        target=request.get("cpn.target") or target,
+        status=response.status,
+        outcome="ok" if response.status < 400 else (outcome or f"http_{response.status}"),
+    )
+    await access.audit.record(entry)
+
+
+def note(request: web.Request, *, tenant: str | None = None, target: str | None = None) -> None:
+    """Tell the audit entry which tenant's object a call changed (and its id)."""
+    if tenant is not None:
+        request["cpn.tenant"] = tenant
+    if target is not None:
+        request["cpn.target"] = target
+
+
+def secured(doc: dict[str, Any], operations: list[Operation]) -> dict[str, Any]:
+    """`doc` with the bearer scheme, and on every guarded operation its security and the
+    401 and 403 answers (the public ones: /healthz, /openapi.json, /v1/whoami's 200)."""
+    doc.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "cpn_<id>_<secret>, from `cpn token create` (docs/auth.md)",
+    }
+    error = {"$ref": "#/components/schemas/Error"}
+    for op in operations:
+        path = spec_path(op.path)
+        if ACCESS.get((op.method, path)) is P.public:
+            continue
+        for method in op.methods:
+            entry = doc["paths"][path][method]
+            entry["security"] = [{"bearer": []}]
+            for status, why in ((401, "no valid token"), (403, "the token's role may not")):
+                entry["responses"].setdefault(
+                    str(status),
+                    {"description": why, "content": {"application/json": {"schema": error}}},
+                )
+    return doc
+
+
+# -- tokens and audit endpoints ----------------------------------------------------------------
+
+
+class TokenRequest(BaseModel):
+    """The body of POST /v1/tokens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    role: Role
+    tenant: str | None = Field(default=None, pattern=NAME_RE)
+    ttl_s: Duration | None = Field(
+        default=None, description="lifetime: seconds or '30d', '12h'; none: until revoked"
+    )
+    description: str = Field(default="", max_length=200)
+
+
+class TokenCreated(BaseModel):
+    """POST /v1/tokens's answer: the token itself appears here once, never again."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    token: str
+    role: Role
+    tenant: str | None
+    expires_at: float | None
+    description: str
+
+
+class TokenInfo(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    role: Role
+    tenant: str | None
+    description: str
+    created_at: float
+    created_by: str
+    expires_at: float | None
+
+
+class WhoAmI(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    token_id: str | None
+    role: Role | None
+    tenant: str | None
+    auth: bool = Field(description="whether this broker requires tokens")
+
+
+async def create(request: web.Request) -> web.Response:
+    access = request.app[AUTH]
+    body = await read_model(request, TokenRequest)
+    who = principal(request)
+    may_grant(who, body.role, body.tenant)
+    record, token = new_token(
+        role=body.role,
+        tenant=body.tenant,
+        now=access.clock(),
+        created_by=who.token_id,
+        ttl_s=body.ttl_s,
+        description=body.description,
+    )
+    await create_token(access.tokens.registry, record)
+    note(request, tenant=record.tenant, target=record.id)
+    created = TokenCreated(token=token, **record.public())
+    return web.json_response(created.model_dump(mode="json"), status=201)
+
+
+async def list_tokens(request: web.Request) -> web.Response:
+    tokens = request.app[AUTH].tokens.visible(principal(request))
+    if principal(request).tenant is not None:  # a tenant-admin sees its tenant's only
+        tokens = [t for t in tokens if t.tenant == principal(request).tenant]
+    return web.json_response([t.public() for t in tokens])
+
+
+async def revoke(request: web.Request) -> web.Response:
+    access = request.app[AUTH]
+    who = principal(request)
+    record = access.tokens.get(who, request.match_info["token"])
+    note(request, tenant=record.tenant, target=record.id)
+    if who.role is not Role.admin and record.role not in (
+        Role.tenant_admin,
+        Role.tenant_user,
+        Role.viewer,
+    ):
+        raise Forbidden(f"a {who.role.value} token may not revoke {record.role.value} tokens")
+    key = keys.token(record.id)
+    got = await access.tokens.registry.get_raw(key)
+    if got is not None:
+        await access.tokens.registry.commit(guards=[Guard(key, mod_revision=got[1])], deletes=[key])
+    access.tokens.tokens.pop(record.id, None)  # this replica at once; the others by the watch
+    return web.json_response(record.public())
+
+
+async def audit_log(request: web.Request) -> web.Response:
+    access = request.app[AUTH]
+    who = principal(request)
+    text = request.query.get("limit", "100")
+    if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
+        raise InvalidRequest(f"limit must be 1 to {MAX_LIMIT}, got {text!r}", field="limit")
+    tenant = request.query.get("tenant") or None
+    if who.tenant is not None:
+        if tenant not in (None, who.tenant):
+            raise Forbidden("a tenant's token reads its own tenant's audit only")
+        tenant = who.tenant
+    page = await access.audit.page(
+        tenant=tenant, limit=int(text), token=request.query.get("continue") or None
+    )
+    body = b'{"items":[' + b",".join(page.raw) + b'],"continue":'
+    body += (b'"' + page.next.encode() + b'"') if page.next else b"null"
+    return web.Response(body=body + b"}", content_type="application/json")
+
+
+async def whoami(request: web.Request) -> web.Response:
+    access = request.app[AUTH]
+    if not access.enabled:
+        me = WhoAmI(token_id=None, role=Role.admin, tenant=None, auth=False)
+    else:
+        try:
+            who = access.tokens.authenticate(request.headers.get("Authorization"), access.clock())
+        except Unauthorized as exc:
+            return _refusal(401, "unauthorized", str(exc))
+        me = WhoAmI(token_id=who.token_id, role=who.role, tenant=who.tenant, auth=True)
+    return web.json_response(me.model_dump(mode="json"))
+
+
+TOKEN = Param("token", "path", "the token's id")
+
+
+def access_operations() -> list[Operation]:
+    return [
+        Operation(
+            "POST", "/v1/tokens", create, "Create a token (shown once)", "create_token",
+            body=TokenRequest, replies={201: Reply("the token and its record", TokenCreated)},
+            errors=(400, 401, 403, 409, 413, 415),
+        ),
+        Operation(
+            "GET", "/v1/tokens", list_tokens, "Tokens (never their secrets)", "list_tokens",
+            replies={200: Reply("the tokens this caller may see", Many(TokenInfo))},
+            errors=(401, 403),
+        ),
+        Operation(
+            "DELETE", "/v1/tokens/{token}", revoke, "Revoke a token, on every replica",
+            "revoke_token", params=(TOKEN,), replies={200: Reply("the revoked token", TokenInfo)},
+            errors=(401, 403, 404),
+        ),
+        Operation(
+            "GET", "/v1/audit", audit_log, "The audit log, newest first", "audit",
+            params=(
+                Param("tenant", "query", "only this tenant's entries"),
+                Param(
+                    "limit", "query", "at most this many entries (default 100)",
+                    {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},
+                ),
+                Param("continue", "query", "the previous page's `continue`"),
+            ),
+            replies={200: Reply("a page of audit entries", {"type": "object"})},
+            errors=(400, 401, 403, 410),
+        ),
+        Operation(
+            "GET", "/v1/whoami", whoami, "The caller's token id, role and tenant", "whoami",
+            replies={200: Reply("who the token is", WhoAmI)}, errors=(401,),
+        ),
+    ]  # fmt: skip
