@@ -131,8 +131,8 @@ def check_table(app: web.Application) -> None:
         raise RuntimeError(f"routes without an access rule (broker.access.ACCESS): {missing}")
 
 
-def _refusal(status: int, code: str, message: str) -> web.Response:
-    body = {"error": {"code": code, "message": message, "field": "Authorization"}}
+def _refusal(status: int, code: str, message: str, field: str = "Authorization") -> web.Response:
+    body = {"error": {"code": code, "message": message, "field": field}}
     headers = {"WWW-Authenticate": 'Bearer realm="cpn"'} if status == 401 else None
     return web.json_response(body, status=status, headers=headers)
 
@@ -165,7 +165,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     except Unauthorized as exc:
         return _refusal(401, "unauthorized", str(exc))
     except Forbidden as exc:
-        return _refusal(403, "forbidden", str(exc))
+        return _refusal(403, "forbidden", str(exc), exc.field)
 
 
 def audit_middleware_for(
@@ -352,7 +352,7 @@ async def audit_log(request: web.Request) -> web.Response:
     tenant = request.query.get("tenant") or None
     if who.tenant is not None:
         if tenant not in (None, who.tenant):
-            raise Forbidden("a tenant's token reads its own tenant's audit only")
+            raise Forbidden("a tenant's token reads its own tenant's audit only", field="tenant")
         tenant = who.tenant
     page = await access.audit.page(
         tenant=tenant, limit=int(text), token=request.query.get("continue") or None

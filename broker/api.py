@@ -215,7 +215,8 @@ async def submit(request: web.Request) -> web.Response:
     if not who.sees(spec.tenant):
         raise Forbidden(
             f"a {who.role.value} token of tenant {who.tenant} submits as {who.tenant} only, "
-            f"not as {spec.tenant}"
+            f"not as {spec.tenant}",
+            field="tenant",
         )
     record = await request.app[BROKER].submit(spec)
     note(request, target=record.id)
@@ -265,7 +266,9 @@ async def list_jobs(request: web.Request) -> web.Response:
     who = principal(request)
     if who.tenant is not None:  # a tenant's token lists its own tenant's jobs
         if query.tenant not in (None, who.tenant):
-            raise Forbidden(f"a {who.role.value} token lists tenant {who.tenant}'s jobs only")
+            raise Forbidden(
+                f"a {who.role.value} token lists tenant {who.tenant}'s jobs only", field="tenant"
+            )
         query = dataclasses.replace(query, tenant=who.tenant)
     page = await list_page(broker.registry, query, request.query.get("continue") or None)
     # the records go out as etcd holds them: a page is not decoded and encoded again

@@ -62,7 +62,11 @@ class Unauthorized(BrokerError):
 
 
 class Forbidden(BrokerError):
-    """A valid token whose role may not do this: 403."""
+    """A valid token whose role may not do this: 403 (field: what it may not touch)."""
+
+    def __init__(self, message: str, *, field: str = "Authorization") -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class Role(enum.StrEnum):

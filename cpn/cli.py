@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from cpn import render
 from cpn.client import ApiError, BrokerClient
+from cpn.config import ConfigFileError
 from cpn.state import read_up_state
 from sites.agent import Agent, AgentSettings
 from sites.catalog import CatalogError, DeviceCatalog
@@ -596,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 2 if 400 <= exc.status < 500 else 1
-    except (UsageError, CatalogError, NotJoined, AgentConflict, ValueError) as exc:
+    except (UsageError, ConfigFileError, CatalogError, NotJoined, AgentConflict, ValueError) as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 2
     except (RegistryError, SitesError, OSError) as exc:

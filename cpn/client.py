@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from cpn.config import ConfigFileError, load_contexts
+from cpn.config import load_contexts
 from cpn.state import read_up_state
 
 
@@ -26,10 +26,7 @@ def broker_url(explicit: str | None) -> str:
 def connection(explicit: str | None) -> tuple[str, str | None]:
     """(broker URL, token) as cpn.config describes: --broker, $CPN_BROKER, the config file's
     current entry, the running `cpn up`; $CPN_TOKEN, else the token stored for that URL."""
-    try:
-        current, contexts = load_contexts()
-    except ConfigFileError as exc:
-        raise ApiError(0, str(exc)) from None
+    current, contexts = load_contexts()  # ConfigFileError: the CLI exits 2
     state = read_up_state()
     url = explicit or os.environ.get("CPN_BROKER")
     if not url and current in contexts:

@@ -68,8 +68,14 @@ class ApiBroker:
 
 
 def start_api_broker(
-    etcd_url: str, processes: Processes, root: Path, settings: dict[str, object] | None = None
+    etcd_url: str,
+    processes: Processes,
+    root: Path,
+    settings: dict[str, object] | None = None,
+    *,
+    leader: bool = True,
 ) -> ApiBroker:
+    """A broker process; waits until it serves (and, with `leader`, leads)."""
     cfg = root / "configs"
     if not cfg.exists():
         shutil.copytree(CONFIGS, cfg)
@@ -87,7 +93,7 @@ def start_api_broker(
             raise AssertionError("broker exited: " + processes.log(name))
         try:
             reply = broker.call("GET", "/healthz")
-            if reply.status == 200 and reply.json()["leader"]:
+            if reply.status == 200 and (reply.json()["leader"] or not leader):
                 return broker
         except (OSError, ValueError):
             pass

@@ -1,0 +1,305 @@
+"""Authorization on a real broker (two replicas on one etcd): every endpoint x every role,
+cross-tenant reads and writes, missing, malformed, expired and revoked tokens, the audit log
+and the CLI's tokens and config file."""
+
+from __future__ import annotations
+
+import json
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.access import ACCESS
+from broker.auth import GRANTS, Permission, Role
+from sites.etcd_server import EmbeddedEtcd
+from tests.broker.apiserver import ApiBroker, Reply, start_api_broker
+from tests.conftest import Processes, run_cpn
+
+JOB = {"tenant": "ai-lab", "command": ["true"]}
+
+
+@pytest.fixture(scope="module")
+def fed(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fed]:
+    root = tmp_path_factory.mktemp("auth")
+    procs = Processes(root)
+    try:
+        a = start_api_broker(etcd.url, procs, root / "a")
+        b = start_api_broker(etcd.url, procs, root / "b", leader=False)
+        yield Fed(a, b, etcd.url, {})
+    finally:
+        procs.stop_all()
+
+
+class Fed:
+    def __init__(self, a: ApiBroker, b: ApiBroker, etcd: str, tokens: dict[str, str]) -> None:
+        self.a, self.b, self.etcd, self.tokens = a, b, etcd, tokens
+
+    def token(self, who: str) -> str:
+        """A token per test principal, made by the admin through the API (once)."""
+        if who == "admin":
+            return ""  # ApiBroker's default: the tests' admin token
+        if who not in self.tokens:
+            role, _, tenant = who.partition(":")
+            body: dict[str, Any] = {"role": role, "description": f"test {who}"}
+            if tenant:
+                body["tenant"] = tenant
+            reply = self.a.post_json("/v1/tokens", body)
+            assert reply.status == 201, reply
+            self.tokens[who] = reply.json()["token"]
+        return self.tokens[who]
+
+    def as_(self, who: str) -> ApiBroker:
+        return self.a if who == "admin" else self.a.as_(f"Bearer {self.token(who)}")
+
+    def job(self, tenant: str = "ai-lab") -> str:
+        reply = self.a.post_json("/v1/jobs", {**JOB, "name": "job", "tenant": tenant})
+        assert reply.status == 201, reply
+        return str(reply.json()["id"])
+
+
+PRINCIPALS = (
+    "admin",
+    "operator",
+    "tenant-admin:ai-lab",
+    "tenant-user:ai-lab",
+    "viewer",
+    "viewer:ai-lab",
+    "tenant-user:vision",
+)
+
+
+def role_of(who: str) -> Role:
+    return Role(who.partition(":")[0])
+
+
+def allowed(who: str, permission: Permission) -> bool:
+    return permission is Permission.public or permission in GRANTS[role_of(who)]
+
+
+def own(who: str) -> bool:
+    """Whether `who` may see ai-lab's objects."""
+    tenant = who.partition(":")[2]
+    return tenant in ("", "ai-lab")
+
+
+def call(api: ApiBroker, method: str, path: str, body: object = None) -> Reply:
+    if body is None:
+        return api.call(method, path)
+    return api.call(method, path, json.dumps(body).encode(), "application/json")
+
+
+@pytest.mark.parametrize("who", PRINCIPALS)
+def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
+    api = fed.as_(who)
+    job = fed.job()
+    tested: set[tuple[str, str]] = set()
+
+    def check(method: str, spec: str, path: str, body: object = None, cross: bool = False) -> Reply:
+        tested.add((method, spec))
+        reply = call(api, method, path, body)
+        permission = ACCESS[(method, spec)]
+        if not allowed(who, permission):
+            assert reply.status == 403, (who, method, path, reply)
+            assert reply.error() == ("forbidden", "Authorization")
+        elif not cross:
+            assert reply.status not in (401, 403, 500), (who, method, path, reply)
+        return reply
+
+    submit = check("POST", "/v1/jobs", "/v1/jobs", {**JOB, "name": "mine"}, cross=not own(who))
+    if allowed(who, Permission.jobs_submit):
+        # a tenant's token submits as its own tenant only
+        assert submit.status == (201 if own(who) else 403), (who, submit)
+        if not own(who):
+            assert submit.error() == ("forbidden", "tenant")
+    listed = check("GET", "/v1/jobs", "/v1/jobs")
+    ids = {j["id"] for j in listed.json()["items"]}
+    assert (job in ids) == own(who), who
+    got = check("GET", "/v1/jobs/{job}", f"/v1/jobs/{job}")
+    assert got.status == (200 if own(who) else 404), (who, got)
+    logs = check("GET", "/v1/jobs/{job}/logs", f"/v1/jobs/{job}/logs")
+    assert logs.status == (400 if own(who) else 404), (who, logs)  # 400: it has not run
+    for action in ("suspend", "resume", "cancel"):
+        spec = f"/v1/jobs/{{job}}/{action}"
+        reply = check("POST", spec, f"/v1/jobs/{job}/{action}")
+        if allowed(who, Permission.jobs_act):
+            assert reply.status == (200 if own(who) else 404), (who, action, reply)
+    check("GET", "/v1/sites", "/v1/sites")
+    route = check(
+        "POST", "/v1/route", "/v1/route", {"service": "qwen-72b", "client_region": "shanghai"}
+    )
+    if allowed(who, Permission.route):
+        assert route.status == 404, route  # no site serves it: past auth
+    infer = call(api, "POST", "/v1/infer/qwen-72b/v1/completions", {"prompt": "x"})
+    tested.add(("*", "/v1/infer/{service}/{path}"))
+    assert (infer.status == 403) == (not allowed(who, Permission.route)), (who, infer)
+    tokens = check("GET", "/v1/tokens", "/v1/tokens")
+    if tokens.status == 200:
+        listing = json.loads(tokens.body)
+        tenants = {t["tenant"] for t in listing}
+        assert (None in tenants) if who == "admin" else tenants == {"ai-lab"}, tenants
+        assert all("sha256" not in t and "token" not in t for t in listing)
+    created = check("POST", "/v1/tokens", "/v1/tokens", {"role": "tenant-user", "tenant": "ai-lab"})
+    if created.status == 201:
+        tested.add(("DELETE", "/v1/tokens/{token}"))
+        gone = call(api, "DELETE", f"/v1/tokens/{created.json()['id']}")
+        assert gone.status == 200, gone
+    else:
+        check("DELETE", "/v1/tokens/{token}", "/v1/tokens/0000000000000000")
+    audit = check("GET", "/v1/audit", "/v1/audit")
+    if audit.status == 200 and who != "admin":
+        entries = audit.json()["items"]
+        assert entries and all(
+            "ai-lab" in (e.get("tenant"), e.get("actor_tenant")) for e in entries
+        )
+    check("GET", "/metrics", "/metrics")
+    for public in ("/healthz", "/openapi.json", "/v1/whoami"):
+        check("GET", public, public)
+    assert set(ACCESS) == tested, set(ACCESS) - tested
+
+
+def test_tokens_cannot_be_made_beyond_ones_own(fed: Fed) -> None:
+    ta = fed.as_("tenant-admin:ai-lab")
+    for body, status in (
+        ({"role": "tenant-user", "tenant": "vision"}, 403),
+        ({"role": "admin"}, 403),
+        ({"role": "operator"}, 403),
+        ({"role": "viewer", "tenant": "ai-lab", "ttl_s": "1h"}, 201),
+        ({"role": "tenant-user"}, 403),  # not its tenant (none given)
+        ({"role": "tenant-user", "tenant": "ai-lab", "ttl_s": "soon"}, 400),
+        ({"role": "root"}, 400),
+    ):
+        reply = call(ta, "POST", "/v1/tokens", body)
+        assert reply.status == status, (body, reply)
+    # admin input errors name the field
+    bad = call(fed.a, "POST", "/v1/tokens", {"role": "tenant-user"})
+    assert bad.status == 400 and bad.error() == ("invalid", "tenant"), bad
+    bad = call(fed.a, "POST", "/v1/tokens", {"role": "admin", "tenant": "ai-lab"})
+    assert bad.status == 400 and bad.error()[1] == "tenant", bad
+    # another tenant's token is not there for a tenant-admin
+    other = fed.token("tenant-user:vision")
+    other_id = other[4:20]
+    assert call(ta, "DELETE", f"/v1/tokens/{other_id}").status == 404
+
+
+def test_bad_tokens_are_401_with_a_json_body(fed: Fed) -> None:
+    good = fed.token("tenant-user:ai-lab")
+    for header in (
+        "",
+        "Bearer",
+        "Basic dXNlcjpwYXNz",
+        "Bearer nonsense",
+        "Bearer " + good[:-1] + ("A" if good[-1] != "A" else "B"),  # right id, wrong secret
+        "Bearer cpn_0123456789abcdef_" + "x" * 43,  # unknown id
+        "bearer  " + good + "x",
+    ):
+        reply = fed.a.as_(header).call("GET", "/v1/jobs")
+        assert reply.status == 401, (header, reply)
+        assert reply.error() == ("unauthorized", "Authorization")
+        assert reply.content_type.startswith("application/json")
+    # a body error behind a bad token is still a 401 (the token is checked first)
+    reply = fed.a.as_("Bearer nope").call("POST", "/v1/jobs", b"{nope", "application/json")
+    assert reply.status == 401
+
+
+def test_an_expired_token_is_refused(fed: Fed) -> None:
+    reply = fed.a.post_json("/v1/tokens", {"role": "viewer", "ttl_s": 1})
+    assert reply.status == 201
+    api = fed.a.as_(f"Bearer {reply.json()['token']}")
+    assert api.call("GET", "/v1/jobs").status == 200
+    time.sleep(1.2)
+    expired = api.call("GET", "/v1/jobs")
+    assert expired.status == 401 and "expired" in expired.json()["error"]["message"]
+
+
+def test_a_revocation_reaches_every_replica_within_a_second(fed: Fed) -> None:
+    reply = fed.a.post_json("/v1/tokens", {"role": "tenant-user", "tenant": "ai-lab"})
+    token = reply.json()["token"]
+    on_b = fed.b.as_(f"Bearer {token}")
+    deadline = time.monotonic() + 5
+    while on_b.call("GET", "/v1/jobs").status != 200:  # b sees the new token
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    revoked = fed.a.call("DELETE", f"/v1/tokens/{reply.json()['id']}")
+    assert revoked.status == 200
+    t0 = time.monotonic()
+    while on_b.call("GET", "/v1/jobs").status != 401:
+        assert time.monotonic() - t0 < 1.0, "replica b still takes a revoked token"
+        time.sleep(0.01)
+    assert fed.a.as_(f"Bearer {token}").call("GET", "/v1/jobs").status == 401
+
+
+def test_every_change_is_audited_with_who_what_and_outcome(fed: Fed) -> None:
+    user = fed.as_("tenant-user:ai-lab")
+    headers_id = f"audit-{time.monotonic_ns()}"
+    import urllib.request
+
+    req = urllib.request.Request(
+        fed.a.url + "/v1/jobs",
+        data=json.dumps({**JOB, "name": "audited"}).encode(),
+        method="POST",
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {fed.token('tenant-user:ai-lab')}",
+            "X-Request-Id": headers_id,
+        },
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        assert resp.headers["X-Request-Id"] == headers_id
+        job = json.loads(resp.read())["id"]
+    refused = call(user, "POST", "/v1/jobs", {**JOB, "name": "theirs", "tenant": "vision"})
+    assert refused.status == 403
+    bad = call(user, "POST", "/v1/jobs", {**JOB, "name": "Bad Name"})
+    assert bad.status == 400
+    entries = fed.a.call("GET", "/v1/audit?limit=50").json()["items"]
+    mine = next(e for e in entries if e["request_id"] == headers_id)
+    assert mine["action"] == "POST /v1/jobs" and mine["target"] == job
+    assert mine["tenant"] == "ai-lab" and mine["outcome"] == "ok" and mine["status"] == 201
+    assert mine["actor"] == fed.token("tenant-user:ai-lab")[4:20] and mine["role"] == "tenant-user"
+    outcomes = [(e["status"], e["outcome"]) for e in entries[:5]]
+    assert (403, "forbidden") in outcomes and (400, "invalid") in outcomes, outcomes
+    # reads are not audited; entries come newest first and page with continue
+    assert all(e["action"].split()[0] in ("POST", "PUT", "PATCH", "DELETE") for e in entries)
+    assert [e["at"] for e in entries] == sorted((e["at"] for e in entries), reverse=True)
+    page = fed.a.call("GET", "/v1/audit?limit=2").json()
+    assert len(page["items"]) == 2 and page["continue"]
+    more = fed.a.call("GET", f"/v1/audit?limit=2&continue={page['continue']}").json()
+    assert not {json.dumps(e) for e in more["items"]} & {json.dumps(e) for e in page["items"]}
+    # they survive the broker: the other replica reads the same log from etcd
+    again = fed.b.call("GET", "/v1/audit?limit=50").json()["items"]
+    assert any(e["request_id"] == headers_id for e in again)
+
+
+def test_the_cli_bootstraps_a_token_from_etcd_and_uses_its_config(
+    fed: Fed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CPN_TOKEN")
+    monkeypatch.setenv("CPN_CONFIG", str(tmp_path / "config.yaml"))
+    out = run_cpn("jobs", "--broker", fed.a.url)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "no token" in out.stderr
+    made = run_cpn("token", "create", "--role", "admin", "--etcd", fed.etcd, "-o", "json")
+    assert made.returncode == 0, made.stderr
+    token = json.loads(made.stdout)["token"]
+    from cpn.config import save_context
+
+    path = save_context("test", fed.a.url, token)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    who = run_cpn("whoami")  # the broker and the token from the config file
+    assert who.returncode == 0 and "admin" in who.stdout, who.stderr
+    user = run_cpn("token", "create", "--role", "tenant-user", "--tenant", "ai-lab", "-o", "json")
+    assert user.returncode == 0, user.stderr
+    listed = run_cpn("token", "list")
+    assert listed.returncode == 0 and json.loads(user.stdout)["id"] in listed.stdout
+    revoked = run_cpn("token", "revoke", json.loads(user.stdout)["id"])
+    assert revoked.returncode == 0, revoked.stderr
+    audit = run_cpn("audit", "--limit", "5")
+    assert audit.returncode == 0 and "DELETE /v1/tokens/{token}" in audit.stdout, audit.stdout
+    bad = run_cpn("token", "create", "--role", "tenant-user")
+    assert bad.returncode == 2 and "tenant" in bad.stderr, bad.stderr
+    path.chmod(0o644)
+    leaky = run_cpn("whoami")
+    assert leaky.returncode == 2 and "readable by others" in leaky.stderr, leaky.stderr
