@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 
+from sites import keys
 from sites.catalog import DeviceCatalog
 from sites.config import load_site
 from sites.latency import LatencyModel
@@ -36,7 +37,9 @@ def expected_rtts() -> dict[tuple[str, str], float]:
 
 
 async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: Path) -> None:
-    env = {**os.environ, "CPN_STATE_DIR": str(tmp_path)}
+    # as a newcomer runs it: no token of the tests, the CLI's config where cpn up writes it
+    env = {k: v for k, v in os.environ.items() if k != "CPN_TOKEN"}
+    env |= {"CPN_STATE_DIR": str(tmp_path), "CPN_CONFIG": str(tmp_path / "cpn" / "config.yaml")}
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(
         cpn_cmd("up", "--etcd", registry.url, "--interval", "1", "--sites", ",".join(SITES)),
@@ -81,7 +84,11 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= len(SITES) + 1  # the agents and the broker
 
-        # the demo's broker takes a job, found through up.json like a user's `cpn submit`
+        # the demo's broker takes a job, found through the CLI config `cpn up` wrote (with
+        # its admin token, mode 0600) like a user's `cpn submit`
+        config = tmp_path / "cpn" / "config.yaml"
+        assert config.stat().st_mode & 0o777 == 0o600
+        assert state["token"] in config.read_text()
         job = tmp_path / "job.yaml"
         job.write_text("name: demo\ntenant: t\ncpu: 1\ncommand: [sh, -c, 'echo hi']\n")
         submitted = subprocess.run(
@@ -106,3 +113,8 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
     snap = await registry.snapshot()
     assert all(snap.view(s).state is SiteState.down for s in SITES)
     assert not (tmp_path / "up.json").exists()
+    # its token is revoked (the etcd outlives it) and its config entry is gone
+    assert not [
+        k for k, _, _ in (await registry.list_prefix(keys.TOKENS))[1] if state["token"][4:20] in k
+    ]
+    assert state["token"] not in config.read_text()
