@@ -88,7 +88,7 @@ def stats(ms: list[float]) -> dict[str, float]:
 async def measure(demo: Any, regions: list[str], args: argparse.Namespace) -> dict[str, Any]:
     base = demo.broker
     out: dict[str, Any] = {}
-    async with aiohttp.ClientSession() as session:
+    async with aiohttp.ClientSession(headers=rb.AUTH) as session:
         for i in range(20):  # warm-up: connections, the router's caches
             await timed(session, "POST", f"{base}/v1/route", _route(regions, i))
         route = [
@@ -133,7 +133,8 @@ def _route(regions: list[str], i: int) -> dict[str, Any]:
 
 
 def metric(base: str, name: str) -> float:
-    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
+    req = urllib.request.Request(f"{base}/metrics", headers=rb.AUTH)
+    with urllib.request.urlopen(req, timeout=10) as resp:
         text = resp.read().decode()
     total = 0.0
     for line in text.splitlines():

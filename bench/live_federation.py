@@ -301,6 +301,20 @@ def rss_mb(pid: int) -> float | None:
         return None
 
 
+AUTH: dict[str, str] = {}
+"""The Authorization header of an admin token this bench writes into etcd (as an operator
+bootstraps one): the broker checks tokens as in production."""
+
+
+async def bootstrap_token(etcd_url: str) -> None:
+    from broker.auth import Role, create_token, new_token
+
+    record, token = new_token(role=Role.admin, tenant=None, now=time.time(), created_by="bench")
+    async with Registry.from_urls(etcd_url) as registry:
+        await create_token(registry, record)
+    AUTH["Authorization"] = f"Bearer {token}"
+
+
 def etcd_revision(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
@@ -408,7 +422,7 @@ async def drive_load(base: str, args: argparse.Namespace, load: Load, until: flo
     rng = random.Random(args.seed)
     timeout = aiohttp.ClientTimeout(total=30)
     cancels: set[asyncio.Task[None]] = set()
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=timeout, headers=AUTH) as session:
 
         async def cancel_later(job_id: str) -> None:
             await asyncio.sleep(args.job_life)
@@ -485,7 +499,9 @@ async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> tuple[f
     started = time.monotonic()
     deadline = started + timeout_s
     up = -1
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+    async with aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=30), headers=AUTH
+    ) as session:
         while time.monotonic() < deadline:
             if not proc.alive():
                 raise RuntimeError(f"the broker exited; its log:\n{proc.log_tail()}")
@@ -629,6 +645,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             await asyncio.sleep(0.2)
         log(f"   {n} sites joined, agent locks taken in {ready['setup_s']}s; agents publishing")
 
+        await bootstrap_token(url)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         argv = cpn_argv()

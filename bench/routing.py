@@ -190,9 +190,25 @@ def copy_configs(dest: Path, *, fast: bool, capacity_scale: float = 1.0) -> Path
 # -- the demo ----------------------------------------------------------------------------------
 
 
+AUTH: dict[str, str] = {}
+"""The Authorization header of the running demo's admin token (from its up.json), which
+every request to its broker carries: the broker checks tokens as in production."""
+
+
+def load_token(state_dir: Path) -> None:
+    try:
+        token = json.loads((state_dir / "up.json").read_text()).get("token")
+    except (OSError, ValueError):
+        return
+    if token:
+        AUTH["Authorization"] = f"Bearer {token}"
+
+
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 5) -> Any:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **AUTH}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.load(resp)
@@ -221,6 +237,7 @@ class Demo:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        AUTH.clear()  # this demo makes its own admin token (wait_ready reads it)
         self.port = free_port()
         args = [
             sys.executable, "-m", "cpn", "up",
@@ -285,6 +302,13 @@ class Demo:
         deadline = time.monotonic() + timeout
         want = self.expected_endpoints()
         healthy, links, measured = -1, 0, 0
+        while not self.alive() or "Authorization" not in AUTH:
+            if not self.alive():
+                raise RuntimeError(f"cpn up exited; see {self.log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("cpn up wrote no up.json with a token")
+            load_token(self.state_dir)
+            time.sleep(0.2)
         sites: list[dict[str, Any]] = []
         links_deadline = math.inf
         while True:
@@ -531,7 +555,9 @@ class Target:
 def new_session(source_ip: str | None = None, limit: int = 0) -> aiohttp.ClientSession:
     local = None if source_ip is None else (source_ip, 0)
     connector = aiohttp.TCPConnector(limit=limit, local_addr=local, keepalive_timeout=10)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
+    return aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=60), headers=AUTH
+    )
 
 
 async def send(target: Target, req: Req) -> tuple[int, str | None]:
