@@ -60,6 +60,7 @@ import yaml
 from sites.agent import MIN_TTL_S
 from sites.catalog import DeviceCatalog
 from sites.etcd_server import EmbeddedEtcd, free_port
+from sites.registry import Registry
 from sites.spec import SiteSpec
 
 ROOT = Path(__file__).resolve().parent.parent
