@@ -277,6 +277,8 @@ async def cmd_token_create(args: argparse.Namespace) -> int:
             created = await client.call("POST", "/v1/tokens", body)
     if args.output == "json":
         print(json.dumps(created, indent=2))
+    elif args.output == "token":
+        print(created["token"])
     else:
         scope = f" of tenant {created['tenant']}" if created.get("tenant") else ""
         print(f"token {created['id']} ({created['role']}{scope}); it is shown only once:")
@@ -523,7 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="URL[,URL...]",
         help="write it straight into etcd (bootstrap: the first admin token)",
     )
-    broker_arg(create)
+    broker_arg(create, ("table", "json", "token"))
     create.set_defaults(func=cmd_token_create)
     tlist = token_sub.add_parser("list", help="the tokens you may see (never their secrets)")
     broker_arg(tlist)
