@@ -9,10 +9,13 @@ BrokerError
 ├── IllegalTransition             the job's state does not allow it: 409
 ├── StaleRecord                   a guarded transaction lost a race; retry with a fresh read
 ├── Expired                       a list's continue token outlived its revision: 410
+├── Unauthorized                  no valid token (missing, malformed, expired, revoked): 401
+├── Forbidden                     the token's role may not, or names another tenant: 403
 └── PlacementError (ValueError)   a snapshot or decision placement cannot work with (a caller's
                                   bug or a stale view; broker.placement)
 
-PlanInputError and PlacementError live beside the code that raises them.
+PlanInputError and PlacementError live beside the code that raises them, Unauthorized and
+Forbidden in broker.auth.
 """
 
 from __future__ import annotations
