@@ -545,25 +545,46 @@ def _no_answer(attempt: _Attempt, extra: dict[str, str]) -> web.Response:
     )
 
 
-_NO_TOKENS: frozenset[bytes] = frozenset()
-
-
 def _connection_tokens(values: Sequence[bytes]) -> frozenset[bytes]:
     """The field names a Connection header lists (RFC 9110 7.6.1), lower case."""
     return frozenset(t.strip().lower() for v in values for t in v.split(b",") if t.strip())
 
 
+# upstream (name, value) -> the decoded pair: the same few headers come back on every answer
+_DECODED: dict[tuple[bytes, bytes], tuple[str, str]] = {}
+_DECODED_MAX = 1024
+
+
 def _response_headers(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     """The upstream's response headers minus hop-by-hop ones, for the client's answer."""
-    tokens = _NO_TOKENS
-    for name, _ in raw:
-        if len(name) == 10 and name.lower() == b"connection":
-            tokens = _connection_tokens([v for n, v in raw if n.lower() == b"connection"])
-            break
+    out = []
+    decoded = _DECODED
+    for pair in raw:
+        got = decoded.get(pair)
+        if got is None:  # never a hop-by-hop field: those are not cached
+            name, value = pair
+            lower = name.lower()
+            if lower in _HOP_BY_HOP_B:
+                if lower == b"connection":
+                    return _response_headers_listed(raw)
+                continue
+            if len(decoded) >= _DECODED_MAX:
+                decoded.clear()
+            got = decoded[pair] = (
+                name.decode("utf-8", "surrogateescape"),
+                value.decode("utf-8", "surrogateescape"),
+            )
+        out.append(got)
+    return out
+
+
+def _response_headers_listed(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    """_response_headers for an answer with a Connection header: minus the fields it lists."""
+    skip = _HOP_BY_HOP_B | _connection_tokens([v for n, v in raw if n.lower() == b"connection"])
     return [
         (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         for name, value in raw
-        if (lower := name.lower()) not in _HOP_BY_HOP_B and lower not in tokens
+        if name.lower() not in skip
     ]
 
 
@@ -571,29 +592,21 @@ def _forward_headers(request: web.Request) -> bytes:
     """The client's request headers for the upstream hop as CRLF-terminated lines: minus
     hop-by-hop ones, Host and Content-Length (the pool sets both), plus X-Forwarded-*."""
     raw = request.raw_headers
-    tokens = _NO_TOKENS
-    prior: bytes | None = None
-    lines: list[bytes] = []
-    for name, value in raw:
-        lower = name.lower()
-        if lower in _NOT_FORWARDED_B:
-            if lower == b"connection" and tokens is _NO_TOKENS:
-                tokens = _connection_tokens([v for n, v in raw if n.lower() == b"connection"])
-            elif lower == b"x-forwarded-for" and prior is None:
-                prior = value
-            continue
-        lines += (name, b": ", value, b"\r\n")
-    if tokens - _NOT_FORWARDED_B:  # a Connection header that names end-to-end fields
-        lines = []
-        for name, value in raw:
-            lower = name.lower()
-            if lower not in _NOT_FORWARDED_B and lower not in tokens:
-                lines += (name, b": ", value, b"\r\n")
+    headers = request.headers
+    skip = _NOT_FORWARDED_B
+    if "Connection" in headers:
+        skip = skip | _connection_tokens([v for n, v in raw if n.lower() == b"connection"])
+    block = b"".join(
+        [name + b": " + value + b"\r\n" for name, value in raw if name.lower() not in skip]
+    )
     peer = (request.remote or "unknown").encode()
-    lines += (b"X-Forwarded-For: ", prior + b", " + peer if prior else peer, b"\r\n")
-    lines += (b"X-Forwarded-Proto: ", request.scheme.encode(), b"\r\n")
-    lines += (b"X-Forwarded-Host: ", request.host.encode("utf-8", "surrogateescape"), b"\r\n")
-    return b"".join(lines)
+    prior = headers.get("X-Forwarded-For")
+    forwarded_for = prior.encode("utf-8", "surrogateescape") + b", " + peer if prior else peer
+    return block + b"X-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\nX-Forwarded-Host: %s\r\n" % (
+        forwarded_for,
+        request.scheme.encode(),
+        request.host.encode("utf-8", "surrogateescape"),
+    )
 
 
 def _path_tail(request: web.Request) -> str:
