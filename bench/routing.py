@@ -63,7 +63,10 @@ Limits of the set-up, handled here:
     .venv/bin/python bench/routing.py --json /tmp/routing.json --profile /tmp/broker.prof
 
 Targets: p99 end-to-end at most half of nginx round robin's on the cross-region mix; added
-latency p50 under 1 ms at 1,000 req/s; at least 3,000 req/s through one broker process.
+latency p50 under 0.5 ms at 1,000 req/s; 5,000 req/s per broker process (issue 10; the
+routing issue asked for 1 ms and 3,000 req/s). The throughput table also gives the broker's
+CPU time per request (its CPU seconds over the requests it served), the figure that moves
+least with the machine's other load.
 """
 
 from __future__ import annotations
@@ -104,8 +107,8 @@ LOOPBACK_SERVICE = "qwen-7b"
 TENANTS = 16
 BODY = json.dumps({"prompt": "Summarize the East Data West Computing program in one line."})
 TARGET_P99_RATIO = 0.5
-TARGET_ADDED_P50_MS = 1.0
-TARGET_RPS = 3000.0
+TARGET_ADDED_P50_MS = 0.5  # issue 10 (the routing issue: 1 ms)
+TARGET_RPS = 5000.0  # issue 10, per broker process (the routing issue: 3,000)
 
 
 def uvloop_installed() -> bool:
@@ -811,7 +814,7 @@ def service_capacity(cfg: Path) -> dict[str, float]:
     def mean_s(model: str) -> float:
         prof = standin["models"].get(model, standin["default"])
         sigma = math.log(prof["p99_ms"] / prof["median_ms"]) / z99
-        return prof["median_ms"] * math.exp(sigma * sigma / 2) / 1000
+        return float(prof["median_ms"]) * math.exp(sigma * sigma / 2) / 1000
 
     out: dict[str, float] = defaultdict(float)
     for path in (cfg / "sites").glob("*.yaml"):
@@ -1339,6 +1342,9 @@ def print_loopback(lb: dict[str, Any]) -> None:
             fmt(v["p99_ms"], 2),
             fmt(v["cpu"].get("broker", math.nan), 0),
             fmt(v["rps"] / (v["cpu"]["broker"] / 100), 0) if v["cpu"].get("broker") else "-",
+            fmt(v["cpu"]["broker"] / 100 / v["rps"] * 1e6, 0)
+            if v["cpu"].get("broker") and v["rps"]
+            else "-",
             str(sum(v["errors"].values())),
         ]
         for k, v in lb["throughput"].items()
@@ -1353,6 +1359,7 @@ def print_loopback(lb: dict[str, Any]) -> None:
                 "p99 ms",
                 "broker CPU %",
                 "req/s per broker core",
+                "broker CPU us/req",
                 "errors",
             ],
             rows,
@@ -1414,6 +1421,19 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                     best["rps"] >= TARGET_RPS,
                     f"{best['rps']:,.0f} req/s at {best['concurrency']} clients, broker at "
                     f"{fmt(best['cpu'].get('broker', math.nan), 0)} % of a core",
+                )
+            )
+        per_core = [
+            v["rps"] / (v["cpu"]["broker"] / 100)
+            for k, v in lb["throughput"].items()
+            if k.startswith("cpn") and v["cpu"].get("broker")
+        ]
+        if per_core:
+            out.append(
+                (
+                    f"{TARGET_RPS:,.0f} req/s per broker core (its CPU time per request)",
+                    max(per_core) >= TARGET_RPS,
+                    f"{max(per_core):,.0f} req/s per core ({1e6 / max(per_core):,.0f} us/req)",
                 )
             )
     return out
