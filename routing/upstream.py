@@ -101,7 +101,10 @@ def parse_origin(base_url: str) -> Origin:
         host, _, port_text = authority.rpartition(":") if ":" in authority else (authority, "", "")
     port = int(port_text) if port_text else default
     prefix = ("/" + path).rstrip("/") if slash else ""
-    origin = Origin(scheme, host, port, authority.encode("idna"), prefix.encode())
+    # Host as aiohttp wrote it: the port only where it is not the scheme's default
+    bracketed = f"[{host}]" if ":" in host else host
+    host_header = bracketed if port == default else f"{bracketed}:{port}"
+    origin = Origin(scheme, host, port, host_header.encode("idna"), prefix.encode())
     if len(_ORIGINS) < 4096:
         _ORIGINS[base_url] = origin
     return origin

@@ -125,6 +125,8 @@ def test_parse_origin() -> None:
     )  # fmt: skip
     assert parse_origin("http://[::1]:81").host == "::1"
     assert parse_origin("http://[::1]:81").port == 81
+    assert parse_origin("http://[::1]:81").host_header == b"[::1]:81"
+    assert parse_origin("http://site.example:80/").host_header == b"site.example"
     with pytest.raises(ValueError):
         parse_origin("ftp://x")
 
