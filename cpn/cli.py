@@ -380,6 +380,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from cpn.launcher import Launcher, LaunchSettings
 
+    if args.etcd_members < 1:
+        raise UsageError(f"--etcd-members must be at least 1, got {args.etcd_members}")
+    if args.etcd_members > 1 and (args.etcd or os.environ.get("CPN_ETCD")):
+        raise UsageError("--etcd-members starts an embedded cluster: not with --etcd/CPN_ETCD")
+
     settings = LaunchSettings(
         config_dir=Path(args.config_dir) if args.config_dir else config_dir(),
         etcd=args.etcd or os.environ.get("CPN_ETCD"),
@@ -387,6 +392,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         wan_emulation=not args.no_wan_emulation,
         only=tuple(s for s in (args.sites or "").split(",") if s),
         broker_listen=args.broker_listen,
+        etcd_members=args.etcd_members,
     )
     return Launcher(settings).run()
 
@@ -415,6 +421,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--broker-listen", default="127.0.0.1:8080", metavar="HOST:PORT")
     up.add_argument(
         "--no-wan-emulation", action="store_true", help="plain loopback, no emulated RTT"
+    )
+    up.add_argument(
+        "--etcd-members",
+        type=int,
+        default=1,
+        metavar="N",
+        help="embedded etcd as a raft cluster of N members (3 survives one member's loss)",
     )
     up.set_defaults(func=cmd_up)
 

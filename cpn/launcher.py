@@ -34,7 +34,7 @@ from sites import keys, wan
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, read_yaml, site_files
 from sites.errors import ConfigError, Problem, RegistryError
-from sites.etcd_server import EmbeddedEtcd, free_port
+from sites.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
 from sites.latency import Endpoint, LatencyModel
 from sites.registry import Registry
 from sites.spec import SiteSpec
@@ -51,6 +51,7 @@ class LaunchSettings:
     wan_emulation: bool = True
     only: tuple[str, ...] = ()
     broker_listen: str = "127.0.0.1:8080"
+    etcd_members: int = 1
 
 
 @dataclass
@@ -87,7 +88,7 @@ CONTEXT = "up"  # the CLI config entry `cpn up` writes (cpn.config)
 class Launcher:
     def __init__(self, settings: LaunchSettings) -> None:
         self.settings = settings
-        self.etcd: EmbeddedEtcd | None = None
+        self.etcd: EmbeddedEtcd | EtcdCluster | None = None
         self.emulator: wan.WanEmulator | None = None
         self.plans: list[SitePlan] = []
         self.broker: subprocess.Popen[bytes] | None = None
@@ -214,7 +215,12 @@ class Launcher:
             print(f"cpn up: could not revoke the demo token: {exc}", flush=True)
 
     def _start_etcd(self) -> str:
-        self.etcd = EmbeddedEtcd()
+        """One embedded member, or with --etcd-members N a raft cluster of N (every agent
+        and the broker get every endpoint and fail over between them)."""
+        if self.settings.etcd_members > 1:
+            self.etcd = EtcdCluster(self.settings.etcd_members)
+        else:
+            self.etcd = EmbeddedEtcd()
         return self.etcd.start()
 
     async def _start_wan(self) -> None:

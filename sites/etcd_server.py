@@ -143,3 +143,159 @@ class EmbeddedEtcd:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class EtcdCluster:
+    """`members` etcd members on loopback forming one raft cluster (`cpn up --etcd-members 3`,
+    the HA tests). `start()` returns every client URL, comma-separated: what agents and
+    brokers are given, so gRPC fails over between members by itself.
+
+    `kill(i)` ends member i at once (SIGKILL), `restart(i)` brings it back on its data dir and
+    ports; `leader()` is the index of the raft leader (etcd's own Status call).
+    """
+
+    def __init__(
+        self,
+        members: int = 3,
+        *,
+        data_dir: Path | None = None,
+        host: str = "127.0.0.1",
+        unsafe_no_fsync: bool = False,
+    ) -> None:
+        if members < 1:
+            raise ValueError(f"an etcd cluster needs at least one member, got {members}")
+        self._own_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="cpn-etcd-cluster-"))
+        self.host = host
+        self.unsafe_no_fsync = unsafe_no_fsync
+        self.names = [f"cpn{i}" for i in range(members)]
+        self.client_ports = [0] * members
+        self.peer_ports = [0] * members
+        self.processes: list[subprocess.Popen[bytes] | None] = [None] * members
+
+    def member_url(self, i: int) -> str:
+        return f"http://{self.host}:{self.client_ports[i]}"
+
+    @property
+    def url(self) -> str:
+        return ",".join(self.member_url(i) for i in range(len(self.names)))
+
+    def _peer(self, i: int) -> str:
+        return f"http://{self.host}:{self.peer_ports[i]}"
+
+    def _launch(self, i: int, state: str) -> None:
+        initial = ",".join(f"{n}={self._peer(j)}" for j, n in enumerate(self.names))
+        args = [
+            str(find_binary("etcd")),
+            "--name", self.names[i],
+            "--data-dir", str(self.data_dir / self.names[i]),
+            "--listen-client-urls", self.member_url(i),
+            "--advertise-client-urls", self.member_url(i),
+            "--listen-peer-urls", self._peer(i),
+            "--initial-advertise-peer-urls", self._peer(i),
+            "--initial-cluster", initial,
+            "--initial-cluster-state", state,
+            "--initial-cluster-token", f"cpn-{os.getpid()}-{id(self)}",
+            "--auto-compaction-mode", "periodic",
+            "--auto-compaction-retention", "1h",
+            "--log-level", "warn",
+        ]  # fmt: skip
+        if self.unsafe_no_fsync:
+            args.append("--unsafe-no-fsync")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.data_dir / f"{self.names[i]}.log", "ab") as logfile:
+            self.processes[i] = subprocess.Popen(
+                args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        ports = {free_port(self.host) for _ in range(4 * len(self.names))}
+        if len(ports) < 2 * len(self.names):
+            raise EtcdStartError("not enough free loopback ports for the etcd cluster")
+        free = sorted(ports)
+        self.client_ports = free[: len(self.names)]
+        self.peer_ports = free[len(self.names) : 2 * len(self.names)]
+        for i in range(len(self.names)):
+            self._launch(i, "new")  # all at once: none is healthy before a quorum is
+        for i in range(len(self.names)):
+            if not self._healthy(i, timeout_s):
+                self.stop()
+                raise EtcdStartError(f"etcd member {self.names[i]} did not become healthy")
+        log.info("etcd cluster of %d up at %s", len(self.names), self.url)
+        return self.url
+
+    def _healthy(self, i: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.processes[i]
+            if proc is None or proc.poll() is not None:
+                return False
+            try:
+                with urllib.request.urlopen(self.member_url(i) + "/health", timeout=1) as resp:
+                    if json.loads(resp.read()).get("health") == "true":
+                        return True
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(0.05)
+        return False
+
+    def kill(self, i: int) -> None:
+        proc, self.processes[i] = self.processes[i], None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self, i: int, timeout_s: float = 30.0) -> None:
+        self.kill(i)
+        self._launch(i, "existing")
+        if not self._healthy(i, timeout_s):
+            raise EtcdStartError(f"etcd member {self.names[i]} did not come back")
+
+    def leader(self) -> int | None:
+        """The index of the member that leads raft now, if a live member knows."""
+        for i in range(len(self.names)):
+            if self.processes[i] is None:
+                continue
+            try:
+                req = urllib.request.Request(
+                    self.member_url(i) + "/v3/maintenance/status", data=b"{}", method="POST"
+                )
+                with urllib.request.urlopen(req, timeout=1) as resp:
+                    status = json.loads(resp.read())
+            except (urllib.error.URLError, OSError, ValueError):
+                continue
+            leader_id = status.get("leader")
+            members = self._member_ids(i)
+            for j, name in enumerate(self.names):
+                if members.get(name) == leader_id:
+                    return j
+        return None
+
+    def _member_ids(self, i: int) -> dict[str, str]:
+        req = urllib.request.Request(
+            self.member_url(i) + "/v3/cluster/member/list", data=b"{}", method="POST"
+        )
+        with urllib.request.urlopen(req, timeout=1) as resp:
+            doc = json.loads(resp.read())
+        return {m.get("name", ""): m.get("ID", "") for m in doc.get("members", [])}
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        running, self.processes = self.processes, [None] * len(self.names)
+        for proc in running:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in running:
+            if proc is not None:
+                try:
+                    proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        if self._own_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -26,7 +26,7 @@ from routing.selection import hrw_weight
 from sites import keys
 from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.registry import Registry
-from tests.conftest import AUTH, CONFIGS, REPO, cpn_cmd
+from tests.conftest import AUTH, CONFIGS, REPO, cpn_cmd, write_admin_token
 
 # qwen-72b is served at yrd-demo-zone, shaoguan, zhangjiakou and tokyo
 SITES = ("yrd-demo-zone", "wuhu", "shaoguan", "zhangjiakou", "tokyo", "frankfurt")
@@ -82,6 +82,7 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 async def _clear(url: str) -> None:
     async with Registry.from_urls(url) as reg:
         await reg.delete_prefix(keys.ROOT)
+        await write_admin_token(reg)  # the tests' token, which every request here carries
 
 
 async def _wait_routable(demo: Demo) -> None:

@@ -1,0 +1,142 @@
+"""A federation on a three-member etcd: a member killed under a burst of submits, then the raft
+leader member, and nothing is lost or done twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sites import keys
+from sites.errors import RegistryError
+from sites.etcd_server import EtcdCluster
+from sites.registry import Registry
+from tests.broker.conftest import BROKER_SETTINGS, Federation, federation_site
+from tests.conftest import CONFIGS, Processes, run_cpn, write_admin_token
+
+SITES = {
+    "east-a": {"region": "east", "coordinates": {"lat": 31.2, "lon": 121.4}, "price": 3.0},
+    "east-b": {"region": "east", "coordinates": {"lat": 31.3, "lon": 120.6}, "price": 2.0},
+}
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[EtcdCluster]:
+    c = EtcdCluster(3, data_dir=tmp_path / "etcd", unsafe_no_fsync=True)
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+async def test_the_cluster_survives_a_member_and_its_leader(cluster: EtcdCluster) -> None:
+    async with Registry.from_urls(cluster.url) as reg:
+        await reg.put_raw("/cpn/v1/ha/0", b"0")
+        leader = cluster.leader()
+        assert leader is not None
+        follower = (leader + 1) % 3
+        cluster.kill(follower)
+        for i in range(1, 20):
+            await reg.put_raw(f"/cpn/v1/ha/{i}", str(i).encode())  # a quorum is left
+        cluster.kill(leader)
+        deadline = time.monotonic() + 10  # one member alone has no quorum: writes wait
+        cluster.restart(follower)
+        while True:
+            try:
+                await reg.put_raw("/cpn/v1/ha/after", b"x")
+                break
+            except RegistryError:
+                assert time.monotonic() < deadline, "no write after the leader member died"
+                await asyncio.sleep(0.2)
+        _, kvs = await reg.list_prefix("/cpn/v1/ha/")
+        assert len(kvs) == 21  # nothing acknowledged was lost
+        assert cluster.leader() in {i for i in range(3) if i != leader}
+
+
+async def test_jobs_are_placed_once_while_members_die(
+    cluster: EtcdCluster, processes: Processes, tmp_path: Path
+) -> None:
+    cfg = tmp_path / "configs"
+    (cfg / "sites").mkdir(parents=True)
+    shutil.copy(CONFIGS / "devices.yaml", cfg / "devices.yaml")
+    shutil.copytree(CONFIGS / "latency", cfg / "latency")
+    (cfg / "broker.yaml").write_text(yaml.safe_dump(BROKER_SETTINGS))
+    regions = {"user_regions": [{"id": "user-east", "lat": 31.23, "lon": 121.47}]}
+    (cfg / "regions.yaml").write_text(yaml.safe_dump(regions))
+    (cfg / "tenants.yaml").write_text(yaml.safe_dump({"tenants": {}}))
+    for site_id, spec in SITES.items():
+        (cfg / "sites" / f"{site_id}.yaml").write_text(
+            yaml.safe_dump(federation_site(site_id, spec))
+        )
+    joined = run_cpn(
+        "site", "join", *map(str, sorted((cfg / "sites").glob("*.yaml"))),
+        "--catalog", str(cfg / "devices.yaml"), etcd_url=cluster.url,
+    )  # fmt: skip
+    assert joined.returncode == 0, joined.stderr
+    async with Registry.from_urls(cluster.url) as reg:
+        await write_admin_token(reg)
+        fed = Federation(registry=reg, processes=processes, config_dir=cfg)
+        for site_id in SITES:
+            fed.start_agent(site_id)
+        fed.start_broker()
+        deadline = time.monotonic() + 30
+        while not all(s["state"] == "up" for s in json.loads(fed.get("/v1/sites")[1])):
+            assert time.monotonic() < deadline, "sites not up"
+            await asyncio.sleep(0.2)
+
+        accepted: list[str] = []
+        refused: list[int] = []
+
+        def burst() -> None:  # a client submitting as fast as it is answered
+            for i in range(60):
+                status, record = fed.request(
+                    "POST", "/v1/jobs", {"name": f"ha-{i}", "tenant": "t1", "command": ["true"]}
+                )
+                if status == 201:
+                    accepted.append(record["id"])
+                else:
+                    assert status == 503, (status, record)  # registry unavailable: retryable
+                    refused.append(status)
+
+        client = threading.Thread(target=burst)
+        client.start()
+        await asyncio.sleep(1.0)
+        leader = cluster.leader()
+        assert leader is not None
+        cluster.kill((leader + 1) % 3)  # a follower under load
+        await asyncio.sleep(1.5)
+        cluster.restart((leader + 1) % 3)
+        await asyncio.sleep(0.5)
+        leader = cluster.leader()
+        assert leader is not None
+        cluster.kill(leader)  # then the raft leader itself
+        client.join(120)
+        assert not client.is_alive()
+        cluster.restart(leader)
+        assert len(accepted) >= 40, (len(accepted), refused)
+
+        deadline = time.monotonic() + 90
+        while True:
+            states = {j: fed.job(j)["state"] for j in accepted}
+            if all(s == "SUCCEEDED" for s in states.values()):
+                break
+            assert time.monotonic() < deadline, {
+                j: s for j, s in states.items() if s != "SUCCEEDED"
+            }
+            await asyncio.sleep(0.5)
+        for job_id in accepted:
+            record = fed.job(job_id)
+            placed = [e for e in record["events"] if e["type"] in ("placed", "re-placed")]
+            runs = {e["attempt"] for e in placed}
+            assert len(placed) == len(runs), (job_id, placed)  # one placement per attempt
+        _, left = await reg.list_prefix(keys.ASSIGNMENTS)
+        assert not left  # every finished job's assignment is gone, none is doubled
+        print(f"{len(accepted)} accepted, {len(refused)} answered 503 while a member was down")
