@@ -222,13 +222,29 @@ class Event(Frozen):
     attempt: int | None = None
 
 
+class RunnerUp(Frozen):
+    site: str
+    cost_usd: float
+
+
 class Placement(Frozen):
+    """Where a run goes and the decision record behind it ("routing evidence")."""
+
     site: str
     region: str
     model: str | None
     gpus: int
     cost_usd: float = Field(description="estimated cost of the run at list prices")
     reason: str = Field(description="why this site: the cost breakdown and the runner-up")
+    compute_usd: float | None = Field(default=None, description="the cost's compute part")
+    egress_usd: float | None = Field(default=None, description="moving the job's data there")
+    latency_usd: float | None = Field(default=None, description="the user-latency penalty")
+    feasible_sites: int | None = Field(
+        default=None, description="sites that passed every filter (0 or null: not counted)"
+    )
+    runner_up: RunnerUp | None = Field(
+        default=None, description="the best option on another site: what this one beat"
+    )
 
 
 class JobRecord(Frozen):

@@ -43,6 +43,7 @@ from broker import pricing
 from broker.errors import InvalidRequest
 from broker.feasibility import FILTERS, capacity, reason, request, screen
 from broker.jobs import JobSpec, Placement
+from broker.jobs import RunnerUp as JobRunnerUp
 from broker.offers import (
     Federation,
     GroupState,
@@ -102,6 +103,15 @@ class Decision:
             gpus=self.gpus,
             cost_usd=self.cost_usd,
             reason=self.reason,
+            compute_usd=self.breakdown.compute_usd,
+            egress_usd=self.breakdown.egress_usd,
+            latency_usd=self.breakdown.latency_usd,
+            feasible_sites=self.feasible or None,
+            runner_up=(
+                None
+                if self.runner_up is None
+                else JobRunnerUp(site=self.runner_up.site, cost_usd=self.runner_up.cost_usd)
+            ),
         )
 
 
