@@ -186,7 +186,7 @@ def decisions(
                     cost_usd=total,
                     breakdown=parts,
                     runner_up=None,
-                    feasible=len(job.allowed_regions or ()),
+                    feasible=0,  # the batch plan does not count feasible sites per job
                     reason=(
                         f"batch plan of {len(problem.jobs)} pending jobs ({result.status.value}, "
                         f"gap {100 * gap:.2f} %): {total:.2f} USD (compute "
