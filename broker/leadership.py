@@ -101,13 +101,26 @@ class Leadership:
         self.metrics.leader.set(1)
         log.info("broker %s is the leader", self.instance)
         self._on_elected.set()
+        renewed = self.clock.monotonic()
         try:
             while not self._resign.is_set():
                 try:
                     async with asyncio.timeout(ttl / 3):
                         await self._resign.wait()
                 except TimeoutError:
-                    await self.registry.keepalive(lease)
+                    # cut off from etcd, the lease may have expired there: step down before
+                    # it can have (another replica may lead after ttl_s), not after
+                    left = renewed + ttl * 0.9 - self.clock.monotonic()
+                    try:
+                        async with asyncio.timeout(max(0.0, left)):
+                            await self.registry.keepalive(lease)
+                    except TimeoutError:
+                        log.warning(
+                            "no lease renewal from etcd within the leader ttl: stepping down"
+                        )
+                        self._lease = None
+                        return
+                    renewed = self.clock.monotonic()
         except LeaseLost as exc:
             self._lease = None  # gone already: nothing for close() to revoke
             log.warning("lost leadership: %s", exc)
