@@ -42,6 +42,7 @@ from broker.bodies import read_model
 from broker.errors import InvalidRequest
 from broker.jobs import NAME_RE
 from broker.openapi import OPERATIONS, Many, Operation, Param, Reply, spec_path
+from routing.proxy import TENANT_KEY
 from sites import keys
 from sites.durations import Duration
 from sites.registry import Guard
@@ -86,7 +87,6 @@ ACCESS: dict[tuple[str, str], Permission] = {
 """Each route's permission (broker.auth.GRANTS says which roles hold it)."""
 
 PRINCIPAL = "cpn.principal"
-TENANT_HEADER = "X-Cpn-Tenant"
 REQUEST_ID = "X-Request-Id"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -153,14 +153,10 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         who = access.tokens.authenticate(request.headers.get("Authorization"), access.clock())
         request[PRINCIPAL] = who
         who.check(permission)
-        if permission is P.route and who.tenant is not None:
+        if who.tenant is not None:
             # an inference token names its tenant: rate limits and policy key on it, not
-            # on whatever X-Cpn-Tenant the client sends
-            if request.headers.get(TENANT_HEADER) != who.tenant:
-                headers = request.headers.copy()
-                headers[TENANT_HEADER] = who.tenant
-                request = request.clone(headers=headers)
-                request[PRINCIPAL] = who
+            # on whatever X-Cpn-Tenant the client sends (routing.proxy reads it here)
+            request[TENANT_KEY] = who.tenant
         return await handler(request)
     except Unauthorized as exc:
         return _refusal(401, "unauthorized", str(exc))
@@ -312,6 +308,7 @@ async def create(request: web.Request) -> web.Response:
         description=body.description,
     )
     await create_token(access.tokens.registry, record)
+    access.tokens.tokens[record.id] = record  # usable here at once; elsewhere by the watch
     note(request, tenant=record.tenant, target=record.id)
     created = TokenCreated(token=token, **record.public())
     return web.json_response(created.model_dump(mode="json"), status=201)

@@ -88,6 +88,9 @@ log = logging.getLogger(__name__)
 
 REGION_HEADER = "X-Cpn-Client-Region"
 TENANT_HEADER = "X-Cpn-Tenant"
+TENANT_KEY = "cpn.caller_tenant"
+"""Where an authenticating middleware leaves the caller's tenant on the request (it wins over
+the X-Cpn-Tenant header: an inference token names its tenant)."""
 SESSION_HEADER = "X-Cpn-Session"
 SESSION_COOKIE = "cpn-session"
 DEFAULT_TENANT = "anonymous"
@@ -264,7 +267,11 @@ class InferenceProxy:
         region = self._client_region(request)
         if isinstance(region, web.Response):
             return region
-        tenant = request.headers.get(TENANT_HEADER, "").strip() or DEFAULT_TENANT
+        tenant = (
+            request.get(TENANT_KEY)
+            or request.headers.get(TENANT_HEADER, "").strip()
+            or DEFAULT_TENANT
+        )
         if self.limiter is not None:
             decision = self.limiter.acquire(tenant, self.clock.monotonic())
             if not decision.allowed:

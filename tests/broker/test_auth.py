@@ -303,3 +303,41 @@ def test_the_cli_bootstraps_a_token_from_etcd_and_uses_its_config(
     path.chmod(0o644)
     leaky = run_cpn("whoami")
     assert leaky.returncode == 2 and "readable by others" in leaky.stderr, leaky.stderr
+
+
+def test_an_inference_token_is_rate_limited_as_its_tenant(
+    etcd: EmbeddedEtcd, tmp_path: Path
+) -> None:
+    procs = Processes(tmp_path)
+    try:
+        api = start_api_broker(
+            etcd.url, procs, tmp_path / "limited",
+            {"inference": {"tenant_rate_per_s": 0.1, "tenant_burst": 2}}, leader=False,
+        )  # fmt: skip
+        made = api.post_json("/v1/tokens", {"role": "tenant-user", "tenant": "ai-lab"})
+        import urllib.error
+        import urllib.request
+
+        statuses, fields = [], []
+        for i in range(3):  # a different X-Cpn-Tenant each time: the token's tenant counts
+            req = urllib.request.Request(
+                api.url + "/v1/infer/qwen-72b/v1/completions",
+                data=b"{}",
+                method="POST",
+                headers={
+                    "Authorization": f"Bearer {made.json()['token']}",
+                    "X-Cpn-Client-Region": "shanghai",
+                    "X-Cpn-Tenant": f"someone-else-{i}",
+                    "Content-Type": "application/json",
+                },
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    statuses.append(resp.status)
+            except urllib.error.HTTPError as exc:
+                statuses.append(exc.code)
+                fields.append(json.loads(exc.read())["error"]["field"])
+        assert statuses == [404, 404, 429], statuses  # no site serves it; then over the limit
+        assert fields[-1] == "X-Cpn-Tenant"
+    finally:
+        procs.stop_all()
