@@ -110,9 +110,11 @@ class Leadership:
                 except TimeoutError:
                     # cut off from etcd, the lease may have expired there: step down before
                     # it can have (another replica may lead after ttl_s), not after
+                    # (a loop that was busy, not etcd, still gets a short try: etcd's answer,
+                    # renewed or LeaseLost, decides; every leader write is fenced anyway)
                     left = renewed + ttl * 0.9 - self.clock.monotonic()
                     try:
-                        async with asyncio.timeout(max(0.0, left)):
+                        async with asyncio.timeout(max(min(1.0, ttl / 3), left)):
                             await self.registry.keepalive(lease)
                     except TimeoutError:
                         log.warning(

@@ -36,7 +36,7 @@ async def leader(registry: Registry) -> AsyncIterator[Leadership]:
         registry=registry,
         instance="history-test",
         url="",
-        ttl_s=5,
+        ttl_s=30,  # the tests' own work blocks this loop for seconds on a loaded machine
         clock=SystemClock(),
         metrics=BrokerMetrics(),
         on_elected=asyncio.Event(),
