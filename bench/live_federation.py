@@ -477,7 +477,7 @@ async def drive_load(base: str, args: argparse.Namespace, load: Load, until: flo
             load.sites.ms.append(ms)
             load.sites.outcomes[f"HTTP {status}"] += 1
             if status == 200:
-                rows = json.loads(data)
+                rows = json.loads(data)["items"]
                 ago = [r["last_seen_ago_s"] for r in rows if r.get("last_seen_ago_s") is not None]
                 load.sites_up.append(sum(1 for r in rows if r.get("state") == "up"))
                 if ago:
@@ -510,7 +510,7 @@ async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> tuple[f
                 _, status, data = await timed(session, "GET", f"{base}/healthz", None)
                 if status == 200 and json.loads(data).get("leader"):
                     _, status, data = await timed(session, "GET", f"{base}/v1/sites", None)
-                    rows = json.loads(data)
+                    rows = json.loads(data)["items"]
                     up = sum(1 for r in rows if r.get("state") == "up")
                     if up >= n:
                         return time.monotonic() - started, up

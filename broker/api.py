@@ -9,6 +9,7 @@ registry is unreachable; a 500 is a bug.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import logging
@@ -45,7 +46,7 @@ from broker.errors import (
 )
 from broker.history import DEFAULT_LIMIT, MAX_LIMIT, JobQuery, list_page, parse_since
 from broker.jobs import JobRecord, JobSpec, JobState
-from broker.openapi import OPERATIONS, Many, Operation, Param, Reply, document, register
+from broker.openapi import OPERATIONS, Operation, Param, Reply, document, register
 from broker.router import Router, route_json
 from broker.service import Broker
 from sites.catalog import Capacity
@@ -354,26 +355,58 @@ the list costs ~100 ms of the event loop, which every other request would wait b
 SITES_CACHE = web.AppKey("sites_cache", dict)
 
 
+SITES_LIMIT = 500
+SITES_MAX_LIMIT = 5000
+
+
+class SiteList(BaseModel):
+    """A page of GET /v1/sites, by site id; `continue` asks for the next page."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
+
+    items: list[SiteInfo]
+    continue_: str | None = Field(
+        alias="continue", description="pass as ?continue= for the next page; null on the last"
+    )
+
+
 async def list_sites(request: web.Request) -> web.Response:
+    text = request.query.get("limit", str(SITES_LIMIT))
+    if not text.isdigit() or not 1 <= int(text) <= SITES_MAX_LIMIT:
+        raise InvalidRequest(f"limit must be 1 to {SITES_MAX_LIMIT}, got {text!r}", field="limit")
+    limit, after = int(text), request.query.get("continue") or ""
     sites = request.app[BROKER].view().sites
     cache = request.app[SITES_CACHE]
     now = time.time()
     version = (id(sites), sites.version)
     if cache.get("version") != version and now - cache.get("at", 0.0) >= SITES_REFRESH_S:
-        out = [
-            SiteInfo(
-                id=site.id,
-                region=site.region,
-                state=site.state,
-                last_seen=site.last_seen,
-                last_seen_ago_s=None if site.last_seen is None else round(now - site.last_seen, 3),
-                rtt_ms=site.rtt_ms,
-                free=None if site.status is None else site.status.free,
-            ).model_dump(mode="json")
+        rows = sorted(
+            (
+                site.id,
+                json.dumps(
+                    SiteInfo(
+                        id=site.id,
+                        region=site.region,
+                        state=site.state,
+                        last_seen=site.last_seen,
+                        last_seen_ago_s=None
+                        if site.last_seen is None
+                        else round(now - site.last_seen, 3),
+                        rtt_ms=site.rtt_ms,
+                        free=None if site.status is None else site.status.free,
+                    ).model_dump(mode="json")
+                ).encode(),
+            )
             for site in sites.views()
-        ]
-        cache.update(version=version, at=now, body=json.dumps(out).encode())
-    return web.Response(body=cache["body"], content_type="application/json")
+        )
+        cache.update(version=version, at=now, ids=[i for i, _ in rows], rows=[r for _, r in rows])
+    ids: list[str] = cache["ids"]
+    start = bisect.bisect_right(ids, after) if after else 0
+    page = cache["rows"][start : start + limit]
+    more = start + limit < len(ids)
+    token = json.dumps(ids[start + limit - 1] if more else None).encode()
+    body = b'{"items":[' + b",".join(page) + b'],"continue":' + token + b"}"
+    return web.Response(body=body, content_type="application/json")
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -477,7 +510,15 @@ def job_operations() -> list[Operation]:
     ops += [
         Operation(
             "GET", "/v1/sites", list_sites, "Sites: state, last report, RTTs, free capacity",
-            "list_sites", replies={200: Reply("the sites", Many(SiteInfo))},
+            "list_sites",
+            params=(
+                Param(
+                    "limit", "query", f"at most this many sites (default {SITES_LIMIT})",
+                    {"type": "integer", "minimum": 1, "maximum": SITES_MAX_LIMIT},
+                ),
+                Param("continue", "query", "the previous page's `continue`: the next page"),
+            ),
+            replies={200: Reply("a page of sites, by id", SiteList)}, errors=(400,),
         ),
         Operation(
             "GET", "/openapi.json", openapi, "This document", "openapi",

@@ -210,7 +210,7 @@ def make_federation(
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 _, sites_json = fed.get("/v1/sites")
-                if all(s["state"] == "up" for s in json.loads(sites_json)):
+                if all(s["state"] == "up" for s in json.loads(sites_json)["items"]):
                     break
                 time.sleep(0.1)
             else:

@@ -15,7 +15,7 @@ import pytest
 from sites import keys
 from sites.assignments import Assignment
 from sites.registry import Registry
-from tests.broker.conftest import Federation, assignments_of
+from tests.broker.conftest import SITES, Federation, assignments_of
 from tests.conftest import AUTH, run_cpn
 
 CPU_ONLY: dict[str, Any] = {"cpu": 2, "mem_gb": 4}
@@ -378,3 +378,16 @@ def test_cli_submit_jobs_describe_logs(
     bad = run_cpn("submit", str(bad_file), "--broker", fed.broker_url)
     assert bad.returncode == 2 and "(field: gpu.model)" in bad.stderr
     assert signal.SIGTERM  # keep the import used
+
+
+def test_sites_come_a_page_at_a_time(make_federation: Callable[..., Federation]) -> None:
+    fed = make_federation(agents=False)
+    status, first = fed.request("GET", "/v1/sites?limit=3")
+    assert status == 200 and len(first["items"]) == 3 and first["continue"]
+    status, rest = fed.request("GET", f"/v1/sites?limit=3&continue={first['continue']}")
+    assert status == 200 and rest["continue"] is None
+    ids = [s["id"] for s in first["items"] + rest["items"]]
+    assert ids == sorted(SITES) and all(s["state"] == "down" for s in rest["items"])
+    assert fed.request("GET", "/v1/sites")[1]["continue"] is None
+    status, bad = fed.request("GET", "/v1/sites?limit=0")
+    assert status == 400 and bad["error"]["field"] == "limit"
