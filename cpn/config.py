@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from cpn.state import write_private
+
 __all__ = ["Context", "config_path", "load_contexts", "save_context"]
 
 
@@ -86,13 +88,7 @@ def save_context(name: str, url: str, token: str | None, *, current: bool = True
     brokers[name] = {"url": url, **({"token": token} if token else {})}
     if current:
         doc["current"] = name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        yaml.safe_dump(doc, out, sort_keys=False)
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)
+    write_private(path, yaml.safe_dump(doc, sort_keys=False))
     return path
 
 
@@ -111,7 +107,4 @@ def remove_context(name: str, *, url: str | None = None) -> None:
     del brokers[name]
     if doc.get("current") == name:
         doc["current"] = None
-    fd = os.open(path.with_name(path.name + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        yaml.safe_dump(doc, out, sort_keys=False)
-    path.with_name(path.name + ".tmp").replace(path)
+    write_private(path, yaml.safe_dump(doc, sort_keys=False))

@@ -19,15 +19,19 @@ def up_state_path() -> Path:
     return state_dir() / "up.json"
 
 
-def write_up_state(state: dict[str, Any]) -> None:
-    path = up_state_path()
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` atomically, readable by its owner only (it holds a token)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds a token
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        out.write(json.dumps(state, indent=2))
-    os.chmod(tmp, 0o600)
+        out.write(text)
+    os.chmod(tmp, 0o600)  # a leftover tmp file keeps its old mode through O_CREAT
     tmp.replace(path)
+
+
+def write_up_state(state: dict[str, Any]) -> None:
+    write_private(up_state_path(), json.dumps(state, indent=2))
 
 
 def read_up_state() -> dict[str, Any] | None:
