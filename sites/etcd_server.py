@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from sites.errors import EtcdStartError
@@ -49,6 +50,25 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def wait_healthy(
+    url: str, process: Callable[[], subprocess.Popen[bytes] | None], timeout_s: float
+) -> bool:
+    """Until etcd at `url` says /health true (True), its process is gone, or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        proc = process()
+        if proc is None or proc.poll() is not None:
+            return False
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                if json.loads(resp.read()).get("health") == "true":
+                    return True
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    return False
 
 
 class EmbeddedEtcd:
@@ -111,18 +131,7 @@ class EmbeddedEtcd:
         raise EtcdStartError(f"etcd did not become healthy at {self.url}; log tail:\n{tail}")
 
     def _wait_healthy(self, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process is None or self.process.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=1) as resp:
-                    if json.loads(resp.read()).get("health") == "true":
-                        return True
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.05)
-        return False
+        return wait_healthy(self.url, lambda: self.process, timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         proc, self.process = self.process, None
@@ -225,19 +234,7 @@ class EtcdCluster:
         return self.url
 
     def _healthy(self, i: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            proc = self.processes[i]
-            if proc is None or proc.poll() is not None:
-                return False
-            try:
-                with urllib.request.urlopen(self.member_url(i) + "/health", timeout=1) as resp:
-                    if json.loads(resp.read()).get("health") == "true":
-                        return True
-            except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.05)
-        return False
+        return wait_healthy(self.member_url(i), lambda: self.processes[i], timeout_s)
 
     def kill(self, i: int) -> None:
         proc, self.processes[i] = self.processes[i], None
