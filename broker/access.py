@@ -38,8 +38,7 @@ from broker.auth import (
     may_grant,
     new_token,
 )
-from broker.bodies import read_model
-from broker.errors import InvalidRequest
+from broker.bodies import page_response, query_limit, read_model
 from broker.jobs import NAME_RE
 from broker.openapi import OPERATIONS, Many, Operation, Param, Reply, spec_path
 from routing.proxy import TENANT_KEY
@@ -343,20 +342,16 @@ async def revoke(request: web.Request) -> web.Response:
 async def audit_log(request: web.Request) -> web.Response:
     access = request.app[AUTH]
     who = principal(request)
-    text = request.query.get("limit", "100")
-    if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
-        raise InvalidRequest(f"limit must be 1 to {MAX_LIMIT}, got {text!r}", field="limit")
+    limit = query_limit(request.query, default=100, maximum=MAX_LIMIT)
     tenant = request.query.get("tenant") or None
     if who.tenant is not None:
         if tenant not in (None, who.tenant):
             raise Forbidden("a tenant's token reads its own tenant's audit only", field="tenant")
         tenant = who.tenant
     page = await access.audit.page(
-        tenant=tenant, limit=int(text), token=request.query.get("continue") or None
+        tenant=tenant, limit=limit, token=request.query.get("continue") or None
     )
-    body = b'{"items":[' + b",".join(page.raw) + b'],"continue":'
-    body += (b'"' + page.next.encode() + b'"') if page.next else b"null"
-    return web.Response(body=body + b"}", content_type="application/json")
+    return page_response(page.raw, page.next)
 
 
 async def whoami(request: web.Request) -> web.Response:

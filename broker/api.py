@@ -35,7 +35,7 @@ from broker.access import (
     secured,
 )
 from broker.auth import Forbidden
-from broker.bodies import UNSUPPORTED_MEDIA, read_model
+from broker.bodies import UNSUPPORTED_MEDIA, page_response, query_limit, read_model
 from broker.errors import (
     Conflict,
     Expired,
@@ -246,9 +246,7 @@ def job_query(query: Mapping[str, str], now: float) -> JobQuery:
             if name.upper() not in JobState.__members__:
                 raise InvalidRequest(f"unknown state {name!r}", field="state")
             states.add(JobState[name.upper()])
-    text = query.get("limit", str(DEFAULT_LIMIT))
-    if not text.isdigit() or not 1 <= int(text) <= MAX_LIMIT:
-        raise InvalidRequest(f"limit must be 1 to {MAX_LIMIT}, got {text!r}", field="limit")
+    limit = query_limit(query, default=DEFAULT_LIMIT, maximum=MAX_LIMIT)
     include = query.get("include")
     if include not in (None, "", "archived"):
         raise InvalidRequest(f"include must be 'archived', got {include!r}", field="include")
@@ -259,7 +257,7 @@ def job_query(query: Mapping[str, str], now: float) -> JobQuery:
         site=query.get("site") or None,
         since=None if not since else parse_since(since, now),
         include_archived=include == "archived",
-        limit=int(text),
+        limit=limit,
     )
 
 
@@ -274,9 +272,7 @@ async def list_jobs(request: web.Request) -> web.Response:
             )
         query = dataclasses.replace(query, tenant=who.tenant)
     page = await list_page(broker.registry, query, request.query.get("continue") or None)
-    # the records go out as etcd holds them: a page is not decoded and encoded again
-    body = b'{"items":[' + b",".join(page.raw) + b'],"continue":' + json.dumps(page.next).encode()
-    return web.Response(body=body + b"}", content_type="application/json")
+    return page_response(page.raw, page.next)
 
 
 async def visible_job(request: web.Request) -> JobRecord:
@@ -371,10 +367,8 @@ class SiteList(BaseModel):
 
 
 async def list_sites(request: web.Request) -> web.Response:
-    text = request.query.get("limit", str(SITES_LIMIT))
-    if not text.isdigit() or not 1 <= int(text) <= SITES_MAX_LIMIT:
-        raise InvalidRequest(f"limit must be 1 to {SITES_MAX_LIMIT}, got {text!r}", field="limit")
-    limit, after = int(text), request.query.get("continue") or ""
+    limit = query_limit(request.query, default=SITES_LIMIT, maximum=SITES_MAX_LIMIT)
+    after = request.query.get("continue") or ""
     sites = request.app[BROKER].view().sites
     cache = request.app[SITES_CACHE]
     now = time.time()
@@ -404,9 +398,7 @@ async def list_sites(request: web.Request) -> web.Response:
     start = bisect.bisect_right(ids, after) if after else 0
     page = cache["rows"][start : start + limit]
     more = start + limit < len(ids)
-    token = json.dumps(ids[start + limit - 1] if more else None).encode()
-    body = b'{"items":[' + b",".join(page) + b'],"continue":' + token + b"}"
-    return web.Response(body=body, content_type="application/json")
+    return page_response(page, ids[start + limit - 1] if more else None)
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import yaml
@@ -78,3 +79,21 @@ def _plain(value: Any, loc: tuple[int | str, ...]) -> Any:
     raise InvalidRequest(
         f"a YAML {type(value).__name__} has no JSON equivalent", field=field_path(loc) or None
     )
+
+
+# -- pages (GET /v1/jobs, /v1/sites, /v1/audit) -------------------------------------------------
+
+
+def query_limit(query: Mapping[str, str], *, default: int, maximum: int) -> int:
+    """A list's `limit` parameter: 1 to `maximum`, else a 400 naming it."""
+    text = query.get("limit", str(default))
+    if not text.isdigit() or not 1 <= int(text) <= maximum:
+        raise InvalidRequest(f"limit must be 1 to {maximum}, got {text!r}", field="limit")
+    return int(text)
+
+
+def page_response(items: list[bytes], next_token: str | None) -> web.Response:
+    """`{"items": [...], "continue": ...}` from items already encoded as JSON (a page of
+    records goes out as etcd holds them, not decoded and encoded again)."""
+    body = b'{"items":[' + b",".join(items) + b'],"continue":' + json.dumps(next_token).encode()
+    return web.Response(body=body + b"}", content_type="application/json")
