@@ -263,8 +263,13 @@ class TokenBook:
         return _principal(record.id, record.role, record.tenant)
 
     def visible(self, principal: Principal) -> list[TokenRecord]:
+        """Every token for a principal without a tenant; else its tenant's only."""
         return sorted(
-            (t for t in self.tokens.values() if t.tenant is None or principal.sees(t.tenant)),
+            (
+                t
+                for t in self.tokens.values()
+                if principal.tenant is None or t.tenant == principal.tenant
+            ),
             key=lambda t: t.created_at,
         )
 
