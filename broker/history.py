@@ -428,16 +428,9 @@ class HistoryKeeper:
     # expiry: archived jobs older than the archive retention are dropped
 
     async def expire(self, now: float) -> int:
-        if not self.settings.archive_retention_s:
-            return 0
-        start = keys.HISTORY_INDEX + position(now - float(self.settings.archive_retention_s))
-        due: list[tuple[str, int]] = []
-        async for page in self.registry.iter_range(start, prefix=keys.HISTORY_INDEX, page_keys=500):
-            due += [(key, rev) for key, _, rev in page.items]
-            if len(due) >= PASS_LIMIT:
-                break
+        due = await self._older_than(keys.HISTORY_INDEX, self.settings.archive_retention_s, now)
         dropped = 0
-        for i in range(0, min(len(due), PASS_LIMIT), EXPIRE_BATCH):
+        for i in range(0, len(due), EXPIRE_BATCH):
             batch = due[i : i + EXPIRE_BATCH]
             guards = [self.leadership.guard(), *(Guard(k, mod_revision=r) for k, r in batch)]
             deletes = [k for k, _ in batch]
@@ -449,20 +442,31 @@ class HistoryKeeper:
 
     async def expire_audit(self, now: float) -> int:
         """Drop audit entries older than history.audit_retention_s (oldest are last)."""
-        if not self.settings.audit_retention_s:
-            return 0
-        start = keys.AUDIT + position(now - float(self.settings.audit_retention_s))
-        due: list[str] = []
-        async for page in self.registry.iter_range(start, prefix=keys.AUDIT, page_keys=500):
-            due += [key for key, _, _ in page.items]
-            if len(due) >= PASS_LIMIT:
-                break
+        due = [
+            key
+            for key, _ in await self._older_than(keys.AUDIT, self.settings.audit_retention_s, now)
+        ]
         dropped = 0
-        for i in range(0, min(len(due), PASS_LIMIT), 100):
+        for i in range(0, len(due), 100):
             batch = due[i : i + 100]
             if await self.registry.commit(guards=[self.leadership.guard()], deletes=batch):
                 dropped += len(batch)
         return dropped
+
+    async def _older_than(
+        self, prefix: str, retention_s: float, now: float
+    ) -> list[tuple[str, int]]:
+        """(key, mod_revision) of the entries of a newest-first index created before
+        `retention_s` ago (none when it is 0), at most PASS_LIMIT: they are its tail."""
+        if not retention_s:
+            return []
+        start = prefix + position(now - float(retention_s))
+        due: list[tuple[str, int]] = []
+        async for page in self.registry.iter_range(start, prefix=prefix, page_keys=500):
+            due += [(key, rev) for key, _, rev in page.items]
+            if len(due) >= PASS_LIMIT:
+                break
+        return due[:PASS_LIMIT]
 
     # etcd upkeep
 

@@ -363,3 +363,24 @@ async def test_a_gang_is_forgotten_with_its_last_member(
     assert await keeper(registry, leader).archive(now) == 3
     assert await registry.get_raw(keys.gang("ai-lab", "done")) is None
     assert await registry.get_raw(keys.gang("ai-lab", "open")) is not None  # one is pending
+
+
+async def test_audit_entries_older_than_their_retention_are_dropped(
+    registry: Registry, leader: Leadership
+) -> None:
+    from broker.audit import AuditEntry, AuditLog
+
+    now = time.time()
+    log = AuditLog(registry=registry)
+    ages = [0.5, 10, 89, 91, 120]  # days
+    for i, days in enumerate(ages):
+        await log.record(
+            AuditEntry(
+                id=f"{i:016x}", at=now - days * DAY, request_id=f"r{i}", actor="-",
+                action="POST /v1/jobs", status=201, outcome="ok",
+            )
+        )  # fmt: skip
+    assert await keeper(registry, leader, audit_retention_s="90d").expire_audit(now) == 2
+    left = await log.page(tenant=None, limit=10, token=None)
+    assert [json.loads(e)["request_id"] for e in left.raw] == ["r0", "r1", "r2"]
+    assert await keeper(registry, leader, audit_retention_s=0).expire_audit(now) == 0
