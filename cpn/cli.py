@@ -184,17 +184,10 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
     table = render.PagedTable(render.JOB_HEADERS)
     now = SystemClock().time()
     shown = 0
-    token: str | None = None
     if args.output == "json":
         print("[")
     async with BrokerClient.to(args.broker) as client:
-        while True:
-            left = JOBS_PAGE if args.limit is None else min(JOBS_PAGE, args.limit - shown)
-            page_params = {**params, "limit": str(left)}
-            if token:
-                page_params["continue"] = token
-            page = await client.call("GET", "/v1/jobs", **page_params)
-            items = page["items"]
+        async for items in client.pages("/v1/jobs", params, limit=args.limit, page=JOBS_PAGE):
             for i, item in enumerate(items):
                 if args.output == "json":
                     sep = "," if shown + i > 0 else ""
@@ -205,9 +198,6 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
                 for line in table.lines(render.job_rows(items, now=now)):
                     print(line)
             shown += len(items)
-            token = page.get("continue")
-            if not token or (args.limit is not None and shown >= args.limit):
-                break
     if args.output == "json":
         print("]")
     elif args.output == "table" and shown == 0:
@@ -314,19 +304,12 @@ async def cmd_token_revoke(args: argparse.Namespace) -> int:
 
 async def cmd_audit(args: argparse.Namespace) -> int:
     params = {"tenant": args.tenant} if args.tenant else {}
-    shown, token = 0, None
+    if args.limit < 1:
+        raise UsageError("--limit must be at least 1")
     rows: list[dict[str, Any]] = []
     async with BrokerClient.to(args.broker) as client:
-        while shown < args.limit:
-            page_params = {**params, "limit": str(min(500, args.limit - shown))}
-            if token:
-                page_params["continue"] = token
-            page = await client.call("GET", "/v1/audit", **page_params)
-            rows += page["items"]
-            shown += len(page["items"])
-            token = page.get("continue")
-            if not token:
-                break
+        async for items in client.pages("/v1/audit", params, limit=args.limit):
+            rows += items
     if args.output == "json":
         print(json.dumps(rows, indent=2))
     else:

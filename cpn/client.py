@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -83,6 +84,23 @@ class BrokerClient:
                 return data
         except aiohttp.ClientError as exc:
             raise ApiError(0, f"broker at {self.url} is unreachable: {exc}") from exc
+
+    async def pages(
+        self, path: str, params: dict[str, str], *, limit: int | None, page: int = 500
+    ) -> AsyncIterator[list[dict[str, Any]]]:
+        """The items of a paged list (GET /v1/jobs, /v1/audit), a page at a time, following
+        `continue` until the last page or `limit` items in all (None: every one)."""
+        shown, token = 0, None
+        while limit is None or shown < limit:
+            asked = {**params, "limit": str(page if limit is None else min(page, limit - shown))}
+            if token:
+                asked["continue"] = token
+            answer = await self.call("GET", path, **asked)
+            yield answer["items"]
+            shown += len(answer["items"])
+            token = answer.get("continue")
+            if not token:
+                return
 
     async def stream(self, path: str, **params: str) -> None:
         """Copy a text stream (job logs) to stdout as it arrives."""
