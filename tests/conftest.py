@@ -34,12 +34,12 @@ os.environ["CPN_CONFIG"] = str(Path("/nonexistent/cpn-tests/config.yaml"))
 def admin_token_record() -> bytes:
     import hashlib
 
-    from broker.auth import TokenRecord
+    from broker.auth import Role, TokenRecord
 
     token_id, secret = ADMIN_TOKEN[4:20], ADMIN_TOKEN[21:]
     record = TokenRecord(
         id=token_id,
-        role="admin",  # type: ignore[arg-type]
+        role=Role.admin,
         created_at=0.0,
         created_by="tests",
         description="tests/conftest.py",

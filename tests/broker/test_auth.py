@@ -163,17 +163,20 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
 
 def test_tokens_cannot_be_made_beyond_ones_own(fed: Fed) -> None:
     ta = fed.as_("tenant-admin:ai-lab")
-    for body, status in (
-        ({"role": "tenant-user", "tenant": "vision"}, 403),
-        ({"role": "admin"}, 403),
-        ({"role": "operator"}, 403),
-        ({"role": "viewer", "tenant": "ai-lab", "ttl_s": "1h"}, 201),
-        ({"role": "tenant-user"}, 403),  # not its tenant (none given)
-        ({"role": "tenant-user", "tenant": "ai-lab", "ttl_s": "soon"}, 400),
-        ({"role": "root"}, 400),
+    for body, status, field in (
+        ({"role": "tenant-user", "tenant": "vision"}, 403, "Authorization"),
+        ({"role": "admin"}, 403, "Authorization"),
+        ({"role": "operator"}, 403, "Authorization"),
+        ({"role": "viewer", "tenant": "ai-lab", "ttl_s": "1h"}, 201, None),
+        ({"role": "tenant-user"}, 403, "Authorization"),  # not its tenant (none given)
+        ({"role": "tenant-user", "tenant": "ai-lab", "ttl_s": "soon"}, 400, "ttl_s"),
+        ({"role": "root"}, 400, "role"),
     ):
         reply = call(ta, "POST", "/v1/tokens", body)
         assert reply.status == status, (body, reply)
+        if field is not None:
+            code = "forbidden" if status == 403 else "invalid"
+            assert reply.error() == (code, field), (body, reply)
     # admin input errors name the field
     bad = call(fed.a, "POST", "/v1/tokens", {"role": "tenant-user"})
     assert bad.status == 400 and bad.error() == ("invalid", "tenant"), bad
@@ -264,6 +267,8 @@ def test_every_change_is_audited_with_who_what_and_outcome(fed: Fed) -> None:
     # reads are not audited; entries come newest first and page with continue
     assert all(e["action"].split()[0] in ("POST", "PUT", "PATCH", "DELETE") for e in entries)
     assert [e["at"] for e in entries] == sorted((e["at"] for e in entries), reverse=True)
+    assert fed.a.call("GET", "/v1/audit?limit=0").error() == ("invalid", "limit")
+    assert fed.a.call("GET", "/v1/audit?continue=xyz").error() == ("invalid", "continue")
     page = fed.a.call("GET", "/v1/audit?limit=2").json()
     assert len(page["items"]) == 2 and page["continue"]
     more = fed.a.call("GET", f"/v1/audit?limit=2&continue={page['continue']}").json()
