@@ -159,8 +159,11 @@ def test_round_trip_matches_configured_rtt(rtt_ms: float) -> None:
     median = statistics.median(samples)
     error = (median - rtt_ms) / rtt_ms
     print(f"rtt {rtt_ms} ms: median {median:.3f} ms ({error:+.1%}), min {min(samples):.3f} ms")
-    assert abs(error) <= 0.10, samples
+    # The delay is never short of the configured one; above it, the user-space relay adds
+    # a fixed cost (two loopback hops and a timer's wake-up, a few tenths of a ms on a busy
+    # 2-core machine) that is large beside 5 ms and lost in 80 ms.
     assert min(samples) >= 0.95 * rtt_ms, samples
+    assert median - rtt_ms <= max(0.10 * rtt_ms, 1.0), samples
     assert stats["connections"] == 1
     assert stats["unknown_source"] == 0
     (route,) = stats["routes"].values()
