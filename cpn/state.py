@@ -7,6 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sites.private import write_private as write_private  # the CLI's config file uses it
+
 
 def state_dir() -> Path:
     env = os.environ.get("CPN_STATE_DIR")
@@ -17,17 +19,6 @@ def state_dir() -> Path:
 
 def up_state_path() -> Path:
     return state_dir() / "up.json"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically, readable by its owner only (it holds a token)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.chmod(tmp, 0o600)  # a leftover tmp file keeps its old mode through O_CREAT
-    tmp.replace(path)
 
 
 def write_up_state(state: dict[str, Any]) -> None:

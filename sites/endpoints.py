@@ -10,8 +10,21 @@ from urllib.parse import urlsplit
 log = logging.getLogger(__name__)
 
 
+def uses_tls(urls: str) -> bool:
+    """True for https:// endpoints, False for http:// (or none given); ValueError if mixed."""
+    schemes = {
+        u.strip().split("://", 1)[0] if "://" in u else "http" for u in urls.split(",") if u.strip()
+    }
+    if len(schemes) > 1:
+        raise ValueError(f"etcd endpoints {urls!r}: mixed http:// and https://")
+    return schemes == {"https"}
+
+
 def parse_endpoints(urls: str) -> list[tuple[str, int]]:
-    """'http://127.0.0.1:2379,http://10.0.0.2:2379' -> [(host, port), ...]; ValueError if bad."""
+    """'http://127.0.0.1:2379,http://10.0.0.2:2379' -> [(host, port), ...]; ValueError if bad.
+
+    https:// endpoints are etcd with TLS (`uses_tls`); the scheme is the same for all."""
+    uses_tls(urls)
     endpoints: list[tuple[str, int]] = []
     for raw in urls.split(","):
         url = raw.strip()
@@ -20,14 +33,14 @@ def parse_endpoints(urls: str) -> list[tuple[str, int]]:
         if "://" not in url:
             url = "http://" + url
         parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise ValueError(f"etcd endpoint {raw!r}: only http:// is supported")
+        if parts.scheme not in ("http", "https"):
+            raise ValueError(f"etcd endpoint {raw!r}: expected http:// or https://")
         try:
             port = parts.port
         except ValueError:
             raise ValueError(f"etcd endpoint {raw!r}: bad port") from None
         if not parts.hostname or port is None:
-            raise ValueError(f"etcd endpoint {raw!r}: expected http://HOST:PORT")
+            raise ValueError(f"etcd endpoint {raw!r}: expected {parts.scheme}://HOST:PORT")
         endpoints.append((parts.hostname, port))
     if not endpoints:
         raise ValueError("no etcd endpoint given")

@@ -63,6 +63,10 @@ class RegistryUnavailable(RegistryError, ConnectionError):
     pass
 
 
+class PermissionDenied(RegistryError, PermissionError):
+    """etcd refused a request for the connected user's roles (sites.etcd_security)."""
+
+
 class Conflict(RegistryError):
     pass
 

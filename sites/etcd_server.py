@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from sites.errors import EtcdStartError
@@ -71,6 +72,34 @@ def wait_healthy(
     return False
 
 
+@dataclass(frozen=True)
+class ServerTls:
+    """etcd with TLS: its certificate (server and client usage, SANs of its hosts), key, and the
+    CA whose client certificates it accepts. With it, etcd listens on https:// and requires a
+    client certificate (`--client-cert-auth`); members speak TLS to each other with the same
+    files; /health moves to a plain-HTTP metrics URL on loopback."""
+
+    cert_file: Path
+    key_file: Path
+    ca_file: Path
+
+    def client_args(self) -> list[str]:
+        return [
+            "--cert-file", str(self.cert_file),
+            "--key-file", str(self.key_file),
+            "--trusted-ca-file", str(self.ca_file),
+            "--client-cert-auth",
+        ]  # fmt: skip
+
+    def peer_args(self) -> list[str]:
+        return [
+            "--peer-cert-file", str(self.cert_file),
+            "--peer-key-file", str(self.key_file),
+            "--peer-trusted-ca-file", str(self.ca_file),
+            "--peer-client-cert-auth",
+        ]  # fmt: skip
+
+
 class EmbeddedEtcd:
     """One etcd member with its own data dir. `start()` returns once /health says true."""
 
@@ -82,8 +111,11 @@ class EmbeddedEtcd:
         name: str = "cpn",
         unsafe_no_fsync: bool = False,
         log_path: Path | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self._own_dir = data_dir is None
+        self.tls = tls
+        self.metrics_port = 0
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="cpn-etcd-"))
         self.host = host
         self.name = name
@@ -95,13 +127,18 @@ class EmbeddedEtcd:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://{self.host}:{self.client_port}"
+
+    @property
+    def health_url(self) -> str:
+        """Where /health answers: the client URL, or with TLS the plain metrics URL."""
+        return f"http://{self.host}:{self.metrics_port}" if self.tls else self.url
 
     def start(self, timeout_s: float = 30.0) -> str:
         binary = find_binary("etcd")
         for attempt in range(3):
             self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
-            peer = f"http://{self.host}:{self.peer_port}"
+            peer = f"{'https' if self.tls else 'http'}://{self.host}:{self.peer_port}"
             args = [
                 str(binary),
                 "--name", self.name,
@@ -115,6 +152,10 @@ class EmbeddedEtcd:
                 "--auto-compaction-retention", "1h",
                 "--log-level", "warn",
             ]  # fmt: skip
+            if self.tls is not None:
+                self.metrics_port = free_port(self.host)
+                args += self.tls.client_args() + self.tls.peer_args()
+                args += ["--listen-metrics-urls", self.health_url]
             if self.unsafe_no_fsync:
                 args.append("--unsafe-no-fsync")
             self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +172,7 @@ class EmbeddedEtcd:
         raise EtcdStartError(f"etcd did not become healthy at {self.url}; log tail:\n{tail}")
 
     def _wait_healthy(self, timeout_s: float) -> bool:
-        return wait_healthy(self.url, lambda: self.process, timeout_s)
+        return wait_healthy(self.health_url, lambda: self.process, timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         proc, self.process = self.process, None

@@ -30,17 +30,19 @@ from pydantic import BaseModel
 
 from sites import keys, paging
 from sites.assignments import Report
-from sites.endpoints import grpc_target
+from sites.endpoints import grpc_target, uses_tls
 from sites.endpoints import parse_endpoints as parse_endpoints  # re-exported for callers
 from sites.errors import (
     AgentConflict,
     Conflict,
     LeaseLost,
     NotJoined,
+    PermissionDenied,
     RegistryError,
     RegistryUnavailable,
     RevisionCompacted,
 )
+from sites.etcd_security import EtcdCredentials, EtcdTls, make_client
 from sites.paging import Page
 from sites.snapshot import Snapshot, decode_value
 from sites.spec import SiteSpec
@@ -312,21 +314,41 @@ class _LeaseKeepAlive:
 class Registry:
     """An open connection to the registry. Use `async with Registry.from_urls(url) as reg:`."""
 
-    def __init__(self, *, endpoints: Sequence[tuple[str, int]], timeout_s: int = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        *,
+        endpoints: Sequence[tuple[str, int]],
+        timeout_s: int = DEFAULT_TIMEOUT_S,
+        tls: EtcdTls | None = None,
+    ):
         self.endpoints = list(endpoints)
+        self.tls = tls
         host, port = grpc_target(self.endpoints)
         self._timeout_s = timeout_s
-        self._client = aetcd.Client(host=host, port=port, timeout=timeout_s)
+        self._client = make_client(host, port, timeout=timeout_s, tls=tls)
         self._tx = self._client.transactions
         self._leases = _LeaseKeepAlive(self._client, timeout_s)
 
     @classmethod
-    def from_urls(cls, urls: str, *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Registry:
-        return cls(endpoints=parse_endpoints(urls), timeout_s=timeout_s)
+    def from_urls(
+        cls, urls: str, *, timeout_s: int = DEFAULT_TIMEOUT_S, tls: EtcdTls | None = None
+    ) -> Registry:
+        """`urls` comma-separated; https:// ones need `tls` (else the system's CAs are used,
+        and no client certificate is shown)."""
+        if tls is None and uses_tls(urls):
+            tls = EtcdTls(ca_pem=None)
+        return cls(endpoints=parse_endpoints(urls), timeout_s=timeout_s, tls=tls)
+
+    @classmethod
+    def from_credentials(
+        cls, creds: EtcdCredentials, *, timeout_s: int = DEFAULT_TIMEOUT_S
+    ) -> Registry:
+        return cls.from_urls(creds.endpoints, timeout_s=timeout_s, tls=creds.tls())
 
     @property
     def url(self) -> str:
-        return ",".join(f"http://{h}:{p}" for h, p in self.endpoints)
+        scheme = "http" if self.tls is None else "https"
+        return ",".join(f"{scheme}://{h}:{p}" for h, p in self.endpoints)
 
     async def __aenter__(self) -> Registry:
         await self.connect()
@@ -338,7 +360,10 @@ class Registry:
     async def connect(self) -> None:
         """Connect and check that etcd answers (a cheap read), so errors surface here."""
         await self._call(self._client.connect)
-        await self._call(lambda: self._client.get(b"/cpn/v1/"))
+        try:
+            await self._call(lambda: self._client.get(b"/cpn/v1/"))
+        except PermissionDenied:
+            pass  # a site's etcd user may not read there, but etcd answered
 
     async def close(self) -> None:
         await self._leases.close()
@@ -359,6 +384,8 @@ class Registry:
         ) as exc:
             raise RegistryUnavailable(f"etcd at {self.url} is unavailable: {exc}") from exc
         except aetcd.exceptions.ClientError as exc:
+            if "permission denied" in str(exc):
+                raise PermissionDenied(f"etcd at {self.url} refused: {exc}") from exc
             raise RegistryError(f"etcd request failed: {exc}") from exc
 
     # -- reads ------------------------------------------------------------------------------
@@ -380,6 +407,8 @@ class Registry:
             return await self._call(call)
         except rpc.AioRpcError as exc:
             code, details = exc.code(), exc.details() or ""
+            if code == rpc.StatusCode.PERMISSION_DENIED:
+                raise PermissionDenied(f"etcd at {self.url} refused {what}: {details}") from exc
             # gRPC's own refusal of a big message; etcd's "too many requests" shares the code
             if code == rpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in details:
                 raise _PageTooLarge(details) from exc
@@ -559,7 +588,7 @@ class Registry:
         """Each endpoint's database size, size in use and revision (etcd's Status call)."""
         out = []
         for host, port in self.endpoints:
-            client = aetcd.Client(host=host, port=port, timeout=self._timeout_s)
+            client = make_client(host, port, timeout=self._timeout_s, tls=self.tls)
             try:
                 await self._call(client.connect)
                 reply = await self._call(
@@ -585,12 +614,31 @@ class Registry:
         hundred MB), so the history loop defragments one member at a time, and only when
         enough of its database is free."""
         host, _, port = endpoint.rpartition(":")
-        client = aetcd.Client(host=host, port=int(port), timeout=max(self._timeout_s, 60))
+        client = make_client(host, int(port), timeout=max(self._timeout_s, 60), tls=self.tls)
         try:
             await self._call(client.connect)
             await self._call(client.defragment)
         finally:
             await client.close()
+
+    async def auth(self, method: str, request: Any) -> Any:
+        """One call of etcd's Auth service (UserAdd, RoleGrantPermission, AuthEnable, ...);
+        sites.etcd_security drives it. RegistryError with etcd's reason if refused."""
+        client = self._client
+
+        async def call() -> Any:
+            await client.connect()
+            stub = getattr(rpc.AuthStub(client.channel), method)
+            return await stub(request, timeout=self._timeout_s, metadata=client.metadata)
+
+        try:
+            return await self._call(call)
+        except rpc.AioRpcError as exc:
+            if exc.code() == rpc.StatusCode.UNAVAILABLE:
+                raise RegistryUnavailable(f"etcd at {self.url}: {exc.details()}") from exc
+            if exc.code() == rpc.StatusCode.PERMISSION_DENIED:
+                raise PermissionDenied(f"etcd {method}: {exc.details()}") from exc
+            raise RegistryError(f"etcd {method}: {exc.details()}") from exc
 
     async def get_spec(self, site: str) -> SiteSpec | None:
         got = await self._call(lambda: self._client.get(keys.site_spec(site).encode()))
