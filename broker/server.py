@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import signal
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,22 +22,40 @@ from broker.tenants import load_quotas
 from routing.clients import load_clients
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, site_files
+from sites.errors import ConfigError, Problem
+from sites.etcd_security import EtcdTls
 from sites.latency import LatencyModel
 from sites.registry import Registry
 
 log = logging.getLogger(__name__)
 
 
+def server_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """TLS 1.2 or later with the given certificate; ConfigError naming the file if unusable."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError([Problem(f"{cert} / {key}", "", f"cannot load: {reason}")]) from None
+    return context
+
+
 async def serve(
     *,
     etcd: str,
+    etcd_tls: EtcdTls | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
     listen: str,
     config_dir: Path,
     settings: BrokerSettings | None = None,
     ready: asyncio.Event | None = None,
     wan_emulated: bool = False,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (or cancellation)."""
+    """Serve until SIGINT/SIGTERM (or cancellation). HTTPS when `tls_cert` and `tls_key` are
+    given; `etcd_tls` is the broker's etcd credentials on a secure etcd."""
     catalog = DeviceCatalog.load(config_dir / "devices.yaml")
     regions = load_user_regions(config_dir / "regions.yaml")
     specs = load_sites(site_files(config_dir / "sites"), catalog)
@@ -45,7 +64,11 @@ async def serve(
     if settings is None:
         settings = load_settings(config_dir / "broker.yaml")
     host, port = listen.rsplit(":", 1)
-    registry = Registry.from_urls(etcd)
+    ssl_context = None
+    if tls_cert is not None and tls_key is not None:
+        ssl_context = server_ssl_context(tls_cert, tls_key)
+    scheme = "https" if ssl_context else "http"
+    registry = Registry.from_urls(etcd, tls=etcd_tls)
     await registry.connect()
     broker = Broker(
         registry=registry,
@@ -53,7 +76,7 @@ async def serve(
         user_rtt_ms=user_rtt_ms(regions, specs, latency),
         quotas=quotas,
         settings=settings,
-        url=f"http://{listen}",
+        url=f"{scheme}://{listen}",
     )
     router = None
     if (config_dir / "clients.yaml").exists():
@@ -91,10 +114,10 @@ async def serve(
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, int(port), reuse_address=True)
+        site = web.TCPSite(runner, host, int(port), reuse_address=True, ssl_context=ssl_context)
         await site.start()
-        log.info("broker %s serving http://%s", broker.instance, listen)
-        print(f"broker serving http://{listen} (etcd {etcd})", flush=True)
+        log.info("broker %s serving %s://%s", broker.instance, scheme, listen)
+        print(f"broker serving {scheme}://{listen} (etcd {etcd})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from cpn import render
+from cpn.certs import DEFAULT_HOSTS, Pki, PkiError
 from cpn.client import ApiError, BrokerClient
 from cpn.config import ConfigFileError
 from cpn.state import read_up_state
@@ -28,6 +29,13 @@ from sites.clock import SystemClock
 from sites.collectors.probes import METHODS
 from sites.config import config_dir, load_site, load_sites
 from sites.errors import AgentConflict, ConfigError, NotJoined, RegistryError, SitesError
+from sites.etcd_security import (
+    CREDENTIALS_ENV,
+    EtcdTls,
+    auth_enabled,
+    load_credentials,
+    revoke_site,
+)
 from sites.registry import Registry, parse_endpoints
 
 log = logging.getLogger("cpn")
@@ -57,6 +65,35 @@ def _etcd_url(args: argparse.Namespace) -> str:
     return url
 
 
+def _etcd_access(args: argparse.Namespace) -> tuple[str, EtcdTls | None]:
+    """The etcd URL and TLS material: a credential file (--etcd-credentials, else
+    $CPN_ETCD_CREDENTIALS, else the running `cpn up --secure`'s root one) names both."""
+    path = getattr(args, "etcd_credentials", None) or os.environ.get(CREDENTIALS_ENV)
+    if not path and not (args.etcd or os.environ.get("CPN_ETCD")):
+        state = read_up_state()
+        path = state.get("etcd_credentials") if state else None
+    if not path:
+        return _etcd_url(args), None
+    creds = load_credentials(Path(path))
+    url = args.etcd or creds.endpoints
+    try:
+        parse_endpoints(url)
+    except ValueError as exc:
+        raise UsageError(f"--etcd: {exc}") from None
+    return url, creds.tls()
+
+
+def _registry(args: argparse.Namespace) -> Registry:
+    url, tls = _etcd_access(args)
+    return Registry.from_urls(url, tls=tls)
+
+
+def _pki(args: argparse.Namespace) -> Pki:
+    from cpn.secure import default_pki_dir
+
+    return Pki(Path(args.certs) if getattr(args, "certs", None) else default_pki_dir())
+
+
 def _catalog(args: argparse.Namespace) -> DeviceCatalog:
     path = Path(args.catalog) if getattr(args, "catalog", None) else None
     return DeviceCatalog.load(path)
@@ -67,7 +104,7 @@ def _catalog(args: argparse.Namespace) -> DeviceCatalog:
 
 async def cmd_sites(args: argparse.Namespace) -> int:
     catalog = _catalog(args)
-    async with Registry.from_urls(_etcd_url(args)) as registry:
+    async with _registry(args) as registry:
         snap = await registry.snapshot()
     views = snap.views()
     if args.output == "json":
@@ -87,21 +124,29 @@ def cmd_site_validate(args: argparse.Namespace) -> int:
 
 
 async def cmd_site_join(args: argparse.Namespace) -> int:
+    from cpn.secure import site_credentials
+
     specs = load_sites([Path(p) for p in args.files], _catalog(args))
-    async with Registry.from_urls(_etcd_url(args)) as registry:
+    async with _registry(args) as registry:
         for spec in specs:
             new = await registry.join(spec)
+            # on a secure etcd, the site's own user, which may write only the site's keys
+            creds = await site_credentials(registry, _pki(args), spec)
             print(f"site {spec.id} {'joined' if new else 'updated'} ({spec.region})")
+            if creds is not None:
+                print(f"  etcd user site-{spec.id}; its agent's credentials: {creds}")
     return 0
 
 
 async def cmd_site_leave(args: argparse.Namespace) -> int:
     clock = SystemClock()
-    async with Registry.from_urls(_etcd_url(args)) as registry:
+    async with _registry(args) as registry:
         deadline = clock.monotonic() + args.wait
         while True:
             result = await registry.leave(args.site, now=clock.time())
             if result.removed:
+                if registry.tls is not None and await auth_enabled(registry):
+                    await revoke_site(registry, args.site)
                 print(f"site {args.site} drained and removed")
                 return 0
             if clock.monotonic() >= deadline:
@@ -111,6 +156,46 @@ async def cmd_site_leave(args: argparse.Namespace) -> int:
         f"site {args.site} cordoned: no new work; {result.pending_assignments} job(s) still "
         "assigned. Run `cpn site leave` again once they finish to remove it."
     )
+    return 0
+
+
+def cmd_certs_init(args: argparse.Namespace) -> int:
+    from cpn.secure import init_pki
+
+    pki = _pki(args)
+    created = pki.init()
+    tls = init_pki(pki, args.host)
+    print(f"{'created' if created else 'kept'} the CA {pki.ca_path}")
+    print(f"etcd: --cert-file {tls.cert_file} --key-file {tls.key_file} ", end="")
+    print(f"--trusted-ca-file {tls.ca_file} --client-cert-auth")
+    print(f"broker: --tls-cert {pki.directory / 'broker.pem'} --tls-key ", end="")
+    print(f"{pki.directory / 'broker-key.pem'}")
+    return 0
+
+
+def cmd_certs_issue(args: argparse.Namespace) -> int:
+    pki = _pki(args)
+    issued = pki.issue(args.name, hosts=args.host or DEFAULT_HOSTS, server=args.server)
+    print(f"{issued.cert_path} {issued.key_path}")
+    return 0
+
+
+async def cmd_etcd_secure(args: argparse.Namespace) -> int:
+    from cpn.secure import secure_etcd
+
+    pki = _pki(args)
+    url = _etcd_url(args)
+    root = pki.issue("bootstrap-root", common_name="root")
+    tls = EtcdTls(pki.ca_pem(), root.cert_pem, root.key_pem)
+    try:
+        async with Registry.from_urls(url, tls=tls) as registry:
+            paths = await secure_etcd(registry, pki)
+    finally:
+        root.cert_path.unlink(missing_ok=True)
+        root.key_path.unlink(missing_ok=True)
+    print(f"etcd auth enabled at {url}")
+    for user, path in paths.items():
+        print(f"  {user}: {path}")
     return 0
 
 
@@ -134,7 +219,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         wan_emulated=args.wan_emulated,
         service_urls=service_urls,
     )
-    async with Registry.from_urls(_etcd_url(args)) as registry:
+    async with _registry(args) as registry:
         agent = Agent(spec=spec, catalog=catalog, registry=registry, settings=settings)
         await agent.start()
         loop = asyncio.get_running_loop()
@@ -254,7 +339,7 @@ async def cmd_token_create(args: argparse.Namespace) -> int:
             )
         except InvalidRequest as exc:
             raise UsageError(f"--{exc.field or 'tenant'}: {exc.message}") from None
-        async with Registry.from_urls(_etcd_url(args)) as registry:
+        async with _registry(args) as registry:
             await create_token(registry, record)
         created: dict[str, Any] = {"token": token, **record.public()}
     else:
@@ -333,8 +418,14 @@ async def cmd_whoami(args: argparse.Namespace) -> int:
 async def cmd_broker(args: argparse.Namespace) -> int:
     from broker.server import serve
 
+    etcd, etcd_tls = _etcd_access(args)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
     await serve(
-        etcd=_etcd_url(args),
+        etcd=etcd,
+        etcd_tls=etcd_tls,
+        tls_cert=Path(args.tls_cert) if args.tls_cert else None,
+        tls_key=Path(args.tls_key) if args.tls_key else None,
         listen=args.listen,
         config_dir=Path(args.config_dir) if args.config_dir else config_dir(),
         wan_emulated=args.wan_emulated,
@@ -367,6 +458,13 @@ def cmd_up(args: argparse.Namespace) -> int:
         raise UsageError(f"--etcd-members must be at least 1, got {args.etcd_members}")
     if args.etcd_members > 1 and (args.etcd or os.environ.get("CPN_ETCD")):
         raise UsageError("--etcd-members starts an embedded cluster: not with --etcd/CPN_ETCD")
+    if args.secure and (args.etcd or os.environ.get("CPN_ETCD")):
+        raise UsageError(
+            "--secure starts its own etcd with TLS; to secure yours: cpn certs init, then "
+            "cpn etcd secure (docs/auth.md)"
+        )
+    if args.secure and args.etcd_members > 1:
+        raise UsageError("--secure runs one etcd member for now; not with --etcd-members")
 
     settings = LaunchSettings(
         config_dir=Path(args.config_dir) if args.config_dir else config_dir(),
@@ -376,6 +474,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         only=tuple(s for s in (args.sites or "").split(",") if s),
         broker_listen=args.broker_listen,
         etcd_members=args.etcd_members,
+        secure=args.secure,
     )
     return Launcher(settings).run()
 
@@ -393,6 +492,12 @@ def build_parser() -> argparse.ArgumentParser:
             "--etcd",
             metavar="URL[,URL...]",
             help="etcd endpoints (default: $CPN_ETCD, else the etcd of a running `cpn up`)",
+        )
+        p.add_argument(
+            "--etcd-credentials",
+            metavar="FILE",
+            help="credential file for an etcd with TLS and auth (default: "
+            "$CPN_ETCD_CREDENTIALS; docs/auth.md)",
         )
         p.add_argument("--catalog", metavar="FILE", help="device catalog (configs/devices.yaml)")
 
@@ -412,6 +517,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="embedded etcd as a raft cluster of N members (3 survives one member's loss)",
     )
+    up.add_argument(
+        "--secure",
+        action="store_true",
+        help="etcd with TLS and auth, an etcd user per site, the broker on HTTPS",
+    )
     up.set_defaults(func=cmd_up)
 
     sites = sub.add_parser("sites", help="list the federation's sites")
@@ -428,12 +538,37 @@ def build_parser() -> argparse.ArgumentParser:
     join = site_sub.add_parser("join", help="register (or update) sites from their files")
     join.add_argument("files", nargs="+", metavar="FILE")
     etcd_arg(join)
+    join.add_argument(
+        "--certs", metavar="DIR", help="CA issuing site credentials on a secure etcd "
+        "(default: $CPN_CERTS, else cpn up's)"
+    )  # fmt: skip
     join.set_defaults(func=cmd_site_join)
     leave = site_sub.add_parser("leave", help="cordon a site; remove it once drained")
     leave.add_argument("site", metavar="ID")
     leave.add_argument("--wait", type=float, default=0.0, help="seconds to wait for draining")
     etcd_arg(leave)
     leave.set_defaults(func=cmd_site_leave)
+
+    certs = sub.add_parser("certs", help="a development CA and certificates (docs/auth.md)")
+    certs_sub = certs.add_subparsers(dest="certs_command", required=True, parser_class=CliParser)
+    init = certs_sub.add_parser("init", help="the CA, etcd's and the broker's certificates")
+    issue = certs_sub.add_parser("issue", help="one more certificate signed by the CA")
+    issue.add_argument("name", help="file name and common name (an etcd user for a client)")
+    issue.add_argument("--server", action="store_true", help="a server certificate")
+    for p in (init, issue):
+        p.add_argument("--certs", "--dir", dest="certs", metavar="DIR", help="default: cpn up's")
+        p.add_argument("--host", action="append", metavar="HOST", help="a SAN (repeatable)")
+    init.set_defaults(func=cmd_certs_init)
+    issue.set_defaults(func=cmd_certs_issue)
+
+    etcd = sub.add_parser("etcd", help="etcd administration")
+    etcd_sub = etcd.add_subparsers(dest="etcd_command", required=True, parser_class=CliParser)
+    secure = etcd_sub.add_parser(
+        "secure", help="enable auth on an etcd with TLS; write root's and the broker's credentials"
+    )
+    secure.add_argument("--etcd", metavar="URL[,URL...]", help="https:// endpoints")
+    secure.add_argument("--certs", metavar="DIR", help="the CA etcd trusts (cpn certs init)")
+    secure.set_defaults(func=cmd_etcd_secure)
 
     agent = sub.add_parser("agent", help="run the perception agent of one site")
     agent.add_argument("--site", required=True, metavar="FILE", help="the site's YAML file")
@@ -460,6 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     etcd_arg(broker)
     broker.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT")
     broker.add_argument("--config-dir", metavar="DIR", help="configs/ directory")
+    broker.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate")
+    broker.add_argument("--tls-key", metavar="FILE", help="the certificate's private key")
     broker.add_argument(
         "--wan-emulated",
         action="store_true",
@@ -595,7 +732,15 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 2 if 400 <= exc.status < 500 else 1
-    except (UsageError, ConfigFileError, CatalogError, NotJoined, AgentConflict, ValueError) as exc:
+    except (
+        UsageError,
+        ConfigFileError,
+        CatalogError,
+        NotJoined,
+        AgentConflict,
+        PkiError,
+        ValueError,
+    ) as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 2
     except (RegistryError, SitesError, OSError) as exc:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import ssl
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 
-from cpn.config import load_contexts
+from cpn.config import ConfigFileError, load_contexts
 from cpn.state import read_up_state
 
 
@@ -45,18 +46,43 @@ def connection(explicit: str | None) -> tuple[str, str | None]:
     return url, token
 
 
+def certificate_authority(url: str) -> str | None:
+    """The CA file to trust for an https:// broker: $CPN_CA, else the config entry of that
+    URL's `ca`, else the running `cpn up --secure`'s; None: the system's CAs."""
+    env = os.environ.get("CPN_CA")
+    if env:
+        return env
+    _, contexts = load_contexts()
+    ca = next((c.ca for c in contexts.values() if c.url == url and c.ca), None)
+    if ca is None:
+        state = read_up_state()
+        if state and str(state.get("broker", "")).rstrip("/") == url:
+            ca = state.get("ca")
+    return ca
+
+
 class BrokerClient:
-    def __init__(self, url: str, token: str | None = None) -> None:
+    def __init__(self, url: str, token: str | None = None, *, ca: str | None = None) -> None:
         self.url = url
         headers = {"Authorization": f"Bearer {token}"} if token else None
+        context: ssl.SSLContext | bool = True
+        if ca and url.startswith("https://"):
+            try:
+                context = ssl.create_default_context(cafile=ca)
+            except (OSError, ssl.SSLError) as exc:
+                reason = getattr(exc, "strerror", None) or exc
+                raise ConfigFileError(f"CA file {ca}: {reason}") from None
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5), headers=headers
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+            headers=headers,
+            connector=aiohttp.TCPConnector(ssl=context),
         )
 
     @classmethod
     def to(cls, explicit: str | None) -> BrokerClient:
-        """A client of the broker (and with the token) cpn.config resolves."""
-        return cls(*connection(explicit))
+        """A client of the broker (with the token and CA) cpn.config resolves."""
+        url, token = connection(explicit)
+        return cls(url, token, ca=certificate_authority(url))
 
     async def __aenter__(self) -> BrokerClient:
         return self

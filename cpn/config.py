@@ -5,12 +5,13 @@
     current: up
     brokers:
       up: {url: http://127.0.0.1:8080, token: cpn_...}
-      prod: {url: https://broker.example:8443, token: cpn_...}
+      prod: {url: https://broker.example:8443, token: cpn_..., ca: /etc/cpn/ca.pem}
 
 The file is written with mode 0600 (it holds tokens) and read only if no other user may read
 it. `cpn up` adds the entry `up` with its admin token and makes it current. What a command
 uses: the broker URL from `--broker`, else $CPN_BROKER, else the current entry, else the
-running `cpn up`; the token from $CPN_TOKEN, else the entry whose URL is that broker's.
+running `cpn up`; the token from $CPN_TOKEN, else the entry whose URL is that broker's; for an
+https:// broker, the CA to trust from $CPN_CA, else that entry's `ca`, else the system's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Context:
     name: str
     url: str
     token: str | None
+    ca: str | None = None  # a CA file for an https:// broker whose certificate it signed
 
 
 class ConfigFileError(Exception):
@@ -74,18 +76,29 @@ def load_contexts() -> tuple[str | None, dict[str, Context]]:
     for name, entry in brokers.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
             raise ConfigFileError(f"{path}: brokers.{name}: expected {{url, token}}")
-        token = entry.get("token")
-        out[str(name)] = Context(str(name), entry["url"].rstrip("/"), str(token) if token else None)
+        token, ca = entry.get("token"), entry.get("ca")
+        out[str(name)] = Context(
+            str(name),
+            entry["url"].rstrip("/"),
+            str(token) if token else None,
+            str(ca) if ca else None,
+        )
     current = doc.get("current")
     return (str(current) if current else None), out
 
 
-def save_context(name: str, url: str, token: str | None, *, current: bool = True) -> Path:
+def save_context(
+    name: str, url: str, token: str | None, *, current: bool = True, ca: str | None = None
+) -> Path:
     """Add or replace entry `name`; written atomically with mode 0600."""
     path = config_path()
     doc = _read(path)
     brokers = doc.setdefault("brokers", {})
-    brokers[name] = {"url": url, **({"token": token} if token else {})}
+    brokers[name] = {
+        "url": url,
+        **({"token": token} if token else {}),
+        **({"ca": ca} if ca else {}),
+    }
     if current:
         doc["current"] = name
     write_private(path, yaml.safe_dump(doc, sort_keys=False))

@@ -27,13 +27,16 @@ from urllib.parse import urlsplit, urlunsplit
 from broker.auth import Role, create_token, new_token
 from broker.regions import load_user_regions
 from cpn import render
+from cpn.certs import Pki
 from cpn.config import ConfigFileError, remove_context, save_context
+from cpn.secure import init_pki, secure_etcd, site_credentials
 from cpn.state import clear_up_state, state_dir, write_up_state
 from routing.clients import load_clients
 from sites import keys, wan
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, read_yaml, site_files
 from sites.errors import ConfigError, Problem, RegistryError
+from sites.etcd_security import BROKER_USER, ROOT_USER, EtcdTls, load_credentials
 from sites.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
 from sites.latency import Endpoint, LatencyModel
 from sites.registry import Registry
@@ -52,6 +55,7 @@ class LaunchSettings:
     only: tuple[str, ...] = ()
     broker_listen: str = "127.0.0.1:8080"
     etcd_members: int = 1
+    secure: bool = False  # etcd with TLS and auth, per-site etcd users, the broker on HTTPS
 
 
 @dataclass
@@ -63,6 +67,7 @@ class SitePlan:
     probe_listen: str | None = None
     probe_advertise: str | None = None
     service_urls: dict[str, str] = field(default_factory=dict)
+    credentials: Path | None = None  # the site's etcd credential file (--secure)
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -97,7 +102,10 @@ class Launcher:
         self.token: str | None = None
         self.token_id: str | None = None
         self.etcd_url = ""
+        self.etcd_tls: EtcdTls | None = None  # root's, with --secure
+        self.credentials: dict[str, Path] = {}  # etcd user -> credential file, with --secure
         self.run_dir = state_dir() / f"up-{os.getpid()}"
+        self.pki = Pki(self.run_dir / "pki")
         self.broker_log = self.run_dir / "broker.log"
         self._stop = asyncio.Event()
 
@@ -146,9 +154,14 @@ class Launcher:
         try:
             url = self.settings.etcd or self._start_etcd()
             self.etcd_url = url
-            async with Registry.from_urls(url) as registry:
+            if self.settings.secure:
+                self.credentials = await self._secure(url)
+                self.etcd_tls = load_credentials(self.credentials[ROOT_USER]).tls()
+            async with Registry.from_urls(url, tls=self.etcd_tls) as registry:
                 for plan in self.plans:
                     await registry.join(plan.spec)
+                    if self.settings.secure:
+                        plan.credentials = await site_credentials(registry, self.pki, plan.spec)
                 await self._make_token(registry)
             if self.settings.wan_emulation:
                 await self._start_wan()
@@ -164,12 +177,21 @@ class Launcher:
                     "etcd": url,
                     "broker": self.broker_url,
                     "token": self.token,
+                    **(
+                        {
+                            "etcd_credentials": str(self.credentials[ROOT_USER]),
+                            "ca": str(self.pki.ca_path),
+                        }
+                        if self.settings.secure
+                        else {}
+                    ),
                     "started_at": time.time(),
                     "sites": {p.spec.id: p.advertise or p.listen for p in self.plans},
                 }
             )
             try:
-                where = save_context(CONTEXT, self.broker_url, self.token)
+                ca = str(self.pki.ca_path) if self.settings.secure else None
+                where = save_context(CONTEXT, self.broker_url, self.token, ca=ca)
                 print(f"cpn up: the CLI's config {where} has the demo's admin token", flush=True)
             except (OSError, ConfigFileError) as exc:
                 print(f"cpn up: could not write the CLI's config: {exc}", flush=True)
@@ -209,19 +231,33 @@ class Launcher:
         if self.token_id is None or self.etcd is not None:
             return  # an embedded etcd goes with its data
         try:
-            async with Registry.from_urls(self.etcd_url) as registry:
+            async with Registry.from_urls(self.etcd_url, tls=self.etcd_tls) as registry:
                 await registry.commit(guards=[], deletes=[keys.token(self.token_id)])
         except RegistryError as exc:
             print(f"cpn up: could not revoke the demo token: {exc}", flush=True)
 
     def _start_etcd(self) -> str:
         """One embedded member, or with --etcd-members N a raft cluster of N (every agent
-        and the broker get every endpoint and fail over between them)."""
+        and the broker get every endpoint and fail over between them); with --secure, one
+        member with TLS whose certificates come from a CA made for this run."""
         if self.settings.etcd_members > 1:
             self.etcd = EtcdCluster(self.settings.etcd_members)
+        elif self.settings.secure:
+            self.etcd = EmbeddedEtcd(tls=init_pki(self.pki))
         else:
             self.etcd = EmbeddedEtcd()
         return self.etcd.start()
+
+    async def _secure(self, url: str) -> dict[str, Path]:
+        """Enable etcd's auth (root, the broker's user) with a bootstrap certificate of root."""
+        root = self.pki.issue("bootstrap-root", common_name=ROOT_USER)
+        tls = EtcdTls(self.pki.ca_pem(), root.cert_pem, root.key_pem)
+        try:
+            async with Registry.from_urls(url, tls=tls) as registry:
+                return await secure_etcd(registry, self.pki)
+        finally:
+            root.cert_path.unlink(missing_ok=True)
+            root.key_path.unlink(missing_ok=True)
 
     async def _start_wan(self) -> None:
         latency = LatencyModel.from_dir(self.settings.config_dir / "latency")
@@ -323,7 +359,7 @@ class Launcher:
                 sys.executable, "-m", "cpn", "agent",
                 "--site", str(plan.file),
                 "--catalog", str(self.settings.config_dir / "devices.yaml"),
-                "--etcd", url,
+                *self._etcd_args(url, plan.credentials),
                 "--listen", plan.listen,
                 "--interval", str(self.settings.interval_s),
             ]  # fmt: skip
@@ -342,6 +378,8 @@ class Launcher:
 
     def _start_broker(self, url: str) -> None:
         host, port = self.settings.broker_listen.rsplit(":", 1)
+        if port == "0":  # any free port
+            port = str(free_port(host))
         try:
             with socket.socket() as probe:
                 probe.bind((host, int(port)))
@@ -351,19 +389,28 @@ class Launcher:
                 "%s is taken; the broker listens on port %s", self.settings.broker_listen, port
             )
         listen = f"{host}:{port}"
-        self.broker_url = f"http://{listen}"
+        self.broker_url = f"{'https' if self.settings.secure else 'http'}://{listen}"
         args = [
             sys.executable, "-m", "cpn", "broker",
-            "--etcd", url,
+            *self._etcd_args(url, self.credentials.get(BROKER_USER)),
             "--listen", listen,
             "--config-dir", str(self.settings.config_dir),
         ]  # fmt: skip
+        if self.settings.secure:
+            args += ["--tls-cert", str(self.pki.directory / "broker.pem")]
+            args += ["--tls-key", str(self.pki.directory / "broker-key.pem")]
         if self.emulator is not None:
             args.append("--wan-emulated")
         with open(self.broker_log, "ab") as logfile:
             self.broker = subprocess.Popen(
                 args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
+
+    @staticmethod
+    def _etcd_args(url: str, credentials: Path | None) -> list[str]:
+        if credentials is None:
+            return ["--etcd", url]
+        return ["--etcd-credentials", str(credentials)]
 
     def describe(self, url: str) -> str:
         mode = "WAN EMULATED (user-space delay, one machine)" if self.emulator else "plain loopback"

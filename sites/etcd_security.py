@@ -149,6 +149,7 @@ def credentials_from_env() -> Path | None:
 
 def write_credentials(path: Path, creds: EtcdCredentials) -> None:
     """Write a credential file atomically with mode 0600."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     header = f"# cpn etcd credentials of {creds.user}: keep private (mode 0600)\n"
     write_private(path, header + yaml.safe_dump(creds.model_dump(), sort_keys=False))
 

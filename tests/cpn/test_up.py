@@ -121,3 +121,89 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
         k for k, _, _ in (await registry.list_prefix(keys.TOKENS))[1] if state["token"][4:20] in k
     ]
     assert state["token"] not in config.read_text()
+
+
+async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: Path) -> None:
+    """`cpn up --secure`: etcd with TLS and auth, each agent on its own site's etcd user, the
+    broker on HTTPS; the README's commands work unchanged, with nothing but the state dir."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CPN_TOKEN", "CPN_ETCD")}
+    env |= {"CPN_STATE_DIR": str(tmp_path), "CPN_CONFIG": str(tmp_path / "cpn" / "config.yaml")}
+    sites = ("wuhu", "tokyo")
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
+    up = subprocess.Popen(
+        cpn_cmd("up", "--secure", "--no-wan-emulation", "--interval", "1", "--sites",
+                ",".join(sites), "--broker-listen", "127.0.0.1:0"),
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+    )  # fmt: skip
+    log.close()
+
+    def cpn(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cpn_cmd(*args), capture_output=True, text=True, env=env, cwd=REPO)
+
+    try:
+
+        def all_up() -> bool:
+            if up.poll() is not None:
+                raise AssertionError((tmp_path / "up.log").read_text())
+            out = cpn("sites", "-o", "json")
+            return out.returncode == 0 and all(
+                s["state"] == "up" for s in json.loads(out.stdout)
+            ) and len(json.loads(out.stdout)) == len(sites)  # fmt: skip
+
+        await wait_for(all_up, timeout=60, interval=0.5)
+        state = json.loads((tmp_path / "up.json").read_text())
+        assert state["etcd"].startswith("https://") and state["broker"].startswith("https://")
+        pki = Path(state["ca"]).parent
+        # every agent runs on its own site's credentials, the broker on its own
+        agents = {
+            " ".join(c.cmdline())
+            for c in psutil.Process(up.pid).children(recursive=True)
+            if "agent" in c.cmdline() or "broker" in c.cmdline()
+        }
+        for site in sites:
+            assert any(f"credentials/{site}.yaml" in a for a in agents), agents
+        assert any("credentials/cpn-broker.yaml" in a and "--tls-cert" in a for a in agents)
+
+        # an agent's credentials cannot write another site's status
+        from sites.errors import PermissionDenied
+        from sites.etcd_security import load_credentials
+
+        creds = load_credentials(pki / "credentials" / "wuhu.yaml")
+        async with Registry.from_credentials(creds) as wuhu:
+            try:
+                await wuhu.put_raw(keys.site_status("tokyo"), b"{}")
+                raise AssertionError("site wuhu wrote tokyo's status")
+            except PermissionDenied:
+                pass
+
+        # the README's commands: the CLI finds the broker, its token and its CA by itself
+        who = cpn("whoami")
+        assert who.returncode == 0 and "admin" in who.stdout, who.stderr
+        job = tmp_path / "job.yaml"
+        job.write_text("name: demo\ntenant: t\ncpu: 1\ncommand: [sh, -c, 'echo hi']\n")
+        submitted = cpn("submit", str(job))
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.split()[1]
+
+        def finished() -> bool:
+            out = cpn("describe", job_id, "-o", "json")
+            return out.returncode == 0 and json.loads(out.stdout)["state"] == "SUCCEEDED"
+
+        await wait_for(finished, timeout=30, interval=0.5)
+        logs = cpn("logs", job_id)
+        assert "hi" in logs.stdout, logs
+
+        # without the CA, the broker's certificate is not trusted: exit 1, one line
+        untrusted = subprocess.run(
+            cpn_cmd("jobs", "--broker", state["broker"]),
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**env, "CPN_CONFIG": str(tmp_path / "none.yaml"), "CPN_STATE_DIR": "/nonexistent"},
+        )
+        assert untrusted.returncode == 1 and "certificate" in untrusted.stderr, untrusted.stderr
+        assert len(untrusted.stderr.strip().splitlines()) == 1
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(30)
+    assert code == 0, (tmp_path / "up.log").read_text()

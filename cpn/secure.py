@@ -1,0 +1,93 @@
+"""A secure control plane, end to end: certificates, etcd auth, credential files
+(`cpn certs`, `cpn etcd secure`, `cpn site join` on a secure etcd, `cpn up --secure`).
+
+    pki/ca.pem ca-key.pem              the CA (cpn.certs)
+    pki/etcd.pem etcd-key.pem          etcd's server certificate (also its peer certificate)
+    pki/broker.pem broker-key.pem      the broker API's server certificate
+    pki/credentials/root.yaml          the operator's etcd credentials (user root)
+    pki/credentials/cpn-broker.yaml    the broker's (user cpn-broker)
+    pki/credentials/<site>.yaml        each site's agent's (user site-<site>), by `cpn site join`
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from cpn.certs import DEFAULT_HOSTS, Pki
+from cpn.state import state_dir
+from sites.etcd_security import (
+    BROKER_USER,
+    ROOT_USER,
+    EtcdCredentials,
+    auth_enabled,
+    bootstrap_auth,
+    grant_site,
+    write_credentials,
+)
+from sites.etcd_server import ServerTls
+from sites.registry import Registry
+from sites.spec import SiteSpec
+
+CERTS_ENV = "CPN_CERTS"
+
+
+def default_pki_dir() -> Path:
+    """$CPN_CERTS, else the state directory's pki/ (where `cpn up --secure` keeps it)."""
+    env = os.environ.get(CERTS_ENV)
+    return Path(env) if env else state_dir() / "pki"
+
+
+def credentials_dir(pki: Pki) -> Path:
+    return pki.directory / "credentials"
+
+
+def init_pki(pki: Pki, hosts: Sequence[str] | None = None) -> ServerTls:
+    """The CA (unless it exists) and the certificates of etcd and of the broker's API for
+    `hosts` (made again when hosts are given, else only where missing; default: loopback);
+    what etcd is started with."""
+    pki.init()
+    for name, client in (("etcd", True), ("broker", False)):
+        if hosts or not (pki.directory / f"{name}.pem").exists():
+            pki.issue(name, hosts=hosts or DEFAULT_HOSTS, server=True, client=client)
+    return ServerTls(
+        cert_file=pki.directory / "etcd.pem",
+        key_file=pki.directory / "etcd-key.pem",
+        ca_file=pki.ca_path,
+    )
+
+
+def credentials_for(pki: Pki, user: str, endpoints: str, *, name: str | None = None) -> Path:
+    """Issue `user` a client certificate (CN = user) and write its credential file,
+    credentials/<name or user>.yaml."""
+    issued = pki.issue(f"user-{user}", common_name=user)
+    creds = EtcdCredentials(
+        endpoints=endpoints,
+        user=user,
+        ca=pki.ca_pem().decode(),
+        cert=issued.cert_pem.decode(),
+        key=issued.key_pem.decode(),
+    )
+    path = credentials_dir(pki) / f"{name or user}.yaml"
+    write_credentials(path, creds)
+    issued.key_path.unlink()  # the credential file holds the key now; one copy only
+    issued.cert_path.unlink()
+    return path
+
+
+async def secure_etcd(registry: Registry, pki: Pki) -> dict[str, Path]:
+    """On an etcd with TLS reached as root (or with auth still off): create root and the
+    broker's user, enable auth, and write both credential files; {user: path}."""
+    paths = {u: credentials_for(pki, u, registry.url) for u in (ROOT_USER, BROKER_USER)}
+    await bootstrap_auth(registry)
+    return paths
+
+
+async def site_credentials(registry: Registry, pki: Pki, spec: SiteSpec) -> Path | None:
+    """On a secure etcd: the site's own user and role, and its credential file; None when
+    etcd has no auth (nothing to issue)."""
+    if registry.tls is None or not await auth_enabled(registry):
+        return None
+    user = await grant_site(registry, spec)
+    return credentials_for(pki, user, registry.url, name=spec.id)
