@@ -103,3 +103,8 @@ def test_data_origin_prices_egress_outside_its_region() -> None:
     ((_, decision),) = batch.decisions(result, problem, [pending], FED)
     assert decision.site == "b"  # 2.0/h in east beats 1.0/h + 50 USD egress in west
     assert decision.breakdown.egress_usd == 0.0
+    # its record: the runner-up, and every site that could have taken it
+    assert decision.runner_up is not None and decision.runner_up.site in {"a", "c"}
+    assert decision.runner_up.cost_usd >= decision.cost_usd
+    assert decision.feasible == 3
+    assert decision.placement().runner_up is not None

@@ -160,6 +160,9 @@ def test_fast_path_batch_decisions_and_plan_job_cost_agree_to_the_last_bit() -> 
         assert parts == fast.breakdown, (spec, fast)
         assert job_cost(problem, plan_job, site, fast.model) == fast.cost_usd
         assert planned.breakdown == fast.breakdown and planned.cost_usd == fast.cost_usd
+        # the batch's decision record names the same runner-up, at the same price
+        assert planned.runner_up == fast.runner_up, (spec, fast)
+        assert planned.feasible == fast.feasible, (spec, fast)
         compared += 1
     assert compared > 60
 
