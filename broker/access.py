@@ -25,7 +25,9 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker import audit_intent
 from broker.audit import MAX_LIMIT, AuditEntry, AuditLog
+from broker.audit_intent import AuditIntent, audit_puts, committed
 from broker.auth import (
     ANONYMOUS,
     Forbidden,
@@ -41,6 +43,7 @@ from broker.auth import (
 from broker.bodies import page_response, query_limit, read_model
 from broker.jobs import NAME_RE
 from broker.openapi import OPERATIONS, Many, Operation, Param, Reply, spec_path
+from broker.store import position
 from routing.proxy import TENANT_KEY
 from sites import keys
 from sites.durations import Duration
@@ -172,42 +175,83 @@ def audit_middleware_for(
     async def audit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         given = request.headers.get(REQUEST_ID, "")
         request_id = given if _REQUEST_ID_RE.match(given) else secrets.token_hex(8)
-        response = await errors(request, handler)
-        response.headers[REQUEST_ID] = request_id
         key = _route_key(request)
-        if request.method in _CHANGES and key is not None and key[1] not in _NOT_CHANGES:
-            await _audit(request, response, request_id, key)
+        if request.method not in _CHANGES or key is None or key[1] in _NOT_CHANGES:
+            response = await errors(request, handler)
+            response.headers[REQUEST_ID] = request_id
+            return response
+        # a change: its entry goes into the change's own first transaction (audit_intent)
+        entry_id, at = AuditLog.new_id(), request.app[AUTH].clock()
+        ok_status = _ok_status(request.app, key)
+
+        def build(tenant: str | None, target: str | None) -> bytes:
+            return _entry(request, entry_id, at, request_id, key, ok_status, None, tenant, target)
+
+        intent = AuditIntent(keys.audit(position(at), entry_id), build)
+        reset = audit_intent.CURRENT.set(intent)
+        try:
+            response = await errors(request, handler)
+        finally:
+            audit_intent.CURRENT.reset(reset)
+        response.headers[REQUEST_ID] = request_id
+        outcome = None
+        if response.status >= 400 and isinstance(response, web.Response) and response.body:
+            try:
+                outcome = json.loads(bytes(response.body))["error"]["code"]  # type: ignore[arg-type]
+            except (ValueError, KeyError, TypeError):
+                outcome = None
+        final = _entry(
+            request, entry_id, at, request_id, key, response.status, outcome,
+            intent.tenant, intent.target,
+        )  # fmt: skip
+        if final != intent.written:  # not written yet, or what happened differs from it
+            await request.app[AUTH].audit.write(intent.key, final)
         return response
 
     return audit_middleware
 
 
-async def _audit(
-    request: web.Request, response: web.StreamResponse, request_id: str, key: tuple[str, str]
-) -> None:
-    access = request.app[AUTH]
+def _ok_status(app: web.Application, key: tuple[str, str]) -> int:
+    """The status a route answers on success (201 for a creation), from its Operation."""
+    for op in app[OPERATIONS]:
+        if (op.method, spec_path(op.path)) == (key[0], spec_path(key[1])):
+            codes = [c for c in op.replies if isinstance(c, int) and c < 300]
+            return min(codes, default=200)
+    return 200
+
+
+def _entry(
+    request: web.Request,
+    entry_id: str,
+    at: float,
+    request_id: str,
+    key: tuple[str, str],
+    status: int,
+    outcome: str | None,
+    tenant: str | None,
+    target: str | None,
+) -> bytes:
+    """The audit entry of `request` as JSON; the handler's note() wins over the defaults."""
     who = request.get(PRINCIPAL)
-    target = request.match_info.get("job") or request.match_info.get("token")
-    outcome = None
-    if response.status >= 400 and isinstance(response, web.Response) and response.body:
-        try:
-            outcome = json.loads(bytes(response.body))["error"]["code"]  # type: ignore[arg-type]
-        except (ValueError, KeyError, TypeError):
-            outcome = None
     entry = AuditEntry(
-        id=AuditLog.new_id(),
-        at=access.clock(),
+        id=entry_id,
+        at=at,
         request_id=request_id,
         actor=who.token_id if isinstance(who, Principal) else "-",
         role=who.role.value if isinstance(who, Principal) else None,
         actor_tenant=who.tenant if isinstance(who, Principal) else None,
-        tenant=request.get("cpn.tenant"),
+        tenant=request.get("cpn.tenant") or tenant,
         action=f"{request.method} {key[1]}",
-        target=request.get("cpn.target") or target,
-        status=response.status,
-        outcome="ok" if response.status < 400 else (outcome or f"http_{response.status}"),
+        target=(
+            request.get("cpn.target")
+            or request.match_info.get("job")
+            or request.match_info.get("token")
+            or target
+        ),
+        status=status,
+        outcome="ok" if status < 400 else (outcome or f"http_{status}"),
     )
-    await access.audit.record(entry)
+    return entry.model_dump_json(exclude_none=True).encode()
 
 
 def note(request: web.Request, *, tenant: str | None = None, target: str | None = None) -> None:
@@ -330,8 +374,12 @@ async def revoke(request: web.Request) -> web.Response:
         raise Forbidden(f"a {who.role.value} token may not revoke {record.role.value} tokens")
     key = keys.token(record.id)
     got = await access.tokens.registry.get_raw(key)
-    if got is not None:
-        await access.tokens.registry.commit(guards=[Guard(key, mod_revision=got[1])], deletes=[key])
+    if got is not None and await access.tokens.registry.commit(
+        guards=[Guard(key, mod_revision=got[1])],
+        puts=audit_puts(record.tenant, record.id),
+        deletes=[key],
+    ):
+        committed()
     access.tokens.tokens.pop(record.id, None)  # this replica at once; the others by the watch
     return web.json_response(record.public())
 

@@ -64,10 +64,14 @@ class AuditLog:
     async def record(self, entry: AuditEntry) -> None:
         """Write one entry; a registry error is logged, never the request's failure."""
         key = keys.audit(position(entry.at), entry.id)
+        await self.write(key, entry.model_dump_json(exclude_none=True).encode())
+
+    async def write(self, key: str, raw: bytes) -> None:
+        """Write (or rewrite) the entry at `key`: see broker.audit_intent."""
         try:
-            await self.registry.put_raw(key, entry.model_dump_json(exclude_none=True).encode())
+            await self.registry.put_raw(key, raw)
         except RegistryError as exc:
-            log.error("audit entry %s not written: %s (%s)", entry.id, exc, entry)
+            log.error("audit entry %s not written: %s (%s)", key, exc, raw[:500])
 
     @staticmethod
     def new_id() -> str:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from broker.audit_intent import audit_puts, committed
 from broker.errors import BrokerError, InvalidRequest, NotFound
 from broker.jobs import NAME_RE
 from sites import keys
@@ -208,10 +209,12 @@ def new_token(
 async def create_token(registry: Registry, record: TokenRecord) -> None:
     key = keys.token(record.id)
     ok = await registry.commit(
-        guards=[Guard(key, mod_revision=0)], puts={key: record.model_dump_json().encode()}
+        guards=[Guard(key, mod_revision=0)],
+        puts={key: record.model_dump_json().encode(), **audit_puts(record.tenant, record.id)},
     )
     if not ok:  # 64 random bits colliding: try again
         raise InvalidRequest("token id collision; try again", field="id", code="exists")
+    committed()
 
 
 class TokenBook:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
+from broker.audit_intent import audit_puts, committed
 from broker.errors import InvalidRequest, NotFound, StaleRecord
 from broker.jobs import JobRecord, JobState
 from sites import keys
@@ -117,10 +118,11 @@ class JobStore:
         key = keys.job(record.id)
         ok = await self.registry.commit(
             guards=[Guard(key, mod_revision=0), Guard(keys.archived_job(record.id), 0)],
-            puts=writes(record),
+            puts={**writes(record), **audit_puts(record.spec.tenant, record.id)},
         )
         if not ok:
             raise InvalidRequest(f"job {record.id!r} already exists", field="name", code="exists")
+        committed()
 
     async def get(self, job_id: str) -> tuple[JobRecord, int]:
         got = await self.registry.get_raw(keys.job(job_id))
@@ -158,12 +160,14 @@ class JobStore:
             if change is None:
                 return None
             key = keys.job(job_id)
+            audit = audit_puts(change.record.spec.tenant, job_id)
             ok = await self.registry.commit(
                 guards=[Guard(key, mod_revision=revision), *guards, *change.guards],
-                puts={**writes(change.record), **change.puts},
+                puts={**writes(change.record), **change.puts, **audit},
                 deletes=change.deletes,
             )
             if ok:
+                committed()
                 return change.record
             log.debug("job %s changed under us; retrying", job_id)
         raise StaleRecord(f"job {job_id!r} kept changing; gave up after {MAX_ATTEMPTS} tries")
@@ -182,6 +186,10 @@ class JobStore:
         guards = [Guard(key, mod_revision=revision), *guards]
         if revision == 0:
             guards.append(Guard(keys.archived_job(record.id), mod_revision=0))
-        return await self.registry.commit(
-            guards=guards, puts={**writes(record), **(puts or {})}, deletes=deletes
+        audit = audit_puts(record.spec.tenant, record.id)
+        ok = await self.registry.commit(
+            guards=guards, puts={**writes(record), **(puts or {}), **audit}, deletes=deletes
         )
+        if ok:
+            committed()
+        return ok

@@ -278,6 +278,37 @@ def test_every_change_is_audited_with_who_what_and_outcome(fed: Fed) -> None:
     assert any(e["request_id"] == headers_id for e in again)
 
 
+async def test_a_changes_audit_entry_is_written_in_the_changes_own_transaction(fed: Fed) -> None:
+    """Atomic: a broker killed after the change cannot have dropped its entry. The token's key
+    and the entry share one etcd revision; so do a new job's record and its entry."""
+    from sites import keys
+    from sites.registry import Registry
+
+    request_id = f"atomic-{time.monotonic_ns()}"
+    created = fed.a.post_json("/v1/tokens", {"role": "viewer", "description": request_id})
+    assert created.status == 201, created
+    token_id = created.json()["id"]
+    submitted = fed.a.post_json("/v1/jobs", {**JOB, "name": "atomic"})
+    job_id = submitted.json()["id"]
+    async with Registry.from_urls(fed.etcd) as registry:
+        _, entries = await registry.list_prefix(keys.AUDIT)
+        revision_of = {}
+        for _, raw, revision in entries:
+            entry = json.loads(raw)
+            revision_of[entry.get("target")] = (revision, entry)
+        token_revision = (await registry.get_raw(keys.token(token_id)))[1]  # type: ignore[index]
+        assert revision_of[token_id][0] == token_revision
+        assert revision_of[token_id][1]["status"] == 201
+        assert revision_of[token_id][1]["outcome"] == "ok"
+        # the job's first revision: its index entry as submitted is at the same revision
+        job_revision, entry = revision_of[job_id]
+        assert entry["action"] == "POST /v1/jobs" and entry["status"] == 201
+        reply = await registry.get_many([keys.job(job_id)], revision=job_revision)
+        assert reply, "the job did not exist at its audit entry's revision"
+        before = await registry.get_many([keys.job(job_id)], revision=job_revision - 1)
+        assert not before, "the job existed before its audit entry"
+
+
 def test_the_cli_bootstraps_a_token_from_etcd_and_uses_its_config(
     fed: Fed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
