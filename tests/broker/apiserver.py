@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -43,10 +44,11 @@ class Reply:
 class ApiBroker:
     url: str
     token: str | None = None  # an Authorization header value; None: the tests' admin token
+    context: ssl.SSLContext | None = None  # trusts the CA of an https:// broker
 
     def as_(self, authorization: str) -> ApiBroker:
         """The same broker, called with this Authorization header ("" for none)."""
-        return ApiBroker(self.url, authorization)
+        return ApiBroker(self.url, authorization, self.context)
 
     def call(
         self, method: str, path: str, body: bytes | None = None, content_type: str | None = None
@@ -58,7 +60,7 @@ class ApiBroker:
             headers["Content-Type"] = content_type
         req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
+            with urllib.request.urlopen(req, timeout=30, context=self.context) as resp:
                 return Reply(resp.status, resp.read(), resp.headers.get("Content-Type", ""))
         except urllib.error.HTTPError as exc:
             return Reply(exc.code, exc.read(), exc.headers.get("Content-Type", ""))
@@ -74,19 +76,29 @@ def start_api_broker(
     settings: dict[str, object] | None = None,
     *,
     leader: bool = True,
+    etcd_args: tuple[str, ...] | None = None,
+    tls: tuple[Path, Path, Path] | None = None,
 ) -> ApiBroker:
-    """A broker process; waits until it serves (and, with `leader`, leads)."""
+    """A broker process; waits until it serves (and, with `leader`, leads). `etcd_args`
+    replace `--etcd URL` (a secure etcd's `--etcd-credentials FILE`); `tls` is (certificate,
+    key, CA): the broker serves HTTPS and the client trusts the CA."""
     cfg = root / "configs"
     if not cfg.exists():
         shutil.copytree(CONFIGS, cfg)
     (cfg / "broker.yaml").write_text(yaml.safe_dump({**BROKER_SETTINGS, **(settings or {})}))
     port = free_port()
     name = f"api-broker-{len(processes.procs)}"
+    extra: list[str] = []
+    context = None
+    if tls is not None:
+        extra = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])]
+        context = ssl.create_default_context(cafile=str(tls[2]))
     proc = processes.start(
-        "broker", "--etcd", etcd_url, "--listen", f"127.0.0.1:{port}", "--config-dir", str(cfg),
-        name=name,
+        "broker", *(etcd_args or ("--etcd", etcd_url)), "--listen", f"127.0.0.1:{port}",
+        "--config-dir", str(cfg), *extra, name=name,
     )  # fmt: skip
-    broker = ApiBroker(f"http://127.0.0.1:{port}")
+    scheme = "https" if tls else "http"
+    broker = ApiBroker(f"{scheme}://127.0.0.1:{port}", context=context)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import stat
+import urllib.error
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,8 @@ from sites.etcd_security import (
 from sites.etcd_server import EmbeddedEtcd
 from sites.registry import Registry
 from sites.spec import SiteSpec
-from tests.conftest import Processes, run_cpn, wait_for
+from tests.broker.apiserver import ApiBroker, start_api_broker
+from tests.conftest import Processes, run_cpn, wait_for, write_admin_token
 
 
 @dataclass
@@ -72,6 +74,7 @@ async def root(secure: SecureEtcd) -> AsyncIterator[Registry]:
     reg = secure.registry(ROOT_USER)
     await reg.connect()
     await reg.delete_prefix(keys.ROOT)
+    await write_admin_token(reg)
     yield reg
     await reg.delete_prefix(keys.ROOT)
     await reg.close()
@@ -282,3 +285,31 @@ async def test_secure_etcd_is_idempotent(secure: SecureEtcd, root: Registry) -> 
     assert set(paths) == {ROOT_USER, BROKER_USER}
     async with secure.registry(BROKER_USER) as broker:
         await broker.put_raw(keys.job("again"), b"{}")
+
+
+async def test_brokers_lead_and_fail_over_on_the_secure_etcd_and_serve_https(
+    secure: SecureEtcd, root: Registry, tmp_path: Path, processes: Processes
+) -> None:
+    """Broker HA as it stands (leader lease, fenced placements) on the broker's own etcd user;
+    the API on HTTPS with a certificate of the CA."""
+    creds = ("--etcd-credentials", str(secure.credentials(BROKER_USER)))
+    pki = secure.pki.directory
+    tls = (pki / "broker.pem", pki / "broker-key.pem", secure.pki.ca_path)
+    a = start_api_broker("", processes, tmp_path / "a", etcd_args=creds, tls=tls)
+    b = start_api_broker("", processes, tmp_path / "b", leader=False, etcd_args=creds, tls=tls)
+    assert a.url.startswith("https://")
+    submitted = b.post_json("/v1/jobs", {"tenant": "ai-lab", "name": "ha", "command": ["true"]})
+    assert submitted.status == 201, submitted
+    assert a.call("GET", f"/v1/jobs/{submitted.json()['id']}").status == 200
+
+    untrusted = ApiBroker(a.url)  # no CA: the certificate is not trusted
+    with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+        untrusted.call("GET", "/healthz")
+
+    processes.procs[0].kill()  # the leader dies; the other takes over within its lease's ttl
+    processes.procs[0].wait(10)
+
+    def leads() -> bool:
+        return bool(b.call("GET", "/healthz").json()["leader"])
+
+    await wait_for(leads, timeout=20, interval=0.2)
