@@ -482,6 +482,7 @@ def _placement(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: float)
             mem_gb=spec.mem_gb,
             checkpoint_path=spec.checkpoint_path,
             resume=record.retries > 0 and spec.checkpoint_path is not None,
+            duration_s=spec.duration_hours * 3600,
             assigned_at=now,
         )
         kind = "placed" if record.attempt == 0 else "re-placed"

@@ -33,6 +33,9 @@ class Assignment(Frozen):
     mem_gb: float = Field(default=0.0, ge=0)
     checkpoint_path: str | None = None
     resume: bool = Field(default=False, description="restart from checkpoint_path")
+    duration_s: float | None = Field(
+        default=None, gt=0, description="the job's duration estimate (a Slurm site's time limit)"
+    )
     assigned_at: float
 
 

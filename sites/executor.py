@@ -1,14 +1,19 @@
 """Executors: how a site runs the jobs the broker assigns to it (long form: docs/executor.md).
 
-The interface is four calls; `sites.workload` decides what to run, an executor only runs it:
+The interface is five calls; `sites.workload` decides what to run, an executor only runs it:
 
 - ``start(assignment, devices, log_path) -> RunHandle``: launch the job on the given device
   indices, output appended to ``log_path``; also persist a run record (``run.json``) so a
   restarted agent can find what its predecessor launched;
-- ``wait(handle) -> int``: the exit code once the run ends (negative: killed by that signal);
+- ``wait(handle) -> RunExit``: how the run ended: its exit code (negative: killed by that
+  signal) and, when the scheduler says more than the code does, why (``message``);
 - ``stop(handle, grace_s)``: SIGTERM, then SIGKILL after ``grace_s``;
-- ``reap(grace_s) -> [RunRecord]``: at agent start, before anything runs, stop whatever runs
-  recorded by a previous agent of this site still have going, and forget their records.
+- ``reap(grace_s, keep) -> [RunRecord]``: at agent start, before anything runs, stop whatever
+  runs recorded by a previous agent of this site still have going, and forget their records,
+  except the runs named in ``keep`` (job, attempt, fence) that this executor can follow again;
+- ``adopt(assignment) -> RunHandle | None``: a kept run of this very attempt, to ``wait`` on
+  again (a Slurm job outlives the agent); None when there is none (a local process never is:
+  it dies with its agent).
 
 ``LocalExecutor`` runs the command as a process in its own session on this host. The child gets
 PR_SET_PDEATHSIG(SIGKILL), so it dies with the agent; processes it spawned itself do not inherit
@@ -17,14 +22,8 @@ made by a few lines of Python that then exec the command (same pid), not by a ``
 that runs Python in the forked child of a process full of gRPC threads, and gRPC's fork hooks
 crash such a child (seen as SIGSEGV when the exec fails).
 
-A Slurm executor maps onto the same calls: ``start`` writes a batch script that exports
-``job_env()`` and runs ``command_argv()``, submits it with ``sbatch --parsable --output=LOG
---open-mode=append --gres=gpu:<model>:<n> --cpus-per-task --mem [--partition]`` and records the
-Slurm job id as ``RunHandle.ref`` (and in run.json); ``wait`` polls ``squeue -h -j ID -o %T``
-and then ``sacct -j ID -o ExitCode``; ``stop`` is ``scancel --signal=TERM ID``, then ``scancel
-ID`` after the grace; ``reap`` runs ``scancel`` on every recorded id. Slurm picks the GPUs, so
-the device indices are the allocation's, not the agent's, and jobs do not die with the agent
-(the next agent cancels them in ``reap``).
+``sites.slurm.SlurmExecutor`` hands the job to the site's Slurm (sbatch, squeue, scontrol,
+sacct, scancel); its jobs outlive the agent, and a restarted agent adopts them.
 
 Exceptions: ``ExecutorError`` (a ``sites.errors.SitesError``) when a run cannot be started.
 """
@@ -39,7 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -86,6 +85,23 @@ class RunHandle:
     started_at: float
 
 
+@dataclass(frozen=True)
+class RunExit:
+    """How a run ended: ``code`` (None when unknown, negative for a signal) and, when the
+    scheduler knows more than the code says (cancelled, timed out, node failure), ``message``.
+    ``ok`` is a clean end: code 0 and nothing to explain."""
+
+    code: int | None
+    message: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.code == 0 and self.message is None
+
+
+RunKey = tuple[str, int, int]  # (job, attempt, fence): one run of one job
+
+
 class RunRecord(BaseModel):
     """What run.json holds: enough for a later agent to find and stop the run."""
 
@@ -102,6 +118,10 @@ class RunRecord(BaseModel):
     log_path: str
     agent_pid: int
 
+    @property
+    def key(self) -> RunKey:
+        return (self.job, self.attempt, self.fence)
+
 
 class Executor(Protocol):
     kind: str
@@ -111,11 +131,13 @@ class Executor(Protocol):
         self, assignment: Assignment, devices: tuple[int, ...], log_path: Path
     ) -> RunHandle: ...
 
-    async def wait(self, handle: RunHandle) -> int: ...
+    async def wait(self, handle: RunHandle) -> RunExit: ...
 
     async def stop(self, handle: RunHandle, grace_s: float) -> None: ...
 
-    async def reap(self, grace_s: float) -> list[RunRecord]: ...
+    async def reap(self, grace_s: float, keep: Collection[RunKey] = ()) -> list[RunRecord]: ...
+
+    async def adopt(self, assignment: Assignment) -> RunHandle | None: ...
 
 
 # -- layout and environment (shared by every executor) ---------------------------------------
@@ -192,13 +214,19 @@ def default_work_dir(spec: SiteSpec) -> Path:
 
 
 def make_executor(spec: SiteSpec, *, catalog: DeviceCatalog, clock: Clock) -> Executor:
-    """The executor spec.executor names; Slurm is not implemented yet (its runs fail)."""
+    """The executor spec.executor names; Slurm without its client commands fails every run."""
     work_dir = default_work_dir(spec)
     if spec.executor.kind is ExecutorKind.slurm:
-        if shutil.which("sbatch") is None:
-            log.error("site %s: slurm executor: sbatch not found on PATH", spec.id)
-            return UnavailableExecutor("slurm", work_dir, "slurm executor: sbatch not found")
-        return UnavailableExecutor("slurm", work_dir, "slurm executor: not implemented yet")
+        from sites.slurm import SlurmCommands, SlurmExecutor
+
+        commands = SlurmCommands.from_settings(spec.executor.slurm_settings)
+        if commands.missing():
+            missing = ", ".join(commands.missing())
+            log.error("site %s: slurm executor: %s not found", spec.id, missing)
+            return UnavailableExecutor("slurm", work_dir, f"slurm executor: {missing} not found")
+        return SlurmExecutor(
+            work_dir=work_dir, spec=spec, catalog=catalog, clock=clock, commands=commands
+        )
     return LocalExecutor(work_dir=work_dir, site=spec.id, catalog=catalog, clock=clock)
 
 
@@ -266,7 +294,7 @@ class LocalExecutor:
             agent_pid=os.getpid(),
         )
         try:
-            _write_record(jdir / RUN_RECORD, record)
+            write_record(jdir / RUN_RECORD, record)
         except OSError as exc:
             # without a record a crashed agent's successor could not find it: do not run it
             _signal_group(proc.pid, signal.SIGKILL)
@@ -282,7 +310,7 @@ class LocalExecutor:
         )
         return handle
 
-    async def wait(self, handle: RunHandle) -> int:
+    async def wait(self, handle: RunHandle) -> RunExit:
         proc = self._procs.get(handle.ref)
         if proc is None:
             raise ExecutorError(f"run {handle.ref} of job {handle.job} is not ours")
@@ -293,8 +321,8 @@ class LocalExecutor:
                 # what the job left behind in its group dies with it, as under Slurm
                 _signal_group(int(handle.ref), signal.SIGKILL)
                 self._procs.pop(handle.ref, None)
-                _remove_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, handle.ref)
-        return code
+                remove_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, handle.ref)
+        return RunExit(code)
 
     async def stop(self, handle: RunHandle, grace_s: float) -> None:
         """SIGTERM the group, SIGKILL it after ``grace_s``; returns once it is gone."""
@@ -317,10 +345,12 @@ class LocalExecutor:
             await self._clock.sleep(POLL_S)
         return True
 
-    async def reap(self, grace_s: float) -> list[RunRecord]:
+    async def reap(self, grace_s: float, keep: Collection[RunKey] = ()) -> list[RunRecord]:
+        """Stop every recorded run; ``keep`` is ignored: a local run cannot be adopted."""
+        del keep
         found: list[tuple[Path, RunRecord]] = []
         for path in sorted((self.work_dir / "jobs").glob(f"*/{RUN_RECORD}")):
-            record = _read_record(path)
+            record = read_record(path)
             if record is None:
                 path.unlink(missing_ok=True)
             elif record.site == self.site:
@@ -333,10 +363,15 @@ class LocalExecutor:
                 record.attempt,
                 record.ref,
             )
-        await asyncio.gather(*(self.stop(_handle_of(r), grace_s) for _, r in alive))
+        await asyncio.gather(*(self.stop(handle_of(r), grace_s) for _, r in alive))
         for path, _ in found:
             path.unlink(missing_ok=True)
         return [r for _, r in alive]
+
+    async def adopt(self, assignment: Assignment) -> RunHandle | None:
+        """Never: a local run dies with its agent (reap stopped what it left)."""
+        del assignment
+        return None
 
 
 class UnavailableExecutor:
@@ -358,14 +393,17 @@ class UnavailableExecutor:
     ) -> RunHandle:
         raise ExecutorError(self.reason)
 
-    async def wait(self, handle: RunHandle) -> int:  # noqa: ARG002
+    async def wait(self, handle: RunHandle) -> RunExit:  # noqa: ARG002
         raise ExecutorError(self.reason)
 
     async def stop(self, handle: RunHandle, grace_s: float) -> None:  # noqa: ARG002
         return None
 
-    async def reap(self, grace_s: float) -> list[RunRecord]:  # noqa: ARG002
+    async def reap(self, grace_s: float, keep: Collection[RunKey] = ()) -> list[RunRecord]:  # noqa: ARG002
         return []
+
+    async def adopt(self, assignment: Assignment) -> RunHandle | None:  # noqa: ARG002
+        return None
 
 
 # -- process helpers ---------------------------------------------------------------------------
@@ -459,7 +497,7 @@ def _leftover_alive(record: RunRecord) -> bool:
     return bool(_group_members(pgid))
 
 
-def _handle_of(record: RunRecord) -> RunHandle:
+def handle_of(record: RunRecord) -> RunHandle:
     return RunHandle(
         job=record.job,
         attempt=record.attempt,
@@ -471,14 +509,14 @@ def _handle_of(record: RunRecord) -> RunHandle:
     )
 
 
-def _write_record(path: Path, record: RunRecord) -> None:
+def write_record(path: Path, record: RunRecord) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(record.model_dump_json())
     tmp.replace(path)
 
 
-def _read_record(path: Path) -> RunRecord | None:
+def read_record(path: Path) -> RunRecord | None:
     try:
         return RunRecord.model_validate_json(path.read_bytes())
     except (OSError, ValidationError) as exc:
@@ -486,7 +524,7 @@ def _read_record(path: Path) -> RunRecord | None:
         return None
 
 
-def _remove_record(path: Path, ref: str) -> None:
-    record = _read_record(path) if path.exists() else None
+def remove_record(path: Path, ref: str) -> None:
+    record = read_record(path) if path.exists() else None
     if record is not None and record.ref == ref:
         path.unlink(missing_ok=True)

@@ -250,18 +250,74 @@ class Workload:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Reap leftovers, read reports, then follow the assignments until cancelled."""
+        """Read reports, reap (or adopt) leftovers, then follow the assignments until cancelled.
+
+        A run a previous agent left going that is still this job's current attempt (its
+        assignment unchanged, its report not terminal) is adopted when the executor can follow
+        it again (a Slurm job); every other leftover is stopped before anything starts.
+        """
         self._main = asyncio.current_task()
-        for record in await self.executor.reap(self.stop_grace_s):
+        self._reported = await self._load_reports()
+        resumable = self._resumable(await self._list_assignments())
+        keep = {(a.job, a.attempt, a.fence) for a in resumable}
+        for record in await self.executor.reap(self.stop_grace_s, keep):
             log.warning(
                 "stopped leftover run of job %s attempt %d from a previous agent",
                 record.job,
                 record.attempt,
             )
-        self._reported = await self._load_reports()
+        for assignment in resumable:
+            await self._adopt(assignment)
         async with asyncio.TaskGroup() as group:
             group.create_task(self._mirror.run(), name=f"workload {self.site} assignments")
             group.create_task(self._reconcile_loop(), name=f"workload {self.site} reconcile")
+
+    async def _list_assignments(self) -> list[Assignment]:
+        prefix = keys.assignments(self.site)
+        delay = RETRY_MIN_S
+        while True:
+            try:
+                _, kvs = await self.registry.list_prefix(prefix)
+                break
+            except RegistryError as exc:
+                log.warning("cannot read assignments (%s); retrying in %.1fs", exc, delay)
+                await self.clock.sleep(delay)
+                delay = min(delay * 2, self._retry_max_s)
+        parsed = (self._parse(key, raw) for key, raw, _ in kvs)
+        return [a for a in parsed if a is not None]
+
+    def _resumable(self, assignments: Iterable[Assignment]) -> list[Assignment]:
+        """Assignments whose attempt a previous agent reported starting or running."""
+        out = []
+        for a in assignments:
+            prior = self._reported.get(a.job)
+            if prior is not None and (prior.attempt, prior.fence) == (a.attempt, a.fence):
+                if not prior.state.terminal:
+                    out.append(a)
+        return out
+
+    async def _adopt(self, assignment: Assignment) -> None:
+        """Follow a run a previous agent started, when the executor still has it going."""
+        handle = await self.executor.adopt(assignment)
+        if handle is None:
+            return  # _start reports it lost
+        prior = self._reported[assignment.job]
+        run = Run(
+            assignment=assignment,
+            devices=prior.devices,
+            log_path=handle.log_path,
+            state=RunState.running,
+            handle=handle,
+            started_at=prior.started_at or handle.started_at,
+        )
+        self._runs[assignment.job] = run
+        log.info(
+            "job %s attempt %d: adopted run %s of a previous agent",
+            assignment.job,
+            assignment.attempt,
+            handle.ref,
+        )
+        run.task = self._spawn(self._execute(run), f"job {assignment.job}")
 
     async def stop(self) -> None:
         """Graceful agent stop: SIGTERM every job (SIGKILL after the grace), report nothing.
@@ -459,6 +515,9 @@ class Workload:
 
     async def _run(self, run: Run) -> None:
         a = run.assignment
+        if run.handle is not None:  # adopted from a previous agent: it runs already
+            await self._follow(run, run.handle)
+            return
         if run.state.terminal:  # did not fit, or lost with a previous agent
             await self._write(run)
             return
@@ -481,22 +540,31 @@ class Workload:
         run.handle = handle
         run.started_at = handle.started_at
         run.state = RunState.running
+        await self._follow(run, handle)
+
+    async def _follow(self, run: Run, handle: RunHandle) -> None:
+        """Report the run running, wait for its end, report that."""
+        a = run.assignment
         if self._closing.is_set():  # the agent began stopping while this one started
             await self.executor.stop(handle, self.stop_grace_s)
         elif run.withdrawn.is_set():
             self._spawn(self._withdraw(run), f"stop {a.job}")
         await self._write(run)
-        code = await self.executor.wait(handle)
+        ended = await self.executor.wait(handle)
         if self._closing.is_set():
             return  # graceful agent stop: nothing more is reported (docs/executor.md)
+        code = ended.code
         if run.withdrawn.is_set():
             state, message = RunState.stopped, "stopped: the assignment was withdrawn"
-        elif code == 0:
+        elif ended.ok:
             state, message = RunState.succeeded, ""
         else:
-            state, message = RunState.failed, _exit_message(code)
+            state = RunState.failed
+            message = ended.message or (
+                "exit status unknown" if code is None else _exit_message(code)
+            )
         run.finish(state, self.clock.time(), code, message)
-        log.info("job %s attempt %d %s (exit %d)", a.job, a.attempt, state.value, code)
+        log.info("job %s attempt %d %s (exit %s): %s", a.job, a.attempt, state.value, code, message)
         await self._write(run)
 
     async def _withdraw(self, run: Run) -> None:
