@@ -32,10 +32,13 @@ from sites.collectors.host import host_usage, storage_usage
 from sites.collectors.nvml import NvmlCollector
 from sites.collectors.probes import METHODS, Prober, ProbeResponder, choose_method
 from sites.collectors.services import ServiceLoad, ServiceMonitor
+from sites.collectors.slurm import SlurmCapacity, parse_nodes
+from sites.collectors.slurm import capacity as slurm_capacity
 from sites.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
-from sites.executor import make_executor
+from sites.executor import Executor, make_executor
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
+from sites.slurm import SlurmExecutor
 from sites.spec import SiteSpec
 from sites.status import AgentRecord, GpuDevice, ServiceEndpoint, SiteStatus
 from sites.tasks import Backoff, Crash, Supervisor
@@ -131,6 +134,8 @@ class Agent:
         self._published_links: set[str] = set()
         self._published_services: set[str] = set()
         self.workload: Workload | None = None
+        self.executor: Executor = make_executor(spec, catalog=catalog, clock=self.clock)
+        self.slurm: SlurmCapacity | None = None  # the cluster as last read (Slurm sites)
         method = choose_method(settings.probe_method, emulated=settings.wan_emulated)
         host = settings.listen.rsplit(":", 1)[0]
         self.prober = Prober(
@@ -151,6 +156,9 @@ class Agent:
     async def start(self) -> None:
         if await self.registry.get_spec(self.spec.id) is None:
             raise NotJoined(self.spec.id)
+        if isinstance(self.executor, SlurmExecutor):
+            await self.executor.check(f"site {self.spec.id}")  # the site file against Slurm
+            await self.read_slurm()
         if self.spec.perception.mode == "host":
             self._nvml = NvmlCollector(catalog=self.catalog)
         await self._serve()
@@ -164,7 +172,7 @@ class Agent:
             registry=self.registry,
             spec=self.spec,
             catalog=self.catalog,
-            executor=make_executor(self.spec, catalog=self.catalog, clock=self.clock),
+            executor=self.executor,
             clock=self.clock,
             record=lambda: self.record,
             resources=self._resources,
@@ -178,6 +186,8 @@ class Agent:
         self.supervisor.spawn("publish", self._publish_loop, restart=RESTART)
         self.supervisor.spawn("peers", self._peers.run, restart=RESTART)
         self.supervisor.spawn("services", self._services_loop, restart=RESTART)
+        if isinstance(self.executor, SlurmExecutor):
+            self.supervisor.spawn("slurm", self._slurm_loop, restart=RESTART)
         self.prober.set_self(self.probe_url)
         log.info(
             "agent of %s up: %s, lease ttl %ss, probes %s%s",
@@ -321,6 +331,32 @@ class Agent:
             await self.services.poll()
             await self.clock.sleep(self.settings.interval_s / 2)
 
+    async def _slurm_loop(self) -> None:
+        # once per publish interval, just before the publish reads it
+        while True:
+            await self.clock.sleep(self.settings.interval_s)
+            await self.read_slurm()
+
+    async def read_slurm(self) -> None:
+        """Read the cluster's nodes (scontrol); on a failure keep the last view and log it."""
+        if not isinstance(self.executor, SlurmExecutor):
+            return
+        executor = self.executor
+        got = await executor.commands.run("scontrol", "show", "node", "-o")
+        if got.returncode != 0:
+            log.warning("site %s: scontrol show node: %s", self.spec.id, got.error)
+            return
+        settings = self.spec.executor.slurm_settings
+        models = {settings.gres_type(m).lower(): m for m in self.catalog.devices}
+        models.update({kind.lower(): m for m, kind in settings.gres_types.items()})
+        seen = slurm_capacity(
+            parse_nodes(got.stdout), models=models, partition=self.spec.executor.partition
+        )
+        if self.slurm is not None and seen.nodes_out != self.slurm.nodes_out:
+            log.info("site %s: Slurm nodes out of service: %s", self.spec.id,
+                     ", ".join(seen.nodes_out) or "none")  # fmt: skip
+        self.slurm = seen
+
     def _on_agents(self, items: dict[str, bytes]) -> None:
         peers: dict[str, str] = {}
         for key, raw in items.items():
@@ -367,6 +403,27 @@ class Agent:
                 storage_tb=sum(s.used_tb for s in storage),
                 catalog=self.catalog,
             )
+        elif self.slurm is not None:
+            # the cluster itself says what it has and what is allocated (its other users' jobs
+            # too); cpn's own runs still queued in Slurm count as used (the larger of the two)
+            slurm = self.slurm
+            capacity = normalize(
+                devices=slurm.devices,
+                cpu_cores=slurm.cpu_cores,
+                mem_gb=slurm.mem_gb,
+                storage_tb=spec.inventory.storage_tb,
+                catalog=self.catalog,
+            )
+            used = normalize(
+                devices={
+                    m: max(n - slurm.devices_free.get(m, 0), held.devices.get(m, 0))
+                    for m, n in slurm.devices.items()
+                },
+                cpu_cores=max(slurm.cpu_cores - slurm.cpu_free, held.cpu_cores),
+                mem_gb=max(slurm.mem_gb - slurm.mem_free_gb, held.mem_gb),
+                storage_tb=0.0,
+                catalog=self.catalog,
+            )
         else:
             inv = spec.inventory
             capacity = normalize(
@@ -392,8 +449,15 @@ class Agent:
         )
 
     def _resources(self) -> SiteResources:
-        """What jobs may be given: NVML's GPUs and this host in host mode, else the inventory."""
+        """What jobs may be given: NVML's GPUs and this host in host mode, the usable nodes of a
+        Slurm cluster, else the inventory."""
         if self.spec.perception.mode != "host":
+            if self.slurm is not None:
+                return SiteResources(
+                    devices={m: tuple(range(n)) for m, n in self.slurm.devices.items()},
+                    cpu_cores=self.slurm.cpu_cores,
+                    mem_gb=self.slurm.mem_gb,
+                )
             return declared_resources(self.spec)
         devices: dict[str, list[int]] = {}
         for gpu in self._nvml.collect() if self._nvml else []:

@@ -80,11 +80,34 @@ def check_spec(source: str, spec: SiteSpec, catalog: DeviceCatalog) -> list[Prob
                     f"no price for {pool.model}, which inventory.devices[{i}] declares",
                 )
             )
+    problems += _check_slurm(source, spec, catalog)
     seen: set[str] = set()
     for i, svc in enumerate(spec.services):
         if svc.name in seen:
             problems.append(Problem(source, f"services[{i}].name", f"{svc.name!r} listed twice"))
         seen.add(svc.name)
+    return problems
+
+
+def _check_slurm(source: str, spec: SiteSpec, catalog: DeviceCatalog) -> list[Problem]:
+    """GRES types name catalog models, one type per model (the collector maps them back)."""
+    slurm = spec.executor.slurm
+    if slurm is None:
+        return []
+    problems = []
+    by_type: dict[str, str] = {}
+    for model, kind in slurm.gres_types.items():
+        where = f"executor.slurm.gres_types.{model}"
+        if model not in catalog:
+            known = ", ".join(sorted(catalog.devices))
+            problems.append(
+                Problem(source, where, f"unknown device model {model!r} (catalog has: {known})")
+            )
+        if kind.lower() in by_type:
+            problems.append(
+                Problem(source, where, f"GRES type {kind!r} is also {by_type[kind.lower()]!r}'s")
+            )
+        by_type[kind.lower()] = model
     return problems
 
 

@@ -98,17 +98,66 @@ class ExecutorKind(enum.StrEnum):
     slurm = "slurm"
 
 
+SLURM_NAME_RE = r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}$"
+SlurmName = Annotated[str, Field(pattern=SLURM_NAME_RE)]
+
+
+class SlurmAccount(Frozen):
+    """The Slurm account (and QOS) a tenant's jobs are charged to at this site."""
+
+    account: SlurmName
+    qos: SlurmName | None = Field(default=None, description="default: the account's default QOS")
+
+
+class SlurmSettings(Frozen):
+    """How the agent drives the site's Slurm (long form: docs/slurm.md)."""
+
+    accounts: dict[Name, SlurmAccount] = Field(
+        default_factory=dict, description="cpn tenant -> Slurm account and QOS"
+    )
+    default_account: SlurmAccount | None = Field(
+        default=None,
+        description="for a tenant not in `accounts`; without it such a tenant's jobs are refused",
+    )
+    gres_types: dict[str, SlurmName] = Field(
+        default_factory=dict,
+        description="catalog device model -> Slurm GRES type (default: the model in lower case)",
+    )
+    time_margin: float = Field(
+        default=1.5, ge=1.0, le=100, description="time limit = duration estimate x this margin"
+    )
+    min_time_limit_min: int = Field(
+        default=10, ge=1, description="floor of the time limit, minutes (covers start-up)"
+    )
+    poll_s: float = Field(
+        default=2.0, gt=0, le=300, description="seconds between squeue polls of the site's jobs"
+    )
+    conf: str | None = Field(default=None, description="slurm.conf for the client commands")
+    bin_dir: str | None = Field(default=None, description="directory of sbatch, squeue, ...")
+
+    def account_for(self, tenant: str) -> SlurmAccount | None:
+        return self.accounts.get(tenant, self.default_account)
+
+    def gres_type(self, model: str) -> str:
+        return self.gres_types.get(model, model.lower())
+
+
 class Executor(Frozen):
     kind: ExecutorKind = ExecutorKind.local
     work_dir: str | None = Field(default=None, description="where job logs and files go")
-    partition: str | None = Field(default=None, description="slurm partition (slurm only)")
+    partition: SlurmName | None = Field(default=None, description="slurm partition (slurm only)")
+    slurm: SlurmSettings | None = Field(default=None, description="slurm only; see docs/slurm.md")
 
-    @field_validator("partition")
+    @field_validator("partition", "slurm")
     @classmethod
-    def _partition_only_for_slurm(cls, partition: str | None, info: ValidationInfo) -> str | None:
-        if partition is not None and info.data.get("kind") is not ExecutorKind.slurm:
-            raise ValueError("partition applies to the slurm executor only")
-        return partition
+    def _only_for_slurm(cls, value: object, info: ValidationInfo) -> object:
+        if value is not None and info.data.get("kind") is not ExecutorKind.slurm:
+            raise ValueError(f"{info.field_name} applies to the slurm executor only")
+        return value
+
+    @property
+    def slurm_settings(self) -> SlurmSettings:
+        return self.slurm or SlurmSettings()
 
 
 class Perception(Frozen):

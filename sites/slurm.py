@@ -1,0 +1,648 @@
+"""The Slurm executor: a site's jobs run on its own Slurm cluster (long form: docs/slurm.md).
+
+``start`` writes a batch script (the job's environment, then ``exec`` of its command) and submits
+it with ``sbatch``: one task on one node, ``--cpus-per-task``, ``--mem``, GPUs as
+``--gres=gpu:<type>:<n>`` (the catalog model's GRES type), ``--time`` from the job's duration
+estimate times a margin, the tenant's account and QOS (``executor.slurm.accounts``), the
+partition, ``--no-requeue`` (cpn decides about retries), output appended to the attempt's log.
+The job name is ``cpn-<job>`` and the comment ``cpn:<site>:<job>:<attempt>:<fence>``: that is
+how a restarted agent finds its jobs again (``reap`` / ``adopt``) and never submits an attempt
+twice. ``wait`` follows the job through one ``squeue`` per poll for all the site's jobs, then
+takes its end from ``scontrol`` / ``sacct`` and maps the Slurm state to an exit and a reason
+(``slurm_exit``). ``stop`` is ``scancel`` (SIGTERM, SIGKILL after the cluster's KillWait).
+
+Unlike a local process, a Slurm job outlives the agent: a crashed agent's successor adopts the
+runs that are still the current attempt of an assignment, and cancels the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import pwd
+import re
+import shlex
+import shutil
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sites.assignments import Assignment
+from sites.catalog import DeviceCatalog
+from sites.clock import Clock
+from sites.errors import ConfigError, Problem
+from sites.executor import (
+    RUN_RECORD,
+    ExecutorError,
+    RunExit,
+    RunHandle,
+    RunKey,
+    RunRecord,
+    check_job_id,
+    command_argv,
+    handle_of,
+    job_dir,
+    job_env,
+    read_record,
+    remove_record,
+    write_record,
+)
+from sites.executor import (
+    log_path as attempt_log_path,
+)
+from sites.spec import SiteSpec, SlurmSettings
+
+log = logging.getLogger(__name__)
+
+COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sacct", "sinfo")
+COMMAND_TIMEOUT_S = 30.0
+VANISHED_POLLS = 5  # polls a job may be unknown to both squeue and sacct before it is lost
+STOP_POLL_S = 0.2
+STOP_WAIT_S = 60.0  # beyond the grace: Slurm's KillWait, and a node slow to clean up
+
+# Slurm job states (squeue %T / sacct State) that are over; every other one is still live
+TERMINAL = frozenset(
+    {
+        "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+        "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT",
+    }
+)  # fmt: skip
+
+WHY = {
+    "CANCELLED": "cancelled in Slurm",
+    "TIMEOUT": "TIMEOUT: it ran past its Slurm time limit",
+    "NODE_FAIL": "NODE_FAIL: a node of its allocation failed",
+    "PREEMPTED": "PREEMPTED: Slurm preempted it for another job",
+    "OUT_OF_MEMORY": "OUT_OF_MEMORY: it used more memory than it asked for",
+    "BOOT_FAIL": "BOOT_FAIL: its node failed to boot",
+    "DEADLINE": "DEADLINE: Slurm's deadline for it passed",
+    "REVOKED": "REVOKED: a sibling cluster ran it",
+}
+
+
+class SlurmError(ExecutorError):
+    """A Slurm client command failed or could not be run; the message has its stderr."""
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One line of squeue (or sacct) about a job."""
+
+    id: str
+    state: str  # JOB_STATE, e.g. RUNNING; sacct's "CANCELLED by 0" is split into `by`
+    reason: str = ""
+    comment: str = ""
+    exit_code: str = ""  # "code:signal", from scontrol / sacct
+    by: str = ""  # the uid that cancelled it (sacct)
+
+    @property
+    def live(self) -> bool:
+        return self.state not in TERMINAL
+
+
+@dataclass(frozen=True)
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error(self) -> str:
+        text = (self.stderr or self.stdout).strip()
+        return text.splitlines()[-1] if text else f"exit status {self.returncode}"
+
+
+class SlurmCommands:
+    """Runs the Slurm client commands (from ``bin_dir`` or PATH, with ``SLURM_CONF``)."""
+
+    def __init__(self, *, bin_dir: str | None = None, conf: str | None = None) -> None:
+        self.bin_dir = bin_dir
+        self.conf = conf
+
+    @classmethod
+    def from_settings(cls, settings: SlurmSettings) -> SlurmCommands:
+        return cls(bin_dir=settings.bin_dir, conf=settings.conf)
+
+    def path(self, name: str) -> str | None:
+        if self.bin_dir:
+            return shutil.which(name, path=self.bin_dir)
+        return shutil.which(name)
+
+    def missing(self, names: Sequence[str] = COMMANDS) -> list[str]:
+        return [name for name in names if self.path(name) is None]
+
+    def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ if base is None else base)
+        if self.conf:
+            env["SLURM_CONF"] = self.conf
+        return env
+
+    async def run(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> Completed:
+        """Run one command; SlurmError when it cannot be run or takes too long (not on rc)."""
+        program = self.path(name)
+        if program is None:
+            raise SlurmError(f"{name} not found" + (f" in {self.bin_dir}" if self.bin_dir else ""))
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                program,
+                *args,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=self.env(env),
+            )
+        except OSError as exc:
+            raise SlurmError(f"cannot run {name}: {exc.strerror or exc}") from exc
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), COMMAND_TIMEOUT_S)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise SlurmError(f"{name} did not answer within {COMMAND_TIMEOUT_S:.0f}s") from None
+        code = proc.returncode if proc.returncode is not None else -1
+        return Completed(code, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def comment_of(site: str, job: str, attempt: int, fence: int) -> str:
+    return f"cpn:{site}:{job}:{attempt}:{fence}"
+
+
+def parse_comment(comment: str) -> tuple[str, RunKey] | None:
+    """``cpn:<site>:<job>:<attempt>:<fence>`` -> (site, (job, attempt, fence)); else None."""
+    parts = comment.split(":")
+    if len(parts) != 5 or parts[0] != "cpn" or not parts[3].isdigit() or not parts[4].isdigit():
+        return None
+    return parts[1], (parts[2], int(parts[3]), int(parts[4]))
+
+
+def time_limit_min(assignment: Assignment, settings: SlurmSettings) -> int | None:
+    """Minutes of ``--time``: the duration estimate times the margin, at least the floor."""
+    if assignment.duration_s is None:
+        return None
+    minutes = math.ceil(assignment.duration_s * settings.time_margin / 60)
+    return max(settings.min_time_limit_min, minutes)
+
+
+def sbatch_args(
+    assignment: Assignment,
+    *,
+    site: str,
+    settings: SlurmSettings,
+    partition: str | None,
+    log_path: Path,
+    cwd: Path,
+) -> list[str]:
+    """sbatch's options for ``assignment`` (pure); ExecutorError for a tenant with no account."""
+    a = assignment
+    account = settings.account_for(a.tenant)
+    if account is None:
+        raise ExecutorError(
+            f"tenant {a.tenant!r} has no Slurm account at site {site} "
+            "(add it to executor.slurm.accounts, or set executor.slurm.default_account)"
+        )
+    args = [
+        "--parsable",
+        f"--job-name=cpn-{a.job}",
+        f"--comment={comment_of(site, a.job, a.attempt, a.fence)}",
+        f"--output={log_path}",
+        "--open-mode=append",
+        f"--chdir={cwd}",
+        "--nodes=1",
+        "--ntasks=1",
+        f"--cpus-per-task={max(1, a.cpu)}",
+        "--no-requeue",
+        f"--account={account.account}",
+    ]
+    if account.qos:
+        args.append(f"--qos={account.qos}")
+    if partition:
+        args.append(f"--partition={partition}")
+    if a.mem_gb > 0:
+        args.append(f"--mem={math.ceil(a.mem_gb * 1024)}M")
+    if a.gpus > 0:
+        if a.model is None:
+            raise ExecutorError(f"job {a.job} asks for {a.gpus} GPU(s) but names no model")
+        args.append(f"--gres=gpu:{settings.gres_type(a.model)}:{a.gpus}")
+    minutes = time_limit_min(a, settings)
+    if minutes is not None:
+        args.append(f"--time={minutes}")
+    return args
+
+
+def batch_script(assignment: Assignment, *, site: str) -> str:
+    """The script sbatch runs: cpn's variables and the job's env, then exec of the command.
+
+    The agent's own environment reaches the job through sbatch (``--export=ALL``, Slurm's
+    default). Slurm picks the GPUs, so CPN_DEVICES names Slurm's indices, read at run time.
+    """
+    env = job_env(assignment, (), site=site, vendor=None, base={})
+    env.pop("CUDA_VISIBLE_DEVICES", None)  # Slurm sets it for the GPUs it gives the job
+    env.pop("CPN_DEVICES", None)
+    lines = [
+        "#!/bin/sh",
+        f"# cpn job {assignment.job} attempt {assignment.attempt} at site {site}"
+        " (written by the cpn agent, sites/slurm.py)",
+    ]
+    lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
+    if assignment.gpus and assignment.model:
+        model = shlex.quote(assignment.model)
+        lines.append(f'export CPN_DEVICES={model}:"${{SLURM_JOB_GPUS:-$CUDA_VISIBLE_DEVICES}}"')
+    else:
+        lines.append("export CPN_DEVICES=")
+    lines.append("exec " + shlex.join(command_argv(assignment.command)))
+    return "\n".join(lines) + "\n"
+
+
+def slurm_exit(job: SlurmJob) -> RunExit:
+    """A finished Slurm job as a RunExit: its code, and why when the state says more (pure)."""
+    code, _, sig = job.exit_code.partition(":")
+    exit_code = int(code) if code.isdigit() else None
+    signal_no = int(sig) if sig.isdigit() else 0
+    if job.state == "COMPLETED" and exit_code in (0, None):
+        return RunExit(0)
+    if job.state == "FAILED" or job.state == "COMPLETED":
+        if signal_no:
+            return RunExit(-signal_no)
+        return RunExit(exit_code if exit_code is not None else None)
+    why = WHY.get(job.state, f"{job.state} in Slurm")
+    if job.state == "CANCELLED" and job.by:
+        why += f" by uid {job.by}"
+    if job.reason and job.reason not in ("None", "NonZeroExitCode"):
+        why += f" ({job.reason})"
+    code_out = -signal_no if signal_no else exit_code
+    return RunExit(code_out if code_out != 0 else None, f"slurm job {job.id}: {why}")
+
+
+def _squeue_lines(text: str) -> dict[str, SlurmJob]:
+    jobs = {}
+    for line in text.splitlines():
+        parts = line.split("|", 3)
+        if len(parts) == 4:
+            jobs[parts[0]] = SlurmJob(
+                id=parts[0], state=parts[1], reason=parts[2], comment=parts[3]
+            )
+    return jobs
+
+
+def _sacct_job(text: str, slurm_id: str) -> SlurmJob | None:
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) >= 4 and parts[0] == slurm_id:
+            state, _, by = parts[1].partition(" by ")
+            return SlurmJob(
+                id=slurm_id, state=state, exit_code=parts[2], reason=parts[3], by=by.strip()
+            )
+    return None
+
+
+def _scontrol_fields(text: str) -> dict[str, str]:
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+class SlurmExecutor:
+    """Runs each job as a Slurm batch job of the site's cluster (see the module docstring)."""
+
+    kind = "slurm"
+
+    def __init__(
+        self,
+        *,
+        work_dir: Path,
+        spec: SiteSpec,
+        catalog: DeviceCatalog,
+        clock: Clock,
+        commands: SlurmCommands,
+    ) -> None:
+        self.work_dir = work_dir
+        self.site = spec.id
+        self.settings = spec.executor.slurm_settings
+        self.partition = spec.executor.partition
+        self.commands = commands
+        self._catalog = catalog
+        self._clock = clock
+        self._user = pwd.getpwuid(os.getuid()).pw_name
+        self._watched: set[str] = set()
+        self._snapshot: dict[str, SlurmJob] = {}
+        self._snapshot_at: float | None = None
+        self._poll_lock = asyncio.Lock()
+        self._orphans: dict[RunKey, SlurmJob] = {}  # left by a previous agent, kept to adopt
+
+    # -- the site file against the cluster ------------------------------------------------------
+
+    async def check(self, source: str) -> None:
+        """ConfigError naming the field when the partition, an account or a QOS is unknown."""
+        problems: list[Problem] = []
+        if self.partition:
+            got = await self.commands.run("scontrol", "show", "partition", "-o", self.partition)
+            if got.returncode != 0:
+                listing = await self.commands.run("sinfo", "-h", "-o", "%R")
+                have = ", ".join(sorted(set(listing.stdout.split()))) or "none"
+                problems.append(
+                    Problem(
+                        source,
+                        "executor.partition",
+                        f"Slurm has no partition {self.partition!r} (it has: {have})",
+                    )
+                )
+        wanted = dict(self.settings.accounts)
+        if self.settings.default_account is not None:
+            wanted["*"] = self.settings.default_account
+        if wanted and self.commands.path("sacctmgr") is not None:
+            accounts = await self._names("account", "Account")
+            qos = await self._names("qos", "Name")
+            for tenant, mapping in sorted(wanted.items()):
+                where = (
+                    "executor.slurm.default_account"
+                    if tenant == "*"
+                    else f"executor.slurm.accounts.{tenant}"
+                )
+                if accounts is not None and mapping.account.lower() not in accounts:
+                    problems.append(
+                        Problem(
+                            source,
+                            f"{where}.account",
+                            f"Slurm has no account {mapping.account!r} "
+                            f"(it has: {', '.join(sorted(accounts)) or 'none'})",
+                        )
+                    )
+                if qos is not None and mapping.qos and mapping.qos.lower() not in qos:
+                    problems.append(
+                        Problem(
+                            source,
+                            f"{where}.qos",
+                            f"Slurm has no QOS {mapping.qos!r} "
+                            f"(it has: {', '.join(sorted(qos)) or 'none'})",
+                        )
+                    )
+        if problems:
+            raise ConfigError(problems)
+
+    async def _names(self, entity: str, column: str) -> set[str] | None:
+        """Names sacctmgr lists (lower case); None when accounting cannot be asked."""
+        got = await self.commands.run("sacctmgr", "-n", "-P", "show", entity, f"format={column}")
+        if got.returncode != 0:
+            log.warning("site %s: cannot list Slurm %s: %s", self.site, entity, got.error)
+            return None
+        return {line.strip().lower() for line in got.stdout.splitlines() if line.strip()}
+
+    # -- the Executor calls ---------------------------------------------------------------------
+
+    async def start(
+        self, assignment: Assignment, devices: tuple[int, ...], log_path: Path
+    ) -> RunHandle:
+        del devices  # Slurm picks the GPUs; the agent's indices only count them
+        a = assignment
+        check_job_id(a.job)
+        jdir = job_dir(self.work_dir, a.job)
+        cwd = jdir / "work"
+        args = sbatch_args(
+            a,
+            site=self.site,
+            settings=self.settings,
+            partition=self.partition,
+            log_path=log_path,
+            cwd=cwd,
+        )
+        existing = await self._find(comment_of(self.site, a.job, a.attempt, a.fence))
+        if existing is not None:  # submitted already (an agent died right after sbatch)
+            log.warning("job %s attempt %d is slurm job %s already", a.job, a.attempt, existing.id)
+            return self._handle(a, existing.id, log_path, self._clock.time())
+        script = jdir / f"attempt-{a.attempt}.sbatch"
+        try:
+            cwd.mkdir(parents=True, exist_ok=True)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            script.write_text(batch_script(a, site=self.site))
+            script.chmod(0o755)
+        except OSError as exc:
+            raise ExecutorError(f"cannot write {script}: {exc.strerror or exc}") from exc
+        got = await self.commands.run("sbatch", *args, str(script))
+        if got.returncode != 0:
+            raise ExecutorError(f"sbatch refused job {a.job}: {got.error}")
+        slurm_id = got.stdout.strip().split(";")[0]
+        if not slurm_id.isdigit():
+            raise ExecutorError(f"sbatch gave no job id for {a.job}: {got.stdout.strip()!r}")
+        handle = self._handle(a, slurm_id, log_path, self._clock.time())
+        self._record(handle)
+        log.info("job %s attempt %d submitted: slurm job %s", a.job, a.attempt, slurm_id)
+        return handle
+
+    async def wait(self, handle: RunHandle) -> RunExit:
+        slurm_id = handle.ref
+        self._watched.add(slurm_id)
+        unknown = 0
+        try:
+            while True:
+                job = (await self._poll()).get(slurm_id)
+                if job is None or not job.live:
+                    final = await self._final(slurm_id, job)
+                    if final is not None:
+                        break
+                    unknown += 1
+                    if unknown >= VANISHED_POLLS:
+                        return RunExit(
+                            None, f"slurm job {slurm_id}: neither squeue nor sacct knows it"
+                        )
+                await self._clock.sleep(self.settings.poll_s)
+        finally:
+            self._watched.discard(slurm_id)
+        remove_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, slurm_id)
+        return slurm_exit(final)
+
+    async def stop(self, handle: RunHandle, grace_s: float) -> None:
+        """``scancel``: Slurm sends SIGTERM, then SIGKILL after the cluster's KillWait.
+
+        Slurm's own escalation is used rather than a SIGTERM of ours, so that sacct says
+        CANCELLED (a job that exits on our SIGTERM would read FAILED); the checkpoint grace at
+        a Slurm site is therefore its KillWait. Returns once the job has left the queue.
+        """
+        slurm_id = handle.ref
+        job = await self._state(slurm_id)
+        if job is None or not job.live:
+            return
+        got = await self.commands.run("scancel", slurm_id)
+        if got.returncode != 0:
+            log.warning("scancel %s (job %s): %s", slurm_id, handle.job, got.error)
+        if not await self._gone(slurm_id, grace_s + STOP_WAIT_S):
+            log.error("job %s (slurm %s) still in the queue after scancel", handle.job, slurm_id)
+
+    async def reap(self, grace_s: float, keep: Collection[RunKey] = ()) -> list[RunRecord]:
+        """Cancel this site's Slurm jobs a previous agent left, except those in ``keep``."""
+        got = await self.commands.run(
+            "squeue", "-h", "-t", "all", "-u", self._user, "-o", "%i|%T|%r|%k"
+        )
+        if got.returncode != 0:
+            raise SlurmError(f"squeue: {got.error}")
+        records = self._records()
+        stopped = []
+        for job in _squeue_lines(got.stdout).values():
+            parsed = parse_comment(job.comment)
+            if parsed is None or parsed[0] != self.site:
+                continue
+            key = parsed[1]
+            if key in keep:
+                self._orphans[key] = job
+                continue
+            if not job.live:
+                continue
+            log.warning("cancelling leftover slurm job %s (job %s attempt %d)", job.id, *key[:2])
+            record = records.get(key[0])
+            handle = (
+                handle_of(record) if record is not None and record.ref == job.id
+                else RunHandle(key[0], key[1], key[2], job.id, None, Path(), 0.0)
+            )  # fmt: skip
+            await self.stop(handle, grace_s)
+            if record is not None:
+                stopped.append(record)
+        for job_id, record in records.items():
+            if record.key not in keep:
+                remove_record(job_dir(self.work_dir, job_id) / RUN_RECORD, record.ref)
+        return stopped
+
+    async def adopt(self, assignment: Assignment) -> RunHandle | None:
+        """The Slurm job of this very attempt, found by its comment (or its run record)."""
+        a = assignment
+        key = (a.job, a.attempt, a.fence)
+        record = self._records().get(a.job)
+        job = self._orphans.pop(key, None)
+        slurm_id = job.id if job is not None else None
+        if slurm_id is None and record is not None and record.key == key:
+            # aged out of squeue: sacct still knows how it ended
+            if await self._final(record.ref, None) is not None:
+                slurm_id = record.ref
+        if slurm_id is None:
+            return None
+        log_path = (
+            Path(record.log_path)
+            if record is not None
+            else attempt_log_path(self.work_dir, a.job, a.attempt)
+        )
+        started = record.started_at if record is not None else self._clock.time()
+        handle = self._handle(a, slurm_id, log_path, started)
+        if record is None or record.ref != slurm_id:
+            self._record(handle)
+        return handle
+
+    # -- queries ------------------------------------------------------------------------------
+
+    async def _poll(self) -> dict[str, SlurmJob]:
+        """One squeue for every job being waited on, shared by the waiters of a poll period."""
+        async with self._poll_lock:
+            now = self._clock.monotonic()
+            fresh = self._snapshot_at is not None and now - self._snapshot_at < (
+                self.settings.poll_s / 2
+            )
+            if not fresh and self._watched:
+                ids = ",".join(sorted(self._watched, key=int))
+                got = await self.commands.run(
+                    "squeue", "-h", "-t", "all", "-j", ids, "-o", "%i|%T|%r|%k"
+                )
+                if got.returncode == 0:
+                    self._snapshot = _squeue_lines(got.stdout)
+                elif "Invalid job id" in got.error:
+                    self._snapshot = {}
+                else:  # slurmctld unreachable: keep the last view, the jobs run on
+                    log.warning("site %s: squeue failed: %s", self.site, got.error)
+                    return {i: SlurmJob(i, "UNKNOWN") for i in self._watched}
+                self._snapshot_at = self._clock.monotonic()
+            return self._snapshot
+
+    async def _state(self, slurm_id: str) -> SlurmJob | None:
+        got = await self.commands.run("squeue", "-h", "-t", "all", "-j", slurm_id, "-o",
+                                      "%i|%T|%r|%k")  # fmt: skip
+        return _squeue_lines(got.stdout).get(slurm_id) if got.returncode == 0 else None
+
+    async def _gone(self, slurm_id: str, timeout_s: float) -> bool:
+        deadline = self._clock.monotonic() + timeout_s
+        while True:
+            job = await self._state(slurm_id)
+            if job is None or not job.live:
+                return True
+            if self._clock.monotonic() >= deadline:
+                return False
+            await self._clock.sleep(STOP_POLL_S)
+
+    async def _final(self, slurm_id: str, seen: SlurmJob | None) -> SlurmJob | None:
+        """How the job ended: scontrol while slurmctld remembers it, sacct after; None: unknown.
+
+        sacct is asked too when scontrol answered, for who cancelled a job.
+        """
+        job = None
+        got = await self.commands.run("scontrol", "show", "job", "-o", slurm_id)
+        if got.returncode == 0:
+            fields = _scontrol_fields(got.stdout)
+            state = fields.get("JobState", "")
+            if state in TERMINAL:
+                job = SlurmJob(
+                    id=slurm_id,
+                    state=state,
+                    reason=fields.get("Reason", ""),
+                    comment=fields.get("Comment", ""),
+                    exit_code=fields.get("ExitCode", ""),
+                )
+            elif state:
+                return None  # still live after all (squeue raced with it)
+        if job is None or job.state == "CANCELLED":
+            got = await self.commands.run(
+                "sacct", "-n", "-P", "-X", "-j", slurm_id, "-o", "JobID,State,ExitCode,Reason"
+            )
+            accounted = _sacct_job(got.stdout, slurm_id) if got.returncode == 0 else None
+            if accounted is not None and accounted.state in TERMINAL:
+                if job is None:
+                    job = accounted
+                elif accounted.by:
+                    job = SlurmJob(**{**job.__dict__, "by": accounted.by})
+        if job is None and seen is not None and not seen.live:
+            job = seen  # squeue said how, nobody says the code
+        return job
+
+    async def _find(self, comment: str) -> SlurmJob | None:
+        got = await self.commands.run(
+            "squeue", "-h", "-t", "all", "-u", self._user, "-o", "%i|%T|%r|%k"
+        )
+        if got.returncode != 0:
+            raise SlurmError(f"squeue: {got.error}")
+        for job in _squeue_lines(got.stdout).values():
+            if job.comment == comment:
+                return job
+        return None
+
+    # -- run records ------------------------------------------------------------------------
+
+    def _handle(self, a: Assignment, slurm_id: str, log_path: Path, started: float) -> RunHandle:
+        return RunHandle(
+            job=a.job,
+            attempt=a.attempt,
+            fence=a.fence,
+            ref=slurm_id,
+            pid=None,
+            log_path=log_path,
+            started_at=started,
+        )
+
+    def _record(self, handle: RunHandle) -> None:
+        record = RunRecord(
+            site=self.site,
+            job=handle.job,
+            attempt=handle.attempt,
+            fence=handle.fence,
+            ref=handle.ref,
+            pid=None,
+            created_at=None,
+            started_at=handle.started_at,
+            log_path=str(handle.log_path),
+            agent_pid=os.getpid(),
+        )
+        try:
+            write_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, record)
+        except OSError as exc:  # the comment still finds the job; the record only helps
+            log.warning("cannot write the run record of %s: %s", handle.job, exc)
+
+    def _records(self) -> dict[str, RunRecord]:
+        out = {}
+        for path in sorted((self.work_dir / "jobs").glob(f"*/{RUN_RECORD}")):
+            record = read_record(path)
+            if record is not None and record.site == self.site:
+                out[record.job] = record
+        return out
