@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: up test lint fmt bench clean
+.PHONY: up test lint fmt bench clean slurm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,8 +14,13 @@ $(STAMP): pyproject.toml
 up: $(STAMP)
 	$(BIN)/cpn up
 
-test: lint
+test: lint slurm
 	$(BIN)/pytest
+
+# A real single-machine Slurm for tests/sites/test_slurm.py and `cpn up --slurm`: the Debian
+# packages, installed when missing (root and apt-get); nothing is started here.
+slurm:
+	@.ci/install-slurm || echo "make: Slurm could not be installed; the Slurm tests will skip" >&2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
