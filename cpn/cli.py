@@ -463,8 +463,6 @@ def cmd_up(args: argparse.Namespace) -> int:
             "--secure starts its own etcd with TLS; to secure yours: cpn certs init, then "
             "cpn etcd secure (docs/auth.md)"
         )
-    if args.secure and args.etcd_members > 1:
-        raise UsageError("--secure runs one etcd member for now; not with --etcd-members")
 
     settings = LaunchSettings(
         config_dir=Path(args.config_dir) if args.config_dir else config_dir(),

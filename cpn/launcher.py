@@ -238,10 +238,11 @@ class Launcher:
 
     def _start_etcd(self) -> str:
         """One embedded member, or with --etcd-members N a raft cluster of N (every agent
-        and the broker get every endpoint and fail over between them); with --secure, one
-        member with TLS whose certificates come from a CA made for this run."""
+        and the broker get every endpoint and fail over between them); with --secure, on TLS
+        (clients and peers) with certificates from a CA made for this run."""
         if self.settings.etcd_members > 1:
-            self.etcd = EtcdCluster(self.settings.etcd_members)
+            tls = init_pki(self.pki) if self.settings.secure else None
+            self.etcd = EtcdCluster(self.settings.etcd_members, tls=tls)
         elif self.settings.secure:
             self.etcd = EmbeddedEtcd(tls=init_pki(self.pki))
         else:

@@ -195,10 +195,17 @@ class TlsClient(aetcd.Client):  # type: ignore[misc]
             self._is_connecting = False
 
 
-def make_client(host: str, port: int, *, timeout: float, tls: EtcdTls | None) -> aetcd.Client:
+def make_client(
+    host: str, port: int, *, timeout: float, tls: EtcdTls | None, server_name: str | None = None
+) -> aetcd.Client:
+    """aetcd's client, over TLS when `tls` is given. `server_name` is the name checked in the
+    servers' certificates when the target is a list of addresses (`ipv4:a:1,b:2`, which has
+    no one host name of its own): the first endpoint's host, so every member's certificate
+    must name it too (the development CA's name 127.0.0.1 and localhost on each)."""
     if tls is None:
         return aetcd.Client(host=host, port=port, timeout=timeout)
-    return TlsClient(host=host, port=port, timeout=timeout, tls=tls)
+    options = {"grpc.ssl_target_name_override": server_name} if server_name else None
+    return TlsClient(host=host, port=port, timeout=timeout, tls=tls, options=options)
 
 
 # -- users and roles -----------------------------------------------------------------------

@@ -211,6 +211,7 @@ class EtcdCluster:
         data_dir: Path | None = None,
         host: str = "127.0.0.1",
         unsafe_no_fsync: bool = False,
+        tls: ServerTls | None = None,
     ) -> None:
         if members < 1:
             raise ValueError(f"an etcd cluster needs at least one member, got {members}")
@@ -221,17 +222,27 @@ class EtcdCluster:
         self.names = [f"cpn{i}" for i in range(members)]
         self.client_ports = [0] * members
         self.peer_ports = [0] * members
+        self.metrics_ports = [0] * members
+        self.tls = tls
+        self.scheme = "https" if tls else "http"
         self.processes: list[subprocess.Popen[bytes] | None] = [None] * members
 
     def member_url(self, i: int) -> str:
-        return f"http://{self.host}:{self.client_ports[i]}"
+        return f"{self.scheme}://{self.host}:{self.client_ports[i]}"
+
+    def health_url(self, i: int) -> str:
+        """Where member i answers /health and /metrics: its client URL, or with TLS its
+        plain-HTTP metrics URL."""
+        if self.tls is None:
+            return self.member_url(i)
+        return f"http://{self.host}:{self.metrics_ports[i]}"
 
     @property
     def url(self) -> str:
         return ",".join(self.member_url(i) for i in range(len(self.names)))
 
     def _peer(self, i: int) -> str:
-        return f"http://{self.host}:{self.peer_ports[i]}"
+        return f"{self.scheme}://{self.host}:{self.peer_ports[i]}"
 
     def _launch(self, i: int, state: str) -> None:
         initial = ",".join(f"{n}={self._peer(j)}" for j, n in enumerate(self.names))
@@ -250,6 +261,9 @@ class EtcdCluster:
             "--auto-compaction-retention", "1h",
             "--log-level", "warn",
         ]  # fmt: skip
+        if self.tls is not None:
+            args += self.tls.client_args() + self.tls.peer_args()
+            args += ["--listen-metrics-urls", self.health_url(i)]
         if self.unsafe_no_fsync:
             args.append("--unsafe-no-fsync")
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -259,12 +273,14 @@ class EtcdCluster:
             )
 
     def start(self, timeout_s: float = 30.0) -> str:
-        ports = {free_port(self.host) for _ in range(4 * len(self.names))}
-        if len(ports) < 2 * len(self.names):
+        n = len(self.names)
+        ports = {free_port(self.host) for _ in range(6 * n)}
+        if len(ports) < 3 * n:
             raise EtcdStartError("not enough free loopback ports for the etcd cluster")
         free = sorted(ports)
-        self.client_ports = free[: len(self.names)]
-        self.peer_ports = free[len(self.names) : 2 * len(self.names)]
+        self.client_ports = free[:n]
+        self.peer_ports = free[n : 2 * n]
+        self.metrics_ports = free[2 * n : 3 * n]
         for i in range(len(self.names)):
             self._launch(i, "new")  # all at once: none is healthy before a quorum is
         for i in range(len(self.names)):
@@ -275,7 +291,7 @@ class EtcdCluster:
         return self.url
 
     def _healthy(self, i: int, timeout_s: float) -> bool:
-        return wait_healthy(self.member_url(i), lambda: self.processes[i], timeout_s)
+        return wait_healthy(self.health_url(i), lambda: self.processes[i], timeout_s)
 
     def kill(self, i: int) -> None:
         proc, self.processes[i] = self.processes[i], None
@@ -290,32 +306,19 @@ class EtcdCluster:
             raise EtcdStartError(f"etcd member {self.names[i]} did not come back")
 
     def leader(self) -> int | None:
-        """The index of the member that leads raft now, if a live member knows."""
+        """The index of the member that leads raft now, if a live member says it does (each
+        member's `etcd_server_is_leader` gauge: no client certificate or etcd user needed)."""
         for i in range(len(self.names)):
             if self.processes[i] is None:
                 continue
             try:
-                req = urllib.request.Request(
-                    self.member_url(i) + "/v3/maintenance/status", data=b"{}", method="POST"
-                )
-                with urllib.request.urlopen(req, timeout=1) as resp:
-                    status = json.loads(resp.read())
-            except (urllib.error.URLError, OSError, ValueError):
+                with urllib.request.urlopen(self.health_url(i) + "/metrics", timeout=1) as resp:
+                    text = resp.read().decode(errors="replace")
+            except (urllib.error.URLError, OSError):
                 continue
-            leader_id = status.get("leader")
-            members = self._member_ids(i)
-            for j, name in enumerate(self.names):
-                if members.get(name) == leader_id:
-                    return j
+            if "\netcd_server_is_leader 1\n" in text:
+                return i
         return None
-
-    def _member_ids(self, i: int) -> dict[str, str]:
-        req = urllib.request.Request(
-            self.member_url(i) + "/v3/cluster/member/list", data=b"{}", method="POST"
-        )
-        with urllib.request.urlopen(req, timeout=1) as resp:
-            doc = json.loads(resp.read())
-        return {m.get("name", ""): m.get("ID", "") for m in doc.get("members", [])}
 
     def stop(self, timeout_s: float = 10.0) -> None:
         running, self.processes = self.processes, [None] * len(self.names)

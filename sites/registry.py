@@ -325,7 +325,9 @@ class Registry:
         self.tls = tls
         host, port = grpc_target(self.endpoints)
         self._timeout_s = timeout_s
-        self._client = make_client(host, port, timeout=timeout_s, tls=tls)
+        several = len(self.endpoints) > 1
+        name = self.endpoints[0][0] if several else None
+        self._client = make_client(host, port, timeout=timeout_s, tls=tls, server_name=name)
         self._tx = self._client.transactions
         self._leases = _LeaseKeepAlive(self._client, timeout_s)
 
@@ -585,7 +587,8 @@ class Registry:
             raise RegistryError(f"compaction to {revision} failed: {exc.details()}") from exc
 
     async def members(self) -> list[MemberStatus]:
-        """Each endpoint's database size, size in use and revision (etcd's Status call)."""
+        """Each live endpoint's database size, size in use and revision (etcd's Status call);
+        a member that does not answer is left out (RegistryUnavailable if none answers)."""
         out = []
         for host, port in self.endpoints:
             client = make_client(host, port, timeout=self._timeout_s, tls=self.tls)
@@ -596,6 +599,10 @@ class Registry:
                         rpc.StatusRequest(), timeout=self._timeout_s, metadata=c.metadata
                     )
                 )
+            except (RegistryUnavailable, rpc.AioRpcError) as exc:
+                log.debug("etcd member %s:%d does not answer: %s", host, port, exc)
+                continue
+            else:
                 out.append(
                     MemberStatus(
                         endpoint=f"{host}:{port}",
@@ -606,6 +613,8 @@ class Registry:
                 )
             finally:
                 await client.close()
+        if not out:
+            raise RegistryUnavailable(f"no etcd member of {self.url} answers")
         return out
 
     async def defragment(self, endpoint: str) -> None:
