@@ -346,11 +346,10 @@ class Agent:
         if got.returncode != 0:
             log.warning("site %s: scontrol show node: %s", self.spec.id, got.error)
             return
-        settings = self.spec.executor.slurm_settings
-        models = {settings.gres_type(m).lower(): m for m in self.catalog.devices}
-        models.update({kind.lower(): m for m, kind in settings.gres_types.items()})
         seen = slurm_capacity(
-            parse_nodes(got.stdout), models=models, partition=self.spec.executor.partition
+            parse_nodes(got.stdout),
+            models=executor.models(),
+            partition=self.spec.executor.partition,
         )
         if self.slurm is not None and seen.nodes_out != self.slurm.nodes_out:
             log.info("site %s: Slurm nodes out of service: %s", self.spec.id,

@@ -63,4 +63,9 @@ class Report(Frozen):
     started_at: float | None = None
     finished_at: float | None = None
     log_path: str | None = None
+    usage: dict[str, float] | None = Field(
+        default=None,
+        description="what the site's scheduler accounted for the finished run: elapsed_s, "
+        "cpu_core_s, mem_gb_s, gpu_s:<model>, energy_j (where measured); None: not accounted",
+    )
     updated_at: float

@@ -93,6 +93,7 @@ class RunExit:
 
     code: int | None
     message: str | None = None
+    usage: Mapping[str, float] | None = None  # resource-seconds, when the scheduler counts them
 
     @property
     def ok(self) -> bool:

@@ -275,6 +275,49 @@ def slurm_exit(job: SlurmJob) -> RunExit:
     return RunExit(code_out if code_out != 0 else None, f"slurm job {job.id}: {why}")
 
 
+USAGE_FIELDS = "JobID,State,ElapsedRaw,AllocTRES,ConsumedEnergyRaw"
+
+
+def job_usage(text: str, slurm_id: str, *, models: Mapping[str, str]) -> dict[str, float] | None:
+    """sacct's line of a finished job -> resource-seconds (pure); None unless it is finished.
+
+    ``elapsed_s``; ``cpu_core_s``, ``mem_gb_s`` and ``gpu_s:<catalog model>`` are what was
+    allocated times the elapsed time (Slurm charges the allocation, not the use); ``energy_j``
+    is ConsumedEnergyRaw, only where the cluster measures energy (AcctGatherEnergyType).
+    """
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) != 5 or parts[0] != slurm_id:
+            continue
+        if parts[1].split(" ")[0] not in TERMINAL or not parts[2].isdigit():
+            return None
+        elapsed = float(parts[2])
+        usage = {"elapsed_s": elapsed}
+        for item in parts[3].split(","):
+            key, _, value = item.partition("=")
+            if key == "cpu":
+                usage["cpu_core_s"] = float(value) * elapsed
+            elif key == "mem":
+                usage["mem_gb_s"] = round(_mem_gb(value) * elapsed, 3)
+            elif key.startswith("gres/gpu:"):
+                kind = key.split(":", 1)[1].lower()
+                model = models.get(kind, kind)
+                usage[f"gpu_s:{model}"] = float(value) * elapsed
+        energy = parts[4].strip()
+        if energy.isdigit() and int(energy) > 0:
+            usage["energy_j"] = float(energy)
+        return usage
+    return None
+
+
+def _mem_gb(value: str) -> float:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([KMGT]?)", value)
+    if match is None:
+        return 0.0
+    scale = {"K": 1 / 1024**2, "M": 1 / 1024, "": 1 / 1024, "G": 1.0, "T": 1024.0}
+    return float(match.group(1)) * scale[match.group(2)]
+
+
 def _squeue_lines(text: str) -> dict[str, SlurmJob]:
     jobs = {}
     for line in text.splitlines():
@@ -448,7 +491,35 @@ class SlurmExecutor:
         finally:
             self._watched.discard(slurm_id)
         remove_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, slurm_id)
-        return slurm_exit(final)
+        ended = slurm_exit(final)
+        try:
+            usage = await self.usage(slurm_id)
+        except SlurmError as exc:
+            log.warning("no accounting for slurm job %s: %s", slurm_id, exc)
+            usage = None
+        return RunExit(ended.code, ended.message, usage)
+
+    async def usage(self, slurm_id: str, tries: int = 3) -> dict[str, float] | None:
+        """The job's resource-seconds from sacct (``job_usage``); None when sacct has no
+        finished record of it after ``tries`` polls (no slurmdbd, or it lags)."""
+        for attempt in range(tries):
+            got = await self.commands.run(
+                "sacct", "-n", "-P", "-X", "-j", slurm_id, "-o", USAGE_FIELDS
+            )
+            if got.returncode != 0:
+                raise SlurmError(f"sacct: {got.error}")
+            usage = job_usage(got.stdout, slurm_id, models=self.models())
+            if usage is not None:
+                return usage
+            if attempt + 1 < tries:
+                await self._clock.sleep(self.settings.poll_s)
+        return None
+
+    def models(self) -> dict[str, str]:
+        """GRES type (lower case) -> catalog model."""
+        models = {self.settings.gres_type(m).lower(): m for m in self._catalog.devices}
+        models.update({kind.lower(): m for m, kind in self.settings.gres_types.items()})
+        return models
 
     async def stop(self, handle: RunHandle, grace_s: float) -> None:
         """``scancel``: Slurm sends SIGTERM, then SIGKILL after the cluster's KillWait.

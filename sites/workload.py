@@ -87,6 +87,7 @@ class Run:
     finished_at: float | None = None
     exit_code: int | None = None
     message: str = ""
+    usage: dict[str, float] | None = None
     withdrawn: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -122,6 +123,7 @@ class Run:
             started_at=self.started_at,
             finished_at=self.finished_at,
             log_path=None if self.log_path is None else str(self.log_path),
+            usage=self.usage,
             updated_at=now,
         )
 
@@ -563,6 +565,7 @@ class Workload:
             message = ended.message or (
                 "exit status unknown" if code is None else _exit_message(code)
             )
+        run.usage = None if ended.usage is None else dict(ended.usage)
         run.finish(state, self.clock.time(), code, message)
         log.info("job %s attempt %d %s (exit %s): %s", a.job, a.attempt, state.value, code, message)
         await self._write(run)

@@ -23,7 +23,14 @@ from sites.assignments import Assignment, RunState
 from sites.collectors.slurm import capacity, parse_nodes
 from sites.executor import RunExit
 from sites.registry import Registry
-from sites.slurm import SlurmJob, batch_script, sbatch_args, slurm_exit, time_limit_min
+from sites.slurm import (
+    SlurmJob,
+    batch_script,
+    job_usage,
+    sbatch_args,
+    slurm_exit,
+    time_limit_min,
+)
 from sites.slurm_cluster import LocalSlurm
 from sites.spec import SlurmSettings
 from tests.broker.conftest import BROKER_SETTINGS, Federation, federation_site
@@ -225,6 +232,9 @@ async def test_restarted_agent_reattaches_and_submits_nothing_twice(
     second = start_slurm_agent(processes, registry, file)
     report = await wait_report(registry, SITE, "stay", RunState.succeeded, timeout=30)
     assert report.exit_code == 0
+    usage = report.usage or {}  # accounting from sacct: the allocation times the elapsed time
+    assert usage["elapsed_s"] >= 8 and usage["cpu_core_s"] == usage["elapsed_s"]
+    assert usage["mem_gb_s"] > 0 and "energy_j" not in usage  # no energy plugin here
     rows = sacct_of(local_slurm, "stay")
     assert len(rows) == 1 and rows[0]["State"] == "COMPLETED", rows  # submitted once
     log = Path(str(report.log_path)).read_text()
@@ -334,6 +344,16 @@ def test_sbatch_options_follow_the_assignment_and_the_site_file(tmp_path: Path) 
     script = batch_script(a.model_copy(update={"env": {"X": "a b"}}), site="s")
     assert "export X='a b'" in script and "export CPN_JOB_ID=j" in script
     assert script.rstrip().endswith("exec run")
+
+
+def test_usage_is_the_allocation_times_the_elapsed_time() -> None:
+    line = "12|COMPLETED|100|billing=4,cpu=4,gres/gpu:h100=2,gres/gpu=2,mem=2G,node=1|5400\n"
+    usage = job_usage(line, "12", models={"h100": "H100"})
+    assert usage == {
+        "elapsed_s": 100.0, "cpu_core_s": 400.0, "gpu_s:H100": 200.0, "mem_gb_s": 200.0,
+        "energy_j": 5400.0,
+    }  # fmt: skip
+    assert job_usage("12|RUNNING|100|cpu=4|0\n", "12", models={}) is None
 
 
 def test_nodes_out_of_service_count_for_nothing() -> None:
