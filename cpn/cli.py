@@ -722,6 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         result = args.func(args)
         if isinstance(result, Coroutine):
             result = _run(result)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at the interpreter's exit
         return int(result)
     except ConfigError as exc:
         for problem in exc.problems:
@@ -741,6 +742,11 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `cpn jobs | head`: the reader has what it wanted; nothing more to say, no traceback
+        # when the interpreter flushes stdout on its way out
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (RegistryError, SitesError, OSError) as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 1
