@@ -20,7 +20,7 @@ from broker.errors import Conflict, IllegalTransition, InvalidRequest, NotFound,
 from broker.gangs import SHAPE
 from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState
 from broker.metrics import BrokerMetrics
-from broker.store import Change, JobStore
+from broker.store import Change, JobStore, decode
 from broker.view import View
 from sites import keys
 from sites.clock import Clock
@@ -167,13 +167,13 @@ class Operations:
         raise StaleRecord(f"gang {name} kept changing; gave up after {MAX_TRIES} tries")
 
     async def _unfinished(self, members: tuple[str, ...]) -> tuple[str, ...]:
+        """The members still live, read in one round trip per hundred (a gang of 64 used to
+        cost 64 sequential reads per member's submit: 2,016 for the whole gang)."""
+        got = await self.store.registry.get_many([keys.job(m) for m in members])
         out = []
         for job_id in members:
-            try:
-                record, _ = await self.store.get(job_id)
-            except NotFound:
-                continue
-            if not record.state.terminal:
+            found = got.get(keys.job(job_id))
+            if found is not None and not decode(found[0]).state.terminal:
                 out.append(job_id)
         return tuple(out)
 
