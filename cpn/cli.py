@@ -474,6 +474,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         etcd_members=args.etcd_members,
         secure=args.secure,
     )
+    if args.slurm:  # one more site, slurm-lab, on a local Slurm (cpn/slurm_demo.py)
+        from cpn.slurm_demo import run_with_slurm
+
+        return run_with_slurm(settings)
     return Launcher(settings).run()
 
 
@@ -519,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--secure",
         action="store_true",
         help="etcd with TLS and auth, an etcd user per site, the broker on HTTPS",
+    )
+    up.add_argument(
+        "--slurm", action="store_true", help="add site slurm-lab on a local Slurm (docs/slurm.md)"
     )
     up.set_defaults(func=cmd_up)
 

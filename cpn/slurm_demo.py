@@ -12,11 +12,14 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from cpn.launcher import Launcher, LaunchSettings
+from cpn.state import state_dir
 from sites.errors import ConfigError, Problem
 from sites.slurm_cluster import LocalSlurm, SlurmStartError, missing
 
@@ -109,3 +112,10 @@ def slurm_demo(config_dir: Path, run_dir: Path) -> Iterator[Path]:
         yield cfg
     finally:
         cluster.stop()
+
+
+def run_with_slurm(settings: LaunchSettings) -> int:
+    """`cpn up --slurm`: the launcher on a config dir that adds slurm-lab, on a local Slurm."""
+    with slurm_demo(settings.config_dir, state_dir() / "slurm-demo") as cfg:
+        only = (*settings.only, SITE) if settings.only else ()
+        return Launcher(replace(settings, config_dir=cfg, only=only)).run()
