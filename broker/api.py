@@ -49,10 +49,11 @@ from broker.jobs import JobRecord, JobSpec, JobState
 from broker.openapi import OPERATIONS, Operation, Param, Reply, document, register
 from broker.router import Router, route_json
 from broker.service import Broker
+from sites import keys
 from sites.catalog import Capacity
 from sites.config import field_path
 from sites.errors import RegistryUnavailable
-from sites.status import SiteState
+from sites.status import AgentSecret, SiteState
 
 log = logging.getLogger(__name__)
 
@@ -316,8 +317,13 @@ async def job_logs(request: web.Request) -> web.StreamResponse:
     if FOLLOW[follow]:
         params["follow"] = "1"
     url = f"{agent.url}/jobs/{record.id}/log"
+    got = await broker.registry.get_raw(keys.agent_secret(site))
+    if got is None:
+        return error(503, "site_down", f"the logs of {record.id} are kept at {site}, which is down")
+    bearer = AgentSecret.model_validate_json(got[0]).bearer
+    headers = {"Authorization": f"Bearer {bearer}"}
     try:
-        async with request.app[HTTP].get(url, params=params) as upstream:
+        async with request.app[HTTP].get(url, params=params, headers=headers) as upstream:
             if upstream.status != 200:
                 text = await upstream.text()
                 return error(

@@ -11,10 +11,12 @@ down within the TTL; the jobs die with the agent (docs/executor.md).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
 import os
+import secrets
 import socket
 import uuid
 from collections.abc import Mapping
@@ -40,7 +42,7 @@ from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.slurm import SlurmExecutor
 from sites.spec import SiteSpec
-from sites.status import AgentRecord, GpuDevice, ServiceEndpoint, SiteStatus
+from sites.status import AgentRecord, AgentSecret, GpuDevice, ServiceEndpoint, SiteStatus
 from sites.tasks import Backoff, Crash, Supervisor
 from sites.workload import STOP_GRACE_S, SiteResources, UnknownJob, Workload, declared_resources
 
@@ -117,6 +119,9 @@ class Agent:
         self.settings = settings
         self.clock: Clock = clock or SystemClock()
         self.instance = uuid.uuid4().hex[:12]
+        # what /jobs and /jobs/{job}/log ask for: a job's output is its tenant's, and only the
+        # broker (which checks the caller's token and tenant) reads this site's key in etcd
+        self.bearer = secrets.token_urlsafe(32)
         self.metrics = AgentMetrics(spec.id)
         self.record: AgentRecord | None = None
         self.url = ""
@@ -242,7 +247,11 @@ class Agent:
             wan_emulated=self.settings.wan_emulated,
         )
         try:
-            await self.registry.acquire_agent(record, is_stale=_dead_on_this_host)
+            await self.registry.acquire_agent(
+                record,
+                is_stale=_dead_on_this_host,
+                secret=AgentSecret(instance=self.instance, bearer=self.bearer),
+            )
         except BaseException:
             await self.registry.revoke(lease_id)
             raise
@@ -491,8 +500,19 @@ class Agent:
 
     # -- HTTP ---------------------------------------------------------------------------------
 
+    @web.middleware
+    async def _check_bearer(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """/jobs... only with this agent's bearer (sites.status.AgentSecret); the rest is open
+        (probes, health and metrics say nothing about any tenant's work)."""
+        if request.path.startswith("/jobs"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.bearer}".encode()):
+                return _error(401, "unauthorized", "this agent's jobs need its bearer", None)
+        response: web.StreamResponse = await handler(request)
+        return response
+
     async def _serve(self) -> None:
-        app = web.Application()
+        app = web.Application(middlewares=[self._check_bearer])
         app.router.add_get("/probe", self._probe)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)

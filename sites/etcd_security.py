@@ -19,9 +19,9 @@ Users and roles (`bootstrap_auth`, `grant_site`):
 
     root         role root                  the operator (`cpn site join`, tokens bootstrap)
     cpn-broker   role cpn-broker            read and write under /cpn/
-    site-<id>    role site-<id>             its own status, last_seen, agent lock, links,
-                                            reports and service endpoints; reads the peers'
-                                            agent records, its spec and its assignments
+    site-<id>    role site-<id>             its own status, last_seen, agent lock and secret,
+                                            links, reports and service endpoints; reads the
+                                            peers' agent records, its spec, its assignments
 """
 
 from __future__ import annotations
@@ -237,6 +237,7 @@ def site_grants(spec: SiteSpec) -> list[Grant]:
         Grant(READWRITE, keys.site_status(site)),
         Grant(READWRITE, keys.site_last_seen(site)),
         Grant(READWRITE, keys.agent(site)),
+        Grant(READWRITE, keys.agent_secret(site)),  # the bearer of its /jobs: the broker reads it
         Grant(READWRITE, f"{keys.LINKS}{site}/", prefix=True),
         Grant(READWRITE, keys.reports(site), prefix=True),
         Grant(READ, keys.assignments(site), prefix=True),

@@ -5,6 +5,7 @@
 /cpn/v1/sites/<site>/status      SiteStatus       (lease)      agent, every interval
 /cpn/v1/sites/<site>/last_seen   LastSeen                      agent, with every status
 /cpn/v1/agents/<site>            AgentRecord      (lease)      agent; the per-site agent lock
+/cpn/v1/agent-secrets/<site>     AgentSecret      (lease)      agent: the bearer its /jobs ask
 /cpn/v1/links/<src>/<dst>        LinkStatus       (lease)      agent of src, every interval
 /cpn/v1/services/<svc>/<site>    ServiceEndpoint  (lease)      agent, every interval
 /cpn/v1/assignments/<site>/<job> (broker)                      jobs placed on the site
@@ -17,7 +18,9 @@
 /cpn/v1/migrations/<name>        {"done_at": ...}              broker, once per migration
 /cpn/v1/tokens/<id>              TokenRecord (hash only)       broker or `cpn token create`
 /cpn/v1/audit/<inv>/<id>         AuditEntry                    broker, for every change
+/cpn/v1/usage/segments/<day>/<job>/<attempt>  Segment          broker, when a run ends
 
+<day> is the UTC date a run ended (YYYY-MM-DD), so a day's or a month's segments are one range.
 <inv> is the job's creation time inverted (broker.history.inverted_time), so etcd's key order
 is newest first; <ts> is a finish time in microseconds, so the oldest finished comes first.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 ROOT = "/cpn/v1/"
 SITES = ROOT + "sites/"
 AGENTS = ROOT + "agents/"
+AGENT_SECRETS = ROOT + "agent-secrets/"
 LINKS = ROOT + "links/"
 SERVICES = ROOT + "services/"
 ASSIGNMENTS = ROOT + "assignments/"
@@ -60,6 +64,10 @@ def site_last_seen(site: str) -> str:
 
 def agent(site: str) -> str:
     return f"{AGENTS}{site}"
+
+
+def agent_secret(site: str) -> str:
+    return f"{AGENT_SECRETS}{site}"
 
 
 def link(src: str, dst: str) -> str:
@@ -135,3 +143,13 @@ GANGS = ROOT + "gangs/"
 def gang(tenant: str, name: str) -> str:
     """/cpn/v1/gangs/<tenant>/<gang>: the gang's size, shape and members (broker, at submit)."""
     return f"{GANGS}{tenant}/{name}"
+
+
+USAGE = ROOT + "usage/"
+USAGE_SEGMENTS = USAGE + "segments/"
+
+
+def usage_segment(day: str, job_id: str, attempt: int) -> str:
+    """/cpn/v1/usage/segments/<day>/<job>/<attempt>: one run's metered use (metering.ledger),
+    written in the transaction that ends the run; `day` the UTC date it ended (YYYY-MM-DD)."""
+    return f"{USAGE_SEGMENTS}{day}/{job_id}/{attempt:06d}"

@@ -48,6 +48,7 @@ from sites.snapshot import Snapshot, decode_value
 from sites.spec import SiteSpec
 from sites.status import (
     AgentRecord,
+    AgentSecret,
     Cordon,
     LastSeen,
     LinkStatus,
@@ -826,10 +827,15 @@ class Registry:
                 raise
 
     async def acquire_agent(
-        self, record: AgentRecord, *, is_stale: Callable[[AgentRecord], bool]
+        self,
+        record: AgentRecord,
+        *,
+        is_stale: Callable[[AgentRecord], bool],
+        secret: AgentSecret | None = None,
     ) -> None:
         """Take the site's agent lock (/cpn/v1/agents/<site>) under record.lease_id.
 
+        `secret`, the bearer of the agent's /jobs endpoints, goes in with it under the same lease.
         Fails with AgentConflict while another live agent holds it. A record whose process is
         known dead (`is_stale`, e.g. same host and no such pid) is taken over at once instead of
         waiting for its lease to expire, revoking the dead agent's lease (its keys go with it).
@@ -841,7 +847,20 @@ class Registry:
             ok, responses = await self._call(
                 lambda: self._client.transaction(
                     compare=[self._tx.version(key) == 0, self._tx.version(spec_key) > 0],
-                    success=[self._tx.put(key, _encode(record), lease=record.lease_id)],
+                    success=[
+                        self._tx.put(key, _encode(record), lease=record.lease_id),
+                        *(
+                            []
+                            if secret is None
+                            else [
+                                self._tx.put(
+                                    keys.agent_secret(site).encode(),
+                                    _encode(secret),
+                                    lease=record.lease_id,
+                                )
+                            ]
+                        ),
+                    ],
                     failure=[self._tx.get(key), self._tx.get(spec_key)],
                 )
             )

@@ -28,6 +28,15 @@ class AgentRecord(Frozen):
     wan_emulated: bool = False
 
 
+class AgentSecret(Frozen):
+    """Held under the agent's lease at /cpn/v1/agent-secrets/<site>, readable by the broker and
+    the site only (etcd roles): the bearer token the agent's /jobs endpoints ask for, made anew
+    by every agent process."""
+
+    instance: str
+    bearer: str = Field(min_length=32)
+
+
 class Cordon(Frozen):
     since: float
     reason: str = ""

@@ -31,6 +31,7 @@ from sites.executor import (
     job_env,
 )
 from sites.registry import Registry
+from sites.status import AgentSecret
 from sites.workload import DoesNotFit, Run, SiteResources, allocate
 from tests.conftest import Processes, wait_for
 from tests.sites.test_agent import join, start_agent
@@ -85,6 +86,15 @@ async def agent_url(registry: Registry, site: str) -> str:
     agent = (await registry.snapshot()).view(site).agent
     assert agent is not None
     return agent.url
+
+
+async def agent_http(registry: Registry, site: str) -> aiohttp.ClientSession:
+    """A client of the agent's /jobs endpoints with its bearer, read from etcd as the broker
+    does (sites.status.AgentSecret)."""
+    got = await registry.get_raw(keys.agent_secret(site))
+    assert got is not None, f"agent of {site} published no secret"
+    bearer = AgentSecret.model_validate_json(got[0]).bearer
+    return aiohttp.ClientSession(headers={"Authorization": f"Bearer {bearer}"})
 
 
 @pytest.fixture
@@ -142,7 +152,15 @@ async def test_job_runs_with_its_environment_then_succeeds(
     assert env["FOO"] == "bar"
 
     url = await agent_url(registry, "runner")
-    async with aiohttp.ClientSession() as http:
+    async with aiohttp.ClientSession() as http:  # without the agent's bearer: 401
+        async with http.get(f"{url}/jobs") as resp:
+            assert resp.status == 401
+            assert (await resp.json())["error"]["code"] == "unauthorized"
+        async with http.get(f"{url}/jobs/train-1/log") as resp:
+            assert resp.status == 401
+        async with http.get(f"{url}/healthz") as resp:
+            assert resp.status == 200  # the rest stays open
+    async with await agent_http(registry, "runner") as http:
         async with http.get(f"{url}/jobs") as resp:
             jobs = await resp.json()
     assert [(j["job"], j["state"], j["devices"]) for j in jobs] == [("train-1", "running", [0, 1])]
@@ -153,7 +171,7 @@ async def test_job_runs_with_its_environment_then_succeeds(
     assert (done.exit_code, done.attempt, done.fence) == (0, 2, 7)
     assert done.finished_at is not None and done.started_at == running.started_at
     assert not (job_dir(work, "train-1") / "run.json").exists()
-    async with aiohttp.ClientSession() as http:
+    async with await agent_http(registry, "runner") as http:
         async with http.get(f"{url}/jobs/train-1/log") as resp:
             assert resp.status == 200 and resp.headers["X-Cpn-Attempt"] == "2"
             assert await resp.text() == "hello\nbye\n"
@@ -171,7 +189,7 @@ async def test_failing_and_unstartable_commands_report_failed(
     assert missing.exit_code is None
     assert "cannot start '/nonexistent/program'" in missing.message
     url = await agent_url(registry, "failer")
-    async with aiohttp.ClientSession() as http:
+    async with await agent_http(registry, "failer") as http:
         async with http.get(f"{url}/jobs/bad/log") as resp:
             assert await resp.text() == "oops\n"  # stderr goes to the log too
 
@@ -317,7 +335,7 @@ async def test_log_endpoint_serves_and_follows_output(
     await assign(registry, assignment("logger", "talk", script))
     await wait_report(registry, "logger", "talk", RunState.running)
     url = await agent_url(registry, "logger")
-    async with aiohttp.ClientSession() as http:
+    async with await agent_http(registry, "logger") as http:
         async with http.get(f"{url}/jobs/talk/log", params={"follow": "1"}) as resp:
             assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/plain")
             assert await asyncio.wait_for(resp.content.readline(), 5) == b"line 1\n"
