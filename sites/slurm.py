@@ -480,9 +480,9 @@ class SlurmExecutor:
                 job = (await self._poll()).get(slurm_id)
                 if job is None or not job.live:
                     final = await self._final(slurm_id, job)
-                    if final is not None:
+                    if final is not None and not final.live:
                         break
-                    unknown += 1
+                    unknown = 0 if final is not None else unknown + 1
                     if unknown >= VANISHED_POLLS:
                         return RunExit(
                             None, f"slurm job {slurm_id}: neither squeue nor sacct knows it"
@@ -635,7 +635,8 @@ class SlurmExecutor:
             await self._clock.sleep(STOP_POLL_S)
 
     async def _final(self, slurm_id: str, seen: SlurmJob | None) -> SlurmJob | None:
-        """How the job ended: scontrol while slurmctld remembers it, sacct after; None: unknown.
+        """How the job ended: scontrol while slurmctld remembers it, sacct after; None: unknown
+        (a live state when it turns out to run still).
 
         sacct is asked too when scontrol answered, for who cancelled a job.
         """
@@ -653,7 +654,7 @@ class SlurmExecutor:
                     exit_code=fields.get("ExitCode", ""),
                 )
             elif state:
-                return None  # still live after all (squeue raced with it)
+                return SlurmJob(id=slurm_id, state=state)  # still live (squeue raced with it)
         if job is None or job.state == "CANCELLED":
             got = await self.commands.run(
                 "sacct", "-n", "-P", "-X", "-j", slurm_id, "-o", "JobID,State,ExitCode,Reason"
