@@ -421,3 +421,18 @@ def wait_for_state(slurm: LocalSlurm, job: str, *states: str) -> dict[str, str]:
     if not wait_until(reached, timeout=30):
         raise AssertionError(f"slurm job of {job} is {found.get('State')}, not {states}")
     return found
+
+
+def test_bad_gres_types_name_their_field(tmp_path: Path) -> None:
+    from sites.catalog import DeviceCatalog
+    from sites.config import parse_site
+    from sites.errors import ConfigError
+    from tests.conftest import site_doc
+
+    doc = site_doc(SITE)
+    doc["executor"] = {"kind": "slurm", "slurm": {"gres_types": {"H900": "h9", "H100": "h9"}}}
+    with pytest.raises(ConfigError) as err:
+        parse_site("f.yaml", doc, DeviceCatalog.load())
+    fields = {(p.field, p.reason.split(" (")[0]) for p in err.value.problems}
+    assert ("executor.slurm.gres_types.H900", "unknown device model 'H900'") in fields
+    assert ("executor.slurm.gres_types.H100", "GRES type 'h9' is also 'H900''s") in fields
