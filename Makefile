@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: up test lint fmt bench clean slurm
+.PHONY: up test lint fmt bench clean slurm prometheus
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,13 +14,18 @@ $(STAMP): pyproject.toml
 up: $(STAMP)
 	$(BIN)/cpn up
 
-test: lint slurm
+test: lint slurm prometheus
 	$(BIN)/pytest
 
 # A real single-machine Slurm for tests/sites/test_slurm.py and `cpn up --slurm`: the Debian
 # packages, installed when missing (root and apt-get); nothing is started here.
 slurm:
 	@.ci/install-slurm || echo "make: Slurm could not be installed; the Slurm tests will skip" >&2
+
+# Prometheus and promtool for tests/metering/test_prometheus.py (promtool checks every /metrics;
+# a real Prometheus scrapes a test federation): the Debian package, installed when missing.
+prometheus:
+	@.ci/install-prometheus || echo "make: Prometheus could not be installed; its tests will skip" >&2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
