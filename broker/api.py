@@ -49,6 +49,7 @@ from broker.jobs import JobRecord, JobSpec, JobState
 from broker.openapi import OPERATIONS, Operation, Param, Reply, document, register
 from broker.router import Router, route_json
 from broker.service import Broker
+from broker.usage_api import usage_operations
 from sites import keys
 from sites.catalog import Capacity
 from sites.config import field_path
@@ -571,7 +572,7 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
     app[SITES_CACHE] = {}
     app.cleanup_ctx.append(_http_session)
     app.on_startup.append(_check_access)
-    for op in [*job_operations(), *access_operations()]:
+    for op in [*job_operations(), *access_operations(), *usage_operations()]:
         register(app, op)
     if router is not None:
         app[ROUTER] = router

@@ -92,17 +92,20 @@ class Permission(enum.StrEnum):
     tokens = "tokens"
     audit = "audit"
     metrics = "metrics"
+    usage = "usage"  # GET /v1/usage: a tenant's token sees its own tenant's only
 
 
 P = Permission
 GRANTS: dict[Role, frozenset[Permission]] = {
     Role.admin: frozenset(Permission),
-    Role.operator: frozenset({P.jobs_read, P.jobs_act, P.sites_read, P.route, P.metrics}),
+    Role.operator: frozenset({P.jobs_read, P.jobs_act, P.sites_read, P.route, P.metrics, P.usage}),
     Role.tenant_admin: frozenset(
-        {P.jobs_read, P.jobs_submit, P.jobs_act, P.sites_read, P.route, P.tokens, P.audit}
+        {P.jobs_read, P.jobs_submit, P.jobs_act, P.sites_read, P.route, P.tokens, P.audit, P.usage}
     ),
-    Role.tenant_user: frozenset({P.jobs_read, P.jobs_submit, P.jobs_act, P.sites_read, P.route}),
-    Role.viewer: frozenset({P.jobs_read, P.sites_read, P.metrics}),
+    Role.tenant_user: frozenset(
+        {P.jobs_read, P.jobs_submit, P.jobs_act, P.sites_read, P.route, P.usage}
+    ),
+    Role.viewer: frozenset({P.jobs_read, P.sites_read, P.metrics, P.usage}),
 }
 """What each role may do; a tenant-scoped token does it for its own tenant only."""
 

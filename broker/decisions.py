@@ -42,6 +42,7 @@ from broker.jobs import TRANSITIONS, Event, JobRecord, JobState
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.plan import PlanProblem, PlanResult
 from broker.settings import SchedulingSettings
+from broker.usage_segments import EndReason, closing_puts
 from broker.view import LIVE, View, federation, groups, usage
 from sites import keys
 from sites.assignments import Assignment, Report, RunState
@@ -153,6 +154,12 @@ class _Pass:
         self.actions.append(action)
         self.touched.update(action.job_ids)
 
+    def _closed(self, record: JobRecord, reason: EndReason) -> dict[str, bytes]:
+        """The usage segment of `record`'s live run, ended by this write (broker.usage_segments)."""
+        return closing_puts(
+            record, reason=reason, view=self.view, catalog=self.ctx.catalog, now=self.now
+        )
+
     # -- reports ----------------------------------------------------------------------------
 
     def reports(self) -> None:
@@ -212,7 +219,13 @@ class _Pass:
                 attempt=record.attempt,
             )
             new = record.with_event(ev, state=JobState.SUCCEEDED, exit_code=0)
-            write = JobWrite(new, rev, deletes=_run_keys(record), guards=guard)
+            write = JobWrite(
+                new,
+                rev,
+                puts=self._closed(record, EndReason.succeeded),
+                deletes=_run_keys(record),
+                guards=guard,
+            )
             self._emit(Action(ActionKind.advance, (write,), ev.message))
             return
         why = (
@@ -223,7 +236,8 @@ class _Pass:
         if report.message:
             why += f": {report.message}"
         new = self._retry_or_fail(record, why, site, exit_code=report.exit_code)
-        self._stop_with_gang(record, rev, new, _run_keys(record), guard, why)
+        ended = EndReason.failed if report.state is RunState.failed else EndReason.stopped
+        self._stop_with_gang(record, rev, new, _run_keys(record), guard, why, ended=ended)
 
     def _retry_or_fail(
         self,
@@ -275,10 +289,12 @@ class _Pass:
         guards: tuple[Guard, ...],
         why: str,
         *,
+        ended: EndReason,
         lost_site: bool = False,
     ) -> None:
         """The job's run ended (retry, failure, lost site): write it, and its gang with it."""
-        writes = [JobWrite(new, rev, deletes=deletes, guards=guards)]
+        closed = self._closed(record, ended)
+        writes = [JobWrite(new, rev, puts=closed, deletes=deletes, guards=guards)]
         key = gang_key(record)
         for other, other_rev in self.gangs.get(key, []) if key else []:
             if other.id == record.id or other.id in self.touched:
@@ -303,7 +319,8 @@ class _Pass:
                 )
             else:
                 continue  # pending or suspended: it waits for the gang anyway
-            writes.append(JobWrite(changed, other_rev, deletes=_run_keys(other)))
+            closed = self._closed(other, EndReason.withdrawn)
+            writes.append(JobWrite(changed, other_rev, puts=closed, deletes=_run_keys(other)))
         kind = ActionKind.requeue
         if new.state is JobState.FAILED:
             kind = ActionKind.fail
@@ -326,7 +343,14 @@ class _Pass:
                 continue
             new = self._retry_or_fail(record, f"site {site} went down", site, kind="migrated")
             self._stop_with_gang(
-                record, rev, new, _run_keys(record), (), f"site {site} went down", lost_site=True
+                record,
+                rev,
+                new,
+                _run_keys(record),
+                (),
+                f"site {site} went down",
+                ended=EndReason.site_lost,
+                lost_site=True,
             )
 
     # -- placement ----------------------------------------------------------------------------
@@ -419,7 +443,8 @@ class _Pass:
                     attempt=record.attempt,
                 )
                 new = record.with_event(ev, state=JobState.PENDING, placement=None)
-                write = JobWrite(new, rev, deletes=_run_keys(record))
+                closed = self._closed(record, EndReason.withdrawn)
+                write = JobWrite(new, rev, puts=closed, deletes=_run_keys(record))
                 self._emit(Action(ActionKind.requeue, (write,), ev.message))
             return None
         if len(waiting) < size:
@@ -448,9 +473,9 @@ class _Pass:
             Event(at=self.now, type="failed", message=message, attempt=record.attempt),
             state=JobState.FAILED,
         )
-        self._emit(
-            Action(ActionKind.fail, (JobWrite(new, rev, deletes=_run_keys(record)),), message)
-        )
+        closed = self._closed(record, EndReason.withdrawn)
+        write = JobWrite(new, rev, puts=closed, deletes=_run_keys(record))
+        self._emit(Action(ActionKind.fail, (write,), message))
 
 
 def _run_keys(record: JobRecord) -> tuple[str, ...]:

@@ -21,8 +21,10 @@ from broker.gangs import SHAPE
 from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState
 from broker.metrics import BrokerMetrics
 from broker.store import Change, JobStore, decode
+from broker.usage_segments import EndReason, closing_puts
 from broker.view import View
 from sites import keys
+from sites.catalog import DeviceCatalog
 from sites.clock import Clock
 from sites.registry import Guard, Registry
 
@@ -54,6 +56,7 @@ class Operations:
         metrics: BrokerMetrics,
         view: Callable[[], View],
         kick: asyncio.Event,
+        catalog: DeviceCatalog | None = None,
     ) -> None:
         self.registry = registry
         self.store = store
@@ -63,6 +66,7 @@ class Operations:
         self.metrics = metrics
         self._view = view
         self._kick = kick
+        self._catalog = catalog or DeviceCatalog.load()  # the ledger's catalog power figures
         self._regions_cache: frozenset[str] = frozenset()
         self._regions_at = (0, -1)
 
@@ -215,6 +219,16 @@ class Operations:
             )
             if record.placement is not None and record.state in (JobState.PLACED, JobState.RUNNING):
                 change.deletes.append(keys.assignment(record.placement.site, record.id))
+                # the run ends with this write: its usage segment goes in the same transaction
+                change.puts.update(
+                    closing_puts(
+                        record,
+                        reason=EndReason.withdrawn,
+                        view=self._view(),
+                        catalog=self._catalog,
+                        now=now,
+                    )
+                )
             return change
 
         try:

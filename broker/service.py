@@ -37,9 +37,12 @@ from broker.settings import BrokerSettings
 from broker.solver import solve
 from broker.store import JobStore
 from broker.view import View, ViewCache
+from metering.usage import UsageBook
+from sites import keys
 from sites.catalog import DeviceCatalog
 from sites.clock import Clock, SystemClock
 from sites.errors import RegistryError
+from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.tasks import Backoff, Crash, Supervisor
 
@@ -95,6 +98,7 @@ class Broker:
             metrics=self.metrics,
             view=self.view,
             kick=self._kick,
+            catalog=catalog,
         )
         self.history = HistoryKeeper(
             registry=registry,
@@ -102,6 +106,15 @@ class Broker:
             settings=self.settings.history,
             clock=self.clock,
             metrics=self.metrics,
+        )
+        # usage per tenant, site, model and day, from the ledger's segments (GET /v1/usage)
+        self.usage = UsageBook()
+        self.usage_mirror = PrefixMirror(
+            registry=registry,
+            prefix=keys.USAGE_SEGMENTS,
+            on_reset=self.usage.reset,
+            on_event=lambda key, value, _rev: self.usage.apply(key, value),
+            keep_items=False,
         )
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
         self._down_since: dict[str, float] = {}
@@ -113,6 +126,7 @@ class Broker:
         for prefix, mirror in self.views.mirrors.items():
             self.supervisor.spawn(f"mirror {prefix}", mirror.run, restart=RESTART)
         self.supervisor.spawn("tokens", self.tokens.mirror.run, restart=RESTART)
+        self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)
         await self.views.synced(30)
         await asyncio.wait_for(self.tokens.mirror.synced.wait(), 30)
         self.supervisor.spawn("leader election", self.leadership.run, restart=RESTART)

@@ -155,6 +155,14 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
         assert entries and all(
             "ai-lab" in (e.get("tenant"), e.get("actor_tenant")) for e in entries
         )
+    usage = check("GET", "/v1/usage", "/v1/usage?tenant=ai-lab", cross=not own(who))
+    if allowed(who, Permission.usage):
+        # a tenant's token sees its own tenant's usage only
+        assert usage.status == (200 if own(who) else 403), (who, usage)
+        if not own(who):
+            assert usage.error() == ("forbidden", "tenant")
+        else:
+            assert (usage.json()["idle"] is None) == (who.partition(":")[2] != ""), who
     check("GET", "/metrics", "/metrics")
     for public in ("/healthz", "/openapi.json", "/v1/whoami"):
         check("GET", public, public)

@@ -1,0 +1,232 @@
+"""The usage ledger's unit: one `Segment` per run (one attempt of a job at one site). Pure.
+
+The broker closes a segment in the very transaction that ends the run (the job record's
+guarded write, broker.store / broker.actions), at /cpn/v1/usage/segments/<day>/<job>/<attempt>
+(sites.keys.usage_segment). A run ends once per (job, attempt): the transaction that ends it
+is guarded on the job record's revision, so a second writer (a retried action, a new leader)
+finds the run already over and writes nothing; and the key is the run's own, so even a
+repeated put replaces, never adds. docs/metering.md has the long form.
+
+    seconds     end - start; start is when the site reported the run running
+                (Report.started_at), end when it finished, was withdrawn (cancel, suspend,
+                a gang restart) or, for a lost site, when the site was last seen
+    *_s         billed resource-seconds: the run's request (its share of the site) x seconds;
+                for cores and memory the scheduler's measured use when it is larger
+                (OpenCost's max(request, usage)); devices are held whole
+    *_usd       resource-hours x the site's list price recorded in `prices`
+    energy_kwh  measured (Report.usage energy_j) or estimated (catalog power_w x utilization,
+                1.0 when unknown), x the site's PUE; `energy_method` says which
+    co2_kg      energy_kwh x the site's grid intensity (power.grid_kgco2_per_kwh)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sites import keys
+from sites.catalog import DeviceCatalog
+from sites.spec import SiteSpec
+
+__all__ = [
+    "EndReason",
+    "Run",
+    "Segment",
+    "close",
+    "day_of",
+    "segment_key",
+]
+
+_HOUR = 3600.0
+_J_PER_KWH = 3.6e6
+
+
+class EndReason(enum.StrEnum):
+    succeeded = "succeeded"  # the site reported exit 0
+    failed = "failed"  # the site reported a non-zero exit
+    stopped = "stopped"  # the site reported the run stopped
+    withdrawn = "withdrawn"  # the broker took the assignment back: cancel, suspend, gang, spec
+    site_lost = "site_lost"  # the site's lease expired: ended when it was last seen
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What the broker knows of a run when it ends (built from the job record and report)."""
+
+    job: str
+    tenant: str
+    attempt: int
+    fence: int
+    site: str
+    model: str | None
+    gpus: int
+    cpu: int
+    mem_gb: float
+    started_at: float | None  # Report.started_at, else the broker's "running" event
+    egress_gb: float = 0.0
+    egress_usd: float = 0.0  # as priced at placement (Placement.egress_usd)
+    measured: dict[str, float] | None = None  # Report.usage: the site scheduler's accounting
+    utilization: float | None = None  # device utilization 0..1 over the run, when known
+
+
+class Prices(BaseModel):
+    """The list prices a segment was billed at (the site spec's, when the run ended)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    usd_per_gpu_hour: float = 0.0
+    usd_per_core_hour: float = 0.0
+    usd_per_gb_mem_hour: float = 0.0
+    usd_per_gb_egress: float = 0.0
+    pue: float = 1.0
+    grid_kgco2_per_kwh: float = 0.0
+
+
+class Segment(BaseModel):
+    """One run's metered use: /cpn/v1/usage/segments/<day>/<job>/<attempt>."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    job: str
+    tenant: str
+    attempt: int
+    fence: int
+    site: str
+    model: str | None = Field(default=None, description="accelerator model, None: CPU-only")
+    gpus: int
+    cpu: int
+    mem_gb: float
+    start: float = Field(description="unix s: the site reported the run running")
+    end: float = Field(description="unix s: finished, withdrawn, or the lost site last seen")
+    reason: EndReason
+    seconds: float
+    gpu_s: float = Field(description="device-seconds billed (gpus x seconds)")
+    cpu_core_s: float = Field(description="core-seconds billed: max(request, measured)")
+    mem_gb_s: float = Field(description="GB-seconds billed: max(request, measured)")
+    measured: dict[str, float] | None = Field(
+        default=None, description="what the site's scheduler accounted (Report.usage)"
+    )
+    prices: Prices
+    gpu_usd: float
+    cpu_usd: float
+    mem_usd: float
+    egress_gb: float
+    egress_usd: float
+    total_usd: float
+    energy_kwh: float
+    energy_method: Literal["measured", "catalog"]
+    co2_kg: float
+    recorded_at: float
+
+    @property
+    def day(self) -> str:
+        return day_of(self.end)
+
+    @property
+    def key(self) -> str:
+        return segment_key(self.day, self.job, self.attempt)
+
+
+def day_of(t: float) -> str:
+    """The UTC date of unix time `t`, YYYY-MM-DD."""
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%d")
+
+
+def segment_key(day: str, job: str, attempt: int) -> str:
+    return keys.usage_segment(day, job, attempt)
+
+
+def _prices(spec: SiteSpec | None, model: str | None) -> Prices:
+    if spec is None:  # the site left before its run was closed: nothing to price it at
+        return Prices()
+    p = spec.prices
+    return Prices(
+        usd_per_gpu_hour=p.usd_per_gpu_hour.get(model, 0.0) if model else 0.0,
+        usd_per_core_hour=p.usd_per_core_hour,
+        usd_per_gb_mem_hour=p.usd_per_gb_mem_hour,
+        usd_per_gb_egress=p.usd_per_gb_egress,
+        pue=spec.power.pue,
+        grid_kgco2_per_kwh=spec.power.grid_kgco2_per_kwh,
+    )
+
+
+def _watts(catalog: DeviceCatalog, model: str | None) -> float:
+    if model is None or model not in catalog:
+        return 0.0
+    return float(catalog.get(model).power_w or 0.0)
+
+
+def close(
+    run: Run,
+    *,
+    end: float,
+    reason: EndReason,
+    spec: SiteSpec | None,
+    catalog: DeviceCatalog,
+    now: float,
+) -> Segment | None:
+    """The segment of `run` ended at `end`; None when it never started (nothing was held)."""
+    if run.started_at is None:
+        return None
+    start = run.started_at
+    end = max(start, min(end, now))  # a clock ahead of the broker's cannot bill the future
+    seconds = end - start
+    measured = dict(run.measured) if run.measured else None
+    gpu_s = run.gpus * seconds
+    cpu_core_s = max(run.cpu * seconds, (measured or {}).get("cpu_core_s", 0.0))
+    mem_gb_s = max(run.mem_gb * seconds, (measured or {}).get("mem_gb_s", 0.0))
+    prices = _prices(spec, run.model)
+    gpu_usd = gpu_s / _HOUR * prices.usd_per_gpu_hour
+    cpu_usd = cpu_core_s / _HOUR * prices.usd_per_core_hour
+    mem_usd = mem_gb_s / _HOUR * prices.usd_per_gb_mem_hour
+    if measured is not None and "energy_j" in measured:
+        method: Literal["measured", "catalog"] = "measured"
+        it_joules = measured["energy_j"]
+    else:
+        method = "catalog"
+        utilization = 1.0 if run.utilization is None else run.utilization
+        watts = run.gpus * _watts(catalog, run.model) * utilization
+        watts += run.cpu * _watts(catalog, catalog.cpu_reference)
+        it_joules = watts * seconds
+    energy_kwh = it_joules * prices.pue / _J_PER_KWH
+    return Segment(
+        job=run.job,
+        tenant=run.tenant,
+        attempt=run.attempt,
+        fence=run.fence,
+        site=run.site,
+        model=run.model,
+        gpus=run.gpus,
+        cpu=run.cpu,
+        mem_gb=run.mem_gb,
+        start=start,
+        end=end,
+        reason=reason,
+        seconds=seconds,
+        gpu_s=gpu_s,
+        cpu_core_s=cpu_core_s,
+        mem_gb_s=mem_gb_s,
+        measured=measured,
+        prices=prices,
+        gpu_usd=gpu_usd,
+        cpu_usd=cpu_usd,
+        mem_usd=mem_usd,
+        egress_gb=run.egress_gb,
+        egress_usd=run.egress_usd,
+        total_usd=gpu_usd + cpu_usd + mem_usd + run.egress_usd,
+        energy_kwh=energy_kwh,
+        energy_method=method,
+        co2_kg=energy_kwh * prices.grid_kgco2_per_kwh,
+        recorded_at=now,
+    )
+
+
+def puts(segment: Segment | None) -> dict[str, bytes]:
+    """What the run-ending transaction writes for `segment` (nothing for None)."""
+    if segment is None:
+        return {}
+    return {segment.key: segment.model_dump_json(exclude_none=True).encode()}

@@ -1,0 +1,237 @@
+"""Usage per tenant, site, model and day, kept in memory from the ledger's segments.
+
+Every broker replica holds one `UsageBook`, fed by a mirror of /cpn/v1/usage/segments/ (list
+once, then the watch): a segment becomes one row per UTC day it overlaps, its time-bound
+figures shared out by the hours in each day (egress and the segment count go to the day it
+ended). The rows are numpy columns, so `query` is a few vector passes over them whatever the
+filters: no etcd read at all, and ~10 ms for a year of 100,000 segments (bench/usage_ledger.py).
+A segment put again under its key (a re-list, a repeated write) replaces its rows: a key is
+counted once, whatever the watch delivers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, date, datetime
+
+import numpy as np
+import numpy.typing as npt
+from pydantic import ValidationError
+
+from metering.ledger import Segment
+
+__all__ = ["DIMENSIONS", "FIELDS", "UsageBook", "UsageRow", "day_number", "day_text"]
+
+log = logging.getLogger(__name__)
+
+DIMENSIONS = ("tenant", "site", "model", "day")
+FIELDS = (
+    "seconds",
+    "gpu_s",
+    "cpu_core_s",
+    "mem_gb_s",
+    "gpu_usd",
+    "cpu_usd",
+    "mem_usd",
+    "egress_gb",
+    "egress_usd",
+    "total_usd",
+    "energy_kwh",
+    "co2_kg",
+    "segments",
+)
+_TIME_BOUND = FIELDS[:7] + ("energy_kwh", "co2_kg")  # shared out by the hours in each day
+_INDEX = {name: i for i, name in enumerate(FIELDS)}
+_DAY_S = 86_400
+_EPOCH = date(1970, 1, 1)
+CPU_ONLY = "cpu"  # the model column of a run without accelerators
+
+
+def day_number(day: date) -> int:
+    return (day - _EPOCH).days
+
+
+def day_text(number: int) -> str:
+    return date.fromordinal(_EPOCH.toordinal() + number).isoformat()
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRow:
+    """One group of a query: its dimension values and the summed figures."""
+
+    group: dict[str, str]
+    figures: dict[str, float]
+
+
+class _Codes:
+    def __init__(self) -> None:
+        self.codes: dict[str, int] = {}
+        self.names: list[str] = []
+
+    def code(self, name: str) -> int:
+        got = self.codes.get(name)
+        if got is None:
+            got = self.codes[name] = len(self.names)
+            self.names.append(name)
+        return got
+
+
+def pieces(segment: Segment) -> list[tuple[int, npt.NDArray[np.float64]]]:
+    """(day number, figures) for each UTC day the segment overlaps (pure)."""
+    base = np.zeros(len(FIELDS))
+    for name in _TIME_BOUND:
+        base[_INDEX[name]] = float(getattr(segment, name))
+    first = int(segment.start // _DAY_S)
+    last = int(segment.end // _DAY_S)
+    out = []
+    for day in range(first, last + 1):
+        if segment.seconds > 0:
+            lo, hi = max(segment.start, day * _DAY_S), min(segment.end, (day + 1) * _DAY_S)
+            share = (hi - lo) / segment.seconds
+        else:
+            share = 1.0 if day == last else 0.0
+        figures = base * share
+        if day == last:
+            figures[_INDEX["egress_gb"]] = segment.egress_gb
+            figures[_INDEX["egress_usd"]] = segment.egress_usd
+            figures[_INDEX["segments"]] = 1.0
+        figures[_INDEX["total_usd"]] = (
+            figures[_INDEX["gpu_usd"]]
+            + figures[_INDEX["cpu_usd"]]
+            + figures[_INDEX["mem_usd"]]
+            + figures[_INDEX["egress_usd"]]
+        )
+        out.append((day, figures))
+    return out
+
+
+class UsageBook:
+    """Segments as rows of numpy columns; `apply` per watch event, `query` per API call."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._clear(capacity)
+
+    def _clear(self, capacity: int) -> None:
+        self._dims = {name: _Codes() for name in ("tenant", "site", "model")}
+        self._rows: dict[str, list[int]] = {}  # segment key -> its row numbers
+        self._free: list[int] = []
+        self._size = 0
+        self._day = np.zeros(capacity, dtype=np.int64)
+        self._cols = {name: np.zeros(capacity, dtype=np.int64) for name in self._dims}
+        self._values = np.zeros((capacity, len(FIELDS)))
+        self.earliest: float | None = None  # the first segment's start, unix s
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def reset(self, kvs: Iterable[tuple[str, bytes, int]]) -> None:
+        """Everything under the prefix again (a re-list): the book is rebuilt from it."""
+        self._clear(max(1024, len(self._day)))
+        for key, value, _ in kvs:
+            self.apply(key, value)
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        """A segment put (or deleted, value None) under `key`."""
+        for row in self._rows.pop(key, []):
+            self._values[row] = 0.0
+            self._free.append(row)
+        if value is None:
+            return
+        try:
+            segment = Segment.model_validate_json(value)
+        except ValidationError:
+            log.warning("ignoring a malformed usage segment at %s", key)
+            return
+        self.add(key, segment)
+
+    def add(self, key: str, segment: Segment) -> None:
+        tenant = self._dims["tenant"].code(segment.tenant)
+        site = self._dims["site"].code(segment.site)
+        model = self._dims["model"].code(segment.model or CPU_ONLY)
+        rows = []
+        for day, figures in pieces(segment):
+            row = self._free.pop() if self._free else self._grow()
+            self._day[row] = day
+            self._cols["tenant"][row] = tenant
+            self._cols["site"][row] = site
+            self._cols["model"][row] = model
+            self._values[row] = figures
+            rows.append(row)
+        self._rows[key] = rows
+        if self.earliest is None or segment.start < self.earliest:
+            self.earliest = segment.start
+
+    def _grow(self) -> int:
+        row = self._size
+        if row == len(self._day):
+            capacity = 2 * len(self._day)
+            self._day = np.resize(self._day, capacity)
+            self._cols = {k: np.resize(v, capacity) for k, v in self._cols.items()}
+            values = np.zeros((capacity, len(FIELDS)))
+            values[:row] = self._values[:row]
+            self._values = values
+        self._size += 1
+        return row
+
+    def query(
+        self,
+        *,
+        first_day: int,
+        last_day: int,
+        tenant: str | None = None,
+        site: str | None = None,
+        by: Sequence[str] = ("tenant",),
+    ) -> list[UsageRow]:
+        """The figures summed per group of `by` (DIMENSIONS), for days first..last inclusive."""
+        n = self._size
+        day = self._day[:n]
+        mask = (day >= first_day) & (day <= last_day)
+        for name, wanted in (("tenant", tenant), ("site", site)):
+            if wanted is not None:
+                code = self._dims[name].codes.get(wanted)
+                if code is None:
+                    return []
+                mask &= self._cols[name][:n] == code
+        chosen = np.flatnonzero(mask)
+        if not len(chosen):
+            return []
+        columns = [
+            (day[chosen] - first_day) if dim == "day" else self._cols[dim][:n][chosen] for dim in by
+        ]
+        sizes = [
+            last_day - first_day + 1 if dim == "day" else max(1, len(self._dims[dim].names))
+            for dim in by
+        ]
+        composite = np.zeros(len(chosen), dtype=np.int64)
+        for column, size in zip(columns, sizes, strict=True):
+            composite = composite * size + column
+        groups, inverse = np.unique(composite, return_inverse=True)
+        values = self._values[chosen]
+        sums = np.stack(
+            [
+                np.bincount(inverse, weights=values[:, i], minlength=len(groups))
+                for i in range(len(FIELDS))
+            ],
+            axis=1,
+        )
+        out = []
+        for g, group_code in enumerate(groups.tolist()):
+            parts: dict[str, str] = {}
+            rest = int(group_code)
+            for dim, size in reversed(list(zip(by, sizes, strict=True))):
+                rest, code = divmod(rest, size)
+                parts[dim] = (
+                    day_text(first_day + code) if dim == "day" else (self._dims[dim].names[code])
+                )
+            figures = dict(zip(FIELDS, sums[g].tolist(), strict=True))
+            if figures["segments"] == 0 and not any(figures.values()):
+                continue  # only rows of replaced segments
+            out.append(UsageRow(group={d: parts[d] for d in by}, figures=figures))
+        out.sort(key=lambda r: tuple(r.group.values()))
+        return out
+
+
+def today(now: float) -> int:
+    return day_number(datetime.fromtimestamp(now, UTC).date())

@@ -1,0 +1,142 @@
+"""The usage ledger on a real federation (etcd, agent processes, a broker process): a job's
+segments add up to the time it really held its resources, within a second, through a retry,
+a broker failover (the leader SIGKILLed mid-run) and a migration (its site SIGKILLed)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from metering.ledger import Segment
+from sites import keys
+from sites.registry import Registry
+from tests.broker.conftest import Federation
+
+SITES: dict[str, dict[str, Any]] = {
+    "east-a": {"region": "east", "coordinates": {"lat": 31.2, "lon": 121.4}, "price": 3.0},
+    "east-b": {"region": "east", "coordinates": {"lat": 31.3, "lon": 120.6}, "price": 2.0},
+}
+TOLERANCE_S = 1.0
+
+
+def stamped(marker: Path, body: str) -> list[str]:
+    """A job command that writes when it really started and ended, per attempt."""
+    return [
+        "sh",
+        "-c",
+        f'echo "start $CPN_ATTEMPT $(date +%s.%N)" >> {marker}; {body}; rc=$?; '
+        f'echo "end $CPN_ATTEMPT $(date +%s.%N)" >> {marker}; exit $rc',
+    ]
+
+
+def held(marker: Path) -> dict[int, list[float]]:
+    """attempt -> [start, end?] as the job itself saw them."""
+    out: dict[int, list[float]] = {}
+    for line in marker.read_text().splitlines():
+        _, attempt, at = line.split()
+        out.setdefault(int(attempt), []).append(float(at))
+    return out
+
+
+async def segments(registry: Registry, job: str) -> dict[int, Segment]:
+    _, kvs = await registry.list_prefix(keys.USAGE_SEGMENTS)
+    found = [Segment.model_validate_json(v) for _, v, _ in kvs]
+    mine = [s for s in found if s.job == job]
+    by_attempt = {s.attempt: s for s in mine}
+    assert len(by_attempt) == len(mine), "a run was metered twice"
+    return by_attempt
+
+
+async def test_segments_add_up_through_retry_failover_and_migration(
+    make_federation: Callable[..., Federation], registry: Registry, tmp_path: Path
+) -> None:
+    fed = make_federation(SITES)
+    retry_log, long_log, move_log = (tmp_path / n for n in ("retry", "long", "move"))
+    # fails its first run after 1 s, succeeds on the second
+    flaky = fed.submit(
+        name="flaky",
+        cpu=2,
+        mem_gb=4,
+        max_retries=2,
+        command=stamped(retry_log, 'sleep 1; [ "$CPN_ATTEMPT" -gt 1 ]'),
+    )
+    long = fed.submit(name="long", cpu=3, mem_gb=8, command=stamped(long_log, "sleep 3"))
+    fed.wait_state(long["id"], "RUNNING")
+    await asyncio.sleep(0.5)
+    assert fed.broker is not None
+    fed.kill(fed.broker)  # the leader dies mid-run; the job ends while no broker leads
+    fed.start_broker()
+    done = fed.wait_state(long["id"], "SUCCEEDED", "FAILED", timeout=30)
+    assert done["state"] == "SUCCEEDED", done["events"]
+    assert fed.wait_state(flaky["id"], "SUCCEEDED", "FAILED", timeout=30)["state"] == "SUCCEEDED"
+
+    # the failover: one segment, as long as the run
+    long_segs = await segments(registry, long["id"])
+    assert set(long_segs) == {1}
+    (start, end) = held(long_log)[1]
+    seg = long_segs[1]
+    assert seg.reason == "succeeded"
+    assert abs(seg.seconds - (end - start)) < TOLERANCE_S, (seg.seconds, end - start)
+    assert seg.cpu_core_s == 3 * seg.seconds and seg.mem_gb_s == 8 * seg.seconds
+    assert seg.cpu_usd == seg.cpu_core_s / 3600 * 0.01  # the site's list price
+    assert seg.energy_method == "catalog" and seg.energy_kwh > 0 and seg.co2_kg > 0
+
+    # the retry: one segment per run, each as long as that run
+    flaky_segs = await segments(registry, flaky["id"])
+    assert [flaky_segs[a].reason for a in sorted(flaky_segs)] == ["failed", "succeeded"]
+    for attempt, (start, end) in held(retry_log).items():
+        assert abs(flaky_segs[attempt].seconds - (end - start)) < TOLERANCE_S
+
+    # the migration: the lost site bills up to when it was last seen, the next site the rest
+    move = fed.submit(
+        name="mover",
+        gpu={"model": "H100", "count": 4},
+        checkpoint_path="/ckpt/mover",
+        command=stamped(move_log, "sleep 2"),
+    )
+    first = fed.wait_state(move["id"], "RUNNING")["placement"]["site"]
+    await asyncio.sleep(1.0)
+    killed_at = time.time()
+    fed.kill(fed.agents[first])
+    moved = fed.wait_state(move["id"], "SUCCEEDED", "FAILED", timeout=60)
+    assert moved["state"] == "SUCCEEDED", moved["events"]
+    move_segs = await segments(registry, move["id"])
+    assert set(move_segs) == {1, 2}, move_segs
+    lost, rerun = move_segs[1], move_segs[2]
+    assert (lost.site, lost.reason, lost.model, lost.gpus) == (first, "site_lost", "H100", 4)
+    started = held(move_log)[1][0]
+    assert abs(lost.seconds - (killed_at - started)) < TOLERANCE_S, (lost.seconds, killed_at)
+    assert lost.gpu_s == 4 * lost.seconds
+    assert rerun.site != first and rerun.reason == "succeeded"
+    (start, end) = held(move_log)[2]
+    assert abs(rerun.seconds - (end - start)) < TOLERANCE_S
+
+    # a cancel ends the run with the write that withdraws it
+    stop = fed.submit(name="stopper", cpu=1, mem_gb=1, command=["sleep", "30"])
+    running_at = time.time()
+    fed.wait_state(stop["id"], "RUNNING")
+    await asyncio.sleep(0.5)
+    assert fed.request("POST", f"/v1/jobs/{stop['id']}/cancel")[0] == 200
+    cancelled_at = time.time()
+    (seg,) = (await segments(registry, stop["id"])).values()
+    assert seg.reason == "withdrawn" and 0 < seg.seconds <= cancelled_at - running_at + 0.1
+
+    # the API sums the same segments
+    status, body = fed.get("/v1/usage?by=tenant,site")
+    reply = json.loads(body)
+    assert status == 200
+    all_segs = [
+        s for j in (flaky, long, move, stop) for s in (await segments(registry, j["id"])).values()
+    ]
+    assert len(all_segs) == 6
+    total = sum(s.total_usd for s in all_segs)
+    assert abs(reply["total"]["total_usd"] - total) < 1e-9
+    assert reply["total"]["segments"] == 6
+    assert {(i["tenant"], i["site"]) for i in reply["items"]} <= {
+        ("t1", "east-a"),
+        ("t1", "east-b"),
+    }
