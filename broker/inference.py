@@ -124,6 +124,7 @@ class Gateway:
                 resolve_region=self.router.clients.region_of,
                 known_regions=lambda: self.router.clients,
                 active=self.checker,
+                observe=self.broker.metrics.proxied,
             )
             yield
             await self.broker.supervisor.cancel("health checker")

@@ -1,23 +1,72 @@
-"""The broker's Prometheus metrics (one registry per broker instance)."""
+"""The broker's Prometheus metrics (one registry per broker instance); docs/metrics.md lists them.
+
+Names follow Prometheus conventions: base units in the name (`_seconds`, `_bytes`, `_ratio`),
+`_total` on counters (prometheus_client exposes a Counter named `x_total` as `x_total`).
+Labels are low-cardinality only: tenant, site, client region, state, kind; never a job id.
+
+Costs: a counter or histogram update is O(1) (label children cached where a request pays for
+them); what is derived from the whole view (jobs by tenant and state, sites up) is computed when
+Prometheus scrapes, by `ViewCollector`, so nothing is updated per request or per event for it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from broker.view import View
+
+LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+LATENCY_BUCKETS += (1.0, 2.5, 5.0, 10.0, 30.0)
+# submit -> placed: a fast-path placement takes milliseconds, a job waiting for room hours
+PLACEMENT_BUCKETS: tuple[float, ...] = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+PLACEMENT_BUCKETS += (300.0, 900.0, 3600.0, 4 * 3600.0, 24 * 3600.0)
+SOLVER_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class BrokerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.submitted = Counter("cpn_broker_jobs_submitted", "Jobs accepted", registry=r)
-        self.placements = Counter("cpn_broker_placements", "Jobs placed on a site", registry=r)
+        self.submitted = Counter("cpn_broker_jobs_submitted_total", "Jobs accepted", registry=r)
+        self.placements = Counter(
+            "cpn_broker_placements_total", "Jobs placed on a site", registry=r
+        )
         self.migrations = Counter(
-            "cpn_broker_migrations", "Jobs re-queued because their site went down", registry=r
+            "cpn_broker_migrations_total",
+            "Jobs re-queued because their site went down",
+            registry=r,
         )
         self.transitions = Counter(
-            "cpn_broker_job_transitions",
+            "cpn_broker_job_transitions_total",
             "Job state changes from site reports",
             ["state"],
+            registry=r,
+        )
+        self.finished = Counter(
+            "cpn_broker_jobs_finished_total",
+            "Jobs this replica saw reach a final state (every replica counts every job: "
+            "aggregate replicas with max, not sum)",
+            ["tenant", "state"],
             registry=r,
         )
         self.pending = Gauge("cpn_broker_jobs_pending", "Jobs waiting for a site", registry=r)
@@ -30,23 +79,49 @@ class BrokerMetrics:
             + (0.25, 0.5, 1.0),
             registry=r,
         )
+        self.placement_latency = Histogram(
+            "cpn_broker_placement_latency_seconds",
+            "From a job's submission to its first placement committed, by the path that "
+            "placed it (fast: the scoring path of a pass; batch: the CP-SAT pass)",
+            ["path"],
+            buckets=PLACEMENT_BUCKETS,
+            registry=r,
+        )
+        self.solver_seconds = Histogram(
+            "cpn_broker_solver_duration_seconds",
+            "Wall time of one batch solve (broker.solver.solve), by the plan's status",
+            ["status"],
+            buckets=SOLVER_BUCKETS,
+            registry=r,
+        )
+        self.solver_gap = Gauge(
+            "cpn_broker_solver_gap_ratio",
+            "Relative gap of the last batch solve: (objective - bound) / |objective| (0: proven)",
+            registry=r,
+        )
+        self.solver_jobs = Gauge(
+            "cpn_broker_solver_jobs", "Pending jobs in the last batch solve's problem", registry=r
+        )
         self.http_requests = Counter(
-            "cpn_broker_http_requests", "API requests", ["method", "route", "status"], registry=r
+            "cpn_broker_http_requests_total",
+            "API requests",
+            ["method", "route", "status"],
+            registry=r,
         )
         self.actions = Counter(
-            "cpn_broker_actions",
+            "cpn_broker_actions_total",
             "Scheduler actions carried out (done) or dropped because the view was behind (stale)",
             ["kind", "outcome"],
             registry=r,
         )
         self.task_crashes = Counter(
-            "cpn_broker_task_crashes",
+            "cpn_broker_task_crashes_total",
             "Crashes of the broker's supervised tasks (each restarted with backoff)",
             ["task"],
             registry=r,
         )
         self.batch_errors = Counter(
-            "cpn_broker_batch_errors",
+            "cpn_broker_batch_errors_total",
             "Batch passes skipped because the pending jobs did not make a valid plan problem",
             registry=r,
         )
@@ -55,12 +130,12 @@ class BrokerMetrics:
         )
         self.healthy.set(1)
         self.archived = Counter(
-            "cpn_broker_jobs_archived",
+            "cpn_broker_jobs_archived_total",
             "Finished jobs moved out of the hot prefix into the history (broker.history)",
             registry=r,
         )
         self.expired = Counter(
-            "cpn_broker_jobs_expired",
+            "cpn_broker_jobs_expired_total",
             "Archived jobs dropped from the history after history.archive_retention",
             registry=r,
         )
@@ -70,10 +145,10 @@ class BrokerMetrics:
             registry=r,
         )
         self.compactions = Counter(
-            "cpn_broker_etcd_compactions", "etcd compactions the leader asked for", registry=r
+            "cpn_broker_etcd_compactions_total", "etcd compactions the leader asked for", registry=r
         )
         self.defrags = Counter(
-            "cpn_broker_etcd_defragmentations",
+            "cpn_broker_etcd_defragmentations_total",
             "etcd members the leader defragmented",
             ["endpoint"],
             registry=r,
@@ -87,3 +162,96 @@ class BrokerMetrics:
             ["endpoint"],
             registry=r,
         )
+        self.watch_lag = Histogram(
+            "cpn_broker_watch_lag_seconds",
+            "From a value's write (its own timestamp: a job record's updated_at, a site "
+            "status's published_at) to this replica applying its watch event",
+            ["kind"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+            + (10.0, 30.0),
+            registry=r,
+        )
+        self.route_decisions = Counter(
+            "cpn_route_decisions_total",
+            "Inference routing decisions (POST /v1/route and the gateway), by the client "
+            'region and the chosen site ("none": no site could take it)',
+            ["client_region", "site"],
+            registry=r,
+        )
+        self.proxy_seconds = Histogram(
+            "cpn_proxy_request_duration_seconds",
+            "Inference requests through the gateway, from arrival to the answer's last byte, "
+            "by client region and the site that answered (the last one tried: retries and "
+            "502/504 answers included)",
+            ["client_region", "site"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._route_children: dict[tuple[str, str], Counter] = {}
+        self._proxy_children: dict[tuple[str, str], Histogram] = {}
+        self._lag_children: dict[str, Histogram] = {}
+
+    # -- per-request and per-event updates: O(1), label children cached -------------------------
+
+    def route_decided(self, client_region: str, site: str | None) -> None:
+        key = (client_region, site or "none")
+        child = self._route_children.get(key)
+        if child is None:
+            child = self._route_children[key] = self.route_decisions.labels(*key)
+        child.inc()
+
+    def proxied(self, client_region: str, site: str, seconds: float) -> None:
+        key = (client_region, site)
+        child = self._proxy_children.get(key)
+        if child is None:
+            child = self._proxy_children[key] = self.proxy_seconds.labels(*key)
+        child.observe(seconds)
+
+    def watch_lagged(self, kind: str, seconds: float) -> None:
+        child = self._lag_children.get(kind)
+        if child is None:
+            child = self._lag_children[kind] = self.watch_lag.labels(kind)
+        child.observe(max(0.0, seconds))  # clocks of two hosts may disagree by a little
+
+    def watch_view(self, view: Callable[[], View]) -> None:
+        """Export what is derived from the view (jobs by tenant and state, sites up) at scrape
+        time."""
+        self.registry.register(ViewCollector(view))
+
+
+class ViewCollector(Collector):
+    """`cpn_broker_jobs{tenant,state}` and `cpn_broker_site_up{site,region}`, from the view when
+    Prometheus scrapes: one pass over the unfinished jobs and the sites per scrape, nothing per
+    event. Finished jobs are not in the view; they are counted by cpn_broker_jobs_finished_total.
+    """
+
+    def __init__(self, view: Callable[[], View]) -> None:
+        self._view = view
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # unchecked: the names below are nobody else's in this registry
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._view()
+        counts: dict[tuple[str, str], int] = {}
+        for record, _ in view.jobs.values():
+            key = (record.spec.tenant, record.state.value)
+            counts[key] = counts.get(key, 0) + 1
+        jobs = GaugeMetricFamily(
+            "cpn_broker_jobs",
+            "Unfinished jobs in the registry by tenant and state (every replica sees them all: "
+            "aggregate replicas with max)",
+            labels=["tenant", "state"],
+        )
+        for (tenant, state), n in sorted(counts.items()):
+            jobs.add_metric([tenant, state], n)
+        yield jobs
+        up = GaugeMetricFamily(
+            "cpn_broker_site_up",
+            "1 if the site is registered and an agent holds its lease, else 0",
+            labels=["site", "region"],
+        )
+        sites = view.sites
+        for site, spec in sorted(sites.specs.items()):
+            up.add_metric([site, spec.region], 1 if view.site_up(site) else 0)
+        yield up

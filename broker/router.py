@@ -15,6 +15,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from broker.errors import InvalidRequest, NotFound
 from routing.candidates import CandidateIndex
@@ -25,6 +26,9 @@ from routing.selection import Policy
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
 from sites.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from broker.metrics import BrokerMetrics
 
 SYNC_INTERVAL_S = 0.25
 
@@ -42,8 +46,11 @@ class Router:
         settings: RoutingSettings | None = None,
         seed: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: BrokerMetrics | None = None,
     ) -> None:
+        """`metrics`: where each decision is counted (cpn_route_decisions_total), if given."""
         self.clients = clients
+        self.metrics = metrics
         self._clock = clock
         if settings is None:
             settings = (
@@ -142,6 +149,8 @@ class Router:
         )
         if result.previous is not None:
             self._previous[key] = result.previous
+        if self.metrics is not None:
+            self.metrics.route_decided(client_region, result.site)
         return result
 
 

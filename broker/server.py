@@ -86,6 +86,7 @@ async def serve(
             user_regions=regions,
             latency=latency,
             settings=settings.inference.routing,
+            metrics=broker.metrics,
         )
     else:
         log.warning("no %s: inference routing is off", config_dir / "clients.yaml")

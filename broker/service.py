@@ -78,7 +78,10 @@ class Broker:
         self.audit = AuditLog(registry=registry)
         self.metrics = BrokerMetrics()
         self._kick = asyncio.Event()
-        self.views = ViewCache(registry=registry, on_change=self._kick.set)
+        self.views = ViewCache(
+            registry=registry, on_change=self._kick.set, metrics=self.metrics, clock=self.clock
+        )
+        self.metrics.watch_view(self.view)
         self.leadership = Leadership(
             registry=registry,
             instance=self.instance,
@@ -219,6 +222,7 @@ class Broker:
         self.metrics.decide_seconds.observe(time.perf_counter() - started)
         self.metrics.pending.set(decided.pending)
         outcome = await self.actor.carry_out(decided.actions)
+        self._observe_placed(outcome.done, now, "fast")
         if outcome.deposed:
             return
         if now - self._last_batch >= self.settings.scheduling.batch_interval_s:
@@ -250,14 +254,37 @@ class Broker:
             time_limit_s=sched.batch_time_limit_s,
             gap_limit=sched.batch_gap or None,
         )
+        took = time.perf_counter() - started
+        self.metrics.solver_seconds.labels(result.status.value).observe(took)
+        self.metrics.solver_gap.set(_gap(result.objective, result.bound))
+        self.metrics.solver_jobs.set(len(problem.jobs))
         log.info(
             "batch pass: %d pending jobs, %d placed (%s) in %.2fs",
             len(problem.jobs),
             len(result.assignments),
             result.status.value,
-            time.perf_counter() - started,
+            took,
         )
         if not self.is_leader:
             return
         actions = dc.decide_batch(self.view(), jobs, problem, result, now, self.context())
-        await self.actor.carry_out(actions)
+        outcome = await self.actor.carry_out(actions)
+        self._observe_placed(outcome.done, self.clock.time(), "batch")
+
+    def _observe_placed(self, done: list[dc.Action], now: float, path: str) -> None:
+        """cpn_broker_placement_latency_seconds: submit -> first placement, per job placed."""
+        for action in done:
+            if action.kind is not dc.ActionKind.place:
+                continue
+            for write in action.jobs:
+                record = write.record
+                if record.attempt <= 1 and record.retries == 0:  # its first placement only
+                    latency = max(0.0, now - record.created_at)
+                    self.metrics.placement_latency.labels(path).observe(latency)
+
+
+def _gap(objective: float, bound: float) -> float:
+    """The solver's relative gap, 0 when the bound meets the objective."""
+    if objective <= bound:
+        return 0.0
+    return (objective - bound) / max(abs(objective), 1e-9)

@@ -13,7 +13,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from pydantic import ValidationError
 
@@ -23,10 +23,14 @@ from broker.store import decode
 from sites import keys
 from sites.assignments import Assignment, Report
 from sites.catalog import Capacity, DeviceCatalog, normalize_inventory
+from sites.clock import Clock, SystemClock
 from sites.mirror import KeyValues, PrefixMirror
 from sites.registry import Registry
 from sites.snapshot import Snapshot
 from sites.spec import SiteSpec
+
+if TYPE_CHECKING:
+    from broker.metrics import BrokerMetrics
 
 __all__ = [
     "LIVE",
@@ -90,8 +94,17 @@ class ViewCache:
     to the entry it changes (a site's status, a link, a job), never the whole registry again.
     The mirrors keep no raw copy of the values: the decoded entry is all that is held."""
 
-    def __init__(self, *, registry: Registry, on_change: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        on_change: Callable[[], None],
+        metrics: BrokerMetrics | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         self._on_change = on_change
+        self._metrics = metrics
+        self._clock: Clock = clock or SystemClock()
         self._view = View(sites=Snapshot(revision=0))
         self.mirrors = {
             prefix: PrefixMirror(
@@ -137,10 +150,33 @@ class ViewCache:
         self._on_change()
 
     def _event(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:
-        self._apply(prefix, key, value, rev)
+        unfinished = prefix == keys.JOBS and key[len(keys.JOBS) :] in self._view.jobs
+        record = self._apply(prefix, key, value, rev)
+        if self._metrics is not None and value is not None:
+            self._observe(self._metrics, prefix, key, record, unfinished)
         self._on_change()
 
-    def _apply(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:
+    def _observe(
+        self,
+        metrics: BrokerMetrics,
+        prefix: str,
+        key: str,
+        record: JobRecord | None,
+        unfinished: bool,
+    ) -> None:
+        """Watch lag and finished jobs (docs/metrics.md), from the value just applied: O(1)."""
+        now = self._clock.time()
+        if record is not None:
+            metrics.watch_lagged("job", now - record.updated_at)
+            if unfinished and record.state.terminal:
+                metrics.finished.labels(record.spec.tenant, record.state.value).inc()
+        elif prefix == keys.SITES and key.endswith("/status"):
+            status = self._view.sites.statuses.get(keys.split(key, keys.SITES)[0])
+            if status is not None:
+                metrics.watch_lagged("site_status", now - status.published_at)
+
+    def _apply(self, prefix: str, key: str, value: bytes | None, rev: int) -> JobRecord | None:
+        """Apply one value to the view; a job's decoded record is returned (else None)."""
         view = self._view
         if prefix in _SITE_PREFIXES:
             view.sites.apply(key, value)
@@ -151,6 +187,7 @@ class ViewCache:
                 view.jobs.pop(job_id, None)
             else:
                 view.jobs[record.id] = (record, rev)
+            return record
         elif prefix == keys.ASSIGNMENTS:
             site, job = keys.split(key, keys.ASSIGNMENTS)[:2]
             assignment = None if value is None else _decoded(_assignment, value, key)
@@ -165,6 +202,7 @@ class ViewCache:
                 view.reports.pop((site, job), None)
             else:
                 view.reports[(site, job)] = (report, rev)
+        return None
 
 
 def _assignment(raw: bytes) -> Assignment:

@@ -131,6 +131,9 @@ class Upstream(NamedTuple):
 
 
 Pick = Callable[[str, str | None, str | None], Awaitable[Sequence[Upstream]]]
+Observe = Callable[[str, str, float], None]
+"""(client region, site that answered, seconds from arrival to the answer's end): called once
+per request that reached a site (the broker counts it: cpn_proxy_request_duration_seconds)."""
 
 
 class HealthView(Protocol):
@@ -224,6 +227,7 @@ class InferenceProxy:
         require_region: bool = True,
         active: HealthView | None = None,
         clock: Clock | None = None,
+        observe: Observe | None = None,
     ) -> None:
         """`pool` carries the upstream requests (a new one when None; `close()` closes it).
         `session` is not used for them: it is accepted for callers that still pass one."""
@@ -250,6 +254,7 @@ class InferenceProxy:
         self.require_region = require_region
         self.active = active
         self.clock: Clock = clock or SystemClock()
+        self.observe = observe
 
     async def close(self) -> None:
         """Close the upstream connections."""
@@ -263,6 +268,7 @@ class InferenceProxy:
         return _Ejections(self.health, service, now)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        arrived = self.clock.monotonic()
         service = request.match_info["service"]
         region = self._client_region(request)
         if isinstance(region, web.Response):
@@ -308,7 +314,11 @@ class InferenceProxy:
                 f"no site can take a {service!r} request from region {region!r} now",
                 **{"X-Cpn-Route-Ms": route_ms, "Retry-After": "1"},
             )  # fmt: skip
-        return await self._forward(request, service, candidates, body, route_ms)
+        response = await self._forward(request, service, candidates, body, route_ms)
+        site = response.headers.get("X-Cpn-Site")
+        if self.observe is not None and site is not None:
+            self.observe(region or "none", site, self.clock.monotonic() - arrived)
+        return response
 
     def _client_region(self, request: web.Request) -> str | None | web.Response:
         region = request.headers.get(REGION_HEADER, "").strip()

@@ -14,19 +14,23 @@ GB = 1024**3
 
 
 class NvmlCollector:
-    def __init__(self, *, catalog: DeviceCatalog) -> None:
+    def __init__(self, *, catalog: DeviceCatalog, nvml: Any = None) -> None:
+        """`nvml`: the NVML binding to use, pynvml when None. Tests on a machine without a GPU
+        pass a fake with pynvml's calls (named as one) to check the mapping."""
         self._catalog = catalog
         self._nvml: Any = None
         self._reason = ""
         try:
-            import pynvml
+            if nvml is None:
+                import pynvml
 
-            pynvml.nvmlInit()
+                nvml = pynvml
+            nvml.nvmlInit()
         except Exception as exc:  # noqa: BLE001 - any NVML failure means "no GPUs here"
             self._reason = f"{type(exc).__name__}: {exc}"
             log.info("NVML unavailable (%s): reporting zero GPUs", self._reason)
         else:
-            self._nvml = pynvml
+            self._nvml = nvml
 
     @property
     def available(self) -> bool:

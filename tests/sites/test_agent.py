@@ -198,8 +198,8 @@ async def test_agent_http_endpoints(
     assert body["site"] == "webby" and body["status"] == "ok"
     with urllib.request.urlopen(agent.url + "/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    assert 'cpn_site_capacity{resource="fp16_tflops",site="webby"}' in text
-    assert 'cpn_site_gpus{model="H100",site="webby",state="total"} 16.0' in text
+    assert 'cpn_site_capacity_ops_per_second{precision="fp16",site="webby"}' in text
+    assert 'cpn_site_capacity_accelerators{model="H100",site="webby"} 16.0' in text
     assert "cpn_agent_publishes_total" in text
 
 
