@@ -236,6 +236,7 @@ def plan_capacity(
     workers: int | None = None,
     progress: bool = False,
     log: Callable[[str], None] = lambda _: None,
+    cluster: str | None = None,
 ) -> dict[str, Any]:
     """Greedy search then pruning (module docstring); a JSON-serialisable answer."""
     menu = plan.menu
@@ -248,7 +249,7 @@ def plan_capacity(
         todo = [c for c in dict.fromkeys(candidates) if c not in cache]
         runs = [_with(scenario, menu, c, seed) for c in todo for seed in seeds]
         if runs:
-            results = run_many(runs, workers=workers, progress=progress)
+            results = run_many(runs, workers=workers, progress=progress, cluster=cluster)
             evaluations += len(runs)
             for k, c in enumerate(todo):
                 cache[c] = figures(results[k * len(seeds) : (k + 1) * len(seeds)])

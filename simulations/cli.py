@@ -1,8 +1,8 @@
 """`cpn simulate` and `cpn plan-capacity` (docs/simulation.md).
 
-    cpn simulate SCENARIO.yaml [SCENARIO.yaml ...] [--out DIR] [--workers N]
+    cpn simulate SCENARIO.yaml [SCENARIO.yaml ...] [--out DIR] [--workers N | --cluster ADDR]
                  [--sweep FIELD=V1,V2,...] [--seed N] [--horizon 7d] [--no-progress] [--json]
-    cpn plan-capacity PLANNING.yaml [--out FILE] [--workers N] [--no-progress]
+    cpn plan-capacity PLANNING.yaml [--out FILE] [--workers N | --cluster ADDR] [--no-progress]
 
 Exit 0 when the run finished, 2 with one line per problem for bad input (a scenario or
 planning file that does not validate, a bad option), 1 when a run failed.
@@ -23,6 +23,7 @@ from rich.table import Table
 
 from simulations import plots, report
 from simulations.capacity import load_planning, plan_capacity
+from simulations.cluster import ClusterError
 from simulations.report import slug
 from simulations.runner import default_out, run_many
 from simulations.scenario import Scenario, load_scenario
@@ -51,6 +52,17 @@ def _workers(text: str) -> int:
     return value
 
 
+def _parallel(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=_workers, default=None, help="parallel processes")
+    where.add_argument(
+        "--cluster",
+        metavar="ADDRESS",
+        help="run each scenario as a task of the Dask cluster there, e.g. tcp://host:8786 "
+        "(docs/simulation.md)",
+    )
+
+
 def _run(
     prog: str,
     parser: argparse.ArgumentParser,
@@ -67,13 +79,16 @@ def _run(
         for problem in exc.problems:
             print(f"{prog}: error: {problem}", file=sys.stderr)
         return 2
+    except ClusterError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 def _simulate_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="cpn simulate", description="run capacity-planning simulations")
     p.add_argument("scenarios", nargs="+", help="scenario YAML files")
     p.add_argument("--out", help="report folder (default sim-out/<scenario or 'comparison'>)")
-    p.add_argument("--workers", type=_workers, default=None, help="parallel processes")
+    _parallel(p)
     p.add_argument(
         "--sweep",
         help="FIELD=V1,V2,...: run one scenario once per value of a dotted field "
@@ -130,7 +145,13 @@ def _simulate(args: argparse.Namespace) -> int:
         for path in args.scenarios:
             scenarios.append(load_scenario(path, overrides))
             files.append(path)
-    results = run_many(scenarios, files=files, workers=args.workers, progress=not args.no_progress)
+    results = run_many(
+        scenarios,
+        files=files,
+        workers=args.workers,
+        progress=not args.no_progress,
+        cluster=args.cluster,
+    )
     console = Console()
     if len(results) == 1:
         out = Path(args.out) if args.out else default_out(scenarios[0].name)
@@ -164,7 +185,7 @@ def _plan_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("planning", help="planning YAML: scenario, target, menu")
     p.add_argument("--out", help="answer JSON file (default sim-out/<scenario>-capacity.json)")
-    p.add_argument("--workers", type=_workers, default=None, help="parallel processes")
+    _parallel(p)
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -182,6 +203,7 @@ def _plan_capacity(args: argparse.Namespace) -> int:
         workers=args.workers,
         progress=not args.no_progress,
         log=lambda line: console.print(line),
+        cluster=args.cluster,
     )
     out = Path(args.out) if args.out else Path("sim-out") / f"{slug(scenario.name)}-capacity.json"
     out.parent.mkdir(parents=True, exist_ok=True)

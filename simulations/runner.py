@@ -1,7 +1,8 @@
 """Running scenarios: one in this process, several in parallel processes, with progress bars.
 
 `run_many(scenarios, workers=N)` runs each scenario in its own process (spawned, so nothing of
-this process's state leaks in) and returns the results in input order; progress comes back over
+this process's state leaks in), or with `cluster=ADDRESS` as a task of a Dask cluster
+(simulations.cluster), and returns the results in input order; progress comes back over
 a queue and is drawn as one bar per scenario on stderr. A scenario that raises stops the whole
 run with that error (the others are cancelled): results of a partly failed comparison are not
 comparable.
@@ -68,11 +69,18 @@ def run_many(
     files: Sequence[str | None] | None = None,
     workers: int | None = None,
     progress: bool = False,
+    cluster: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the scenarios in parallel processes; results in input order."""
+    """Run the scenarios in parallel processes, or as tasks of the Dask cluster at `cluster`
+    (simulations.cluster); results in input order."""
     if not scenarios:
         return []
     paths = list(files) if files is not None else [None] * len(scenarios)
+    if cluster is not None:
+        from simulations.cluster import run_on_cluster
+
+        with _progress([s.name for s in scenarios], progress) as update:
+            return run_on_cluster(scenarios, paths, cluster, update)
     count = workers or min(len(scenarios), os.cpu_count() or 1)
     if count <= 1 or len(scenarios) == 1:
         with _progress([s.name for s in scenarios], progress) as update:

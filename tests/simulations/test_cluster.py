@@ -1,0 +1,92 @@
+"""`cpn simulate --cluster`: a sweep on a real Dask cluster (a scheduler and two worker
+processes on loopback) gives the same results as the local run for the same seeds."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sites.etcd_server import free_port
+from tests.simulations.test_cli import cpn, small
+
+WALL = ("wall_s", "jobs_per_s")  # the only figures that depend on the machine, not the seed
+
+
+def _dask(*args: str, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_" + args[0], *args[1:]],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[str]:
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    scheduler = _dask(
+        "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
+        log=tmp_path / "scheduler.log",
+    )  # fmt: skip
+    workers = _dask(
+        "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
+        "--local-directory", str(tmp_path / "dask"), log=tmp_path / "worker.log",
+    )  # fmt: skip
+    try:
+        yield address
+    finally:
+        for proc in (workers, scheduler):
+            proc.send_signal(signal.SIGTERM)
+        for proc in (workers, scheduler):
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _without_wall(run: dict[str, object]) -> dict[str, object]:
+    figures = dict(run["run"])  # type: ignore[call-overload]
+    for key in WALL:
+        figures.pop(key)
+    return {**run, "run": figures}
+
+
+def test_a_sweep_on_a_dask_cluster_equals_the_local_run(
+    make_configs: Callable[..., Path],
+    write_scenario: Callable[..., Path],
+    tmp_path: Path,
+    cluster: str,
+) -> None:
+    path = small(make_configs, write_scenario)
+    sweep = ("--sweep", "policy.kind=fast-path,fifo-first-fit,random", "--json", "--no-progress")
+    remote = cpn("simulate", str(path), *sweep, "--cluster", cluster, "--out", "r", cwd=tmp_path)
+    assert remote.returncode == 0, remote.stderr
+    local = cpn("simulate", str(path), *sweep, "--workers", "2", "--out", "l", cwd=tmp_path)
+    assert local.returncode == 0, local.stderr
+    on_cluster, here = json.loads(remote.stdout), json.loads(local.stdout)
+    assert [r["scenario"]["policy"] for r in on_cluster] == [
+        "fast-path", "fifo-first-fit", "random",
+    ]  # fmt: skip
+    assert len(on_cluster) == len(here) == 3
+    for a, b in zip(on_cluster, here, strict=True):
+        assert _without_wall(a) == _without_wall(b)
+    assert (tmp_path / "r" / "sweep.png").exists()
+
+
+def test_cluster_errors_are_one_line(
+    make_configs: Callable[..., Path], write_scenario: Callable[..., Path], tmp_path: Path
+) -> None:
+    path = small(make_configs, write_scenario)
+    gone = f"tcp://127.0.0.1:{free_port()}"
+    done = cpn("simulate", str(path), "--cluster", gone, "--no-progress", cwd=tmp_path)
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1 and "no Dask scheduler answers" in done.stderr
+    both = cpn("simulate", str(path), "--cluster", gone, "--workers", "2", cwd=tmp_path)
+    assert both.returncode == 2 and "not allowed with" in both.stderr
