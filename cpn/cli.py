@@ -402,6 +402,36 @@ async def cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_usage(args: argparse.Namespace) -> int:
+    """`cpn usage`: the ledger summed (GET /v1/usage); `cpn usage chargeback`: a month's
+    chargeback CSV and PNG (metering.chargeback)."""
+    from metering import chargeback
+
+    params = {k: v for k, v in (("tenant", args.tenant), ("site", args.site)) if v}
+    if args.usage_command == "chargeback":
+        if args.month is None:
+            raise UsageError("cpn usage chargeback needs --month YYYY-MM")
+        first, last = chargeback.month_range(args.month)
+        params.update({"from": first.isoformat(), "to": last.isoformat()})
+        params["by"] = "tenant,site,model"
+    else:
+        params.update({k: v for k, v in (("from", args.from_), ("to", args.to)) if v})
+        if args.by:
+            params["by"] = args.by
+    async with BrokerClient.to(args.broker) as client:
+        report = await client.call("GET", "/v1/usage", **params)
+    if args.usage_command == "chargeback":
+        for path in chargeback.chargeback(report, args.month, Path(args.out)):
+            print(path)
+    elif args.output == "json":
+        print(json.dumps(report, indent=2))
+    elif args.output == "csv":
+        print(chargeback.to_csv(report), end="")
+    else:
+        print(chargeback.to_table(report))
+    return 0
+
+
 async def cmd_whoami(args: argparse.Namespace) -> int:
     async with BrokerClient.to(args.broker) as client:
         me = await client.call("GET", "/v1/whoami")
@@ -678,6 +708,22 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--limit", type=int, default=100, metavar="N")
     broker_arg(audit)
     audit.set_defaults(func=cmd_audit)
+
+    usage = sub.add_parser("usage", help="usage, cost, energy and carbon (docs/metering.md)")
+    usage.add_argument("--tenant", help="only this tenant (a tenant's token: its own)")
+    usage.add_argument("--site", help="only this site")
+    usage.add_argument("--from", dest="from_", metavar="DATE", help="first UTC day, YYYY-MM-DD")
+    usage.add_argument("--to", metavar="DATE", help="last UTC day, YYYY-MM-DD (inclusive)")
+    usage.add_argument(
+        "--by", metavar="DIM[,DIM]", help="group by tenant, site, model, day (default tenant)"
+    )
+    usage.add_argument("--month", metavar="YYYY-MM", help="chargeback: the month")
+    usage.add_argument("--out", default=".", metavar="DIR", help="chargeback: where to write")
+    usage.add_argument(
+        "usage_command", nargs="?", choices=("chargeback",), help="chargeback: a month's CSV+PNG"
+    )
+    broker_arg(usage, ("table", "csv", "json"))
+    usage.set_defaults(func=cmd_usage)
 
     whoami = sub.add_parser("whoami", help="the token in use: its id, role and tenant")
     broker_arg(whoami)
