@@ -15,8 +15,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from metering.usage import UsageBook
 
 if TYPE_CHECKING:
     from broker.view import View
@@ -218,6 +220,10 @@ class BrokerMetrics:
         time."""
         self.registry.register(ViewCollector(view))
 
+    def watch_usage(self, book: UsageBook) -> None:
+        """Export the ledger's totals by tenant and site (cpn_usage_*_total) at scrape time."""
+        self.registry.register(UsageCollector(book))
+
 
 class ViewCollector(Collector):
     """`cpn_broker_jobs{tenant,state}` and `cpn_broker_site_up{site,region}`, from the view when
@@ -255,3 +261,43 @@ class ViewCollector(Collector):
         for site, spec in sorted(sites.specs.items()):
             up.add_metric([site, spec.region], 1 if view.site_up(site) else 0)
         yield up
+
+
+KWH_J = 3.6e6
+KG_G = 1000.0
+# (metric, UsageBook field, factor to base units, help)
+USAGE = (
+    ("cpn_usage_cost_usd", "total_usd", 1.0, "Billed cost (USD) of finished runs"),
+    ("cpn_usage_energy_joules", "energy_kwh", KWH_J, "Energy of finished runs, PUE included"),
+    ("cpn_usage_carbon_grams", "co2_kg", KG_G, "CO2 of finished runs (energy x grid intensity)"),
+    ("cpn_usage_gpu_seconds", "gpu_s", 1.0, "Accelerator-seconds of finished runs"),
+)
+ALL_DAYS = (0, 10**7)  # day numbers since 1970: every segment the book holds
+
+
+class UsageCollector(Collector):
+    """The usage ledger's all-time totals by tenant and site, from the replica's UsageBook
+    (metering.usage) when Prometheus scrapes: one query over the book's rows (~10 ms at
+    100,000 segments), nothing per segment. A run is counted when its segment is written
+    (when it ends, fails over or is preempted), so a running job's use shows at its end."""
+
+    def __init__(self, book: UsageBook) -> None:
+        self._book = book
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self._book.query(first_day=ALL_DAYS[0], last_day=ALL_DAYS[1], by=("tenant", "site"))
+        for name, field, factor, text in USAGE:
+            family = CounterMetricFamily(
+                name,
+                text + " by tenant and site (every replica holds the whole ledger: aggregate "
+                "replicas with max)",
+                labels=["tenant", "site"],
+            )
+            for row in rows:
+                family.add_metric(
+                    [row.group["tenant"], row.group["site"]], row.figures[field] * factor
+                )
+            yield family

@@ -119,6 +119,7 @@ class Broker:
             on_event=lambda key, value, _rev: self.usage.apply(key, value),
             keep_items=False,
         )
+        self.metrics.watch_usage(self.usage)
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
         self._down_since: dict[str, float] = {}
         self._last_batch = 0.0
