@@ -48,7 +48,8 @@ needs_prometheus = pytest.mark.skipif(
 def scrape(url: str, *, auth: bool) -> str:
     req = urllib.request.Request(url + "/metrics", headers=AUTH if auth else {})
     with urllib.request.urlopen(req, timeout=10) as resp:
-        return resp.read().decode()
+        body: bytes = resp.read()
+    return body.decode()
 
 
 async def agent_urls(fed: Federation) -> dict[str, str]:
