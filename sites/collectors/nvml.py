@@ -14,23 +14,19 @@ GB = 1024**3
 
 
 class NvmlCollector:
-    def __init__(self, *, catalog: DeviceCatalog, nvml: Any = None) -> None:
-        """`nvml`: the NVML binding to use, pynvml when None. Tests on a machine without a GPU
-        pass a fake with pynvml's calls (named as one) to check the mapping."""
+    def __init__(self, *, catalog: DeviceCatalog) -> None:
         self._catalog = catalog
         self._nvml: Any = None
         self._reason = ""
         try:
-            if nvml is None:
-                import pynvml
+            import pynvml
 
-                nvml = pynvml
-            nvml.nvmlInit()
+            pynvml.nvmlInit()
         except Exception as exc:  # noqa: BLE001 - any NVML failure means "no GPUs here"
             self._reason = f"{type(exc).__name__}: {exc}"
             log.info("NVML unavailable (%s): reporting zero GPUs", self._reason)
         else:
-            self._nvml = nvml
+            self._nvml = pynvml
 
     @property
     def available(self) -> bool:
