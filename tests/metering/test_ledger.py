@@ -1,0 +1,82 @@
+"""The ledger's pure parts: a segment's bill, energy methods, day shares, the book's dedupe."""
+
+from __future__ import annotations
+
+import pytest
+
+from metering.ledger import EndReason, Run, Segment, close, puts
+from metering.usage import FIELDS, UsageBook, pieces
+from sites.catalog import DeviceCatalog
+from sites.spec import SiteSpec
+from tests.conftest import site_doc
+
+CATALOG = DeviceCatalog.load()
+SPEC = SiteSpec.model_validate(site_doc("s1"))  # H100 2.5/h, core 0.02/h, PUE 1.2, 0.5 kg/kWh
+DAY = 86_400.0
+
+
+def run(**changes: object) -> Run:
+    base: dict[str, object] = dict(
+        job="j", tenant="t", attempt=1, fence=3, site="s1", model="H100", gpus=2, cpu=4,
+        mem_gb=10.0, started_at=1000 * DAY + 3600,
+    )  # fmt: skip
+    base.update(changes)
+    return Run(**base)  # type: ignore[arg-type]
+
+
+def closed(r: Run, seconds: float, reason: EndReason = EndReason.succeeded) -> Segment:
+    end = (r.started_at or 0) + seconds
+    got = close(r, end=end, reason=reason, spec=SPEC, catalog=CATALOG, now=end)
+    assert got is not None
+    return got
+
+
+def test_a_segment_bills_the_request_at_the_sites_prices() -> None:
+    seg = closed(run(), 3600)
+    assert (seg.gpu_s, seg.cpu_core_s, seg.mem_gb_s) == (7200, 14400, 36000)
+    assert seg.gpu_usd == pytest.approx(5.0) and seg.cpu_usd == pytest.approx(0.08)
+    assert seg.total_usd == pytest.approx(5.0 + 0.08 + 10 * 0.003)
+    watts = 2 * CATALOG.get("H100").power_w + 4 * CATALOG.cpu.power_w  # type: ignore[operator]
+    assert seg.energy_method == "catalog"
+    assert seg.energy_kwh == pytest.approx(watts * 3600 * 1.2 / 3.6e6)
+    assert seg.co2_kg == pytest.approx(seg.energy_kwh * 0.5)
+    assert seg.prices.usd_per_gpu_hour == 2.5 and seg.key.endswith("/j/000001")
+
+
+def test_measured_energy_and_use_above_the_request() -> None:
+    seg = closed(run(measured={"energy_j": 3.6e6, "cpu_core_s": 10 * 3600.0}), 3600)
+    assert seg.energy_method == "measured" and seg.energy_kwh == pytest.approx(1.2)
+    assert seg.cpu_core_s == 36000  # used more than the 4 cores asked: max(request, usage)
+
+
+def test_a_run_that_never_started_has_no_segment_and_the_future_is_not_billed() -> None:
+    assert close(run(started_at=None), end=5.0, reason=EndReason.withdrawn, spec=SPEC,
+                 catalog=CATALOG, now=5.0) is None  # fmt: skip
+    r = run()
+    seg = close(r, end=r.started_at + 100, reason=EndReason.site_lost, spec=SPEC,  # type: ignore[operator]
+                catalog=CATALOG, now=r.started_at + 10)  # type: ignore[operator]  # fmt: skip
+    assert seg is not None and seg.seconds == 10
+
+
+def test_day_shares_add_up_to_the_segment() -> None:
+    seg = closed(run(started_at=1000 * DAY - 6 * 3600, egress_gb=5.0, egress_usd=0.25), 3 * DAY)
+    parts = pieces(seg)
+    assert [d for d, _ in parts] == [999, 1000, 1001, 1002]
+    for i, name in enumerate(FIELDS):
+        if name == "seconds" or name.endswith(("_s", "_usd", "_kwh", "_kg")):
+            expected = float(getattr(seg, name))
+            assert sum(f[i] for _, f in parts) == pytest.approx(expected), name
+    assert [f[FIELDS.index("segments")] for _, f in parts] == [0, 0, 0, 1]
+
+
+def test_the_book_counts_a_key_once() -> None:
+    book = UsageBook(capacity=2)
+    seg = closed(run(), 3600)
+    ((key, value),) = puts(seg).items()
+    for _ in range(3):  # a watch replay, a re-list
+        book.apply(key, value)
+    book.apply("/cpn/v1/usage/segments/x/bad/000001", b"{not json")
+    rows = book.query(first_day=990, last_day=1010, by=("tenant",))
+    assert len(rows) == 1 and rows[0].figures["gpu_s"] == 7200
+    book.apply(key, None)
+    assert book.query(first_day=990, last_day=1010, by=("tenant",)) == []
