@@ -435,6 +435,22 @@ async def test_attempts_are_capped_and_unreachable_is_a_502(
         assert resp.headers["X-Cpn-Site"] == "d1"
 
 
+async def test_each_answered_request_is_observed_once_by_region_and_site(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """The broker's cpn_proxy_request_duration_seconds hook: (region, site answering, seconds),
+    the site that answered after retries; a request no site saw is not observed."""
+    seen: list[tuple[str, str, float]] = []
+    a = await standin(serve, "site-a")
+    h = await make_proxy([Upstream("dead", dead_url()), a], observe=lambda *args: seen.append(args))
+    async with http.post(h.infer_url(), json={}, headers=REGION) as resp:
+        assert resp.status == 200
+    async with http.post(h.infer_url(service="nope"), json={}, headers=REGION) as resp:
+        assert resp.status == 404
+    assert [(region, site) for region, site, _ in seen] == [("beijing", "site-a")]
+    assert 0 < seen[0][2] < 5
+
+
 # --- proxy: ejection and health checks -------------------------------------------------------
 
 

@@ -1,0 +1,59 @@
+"""The broker's metrics as exposed: route decisions and proxy latency by client region and
+site, jobs by tenant and state from the view, at O(1) per request (label children cached)."""
+
+from __future__ import annotations
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.jobs import JobRecord, JobSpec, JobState
+from broker.metrics import BrokerMetrics
+from broker.view import View
+from sites.snapshot import Snapshot
+
+
+def samples(metrics: BrokerMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = generate_latest(metrics.registry).decode()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def record(job_id: str, tenant: str, state: JobState) -> JobRecord:
+    spec = JobSpec(name=job_id, tenant=tenant, command=("true",))
+    return JobRecord(id=job_id, spec=spec, state=state, created_at=0.0, updated_at=0.0)
+
+
+def test_route_and_proxy_metrics_by_region_and_site() -> None:
+    metrics = BrokerMetrics()
+    metrics.route_decided("beijing", "east-a")
+    metrics.route_decided("beijing", "east-a")
+    metrics.route_decided("beijing", None)
+    metrics.proxied("beijing", "east-a", 0.02)
+    got = samples(metrics)
+    east = frozenset({("client_region", "beijing"), ("site", "east-a")})
+    assert got[("cpn_route_decisions_total", east)] == 2
+    assert got[("cpn_route_decisions_total", east - {("site", "east-a")} | {("site", "none")})] == 1
+    assert got[("cpn_proxy_request_duration_seconds_count", east)] == 1
+    assert got[("cpn_proxy_request_duration_seconds_sum", east)] == 0.02
+
+
+def test_jobs_by_tenant_and_state_come_from_the_view_at_scrape_time() -> None:
+    view = View(sites=Snapshot(revision=0))
+    metrics = BrokerMetrics()
+    metrics.watch_view(lambda: view)
+    for job_id, tenant, state in (
+        ("j1", "t1", JobState.PENDING),
+        ("j2", "t1", JobState.PENDING),
+        ("j3", "t2", JobState.RUNNING),
+    ):
+        view.jobs[job_id] = (record(job_id, tenant, state), 1)
+    got = samples(metrics)
+    assert got[("cpn_broker_jobs", frozenset({("tenant", "t1"), ("state", "PENDING")}))] == 2
+    assert got[("cpn_broker_jobs", frozenset({("tenant", "t2"), ("state", "RUNNING")}))] == 1
+    del view.jobs["j3"]
+    assert ("cpn_broker_jobs", frozenset({("tenant", "t2"), ("state", "RUNNING")})) not in (
+        samples(metrics)
+    )
