@@ -206,8 +206,10 @@ async def test_prometheus_scrapes_the_federation_and_answers_promql(
     prom = prometheus(
         {"broker": [hostport(fed.broker_url)], "agents": [hostport(u) for u in agents.values()]}
     )
-    up = prom.wait("up", "job", lambda got: len(got) == 2 and all(v == 1 for v in got.values()))
-    assert up == {"cpn-broker": 1.0, "cpn-agents": 1.0}
+    up = prom.wait(
+        "count by (job) (up == 1)", "job", lambda got: got == {"cpn-broker": 1, "cpn-agents": 2}
+    )
+    assert up == {"cpn-broker": 1.0, "cpn-agents": 2.0}
 
     capacity = prom.wait(
         "sum by (site) (cpn_site_capacity_accelerators)", "site", lambda got: len(got) == 2
