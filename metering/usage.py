@@ -45,6 +45,7 @@ FIELDS = (
 _TIME_BOUND = FIELDS[:7] + ("energy_kwh", "co2_kg")  # shared out by the hours in each day
 _INDEX = {name: i for i, name in enumerate(FIELDS)}
 _DAY_S = 86_400
+_DENSE_GROUPS = 1 << 20  # up to this many possible groups, sum into all of them
 _EPOCH = date(1970, 1, 1)
 CPU_ONLY = "cpu"  # the model column of a run without accelerators
 
@@ -120,7 +121,7 @@ class UsageBook:
         self._size = 0
         self._day = np.zeros(capacity, dtype=np.int64)
         self._cols = {name: np.zeros(capacity, dtype=np.int64) for name in self._dims}
-        self._values = np.zeros((capacity, len(FIELDS)))
+        self._values = np.zeros((len(FIELDS), capacity))  # a figure's column is contiguous
         self.earliest: float | None = None  # the first segment's start, unix s
 
     def __len__(self) -> int:
@@ -135,7 +136,7 @@ class UsageBook:
     def apply(self, key: str, value: bytes | None) -> None:
         """A segment put (or deleted, value None) under `key`."""
         for row in self._rows.pop(key, []):
-            self._values[row] = 0.0
+            self._values[:, row] = 0.0
             self._free.append(row)
         if value is None:
             return
@@ -157,7 +158,7 @@ class UsageBook:
             self._cols["tenant"][row] = tenant
             self._cols["site"][row] = site
             self._cols["model"][row] = model
-            self._values[row] = figures
+            self._values[:, row] = figures
             rows.append(row)
         self._rows[key] = rows
         if self.earliest is None or segment.start < self.earliest:
@@ -169,8 +170,8 @@ class UsageBook:
             capacity = 2 * len(self._day)
             self._day = np.resize(self._day, capacity)
             self._cols = {k: np.resize(v, capacity) for k, v in self._cols.items()}
-            values = np.zeros((capacity, len(FIELDS)))
-            values[:row] = self._values[:row]
+            values = np.zeros((len(FIELDS), capacity))
+            values[:, :row] = self._values[:, :row]
             self._values = values
         self._size += 1
         return row
@@ -207,15 +208,22 @@ class UsageBook:
         composite = np.zeros(len(chosen), dtype=np.int64)
         for column, size in zip(columns, sizes, strict=True):
             composite = composite * size + column
-        groups, inverse = np.unique(composite, return_inverse=True)
-        values = self._values[chosen]
-        sums = np.stack(
-            [
-                np.bincount(inverse, weights=values[:, i], minlength=len(groups))
-                for i in range(len(FIELDS))
-            ],
-            axis=1,
-        )
+        space = int(np.prod(sizes, dtype=np.float64))
+        if space <= _DENSE_GROUPS:  # count into every possible group: no sort
+            rows_per_group = np.bincount(composite, minlength=space)
+            groups = np.flatnonzero(rows_per_group)
+            inverse = composite
+            width = space
+        else:
+            groups, inverse = np.unique(composite, return_inverse=True)
+            width = len(groups)
+        dense = [
+            np.bincount(inverse, weights=self._values[i, :n][chosen], minlength=width)
+            for i in range(len(FIELDS))
+        ]
+        sums = np.stack(dense, axis=1)
+        if space <= _DENSE_GROUPS:
+            sums = sums[groups]
         out = []
         for g, group_code in enumerate(groups.tolist()):
             parts: dict[str, str] = {}
