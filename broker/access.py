@@ -82,6 +82,7 @@ ACCESS: dict[tuple[str, str], Permission] = {
     ("DELETE", "/v1/tokens/{token}"): P.tokens,
     ("GET", "/v1/audit"): P.audit,
     ("GET", "/v1/usage"): P.usage,
+    ("GET", "/v1/alerts"): P.alerts,
     ("GET", "/v1/whoami"): P.public,
     ("GET", "/metrics"): P.metrics,
     ("GET", "/healthz"): P.public,

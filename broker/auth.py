@@ -93,19 +93,32 @@ class Permission(enum.StrEnum):
     audit = "audit"
     metrics = "metrics"
     usage = "usage"  # GET /v1/usage: a tenant's token sees its own tenant's only
+    alerts = "alerts"  # GET /v1/alerts: a tenant's token sees its own tenant's alerts only
 
 
 P = Permission
 GRANTS: dict[Role, frozenset[Permission]] = {
     Role.admin: frozenset(Permission),
-    Role.operator: frozenset({P.jobs_read, P.jobs_act, P.sites_read, P.route, P.metrics, P.usage}),
+    Role.operator: frozenset(
+        {P.jobs_read, P.jobs_act, P.sites_read, P.route, P.metrics, P.usage, P.alerts}
+    ),
     Role.tenant_admin: frozenset(
-        {P.jobs_read, P.jobs_submit, P.jobs_act, P.sites_read, P.route, P.tokens, P.audit, P.usage}
+        {
+            P.jobs_read,
+            P.jobs_submit,
+            P.jobs_act,
+            P.sites_read,
+            P.route,
+            P.tokens,
+            P.audit,
+            P.usage,
+            P.alerts,
+        }
     ),
     Role.tenant_user: frozenset(
-        {P.jobs_read, P.jobs_submit, P.jobs_act, P.sites_read, P.route, P.usage}
+        {P.jobs_read, P.jobs_submit, P.jobs_act, P.sites_read, P.route, P.usage, P.alerts}
     ),
-    Role.viewer: frozenset({P.jobs_read, P.sites_read, P.metrics, P.usage}),
+    Role.viewer: frozenset({P.jobs_read, P.sites_read, P.metrics, P.usage, P.alerts}),
 }
 """What each role may do; a tenant-scoped token does it for its own tenant only."""
 

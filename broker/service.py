@@ -25,6 +25,7 @@ from typing import Any
 
 from broker import decisions as dc
 from broker.actions import Actor
+from broker.alerts import AlertKeeper, alert_inputs
 from broker.audit import AuditLog
 from broker.auth import TokenBook
 from broker.errors import BrokerError
@@ -120,6 +121,20 @@ class Broker:
             keep_items=False,
         )
         self.metrics.watch_usage(self.usage)
+        self.alerts = AlertKeeper(
+            registry=registry,
+            leadership=self.leadership,
+            settings=self.settings.alerts,
+            clock=self.clock,
+            inputs=lambda: alert_inputs(
+                self.view(),
+                self.quotas,
+                self.usage if self.usage_mirror.synced.is_set() else None,
+                self.clock.time(),
+            ),
+            metrics=self.metrics.registry,
+            external_url=url,
+        )
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
         self._down_since: dict[str, float] = {}
         self._last_batch = 0.0
@@ -136,6 +151,10 @@ class Broker:
         self.supervisor.spawn("leader election", self.leadership.run, restart=RESTART)
         self.supervisor.spawn("scheduler", self._schedule_loop, restart=RESTART)
         self.supervisor.spawn("history", self.history.run, restart=RESTART)
+        self.supervisor.spawn("alerts", self.alerts.mirror.run, restart=RESTART)
+        if self.settings.alerts.enabled:
+            self.supervisor.spawn("alert rules", self.alerts.run_evaluation, restart=RESTART)
+            self.supervisor.spawn("alert delivery", self.alerts.run_delivery, restart=RESTART)
 
     async def stop(self) -> None:
         await self.supervisor.stop()

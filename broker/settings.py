@@ -6,6 +6,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from broker.alert_rules import AlertSettings
 from routing.health import OutlierSettings
 from routing.policy import RoutingSettings
 from sites.config import read_yaml, validate_mapping
@@ -136,6 +137,10 @@ class BrokerSettings(BaseModel):
     history: HistorySettings = HistorySettings()
     auth: AuthSettings = AuthSettings()
     inference: InferenceSettings = InferenceSettings()
+    alerts: AlertSettings = Field(
+        default=AlertSettings(),
+        description="alert rules, their thresholds and for-durations, webhooks (docs/alerts.md)",
+    )
 
 
 def load_settings(path: Path) -> BrokerSettings:

@@ -19,6 +19,8 @@
 /cpn/v1/tokens/<id>              TokenRecord (hash only)       broker or `cpn token create`
 /cpn/v1/audit/<inv>/<id>         AuditEntry                    broker, for every change
 /cpn/v1/usage/segments/<day>/<job>/<attempt>  Segment          broker, when a run ends
+/cpn/v1/alerts/<rule>/<subject...>           AlertRecord      leader: firing or resolved
+/cpn/v1/alerts-outbox/<us>/<webhook>/<id>    Notification     leader, with the state change
 
 <day> is the UTC date a run ended (YYYY-MM-DD), so a day's or a month's segments are one range.
 <inv> is the job's creation time inverted (broker.history.inverted_time), so etcd's key order
@@ -153,3 +155,19 @@ def usage_segment(day: str, job_id: str, attempt: int) -> str:
     """/cpn/v1/usage/segments/<day>/<job>/<attempt>: one run's metered use (metering.ledger),
     written in the transaction that ends the run; `day` the UTC date it ended (YYYY-MM-DD)."""
     return f"{USAGE_SEGMENTS}{day}/{job_id}/{attempt:06d}"
+
+
+ALERTS = ROOT + "alerts/"
+ALERTS_OUTBOX = ROOT + "alerts-outbox/"
+
+
+def alert(rule: str, subject: tuple[str, ...]) -> str:
+    """/cpn/v1/alerts/<rule>/<subject...>: one alert's state (broker.alerts), firing or
+    resolved; the subject is a site, a link (src/dst), a tenant or a service/site."""
+    return "/".join((ALERTS + rule, *subject))
+
+
+def alert_outbox(created_us: int, webhook: str, notification_id: str) -> str:
+    """/cpn/v1/alerts-outbox/<us>/<webhook>/<id>: a notification not yet delivered to
+    `webhook`, written in the transaction that changed the alert; oldest first."""
+    return f"{ALERTS_OUTBOX}{created_us:017d}/{webhook}/{notification_id}"

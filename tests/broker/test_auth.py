@@ -163,6 +163,12 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
             assert usage.error() == ("forbidden", "tenant")
         else:
             assert (usage.json()["idle"] is None) == (who.partition(":")[2] != ""), who
+    alerts = check("GET", "/v1/alerts", "/v1/alerts")
+    if allowed(who, Permission.alerts):
+        assert alerts.status == 200, (who, alerts)
+        # a tenant's token lists its own tenant's alerts only
+        tenant = who.partition(":")[2]
+        assert all(a["labels"].get("tenant") == tenant for a in alerts.json()["items"] if tenant)
     check("GET", "/metrics", "/metrics")
     for public in ("/healthz", "/openapi.json", "/v1/whoami"):
         check("GET", public, public)
