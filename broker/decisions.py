@@ -7,9 +7,11 @@ next pass decides again on the newer view. Tests check decisions without etcd.
 
 In one pass, in this order (a job gets at most one action per pass):
 
-1. Reports of the current run (fence and attempt match, job PLACED or RUNNING): RUNNING;
-   SUCCEEDED; a failed or stopped run is retried with backoff (PENDING) or FAILED when no
-   retries are left. A terminal report of a run that no longer matters is deleted.
+1. Reports of the current run (fence and attempt match, job PLACED or RUNNING): `running`
+   makes it RUNNING; `starting` keeps it PLACED, and a reason from the site's own scheduler
+   (Slurm PENDING: "queued at S: pending in Slurm: Resources") becomes an event and what the
+   job waits for; SUCCEEDED; a failed or stopped run is retried with backoff (PENDING) or
+   FAILED when no retries are left. A terminal report of a run that no longer matters is deleted.
 2. Failover: the jobs of a site down (or gone) for failover_grace_s are re-queued at once; a
    lost site still uses up a retry (broker.lifecycle).
 3. The fast path, in priority then age order: broker.placement.place per job, the snapshot
@@ -196,7 +198,17 @@ class _Pass:
 
     def _report(self, record: JobRecord, rev: int, report: Report, report_rev: int) -> None:
         site, now = report.site, self.now
-        if report.state in (RunState.starting, RunState.running):
+        if report.state is RunState.starting:
+            # being started, or queued in the site's own scheduler (Slurm PENDING): placed,
+            # not running yet; each reason the scheduler gives, once, as an event and as what
+            # the job waits for
+            waiting = f"queued at {site}: {report.message}" if report.message else None
+            if record.state is JobState.PLACED and waiting and record.unschedulable != waiting:
+                ev = Event(at=now, type="queued", message=waiting, site=site)
+                new = record.with_event(ev, unschedulable=waiting)
+                self._emit(Action(ActionKind.advance, (JobWrite(new, rev),), waiting))
+            return
+        if report.state is RunState.running:
             if record.state is JobState.RUNNING:
                 return
             ev = Event(
@@ -206,7 +218,7 @@ class _Pass:
                 site=site,
                 attempt=record.attempt,
             )
-            new = record.with_event(ev, state=JobState.RUNNING)
+            new = record.with_event(ev, state=JobState.RUNNING, unschedulable=None)
             self._emit(Action(ActionKind.advance, (JobWrite(new, rev),), ev.message))
             return
         guard = (Guard(keys.report(site, record.id), mod_revision=report_rev),)

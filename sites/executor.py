@@ -140,6 +140,11 @@ class Executor(Protocol):
 
     async def adopt(self, assignment: Assignment) -> RunHandle | None: ...
 
+    async def queued(self, handle: RunHandle) -> str | None:
+        """Why the run still waits in the site's own scheduler (e.g. "pending in Slurm:
+        Resources"); None once it runs, or has ended. A local process never waits."""
+        ...
+
 
 # -- layout and environment (shared by every executor) ---------------------------------------
 
@@ -374,6 +379,11 @@ class LocalExecutor:
         del assignment
         return None
 
+    async def queued(self, handle: RunHandle) -> str | None:
+        """Never: the process runs from its start."""
+        del handle
+        return None
+
 
 class UnavailableExecutor:
     """Stands in for an executor that cannot run here: every start fails with ``reason``.
@@ -404,6 +414,9 @@ class UnavailableExecutor:
         return []
 
     async def adopt(self, assignment: Assignment) -> RunHandle | None:  # noqa: ARG002
+        return None
+
+    async def queued(self, handle: RunHandle) -> str | None:  # noqa: ARG002
         return None
 
 

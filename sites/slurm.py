@@ -70,6 +70,9 @@ TERMINAL = frozenset(
     }
 )  # fmt: skip
 
+# states in which the job waits in Slurm's queue and holds nothing yet
+QUEUED = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})
+
 WHY = {
     "CANCELLED": "cancelled in Slurm",
     "TIMEOUT": "TIMEOUT: it ran past its Slurm time limit",
@@ -570,6 +573,16 @@ class SlurmExecutor:
             if record.key not in keep:
                 remove_record(job_dir(self.work_dir, job_id) / RUN_RECORD, record.ref)
         return stopped
+
+    async def queued(self, handle: RunHandle) -> str | None:
+        """ "pending in Slurm: <reason>" while squeue says PENDING (or the job is requeued or
+        held); None once it runs or has ended."""
+        self._watched.add(handle.ref)
+        job = (await self._poll()).get(handle.ref)
+        if job is None or job.state not in QUEUED:
+            return None
+        reason = job.reason if job.reason and job.reason != "None" else "waiting"
+        return f"{job.state.lower()} in Slurm: {reason}"
 
     async def adopt(self, assignment: Assignment) -> RunHandle | None:
         """The Slurm job of this very attempt, found by its comment (or its run record)."""

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 STOP_GRACE_S = 10.0
 KEEP_FINISHED = 200  # finished runs listed by /jobs once their assignment is gone
 RETRY_MIN_S = 0.2
+QUEUE_POLL_S = 1.0  # how often a run queued in the site's scheduler is looked at again
 RETRY_MAX_S = 5.0
 LOG_POLL_S = 0.2
 LOG_CHUNK = 64 * 1024
@@ -545,12 +546,15 @@ class Workload:
         await self._follow(run, handle)
 
     async def _follow(self, run: Run, handle: RunHandle) -> None:
-        """Report the run running, wait for its end, report that."""
+        """Report the run running (after its wait in the site's own queue), wait for its end,
+        report that."""
         a = run.assignment
         if self._closing.is_set():  # the agent began stopping while this one started
             await self.executor.stop(handle, self.stop_grace_s)
         elif run.withdrawn.is_set():
             self._spawn(self._withdraw(run), f"stop {a.job}")
+        else:
+            await self._while_queued(run, handle)
         await self._write(run)
         ended = await self.executor.wait(handle)
         if self._closing.is_set():
@@ -569,6 +573,24 @@ class Workload:
         run.finish(state, self.clock.time(), code, message)
         log.info("job %s attempt %d %s (exit %s): %s", a.job, a.attempt, state.value, code, message)
         await self._write(run)
+
+    async def _while_queued(self, run: Run, handle: RunHandle) -> None:
+        """While the site's scheduler keeps the run in its queue (Slurm PENDING), report it
+        `starting` with the scheduler's reason, each new reason once; it starts running (and
+        is billed) when the scheduler starts it."""
+        reason = await self.executor.queued(handle)
+        if reason is None:
+            return
+        run.state = RunState.starting
+        while reason is not None and not (self._closing.is_set() or run.withdrawn.is_set()):
+            if reason != run.message:
+                run.message = reason
+                log.info("job %s attempt %d: %s", run.job, run.assignment.attempt, reason)
+                await self._write(run)
+            await self.clock.sleep(QUEUE_POLL_S)
+            reason = await self.executor.queued(handle)
+        run.state, run.message = RunState.running, ""
+        run.started_at = self.clock.time()
 
     async def _withdraw(self, run: Run) -> None:
         if run.handle is not None:

@@ -14,7 +14,15 @@ from sites import keys
 from sites.etcd_server import EmbeddedEtcd, find_binary
 from sites.registry import Registry
 from sites.spec import SiteSpec
-from sites.status import AgentRecord, LastSeen, LinkStatus, ServiceEndpoint, SiteState, SiteStatus
+from sites.status import (
+    AgentRecord,
+    AgentSecret,
+    LastSeen,
+    LinkStatus,
+    ServiceEndpoint,
+    SiteState,
+    SiteStatus,
+)
 from tests.conftest import Processes, run_cpn, wait_for
 
 TTL_S = 3  # interval 1 s -> lease TTL 3 s
@@ -158,6 +166,7 @@ async def test_key_layout_seen_by_etcdctl_and_values_round_trip(
         "/cpn/v1/sites/alpha/status": (SiteStatus, True),
         "/cpn/v1/sites/alpha/last_seen": (LastSeen, False),
         "/cpn/v1/agents/alpha": (AgentRecord, True),
+        "/cpn/v1/agent-secrets/alpha": (AgentSecret, True),
         "/cpn/v1/links/alpha/beta": (LinkStatus, True),
         "/cpn/v1/links/beta/alpha": (LinkStatus, True),
         "/cpn/v1/services/chat/alpha": (ServiceEndpoint, True),
@@ -165,6 +174,7 @@ async def test_key_layout_seen_by_etcdctl_and_values_round_trip(
         "/cpn/v1/sites/beta/status": (SiteStatus, True),
         "/cpn/v1/sites/beta/last_seen": (LastSeen, False),
         "/cpn/v1/agents/beta": (AgentRecord, True),
+        "/cpn/v1/agent-secrets/beta": (AgentSecret, True),
     }
     assert set(kvs) == set(expected)
     for key, (model, leased) in expected.items():
@@ -174,7 +184,8 @@ async def test_key_layout_seen_by_etcdctl_and_values_round_trip(
         assert bool(lease) is leased, key
     # all of a site's leased keys share one lease: the agent's
     alpha_leases = {kvs[k][1] for k in expected if expected[k][1] and "alpha" in k.split("/")[3:]}
-    assert len({kvs["/cpn/v1/agents/alpha"][1]} | {kvs["/cpn/v1/sites/alpha/status"][1]}) == 1
+    alpha_lease = {kvs[k][1] for k in ("/cpn/v1/agents/alpha", "/cpn/v1/agent-secrets/alpha")}
+    assert len(alpha_lease | {kvs["/cpn/v1/sites/alpha/status"][1]}) == 1
     assert len(alpha_leases) <= 2  # alpha's own lease (+ beta's link to alpha)
 
 

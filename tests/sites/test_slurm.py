@@ -187,6 +187,35 @@ def test_cancel_suspend_and_an_outside_scancel_reach_slurm(
     assert f"slurm job {slurm_id}: cancelled in Slurm by uid 0" in failed["events"][-1]["message"]
 
 
+def test_a_job_queued_in_slurm_stays_placed_with_slurms_reason_until_it_runs(
+    slurm_federation: Callable[..., Federation], local_slurm: LocalSlurm
+) -> None:
+    fed = slurm_federation()
+    partition = f"partitionname={local_slurm.partition}"
+    local_slurm.run("scontrol", "update", partition, "state=down")  # takes jobs, starts none
+    try:
+        job = fed.submit(name="queued", tenant="acme", cpu=1, mem_gb=0.5, command=["true"])
+
+        def queued() -> bool:
+            record = fed.job(job["id"])
+            return record["state"] == "PLACED" and "PartitionDown" in (
+                record.get("unschedulable") or ""
+            )
+
+        assert wait_until(queued, timeout=40), fed.job(job["id"])
+        record = fed.job(job["id"])
+        assert record["unschedulable"] == f"queued at {SITE}: pending in Slurm: PartitionDown"
+        assert any(e["type"] == "queued" for e in record["events"])
+        assert not any(e["type"] == "running" for e in record["events"])
+    finally:
+        local_slurm.run("scontrol", "update", partition, "state=up")
+    done = fed.wait_state(job["id"], "SUCCEEDED", "FAILED", timeout=60)
+    assert done["state"] == "SUCCEEDED", done["events"]
+    assert done.get("unschedulable") is None
+    types = [e["type"] for e in done["events"]]
+    assert types.index("queued") < types.index("running") < types.index("succeeded")
+
+
 def test_broker_sees_slurm_capacity_and_a_drained_node_drops_out(
     slurm_federation: Callable[..., Federation], local_slurm: LocalSlurm
 ) -> None:
