@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker import webhooks
+from broker.alert_export import alertname
 from broker.alert_rules import (
     AlertInputs,
     AlertSettings,
@@ -101,7 +102,7 @@ class AlertRecord(BaseModel):
 
     @property
     def alertname(self) -> str:
-        return "Cpn" + "".join(part.capitalize() for part in self.rule.value.split("_"))
+        return alertname(self.rule)
 
     @property
     def tenant(self) -> str | None:

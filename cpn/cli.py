@@ -432,6 +432,44 @@ async def cmd_usage(args: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_alerts(args: argparse.Namespace) -> int:
+    """`cpn alerts`: firing and recently resolved alerts (GET /v1/alerts); `cpn alerts rules`:
+    the same rules as a Prometheus alerting-rules file, from configs/broker.yaml."""
+    if args.alerts_command == "rules":
+        from broker.alert_export import rules_yaml
+        from broker.settings import load_settings
+
+        where = Path(args.config_dir) if args.config_dir else config_dir()
+        print(rules_yaml(load_settings(where / "broker.yaml").alerts), end="")
+        return 0
+    params = {"state": args.state} if args.state else {}
+    rows: list[dict[str, Any]] = []
+    async with BrokerClient.to(args.broker) as client:
+        async for items in client.pages("/v1/alerts", params, limit=None):
+            rows += items
+    if args.output == "json":
+        print(json.dumps(rows, indent=2))
+        return 0
+    now = SystemClock().time()
+    print(
+        render.table(
+            ("STATE", "ALERT", "SEVERITY", "SUBJECT", "SINCE", "SUMMARY"),
+            [
+                (
+                    r["state"],
+                    r["alertname"],
+                    r["severity"],
+                    "/".join(r["subject"]),
+                    render.ago(now - (r["ends_at"] or r["starts_at"])),
+                    r["summary"],
+                )
+                for r in rows
+            ],
+        )
+    )
+    return 0
+
+
 async def cmd_whoami(args: argparse.Namespace) -> int:
     async with BrokerClient.to(args.broker) as client:
         me = await client.call("GET", "/v1/whoami")
@@ -724,6 +762,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     broker_arg(usage, ("table", "csv", "json"))
     usage.set_defaults(func=cmd_usage)
+
+    alerts = sub.add_parser("alerts", help="alerts firing and resolved lately (docs/alerts.md)")
+    alerts.add_argument("--state", choices=("firing", "resolved"), help="only these")
+    alerts.add_argument("--config-dir", metavar="DIR", help="rules: the configs/ directory")
+    alerts.add_argument(
+        "alerts_command", nargs="?", choices=("rules",), help="rules: a Prometheus rules file"
+    )
+    broker_arg(alerts)
+    alerts.set_defaults(func=cmd_alerts)
 
     whoami = sub.add_parser("whoami", help="the token in use: its id, role and tenant")
     broker_arg(whoami)
