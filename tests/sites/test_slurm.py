@@ -150,6 +150,19 @@ def test_placed_job_runs_under_slurm_and_its_output_comes_back(
     assert logs.returncode == 0, logs.stderr
     assert f"job={record['id']} site={SITE} ckpt=/ckpt/train" in logs.stdout
     assert f"slurm={row['JobID']} account=acme" in logs.stdout
+    # the usage ledger's segment of the run carries Slurm's own accounting (sacct)
+    import asyncio
+
+    from sites import keys
+
+    async def segments() -> list[dict[str, Any]]:
+        async with Registry.from_urls(fed.registry.url) as registry:  # this test's own loop
+            _, kvs = await registry.list_prefix(keys.USAGE_SEGMENTS)
+        return [json.loads(raw) for _, raw, _ in kvs]
+
+    (segment,) = [s for s in asyncio.run(segments()) if s["job"] == record["id"]]
+    assert segment["site"] == SITE and segment["measured"] is not None, segment
+    assert segment["measured"]["gpu_s:H100"] == 2 * segment["measured"]["elapsed_s"]
     # a tenant with no mapping runs under the default account
     other = fed.submit(name="other", tenant="beta", cpu=1, mem_gb=0.5, command=["true"])
     assert fed.wait_state(other["id"], "SUCCEEDED", "FAILED", timeout=60)["state"] == "SUCCEEDED"
