@@ -22,9 +22,8 @@ from broker.bodies import page_response, query_limit
 from broker.errors import InvalidRequest
 from broker.openapi import Operation, Param, Reply
 
-__all__ = ["ALERTS", "AlertInfo", "AlertList", "alerts_operations"]
+__all__ = ["AlertInfo", "AlertList", "alerts_operations"]
 
-ALERTS = web.AppKey("alerts", AlertKeeper)
 DEFAULT_LIMIT = 500
 MAX_LIMIT = 5000
 
@@ -60,6 +59,9 @@ def _sort_key(record: AlertRecord) -> str:
 
 
 async def list_alerts(request: web.Request) -> web.Response:
+    from broker.api import BROKER  # broker.api registers this module's routes: import late
+
+    keeper: AlertKeeper = request.app[BROKER].alerts
     query = request.query
     limit = query_limit(query, default=DEFAULT_LIMIT, maximum=MAX_LIMIT)
     state = query.get("state") or None
@@ -74,7 +76,7 @@ async def list_alerts(request: web.Request) -> web.Response:
     records = sorted(
         (
             r
-            for r in request.app[ALERTS].records()
+            for r in keeper.records()
             if (state is None or r.state.value == state)
             and (rule is None or r.rule.value == rule)
             and (who.tenant is None or r.tenant == who.tenant)

@@ -34,7 +34,7 @@ from broker.access import (
     principal,
     secured,
 )
-from broker.alerts_api import ALERTS, alerts_operations
+from broker.alerts_api import alerts_operations
 from broker.auth import Forbidden
 from broker.bodies import UNSUPPORTED_MEDIA, page_response, query_limit, read_model
 from broker.errors import (
@@ -571,7 +571,6 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
     )
     app[OPERATIONS] = []
     app[SITES_CACHE] = {}
-    app[ALERTS] = broker.alerts
     app.cleanup_ctx.append(_http_session)
     app.on_startup.append(_check_access)
     for op in [*job_operations(), *access_operations(), *usage_operations(), *alerts_operations()]:
