@@ -207,3 +207,70 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
         up.send_signal(signal.SIGINT)
         code = up.wait(30)
     assert code == 0, (tmp_path / "up.log").read_text()
+
+
+async def test_up_slurm_runs_a_job_through_a_local_slurm(tmp_path: Path) -> None:
+    """`cpn up --slurm`: one more site, slurm-lab, on a single-machine Slurm that cpn up starts
+    and stops; a job placed there runs as a Slurm job and its output comes back."""
+    from sites.slurm_cluster import missing
+
+    if missing() and os.geteuid() != 0:
+        import pytest
+
+        pytest.skip(f"Slurm is not installed ({', '.join(missing())}) and this is not root")
+    if missing():
+        subprocess.run([str(REPO / ".ci" / "install-slurm")], check=True, timeout=900)
+    env = {k: v for k, v in os.environ.items() if k not in ("CPN_TOKEN", "CPN_ETCD")}
+    env |= {"CPN_STATE_DIR": str(tmp_path), "CPN_CONFIG": str(tmp_path / "cpn" / "config.yaml")}
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
+    up = subprocess.Popen(
+        cpn_cmd("up", "--slurm", "--no-wan-emulation", "--interval", "1", "--sites", "wuhu",
+                "--broker-listen", "127.0.0.1:0"),
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+    )  # fmt: skip
+    log.close()
+
+    def cpn(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cpn_cmd(*args), capture_output=True, text=True, env=env, cwd=REPO)
+
+    daemons: list[psutil.Process] = []
+    try:
+
+        def slurm_site_up() -> bool:
+            if up.poll() is not None:
+                raise AssertionError((tmp_path / "up.log").read_text())
+            out = cpn("sites", "-o", "json")
+            sites = {s["id"]: s for s in json.loads(out.stdout)} if out.returncode == 0 else {}
+            return sites.get("slurm-lab", {}).get("state") == "up"
+
+        await wait_for(slurm_site_up, timeout=90, interval=0.5)
+        daemons = [
+            p
+            for p in psutil.Process(up.pid).children(recursive=True)
+            if p.name() in ("slurmctld", "slurmd", "slurmdbd", "munged", "mariadbd")
+        ]
+        assert {p.name() for p in daemons} >= {"slurmctld", "slurmd"}, daemons
+        job = tmp_path / "job.yaml"
+        job.write_text(
+            "name: via-slurm\ntenant: ai-lab\ncpu: 1\nmem_gb: 1\nduration_hours: 0.1\n"
+            "allowed_regions: [slurm-lab]\n"
+            "command: [sh, -c, 'echo on $CPN_SITE as slurm job $SLURM_JOB_ID']\n"
+        )
+        submitted = cpn("submit", str(job))
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.split()[1]
+
+        def finished() -> bool:
+            out = cpn("describe", job_id, "-o", "json")
+            state = json.loads(out.stdout)["state"] if out.returncode == 0 else None
+            assert state != "FAILED", out.stdout
+            return state == "SUCCEEDED"
+
+        await wait_for(finished, timeout=60, interval=0.5)
+        logs = cpn("logs", job_id)
+        assert "on slurm-lab as slurm job " in logs.stdout, logs
+    finally:
+        up.send_signal(signal.SIGINT)
+        code = up.wait(60)
+    assert code == 0, (tmp_path / "up.log").read_text()
+    assert not [p for p in daemons if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
