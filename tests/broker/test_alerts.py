@@ -141,9 +141,9 @@ def test_site_down_fires_and_resolves_with_one_webhook_call_each_and_retries(
     receiver.script["flaky"] = [500, 500]  # the first notification's first two calls fail
     time.sleep(1.0)
     assert alerts(fed) == [] and receiver.calls == []
-    for query, field in (("state=bogus", "state"), ("rule=nope", "rule"), ("limit=0", "limit")):
+    for query, name in (("state=bogus", "state"), ("rule=nope", "rule"), ("limit=0", "limit")):
         status, body = fed.request("GET", f"/v1/alerts?{query}")
-        assert status == 400 and body["error"]["field"] == field, body
+        assert status == 400 and body["error"]["field"] == name, body
 
     fed.kill(fed.agents["east-a"])  # SIGKILL: its lease expires in ~2 s
     wait(lambda: receiver.delivered("ops", "firing"), 15, "a firing call to ops")
