@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import math
+import secrets
 import time
 import zlib
 from collections.abc import Iterable
@@ -57,6 +58,8 @@ from broker.store import (
     summary,
     writes,
 )
+from metering.ledger import Segment, day_of
+from metering.rollup import ROLLUP_SEGMENTS, roll
 from sites import keys
 from sites.clock import Clock
 from sites.durations import parse_duration_s
@@ -246,13 +249,19 @@ class PassResult:
     archived: int = 0
     expired: int = 0
     audit_expired: int = 0
+    rolled_up: int = 0  # usage segments summed into rollups
+    usage_expired: int = 0  # rolled-up segments' detail dropped after archive_retention_s
     compacted_to: int | None = None
     defragmented: list[str] = field(default_factory=list)
 
     @property
     def busy(self) -> bool:
         """True when a pass stopped at PASS_LIMIT: more work is waiting."""
-        return self.archived >= PASS_LIMIT or self.expired >= PASS_LIMIT
+        return (
+            self.archived >= PASS_LIMIT
+            or self.expired >= PASS_LIMIT
+            or self.rolled_up >= PASS_LIMIT
+        )
 
 
 class HistoryKeeper:
@@ -301,6 +310,8 @@ class HistoryKeeper:
         out.archived = await self.archive(now)
         out.expired = await self.expire(now)
         out.audit_expired = await self.expire_audit(now)
+        out.rolled_up = await self.roll_up_usage(now)
+        out.usage_expired = await self.expire_usage_history(now)
         out.compacted_to = await self.compact()
         out.defragmented = await self.defragment()
         return out
@@ -408,6 +419,79 @@ class HistoryKeeper:
         if len(batch) == 1:
             return 0  # it changed meanwhile; the next pass sees it again
         return sum([await self._archive([one], now) for one in batch])
+
+    # usage: closed days' segments into rollups (metering.rollup)
+
+    async def roll_up_usage(self, now: float) -> int:
+        """Sum the segments of days ended over usage_rollup_after_s ago into rollups, moving
+        them to the history, ROLLUP_SEGMENTS a transaction; at most PASS_LIMIT a pass."""
+        after = float(self.settings.usage_rollup_after_s)
+        if not after:
+            return 0
+        cutoff = keys.USAGE_SEGMENTS + day_of(now - after)  # keys of days before it
+        batch: list[tuple[str, bytes, int]] = []
+        rolled = 0
+        async for page in self.registry.iter_range(
+            keys.USAGE_SEGMENTS, prefix=keys.USAGE_SEGMENTS, end_key=cutoff, page_keys=500
+        ):
+            for item in page.items:
+                if batch and _segment_day(batch[0][0]) != _segment_day(item[0]):
+                    rolled += await self._roll(batch, now)
+                    batch = []
+                batch.append(item)
+                if len(batch) == ROLLUP_SEGMENTS:
+                    rolled += await self._roll(batch, now)
+                    batch = []
+                if rolled >= PASS_LIMIT:
+                    return rolled
+        if batch:
+            rolled += await self._roll(batch, now)
+        return rolled
+
+    async def expire_usage_history(self, now: float) -> int:
+        """Drop the detail of rolled-up segments of days over archive_retention_s ago (their
+        rollups, the figures billed, stay); at most PASS_LIMIT a pass."""
+        retention = float(self.settings.archive_retention_s)
+        if not retention:
+            return 0
+        cutoff = keys.USAGE_HISTORY + day_of(now - retention)
+        old: list[str] = []
+        async for page in self.registry.iter_range(
+            keys.USAGE_HISTORY, prefix=keys.USAGE_HISTORY, end_key=cutoff, page_keys=500
+        ):
+            old += [key for key, _, _ in page.items]
+            if len(old) >= PASS_LIMIT:
+                break
+        for i in range(0, len(old), 100):
+            await self.registry.commit(guards=[self.leadership.guard()], deletes=old[i : i + 100])
+        return len(old)
+
+    async def _roll(self, batch: list[tuple[str, bytes, int]], now: float) -> int:
+        segments = []
+        for key, raw, _ in batch:
+            try:
+                segments.append((key, Segment.model_validate_json(raw)))
+            except ValidationError as exc:
+                log.warning("not rolling up unreadable usage segment %s: %s", key, exc)
+        if not segments:
+            return 0
+        day = _segment_day(batch[0][0])
+        rollup = roll(segments, day=day, now=now)
+        part = f"{micros(now):017d}-{secrets.token_hex(4)}"
+        taken = {key for key, _ in segments}
+        ok = await self.registry.commit(
+            guards=[self.leadership.guard()]
+            + [Guard(key, mod_revision=rev) for key, _, rev in batch if key in taken],
+            puts={
+                keys.usage_rollup(day, part): rollup.model_dump_json().encode(),
+                **{keys.archived_segment(key): raw for key, raw, _ in batch if key in taken},
+            },
+            deletes=sorted(taken),
+        )
+        if not ok:
+            return 0  # a segment changed meanwhile (or we lost the lead): the next pass
+        self.metrics.usage_rolled_up.inc(len(taken))
+        return len(taken)
 
     async def _forget_gang(self, tenant: str, gang: str) -> None:
         """Delete a gang's record once none of its members is hot any more (else gang
@@ -519,6 +603,10 @@ class HistoryKeeper:
             self.metrics.defrags.labels(m.endpoint).inc()
             done.append(m.endpoint)
         return done
+
+
+def _segment_day(key: str) -> str:
+    return key[len(keys.USAGE_SEGMENTS) :].split("/", 1)[0]
 
 
 def _worth_defragmenting(

@@ -136,6 +136,11 @@ class BrokerMetrics:
             "Finished jobs moved out of the hot prefix into the history (broker.history)",
             registry=r,
         )
+        self.usage_rolled_up = Counter(
+            "cpn_broker_usage_segments_rolled_up_total",
+            "Usage segments of closed days summed into rollups and moved to the history",
+            registry=r,
+        )
         self.expired = Counter(
             "cpn_broker_jobs_expired_total",
             "Archived jobs dropped from the history after history.archive_retention",

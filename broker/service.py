@@ -115,7 +115,7 @@ class Broker:
         self.usage = UsageBook()
         self.usage_mirror = PrefixMirror(
             registry=registry,
-            prefix=keys.USAGE_SEGMENTS,
+            prefix=keys.USAGE,  # segments and the rollups of closed days (metering.rollup)
             on_reset=self.usage.reset,
             on_event=lambda key, value, _rev: self.usage.apply(key, value),
             keep_items=False,

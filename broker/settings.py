@@ -106,6 +106,12 @@ class HistorySettings(BaseModel):
     audit_retention_s: Duration = Field(
         default=90 * 86400.0, ge=0, description="audit entries are kept this long (0: forever)"
     )
+    usage_rollup_after_s: Duration = Field(
+        default=2 * 86400.0,
+        ge=0,
+        description="usage segments of days that ended longer ago than this are summed into "
+        "rollups and moved to the history (metering.rollup; 0: never)",
+    )
 
 
 class AuthSettings(BaseModel):

@@ -1,7 +1,8 @@
 """Usage per tenant, site, model and day, kept in memory from the ledger's segments.
 
-Every broker replica holds one `UsageBook`, fed by a mirror of /cpn/v1/usage/segments/ (list
-once, then the watch): a segment becomes one row per UTC day it overlaps, its time-bound
+Every broker replica holds one `UsageBook`, fed by a mirror of /cpn/v1/usage/ (list once, then
+the watch): its segments, and the rollups of closed days (metering.rollup), whose rows are
+added as they are; a segment becomes one row per UTC day it overlaps, its time-bound
 figures shared out by the hours in each day (egress and the segment count go to the day it
 ended). The rows are numpy columns, so `query` is a few vector passes over them whatever the
 filters: no etcd read at all, and ~10 ms for a year of 100,000 segments (bench/usage_ledger.py).
@@ -21,6 +22,8 @@ import numpy.typing as npt
 from pydantic import ValidationError
 
 from metering.ledger import Segment
+from metering.rollup import Rollup
+from sites import keys
 
 __all__ = ["DIMENSIONS", "FIELDS", "UsageBook", "UsageRow", "day_number", "day_text"]
 
@@ -134,35 +137,49 @@ class UsageBook:
             self.apply(key, value)
 
     def apply(self, key: str, value: bytes | None) -> None:
-        """A segment put (or deleted, value None) under `key`."""
+        """A segment or a rollup (metering.rollup) put under `key`, or deleted (value None)."""
         for row in self._rows.pop(key, []):
             self._values[:, row] = 0.0
             self._free.append(row)
         if value is None:
             return
         try:
-            segment = Segment.model_validate_json(value)
+            if key.startswith(keys.USAGE_ROLLUPS):
+                self.add_rollup(key, Rollup.model_validate_json(value))
+            else:
+                self.add(key, Segment.model_validate_json(value))
         except ValidationError:
-            log.warning("ignoring a malformed usage segment at %s", key)
-            return
-        self.add(key, segment)
+            log.warning("ignoring a malformed usage record at %s", key)
 
     def add(self, key: str, segment: Segment) -> None:
-        tenant = self._dims["tenant"].code(segment.tenant)
-        site = self._dims["site"].code(segment.site)
-        model = self._dims["model"].code(segment.model or CPU_ONLY)
+        group = (segment.tenant, segment.site, segment.model or CPU_ONLY)
+        self._put(key, [(*group, day, figures) for day, figures in pieces(segment)])
+        if self.earliest is None or segment.start < self.earliest:
+            self.earliest = segment.start
+
+    def add_rollup(self, key: str, rollup: Rollup) -> None:
+        self._put(
+            key,
+            [(r.tenant, r.site, r.model, r.day, np.asarray(r.figures)) for r in rollup.rows],
+        )
+        if rollup.rows:
+            start = float(min(r.day for r in rollup.rows) * _DAY_S)
+            if self.earliest is None or start < self.earliest:
+                self.earliest = start
+
+    def _put(
+        self, key: str, pieces_: Sequence[tuple[str, str, str, int, npt.NDArray[np.float64]]]
+    ) -> None:
         rows = []
-        for day, figures in pieces(segment):
+        for tenant, site, model, day, figures in pieces_:
             row = self._free.pop() if self._free else self._grow()
             self._day[row] = day
-            self._cols["tenant"][row] = tenant
-            self._cols["site"][row] = site
-            self._cols["model"][row] = model
+            self._cols["tenant"][row] = self._dims["tenant"].code(tenant)
+            self._cols["site"][row] = self._dims["site"].code(site)
+            self._cols["model"][row] = self._dims["model"].code(model)
             self._values[:, row] = figures
             rows.append(row)
         self._rows[key] = rows
-        if self.earliest is None or segment.start < self.earliest:
-            self.earliest = segment.start
 
     def _grow(self) -> int:
         row = self._size

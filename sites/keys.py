@@ -19,6 +19,8 @@
 /cpn/v1/tokens/<id>              TokenRecord (hash only)       broker or `cpn token create`
 /cpn/v1/audit/<inv>/<id>         AuditEntry                    broker, for every change
 /cpn/v1/usage/segments/<day>/<job>/<attempt>  Segment          broker, when a run ends
+/cpn/v1/usage/rollups/<day>/<part>           Rollup           leader: closed days' segments
+/cpn/v1/history/usage/<day>/<job>/<attempt>  Segment          leader, with the rollup
 /cpn/v1/alerts/<rule>/<subject...>           AlertRecord      leader: firing or resolved
 /cpn/v1/alerts-outbox/<us>/<webhook>/<id>    Notification     leader, with the state change
 
@@ -149,12 +151,25 @@ def gang(tenant: str, name: str) -> str:
 
 USAGE = ROOT + "usage/"
 USAGE_SEGMENTS = USAGE + "segments/"
+USAGE_ROLLUPS = USAGE + "rollups/"
+USAGE_HISTORY = ROOT + "history/usage/"
 
 
 def usage_segment(day: str, job_id: str, attempt: int) -> str:
     """/cpn/v1/usage/segments/<day>/<job>/<attempt>: one run's metered use (metering.ledger),
     written in the transaction that ends the run; `day` the UTC date it ended (YYYY-MM-DD)."""
     return f"{USAGE_SEGMENTS}{day}/{job_id}/{attempt:06d}"
+
+
+def usage_rollup(day: str, part: str) -> str:
+    """/cpn/v1/usage/rollups/<day>/<part>: the summed rows of up to ROLLUP_SEGMENTS segments
+    of a closed day (metering.rollup), which moved to USAGE_HISTORY in the same transaction."""
+    return f"{USAGE_ROLLUPS}{day}/{part}"
+
+
+def archived_segment(segment_key: str) -> str:
+    """Where a rolled-up segment is kept (its detail, for exports), same <day>/<job>/<attempt>."""
+    return USAGE_HISTORY + segment_key.removeprefix(USAGE_SEGMENTS)
 
 
 ALERTS = ROOT + "alerts/"
