@@ -87,6 +87,9 @@ ACCESS: dict[tuple[str, str], Permission] = {
     ("GET", "/metrics"): P.metrics,
     ("GET", "/healthz"): P.public,
     ("GET", "/openapi.json"): P.public,
+    ("GET", "/v1/routes/summary"): P.metrics,  # the route counters of /metrics, as JSON
+    ("GET", "/"): P.public,  # the dashboard: no data in it, its API calls carry the token
+    ("GET", "/dashboard/{asset}"): P.public,
 }
 """Each route's permission (broker.auth.GRANTS says which roles hold it)."""
 

@@ -37,6 +37,7 @@ from broker.access import (
 from broker.alerts_api import alerts_operations
 from broker.auth import Forbidden
 from broker.bodies import UNSUPPORTED_MEDIA, page_response, query_limit, read_model
+from broker.dashboard import dashboard_operations
 from broker.errors import (
     Conflict,
     Expired,
@@ -55,6 +56,7 @@ from sites import keys
 from sites.catalog import Capacity
 from sites.config import field_path
 from sites.errors import RegistryUnavailable
+from sites.spec import Coordinates
 from sites.status import AgentSecret, SiteState
 
 log = logging.getLogger(__name__)
@@ -197,6 +199,10 @@ class SiteInfo(BaseModel):
     )
     rtt_ms: dict[str, float] = Field(description="peer site -> measured round trip, ms")
     free: Capacity | None = Field(description="capacity not held by jobs; null before a report")
+    capacity: Capacity | None = Field(
+        default=None, description="total capacity as last reported; null before a report"
+    )
+    coordinates: Coordinates | None = Field(default=None, description="from the site's spec")
 
 
 class Health(BaseModel):
@@ -396,6 +402,8 @@ async def list_sites(request: web.Request) -> web.Response:
                         else round(now - site.last_seen, 3),
                         rtt_ms=site.rtt_ms,
                         free=None if site.status is None else site.status.free,
+                        capacity=None if site.status is None else site.status.capacity,
+                        coordinates=site.spec.coordinates,
                     ).model_dump(mode="json")
                 ).encode(),
             )
@@ -573,7 +581,14 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
     app[SITES_CACHE] = {}
     app.cleanup_ctx.append(_http_session)
     app.on_startup.append(_check_access)
-    for op in [*job_operations(), *access_operations(), *usage_operations(), *alerts_operations()]:
+    operations = [
+        *job_operations(),
+        *access_operations(),
+        *usage_operations(),
+        *alerts_operations(),
+        *dashboard_operations(),
+    ]
+    for op in operations:
         register(app, op)
     if router is not None:
         app[ROUTER] = router

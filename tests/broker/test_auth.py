@@ -170,8 +170,16 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
         tenant = who.partition(":")[2]
         assert all(a["labels"].get("tenant") == tenant for a in alerts.json()["items"] if tenant)
     check("GET", "/metrics", "/metrics")
+    summary = check("GET", "/v1/routes/summary", "/v1/routes/summary")
+    if allowed(who, Permission.metrics):
+        assert summary.status == 200 and "items" in summary.json(), (who, summary)
     for public in ("/healthz", "/openapi.json", "/v1/whoami"):
         check("GET", public, public)
+    # the dashboard's page and files hold no data: public (their API calls carry the token)
+    page = check("GET", "/", "/")
+    assert page.status == 200 and page.content_type.startswith("text/html"), page
+    script = check("GET", "/dashboard/{asset}", "/dashboard/app.js")
+    assert script.status == 200 and script.content_type.startswith("text/javascript"), script
     assert set(ACCESS) == tested, set(ACCESS) - tested
 
 
