@@ -130,6 +130,11 @@ async def fill(url: str, n: int, now: float) -> dict[str, Any]:
     }
 
 
+async def count(url: str, prefix: str) -> int:
+    async with Registry.from_urls(url) as reg:
+        return await reg.count_prefix(prefix)
+
+
 def get(url: str, path: str) -> tuple[int, bytes]:
     req = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
     try:
@@ -185,27 +190,53 @@ def main() -> None:
         result: dict[str, Any] = {"etcd": asyncio.run(fill(url, args.segments, now))}
         cfg = work / "configs"
         shutil.copytree(ROOT / "configs", cfg)
-        (cfg / "broker.yaml").write_text(yaml.safe_dump({"leader_ttl_s": 2}))
-        port = free_port()
-        t0 = time.perf_counter()
-        broker = subprocess.Popen(
-            [sys.executable, "-m", "cpn", "broker", "--etcd", url, "--listen",
-             f"127.0.0.1:{port}", "--config-dir", str(cfg)],
-            stdout=subprocess.DEVNULL, stderr=(work / "broker.log").open("wb"),
-        )  # fmt: skip
-        base = f"http://127.0.0.1:{port}"
-        while True:
-            try:
-                if get(base, "/v1/usage")[0] == 200:
-                    break
-            except OSError:
-                pass
-            if broker.poll() is not None:
-                raise SystemExit("broker exited: " + (work / "broker.log").read_text()[-2000:])
-            time.sleep(0.1)
-        result["first_answer_s"] = time.perf_counter() - t0
+
+        def start_broker(rollup_after_s: float) -> tuple[subprocess.Popen[bytes], str, float]:
+            settings = {"leader_ttl_s": 2, "history": {"usage_rollup_after_s": rollup_after_s}}
+            (cfg / "broker.yaml").write_text(yaml.safe_dump(settings))
+            port = free_port()
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "cpn", "broker", "--etcd", url, "--listen",
+                 f"127.0.0.1:{port}", "--config-dir", str(cfg)],
+                stdout=subprocess.DEVNULL, stderr=(work / "broker.log").open("ab"),
+            )  # fmt: skip
+            base = f"http://127.0.0.1:{port}"
+            while True:
+                try:
+                    if get(base, "/v1/usage")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if proc.poll() is not None:
+                    raise SystemExit("broker exited: " + (work / "broker.log").read_text()[-2000:])
+                time.sleep(0.1)
+            return proc, base, time.perf_counter() - t0
+
+        # 1. every segment as written (no rollup yet)
+        broker, base, result["first_answer_s"] = start_broker(0)
         result["queries"] = measure(base, args.rounds, now)
         result["broker_rss_mb"] = psutil.Process(broker.pid).memory_info().rss / 2**20
+        broker.terminate()
+        broker.wait(30)
+        # 2. a broker with rollups on sums the closed days (metering.rollup); then a fresh one
+        print("rolling up closed days", file=sys.stderr)
+        broker, base, _ = start_broker(2 * 86400)
+        t0 = time.perf_counter()
+        recent = sum(1 for b in segments(args.segments, now) for k in b if k.startswith(
+            keys.USAGE_SEGMENTS) and k > keys.USAGE_SEGMENTS + time.strftime(
+            "%Y-%m-%d", time.gmtime(now - 2 * 86400)))  # fmt: skip
+        while asyncio.run(count(url, keys.USAGE_SEGMENTS)) > recent:
+            time.sleep(1)
+        result["rollup_s"] = time.perf_counter() - t0
+        before = measure(base, 20, now)  # the same figures after the rollup
+        broker.terminate()
+        broker.wait(30)
+        broker, base, result["rolled_first_answer_s"] = start_broker(2 * 86400)
+        result["rolled_keys"] = asyncio.run(count(url, keys.USAGE))
+        result["rolled_queries"] = measure(base, args.rounds, now)
+        result["rolled_broker_rss_mb"] = psutil.Process(broker.pid).memory_info().rss / 2**20
+        assert before.keys() == result["rolled_queries"].keys()
     finally:
         if broker is not None:
             broker.terminate()
@@ -224,6 +255,15 @@ def main() -> None:
     )
     print(f"{'query':32} {'p50 ms':>8} {'p99 ms':>8} {'items':>6}")
     for name, q in result["queries"].items():
+        print(f"{name:32} {q['p50_ms']:8.1f} {q['p99_ms']:8.1f} {q['items']:6d}")
+    print(
+        f"\nafter the rollup of closed days ({result['rollup_s']:.0f} s): "
+        f"{result['rolled_keys']} keys under /cpn/v1/usage/; a fresh broker's first GET "
+        f"/v1/usage {result['rolled_first_answer_s']:.1f} s, RSS "
+        f"{result['rolled_broker_rss_mb']:.0f} MB"
+    )
+    print(f"{'query':32} {'p50 ms':>8} {'p99 ms':>8} {'items':>6}")
+    for name, q in result["rolled_queries"].items():
         print(f"{name:32} {q['p50_ms']:8.1f} {q['p99_ms']:8.1f} {q['items']:6d}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
