@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: up test lint fmt bench clean slurm prometheus
+.PHONY: up test lint fmt bench clean slurm prometheus chromium
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 up: $(STAMP)
 	$(BIN)/cpn up
 
-test: lint slurm prometheus
+test: lint slurm prometheus chromium
 	$(BIN)/pytest
 
 # A real single-machine Slurm for tests/sites/test_slurm.py and `cpn up --slurm`: the Debian
@@ -26,6 +26,11 @@ slurm:
 # a real Prometheus scrapes a test federation): the Debian package, installed when missing.
 prometheus:
 	@.ci/install-prometheus || echo "make: Prometheus could not be installed; its tests will skip" >&2
+
+# Headless Chromium and chromedriver for tests/broker/test_dashboard.py and
+# bench/dashboard_paint.py: the Debian packages chromium and chromium-driver, when missing.
+chromium:
+	@.ci/install-chromium || echo "make: Chromium could not be installed; the dashboard test will skip" >&2
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
