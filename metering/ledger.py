@@ -14,8 +14,10 @@ repeated put replaces, never adds. docs/metering.md has the long form.
                 for cores and memory the scheduler's measured use when it is larger
                 (OpenCost's max(request, usage)); devices are held whole
     *_usd       resource-hours x the site's list price recorded in `prices`
-    energy_kwh  measured (Report.usage energy_j) or estimated (catalog power_w x utilization,
-                1.0 when unknown), x the site's PUE; `energy_method` says which
+    energy_kwh  `energy_method`: "measured" (Report.usage energy_j: the site's scheduler, e.g.
+                Slurm's sacct), "gpu-measured" (NVML: the average power the agent read on the
+                job's own devices x its time, the CPUs from the catalog) or "catalog" (catalog
+                power_w x utilization, measured or 1.0), x the site's PUE
     co2_kg      energy_kwh x the site's grid intensity (power.grid_kgco2_per_kwh)
 """
 
@@ -118,7 +120,7 @@ class Segment(BaseModel):
     egress_usd: float
     total_usd: float
     energy_kwh: float
-    energy_method: Literal["measured", "catalog"]
+    energy_method: Literal["measured", "gpu-measured", "catalog"]
     co2_kg: float
     recorded_at: float
 
@@ -183,15 +185,23 @@ def close(
     gpu_usd = gpu_s / _HOUR * prices.usd_per_gpu_hour
     cpu_usd = cpu_core_s / _HOUR * prices.usd_per_core_hour
     mem_usd = mem_gb_s / _HOUR * prices.usd_per_gb_mem_hour
-    if measured is not None and "energy_j" in measured:
-        method: Literal["measured", "catalog"] = "measured"
+    cpu_joules = run.cpu * _watts(catalog, catalog.cpu_reference) * seconds
+    if measured is not None and "energy_j" in measured:  # the site's scheduler, whole job
+        method: Literal["measured", "gpu-measured", "catalog"] = "measured"
         it_joules = measured["energy_j"]
+    elif measured is not None and "gpu_energy_j" in measured and measured.get("gpu_metered_s"):
+        # NVML's power of the job's own devices, averaged over the part of the run it was
+        # read for (one reading each publish interval) and held for the whole run; the CPUs
+        # from the catalog
+        method = "gpu-measured"
+        watts = measured["gpu_energy_j"] / measured["gpu_metered_s"]
+        it_joules = watts * seconds + cpu_joules
     else:
         method = "catalog"
-        utilization = 1.0 if run.utilization is None else run.utilization
-        watts = run.gpus * _watts(catalog, run.model) * utilization
-        watts += run.cpu * _watts(catalog, catalog.cpu_reference)
-        it_joules = watts * seconds
+        utilization = run.utilization
+        if utilization is None:
+            utilization = (measured or {}).get("gpu_util_ratio", 1.0)
+        it_joules = run.gpus * _watts(catalog, run.model) * utilization * seconds + cpu_joules
     energy_kwh = it_joules * prices.pue / _J_PER_KWH
     return Segment(
         job=run.job,

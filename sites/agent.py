@@ -387,6 +387,8 @@ class Agent:
         held = self.workload.held() if self.workload is not None else Capacity.zero()
         if spec.perception.mode == "host":
             gpus = self._nvml.collect() if self._nvml else []
+            if gpus and self.workload is not None:
+                self.workload.meter(gpus, now)  # each running job's GPU energy (the ledger's)
             held_ix = self.workload.held_devices() if self.workload is not None else {}
             devices: dict[str, int] = {}
             busy: dict[str, int] = {}  # busy with a process or held by a job, counted once

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from sites.executor import JOB_ID_RE, Executor, ExecutorError, RunHandle, log_pa
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.spec import SiteSpec
-from sites.status import AgentRecord
+from sites.status import AgentRecord, GpuDevice
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,11 @@ class Run:
     exit_code: int | None = None
     message: str = ""
     usage: dict[str, float] | None = None
+    # NVML-measured GPU energy and utilization of its devices while it runs (`meter`)
+    gpu_energy_j: float = 0.0
+    gpu_util_s: float = 0.0  # utilization (0..1, averaged over its devices) x seconds
+    metered_s: float = 0.0
+    metered_at: float | None = None
     withdrawn: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -109,6 +114,34 @@ class Run:
         self.finished_at = now
         self.exit_code = exit_code
         self.message = message
+
+    def meter(self, gpus: Sequence[GpuDevice], now: float) -> None:
+        """Add what NVML says its devices drew since the last reading: power x time, and
+        utilization x time (the agent calls this every publish interval). Only while it runs,
+        and only when every one of its devices reports its power."""
+        since, self.metered_at = self.metered_at, now
+        model = self.assignment.model
+        if self.state is not RunState.running or not self.devices or model is None:
+            return
+        mine = [g for g in gpus if g.model == model and g.index in self.devices]
+        if since is None or len(mine) != len(self.devices) or now <= since:
+            return
+        if any(g.power_w is None for g in mine):
+            return
+        dt = now - since
+        self.gpu_energy_j += sum(float(g.power_w or 0.0) for g in mine) * dt
+        self.gpu_util_s += sum(g.util_pct for g in mine) / 100.0 / len(mine) * dt
+        self.metered_s += dt
+
+    def metered(self) -> dict[str, float]:
+        """Report.usage's GPU figures from `meter`, {} when nothing was measured."""
+        if not self.metered_s:
+            return {}
+        return {
+            "gpu_energy_j": self.gpu_energy_j,
+            "gpu_util_ratio": self.gpu_util_s / self.metered_s,
+            "gpu_metered_s": self.metered_s,
+        }
 
     def report(self, now: float) -> Report:
         a = self.assignment
@@ -352,6 +385,12 @@ class Workload:
     def runs(self) -> list[Run]:
         return sorted(self._runs.values(), key=lambda run: run.job)
 
+    def meter(self, gpus: Sequence[GpuDevice], now: float) -> None:
+        """One NVML reading for every running job (Run.meter)."""
+        for run in self._runs.values():
+            if run.live:
+                run.meter(gpus, now)
+
     def held_devices(self) -> dict[str, frozenset[int]]:
         held: dict[str, set[int]] = {}
         for run in self._runs.values():
@@ -569,7 +608,8 @@ class Workload:
             message = ended.message or (
                 "exit status unknown" if code is None else _exit_message(code)
             )
-        run.usage = None if ended.usage is None else dict(ended.usage)
+        usage = {**run.metered(), **(ended.usage or {})}  # the scheduler's own figures win
+        run.usage = usage or None
         run.finish(state, self.clock.time(), code, message)
         log.info("job %s attempt %d %s (exit %s): %s", a.job, a.attempt, state.value, code, message)
         await self._write(run)

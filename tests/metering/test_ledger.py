@@ -49,6 +49,20 @@ def test_measured_energy_and_use_above_the_request() -> None:
     assert seg.cpu_core_s == 36000  # used more than the 4 cores asked: max(request, usage)
 
 
+def test_nvml_measured_gpu_energy_and_utilization() -> None:
+    cpu_w = 4 * CATALOG.cpu.power_w  # type: ignore[operator]
+    # 2 GPUs read at 300 W each for 1,800 of the run's 3,600 s: 600 W over the whole run
+    measured = {"gpu_energy_j": 600.0 * 1800, "gpu_util_ratio": 0.5, "gpu_metered_s": 1800.0}
+    seg = closed(run(measured=measured), 3600)
+    assert seg.energy_method == "gpu-measured"
+    assert seg.energy_kwh == pytest.approx((600 + cpu_w) * 3600 * 1.2 / 3.6e6)
+    # a utilization measured without power scales the catalog's power
+    seg = closed(run(measured={"gpu_util_ratio": 0.25}), 3600)
+    gpu_w = 2 * CATALOG.get("H100").power_w * 0.25  # type: ignore[operator]
+    assert seg.energy_method == "catalog"
+    assert seg.energy_kwh == pytest.approx((gpu_w + cpu_w) * 3600 * 1.2 / 3.6e6)
+
+
 def test_a_run_that_never_started_has_no_segment_and_the_future_is_not_billed() -> None:
     assert close(run(started_at=None), end=5.0, reason=EndReason.withdrawn, spec=SPEC,
                  catalog=CATALOG, now=5.0) is None  # fmt: skip

@@ -490,3 +490,30 @@ def test_allocate_takes_lowest_free_indices_and_counts_cores_and_memory() -> Non
     assert allocate(assignment("s", "f", ["x"], model="H100", gpus=4), resources, [first]) == (
         0, 1, 2, 3,
     )  # fmt: skip
+
+
+def test_a_run_meters_the_power_of_its_own_devices_while_it_runs() -> None:
+    """Run.meter: NVML readings of the job's devices, power x time and utilization x time
+    (the fake readings stand in for a GPU this machine does not have)."""
+    from sites.status import GpuDevice
+    from sites.workload import Run
+
+    def gpu(index: int, watts: float | None, util: float, model: str = "H100") -> GpuDevice:
+        return GpuDevice(index=index, model=model, name="fake", mem_gb=80, mem_used_gb=1,
+                         util_pct=util, power_w=watts, busy=True)  # fmt: skip
+
+    run = Run(assignment=assignment("s", "j", ["true"], model="H100", gpus=2), devices=(1, 2))
+    readings = [gpu(0, 500, 90), gpu(1, 300, 50), gpu(2, 200, 100), gpu(3, 700, 0, "A100-80GB")]
+    run.meter(readings, 100.0)  # still starting: nothing counts, the clock starts
+    run.state = RunState.running
+    run.meter(readings, 110.0)
+    run.meter(readings, 130.0)
+    assert run.gpu_energy_j == pytest.approx((300 + 200) * 30)  # its two devices only
+    assert run.metered() == {
+        "gpu_energy_j": pytest.approx(15000.0),
+        "gpu_util_ratio": pytest.approx(0.75),
+        "gpu_metered_s": pytest.approx(30.0),
+    }
+    run.meter([gpu(1, None, 50), gpu(2, 200, 100)], 140.0)  # a device without power: skipped
+    assert run.metered_s == pytest.approx(30.0)
+    assert Run(assignment=run.assignment).metered() == {}
