@@ -245,7 +245,7 @@ class Dashboard {
       const last = j.events.length ? j.events[j.events.length - 1].message : "";
       const why = j.state === "PENDING" ? (j.unschedulable || last || "waiting for the next placement pass") : last;
       return el("tr", { "data-job": j.id, "data-state": j.state },
-        el("td", { title: j.id }, j.spec.name ? `${j.spec.name} ` : "", el("span", { class: "muted" }, j.id)),
+        el("td", { title: j.spec.name }, j.id),
         el("td", {}, j.spec.tenant), el("td", {}, j.state), el("td", {}, j.spec.gpu.count || "-"),
         el("td", {}, j.placement ? j.placement.site : "-"), el("td", {}, ago(now - j.created_at)),
         el("td", { class: "why" }, why));

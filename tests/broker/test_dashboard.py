@@ -1,0 +1,191 @@
+"""The dashboard in a real browser: headless Chromium (driven by Selenium through chromedriver)
+opens the page of a real broker with two agents, and the sites, a submitted job with its reason
+for pending, a running job, a tenant's usage and a firing alert (a killed agent's site_down)
+appear; a screenshot is saved under the test's tmp_path. Nothing the page loads comes from
+anywhere but the broker, and the browser logs no error.
+
+Selenium rather than the DevTools protocol by hand: chromedriver comes in the same Debian
+package set as Chromium (chromium-driver), and WebDriver's waits, screenshots and script calls
+are all the test needs; it asks for nothing Chromium-specific but the browser log.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.broker import conftest as fed_conftest
+from tests.broker.conftest import BROKER_SETTINGS, SITES, Federation
+from tests.conftest import ADMIN_TOKEN
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.wait import WebDriverWait  # noqa: E402
+
+TWO = {"east-a": SITES["east-a"], "west": SITES["west"]}
+OFF = {"enabled": False}
+
+
+def chromium_paths() -> tuple[str, str]:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if browser is None or driver is None:
+        pytest.skip("headless Chromium is not installed: make chromium (.ci/install-chromium)")
+    return browser, driver
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    binary, driver_path = chromium_paths()
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",  # the tests run as root, where Chromium's sandbox refuses to start
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1600,1800",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",  # no update checks or field trials: offline
+    ):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    service = webdriver.ChromeService(executable_path=driver_path)
+    driver = webdriver.Chrome(options=options, service=service)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def federation(
+    make_federation: Callable[..., Federation], monkeypatch: pytest.MonkeyPatch
+) -> Federation:
+    alerts = {
+        "interval_s": 0.2,
+        "site_down": {"for_s": 0.5},
+        "link": OFF,
+        "utilization": OFF,
+        "pending": OFF,
+    }
+    monkeypatch.setattr(fed_conftest, "BROKER_SETTINGS", {**BROKER_SETTINGS, "alerts": alerts})
+    return make_federation(TWO)
+
+
+def css(selector: str) -> Callable[[Any], list[Any]]:
+    """A wait predicate: the elements `selector` finds (none: keep waiting)."""
+    return lambda driver: driver.find_elements(By.CSS_SELECTOR, selector)
+
+
+def wait_dom(driver: Any, what: str, predicate: Callable[[Any], Any], timeout: float = 20) -> Any:
+    try:
+        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(predicate)
+    except TimeoutException:
+        raise AssertionError(f"the dashboard did not show {what} within {timeout}s") from None
+
+
+def test_the_dashboard_shows_sites_jobs_usage_and_a_firing_alert(
+    federation: Federation, browser: Any, tmp_path: Path
+) -> None:
+    fed = federation
+    started = time.monotonic()
+    # a job that can never fit (64 GPUs, the sites have 16): it pends, and says why
+    pending = fed.submit(name="too-big", gpu={"count": 64, "model": "H100"}, command=["true"])
+    running = fed.submit(name="long", allowed_regions=["east"], command=["sleep", "60"])
+    done = fed.submit(name="quick", tenant="t2", allowed_regions=["east"], command=["true"])
+    fed.wait_state(running["id"], "RUNNING")
+    fed.wait_state(done["id"], "SUCCEEDED")
+    fed.kill(fed.agents["west"])  # its lease expires: the site goes down, site_down fires
+
+    browser.get(f"{fed.broker_url}/#token={ADMIN_TOKEN}")
+    # the token leaves the address bar at once and stays in this tab only
+    assert "token" not in browser.execute_script("return location.hash")
+    assert browser.execute_script("return sessionStorage.length") == 1
+
+    wait_dom(
+        browser,
+        "both sites on the map",
+        lambda d: len(d.find_elements(By.CSS_SELECTOR, "#map circle[data-site]")) == 2,
+    )
+    rows = css("#sites tr[data-site]")
+    wait_dom(
+        browser,
+        "a row per site with its utilization",
+        lambda d: {e.get_attribute("data-site") for e in rows(d)} == {"east-a", "west"},
+    )
+    row = wait_dom(
+        browser,
+        "the pending job",
+        lambda d: d.find_elements(By.CSS_SELECTOR, f'#jobs tr[data-job="{pending["id"]}"]'),
+    )[0]
+    why = row.find_element(By.CSS_SELECTOR, "td.why").text
+    assert why and why == fed.job(pending["id"])["unschedulable"], why
+    wait_dom(
+        browser,
+        "the running job",
+        css(f'#jobs tr[data-job="{running["id"]}"][data-state="RUNNING"]'),
+    )
+    alert = wait_dom(
+        browser,
+        "a firing site_down alert",
+        lambda d: d.find_elements(By.CSS_SELECTOR, '#alerts li[data-alert="CpnSiteDown"]'),
+    )[0]
+    assert "west" in alert.text, alert.text
+    wait_dom(
+        browser, "west down on the map", css('#map circle[data-site="west"][data-state="down"]')
+    )
+    wait_dom(
+        browser,
+        "t2's usage",
+        lambda d: d.find_elements(By.CSS_SELECTOR, '#usage tr[data-tenant="t2"]'),
+    )
+    assert browser.find_elements(By.CSS_SELECTOR, "#traffic p, #traffic .flow")
+
+    shot = tmp_path / "dashboard.png"
+    assert browser.save_screenshot(str(shot)), shot
+    print(f"dashboard screenshot: {shot}")
+
+    # every file and call went to the broker itself, and nothing failed in the page
+    loaded = browser.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name)"
+    )
+    assert loaded and all(url.startswith(fed.broker_url + "/") for url in loaded), loaded
+    errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert not errors, errors
+    assert time.monotonic() - started < 60
+
+
+def test_without_a_token_the_page_asks_for_one_and_a_bad_one_is_refused(
+    make_federation: Callable[..., Federation], browser: Any
+) -> None:
+    fed = make_federation({"east-a": SITES["east-a"]}, agents=False)
+    browser.get(fed.broker_url + "/")
+    form = wait_dom(browser, "the token form", lambda d: d.find_element(By.ID, "login"))
+    assert form.is_displayed() and not browser.find_element(By.ID, "panels").is_displayed()
+    field = browser.find_element(By.ID, "token")
+    field.send_keys("cpn_0000000000000bad_" + "x" * 43)
+    form.find_element(By.CSS_SELECTOR, "button").click()
+    wait_dom(
+        browser,
+        "the refusal",
+        lambda d: (
+            d.find_element(By.ID, "login-error").is_displayed()
+            and "refused" in d.find_element(By.ID, "login-error").text
+        ),
+    )
+    field = browser.find_element(By.ID, "token")
+    field.send_keys(ADMIN_TOKEN)
+    browser.find_element(By.CSS_SELECTOR, "#login button").click()
+    wait_dom(
+        browser,
+        "the site once the token is good",
+        lambda d: d.find_elements(By.CSS_SELECTOR, '#map circle[data-site="east-a"]'),
+    )
