@@ -434,6 +434,7 @@ class Launcher:
         return (
             f"cpn up: {len(self.plans)} sites, {etcd}\n"
             f"{broker}\n"
+            f"dashboard: {self.broker_url}/#token={self.token or ''}\n"
             f"network: {mode}\n"
             f"logs: {self.run_dir}\n{table}\n"
             "try: cpn sites; cpn submit configs/jobs/train-small.yaml; cpn jobs"

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -84,6 +85,11 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
 
         state = json.loads((tmp_path / "up.json").read_text())
         assert state["etcd"] == registry.url and state["pid"] == up.pid
+        # the dashboard's address, its admin token in the fragment (never sent to the server)
+        dashboard = f"dashboard: {state['broker']}/#token={state['token']}"
+        assert dashboard in (tmp_path / "up.log").read_text()
+        with urllib.request.urlopen(state["broker"] + "/", timeout=10) as page:
+            assert page.status == 200 and "text/html" in page.headers["Content-Type"]
         children = psutil.Process(up.pid).children(recursive=True)
         assert len(children) >= len(SITES) + 1  # the agents and the broker
 
