@@ -86,6 +86,7 @@ class Dashboard {
     this.visible = new Set(["map-panel", "alerts-panel", "util-panel", "jobs-panel", "traffic-panel", "usage-panel"]);
     this.lastTraffic = null;
     this.firstSites = true;
+    this.sitesMs = [];
     this.summary = { sites: "-", up: "-", gpus: "-", jobs: "-", alerts: "-" };
     const observer = new IntersectionObserver((entries) => {
       for (const e of entries) {
@@ -153,6 +154,7 @@ class Dashboard {
   }
 
   async refreshSites() {
+    const started = performance.now();
     const fresh = new Map();
     this.map.begin();
     await pages("/v1/sites", SITES_PAGE, (items) => {
@@ -198,7 +200,14 @@ class Dashboard {
     this.drawSummary();
     this.drawSiteTable();
     document.body.dataset.sitesDrawn = String(fresh.size);
-    if (!performance.getEntriesByName("cpn:all-sites").length) performance.mark("cpn:all-sites");
+    // what the benchmark reads (bench/dashboard_paint.py): the first full drawing, the frame
+    // that puts it on screen, and how long each poll of every site takes
+    if (!performance.getEntriesByName("cpn:all-sites").length) {
+      performance.mark("cpn:all-sites");
+      requestAnimationFrame(() => setTimeout(() => performance.mark("cpn:all-sites-painted")));
+    }
+    this.sitesMs.push(Math.round(performance.now() - started));
+    document.body.dataset.sitesMs = JSON.stringify(this.sitesMs.slice(-10));
     $("refreshed").textContent = "updated " + new Date().toLocaleTimeString();
   }
 
