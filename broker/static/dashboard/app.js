@@ -146,6 +146,7 @@ class Dashboard {
     }
     if (err.status === 401) {
       this.stop();
+      forgetToken(); // revoked or expired meanwhile
       showLogin(err.message);
       return;
     }
@@ -356,20 +357,40 @@ function showLogin(message) {
   $("token").focus();
 }
 
-function showPanels() {
+function showPanels(who) {
   $("login").hidden = true;
   $("panels").hidden = false;
-  $("signout").hidden = false;
+  $("signout").hidden = !(who && who.auth);
+  $("whoami").textContent = !who ? "" : who.auth
+    ? `as ${who.role}${who.tenant ? " of " + who.tenant : ""}` : "auth off";
   if (dashboard === null) dashboard = new Dashboard();
   dashboard.stop();
   dashboard.start();
+}
+
+// Who the token is (GET /v1/whoami, public): a refused token brings the form back with the
+// broker's reason; a broker with auth off needs none.
+async function boot() {
+  const token = takeToken();
+  try {
+    const who = await api("/v1/whoami");
+    if (token || who.auth === false) showPanels(who);
+    else showLogin("");
+  } catch (err) {
+    if (err instanceof ApiError && err.status === 401) {
+      forgetToken(); // a refused token is not tried again on the next load
+      showLogin(token ? err.message : "");
+    }
+    else if (token) showPanels(null); // the broker is not answering yet: the panels say so
+    else showLogin("");
+  }
 }
 
 $("login").addEventListener("submit", (event) => {
   event.preventDefault();
   setToken($("token").value);
   $("token").value = "";
-  showPanels();
+  boot();
 });
 
 $("signout").addEventListener("click", () => {
@@ -378,9 +399,6 @@ $("signout").addEventListener("click", () => {
   showLogin("");
 });
 
-window.addEventListener("hashchange", () => {
-  if (takeToken()) showPanels();
-});
+window.addEventListener("hashchange", boot);
 
-if (takeToken()) showPanels();
-else showLogin("");
+boot();
