@@ -1,8 +1,8 @@
 """The dashboard in a real browser: headless Chromium (driven by Selenium through chromedriver)
 opens the page of a real broker with two agents, and the sites, a submitted job with its reason
-for pending, a running job, a tenant's usage and a firing alert (a killed agent's site_down)
-appear; a screenshot is saved under the test's tmp_path. Nothing the page loads comes from
-anywhere but the broker, and the browser logs no error.
+for pending, a running job, a tenant's usage, a client region's routed requests and a firing
+alert (a killed agent's site_down) appear; a screenshot is saved under the test's tmp_path.
+Nothing the page loads comes from anywhere but the broker, and the browser logs no error.
 
 Selenium rather than the DevTools protocol by hand: chromedriver comes in the same Debian
 package set as Chromium (chromium-driver), and WebDriver's waits, screenshots and script calls
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.broker import conftest as fed_conftest
 from tests.broker.conftest import BROKER_SETTINGS, SITES, Federation
@@ -77,7 +78,26 @@ def federation(
         "pending": OFF,
     }
     monkeypatch.setattr(fed_conftest, "BROKER_SETTINGS", {**BROKER_SETTINGS, "alerts": alerts})
-    return make_federation(TWO)
+    plain = fed_conftest.federation_site
+
+    def serving(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
+        # east-a declares an inference service; nothing listens there, so its endpoint is
+        # unhealthy and each request is routed to no site ("none"): a decision all the same
+        doc = plain(site_id, spec)
+        if site_id == "east-a":
+            url = "http://127.0.0.1:9/v1"
+            doc["services"] = [{"name": "chat", "model": "m", "url": url, "max_concurrency": 8}]
+        return doc
+
+    monkeypatch.setattr(fed_conftest, "federation_site", serving)
+    fed = make_federation(TWO)
+    # a client region attached to east-a turns inference routing on: the broker again
+    clients = {"client_regions": [{"id": "user-east", "attach": [{"site": "east-a", "rtt_ms": 3}]}]}
+    (fed.config_dir / "clients.yaml").write_text(yaml.safe_dump(clients))
+    assert fed.broker is not None
+    fed.kill(fed.broker)
+    fed.start_broker()
+    return fed
 
 
 def css(selector: str) -> Callable[[Any], list[Any]]:
@@ -104,6 +124,11 @@ def test_the_dashboard_shows_sites_jobs_usage_and_a_firing_alert(
     fed.wait_state(running["id"], "RUNNING")
     fed.wait_state(done["id"], "SUCCEEDED")
     fed.kill(fed.agents["west"])  # its lease expires: the site goes down, site_down fires
+    for _ in range(3):
+        status, _ = fed.request(
+            "POST", "/v1/route", {"service": "chat", "client_region": "user-east"}
+        )
+        assert status == 200, status
 
     browser.get(f"{fed.broker_url}/#token={ADMIN_TOKEN}")
     # the token leaves the address bar at once and stays in this tab only
@@ -147,7 +172,10 @@ def test_the_dashboard_shows_sites_jobs_usage_and_a_firing_alert(
         "t2's usage",
         lambda d: d.find_elements(By.CSS_SELECTOR, '#usage tr[data-tenant="t2"]'),
     )
-    assert browser.find_elements(By.CSS_SELECTOR, "#traffic p, #traffic .flow")
+    flow = wait_dom(
+        browser, "user-east's traffic", css('#traffic .flow[data-client-region="user-east"]')
+    )
+    assert "3 requests routed" in flow[0].text and "none 100%" in flow[0].text, flow[0].text
 
     shot = tmp_path / "dashboard.png"
     assert browser.save_screenshot(str(shot)), shot
