@@ -6,17 +6,22 @@
     │   ├── RegistryUnavailable         (ConnectionError) etcd cannot be reached or timed out
     │   ├── Conflict                    a guarded transaction lost a race (the key changed)
     │   ├── LeaseLost                   our lease expired or was revoked while still needed
+    │   ├── PermissionDenied            (PermissionError) etcd refused the connected user's
+    │   │                               roles (sites.etcd_security)
     │   └── RevisionCompacted           a read or watch asked for a revision etcd has already
     │                                   compacted away; read again at the current revision
     ├── NotJoined (LookupError)         the site id has no spec in the registry
     ├── AgentConflict                   another live agent already holds the site
     ├── EtcdStartError                  the embedded etcd did not start
+    ├── SlurmStartError                 the local test/demo Slurm did not start
+    │                                   (sites.slurm_cluster)
     ├── CatalogError (ValueError)       the device catalog (sites.catalog)
     │   ├── InvalidCatalog              a catalog file that cannot be read or is not valid
     │   └── UnknownDevice (KeyError)    a device model the catalog does not have
     ├── LatencyConfigError (ValueError) a latency matrix file is missing or malformed; names
     │                                   the file and line (sites.latency)
     ├── ExecutorError                   a run could not be started (sites.executor)
+    │   └── SlurmError                  a Slurm client command failed (sites.slurm)
     ├── UnknownJob (LookupError)        a job with no run at this site (sites.workload)
     └── DoesNotFit                      an assignment asks for more than the site has free
                                         (sites.workload)
