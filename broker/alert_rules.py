@@ -25,6 +25,7 @@ import enum
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -347,7 +348,12 @@ def site_down(sites: Snapshot) -> Iterable[Finding]:
         if site in sites.cordons or sites.alive(site):
             continue
         seen = sites.last_seen.get(site)
-        when = "never reported" if seen is None else f"last seen at {seen.at:.0f}"
+        when = (
+            "never reported"
+            if seen is None
+            else "last seen "
+            + datetime.fromtimestamp(seen.at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        )
         yield Finding(
             Rule.site_down,
             (site,),
