@@ -16,7 +16,8 @@ The rules (docs/alerts.md has the long form):
     quota_high        a tenant holding over quota_ratio of its GPU quota (configs/tenants.yaml)
     budget_exceeded   a tenant's spend this UTC month (the usage ledger) over its budget
     jobs_pending      a tenant with jobs waiting longer than limit_s for a site
-    slo_latency       a service endpoint's latency over the service's SLO
+    slo_latency       a service's latency SLO burning its error budget (multi-window burn
+                      rate over the latency its endpoint at a site publishes)
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ __all__ = [
     "AlertInputs",
     "AlertSettings",
     "Baseline",
+    "SloSamples",
     "Finding",
     "PendingJob",
     "Rule",
     "Webhook",
     "evaluate",
     "update_baselines",
+    "update_slo",
 ]
 
 
@@ -144,13 +147,27 @@ class PendingRule(_Frozen):
 
 
 class SloRule(_Frozen):
+    """An inference SLO and its error budget: `target` of the time, a service's endpoint at a
+    site answers within `latency_ms` (the latency its agent publishes every interval); the
+    rule fires when the budget (1 - target) burns `burn_rate` times too fast over both the
+    long and the short window (the multi-window burn rate of Google's SRE workbook: 14.4 over
+    1 h and 5 min spends 2 % of a 30-day budget in an hour)."""
+
     enabled: bool = True
     latency_ms: dict[str, float] = Field(
         default_factory=dict,
         description="service -> latency objective (ms), against the latency each site's agent "
         "publishes for its endpoint of the service",
     )
-    for_s: Duration = Field(default=300.0, ge=0)
+    target: float = Field(
+        default=0.99, gt=0, lt=1, description="share of the time within the latency objective"
+    )
+    burn_rate: float = Field(
+        default=14.4, gt=0, description="fire when the budget burns this many times too fast"
+    )
+    long_window_s: Duration = Field(default=3600.0, gt=0)
+    short_window_s: Duration = Field(default=300.0, gt=0)
+    for_s: Duration = Field(default=0.0, ge=0)
     severity: Severity = "warning"
 
     @model_validator(mode="after")
@@ -158,6 +175,8 @@ class SloRule(_Frozen):
         for service, ms in self.latency_ms.items():
             if not (math.isfinite(ms) and ms > 0):
                 raise ValueError(f"the SLO of {service} must be a positive latency, got {ms}")
+        if self.short_window_s > self.long_window_s:
+            raise ValueError("short_window_s must not be longer than long_window_s")
         return self
 
 
@@ -315,6 +334,42 @@ def update_baselines(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class SloSamples:
+    """One (service, site)'s samples over the long window: (time, within the objective)."""
+
+    samples: tuple[tuple[float, bool], ...]
+
+    def burn(self, now: float, window_s: float, target: float) -> float | None:
+        """The error budget's burn rate over the last `window_s`: the share of samples over
+        the objective / (1 - target); None without a sample in the window."""
+        recent = [ok for t, ok in self.samples if t > now - window_s]
+        if not recent:
+            return None
+        return (recent.count(False) / len(recent)) / (1.0 - target)
+
+
+def update_slo(
+    previous: Mapping[tuple[str, str], SloSamples], sites: Snapshot, now: float, settings: SloRule
+) -> dict[tuple[str, str], SloSamples]:
+    """One sample per (service, site) with an objective, from the latency its agent published
+    (a new dict; samples older than the long window and endpoints gone are dropped)."""
+    out: dict[tuple[str, str], SloSamples] = {}
+    horizon = now - float(settings.long_window_s)
+    for (service, site), endpoint in sites.services.items():
+        objective = settings.latency_ms.get(service)
+        if objective is None:
+            continue
+        kept = tuple(
+            x for x in previous.get((service, site), SloSamples(())).samples if x[0] > horizon
+        )
+        latency = endpoint.latency_ms
+        if latency is not None and sites.alive(site):
+            kept = (*kept, (now, latency <= objective))
+        out[(service, site)] = SloSamples(kept)
+    return out
+
+
 def _rtt_high(rtt: float, baseline: float, settings: LinkRule) -> bool:
     return rtt > baseline * settings.rtt_factor and rtt - baseline > settings.rtt_min_excess_ms
 
@@ -323,6 +378,7 @@ def evaluate(
     inputs: AlertInputs,
     settings: AlertSettings,
     baselines: Mapping[tuple[str, str], Baseline] | None = None,
+    slo_samples: Mapping[tuple[str, str], SloSamples] | None = None,
 ) -> dict[str, Finding]:
     """Every enabled rule's findings now, by `Finding.key`."""
     found: list[Finding] = []
@@ -339,7 +395,7 @@ def evaluate(
     if settings.pending.enabled:
         found += pending(inputs.pending, inputs.now, settings.pending)
     if settings.slo.enabled:
-        found += slo(inputs.sites, settings.slo)
+        found += slo(slo_samples or {}, inputs.now, settings.slo)
     return {f.key: f for f in found}
 
 
@@ -470,20 +526,23 @@ def pending(jobs: Iterable[PendingJob], now: float, settings: PendingRule) -> It
         )
 
 
-def slo(sites: Snapshot, settings: SloRule) -> Iterable[Finding]:
-    if not settings.latency_ms:
-        return
-    for (service, site), endpoint in sites.services.items():
+def slo(
+    samples: Mapping[tuple[str, str], SloSamples], now: float, settings: SloRule
+) -> Iterable[Finding]:
+    for (service, site), kept in sorted(samples.items()):
         objective = settings.latency_ms.get(service)
-        latency = endpoint.latency_ms
-        if objective is None or latency is None or not sites.alive(site):
+        long = kept.burn(now, float(settings.long_window_s), settings.target)
+        short = kept.burn(now, float(settings.short_window_s), settings.target)
+        if objective is None or long is None or short is None:
             continue
-        if latency > objective:
+        if long >= settings.burn_rate and short >= settings.burn_rate:
             yield Finding(
                 Rule.slo_latency,
                 (service, site),
                 {"service": service, "site": site},
-                f"service {service} at {site}: latency {latency:.0f} ms over its SLO "
-                f"{objective:.0f} ms",
-                latency / objective,
+                f"service {service} at {site}: its {100 * settings.target:g} % within "
+                f"{objective:.0f} ms SLO burns its error budget {long:.1f}x too fast over "
+                f"{float(settings.long_window_s):.0f} s ({short:.1f}x over "
+                f"{float(settings.short_window_s):.0f} s)",
+                long,
             )

@@ -48,8 +48,10 @@ from broker.alert_rules import (
     Finding,
     PendingJob,
     Rule,
+    SloSamples,
     evaluate,
     update_baselines,
+    update_slo,
 )
 from broker.jobs import JobRecord, JobState
 from broker.leadership import Leadership
@@ -250,6 +252,7 @@ class AlertKeeper:
         self._state: dict[str, bytes] = {}  # key -> raw record, as the leader last wrote it
         self._since: dict[str, float] = {}  # finding key -> since when it has held
         self._baselines: dict[tuple[str, str], Baseline] = {}
+        self._slo: dict[tuple[str, str], SloSamples] = {}  # in memory: a new leader relearns
         self._retries: dict[str, _Retry] = {}
         self._hooks = {hook.name: hook for hook in settings.webhooks}
         self._expired: list[tuple[str, bytes]] = []  # resolved past retention, to delete
@@ -299,7 +302,9 @@ class AlertKeeper:
         started = time.perf_counter()
         inputs = self.inputs()
         self._baselines = update_baselines(self._baselines, inputs.sites, now, self.settings.link)
-        found = evaluate(inputs, self.settings, self._baselines)
+        if self.settings.slo.enabled and self.settings.slo.latency_ms:
+            self._slo = update_slo(self._slo, inputs.sites, now, self.settings.slo)
+        found = evaluate(inputs, self.settings, self._baselines, self._slo)
         self.metrics.evaluation.observe(time.perf_counter() - started)
         self._since = {key: self._since.get(key, now) for key in found}
         changes = list(self._changes(found, now))

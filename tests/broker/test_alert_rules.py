@@ -12,10 +12,14 @@ from broker.alert_rules import (
     AlertInputs,
     AlertSettings,
     Baseline,
+    Finding,
     PendingJob,
     Rule,
+    SloSamples,
     evaluate,
+    slo,
     update_baselines,
+    update_slo,
 )
 from broker.settings import load_settings
 from sites.catalog import Capacity
@@ -119,13 +123,18 @@ def test_quota_budget_pending_and_slo() -> None:
         quotas={"ai-lab": 10, "vision": 10, "zero": 0},
         month_usd_by_tenant={"ai-lab": 120.0, "vision": 20.0},
     )
-    found = evaluate(inputs, settings)
+    samples: dict[tuple[str, str], SloSamples] = {}
+    for t in range(0, 3600, 60):  # an hour of samples, all over the objective
+        samples = update_slo(samples, snap, NOW - 3600 + t, settings.slo)
+    samples = update_slo(samples, snap, NOW, settings.slo)
+    found = evaluate(inputs, settings, None, samples)
     assert set(found) == {
         "quota_high/ai-lab",  # 100 %; vision's 90 % is not over 90 %
         "budget_exceeded/ai-lab",
         "jobs_pending/ai-lab",
-        "slo_latency/llm/a",
+        "slo_latency/llm/a",  # 100 x its 1 % budget over both windows; "other" has no SLO
     }
+    assert found["slo_latency/llm/a"].value == pytest.approx(100.0)
     assert found["jobs_pending/ai-lab"].value == 2.0
     assert "j1" in found["jobs_pending/ai-lab"].summary  # the oldest
     # the ledger not loaded yet: no budget finding (rather than "spent 0")
@@ -155,6 +164,39 @@ def test_bad_alert_settings_name_their_field(
     with pytest.raises(ConfigError) as err:
         load_settings(path)
     assert err.value.problems[0].field == field, err.value
+
+
+def test_the_slo_burn_rate_needs_both_windows() -> None:
+    snap = snapshot("a")
+    settings = AlertSettings.model_validate(
+        {"slo": {"latency_ms": {"llm": 500}, "target": 0.9, "burn_rate": 2.0,
+                 "long_window_s": 3600, "short_window_s": 300}}
+    ).slo  # fmt: skip
+    samples: dict[tuple[str, str], SloSamples] = {}
+
+    def at(t: float, latency: float) -> None:
+        nonlocal samples
+        snap.services[("llm", "a")] = endpoint("a", latency_ms=latency)
+        samples = update_slo(samples, snap, NOW + t, settings)
+
+    def firing(t: float) -> list[Finding]:
+        return list(slo(samples, NOW + t, settings))
+
+    for t in range(0, 3000, 60):
+        at(t, 100.0)  # 50 minutes within the objective
+    for t in range(3000, 3300, 60):
+        at(t, 900.0)  # then 5 minutes over it: the short window burns 10x, the long 1x
+    assert not firing(3240)
+    for t in range(3300, 4200, 60):
+        at(t, 900.0)  # 15 minutes more: the long window crosses 2x (20 % bad), the short 10x
+    (finding,) = firing(4140)
+    assert finding.value >= 2.0 and "burns its error budget" in finding.summary
+    for t in range(4200, 4560, 60):
+        at(t, 100.0)  # recovered: the short window is clean at once, so it stops firing
+    assert not firing(4500)
+    assert len(samples[("llm", "a")].samples) <= 61  # the long window only
+    with pytest.raises(ValueError, match="short_window_s"):
+        AlertSettings.model_validate({"slo": {"long_window_s": 60, "short_window_s": 300}})
 
 
 def test_one_pass_at_1000_sites_is_cheap() -> None:
