@@ -222,4 +222,4 @@ def test_one_pass_at_1000_sites_is_cheap() -> None:
     assert len([k for k in found if k.startswith("site_down/")]) == 50
     print(f"\nalert pass at 1,000 sites, 4,000 links, 1,000 endpoints, 5,000 pending jobs: "
           f"{took * 1000:.1f} ms")  # fmt: skip
-    assert took < 0.5
+    assert took < 2.0  # a guard against a pass that grows out of all proportion (bench: ~70 ms)
