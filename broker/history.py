@@ -23,8 +23,9 @@ paths (docs/jobs.md, "History and retention", has the long form):
   dropped, so the database does not grow without bound; `cpn jobs --all -o jsonl` exports.
 - **etcd upkeep.** The leader compacts revisions older than `history.compaction_retention_s`
   and defragments, one member at a time, a member whose database is mostly free pages.
-- **Migration.** Records written before the index existed are indexed once, in the
-  background, by the first leader that finds /cpn/v1/migrations/job-index-v1 absent.
+- **Migration.** Records written before the index existed (or before each tenant's own copy
+  of it) are indexed once, in the background, by the first leader that finds
+  /cpn/v1/migrations/job-index-v2 absent.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from broker.newest import token as make_token
 from broker.operations import GangRecord
 from broker.settings import HistorySettings
 from broker.store import (
+    JobSummary,
     decode,
     encode_archived,
     micros,
@@ -74,13 +76,14 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 SCAN_LIMIT = 5000
 """Most index entries one page reads (count): a filter that matches little costs at most this."""
-ARCHIVE_BATCH = 20
-"""Jobs moved per transaction (count): 5 operations each, under etcd's --max-txn-ops of 128."""
-EXPIRE_BATCH = 50
-"""Archived jobs dropped per transaction (count): 2 deletes each."""
+ARCHIVE_BATCH = 16
+"""Jobs moved per transaction (count): 7 operations each (4 deletes, 3 puts; a gang's record
+may add one), under etcd's --max-txn-ops of 128."""
+EXPIRE_BATCH = 40
+"""Archived jobs dropped per transaction (count): 3 deletes each."""
 PASS_LIMIT = 2000
 """Most jobs one archive or expiry pass handles (count) before the loop checks in again."""
-MIGRATION = "job-index-v1"
+MIGRATION = "job-index-v2"  # v1: the job index; v2: and each tenant's own copy of it
 
 
 # -- listing ------------------------------------------------------------------------------------
@@ -147,9 +150,14 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
     """One page of jobs, newest first (see the module docstring)."""
     revision, after = untoken(token) if token else (None, None)
     page_keys = 2000 if query.filtered else min(500, query.limit + 1)
-    prefixes = [(keys.JOB_INDEX, False)]
-    if query.include_archived:
-        prefixes.append((keys.HISTORY_INDEX, True))
+    if query.tenant is not None:  # its own index: the others' jobs are not even read
+        prefixes = [(keys.tenant_jobs(query.tenant), False)]
+        if query.include_archived:
+            prefixes.append((keys.tenant_history(query.tenant), True))
+    else:
+        prefixes = [(keys.JOB_INDEX, False)]
+        if query.include_archived:
+            prefixes.append((keys.HISTORY_INDEX, True))
     try:
         if revision is None:
             revision = await registry.revision()
@@ -331,18 +339,46 @@ class HistoryKeeper:
                     records.append((decode(raw), rev))
                 except ValidationError as exc:
                     log.warning("not indexing unreadable job record %s: %s", key, exc)
-            wanted = [keys.job_index(position(r.created_at), r.id) for r, _ in records]
+            wanted = [
+                f"{keys.tenant_jobs(r.spec.tenant)}{position(r.created_at)}/{r.id}"
+                for r, _ in records
+            ]
             have = await self.registry.get_many(wanted)
             missing = [
                 (r, rev) for (r, rev), k in zip(records, wanted, strict=True) if k not in have
             ]
             for i in range(0, len(missing), 40):
                 indexed += await self._index(missing[i : i + 40])
+        indexed += await self._index_history()
         done = json.dumps({"done_at": self.clock.time(), "indexed": indexed}).encode()
         await self.registry.commit(guards=[self.leadership.guard()], puts={marker: done})
         self._migrated = True
         if indexed:
             log.info("indexed %d job records written before the job index", indexed)
+        return indexed
+
+    async def _index_history(self) -> int:
+        """Each archived job's entry in its tenant's history index, where it is missing (jobs
+        archived before the tenant indexes existed); guarded by the entry's revision, so an
+        entry expired meanwhile leaves nothing behind."""
+        indexed = 0
+        async for page in self.registry.iter_prefix(keys.HISTORY_INDEX):
+            todo: list[tuple[str, bytes, int, str]] = []
+            for key, raw, rev in page.items:
+                tenant = _tenant_of(raw)
+                if tenant is not None:
+                    own = f"{keys.tenant_history(tenant)}{key[len(keys.HISTORY_INDEX) :]}"
+                    todo.append((key, raw, rev, own))
+            have = await self.registry.get_many([own for *_, own in todo])
+            todo = [t for t in todo if t[3] not in have]
+            for i in range(0, len(todo), 60):
+                chunk = todo[i : i + 60]
+                guards = [self.leadership.guard()]
+                guards += [Guard(key, mod_revision=rev) for key, _, rev, _ in chunk]
+                if await self.registry.commit(
+                    guards=guards, puts={own: raw for _, raw, _, own in chunk}
+                ):
+                    indexed += len(chunk)
         return indexed
 
     async def _index(self, batch: list[tuple[JobRecord, int]]) -> int:
@@ -406,9 +442,16 @@ class HistoryKeeper:
             archived = record.model_copy(update={"archived_at": now})
             pos = position(record.created_at)
             guards.append(Guard(keys.job(job_id), mod_revision=raw[1]))
-            deletes += [keys.job(job_id), keys.job_index(pos, job_id)]
+            tenant = record.spec.tenant
+            deletes += [
+                keys.job(job_id),
+                keys.job_index(pos, job_id),
+                f"{keys.tenant_jobs(tenant)}{pos}/{job_id}",
+            ]
+            entry = summary(archived).model_dump_json().encode()
             puts[keys.archived_job(job_id)] = encode_archived(archived)
-            puts[keys.history_index(pos, job_id)] = summary(archived).model_dump_json().encode()
+            puts[keys.history_index(pos, job_id)] = entry
+            puts[f"{keys.tenant_history(tenant)}{pos}/{job_id}"] = entry
             if record.spec.gang is not None:
                 gangs.add((record.spec.tenant, record.spec.gang.name))
             moving += 1
@@ -517,9 +560,14 @@ class HistoryKeeper:
         dropped = 0
         for i in range(0, len(due), EXPIRE_BATCH):
             batch = due[i : i + EXPIRE_BATCH]
-            guards = [self.leadership.guard(), *(Guard(k, mod_revision=r) for k, r in batch)]
-            deletes = [k for k, _ in batch]
-            deletes += [keys.archived_job(keys.split(k, keys.HISTORY_INDEX)[1]) for k, _ in batch]
+            guards = [self.leadership.guard(), *(Guard(k, mod_revision=r) for k, r, _ in batch)]
+            deletes = []
+            for key, _, raw in batch:
+                suffix = key[len(keys.HISTORY_INDEX) :]  # <inv>/<id>
+                deletes += [key, keys.archived_job(suffix.rsplit("/", 1)[1])]
+                tenant = _tenant_of(raw)
+                if tenant is not None:
+                    deletes.append(f"{keys.tenant_history(tenant)}{suffix}")
             if await self.registry.commit(guards=guards, deletes=deletes):
                 dropped += len(batch)
         self.metrics.expired.inc(dropped)
@@ -529,7 +577,9 @@ class HistoryKeeper:
         """Drop audit entries older than history.audit_retention_s (oldest are last)."""
         due = [
             key
-            for key, _ in await self._older_than(keys.AUDIT, self.settings.audit_retention_s, now)
+            for key, _, _ in await self._older_than(
+                keys.AUDIT, self.settings.audit_retention_s, now
+            )
         ]
         dropped = 0
         for i in range(0, len(due), 100):
@@ -540,15 +590,15 @@ class HistoryKeeper:
 
     async def _older_than(
         self, prefix: str, retention_s: float, now: float
-    ) -> list[tuple[str, int]]:
-        """(key, mod_revision) of the entries of a newest-first index created before
+    ) -> list[tuple[str, int, bytes]]:
+        """(key, mod_revision, value) of the entries of a newest-first index created before
         `retention_s` ago (none when it is 0), at most PASS_LIMIT: they are its tail."""
         if not retention_s:
             return []
         start = prefix + position(now - float(retention_s))
-        due: list[tuple[str, int]] = []
+        due: list[tuple[str, int, bytes]] = []
         async for page in self.registry.iter_range(start, prefix=prefix, page_keys=500):
-            due += [(key, rev) for key, _, rev in page.items]
+            due += [(key, rev, raw) for key, raw, rev in page.items]
             if len(due) >= PASS_LIMIT:
                 break
         return due[:PASS_LIMIT]
@@ -603,6 +653,14 @@ class HistoryKeeper:
             self.metrics.defrags.labels(m.endpoint).inc()
             done.append(m.endpoint)
         return done
+
+
+def _tenant_of(raw: bytes) -> str | None:
+    """The tenant of an index entry (a JobSummary), None if it cannot be read."""
+    try:
+        return JobSummary.model_validate_json(raw).tenant
+    except ValidationError:
+        return None
 
 
 def _segment_day(key: str) -> str:

@@ -6,7 +6,8 @@ and commit only if the record is unchanged; on a lost race, read again and retry
 ever written from a stale read.
 
 Every write of a record puts, in the same transaction, what `writes(record)` lists: the
-record, its entry in the newest-first job index (a `JobSummary`, what a list page filters on),
+record, its entry in the newest-first job index (a `JobSummary`, what a list page filters on)
+and in its tenant's own copy of that index (a tenant's pages read only its entries),
 and, once the job has finished, its place in the archive queue. broker.history reads them.
 An archived job's record lives at /cpn/v1/history/jobs/<id>, zlib-compressed; `find` reads
 the hot record and falls back to the archived one.
@@ -99,11 +100,12 @@ def decode_archived(raw: bytes) -> JobRecord:
 
 def writes(record: JobRecord) -> dict[str, bytes]:
     """What every write of a hot record puts with it (in the same transaction)."""
+    entry = summary(record).model_dump_json().encode()
+    pos = position(record.created_at)
     puts = {
         keys.job(record.id): encode(record),
-        keys.job_index(position(record.created_at), record.id): (
-            summary(record).model_dump_json().encode()
-        ),
+        keys.job_index(pos, record.id): entry,
+        f"{keys.tenant_jobs(record.spec.tenant)}{pos}/{record.id}": entry,
     }
     if record.state.terminal:
         puts[keys.finished(micros(record.updated_at), record.id)] = b""

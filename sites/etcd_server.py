@@ -24,6 +24,11 @@ from sites.errors import EtcdStartError
 
 log = logging.getLogger(__name__)
 
+# etcd's operations per transaction (its default is 128): a gang is placed in ONE transaction,
+# ~4 operations a member (record, two index entries, assignment), so 1,024 lets a gang of 256
+# be placed whole. An operator's own etcd needs the same flag (docs/operations.md).
+MAX_TXN_OPS = 1024
+
 
 def _distro_dir() -> Path | None:
     try:
@@ -150,6 +155,7 @@ class EmbeddedEtcd:
                 "--initial-cluster", f"{self.name}={peer}",
                 "--auto-compaction-mode", "periodic",
                 "--auto-compaction-retention", "1h",
+            "--max-txn-ops", str(MAX_TXN_OPS),
                 "--log-level", "warn",
             ]  # fmt: skip
             if self.tls is not None:
@@ -259,6 +265,7 @@ class EtcdCluster:
             "--initial-cluster-token", f"cpn-{os.getpid()}-{id(self)}",
             "--auto-compaction-mode", "periodic",
             "--auto-compaction-retention", "1h",
+            "--max-txn-ops", str(MAX_TXN_OPS),
             "--log-level", "warn",
         ]  # fmt: skip
         if self.tls is not None:

@@ -14,6 +14,8 @@
 /cpn/v1/index/jobs/<inv>/<id>    JobSummary                    broker, with every job write
 /cpn/v1/index/history/<inv>/<id> JobSummary                    broker, when it archives a job
 /cpn/v1/index/finished/<ts>/<id> ""                            broker, when a job finishes
+/cpn/v1/index/tenants/<tenant>/jobs/<inv>/<id>     JobSummary  broker, with every job write
+/cpn/v1/index/tenants/<tenant>/history/<inv>/<id>  JobSummary  broker, when it archives a job
 /cpn/v1/history/jobs/<id>        zlib(JobRecord)               broker, when it archives a job
 /cpn/v1/migrations/<name>        {"done_at": ...}              broker, once per migration
 /cpn/v1/tokens/<id>              TokenRecord (hash only)       broker or `cpn token create`
@@ -110,6 +112,20 @@ def job_index(position: str, job_id: str) -> str:
 def history_index(position: str, job_id: str) -> str:
     """An archived job's entry in the newest-first history index."""
     return f"{HISTORY_INDEX}{position}/{job_id}"
+
+
+TENANT_INDEX = ROOT + "index/tenants/"
+
+
+def tenant_jobs(tenant: str) -> str:
+    """The prefix of one tenant's newest-first index of hot jobs: a tenant's list pages read
+    only its own entries, however many jobs the others have."""
+    return f"{TENANT_INDEX}{tenant}/jobs/"
+
+
+def tenant_history(tenant: str) -> str:
+    """The prefix of one tenant's newest-first index of archived jobs."""
+    return f"{TENANT_INDEX}{tenant}/history/"
 
 
 def finished(finished_us: int, job_id: str) -> str:

@@ -100,9 +100,9 @@ def pending_jobs(n: int, *, now: float, seed: int = 2) -> list[JobRecord]:
 
 
 async def write(
-    registry: Registry, records: Sequence[JobRecord], *, old: bool, batch: int = 40
+    registry: Registry, records: Sequence[JobRecord], *, old: bool, batch: int = 30
 ) -> None:
-    """Write `records` in transactions of `batch` (40 x 3 puts stays under --max-txn-ops)."""
+    """Write `records` in transactions of `batch` (30 x 4 puts stays under --max-txn-ops)."""
     for i in range(0, len(records), batch):
         puts: dict[str, bytes] = {}
         for record in records[i : i + batch]:

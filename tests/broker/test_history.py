@@ -193,6 +193,21 @@ async def test_archive_moves_old_finished_jobs_and_keeps_them_readable(
         await store.find(expired[0].id)
     left, _ = await all_pages(registry, JobQuery(limit=500, include_archived=True))
     assert [r.id for r in left] == newest_first([r for r in records if r not in expired])
+    # each tenant's own index went with them: a tenant's pages read only its own entries
+    kept = [r for r in records if r not in expired and r.spec.tenant == "speech"]
+    own = await registry.count_prefix(keys.tenant_jobs("speech"))
+    own += await registry.count_prefix(keys.tenant_history("speech"))
+    assert own == len(kept)
+    mine, _ = await all_pages(registry, JobQuery(tenant="speech", include_archived=True))
+    assert [r.id for r in mine] == newest_first(kept)
+
+    # a federation archived before the tenant indexes existed: the migration fills them in
+    await registry.delete_prefix(keys.TENANT_INDEX)
+    await registry.commit(guards=[], deletes=[keys.migration("job-index-v2")])
+    assert (await all_pages(registry, JobQuery(tenant="speech", include_archived=True)))[0] == []
+    assert await keeper(registry, leader).migrate() == len(records) - len(expired)
+    mine, _ = await all_pages(registry, JobQuery(tenant="speech", include_archived=True))
+    assert [r.id for r in mine] == newest_first(kept)
 
 
 async def test_transitions_of_an_archived_job_are_refused(
