@@ -110,5 +110,6 @@ def closing_puts(
         spec=view.sites.specs.get(site),
         catalog=catalog,
         now=now,
+        history=view.sites.price_history.get(site),
     )
     return ledger.puts(segment)

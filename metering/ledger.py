@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sites import keys
 from sites.catalog import DeviceCatalog
 from sites.spec import SiteSpec
+from sites.status import PriceChange, PriceHistory
 
 __all__ = [
     "EndReason",
@@ -88,6 +89,16 @@ class Prices(BaseModel):
     grid_kgco2_per_kwh: float = 0.0
 
 
+class PricePeriod(BaseModel):
+    """A part of a run billed at one set of prices (a segment spanning a price change)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    start: float
+    end: float
+    prices: Prices
+
+
 class Segment(BaseModel):
     """One run's metered use: /cpn/v1/usage/segments/<day>/<job>/<attempt>."""
 
@@ -113,6 +124,9 @@ class Segment(BaseModel):
         default=None, description="what the site's scheduler accounted (Report.usage)"
     )
     prices: Prices
+    price_periods: tuple[PricePeriod, ...] | None = Field(
+        default=None, description="when prices changed during the run: each part's prices"
+    )
     gpu_usd: float
     cpu_usd: float
     mem_usd: float
@@ -156,6 +170,46 @@ def _prices(spec: SiteSpec | None, model: str | None) -> Prices:
     )
 
 
+def _of_change(change: PriceChange, model: str | None) -> Prices:
+    p = change.prices
+    return Prices(
+        usd_per_gpu_hour=p.usd_per_gpu_hour.get(model, 0.0) if model else 0.0,
+        usd_per_core_hour=p.usd_per_core_hour,
+        usd_per_gb_mem_hour=p.usd_per_gb_mem_hour,
+        usd_per_gb_egress=p.usd_per_gb_egress,
+        pue=change.power.pue,
+        grid_kgco2_per_kwh=change.power.grid_kgco2_per_kwh,
+    )
+
+
+def price_periods(
+    start: float,
+    end: float,
+    spec: SiteSpec | None,
+    history: PriceHistory | None,
+    model: str | None,
+) -> list[PricePeriod]:
+    """[start, end] cut where the site's prices changed, each part with the prices in force
+    in it (oldest first). Before the history's first change, and without a history, the
+    spec's prices hold (a site joined before price histories were kept)."""
+    current = _prices(spec, model)
+    changes = list(history.changes) if history is not None else []
+    in_force = current if not changes or changes[0].since > start else None
+    cuts: list[tuple[float, Prices]] = []
+    for change in changes:
+        if change.since <= start:
+            in_force = _of_change(change, model)
+        elif change.since < end:
+            cuts.append((change.since, _of_change(change, model)))
+    out = []
+    at, prices = start, in_force or current
+    for since, following in cuts:
+        out.append(PricePeriod(start=at, end=since, prices=prices))
+        at, prices = since, following
+    out.append(PricePeriod(start=at, end=end, prices=prices))
+    return out
+
+
 def _watts(catalog: DeviceCatalog, model: str | None) -> float:
     if model is None or model not in catalog:
         return 0.0
@@ -170,8 +224,11 @@ def close(
     spec: SiteSpec | None,
     catalog: DeviceCatalog,
     now: float,
+    history: PriceHistory | None = None,
 ) -> Segment | None:
-    """The segment of `run` ended at `end`; None when it never started (nothing was held)."""
+    """The segment of `run` ended at `end`; None when it never started (nothing was held).
+    With the site's price `history`, each part of the run is billed at the prices then in
+    force (`price_periods`); without, at the spec's."""
     if run.started_at is None:
         return None
     start = run.started_at
@@ -181,10 +238,14 @@ def close(
     gpu_s = run.gpus * seconds
     cpu_core_s = max(run.cpu * seconds, (measured or {}).get("cpu_core_s", 0.0))
     mem_gb_s = max(run.mem_gb * seconds, (measured or {}).get("mem_gb_s", 0.0))
-    prices = _prices(spec, run.model)
-    gpu_usd = gpu_s / _HOUR * prices.usd_per_gpu_hour
-    cpu_usd = cpu_core_s / _HOUR * prices.usd_per_core_hour
-    mem_usd = mem_gb_s / _HOUR * prices.usd_per_gb_mem_hour
+    periods = price_periods(start, end, spec, history, run.model)
+    prices = periods[-1].prices  # in force at the end: egress, PUE and grid intensity
+    gpu_usd = cpu_usd = mem_usd = 0.0
+    for period in periods:  # each part of the run at the prices then in force
+        part = (period.end - period.start) / seconds if seconds > 0 else 1.0
+        gpu_usd += gpu_s * part / _HOUR * period.prices.usd_per_gpu_hour
+        cpu_usd += cpu_core_s * part / _HOUR * period.prices.usd_per_core_hour
+        mem_usd += mem_gb_s * part / _HOUR * period.prices.usd_per_gb_mem_hour
     cpu_joules = run.cpu * _watts(catalog, catalog.cpu_reference) * seconds
     if measured is not None and "energy_j" in measured:  # the site's scheduler, whole job
         method: Literal["measured", "gpu-measured", "catalog"] = "measured"
@@ -222,6 +283,7 @@ def close(
         mem_gb_s=mem_gb_s,
         measured=measured,
         prices=prices,
+        price_periods=tuple(periods) if len(periods) > 1 else None,
         gpu_usd=gpu_usd,
         cpu_usd=cpu_usd,
         mem_usd=mem_usd,

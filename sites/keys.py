@@ -4,6 +4,7 @@
 /cpn/v1/sites/<site>/cordon      Cordon                        written by `cpn site leave`
 /cpn/v1/sites/<site>/status      SiteStatus       (lease)      agent, every interval
 /cpn/v1/sites/<site>/last_seen   LastSeen                      agent, with every status
+/cpn/v1/sites/<site>/prices      PriceHistory                  `cpn site join`, with the spec
 /cpn/v1/agents/<site>            AgentRecord      (lease)      agent; the per-site agent lock
 /cpn/v1/agent-secrets/<site>     AgentSecret      (lease)      agent: the bearer its /jobs ask
 /cpn/v1/links/<src>/<dst>        LinkStatus       (lease)      agent of src, every interval
@@ -62,6 +63,10 @@ def site_cordon(site: str) -> str:
 
 def site_status(site: str) -> str:
     return f"{SITES}{site}/status"
+
+
+def site_prices(site: str) -> str:
+    return f"{SITES}{site}/prices"
 
 
 def site_last_seen(site: str) -> str:

@@ -52,6 +52,7 @@ from sites.status import (
     Cordon,
     LastSeen,
     LinkStatus,
+    PriceHistory,
     ServiceEndpoint,
     SiteStatus,
 )
@@ -742,20 +743,42 @@ class Registry:
 
     # -- operator actions -------------------------------------------------------------------
 
-    async def join(self, spec: SiteSpec) -> bool:
-        """Register or update a site's spec and lift any cordon; True if the site is new."""
+    async def join(self, spec: SiteSpec, *, now: float | None = None) -> bool:
+        """Register or update a site's spec and lift any cordon; True if the site is new.
+
+        When its prices or power figures change (or it is new), the change goes into the
+        site's PriceHistory in the same transaction, from `now`: the ledger bills each part
+        of a run at the prices then in force."""
+        at = time.time() if now is None else now
         key = keys.site_spec(spec.id).encode()
-        ok, _ = await self._call(
-            lambda: self._client.transaction(
-                compare=[self._tx.version(key) == 0],
-                success=[self._tx.put(key, _encode(spec))],
-                failure=[
-                    self._tx.put(key, _encode(spec)),
-                    self._tx.delete(keys.site_cordon(spec.id).encode()),
-                ],
+        prices_key = keys.site_prices(spec.id).encode()
+        for _ in range(5):
+            got = await self.get_many([key.decode(), prices_key.decode()])
+            spec_got, prices_got = got.get(key.decode()), got.get(prices_key.decode())
+            history = PriceHistory()
+            if prices_got is not None:
+                history = decode_value(PriceHistory, prices_got[0], prices_key.decode()) or history
+            elif spec_got is not None:  # joined before price histories were kept: its prices
+                old = decode_value(SiteSpec, spec_got[0], key.decode())  # so far hold from 0
+                if old is not None:
+                    history = history.after(old, 0.0)
+            new_history = history.after(spec, at)
+            ops = [self._tx.put(key, _encode(spec))]
+            if new_history is not history or prices_got is None:
+                ops.append(self._tx.put(prices_key, _encode(new_history)))
+            if spec_got is not None:
+                ops.append(self._tx.delete(keys.site_cordon(spec.id).encode()))
+            guard = (
+                self._tx.version(key) == 0 if spec_got is None else self._tx.mod(key) == spec_got[1]
             )
-        )
-        return bool(ok)
+            ok, _ = await self._call(
+                lambda g=guard, o=ops: self._client.transaction(  # type: ignore[misc]
+                    compare=[g], success=o, failure=[]
+                )
+            )
+            if ok:
+                return spec_got is None
+        raise Conflict(f"site {spec.id!r} kept changing while it was joined; try again")
 
     async def cordon(self, site: str, *, reason: str, now: float) -> None:
         spec_key = keys.site_spec(site).encode()

@@ -21,6 +21,7 @@ from sites.status import (
     Cordon,
     LastSeen,
     LinkStatus,
+    PriceHistory,
     ServiceEndpoint,
     SiteState,
     SiteStatus,
@@ -56,6 +57,7 @@ class Snapshot:
     agents: dict[str, AgentRecord] = field(default_factory=dict)
     links: dict[tuple[str, str], LinkStatus] = field(default_factory=dict)
     services: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
+    price_history: dict[str, PriceHistory] = field(default_factory=dict)
     # +1 per applied change: a reader that derives something from a snapshot kept current in
     # place (broker.view) rebuilds it when this moved, not per request
     version: int = 0
@@ -73,6 +75,7 @@ class Snapshot:
                 "status": (self.statuses, SiteStatus),
                 "cordon": (self.cordons, Cordon),
                 "last_seen": (self.last_seen, LastSeen),
+                "prices": (self.price_history, PriceHistory),
             }
             if leaf not in tables:
                 return

@@ -7,7 +7,7 @@ import enum
 from pydantic import BaseModel, ConfigDict, Field
 
 from sites.catalog import Capacity
-from sites.spec import SiteSpec
+from sites.spec import Power, Prices, SiteSpec
 
 
 class Frozen(BaseModel):
@@ -35,6 +35,33 @@ class AgentSecret(Frozen):
 
     instance: str
     bearer: str = Field(min_length=32)
+
+
+class PriceChange(Frozen):
+    """The site's prices and power figures in force from `since` (unix s)."""
+
+    since: float
+    prices: Prices
+    power: Power
+
+
+MAX_PRICE_CHANGES = 64
+
+
+class PriceHistory(Frozen):
+    """At /cpn/v1/sites/<site>/prices: every change of the site's prices, oldest first (the
+    last MAX_PRICE_CHANGES), written by `cpn site join` with the spec whose prices changed;
+    the usage ledger bills each part of a run at the prices in force then."""
+
+    changes: tuple[PriceChange, ...] = ()
+
+    def after(self, spec: SiteSpec, now: float) -> PriceHistory:
+        """This history with `spec`'s prices from `now`, if they differ from the last ones."""
+        last = self.changes[-1] if self.changes else None
+        if last is not None and (last.prices, last.power) == (spec.prices, spec.power):
+            return self
+        change = PriceChange(since=now, prices=spec.prices, power=spec.power)
+        return PriceHistory(changes=(*self.changes, change)[-MAX_PRICE_CHANGES:])
 
 
 class Cordon(Frozen):

@@ -19,6 +19,7 @@ from sites.status import (
     AgentSecret,
     LastSeen,
     LinkStatus,
+    PriceHistory,
     ServiceEndpoint,
     SiteState,
     SiteStatus,
@@ -165,6 +166,7 @@ async def test_key_layout_seen_by_etcdctl_and_values_round_trip(
         "/cpn/v1/sites/alpha/spec": (SiteSpec, False),
         "/cpn/v1/sites/alpha/status": (SiteStatus, True),
         "/cpn/v1/sites/alpha/last_seen": (LastSeen, False),
+        "/cpn/v1/sites/alpha/prices": (PriceHistory, False),
         "/cpn/v1/agents/alpha": (AgentRecord, True),
         "/cpn/v1/agent-secrets/alpha": (AgentSecret, True),
         "/cpn/v1/links/alpha/beta": (LinkStatus, True),
@@ -173,6 +175,7 @@ async def test_key_layout_seen_by_etcdctl_and_values_round_trip(
         "/cpn/v1/sites/beta/spec": (SiteSpec, False),
         "/cpn/v1/sites/beta/status": (SiteStatus, True),
         "/cpn/v1/sites/beta/last_seen": (LastSeen, False),
+        "/cpn/v1/sites/beta/prices": (PriceHistory, False),
         "/cpn/v1/agents/beta": (AgentRecord, True),
         "/cpn/v1/agent-secrets/beta": (AgentSecret, True),
     }
