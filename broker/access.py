@@ -111,6 +111,7 @@ class Access:
 
 
 AUTH = web.AppKey("auth", Access)
+OK_STATUS = web.AppKey("ok_status", dict[tuple[str, str], int])
 
 
 def principal(request: web.Request) -> Principal:
@@ -187,7 +188,7 @@ def audit_middleware_for(
             return response
         # a change: its entry goes into the change's own first transaction (audit_intent)
         entry_id, at = AuditLog.new_id(), request.app[AUTH].clock()
-        ok_status = _ok_status(request.app, key)
+        ok_status = request.app[OK_STATUS].get((key[0], spec_path(key[1])), 200)
 
         def build(tenant: str | None, target: str | None) -> bytes:
             return _entry(request, entry_id, at, request_id, key, ok_status, None, tenant, target)
@@ -216,13 +217,14 @@ def audit_middleware_for(
     return audit_middleware
 
 
-def _ok_status(app: web.Application, key: tuple[str, str]) -> int:
-    """The status a route answers on success (201 for a creation), from its Operation."""
-    for op in app[OPERATIONS]:
-        if (op.method, spec_path(op.path)) == (key[0], spec_path(key[1])):
-            codes = [c for c in op.replies if isinstance(c, int) and c < 300]
-            return min(codes, default=200)
-    return 200
+def success_statuses(operations: list[Operation]) -> dict[tuple[str, str], int]:
+    """(method, path) -> the status each route answers on success (201 for a creation),
+    from its Operation: what a change's audit entry assumes (audit_intent), looked up once."""
+    out = {}
+    for op in operations:
+        codes = [c for c in op.replies if isinstance(c, int) and c < 300]
+        out[(op.method, spec_path(op.path))] = min(codes, default=200)
+    return out
 
 
 def _entry(

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.access import (
     AUTH,
+    OK_STATUS,
     Access,
     access_operations,
     audit_middleware_for,
@@ -33,6 +34,7 @@ from broker.access import (
     note,
     principal,
     secured,
+    success_statuses,
 )
 from broker.alerts_api import alerts_operations
 from broker.auth import Forbidden
@@ -593,4 +595,5 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
     if router is not None:
         app[ROUTER] = router
         register(app, ROUTE)
+    app[OK_STATUS] = success_statuses(app[OPERATIONS])
     return app

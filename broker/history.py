@@ -340,8 +340,7 @@ class HistoryKeeper:
                 except ValidationError as exc:
                     log.warning("not indexing unreadable job record %s: %s", key, exc)
             wanted = [
-                f"{keys.tenant_jobs(r.spec.tenant)}{position(r.created_at)}/{r.id}"
-                for r, _ in records
+                keys.tenant_job(r.spec.tenant, position(r.created_at), r.id) for r, _ in records
             ]
             have = await self.registry.get_many(wanted)
             missing = [
@@ -367,8 +366,8 @@ class HistoryKeeper:
             for key, raw, rev in page.items:
                 tenant = _tenant_of(raw)
                 if tenant is not None:
-                    own = f"{keys.tenant_history(tenant)}{key[len(keys.HISTORY_INDEX) :]}"
-                    todo.append((key, raw, rev, own))
+                    pos, job_id = keys.split(key, keys.HISTORY_INDEX)
+                    todo.append((key, raw, rev, keys.tenant_archived(tenant, pos, job_id)))
             have = await self.registry.get_many([own for *_, own in todo])
             todo = [t for t in todo if t[3] not in have]
             for i in range(0, len(todo), 60):
@@ -446,12 +445,12 @@ class HistoryKeeper:
             deletes += [
                 keys.job(job_id),
                 keys.job_index(pos, job_id),
-                f"{keys.tenant_jobs(tenant)}{pos}/{job_id}",
+                keys.tenant_job(tenant, pos, job_id),
             ]
             entry = summary(archived).model_dump_json().encode()
             puts[keys.archived_job(job_id)] = encode_archived(archived)
             puts[keys.history_index(pos, job_id)] = entry
-            puts[f"{keys.tenant_history(tenant)}{pos}/{job_id}"] = entry
+            puts[keys.tenant_archived(tenant, pos, job_id)] = entry
             if record.spec.gang is not None:
                 gangs.add((record.spec.tenant, record.spec.gang.name))
             moving += 1
@@ -563,11 +562,11 @@ class HistoryKeeper:
             guards = [self.leadership.guard(), *(Guard(k, mod_revision=r) for k, r, _ in batch)]
             deletes = []
             for key, _, raw in batch:
-                suffix = key[len(keys.HISTORY_INDEX) :]  # <inv>/<id>
-                deletes += [key, keys.archived_job(suffix.rsplit("/", 1)[1])]
+                pos, job_id = keys.split(key, keys.HISTORY_INDEX)
+                deletes += [key, keys.archived_job(job_id)]
                 tenant = _tenant_of(raw)
                 if tenant is not None:
-                    deletes.append(f"{keys.tenant_history(tenant)}{suffix}")
+                    deletes.append(keys.tenant_archived(tenant, pos, job_id))
             if await self.registry.commit(guards=guards, deletes=deletes):
                 dropped += len(batch)
         self.metrics.expired.inc(dropped)

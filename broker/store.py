@@ -105,7 +105,7 @@ def writes(record: JobRecord) -> dict[str, bytes]:
     puts = {
         keys.job(record.id): encode(record),
         keys.job_index(pos, record.id): entry,
-        f"{keys.tenant_jobs(record.spec.tenant)}{pos}/{record.id}": entry,
+        keys.tenant_job(record.spec.tenant, pos, record.id): entry,
     }
     if record.state.terminal:
         puts[keys.finished(micros(record.updated_at), record.id)] = b""

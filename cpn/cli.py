@@ -74,13 +74,8 @@ def _etcd_access(args: argparse.Namespace) -> tuple[str, EtcdTls | None]:
         path = state.get("etcd_credentials") if state else None
     if not path:
         return _etcd_url(args), None
-    creds = load_credentials(Path(path))
-    url = args.etcd or creds.endpoints
-    try:
-        parse_endpoints(url)
-    except ValueError as exc:
-        raise UsageError(f"--etcd: {exc}") from None
-    return url, creds.tls()
+    creds = load_credentials(Path(path))  # its endpoints are checked with it
+    return (_etcd_url(args) if args.etcd else creds.endpoints), creds.tls()
 
 
 def _registry(args: argparse.Namespace) -> Registry:
@@ -181,18 +176,10 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
 
 
 async def cmd_etcd_secure(args: argparse.Namespace) -> int:
-    from cpn.secure import secure_etcd
+    from cpn.secure import bootstrap
 
-    pki = _pki(args)
     url = _etcd_url(args)
-    root = pki.issue("bootstrap-root", common_name="root")
-    tls = EtcdTls(pki.ca_pem(), root.cert_pem, root.key_pem)
-    try:
-        async with Registry.from_urls(url, tls=tls) as registry:
-            paths = await secure_etcd(registry, pki)
-    finally:
-        root.cert_path.unlink(missing_ok=True)
-        root.key_path.unlink(missing_ok=True)
+    paths = await bootstrap(url, _pki(args))
     print(f"etcd auth enabled at {url}")
     for user, path in paths.items():
         print(f"  {user}: {path}")

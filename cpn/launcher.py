@@ -29,7 +29,7 @@ from broker.regions import load_user_regions
 from cpn import render
 from cpn.certs import Pki
 from cpn.config import ConfigFileError, remove_context, save_context
-from cpn.secure import init_pki, secure_etcd, site_credentials
+from cpn.secure import bootstrap, init_pki, site_credentials
 from cpn.state import clear_up_state, state_dir, write_up_state
 from routing.clients import load_clients
 from sites import keys, wan
@@ -155,7 +155,7 @@ class Launcher:
             url = self.settings.etcd or self._start_etcd()
             self.etcd_url = url
             if self.settings.secure:
-                self.credentials = await self._secure(url)
+                self.credentials = await bootstrap(url, self.pki)
                 self.etcd_tls = load_credentials(self.credentials[ROOT_USER]).tls()
             async with Registry.from_urls(url, tls=self.etcd_tls) as registry:
                 for plan in self.plans:
@@ -248,17 +248,6 @@ class Launcher:
         else:
             self.etcd = EmbeddedEtcd()
         return self.etcd.start()
-
-    async def _secure(self, url: str) -> dict[str, Path]:
-        """Enable etcd's auth (root, the broker's user) with a bootstrap certificate of root."""
-        root = self.pki.issue("bootstrap-root", common_name=ROOT_USER)
-        tls = EtcdTls(self.pki.ca_pem(), root.cert_pem, root.key_pem)
-        try:
-            async with Registry.from_urls(url, tls=tls) as registry:
-                return await secure_etcd(registry, self.pki)
-        finally:
-            root.cert_path.unlink(missing_ok=True)
-            root.key_path.unlink(missing_ok=True)
 
     async def _start_wan(self) -> None:
         latency = LatencyModel.from_dir(self.settings.config_dir / "latency")

@@ -21,6 +21,7 @@ from sites.etcd_security import (
     BROKER_USER,
     ROOT_USER,
     EtcdCredentials,
+    EtcdTls,
     auth_enabled,
     bootstrap_auth,
     grant_site,
@@ -74,6 +75,19 @@ def credentials_for(pki: Pki, user: str, endpoints: str, *, name: str | None = N
     issued.key_path.unlink()  # the credential file holds the key now; one copy only
     issued.cert_path.unlink()
     return path
+
+
+async def bootstrap(url: str, pki: Pki) -> dict[str, Path]:
+    """`secure_etcd` on the etcd at `url` (TLS, auth possibly still off), connected with a
+    short-lived root certificate of `pki` that is deleted afterwards."""
+    root = pki.issue("bootstrap-root", common_name=ROOT_USER)
+    tls = EtcdTls(pki.ca_pem(), root.cert_pem, root.key_pem)
+    try:
+        async with Registry.from_urls(url, tls=tls) as registry:
+            return await secure_etcd(registry, pki)
+    finally:
+        root.cert_path.unlink(missing_ok=True)
+        root.key_path.unlink(missing_ok=True)
 
 
 async def secure_etcd(registry: Registry, pki: Pki) -> dict[str, Path]:

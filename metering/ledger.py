@@ -32,8 +32,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sites import keys
 from sites.catalog import DeviceCatalog
-from sites.spec import SiteSpec
-from sites.status import PriceChange, PriceHistory
+from sites.spec import Power, SiteSpec
+from sites.spec import Prices as SitePrices
+from sites.status import PriceHistory
 
 __all__ = [
     "EndReason",
@@ -159,26 +160,18 @@ def segment_key(day: str, job: str, attempt: int) -> str:
 def _prices(spec: SiteSpec | None, model: str | None) -> Prices:
     if spec is None:  # the site left before its run was closed: nothing to price it at
         return Prices()
-    p = spec.prices
-    return Prices(
-        usd_per_gpu_hour=p.usd_per_gpu_hour.get(model, 0.0) if model else 0.0,
-        usd_per_core_hour=p.usd_per_core_hour,
-        usd_per_gb_mem_hour=p.usd_per_gb_mem_hour,
-        usd_per_gb_egress=p.usd_per_gb_egress,
-        pue=spec.power.pue,
-        grid_kgco2_per_kwh=spec.power.grid_kgco2_per_kwh,
-    )
+    return _billed(spec.prices, spec.power, model)
 
 
-def _of_change(change: PriceChange, model: str | None) -> Prices:
-    p = change.prices
+def _billed(prices: SitePrices, power: Power, model: str | None) -> Prices:
+    """A site's list prices and power figures as a segment records them for `model`."""
     return Prices(
-        usd_per_gpu_hour=p.usd_per_gpu_hour.get(model, 0.0) if model else 0.0,
-        usd_per_core_hour=p.usd_per_core_hour,
-        usd_per_gb_mem_hour=p.usd_per_gb_mem_hour,
-        usd_per_gb_egress=p.usd_per_gb_egress,
-        pue=change.power.pue,
-        grid_kgco2_per_kwh=change.power.grid_kgco2_per_kwh,
+        usd_per_gpu_hour=prices.usd_per_gpu_hour.get(model, 0.0) if model else 0.0,
+        usd_per_core_hour=prices.usd_per_core_hour,
+        usd_per_gb_mem_hour=prices.usd_per_gb_mem_hour,
+        usd_per_gb_egress=prices.usd_per_gb_egress,
+        pue=power.pue,
+        grid_kgco2_per_kwh=power.grid_kgco2_per_kwh,
     )
 
 
@@ -192,17 +185,15 @@ def price_periods(
     """[start, end] cut where the site's prices changed, each part with the prices in force
     in it (oldest first). Before the history's first change, and without a history, the
     spec's prices hold (a site joined before price histories were kept)."""
-    current = _prices(spec, model)
-    changes = list(history.changes) if history is not None else []
-    in_force = current if not changes or changes[0].since > start else None
+    prices = _prices(spec, model)
     cuts: list[tuple[float, Prices]] = []
-    for change in changes:
+    for change in history.changes if history is not None else ():
         if change.since <= start:
-            in_force = _of_change(change, model)
+            prices = _billed(change.prices, change.power, model)
         elif change.since < end:
-            cuts.append((change.since, _of_change(change, model)))
+            cuts.append((change.since, _billed(change.prices, change.power, model)))
     out = []
-    at, prices = start, in_force or current
+    at = start
     for since, following in cuts:
         out.append(PricePeriod(start=at, end=since, prices=prices))
         at, prices = since, following

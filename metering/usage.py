@@ -168,10 +168,11 @@ class UsageBook:
                 self.earliest = start
 
     def _put(
-        self, key: str, pieces_: Sequence[tuple[str, str, str, int, npt.NDArray[np.float64]]]
+        self, key: str, groups: Sequence[tuple[str, str, str, int, npt.NDArray[np.float64]]]
     ) -> None:
+        """`groups`: (tenant, site, model, day number, figures), one row each under `key`."""
         rows = []
-        for tenant, site, model, day, figures in pieces_:
+        for tenant, site, model, day, figures in groups:
             row = self._free.pop() if self._free else self._grow()
             self._day[row] = day
             self._cols["tenant"][row] = self._dims["tenant"].code(tenant)

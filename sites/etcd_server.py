@@ -88,21 +88,17 @@ class ServerTls:
     key_file: Path
     ca_file: Path
 
-    def client_args(self) -> list[str]:
-        return [
-            "--cert-file", str(self.cert_file),
-            "--key-file", str(self.key_file),
-            "--trusted-ca-file", str(self.ca_file),
-            "--client-cert-auth",
-        ]  # fmt: skip
-
-    def peer_args(self) -> list[str]:
-        return [
-            "--peer-cert-file", str(self.cert_file),
-            "--peer-key-file", str(self.key_file),
-            "--peer-trusted-ca-file", str(self.ca_file),
-            "--peer-client-cert-auth",
-        ]  # fmt: skip
+    def args(self) -> list[str]:
+        """etcd's flags for clients (`--cert-file` ...) and peers (`--peer-cert-file` ...)."""
+        out = []
+        for side in ("", "peer-"):
+            out += [
+                f"--{side}cert-file", str(self.cert_file),
+                f"--{side}key-file", str(self.key_file),
+                f"--{side}trusted-ca-file", str(self.ca_file),
+                f"--{side}client-cert-auth",
+            ]  # fmt: skip
+        return out
 
 
 class EmbeddedEtcd:
@@ -160,7 +156,7 @@ class EmbeddedEtcd:
             ]  # fmt: skip
             if self.tls is not None:
                 self.metrics_port = free_port(self.host)
-                args += self.tls.client_args() + self.tls.peer_args()
+                args += self.tls.args()
                 args += ["--listen-metrics-urls", self.health_url]
             if self.unsafe_no_fsync:
                 args.append("--unsafe-no-fsync")
@@ -269,7 +265,7 @@ class EtcdCluster:
             "--log-level", "warn",
         ]  # fmt: skip
         if self.tls is not None:
-            args += self.tls.client_args() + self.tls.peer_args()
+            args += self.tls.args()
             args += ["--listen-metrics-urls", self.health_url(i)]
         if self.unsafe_no_fsync:
             args.append("--unsafe-no-fsync")

@@ -133,6 +133,16 @@ def tenant_history(tenant: str) -> str:
     return f"{TENANT_INDEX}{tenant}/history/"
 
 
+def tenant_job(tenant: str, position: str, job_id: str) -> str:
+    """A hot job's entry in its tenant's own index (as job_index's)."""
+    return f"{tenant_jobs(tenant)}{position}/{job_id}"
+
+
+def tenant_archived(tenant: str, position: str, job_id: str) -> str:
+    """An archived job's entry in its tenant's own history index (as history_index's)."""
+    return f"{tenant_history(tenant)}{position}/{job_id}"
+
+
 def finished(finished_us: int, job_id: str) -> str:
     """A finished job waiting to be archived, oldest first."""
     return f"{FINISHED_INDEX}{finished_us:017d}/{job_id}"

@@ -308,17 +308,19 @@ class Workload:
             group.create_task(self._mirror.run(), name=f"workload {self.site} assignments")
             group.create_task(self._reconcile_loop(), name=f"workload {self.site} reconcile")
 
-    async def _list_assignments(self) -> list[Assignment]:
-        prefix = keys.assignments(self.site)
+    async def _list(self, prefix: str, what: str) -> list[tuple[str, bytes, int]]:
+        """Everything under `prefix`, retried with backoff until etcd answers."""
         delay = RETRY_MIN_S
         while True:
             try:
-                _, kvs = await self.registry.list_prefix(prefix)
-                break
+                return (await self.registry.list_prefix(prefix))[1]
             except RegistryError as exc:
-                log.warning("cannot read assignments (%s); retrying in %.1fs", exc, delay)
+                log.warning("cannot read %s (%s); retrying in %.1fs", what, exc, delay)
                 await self.clock.sleep(delay)
                 delay = min(delay * 2, self._retry_max_s)
+
+    async def _list_assignments(self) -> list[Assignment]:
+        kvs = await self._list(keys.assignments(self.site), "assignments")
         parsed = (self._parse(key, raw) for key, raw, _ in kvs)
         return [a for a in parsed if a is not None]
 
@@ -660,16 +662,7 @@ class Workload:
             delay = min(delay * 2, self._retry_max_s)
 
     async def _load_reports(self) -> dict[str, Report]:
-        prefix = keys.reports(self.site)
-        delay = RETRY_MIN_S
-        while True:
-            try:
-                _, kvs = await self.registry.list_prefix(prefix)
-                break
-            except RegistryError as exc:
-                log.warning("cannot read reports (%s); retrying in %.1fs", exc, delay)
-                await self.clock.sleep(delay)
-                delay = min(delay * 2, self._retry_max_s)
+        kvs = await self._list(keys.reports(self.site), "reports")
         reports: dict[str, Report] = {}
         for key, raw, _ in kvs:
             try:
