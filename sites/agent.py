@@ -37,7 +37,7 @@ from sites.collectors.services import ServiceLoad, ServiceMonitor
 from sites.collectors.slurm import SlurmCapacity, parse_nodes
 from sites.collectors.slurm import capacity as slurm_capacity
 from sites.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
-from sites.executor import Executor, make_executor
+from sites.executor import Executor, UnavailableExecutor, make_executor
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.slurm import SlurmExecutor
@@ -162,8 +162,13 @@ class Agent:
         if await self.registry.get_spec(self.spec.id) is None:
             raise NotJoined(self.spec.id)
         if isinstance(self.executor, SlurmExecutor):
-            await self.executor.check(f"site {self.spec.id}")  # the site file against Slurm
-            await self.read_slurm()
+            why = await self.executor.unreachable()
+            if why is not None:  # as if Slurm were not installed: the site runs, no job starts
+                log.error("site %s: %s", self.spec.id, why)
+                self.executor = UnavailableExecutor("slurm", self.executor.work_dir, why)
+            else:
+                await self.executor.check(f"site {self.spec.id}")  # the site file against Slurm
+                await self.read_slurm()
         if self.spec.perception.mode == "host":
             self._nvml = NvmlCollector(catalog=self.catalog)
         await self._serve()

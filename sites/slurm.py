@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sacct", "sinfo")
 COMMAND_TIMEOUT_S = 30.0
+DEFAULT_CONF = "/etc/slurm/slurm.conf"  # where the client commands look without SLURM_CONF
 VANISHED_POLLS = 5  # polls a job may be unknown to both squeue and sacct before it is lost
 STOP_POLL_S = 0.2
 STOP_WAIT_S = 60.0  # beyond the grace: Slurm's KillWait, and a node slow to clean up
@@ -376,6 +377,20 @@ class SlurmExecutor:
         self._orphans: dict[RunKey, SlurmJob] = {}  # left by a previous agent, kept to adopt
 
     # -- the site file against the cluster ------------------------------------------------------
+
+    async def unreachable(self) -> str | None:
+        """Why no Slurm controller answers here (the client commands installed, no cluster
+        configured or slurmctld down), None when one does. A missing slurm.conf is told at
+        once: the commands would retry reading it for a minute each."""
+        conf = self.commands.env().get("SLURM_CONF") or DEFAULT_CONF
+        if not Path(conf).is_file():
+            return f"slurm executor: no Slurm configuration at {conf}"
+        got = await self.commands.run("sinfo", "-h", "-o", "%R")
+        if got.returncode == 0:
+            return None
+        return (
+            f"slurm executor: no Slurm controller answers ({got.error.strip() or 'sinfo failed'})"
+        )
 
     async def check(self, source: str) -> None:
         """ConfigError naming the field when the partition, an account or a QOS is unknown."""

@@ -383,6 +383,44 @@ async def test_slurm_site_without_sbatch_fails_its_jobs(
     assert "slurm executor: sbatch" in processes.log("agent-hpc")
 
 
+async def test_slurm_site_whose_controller_does_not_answer_runs_without_it(
+    registry: Registry,
+    processes: Processes,
+    site_file: Callable[..., Path],
+    tmp_path: Path,
+) -> None:
+    """The client commands installed (`make test` installs them), but no cluster: the agent
+    runs as if Slurm were absent (the demo's Slurm site after `make test`), it does not exit."""
+    import shutil
+
+    if shutil.which("sinfo") is None:
+        pytest.skip("the Slurm client commands are not installed (make slurm)")
+    from sites.etcd_server import free_port
+
+    conf = tmp_path / "slurm.conf"  # a cluster whose slurmctld is not running
+    conf.write_text(
+        f"ClusterName=nocluster\nSlurmctldHost=localhost(127.0.0.1)\n"
+        f"SlurmctldPort={free_port()}\nNodeName=localhost CPUs=1\nPartitionName=gpu Nodes=ALL\n"
+    )
+    for site, path, reason in (
+        ("lonely", conf, "slurm executor: no Slurm controller answers"),
+        ("confless", tmp_path / "absent.conf", "slurm executor: no Slurm configuration at"),
+    ):
+        executor = {"kind": "slurm", "partition": "gpu", "work_dir": str(tmp_path / site),
+                    "slurm": {"conf": str(path), "default_account": {"account": "x"}}}  # fmt: skip
+        file = site_file(site, executor=executor)
+        await join(registry, file)
+        proc = processes.start(
+            "agent", "--site", str(file), "--etcd", registry.url, "--interval", "1",
+            "--probe-method", "http", name=f"agent-{site}",
+        )  # fmt: skip
+        await wait_for(lambda s=site, p=proc: _agent_up(registry, s, p.pid), timeout=40)
+        await assign(registry, assignment(site, "sim", ["true"]))
+        report = await wait_report(registry, site, "sim", RunState.failed)
+        assert report.message.startswith(reason), report.message
+        assert proc.poll() is None, processes.log(f"agent-{site}")
+
+
 async def _agent_up(registry: Registry, site: str, pid: int) -> bool:
     agent = (await registry.snapshot()).view(site).agent
     return agent is not None and agent.pid == pid
