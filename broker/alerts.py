@@ -31,7 +31,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -53,10 +52,11 @@ from broker.alert_rules import (
     update_baselines,
     update_slo,
 )
+from broker.budgets import month_spend
 from broker.jobs import JobRecord, JobState
 from broker.leadership import Leadership
 from broker.view import View, usage
-from metering.usage import UsageBook, day_number
+from metering.usage import UsageBook
 from sites import keys
 from sites.clock import Clock
 from sites.errors import RegistryError
@@ -137,20 +137,12 @@ def alert_inputs(
         for record, _ in view.jobs.values()
         if record.state is JobState.PENDING
     )
-    month: dict[str, float] | None = None
-    if book is not None:
-        today = datetime.fromtimestamp(now, UTC).date()
-        rows = book.query(
-            first_day=day_number(date(today.year, today.month, 1)),
-            last_day=day_number(today),
-            by=("tenant",),
-        )
-        month = {row.group["tenant"]: row.figures["total_usd"] for row in rows}
+    month = None if book is None else month_spend(book, now)
     return AlertInputs(
         now=now,
         sites=view.sites,
         pending=pending,
-        gpus_by_tenant=usage(view, quotas).gpus_by_tenant,
+        gpus_by_tenant=usage(view, None).gpus_by_tenant,
         quotas=quotas,
         month_usd_by_tenant=month,
     )

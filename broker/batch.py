@@ -11,10 +11,12 @@ Pure translation both ways (no I/O), so the broker, tests and the simulator shar
   `rtt_ms` maps user regions to sites; data origins are pseudo-regions (`data@<region>`,
   `data@<site>`) whose egress per GB to each site is 0 inside the data's region, else the fast
   path's rate. Capacity is what is free now.
-- Jobs the plan format cannot express are left to the fast path: a tenant with a GPU quota,
-  a deadline the run would miss, a gang with members missing.
-- The unplaced penalty is 1e6 USD x (1 + priority): placing beats leaving unplaced, and a higher
-  priority wins contended capacity.
+- Jobs the plan format cannot express are left to the fast path: a tenant with a quota or a
+  budget (broker.tenancy), a deadline the run would miss, a gang with members missing.
+- The unplaced penalty follows the fast path's fair-share order (broker.decisions.batch_order:
+  lowest weighted share first, a tenant's own jobs by priority): 1e6 USD x (2 - position / n),
+  so placing beats leaving unplaced and the job earlier in the order wins contended capacity.
+  Without an order it is 1e6 USD x (1 + priority).
 - `decisions(result, problem, jobs, fed)` turns the solver's assignments back into placement
   Decisions with the cost broken down (broker.plan.job_parts: the same parts, to the last bit,
   as the fast path gives the same option).
@@ -67,7 +69,8 @@ def to_problem(
     *,
     now: datetime,
     groups: pl.GroupState,
-    quotas: Mapping[str, int],
+    usage: pl.TenantUsage | None = None,
+    order: Mapping[str, int] | None = None,
 ) -> PlanProblem:
     sites = [s for s in fed.sites if s.up and not s.cordoned]
     plan_sites = [
@@ -90,7 +93,7 @@ def to_problem(
     plan_jobs: list[Job] = []
     for pending in jobs:
         spec = pending.spec
-        if spec.tenant in quotas:
+        if usage is not None and usage.limited(spec.tenant):
             continue
         if spec.deadline is not None and now + timedelta(hours=spec.duration_hours) > spec.deadline:
             continue
@@ -137,7 +140,7 @@ def to_problem(
                 latency_weight=spec.latency_weight,
                 allowed_regions=tuple(allowed),
                 group=group,
-                unplaced_penalty=PENALTY_USD * (1 + spec.priority),
+                unplaced_penalty=_penalty(spec, order, len(jobs), pending.id),
             )
         )
     rtt_ms = {
@@ -147,6 +150,14 @@ def to_problem(
     return PlanProblem(
         sites=tuple(plan_sites), rtt_ms=rtt_ms, egress_per_gb=egress, jobs=tuple(plan_jobs)
     )
+
+
+def _penalty(spec: JobSpec, order: Mapping[str, int] | None, n: int, job_id: str) -> float:
+    """1e6 USD x (1 + priority) without an order; with the fair-share order (the fast path's),
+    1e6 USD x (2 - position / n): the earlier in the order, the dearer to leave unplaced."""
+    if order is None or job_id not in order:
+        return PENALTY_USD * (1 + spec.priority)
+    return PENALTY_USD * (2.0 - order[job_id] / max(1, n))
 
 
 def _allowed_sites(

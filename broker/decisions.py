@@ -14,9 +14,11 @@ In one pass, in this order (a job gets at most one action per pass):
    FAILED when no retries are left. A terminal report of a run that no longer matters is deleted.
 2. Failover: the jobs of a site down (or gone) for failover_grace_s are re-queued at once; a
    lost site still uses up a retry (broker.lifecycle).
-3. The fast path, in priority then age order: broker.placement.place per job, the snapshot
-   updated after each placement. A job that cannot be placed waits with the reason
-   (unschedulable); a job whose own spec makes placement raise is FAILED with the error.
+3. The fast path, in fair-share order (broker.tenancy: the tenant with the lowest weighted
+   dominant share first; a tenant's own jobs by priority, then age): broker.placement.place
+   per job, the snapshot and the tenants' usage updated after each placement. A job that
+   cannot be placed waits with the reason (unschedulable, with its quota, budget or
+   fair-share reason: broker.why); a job whose own spec makes placement raise is FAILED.
 4. Gangs (placed whole or not at all): a gang is placed, in one transaction, once all `size`
    members are PENDING and past their backoff; fewer members wait ("k/n members submitted").
    A member that disagrees with the gang's first member on gang.size or on its shape fails with
@@ -44,8 +46,11 @@ from broker.jobs import TRANSITIONS, Event, JobRecord, JobState
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.plan import PlanProblem, PlanResult
 from broker.settings import SchedulingSettings
+from broker.tenancy import BudgetLeft, FairShare, Quotas
+from broker.tenants import TenancyFile
 from broker.usage_segments import EndReason, closing_puts
-from broker.view import LIVE, View, federation, groups, usage
+from broker.view import LIVE, View, federation, groups, held_rows, usage
+from broker.why import Fairness, why_pending
 from sites import keys
 from sites.assignments import Assignment, Report, RunState
 from sites.catalog import DeviceCatalog
@@ -113,7 +118,9 @@ class Context:
     catalog: DeviceCatalog
     settings: SchedulingSettings
     user_rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    quotas: Mapping[str, int] = field(default_factory=dict)
+    quotas: Quotas | None = None  # tenants' quotas over cohorts (broker.tenancy)
+    fair: FairShare | None = None  # decayed usage per tenant; None: no history yet
+    budgets: Mapping[str, BudgetLeft] = field(default_factory=dict)  # tenants with a budget
     written: tuple[Assignment, ...] = ()  # assignments committed, not yet in the view
     down_since: Mapping[str, float] = field(default_factory=dict)  # site -> first seen down
 
@@ -151,6 +158,7 @@ class _Pass:
         self.actions: list[Action] = []
         self.touched: set[str] = set()
         self.gangs = gangs(view)
+        self.quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
 
     def _emit(self, action: Action) -> None:
         self.actions.append(action)
@@ -378,27 +386,43 @@ class _Pass:
         ]
         if not pending:
             return
-        pending.sort(key=lambda rr: (-rr[0].spec.priority, rr[0].created_at, rr[0].id))
         fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
-        used = usage(view, ctx.quotas, ctx.written)
+        rows = held_rows(view, ctx.written)
+        used = usage(view, ctx.quotas, ctx.written, ctx.budgets, rows)
         grouped = groups(view)
         when = datetime.fromtimestamp(now, UTC)
+        fair = Fairness.of(self.quotas, ctx.fair, rows, fed)
+        queues: dict[str, list[tuple[JobRecord, int]]] = {}
         for record, rev in pending:
-            if record.spec.gang is not None:
-                continue
+            if record.spec.gang is None:
+                queues.setdefault(record.spec.tenant, []).append((record, rev))
+        for queue in queues.values():
+            queue.sort(key=_own_order)
+        taken = 0  # jobs placed so far this pass: what a job waiting for capacity waited behind
+        for record, rev in fair.order(queues):
+            spec = record.spec
             try:
-                decision = pl.place(record.spec, fed, now=when, usage=used, groups=grouped)
+                decision = pl.place(spec, fed, now=when, usage=used, groups=grouped)
                 if isinstance(decision, pl.Decision):
-                    fed = pl.apply(fed, decision, record.spec)
+                    fed = pl.apply(fed, decision, spec)
             except (BrokerError, ValueError) as exc:
                 self._fail_spec(record, rev, f"cannot be placed: {exc}")
                 continue
             if isinstance(decision, pl.Unschedulable):
-                self._unschedulable(record, rev, decision.message)
+                self._unschedulable(
+                    record, rev, why_pending(spec, decision, fed, used, fair, taken)
+                )
                 continue
             self._emit(_placement([(record, rev, decision)], now))
-            used = used.plus(record.spec.tenant, record.spec.gpu.count)
-            grouped = grouped.with_placed(record.spec.group, decision.site)
+            used = pl.charged(used, spec, decision)
+            fair.hold(
+                spec.tenant,
+                self.quotas.demand(
+                    decision.gpus, decision.model, spec.cpu, spec.mem_gb, decision.region
+                ),
+            )
+            grouped = grouped.with_placed(spec.group, decision.site)
+            taken += 1
         self._place_gangs(fed, used, grouped, when)
 
     def _place_gangs(
@@ -428,7 +452,7 @@ class _Pass:
             placed = [(r, rev, d) for (r, rev), d in zip(ready, result, strict=True)]
             self._emit(_placement(placed, self.now))
             for record, _, decision in placed:
-                used = used.plus(record.spec.tenant, record.spec.gpu.count)
+                used = pl.charged(used, record.spec, decision)
                 grouped = grouped.with_placed(record.spec.group, decision.site)
 
     def _gang_ready(
@@ -488,6 +512,12 @@ class _Pass:
         closed = self._closed(record, EndReason.withdrawn)
         write = JobWrite(new, rev, puts=closed, deletes=_run_keys(record))
         self._emit(Action(ActionKind.fail, (write,), message))
+
+
+def _own_order(entry: tuple[JobRecord, int]) -> tuple[int, float, str]:
+    """A tenant's own queue: higher priority first, then older, then the id."""
+    record = entry[0]
+    return -record.spec.priority, record.created_at, record.id
 
 
 def _run_keys(record: JobRecord) -> tuple[str, ...]:
@@ -597,7 +627,29 @@ def batch_problem(
 ) -> PlanProblem:
     fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
     when = datetime.fromtimestamp(now, UTC)
-    return batch.to_problem(jobs, fed, now=when, groups=groups(view), quotas=ctx.quotas)
+    quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
+    rows = held_rows(view, ctx.written)
+    used = usage(view, quotas, ctx.written, ctx.budgets, rows)
+    fair = Fairness.of(quotas, ctx.fair, rows, fed)
+    order = batch_order(jobs, fair)
+    return batch.to_problem(jobs, fed, now=when, groups=groups(view), usage=used, order=order)
+
+
+def batch_order(jobs: Sequence[batch.Pending], fair: Fairness) -> dict[str, int]:
+    """job id -> its place in the fast path's fair-share order, were every job to fit: each
+    job taken counts as held by its tenant from then on."""
+    queues: dict[str, list[batch.Pending]] = {}
+    for job in jobs:
+        queues.setdefault(job.spec.tenant, []).append(job)
+    for queue in queues.values():
+        queue.sort(key=lambda p: -p.spec.priority)  # stable: batch_jobs gives them oldest first
+    out: dict[str, int] = {}
+    for pos, job in enumerate(fair.order(queues)):
+        out[job.id] = pos
+        spec = job.spec
+        model = spec.gpu.acceptable[0] if spec.gpu.count and spec.gpu.acceptable else None
+        fair.hold(spec.tenant, fair.quotas.demand(spec.gpu.count, model, spec.cpu, spec.mem_gb, ""))
+    return out
 
 
 def decide_batch(

@@ -13,13 +13,15 @@ Filters, in this order; a site is counted once, under the first one it fails (`F
     ones, with >= min_mem_gb per device; a model without a price there is not offered),
     gpus (not enough free), cpu, mem, budget (cost > budget_usd), deadline
     (now + duration > deadline), spread (the group already has a job there), colocate (the
-    group lives on another site), quota (the tenant's GPUs would exceed its quota).
+    group lives on another site), quota (the job, placed there with that model, would exceed
+    its tenant's quota: broker.tenancy), tenant_budget (its estimated cost is more than its
+    tenant's monthly budget has left, or its GPU-hours more than the window has left).
 
 gpus, cpu and mem are the capacity part (`capacity`): at a site that passes them the job uses
 the cheapest acceptable model with enough free devices (ties: more free devices, then the name).
 A `Request` made with capacity=False (the batch pass, whose solver accounts capacity itself)
-skips them and prices the cheapest acceptable model whatever is free. deadline and quota do not
-depend on the site; they are reported for every site that passes the filters before them.
+skips them and prices the cheapest acceptable model whatever is free. deadline does not
+depend on the site; it is reported for every site that passes the filters before it.
 
 Use: `request(job, fed, ...)` works out everything that does not depend on the site, once;
 `screen(req, fed)` runs the filters over every site (the hot path: 1,000 sites per submit, so
@@ -38,6 +40,7 @@ from datetime import UTC, datetime, timedelta
 from broker.jobs import JobSpec
 from broker.offers import Federation, GroupState, SiteOffer, TenantUsage
 from broker.pricing import Breakdown
+from broker.tenancy import Headroom
 
 __all__ = [
     "FILTERS",
@@ -67,6 +70,7 @@ FILTERS: tuple[str, ...] = (
     "spread",
     "colocate",
     "quota",
+    "tenant_budget",
 )
 (
     DOWN,
@@ -82,6 +86,7 @@ FILTERS: tuple[str, ...] = (
     SPREAD,
     COLOCATE,
     QUOTA,
+    TENANT_BUDGET,
 ) = range(len(FILTERS))
 FITS = -1  # capacity(): no capacity filter failed
 
@@ -114,7 +119,10 @@ class Request:
     late: bool  # now + duration is past the deadline
     spread_taken: frozenset[str]  # site ids the job's spread group already uses
     colocate_at: str | None  # the site the job's colocate group lives on
-    over_quota: bool  # the job's GPUs would put its tenant over quota
+    over_quota: bool  # the job's GPUs would put its tenant over its simple GPU quota
+    headroom: Headroom | None  # the tenant's quota over cohorts, per (model, region); None: none
+    tenant_left_usd: float  # what the tenant's monthly budget has left; inf when unlimited
+    over_gpu_hours: bool  # the job's GPU-hours exceed what the tenant's window has left
     check_capacity: bool  # False: skip gpus, cpu and mem (the batch pass)
 
 
@@ -138,6 +146,7 @@ def request(
         if user.max_latency_ms is not None:
             max_latency = user.max_latency_ms
     free_region, egress_away = fed.egress_terms(job.data)
+    left = usage.budget(job.tenant)
     if now.tzinfo is None:
         now = now.replace(tzinfo=UTC)
     spread_taken: frozenset[str] = frozenset()
@@ -166,6 +175,9 @@ def request(
         spread_taken=spread_taken,
         colocate_at=colocate_at,
         over_quota=gpu.count > 0 and usage.exceeds(job.tenant, gpu.count),
+        headroom=usage.headroom(job.tenant),
+        tenant_left_usd=math.inf if left is None else left.usd,
+        over_gpu_hours=left is not None and gpu.count * job.duration_hours > left.gpu_hours + 1e-9,
         check_capacity=check_capacity,
     )
 
@@ -244,6 +256,9 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     spread_taken = req.spread_taken
     colocate_at = req.colocate_at
     over_quota = req.over_quota
+    headroom = req.headroom
+    tenant_left = req.tenant_left_usd
+    over_gpu_hours = req.over_gpu_hours
     check = req.check_capacity
     # what must be free to pass the capacity part; nothing when it is skipped
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
@@ -323,8 +338,13 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
         if colocate_at is not None and sid != colocate_at:
             failed[COLOCATE].append(sid)
             continue
-        if over_quota:
+        if over_quota or (
+            headroom is not None and headroom.over(count, model, cpu, mem, region) is not None
+        ):
             failed[QUOTA].append(sid)
+            continue
+        if over_gpu_hours or cost > tenant_left:
+            failed[TENANT_BUDGET].append(sid)
             continue
         feasible += 1
         if cheapest:
@@ -419,5 +439,7 @@ def reason(job: JobSpec, name: str) -> str:
     if name == "colocate":
         return f"are not where colocate group {group} runs"
     if name == "quota":
-        return "out of quota"
+        return f"over tenant {job.tenant}'s quota"
+    if name == "tenant_budget":
+        return f"over what tenant {job.tenant}'s budget has left"
     return name  # down, cordoned

@@ -20,6 +20,7 @@ from typing import Any
 from broker.errors import BrokerError
 from broker.jobs import DataLocation, Group
 from broker.pricing import egress_usd
+from broker.tenancy import BudgetLeft, Headroom, Usage
 from sites.catalog import DeviceCatalog
 from sites.spec import Prices, SiteSpec
 
@@ -229,19 +230,66 @@ class Federation:
 
 @dataclass(frozen=True, slots=True)
 class TenantUsage:
-    """GPUs each tenant holds now, and quotas; a tenant without a quota is unlimited."""
+    """What tenants hold now and may still take: quotas over cohorts (`tree`, broker.tenancy),
+    or the simple form (`quota_gpus`: a GPU count per tenant, no cohorts), and budgets left.
+    A tenant without a quota is unlimited."""
 
     gpus_by_tenant: Mapping[str, int] = field(default_factory=dict)
     quota_gpus: Mapping[str, int] = field(default_factory=dict)
+    tree: Usage | None = None
+    budgets: Mapping[str, BudgetLeft] = field(default_factory=dict)
 
     def exceeds(self, tenant: str, gpus: int) -> bool:
-        """Would `gpus` more put the tenant over its quota?"""
+        """Would `gpus` more put the tenant over its simple GPU quota?"""
         quota = self.quota_gpus.get(tenant)
         return quota is not None and self.gpus_by_tenant.get(tenant, 0) + gpus > quota
 
+    def headroom(self, tenant: str) -> Headroom | None:
+        """The tenant's quota headroom over cohorts; None when the tree does not limit it."""
+        return None if self.tree is None else self.tree.headroom(tenant)
+
+    def budget(self, tenant: str) -> BudgetLeft | None:
+        return self.budgets.get(tenant)
+
+    def limited(self, tenant: str) -> bool:
+        """Does any quota or budget apply to the tenant?"""
+        return tenant in self.quota_gpus or self.priced(tenant)
+
+    def priced(self, tenant: str) -> bool:
+        """Does a quota over cohorts or a budget apply (a check per site and model)?"""
+        return tenant in self.budgets or (
+            self.tree is not None and tenant in self.tree.quotas.limited
+        )
+
     def plus(self, tenant: str, gpus: int) -> TenantUsage:
         used = {**self.gpus_by_tenant, tenant: self.gpus_by_tenant.get(tenant, 0) + gpus}
-        return TenantUsage(gpus_by_tenant=used, quota_gpus=self.quota_gpus)
+        return TenantUsage(used, self.quota_gpus, self.tree, self.budgets)
+
+    def placed(
+        self,
+        tenant: str,
+        *,
+        gpus: int,
+        model: str | None,
+        cpu: float,
+        mem_gb: float,
+        region: str,
+        cost_usd: float,
+        hours: float,
+        sign: float = 1.0,
+    ) -> TenantUsage:
+        """The usage after one placement (sign=-1: after one job's release)."""
+        used = dict(self.gpus_by_tenant)
+        if gpus:
+            used[tenant] = used.get(tenant, 0) + int(sign) * gpus
+        tree = self.tree
+        if tree is not None and tenant in tree.quotas.limited:
+            tree = tree.plus(tenant, tree.quotas.demand(gpus, model, cpu, mem_gb, region), sign)
+        budgets = self.budgets
+        left = budgets.get(tenant)
+        if left is not None:
+            budgets = {**budgets, tenant: left.spend(sign * cost_usd, sign * gpus * hours)}
+        return TenantUsage(used, self.quota_gpus, tree, budgets)
 
 
 @dataclass(frozen=True, slots=True)

@@ -189,9 +189,23 @@ def place_gang(
             )
         decisions[i] = outcome
         fed = apply(fed, outcome, job)
-        usage = usage.plus(job.tenant, job.gpu.count) if job.gpu.count else usage
+        usage = charged(usage, job, outcome)
         groups = groups.with_placed(job.group, outcome.site)
     return [decisions[i] for i in range(len(jobs))]
+
+
+def charged(usage: TenantUsage, job: JobSpec, decision: Decision) -> TenantUsage:
+    """The tenants' usage with the decision's job held (quotas over cohorts, budgets)."""
+    return usage.placed(
+        job.tenant,
+        gpus=decision.gpus,
+        model=decision.model,
+        cpu=job.cpu,
+        mem_gb=job.mem_gb,
+        region=decision.region,
+        cost_usd=decision.cost_usd,
+        hours=job.duration_hours,
+    )
 
 
 def apply(fed: Federation, decision: Decision, job: JobSpec) -> Federation:
@@ -331,8 +345,8 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
     nothing fits (or quota stops it), for the full scan to explain. No runner-up: finding one
     would mean visiting sites past the best."""
     count = job.gpu.count
-    if count and usage.exceeds(job.tenant, count):
-        return None
+    if (count and usage.exceeds(job.tenant, count)) or usage.priced(job.tenant):
+        return None  # quotas over cohorts and budgets are the full scan's
     cpu = job.cpu
     mem = job.mem_gb
     duration = job.duration_hours

@@ -18,7 +18,7 @@ from broker.regions import load_user_regions, user_rtt_ms
 from broker.router import Router
 from broker.service import Broker
 from broker.settings import BrokerSettings, load_settings
-from broker.tenants import load_quotas
+from broker.tenants import load_tenancy
 from routing.clients import load_clients
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, site_files
@@ -60,7 +60,7 @@ async def serve(
     regions = load_user_regions(config_dir / "regions.yaml")
     specs = load_sites(site_files(config_dir / "sites"), catalog)
     latency = LatencyModel.from_dir(config_dir / "latency")
-    quotas = load_quotas(config_dir / "tenants.yaml")
+    tenancy = load_tenancy(config_dir / "tenants.yaml")
     if settings is None:
         settings = load_settings(config_dir / "broker.yaml")
     host, port = listen.rsplit(":", 1)
@@ -74,7 +74,7 @@ async def serve(
         registry=registry,
         catalog=catalog,
         user_rtt_ms=user_rtt_ms(regions, specs, latency),
-        quotas=quotas,
+        tenancy=tenancy,
         settings=settings,
         url=f"{scheme}://{listen}",
     )

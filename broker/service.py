@@ -28,6 +28,7 @@ from broker.actions import Actor
 from broker.alerts import AlertKeeper, alert_inputs
 from broker.audit import AuditLog
 from broker.auth import TokenBook
+from broker.budgets import budgets_left
 from broker.errors import BrokerError
 from broker.history import HistoryKeeper
 from broker.jobs import JobRecord, JobSpec
@@ -37,7 +38,10 @@ from broker.operations import Operations
 from broker.settings import BrokerSettings
 from broker.solver import solve
 from broker.store import JobStore
-from broker.view import View, ViewCache
+from broker.tenancy import FairShare, held_by_tenant
+from broker.tenant_store import TenancyBook, gpu_quotas
+from broker.tenants import TenancyFile
+from broker.view import View, ViewCache, held_rows
 from metering.usage import UsageBook
 from sites import keys
 from sites.catalog import DeviceCatalog
@@ -51,6 +55,7 @@ __all__ = ["Broker"]
 
 log = logging.getLogger(__name__)
 
+FAIR_SHARE_SAVE_S = 60.0
 RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
 
 
@@ -61,7 +66,7 @@ class Broker:
         registry: Registry,
         catalog: DeviceCatalog,
         user_rtt_ms: Mapping[tuple[str, str], float] | None = None,
-        quotas: Mapping[str, int] | None = None,
+        tenancy: TenancyFile | None = None,
         settings: BrokerSettings | None = None,
         clock: Clock | None = None,
         url: str = "",
@@ -69,7 +74,10 @@ class Broker:
         self.registry = registry
         self.catalog = catalog
         self.user_rtt_ms = dict(user_rtt_ms or {})
-        self.quotas = dict(quotas or {})
+        self.tenancy_seed = tenancy or TenancyFile()
+        self.tenancy = TenancyBook(registry=registry, catalog=catalog)
+        self._fair: FairShare | None = None  # the leader's decayed usage (broker.tenancy)
+        self._fair_saved = 0.0
         self.settings = settings or BrokerSettings()
         self.clock: Clock = clock or SystemClock()
         self.url = url
@@ -128,7 +136,7 @@ class Broker:
             clock=self.clock,
             inputs=lambda: alert_inputs(
                 self.view(),
-                self.quotas,
+                gpu_quotas(self.tenancy.file),
                 self.usage if self.usage_mirror.synced.is_set() else None,
                 self.clock.time(),
             ),
@@ -146,7 +154,11 @@ class Broker:
             self.supervisor.spawn(f"mirror {prefix}", mirror.run, restart=RESTART)
         self.supervisor.spawn("tokens", self.tokens.mirror.run, restart=RESTART)
         self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)
+        if await self.tenancy.seed(self.tenancy_seed):
+            log.info("tenancy seeded from the config's tenants.yaml")
+        self.supervisor.spawn("tenancy", self.tenancy.mirror.run, restart=RESTART)
         await self.views.synced(30)
+        await asyncio.wait_for(self.tenancy.mirror.synced.wait(), 30)
         await asyncio.wait_for(self.tokens.mirror.synced.wait(), 30)
         self.supervisor.spawn("leader election", self.leadership.run, restart=RESTART)
         self.supervisor.spawn("scheduler", self._schedule_loop, restart=RESTART)
@@ -211,6 +223,7 @@ class Broker:
                 pass
             self._kick.clear()
             if not self.is_leader:
+                self._fair = None  # a new term starts from the registry's
                 continue
             started = time.monotonic()
             try:
@@ -222,14 +235,31 @@ class Broker:
             await asyncio.sleep(max(0.0, self.settings.min_pass_s - (time.monotonic() - started)))
 
     def context(self) -> dc.Context:
+        view, now = self.view(), self.clock.time()
+        book = self.usage if self.usage_mirror.synced.is_set() else None
         return dc.Context(
             catalog=self.catalog,
             settings=self.settings.scheduling,
             user_rtt_ms=self.user_rtt_ms,
-            quotas=self.quotas,
+            quotas=self.tenancy.quotas,
+            fair=self._fair,
+            budgets=budgets_left(self.tenancy.file, book, view, now),
             written=tuple(self.actor.written.values()),
             down_since=self._down_since,
         )
+
+    async def _advance_fair_share(self, view: View, now: float) -> None:
+        """The decayed usage, advanced to `now` on what the tenants hold; saved (fenced) once a
+        minute, so that the next leader goes on from it."""
+        half_life = self.tenancy.file.fair_share.half_life
+        fair = self._fair or self.tenancy.fair or FairShare(half_life)
+        if fair.half_life_s != half_life:
+            fair = FairShare(half_life, fair.at, fair.levels)
+        held = held_by_tenant(self.tenancy.quotas, held_rows(view, self.actor.written.values()))
+        self._fair = fair.advance(now, held)
+        if now - self._fair_saved >= FAIR_SHARE_SAVE_S:
+            self._fair_saved = now
+            await self.tenancy.save_fair(self._fair, self.leadership.guard())
 
     async def reconcile(self) -> None:
         """One pass: decide on the view, carry the actions out; a batch pass when it is due."""
@@ -237,6 +267,7 @@ class Broker:
         view = self.view()
         self.actor.forget_mirrored({job_id: r.attempt for job_id, (r, _) in view.jobs.items()})
         self._down_since = dc.track_down(view, self._down_since, now)
+        await self._advance_fair_share(view, now)
         started = time.perf_counter()
         decided = dc.decide(view, now, self.context())
         self.metrics.decide_seconds.observe(time.perf_counter() - started)

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from broker import placement as pl
 from broker.jobs import JobRecord, JobState
 from broker.store import decode
+from broker.tenancy import BudgetLeft, Quotas, held_by_tenant
 from sites import keys
 from sites.assignments import Assignment, Report
 from sites.catalog import Capacity, DeviceCatalog, normalize_inventory
@@ -336,13 +337,36 @@ class _OfferInputs:
         )
 
 
-def usage(
-    view: View, quotas: Mapping[str, int], written: Iterable[Assignment] = ()
-) -> pl.TenantUsage:
-    gpus: dict[str, int] = {}
+def held_rows(
+    view: View, written: Iterable[Assignment] = ()
+) -> list[tuple[str, int, str | None, float, float, str]]:
+    """(tenant, devices, model, cores, memory GB, region) of every live assignment."""
+    specs = view.sites.specs
+    rows = []
     for a in live_assignments(view, written).values():
-        gpus[a.tenant] = gpus.get(a.tenant, 0) + a.gpus
-    return pl.TenantUsage(gpus_by_tenant=gpus, quota_gpus=quotas)
+        spec = specs.get(a.site)
+        region = spec.region if spec is not None else "?"
+        rows.append((a.tenant, a.gpus, a.model, float(a.cpu), a.mem_gb, region))
+    return rows
+
+
+def usage(
+    view: View,
+    quotas: Quotas | None,
+    written: Iterable[Assignment] = (),
+    budgets: Mapping[str, BudgetLeft] | None = None,
+    rows: list[tuple[str, int, str | None, float, float, str]] | None = None,
+) -> pl.TenantUsage:
+    """What the tenants hold now (live assignments), against their quotas and budgets."""
+    if rows is None:
+        rows = held_rows(view, written)
+    gpus: dict[str, int] = {}
+    for tenant, count, *_ in rows:
+        gpus[tenant] = gpus.get(tenant, 0) + count
+    tree = None
+    if quotas is not None and quotas.limited:
+        tree = quotas.usage(held_by_tenant(quotas, rows))
+    return pl.TenantUsage(gpus_by_tenant=gpus, tree=tree, budgets=dict(budgets or {}))
 
 
 def groups(view: View) -> pl.GroupState:

@@ -587,9 +587,7 @@ class Simulation:
             specs[f"j{j}"] = (j, self._spec(j, cls))
         jobs = [bt.Pending(name, spec) for name, (_, spec) in specs.items()]
         when = EPOCH + timedelta(seconds=self.now)
-        problem = bt.to_problem(
-            jobs, self.fed, now=when, groups=self.groups, quotas=self.fedinfo.quotas
-        )
+        problem = bt.to_problem(jobs, self.fed, now=when, groups=self.groups, usage=self.usage)
         placed: set[int] = set()
         if problem.jobs:
             gap = self.policy.batch_gap

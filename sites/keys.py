@@ -50,6 +50,10 @@ FINISHED_INDEX = ROOT + "index/finished/"
 HISTORY = ROOT + "history/jobs/"
 MIGRATIONS = ROOT + "migrations/"
 TOKENS = ROOT + "tokens/"
+TENANCY = ROOT + "tenancy/"  # cohorts, priority classes, tenants, fair-share levels
+TENANCY_CONFIG = TENANCY + "config"  # cohorts, priority classes, fair_share, preemption
+TENANCY_TENANTS = TENANCY + "tenants/"
+FAIR_SHARE = TENANCY + "fair-share"  # decayed usage per tenant, written by the leader
 AUDIT = ROOT + "audit/"
 
 
@@ -154,6 +158,10 @@ def archived_job(job_id: str) -> str:
 
 def migration(name: str) -> str:
     return f"{MIGRATIONS}{name}"
+
+
+def tenant_policy(tenant: str) -> str:
+    return TENANCY_TENANTS + tenant
 
 
 def token(token_id: str) -> str:

@@ -48,7 +48,13 @@ def job(name: str, **spec: Any) -> batch.Pending:
 
 
 def problem_for(*jobs: batch.Pending, quotas: dict[str, int] | None = None) -> Any:
-    return batch.to_problem(jobs, FED, now=NOW, groups=pl.GroupState({}, {}), quotas=quotas or {})
+    return batch.to_problem(
+        jobs,
+        FED,
+        now=NOW,
+        groups=pl.GroupState({}, {}),
+        usage=pl.TenantUsage(quota_gpus=quotas or {}),
+    )
 
 
 def test_site_filters_become_allowed_sites() -> None:

@@ -378,7 +378,7 @@ def test_quota() -> None:
     usage = TenantUsage(gpus_by_tenant={"acme": 60}, quota_gpus={"acme": 64})
     r = refused(run(job(), fed, usage=usage))
     assert r.reasons == {"down": ["b"], "quota": ["a"]}
-    assert r.message == "0/2 sites: 1 down, 1 out of quota"
+    assert r.message == "0/2 sites: 1 down, 1 over tenant acme's quota"
     assert placed(run(job(gpu={"count": 4, "model": "H100"}), fed, usage=usage)).site == "a"
     assert placed(run(job(gpu={"count": 0}), fed, usage=usage)).model is None  # GPUs only
     assert placed(run(job(tenant="other"), fed, usage=usage)).site == "a"  # no quota: unlimited
@@ -395,7 +395,7 @@ def test_message_counts_each_site_once_sorted_by_count() -> None:
     usage = TenantUsage(quota_gpus={"acme": 4})
     r = refused(run(job(user={"region": "u", "max_latency_ms": 50}), fed, usage=usage))
     assert r.message == (
-        "0/13 sites: 5 lack H100, 4 exceed max_latency_ms (50 ms), 3 out of quota, 1 down"
+        "0/13 sites: 5 lack H100, 4 exceed max_latency_ms (50 ms), 3 over tenant acme's quota, 1 down"
     )
     assert list(r.reasons) == ["down", "latency", "model", "quota"]  # filter order
     assert sum(len(ids) for ids in r.reasons.values()) == 13

@@ -145,7 +145,7 @@ def test_fast_path_batch_decisions_and_plan_job_cost_agree_to_the_last_bit() -> 
         if not isinstance(fast, Decision):
             continue
         pending = batch.Pending("j-1", spec)
-        problem = batch.to_problem([pending], fed, now=NOW, groups=GroupState(), quotas={})
+        problem = batch.to_problem([pending], fed, now=NOW, groups=GroupState())
         (plan_job,) = problem.jobs
         site = problem.site_by_id[fast.site]
         parts = job_parts(problem, plan_job, site, fast.model)
@@ -229,7 +229,7 @@ def test_each_filter_gives_its_name_and_reason_per_site() -> None:
     quota = feasibility.verdicts(
         spec, fed, now=NOW, usage=TenantUsage({"acme": 8}, {"acme": 8}), groups=GroupState()
     )
-    assert quota[-1] == Infeasible("ok", "quota", "out of quota")
+    assert quota[-1] == Infeasible("ok", "quota", "over tenant acme's quota")
     spread = job(**{**spec.model_dump(exclude_none=True), "group": {"name": "g", "kind": "spread"}})
     taken = GroupState(spread_sites={"g": frozenset({"ok"})})
     verdict = feasibility.verdicts(spread, fed, now=NOW, usage=TenantUsage(), groups=taken)[-1]
@@ -258,7 +258,7 @@ def test_without_the_capacity_part_full_sites_pass_and_budget_counts_every_term(
         "Feasible",
     ]
     allowed = batch.to_problem(
-        [batch.Pending("p", dear)], fed, now=NOW, groups=GroupState(), quotas={}
+        [batch.Pending("p", dear)], fed, now=NOW, groups=GroupState()
     ).jobs[0]
     assert allowed.allowed_regions == ("near",)
 

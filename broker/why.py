@@ -1,0 +1,171 @@
+"""The fair-share order of one pass, and why a pending job waits, kubectl-style. Pure.
+
+`Fairness` holds what one pass needs of broker.tenancy's fair share: each tenant's held
+resources, the federation's capacity and the tenants' shares, updated as the pass places
+jobs, and the order (`order`) in which the tenants' queues are taken.
+
+`why_pending` words an Unschedulable with the tenancy reason behind it: the quota key that
+stopped it (what the tenant holds, may still take, and from which cohort), what the budget has
+left, or, for a job that found no free capacity, the jobs of tenants with lower shares that
+were placed before it in this pass.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from broker import placement as pl
+from broker.jobs import JobSpec
+from broker.tenancy import SHARE_DIMENSIONS, BudgetLeft, FairShare, Quotas, held_by_tenant
+
+__all__ = ["DEFAULT_HALF_LIFE_S", "Fairness", "why_pending"]
+
+T = TypeVar("T")
+DEFAULT_HALF_LIFE_S = 7 * 86400.0
+_CAPACITY_FILTERS = ("gpus", "cpu", "mem")
+
+
+@dataclass(slots=True)
+class Fairness:
+    fair: FairShare
+    quotas: Quotas
+    held: dict[str, dict[str, float]]
+    capacity: dict[str, float]
+    shares: dict[str, float]
+
+    @classmethod
+    def of(
+        cls,
+        quotas: Quotas,
+        fair: FairShare | None,
+        rows: Sequence[tuple[str, int, str | None, float, float, str]],
+        fed: pl.Federation,
+    ) -> Fairness:
+        """From the pass's live assignments (rows as broker.view.held_rows gives them)."""
+        held = held_by_tenant(quotas, rows)
+        capacity = dict.fromkeys(SHARE_DIMENSIONS, 0.0)
+        tflops = quotas.tflops
+        for site in fed.sites:
+            if not site.up:
+                continue
+            for model, free in site.free_gpus.items():
+                capacity["gpus"] += free
+                capacity["fp16_tflops"] += free * tflops.get(model, 0.0)
+            capacity["cpu"] += site.free_cpu
+            capacity["mem_gb"] += site.free_mem_gb
+        for mine in held.values():
+            for d in SHARE_DIMENSIONS:
+                capacity[d] += mine.get(d, 0.0)
+        return cls(fair or FairShare(DEFAULT_HALF_LIFE_S), quotas, held, capacity, {})
+
+    def share(self, tenant: str) -> float:
+        got = self.shares.get(tenant)
+        if got is None:
+            got = self.shares[tenant] = self.fair.share(
+                tenant, self.held.get(tenant, {}), self.capacity, self.quotas.weight(tenant)
+            )
+        return got
+
+    def hold(self, tenant: str, demand: Mapping[str, float]) -> None:
+        """The tenant holds `demand` (Quotas.demand) from now on: its share rises."""
+        mine = self.held.setdefault(tenant, {})
+        for d in SHARE_DIMENSIONS:
+            mine[d] = mine.get(d, 0.0) + demand.get(d, 0.0)
+        self.shares.pop(tenant, None)
+
+    def order(self, queues: Mapping[str, Sequence[T]]) -> Iterator[T]:
+        """The queues' items, the tenant with the lowest share first; a tenant's share is read
+        again after each of its items, so what the caller `hold`s meanwhile counts."""
+        heap = [(self.share(t), t, 0) for t, q in queues.items() if q]
+        heapq.heapify(heap)
+        while heap:
+            _, tenant, pos = heapq.heappop(heap)
+            queue = queues[tenant]
+            yield queue[pos]
+            if pos + 1 < len(queue):
+                heapq.heappush(heap, (self.share(tenant), tenant, pos + 1))
+
+
+def why_pending(
+    spec: JobSpec,
+    outcome: pl.Unschedulable,
+    fed: pl.Federation,
+    used: pl.TenantUsage,
+    fair: Fairness | None,
+    placed_before: int,
+) -> str:
+    """The placement's message with the tenancy reason behind it (module docstring)."""
+    parts = [outcome.message]
+    reasons = outcome.reasons
+    if "quota" in reasons:
+        detail = quota_detail(spec, fed, used, reasons["quota"])
+        if detail:
+            parts.append(detail)
+    if "tenant_budget" in reasons:
+        left = used.budget(spec.tenant)
+        if left is not None:
+            parts.append(budget_detail(spec, left))
+    if fair is not None and placed_before and any(f in reasons for f in _CAPACITY_FILTERS):
+        parts.append(
+            f"fair share: tenant {spec.tenant} at {fair.share(spec.tenant):.3f} (weight "
+            f"{fair.quotas.weight(spec.tenant):g}) came after {placed_before} jobs placed "
+            "first in this pass"
+        )
+    return "; ".join(parts)
+
+
+def quota_detail(
+    spec: JobSpec, fed: pl.Federation, used: pl.TenantUsage, sites: Sequence[str]
+) -> str | None:
+    """'quota: tenant a holds 6 gpus and may take 2 more (its quota 8, ...); the job needs 4'."""
+    tenant = spec.tenant
+    if used.exceeds(tenant, spec.gpu.count):
+        held = used.gpus_by_tenant.get(tenant, 0)
+        quota = used.quota_gpus.get(tenant, 0)
+        return f"quota: tenant {tenant} holds {held} of its {quota} GPUs"
+    headroom = used.headroom(tenant)
+    tree = used.tree
+    if headroom is None or tree is None or not sites:
+        return None
+    site = fed.site(sites[0])
+    count = spec.gpu.count
+    models: list[str | None] = [None]
+    if count:
+        offered = fed.offered(spec.gpu.acceptable, spec.gpu.min_mem_gb)[fed.position(site.id)]
+        models = [m for m, _ in offered] or [None]
+    for model in models:
+        key = headroom.over(count, model, spec.cpu, spec.mem_gb, site.region)
+        if key is None:
+            continue
+        q = tree.quotas
+        node = q.nodes[tenant]
+        holds = tree.held.get(tenant, {}).get(key, 0.0)
+        need = q.demand(count, model, spec.cpu, spec.mem_gb, site.region).get(key, 0.0)
+        more = max(0.0, headroom.available.get(key, 0.0))
+        where = f"its quota {_num(node.nominal.get(key, 0.0))}"
+        if node.parent is not None:
+            where += f", with what cohort {node.parent} has to lend"
+        return (
+            f"quota: tenant {tenant} holds {_num(holds)} {key} and may take {_num(more)} more "
+            f"({where}); the job needs {_num(need)}"
+        )
+    return None
+
+
+def budget_detail(spec: JobSpec, left: BudgetLeft) -> str:
+    bits = []
+    if left.usd_total != float("inf"):
+        bits.append(f"{max(0.0, left.usd):.2f} of {left.usd_total:.2f} USD left this month")
+    if left.gpu_hours_total != float("inf"):
+        bits.append(
+            f"{max(0.0, left.gpu_hours):.1f} of {left.gpu_hours_total:g} GPU-hours left in "
+            "its window"
+        )
+    return f"budget: tenant {spec.tenant} has " + " and ".join(bits)
+
+
+def _num(value: float) -> str:
+    return f"{value:.0f}" if abs(value - round(value)) < 1e-6 else f"{value:.2f}"
