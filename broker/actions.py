@@ -27,7 +27,13 @@ log = logging.getLogger(__name__)
 
 # actions that move a job between lifecycle states (cpn_broker_job_transitions_total)
 _TRANSITIONS = frozenset(
-    {ActionKind.advance, ActionKind.requeue, ActionKind.migrate, ActionKind.fail}
+    {
+        ActionKind.advance,
+        ActionKind.requeue,
+        ActionKind.migrate,
+        ActionKind.fail,
+        ActionKind.preempt,
+    }
 )
 
 
@@ -88,12 +94,18 @@ class Actor:
         return out
 
     def _account(self, action: Action) -> None:
+        for write in action.jobs:
+            for key in write.deletes:
+                self.written.pop(key, None)  # a run this leader wrote and took back
         for a in action.assignments:
             self.written[keys.assignment(a.site, a.job)] = a
         if action.kind is ActionKind.place:
             self.metrics.placements.inc(len(action.jobs))
         elif action.kind is ActionKind.migrate:
             self.metrics.migrations.inc(len(action.jobs))
+        elif action.kind is ActionKind.preempt:
+            self.metrics.placements.inc(len(action.assignments))
+            self.metrics.preemptions.inc(len(action.jobs) - len(action.assignments))
         if action.kind in _TRANSITIONS:
             for write in action.jobs:
                 self.metrics.transitions.labels(write.record.state.value).inc()

@@ -42,9 +42,10 @@ from broker import batch
 from broker import placement as pl
 from broker.errors import BrokerError
 from broker.gangs import gang_key, gang_problem, gangs
-from broker.jobs import TRANSITIONS, Event, JobRecord, JobState
+from broker.jobs import TRANSITIONS, Event, JobRecord, JobSpec, JobState
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.plan import PlanProblem, PlanResult
+from broker.preemption import CAPACITY_FILTERS, Preemption, Running, plan
 from broker.settings import SchedulingSettings
 from broker.tenancy import BudgetLeft, FairShare, Quotas
 from broker.tenants import TenancyFile
@@ -70,6 +71,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+MAX_PREEMPTION_TRIES = 32  # pending jobs a pass tries preemption for (each scans its sites)
+
 
 class ActionKind(enum.StrEnum):
     place = "place"  # PENDING -> PLACED with an assignment (a gang: all members at once)
@@ -79,6 +82,7 @@ class ActionKind(enum.StrEnum):
     fail = "fail"  # FAILED with the reason (no retries left, or the spec cannot run)
     unschedulable = "unschedulable"  # stays PENDING; the reason recorded
     drop_report = "drop_report"  # a finished report of a run that no longer matters
+    preempt = "preempt"  # running work back to PENDING and the preemptor placed, at one site
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +163,8 @@ class _Pass:
         self.touched: set[str] = set()
         self.gangs = gangs(view)
         self.quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
+        self._live: list[Running] | None = None
+        self._preempt_tries = 0
 
     def _emit(self, action: Action) -> None:
         self.actions.append(action)
@@ -409,11 +415,22 @@ class _Pass:
                 self._fail_spec(record, rev, f"cannot be placed: {exc}")
                 continue
             if isinstance(decision, pl.Unschedulable):
-                self._unschedulable(
-                    record, rev, why_pending(spec, decision, fed, used, fair, taken)
-                )
-                continue
-            self._emit(_placement([(record, rev, decision)], now))
+                chosen = self._preemption(record, decision, fed, used, grouped, when)
+                if chosen is None:
+                    self._unschedulable(
+                        record, rev, why_pending(spec, decision, fed, used, fair, taken)
+                    )
+                    continue
+                fed, used = self._preempt(record, rev, chosen, fed, used)
+                for v in chosen.victims:
+                    fair.hold(
+                        v.tenant,
+                        self.quotas.demand(v.gpus, v.model, v.cpu, v.mem_gb, v.region),
+                        sign=-1.0,
+                    )
+                decision = chosen.decision
+            else:
+                self._emit(_placement([(record, rev, decision)], now))
             used = pl.charged(used, spec, decision)
             fair.hold(
                 spec.tenant,
@@ -424,6 +441,138 @@ class _Pass:
             grouped = grouped.with_placed(spec.group, decision.site)
             taken += 1
         self._place_gangs(fed, used, grouped, when)
+
+    # -- preemption -------------------------------------------------------------------------
+
+    def _running(self) -> list[Running]:
+        """The live runs preemption may weigh (not touched in this pass), built once a pass."""
+        if self._live is None:
+            view, now = self.view, self.now
+            live = []
+            for record, _ in view.jobs.values():
+                placement = record.placement
+                if record.state not in LIVE or placement is None or record.id in self.touched:
+                    continue
+                if record.state is JobState.SUSPENDED:
+                    continue
+                spec = record.spec
+                assignment = view.assignments.get((placement.site, record.id))
+                started = assignment.assigned_at if assignment is not None else record.updated_at
+                ran = max(0.0, now - started)
+                interval = spec.checkpoint_interval_s if spec.checkpoint_path else None
+                live.append(
+                    Running(
+                        id=record.id,
+                        tenant=spec.tenant,
+                        site=placement.site,
+                        region=placement.region,
+                        model=placement.model,
+                        gpus=placement.gpus,
+                        cpu=spec.cpu,
+                        mem_gb=spec.mem_gb,
+                        priority=spec.priority,
+                        best_effort=spec.best_effort,
+                        lost_s=ran % interval if interval else ran,
+                        cost_usd=placement.cost_usd,
+                        hours=spec.duration_hours,
+                        gang=gang_key(record),
+                    )
+                )
+            self._live = live
+        return self._live
+
+    def _preemption(
+        self,
+        record: JobRecord,
+        outcome: pl.Unschedulable,
+        fed: pl.Federation,
+        used: pl.TenantUsage,
+        grouped: pl.GroupState,
+        when: datetime,
+    ) -> Preemption | None:
+        """The cheapest preemption that places `record` (broker.preemption), if any may."""
+        tenancy = self.quotas.tenancy
+        if not tenancy.preemption or self._preempt_tries >= MAX_PREEMPTION_TRIES:
+            return None
+        sites = sorted(
+            {s for name in CAPACITY_FILTERS for s in outcome.reasons.get(name, ())},
+            key=fed.position,
+        )
+        if not sites:
+            return None
+        self._preempt_tries += 1
+        spec = record.spec
+        cls = tenancy.priority_classes.get(spec.priority_class or "")
+        return plan(
+            spec,
+            fed,
+            now=when,
+            usage=used,
+            groups=grouped,
+            running=self._running(),
+            sites=sites,
+            may_preempt=cls is None or cls.preempts,
+        )
+
+    def _preempt(
+        self,
+        record: JobRecord,
+        rev: int,
+        chosen: Preemption,
+        fed: pl.Federation,
+        used: pl.TenantUsage,
+    ) -> tuple[pl.Federation, pl.TenantUsage]:
+        """One action: the victims back to PENDING, `record` placed; the snapshot after it."""
+        now = self.now
+        writes = []
+        for victim in chosen.victims:
+            entry = self.view.jobs[victim.id]
+            old, old_rev = entry
+            resume = (
+                f"; restarts from {old.spec.checkpoint_path}" if old.spec.checkpoint_path else ""
+            )
+            ev = Event(
+                at=now,
+                type="preempted",
+                message=f"preempted at {chosen.site} for {record.id} "
+                f"({_why_victim(victim, record.spec)}){resume}",
+                site=chosen.site,
+                attempt=old.attempt,
+            )
+            new = old.with_event(
+                ev,
+                state=JobState.PENDING,
+                placement=None,
+                preemptions=old.preemptions + 1,
+                not_before=now,
+            )
+            closed = self._closed(old, EndReason.preempted)
+            writes.append(JobWrite(new, old_rev, puts=closed, deletes=_run_keys(old)))
+            fed = pl.release(fed, victim.site, victim.model, victim.gpus, victim.cpu, victim.mem_gb)
+            used = used.placed(
+                victim.tenant,
+                gpus=victim.gpus,
+                model=victim.model,
+                cpu=victim.cpu,
+                mem_gb=victim.mem_gb,
+                region=victim.region,
+                cost_usd=victim.cost_usd,
+                hours=victim.hours,
+                sign=-1.0,
+            )
+        placed = _placement([(record, rev, chosen.decision)], now)
+        message = f"{record.id} on {chosen.site}: {chosen.reason()}"
+        self._emit(
+            Action(
+                ActionKind.preempt,
+                (*placed.jobs, *writes),
+                message,
+                assignments=placed.assignments,
+            )
+        )
+        gone = {v.id for v in chosen.victims}
+        self._live = [r for r in self._running() if r.id not in gone]
+        return pl.apply(fed, chosen.decision, record.spec), used
 
     def _place_gangs(
         self, fed: pl.Federation, used: pl.TenantUsage, grouped: pl.GroupState, when: datetime
@@ -514,6 +663,14 @@ class _Pass:
         self._emit(Action(ActionKind.fail, (write,), message))
 
 
+def _why_victim(victim: Running, job: JobSpec) -> str:
+    if victim.best_effort and not job.best_effort:
+        return "best-effort work"
+    if victim.priority < job.priority:
+        return f"priority {victim.priority} < {job.priority}"
+    return f"tenant {victim.tenant} ran on borrowed quota, reclaimed by {job.tenant}"
+
+
 def _own_order(entry: tuple[JobRecord, int]) -> tuple[int, float, str]:
     """A tenant's own queue: higher priority first, then older, then the id."""
     record = entry[0]
@@ -548,7 +705,8 @@ def _placement(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: float)
             cpu=spec.cpu,
             mem_gb=spec.mem_gb,
             checkpoint_path=spec.checkpoint_path,
-            resume=record.retries > 0 and spec.checkpoint_path is not None,
+            resume=(record.retries > 0 or record.preemptions > 0)
+            and spec.checkpoint_path is not None,
             duration_s=spec.duration_hours * 3600,
             assigned_at=now,
         )

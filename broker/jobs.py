@@ -104,7 +104,18 @@ class Gang(TenantInput):
 class JobSpec(TenantInput):
     name: Name
     tenant: Name
-    priority: int = Field(default=0, ge=0, le=1000, description="higher is placed first")
+    priority: int = Field(
+        default=0, ge=0, le=1000, description="higher goes first among the tenant's own jobs"
+    )
+    priority_class: Name | None = Field(
+        default=None,
+        description="a class of configs/tenants.yaml (best-effort, batch, production, "
+        "critical...): sets priority and best_effort at submit",
+    )
+    best_effort: bool = Field(
+        default=False,
+        description="runs on spare and oversubscribed capacity; preempted first",
+    )
     gpu: GpuRequest = GpuRequest()
     cpu: int = Field(default=1, ge=0, le=100_000)
     mem_gb: float = Field(default=1.0, ge=0, le=1_000_000)
@@ -123,6 +134,11 @@ class JobSpec(TenantInput):
         default_factory=dict, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_RE}}
     )
     checkpoint_path: str | None = None
+    checkpoint_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="how often the job checkpoints: what a preemption loses is at most this",
+    )
     max_retries: int = Field(default=3, ge=0, le=100)
 
     @field_validator("command", mode="before", json_schema_input_type=CommandInput)
@@ -253,6 +269,7 @@ class JobRecord(Frozen):
     state: JobState
     attempt: int = Field(default=0, description="runs started so far, 0 before the first")
     retries: int = Field(default=0, description="re-runs after failures or site loss")
+    preemptions: int = Field(default=0, description="runs stopped to make room for other work")
     placement: Placement | None = None
     fence: int = Field(default=0, description="mod_revision at placement, echoed by reports")
     not_before: float = Field(default=0.0, description="backoff: do not place before (unix s)")

@@ -53,6 +53,11 @@ class BrokerMetrics:
         self.placements = Counter(
             "cpn_broker_placements_total", "Jobs placed on a site", registry=r
         )
+        self.preemptions = Counter(
+            "cpn_broker_preemptions_total",
+            "Running jobs stopped and re-queued to make room for another job",
+            registry=r,
+        )
         self.migrations = Counter(
             "cpn_broker_migrations_total",
             "Jobs re-queued because their site went down",

@@ -21,6 +21,7 @@ from broker.gangs import SHAPE
 from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState
 from broker.metrics import BrokerMetrics
 from broker.store import Change, JobStore, decode
+from broker.tenancy import Quotas
 from broker.usage_segments import EndReason, closing_puts
 from broker.view import View
 from sites import keys
@@ -57,8 +58,11 @@ class Operations:
         view: Callable[[], View],
         kick: asyncio.Event,
         catalog: DeviceCatalog | None = None,
+        quotas: Callable[[], Quotas] | None = None,
     ) -> None:
         self.registry = registry
+        self._quotas = quotas
+        self._floor_cache: tuple[object, dict[tuple[object, ...], float]] = (None, {})
         self.store = store
         self._models = catalog_models
         self._user_regions = user_regions
@@ -118,8 +122,105 @@ class Operations:
             self._regions_at = (id(sites), sites.version)
         return self._regions_cache
 
+    def resolve(self, spec: JobSpec) -> JobSpec:
+        """The spec with its priority class applied (priority and best_effort from the class);
+        InvalidRequest for an unknown class or one that contradicts an explicit priority."""
+        name = spec.priority_class
+        if name is None or self._quotas is None:
+            return spec
+        classes = self._quotas().tenancy.priority_classes
+        cls = classes.get(name)
+        if cls is None:
+            known = ", ".join(sorted(classes)) or "none"
+            raise InvalidRequest(
+                f"unknown priority class {name!r} (known: {known})", field="priority_class"
+            )
+        if "priority" in spec.model_fields_set and spec.priority != cls.value:
+            raise InvalidRequest(
+                f"priority {spec.priority} contradicts priority_class {name} ({cls.value}); "
+                "give one of them",
+                field="priority",
+            )
+        if "best_effort" in spec.model_fields_set and spec.best_effort != cls.best_effort:
+            raise InvalidRequest(
+                f"best_effort contradicts priority_class {name}", field="best_effort"
+            )
+        return spec.model_copy(update={"priority": cls.value, "best_effort": cls.best_effort})
+
+    def _never_fits(self, spec: JobSpec) -> None:
+        """Refuse a job its tenant's quota or budget can never hold, whatever else ends."""
+        if self._quotas is None:
+            return
+        quotas = self._quotas()
+        count = spec.gpu.count
+        ceiling = quotas.empty().available(spec.tenant)
+        if ceiling is not None:
+            need = {"gpus": count, "cpu": spec.cpu, "mem_gb": spec.mem_gb, "jobs": 1}
+            fields = {"gpus": "gpu.count", "cpu": "cpu", "mem_gb": "mem_gb", "jobs": "name"}
+            for key, amount in need.items():
+                most = ceiling.get(key)
+                if most is not None and amount > most + 1e-9:
+                    raise InvalidRequest(
+                        f"the job asks {amount:g} {key}, more than tenant {spec.tenant}'s quota "
+                        f"can ever hold ({most:g}, with what its cohorts may lend)",
+                        field=fields[key],
+                        code="over_quota",
+                    )
+        policy = quotas.policy(spec.tenant)
+        budget = policy.budget if policy is not None else None
+        if budget is None:
+            return
+        hours = count * spec.duration_hours
+        if budget.gpu_hours is not None and hours > budget.gpu_hours:
+            raise InvalidRequest(
+                f"the job needs {hours:g} GPU-hours, more than tenant {spec.tenant}'s budget of "
+                f"{budget.gpu_hours:g} per window",
+                field="duration_hours",
+                code="over_budget",
+            )
+        if budget.usd_per_month is not None:
+            floor = self._cheapest_usd(spec)
+            if floor is not None and floor > budget.usd_per_month:
+                raise InvalidRequest(
+                    f"the job costs at least {floor:.2f} USD anywhere, more than tenant "
+                    f"{spec.tenant}'s monthly budget of {budget.usd_per_month:.2f} USD",
+                    field="duration_hours",
+                    code="over_budget",
+                )
+
+    def _cheapest_usd(self, spec: JobSpec) -> float | None:
+        """A lower bound of the job's cost at any site of the latest placement snapshot (its
+        compute part at the lowest prices offered), cached per snapshot lineage and shape;
+        None before any snapshot."""
+        fed = self._view().derived.federation
+        if fed is None:
+            return None
+        lineage, cache = self._floor_cache
+        if lineage is not fed.sites:
+            cache = {}
+            self._floor_cache = (fed.sites, cache)
+        gpu = spec.gpu
+        shape = (gpu.count, gpu.acceptable, gpu.min_mem_gb, spec.cpu, spec.mem_gb)
+        hourly = cache.get(shape)
+        if hourly is None:
+            offered = fed.offered(gpu.acceptable, gpu.min_mem_gb) if gpu.count else None
+            best = float("inf")
+            for pos, site in enumerate(fed.sites):
+                rates = site.prices
+                rate = spec.cpu * rates.usd_per_core_hour + spec.mem_gb * rates.usd_per_gb_mem_hour
+                if offered is not None:
+                    prices = [p for _, p in offered[pos]]
+                    if not prices:
+                        continue
+                    rate += gpu.count * min(prices)
+                best = min(best, rate)
+            hourly = cache[shape] = best
+        return None if hourly == float("inf") else hourly * spec.duration_hours
+
     async def submit(self, spec: JobSpec) -> JobRecord:
+        spec = self.resolve(spec)
         self.validate(spec)
+        self._never_fits(spec)
         now = self.clock.time()
         record = JobRecord(
             id=f"{spec.name}-{secrets.token_hex(3)}",

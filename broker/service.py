@@ -111,6 +111,7 @@ class Broker:
             view=self.view,
             kick=self._kick,
             catalog=catalog,
+            quotas=lambda: self.tenancy.quotas,
         )
         self.history = HistoryKeeper(
             registry=registry,
@@ -194,7 +195,7 @@ class Broker:
     # -- operations (any replica) ---------------------------------------------------------------
 
     def validate(self, spec: JobSpec) -> None:
-        self.operations.validate(spec)
+        self.operations.validate(self.operations.resolve(spec))
 
     async def submit(self, spec: JobSpec) -> JobRecord:
         return await self.operations.submit(spec)

@@ -331,14 +331,16 @@ class Headroom:
     quotas: Quotas
     tenant: str
     available: Mapping[Key, float]
-    _cache: dict[tuple[str | None, str], Key | None] = field(default_factory=dict)
+    _cache: dict[tuple[int, str | None, float, float, str], Key | None] = field(
+        default_factory=dict
+    )
 
     def over(
         self, count: int, model: str | None, cpu: float, mem_gb: float, region: str
     ) -> Key | None:
-        """The first key the job would exceed placed so (None: it fits). Cached per (model,
-        region): a request's count, cores and memory do not change within a scan."""
-        memo = (model, region)
+        """The first key the job would exceed placed so (None: it fits). Cached: a scan asks
+        the same few (model, region) pairs at every site."""
+        memo = (count, model, cpu, mem_gb, region)
         if memo in self._cache:
             return self._cache[memo]
         found: Key | None = None

@@ -69,7 +69,7 @@ class Amounts(_Model):
     """An amount of each resource; None (or absent) is not limited."""
 
     gpus: int | None = Field(default=None, ge=0, description="accelerators of any model")
-    gpu_models: dict[Name, int] = Field(
+    gpu_models: dict[str, int] = Field(
         default_factory=dict,
         description="accelerators by catalog model (H100) or class (gpu, npu)",
     )

@@ -69,11 +69,12 @@ class Fairness:
             )
         return got
 
-    def hold(self, tenant: str, demand: Mapping[str, float]) -> None:
-        """The tenant holds `demand` (Quotas.demand) from now on: its share rises."""
+    def hold(self, tenant: str, demand: Mapping[str, float], sign: float = 1.0) -> None:
+        """The tenant holds `demand` (Quotas.demand) from now on: its share rises (sign=-1:
+        gives it back)."""
         mine = self.held.setdefault(tenant, {})
         for d in SHARE_DIMENSIONS:
-            mine[d] = mine.get(d, 0.0) + demand.get(d, 0.0)
+            mine[d] = mine.get(d, 0.0) + sign * demand.get(d, 0.0)
         self.shares.pop(tenant, None)
 
     def order(self, queues: Mapping[str, Sequence[T]]) -> Iterator[T]:

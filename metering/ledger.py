@@ -55,6 +55,7 @@ class EndReason(enum.StrEnum):
     stopped = "stopped"  # the site reported the run stopped
     withdrawn = "withdrawn"  # the broker took the assignment back: cancel, suspend, gang, spec
     site_lost = "site_lost"  # the site's lease expired: ended when it was last seen
+    preempted = "preempted"  # the broker stopped it to make room for another job
 
 
 @dataclass(frozen=True, slots=True)

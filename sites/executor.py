@@ -194,6 +194,7 @@ def job_env(
         CPN_SITE=site,
         CPN_TENANT=assignment.tenant,
         CPN_ATTEMPT=str(assignment.attempt),
+        CPN_RESTARTS=str(assignment.attempt - 1),  # earlier runs: retries, moves, preemptions
         CPN_DEVICES=f"{assignment.model}:{indices}" if devices and assignment.model else "",
     )
     if not devices:
