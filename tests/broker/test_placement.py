@@ -395,7 +395,8 @@ def test_message_counts_each_site_once_sorted_by_count() -> None:
     usage = TenantUsage(quota_gpus={"acme": 4})
     r = refused(run(job(user={"region": "u", "max_latency_ms": 50}), fed, usage=usage))
     assert r.message == (
-        "0/13 sites: 5 lack H100, 4 exceed max_latency_ms (50 ms), 3 over tenant acme's quota, 1 down"
+        "0/13 sites: 5 lack H100, 4 exceed max_latency_ms (50 ms), 3 over tenant acme's quota, "
+        "1 down"
     )
     assert list(r.reasons) == ["down", "latency", "model", "quota"]  # filter order
     assert sum(len(ids) for ids in r.reasons.values()) == 13
