@@ -548,7 +548,15 @@ class _Pass:
             )
             closed = self._closed(old, EndReason.preempted)
             writes.append(JobWrite(new, old_rev, puts=closed, deletes=_run_keys(old)))
-            fed = pl.release(fed, victim.site, victim.model, victim.gpus, victim.cpu, victim.mem_gb)
+            fed = pl.release(
+                fed,
+                victim.site,
+                victim.model,
+                victim.gpus,
+                victim.cpu,
+                victim.mem_gb,
+                best_effort=victim.best_effort,
+            )
             used = used.placed(
                 victim.tenant,
                 gpus=victim.gpus,
@@ -705,6 +713,7 @@ def _placement(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: float)
             cpu=spec.cpu,
             mem_gb=spec.mem_gb,
             checkpoint_path=spec.checkpoint_path,
+            best_effort=spec.best_effort,
             resume=(record.retries > 0 or record.preemptions > 0)
             and spec.checkpoint_path is not None,
             duration_s=spec.duration_hours * 3600,

@@ -124,6 +124,7 @@ class Request:
     tenant_left_usd: float  # what the tenant's monthly budget has left; inf when unlimited
     over_gpu_hours: bool  # the job's GPU-hours exceed what the tenant's window has left
     check_capacity: bool  # False: skip gpus, cpu and mem (the batch pass)
+    best_effort: bool = False  # may use an oversubscribed site's spare capacity
 
 
 def request(
@@ -179,6 +180,7 @@ def request(
         tenant_left_usd=math.inf if left is None else left.usd,
         over_gpu_hours=left is not None and gpu.count * job.duration_hours > left.gpu_hours + 1e-9,
         check_capacity=check_capacity,
+        best_effort=job.best_effort,
     )
 
 
@@ -260,6 +262,7 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     tenant_left = req.tenant_left_usd
     over_gpu_hours = req.over_gpu_hours
     check = req.check_capacity
+    best_effort = req.best_effort
     # what must be free to pass the capacity part; nothing when it is skipped
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
 
@@ -291,11 +294,15 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
             rtt = measured
         model: str | None = None
         price = 0.0
-        free = site.free_cpu
+        spare = site.spare if best_effort else None
+        if spare is None:
+            free_gpus, free_cpu, free_mem = site.free_gpus, site.free_cpu, site.free_mem_gb
+        else:  # best-effort work on an oversubscribed site: its spare capacity
+            free_gpus, free_cpu, free_mem = spare.free_gpus, spare.free_cpu, spare.free_mem_gb
+        free = free_cpu
         if count:
             offered = False
             prices = site.prices.usd_per_gpu_hour
-            free_gpus = site.free_gpus
             for name in free_gpus if named is None else named:
                 p = prices.get(name)
                 have = free_gpus.get(name)
@@ -312,10 +319,10 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
             if model is None:
                 failed[GPUS].append(sid)
                 continue
-        if site.free_cpu < cpu_need:
+        if free_cpu < cpu_need:
             failed[CPU].append(sid)
             continue
-        if site.free_mem_gb < mem_need:
+        if free_mem < mem_need:
             failed[MEM].append(sid)
             continue
         rates = site.prices

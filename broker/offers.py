@@ -29,7 +29,9 @@ __all__ = [
     "GroupState",
     "PlacementError",
     "SiteOffer",
+    "Spare",
     "TenantUsage",
+    "moved",
     "release",
     "with_free",
 ]
@@ -59,6 +61,7 @@ class SiteOffer:
     gpu_mem_gb: Mapping[str, float]  # model -> memory per device, from the catalog
     prices: Prices
     labels: Mapping[str, str] = field(default_factory=dict)
+    spare: Spare | None = None  # an oversubscribed site's best-effort room; None: none
 
     @classmethod
     def from_spec(
@@ -79,6 +82,22 @@ class SiteOffer:
             prices=spec.prices,
             labels=spec.labels,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Spare:
+    """An oversubscribed site (sites.spec.Oversubscription): what best-effort jobs may take
+    (`free_*`, at least the offer's own free capacity) and the physical room left to other
+    jobs (`room_*`: physical capacity less what they hold). The offer's own free capacity is
+    then min(room, spare free): other jobs never exceed the physical, nor everything the
+    oversubscribed total."""
+
+    free_gpus: Mapping[str, int]
+    free_cpu: int
+    free_mem_gb: float
+    room_gpus: Mapping[str, int]
+    room_cpu: int
+    room_mem_gb: float
 
 
 class _Index:
@@ -325,26 +344,73 @@ def _offered(
 
 
 def release(
-    fed: Federation, site_id: str, model: str | None, gpus: int, cpu: int, mem_gb: float
+    fed: Federation,
+    site_id: str,
+    model: str | None,
+    gpus: int,
+    cpu: int,
+    mem_gb: float,
+    *,
+    best_effort: bool = False,
 ) -> Federation:
     """A finished job's devices, cores and memory back at its site (the inverse of
-    broker.placement.apply; the simulator's completions). PlacementError for an unknown site
-    or model."""
+    broker.placement.apply; the simulator's completions, preemption's victims).
+    PlacementError for an unknown site or model."""
     site = fed.site(site_id)
-    free_gpus = site.free_gpus
-    if model is not None and gpus:
-        have = free_gpus.get(model)
-        if have is None:
-            raise PlacementError(f"{site_id} has no {model} to give back")
-        free_gpus = {**free_gpus, model: have + gpus}
-    free_mem = round(site.free_mem_gb + mem_gb, 6)
-    return fed.with_offer(with_free(site, free_gpus, site.free_cpu + cpu, free_mem))
+    if model is not None and gpus and model not in site.free_gpus:
+        raise PlacementError(f"{site_id} has no {model} to give back")
+    return fed.with_offer(moved(site, model, gpus, cpu, mem_gb, best_effort=best_effort, sign=1))
+
+
+def moved(
+    site: SiteOffer,
+    model: str | None,
+    gpus: int,
+    cpu: int,
+    mem_gb: float,
+    *,
+    best_effort: bool,
+    sign: int,
+) -> SiteOffer:
+    """The offer after a job's capacity is taken (sign=-1) or given back (sign=1). Memory is
+    rounded to 1e-6 GB (a KB) so that repeated subtraction does not drift below an exact fit."""
+    n = gpus if model is not None else 0
+    spare = site.spare
+    if spare is None:
+        free_gpus = site.free_gpus
+        if n and model is not None:
+            free_gpus = {**free_gpus, model: free_gpus[model] + sign * n}
+        free_mem = round(site.free_mem_gb + sign * mem_gb, 6)
+        return with_free(site, free_gpus, site.free_cpu + sign * cpu, free_mem)
+    be_gpus = dict(spare.free_gpus)
+    room_gpus = dict(spare.room_gpus)
+    if n and model is not None:
+        be_gpus[model] = be_gpus.get(model, 0) + sign * n
+        if not best_effort:
+            room_gpus[model] = room_gpus.get(model, 0) + sign * n
+    be_cpu = spare.free_cpu + sign * cpu
+    be_mem = round(spare.free_mem_gb + sign * mem_gb, 6)
+    room_cpu = spare.room_cpu + (0 if best_effort else sign * cpu)
+    room_mem = round(spare.room_mem_gb + (0.0 if best_effort else sign * mem_gb), 6)
+    new_spare = Spare(be_gpus, be_cpu, be_mem, room_gpus, room_cpu, room_mem)
+    return with_free(
+        site,
+        {m: max(0, min(room_gpus.get(m, 0), be_gpus.get(m, 0))) for m in site.free_gpus},
+        max(0, min(room_cpu, be_cpu)),
+        max(0.0, min(room_mem, be_mem)),
+        spare=new_spare,
+    )
 
 
 def with_free(
-    site: SiteOffer, free_gpus: Mapping[str, int], free_cpu: int, free_mem_gb: float
+    site: SiteOffer,
+    free_gpus: Mapping[str, int],
+    free_cpu: int,
+    free_mem_gb: float,
+    spare: Spare | None = None,
 ) -> SiteOffer:
-    """The offer with other free capacity (apply and release)."""
+    """The offer with other free capacity (apply and release); `spare`: the site's own
+    unless given."""
     # dataclasses.replace costs twice as much, and this runs once per placement and release
     return SiteOffer(
         site.id,
@@ -358,4 +424,5 @@ def with_free(
         site.gpu_mem_gb,
         site.prices,
         site.labels,
+        site.spare if spare is None else spare,
     )

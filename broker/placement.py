@@ -49,9 +49,10 @@ from broker.offers import (
     GroupState,
     PlacementError,
     SiteOffer,
+    Spare,
     TenantUsage,
+    moved,
     release,
-    with_free,
 )
 from broker.pricing import Breakdown
 
@@ -64,6 +65,7 @@ __all__ = [
     "PlacementError",
     "RunnerUp",
     "SiteOffer",
+    "Spare",
     "TenantUsage",
     "Unschedulable",
     "apply",
@@ -217,20 +219,28 @@ def apply(fed: Federation, decision: Decision, job: JobSpec) -> Federation:
     if decision.job != job.name:
         raise PlacementError(f"decision is for job {decision.job!r}, not {job.name!r}")
     site = fed.site(decision.site)
-    free_gpus = site.free_gpus
+    best_effort = job.best_effort and site.spare is not None
+    free = site.spare if best_effort and site.spare is not None else site
     if decision.model is not None and decision.gpus:
-        have = free_gpus.get(decision.model, 0)
+        have = free.free_gpus.get(decision.model, 0)
         if have < decision.gpus:
             raise PlacementError(
                 f"{decision.site} has {have} free {decision.model}, the decision needs "
                 f"{decision.gpus}"
             )
-        free_gpus = {**free_gpus, decision.model: have - decision.gpus}
-    if site.free_cpu < job.cpu or site.free_mem_gb < job.mem_gb:
+    if free.free_cpu < job.cpu or free.free_mem_gb < job.mem_gb:
         raise PlacementError(f"{decision.site} no longer has the cores or memory for {job.name}")
-    # rounded to 1e-6 GB (a KB) so that repeated subtraction does not drift below an exact fit
-    free_mem = round(site.free_mem_gb - job.mem_gb, 6)
-    return fed.with_offer(with_free(site, free_gpus, site.free_cpu - job.cpu, free_mem))
+    return fed.with_offer(
+        moved(
+            site,
+            decision.model,
+            decision.gpus,
+            job.cpu,
+            job.mem_gb,
+            best_effort=job.best_effort,
+            sign=-1,
+        )
+    )
 
 
 def _check_gang(jobs: Sequence[JobSpec]) -> None:
@@ -296,6 +306,7 @@ def _indexable(job: JobSpec) -> bool:
         and job.group is None
         and job.budget_usd is None
         and job.deadline is None
+        and not job.best_effort
     )
 
 

@@ -253,7 +253,7 @@ def _fits(
     used = usage
     for unit in units:
         for v in unit:
-            fed = release(fed, site_id, v.model, v.gpus, v.cpu, v.mem_gb)
+            fed = release(fed, site_id, v.model, v.gpus, v.cpu, v.mem_gb, best_effort=v.best_effort)
             used = used.placed(
                 v.tenant,
                 gpus=v.gpus,

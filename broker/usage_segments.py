@@ -74,6 +74,7 @@ def run_of(record: JobRecord, report: Report | None) -> Run | None:
         egress_gb=data_gb if egress_usd > 0 else 0.0,
         egress_usd=egress_usd,
         measured=dict(report.usage) if report is not None and report.usage else None,
+        best_effort=spec.best_effort,
     )
 
 

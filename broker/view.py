@@ -28,7 +28,7 @@ from sites.clock import Clock, SystemClock
 from sites.mirror import KeyValues, PrefixMirror
 from sites.registry import Registry
 from sites.snapshot import Snapshot
-from sites.spec import SiteSpec
+from sites.spec import Oversubscription, SiteSpec
 
 if TYPE_CHECKING:
     from broker.metrics import BrokerMetrics
@@ -251,12 +251,18 @@ def federation(
     held_cpu: dict[str, float] = {}
     held_mem: dict[str, float] = {}
     held_gpus: dict[str, dict[str, int]] = {}
+    be_held: dict[str, tuple[float, float, dict[str, int]]] = {}  # best-effort's part of it
     for a in live_assignments(view, written).values():
         held_cpu[a.site] = held_cpu.get(a.site, 0.0) + a.cpu
         held_mem[a.site] = held_mem.get(a.site, 0.0) + a.mem_gb
         if a.model is not None and a.gpus:
             g = held_gpus.setdefault(a.site, {})
             g[a.model] = g.get(a.model, 0) + a.gpus
+        if a.best_effort:
+            cpu, mem, be_gpus = be_held.get(a.site, (0.0, 0.0, {}))
+            if a.model is not None and a.gpus:
+                be_gpus[a.model] = be_gpus.get(a.model, 0) + a.gpus
+            be_held[a.site] = (cpu + a.cpu, mem + a.mem_gb, be_gpus)
     sites = view.sites
     cached = view.derived.offers
     derived: dict[str, tuple[_OfferInputs, pl.SiteOffer]] = {}
@@ -272,6 +278,7 @@ def federation(
             held_mem_gb=held_mem.get(site_id, 0.0),
             held_gpus=held_gpus.get(site_id, {}),
             catalog=catalog,
+            best_effort=be_held.get(site_id, _NO_BEST_EFFORT),
         )
         entry = cached.get(site_id)
         offer = entry[1] if entry is not None and entry[0].same(inputs) else inputs.offer(site_id)
@@ -302,6 +309,8 @@ class _OfferInputs:
     held_mem_gb: float
     held_gpus: Mapping[str, int]
     catalog: DeviceCatalog
+    best_effort: tuple[float, float, Mapping[str, int]] = (0.0, 0.0, {})  # of the held: cpu,
+    # memory, devices
 
     def same(self, other: _OfferInputs) -> bool:
         """The spec and the catalog by identity (replaced when they change), the rest by value
@@ -315,11 +324,15 @@ class _OfferInputs:
             and self.held_cpu == other.held_cpu
             and self.held_mem_gb == other.held_mem_gb
             and self.held_gpus == other.held_gpus
+            and self.best_effort == other.best_effort
         )
 
     def offer(self, site_id: str) -> pl.SiteOffer:
         spec, catalog, used = self.spec, self.catalog, self.held_gpus
         cap = self.capacity or normalize_inventory(spec.inventory, catalog)
+        over = spec.oversubscription
+        if over is not None:
+            return self._oversubscribed(site_id, cap, over)
         return pl.SiteOffer(
             id=site_id,
             region=spec.region,
@@ -335,6 +348,49 @@ class _OfferInputs:
             prices=spec.prices,
             labels=spec.labels,
         )
+
+    def _oversubscribed(self, site_id: str, cap: Capacity, over: Oversubscription) -> pl.SiteOffer:
+        """An oversubscribed site (sites.spec.Oversubscription, broker.offers.Spare): other
+        jobs get min(physical - theirs, physical x ratio - all), best-effort ones the latter."""
+        spec, catalog = self.spec, self.catalog
+        be_cpu, be_mem, be_gpus = self.best_effort
+        room_gpus: dict[str, int] = {}
+        spare_gpus: dict[str, int] = {}
+        for model, count in cap.devices.items():
+            held = self.held_gpus.get(model, 0)
+            room_gpus[model] = count - (held - be_gpus.get(model, 0))
+            spare_gpus[model] = int(count * over.gpu_ratio(model)) - held
+        room_cpu = cap.cpu_cores - int(self.held_cpu - be_cpu)
+        spare_cpu = int(cap.cpu_cores * over.cpu) - int(self.held_cpu)
+        room_mem = cap.mem_gb - (self.held_mem_gb - be_mem)
+        spare_mem = cap.mem_gb * over.mem_gb - self.held_mem_gb
+        spare = pl.Spare(
+            free_gpus={m: max(0, n) for m, n in spare_gpus.items()},
+            free_cpu=max(0, spare_cpu),
+            free_mem_gb=round(max(0.0, spare_mem), 6),
+            room_gpus=room_gpus,
+            room_cpu=room_cpu,
+            room_mem_gb=round(room_mem, 6),
+        )
+        return pl.SiteOffer(
+            id=site_id,
+            region=spec.region,
+            country=spec.country,
+            up=self.up,
+            cordoned=self.cordoned,
+            free_gpus={m: max(0, min(room_gpus[m], spare_gpus[m])) for m in cap.devices},
+            free_cpu=max(0, min(room_cpu, spare_cpu)),
+            free_mem_gb=round(max(0.0, min(room_mem, spare_mem)), 6),
+            gpu_mem_gb={
+                m: float(catalog.get(m).mem_gb or 0.0) for m in cap.devices if m in catalog
+            },
+            prices=spec.prices,
+            labels=spec.labels,
+            spare=spare,
+        )
+
+
+_NO_BEST_EFFORT: tuple[float, float, Mapping[str, int]] = (0.0, 0.0, {})
 
 
 def held_rows(

@@ -75,6 +75,7 @@ class Run:
     egress_gb: float = 0.0
     egress_usd: float = 0.0  # as priced at placement (Placement.egress_usd)
     measured: dict[str, float] | None = None  # Report.usage: the site scheduler's accounting
+    best_effort: bool = False  # ran as best-effort work (on spare, oversubscribed capacity)
     utilization: float | None = None  # device utilization 0..1 over the run, when known
 
 
@@ -118,6 +119,7 @@ class Segment(BaseModel):
     start: float = Field(description="unix s: the site reported the run running")
     end: float = Field(description="unix s: finished, withdrawn, or the lost site last seen")
     reason: EndReason
+    best_effort: bool = Field(default=False, description="best-effort work: billed as such")
     seconds: float
     gpu_s: float = Field(description="device-seconds billed (gpus x seconds)")
     cpu_core_s: float = Field(description="core-seconds billed: max(request, measured)")
@@ -269,6 +271,7 @@ def close(
         start=start,
         end=end,
         reason=reason,
+        best_effort=run.best_effort,
         seconds=seconds,
         gpu_s=gpu_s,
         cpu_core_s=cpu_core_s,

@@ -32,6 +32,7 @@ class Assignment(Frozen):
     cpu: int = Field(default=0, ge=0)
     mem_gb: float = Field(default=0.0, ge=0)
     checkpoint_path: str | None = None
+    best_effort: bool = Field(default=False, description="on spare or oversubscribed capacity")
     resume: bool = Field(default=False, description="restart from checkpoint_path")
     duration_s: float | None = Field(
         default=None, gt=0, description="the job's duration estimate (a Slurm site's time limit)"

@@ -184,6 +184,28 @@ class Agent(Frozen):
     probe_timeout_s: float = Field(default=2.0, gt=0, le=30)
 
 
+class Oversubscription(Frozen):
+    """共享超分: best-effort capacity above the physical, as a ratio per resource (1: none).
+    Best-effort jobs may fill capacity x ratio; other jobs never more than the physical, and
+    best-effort work is preempted first to make room for them."""
+
+    gpus: float = Field(default=1.0, ge=1, le=16, description="every accelerator model")
+    gpu_models: dict[str, float] = Field(default_factory=dict, description="per model, over `gpus`")
+    cpu: float = Field(default=1.0, ge=1, le=16)
+    mem_gb: float = Field(default=1.0, ge=1, le=16)
+
+    @field_validator("gpu_models")
+    @classmethod
+    def _ratios(cls, ratios: dict[str, float]) -> dict[str, float]:
+        for model, ratio in ratios.items():
+            if not 1 <= ratio <= 16:
+                raise ValueError(f"{model}: a ratio from 1 to 16")
+        return ratios
+
+    def gpu_ratio(self, model: str) -> float:
+        return self.gpu_models.get(model, self.gpus)
+
+
 class SiteSpec(Frozen):
     id: SiteId
     region: Name = Field(description="placement/sovereignty region, e.g. yangtze-delta")
@@ -203,6 +225,7 @@ class SiteSpec(Frozen):
     executor: Executor = Executor()
     perception: Perception = Perception()
     agent: Agent = Agent()
+    oversubscription: Oversubscription | None = None
 
     @field_validator("labels")
     @classmethod

@@ -15,6 +15,7 @@ from broker.tenants import TenancyFile
 from broker.view import View
 from sites import keys
 from sites.assignments import Assignment
+from sites.spec import Oversubscription
 from tests.broker.test_decisions import CATALOG, NOW, snapshot
 
 
@@ -391,3 +392,40 @@ def test_a_preempted_job_restarts_from_its_checkpoint() -> None:
     again = dc.decide(world(snapshot("s", gpus=8), (victim, 20)), NOW, ctx())
     (action,) = again.actions
     assert action.assignments[0].resume and action.assignments[0].attempt == 2
+
+
+# -- oversubscription -----------------------------------------------------------------------
+
+
+def oversubscribed(ratio: float, gpus_: int = 8) -> Any:
+    snap = snapshot("s", gpus=gpus_)
+    spec = snap.specs["s"]
+    snap.specs["s"] = spec.model_copy(update={"oversubscription": Oversubscription(gpus=ratio)})
+    return snap
+
+
+def test_best_effort_fills_the_oversubscribed_capacity_and_no_more() -> None:
+    jobs = [pending(f"be{i}", rev=i, gpu=gpus(4), best_effort=True) for i in range(4)]
+    decided = dc.decide(world(oversubscribed(1.5), *jobs), NOW, ctx())
+    assert len(placed_sites(decided)) == 3  # 12 of 8 x 1.5
+    (assignment,) = decided.actions[0].assignments
+    assert assignment.best_effort
+    # a regular job never goes above the physical 8
+    regular = [pending(f"r{i}", rev=i, gpu=gpus(4)) for i in range(3)]
+    assert len(placed_sites(dc.decide(world(oversubscribed(1.5), *regular), NOW, ctx()))) == 2
+
+
+def test_regular_work_preempts_best_effort_on_an_oversubscribed_site() -> None:
+    runs = [on(pending(f"be{i}", rev=i, gpu=gpus(4), best_effort=True), "s") for i in range(3)]
+    for i, ((record, rev), a) in enumerate(runs):  # their assignments say best-effort
+        runs[i] = ((record, rev), a.model_copy(update={"best_effort": True}))
+    v = world(oversubscribed(1.5), *runs, pending("p", rev=9, gpu=gpus(4)))
+    decided = dc.decide(v, NOW, ctx())
+    victims = preempted(decided)
+    assert len(victims) == 1 and victims[0].spec.best_effort  # 8 + 4 = 12: one goes
+    assert placed_sites(decided) == {"p": "s"}
+
+
+def test_without_oversubscription_best_effort_uses_the_physical_capacity_only() -> None:
+    jobs = [pending(f"be{i}", rev=i, gpu=gpus(4), best_effort=True) for i in range(3)]
+    assert len(placed_sites(dc.decide(world(snapshot("s", gpus=8), *jobs), NOW, ctx()))) == 2
