@@ -522,6 +522,11 @@ class Workload:
             try:
                 run.devices = allocate(assignment, self._resources(), self._runs.values())
             except DoesNotFit as exc:
+                if self._freed_by_stopping(assignment):
+                    # a preemption or a move: the runs it replaces are still stopping; the
+                    # reconcile after they end (_dirty) starts it
+                    log.info("job %s waits for stopping runs to free its capacity", job)
+                    return
                 run.finish(
                     RunState.failed, now, None, f"not run: does not fit at site {self.site}: {exc}"
                 )
@@ -531,6 +536,18 @@ class Workload:
         if run.state is RunState.failed:
             log.warning("job %s attempt %d: %s", job, assignment.attempt, run.message)
         run.task = self._spawn(self._execute(run), f"job {job}")
+
+    def _freed_by_stopping(self, assignment: Assignment) -> bool:
+        """Would the assignment fit once the withdrawn runs still stopping have ended?"""
+        runs = self._runs.values()
+        if not any(run.live and run.withdrawn.is_set() for run in runs):
+            return False
+        staying = [run for run in runs if not run.withdrawn.is_set()]
+        try:
+            allocate(assignment, self._resources(), staying)
+        except DoesNotFit:
+            return False
+        return True
 
     def _prune(self, desired: Mapping[str, Assignment]) -> None:
         gone = [job for job in self._reported if job not in desired]
