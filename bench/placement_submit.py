@@ -37,8 +37,12 @@ from broker.placement import (
     SiteOffer,
     TenantUsage,
     apply,
+    charged,
     place,
 )
+from broker.tenancy import BudgetLeft, Quotas
+from broker.tenants import TenancyFile
+from sites.catalog import DeviceCatalog
 from sites.latency import Endpoint, LatencyModel
 from sites.spec import Prices
 
@@ -87,6 +91,7 @@ USER_REGIONS: dict[str, Endpoint] = {
     "washington": Endpoint(38.91, -77.04),
 }
 TENANTS = tuple(f"tenant-{i}" for i in range(20))
+CATALOG = DeviceCatalog.load()
 
 
 def federation(n_sites: int, rng: random.Random) -> Federation:
@@ -199,11 +204,44 @@ def percentile(sorted_ms: list[float], q: float) -> float:
     return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))]
 
 
-def run(n_sites: int, n_jobs: int, seed: int, profile: bool) -> float:
+def tenancy_usage(rng: random.Random) -> TenantUsage:
+    """Quotas over cohorts (broker.tenancy) for the first 16 tenants: two cohorts of eight,
+    each tenant with a GPU quota, one per model, one per region and a CPU quota, half of them
+    with borrowing limits; four with a monthly budget. The per-site quota and budget checks
+    of feasibility.screen run for every job of theirs."""
+    tenants: dict[str, Any] = {}
+    for i, name in enumerate(TENANTS[:16]):
+        policy: dict[str, Any] = {
+            "cohort": f"cohort-{i % 2}",
+            "weight": 1 + i % 3,
+            "quota": {
+                "gpus": rng.choice((256, 1024, 4096)),
+                "gpu_models": {"H100": rng.choice((64, 256))},
+                "cpu": 50_000,
+            },
+            "regions": {rng.choice(CN_REGIONS): {"gpus": 512}},
+        }
+        if i % 2:
+            policy["borrowing_limit"] = {"gpus": 512}
+        tenants[name] = policy
+    quotas = Quotas(
+        TenancyFile.model_validate(
+            {"tenants": tenants, "cohorts": {"cohort-0": {}, "cohort-1": {}}}
+        ),
+        CATALOG,
+    )
+    budgets = {t: BudgetLeft(usd=1e7, usd_total=1e7) for t in TENANTS[:4]}
+    return TenantUsage(tree=quotas.empty(), budgets=budgets)
+
+
+def run(n_sites: int, n_jobs: int, seed: int, profile: bool, tenancy: bool = False) -> float:
     rng = random.Random(seed)
     fed = federation(n_sites, rng)
     jobs = with_data_sites([job(i, rng) for i in range(n_jobs)], fed, rng)
-    usage = TenantUsage(quota_gpus={t: rng.choice((256, 1024, 4096)) for t in TENANTS[:10]})
+    if tenancy:
+        usage = tenancy_usage(rng)
+    else:
+        usage = TenantUsage(quota_gpus={t: rng.choice((256, 1024, 4096)) for t in TENANTS[:10]})
     groups = GroupState()
     # the snapshot's lazy indexes are built once per federation, not per submit: warm them
     fed.rtt_from("beijing")
@@ -223,7 +261,7 @@ def run(n_sites: int, n_jobs: int, seed: int, profile: bool) -> float:
         if isinstance(outcome, Decision):
             fed = apply(fed, outcome, spec)
             t2 = clock()
-            usage = usage.plus(spec.tenant, spec.gpu.count)
+            usage = charged(usage, spec, outcome)
             groups = groups.with_placed(spec.group, outcome.site)
             outcomes["placed"] += 1
         else:
@@ -239,8 +277,9 @@ def run(n_sites: int, n_jobs: int, seed: int, profile: bool) -> float:
     place_ms.sort()
     total_ms.sort()
     p99 = percentile(place_ms, 0.99)
+    mode = "quotas over cohorts and budgets" if tenancy else "GPU quotas"
     print(
-        f"{n_sites:>5} sites, {n_jobs} jobs: place p50 {percentile(place_ms, 0.5):.3f} ms, "
+        f"{n_sites:>5} sites, {n_jobs} jobs, {mode}: place p50 {percentile(place_ms, 0.5):.3f} ms, "
         f"p99 {p99:.3f} ms, max {place_ms[-1]:.3f} ms, mean {statistics.fmean(place_ms):.3f} ms"
         f" | place+apply p50 {percentile(total_ms, 0.5):.3f} ms, "
         f"p99 {percentile(total_ms, 0.99):.3f} ms | {n_jobs / wall:,.0f} jobs/s"
@@ -255,11 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="cProfile the submit loop")
+    parser.add_argument(
+        "--tenancy", action="store_true", help="only the quotas-over-cohorts run (tenancy_usage)"
+    )
     args = parser.parse_args(argv)
-    worst = {n: run(n, args.jobs, args.seed, args.profile) for n in args.sites}
-    if 1000 in worst:
-        verdict = "meets" if worst[1000] <= TARGET_P99_MS else "MISSES"
-        print(f"p99 at 1000 sites {worst[1000]:.3f} ms {verdict} the {TARGET_P99_MS} ms target")
+    modes = (True,) if args.tenancy else (False, True)
+    for tenancy in modes:
+        worst = {n: run(n, args.jobs, args.seed, args.profile, tenancy) for n in args.sites}
+        if 1000 in worst:
+            verdict = "meets" if worst[1000] <= TARGET_P99_MS else "MISSES"
+            print(f"p99 at 1000 sites {worst[1000]:.3f} ms {verdict} the {TARGET_P99_MS} ms target")
     return 0
 
 

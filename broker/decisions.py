@@ -47,7 +47,7 @@ from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.plan import PlanProblem, PlanResult
 from broker.preemption import CAPACITY_FILTERS, Preemption, Running, plan
 from broker.settings import SchedulingSettings
-from broker.tenancy import BudgetLeft, FairShare, Quotas
+from broker.tenancy import BudgetLeft, FairShare, Quotas, held_by_tenant
 from broker.tenants import TenancyFile
 from broker.usage_segments import EndReason, closing_puts
 from broker.view import LIVE, View, federation, groups, held_rows, usage
@@ -394,10 +394,11 @@ class _Pass:
             return
         fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
         rows = held_rows(view, ctx.written)
-        used = usage(view, ctx.quotas, ctx.written, ctx.budgets, rows)
+        held = held_by_tenant(self.quotas, rows)
+        used = usage(view, ctx.quotas, ctx.written, ctx.budgets, rows, held)
         grouped = groups(view)
         when = datetime.fromtimestamp(now, UTC)
-        fair = Fairness.of(self.quotas, ctx.fair, rows, fed)
+        fair = Fairness.of(self.quotas, ctx.fair, held, fed)
         queues: dict[str, list[tuple[JobRecord, int]]] = {}
         for record, rev in pending:
             if record.spec.gang is None:
@@ -796,8 +797,9 @@ def batch_problem(
     when = datetime.fromtimestamp(now, UTC)
     quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
     rows = held_rows(view, ctx.written)
-    used = usage(view, quotas, ctx.written, ctx.budgets, rows)
-    fair = Fairness.of(quotas, ctx.fair, rows, fed)
+    held = held_by_tenant(quotas, rows)
+    used = usage(view, quotas, ctx.written, ctx.budgets, rows, held)
+    fair = Fairness.of(quotas, ctx.fair, held, fed)
     order = batch_order(jobs, fair)
     return batch.to_problem(jobs, fed, now=when, groups=groups(view), usage=used, order=order)
 

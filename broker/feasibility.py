@@ -266,6 +266,7 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     # what must be free to pass the capacity part; nothing when it is skipped
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
 
+    quota_seen: dict[tuple[str | None, str], bool] = {}
     failed: list[list[str]] = [[] for _ in FILTERS]
     options: list[Option] = []
     feasible = 0
@@ -345,9 +346,16 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
         if colocate_at is not None and sid != colocate_at:
             failed[COLOCATE].append(sid)
             continue
-        if over_quota or (
-            headroom is not None and headroom.over(count, model, cpu, mem, region) is not None
-        ):
+        if headroom is not None:
+            # a scan meets a few (model, region) pairs at every site: each is asked once
+            pair = (model, region)
+            bad = quota_seen.get(pair)
+            if bad is None:
+                bad = quota_seen[pair] = headroom.over(count, model, cpu, mem, region) is not None
+            if bad:
+                failed[QUOTA].append(sid)
+                continue
+        if over_quota:
             failed[QUOTA].append(sid)
             continue
         if over_gpu_hours or cost > tenant_left:

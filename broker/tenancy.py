@@ -451,9 +451,23 @@ def held_by_tenant(
     quotas: Quotas, rows: Iterable[tuple[str, int, str | None, float, float, str]]
 ) -> dict[str, dict[Key, float]]:
     """tenant -> key -> held, from (tenant, devices, model, cores, memory GB, region) rows."""
-    out: dict[str, dict[Key, float]] = {}
+    # summed per (tenant, model, region) first: demand is linear in devices, cores and memory
+    # (jobs: one each), so the keys are built per group, not per job
+    groups: dict[tuple[str, str | None, str], list[float]] = {}
     for tenant, count, model, cpu, mem_gb, region in rows:
+        group = groups.get((tenant, model, region))
+        if group is None:
+            groups[(tenant, model, region)] = [float(count), cpu, mem_gb, 1.0]
+        else:
+            group[0] += count
+            group[1] += cpu
+            group[2] += mem_gb
+            group[3] += 1.0
+    out: dict[str, dict[Key, float]] = {}
+    for (tenant, model, region), (devices, cores, mem, jobs) in groups.items():
         mine = out.setdefault(tenant, {})
-        for k, v in quotas.demand(count, model, cpu, mem_gb, region).items():
+        demand = quotas.demand(int(devices), model, cores, mem, region)
+        demand["jobs"] = demand[f"jobs@{region}"] = jobs
+        for k, v in demand.items():
             mine[k] = mine.get(k, 0.0) + v
     return out

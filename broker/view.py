@@ -412,8 +412,10 @@ def usage(
     written: Iterable[Assignment] = (),
     budgets: Mapping[str, BudgetLeft] | None = None,
     rows: list[tuple[str, int, str | None, float, float, str]] | None = None,
+    held: dict[str, dict[str, float]] | None = None,
 ) -> pl.TenantUsage:
-    """What the tenants hold now (live assignments), against their quotas and budgets."""
+    """What the tenants hold now (live assignments), against their quotas and budgets;
+    `rows` (held_rows) and `held` (held_by_tenant of them) when the caller has them."""
     if rows is None:
         rows = held_rows(view, written)
     gpus: dict[str, int] = {}
@@ -421,7 +423,7 @@ def usage(
         gpus[tenant] = gpus.get(tenant, 0) + count
     tree = None
     if quotas is not None and quotas.limited:
-        tree = quotas.usage(held_by_tenant(quotas, rows))
+        tree = quotas.usage(held if held is not None else held_by_tenant(quotas, rows))
     return pl.TenantUsage(gpus_by_tenant=gpus, tree=tree, budgets=dict(budgets or {}))
 
 

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from broker import placement as pl
 from broker.jobs import JobSpec
-from broker.tenancy import SHARE_DIMENSIONS, BudgetLeft, FairShare, Quotas, held_by_tenant
+from broker.tenancy import SHARE_DIMENSIONS, BudgetLeft, FairShare, Quotas
 
 __all__ = ["DEFAULT_HALF_LIFE_S", "Fairness", "why_pending"]
 
@@ -41,11 +41,11 @@ class Fairness:
         cls,
         quotas: Quotas,
         fair: FairShare | None,
-        rows: Sequence[tuple[str, int, str | None, float, float, str]],
+        held: Mapping[str, Mapping[str, float]],
         fed: pl.Federation,
     ) -> Fairness:
-        """From the pass's live assignments (rows as broker.view.held_rows gives them)."""
-        held = held_by_tenant(quotas, rows)
+        """From what the tenants hold (broker.tenancy.held_by_tenant of the live runs)."""
+        mine = {t: {d: v.get(d, 0.0) for d in SHARE_DIMENSIONS} for t, v in held.items()}
         capacity = dict.fromkeys(SHARE_DIMENSIONS, 0.0)
         tflops = quotas.tflops
         for site in fed.sites:
@@ -56,10 +56,10 @@ class Fairness:
                 capacity["fp16_tflops"] += free * tflops.get(model, 0.0)
             capacity["cpu"] += site.free_cpu
             capacity["mem_gb"] += site.free_mem_gb
-        for mine in held.values():
+        for row in mine.values():
             for d in SHARE_DIMENSIONS:
-                capacity[d] += mine.get(d, 0.0)
-        return cls(fair or FairShare(DEFAULT_HALF_LIFE_S), quotas, held, capacity, {})
+                capacity[d] += row[d]
+        return cls(fair or FairShare(DEFAULT_HALF_LIFE_S), quotas, mine, capacity, {})
 
     def share(self, tenant: str) -> float:
         got = self.shares.get(tenant)
