@@ -28,7 +28,7 @@ from broker.actions import Actor
 from broker.alerts import AlertKeeper, alert_inputs
 from broker.audit import AuditLog
 from broker.auth import TokenBook
-from broker.budgets import budgets_left
+from broker.budgets import NOTHING_BILLED, Billed, billed, budgets_left
 from broker.errors import BrokerError
 from broker.history import HistoryKeeper
 from broker.jobs import JobRecord, JobSpec
@@ -38,7 +38,7 @@ from broker.operations import Operations
 from broker.settings import BrokerSettings
 from broker.solver import solve
 from broker.store import JobStore
-from broker.tenancy import FairShare, held_by_tenant
+from broker.tenancy import BudgetLeft, FairShare, held_by_tenant
 from broker.tenant_store import TenancyBook, gpu_quotas
 from broker.tenants import TenancyFile
 from broker.view import View, ViewCache, held_rows
@@ -56,6 +56,7 @@ __all__ = ["Broker"]
 log = logging.getLogger(__name__)
 
 FAIR_SHARE_SAVE_S = 60.0
+BILLED_TTL_S = 10.0  # the ledger's part of the budgets left: a query, not once per pass
 RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
 
 
@@ -78,6 +79,7 @@ class Broker:
         self.tenancy = TenancyBook(registry=registry, catalog=catalog)
         self._fair: FairShare | None = None  # the leader's decayed usage (broker.tenancy)
         self._fair_saved = 0.0
+        self._billed_cache: tuple[float, Billed | None] = (0.0, None)
         self.settings = settings or BrokerSettings()
         self.clock: Clock = clock or SystemClock()
         self.url = url
@@ -244,10 +246,31 @@ class Broker:
             user_rtt_ms=self.user_rtt_ms,
             quotas=self.tenancy.quotas,
             fair=self._fair,
-            budgets=budgets_left(self.tenancy.file, book, view, now),
+            budgets=budgets_left(self.tenancy.file, self._billed(book, now), view),
             written=tuple(self.actor.written.values()),
             down_since=self._down_since,
         )
+
+    def budgets(self) -> Mapping[str, BudgetLeft]:
+        """What each budgeted tenant's budget has left now (broker.budgets)."""
+        book = self.usage if self.usage_mirror.synced.is_set() else None
+        now = self.clock.time()
+        return budgets_left(self.tenancy.file, self._billed(book, now), self.view())
+
+    @property
+    def fair_share(self) -> FairShare | None:
+        """The leader's decayed usage, else the one the last leader saved."""
+        return self._fair or self.tenancy.fair
+
+    def _billed(self, book: UsageBook | None, now: float) -> Billed:
+        """What the ledger billed the budgeted tenants, kept BILLED_TTL_S."""
+        if book is None or not any(p.budget for p in self.tenancy.file.tenants.values()):
+            return NOTHING_BILLED
+        at, got = self._billed_cache
+        if got is None or now - at >= BILLED_TTL_S:
+            got = billed(self.tenancy.file, book, now)
+            self._billed_cache = (now, got)
+        return got
 
     async def _advance_fair_share(self, view: View, now: float) -> None:
         """The decayed usage, advanced to `now` on what the tenants hold; saved (fenced) once a
