@@ -203,7 +203,16 @@ def decisions(
     for job_id, assignment in sorted(result.assignments.items()):
         pending, job, site = by_id[job_id], plan_jobs[job_id], plan_sites[assignment.site]
         offer = fed.site(assignment.site)
-        parts = job_parts(problem, job, site, assignment.model)
+        plain = job_parts(problem, job, site, assignment.model)
+        spec = pending.spec
+        parts = pl.breakdown_at(
+            offer,
+            spec.duration_hours,
+            spec.gpu.count,
+            assignment.model,
+            spec.cpu,
+            (plain.compute_usd, plain.egress_usd, plain.latency_usd),
+        )
         total = parts.total_usd
         runner_up, feasible = _runner_up(problem, job, assignment.site)
         out.append(

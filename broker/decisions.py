@@ -392,7 +392,7 @@ class _Pass:
         ]
         if not pending:
             return
-        fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
+        fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
         rows = held_rows(view, ctx.written)
         held = held_by_tenant(self.quotas, rows)
         used = usage(view, ctx.quotas, ctx.written, ctx.budgets, rows, held)
@@ -793,7 +793,7 @@ def batch_jobs(
 def batch_problem(
     view: View, jobs: Sequence[batch.Pending], now: float, ctx: Context
 ) -> PlanProblem:
-    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
+    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
     when = datetime.fromtimestamp(now, UTC)
     quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
     rows = held_rows(view, ctx.written)
@@ -831,7 +831,7 @@ def decide_batch(
 ) -> list[Action]:
     """Place actions for the solver's assignments that still apply to `view` (the view after
     the solve: a job that changed meanwhile is left out); a gang only with all its members."""
-    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written)
+    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
     # what is committed together: a job alone, or a gang (by its key)
     units: dict[str, list[tuple[JobRecord, int, pl.Decision]]] = {}
     for pending, decision in batch.decisions(result, problem, jobs, fed):

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from broker.jobs import JobSpec
-from broker.offers import Federation, GroupState, SiteOffer, TenantUsage
+from broker.offers import Federation, GroupState, SiteOffer, TenantUsage, breakdown_at
 from broker.pricing import Breakdown
 from broker.tenancy import Headroom
 
@@ -415,7 +415,11 @@ def verdicts(
     found = screen(req, fed)
     by_site: dict[str, Feasible | Infeasible] = {}
     for _, minus_free, sid, _, model, compute, egress, latency in found.options:
-        by_site[sid] = Feasible(sid, model, Breakdown(compute, egress, latency), -minus_free)
+        parts = breakdown_at(
+            fed.site(sid), job.duration_hours, job.gpu.count, model, job.cpu,
+            (compute, egress, latency),
+        )  # fmt: skip
+        by_site[sid] = Feasible(sid, model, parts, -minus_free)
     for name, ids in zip(FILTERS, found.failed, strict=True):
         if ids:
             why = reason(job, name)

@@ -255,6 +255,13 @@ class Placement(Frozen):
     compute_usd: float | None = Field(default=None, description="the cost's compute part")
     egress_usd: float | None = Field(default=None, description="moving the job's data there")
     latency_usd: float | None = Field(default=None, description="the user-latency penalty")
+    energy_usd: float | None = Field(
+        default=None, description="of compute_usd: its energy, when priced (broker.green)"
+    )
+    carbon_usd: float | None = Field(
+        default=None, description="of compute_usd: its carbon, when priced"
+    )
+    co2_kg: float | None = Field(default=None, description="the run's estimated kg CO2")
     feasible_sites: int | None = Field(
         default=None, description="sites that passed every filter (0 or null: not counted)"
     )

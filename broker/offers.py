@@ -19,18 +19,20 @@ from typing import Any
 
 from broker.errors import BrokerError
 from broker.jobs import DataLocation, Group
-from broker.pricing import egress_usd
+from broker.pricing import Breakdown, egress_usd
 from broker.tenancy import BudgetLeft, Headroom, Usage
 from sites.catalog import DeviceCatalog
 from sites.spec import Prices, SiteSpec
 
 __all__ = [
     "Federation",
+    "Green",
     "GroupState",
     "PlacementError",
     "SiteOffer",
     "Spare",
     "TenantUsage",
+    "breakdown_at",
     "moved",
     "release",
     "with_free",
@@ -62,6 +64,7 @@ class SiteOffer:
     prices: Prices
     labels: Mapping[str, str] = field(default_factory=dict)
     spare: Spare | None = None  # an oversubscribed site's best-effort room; None: none
+    green: Green | None = None  # energy and carbon priced into `prices` (broker.green)
 
     @classmethod
     def from_spec(
@@ -98,6 +101,31 @@ class Spare:
     room_gpus: Mapping[str, int]
     room_cpu: int
     room_mem_gb: float
+
+
+@dataclass(frozen=True, slots=True)
+class Green:
+    """What energy and carbon add to a site's rates (broker.green): per device-hour by model
+    and per core-hour, with the list prices they were added to."""
+
+    list_prices: Prices
+    gpu_energy_usd_h: Mapping[str, float]
+    gpu_co2_kg_h: Mapping[str, float]
+    core_energy_usd_h: float
+    core_co2_kg_h: float
+    usd_per_tonne: float
+
+    def parts(
+        self, duration_hours: float, count: int, model: str | None, cpu: float
+    ) -> tuple[float, float, float]:
+        """(energy USD, carbon USD, kg CO2) of a run: the part of its compute cost they are."""
+        energy = cpu * self.core_energy_usd_h
+        kg = cpu * self.core_co2_kg_h
+        if count and model is not None:
+            energy += count * self.gpu_energy_usd_h.get(model, 0.0)
+            kg += count * self.gpu_co2_kg_h.get(model, 0.0)
+        kg *= duration_hours
+        return duration_hours * energy, kg * self.usd_per_tonne / 1000.0, kg
 
 
 class _Index:
@@ -343,6 +371,24 @@ def _offered(
     )
 
 
+def breakdown_at(
+    site: SiteOffer,
+    duration_hours: float,
+    count: int,
+    model: str | None,
+    cpu: float,
+    parts: tuple[float, float, float],
+) -> Breakdown:
+    """An option's (compute, egress, latency) at `site`, with the energy and carbon inside its
+    compute part when the site prices them (SiteOffer.green)."""
+    compute, egress, latency = parts
+    green = site.green
+    if green is None:
+        return Breakdown(compute, egress, latency)
+    energy, carbon, kg = green.parts(duration_hours, count, model, cpu)
+    return Breakdown(compute, egress, latency, energy, carbon, kg)
+
+
 def release(
     fed: Federation,
     site_id: str,
@@ -425,4 +471,5 @@ def with_free(
         site.prices,
         site.labels,
         site.spare if spare is None else spare,
+        site.green,
     )

@@ -51,6 +51,7 @@ from broker.offers import (
     SiteOffer,
     Spare,
     TenantUsage,
+    breakdown_at,
     moved,
     release,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "TenantUsage",
     "Unschedulable",
     "apply",
+    "breakdown_at",
     "place",
     "place_gang",
     "release",
@@ -108,6 +110,9 @@ class Decision:
             compute_usd=self.breakdown.compute_usd,
             egress_usd=self.breakdown.egress_usd,
             latency_usd=self.breakdown.latency_usd,
+            energy_usd=self.breakdown.energy_usd or None,
+            carbon_usd=self.breakdown.carbon_usd or None,
+            co2_kg=self.breakdown.co2_kg or None,
             feasible_sites=self.feasible or None,
             runner_up=(
                 None
@@ -277,9 +282,18 @@ def _place(
     runner_up = None if len(options) < 2 else RunnerUp(options[1][2], options[1][0])
     cost, _, _, site, model, compute, egress, latency = options[0]
     sites = "site" if feasible == 1 else "sites"
+    parts = breakdown_at(
+        site, job.duration_hours, job.gpu.count, model, job.cpu, (compute, egress, latency)
+    )
+    green = ""
+    if site.green is not None:
+        green = (
+            f", of which energy {parts.energy_usd:.2f} and carbon {parts.carbon_usd:.2f} "
+            f"({parts.co2_kg:.1f} kg CO2)"
+        )
     reason_text = (
-        f"cheapest of {feasible} feasible {sites}: {cost:.2f} USD (compute {compute:.2f}, "
-        f"egress {egress:.2f}, latency {latency:.2f}); next: "
+        f"cheapest of {feasible} feasible {sites}: {cost:.2f} USD (compute {compute:.2f}"
+        f"{green}, egress {egress:.2f}, latency {latency:.2f}); next: "
         + ("none" if runner_up is None else f"{runner_up.site} {runner_up.cost_usd:.2f}")
     )
     return Decision(
@@ -289,7 +303,7 @@ def _place(
         model=model,
         gpus=job.gpu.count,
         cost_usd=cost,
-        breakdown=Breakdown(compute, egress, latency),
+        breakdown=parts,
         runner_up=runner_up,
         feasible=feasible,
         reason=reason_text,
@@ -402,7 +416,9 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
         model=model,
         gpus=count,
         cost_usd=best_key[0],
-        breakdown=Breakdown(compute, 0.0, 0.0),
+        breakdown=breakdown_at(
+            site, job.duration_hours, count, model, job.cpu, (compute, 0.0, 0.0)
+        ),
         runner_up=None,
         feasible=0,
         reason=_UNEXPLAINED,

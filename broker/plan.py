@@ -78,6 +78,16 @@ class Price(Frozen):
     gpu_hour: dict[str, Amount] = Field(default_factory=dict, description="model -> per device")
     cpu_hour: Amount = Field(default=0.0, description="per core")
     mem_gb_hour: Amount = 0.0
+    # the green objective (broker.green): energy USD and kg CO2 per device- and core-hour,
+    # priced into the rates (broker.pricing.green_rate) with the problem's carbon price
+    energy_gpu_hour: dict[str, Amount] = Field(
+        default_factory=dict, description="model -> energy USD per device-hour"
+    )
+    co2_kg_gpu_hour: dict[str, Amount] = Field(
+        default_factory=dict, description="model -> kg CO2 per device-hour"
+    )
+    energy_cpu_hour: Amount = Field(default=0.0, description="energy USD per core-hour")
+    co2_kg_cpu_hour: Amount = Field(default=0.0, description="kg CO2 per core-hour")
 
 
 class Site(Frozen):
@@ -128,6 +138,9 @@ class PlanProblem(Frozen):
     rtt_ms: dict[Region, dict[Region, Amount]] = Field(default_factory=dict)
     egress_per_gb: dict[Region, dict[Region, Amount]] = Field(default_factory=dict)
     jobs: tuple[Job, ...]
+    carbon_usd_per_tonne: Amount = Field(
+        default=0.0, description="the carbon price applied to every site's co2_kg_*_hour"
+    )
 
     @model_validator(mode="after")
     def _cross_check(self) -> PlanProblem:
@@ -371,13 +384,23 @@ def job_parts(problem: PlanProblem, job: Job, site: Site, model: str | None) -> 
     ValueError when the site does not price the model or a pair the job needs is missing.
     """
     price = site.price
+    tonne = problem.carbon_usd_per_tonne
     gpu_rate = 0.0
+    energy_h = job.cpu * price.energy_cpu_hour
+    kg_h = job.cpu * price.co2_kg_cpu_hour
     if job.gpu.count > 0:
         if model is None or model not in price.gpu_hour:
             raise ValueError(f"site {site.id!r} has no price for model {model!r}")
-        gpu_rate = price.gpu_hour[model]
+        energy = price.energy_gpu_hour.get(model, 0.0)
+        kg = price.co2_kg_gpu_hour.get(model, 0.0)
+        gpu_rate = pricing.green_rate(price.gpu_hour[model], energy, kg, tonne)
+        energy_h += job.gpu.count * energy
+        kg_h += job.gpu.count * kg
+    cpu_rate = pricing.green_rate(
+        price.cpu_hour, price.energy_cpu_hour, price.co2_kg_cpu_hour, tonne
+    )
     hourly = pricing.hourly_usd(
-        job.cpu, job.mem_gb, price.cpu_hour, price.mem_gb_hour, job.gpu.count, gpu_rate
+        job.cpu, job.mem_gb, cpu_rate, price.mem_gb_hour, job.gpu.count, gpu_rate
     )
     egress = 0.0
     if job.data is not None and job.data.size_gb > 0:
@@ -391,7 +414,18 @@ def job_parts(problem: PlanProblem, job: Job, site: Site, model: str | None) -> 
         if rtt is None:
             raise ValueError(f"rtt_ms has no entry for {job.user_region} <-> {site.region}")
         latency = pricing.latency_usd(job.latency_weight, rtt)
-    return pricing.breakdown(job.duration_hours, hourly, egress, latency)
+    parts = pricing.breakdown(job.duration_hours, hourly, egress, latency)
+    if not (energy_h or kg_h):
+        return parts
+    kg_run = job.duration_hours * kg_h
+    return pricing.Breakdown(
+        parts.compute_usd,
+        egress,
+        latency,
+        job.duration_hours * energy_h,
+        kg_run * tonne / 1000.0,
+        kg_run,
+    )
 
 
 def job_cost(problem: PlanProblem, job: Job, site: Site, model: str | None) -> float:

@@ -14,8 +14,15 @@ The association is fixed (the cores and memory first, then the devices; compute,
 then latency), so every path that prices the same option gets the same float to the last bit,
 and the batch optimizer's objective, the fast path's choice and `cpn plan evaluate` agree.
 
-Energy and carbon join here when they are priced: a part of `Breakdown` each, added in
-`total_usd` after latency, so no consumer changes its arithmetic.
+Energy and carbon (the green objective, off by default; broker.green) are priced into the
+rates themselves, so no consumer changes its arithmetic and every path still agrees:
+
+    rate     = list rate + energy + carbon        (per device-hour, per core-hour: `green_rate`)
+    energy   = watts / 1000 * pue * usd_per_kwh                       (`energy_usd_per_hour`)
+    carbon   = watts / 1000 * pue * grid_kgco2_per_kwh * usd_per_tonne / 1000
+
+`Breakdown.energy_usd` and `carbon_usd` say how much of `compute_usd` they are (of which, not
+added again).
 
 Pure: plain floats in, floats out. The functions take rates as numbers rather than a price
 model, because the broker's site prices (sites.spec.Prices) and the plan format's
@@ -30,7 +37,10 @@ __all__ = [
     "Breakdown",
     "breakdown",
     "compute_usd",
+    "carbon_kg_per_hour",
     "egress_usd",
+    "energy_usd_per_hour",
+    "green_rate",
     "hourly_usd",
     "latency_usd",
     "total_usd",
@@ -44,6 +54,9 @@ class Breakdown:
     compute_usd: float  # devices, cores and memory for the run's duration
     egress_usd: float  # moving the job's data to the site
     latency_usd: float  # latency_weight (USD per ms) x the user's RTT to the site
+    energy_usd: float = 0.0  # of compute_usd: the energy priced into the rates (broker.green)
+    carbon_usd: float = 0.0  # of compute_usd: the carbon priced into the rates
+    co2_kg: float = 0.0  # the run's estimated emissions, when carbon is priced
 
     @property
     def total_usd(self) -> float:
@@ -84,6 +97,23 @@ def latency_usd(latency_weight: float, rtt_ms: float) -> float:
 def total_usd(compute: float, egress: float, latency: float) -> float:
     """An option's total USD from its parts, always in this order."""
     return compute + egress + latency
+
+
+def energy_usd_per_hour(watts: float, pue: float, usd_per_kwh: float) -> float:
+    """USD per hour of electricity for a device drawing `watts`, facility overhead included."""
+    return watts / 1000.0 * pue * usd_per_kwh
+
+
+def carbon_kg_per_hour(watts: float, pue: float, kgco2_per_kwh: float) -> float:
+    """kg CO2 per hour for a device drawing `watts` on a grid of `kgco2_per_kwh`."""
+    return watts / 1000.0 * pue * kgco2_per_kwh
+
+
+def green_rate(
+    list_rate: float, energy_usd_h: float, carbon_kg_h: float, usd_per_tonne: float
+) -> float:
+    """A device- or core-hour's rate with its energy and carbon priced in, in this order."""
+    return list_rate + energy_usd_h + carbon_kg_h * usd_per_tonne / 1000.0
 
 
 def breakdown(

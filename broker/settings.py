@@ -64,6 +64,18 @@ class SchedulingSettings(BaseModel):
         description="a pass stops once its plan is within this relative gap of the LP bound "
         "(before any clock-limited CP-SAT step, so it is reproducible); 0: search to the limit",
     )
+    energy_priced: bool = Field(
+        default=False,
+        description="price each device's and core's energy (power x PUE x the site's "
+        "usd_per_kwh) into its hourly rate: the green objective (broker.green)",
+    )
+    carbon_usd_per_tonne: float = Field(
+        default=0.0,
+        ge=0,
+        le=100_000,
+        description="price the carbon of that energy (x the site's grid_kgco2_per_kwh) at "
+        "this many USD per tonne CO2; 0: not priced",
+    )
 
 
 class HistorySettings(BaseModel):

@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING, TypeVar
 from pydantic import ValidationError
 
 from broker import placement as pl
+from broker.green import green_of, priced
 from broker.jobs import JobRecord, JobState
+from broker.offers import Green
+from broker.settings import SchedulingSettings
 from broker.store import decode
 from broker.tenancy import BudgetLeft, Quotas, held_by_tenant
 from sites import keys
@@ -28,7 +31,7 @@ from sites.clock import Clock, SystemClock
 from sites.mirror import KeyValues, PrefixMirror
 from sites.registry import Registry
 from sites.snapshot import Snapshot
-from sites.spec import Oversubscription, SiteSpec
+from sites.spec import Oversubscription, Prices, SiteSpec
 
 if TYPE_CHECKING:
     from broker.metrics import BrokerMetrics
@@ -241,6 +244,7 @@ def federation(
     catalog: DeviceCatalog,
     user_rtt_ms: Mapping[tuple[str, str], float],
     written: Iterable[Assignment] = (),
+    settings: SchedulingSettings | None = None,
 ) -> pl.Federation:
     """The placement snapshot: every site's capacity less what live assignments hold.
 
@@ -279,6 +283,7 @@ def federation(
             held_gpus=held_gpus.get(site_id, {}),
             catalog=catalog,
             best_effort=be_held.get(site_id, _NO_BEST_EFFORT),
+            settings=settings,
         )
         entry = cached.get(site_id)
         offer = entry[1] if entry is not None and entry[0].same(inputs) else inputs.offer(site_id)
@@ -311,6 +316,7 @@ class _OfferInputs:
     catalog: DeviceCatalog
     best_effort: tuple[float, float, Mapping[str, int]] = (0.0, 0.0, {})  # of the held: cpu,
     # memory, devices
+    settings: SchedulingSettings | None = None  # the green objective's terms (broker.green)
 
     def same(self, other: _OfferInputs) -> bool:
         """The spec and the catalog by identity (replaced when they change), the rest by value
@@ -325,14 +331,24 @@ class _OfferInputs:
             and self.held_mem_gb == other.held_mem_gb
             and self.held_gpus == other.held_gpus
             and self.best_effort == other.best_effort
+            and _green_terms(self.settings) == _green_terms(other.settings)
         )
+
+    def prices(self) -> tuple[Prices, Green | None]:
+        """The prices placement sees: the list prices, with energy and carbon when priced."""
+        settings = self.settings
+        if settings is None:
+            return self.spec.prices, None
+        green = green_of(self.spec, self.catalog, settings)
+        return (self.spec.prices, None) if green is None else (priced(green), green)
 
     def offer(self, site_id: str) -> pl.SiteOffer:
         spec, catalog, used = self.spec, self.catalog, self.held_gpus
         cap = self.capacity or normalize_inventory(spec.inventory, catalog)
         over = spec.oversubscription
+        prices, green = self.prices()
         if over is not None:
-            return self._oversubscribed(site_id, cap, over)
+            return self._oversubscribed(site_id, cap, over, prices, green)
         return pl.SiteOffer(
             id=site_id,
             region=spec.region,
@@ -345,11 +361,19 @@ class _OfferInputs:
             gpu_mem_gb={
                 m: float(catalog.get(m).mem_gb or 0.0) for m in cap.devices if m in catalog
             },
-            prices=spec.prices,
+            prices=prices,
             labels=spec.labels,
+            green=green,
         )
 
-    def _oversubscribed(self, site_id: str, cap: Capacity, over: Oversubscription) -> pl.SiteOffer:
+    def _oversubscribed(
+        self,
+        site_id: str,
+        cap: Capacity,
+        over: Oversubscription,
+        prices: Prices,
+        green: Green | None,
+    ) -> pl.SiteOffer:
         """An oversubscribed site (sites.spec.Oversubscription, broker.offers.Spare): other
         jobs get min(physical - theirs, physical x ratio - all), best-effort ones the latter."""
         spec, catalog = self.spec, self.catalog
@@ -384,13 +408,20 @@ class _OfferInputs:
             gpu_mem_gb={
                 m: float(catalog.get(m).mem_gb or 0.0) for m in cap.devices if m in catalog
             },
-            prices=spec.prices,
+            prices=prices,
             labels=spec.labels,
             spare=spare,
+            green=green,
         )
 
 
 _NO_BEST_EFFORT: tuple[float, float, Mapping[str, int]] = (0.0, 0.0, {})
+
+
+def _green_terms(settings: SchedulingSettings | None) -> tuple[bool, float]:
+    if settings is None:
+        return False, 0.0
+    return settings.energy_priced, settings.carbon_usd_per_tonne
 
 
 def held_rows(
