@@ -1,5 +1,7 @@
 """The broker's HTTP API (aiohttp): /v1/jobs, /v1/sites, /v1/route, /openapi.json, /healthz,
-/metrics; the inference gateway adds /v1/infer (broker.inference).
+/metrics; /v1/tokens and /v1/audit (broker.access), /v1/usage, /v1/alerts, /v1/tenants and
+/v1/tenancy (broker.tenant_api) have modules of their own; the inference gateway adds /v1/infer
+(broker.inference).
 
 Every route is an `Operation` of broker.openapi, so /openapi.json lists exactly what is served.
 Bodies are validated strictly (broker.bodies). Errors are JSON
@@ -53,6 +55,7 @@ from broker.jobs import JobRecord, JobSpec, JobState
 from broker.openapi import OPERATIONS, Operation, Param, Reply, document, register
 from broker.router import Router, route_json
 from broker.service import Broker
+from broker.tenant_api import tenant_operations
 from broker.usage_api import usage_operations
 from sites import keys
 from sites.catalog import Capacity
@@ -587,6 +590,7 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
         *job_operations(),
         *access_operations(),
         *usage_operations(),
+        *tenant_operations(),
         *alerts_operations(),
         *dashboard_operations(),
     ]

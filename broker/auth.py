@@ -10,11 +10,12 @@ within the watch's latency (milliseconds).
 Roles (docs/auth.md has the table with every endpoint):
 
     admin         everything, every tenant; creates any token
-    operator      reads everything, acts on any job (cancel, suspend, resume), routes; no
-                  submits, tokens or audit
-    tenant-admin  its tenant: submit, read, act, route, infer, its tokens, its audit
-    tenant-user   its tenant: submit, read, act, route, infer
-    viewer        read only: its tenant's jobs (or every tenant's without one), sites, metrics
+    operator      reads everything, acts on any job (cancel, suspend, resume), routes, sets
+                  tenants' quotas; no submits, tokens or audit
+    tenant-admin  its tenant: submit, read, act, route, infer, its tokens, its audit, its quota
+    tenant-user   its tenant: submit, read, act, route, infer, its quota
+    viewer        read only: its tenant's jobs and quota (or every tenant's without one), sites,
+                  metrics
 
 Another tenant's job, logs or token answers 404, so its existence does not leak. The first
 admin token is written straight to etcd by whoever has etcd access (`cpn token create --etcd`),
@@ -94,13 +95,25 @@ class Permission(enum.StrEnum):
     metrics = "metrics"
     usage = "usage"  # GET /v1/usage: a tenant's token sees its own tenant's only
     alerts = "alerts"  # GET /v1/alerts: a tenant's token sees its own tenant's alerts only
+    tenants_read = "tenants:read"  # GET /v1/tenants, /v1/tenancy: a tenant's token, its own
+    tenants_write = "tenants:write"  # PUT, DELETE /v1/tenants/{tenant}, PUT /v1/tenancy
 
 
 P = Permission
 GRANTS: dict[Role, frozenset[Permission]] = {
     Role.admin: frozenset(Permission),
     Role.operator: frozenset(
-        {P.jobs_read, P.jobs_act, P.sites_read, P.route, P.metrics, P.usage, P.alerts}
+        {
+            P.jobs_read,
+            P.jobs_act,
+            P.sites_read,
+            P.route,
+            P.metrics,
+            P.usage,
+            P.alerts,
+            P.tenants_read,
+            P.tenants_write,
+        }
     ),
     Role.tenant_admin: frozenset(
         {
@@ -113,12 +126,24 @@ GRANTS: dict[Role, frozenset[Permission]] = {
             P.audit,
             P.usage,
             P.alerts,
+            P.tenants_read,
         }
     ),
     Role.tenant_user: frozenset(
-        {P.jobs_read, P.jobs_submit, P.jobs_act, P.sites_read, P.route, P.usage, P.alerts}
+        {
+            P.jobs_read,
+            P.jobs_submit,
+            P.jobs_act,
+            P.sites_read,
+            P.route,
+            P.usage,
+            P.alerts,
+            P.tenants_read,
+        }
     ),
-    Role.viewer: frozenset({P.jobs_read, P.sites_read, P.metrics, P.usage, P.alerts}),
+    Role.viewer: frozenset(
+        {P.jobs_read, P.sites_read, P.metrics, P.usage, P.alerts, P.tenants_read}
+    ),
 }
 """What each role may do; a tenant-scoped token does it for its own tenant only."""
 

@@ -169,6 +169,27 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
         # a tenant's token lists its own tenant's alerts only
         tenant = who.partition(":")[2]
         assert all(a["labels"].get("tenant") == tenant for a in alerts.json()["items"] if tenant)
+    tenants = check("GET", "/v1/tenants", "/v1/tenants")
+    if allowed(who, Permission.tenants_read):
+        # a tenant's token lists its own tenant only
+        names = {t["tenant"] for t in tenants.json()["items"]}
+        tenant = who.partition(":")[2]
+        if tenant:
+            assert names == ({"ai-lab"} if tenant == "ai-lab" else set()), (who, names)
+        else:
+            assert {"ai-lab", "hpc-center", "startup"} <= names, (who, names)
+    theirs = check("GET", "/v1/tenants/{tenant}", "/v1/tenants/hpc-center")
+    if allowed(who, Permission.tenants_read):
+        assert theirs.status == (404 if who.partition(":")[2] else 200), (who, theirs)
+    check("GET", "/v1/tenancy", "/v1/tenancy")
+    put = check("PUT", "/v1/tenants/{tenant}", "/v1/tenants/t-auth", {"weight": 2})
+    removed = check("DELETE", "/v1/tenants/{tenant}", "/v1/tenants/t-auth")
+    if allowed(who, Permission.tenants_write):
+        assert (put.status, removed.status) == (201, 200), (who, put, removed)
+    tenancy = fed.a.call("GET", "/v1/tenancy").json()
+    applied = check("PUT", "/v1/tenancy", "/v1/tenancy", tenancy)
+    if allowed(who, Permission.tenants_write):
+        assert applied.status == 200, (who, applied)
     check("GET", "/metrics", "/metrics")
     summary = check("GET", "/v1/routes/summary", "/v1/routes/summary")
     if allowed(who, Permission.metrics):
