@@ -45,7 +45,7 @@ from broker.gangs import gang_key, gang_problem, gangs
 from broker.jobs import TRANSITIONS, Event, JobRecord, JobSpec, JobState
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.plan import PlanProblem, PlanResult
-from broker.preemption import CAPACITY_FILTERS, Preemption, Running, plan
+from broker.preemption import CAPACITY_FILTERS, Preemption, Running, Runs, plan
 from broker.settings import SchedulingSettings
 from broker.tenancy import BudgetLeft, FairShare, Quotas, held_by_tenant
 from broker.tenants import TenancyFile
@@ -71,7 +71,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_PREEMPTION_TRIES = 32  # pending jobs a pass tries preemption for (each scans its sites)
+# pending jobs a pass tries preemption for: each scans the sites it was refused at, and
+# preemptions are paced rather than stormed (bench/tenancy_pass.py)
+MAX_PREEMPTION_TRIES = 8
 
 
 class ActionKind(enum.StrEnum):
@@ -163,7 +165,7 @@ class _Pass:
         self.touched: set[str] = set()
         self.gangs = gangs(view)
         self.quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
-        self._live: list[Running] | None = None
+        self._live: Runs | None = None
         self._preempt_tries = 0
 
     def _emit(self, action: Action) -> None:
@@ -406,12 +408,20 @@ class _Pass:
         for queue in queues.values():
             queue.sort(key=_own_order)
         taken = 0  # jobs placed so far this pass: what a job waiting for capacity waited behind
+        # shapes that found no free capacity anywhere: capacity only shrinks within a pass
+        # (until a preemption gives some back), so a later job of the same shape fails the same
+        # way without another scan of every site
+        full: dict[tuple[object, ...], pl.Unschedulable] = {}
         for record, rev in fair.order(queues):
             spec = record.spec
+            shape = _shape(spec)
             try:
-                decision = pl.place(spec, fed, now=when, usage=used, groups=grouped)
+                known = full.get(shape) if shape is not None else None
+                decision = known or pl.place(spec, fed, now=when, usage=used, groups=grouped)
                 if isinstance(decision, pl.Decision):
                     fed = pl.apply(fed, decision, spec)
+                elif shape is not None and decision.reasons.keys() <= _NO_CAPACITY:
+                    full[shape] = decision
             except (BrokerError, ValueError) as exc:
                 self._fail_spec(record, rev, f"cannot be placed: {exc}")
                 continue
@@ -423,6 +433,7 @@ class _Pass:
                     )
                     continue
                 fed, used = self._preempt(record, rev, chosen, fed, used)
+                full.clear()  # the victims gave capacity back
                 for v in chosen.victims:
                     fair.hold(
                         v.tenant,
@@ -445,7 +456,7 @@ class _Pass:
 
     # -- preemption -------------------------------------------------------------------------
 
-    def _running(self) -> list[Running]:
+    def _running(self) -> Runs:
         """The live runs preemption may weigh (not touched in this pass), built once a pass."""
         if self._live is None:
             view, now = self.view, self.now
@@ -479,7 +490,7 @@ class _Pass:
                         gang=gang_key(record),
                     )
                 )
-            self._live = live
+            self._live = Runs(live)
         return self._live
 
     def _preemption(
@@ -579,8 +590,7 @@ class _Pass:
                 assignments=placed.assignments,
             )
         )
-        gone = {v.id for v in chosen.victims}
-        self._live = [r for r in self._running() if r.id not in gone]
+        self._running().without(chosen.victims)
         return pl.apply(fed, chosen.decision, record.spec), used
 
     def _place_gangs(
@@ -670,6 +680,26 @@ class _Pass:
         closed = self._closed(record, EndReason.withdrawn)
         write = JobWrite(new, rev, puts=closed, deletes=_run_keys(record))
         self._emit(Action(ActionKind.fail, (write,), message))
+
+
+_NO_CAPACITY = frozenset({"down", "cordoned", "model", "gpus", "cpu", "mem"})
+
+
+def _shape(spec: JobSpec) -> tuple[object, ...] | None:
+    """What decides a job's fit when its cost is its compute alone (no data, user, regions,
+    group, budget or deadline): None for other jobs."""
+    if (
+        spec.data is not None
+        or spec.user is not None
+        or spec.allowed_regions is not None
+        or spec.denied_regions
+        or spec.group is not None
+        or spec.budget_usd is not None
+        or spec.deadline is not None
+    ):
+        return None
+    gpu = spec.gpu
+    return gpu.count, gpu.acceptable, gpu.min_mem_gb, spec.cpu, spec.mem_gb, spec.best_effort
 
 
 def _why_victim(victim: Running, job: JobSpec) -> str:

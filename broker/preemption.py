@@ -18,7 +18,11 @@ The rules (issue 11, Kueue's and Volcano's as the model, across sites):
   then work on borrowed quota, then lower priority, then the least work lost since the last
   checkpoint (the whole run without one), then fewer devices; taken greedily until J fits, then
   any unit J fits without is given back (last taken first). Among sites: fewest victims, then
-  least work lost, then J's cost there.
+  least work lost, then J's cost there. The sites are tried in the order of a lower bound of
+  the victims each needs by capacity alone (then the work those would lose), at most
+  MAX_SITES_TRIED of them, and none once the bound exceeds the best found; of a large
+  federation only the MAX_CANDIDATE_SITES sites where the job would cost least are weighed.
+  A pass's cost stays bounded however many sites are full (bench/tenancy_pass.py).
 
 `Preemption` is what the leader writes in one fenced transaction (broker.decisions): the
 victims back to PENDING (each keeps its history and restarts from its checkpoint) and J placed.
@@ -26,17 +30,20 @@ victims back to PENDING (each keeps its history and restarts from its checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
 from broker import placement as pl
 from broker.jobs import JobSpec
-from broker.offers import Federation, GroupState, TenantUsage, release
+from broker.offers import Federation, GroupState, SiteOffer, TenantUsage, release
+from broker.tenancy import Usage
 
-__all__ = ["CAPACITY_FILTERS", "Preemption", "Running", "plan"]
+__all__ = ["CAPACITY_FILTERS", "Preemption", "Running", "Runs", "Unit", "plan"]
 
 CAPACITY_FILTERS = ("gpus", "cpu", "mem", "quota")
+MAX_SITES_TRIED = 8  # candidate sites tried in full per job, the most promising first
+MAX_CANDIDATE_SITES = 64  # sites weighed per job: where it would cost least
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +64,91 @@ class Running:
     cost_usd: float  # its placement's estimate
     hours: float  # its duration estimate
     gang: str | None = None  # gang key: its members go together
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """What is preempted together: one job, or a whole gang that lives at one site only."""
+
+    members: tuple[Running, ...]
+    best_effort: bool  # every member is
+    priority: int  # the highest of its members
+    lost_s: float
+    cost_usd: float
+    cpu: float
+    mem_gb: float
+    by_model: Mapping[str, int]  # devices freed per model
+    tenants: frozenset[str]
+
+    @classmethod
+    def of(cls, members: Sequence[Running]) -> Unit:
+        by_model: dict[str, int] = {}
+        for m in members:
+            if m.model is not None and m.gpus:
+                by_model[m.model] = by_model.get(m.model, 0) + m.gpus
+        return cls(
+            members=tuple(sorted(members, key=lambda m: m.id)),
+            best_effort=all(m.best_effort for m in members),
+            priority=max(m.priority for m in members),
+            lost_s=float(sum(m.lost_s for m in members)),
+            cost_usd=float(sum(m.cost_usd for m in members)),
+            cpu=float(sum(m.cpu for m in members)),
+            mem_gb=float(sum(m.mem_gb for m in members)),
+            by_model=by_model,
+            tenants=frozenset(m.tenant for m in members),
+        )
+
+    def order(self) -> tuple[int, float, float, int, tuple[str, ...]]:
+        gpus = sum(self.by_model.values())
+        return self.priority, self.lost_s, self.cost_usd, gpus, tuple(m.id for m in self.members)
+
+
+class Runs:
+    """The live runs by site, as victim units (cheapest first: lower priority, less work lost,
+    cheaper, fewer devices), each site's built when first asked for; a gang with members at
+    several sites is no unit anywhere. One per pass."""
+
+    __slots__ = ("_alone", "_gangs", "_units", "floor")
+
+    def __init__(self, running: Iterable[Running]) -> None:
+        self._alone: dict[str, list[Running]] = {}
+        self._gangs: dict[str, dict[str, list[Running]]] = {}  # site -> gang -> members
+        spans: dict[str, set[str]] = {}
+        # per site: the lowest priority and whether best-effort work runs there (a bound over
+        # its runs), to pass over a site at once when nothing there may be preempted
+        self.floor: dict[str, tuple[int, bool]] = {}
+        for r in running:
+            if r.gang is None:
+                self._alone.setdefault(r.site, []).append(r)
+            else:
+                self._gangs.setdefault(r.site, {}).setdefault(r.gang, []).append(r)
+                spans.setdefault(r.gang, set()).add(r.site)
+            lowest, best_effort = self.floor.get(r.site, (r.priority, r.best_effort))
+            self.floor[r.site] = (min(lowest, r.priority), best_effort or r.best_effort)
+        for gangs in self._gangs.values():
+            for key in [k for k in gangs if len(spans[k]) > 1]:
+                del gangs[key]  # members at other sites: preempting it would stop work there
+        self._units: dict[str, list[Unit]] = {}
+
+    def at(self, site: str) -> list[Unit]:
+        """The site's victim units, cheapest first."""
+        units = self._units.get(site)
+        if units is None:
+            units = [Unit.of((r,)) for r in self._alone.get(site, ())]
+            units += [Unit.of(m) for m in self._gangs.get(site, {}).values()]
+            units.sort(key=Unit.order)
+            self._units[site] = units
+        return units
+
+    def without(self, gone: Iterable[Running]) -> None:
+        """Forget runs preempted meanwhile (and the units they were in)."""
+        for r in gone:
+            if r.gang is None:
+                here = self._alone.get(r.site, [])
+                self._alone[r.site] = [x for x in here if x.id != r.id]
+            else:
+                self._gangs.get(r.site, {}).pop(r.gang, None)
+            self._units.pop(r.site, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,26 +177,48 @@ def plan(
     now: datetime,
     usage: TenantUsage,
     groups: GroupState,
-    running: Sequence[Running],
+    running: Runs | Sequence[Running],
     sites: Sequence[str],
     may_preempt: bool = True,
 ) -> Preemption | None:
     """The cheapest preemption that lets `job` run at one of `sites` (module docstring), or
-    None. `running`: every live job of the federation (gangs are checked whole)."""
+    None. `running`: every live job of the federation (gangs are checked whole), best as a
+    `Runs` index built once for many calls."""
     if job.gang is not None:
         return None  # a gang is placed whole on free capacity only (never at several sites)
-    by_site: dict[str, list[Running]] = {}
-    gang_sites: dict[str, set[str]] = {}
-    for r in running:
-        by_site.setdefault(r.site, []).append(r)
-        if r.gang is not None:
-            gang_sites.setdefault(r.gang, set()).add(r.site)
+    runs = running if isinstance(running, Runs) else Runs(running)
     reclaiming = _within_nominal(job, usage)
-    best: tuple[tuple[int, float, float, str], Preemption] | None = None
-    for site_id in sites:
-        units = _units(job, by_site.get(site_id, ()), gang_sites, usage, reclaiming, may_preempt)
+    borrowing: dict[str, bool] = {}
+    # every candidate site with a lower bound of the victims it needs (by capacity alone) and
+    # the work its cheapest such victims would lose; the most promising are tried in full
+    candidates = []
+    by_priority = may_preempt and not job.best_effort
+    if len(sites) > MAX_CANDIDATE_SITES:
+        sites = _cheapest(job, fed, sites)[:MAX_CANDIDATE_SITES]
+    for pos, site_id in enumerate(sites):
+        floor = runs.floor.get(site_id)
+        if floor is None:
+            continue
+        lowest, has_best_effort = floor
+        if not (
+            reclaiming
+            or (has_best_effort and not job.best_effort)
+            or (by_priority and lowest < job.priority)
+        ):
+            continue  # nothing at this site may be preempted for this job
+        here = runs.at(site_id)
+        units = _units(job, here, usage, reclaiming, may_preempt, borrowing)
         if not units:
             continue
+        bound = _Room(job, fed.site(site_id)).least(units)
+        if bound is None:
+            continue  # all of them would not free enough
+        candidates.append((bound, pos, site_id, units))
+    candidates.sort(key=lambda c: (c[0], c[1]))
+    best: tuple[tuple[int, float, float, str], Preemption] | None = None
+    for (fewest, _lost), _, site_id, units in candidates[:MAX_SITES_TRIED]:
+        if best is not None and fewest > best[0][0]:
+            break  # no site left can do with as few victims
         found = _at_site(job, fed, site_id, units, now=now, usage=usage, groups=groups)
         if found is None:
             continue
@@ -136,72 +250,73 @@ def _within_nominal(job: JobSpec, usage: TenantUsage) -> bool:
 
 def _units(
     job: JobSpec,
-    here: Sequence[Running],
-    gang_sites: Mapping[str, set[str]],
+    here: Sequence[Unit],
     usage: TenantUsage,
     reclaiming: bool,
     may_preempt: bool,
-) -> list[tuple[tuple[int, int, float, float, int], tuple[Running, ...]]]:
-    """The site's victim units (a job, or a whole gang living only here), cheapest first."""
+    borrowing: dict[str, bool],
+) -> list[Unit]:
+    """The site's units `job` may preempt, cheapest first: best-effort work, then work on
+    borrowed quota (reclaim), then lower priorities, each in the site's own order;
+    `borrowing` caches, per tenant, whether it may be reclaimed from."""
     tree = usage.tree
-    roots: dict[str, str] = {}
-
-    def root(tenant: str) -> str | None:
-        if tree is None or tenant not in tree.quotas.nodes:
-            return None
-        if tenant not in roots:
-            up = tree.quotas.ancestors(tenant)
-            roots[tenant] = up[-1] if up else tenant
-        return roots[tenant]
-
-    my_root = root(job.tenant) if reclaiming else None
+    my_root = _root(tree, job.tenant) if reclaiming else None
     best_effort = job.best_effort
-
-    def why(r: Running) -> int | None:
-        """0 best-effort, 1 borrowed (reclaim), 2 lower priority; None: not a victim."""
-        if r.best_effort and not best_effort:
-            return 0
-        if (
+    by_priority = may_preempt and not best_effort
+    kinds: tuple[list[Unit], list[Unit], list[Unit]] = ([], [], [])
+    for u in here:
+        if u.best_effort and not best_effort:
+            kinds[0].append(u)
+        elif (
             my_root is not None
-            and r.tenant != job.tenant
             and tree is not None
-            and tree.borrowing(r.tenant)
-            and root(r.tenant) == my_root
+            and job.tenant not in u.tenants
+            and all(_reclaimable(tree, t, my_root, borrowing) for t in u.tenants)
         ):
-            return 1
-        if may_preempt and r.priority < job.priority and not best_effort:
-            return 2
-        return None
+            kinds[1].append(u)
+        elif by_priority and u.priority < job.priority:
+            kinds[2].append(u)
+    return kinds[0] + kinds[1] + kinds[2]
 
-    gangs: dict[str, list[Running]] = {}
-    out: list[tuple[tuple[int, int, float, float, int], tuple[Running, ...]]] = []
-    for r in here:
-        if r.gang is not None:
-            gangs.setdefault(r.gang, []).append(r)
-            continue
-        kind = why(r)
-        if kind is not None:
-            out.append(((kind, r.priority, r.lost_s, r.cost_usd, r.gpus), (r,)))
-    for key, members in gangs.items():
-        if len(gang_sites.get(key, ())) > 1:
-            continue  # members at other sites: preempting it would stop work elsewhere
-        kinds = [why(m) for m in members]
-        if any(k is None for k in kinds):
-            continue
-        worst = max(k for k in kinds if k is not None)
-        lost = float(sum(m.lost_s for m in members))
-        cost = float(sum(m.cost_usd for m in members))
-        prio = max(m.priority for m in members)
-        out.append(((worst, prio, lost, cost, sum(m.gpus for m in members)), tuple(members)))
-    out.sort(key=lambda u: (u[0], tuple(m.id for m in u[1])))
-    return out
+
+def _cheapest(job: JobSpec, fed: Federation, sites: Sequence[str]) -> list[str]:
+    """`sites`, the ones where the job's hourly rate (its cheapest acceptable model) is lowest
+    first; sites that price none of its models last."""
+    gpu = job.gpu
+    offered = fed.offered(gpu.acceptable, gpu.min_mem_gb) if gpu.count else None
+    ranked = []
+    for site_id in sites:
+        pos = fed.position(site_id)
+        rates = fed.sites[pos].prices
+        rate = job.cpu * rates.usd_per_core_hour + job.mem_gb * rates.usd_per_gb_mem_hour
+        if offered is not None:
+            prices = [p for _, p in offered[pos]]
+            rate = rate + gpu.count * min(prices) if prices else float("inf")
+        ranked.append((rate, pos, site_id))
+    ranked.sort()
+    return [site_id for _, _, site_id in ranked]
+
+
+def _reclaimable(tree: Usage, tenant: str, root: str, cache: dict[str, bool]) -> bool:
+    """Does `tenant` run on borrowed quota under cohort root `root` (cached per plan)?"""
+    got = cache.get(tenant)
+    if got is None:
+        got = cache[tenant] = _root(tree, tenant) == root and bool(tree.borrowing(tenant))
+    return got
+
+
+def _root(tree: Usage | None, tenant: str) -> str | None:
+    if tree is None or tenant not in tree.quotas.nodes:
+        return None
+    up = tree.quotas.ancestors(tenant)
+    return up[-1] if up else tenant
 
 
 def _at_site(
     job: JobSpec,
     fed: Federation,
     site_id: str,
-    units: Sequence[tuple[object, tuple[Running, ...]]],
+    units: Sequence[Unit],
     *,
     now: datetime,
     usage: TenantUsage,
@@ -215,8 +330,12 @@ def _at_site(
     )
     taken: list[tuple[Running, ...]] = []
     decision: pl.Decision | None = None
-    for _, unit in units:
-        taken.append(unit)
+    room = _Room(job, offer)
+    for unit in units:
+        taken.append(unit.members)
+        room.add(unit)
+        if not room.enough():
+            continue  # not even the capacity yet: no need to ask placement
         decision = _fits(job, alone, site_id, taken, now=now, usage=usage, groups=groups)
         if decision is not None:
             break
@@ -229,6 +348,69 @@ def _at_site(
             taken, decision = fewer, again
     victims = tuple(v for unit in taken for v in unit)
     return Preemption(job=job.name, site=site_id, victims=victims, decision=decision)
+
+
+class _Room:
+    """What the site would have free with the victims taken so far: a necessary condition
+    (capacity only) before placement is asked (every filter, quota included)."""
+
+    def __init__(self, job: JobSpec, offer: SiteOffer) -> None:
+        self.job = job
+        spare = offer.spare if job.best_effort else None
+        source = spare if spare is not None else offer
+        self.gpus = dict(source.free_gpus)
+        self.cpu = float(source.free_cpu)
+        self.mem = source.free_mem_gb
+        named = job.gpu.acceptable
+        self.models = [m for m in self.gpus if named is None or m in named]
+
+    def add(self, unit: Unit) -> None:
+        for model, n in unit.by_model.items():
+            if model in self.gpus:
+                self.gpus[model] += n
+        self.cpu += unit.cpu
+        self.mem += unit.mem_gb
+
+    def least(self, units: Sequence[Unit]) -> tuple[int, float] | None:
+        """(a lower bound of the units to preempt: per resource, the fewest whose freed
+        amounts cover what is missing; the work lost by the cheapest that many), or None
+        when even all of them would not free enough."""
+        job = self.job
+
+        def fewest(amounts: Iterable[float], missing: float) -> int | None:
+            if missing <= 1e-9:
+                return 0
+            total = 0.0
+            for i, amount in enumerate(sorted(amounts, reverse=True)):
+                total += amount
+                if total + 1e-9 >= missing:
+                    return i + 1
+            return None
+
+        bounds = [
+            fewest((u.cpu for u in units), job.cpu - self.cpu),
+            fewest((u.mem_gb for u in units), job.mem_gb - self.mem),
+        ]
+        count = job.gpu.count
+        if count:
+            found = [
+                b
+                for m in self.models
+                if (b := fewest((float(u.by_model.get(m, 0)) for u in units), count - self.gpus[m]))
+                is not None
+            ]
+            bounds.append(min(found) if found else None)
+        if any(b is None for b in bounds):
+            return None
+        k = max(b for b in bounds if b is not None)
+        return k, float(sum(sorted(u.lost_s for u in units)[:k]))
+
+    def enough(self) -> bool:
+        job = self.job
+        if self.cpu < job.cpu or self.mem + 1e-9 < job.mem_gb:
+            return False
+        count = job.gpu.count
+        return not count or any(self.gpus[m] >= count for m in self.models)
 
 
 def _rtts(job: JobSpec, fed: Federation, site_id: str) -> dict[tuple[str, str], float]:

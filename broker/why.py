@@ -6,8 +6,9 @@ jobs, and the order (`order`) in which the tenants' queues are taken.
 
 `why_pending` words an Unschedulable with the tenancy reason behind it: the quota key that
 stopped it (what the tenant holds, may still take, and from which cohort), what the budget has
-left, or, for a job that found no free capacity, the jobs of tenants with lower shares that
-were placed before it in this pass.
+left, or, for a job that found no free capacity after others were placed in the same pass,
+that tenants with lower shares went first. The words hold no figure that moves every pass
+(a share, a count), since a waiting job's reason is rewritten only when it changes.
 """
 
 from __future__ import annotations
@@ -110,10 +111,12 @@ def why_pending(
         if left is not None:
             parts.append(budget_detail(spec, left))
     if fair is not None and placed_before and any(f in reasons for f in _CAPACITY_FILTERS):
+        # no figures that move every pass (the share, the count): the reason is rewritten
+        # only when it changes, and a changing one would rewrite every waiting job each pass
         parts.append(
-            f"fair share: tenant {spec.tenant} at {fair.share(spec.tenant):.3f} (weight "
-            f"{fair.quotas.weight(spec.tenant):g}) came after {placed_before} jobs placed "
-            "first in this pass"
+            f"fair share: the capacity went first to tenants with lower weighted shares "
+            f"(tenant {spec.tenant} has weight {fair.quotas.weight(spec.tenant):g}; "
+            "cpn tenants shows the shares)"
         )
     return "; ".join(parts)
 
