@@ -18,12 +18,15 @@ configs/scenarios/green.yaml).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from broker import pricing
 from broker.offers import Green
-from broker.settings import SchedulingSettings
 from sites.catalog import DeviceCatalog
 from sites.spec import Prices, SiteSpec
+
+if TYPE_CHECKING:  # broker.settings imports routing; scripts under bench/ shadow it
+    from broker.settings import SchedulingSettings
 
 __all__ = ["Green", "green_of", "priced"]
 

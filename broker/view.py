@@ -21,7 +21,6 @@ from broker import placement as pl
 from broker.green import green_of, priced
 from broker.jobs import JobRecord, JobState
 from broker.offers import Green
-from broker.settings import SchedulingSettings
 from broker.store import decode
 from broker.tenancy import BudgetLeft, Quotas, held_by_tenant
 from sites import keys
@@ -35,6 +34,7 @@ from sites.spec import Oversubscription, Prices, SiteSpec
 
 if TYPE_CHECKING:
     from broker.metrics import BrokerMetrics
+    from broker.settings import SchedulingSettings
 
 __all__ = [
     "LIVE",
