@@ -157,10 +157,10 @@ def _flags_given(args: argparse.Namespace) -> bool:
 # -- output ----------------------------------------------------------------------------------
 
 
-def _num(value: float) -> str:
+def _num(value: float, decimals: int = 2) -> str:
     if abs(value - round(value)) < 1e-6:
         return f"{round(value):,}"
-    return f"{value:,.2f}" if abs(value) >= 1 else f"{value:.3g}"
+    return f"{value:,.{decimals}f}" if abs(value) >= 1 else f"{value:.3g}"
 
 
 def _amounts(values: Mapping[str, float] | None) -> str:
@@ -178,7 +178,8 @@ def _budget(budget: Mapping[str, Any] | None) -> str:
     if budget.get("usd_total") is not None:
         parts.append(f"${_num(budget['usd_left'])}/{_num(budget['usd_total'])}")
     if budget.get("gpu_hours_total") is not None:
-        parts.append(f"{_num(budget['gpu_hours_left'])}/{_num(budget['gpu_hours_total'])} GPU-h")
+        left, total = budget["gpu_hours_left"], budget["gpu_hours_total"]
+        parts.append(f"{_num(left, 1)}/{_num(total, 1)} GPU-h")
     return ", ".join(parts) or "-"
 
 
