@@ -53,7 +53,8 @@ class Arrivals:
     """Jobs of all batch and trace workloads, one row per job, stably sorted by `at_s`.
 
     The arrays are read-only. Codes index the tuples: `model` -1 = any model, `data_region`
-    -1 = no data location; `workload` indexes `workloads` (the generated workloads, in order).
+    -1 = no data location, `priority_class` -1 = none; `workload` indexes `workloads` (the
+    generated workloads, in order). `checkpoint_s` 0 = the job never checkpoints.
     """
 
     at_s: F64
@@ -67,10 +68,14 @@ class Arrivals:
     tenant: I16
     data_region: I16
     workload: I16
+    best_effort: npt.NDArray[np.bool_]
+    priority_class: I16
+    checkpoint_s: F64
     models: tuple[str, ...]
     tenants: tuple[str, ...]
     regions: tuple[str, ...]
     workloads: tuple[str, ...]
+    priority_classes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = {
@@ -105,6 +110,10 @@ class _Part:
     tenants: tuple[str, ...]
     data_region: I64
     regions: tuple[str, ...]
+    best_effort: npt.NDArray[np.bool_]
+    priority_class: I64
+    priority_classes: tuple[str, ...]
+    checkpoint_s: F64
 
 
 _STREAMS = ("arrivals", "gpus", "duration", "model", "tenant", "region")
@@ -229,6 +238,10 @@ def _batch_part(w: BatchWorkload, horizon_s: float, seed: int) -> _Part:
         tenants=tuple(w.tenants),
         data_region=region,
         regions=regions,
+        best_effort=np.full(n, w.best_effort, dtype=np.bool_),
+        priority_class=np.full(n, -1 if w.priority_class is None else 0, dtype=np.int64),
+        priority_classes=() if w.priority_class is None else (w.priority_class,),
+        checkpoint_s=np.full(n, w.checkpoint_interval_s or 0.0),
     )
 
 
@@ -267,6 +280,10 @@ def _trace_part(w: TraceWorkload, trace: Trace, horizon_s: float) -> _Part:
         tenants=trace.tenants,
         data_region=trace.data_region[rows],
         regions=trace.regions,
+        best_effort=np.zeros(len(rows), dtype=np.bool_),
+        priority_class=np.full(len(rows), -1, dtype=np.int64),
+        priority_classes=(),
+        checkpoint_s=np.zeros(len(rows)),
     )
 
 
@@ -327,6 +344,7 @@ def generate(
     model, models = _merge_codes(parts, lambda p: p.model, lambda p: p.models)
     tenant, tenants = _merge_codes(parts, lambda p: p.tenant, lambda p: p.tenants)
     region, regions = _merge_codes(parts, lambda p: p.data_region, lambda p: p.regions)
+    pclass, pclasses = _merge_codes(parts, lambda p: p.priority_class, lambda p: p.priority_classes)
     at = np.concatenate([p.at_s for p in parts]) if parts else np.empty(0)
     order = np.argsort(at, kind="stable")
 
@@ -351,8 +369,12 @@ def generate(
         workload=column(
             [np.full(len(p.at_s), i, dtype=np.int64) for i, p in enumerate(parts)], np.int16
         ),
+        best_effort=column([p.best_effort for p in parts], np.bool_),
+        priority_class=column(pclass, np.int16),
+        checkpoint_s=column([p.checkpoint_s for p in parts], np.float64),
         models=models,
         tenants=tenants,
         regions=regions,
         workloads=tuple(names),
+        priority_classes=pclasses,
     )

@@ -49,18 +49,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from broker import batch as bt
 from broker import feasibility as fz
 from broker import placement as pl
 from broker.jobs import DataLocation, GpuRequest, JobSpec
 from broker.lifecycle import RetryPolicy, retry_backoff_s
+from broker.preemption import Preemption, Running
 from broker.solver import solve
+from broker.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
+from broker.tenants import TenancyFile
+from broker.why import Fairness
 from simulations.arrivals import Arrivals, generate
 from simulations.inference import InferenceSim
 from simulations.phase import Phase
 from simulations.results import collect
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
+from simulations.tenancy import Gate, Gates, TenancyPass, TenantBook, lost_s, own_order, why_victim
+from simulations.workloads import WorkloadError
 
 __all__ = ["EPOCH", "Phase", "Simulation"]
 
@@ -69,6 +76,7 @@ EPOCH = datetime(2026, 1, 5, tzinfo=UTC)  # t = 0: a Monday 00:00 UTC
 # event kinds, in the order simultaneous events are handled
 _UP, _FINISH, _DOWN, _FAILOVER, _BATCH, _INFER = range(6)
 _STATIC = ("cordoned", "region", "latency", "model", "budget", "deadline")
+_MAX_PASSES = 10_000  # passes at one instant; preemptions settle long before
 
 
 class _Class:
@@ -78,6 +86,7 @@ class _Class:
         "acceptable",
         "cpu",
         "floor",
+        "gate",
         "gpus",
         "ineligible",
         "key",
@@ -89,6 +98,7 @@ class _Class:
         "reason",
         "spec",
         "tenant",
+        "waiting",
     )
 
     def __init__(self, key: tuple[Any, ...], spec: JobSpec) -> None:
@@ -106,6 +116,16 @@ class _Class:
         self.quota_blocked = False
         self.reason = ""
         self.message = ""
+        self.gate = Gate()  # tenancy passes: what its last try found (simulations.tenancy)
+        self.waiting = 0  # tenancy passes: its jobs waiting
+
+    def blocked(self, outcome: pl.Unschedulable) -> None:
+        """Remember why placement failed: the static verdicts, and the reason for the results."""
+        reasons = outcome.reasons
+        self.ineligible = frozenset(s for name in _STATIC for s in reasons.get(name, ()))
+        self.quota_blocked = "quota" in reasons
+        self.reason = max(reasons, key=lambda r: len(reasons[r])) if reasons else "none"
+        self.message = outcome.message
 
     def fits(self, fed: pl.Federation, s: int) -> bool:
         """Could site `s` take the class's request now? The filter's static verdicts from the
@@ -128,6 +148,8 @@ class _Run:
     compute_rate: float  # USD per second while it runs
     egress_usd: float
     watts: float  # devices + cores at TDP, before PUE
+    region: str = ""
+    cost_usd: float = 0.0  # the placement's estimate (preemption weighs it)
 
 
 class Simulation:
@@ -165,10 +187,24 @@ class Simulation:
         self.core_total = [o.free_cpu for o in offers]
         self.power_w = {m: (catalog.get(m).power_w or 0.0) for m in catalog.models}
         self.core_w = catalog.cpu.power_w or 0.0
-        # GPUs held per tenant: mutated in place, and read by place() (synchronously) through
-        # the one TenantUsage that wraps it
+        self.tenancy = self.fedinfo.tenancy
+        kind = self.policy.kind
+        # tenancy passes (simulations.tenancy): the broker's fair-share pass (fast-path with a
+        # tenancy) or the fifo baseline; with a tenancy or a pass, the tenants' usage is a value
+        # charged and given back as the broker does (quotas over cohorts)
+        self.fair = kind is PolicyKind.fast_path and self.tenancy is not None
+        self.passes = self.fair or kind is PolicyKind.fifo
+        self.valued = self.passes or self.tenancy is not None
+        self.quotas = Quotas(self.tenancy or TenancyFile(), catalog)
         self.used: dict[str, int] = {}
-        self.usage = pl.TenantUsage(self.used, self.fedinfo.quotas)
+        if self.valued:
+            tree = self.quotas.usage({}) if self.quotas.limited else None
+            self.usage = pl.TenantUsage(tree=tree)
+        else:
+            # GPUs held per tenant: mutated in place, and read by place() (synchronously)
+            # through the one TenantUsage that wraps it; no tenancy, no quotas
+            self.usage = pl.TenantUsage(self.used)
+        self.priority, self.best_effort = self._resolve_classes()
         self.groups = pl.GroupState()
         self.retry = RetryPolicy(base_s=self.policy.retry_base_s, max_s=self.policy.retry_max_s)
         n = len(self.arrivals)
@@ -221,6 +257,27 @@ class Simulation:
         self.infer = (
             InferenceSim(scenario, self.fedinfo, self.rng) if scenario.inference_workloads else None
         )
+        # preemption and checkpoints: work kept by a job's checkpoints (seconds of its run)
+        self.checkpoint_s = self.arrivals.checkpoint_s.tolist()
+        self.saved: dict[int, float] = {}
+        # tenancy passes: waiting jobs per tenant in the broker's own order (fifo: one queue
+        # in arrival order), the gates of their classes, what tenants hold for fair share
+        self.gates = Gates(self.quotas)
+        self.queues: dict[str, list[int]] = {}
+        self.waiting_n: dict[str, int] = {}
+        self.held: dict[str, dict[str, float]] = {}
+        self.run_priorities: dict[int, int] = {}  # priority -> jobs running
+        self.run_best_effort = 0
+        self.fair_share = FairShare((self.tenancy or TenancyFile()).fair_share.half_life, 0.0, {})
+        self._in_pass: set[int] = set()
+        self._passing = False
+        self._requeued: list[int] = []
+        self.pass_count = 0
+        self.book = (
+            TenantBook.of(self.tenancy or TenancyFile(), self.arrivals.tenants)
+            if self.valued
+            else None
+        )
 
     # -- running ---------------------------------------------------------------------------
 
@@ -249,6 +306,7 @@ class Simulation:
         heap = self.heap
         horizon = self.horizon
         tick = max(1, n // 200)
+        share = 0.5 if self.policy.baseline is not None and self.book is not None else 1.0
         while True:
             t_arr = at[i] if i < n else math.inf
             t_ev = heap[0][0] if heap else math.inf
@@ -268,7 +326,7 @@ class Simulation:
                 self._arrive(i)
                 i += 1
                 if progress is not None and i % tick == 0:
-                    progress(t / horizon)
+                    progress(t / horizon * share)
         while next_sample < samples:
             self._advance(self.series_t[next_sample])
             self._sample()
@@ -277,9 +335,35 @@ class Simulation:
         for j in list(self.runs):
             self._charge(j, horizon)
         self.wait_total += math.fsum(horizon - since for since in self.wait_since.values())
-        if progress is not None:
-            progress(1.0)
-        return collect(self, time.perf_counter() - started)
+        baseline = self.policy.baseline
+        if baseline is None or self.book is None:
+            if progress is not None:
+                progress(1.0)
+            return collect(self, time.perf_counter() - started)
+        results = collect(self, time.perf_counter() - started)
+        results["tenancy"]["baseline"] = self._baseline(baseline, progress)
+        return results
+
+    def _baseline(
+        self, kind: PolicyKind, progress: Callable[[float], None] | None
+    ) -> dict[str, Any]:
+        """The same jobs under the baseline policy: its tenancy figures and key job figures."""
+        sc = self.scenario
+        policy = sc.policy.model_copy(update={"kind": kind, "baseline": None})
+        other = sc.model_copy(update={"policy": policy, "workloads": tuple(sc.batch_workloads)})
+        run = Simulation(
+            other, federation=self.fedinfo, arrivals=self.arrivals, reference=self.reference
+        )
+        later = None if progress is None else (lambda f: progress(0.5 + f / 2))
+        res = run.run(later)
+        out: dict[str, Any] = dict(res["tenancy"] or {})
+        jobs = res["jobs"]
+        out["jobs"] = {
+            "completed": jobs["completed"],
+            "pending_at_end": jobs["pending_at_end"],
+            "queue_delay_s": jobs["queue_delay_s"],
+        }
+        return out
 
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
         self.seq += 1
@@ -289,6 +373,9 @@ class Simulation:
         if t > self.last_t:
             self.pending_area += self.pending * (t - self.last_t)
             self.last_t = t
+        if self.fair and t > (self.fair_share.at or 0.0):
+            # what the tenants held since the last event, decayed as the broker's leader does
+            self.fair_share = self.fair_share.advance(t, self._held_now())
         self.now = t
 
     def _event(self, kind: int, a: int, b: int) -> None:
@@ -326,12 +413,14 @@ class Simulation:
             arr.data_region,
             arr.cpu,
             arr.mem_gb,
-            arr.priority,
+            self.priority,
             size,
+            self.best_effort,
+            arr.priority_class,
         )
         table = np.rec.fromarrays([np.asarray(c) for c in columns])
         keys, inverse = np.unique(table, return_inverse=True)
-        types = (int, int, int, int, int, float, int, float)
+        types = (int, int, int, int, int, float, int, float, int, int)
         return inverse.ravel().tolist(), [
             tuple(t(v) for t, v in zip(types, row, strict=True)) for row in keys.tolist()
         ]
@@ -345,8 +434,24 @@ class Simulation:
             self.templates[key] = cls
         return cls
 
+    def _resolve_classes(self) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int8]]:
+        """Each job's priority and best-effort flag with its priority class applied, as the
+        broker applies it at submit (the class's value and best_effort)."""
+        arr = self.arrivals
+        priority = np.array(arr.priority, dtype=np.int32)
+        best = np.array(arr.best_effort, dtype=np.int8)
+        classes = (self.tenancy or TenancyFile()).priority_classes
+        for code, name in enumerate(arr.priority_classes):
+            cls = classes.get(name)
+            if cls is None:
+                raise WorkloadError(f"unknown priority class {name!r} (known: {sorted(classes)})")
+            mine = arr.priority_class == code
+            priority[mine] = cls.value
+            best[mine] = cls.best_effort
+        return priority, best
+
     def _template(self, key: tuple[Any, ...]) -> JobSpec:
-        gpus, model, tenant, region, cpu, mem, priority, size = key
+        gpus, model, tenant, region, cpu, mem, priority, size, best_effort, pclass = key
         arr = self.arrivals
         if not gpus:
             gpu = GpuRequest()
@@ -367,6 +472,8 @@ class Simulation:
             data=data,
             command=("simulated",),
             max_retries=self.policy.max_retries,
+            best_effort=bool(best_effort),
+            priority_class=arr.priority_classes[pclass] if pclass >= 0 else None,
         )
 
     def _spec(self, j: int, cls: _Class) -> JobSpec:
@@ -376,7 +483,10 @@ class Simulation:
         cls = self._class_of(j)
         self.job_class[j] = cls
         kind = self.policy.kind
-        if kind is PolicyKind.fast_path:
+        if self.passes:
+            self._wait(j, cls)
+            self._run_passes()
+        elif kind is PolicyKind.fast_path:
             if cls.queue and not self.reference:  # older equivalent jobs wait: so must it
                 self._wait(j, cls)
                 return
@@ -394,7 +504,11 @@ class Simulation:
             self.state[j] = Phase.WAITING
             self.pending += 1
             self.wait_since[j] = self.now
-        if self.policy.kind is PolicyKind.fast_path:
+            if self.valued:
+                self.waiting_n[cls.tenant] = self.waiting_n.get(cls.tenant, 0) + 1
+        if self.passes:
+            self._enqueue(j, cls)
+        elif self.policy.kind is PolicyKind.fast_path:
             cls.queue.append(j)
         else:
             self.fifo.append(j)
@@ -412,21 +526,27 @@ class Simulation:
         return True
 
     def _blocked(self, cls: _Class, outcome: pl.Unschedulable) -> None:
-        reasons = outcome.reasons
-        cls.ineligible = frozenset(s for name in _STATIC for s in reasons.get(name, ()))
-        cls.quota_blocked = "quota" in reasons
-        cls.reason = max(reasons, key=lambda r: len(reasons[r])) if reasons else "none"
-        cls.message = outcome.message
+        cls.blocked(outcome)
 
     def _start(self, j: int, spec: JobSpec, decision: pl.Decision) -> None:
         self.fed = pl.apply(self.fed, decision, spec)
+        if self.valued:
+            self.usage = pl.charged(self.usage, spec, decision)
+        elif decision.gpus:
+            self.used[spec.tenant] = self.used.get(spec.tenant, 0) + decision.gpus
+        self._begin(j, spec, decision)
+
+    def _begin(self, j: int, spec: JobSpec, decision: pl.Decision) -> None:
+        """A job starts on `decision`; its capacity and quota are taken already."""
         s = self.pos[decision.site]
         gpus = decision.gpus
-        if gpus:
-            self.used[spec.tenant] = self.used.get(spec.tenant, 0) + gpus
+        if self.valued:
+            self._hold(j, decision.model, decision.region, 1)
         if self.state[j] == Phase.WAITING:
             self.pending -= 1
             self.wait_total += self.now - self.wait_since.pop(j)
+            if self.valued:
+                self.waiting_n[spec.tenant] -= 1
         self.state[j] = Phase.RUNNING
         self.placed += 1
         arrived = self.at[j]
@@ -444,10 +564,13 @@ class Simulation:
             compute_rate=decision.breakdown.compute_usd / duration,
             egress_usd=decision.breakdown.egress_usd,
             watts=watts,
+            region=decision.region,
+            cost_usd=decision.cost_usd,
         )
         self.runs[j] = run
         self.on_site[s].add(j)
-        self._push(self.now + duration, _FINISH, j, run.attempt)
+        # a job that checkpointed goes on from its last checkpoint (the broker's resume)
+        self._push(self.now + duration - self.saved.get(j, 0.0), _FINISH, j, run.attempt)
 
     def _finish(self, j: int, run: _Run) -> None:
         self._charge(j, self.now)
@@ -479,22 +602,44 @@ class Simulation:
             self.busy_core_s[s] += cls.cpu * ran
 
     def _release(self, j: int, run: _Run) -> None:
-        cls = self.job_class[j]
-        if cls is None:
-            raise RuntimeError(f"job {j} runs without a class")
-        del self.runs[j]
-        self.on_site[run.site].discard(j)
-        if run.model is not None and cls.gpus:
+        cls = self._end(j, run)
+        if self.valued:
+            self.usage = self.usage.placed(
+                cls.tenant,
+                gpus=cls.gpus,
+                model=run.model,
+                cpu=cls.cpu,
+                mem_gb=cls.mem,
+                region=run.region,
+                cost_usd=run.cost_usd,
+                hours=self.hours[j],
+                sign=-1.0,
+            )
+        elif run.model is not None and cls.gpus:
             self.used[cls.tenant] -= cls.gpus
         self.fed = pl.release(
             self.fed, self.site_ids[run.site], run.model, cls.gpus, cls.cpu, cls.mem
         )
 
+    def _end(self, j: int, run: _Run) -> _Class:
+        """A run ends: out of the books (its capacity and quota are given back apart)."""
+        cls = self.job_class[j]
+        if cls is None:
+            raise RuntimeError(f"job {j} runs without a class")
+        del self.runs[j]
+        self.on_site[run.site].discard(j)
+        if self.valued:
+            self._hold(j, run.model, run.region, -1)
+        return cls
+
     def _capacity_returned(self, s: int | None, tenant: str | None) -> None:
         """Retry waiting jobs after capacity came back at site `s` (None: anywhere, e.g. a
         site came up) from a job of `tenant`; the batch policy waits for its next pass."""
         kind = self.policy.kind
-        if kind is PolicyKind.fast_path:
+        if self.passes:
+            self.gates.released(self.fed, s, tenant)
+            self._run_passes()
+        elif kind is PolicyKind.fast_path:
             self._retry_classes(s, tenant)
         elif kind is not PolicyKind.batch:
             self._retry_fifo(s)
@@ -542,6 +687,197 @@ class Simulation:
                 cls.queue.remove(j)
         for key in [k for k, c in self.waiting_classes.items() if not c.queue]:
             del self.waiting_classes[key]
+
+    # -- tenancy passes (simulations.tenancy) ------------------------------------------------
+
+    def _own_key(self, j: int) -> tuple[int, float, str]:
+        cls = self.job_class[j]
+        return own_order(cls.priority if cls is not None else 0, self.at[j], f"j{j}")
+
+    def _enqueue(self, j: int, cls: _Class) -> None:
+        """Job j waits: in its tenant's queue (fifo: the one queue), its class's gate kept."""
+        if cls.waiting == 0:  # its gate was not kept while none of its jobs waited
+            cls.gate.open()
+            self.gates.classes[cls.key] = cls
+        cls.waiting += 1
+        if self._passing:
+            self._requeued.append(j)  # the pass iterates the queues: after it
+            return
+        self._insert(j, cls)
+
+    def _insert(self, j: int, cls: _Class) -> None:
+        if self.fair:
+            bisect.insort(self.queues.setdefault(cls.tenant, []), j, key=self._own_key)
+        else:
+            bisect.insort(self.queues.setdefault("", []), j)
+
+    def _hold(self, j: int, model: str | None, region: str, sign: int) -> None:
+        """What tenants hold, for fair share (broker.tenancy.held_by_tenant's figures) and
+        for preemption's necessary conditions (the priorities and best-effort work running)."""
+        cls = self.waiting(j)
+        demand = self.quotas.demand(cls.gpus, model, cls.cpu, cls.mem, region)
+        mine = self.held.setdefault(cls.tenant, dict.fromkeys(SHARE_DIMENSIONS, 0.0))
+        for d in SHARE_DIMENSIONS:
+            mine[d] += sign * demand.get(d, 0.0)
+        prio = self.run_priorities
+        prio[cls.priority] = prio.get(cls.priority, 0) + sign
+        if not prio[cls.priority]:
+            del prio[cls.priority]
+        if cls.spec.best_effort:
+            self.run_best_effort += sign
+
+    def _held_now(self) -> dict[str, dict[str, float]]:
+        return self.held
+
+    def victims_possible(self, spec: JobSpec, may_preempt: bool, usage: pl.TenantUsage) -> bool:
+        """Could broker.preemption.plan find victims for `spec` at all? A necessary condition
+        over its three kinds of victim: best-effort work runs, lower-priority work runs (and
+        the job may preempt), or another tenant of its quota tree borrows. Gated passes only;
+        a reference pass asks plan every time."""
+        if not spec.best_effort:  # best-effort work may only reclaim
+            if self.run_best_effort > 0:
+                return True
+            if may_preempt and self.run_priorities and min(self.run_priorities) < spec.priority:
+                return True
+        tree = usage.tree
+        root = self.gates.root(spec.tenant)
+        if tree is None or root is None:
+            return False
+        return any(
+            t != spec.tenant and self.gates.root(t) == root and tree.borrowing(t)
+            for t in tree.quotas.limited
+        )
+
+    def _keep_checkpoint(self, j: int, run: _Run) -> float:
+        """The run stops now: what its checkpoints kept is kept; returns the work lost."""
+        ran = self.now - run.start
+        lost = lost_s(ran, self.checkpoint_s[j])
+        if ran > lost:
+            self.saved[j] = self.saved.get(j, 0.0) + ran - lost
+        return lost
+
+    def _run_passes(self) -> None:
+        """Passes until one preempts nothing (a preemption's victims wait again at once)."""
+        if not self.pending:
+            return
+        preempt = self.fair and (self.tenancy or TenancyFile()).preemption
+        if not self.reference and not self.gates.any_open(preempt):
+            return  # every waiting class would get the answer it got last time
+        seen: set[tuple[str, tuple[str, ...]]] = set()
+        for _ in range(_MAX_PASSES):
+            made = self._one_pass()
+            if not made:
+                return
+            again = {(spec.name, tuple(v.id for v in p.victims)) for spec, p in made}
+            if again & seen:
+                # the policy preempts in a cycle (a job takes back what took from it): the
+                # broker would go on pass after pass; the simulation goes on at the next event
+                if self.book is not None:
+                    self.book.cycles += 1
+                return
+            seen |= again
+        raise RuntimeError(f"preemptions at {self.now:.0f} s did not settle")
+
+    def _one_pass(self) -> list[tuple[JobSpec, Preemption]]:
+        """One pass over the waiting jobs, as the broker's leader makes it; the preemptions it
+        made."""
+        when = EPOCH + timedelta(seconds=self.now)
+        fairness = (
+            Fairness.of(self.quotas, self.fair_share, self._held_now(), self.fed)
+            if self.fair
+            else None
+        )
+        step = TenancyPass(
+            fed=self.fed,
+            usage=self.usage,
+            groups=self.groups,
+            tenancy=self.tenancy or TenancyFile(),
+            quotas=self.quotas,
+            gates=None if self.reference else self.gates,
+            now=when,
+            reference=self.reference,
+        )
+        self._in_pass = set()
+        self._passing = True
+        try:
+            counts = [(c, c.waiting) for c in self.gates.classes.values()]
+            step.run(self, self.queues, fairness, counts)
+        finally:
+            self._passing = False
+        self.fed, self.usage, self.groups = step.fed, step.usage, step.groups
+        started, self._in_pass = self._in_pass, set()
+        if started:
+            for queue in self.queues.values():
+                queue[:] = [j for j in queue if j not in started]
+        requeued, self._requeued = self._requeued, []
+        for j in requeued:
+            cls = self.job_class[j]
+            if cls is not None:
+                self._insert(j, cls)
+        if self.book is not None:
+            for spec, _ in step.preemptions:
+                self.book.preemptor(spec.tenant)
+        self.pass_count += 1
+        return step.preemptions
+
+    # Host (simulations.tenancy): what a pass reads and tells
+
+    def waiting(self, item: int) -> _Class:
+        cls = self.job_class[item]
+        if cls is None:
+            raise RuntimeError(f"job {item} waits without a class")
+        return cls
+
+    def spec(self, item: int) -> JobSpec:
+        return self._spec(item, self.waiting(item))
+
+    def running(self) -> list[Running]:
+        """The live jobs as broker.preemption weighs them (not those placed in this pass)."""
+        out = []
+        for j, run in self.runs.items():
+            if j in self._in_pass:
+                continue
+            cls = self.waiting(j)
+            out.append(
+                Running(
+                    id=f"j{j}",
+                    tenant=cls.tenant,
+                    site=self.site_ids[run.site],
+                    region=run.region,
+                    model=run.model,
+                    gpus=cls.gpus,
+                    cpu=cls.cpu,
+                    mem_gb=cls.mem,
+                    priority=cls.priority,
+                    best_effort=cls.spec.best_effort,
+                    lost_s=lost_s(self.now - run.start, self.checkpoint_s[j]),
+                    cost_usd=run.cost_usd,
+                    hours=self.hours[j],
+                )
+            )
+        return out
+
+    def started(self, item: int, spec: JobSpec, decision: pl.Decision) -> None:
+        self._in_pass.add(item)
+        self._dequeue(item)
+        self._begin(item, spec, decision)
+
+    def _dequeue(self, j: int) -> None:
+        cls = self.waiting(j)
+        cls.waiting -= 1
+        if cls.waiting == 0:
+            self.gates.classes.pop(cls.key, None)
+
+    def evicted(self, victim: Running, by: JobSpec) -> None:
+        """A victim of a preemption waits again; the pass gave its capacity and quota back."""
+        j = int(victim.id[1:])
+        run = self.runs[j]
+        self._charge(j, self.now)
+        lost = self._keep_checkpoint(j, run)
+        cls = self._end(j, run)
+        if self.book is not None:
+            self.book.evicted(cls.tenant, why_victim(victim, by), lost * cls.gpus)
+        self._wait(j, cls)
 
     # -- baselines ---------------------------------------------------------------------------
 
@@ -665,6 +1001,7 @@ class Simulation:
         for j in moved:
             run = self.runs[j]
             self._charge(j, self.now)
+            self._keep_checkpoint(j, run)
             self._release(j, run)
             retries = self.retries.get(j, 0)
             # the broker's rule (broker.lifecycle): a lost site uses up a retry, no backoff
@@ -682,7 +1019,11 @@ class Simulation:
             self.state[j] = Phase.WAITING
             self.pending += 1
             self.wait_since[j] = self.now
-            if self.policy.kind is PolicyKind.fast_path:
+            if self.valued:
+                self.waiting_n[cls.tenant] = self.waiting_n.get(cls.tenant, 0) + 1
+            if self.passes:
+                self._enqueue(j, cls)
+            elif self.policy.kind is PolicyKind.fast_path:
                 # back in its class's queue in arrival order: the broker orders by creation
                 bisect.insort(cls.queue, j)
                 self.waiting_classes[cls.key] = cls
@@ -703,6 +1044,14 @@ class Simulation:
             cores = self.core_total[s]
             self.util_cpu[s].append(1.0 - offer.free_cpu / cores if cores else 0.0)
             self.up_series[s].append(offer.up)
+        if self.book is not None:
+            capacity = sum(n for n, o in zip(self.gpu_total, self.fed.sites, strict=True) if o.up)
+            held = self.usage.gpus_by_tenant
+            tree = self.usage.tree
+            tenants = self.book.tenants
+            borrowed = {t: tree.borrowing(t).get("gpus", 0.0) for t in tenants} if tree else {}
+            active = [t for t in tenants if held.get(t, 0) > 0 or self.waiting_n.get(t, 0) > 0]
+            self.book.sample(held, capacity, active, borrowed)
 
 
 def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision:

@@ -20,6 +20,7 @@ import numpy as np
 from simulations.arrivals import Arrivals
 from simulations.phase import Phase
 from simulations.scenario import Scenario, SimFederation
+from simulations.tenancy import TenantBook
 
 __all__ = ["SCHEMA", "Run", "collect", "stats"]
 
@@ -132,6 +133,8 @@ class Run(Protocol):
     def infer(self) -> _Inference | None: ...
     @property
     def failure_log(self) -> Sequence[Mapping[str, Any]]: ...
+    @property
+    def book(self) -> TenantBook | None: ...  # a run with a tenancy (or the fifo baseline)
 
 
 def collect(sim: Run, wall_s: float) -> dict[str, Any]:
@@ -279,4 +282,21 @@ def collect(sim: Run, wall_s: float) -> dict[str, Any]:
         "electricity_usd": {"total_usd": math.fsum(elec_site.values()), "by_site": elec_site},
         "failures": list(sim.failure_log),
     }
+    if sim.book is not None:
+        results["tenancy"] = _tenancy(sim, sim.book, arrived)
     return results
+
+
+def _tenancy(sim: Run, book: TenantBook, arrived: int) -> dict[str, Any]:
+    """Per tenant: shares against the weights, borrowing, preemptions, queueing delay."""
+    arr = sim.arrivals
+    tenant = arr.tenant[:arrived].tolist()
+    names = arr.tenants
+    delays: dict[str, list[float]] = {}
+    counts: Counter[str] = Counter()
+    for j, t in enumerate(tenant):
+        counts[names[t]] += 1
+        start = sim.first_start.get(j)
+        if start is not None:
+            delays.setdefault(names[t], []).append(start - float(arr.at_s[j]))
+    return book.results(policy=sim.scenario.policy.kind.value, delays=delays, arrived=counts)

@@ -12,7 +12,9 @@ seed, a placement policy, workloads and site failures, as one validated YAML fil
         - set_latency: {scale: 1.2}
     horizon: 7d                      # or seconds; units s, m, h, d (e.g. 1d12h)
     seed: 1
-    policy: {kind: fast-path}        # fast-path | batch | fifo-first-fit | random
+    policy: {kind: fast-path}        # fast-path | batch | fifo | fifo-first-fit | random
+    tenancy: {...}                   # optional: broker.tenants.TenancyFile (configs/tenants.yaml's
+                                     # format); absent: the configs directory's tenants.yaml
     workloads: [...]                 # simulations.workloads (docs/simulation-workloads.md)
     failures:
       - {site: wuhu, down_at: 2d, up_at: 2d6h}
@@ -37,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker.regions import load_user_regions, user_rtt_ms
 from broker.settings import SchedulingSettings
-from broker.tenants import load_quotas
+from broker.tenants import TenancyFile, load_tenancy
 from routing.clients import Clients, load_clients
 from routing.policy import RoutingSettings
 from simulations.workloads import (
@@ -186,6 +188,8 @@ class PolicyKind(enum.StrEnum):
     batch = "batch"  # the broker's CP-SAT pass every batch_interval_s (+ fast path for the rest)
     fifo_first_fit = "fifo-first-fit"  # baseline: strict FIFO, first site (file order) that fits
     random = "random"  # baseline: a uniformly random site that fits, queue in arrival order
+    fifo = "fifo"  # baseline: the broker's placement and quotas, in arrival order; no fair
+    # share, no preemption
 
 
 class PolicySettings(SchedulingSettings):
@@ -201,6 +205,11 @@ class PolicySettings(SchedulingSettings):
         ge=0,
         description="site losses a job survives; a simulated job carries no spec of its own, "
         "so this stands in for JobSpec.max_retries (same default)",
+    )
+    baseline: PolicyKind | None = Field(
+        default=None,
+        description="also run the same jobs under this policy (fifo: arrival order, no fair "
+        "share, no preemption) and report its tenant figures beside (results tenancy.baseline)",
     )
 
 
@@ -223,6 +232,12 @@ class Scenario(_Frozen):
     horizon: Duration = Field(gt=0, le=10 * 365 * 86400)
     seed: int = 0
     policy: PolicySettings = PolicySettings()
+    tenancy: TenancyFile | None = Field(
+        default=None,
+        description="tenants, cohorts, priority classes, fair share and preemption "
+        "(configs/tenants.yaml's format, broker.tenants); absent: the configs directory's "
+        "tenants.yaml, if any",
+    )
     workloads: tuple[Workload, ...] = Field(min_length=1)
     failures: tuple[Failure, ...] = ()
     sample_s: Duration | None = Field(
@@ -301,7 +316,7 @@ class SimFederation:
 
     specs: dict[str, SiteSpec]  # file order
     catalog: DeviceCatalog
-    quotas: dict[str, int]
+    tenancy: TenancyFile | None  # the scenario's, or tenants.yaml's; None: neither has one
     user_regions: dict[str, Endpoint]
     latency: LatencyModel
     user_rtt_ms: dict[tuple[str, str], float]
@@ -320,7 +335,9 @@ def build_federation(scenario: Scenario, *, source: str = "<scenario>") -> SimFe
         )
     catalog = DeviceCatalog.load(root / "devices.yaml")
     specs = {spec.id: spec for spec in load_sites(site_files(root / "sites"), catalog)}
-    quotas = load_quotas(root / "tenants.yaml") if (root / "tenants.yaml").exists() else {}
+    tenancy = scenario.tenancy
+    if tenancy is None and (root / "tenants.yaml").exists():
+        tenancy = load_tenancy(root / "tenants.yaml")
     regions = load_user_regions(root / "regions.yaml")
     latency_dir = root / "latency"
     latency = LatencyModel.from_dir(latency_dir) if latency_dir.is_dir() else LatencyModel()
@@ -328,7 +345,7 @@ def build_federation(scenario: Scenario, *, source: str = "<scenario>") -> SimFe
     fed = SimFederation(
         specs=specs,
         catalog=catalog,
-        quotas=quotas,
+        tenancy=tenancy,
         user_regions=regions,
         latency=latency,
         user_rtt_ms={},
@@ -503,6 +520,7 @@ def _cross_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Pr
                     problems.append(
                         Problem(source, f"{at}.model", f"{model!r} is not in the device catalog")
                     )
+    problems += _classes_check(scenario, fed, source)
     if scenario.inference_workloads and fed.clients is None:
         problems.append(
             Problem(source, "workloads", f"inference needs {scenario.configs_dir}/clients.yaml")
@@ -510,4 +528,48 @@ def _cross_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Pr
     names = [w.name for w in scenario.workloads]
     for name in {n for n in names if names.count(n) > 1}:
         problems.append(Problem(source, "workloads", f"workload name {name!r} is used twice"))
+    return problems
+
+
+def _classes_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Problem]:
+    """Priority classes as the broker resolves them at submit (broker.operations.resolve):
+    a known class, and no explicit priority or best_effort that contradicts it."""
+    problems: list[Problem] = []
+    policy = scenario.policy
+    if policy.baseline is not None and policy.baseline is policy.kind:
+        problems.append(Problem(source, "policy.baseline", f"is policy.kind ({policy.kind})"))
+    classes = (fed.tenancy or TenancyFile()).priority_classes
+    for i, workload in enumerate(scenario.workloads):
+        if not isinstance(workload, BatchWorkload) or workload.priority_class is None:
+            continue
+        at = f"workloads[{i}]"
+        cls = classes.get(workload.priority_class)
+        if cls is None:
+            known = ", ".join(sorted(classes)) or "none"
+            problems.append(
+                Problem(
+                    source,
+                    f"{at}.priority_class",
+                    f"unknown priority class {workload.priority_class!r} (known: {known})",
+                )
+            )
+            continue
+        given = workload.model_fields_set
+        if "priority" in given and workload.priority != cls.value:
+            problems.append(
+                Problem(
+                    source,
+                    f"{at}.priority",
+                    f"{workload.priority} contradicts priority_class {workload.priority_class} "
+                    f"({cls.value}); give one of them",
+                )
+            )
+        if "best_effort" in given and workload.best_effort != cls.best_effort:
+            problems.append(
+                Problem(
+                    source,
+                    f"{at}.best_effort",
+                    f"contradicts priority_class {workload.priority_class}",
+                )
+            )
     return problems

@@ -50,6 +50,8 @@ from pydantic import (
     model_validator,
 )
 
+from sites.durations import Duration
+
 __all__ = [
     "DEFAULT_PRESET",
     "INT32_MAX",
@@ -348,7 +350,22 @@ class BatchWorkload(_Model):
     mem_gb_per_gpu: float = Field(64.0, ge=0, description="RAM per GPU a GPU job asks for")
     cpu_only_cores: int = Field(4, ge=1, description="CPU cores of a job with 0 GPUs")
     cpu_only_mem_gb: float = Field(16.0, ge=0, description="RAM of a job with 0 GPUs")
-    priority: int = Field(0, description="placement priority of every job")
+    priority: int = Field(0, ge=0, le=1000, description="placement priority of every job")
+    priority_class: str | None = Field(
+        None,
+        min_length=1,
+        description="a priority class of the scenario's tenancy (best-effort, batch, production"
+        "...): sets priority and best_effort as the broker does at submit",
+    )
+    best_effort: bool = Field(
+        False, description="jobs run on spare capacity and are the first to be preempted"
+    )
+    checkpoint_interval_s: Duration | None = Field(
+        None,
+        gt=0,
+        description="jobs checkpoint this often: a preempted or moved job redoes only the work "
+        "since its last checkpoint (None: it restarts from the beginning)",
+    )
     start_s: float | None = Field(None, ge=0, description="no arrivals before (default 0)")
     end_s: float | None = Field(None, gt=0, description="no arrivals from (default: horizon)")
 
