@@ -80,6 +80,8 @@ PLOTS = {
     "inference_slo.png": "Inference SLO attainment per client region",
     "inference_site_load.png": "Inference load per site (offered / capacity)",
     "site_timeline.png": "Site failures",
+    "tenant_shares.png": "Each tenant's share of the GPUs (dashed: its weight's target)",
+    "tenant_preemption.png": "Borrowed quota and preemptions per tenant",
     "comparison.png": "Key figures by scenario",
     "sweep.png": "Key figures against the swept parameter",
 }
@@ -123,6 +125,36 @@ class _Lines:
         ax.grid(alpha=0.3)
         if len(self.lines) > 1:
             ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+@dataclass(frozen=True)
+class _Shares:
+    """Each tenant's share over time (solid) and its target (dashed, the same colour)."""
+
+    x: Sequence[float]
+    shares: Mapping[str, Sequence[float]]
+    targets: Mapping[str, Sequence[float]]
+    xlabel: str
+    title: str
+
+    def has_data(self) -> bool:
+        return bool(self.x) and any(any(ys) for ys in self.shares.values())
+
+    def draw(self, ax: Axes) -> None:
+        from matplotlib import colormaps
+
+        for i, (tenant, ys) in enumerate(self.shares.items()):
+            color = colormaps["tab10"](i % 10)
+            n = min(len(ys), len(self.x))
+            ax.plot(self.x[:n], ys[:n], label=tenant, color=color, linewidth=1.2)
+            target = self.targets.get(tenant, ())
+            m = min(len(target), len(self.x))
+            ax.plot(self.x[:m], target[:m], color=color, linestyle="--", linewidth=1)
+        ax.set(title=self.title, xlabel=self.xlabel, ylabel="share of the GPUs")
+        ax.set_ylim(0, 1)
+        _percent_axis(ax.yaxis, True)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 @dataclass(frozen=True)
@@ -190,7 +222,7 @@ def _percent_axis(axis: Axis, percent: bool) -> None:
         axis.set_major_formatter(PercentFormatter(xmax=1))
 
 
-_Panel = _Lines | _Bars | _Hist | _Timeline
+_Panel = _Lines | _Bars | _Hist | _Timeline | _Shares
 
 
 @dataclass(frozen=True)
@@ -312,6 +344,7 @@ def _plan_plots(results: Results) -> list[_Plot]:
         plots.append(
             _Plot("inference_site_load.png", [_Lines(xi, load, xlabel_i, "load", reference=1.0)])
         )
+    plots += _tenancy_plots(results, x, xlabel)
     horizon = _f(results, "scenario", "horizon_s") or max(t, default=0.0)
     down: dict[str, list[tuple[float, float]]] = {}
     for f in _failures(results):
@@ -323,6 +356,35 @@ def _plan_plots(results: Results) -> list[_Plot]:
         _Plot("site_timeline.png", [_Timeline(down, horizon)], size=(9.0, 1.2 + 0.45 * len(down)))
     )
     return _with_data(plots)
+
+
+def _tenancy_plots(results: Results, x: Sequence[float], xlabel: str) -> list[_Plot]:
+    """Shares against targets (the policy's and the baseline's), borrowing, preemptions."""
+    tenancy = _map(results.get("tenancy"))
+    if not tenancy:
+        return []
+    series = _map(tenancy.get("series"))
+    policy = str(tenancy.get("policy") or NONE)
+    panels = [
+        _Shares(x, _series(series.get("share")), _series(series.get("target")), xlabel, policy)
+    ]
+    base = _map(tenancy.get("baseline"))
+    if base:
+        theirs = _map(base.get("series"))
+        label = f"{base.get('policy') or 'baseline'} (baseline)"
+        panels.append(
+            _Shares(x, _series(theirs.get("share")), _series(theirs.get("target")), xlabel, label)
+        )
+    borrowed = _Lines(
+        x, _series(series.get("borrowed_gpus")), xlabel, "GPUs above quota", "borrowed"
+    )
+    preempted = _Lines(
+        x, _series(series.get("preempted")), xlabel, "jobs (cumulative)", "preempted"
+    )
+    return [
+        _Plot("tenant_shares.png", panels, ncols=2, size=(7.0, 4.0)),
+        _Plot("tenant_preemption.png", [borrowed, preempted], ncols=2, size=(7.0, 3.6)),
+    ]
 
 
 # -- HTML ---------------------------------------------------------------------------------------

@@ -388,11 +388,87 @@ def _failures_section(results: Results) -> _Section:
     return _Section("Failures", rows, header) if rows else _Section("Failures", [(NONE,)])
 
 
+def _shares(tenants: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    keys = ("mean_share", "target_share", "share_last_quarter", "target_share_last_quarter")
+    return [
+        (
+            str(name),
+            f"{_f(t, 'weight') or 1.0:g}",
+            *(format_percent(_f(t, k)) for k in keys),
+            format_duration(_f(t, "queue_delay_mean_s")),
+        )
+        for name, t in tenants.items()
+    ]
+
+
+_SHARES = ("tenant", "weight", "share", "target", "share ¼", "target ¼", "queue delay")
+
+
+def _tenancy(results: Results) -> list[_Section]:
+    """Per tenant: its share of the GPUs against its weight's target (time averages over the
+    horizon, and over its last quarter (¼), where they have settled) and its mean queueing
+    delay, for the policy and for the baseline beside it (policy.baseline); borrowing and
+    preemptions."""
+    tenancy = _map(results.get("tenancy"))
+    tenants = _map(tenancy.get("tenants"))
+    if not tenants:
+        return []
+    base = _map(tenancy.get("baseline"))
+    label = str(base.get("policy") or "baseline")
+    policy = str(tenancy.get("policy") or NONE)
+    reasons = _numbers(tenancy.get("preemptions_by_reason"))
+    lost = _number(_f(tenancy, "lost_gpu_hours") or 0.0)
+    summary = [
+        ("policy", f"{policy}, beside {label} on the same jobs" if base else policy),
+        ("fair share", f"half-life {format_duration(_f(tenancy, 'half_life_s'))}"),
+        (
+            "preemptions",
+            f"{_int(tenancy, 'preemptions'):,}"
+            + (f" ({_top_items(reasons, 3, _count)})" if reasons else "")
+            + f", {lost} GPU-h of work lost"
+            + ("" if tenancy.get("preemption", True) else " (preemption off)"),
+        ),
+    ]
+    if cycles := _int(tenancy, "preemption_cycles"):
+        summary.append(
+            ("cycles", f"{cycles:,} instants where preemptions went round in a cycle (stopped)")
+        )
+    sections = [
+        _Section("Tenancy", summary),
+        _Section(f"Tenants under {policy}: share of the GPUs", _shares(tenants), _SHARES),
+    ]
+    if base:
+        jobs = _map(base.get("jobs"))
+        sections.append(
+            _Section(
+                f"Tenants under {label}, the baseline ({_int(jobs, 'completed'):,} jobs "
+                f"completed, {_int(jobs, 'pending_at_end'):,} pending at end)",
+                _shares(_map(base.get("tenants"))),
+                _SHARES,
+            )
+        )
+    rows = [
+        (
+            str(name),
+            _number(_f(t, "borrowed_gpus_mean") or 0.0),
+            _number(_f(t, "borrowed_gpus_max") or 0.0),
+            f"{_int(t, 'preempted'):,}",
+            f"{_int(t, 'preempting'):,}",
+            _number(_f(t, "lost_gpu_hours") or 0.0),
+        )
+        for name, t in tenants.items()
+    ]
+    header = ("tenant", "borrowed GPUs", "max", "preempted", "preempting", "lost GPU-h")
+    sections.append(_Section(f"Borrowing and preemption under {policy}", rows, header))
+    return sections
+
+
 def _sections(results: Results, top: int = TOP) -> list[_Section]:
     sections = [
         _Section("Scenario", _scenario_rows(results)),
         _Section("Jobs", _job_rows(results)),
         _Section("GPU utilization", _gpu_rows(results, top)),
+        *_tenancy(results),
         _footprint(results),
     ]
     if results.get("inference") is not None:
