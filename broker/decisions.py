@@ -45,13 +45,23 @@ from broker.gangs import gang_key, gang_problem, gangs
 from broker.jobs import TRANSITIONS, Event, JobRecord, JobSpec, JobState
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.plan import PlanProblem, PlanResult
-from broker.preemption import CAPACITY_FILTERS, Preemption, Running, Runs, plan
+from broker.preemption import (
+    CAPACITY_FILTERS,
+    MAX_PREEMPTION_TRIES,
+    Preemption,
+    Running,
+    Runs,
+    lost_s,
+    plan,
+    possible,
+    victim_kind,
+)
 from broker.settings import SchedulingSettings
 from broker.tenancy import BudgetLeft, FairShare, Quotas, held_by_tenant
 from broker.tenants import TenancyFile
 from broker.usage_segments import EndReason, closing_puts
 from broker.view import LIVE, View, federation, groups, held_rows, usage
-from broker.why import Fairness, why_pending
+from broker.why import Fairness, own_order, why_pending
 from sites import keys
 from sites.assignments import Assignment, Report, RunState
 from sites.catalog import DeviceCatalog
@@ -70,10 +80,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# pending jobs a pass tries preemption for: each scans the sites it was refused at, and
-# preemptions are paced rather than stormed (bench/tenancy_pass.py)
-MAX_PREEMPTION_TRIES = 8
 
 
 class ActionKind(enum.StrEnum):
@@ -129,6 +135,9 @@ class Context:
     budgets: Mapping[str, BudgetLeft] = field(default_factory=dict)  # tenants with a budget
     written: tuple[Assignment, ...] = ()  # assignments committed, not yet in the view
     down_since: Mapping[str, float] = field(default_factory=dict)  # site -> first seen down
+    # jobs whose preemption found nothing lately (Decided.preempt_failed, kept by the leader a
+    # while): skipped, so that the same few cannot take every pass's tries
+    preempt_skip: frozenset[str] = frozenset()
 
     @property
     def retry(self) -> RetryPolicy:
@@ -139,6 +148,7 @@ class Context:
 class Decided:
     actions: tuple[Action, ...]
     pending: int  # PENDING jobs in the view
+    preempt_failed: tuple[str, ...] = ()  # jobs a preemption was sought for, in vain
 
 
 def track_down(view: View, previous: Mapping[str, float], now: float) -> dict[str, float]:
@@ -153,7 +163,9 @@ def decide(view: View, now: float, ctx: Context) -> Decided:
     out.failover()
     out.place()
     pending = sum(1 for r, _ in view.jobs.values() if r.state is JobState.PENDING)
-    return Decided(actions=tuple(out.actions), pending=pending)
+    return Decided(
+        actions=tuple(out.actions), pending=pending, preempt_failed=tuple(out.preempt_failed)
+    )
 
 
 class _Pass:
@@ -167,6 +179,7 @@ class _Pass:
         self.quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
         self._live: Runs | None = None
         self._preempt_tries = 0
+        self.preempt_failed: list[str] = []
 
     def _emit(self, action: Action) -> None:
         self.actions.append(action)
@@ -484,7 +497,7 @@ class _Pass:
                         mem_gb=spec.mem_gb,
                         priority=spec.priority,
                         best_effort=spec.best_effort,
-                        lost_s=ran % interval if interval else ran,
+                        lost_s=lost_s(ran, interval),
                         cost_usd=placement.cost_usd,
                         hours=spec.duration_hours,
                         gang=gang_key(record),
@@ -506,16 +519,19 @@ class _Pass:
         tenancy = self.quotas.tenancy
         if not tenancy.preemption or self._preempt_tries >= MAX_PREEMPTION_TRIES:
             return None
+        if record.id in self.ctx.preempt_skip:
+            return None  # it tried lately and nothing could make room (Context.preempt_skip)
         sites = sorted(
             {s for name in CAPACITY_FILTERS for s in outcome.reasons.get(name, ())},
             key=fed.position,
         )
-        if not sites:
-            return None
-        self._preempt_tries += 1
         spec = record.spec
         cls = tenancy.priority_classes.get(spec.priority_class or "")
-        return plan(
+        may = cls is None or cls.preempts
+        if not sites or not possible(spec, self._running(), sites, used, may):
+            return None  # no possible victim: not a try
+        self._preempt_tries += 1
+        chosen = plan(
             spec,
             fed,
             now=when,
@@ -523,8 +539,11 @@ class _Pass:
             groups=grouped,
             running=self._running(),
             sites=sites,
-            may_preempt=cls is None or cls.preempts,
+            may_preempt=may,
         )
+        if chosen is None:
+            self.preempt_failed.append(record.id)
+        return chosen
 
     def _preempt(
         self,
@@ -703,17 +722,18 @@ def _shape(spec: JobSpec) -> tuple[object, ...] | None:
 
 
 def _why_victim(victim: Running, job: JobSpec) -> str:
-    if victim.best_effort and not job.best_effort:
+    kind = victim_kind(victim, job)
+    if kind == "best-effort":
         return "best-effort work"
-    if victim.priority < job.priority:
+    if kind == "priority":
         return f"priority {victim.priority} < {job.priority}"
     return f"tenant {victim.tenant} ran on borrowed quota, reclaimed by {job.tenant}"
 
 
 def _own_order(entry: tuple[JobRecord, int]) -> tuple[int, float, str]:
-    """A tenant's own queue: higher priority first, then older, then the id."""
+    """A tenant's own queue (broker.why.own_order)."""
     record = entry[0]
-    return -record.spec.priority, record.created_at, record.id
+    return own_order(record.spec.priority, record.created_at, record.id)
 
 
 def _run_keys(record: JobRecord) -> tuple[str, ...]:

@@ -4,8 +4,12 @@ A job J that found no site may take a site's capacity from running work V when o
 
 - V is best-effort and J is not (best-effort work runs on spare and oversubscribed capacity);
 - V has a lower priority than J, and J's priority class may preempt (`PriorityClass.preempts`);
+  while J would take its tenant above its nominal quota (it would borrow), only V of J's own
+  tenant (Kueue's rule for a borrowing queue): a borrower never preempts the work of a
+  cohort member, which could then reclaim it back, and so on for ever;
 - reclaim: V's tenant holds more than its nominal quota (it runs on borrowed quota), J's
-  tenant shares a cohort root with it, and J would stay within its own tenant's nominal quota.
+  tenant shares a cohort root with it, J would stay within its own tenant's nominal quota,
+  and J is not best-effort.
 
 The rules (issue 11, Kueue's and Volcano's as the model, across sites):
 
@@ -39,9 +43,41 @@ from broker.jobs import JobSpec
 from broker.offers import Federation, GroupState, SiteOffer, TenantUsage, release
 from broker.tenancy import Usage
 
-__all__ = ["CAPACITY_FILTERS", "Preemption", "Running", "Runs", "Unit", "plan"]
+__all__ = [
+    "CAPACITY_FILTERS",
+    "MAX_PREEMPTION_TRIES",
+    "Preemption",
+    "Running",
+    "Runs",
+    "Unit",
+    "lost_s",
+    "plan",
+    "possible",
+    "victim_kind",
+]
+
+
+def lost_s(ran_s: float, checkpoint_interval_s: float | None) -> float:
+    """Work a run loses when stopped after `ran_s`: since its last checkpoint (every
+    `checkpoint_interval_s`), or all of it without one."""
+    return ran_s % checkpoint_interval_s if checkpoint_interval_s else ran_s
+
+
+def victim_kind(victim: Running, job: JobSpec) -> str:
+    """Why `victim` goes for `job`: 'best-effort', 'priority' or 'reclaim' (of borrowed
+    quota), in the order the rules take them."""
+    if victim.best_effort and not job.best_effort:
+        return "best-effort"
+    if victim.priority < job.priority:
+        return "priority"
+    return "reclaim"
+
 
 CAPACITY_FILTERS = ("gpus", "cpu", "mem", "quota")
+# pending jobs a pass may try preemption for, among those that have a possible victim: each
+# scans the sites it was refused at, and preemptions are paced rather than stormed
+# (bench/tenancy_pass.py); the broker and the simulator both stop there
+MAX_PREEMPTION_TRIES = 8
 MAX_SITES_TRIED = 8  # candidate sites tried in full per job, the most promising first
 MAX_CANDIDATE_SITES = 64  # sites weighed per job: where it would cost least
 
@@ -187,27 +223,18 @@ def plan(
     if job.gang is not None:
         return None  # a gang is placed whole on free capacity only (never at several sites)
     runs = running if isinstance(running, Runs) else Runs(running)
-    reclaiming = _within_nominal(job, usage)
+    rights = _Rights.of(job, usage, may_preempt)
     borrowing: dict[str, bool] = {}
     # every candidate site with a lower bound of the victims it needs (by capacity alone) and
     # the work its cheapest such victims would lose; the most promising are tried in full
     candidates = []
-    by_priority = may_preempt and not job.best_effort
     if len(sites) > MAX_CANDIDATE_SITES:
         sites = _cheapest(job, fed, sites)[:MAX_CANDIDATE_SITES]
     for pos, site_id in enumerate(sites):
-        floor = runs.floor.get(site_id)
-        if floor is None:
-            continue
-        lowest, has_best_effort = floor
-        if not (
-            reclaiming
-            or (has_best_effort and not job.best_effort)
-            or (by_priority and lowest < job.priority)
-        ):
+        if not rights.may_at(runs, site_id, job):
             continue  # nothing at this site may be preempted for this job
         here = runs.at(site_id)
-        units = _units(job, here, usage, reclaiming, may_preempt, borrowing)
+        units = _units(job, here, usage, rights, borrowing)
         if not units:
             continue
         bound = _Room(job, fed.site(site_id)).least(units)
@@ -226,6 +253,62 @@ def plan(
         if best is None or key < best[0]:
             best = (key, found)
     return None if best is None else best[1]
+
+
+def possible(
+    job: JobSpec,
+    running: Runs,
+    sites: Sequence[str],
+    usage: TenantUsage,
+    may_preempt: bool = True,
+) -> bool:
+    """Could anything at `sites` be preempted for `job` at all (a cheap test on each site's
+    priority floor, before `plan` does the work)?"""
+    if job.gang is not None:
+        return False
+    rights = _Rights.of(job, usage, may_preempt)
+    return any(rights.may_at(running, site_id, job) for site_id in sites)
+
+
+@dataclass(frozen=True, slots=True)
+class _Rights:
+    """What a job may preempt: best-effort work (unless it is best-effort itself); lower
+    priorities (its class permitting), but only its own tenant's work while it would borrow
+    quota (Kueue's rule: a borrower preempts within its own queue), so that a reclaimed
+    borrower can never preempt its reclaimer back; and borrowed work of its cohort (reclaim)
+    when it stays within its own nominal quota and is not best-effort."""
+
+    best_effort_victims: bool
+    by_priority: bool
+    own_only: bool  # priority victims of its own tenant only (it would borrow)
+    reclaiming: bool
+
+    @classmethod
+    def of(cls, job: JobSpec, usage: TenantUsage, may_preempt: bool) -> _Rights:
+        within = _within_nominal(job, usage)
+        tree = usage.tree
+        in_cohort = (
+            tree is not None
+            and job.tenant in tree.quotas.limited
+            and tree.quotas.nodes[job.tenant].parent is not None
+        )
+        return cls(
+            best_effort_victims=not job.best_effort,
+            by_priority=may_preempt and not job.best_effort,
+            own_only=in_cohort and not within,
+            reclaiming=within and not job.best_effort,
+        )
+
+    def may_at(self, runs: Runs, site_id: str, job: JobSpec) -> bool:
+        floor = runs.floor.get(site_id)
+        if floor is None:
+            return False
+        lowest, has_best_effort = floor
+        return (
+            self.reclaiming
+            or (has_best_effort and self.best_effort_victims)
+            or (self.by_priority and lowest < job.priority)
+        )
 
 
 def _within_nominal(job: JobSpec, usage: TenantUsage) -> bool:
@@ -252,20 +335,20 @@ def _units(
     job: JobSpec,
     here: Sequence[Unit],
     usage: TenantUsage,
-    reclaiming: bool,
-    may_preempt: bool,
+    rights: _Rights,
     borrowing: dict[str, bool],
 ) -> list[Unit]:
     """The site's units `job` may preempt, cheapest first: best-effort work, then work on
     borrowed quota (reclaim), then lower priorities, each in the site's own order;
     `borrowing` caches, per tenant, whether it may be reclaimed from."""
     tree = usage.tree
-    my_root = _root(tree, job.tenant) if reclaiming else None
-    best_effort = job.best_effort
-    by_priority = may_preempt and not best_effort
+    my_root = _root(tree, job.tenant) if rights.reclaiming else None
+    by_priority = rights.by_priority
+    own_only = rights.own_only
+    mine = frozenset((job.tenant,))
     kinds: tuple[list[Unit], list[Unit], list[Unit]] = ([], [], [])
     for u in here:
-        if u.best_effort and not best_effort:
+        if u.best_effort and rights.best_effort_victims:
             kinds[0].append(u)
         elif (
             my_root is not None
@@ -274,7 +357,7 @@ def _units(
             and all(_reclaimable(tree, t, my_root, borrowing) for t in u.tenants)
         ):
             kinds[1].append(u)
-        elif by_priority and u.priority < job.priority:
+        elif by_priority and u.priority < job.priority and (not own_only or u.tenants == mine):
             kinds[2].append(u)
     return kinds[0] + kinds[1] + kinds[2]
 

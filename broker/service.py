@@ -56,6 +56,7 @@ __all__ = ["Broker"]
 log = logging.getLogger(__name__)
 
 FAIR_SHARE_SAVE_S = 60.0
+PREEMPT_RETRY_S = 30.0  # a job whose preemption found nothing tries again after this
 BILLED_TTL_S = 10.0  # the ledger's part of the budgets left: a query, not once per pass
 RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
 
@@ -80,6 +81,7 @@ class Broker:
         self._fair: FairShare | None = None  # the leader's decayed usage (broker.tenancy)
         self._fair_saved = 0.0
         self._billed_cache: tuple[float, Billed | None] = (0.0, None)
+        self._preempt_failed: dict[str, float] = {}  # job -> when a preemption found nothing
         self.settings = settings or BrokerSettings()
         self.clock: Clock = clock or SystemClock()
         self.url = url
@@ -249,6 +251,9 @@ class Broker:
             budgets=budgets_left(self.tenancy.file, self._billed(book, now), view),
             written=tuple(self.actor.written.values()),
             down_since=self._down_since,
+            preempt_skip=frozenset(
+                j for j, at in self._preempt_failed.items() if now - at < PREEMPT_RETRY_S
+            ),
         )
 
     def budgets(self) -> Mapping[str, BudgetLeft]:
@@ -295,6 +300,11 @@ class Broker:
         started = time.perf_counter()
         decided = dc.decide(view, now, self.context())
         self.metrics.decide_seconds.observe(time.perf_counter() - started)
+        for job_id in decided.preempt_failed:
+            self._preempt_failed[job_id] = now
+        self._preempt_failed = {
+            j: at for j, at in self._preempt_failed.items() if now - at < PREEMPT_RETRY_S
+        }
         self.metrics.pending.set(decided.pending)
         outcome = await self.actor.carry_out(decided.actions)
         self._observe_placed(outcome.done, now, "fast")

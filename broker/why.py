@@ -22,11 +22,16 @@ from broker import placement as pl
 from broker.jobs import JobSpec
 from broker.tenancy import SHARE_DIMENSIONS, BudgetLeft, FairShare, Quotas
 
-__all__ = ["DEFAULT_HALF_LIFE_S", "Fairness", "why_pending"]
+__all__ = ["DEFAULT_HALF_LIFE_S", "Fairness", "own_order", "why_pending"]
 
 T = TypeVar("T")
 DEFAULT_HALF_LIFE_S = 7 * 86400.0
 _CAPACITY_FILTERS = ("gpus", "cpu", "mem")
+
+
+def own_order(priority: int, created_at: float, job_id: str) -> tuple[int, float, str]:
+    """A tenant's own queue: higher priority first, then older, then the id."""
+    return -priority, created_at, job_id
 
 
 @dataclass(slots=True)

@@ -433,3 +433,67 @@ def test_regular_work_preempts_best_effort_on_an_oversubscribed_site() -> None:
 def test_without_oversubscription_best_effort_uses_the_physical_capacity_only() -> None:
     jobs = [pending(f"be{i}", rev=i, gpu=gpus(4), best_effort=True) for i in range(3)]
     assert len(placed_sites(dc.decide(world(snapshot("s", gpus=8), *jobs), NOW, ctx()))) == 2
+
+
+def test_a_best_effort_job_never_reclaims() -> None:
+    q = tenancy(
+        tenants={
+            "owner": {"cohort": "c", "quota": {"gpus": 8}},
+            "borrower": {"cohort": "c", "quota": {"gpus": 8}},
+        },
+        cohorts={"c": {}},
+    )
+    runs = [on(pending(f"b{i}", "borrower", rev=i, gpu=gpus(4)), "s") for i in range(4)]
+    spare = pending("spare", "owner", rev=9, gpu=gpus(4), best_effort=True)
+    assert preempted(dc.decide(world(snapshot("s", gpus=16), *runs, spare), NOW, ctx(q))) == []
+
+
+def test_a_borrower_preempts_only_its_own_tenants_work_so_a_reclaim_is_never_undone() -> None:
+    # the borrower's higher-priority job would borrow (12 of its 8): it may preempt only its
+    # own tenant's lower-priority work, never the owner's, which could reclaim it back
+    q = tenancy(
+        tenants={
+            "owner": {"cohort": "c", "quota": {"gpus": 8}},
+            "borrower": {"cohort": "c", "quota": {"gpus": 8}},
+        },
+        cohorts={"c": {}},
+    )
+    runs = [on(pending(f"o{i}", "owner", rev=i, gpu=gpus(4)), "s") for i in range(2)]
+    runs += [on(pending(f"b{i}", "borrower", rev=i + 2, gpu=gpus(4)), "s") for i in range(2)]
+    urgent = pending("urgent", "borrower", rev=9, gpu=gpus(4), priority=500)
+    v = world(snapshot("s", gpus=16), *runs, urgent)
+    victims = preempted(dc.decide(v, NOW, ctx(q)))
+    assert [r.spec.tenant for r in victims] == ["borrower"]  # its own work, never the owner's
+    # with only the owner's lower-priority work to take, it waits
+    runs = [on(pending(f"o{i}", "owner", rev=i, gpu=gpus(4)), "s") for i in range(2)]
+    runs += [on(pending(f"b{i}", "borrower", rev=i + 2, gpu=gpus(4), priority=900), "s")
+             for i in range(2)]  # fmt: skip
+    v = world(snapshot("s", gpus=16), *runs, urgent)
+    assert preempted(dc.decide(v, NOW, ctx(q))) == []
+    # within its own quota the same job may preempt by priority, its own tenant's first
+    mine = [on(pending(f"b{i}", "borrower", rev=i, gpu=gpus(4)), "s") for i in range(2)]
+    v = world(
+        snapshot("s", gpus=8),
+        *mine,
+        pending("urgent", "borrower", rev=9, gpu=gpus(4), priority=500),
+    )
+    assert len(preempted(dc.decide(v, NOW, ctx(q)))) == 1
+
+
+def test_jobs_with_no_possible_victim_use_no_try_and_failed_ones_back_off() -> None:
+    # 10 jobs that cannot preempt anything (equal priority) come first in the order; the 11th
+    # may: it still gets its try
+    runs = [on(pending("r", rev=1, gpu=gpus(8)), "s")]
+    waiting = [pending(f"w{i}", rev=i + 2, gpu=gpus(8)) for i in range(10)]
+    late = pending("late", rev=50, gpu=gpus(8), priority=9)
+    v = world(snapshot("s", gpus=8), *runs, *waiting, late)
+    decided = dc.decide(v, NOW, ctx())
+    assert [r.id for r in preempted(decided)] == ["r"]
+    assert placed_sites(decided) == {"late": "s"}
+    # a job whose preemption finds nothing is reported, and skipped while the leader says so
+    big = pending("big", rev=60, gpu=gpus(16), priority=9)
+    snap = snapshot("s", "t", gpus=8)
+    decided = dc.decide(world(snap, *runs, big), NOW, ctx())
+    assert decided.preempt_failed == ("big",)  # 16 fit nowhere, victims or not
+    skipped = dc.decide(world(snap, *runs, big), NOW, ctx(preempt_skip=frozenset({"big"})))
+    assert skipped.preempt_failed == ()
