@@ -71,6 +71,7 @@ __all__ = [
     "Unschedulable",
     "apply",
     "breakdown_at",
+    "charged",
     "place",
     "place_gang",
     "release",
@@ -370,11 +371,19 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
     nothing fits (or quota stops it), for the full scan to explain. No runner-up: finding one
     would mean visiting sites past the best."""
     count = job.gpu.count
-    if (count and usage.exceeds(job.tenant, count)) or usage.priced(job.tenant):
-        return None  # quotas over cohorts and budgets are the full scan's
+    if count and usage.exceeds(job.tenant, count):
+        return None
     cpu = job.cpu
     mem = job.mem_gb
     duration = job.duration_hours
+    # the full scan's quota and budget filters, site by site (feasibility.screen)
+    headroom = usage.headroom(job.tenant)
+    left = usage.budget(job.tenant)
+    tenant_left = math.inf
+    if left is not None:
+        if count * duration > left.gpu_hours + 1e-9:
+            return None
+        tenant_left = left.usd
     sites = fed.sites
     limit = math.inf
     best_key: tuple[float, int, str] | None = None
@@ -400,6 +409,10 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
         compute = duration * hourly
         cost = compute + 0.0 + 0.0  # + egress + latency, both 0 here, as the scan adds them
         if cost > limit:
+            continue
+        if headroom is not None and headroom.over(count, model, cpu, mem, site.region):
+            continue
+        if cost > tenant_left:
             continue
         key = (cost, -free, site.id)
         if best_key is None or key < best_key:

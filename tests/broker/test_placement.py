@@ -26,10 +26,13 @@ from broker.placement import (
     TenantUsage,
     Unschedulable,
     apply,
+    charged,
     place,
     place_gang,
 )
 from broker.regions import load_user_regions, user_rtt_ms
+from broker.tenancy import BudgetLeft, Quotas
+from broker.tenants import TenancyFile
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, site_files
 from sites.errors import ConfigError
@@ -47,6 +50,7 @@ CHINA_HUB_USER_REGIONS = (
     "wuhan",
     "xian",
 )
+CATALOG = DeviceCatalog.load()
 MEM = {"H100": 80.0, "H200": 141.0, "L40S": 48.0, "A100-80GB": 80.0, "MI300X": 192.0}
 
 
@@ -785,6 +789,8 @@ def test_indexed_place_equals_the_full_scan_on_random_federations() -> None:
         usage = TenantUsage(
             {"acme": rng.choice((0, 8))}, {"acme": 16} if rng.random() < 0.3 else {}
         )
+        if rng.random() < 0.4:  # quotas over a cohort, by model and region, and a budget
+            usage = tree_usage(rng, models, [s.region for s in sites])
         for _ in range(10):
             gpu = random_gpu(rng, models)
             spec = job(
@@ -806,4 +812,25 @@ def test_indexed_place_equals_the_full_scan_on_random_federations() -> None:
             for name in same:
                 assert getattr(quick, name) == getattr(full, name), (name, spec, sites)
             fed = apply(fed, full, spec)  # capacity drains, so later jobs see fuller sites
+            usage = charged(usage, spec, full)
     assert compared == 3000 and 1000 < placed_count < 2900
+
+
+def tree_usage(rng: random.Random, models: list[str], regions: list[str]) -> TenantUsage:
+    """Tenant acme under quotas over a cohort: GPUs, one model, one region; half the time a
+    budget too."""
+    quota: dict[str, Any] = {"gpus": rng.choice((8, 24, 64))}
+    if rng.random() < 0.5:
+        quota["gpu_models"] = {rng.choice(models): rng.choice((4, 16))}
+    policy: dict[str, Any] = {"cohort": "c", "quota": quota}
+    if regions and rng.random() < 0.5:
+        policy["regions"] = {rng.choice(regions): {"gpus": rng.choice((4, 8))}}
+    file = TenancyFile.model_validate(
+        {"tenants": {"acme": policy, "other": {"cohort": "c", "quota": {"gpus": 8}}},
+         "cohorts": {"c": {}}}
+    )  # fmt: skip
+    budgets = {}
+    if rng.random() < 0.5:
+        left = rng.choice((5.0, 40.0, 500.0))
+        budgets["acme"] = BudgetLeft(usd=left, gpu_hours=rng.choice((10.0, 1e9)), usd_total=500)
+    return TenantUsage(tree=Quotas(file, CATALOG).empty(), budgets=budgets)
