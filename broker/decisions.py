@@ -51,9 +51,10 @@ from broker.preemption import (
     Preemption,
     Running,
     Runs,
-    lost_s,
+    give_back,
     plan,
     possible,
+    running_of,
     victim_kind,
 )
 from broker.settings import SchedulingSettings
@@ -475,34 +476,14 @@ class _Pass:
             view, now = self.view, self.now
             live = []
             for record, _ in view.jobs.values():
-                placement = record.placement
-                if record.state not in LIVE or placement is None or record.id in self.touched:
+                if record.state not in LIVE or record.id in self.touched:
                     continue
-                if record.state is JobState.SUSPENDED:
+                if record.state is JobState.SUSPENDED or record.placement is None:
                     continue
-                spec = record.spec
-                assignment = view.assignments.get((placement.site, record.id))
-                started = assignment.assigned_at if assignment is not None else record.updated_at
-                ran = max(0.0, now - started)
-                interval = spec.checkpoint_interval_s if spec.checkpoint_path else None
-                live.append(
-                    Running(
-                        id=record.id,
-                        tenant=spec.tenant,
-                        site=placement.site,
-                        region=placement.region,
-                        model=placement.model,
-                        gpus=placement.gpus,
-                        cpu=spec.cpu,
-                        mem_gb=spec.mem_gb,
-                        priority=spec.priority,
-                        best_effort=spec.best_effort,
-                        lost_s=lost_s(ran, interval),
-                        cost_usd=placement.cost_usd,
-                        hours=spec.duration_hours,
-                        gang=gang_key(record),
-                    )
-                )
+                assignment = view.assignments.get((record.placement.site, record.id))
+                run = running_of(record, assignment.assigned_at if assignment else None, now)
+                if run is not None:
+                    live.append(run)
             self._live = Runs(live)
         return self._live
 
@@ -579,26 +560,7 @@ class _Pass:
             )
             closed = self._closed(old, EndReason.preempted)
             writes.append(JobWrite(new, old_rev, puts=closed, deletes=_run_keys(old)))
-            fed = pl.release(
-                fed,
-                victim.site,
-                victim.model,
-                victim.gpus,
-                victim.cpu,
-                victim.mem_gb,
-                best_effort=victim.best_effort,
-            )
-            used = used.placed(
-                victim.tenant,
-                gpus=victim.gpus,
-                model=victim.model,
-                cpu=victim.cpu,
-                mem_gb=victim.mem_gb,
-                region=victim.region,
-                cost_usd=victim.cost_usd,
-                hours=victim.hours,
-                sign=-1.0,
-            )
+        fed, used = give_back(fed, used, chosen.victims)
         placed = _placement([(record, rev, chosen.decision)], now)
         message = f"{record.id} on {chosen.site}: {chosen.reason()}"
         self._emit(

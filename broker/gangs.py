@@ -10,16 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from broker.jobs import JobRecord
+from broker.jobs import JobRecord, gang_of
 from broker.view import View
 
 __all__ = ["SHAPE", "GangProblem", "gang_key", "gang_problem", "gangs", "shape"]
 
 
 def gang_key(record: JobRecord) -> str | None:
-    """A gang is named per tenant: '<tenant>/<gang>'."""
-    gang = record.spec.gang
-    return None if gang is None else f"{record.spec.tenant}/{gang.name}"
+    """A gang is named per tenant: '<tenant>/<gang>' (broker.jobs.gang_of)."""
+    return gang_of(record.spec)
 
 
 def gangs(view: View) -> dict[str, list[tuple[JobRecord, int]]]:

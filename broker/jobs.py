@@ -181,6 +181,12 @@ class JobSpec(TenantInput):
         return self
 
 
+def gang_of(spec: JobSpec) -> str | None:
+    """A gang is named per tenant: '<tenant>/<gang>' (None for a job in no gang)."""
+    gang = spec.gang
+    return None if gang is None else f"{spec.tenant}/{gang.name}"
+
+
 class JobState(enum.StrEnum):
     PENDING = "PENDING"
     PLACED = "PLACED"

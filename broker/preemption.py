@@ -39,13 +39,15 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from broker import placement as pl
-from broker.jobs import JobSpec
+from broker.jobs import JobRecord, JobSpec, gang_of
 from broker.offers import Federation, GroupState, SiteOffer, TenantUsage, release
 from broker.tenancy import Usage
 
 __all__ = [
     "CAPACITY_FILTERS",
     "MAX_PREEMPTION_TRIES",
+    "give_back",
+    "running_of",
     "Preemption",
     "Running",
     "Runs",
@@ -55,6 +57,53 @@ __all__ = [
     "possible",
     "victim_kind",
 ]
+
+
+def give_back(
+    fed: Federation, usage: TenantUsage, victims: Iterable[Running]
+) -> tuple[Federation, TenantUsage]:
+    """The snapshot and the tenants' usage with the victims' capacity and quota given back."""
+    for v in victims:
+        fed = release(fed, v.site, v.model, v.gpus, v.cpu, v.mem_gb, best_effort=v.best_effort)
+        usage = usage.placed(
+            v.tenant,
+            gpus=v.gpus,
+            model=v.model,
+            cpu=v.cpu,
+            mem_gb=v.mem_gb,
+            region=v.region,
+            cost_usd=v.cost_usd,
+            hours=v.hours,
+            sign=-1.0,
+        )
+    return fed, usage
+
+
+def running_of(record: JobRecord, assigned_at: float | None, now: float) -> Running | None:
+    """A live job record as preemption weighs it (None without a placement): its run started
+    at its assignment (else its record's last change)."""
+    placement = record.placement
+    if placement is None:
+        return None
+    spec = record.spec
+    started = assigned_at if assigned_at is not None else record.updated_at
+    interval = spec.checkpoint_interval_s if spec.checkpoint_path else None
+    return Running(
+        id=record.id,
+        tenant=spec.tenant,
+        site=placement.site,
+        region=placement.region,
+        model=placement.model,
+        gpus=placement.gpus,
+        cpu=spec.cpu,
+        mem_gb=spec.mem_gb,
+        priority=spec.priority,
+        best_effort=spec.best_effort,
+        lost_s=lost_s(max(0.0, now - started), interval),
+        cost_usd=placement.cost_usd,
+        hours=spec.duration_hours,
+        gang=gang_of(spec),
+    )
 
 
 def lost_s(ran_s: float, checkpoint_interval_s: float | None) -> float:
@@ -419,14 +468,14 @@ def _at_site(
         room.add(unit)
         if not room.enough():
             continue  # not even the capacity yet: no need to ask placement
-        decision = _fits(job, alone, site_id, taken, now=now, usage=usage, groups=groups)
+        decision = _fits(job, alone, taken, now=now, usage=usage, groups=groups)
         if decision is not None:
             break
     if decision is None:
         return None
     for i in range(len(taken) - 2, -1, -1):  # the last one was needed; try without each other
         fewer = taken[:i] + taken[i + 1 :]
-        again = _fits(job, alone, site_id, fewer, now=now, usage=usage, groups=groups)
+        again = _fits(job, alone, fewer, now=now, usage=usage, groups=groups)
         if again is not None:
             taken, decision = fewer, again
     victims = tuple(v for unit in taken for v in unit)
@@ -507,28 +556,12 @@ def _rtts(job: JobSpec, fed: Federation, site_id: str) -> dict[tuple[str, str], 
 def _fits(
     job: JobSpec,
     alone: Federation,
-    site_id: str,
     units: Sequence[tuple[Running, ...]],
     *,
     now: datetime,
     usage: TenantUsage,
     groups: GroupState,
 ) -> pl.Decision | None:
-    fed = alone
-    used = usage
-    for unit in units:
-        for v in unit:
-            fed = release(fed, site_id, v.model, v.gpus, v.cpu, v.mem_gb, best_effort=v.best_effort)
-            used = used.placed(
-                v.tenant,
-                gpus=v.gpus,
-                model=v.model,
-                cpu=v.cpu,
-                mem_gb=v.mem_gb,
-                region=v.region,
-                cost_usd=v.cost_usd,
-                hours=v.hours,
-                sign=-1.0,
-            )
+    fed, used = give_back(alone, usage, (v for unit in units for v in unit))
     outcome = pl.place(job, fed, now=now, usage=used, groups=groups)
     return outcome if isinstance(outcome, pl.Decision) else None
