@@ -56,17 +56,17 @@ from broker import feasibility as fz
 from broker import placement as pl
 from broker.jobs import DataLocation, GpuRequest, JobSpec
 from broker.lifecycle import RetryPolicy, retry_backoff_s
-from broker.preemption import Preemption, Running
+from broker.preemption import Preemption, Running, lost_s, victim_kind
 from broker.solver import solve
 from broker.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
 from broker.tenants import TenancyFile
-from broker.why import Fairness
+from broker.why import Fairness, own_order
 from simulations.arrivals import Arrivals, generate
 from simulations.inference import InferenceSim
 from simulations.phase import Phase
 from simulations.results import collect
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
-from simulations.tenancy import Gate, Gates, TenancyPass, TenantBook, lost_s, own_order, why_victim
+from simulations.tenancy import PREEMPT_RETRY_S, Gate, Gates, TenancyPass, TenantBook
 from simulations.workloads import WorkloadError
 
 __all__ = ["EPOCH", "Phase", "Simulation"]
@@ -271,6 +271,12 @@ class Simulation:
         self.fair_share = FairShare((self.tenancy or TenancyFile()).fair_share.half_life, 0.0, {})
         self._in_pass: set[int] = set()
         self._passing = False
+        # jobs whose preemption found nothing, and when (broker.service keeps the same): each
+        # is given no try for PREEMPT_RETRY_S; a gated pass is due when one of them may try
+        # again, a job joined a waiting class, or the last pass spent every try (the reference
+        # runs one at every event, and those change which jobs get the tries)
+        self.preempt_failed: dict[int, float] = {}
+        self._pass_due = False
         self._requeued: list[int] = []
         self.pass_count = 0
         self.book = (
@@ -700,6 +706,8 @@ class Simulation:
             cls.gate.open()
             self.gates.classes[cls.key] = cls
         cls.waiting += 1
+        if cls.gate.candidates:
+            self._pass_due = True  # a job no pass weighed: it may take a (known to fail) try
         if self._passing:
             self._requeued.append(j)  # the pass iterates the queues: after it
             return
@@ -730,23 +738,19 @@ class Simulation:
         return self.held
 
     def victims_possible(self, spec: JobSpec, may_preempt: bool, usage: pl.TenantUsage) -> bool:
-        """Could broker.preemption.plan find victims for `spec` at all? A necessary condition
-        over its three kinds of victim: best-effort work runs, lower-priority work runs (and
-        the job may preempt), or another tenant of its quota tree borrows. Gated passes only;
-        a reference pass asks plan every time."""
-        if not spec.best_effort:  # best-effort work may only reclaim
-            if self.run_best_effort > 0:
-                return True
-            if may_preempt and self.run_priorities and min(self.run_priorities) < spec.priority:
-                return True
-        tree = usage.tree
-        root = self.gates.root(spec.tenant)
-        if tree is None or root is None:
+        """A necessary condition of broker.preemption.possible, without the victim index: the
+        job is no gang and not best-effort (which preempts nothing), and best-effort work runs,
+        lower-priority work runs (and the job may preempt), or its tenant is in a cohort (it
+        may reclaim while it stays within its nominal quota). Gated passes only; a reference
+        pass asks `possible` every time."""
+        if spec.gang is not None or spec.best_effort:
             return False
-        return any(
-            t != spec.tenant and self.gates.root(t) == root and tree.borrowing(t)
-            for t in tree.quotas.limited
-        )
+        if self.run_best_effort > 0:
+            return True
+        if may_preempt and self.run_priorities and min(self.run_priorities) < spec.priority:
+            return True
+        root = self.gates.root(spec.tenant)
+        return usage.tree is not None and root is not None and root != spec.tenant
 
     def _keep_checkpoint(self, j: int, run: _Run) -> float:
         """The run stops now: what its checkpoints kept is kept; returns the work lost."""
@@ -761,7 +765,7 @@ class Simulation:
         if not self.pending:
             return
         preempt = self.fair and (self.tenancy or TenancyFile()).preemption
-        if not self.reference and not self.gates.any_open(preempt):
+        if not self.reference and not self.gates.any_open(preempt) and not self._due(preempt):
             return  # every waiting class would get the answer it got last time
         seen: set[tuple[str, tuple[str, ...]]] = set()
         for _ in range(_MAX_PASSES):
@@ -777,6 +781,23 @@ class Simulation:
                 return
             seen |= again
         raise RuntimeError(f"preemptions at {self.now:.0f} s did not settle")
+
+    def _due(self, preempt: bool) -> bool:
+        """Would a pass change which jobs wait out a failed preemption (PREEMPT_RETRY_S)?"""
+        if not preempt:
+            return False
+        if self._pass_due:
+            return True
+        failed = self.preempt_failed
+        return bool(failed) and self.now - min(failed.values()) >= PREEMPT_RETRY_S
+
+    def _preempt_skip(self) -> frozenset[int]:
+        """The jobs whose preemption found nothing lately (broker.service's preempt_skip)."""
+        now = self.now
+        self.preempt_failed = {
+            j: at for j, at in self.preempt_failed.items() if now - at < PREEMPT_RETRY_S
+        }
+        return frozenset(self.preempt_failed)
 
     def _one_pass(self) -> list[tuple[JobSpec, Preemption]]:
         """One pass over the waiting jobs, as the broker's leader makes it; the preemptions it
@@ -796,7 +817,9 @@ class Simulation:
             gates=None if self.reference else self.gates,
             now=when,
             reference=self.reference,
+            preempt_skip=self._preempt_skip() if self.fair else frozenset(),
         )
+        self._pass_due = False
         self._in_pass = set()
         self._passing = True
         try:
@@ -805,6 +828,10 @@ class Simulation:
         finally:
             self._passing = False
         self.fed, self.usage, self.groups = step.fed, step.usage, step.groups
+        for j in step.preempt_failed:
+            self.preempt_failed[j] = self.now
+        if not step.tries_left():
+            self._pass_due = True  # jobs after the last try may take one in the next pass
         started, self._in_pass = self._in_pass, set()
         if started:
             for queue in self.queues.values():
@@ -876,7 +903,7 @@ class Simulation:
         lost = self._keep_checkpoint(j, run)
         cls = self._end(j, run)
         if self.book is not None:
-            self.book.evicted(cls.tenant, why_victim(victim, by), lost * cls.gpus)
+            self.book.evicted(cls.tenant, victim_kind(victim, by), lost * cls.gpus)
         self._wait(j, cls)
 
     # -- baselines ---------------------------------------------------------------------------

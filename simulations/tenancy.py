@@ -6,8 +6,11 @@ calling the same policy code: waiting jobs in `broker.why.Fairness.order` (the t
 lowest weighted dominant share first; a tenant's own jobs by priority, then age), each placed
 by `broker.placement.place` under quotas over cohorts (`TenantUsage.tree`) and charged with
 `broker.placement.charged`; a job that finds no site may preempt, as `broker.preemption.plan`
-decides, at most PREEMPTION_TRIES tries a pass. With `fairness=None` it is the fifo baseline:
-the queue in arrival order, no fair share, no preemption.
+decides, with the broker's tries: a try only for a job with a possible victim
+(`broker.preemption.possible`), at most MAX_PREEMPTION_TRIES a pass, and a job whose search
+found nothing skipped for PREEMPT_RETRY_S (`preempt_skip`, `preempt_failed`: the engine keeps
+them on virtual time as broker.service does). With `fairness=None` it is the fifo baseline: the
+queue in arrival order, no fair share, no preemption.
 
 Gates. Waiting jobs with the same request (a class: tenant, shape, priority, best-effort) get
 the same answer from placement and from preemption, so the simulator remembers, per class,
@@ -24,58 +27,54 @@ what its last try found (`Gate`) and tries again only what an event may have cha
   as it adds victim capacity, or more, except within its own pass: a pass weighs only the jobs
   that ran before it, so the sites where a pass placed jobs are opened after it.
 
-A known failure still counts against the pass's preemption tries, as the broker's try would,
-so the same jobs get to preempt. Before it asks plan, a gated pass asks the host whether any
-victim is possible at all (`Host.victims_possible`: best-effort or lower-priority work
-running, or a tenant of the job's quota tree borrowing), which spares building the victim
-index in a federation where nothing may be preempted. `reference=True` forgets every gate
-before each try and always asks plan (a test runs scenarios both ways and checks that the
-results are identical).
+A known failure still counts as the broker's try would (when the job is not skipped and
+`possible` holds), and the job then waits PREEMPT_RETRY_S, so that the same jobs get to
+preempt; a gated pass so goes on past the last job that needs a try while tries are left and
+jobs with candidate sites remain. Before it asks `possible`, a gated pass asks the host's
+cheaper necessary condition (`Host.victims_possible`, never False where `possible` is True),
+which spares building the victim index in a federation where nothing may be preempted.
+`reference=True` forgets every gate before each try and always asks plan (a test runs
+scenarios both ways and checks that the results are identical).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Container, Iterator, Mapping, Sequence
 from datetime import datetime
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from broker import placement as pl
 from broker.jobs import JobSpec
-from broker.preemption import CAPACITY_FILTERS, Preemption, Running, Runs, plan
+from broker.preemption import (
+    CAPACITY_FILTERS,
+    MAX_PREEMPTION_TRIES,
+    Preemption,
+    Running,
+    Runs,
+    give_back,
+    plan,
+    possible,
+)
 from broker.tenancy import Quotas
 from broker.tenants import TenancyFile
 from broker.why import Fairness
 
 __all__ = [
-    "PREEMPTION_TRIES",
+    "PREEMPT_RETRY_S",
     "Gate",
     "Gates",
     "Host",
     "TenancyPass",
     "Waiting",
-    "lost_s",
-    "own_order",
-    "why_victim",
 ]
 
-# broker.decisions.MAX_PREEMPTION_TRIES (a test holds them equal): simulations may not import
-# broker.decisions, which reaches the etcd client (an import-linter contract)
-PREEMPTION_TRIES = 8
+# broker.service.PREEMPT_RETRY_S (a test holds them equal): a job whose preemption found
+# nothing is skipped this long (virtual time); simulations may not import broker.service,
+# which reaches the etcd client (an import-linter contract)
+PREEMPT_RETRY_S = 30.0
 
 Item = TypeVar("Item")
 Item_contra = TypeVar("Item_contra", contravariant=True)
-
-
-def lost_s(ran_s: float, checkpoint_s: float) -> float:
-    """Work a run loses when stopped after `ran_s`: since its last checkpoint, or all of it
-    (broker.decisions._running's rule)."""
-    return ran_s % checkpoint_s if checkpoint_s else ran_s
-
-
-def own_order(priority: int, created: float, job_id: str) -> tuple[int, float, str]:
-    """A tenant's own queue: higher priority first, then older, then the id
-    (broker.decisions._own_order)."""
-    return -priority, created, job_id
 
 
 class Gate:
@@ -179,14 +178,17 @@ class Host(Protocol[Item_contra]):
     def running(self) -> list[Running]: ...  # live at the pass's start, not placed in it
     def victims_possible(
         self, spec: JobSpec, may_preempt: bool, usage: pl.TenantUsage
-    ) -> bool: ...  # False only when plan would surely find none (a necessary condition)
+    ) -> bool: ...  # False only where broker.preemption.possible is (a necessary condition)
     def started(self, item: Item_contra, spec: JobSpec, decision: pl.Decision) -> None: ...
     def evicted(self, victim: Running, by: JobSpec) -> None: ...
 
 
 class TenancyPass:
     """One pass over the waiting jobs (module docstring). The snapshot, usage and group state
-    are the pass's own, as in the broker; read them back after `run`."""
+    are the pass's own, as in the broker; read them back after `run`. `preempt_skip`: jobs
+    whose preemption found nothing lately (broker.decisions.Context.preempt_skip), given no
+    try; `preempt_failed` after `run`: the jobs a preemption was sought for in vain
+    (broker.decisions.Decided.preempt_failed)."""
 
     def __init__(
         self,
@@ -199,6 +201,7 @@ class TenancyPass:
         gates: Gates | None,
         now: datetime,
         reference: bool = False,
+        preempt_skip: Container[object] = frozenset(),
     ) -> None:
         self.fed = fed
         self.usage = usage
@@ -208,11 +211,17 @@ class TenancyPass:
         self.gates = gates
         self.now = now
         self.reference = reference
+        self.preempt_skip = preempt_skip
         self.placed = 0
         self.preemptions: list[tuple[JobSpec, Preemption]] = []
+        self.preempt_failed: list[Any] = []  # items, as the host gave them
         self._live: Runs | None = None
         self._tries = 0
         self._sites_taken: set[str] = set()
+
+    def tries_left(self) -> bool:
+        """Has the pass a preemption try left (broker.preemption.MAX_PREEMPTION_TRIES)?"""
+        return self._tries < MAX_PREEMPTION_TRIES
 
     def run(
         self,
@@ -251,7 +260,7 @@ class TenancyPass:
             return gate.place or (
                 preempt
                 and bool(gate.candidates)
-                and self._tries < PREEMPTION_TRIES
+                and self.tries_left()
                 and bool(gate.preempt_sites())
             )
 
@@ -259,9 +268,18 @@ class TenancyPass:
             return sum(n for k, n in left.items() if needs_try(classes[k]))
 
         todo = len(left) and count()
+        # once no item left needs a try, the items of classes with candidate sites still take
+        # the broker's tries whose outcome is known (and wait PREEMPT_RETRY_S then): `known`
+        # counts them, None until then
+        known: int | None = None
         for item in order:
             if not self.reference and todo <= 0:
-                break
+                if not (preempt and self.tries_left()):
+                    break
+                if known is None:
+                    known = sum(n for k, n in left.items() if classes[k].gate.candidates)
+                if known <= 0:
+                    break
             cls = host.waiting(item)
             key = id(cls)
             left[key] -= 1
@@ -269,15 +287,19 @@ class TenancyPass:
             if self.reference:
                 gate.open()
             elif not needs_try(cls):
-                if preempt and gate.candidates and self._tries < PREEMPTION_TRIES:
-                    self._tries += 1  # the broker's try, whose outcome is known: it fails
-                    if self._tries == PREEMPTION_TRIES:
+                if known is not None and gate.candidates:
+                    known -= 1
+                if preempt and gate.candidates and self.tries_left():
+                    # the broker's try, whose outcome is known: it fails
+                    spent = self._tries
+                    self._known_failure(host, item, gate.candidates)
+                    if self._tries > spent and not self.tries_left():
                         todo = count()
                 continue
             todo -= 1
             before = self._tries
             changed = self._try(host, item, cls, fairness, preempt)
-            if changed or (self._tries == PREEMPTION_TRIES and before < PREEMPTION_TRIES):
+            if changed or (not self.tries_left() and before < MAX_PREEMPTION_TRIES):
                 todo = count()
             elif not needs_try(cls):
                 todo -= left[key]  # its other jobs now need no try either
@@ -285,6 +307,32 @@ class TenancyPass:
             # what this pass placed may be preempted from the next pass on (a pass weighs only
             # the jobs that ran before it), so a preemption there may succeed then
             self.gates.victims_at(self._sites_taken)
+
+    def _may_preempt(self, spec: JobSpec) -> bool:
+        cls_of = self.tenancy.priority_classes.get(spec.priority_class or "")
+        return cls_of is None or cls_of.preempts
+
+    def _possible(
+        self, host: Host[Item], spec: JobSpec, sites: Sequence[str], may_preempt: bool
+    ) -> bool:
+        """broker.preemption.possible on the pass's victim index, as the broker asks it before
+        it counts a try; a gated pass asks the host's cheaper necessary condition first."""
+        if not sites:
+            return False
+        if not self.reference and not host.victims_possible(spec, may_preempt, self.usage):
+            return False
+        return possible(spec, self._running(host), sites, self.usage, may_preempt)
+
+    def _known_failure(self, host: Host[Item], item: Item, candidates: Sequence[str]) -> None:
+        """A job whose preemption is known to find nothing: the broker's try all the same (when
+        it is not skipped and has a possible victim), and the job waits PREEMPT_RETRY_S."""
+        if item in self.preempt_skip:
+            return
+        spec = host.spec(item)
+        if not self._possible(host, spec, candidates, self._may_preempt(spec)):
+            return
+        self._tries += 1
+        self.preempt_failed.append(item)
 
     def _try(
         self,
@@ -312,13 +360,15 @@ class TenancyPass:
                     key=self.fed.position,
                 )
             )
-        if not (preempt and gate.candidates and self._tries < PREEMPTION_TRIES):
+        if not (preempt and gate.candidates and self.tries_left()):
             return False
+        if item in self.preempt_skip:
+            return False  # it tried lately and nothing could make room
+        may_preempt = self._may_preempt(spec)
+        if not self._possible(host, spec, gate.candidates, may_preempt):
+            return False  # no possible victim: not a try
         self._tries += 1
         sites = gate.preempt_sites()
-        cls_of = self.tenancy.priority_classes.get(spec.priority_class or "")
-        may_preempt = cls_of is None or cls_of.preempts
-        possible = self.reference or host.victims_possible(spec, may_preempt, self.usage)
         chosen = (
             plan(
                 spec,
@@ -330,11 +380,12 @@ class TenancyPass:
                 sites=sites,
                 may_preempt=may_preempt,
             )
-            if sites and possible
+            if sites
             else None
         )
         if chosen is None:
             gate.sites = set()
+            self.preempt_failed.append(item)
             return False
         self._preempt(host, spec, chosen, fairness)
         self._take(host, item, spec, chosen.decision, fairness, applied=True)
@@ -385,22 +436,7 @@ class TenancyPass:
     ) -> None:
         """The victims back to waiting and the preemptor's capacity taken (broker.decisions.
         _Pass._preempt on the snapshot)."""
-        fed, used = self.fed, self.usage
-        for v in chosen.victims:
-            fed = pl.release(
-                fed, v.site, v.model, v.gpus, v.cpu, v.mem_gb, best_effort=v.best_effort
-            )
-            used = used.placed(
-                v.tenant,
-                gpus=v.gpus,
-                model=v.model,
-                cpu=v.cpu,
-                mem_gb=v.mem_gb,
-                region=v.region,
-                cost_usd=v.cost_usd,
-                hours=v.hours,
-                sign=-1.0,
-            )
+        fed, used = give_back(self.fed, self.usage, chosen.victims)
         self._running(host).without(chosen.victims)
         for v in chosen.victims:
             host.evicted(v, spec)
@@ -413,16 +449,6 @@ class TenancyPass:
             for v in chosen.victims:
                 demand = self.quotas.demand(v.gpus, v.model, v.cpu, v.mem_gb, v.region)
                 fairness.hold(v.tenant, demand, sign=-1.0)
-
-
-def why_victim(victim: Running, job: JobSpec) -> str:
-    """Why `victim` went (broker.decisions._why_victim's three cases): best-effort, priority,
-    reclaim."""
-    if victim.best_effort and not job.best_effort:
-        return "best-effort"
-    if victim.priority < job.priority:
-        return "priority"
-    return "reclaim"
 
 
 # -- what a run with a tenancy reports ------------------------------------------------------
@@ -471,7 +497,8 @@ class TenantBook:
             self.preempted_series[t].append(self.preempted[t])
 
     def evicted(self, tenant: str, reason: str, lost_gpu_s: float) -> None:
-        """A job of `tenant` was preempted (why_victim's `reason`), losing `lost_gpu_s`."""
+        """A job of `tenant` was preempted (`reason`: broker.preemption.victim_kind's
+        'best-effort', 'priority' or 'reclaim'), losing `lost_gpu_s`."""
         self.preempted[tenant] = self.preempted.get(tenant, 0) + 1
         self.lost_gpu_s[tenant] = self.lost_gpu_s.get(tenant, 0.0) + lost_gpu_s
         self.reasons[reason] = self.reasons.get(reason, 0) + 1

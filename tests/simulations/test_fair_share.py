@@ -13,15 +13,16 @@ import pytest
 
 from broker import decisions as dc
 from broker import placement as pl
+from broker import service
 from broker.jobs import JobRecord, JobSpec, JobState
-from broker.preemption import Running
+from broker.preemption import MAX_PREEMPTION_TRIES, Running, running_of
 from broker.tenancy import FairShare, held_by_tenant
 from broker.view import LIVE, View, federation, groups, held_rows, usage
-from broker.why import Fairness
+from broker.why import Fairness, own_order
 from simulations.cli import simulate_main
 from simulations.engine import Simulation
 from simulations.scenario import load_scenario
-from simulations.tenancy import PREEMPTION_TRIES, Gate, TenancyPass, lost_s, own_order
+from simulations.tenancy import PREEMPT_RETRY_S, Gate, TenancyPass
 from sites.errors import ConfigError
 from tests.broker.test_decisions import CATALOG, NOW, snapshot
 from tests.broker.test_tenancy import ctx, gpus, on, pending, tenancy, world
@@ -210,11 +211,11 @@ class _Host:
         self.done: list[tuple[str, str, tuple[str, ...]]] = []
         self.victims: dict[str, list[str]] = {}
 
-    def waiting(self, item: JobRecord) -> _Class:
-        return self.classes.setdefault(item.id, _Class(item))
+    def waiting(self, item: str) -> _Class:
+        return self.classes.setdefault(item, _Class(self.view.jobs[item][0]))
 
-    def spec(self, item: JobRecord) -> JobSpec:
-        return item.spec
+    def spec(self, item: str) -> JobSpec:
+        return self.view.jobs[item][0].spec
 
     def running(self) -> list[Running]:
         out = []
@@ -222,34 +223,18 @@ class _Host:
             placement = record.placement
             if record.state not in LIVE or placement is None:
                 continue
-            spec = record.spec
             assignment = self.view.assignments[(placement.site, record.id)]
-            interval = spec.checkpoint_interval_s if spec.checkpoint_path else None
-            out.append(
-                Running(
-                    id=record.id,
-                    tenant=spec.tenant,
-                    site=placement.site,
-                    region=placement.region,
-                    model=placement.model,
-                    gpus=placement.gpus,
-                    cpu=spec.cpu,
-                    mem_gb=spec.mem_gb,
-                    priority=spec.priority,
-                    best_effort=spec.best_effort,
-                    lost_s=lost_s(NOW - assignment.assigned_at, interval or 0.0),
-                    cost_usd=placement.cost_usd,
-                    hours=spec.duration_hours,
-                )
-            )
+            run = running_of(record, assignment.assigned_at, NOW)
+            if run is not None:
+                out.append(run)
         return out
 
     def victims_possible(self, spec: JobSpec, may_preempt: bool, usage: pl.TenantUsage) -> bool:
         return True  # reference passes do not ask
 
-    def started(self, item: JobRecord, spec: JobSpec, decision: pl.Decision) -> None:
+    def started(self, item: str, spec: JobSpec, decision: pl.Decision) -> None:
         gone = tuple(sorted(self.victims.pop(spec.name, [])))
-        self.done.append((item.id, decision.site, gone))
+        self.done.append((item, decision.site, gone))
 
     def evicted(self, victim: Running, by: JobSpec) -> None:
         self.victims.setdefault(by.name, []).append(victim.id)
@@ -304,6 +289,15 @@ def test_one_pass_places_and_preempts_as_the_broker_does() -> None:
         ("o-high", ("o-low2",)),
     ]
 
+    done, failed = _sim_pass(view, quotas, history)
+    assert done == broker
+    assert failed == []  # every search found its victims
+
+
+def _sim_pass(
+    view: View, quotas: Any, history: FairShare, skip: frozenset[str] = frozenset()
+) -> tuple[list[tuple[str, str, tuple[str, ...]]], list[str]]:
+    """The simulator's reference pass on `view`: what it placed, and its failed searches."""
     fed = federation(view, CATALOG, {})
     held = held_by_tenant(quotas, held_rows(view))
     step = TenancyPass(
@@ -315,21 +309,40 @@ def test_one_pass_places_and_preempts_as_the_broker_does() -> None:
         gates=None,
         now=datetime.fromtimestamp(NOW, UTC),
         reference=True,
+        preempt_skip=skip,
     )
-    queues: dict[str, list[JobRecord]] = {}
-    for record, _ in waiting:
-        queues.setdefault(record.spec.tenant, []).append(record)
-    for queue in queues.values():
-        queue.sort(key=lambda r: own_order(r.spec.priority, r.created_at, r.id))
+    queues: dict[str, list[str]] = {}
+    for record, _ in sorted(
+        view.jobs.values(), key=lambda e: own_order(e[0].spec.priority, e[0].created_at, e[0].id)
+    ):
+        if record.state is JobState.PENDING:
+            queues.setdefault(record.spec.tenant, []).append(record.id)
     host = _Host(view)
     step.run(host, queues, Fairness.of(quotas, history, held, fed))
-    assert host.done == broker
+    return host.done, list(step.preempt_failed)
 
 
-def test_the_simulators_constants_are_the_brokers() -> None:
-    assert PREEMPTION_TRIES == dc.MAX_PREEMPTION_TRIES
-    record, _ = pending("p", priority=7)
-    assert own_order(record.spec.priority, record.created_at, record.id) == dc._own_order(
-        (record, 1)
-    )
-    assert lost_s(3000.0, 900.0) == 300.0 and lost_s(3000.0, 0.0) == 3000.0
+def test_tries_go_to_jobs_with_a_possible_victim_and_failures_wait_as_in_the_broker() -> None:
+    quotas = tenancy(tenants={"a": {}, "b": {}})
+    # site s full of a's priority-5 work; b's jobs ahead in fair-share order: ten best-effort
+    # ones (no possible victim: no try) and seven at priority 6 too big for s (a try each, in
+    # vain); then a's own priority-9 job takes the eighth try
+    runs = [on(pending(f"a{i}", "a", rev=i, gpu=gpus(4), priority=5), "s") for i in range(4)]
+    waiting = [pending(f"be{i}", "b", rev=10 + i, gpu=gpus(4), best_effort=True) for i in range(10)]
+    waiting += [pending(f"big{i}", "b", rev=30 + i, gpu=gpus(20), priority=6) for i in range(7)]
+    waiting.append(pending("hi", "a", rev=40, gpu=gpus(4), priority=9))
+    view = world(snapshot("s", gpus=16), *runs, *waiting)
+    history = FairShare(7 * DAY, NOW, {"a": {"gpus": 100.0}})
+    for skip in (frozenset(), frozenset({"big0", "big1"})):
+        decided = dc.decide(view, NOW, ctx(quotas, fair=history, preempt_skip=skip))
+        done, failed = _sim_pass(view, quotas, history, skip)
+        assert done == _broker_pass(decided)
+        assert failed == list(decided.preempt_failed)
+        assert [v for _, _, v in done] == [("a0",)]  # hi preempts its own tenant's work
+    big = tuple(f"big{i}" for i in range(7))
+    assert dc.decide(view, NOW, ctx(quotas, fair=history)).preempt_failed == big
+
+
+def test_the_simulator_waits_out_a_failed_preemption_as_the_broker() -> None:
+    assert PREEMPT_RETRY_S == service.PREEMPT_RETRY_S
+    assert MAX_PREEMPTION_TRIES == dc.MAX_PREEMPTION_TRIES  # one constant, imported by both
