@@ -46,6 +46,7 @@ from broker.tenancy import Usage
 __all__ = [
     "CAPACITY_FILTERS",
     "MAX_PREEMPTION_TRIES",
+    "PREEMPT_RETRY_S",
     "give_back",
     "running_of",
     "Preemption",
@@ -127,6 +128,9 @@ CAPACITY_FILTERS = ("gpus", "cpu", "mem", "quota")
 # scans the sites it was refused at, and preemptions are paced rather than stormed
 # (bench/tenancy_pass.py); the broker and the simulator both stop there
 MAX_PREEMPTION_TRIES = 8
+# a job whose search found nothing is given no try for this long (the leader's memory in the
+# broker, virtual time in the simulator), so that the same few cannot take every pass's tries
+PREEMPT_RETRY_S = 30.0
 MAX_SITES_TRIED = 8  # candidate sites tried in full per job, the most promising first
 MAX_CANDIDATE_SITES = 64  # sites weighed per job: where it would cost least
 

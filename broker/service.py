@@ -35,6 +35,7 @@ from broker.jobs import JobRecord, JobSpec
 from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
 from broker.operations import Operations
+from broker.preemption import PREEMPT_RETRY_S
 from broker.settings import BrokerSettings
 from broker.solver import solve
 from broker.store import JobStore
@@ -56,7 +57,6 @@ __all__ = ["Broker"]
 log = logging.getLogger(__name__)
 
 FAIR_SHARE_SAVE_S = 60.0
-PREEMPT_RETRY_S = 30.0  # a job whose preemption found nothing tries again after this
 BILLED_TTL_S = 10.0  # the ledger's part of the budgets left: a query, not once per pass
 RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
 

@@ -48,6 +48,7 @@ from broker.jobs import JobSpec
 from broker.preemption import (
     CAPACITY_FILTERS,
     MAX_PREEMPTION_TRIES,
+    PREEMPT_RETRY_S,
     Preemption,
     Running,
     Runs,
@@ -68,10 +69,6 @@ __all__ = [
     "Waiting",
 ]
 
-# broker.service.PREEMPT_RETRY_S (a test holds them equal): a job whose preemption found
-# nothing is skipped this long (virtual time); simulations may not import broker.service,
-# which reaches the etcd client (an import-linter contract)
-PREEMPT_RETRY_S = 30.0
 
 Item = TypeVar("Item")
 Item_contra = TypeVar("Item_contra", contravariant=True)

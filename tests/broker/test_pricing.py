@@ -257,9 +257,9 @@ def test_without_the_capacity_part_full_sites_pass_and_budget_counts_every_term(
         "Infeasible",
         "Feasible",
     ]
-    allowed = batch.to_problem(
-        [batch.Pending("p", dear)], fed, now=NOW, groups=GroupState()
-    ).jobs[0]
+    allowed = batch.to_problem([batch.Pending("p", dear)], fed, now=NOW, groups=GroupState()).jobs[
+        0
+    ]
     assert allowed.allowed_regions == ("near",)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from broker import decisions as dc
 from broker import placement as pl
-from broker import service
+from broker import preemption
 from broker.jobs import JobRecord, JobSpec, JobState
 from broker.preemption import MAX_PREEMPTION_TRIES, Running, running_of
 from broker.tenancy import FairShare, held_by_tenant
@@ -344,5 +344,5 @@ def test_tries_go_to_jobs_with_a_possible_victim_and_failures_wait_as_in_the_bro
 
 
 def test_the_simulator_waits_out_a_failed_preemption_as_the_broker() -> None:
-    assert PREEMPT_RETRY_S == service.PREEMPT_RETRY_S
+    assert PREEMPT_RETRY_S is preemption.PREEMPT_RETRY_S  # one constant, imported by both
     assert MAX_PREEMPTION_TRIES == dc.MAX_PREEMPTION_TRIES  # one constant, imported by both
