@@ -54,9 +54,11 @@ import numpy.typing as npt
 from broker import batch as bt
 from broker import feasibility as fz
 from broker import placement as pl
+from broker.green import green_of, priced
 from broker.jobs import DataLocation, GpuRequest, JobSpec
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.preemption import Preemption, Running, lost_s, victim_kind
+from broker.settings import SchedulingSettings
 from broker.solver import solve
 from broker.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
 from broker.tenants import TenancyFile
@@ -68,6 +70,8 @@ from simulations.results import collect
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
 from simulations.tenancy import PREEMPT_RETRY_S, Gate, Gates, TenancyPass, TenantBook
 from simulations.workloads import WorkloadError
+from sites.catalog import DeviceCatalog
+from sites.spec import SiteSpec
 
 __all__ = ["EPOCH", "Phase", "Simulation"]
 
@@ -180,7 +184,7 @@ class Simulation:
         self.site_ids = list(specs)
         self.pos = {s: i for i, s in enumerate(self.site_ids)}
         catalog = self.fedinfo.catalog
-        offers = tuple(pl.SiteOffer.from_spec(spec, catalog) for spec in specs.values())
+        offers = tuple(_offer(spec, catalog, self.policy) for spec in specs.values())
         self.fed = pl.Federation(offers, self.fedinfo.user_rtt_ms)
         self.full = list(offers)  # every site's offer with nothing running
         self.gpu_total = [sum(o.free_gpus.values()) for o in offers]
@@ -567,7 +571,14 @@ class Simulation:
             model=decision.model,
             start=self.now,
             attempt=self.attempts[j],
-            compute_rate=decision.breakdown.compute_usd / duration,
+            # billed at list prices: the energy and carbon priced in (the green objective)
+            # steer placement; the run's energy and carbon are metered below as always
+            compute_rate=(
+                decision.breakdown.compute_usd
+                - decision.breakdown.energy_usd
+                - decision.breakdown.carbon_usd
+            )
+            / duration,
             egress_usd=decision.breakdown.egress_usd,
             watts=watts,
             region=decision.region,
@@ -1096,3 +1107,13 @@ def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision:
         feasible=1,
         reason="baseline",
     )
+
+
+def _offer(spec: SiteSpec, catalog: DeviceCatalog, policy: SchedulingSettings) -> pl.SiteOffer:
+    """A site with nothing running, its rates with energy and carbon priced in when the
+    scenario's policy prices them (broker.green, as the broker's view does)."""
+    offer = pl.SiteOffer.from_spec(spec, catalog)
+    green = green_of(spec, catalog, policy)
+    if green is None:
+        return offer
+    return dataclasses.replace(offer, prices=priced(green), green=green)
