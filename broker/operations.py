@@ -23,7 +23,7 @@ from broker.metrics import BrokerMetrics
 from broker.store import Change, JobStore, decode
 from broker.tenancy import Quotas
 from broker.usage_segments import EndReason, closing_puts
-from broker.view import View
+from broker.view import View, federation
 from sites import keys
 from sites.catalog import DeviceCatalog
 from sites.clock import Clock
@@ -43,6 +43,9 @@ class GangRecord(BaseModel):
     mem_gb: float
     duration_hours: float
     members: tuple[str, ...] = Field(description="job ids, in submit order")
+
+
+_NO_RTT: dict[tuple[str, str], float] = {}  # prices need no RTT: one object, so it is reused
 
 
 class Operations:
@@ -190,11 +193,13 @@ class Operations:
 
     def _cheapest_usd(self, spec: JobSpec) -> float | None:
         """A lower bound of the job's cost at any site of the latest placement snapshot (its
-        compute part at the lowest prices offered), cached per snapshot lineage and shape;
-        None before any snapshot."""
-        fed = self._view().derived.federation
+        compute part at the lowest prices offered), cached per snapshot lineage and shape.
+        A replica that has built no snapshot yet (not the leader, or nothing pending so far)
+        builds one here, once."""
+        view = self._view()
+        fed = view.derived.federation
         if fed is None:
-            return None
+            fed = federation(view, self._catalog, _NO_RTT)
         lineage, cache = self._floor_cache
         if lineage is not fed.sites:
             cache = {}

@@ -114,3 +114,44 @@ def test_unknown_classes_and_what_can_never_fit_are_refused(
         time.sleep(0.1)
     assert fed.job(first["id"])["state"] in ("PLACED", "RUNNING")
     assert "quota: tenant small holds 4 gpus and may take 0 more" in record["unschedulable"]
+
+
+def test_budgets_refuse_what_can_never_fit_and_hold_back_what_would_overspend(
+    make_federation: Callable[..., Federation],
+) -> None:
+    fed = make_federation(ONE_SITE)
+    status, got = fed.request(
+        "PUT",
+        "/v1/tenants/lab",
+        {"budget": {"usd_per_month": 30, "gpu_hours": 20, "window": "7d"}},
+    )
+    assert status in (200, 201), got
+    body: dict[str, Any] = {"tenant": "lab", "command": ["sleep", "30"], "name": "x"}
+    gpu = {"model": "H100", "count": 8}
+    # 8 GPUs x 3 h = 24 GPU-hours: more than the window ever allows
+    status, got = fed.request("POST", "/v1/jobs", {**body, "gpu": gpu, "duration_hours": 3})
+    assert status == 400 and got["error"]["code"] == "over_budget", got
+    assert got["error"]["field"] == "duration_hours"
+    # east-b's H100s cost 2.00 USD/h (a core 0.01, a GB 0.001): 4 x 4 h is 32.04 USD at
+    # least, more than 30 a month
+    status, got = fed.request(
+        "POST", "/v1/jobs", {**body, "gpu": {"model": "H100", "count": 4}, "duration_hours": 4}
+    )
+    assert status == 400 and got["error"]["code"] == "over_budget", got
+    assert "costs at least 32.04 USD" in got["error"]["message"]
+    # 4 x 2.00 x 2 h = 16 USD: it runs; a second one would bring the estimate to 32: it waits
+    first = fed.submit(name="a", tenant="lab", gpu={"model": "H100", "count": 4}, duration_hours=2,
+                       command=["sleep", "30"])  # fmt: skip
+    second = fed.submit(name="b", tenant="lab", gpu={"model": "H100", "count": 4},
+                        duration_hours=2, command=["true"])  # fmt: skip
+    deadline = time.monotonic() + 20
+    record: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        record = fed.job(second["id"])
+        if record.get("unschedulable"):
+            break
+        time.sleep(0.1)
+    assert fed.job(first["id"])["state"] in ("PLACED", "RUNNING")
+    why = record["unschedulable"]
+    assert "over what tenant lab's budget has left" in why
+    assert "budget: tenant lab has" in why and "of 30.00 USD left this month" in why
