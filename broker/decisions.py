@@ -667,17 +667,9 @@ _NO_CAPACITY = frozenset({"down", "cordoned", "model", "gpus", "cpu", "mem"})
 
 
 def _shape(spec: JobSpec) -> tuple[object, ...] | None:
-    """What decides a job's fit when its cost is its compute alone (no data, user, regions,
-    group, budget or deadline): None for other jobs."""
-    if (
-        spec.data is not None
-        or spec.user is not None
-        or spec.allowed_regions is not None
-        or spec.denied_regions
-        or spec.group is not None
-        or spec.budget_usd is not None
-        or spec.deadline is not None
-    ):
+    """What decides a job's fit when its cost is its compute alone (broker.placement.
+    compute_only): None for other jobs."""
+    if not pl.compute_only(spec):
         return None
     gpu = spec.gpu
     return gpu.count, gpu.acceptable, gpu.min_mem_gb, spec.cpu, spec.mem_gb, spec.best_effort

@@ -300,12 +300,10 @@ class TenantUsage:
 
     def limited(self, tenant: str) -> bool:
         """Does any quota or budget apply to the tenant?"""
-        return tenant in self.quota_gpus or self.priced(tenant)
-
-    def priced(self, tenant: str) -> bool:
-        """Does a quota over cohorts or a budget apply (a check per site and model)?"""
-        return tenant in self.budgets or (
-            self.tree is not None and tenant in self.tree.quotas.limited
+        return (
+            tenant in self.quota_gpus
+            or tenant in self.budgets
+            or (self.tree is not None and tenant in self.tree.quotas.limited)
         )
 
     def plus(self, tenant: str, gpus: int) -> TenantUsage:

@@ -20,6 +20,7 @@ from broker.errors import Conflict, IllegalTransition, InvalidRequest, NotFound,
 from broker.gangs import SHAPE
 from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState
 from broker.metrics import BrokerMetrics
+from broker.placement import price_floors
 from broker.store import Change, JobStore, decode
 from broker.tenancy import Quotas
 from broker.usage_segments import EndReason, closing_puts
@@ -65,7 +66,6 @@ class Operations:
     ) -> None:
         self.registry = registry
         self._quotas = quotas
-        self._floor_cache: tuple[object, dict[tuple[object, ...], float]] = (None, {})
         self.store = store
         self._models = catalog_models
         self._user_regions = user_regions
@@ -192,35 +192,16 @@ class Operations:
                 )
 
     def _cheapest_usd(self, spec: JobSpec) -> float | None:
-        """A lower bound of the job's cost at any site of the latest placement snapshot (its
-        compute part at the lowest prices offered), cached per snapshot lineage and shape.
-        A replica that has built no snapshot yet (not the leader, or nothing pending so far)
-        builds one here, once."""
+        """A lower bound of the job's cost at any site of the latest placement snapshot: its
+        compute part at the lowest prices offered (broker.placement.price_floors, kept per
+        snapshot lineage and shape). A replica that has built no snapshot yet (not the
+        leader, or nothing pending so far) builds one here, once."""
         view = self._view()
         fed = view.derived.federation
         if fed is None:
             fed = federation(view, self._catalog, _NO_RTT)
-        lineage, cache = self._floor_cache
-        if lineage is not fed.sites:
-            cache = {}
-            self._floor_cache = (fed.sites, cache)
-        gpu = spec.gpu
-        shape = (gpu.count, gpu.acceptable, gpu.min_mem_gb, spec.cpu, spec.mem_gb)
-        hourly = cache.get(shape)
-        if hourly is None:
-            offered = fed.offered(gpu.acceptable, gpu.min_mem_gb) if gpu.count else None
-            best = float("inf")
-            for pos, site in enumerate(fed.sites):
-                rates = site.prices
-                rate = spec.cpu * rates.usd_per_core_hour + spec.mem_gb * rates.usd_per_gb_mem_hour
-                if offered is not None:
-                    prices = [p for _, p in offered[pos]]
-                    if not prices:
-                        continue
-                    rate += gpu.count * min(prices)
-                best = min(best, rate)
-            hourly = cache[shape] = best
-        return None if hourly == float("inf") else hourly * spec.duration_hours
+        floors = price_floors(spec, fed)
+        return floors[0][0] * spec.duration_hours if floors else None
 
     async def submit(self, spec: JobSpec) -> JobRecord:
         spec = self.resolve(spec)

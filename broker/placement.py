@@ -72,8 +72,10 @@ __all__ = [
     "apply",
     "breakdown_at",
     "charged",
+    "compute_only",
     "place",
     "place_gang",
+    "price_floors",
     "release",
 ]
 
@@ -311,8 +313,10 @@ def _place(
     )
 
 
-def _indexable(job: JobSpec) -> bool:
-    """Is the job's cost its compute term alone, with no site-specific filter but capacity?"""
+def compute_only(job: JobSpec) -> bool:
+    """Is the job's cost its compute term alone, with no site-specific filter but capacity
+    (no data, user, regions, group, budget or deadline)? Then its shape alone decides where
+    it fits: the index below, and broker.decisions' memo of shapes that found no room."""
     return (
         job.data is None
         and job.user is None
@@ -321,14 +325,26 @@ def _indexable(job: JobSpec) -> bool:
         and job.group is None
         and job.budget_usd is None
         and job.deadline is None
-        and not job.best_effort
     )
+
+
+def _indexable(job: JobSpec) -> bool:
+    """A compute-only job on the physical capacity (best-effort work may use spare)."""
+    return compute_only(job) and not job.best_effort
 
 
 _UNEXPLAINED = "cheapest feasible site (place(explain=False): not explained)"
 # (lowest hourly USD the request could cost at the site, position, offered models, hourly USD
 # of its cores and memory)
 _Order = tuple[tuple[float, int, tuple[tuple[str, float], ...], float], ...]
+
+
+def price_floors(job: JobSpec, fed: Federation) -> _Order:
+    """(lowest hourly USD, position, offered models, hourly USD of its cores and memory) of
+    every site that offers the job's request at a price, cheapest first: `_order`, for the
+    callers that rank or bound a job's price (preemption's candidate sites, the budget
+    check at submit). Built once per snapshot lineage and request shape."""
+    return _order(job, fed)
 
 
 def _order(job: JobSpec, fed: Federation) -> _Order:

@@ -417,20 +417,11 @@ def _units(
 
 def _cheapest(job: JobSpec, fed: Federation, sites: Sequence[str]) -> list[str]:
     """`sites`, the ones where the job's hourly rate (its cheapest acceptable model) is lowest
-    first; sites that price none of its models last."""
-    gpu = job.gpu
-    offered = fed.offered(gpu.acceptable, gpu.min_mem_gb) if gpu.count else None
-    ranked = []
-    for site_id in sites:
-        pos = fed.position(site_id)
-        rates = fed.sites[pos].prices
-        rate = job.cpu * rates.usd_per_core_hour + job.mem_gb * rates.usd_per_gb_mem_hour
-        if offered is not None:
-            prices = [p for _, p in offered[pos]]
-            rate = rate + gpu.count * min(prices) if prices else float("inf")
-        ranked.append((rate, pos, site_id))
-    ranked.sort()
-    return [site_id for _, _, site_id in ranked]
+    first (broker.placement.price_floors); sites that price none of its models last."""
+    floors = pl.price_floors(job, fed)
+    rank = {pos: i for i, (_, pos, _, _) in enumerate(floors)}
+    last = len(floors)
+    return sorted(sites, key=lambda s: (rank.get(fed.position(s), last), fed.position(s)))
 
 
 def _reclaimable(tree: Usage, tenant: str, root: str, cache: dict[str, bool]) -> bool:

@@ -40,11 +40,9 @@ left after what the ledger billed and the estimates of the tenant's live jobs.
 
 from __future__ import annotations
 
-import heapq
 import math
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from broker.tenants import Amounts, TenancyFile, TenantPolicy
 from sites.catalog import DeviceCatalog
@@ -56,13 +54,11 @@ __all__ = [
     "Headroom",
     "Quotas",
     "Usage",
-    "fair_order",
 ]
 
 Key = str
 SHARE_DIMENSIONS = ("gpus", "fp16_tflops", "cpu", "mem_gb")
 _EPS = 1e-9
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +322,7 @@ class Usage:
 
 @dataclass(slots=True)
 class Headroom:
-    """How much more one tenant may take, per key; `fits` answers per (model, region)."""
+    """How much more one tenant may take, per key; `over` answers per (model, region)."""
 
     quotas: Quotas
     tenant: str
@@ -352,14 +348,6 @@ class Headroom:
                 break
         self._cache[memo] = found
         return found
-
-    def why(self, key: Key) -> str:
-        left = max(0.0, self.available.get(key, 0.0))
-        return f"tenant {self.tenant}'s quota of {key} ({_num(left)} left to take)"
-
-
-def _num(value: float) -> str:
-    return f"{value:.0f}" if abs(value - round(value)) < 1e-6 else f"{value:.2f}"
 
 
 # -- fair share -----------------------------------------------------------------------------
@@ -407,25 +395,6 @@ class FairShare:
             if cap > 0:
                 best = max(best, (level.get(d, 0.0) + held.get(d, 0.0)) / 2.0 / cap)
         return best / weight
-
-
-def fair_order(
-    queues: Mapping[str, Sequence[T]],
-    share: Mapping[str, float],
-    grow: Mapping[str, float] | None = None,
-) -> Iterator[T]:
-    """Items of the tenants' queues (each already in priority-then-age order), lowest share
-    first; after each item its tenant's share rises by grow[tenant] per item taken (an
-    estimate of what one job adds), so tenants interleave. Ties: the tenant's name."""
-    heap = [(share.get(t, 0.0), t, 0) for t, q in queues.items() if q]
-    heapq.heapify(heap)
-    step = grow or {}
-    while heap:
-        value, tenant, pos = heapq.heappop(heap)
-        queue = queues[tenant]
-        yield queue[pos]
-        if pos + 1 < len(queue):
-            heapq.heappush(heap, (value + step.get(tenant, 0.0), tenant, pos + 1))
 
 
 # -- budgets --------------------------------------------------------------------------------

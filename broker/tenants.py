@@ -54,7 +54,6 @@ __all__ = [
     "PriorityClass",
     "TenancyFile",
     "TenantPolicy",
-    "load_quotas",
     "load_tenancy",
 ]
 
@@ -209,10 +208,3 @@ def load_tenancy(path: Path) -> TenancyFile:
     if not path.exists():
         return TenancyFile()
     return validate_mapping(str(path), read_yaml(path) or {}, TenancyFile, "with tenants")
-
-
-def load_quotas(path: Path) -> dict[str, int]:
-    """tenant -> nominal GPU quota, for the tenants of configs/tenants.yaml that set one."""
-    return {
-        n: p.quota.gpus for n, p in load_tenancy(path).tenants.items() if p.quota.gpus is not None
-    }
