@@ -240,15 +240,14 @@ class Broker:
             await asyncio.sleep(max(0.0, self.settings.min_pass_s - (time.monotonic() - started)))
 
     def context(self) -> dc.Context:
-        view, now = self.view(), self.clock.time()
-        book = self.usage if self.usage_mirror.synced.is_set() else None
+        now = self.clock.time()
         return dc.Context(
             catalog=self.catalog,
             settings=self.settings.scheduling,
             user_rtt_ms=self.user_rtt_ms,
             quotas=self.tenancy.quotas,
             fair=self._fair,
-            budgets=budgets_left(self.tenancy.file, self._billed(book, now), view),
+            budgets=self.budgets(),
             written=tuple(self.actor.written.values()),
             down_since=self._down_since,
             preempt_skip=frozenset(
