@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from broker import placement as pl
 from broker.green import green_of, priced
 from broker.jobs import JobRecord, JobState
-from broker.offers import Green
+from broker.offers import Green, with_free
 from broker.store import decode
 from broker.tenancy import BudgetLeft, Quotas, held_by_tenant
 from sites import keys
@@ -345,11 +345,8 @@ class _OfferInputs:
     def offer(self, site_id: str) -> pl.SiteOffer:
         spec, catalog, used = self.spec, self.catalog, self.held_gpus
         cap = self.capacity or normalize_inventory(spec.inventory, catalog)
-        over = spec.oversubscription
         prices, green = self.prices()
-        if over is not None:
-            return self._oversubscribed(site_id, cap, over, prices, green)
-        return pl.SiteOffer(
+        offer = pl.SiteOffer(
             id=site_id,
             region=spec.region,
             country=spec.country,
@@ -365,18 +362,14 @@ class _OfferInputs:
             labels=spec.labels,
             green=green,
         )
+        over = spec.oversubscription
+        return offer if over is None else self._oversubscribed(offer, cap, over)
 
     def _oversubscribed(
-        self,
-        site_id: str,
-        cap: Capacity,
-        over: Oversubscription,
-        prices: Prices,
-        green: Green | None,
+        self, offer: pl.SiteOffer, cap: Capacity, over: Oversubscription
     ) -> pl.SiteOffer:
         """An oversubscribed site (sites.spec.Oversubscription, broker.offers.Spare): other
         jobs get min(physical - theirs, physical x ratio - all), best-effort ones the latter."""
-        spec, catalog = self.spec, self.catalog
         be_cpu, be_mem, be_gpus = self.best_effort
         room_gpus: dict[str, int] = {}
         spare_gpus: dict[str, int] = {}
@@ -396,22 +389,12 @@ class _OfferInputs:
             room_cpu=room_cpu,
             room_mem_gb=round(room_mem, 6),
         )
-        return pl.SiteOffer(
-            id=site_id,
-            region=spec.region,
-            country=spec.country,
-            up=self.up,
-            cordoned=self.cordoned,
-            free_gpus={m: max(0, min(room_gpus[m], spare_gpus[m])) for m in cap.devices},
-            free_cpu=max(0, min(room_cpu, spare_cpu)),
-            free_mem_gb=round(max(0.0, min(room_mem, spare_mem)), 6),
-            gpu_mem_gb={
-                m: float(catalog.get(m).mem_gb or 0.0) for m in cap.devices if m in catalog
-            },
-            prices=prices,
-            labels=spec.labels,
+        return with_free(
+            offer,
+            {m: max(0, min(room_gpus[m], spare_gpus[m])) for m in cap.devices},
+            max(0, min(room_cpu, spare_cpu)),
+            round(max(0.0, min(room_mem, spare_mem)), 6),
             spare=spare,
-            green=green,
         )
 
 
