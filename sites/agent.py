@@ -483,6 +483,7 @@ class Agent:
             devices={model: tuple(ix) for model, ix in devices.items()},
             cpu_cores=host.cpu_cores,
             mem_gb=host.mem_gb,
+            oversubscription=self.spec.oversubscription,
         )
 
     def service_endpoints(self, now: float) -> list[ServiceEndpoint]:

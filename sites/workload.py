@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from sites.errors import RegistryError, SitesError
 from sites.executor import JOB_ID_RE, Executor, ExecutorError, RunHandle, log_path
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
-from sites.spec import SiteSpec
+from sites.spec import Oversubscription, SiteSpec
 from sites.status import AgentRecord, GpuDevice
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,10 @@ class SiteResources:
     devices: Mapping[str, tuple[int, ...]]
     cpu_cores: int
     mem_gb: float
+    # the site's best-effort capacity above the physical (sites.spec.Oversubscription):
+    # best-effort runs share devices, cores and memory up to it; others never exceed the
+    # physical, whatever best-effort work holds
+    oversubscription: Oversubscription | None = None
 
 
 def declared_resources(spec: SiteSpec) -> SiteResources:
@@ -72,6 +77,7 @@ def declared_resources(spec: SiteSpec) -> SiteResources:
         devices={pool.model: tuple(range(pool.count)) for pool in inv.devices},
         cpu_cores=inv.cpu_cores,
         mem_gb=inv.mem_gb,
+        oversubscription=spec.oversubscription,
     )
 
 
@@ -186,9 +192,20 @@ class Run:
 def allocate(
     assignment: Assignment, resources: SiteResources, held: Iterable[Run]
 ) -> tuple[int, ...]:
-    """Device indices for ``assignment`` next to the live runs ``held`` (pure); DoesNotFit."""
-    holding = [run for run in held if run.live]
+    """Device indices for ``assignment`` next to the live runs ``held`` (pure); DoesNotFit.
+
+    On an oversubscribed site (resources.oversubscription) a best-effort run may share a
+    device with other runs, at most ceil(ratio) runs a device, least shared first, and the
+    cores and memory up to the physical x ratio; any other run counts only what other
+    non-best-effort runs hold against the physical. Elsewhere every run holds what it takes."""
+    live = [run for run in held if run.live]
     a = assignment
+    over = resources.oversubscription
+    if over is not None and a.best_effort:
+        return _share(a, resources, over, live)
+    # the runs whose holdings count against this one: all of them, or on an oversubscribed
+    # site the non-best-effort ones (best-effort work lives above the physical)
+    holding = live if over is None else [run for run in live if not run.assignment.best_effort]
     devices: tuple[int, ...] = ()
     if a.gpus > 0:
         if a.model is None:
@@ -206,6 +223,38 @@ def allocate(
     if a.cpu > cpu_free:
         raise DoesNotFit(f"needs {a.cpu} CPU cores, only {max(0, cpu_free)} free")
     mem_free = resources.mem_gb - sum(run.assignment.mem_gb for run in holding)
+    if a.mem_gb > mem_free + 1e-9:
+        raise DoesNotFit(f"needs {a.mem_gb:g} GB of memory, only {max(0.0, mem_free):g} free")
+    return devices
+
+
+def _share(
+    a: Assignment, resources: SiteResources, over: Oversubscription, live: Sequence[Run]
+) -> tuple[int, ...]:
+    """A best-effort run's devices, cores and memory on an oversubscribed site (allocate)."""
+    devices: tuple[int, ...] = ()
+    if a.gpus > 0:
+        if a.model is None:
+            raise DoesNotFit(f"asks for {a.gpus} accelerator(s) but names no model")
+        pool = resources.devices.get(a.model, ())
+        per_device = math.ceil(over.gpu_ratio(a.model))
+        holders = dict.fromkeys(pool, 0)
+        for run in live:
+            if run.assignment.model == a.model:
+                for i in run.devices:
+                    if i in holders:
+                        holders[i] += 1
+        open_ = sorted((n, i) for i, n in holders.items() if n < per_device)
+        if len(open_) < a.gpus:
+            raise DoesNotFit(
+                f"needs {a.gpus} x {a.model}, only {len(open_)} of {len(pool)} may take "
+                f"another best-effort run ({per_device} a device)"
+            )
+        devices = tuple(sorted(i for _, i in open_[: a.gpus]))
+    cpu_free = int(resources.cpu_cores * over.cpu) - sum(run.assignment.cpu for run in live)
+    if a.cpu > cpu_free:
+        raise DoesNotFit(f"needs {a.cpu} CPU cores, only {max(0, cpu_free)} free")
+    mem_free = resources.mem_gb * over.mem_gb - sum(run.assignment.mem_gb for run in live)
     if a.mem_gb > mem_free + 1e-9:
         raise DoesNotFit(f"needs {a.mem_gb:g} GB of memory, only {max(0.0, mem_free):g} free")
     return devices

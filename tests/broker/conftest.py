@@ -75,6 +75,8 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
         },
     )
     doc["agent"] = {"interval_s": 0.5}
+    if "oversubscription" in spec:
+        doc["oversubscription"] = spec["oversubscription"]
     return doc
 
 

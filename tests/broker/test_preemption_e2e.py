@@ -155,3 +155,24 @@ def test_budgets_refuse_what_can_never_fit_and_hold_back_what_would_overspend(
     why = record["unschedulable"]
     assert "over what tenant lab's budget has left" in why
     assert "budget: tenant lab has" in why and "of 30.00 USD left this month" in why
+
+
+def test_best_effort_work_runs_above_the_physical_on_an_oversubscribed_site(
+    make_federation: Callable[..., Federation],
+) -> None:
+    fed = make_federation({"east-b": {**ONE_SITE["east-b"], "oversubscription": {"gpus": 1.5}}})
+    regular = fed.submit(name="regular", gpu={"model": "H100", "count": 8}, command=["sleep", "30"])
+    fed.wait_state(regular["id"], "RUNNING")
+    # 8 of 8 devices held: best-effort work still runs, on 4 of the 12 oversubscribed
+    spare = fed.submit(
+        name="spare",
+        priority_class="best-effort",
+        gpu={"model": "H100", "count": 4},
+        command=["sh", "-c", "echo devices=$CUDA_VISIBLE_DEVICES; sleep 30"],
+    )
+    fed.wait_state(spare["id"], "RUNNING")
+    assert fed.job(regular["id"])["state"] == "RUNNING"
+    deadline = time.monotonic() + 10
+    while "devices=" not in logs(fed, spare["id"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "devices=0,1,2,3" in logs(fed, spare["id"])

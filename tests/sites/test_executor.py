@@ -530,6 +530,46 @@ def test_allocate_takes_lowest_free_indices_and_counts_cores_and_memory() -> Non
     )  # fmt: skip
 
 
+def test_best_effort_runs_share_devices_on_an_oversubscribed_site() -> None:
+    from sites.spec import Oversubscription
+
+    resources = SiteResources(
+        devices={"H100": (0, 1, 2, 3)},
+        cpu_cores=8,
+        mem_gb=64,
+        oversubscription=Oversubscription(gpus=1.5, cpu=2.0),
+    )
+    regular = Run(assignment=assignment("s", "r", ["x"], model="H100", gpus=4, cpu=8))
+    regular.devices = allocate(regular.assignment, resources, [])
+    assert regular.devices == (0, 1, 2, 3)
+    # best-effort work shares the devices, 2 runs a device (ceil 1.5), the cores up to 16
+    spare = Run(
+        assignment=assignment("s", "b", ["x"], model="H100", gpus=2, cpu=4, best_effort=True)
+    )
+    spare.devices = allocate(spare.assignment, resources, [regular])
+    assert spare.devices == (0, 1)
+    more = assignment("s", "c", ["x"], model="H100", gpus=2, cpu=4, best_effort=True)
+    assert allocate(more, resources, [regular, spare]) == (2, 3)
+    with pytest.raises(DoesNotFit, match=r"only 2 of 4 may take another best-effort run"):
+        allocate(
+            assignment("s", "d", ["x"], model="H100", gpus=3, best_effort=True),
+            resources,
+            [regular, spare],
+        )
+    with pytest.raises(DoesNotFit, match=r"needs 5 CPU cores, only 4 free"):
+        allocate(assignment("s", "e", ["x"], cpu=5, best_effort=True), resources, [regular, spare])
+    # a regular run counts only regular holdings against the physical capacity
+    assert allocate(
+        assignment("s", "f", ["x"], model="H100", gpus=2, cpu=4), resources, [spare]
+    ) == (0, 1)
+    with pytest.raises(DoesNotFit, match=r"needs 1 x H100, only 0 of 4 free"):
+        allocate(assignment("s", "g", ["x"], model="H100", gpus=1), resources, [regular, spare])
+    # without oversubscription, best-effort runs hold devices like any other
+    plain = SiteResources(devices={"H100": (0, 1, 2, 3)}, cpu_cores=8, mem_gb=64)
+    with pytest.raises(DoesNotFit, match=r"only 0 of 4 free"):
+        allocate(spare.assignment, plain, [regular])
+
+
 def test_a_run_meters_the_power_of_its_own_devices_while_it_runs() -> None:
     """Run.meter: NVML readings of the job's devices, power x time and utilization x time
     (the fake readings stand in for a GPU this machine does not have)."""
