@@ -89,11 +89,13 @@ def test_unknown_classes_and_what_can_never_fit_are_refused(
     body: dict[str, Any] = {"tenant": "t1", "command": ["true"], "name": "x"}
     status, got = fed.request("POST", "/v1/jobs", {**body, "priority_class": "vip"})
     assert status == 400 and got["error"]["field"] == "priority_class", got
+    assert got["error"]["code"] == "invalid", got
     assert "unknown priority class 'vip'" in got["error"]["message"]
     status, got = fed.request(
         "POST", "/v1/jobs", {**body, "priority_class": "production", "priority": 7}
     )
     assert status == 400 and got["error"]["field"] == "priority", got
+    assert got["error"]["code"] == "invalid", got
     # tenant "small" has a quota of 4 GPUs (tests/broker/conftest.py): 8 can never fit
     status, got = fed.request(
         "POST", "/v1/jobs", {**body, "tenant": "small", "gpu": {"model": "H100", "count": 8}}
