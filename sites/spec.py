@@ -42,11 +42,89 @@ class Coordinates(Frozen):
     lon: float = Field(ge=-180, le=180, description="degrees east")
 
 
+MIG_PROFILE_RE = r"^[0-9][A-Za-z0-9.+_-]{0,30}$"
+MAX_TIME_SLICES = 16
+
+
+class Partitioning(Frozen):
+    """How `devices` of a pool's devices are cut: MIG instances or time-sliced shares.
+
+    Exactly one of `mig` (profile -> instances on EACH of these devices, e.g. {"3g.40gb": 2,
+    "1g.10gb": 1}) or `time_slices` (each device shared N ways). Whether the profiles exist
+    and fit the hardware is checked against the catalog (sites.catalog.check_partitions).
+    """
+
+    devices: int = Field(ge=1, le=1_000_000, description="how many of the pool's devices")
+    mig: dict[str, Annotated[int, Field(ge=1, le=64)]] | None = Field(
+        default=None, description="MIG profile -> instances on each device"
+    )
+    time_slices: int | None = Field(
+        default=None,
+        ge=2,
+        le=MAX_TIME_SLICES,
+        validate_default=True,  # so that a partition with neither is refused
+        description="shares of each device",
+    )
+
+    @field_validator("mig")
+    @classmethod
+    def _profiles(cls, mig: dict[str, int] | None) -> dict[str, int] | None:
+        if mig is None:
+            return None
+        if not mig:
+            raise ValueError("name at least one MIG profile, e.g. {3g.40gb: 2}")
+        for name in mig:
+            if not re.fullmatch(MIG_PROFILE_RE, name):
+                raise ValueError(f"{name!r} is not a MIG profile name (like 3g.40gb)")
+        return mig
+
+    @field_validator("time_slices")
+    @classmethod
+    def _one_kind(cls, slices: int | None, info: ValidationInfo) -> int | None:
+        has_mig = info.data.get("mig") is not None
+        if slices is not None and has_mig:
+            raise ValueError("give mig or time_slices, not both")
+        if slices is None and not has_mig and "mig" in info.data:
+            raise ValueError("give mig (profile -> instances) or time_slices (2 to 16)")
+        return slices
+
+
 class DevicePool(Frozen):
-    """A pool of identical accelerators; `model` names a catalog entry (configs/devices.yaml)."""
+    """A pool of identical accelerators; `model` names a catalog entry (configs/devices.yaml).
+
+    `partitions` cut some of them into MIG instances or time-sliced shares (in declaration
+    order, the pool's devices 0, 1, ...); the rest stay whole. Long form: docs/catalog.md.
+    """
 
     model: str = Field(min_length=1)
     count: int = Field(ge=1, le=1_000_000)
+    partitions: tuple[Partitioning, ...] = ()
+
+    @field_validator("model")
+    @classmethod
+    def _whole_model(cls, model: str) -> str:
+        if "/" in model:
+            raise ValueError(
+                f"{model!r}: a pool names a whole device model; declare MIG instances or "
+                "time slices under `partitions`"
+            )
+        return model
+
+    @field_validator("partitions")
+    @classmethod
+    def _within_count(
+        cls, partitions: tuple[Partitioning, ...], info: ValidationInfo
+    ) -> tuple[Partitioning, ...]:
+        count = info.data.get("count")
+        covered = sum(p.devices for p in partitions)
+        if count is not None and covered > count:
+            raise ValueError(f"partitions cover {covered} devices, the pool has {count}")
+        return partitions
+
+    @property
+    def whole(self) -> int:
+        """Devices no partition covers."""
+        return self.count - sum(p.devices for p in self.partitions)
 
 
 class Inventory(Frozen):
