@@ -74,6 +74,12 @@ ACCESS: dict[tuple[str, str], Permission] = {
     ("POST", "/v1/jobs/{job}/cancel"): P.jobs_act,
     ("POST", "/v1/jobs/{job}/suspend"): P.jobs_act,
     ("POST", "/v1/jobs/{job}/resume"): P.jobs_act,
+    # a workflow is its steps' jobs: the jobs permissions (broker.workflow_api)
+    ("POST", "/v1/workflows"): P.jobs_submit,
+    ("GET", "/v1/workflows"): P.jobs_read,
+    ("GET", "/v1/workflows/{workflow}"): P.jobs_read,
+    ("POST", "/v1/workflows/{workflow}/cancel"): P.jobs_act,
+    ("POST", "/v1/workflows/{workflow}/retry"): P.jobs_act,
     ("GET", "/v1/sites"): P.sites_read,
     ("POST", "/v1/route"): P.route,
     ("*", "/v1/infer/{service}/{path}"): P.route,

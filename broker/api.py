@@ -57,6 +57,7 @@ from broker.router import Router, route_json
 from broker.service import Broker
 from broker.tenant_api import tenant_operations
 from broker.usage_api import usage_operations
+from broker.workflow_api import workflow_operations
 from sites import keys
 from sites.catalog import Capacity
 from sites.config import field_path
@@ -588,6 +589,7 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
     app.on_startup.append(_check_access)
     operations = [
         *job_operations(),
+        *workflow_operations(),
         *access_operations(),
         *usage_operations(),
         *tenant_operations(),

@@ -14,6 +14,11 @@ In one pass, in this order (a job gets at most one action per pass):
    FAILED when no retries are left. A terminal report of a run that no longer matters is deleted.
 2. Failover: the jobs of a site down (or gone) for failover_grace_s are re-queued at once; a
    lost site still uses up a retry (broker.lifecycle).
+2b. Workflow steps (broker.workflows): a step waiting for parents is released once they all
+   SUCCEEDED (in the transaction of the last one's success when the report comes in this
+   pass; its data location becomes their outputs' site), or held, failed or cancelled when a
+   parent failed or was cancelled (its on_failure). A step with a parent not SUCCEEDED is
+   never placed (`workflows.blocked`, read from the record: no etcd read per job).
 3. The fast path, in fair-share order (broker.tenancy: the tenant with the lowest weighted
    dominant share first; a tenant's own jobs by priority, then age): broker.placement.place
    per job, the snapshot and the tenants' usage updated after each placement. A job that
@@ -40,6 +45,7 @@ from datetime import UTC, datetime
 
 from broker import batch
 from broker import placement as pl
+from broker import workflows as wf
 from broker.errors import BrokerError
 from broker.gangs import gang_key, gang_problem, gangs
 from broker.jobs import TRANSITIONS, Event, JobRecord, JobSpec, JobState
@@ -92,6 +98,7 @@ class ActionKind(enum.StrEnum):
     unschedulable = "unschedulable"  # stays PENDING; the reason recorded
     drop_report = "drop_report"  # a finished report of a run that no longer matters
     preempt = "preempt"  # running work back to PENDING and the preemptor placed, at one site
+    workflow = "workflow"  # a workflow step's parents moved: it is released or held
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +169,7 @@ def decide(view: View, now: float, ctx: Context) -> Decided:
     out = _Pass(view, now, ctx)
     out.reports()
     out.failover()
+    out.workflow_steps()
     out.place()
     pending = sum(1 for r, _ in view.jobs.values() if r.state is JobState.PENDING)
     return Decided(
@@ -181,6 +189,7 @@ class _Pass:
         self._live: Runs | None = None
         self._preempt_tries = 0
         self.preempt_failed: list[str] = []
+        self._dependents: dict[str, list[str]] | None = None
 
     def _emit(self, action: Action) -> None:
         self.actions.append(action)
@@ -268,7 +277,9 @@ class _Pass:
                 deletes=_run_keys(record),
                 guards=guard,
             )
-            self._emit(Action(ActionKind.advance, (write,), ev.message))
+            # a workflow step's children are released in the same transaction
+            released = self._released_by(new)
+            self._emit(Action(ActionKind.advance, (write, *released), ev.message))
             return
         why = (
             f"exit {report.exit_code} on {site}"
@@ -370,6 +381,61 @@ class _Pass:
             kind = ActionKind.migrate
         self._emit(Action(kind, tuple(writes), new.events[-1].message))
 
+    # -- workflows --------------------------------------------------------------------------
+
+    def _waiting_for(self) -> dict[str, list[str]]:
+        """parent job id -> the steps waiting for it (broker.workflows), built once a pass."""
+        if self._dependents is None:
+            self._dependents = {}
+            for job_id, (record, _) in self.view.jobs.items():
+                if wf.blocked(record) and not record.state.terminal and record.workflow:
+                    for parent in record.workflow.waiting:
+                        self._dependents.setdefault(parent, []).append(job_id)
+        return self._dependents
+
+    def _parent(self, job_id: str) -> JobRecord | None:
+        entry = self.view.jobs.get(job_id)
+        return entry[0] if entry else None
+
+    def _released_by(self, parent: JobRecord) -> list[JobWrite]:
+        """The writes that release `parent`'s children now that it SUCCEEDED."""
+        if parent.workflow is None:
+            return []
+        out = []
+        for child_id in self._waiting_for().get(parent.id, ()):
+            entry = self.view.jobs.get(child_id)
+            if entry is None or child_id in self.touched:
+                continue
+
+            def lookup(job_id: str) -> JobRecord | None:
+                return parent if job_id == parent.id else self._parent(job_id)
+
+            got = wf.resolve(entry[0], lookup, self.now)
+            if got is not None:
+                out.append(JobWrite(got.record, entry[1]))
+        return out
+
+    def workflow_steps(self) -> None:
+        """Steps whose parents moved since: released, held, failed or cancelled by their
+        on_failure (broker.workflows.resolve). From the view alone: no read per step."""
+        waiting = {c for children in self._waiting_for().values() for c in children}
+        for job_id in sorted(waiting - self.touched):
+            record, rev = self.view.jobs[job_id]
+            got = wf.resolve(record, self._parent, self.now)
+            if got is None:
+                continue
+            kind = ActionKind.workflow
+            write = JobWrite(got.record, rev)
+            if got.record.state.terminal:
+                kind = ActionKind.fail
+                write = JobWrite(
+                    got.record,
+                    rev,
+                    puts=self._closed(record, EndReason.withdrawn),
+                    deletes=_run_keys(record),
+                )
+            self._emit(Action(kind, (write,), f"{job_id}: {got.message}"))
+
     # -- failover ---------------------------------------------------------------------------
 
     def failover(self) -> None:
@@ -405,6 +471,7 @@ class _Pass:
             if record.state is JobState.PENDING
             and record.not_before <= now
             and record.id not in self.touched
+            and not wf.blocked(record)  # a workflow step whose parents have not all succeeded
         ]
         if not pending:
             return
@@ -773,7 +840,7 @@ def batch_jobs(
     for record, _ in sorted(view.jobs.values(), key=lambda rr: (rr[0].created_at, rr[0].id)):
         if record.state is not JobState.PENDING or record.not_before > now:
             continue
-        if record.id in exclude:
+        if record.id in exclude or wf.blocked(record):
             continue
         key = gang_key(record)
         if key is not None:

@@ -276,6 +276,45 @@ class Placement(Frozen):
     )
 
 
+OnFailure = Literal["fail", "hold"]
+"""What a workflow step's failure does to its dependents (docs/workflows.md)."""
+
+
+class StepInput(Frozen):
+    """A parent step's outputs, where they landed: the site that ran it."""
+
+    step: str
+    site: str
+    size_gb: float = Field(ge=0)
+
+
+class StepLink(Frozen):
+    """A job that is one step of a workflow (broker.workflows): its place in the DAG.
+
+    The scheduler places the job only while `waiting` is empty (broker.decisions); a parent's
+    success removes it from `waiting` and adds its outputs to `inputs`, which become the job's
+    data location once the last parent succeeded.
+    """
+
+    workflow: str = Field(description="the workflow's id")
+    step: str = Field(description="the step's name in the workflow")
+    parents: tuple[str, ...] = Field(default=(), description="the parent steps' job ids")
+    waiting: tuple[str, ...] = Field(
+        default=(), description="parent job ids not SUCCEEDED yet: the job is not placed"
+    )
+    inputs: tuple[StepInput, ...] = Field(
+        default=(), description="outputs of the parents that succeeded"
+    )
+    outputs_gb: float = Field(default=0.0, ge=0, description="what this step leaves at its site")
+    on_failure: OnFailure = "fail"
+    own_data: DataLocation | None = Field(
+        default=None, description="the step's own data, as submitted (before its parents')"
+    )
+    held: str | None = Field(
+        default=None, description="why it is held: a parent failed (on_failure: hold)"
+    )
+
+
 class JobRecord(Frozen):
     id: str
     spec: JobSpec
@@ -294,6 +333,9 @@ class JobRecord(Frozen):
         default=None, description="when the finished job moved to the history (unix s)"
     )
     events: tuple[Event, ...] = ()
+    workflow: StepLink | None = Field(
+        default=None, description="the workflow step this job is (broker.workflows)"
+    )
 
     def with_event(self, event: Event, **changes: object) -> JobRecord:
         """A copy with `changes` applied and `event` appended (the log keeps MAX_EVENTS)."""

@@ -203,10 +203,16 @@ class Operations:
         floors = price_floors(spec, fed)
         return floors[0][0] * spec.duration_hours if floors else None
 
-    async def submit(self, spec: JobSpec) -> JobRecord:
+    def admit(self, spec: JobSpec) -> JobSpec:
+        """The spec as it is stored (its priority class applied), once it passed every check
+        a submit makes before writing (InvalidRequest naming the field otherwise)."""
         spec = self.resolve(spec)
         self.validate(spec)
         self._never_fits(spec)
+        return spec
+
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        spec = self.admit(spec)
         now = self.clock.time()
         record = JobRecord(
             id=f"{spec.name}-{secrets.token_hex(3)}",
@@ -289,34 +295,7 @@ class Operations:
         now = self.clock.time()
 
         def fn(record: JobRecord, _: int) -> Change | None:
-            if record.state is state:
-                return None  # idempotent
-            if kind == "resumed" and record.state is not JobState.SUSPENDED:
-                raise IllegalTransition(
-                    f"only a SUSPENDED job can be resumed; this one is {record.state.value}"
-                )
-            record.state.check(state)
-            change = Change(
-                record.with_event(
-                    Event(at=now, type=kind, message=message, attempt=record.attempt),
-                    state=state,
-                    placement=None if state is not JobState.CANCELLED else record.placement,
-                    not_before=0.0,
-                )
-            )
-            if record.placement is not None and record.state in (JobState.PLACED, JobState.RUNNING):
-                change.deletes.append(keys.assignment(record.placement.site, record.id))
-                # the run ends with this write: its usage segment goes in the same transaction
-                change.puts.update(
-                    closing_puts(
-                        record,
-                        reason=EndReason.withdrawn,
-                        view=self._view(),
-                        catalog=self._catalog,
-                        now=now,
-                    )
-                )
-            return change
+            return self.transition(record, state, kind, message, now)
 
         try:
             result = await self.store.mutate(job_id, fn)
@@ -333,6 +312,40 @@ class Operations:
         if result is None:
             return await self.get(job_id)
         return result
+
+    def transition(
+        self, record: JobRecord, state: JobState, kind: str, message: str, now: float
+    ) -> Change | None:
+        """A user's transition of `record` with what goes with it (its run's assignment
+        deleted, its usage segment closed); None when it is in `state` already."""
+        if record.state is state:
+            return None  # idempotent
+        if kind == "resumed" and record.state is not JobState.SUSPENDED:
+            raise IllegalTransition(
+                f"only a SUSPENDED job can be resumed; this one is {record.state.value}"
+            )
+        record.state.check(state)
+        change = Change(
+            record.with_event(
+                Event(at=now, type=kind, message=message, attempt=record.attempt),
+                state=state,
+                placement=None if state is not JobState.CANCELLED else record.placement,
+                not_before=0.0,
+            )
+        )
+        if record.placement is not None and record.state in (JobState.PLACED, JobState.RUNNING):
+            change.deletes.append(keys.assignment(record.placement.site, record.id))
+            # the run ends with this write: its usage segment goes in the same transaction
+            change.puts.update(
+                closing_puts(
+                    record,
+                    reason=EndReason.withdrawn,
+                    view=self._view(),
+                    catalog=self._catalog,
+                    now=now,
+                )
+            )
+        return change
 
 
 def _check_member(name: str, gang: GangRecord, spec: JobSpec, unfinished: int) -> None:

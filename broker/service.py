@@ -43,6 +43,7 @@ from broker.tenancy import BudgetLeft, FairShare, held_by_tenant
 from broker.tenant_store import TenancyBook, gpu_quotas
 from broker.tenants import TenancyFile
 from broker.view import View, ViewCache, held_rows
+from broker.workflow_ops import Workflows
 from metering.usage import UsageBook
 from sites import keys
 from sites.catalog import DeviceCatalog
@@ -116,6 +117,9 @@ class Broker:
             kick=self._kick,
             catalog=catalog,
             quotas=lambda: self.tenancy.quotas,
+        )
+        self.workflows = Workflows(
+            registry=registry, operations=self.operations, clock=self.clock, kick=self._kick
         )
         self.history = HistoryKeeper(
             registry=registry,

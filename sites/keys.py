@@ -11,6 +11,9 @@
 /cpn/v1/services/<svc>/<site>    ServiceEndpoint  (lease)      agent, every interval
 /cpn/v1/assignments/<site>/<job> (broker)                      jobs placed on the site
 /cpn/v1/gangs/<tenant>/<gang>    GangRecord                    broker, at each member's submit
+/cpn/v1/workflows/<id>           WorkflowRecord                broker: the DAG, each step's job
+/cpn/v1/index/workflows/<inv>/<id>                 WorkflowSummary  broker, at submit
+/cpn/v1/index/tenants/<tenant>/workflows/<inv>/<id> WorkflowSummary broker, at submit
 /cpn/v1/jobs/<id>                JobRecord                     broker: the hot record
 /cpn/v1/index/jobs/<inv>/<id>    JobSummary                    broker, with every job write
 /cpn/v1/index/history/<inv>/<id> JobSummary                    broker, when it archives a job
@@ -186,6 +189,30 @@ GANGS = ROOT + "gangs/"
 def gang(tenant: str, name: str) -> str:
     """/cpn/v1/gangs/<tenant>/<gang>: the gang's size, shape and members (broker, at submit)."""
     return f"{GANGS}{tenant}/{name}"
+
+
+WORKFLOWS = ROOT + "workflows/"
+WORKFLOW_INDEX = ROOT + "index/workflows/"
+
+
+def workflow(workflow_id: str) -> str:
+    """/cpn/v1/workflows/<id>: a workflow's DAG and its steps' job ids (broker.workflows)."""
+    return f"{WORKFLOWS}{workflow_id}"
+
+
+def workflow_index(position: str, workflow_id: str) -> str:
+    """A workflow's entry in the newest-first index of every workflow."""
+    return f"{WORKFLOW_INDEX}{position}/{workflow_id}"
+
+
+def tenant_workflows(tenant: str) -> str:
+    """The prefix of one tenant's newest-first index of workflows."""
+    return f"{TENANT_INDEX}{tenant}/workflows/"
+
+
+def tenant_workflow(tenant: str, position: str, workflow_id: str) -> str:
+    """A workflow's entry in its tenant's own index (as tenant_job's)."""
+    return f"{tenant_workflows(tenant)}{position}/{workflow_id}"
 
 
 USAGE = ROOT + "usage/"
