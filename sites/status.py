@@ -74,6 +74,21 @@ class LastSeen(Frozen):
     instance: str
 
 
+class MigInstance(Frozen):
+    """One MIG device (a GPU instance and its compute instance) of a GPU in MIG mode."""
+
+    uuid: str = Field(description="MIG-... UUID: what CUDA_VISIBLE_DEVICES takes")
+    profile: str | None = Field(
+        description="catalog MIG profile (3g.40gb); None when the catalog does not list it"
+    )
+    nvml_profile: str = Field(default="", description="the profile as NVML names it")
+    mem_gb: float
+    mem_used_gb: float = 0.0
+    gpu_instance_id: int | None = None
+    compute_instance_id: int | None = None
+    busy: bool = Field(default=False, description="compute processes are running on it")
+
+
 class GpuDevice(Frozen):
     index: int
     model: str | None = Field(description="catalog model, None when NVML names an unknown device")
@@ -85,6 +100,10 @@ class GpuDevice(Frozen):
     power_w: float | None = None
     temperature_c: float | None = None
     busy: bool = Field(description="compute processes are running on it")
+    mig_enabled: bool = Field(default=False, description="the GPU is in MIG mode")
+    mig: tuple[MigInstance, ...] = Field(
+        default=(), description="its MIG devices (in MIG mode; none otherwise)"
+    )
 
 
 class StorageUsage(Frozen):

@@ -42,36 +42,102 @@ class FakeNVMLError(Exception):
     pass
 
 
+GB = 1024**3
+
+
 def fake_pynvml(devices: list[dict[str, Any]]) -> types.ModuleType:
-    """A FAKE pynvml module: this machine has no GPU, so the NVML API is imitated here."""
+    """A FAKE pynvml module: this machine has no GPU, so the NVML API is imitated here.
+
+    A device dict with "mig" (a list of MIG devices, None for an empty slot) is a GPU in MIG
+    mode: the parent answers NOT_SUPPORTED to utilization, as a real one does; "privileged"
+    False makes the GPU-instance queries fail (NO_PERMISSION), so only the MIG device's name
+    tells its profile. A device without "mig" has no MIG support at all.
+    """
     nv = types.ModuleType("pynvml")
     nv.NVMLError = FakeNVMLError  # type: ignore[attr-defined]
     nv.NVML_TEMPERATURE_GPU = 0  # type: ignore[attr-defined]
+    nv.NVML_DEVICE_MIG_ENABLE = 1  # type: ignore[attr-defined]
     nv.nvmlInit = lambda: None  # type: ignore[attr-defined]
     nv.nvmlShutdown = lambda: None  # type: ignore[attr-defined]
     nv.nvmlDeviceGetCount = lambda: len(devices)  # type: ignore[attr-defined]
     nv.nvmlDeviceGetHandleByIndex = lambda i: devices[i]  # type: ignore[attr-defined]
-    nv.nvmlDeviceGetName = lambda h: h["name"]  # type: ignore[attr-defined]
-    nv.nvmlDeviceGetUUID = lambda h: f"GPU-{h['name'][-4:]}"  # type: ignore[attr-defined]
-    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(  # type: ignore[attr-defined]
-        total=h["mem"], used=h["mem"] // 4
-    )
-    nv.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=h["util"])  # type: ignore[attr-defined]
+
+    def is_mig(h: dict[str, Any]) -> bool:
+        return "parent" in h
+
+    def name(h: dict[str, Any]) -> str | bytes:
+        if is_mig(h):
+            return f"{h['parent']['name']} MIG {h['profile']}".encode()
+        return str(h["name"])
+
+    def uuid(h: dict[str, Any]) -> str:
+        return str(h["uuid"]) if is_mig(h) else f"GPU-{h['name'][-4:]}"
+
+    def utilization(h: dict[str, Any]) -> types.SimpleNamespace:
+        if h.get("mig") is not None:
+            raise FakeNVMLError("Not Supported")
+        return types.SimpleNamespace(gpu=h["util"])
 
     def power(h: dict[str, Any]) -> int:
         if h.get("no_power"):
             raise FakeNVMLError("Not Supported")
         return 350_000
 
+    def mig_mode(h: dict[str, Any]) -> list[int]:
+        if "mig" not in h:
+            raise FakeNVMLError("Not Supported")
+        return [1 if h["mig"] is not None else 0, 0]
+
+    def mig_handle(h: dict[str, Any], slot: int) -> dict[str, Any]:
+        slots = h["mig"] or []
+        if slot >= len(slots) or slots[slot] is None:
+            raise FakeNVMLError("Not Found")
+        return {"parent": h, **slots[slot]}
+
+    def privileged(h: dict[str, Any]) -> dict[str, Any]:
+        if not h.get("privileged", True):
+            raise FakeNVMLError("Insufficient Permissions")
+        return h
+
+    def gpu_instance(h: dict[str, Any], gi: int) -> tuple[dict[str, Any], int]:
+        return privileged(h), gi
+
+    def gpu_instance_info(instance: tuple[dict[str, Any], int]) -> types.SimpleNamespace:
+        parent, gi = instance
+        (found,) = [m for m in parent["mig"] if m is not None and m["gi"] == gi]
+        return types.SimpleNamespace(id=gi, profileId=found["profile_id"])
+
+    def profile_info(h: dict[str, Any], profile_id: int) -> types.SimpleNamespace:
+        names = {
+            m["profile_id"]: m.get("gi_profile", m["profile"])
+            for m in privileged(h)["mig"]
+            if m is not None
+        }
+        return types.SimpleNamespace(id=profile_id, name=f"MIG {names[profile_id]}".encode())
+
+    nv.nvmlDeviceGetName = name  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetUUID = uuid  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(  # type: ignore[attr-defined]
+        total=h["mem"], used=h["mem"] // 4
+    )
+    nv.nvmlDeviceGetUtilizationRates = utilization  # type: ignore[attr-defined]
     nv.nvmlDeviceGetPowerUsage = power  # type: ignore[attr-defined]
     nv.nvmlDeviceGetTemperature = lambda h, _: 61  # type: ignore[attr-defined]
     nv.nvmlDeviceGetComputeRunningProcesses = lambda h: [1] * h["procs"]  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMigMode = mig_mode  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMaxMigDeviceCount = lambda h: 7  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetMigDeviceHandleByIndex = mig_handle  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetGpuInstanceId = lambda h: h["gi"]  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetComputeInstanceId = lambda h: 0  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetGpuInstanceById = gpu_instance  # type: ignore[attr-defined]
+    nv.nvmlGpuInstanceGetInfo = gpu_instance_info  # type: ignore[attr-defined]
+    nv.nvmlDeviceGetGpuInstanceProfileInfoById = profile_info  # type: ignore[attr-defined]
     return nv
 
 
 @pytest.fixture
 def fake_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    gb = 1024**3
+    gb = GB
     devices = [
         {"name": "NVIDIA H100 80GB HBM3", "mem": 80 * gb, "util": 90, "procs": 1},
         {"name": "NVIDIA H100 80GB HBM3", "mem": 80 * gb, "util": 0, "procs": 0},
@@ -88,6 +154,90 @@ def test_nvml_devices_map_to_catalog(fake_gpus: None, catalog: DeviceCatalog) ->
     assert gpus[0].busy and not gpus[1].busy
     assert gpus[0].mem_gb == 80 and gpus[0].util_pct == 90 and gpus[0].power_w == 350
     assert gpus[2].power_w is None  # unsupported query -> None, not an error
+    assert all(not g.mig_enabled and g.mig == () for g in gpus)  # no MIG support: none
+
+
+def mig_device(
+    slot: int, profile: str, profile_id: int, mem_gb: int, procs: int = 0
+) -> dict[str, Any]:
+    return {
+        "uuid": f"MIG-{slot}",
+        "profile": profile,
+        "profile_id": profile_id,
+        "gi": slot + 1,
+        "mem": mem_gb * GB,
+        "procs": procs,
+    }
+
+
+def test_nvml_reports_mig_instances(
+    monkeypatch: pytest.MonkeyPatch, catalog: DeviceCatalog
+) -> None:
+    """On a FAKE NVML: an A100 in MIG mode (3g.40gb + 2 x 2g.20gb, an empty slot between), an
+    H100 whose GPU-instance queries need privileges the agent lacks (profile from the device
+    name), an H200 with MIG mode off, and an A100 cut into a profile the catalog lacks."""
+    a100 = "NVIDIA A100-SXM4-80GB"
+    devices = [
+        {
+            "name": a100, "mem": 80 * GB, "util": 0, "procs": 0,
+            "mig": [
+                mig_device(0, "3g.40gb", 9, 40, procs=1),
+                None,
+                mig_device(2, "2g.20gb", 14, 20),
+                mig_device(3, "2g.20gb", 14, 20),
+            ],
+        },
+        {
+            "name": "NVIDIA H100 80GB HBM3", "mem": 80 * GB, "util": 0, "procs": 0,
+            "privileged": False, "mig": [mig_device(0, "1g.10gb+me", 20, 10)],
+        },
+        {"name": "NVIDIA H200", "mem": 141 * GB, "util": 5, "procs": 0, "mig": None},
+        {
+            "name": a100, "mem": 80 * GB, "util": 0, "procs": 0,
+            "mig": [
+                {**mig_device(0, "1c.3g.40gb", 9, 40), "gi_profile": "3g.40gb"},
+                mig_device(1, "5g.50gb", 99, 50),
+                {**mig_device(2, "garbled", 5, 40), "gi_profile": "4g.40gb"},
+            ],
+        },
+    ]  # fmt: skip
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(devices))
+    a, h100, h200, odd = NvmlCollector(catalog=catalog).collect()
+
+    assert a.model == "A100-80GB" and a.mig_enabled and a.util_pct == 0.0  # parent: no util
+    assert [(m.uuid, m.profile, m.mem_gb, m.gpu_instance_id) for m in a.mig] == [
+        ("MIG-0", "3g.40gb", 40, 1),
+        ("MIG-2", "2g.20gb", 20, 3),
+        ("MIG-3", "2g.20gb", 20, 4),
+    ]
+    assert [m.busy for m in a.mig] == [True, False, False] and a.busy
+    assert a.mig[0].mem_used_gb == 10 and a.mig[0].compute_instance_id == 0
+
+    (me,) = h100.mig
+    assert me.profile == "1g.10gb+me" and me.nvml_profile == "1g.10gb+me"  # from the name
+
+    assert h200.model == "H200" and not h200.mig_enabled and h200.mig == ()
+    assert h200.util_pct == 5
+
+    # a compute-instance slice of a GPU instance is not a whole profile; a profile the
+    # catalog lacks is reported without one; a name without a profile: read by profile id
+    assert [(m.uuid, m.profile, m.nvml_profile) for m in odd.mig] == [
+        ("MIG-0", None, "1c.3g.40gb"),
+        ("MIG-1", None, "5g.50gb"),
+        ("MIG-2", "4g.40gb", "4g.40gb"),
+    ]
+
+
+def test_nvml_mig_profile_unknown_without_a_catalog_model(
+    monkeypatch: pytest.MonkeyPatch, catalog: DeviceCatalog
+) -> None:
+    devices = [
+        {"name": "Mystery 9000", "mem": 16 * GB, "util": 0, "procs": 0,
+         "mig": [mig_device(0, "1g.10gb", 19, 10)]},
+    ]  # fmt: skip
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(devices))
+    (gpu,) = NvmlCollector(catalog=catalog).collect()
+    assert gpu.model is None and gpu.mig[0].profile is None and gpu.mig[0].uuid == "MIG-0"
 
 
 async def test_host_mode_capacity_from_measured_devices(
