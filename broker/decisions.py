@@ -146,6 +146,9 @@ class Context:
     # jobs whose preemption found nothing lately (Decided.preempt_failed, kept by the leader a
     # while): skipped, so that the same few cannot take every pass's tries
     preempt_skip: frozenset[str] = frozenset()
+    # finished parents of waiting workflow steps (the view keeps no finished job): read once
+    # each by the leader (broker.workflow_ops.Workflows.finished_parents)
+    finished: Mapping[str, JobRecord] = field(default_factory=dict)
 
     @property
     def retry(self) -> RetryPolicy:
@@ -395,7 +398,7 @@ class _Pass:
 
     def _parent(self, job_id: str) -> JobRecord | None:
         entry = self.view.jobs.get(job_id)
-        return entry[0] if entry else None
+        return entry[0] if entry else self.ctx.finished.get(job_id)
 
     def _released_by(self, parent: JobRecord) -> list[JobWrite]:
         """The writes that release `parent`'s children now that it SUCCEEDED."""

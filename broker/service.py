@@ -83,6 +83,7 @@ class Broker:
         self._fair_saved = 0.0
         self._billed_cache: tuple[float, Billed | None] = (0.0, None)
         self._preempt_failed: dict[str, float] = {}  # job -> when a preemption found nothing
+        self._finished: dict[str, JobRecord | None] = {}  # finished workflow parents, by id
         self.settings = settings or BrokerSettings()
         self.clock: Clock = clock or SystemClock()
         self.url = url
@@ -257,6 +258,7 @@ class Broker:
             preempt_skip=frozenset(
                 j for j, at in self._preempt_failed.items() if now - at < PREEMPT_RETRY_S
             ),
+            finished={j: r for j, r in self._finished.items() if r is not None},
         )
 
     def budgets(self) -> Mapping[str, BudgetLeft]:
@@ -300,6 +302,7 @@ class Broker:
         self.actor.forget_mirrored({job_id: r.attempt for job_id, (r, _) in view.jobs.items()})
         self._down_since = dc.track_down(view, self._down_since, now)
         await self._advance_fair_share(view, now)
+        self._finished = await self.workflows.finished_parents(view, self._finished)
         started = time.perf_counter()
         decided = dc.decide(view, now, self.context())
         self.metrics.decide_seconds.observe(time.perf_counter() - started)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -20,6 +20,7 @@ from broker.errors import IllegalTransition, InvalidRequest, NotFound, StaleReco
 from broker.jobs import Event, JobRecord, JobSpec, JobState, StepInput, StepLink
 from broker.operations import Operations
 from broker.store import decode, position, writes
+from broker.view import View
 from broker.workflows import (
     WorkflowRecord,
     WorkflowSpec,
@@ -232,6 +233,33 @@ class Workflows:
             if len(out) >= limit or not page.more:
                 break
         return out[:limit]
+
+    async def finished_parents(
+        self, view: View, known: Mapping[str, JobRecord | None]
+    ) -> dict[str, JobRecord | None]:
+        """The parents that waiting steps wait for and the view no longer has (it keeps no
+        finished job): each read once (hot, else archived; None: gone), then kept in `known`
+        for as long as a step waits for it."""
+        wanted: set[str] = set()
+        for record, _ in view.jobs.values():
+            link = record.workflow
+            if link is not None and link.waiting:
+                wanted.update(p for p in link.waiting if p not in view.jobs)
+        out = {p: known[p] for p in wanted if p in known}
+        missing = sorted(wanted - out.keys())
+        if missing:
+            got = await self.registry.get_many([keys.job(p) for p in missing])
+            for job_id in missing:
+                found = got.get(keys.job(job_id))
+                parent = (
+                    decode(found[0])
+                    if found is not None
+                    else await self.operations.store.archived(job_id)
+                )
+                if parent is None or parent.state.terminal:
+                    out[job_id] = parent
+                # else: live, and the view has not caught up yet; read again next pass
+        return out
 
     # -- cancel -----------------------------------------------------------------------------
 

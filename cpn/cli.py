@@ -230,13 +230,18 @@ def _load_job_file(path: str) -> Any:
 
 
 async def cmd_submit(args: argparse.Namespace) -> int:
-    _load_job_file(args.file)  # a readable YAML mapping, or exit 2 with one line
+    data = _load_job_file(args.file)  # a readable YAML mapping, or exit 2 with one line
     # sent as the YAML it is: the broker parses it (timestamps such as a deadline included)
     text = Path(args.file).read_text()
+    workflow = "steps" in data  # a workflow file: a DAG of steps (docs/workflows.md)
     async with BrokerClient.to(args.broker) as client:
-        record = await client.call("POST", "/v1/jobs", yaml=text)
+        path = "/v1/workflows" if workflow else "/v1/jobs"
+        record = await client.call("POST", path, yaml=text)
     if args.output == "json":
         print(json.dumps(record, indent=2))
+    elif workflow:
+        steps = ", ".join(f"{s['name']}={s['job']}" for s in record["steps"])
+        print(f"workflow {record['id']} submitted ({record['state']}): {steps}")
     else:
         print(f"job {record['id']} submitted ({record['state']})")
     return 0
@@ -278,12 +283,48 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
 
 
 async def cmd_describe(args: argparse.Namespace) -> int:
+    """A job, or else a workflow of that id (its DAG and each step's state)."""
     async with BrokerClient.to(args.broker) as client:
-        record = await client.call("GET", f"/v1/jobs/{args.job}")
+        try:
+            record = await client.call("GET", f"/v1/jobs/{args.job}")
+        except ApiError as exc:
+            if exc.status != 404:
+                raise
+            try:
+                record = await client.call("GET", f"/v1/workflows/{args.job}")
+            except ApiError as missing:
+                if missing.status != 404:
+                    raise
+                raise ApiError(404, f"no job or workflow {args.job!r}") from None
+    if args.output == "json":
+        print(json.dumps(record, indent=2))
+    elif "steps" in record:
+        print(render.describe_workflow(record))
+    else:
+        print(render.describe_job(record))
+    return 0
+
+
+async def cmd_workflow(args: argparse.Namespace) -> int:
+    """cpn workflow list | describe | cancel | retry (docs/workflows.md)."""
+    params = {"step": args.step} if getattr(args, "step", None) else {}
+    async with BrokerClient.to(args.broker) as client:
+        if args.workflow_command == "list":
+            answer = await client.call("GET", "/v1/workflows", **params)
+            if args.output == "json":
+                print(json.dumps(answer["items"], indent=2))
+            for item in answer["items"] if args.output != "json" else ():
+                print(f"{item['id']}  tenant {item['tenant']}  {item['steps']} steps")
+            return 0
+        if args.workflow_command == "describe":
+            record = await client.call("GET", f"/v1/workflows/{args.workflow}")
+        else:
+            path = f"/v1/workflows/{args.workflow}/{args.workflow_command}"
+            record = await client.call("POST", path, **params)
     if args.output == "json":
         print(json.dumps(record, indent=2))
     else:
-        print(render.describe_job(record))
+        print(render.describe_workflow(record))
     return 0
 
 
@@ -681,10 +722,29 @@ def build_parser() -> argparse.ArgumentParser:
     broker_arg(jobs, ("table", "json", "jsonl"))
     jobs.set_defaults(func=cmd_jobs)
 
-    describe = sub.add_parser("describe", help="a job's placement, state and events")
+    describe = sub.add_parser(
+        "describe", help="a job's placement, state and events; a workflow's DAG and steps"
+    )
     describe.add_argument("job", metavar="JOB")
     broker_arg(describe)
     describe.set_defaults(func=cmd_describe)
+
+    workflow = sub.add_parser("workflow", help="workflows: DAGs of steps (docs/workflows.md)")
+    wf_sub = workflow.add_subparsers(dest="workflow_command", required=True, parser_class=CliParser)
+    wf_list = wf_sub.add_parser("list", help="workflows, newest first")
+    broker_arg(wf_list)
+    wf_list.set_defaults(func=cmd_workflow)
+    for name, text in (
+        ("describe", "the DAG with each step's state"),
+        ("cancel", "cancel every unfinished step (or one: --step)"),
+        ("retry", "run the failed or cancelled steps again (or one: --step), with dependents"),
+    ):
+        p = wf_sub.add_parser(name, help=text)
+        p.add_argument("workflow", metavar="NAME", help="the workflow's id, as submit printed it")
+        if name != "describe":
+            p.add_argument("--step", metavar="S", help="only this step")
+        broker_arg(p)
+        p.set_defaults(func=cmd_workflow)
 
     for action, text in (
         ("cancel", "cancel a job"),

@@ -168,6 +168,9 @@ def describe_job(r: dict[str, Any]) -> str:
         lines.append(f"Why:         {placement['reason']}")
     if r.get("unschedulable") and r["state"] == "PENDING":
         lines.append(f"Waiting:     {r['unschedulable']}")
+    link = r.get("workflow")
+    if link:
+        lines.append(f"Workflow:    {link['workflow']}, step {link['step']}")
     if r.get("exit_code") is not None:
         lines.append(f"Exit code:   {r['exit_code']}")
     lines.append(f"Command:     {' '.join(spec['command'])}")
@@ -220,3 +223,25 @@ def audit_table(entries: Sequence[dict[str, Any]]) -> str:
     ]
     headers = ["TIME (UTC)", "WHO", "TENANT", "ACTION", "TARGET", "STATUS", "OUTCOME", "REQUEST"]
     return table(headers, rows) if rows else "no audit entries"
+
+
+def describe_workflow(w: dict[str, Any]) -> str:
+    """A workflow's DAG, parents first: each step's state, site and what it waits for."""
+    lines = [
+        f"Workflow:    {w['id']} (tenant {w['tenant']})",
+        f"State:       {w['state']}",
+        f"On failure:  {w['on_failure']}"
+        + (f", retried {w['retries']} time(s)" if w.get("retries") else ""),
+        "Steps:",
+    ]
+    rows = []
+    for s in w["steps"]:
+        after = ", ".join(s["after"]) or "-"
+        note = s.get("held") or (s.get("reason") if s["state"] != "SUCCEEDED" else "") or ""
+        rows.append([s["name"], s["state"], s.get("site") or "-", after, s["job"], note])
+    head = ["STEP", "STATE", "SITE", "AFTER", "JOB", "NOTE"]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=False)]
+    for row in (head, *rows):
+        cells = [str(c).ljust(width) for c, width in zip(row[:-1], widths, strict=False)]
+        lines.append(("  " + "  ".join(cells) + "  " + str(row[-1])).rstrip())
+    return "\n".join(lines)

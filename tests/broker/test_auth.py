@@ -127,6 +127,23 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
         reply = check("POST", spec, f"/v1/jobs/{job}/{action}")
         if allowed(who, Permission.jobs_act):
             assert reply.status == (200 if own(who) else 404), (who, action, reply)
+    # workflows: the jobs permissions, a tenant's token sees its own tenant's only
+    steps = [{"name": "s", "command": ["true"]}, {"name": "t", "command": ["true"], "after": ["s"]}]
+    body = {"name": "wf", "tenant": "ai-lab", "steps": steps}
+    made = check("POST", "/v1/workflows", "/v1/workflows", body, cross=not own(who))
+    if allowed(who, Permission.jobs_submit):
+        assert made.status == (201 if own(who) else 403), (who, made)
+    wf = fed.a.post_json("/v1/workflows", body)
+    wf_id = wf.json()["id"]
+    listed_wf = check("GET", "/v1/workflows", "/v1/workflows")
+    assert (wf_id in {w["id"] for w in listed_wf.json()["items"]}) == own(who), who
+    got_wf = check("GET", "/v1/workflows/{workflow}", f"/v1/workflows/{wf_id}")
+    assert got_wf.status == (200 if own(who) else 404), (who, got_wf)
+    for action in ("cancel", "retry"):
+        reply = check("POST", f"/v1/workflows/{{workflow}}/{action}",
+                      f"/v1/workflows/{wf_id}/{action}")  # fmt: skip
+        if allowed(who, Permission.jobs_act):
+            assert reply.status == (200 if own(who) else 404), (who, action, reply)
     check("GET", "/v1/sites", "/v1/sites")
     route = check(
         "POST", "/v1/route", "/v1/route", {"service": "qwen-72b", "client_region": "shanghai"}

@@ -130,8 +130,7 @@ def test_a_child_waits_for_its_parent_then_lands_at_its_site_when_cheapest() -> 
     assert released.spec.data is not None
     assert (released.spec.data.site, released.spec.data.size_gb) == ("b", 1000)
     # placed next to its data: b's 3.0 beats a's 2.0 + 50 USD of egress
-    done = finished(parent, JobState.SUCCEEDED)
-    decided = dc.decide(view(snap, (done, prev), (released, crev + 1)), NOW, ctx())
+    decided = dc.decide(view(snap, (released, crev + 1)), NOW, ctx())
     assert kinds(decided) == [("place", ("train",))]
     assert decided.actions[0].assignments[0].site == "b"
 
@@ -140,11 +139,12 @@ def test_a_small_output_is_moved_to_the_cheaper_site() -> None:
     snap = regions(snapshot("a", "b"))
     parent, prev = step("pre", outputs=1)
     child, crev = step("train", parents=("pre",))
-    done = finished(parent, JobState.SUCCEEDED)
-    decided = dc.decide(view(snap, (done, prev), (child, crev)), NOW, ctx())
+    # the view keeps no finished job: the leader reads the finished parent once (ctx.finished)
+    done = {"pre": finished(parent, JobState.SUCCEEDED)}
+    decided = dc.decide(view(snap, (child, crev)), NOW, ctx(finished=done))
     assert kinds(decided) == [("workflow", ("train",))]  # released by the sweep
     released = decided.actions[0].jobs[0].record
-    decided = dc.decide(view(snap, (done, prev), (released, crev + 1)), NOW, ctx())
+    decided = dc.decide(view(snap, (released, crev + 1)), NOW, ctx(finished=done))
     assert decided.actions[0].assignments[0].site == "a"
 
 
@@ -167,10 +167,10 @@ def test_a_blocked_step_is_never_placed_nor_batched() -> None:
 def test_a_stopped_parent_fails_or_holds_its_children(
     policy: str, parent_state: JobState, state: JobState, held: bool
 ) -> None:
-    parent, prev = step("pre")
+    parent, _ = step("pre")
     child, crev = step("train", parents=("pre",), on_failure=policy)
-    v = view(snapshot("a"), (finished(parent, parent_state), prev), (child, crev))
-    decided = dc.decide(v, NOW, ctx())
+    stopped = {"pre": finished(parent, parent_state)}
+    decided = dc.decide(view(snapshot("a"), (child, crev)), NOW, ctx(finished=stopped))
     assert [k for k, _ in kinds(decided)] == ["fail" if state.terminal else "workflow"]
     new = decided.actions[0].jobs[0].record
     assert new.state is state
@@ -178,8 +178,8 @@ def test_a_stopped_parent_fails_or_holds_its_children(
     if held:
         assert "retry" in (new.unschedulable or "")
         # once held, the next pass has nothing to do for it
-        v = view(snapshot("a"), (finished(parent, parent_state), prev), (new, crev + 1))
-        assert kinds(dc.decide(v, NOW, ctx())) == []
+        v = view(snapshot("a"), (new, crev + 1))
+        assert kinds(dc.decide(v, NOW, ctx(finished=stopped))) == []
 
 
 def test_retry_targets_and_the_workflow_state() -> None:
