@@ -785,6 +785,7 @@ def _placement(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: float)
             env=spec.env,
             model=decision.model,
             gpus=spec.gpu.count,
+            nodes=decision.nodes,
             cpu=spec.cpu,
             mem_gb=spec.mem_gb,
             checkpoint_path=spec.checkpoint_path,

@@ -11,13 +11,16 @@ Filters, in this order; a site is counted once, under the first one it fails (`F
     max_latency_ms; an unknown RTT counts as exceeding it, and when only latency_weight is set
     an unknown RTT cannot be priced and fails here too), model (no acceptable model: the named
     ones, with >= min_mem_gb per device; a model without a price there is not offered),
-    gpus (not enough free), cpu, mem, budget (cost > budget_usd), deadline
+    gpus (not enough free), cpu, mem, nodes (a site that declares its nodes has the devices,
+    cores and memory in all, but no node or set of nodes holds them: broker.nodes; the next
+    cheapest acceptable model that fits on its nodes is tried first), budget (cost >
+    budget_usd), deadline
     (now + duration > deadline), spread (the group already has a job there), colocate (the
     group lives on another site), quota (the job, placed there with that model, would exceed
     its tenant's quota: broker.tenancy), tenant_budget (its estimated cost is more than its
     tenant's monthly budget has left, or its GPU-hours more than the window has left).
 
-gpus, cpu and mem are the capacity part (`capacity`): at a site that passes them the job uses
+gpus, cpu, mem and nodes are the capacity part (`capacity`): at a site that passes them the job uses
 the cheapest acceptable model with enough free devices (ties: more free devices, then the name).
 A `Request` made with capacity=False (the batch pass, whose solver accounts capacity itself)
 skips them and prices the cheapest acceptable model whatever is free. deadline does not
@@ -65,6 +68,7 @@ FILTERS: tuple[str, ...] = (
     "gpus",
     "cpu",
     "mem",
+    "nodes",
     "budget",
     "deadline",
     "spread",
@@ -81,6 +85,7 @@ FILTERS: tuple[str, ...] = (
     GPUS,
     CPU,
     MEM,
+    NODES,
     BUDGET,
     DEADLINE,
     SPREAD,
@@ -103,6 +108,7 @@ class Request:
     snapshot lineage it was made from (`offered` is aligned with its sites)."""
 
     count: int  # devices of one model; 0 for a CPU-only job
+    per_node: int | None  # devices on each node, at sites with nodes; None: the default shape
     cpu: int  # cores
     mem_gb: float  # GB of memory
     duration_hours: float  # hours the job runs
@@ -159,6 +165,7 @@ def request(
             colocate_at = groups.site_of_colocate.get(job.group.name)
     return Request(
         count=gpu.count,
+        per_node=gpu.per_node,
         cpu=job.cpu,
         mem_gb=job.mem_gb,
         duration_hours=job.duration_hours,
@@ -185,10 +192,15 @@ def request(
 
 
 def capacity(
-    site: SiteOffer, offered: Offered, count: int, cpu: int, mem_gb: float
+    site: SiteOffer,
+    offered: Offered,
+    count: int,
+    cpu: int,
+    mem_gb: float,
+    per_node: int | None = None,
 ) -> tuple[int, str | None, float, int]:
-    """The capacity part of the filter: (FITS or the failing filter's index (GPUS, CPU, MEM),
-    model, USD per device-hour, free devices of it, or free cores for a CPU-only job).
+    """The capacity part of the filter: (FITS or the failing filter's index (GPUS, CPU, MEM,
+    NODES), model, USD per device-hour, free devices of it, or free cores for a CPU-only job).
 
     `offered` is the site's entry of `Federation.offered(acceptable, min_mem_gb)` (empty: the
     model filter stops the site first); the model is the cheapest offered one with `count`
@@ -211,7 +223,44 @@ def capacity(
         return CPU, model, price, free
     if site.free_mem_gb < mem_gb:
         return MEM, model, price, free
+    if site.nodes is not None:
+        fit = on_nodes(site, site.free_gpus, offered, count, per_node, cpu, mem_gb, model)
+        if fit is None:
+            return NODES, model, price, free
+        model, price, free = fit
     return FITS, model, price, free
+
+
+def on_nodes(
+    site: SiteOffer,
+    free_gpus: Mapping[str, int],
+    offered: Offered,
+    count: int,
+    per_node: int | None,
+    cpu: int,
+    mem_gb: float,
+    model: str | None,
+) -> tuple[str | None, float, int] | None:
+    """The capacity part's choice at a site with nodes: `model` (the cheapest with enough
+    free in all) when its nodes hold the request, else the next cheapest acceptable model
+    whose nodes do; (model, USD per device-hour, free devices) or None."""
+    nodes = site.nodes
+    assert nodes is not None
+    if nodes.fits(model, count, per_node, cpu, mem_gb):
+        if model is None:
+            return None, 0.0, site.free_cpu
+        return model, site.prices.usd_per_gpu_hour.get(model, 0.0), free_gpus[model]
+    if model is None:
+        return None
+    rest = sorted(
+        (p, -free_gpus.get(name, 0), name)
+        for name, p in offered
+        if name != model and free_gpus.get(name, 0) >= count
+    )
+    for p, minus_free, name in rest:
+        if nodes.fits(name, count, per_node, cpu, mem_gb):
+            return name, p, -minus_free
+    return None
 
 
 @dataclass(slots=True)
@@ -241,6 +290,7 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     # (`capacity`) and broker.pricing's arithmetic (hourly_usd, compute_usd, total_usd); a call
     # per site would cost a third of a submit. tests/broker/test_pricing.py holds them equal.
     count = req.count
+    per_node = req.per_node
     named = req.named
     floor = req.min_mem_gb
     cpu = req.cpu
@@ -326,6 +376,37 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
         if free_mem < mem_need:
             failed[MEM].append(sid)
             continue
+        nodes = site.nodes
+        if (
+            nodes is not None
+            and check
+            and spare is None
+            # the shortcut: one node has the devices, and every node the cores and memory
+            and not (
+                per_node is None
+                and cpu <= nodes.floor_cpu
+                and mem <= nodes.floor_mem_gb
+                and (not count or count <= nodes.most.get(model, 0))  # type: ignore[arg-type]
+            )
+            and not nodes.fits(model, count, per_node, cpu, mem)
+        ):
+            # the cheapest model with the devices in all is scattered: the next that fits
+            offered_here = (
+                ()
+                if not count
+                else tuple(
+                    (name, p)
+                    for name in (free_gpus if named is None else named)
+                    if (p := site.prices.usd_per_gpu_hour.get(name)) is not None
+                    and name in free_gpus
+                    and (floor is None or site.gpu_mem_gb.get(name, 0.0) >= floor)
+                )
+            )
+            fit = on_nodes(site, free_gpus, offered_here, count, per_node, cpu, mem, model)
+            if fit is None:
+                failed[NODES].append(sid)
+                continue
+            model, price, free = fit
         rates = site.prices
         hourly = cpu * rates.usd_per_core_hour + mem * rates.usd_per_gb_mem_hour
         if count:
@@ -448,6 +529,8 @@ def reason(job: JobSpec, name: str) -> str:
         return "not enough CPU"
     if name == "mem":
         return "not enough memory"
+    if name == "nodes":
+        return "have it free only scattered over nodes (no node set holds it)"
     if name == "budget":
         return f"over budget ({job.budget_usd:.2f} USD)"
     if name == "deadline":

@@ -19,6 +19,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from broker.errors import IllegalTransition
+from sites.assignments import NodeShare
+from sites.catalog import mig_model, shared_model
+from sites.spec import MAX_TIME_SLICES
 
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 Name = Annotated[str, Field(pattern=NAME_RE)]
@@ -42,12 +45,38 @@ class TenantInput(Frozen):
 
 
 class GpuRequest(TenantInput):
-    """Accelerators: one model, a set of acceptable models, or any model with a memory floor."""
+    """Accelerators: one model, a set of acceptable models, or any model with a memory floor.
+
+    A slice instead of whole devices (docs/catalog.md): `profile` asks for `count` MIG
+    instances of that profile (on the named models), `share` for a time-sliced share of one
+    device (at least that fraction of it: sites whose devices are cut into at most 1/share
+    slices). `per_node` asks for that many devices on each node it runs on, at sites that
+    declare their nodes (count a multiple of it); by default a job takes one node when one
+    node has the devices, else whole nodes."""
 
     count: int = Field(default=0, ge=0, le=4096)
     model: str | None = Field(default=None, description="exactly this model")
     models: tuple[str, ...] | None = Field(default=None, description="any of these models")
     min_mem_gb: float | None = Field(default=None, gt=0, description="per-device memory floor")
+    profile: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-z][0-9a-z.+-]{0,31}$",
+        description="a MIG profile of the named models (e.g. 3g.40gb): count instances of it",
+    )
+    share: float | None = Field(
+        default=None, gt=0, lt=1, description="a time-sliced share of one device (e.g. 0.25)"
+    )
+    per_node: int | None = Field(
+        default=None, ge=1, le=64, description="devices on each node, at sites with nodes"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_share(cls, data: object) -> object:
+        # a share is one slice of one device: count defaults to 1
+        if isinstance(data, dict) and data.get("share") is not None and "count" not in data:
+            return {**data, "count": 1}
+        return data
 
     @model_validator(mode="after")
     def _one_way(self) -> GpuRequest:
@@ -62,16 +91,44 @@ class GpuRequest(TenantInput):
             and self.min_mem_gb is None
         ):
             raise ValueError("say which accelerators: model, models or min_mem_gb")
-        if self.count == 0 and (self.model or self.models or self.min_mem_gb):
+        if self.count == 0 and (
+            self.model or self.models or self.min_mem_gb or self.profile or self.share
+        ):
             raise ValueError("count must be >= 1 when accelerators are named")
+        if (self.profile is not None or self.share is not None) and self.acceptable is None:
+            raise ValueError("a profile or a share needs model or models")
+        if self.profile is not None and self.share is not None:
+            raise ValueError("give either profile or share, not both")
+        if self.share is not None and self.count != 1:
+            raise ValueError("a share is of one device: count must be 1")
+        if self.share is not None and self.share > 0.5:
+            raise ValueError("a share above 0.5 is a whole device: ask for count 1 instead")
+        if self.per_node is not None:
+            if self.profile is not None or self.share is not None:
+                raise ValueError("per_node applies to whole devices, not to slices")
+            if self.count % self.per_node:
+                raise ValueError(f"count {self.count} is not a multiple of per_node")
         return self
 
     @property
-    def acceptable(self) -> tuple[str, ...] | None:
-        """Named models, or None when any model meeting min_mem_gb will do."""
+    def base_models(self) -> tuple[str, ...] | None:
+        """The device models named, whole or sliced; None when any model will do."""
         if self.model is not None:
             return (self.model,)
         return self.models
+
+    @property
+    def acceptable(self) -> tuple[str, ...] | None:
+        """The (pseudo-)models placement may use, or None when any whole model meeting
+        min_mem_gb will do: a profile's MIG instances, or every slicing at least `share`."""
+        models = self.base_models
+        if models is None or (self.profile is None and self.share is None):
+            return models
+        if self.profile is not None:
+            return tuple(mig_model(m, self.profile) for m in models)
+        share = self.share or 1.0
+        most = min(MAX_TIME_SLICES, int(1.0 / share + 1e-9))
+        return tuple(shared_model(m, n) for m in models for n in range(2, most + 1))
 
 
 class DataLocation(TenantInput):
@@ -274,6 +331,10 @@ class Placement(Frozen):
     runner_up: RunnerUp | None = Field(
         default=None, description="the best option on another site: what this one beat"
     )
+    nodes: tuple[NodeShare, ...] = Field(
+        default=(), description="at a site that declares its nodes: the job's part of each"
+    )
+    island: str | None = Field(default=None, description="the fabric island those nodes share")
 
 
 OnFailure = Literal["fail", "hold"]

@@ -12,15 +12,17 @@ unknown site, or capacity given back that the site never had.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from broker.errors import BrokerError
 from broker.jobs import DataLocation, Group
+from broker.nodes import NodesFree
 from broker.pricing import Breakdown, egress_usd
 from broker.tenancy import BudgetLeft, Headroom, Usage
+from sites.assignments import NodeShare
 from sites.catalog import DeviceCatalog
 from sites.spec import Prices, SiteSpec
 
@@ -65,6 +67,7 @@ class SiteOffer:
     labels: Mapping[str, str] = field(default_factory=dict)
     spare: Spare | None = None  # an oversubscribed site's best-effort room; None: none
     green: Green | None = None  # energy and carbon priced into `prices` (broker.green)
+    nodes: NodesFree | None = None  # a site that declares its nodes: what each has free
 
     @classmethod
     def from_spec(
@@ -84,6 +87,7 @@ class SiteOffer:
             gpu_mem_gb={pool.model: catalog.get(pool.model).mem_gb or 0.0 for pool in pools},
             prices=spec.prices,
             labels=spec.labels,
+            nodes=NodesFree.of_spec(spec),
         )
 
 
@@ -396,14 +400,17 @@ def release(
     mem_gb: float,
     *,
     best_effort: bool = False,
+    nodes: Sequence[NodeShare] = (),
 ) -> Federation:
     """A finished job's devices, cores and memory back at its site (the inverse of
-    broker.placement.apply; the simulator's completions, preemption's victims).
-    PlacementError for an unknown site or model."""
+    broker.placement.apply; the simulator's completions, preemption's victims), and to its
+    nodes at a site that declares them. PlacementError for an unknown site or model."""
     site = fed.site(site_id)
     if model is not None and gpus and model not in site.free_gpus:
         raise PlacementError(f"{site_id} has no {model} to give back")
-    return fed.with_offer(moved(site, model, gpus, cpu, mem_gb, best_effort=best_effort, sign=1))
+    return fed.with_offer(
+        moved(site, model, gpus, cpu, mem_gb, best_effort=best_effort, sign=1, nodes=nodes)
+    )
 
 
 def moved(
@@ -415,17 +422,22 @@ def moved(
     *,
     best_effort: bool,
     sign: int,
+    nodes: Sequence[NodeShare] = (),
 ) -> SiteOffer:
-    """The offer after a job's capacity is taken (sign=-1) or given back (sign=1). Memory is
-    rounded to 1e-6 GB (a KB) so that repeated subtraction does not drift below an exact fit."""
+    """The offer after a job's capacity is taken (sign=-1) or given back (sign=1), on its
+    nodes too when it has some. Memory is rounded to 1e-6 GB (a KB) so that repeated
+    subtraction does not drift below an exact fit."""
     n = gpus if model is not None else 0
     spare = site.spare
+    node_free = site.nodes
+    if node_free is not None and nodes:
+        node_free = node_free.moved(model, nodes, sign)
     if spare is None:
         free_gpus = site.free_gpus
         if n and model is not None:
             free_gpus = {**free_gpus, model: free_gpus[model] + sign * n}
         free_mem = round(site.free_mem_gb + sign * mem_gb, 6)
-        return with_free(site, free_gpus, site.free_cpu + sign * cpu, free_mem)
+        return with_free(site, free_gpus, site.free_cpu + sign * cpu, free_mem, nodes=node_free)
     be_gpus = dict(spare.free_gpus)
     room_gpus = dict(spare.room_gpus)
     if n and model is not None:
@@ -443,6 +455,7 @@ def moved(
         max(0, min(room_cpu, be_cpu)),
         max(0.0, min(room_mem, be_mem)),
         spare=new_spare,
+        nodes=node_free,
     )
 
 
@@ -452,9 +465,11 @@ def with_free(
     free_cpu: int,
     free_mem_gb: float,
     spare: Spare | None = None,
+    *,
+    nodes: NodesFree | None = None,
 ) -> SiteOffer:
-    """The offer with other free capacity (apply and release); `spare`: the site's own
-    unless given."""
+    """The offer with other free capacity (apply and release); `spare` and `nodes`: the
+    site's own unless given."""
     # dataclasses.replace costs twice as much, and this runs once per placement and release
     return SiteOffer(
         site.id,
@@ -470,4 +485,5 @@ def with_free(
         site.labels,
         site.spare if spare is None else spare,
         site.green,
+        site.nodes if nodes is None else nodes,
     )

@@ -34,6 +34,7 @@ cannot honour (stale: unknown site, capacity gone) or a snapshot has duplicate s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ from broker.offers import (
     release,
 )
 from broker.pricing import Breakdown
+from sites.assignments import NodeShare
 
 __all__ = [
     "FILTERS",
@@ -100,6 +102,8 @@ class Decision:
     runner_up: RunnerUp | None  # the best option on another site
     feasible: int  # feasible sites; 0: not counted (place(explain=False))
     reason: str
+    nodes: tuple[NodeShare, ...] = ()  # at a site that declares its nodes: the job's parts
+    island: str | None = None  # the island the nodes share (None: none declared, or spans)
 
     def placement(self) -> Placement:
         """The record's placement (broker.jobs.Placement)."""
@@ -117,6 +121,8 @@ class Decision:
             carbon_usd=self.breakdown.carbon_usd or None,
             co2_kg=self.breakdown.co2_kg or None,
             feasible_sites=self.feasible or None,
+            nodes=self.nodes,
+            island=self.island,
             runner_up=(
                 None
                 if self.runner_up is None
@@ -184,11 +190,13 @@ def place_gang(
     input order; apply each to take the capacity. InvalidRequest when `jobs` is not exactly
     one whole gang."""
     _check_gang(jobs)
+    start = fed
     order = sorted(range(len(jobs)), key=lambda i: (-jobs[i].gpu.count, i))
     decisions: dict[int, Decision] = {}
+    islands: dict[str, str] = {}  # site -> the island the gang's members there use
     for done, i in enumerate(order):
         job = jobs[i]
-        outcome = _place(job, fed, now, usage, groups)
+        outcome = _place(job, fed, now, usage, groups, islands)
         if isinstance(outcome, Unschedulable):
             gang = job.gang
             name = gang.name if gang is not None else "?"
@@ -198,10 +206,46 @@ def place_gang(
                 f"(after {done} of {len(jobs)} fitted): {outcome.message}",
             )
         decisions[i] = outcome
+        if outcome.island is not None:
+            islands.setdefault(outcome.site, outcome.island)
         fed = apply(fed, outcome, job)
         usage = charged(usage, job, outcome)
         groups = groups.with_placed(job.group, outcome.site)
-    return [decisions[i] for i in range(len(jobs))]
+    placed = [decisions[i] for i in range(len(jobs))]
+    return _one_island(jobs, placed, start)
+
+
+def _one_island(jobs: Sequence[JobSpec], placed: list[Decision], fed: Federation) -> list[Decision]:
+    """The gang's members at a site with nodes moved into one island when the greedy pass
+    left them in several and one island holds them all (their nodes chosen together on the
+    site's nodes as they were before the gang)."""
+    by_site: dict[str, list[int]] = {}
+    for i, decision in enumerate(placed):
+        if decision.nodes:
+            by_site.setdefault(decision.site, []).append(i)
+    for site_id, members in by_site.items():
+        if len({placed[i].island for i in members}) == 1 and placed[members[0]].island:
+            continue
+        nodes = fed.site(site_id).nodes
+        if nodes is None:
+            continue
+        parts = [
+            (placed[i].model, jobs[i].gpu.count, jobs[i].gpu.per_node, jobs[i].cpu, jobs[i].mem_gb)
+            for i in members
+        ]
+        together = nodes.choose_together(parts)
+        if together is None:
+            continue
+        for i, chosen in zip(members, together, strict=True):
+            d = placed[i]
+            head = d.reason.split("; node", 1)[0]
+            placed[i] = dataclasses.replace(
+                d,
+                nodes=chosen.shares,
+                island=chosen.island,
+                reason=f"{head}; {chosen.describe(d.model)} with the rest of its gang",
+            )
+    return placed
 
 
 def charged(usage: TenantUsage, job: JobSpec, decision: Decision) -> TenantUsage:
@@ -238,6 +282,14 @@ def apply(fed: Federation, decision: Decision, job: JobSpec) -> Federation:
             )
     if free.free_cpu < job.cpu or free.free_mem_gb < job.mem_gb:
         raise PlacementError(f"{decision.site} no longer has the cores or memory for {job.name}")
+    if decision.nodes and site.nodes is not None:
+        for share in decision.nodes:
+            node = site.nodes.nodes[site.nodes.position(share.node)]
+            have = node.gpus.get(decision.model, 0) if decision.model is not None else 0
+            if have < share.gpus or node.cpu < share.cpu or node.mem_gb < share.mem_gb - 1e-9:
+                raise PlacementError(
+                    f"{decision.site}: node {share.node} no longer has room for {job.name}"
+                )
     return fed.with_offer(
         moved(
             site,
@@ -247,6 +299,7 @@ def apply(fed: Federation, decision: Decision, job: JobSpec) -> Federation:
             job.mem_gb,
             best_effort=job.best_effort,
             sign=-1,
+            nodes=decision.nodes,
         )
     )
 
@@ -274,7 +327,12 @@ def _check_gang(jobs: Sequence[JobSpec]) -> None:
 
 
 def _place(
-    job: JobSpec, fed: Federation, now: datetime, usage: TenantUsage, groups: GroupState
+    job: JobSpec,
+    fed: Federation,
+    now: datetime,
+    usage: TenantUsage,
+    groups: GroupState,
+    islands: dict[str, str] | None = None,
 ) -> Decision | Unschedulable:
     found = screen(request(job, fed, now=now, usage=usage, groups=groups), fed, cheapest=True)
     options = found.options
@@ -299,6 +357,7 @@ def _place(
         f"{green}, egress {egress:.2f}, latency {latency:.2f}); next: "
         + ("none" if runner_up is None else f"{runner_up.site} {runner_up.cost_usd:.2f}")
     )
+    shares, island, where = _nodes_for(job, site, model, islands)
     return Decision(
         job=job.name,
         site=site.id,
@@ -309,8 +368,25 @@ def _place(
         breakdown=parts,
         runner_up=runner_up,
         feasible=feasible,
-        reason=reason_text,
+        reason=reason_text + where,
+        nodes=shares,
+        island=island,
     )
+
+
+def _nodes_for(
+    job: JobSpec, site: SiteOffer, model: str | None, islands: dict[str, str] | None
+) -> tuple[tuple[NodeShare, ...], str | None, str]:
+    """The nodes a job placed at `site` takes (none at a site that declares no nodes, and for
+    best-effort work on spare capacity), their island and the reason's words for them."""
+    nodes = site.nodes
+    if nodes is None or (job.best_effort and site.spare is not None):
+        return (), None, ""
+    prefer = None if islands is None else islands.get(site.id)
+    chosen = nodes.choose(model, job.gpu.count, job.gpu.per_node, job.cpu, job.mem_gb, prefer)
+    if chosen is None:  # the filter said the nodes hold it: a caller's stale snapshot
+        raise PlacementError(f"{site.id}: its nodes cannot hold {job.name}")
+    return chosen.shares, chosen.island, "; " + chosen.describe(model)
 
 
 def compute_only(job: JobSpec) -> bool:
@@ -387,6 +463,7 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
     nothing fits (or quota stops it), for the full scan to explain. No runner-up: finding one
     would mean visiting sites past the best."""
     count = job.gpu.count
+    per_node = job.gpu.per_node
     if count and usage.exceeds(job.tenant, count):
         return None
     cpu = job.cpu
@@ -418,7 +495,7 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
         if count and len(offered) == 1 and site.free_gpus[offered[0][0]] < count:
             continue
         # the full scan's capacity part and prices (broker.feasibility, broker.pricing)
-        bad, model, price, free = capacity(site, offered, count, cpu, mem)
+        bad, model, price, free = capacity(site, offered, count, cpu, mem, per_node)
         if bad >= 0:
             continue
         hourly = base + count * price if count else base
@@ -438,6 +515,7 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
     if best is None or best_key is None:
         return None
     site, model, compute = best
+    shares, island, where = _nodes_for(job, site, model, None)
     return Decision(
         job=job.name,
         site=site.id,
@@ -450,7 +528,9 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
         ),
         runner_up=None,
         feasible=0,
-        reason=_UNEXPLAINED,
+        reason=_UNEXPLAINED + where,
+        nodes=shares,
+        island=island,
     )
 
 

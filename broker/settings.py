@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -75,6 +76,11 @@ class SchedulingSettings(BaseModel):
         le=100_000,
         description="price the carbon of that energy (x the site's grid_kgco2_per_kwh) at "
         "this many USD per tonne CO2; 0: not priced",
+    )
+    node_packing: Literal["pack", "spread"] = Field(
+        default="pack",
+        description="at sites that declare their nodes: pack a job onto the fullest nodes "
+        "that hold it (whole nodes stay free for large jobs), or spread onto the emptiest",
     )
 
 

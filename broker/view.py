@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from broker import placement as pl
 from broker.green import green_of, priced
 from broker.jobs import JobRecord, JobState
+from broker.nodes import NodesFree, Packing
 from broker.offers import Green, with_free
 from broker.store import decode
 from broker.tenancy import BudgetLeft, Quotas, held_by_tenant
@@ -256,7 +257,15 @@ def federation(
     held_mem: dict[str, float] = {}
     held_gpus: dict[str, dict[str, int]] = {}
     be_held: dict[str, tuple[float, float, dict[str, int]]] = {}  # best-effort's part of it
+    held_nodes: dict[str, dict[str, tuple[dict[str, int], int, float]]] = {}
     for a in live_assignments(view, written).values():
+        if a.nodes:
+            on = held_nodes.setdefault(a.site, {})
+            for share in a.nodes:
+                node_gpus, node_cpu, node_mem = on.get(share.node, ({}, 0, 0.0))
+                if a.model is not None and share.gpus:
+                    node_gpus[a.model] = node_gpus.get(a.model, 0) + share.gpus
+                on[share.node] = (node_gpus, node_cpu + share.cpu, node_mem + share.mem_gb)
         held_cpu[a.site] = held_cpu.get(a.site, 0.0) + a.cpu
         held_mem[a.site] = held_mem.get(a.site, 0.0) + a.mem_gb
         if a.model is not None and a.gpus:
@@ -284,6 +293,7 @@ def federation(
             catalog=catalog,
             best_effort=be_held.get(site_id, _NO_BEST_EFFORT),
             settings=settings,
+            held_nodes=held_nodes.get(site_id, _NO_NODES),
         )
         entry = cached.get(site_id)
         offer = entry[1] if entry is not None and entry[0].same(inputs) else inputs.offer(site_id)
@@ -317,6 +327,9 @@ class _OfferInputs:
     best_effort: tuple[float, float, Mapping[str, int]] = (0.0, 0.0, {})  # of the held: cpu,
     # memory, devices
     settings: SchedulingSettings | None = None  # the green objective's terms (broker.green)
+    held_nodes: Mapping[str, tuple[dict[str, int], int, float]] = field(
+        default_factory=dict
+    )  # node -> what live work holds there: devices by model, cores, GB
 
     def same(self, other: _OfferInputs) -> bool:
         """The spec and the catalog by identity (replaced when they change), the rest by value
@@ -331,7 +344,9 @@ class _OfferInputs:
             and self.held_mem_gb == other.held_mem_gb
             and self.held_gpus == other.held_gpus
             and self.best_effort == other.best_effort
+            and self.held_nodes == other.held_nodes
             and _green_terms(self.settings) == _green_terms(other.settings)
+            and _packing(self.settings) == _packing(other.settings)
         )
 
     def prices(self) -> tuple[Prices, Green | None]:
@@ -361,6 +376,7 @@ class _OfferInputs:
             prices=prices,
             labels=spec.labels,
             green=green,
+            nodes=NodesFree.of_spec(spec, self.held_nodes, packing=_packing(self.settings)),
         )
         over = spec.oversubscription
         return offer if over is None else self._oversubscribed(offer, cap, over)
@@ -399,6 +415,11 @@ class _OfferInputs:
 
 
 _NO_BEST_EFFORT: tuple[float, float, Mapping[str, int]] = (0.0, 0.0, {})
+_NO_NODES: Mapping[str, tuple[dict[str, int], int, float]] = {}
+
+
+def _packing(settings: SchedulingSettings | None) -> Packing:
+    return "pack" if settings is None else settings.node_packing
 
 
 def _green_terms(settings: SchedulingSettings | None) -> tuple[bool, float]:

@@ -461,6 +461,7 @@ class Agent:
             gpus=tuple(gpus),
             storage=tuple(storage),
             host=host,
+            nodes=self.workload.node_usage() if self.workload is not None else (),
         )
 
     def _resources(self) -> SiteResources:

@@ -19,6 +19,15 @@ class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class NodeShare(Frozen):
+    """A job's part of one node of a site that declares its nodes (sites.spec.Topology)."""
+
+    node: str
+    gpus: int = Field(default=0, ge=0, description="devices of the assignment's model")
+    cpu: int = Field(default=0, ge=0)
+    mem_gb: float = Field(default=0.0, ge=0)
+
+
 class Assignment(Frozen):
     job: str
     site: str
@@ -29,6 +38,9 @@ class Assignment(Frozen):
     env: dict[str, str] = Field(default_factory=dict)
     model: str | None = Field(default=None, description="accelerator model, None for CPU-only")
     gpus: int = Field(default=0, ge=0)
+    nodes: tuple[NodeShare, ...] = Field(
+        default=(), description="the broker's choice of nodes, at a site that declares them"
+    )
     cpu: int = Field(default=0, ge=0)
     mem_gb: float = Field(default=0.0, ge=0)
     checkpoint_path: str | None = None

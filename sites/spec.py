@@ -10,7 +10,7 @@ import enum
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 SITE_ID_RE = r"^[a-z][a-z0-9-]{0,62}$"
 NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -284,6 +284,70 @@ class Oversubscription(Frozen):
         return self.gpu_models.get(model, self.gpus)
 
 
+class NodeGroup(Frozen):
+    """`count` identical nodes, named <name>-0 .. <name>-<count-1> (one node: <name>)."""
+
+    name: Name
+    count: int = Field(default=1, ge=1, le=100_000)
+    devices: dict[str, int] = Field(
+        default_factory=dict, description="device model -> devices on each node"
+    )
+    cpu_cores: int = Field(ge=0, description="on each node")
+    mem_gb: NonNegative = Field(description="on each node")
+    island: Name | None = Field(
+        default=None, description="the fabric domain (NVLink, InfiniBand) all these nodes share"
+    )
+    island_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="or: islands of this many nodes each, named <name>-i0, <name>-i1, ...",
+    )
+
+    @field_validator("devices")
+    @classmethod
+    def _positive(cls, devices: dict[str, int]) -> dict[str, int]:
+        for model, n in devices.items():
+            if n < 1:
+                raise ValueError(f"{model}: at least 1 device a node")
+        return devices
+
+    @field_validator("island_size")
+    @classmethod
+    def _one_island_rule(cls, size: int | None, info: ValidationInfo) -> int | None:
+        if size is not None and info.data.get("island") is not None:
+            raise ValueError("give island or island_size, not both")
+        return size
+
+    def node_names(self) -> tuple[str, ...]:
+        if self.count == 1:
+            return (self.name,)
+        return tuple(f"{self.name}-{i}" for i in range(self.count))
+
+    def island_of(self, index: int) -> str | None:
+        if self.island_size is not None:
+            return f"{self.name}-i{index // self.island_size}"
+        return self.island
+
+
+class Topology(Frozen):
+    """资源拓扑: the site's nodes and fabric islands. Placement packs jobs onto nodes (not
+    the site's totals), keeps a multi-node job or a gang in one island when one has room;
+    the nodes' devices must add up to the inventory's (docs/topology.md)."""
+
+    nodes: tuple[NodeGroup, ...] = Field(min_length=1)
+
+    @field_validator("nodes")
+    @classmethod
+    def _unique_names(cls, groups: tuple[NodeGroup, ...]) -> tuple[NodeGroup, ...]:
+        seen: set[str] = set()
+        for group in groups:
+            for name in group.node_names():
+                if name in seen:
+                    raise ValueError(f"node {name!r} is declared twice")
+                seen.add(name)
+        return groups
+
+
 class SiteSpec(Frozen):
     id: SiteId
     region: Name = Field(description="placement/sovereignty region, e.g. yangtze-delta")
@@ -304,6 +368,9 @@ class SiteSpec(Frozen):
     perception: Perception = Perception()
     agent: Agent = Agent()
     oversubscription: Oversubscription | None = None
+    topology: Topology | None = Field(
+        default=None, description="nodes and islands; without it the site is one pool"
+    )
 
     @field_validator("labels")
     @classmethod
@@ -312,3 +379,31 @@ class SiteSpec(Frozen):
             if not re.fullmatch(r"[a-z0-9]([a-z0-9._/-]{0,61}[a-z0-9])?", key):
                 raise ValueError(f"label key {key!r} must be a lower-case DNS-like name")
         return labels
+
+    @model_validator(mode="after")
+    def _nodes_add_up(self) -> SiteSpec:
+        topology = self.topology
+        if topology is None:
+            return self
+        inv = self.inventory
+        declared = {pool.model: pool.count for pool in inv.devices}
+        on_nodes: dict[str, int] = {}
+        cpu = 0
+        mem = 0.0
+        for group in topology.nodes:
+            for model, n in group.devices.items():
+                on_nodes[model] = on_nodes.get(model, 0) + n * group.count
+            cpu += group.cpu_cores * group.count
+            mem += group.mem_gb * group.count
+        for model in sorted(set(declared) | set(on_nodes)):
+            if declared.get(model, 0) != on_nodes.get(model, 0):
+                raise ValueError(
+                    f"topology.nodes hold {on_nodes.get(model, 0)} x {model}, the inventory "
+                    f"declares {declared.get(model, 0)}"
+                )
+        if cpu > inv.cpu_cores or mem > inv.mem_gb + 1e-6:
+            raise ValueError(
+                f"topology.nodes hold {cpu} cores and {mem:g} GB, more than the inventory's "
+                f"{inv.cpu_cores} and {inv.mem_gb:g}"
+            )
+        return self

@@ -122,6 +122,16 @@ class HostUsage(Frozen):
     load_1m: float
 
 
+class NodeUsage(Frozen):
+    """One declared node (sites.spec.Topology) as the agent sees it: what it has free."""
+
+    node: str
+    island: str | None = None
+    free_devices: dict[str, int] = Field(default_factory=dict, description="model -> free")
+    free_cpu: int = Field(ge=0)
+    free_mem_gb: float = Field(ge=0)
+
+
 class SiteStatus(Frozen):
     site: str
     instance: str
@@ -134,6 +144,9 @@ class SiteStatus(Frozen):
     gpus: tuple[GpuDevice, ...] = ()
     storage: tuple[StorageUsage, ...] = ()
     host: HostUsage
+    nodes: tuple[NodeUsage, ...] = Field(
+        default=(), description="per declared node, what it has free (sites with nodes)"
+    )
 
 
 class LinkStatus(Frozen):

@@ -33,7 +33,7 @@ from sites.executor import JOB_ID_RE, Executor, ExecutorError, RunHandle, log_pa
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.spec import Oversubscription, SiteSpec
-from sites.status import AgentRecord, GpuDevice
+from sites.status import AgentRecord, GpuDevice, NodeUsage
 
 log = logging.getLogger(__name__)
 
@@ -68,17 +68,38 @@ class SiteResources:
     # best-effort runs share devices, cores and memory up to it; others never exceed the
     # physical, whatever best-effort work holds
     oversubscription: Oversubscription | None = None
+    # a site that declares its nodes (sites.spec.Topology): node -> model -> its device indices
+    nodes: Mapping[str, Mapping[str, tuple[int, ...]]] = field(default_factory=dict)
 
 
 def declared_resources(spec: SiteSpec) -> SiteResources:
-    """The declared inventory; device indices are 0..count-1 per model."""
+    """The declared inventory; device indices are 0..count-1 per model, given to the declared
+    nodes in order (the first node has the lowest indices)."""
     inv = spec.inventory
     return SiteResources(
         devices={pool.model: tuple(range(pool.count)) for pool in inv.devices},
         cpu_cores=inv.cpu_cores,
         mem_gb=inv.mem_gb,
         oversubscription=spec.oversubscription,
+        nodes=node_devices(spec),
     )
+
+
+def node_devices(spec: SiteSpec) -> dict[str, dict[str, tuple[int, ...]]]:
+    """node -> model -> device indices, for a site that declares its nodes ({} otherwise)."""
+    if spec.topology is None:
+        return {}
+    nodes: dict[str, dict[str, tuple[int, ...]]] = {}
+    next_index: dict[str, int] = {}
+    for group in spec.topology.nodes:
+        for name in group.node_names():
+            mine: dict[str, tuple[int, ...]] = {}
+            for model, n in group.devices.items():
+                first = next_index.get(model, 0)
+                mine[model] = tuple(range(first, first + n))
+                next_index[model] = first + n
+            nodes[name] = mine
+    return nodes
 
 
 @dataclass(eq=False)
@@ -215,10 +236,15 @@ def allocate(
             have = ", ".join(f"{len(ix)} x {m}" for m, ix in resources.devices.items()) or "none"
             raise DoesNotFit(f"site has no {a.model} devices (it has: {have})")
         taken = {i for run in holding if run.assignment.model == a.model for i in run.devices}
-        free = [i for i in pool if i not in taken]
-        if len(free) < a.gpus:
-            raise DoesNotFit(f"needs {a.gpus} x {a.model}, only {len(free)} of {len(pool)} free")
-        devices = tuple(free[: a.gpus])
+        if a.nodes and resources.nodes:
+            devices = _on_nodes(a, a.model, resources, taken)
+        else:
+            free = [i for i in pool if i not in taken]
+            if len(free) < a.gpus:
+                raise DoesNotFit(
+                    f"needs {a.gpus} x {a.model}, only {len(free)} of {len(pool)} free"
+                )
+            devices = tuple(free[: a.gpus])
     cpu_free = resources.cpu_cores - sum(run.assignment.cpu for run in holding)
     if a.cpu > cpu_free:
         raise DoesNotFit(f"needs {a.cpu} CPU cores, only {max(0, cpu_free)} free")
@@ -226,6 +252,26 @@ def allocate(
     if a.mem_gb > mem_free + 1e-9:
         raise DoesNotFit(f"needs {a.mem_gb:g} GB of memory, only {max(0.0, mem_free):g} free")
     return devices
+
+
+def _on_nodes(
+    a: Assignment, model: str, resources: SiteResources, taken: set[int]
+) -> tuple[int, ...]:
+    """The devices of the nodes the broker chose (Assignment.nodes), share by share."""
+    devices: list[int] = []
+    for share in a.nodes:
+        node = resources.nodes.get(share.node)
+        if node is None:
+            raise DoesNotFit(f"the broker chose node {share.node!r}, which this site lacks")
+        free = [i for i in node.get(model, ()) if i not in taken]
+        if len(free) < share.gpus:
+            raise DoesNotFit(
+                f"needs {share.gpus} x {model} on node {share.node}, only {len(free)} free there"
+            )
+        devices.extend(free[: share.gpus])
+    if len(devices) != a.gpus:
+        raise DoesNotFit(f"its nodes hold {len(devices)} of the {a.gpus} x {model} it asks for")
+    return tuple(devices)
 
 
 def _share(
@@ -448,6 +494,44 @@ class Workload:
             if run.live and run.devices and run.assignment.model is not None:
                 held.setdefault(run.assignment.model, set()).update(run.devices)
         return {model: frozenset(ix) for model, ix in held.items()}
+
+    def node_usage(self) -> tuple[NodeUsage, ...]:
+        """What each declared node has free now (the agent publishes it; () without nodes)."""
+        nodes = self._resources().nodes
+        if not nodes:
+            return ()
+        held: dict[str, set[int]] = {}
+        cores: dict[str, int] = {}
+        mem: dict[str, float] = {}
+        for run in self._runs.values():
+            if not run.live:
+                continue
+            a = run.assignment
+            if a.model is not None:
+                held.setdefault(a.model, set()).update(run.devices)
+            for share in a.nodes:
+                cores[share.node] = cores.get(share.node, 0) + share.cpu
+                mem[share.node] = mem.get(share.node, 0.0) + share.mem_gb
+        topology = self.spec.topology
+        sizes: dict[str, tuple[int, float, str | None]] = {}
+        if topology is not None:
+            for group in topology.nodes:
+                for i, name in enumerate(group.node_names()):
+                    sizes[name] = (group.cpu_cores, group.mem_gb, group.island_of(i))
+        out = []
+        for name, devices in nodes.items():
+            cpu, gb, island = sizes.get(name, (0, 0.0, None))
+            free = {m: sum(1 for i in ix if i not in held.get(m, ())) for m, ix in devices.items()}
+            out.append(
+                NodeUsage(
+                    node=name,
+                    island=island,
+                    free_devices=free,
+                    free_cpu=max(0, cpu - cores.get(name, 0)),
+                    free_mem_gb=round(max(0.0, gb - mem.get(name, 0.0)), 6),
+                )
+            )
+        return tuple(out)
 
     def held(self) -> Capacity:
         """Capacity held by live runs: their devices per model, cores and memory."""

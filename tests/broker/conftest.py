@@ -77,6 +77,8 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
     doc["agent"] = {"interval_s": 0.5}
     if "oversubscription" in spec:
         doc["oversubscription"] = spec["oversubscription"]
+    if "topology" in spec:
+        doc["topology"] = spec["topology"]
     return doc
 
 

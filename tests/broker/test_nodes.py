@@ -1,0 +1,267 @@
+"""Nodes and islands inside a site (broker.nodes): the fit test, the choice, placement on them.
+
+Sites are built from specs (sites.spec.Topology) small enough to check by hand.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from broker.jobs import JobSpec
+from broker.nodes import NodesFree, shape
+from broker.placement import (
+    Federation,
+    GroupState,
+    SiteOffer,
+    TenantUsage,
+    Unschedulable,
+    apply,
+    place,
+    place_gang,
+    release,
+)
+from sites.assignments import Assignment, NodeShare
+from sites.catalog import DeviceCatalog
+from sites.spec import SiteSpec
+from sites.workload import DoesNotFit, Run, allocate, declared_resources
+
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+CATALOG = DeviceCatalog.load()
+
+
+def spec(site: str, groups: list[dict[str, Any]], *, price: float = 2.0) -> SiteSpec:
+    gpus = sum(g.get("count", 1) * g.get("devices", {}).get("H100", 0) for g in groups)
+    cpu = sum(g.get("count", 1) * g["cpu_cores"] for g in groups)
+    mem = sum(g.get("count", 1) * g["mem_gb"] for g in groups)
+    return SiteSpec.model_validate(
+        {
+            "id": site,
+            "region": "r1",
+            "country": "CN",
+            "provider": "on-prem",
+            "coordinates": {"lat": 30.0, "lon": 110.0},
+            "inventory": {
+                "devices": [{"model": "H100", "count": gpus}] if gpus else [],
+                "cpu_cores": cpu,
+                "mem_gb": mem,
+            },
+            "prices": {"usd_per_gpu_hour": {"H100": price}},
+            "power": {"pue": 1.2, "usd_per_kwh": 0.1, "grid_kgco2_per_kwh": 0.5},
+            "topology": {"nodes": groups},
+        }
+    )
+
+
+def job(name: str = "train", **fields: Any) -> JobSpec:
+    doc: dict[str, Any] = {
+        "name": name,
+        "tenant": "acme",
+        "command": ["true"],
+        "gpu": {"count": 8, "model": "H100"},
+        "cpu": 16,
+        "mem_gb": 64,
+    }
+    doc.update(fields)
+    return JobSpec.model_validate(doc)
+
+
+def node_group(name: str, count: int, gpus: int = 8, **more: Any) -> dict[str, Any]:
+    return {
+        "name": name,
+        "count": count,
+        "devices": {"H100": gpus},
+        "cpu_cores": 112,
+        "mem_gb": 2048,
+        **more,
+    }
+
+
+def scattered(site: str, *, price: float = 1.0) -> SiteOffer:
+    """8 nodes of 8 H100 with 7 of each node's devices held: 8 free, one a node."""
+    s = spec(site, [node_group("n", 8)], price=price)
+    held = {f"n-{i}": ({"H100": 7}, 8, 64.0) for i in range(8)}
+    offer = SiteOffer.from_spec(s, CATALOG)
+    nodes = NodesFree.of_spec(s, held)
+    return _with_nodes(offer, {"H100": 8}, nodes)
+
+
+def _with_nodes(offer: SiteOffer, free: dict[str, int], nodes: NodesFree | None) -> SiteOffer:
+    return SiteOffer(
+        offer.id,
+        offer.region,
+        offer.country,
+        offer.up,
+        offer.cordoned,
+        free,
+        offer.free_cpu,
+        offer.free_mem_gb,
+        offer.gpu_mem_gb,
+        offer.prices,
+        offer.labels,
+        nodes=nodes,
+    )
+
+
+def placed(j: JobSpec, fed: Federation) -> Any:
+    return place(j, fed, now=NOW, usage=TenantUsage(), groups=GroupState())
+
+
+def test_nodes_must_add_up_to_the_inventory() -> None:
+    doc = spec("a", [node_group("n", 2)]).model_dump(mode="json")
+    doc["inventory"]["devices"] = [{"model": "H100", "count": 24}]
+    with pytest.raises(ValidationError, match=r"topology.nodes hold 16 x H100, the inventory"):
+        SiteSpec.model_validate(doc)
+    doc["inventory"]["devices"] = [{"model": "H100", "count": 32}]
+    doc["inventory"]["cpu_cores"] = 448
+    doc["inventory"]["mem_gb"] = 8192
+    doc["topology"]["nodes"].append(node_group("n", 2))
+    with pytest.raises(ValidationError, match="node 'n-0' is declared twice"):
+        SiteSpec.model_validate(doc)
+
+
+def test_shapes_take_one_node_when_one_holds_it_else_whole_nodes() -> None:
+    size = {"H100": 8}
+    assert shape(size, "H100", 4, None) == [4]
+    assert shape(size, "H100", 8, None) == [8]
+    assert shape(size, "H100", 20, None) == [8, 8, 4]
+    assert shape(size, "H100", 16, 4) == [4, 4, 4, 4]
+    assert shape(size, "H100", 16, 16) is None  # per_node above the node size
+    assert shape(size, "A100-80GB", 1, None) is None
+    assert shape(size, None, 0, None) == [0]
+
+
+def test_an_8_gpu_job_is_refused_where_free_gpus_are_scattered() -> None:
+    fed = Federation(sites=(scattered("cheap"),))
+    out = placed(job(), fed)
+    assert isinstance(out, Unschedulable)
+    assert out.reasons == {"nodes": ["cheap"]}
+    assert "scattered over nodes" in out.message
+    # a 1-GPU job fits there, on one node
+    small = placed(job(gpu={"count": 1, "model": "H100"}, cpu=8, mem_gb=64), fed)
+    assert not isinstance(small, Unschedulable)
+    assert len(small.nodes) == 1 and small.nodes[0].gpus == 1
+
+
+def test_it_goes_to_the_dearer_site_with_a_whole_free_node() -> None:
+    whole = SiteOffer.from_spec(spec("whole", [node_group("g", 2)], price=3.0), CATALOG)
+    fed = Federation(sites=(scattered("cheap"), whole))
+    out = placed(job(), fed)
+    assert not isinstance(out, Unschedulable)
+    assert out.site == "whole"
+    assert [(s.node, s.gpus, s.cpu) for s in out.nodes] == [("g-0", 8, 16)]
+    assert "node g-0 (8 x H100)" in out.reason
+    # explain=False (the index path) agrees
+    quick = place(job(), fed, now=NOW, usage=TenantUsage(), groups=GroupState(), explain=False)
+    assert not isinstance(quick, Unschedulable)
+    assert (quick.site, quick.nodes) == (out.site, out.nodes)
+
+
+def test_packing_takes_the_fullest_node_that_fits_and_spread_the_emptiest() -> None:
+    s = spec("a", [node_group("n", 3)])
+    held = {"n-0": ({"H100": 6}, 0, 0.0), "n-1": ({"H100": 2}, 0, 0.0)}
+    packed = NodesFree.of_spec(s, held)
+    spread = NodesFree.of_spec(s, held, packing="spread")
+    assert packed is not None and spread is not None
+    two = packed.choose("H100", 2, None, 4, 8.0)
+    assert two is not None and [x.node for x in two.shares] == ["n-0"]
+    two = spread.choose("H100", 2, None, 4, 8.0)
+    assert two is not None and [x.node for x in two.shares] == ["n-2"]
+    # 6 devices: n-0 has only 2 left, so packing takes n-1 (6 free), not the empty n-2
+    six = packed.choose("H100", 6, None, 4, 8.0)
+    assert six is not None and [x.node for x in six.shares] == ["n-1"]
+
+
+def test_cores_and_memory_must_fit_on_the_node_too() -> None:
+    s = spec("a", [node_group("n", 2)])
+    nodes = NodesFree.of_spec(s, {"n-0": ({}, 110, 0.0), "n-1": ({}, 0, 2000.0)})
+    assert nodes is not None
+    assert not nodes.fits("H100", 8, None, 16, 64.0)  # n-0 lacks cores, n-1 memory
+    assert nodes.fits("H100", 8, None, 2, 48.0)
+    assert nodes.choose("H100", 8, None, 16, 64.0) is None
+
+
+def test_a_multi_node_job_stays_in_one_island_when_one_has_room() -> None:
+    # islands of 2 nodes; i0 has one node held, i1 is empty: a 16-GPU job goes to i1
+    s = spec("a", [node_group("n", 4, island_size=2)])
+    nodes = NodesFree.of_spec(s, {"n-0": ({"H100": 8}, 0, 0.0)})
+    assert nodes is not None
+    chosen = nodes.choose("H100", 16, None, 32, 128.0)
+    assert chosen is not None
+    assert (chosen.island, chosen.spans) == ("n-i1", False)
+    assert sorted(x.node for x in chosen.shares) == ["n-2", "n-3"]
+    assert all((x.gpus, x.cpu, x.mem_gb) == (8, 16, 64.0) for x in chosen.shares)
+    # with a node of each island held, 16 GPUs fit only across islands, and say so
+    nodes = NodesFree.of_spec(s, {"n-0": ({"H100": 8}, 0, 0.0), "n-2": ({"H100": 8}, 0, 0.0)})
+    assert nodes is not None
+    chosen = nodes.choose("H100", 16, None, 32, 128.0)
+    assert chosen is not None and chosen.spans and chosen.island is None
+    assert "across islands" in chosen.describe("H100")
+
+
+def test_a_gang_is_kept_in_one_island() -> None:
+    # two islands of 4 nodes; i0 is the fuller one, so packing starts the gang there and
+    # keeps every member in it while it has room
+    s = spec("a", [node_group("n", 8, island_size=4)])
+    offer = SiteOffer.from_spec(s, CATALOG)
+    fed = Federation(sites=(offer,))
+    nodes = NodesFree.of_spec(s, {"n-0": ({"H100": 8}, 0, 0.0)})
+    fed = Federation(sites=(_with_nodes(offer, {"H100": 56}, nodes),))
+    members = [
+        job(f"w{i}", gang={"name": "g", "size": 3}, gpu={"count": 8, "model": "H100"})
+        for i in range(3)
+    ]
+    out = place_gang(members, fed, now=NOW, usage=TenantUsage(), groups=GroupState())
+    assert not isinstance(out, Unschedulable)
+    assert {d.island for d in out} == {"n-i0"}
+    assert sorted(d.nodes[0].node for d in out) == ["n-1", "n-2", "n-3"]
+    assert all("in island n-i0" in d.reason for d in out)
+
+
+def test_apply_and_release_move_the_nodes_free_capacity() -> None:
+    s = spec("a", [node_group("n", 2)])
+    fed = Federation(sites=(SiteOffer.from_spec(s, CATALOG),))
+    j = job(gpu={"count": 4, "model": "H100"})
+    out = placed(j, fed)
+    assert not isinstance(out, Unschedulable)
+    after = apply(fed, out, j)
+    nodes = after.site("a").nodes
+    assert nodes is not None
+    assert [n.gpus["H100"] for n in nodes.nodes] == [4, 8]
+    back = release(
+        fed=after, site_id="a", model="H100", gpus=4, cpu=16, mem_gb=64.0, nodes=out.nodes
+    )
+    again = back.site("a").nodes
+    assert again is not None and [n.gpus["H100"] for n in again.nodes] == [8, 8]
+    assert again.nodes[0].cpu == 112 and again.nodes[0].mem_gb == 2048
+
+
+def test_the_agent_gives_the_devices_of_the_chosen_nodes() -> None:
+    s = spec("a", [node_group("n", 2)])
+    resources = declared_resources(s)
+    assert resources.nodes == {
+        "n-0": {"H100": tuple(range(8))},
+        "n-1": {"H100": tuple(range(8, 16))},
+    }
+    a = Assignment(
+        job="j1",
+        site="a",
+        tenant="acme",
+        attempt=1,
+        fence=1,
+        command=("true",),
+        model="H100",
+        gpus=8,
+        nodes=(NodeShare(node="n-1", gpus=8, cpu=16, mem_gb=64.0),),
+        cpu=16,
+        mem_gb=64.0,
+        assigned_at=0.0,
+    )
+    assert allocate(a, resources, []) == tuple(range(8, 16))
+    held = Run(assignment=a, devices=tuple(range(8, 16)))
+    b = a.model_copy(update={"job": "j2"})
+    with pytest.raises(DoesNotFit, match="on node n-1, only 0 free"):
+        allocate(b, resources, [held])

@@ -1,0 +1,85 @@
+"""Nodes and islands inside a site, end to end: real etcd, real agents running the jobs as
+processes on the devices of the nodes the broker chose, the broker over HTTP on loopback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tests.broker.conftest import SITES, Federation
+
+
+def nodes(name: str, count: int, **more: Any) -> dict[str, Any]:
+    return {
+        "nodes": [
+            {
+                "name": name,
+                "count": count,
+                "devices": {"H100": 8},
+                "cpu_cores": 64,
+                "mem_gb": 1024,
+                **more,
+            }
+        ]
+    }
+
+
+TWO_SITES = {
+    # cheaper: three nodes, to be left with 3 free GPUs on each (9 in all, no whole node)
+    "east-b": {**SITES["east-b"], "count": 24, "topology": nodes("n", 3)},
+    # dearer: four nodes in two islands of two
+    "east-a": {**SITES["east-a"], "count": 32, "topology": nodes("g", 4, island_size=2)},
+}
+SHOW = 'echo "devices=$CUDA_VISIBLE_DEVICES"; sleep 60'
+
+
+def test_jobs_go_by_free_nodes_not_site_totals_and_a_gang_stays_in_one_island(
+    make_federation: Callable[..., Federation],
+) -> None:
+    fed = make_federation(TWO_SITES)
+    fillers = [
+        fed.submit(name=f"fill{i}", gpu={"model": "H100", "count": 5}, cpu=8, mem_gb=64,
+                   command=["sleep", "60"])
+        for i in range(3)
+    ]  # fmt: skip
+    held = [fed.wait_state(f["id"], "RUNNING") for f in fillers]
+    assert {h["placement"]["site"] for h in held} == {"east-b"}
+    assert sorted(h["placement"]["nodes"][0]["node"] for h in held) == ["n-0", "n-1", "n-2"]
+    # 9 H100 free at east-b, but 3 a node: an 8-GPU job goes to a whole node at east-a
+    big = fed.submit(name="big", gpu={"model": "H100", "count": 8}, cpu=16, mem_gb=128,
+                     command=["sh", "-c", SHOW])  # fmt: skip
+    record = fed.wait_state(big["id"], "RUNNING")
+    placement = record["placement"]
+    assert placement["site"] == "east-a", record["events"]
+    assert placement["nodes"] == [{"node": "g-0", "gpus": 8, "cpu": 16, "mem_gb": 128.0}]
+    assert placement["island"] == "g-i0"
+    assert "node g-0 (8 x H100) in island g-i0" in placement["reason"]
+    # a gang of two 8-GPU members: island g-i0 has one whole node left, g-i1 two
+    gang = [
+        fed.submit(name=f"w{i}", gang={"name": "ring", "size": 2},
+                   gpu={"model": "H100", "count": 8}, cpu=16, mem_gb=128,
+                   command=["sh", "-c", SHOW])
+        for i in range(2)
+    ]  # fmt: skip
+    members = [fed.wait_state(g["id"], "RUNNING") for g in gang]
+    assert {m["placement"]["site"] for m in members} == {"east-a"}
+    assert {m["placement"]["island"] for m in members} == {"g-i1"}
+    assert sorted(m["placement"]["nodes"][0]["node"] for m in members) == ["g-2", "g-3"]
+    # the agent ran each on the devices of its node (g-2: H100 16-23, g-3: 24-31)
+    for m in members:
+        node = m["placement"]["nodes"][0]["node"]
+        first = 16 if node == "g-2" else 24
+        expected = ",".join(str(i) for i in range(first, first + 8))
+        assert f"devices={expected}" in log_of(fed, m["id"], "devices=")
+
+
+def log_of(fed: Federation, job_id: str, wanted: str) -> str:
+    deadline = time.monotonic() + 20
+    text = ""
+    while time.monotonic() < deadline:
+        status, text = fed.get(f"/v1/jobs/{job_id}/logs")
+        if status == 200 and wanted in text:
+            return text
+        time.sleep(0.1)
+    raise AssertionError(f"{job_id}'s log has no {wanted!r}: {text!r}")
