@@ -69,6 +69,7 @@ from simulations.phase import Phase
 from simulations.results import collect
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
 from simulations.tenancy import PREEMPT_RETRY_S, Gate, Gates, TenancyPass, TenantBook
+from simulations.workflows import WorkflowReplay
 from simulations.workloads import WorkloadError
 from sites.catalog import DeviceCatalog
 from sites.spec import SiteSpec
@@ -78,7 +79,7 @@ __all__ = ["EPOCH", "Phase", "Simulation"]
 EPOCH = datetime(2026, 1, 5, tzinfo=UTC)  # t = 0: a Monday 00:00 UTC
 
 # event kinds, in the order simultaneous events are handled
-_UP, _FINISH, _DOWN, _FAILOVER, _BATCH, _INFER = range(6)
+_UP, _FINISH, _DOWN, _FAILOVER, _BATCH, _INFER, _WF_ARRIVE, _WF_FINISH = range(8)
 _STATIC = ("cordoned", "region", "latency", "model", "budget", "deadline")
 _MAX_PASSES = 10_000  # passes at one instant; preemptions settle long before
 
@@ -288,6 +289,8 @@ class Simulation:
             if self.valued
             else None
         )
+        # workflow arrivals: DAG steps released as their parents finish (simulations.workflows)
+        self.workflows = WorkflowReplay(scenario.workflows) if scenario.workflows else None
 
     # -- running ---------------------------------------------------------------------------
 
@@ -309,6 +312,8 @@ class Simulation:
             self._push(self.policy.batch_interval_s, _BATCH, 0, 0)
         if self.infer is not None:
             self._push(0.0, _INFER, 0, 0)
+        for t_wf, index in self.workflows.arrivals() if self.workflows else ():
+            self._push(t_wf, _WF_ARRIVE, index, 0)
         at = self.at
         n = len(at)
         i = 0
@@ -349,8 +354,8 @@ class Simulation:
         if baseline is None or self.book is None:
             if progress is not None:
                 progress(1.0)
-            return collect(self, time.perf_counter() - started)
-        results = collect(self, time.perf_counter() - started)
+            return self._with_workflows(collect(self, time.perf_counter() - started))
+        results = self._with_workflows(collect(self, time.perf_counter() - started))
         results["tenancy"]["baseline"] = self._baseline(baseline, progress)
         return results
 
@@ -374,6 +379,19 @@ class Simulation:
             "queue_delay_s": jobs["queue_delay_s"],
         }
         return out
+
+    def _with_workflows(self, results: dict[str, Any]) -> dict[str, Any]:
+        if self.workflows is not None:
+            results["workflows"] = self.workflows.results()
+        return results
+
+    def push_workflow_finish(self, t: float, step: int) -> None:
+        """A workflow step placed by simulations.workflows ends at `t`."""
+        self._push(t, _WF_FINISH, step, 0)
+
+    def workflow_capacity_returned(self, site: str | None) -> None:
+        """A workflow step ended at `site`: waiting jobs and steps may use what it held."""
+        self._capacity_returned(None if site is None else self.pos.get(site), None)
 
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
         self.seq += 1
@@ -403,6 +421,10 @@ class Simulation:
         elif kind == _BATCH:
             self._batch_pass()
             self._push(self.now + self.policy.batch_interval_s, _BATCH, 0, 0)
+        elif kind == _WF_ARRIVE and self.workflows is not None:
+            self.workflows.arrive(self, a)
+        elif kind == _WF_FINISH and self.workflows is not None:
+            self.workflows.finish(self, a)
         elif kind == _INFER:
             if self.infer is not None:
                 self.infer.step(self.now, self._site_up_flags())
@@ -660,6 +682,8 @@ class Simulation:
             self._retry_classes(s, tenant)
         elif kind is not PolicyKind.batch:
             self._retry_fifo(s)
+        if self.workflows is not None:
+            self.workflows.retry(self)
 
     def _retry_classes(self, s: int | None, tenant: str | None) -> None:
         """Retry waiting jobs after capacity returned at site `s` (None: anywhere), in the

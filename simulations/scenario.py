@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from broker.regions import load_user_regions, user_rtt_ms
 from broker.settings import SchedulingSettings
 from broker.tenants import TenancyFile, load_tenancy
+from broker.workflows import WorkflowSpec
 from routing.clients import Clients, load_clients
 from routing.policy import RoutingSettings
 from simulations.workloads import (
@@ -225,6 +226,16 @@ class Failure(_Frozen):
         return self
 
 
+class WorkflowArrivals(_Frozen):
+    """`count` instances of a workflow template, one every `every` from `start`
+    (simulations.workflows; docs/workflows.md)."""
+
+    workflow: WorkflowSpec = Field(description="the DAG: a workflow file's content")
+    count: int = Field(default=1, ge=1, le=100_000)
+    every: Duration = Field(default=3600.0, gt=0)
+    start: Duration = Field(default=0.0, ge=0)
+
+
 class Scenario(_Frozen):
     name: str = Field(min_length=1, max_length=200)
     description: str = ""
@@ -240,6 +251,9 @@ class Scenario(_Frozen):
     )
     workloads: tuple[Workload, ...] = Field(min_length=1)
     failures: tuple[Failure, ...] = ()
+    workflows: tuple[WorkflowArrivals, ...] = Field(
+        default=(), description="workflow arrivals: DAGs whose steps run as their parents finish"
+    )
     sample_s: Duration | None = Field(
         default=None, gt=0, description="series sampling period; default horizon / 480"
     )

@@ -60,6 +60,11 @@ CONFIG = {
             "include-operation-id": "put_tenant",
             "phases": {"coverage": {"generation": {"mode": "negative"}}},
         },
+        # a workflow's steps are job specs (POST /v1/jobs covers their fields' boundaries)
+        {
+            "include-operation-id": "submit_workflow",
+            "phases": {"coverage": {"generation": {"mode": "negative"}}},
+        },
     ],
     "request-timeout": 10,
     "workers": 1,
@@ -93,4 +98,5 @@ def test_no_server_error_and_bad_input_is_refused(
     assert not problems, "\n".join(dict.fromkeys(problems))
     assert {"POST /v1/jobs", "POST /v1/route", "POST /v1/infer/{service}/{path}"} <= tested
     assert {"PUT /v1/tenants/{tenant}", "PUT /v1/tenancy", "GET /v1/tenants"} <= tested
+    assert {"POST /v1/workflows", "POST /v1/workflows/{workflow}/retry"} <= tested
     assert time.monotonic() - started < 60
