@@ -23,7 +23,8 @@ from broker.nodes import NodesFree
 from broker.pricing import Breakdown, egress_usd
 from broker.tenancy import BudgetLeft, Headroom, Usage
 from sites.assignments import NodeShare
-from sites.catalog import DeviceCatalog
+from sites.catalog import DeviceCatalog, expand, split_model
+from sites.layout import layout
 from sites.spec import Prices, SiteSpec
 
 __all__ = [
@@ -74,21 +75,58 @@ class SiteOffer:
         cls, spec: SiteSpec, catalog: DeviceCatalog, *, up: bool = True, cordoned: bool = False
     ) -> SiteOffer:
         """The whole declared inventory free (a site with nothing running)."""
-        pools = spec.inventory.devices
+        pools = device_pools(spec, catalog)
         return cls(
             id=spec.id,
             region=spec.region,
             country=spec.country,
             up=up,
             cordoned=cordoned,
-            free_gpus={pool.model: pool.count for pool in pools},
+            free_gpus=pools,
             free_cpu=spec.inventory.cpu_cores,
             free_mem_gb=spec.inventory.mem_gb,
-            gpu_mem_gb={pool.model: catalog.get(pool.model).mem_gb or 0.0 for pool in pools},
-            prices=spec.prices,
+            gpu_mem_gb={m: catalog.get(m).mem_gb or 0.0 for m in pools},
+            prices=slice_prices(spec.prices, pools, catalog),
             labels=spec.labels,
-            nodes=NodesFree.of_spec(spec),
+            nodes=NodesFree.of_spec(spec, pools=node_pools(spec, catalog)),
         )
+
+
+def device_pools(spec: SiteSpec, catalog: DeviceCatalog) -> dict[str, int]:
+    """The site's devices as placement sees them: (pseudo-)model -> slots. A partitioned
+    device is its slices ("A100-80GB/3g.40gb", "H100/ts4": sites.catalog.expand)."""
+    inventory = spec.inventory
+    if any(pool.partitions for pool in inventory.devices):
+        return expand(inventory, catalog)
+    return {pool.model: pool.count for pool in inventory.devices}
+
+
+def node_pools(spec: SiteSpec, catalog: DeviceCatalog) -> dict[str, dict[str, int]] | None:
+    """node -> (pseudo-)model -> slots on it, for a site that declares its nodes and
+    partitions some of its devices (None otherwise: the nodes' declared devices)."""
+    if spec.topology is None or not any(pool.partitions for pool in spec.inventory.devices):
+        return None
+    return {
+        node: {m: len(ix) for m, ix in models.items() if ix}
+        for node, models in layout(spec, catalog).nodes.items()
+    }
+
+
+def slice_prices(prices: Prices, models: Mapping[str, int], catalog: DeviceCatalog) -> Prices:
+    """The prices with every slice the site does not price itself at its model's price x its
+    share of the device (catalog.fraction)."""
+    rates = prices.usd_per_gpu_hour
+    added: dict[str, float] = {}
+    for model in models:
+        if model in rates:
+            continue
+        base, part = split_model(model)
+        price = rates.get(base)
+        if part is not None and price is not None:
+            added[model] = round(price * catalog.fraction(model), 6)
+    if not added:
+        return prices
+    return prices.model_copy(update={"usd_per_gpu_hour": {**rates, **added}})
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from broker.tenancy import Quotas
 from broker.usage_segments import EndReason, closing_puts
 from broker.view import View, federation
 from sites import keys
-from sites.catalog import DeviceCatalog
+from sites.catalog import CatalogError, DeviceCatalog, mig_model
 from sites.clock import Clock
 from sites.registry import Guard, Registry
 
@@ -80,11 +80,17 @@ class Operations:
     def validate(self, spec: JobSpec) -> None:
         """Checks that need the catalog, the clock or the federation; each names its field."""
         models = self._models()
-        for i, model in enumerate(spec.gpu.acceptable or ()):
+        gpu = spec.gpu
+        for i, model in enumerate(gpu.base_models or ()):
             if model not in models:
                 known = ", ".join(sorted(models))
-                field = "gpu.model" if spec.gpu.model else f"gpu.models[{i}]"
+                field = "gpu.model" if gpu.model else f"gpu.models[{i}]"
                 raise InvalidRequest(f"unknown model {model!r} (catalog: {known})", field=field)
+            if gpu.profile is not None:
+                try:
+                    self._catalog.get(mig_model(model, gpu.profile))
+                except CatalogError as exc:
+                    raise InvalidRequest(str(exc), field="gpu.profile") from None
         if spec.gpu.min_mem_gb is not None:
             biggest = max((mem or 0.0) for mem in models.values())
             if spec.gpu.min_mem_gb > biggest:

@@ -45,7 +45,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from broker.tenants import Amounts, TenancyFile, TenantPolicy
-from sites.catalog import DeviceCatalog
+from sites.catalog import SLICE_SEP, DeviceCatalog, split_model
 
 __all__ = [
     "SHARE_DIMENSIONS",
@@ -85,6 +85,10 @@ class Quotas:
         self.tenancy = tenancy
         self.kind = {m: d.kind.value for m, d in catalog.devices.items()}
         self.tflops = {m: float(d.fp16_tflops or 0.0) for m, d in catalog.devices.items()}
+        self.catalog = catalog
+        # a slice (sites.catalog: "A100-80GB/3g.40gb", "H100/ts4") counts as its share of
+        # one device of its model: (the model, the share); whole models are absent
+        self._slices: dict[str, tuple[str, float]] = {}
         nodes: dict[str, _Node] = {}
         for name, cohort in tenancy.cohorts.items():
             nodes[name] = _Node(
@@ -167,16 +171,28 @@ class Quotas:
         """What one job holds, under every key (module docstring)."""
         base: dict[Key, float] = {"cpu": float(cpu), "mem_gb": float(mem_gb), "jobs": 1.0}
         if count and model is not None:
-            base["gpus"] = float(count)
-            base[f"gpus/{model}"] = float(count)
+            devices = float(count)
+            if model not in self.kind and SLICE_SEP in model:
+                model, share = self._slice(model)
+                devices *= share
+            base["gpus"] = devices
+            base[f"gpus/{model}"] = devices
             kind = self.kind.get(model)
             if kind is not None:
-                base[f"gpus/{kind}"] = float(count)
-            base["fp16_tflops"] = count * self.tflops.get(model, 0.0)
+                base[f"gpus/{kind}"] = devices
+            base["fp16_tflops"] = devices * self.tflops.get(model, 0.0)
         out = dict(base)
         for key, value in base.items():
             out[f"{key}@{region}"] = value
         return out
+
+    def _slice(self, model: str) -> tuple[str, float]:
+        known = self._slices.get(model)
+        if known is None:
+            base, _ = split_model(model)
+            share = self.catalog.fraction(model) if model in self.catalog else 1.0
+            known = self._slices[model] = (base, share)
+        return known
 
     def usage(self, held: Mapping[str, Mapping[Key, float]]) -> Usage:
         return Usage(self, {t: dict(v) for t, v in held.items()})
@@ -435,7 +451,7 @@ def held_by_tenant(
     out: dict[str, dict[Key, float]] = {}
     for (tenant, model, region), (devices, cores, mem, jobs) in groups.items():
         mine = out.setdefault(tenant, {})
-        demand = quotas.demand(int(devices), model, cores, mem, region)
+        demand = quotas.demand(round(devices), model, cores, mem, region)
         demand["jobs"] = demand[f"jobs@{region}"] = jobs
         for k, v in demand.items():
             mine[k] = mine.get(k, 0.0) + v

@@ -21,7 +21,7 @@ from broker import placement as pl
 from broker.green import green_of, priced
 from broker.jobs import JobRecord, JobState
 from broker.nodes import NodesFree, Packing
-from broker.offers import Green, with_free
+from broker.offers import Green, device_pools, node_pools, slice_prices, with_free
 from broker.store import decode
 from broker.tenancy import BudgetLeft, Quotas, held_by_tenant
 from sites import keys
@@ -361,22 +361,29 @@ class _OfferInputs:
         spec, catalog, used = self.spec, self.catalog, self.held_gpus
         cap = self.capacity or normalize_inventory(spec.inventory, catalog)
         prices, green = self.prices()
+        # a partitioned device is its slices (broker.offers.device_pools); else the capacity
+        pools: Mapping[str, int] = cap.devices
+        if any(pool.partitions for pool in spec.inventory.devices):
+            pools = device_pools(spec, catalog)
         offer = pl.SiteOffer(
             id=site_id,
             region=spec.region,
             country=spec.country,
             up=self.up,
             cordoned=self.cordoned,
-            free_gpus={m: max(0, n - used.get(m, 0)) for m, n in cap.devices.items()},
+            free_gpus={m: max(0, n - used.get(m, 0)) for m, n in pools.items()},
             free_cpu=max(0, cap.cpu_cores - int(self.held_cpu)),
             free_mem_gb=max(0.0, cap.mem_gb - self.held_mem_gb),
-            gpu_mem_gb={
-                m: float(catalog.get(m).mem_gb or 0.0) for m in cap.devices if m in catalog
-            },
-            prices=prices,
+            gpu_mem_gb={m: float(catalog.get(m).mem_gb or 0.0) for m in pools if m in catalog},
+            prices=slice_prices(prices, pools, catalog),
             labels=spec.labels,
             green=green,
-            nodes=NodesFree.of_spec(spec, self.held_nodes, packing=_packing(self.settings)),
+            nodes=NodesFree.of_spec(
+                spec,
+                self.held_nodes,
+                pools=node_pools(spec, catalog),
+                packing=_packing(self.settings),
+            ),
         )
         over = spec.oversubscription
         return offer if over is None else self._oversubscribed(offer, cap, over)

@@ -474,7 +474,7 @@ class Agent:
                     cpu_cores=self.slurm.cpu_cores,
                     mem_gb=self.slurm.mem_gb,
                 )
-            return declared_resources(self.spec)
+            return declared_resources(self.spec, self.catalog)
         devices: dict[str, list[int]] = {}
         for gpu in self._nvml.collect() if self._nvml else []:
             if gpu.model is not None:

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from sites.catalog import DeviceCatalog
+from sites.catalog import DeviceCatalog, partition_problems
 from sites.errors import ConfigError, Problem
 from sites.spec import SiteSpec
 
@@ -80,6 +80,9 @@ def check_spec(source: str, spec: SiteSpec, catalog: DeviceCatalog) -> list[Prob
                     f"no price for {pool.model}, which inventory.devices[{i}] declares",
                 )
             )
+    problems += [
+        Problem(source, p.field, p.message) for p in partition_problems(spec.inventory, catalog)
+    ]
     problems += _check_slurm(source, spec, catalog)
     seen: set[str] = set()
     for i, svc in enumerate(spec.services):

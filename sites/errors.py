@@ -17,6 +17,7 @@
     │                                   (sites.slurm_cluster)
     ├── CatalogError (ValueError)       the device catalog (sites.catalog)
     │   ├── InvalidCatalog              a catalog file that cannot be read or is not valid
+    │   ├── InvalidPartition            a site's partitions the hardware cannot hold (.field)
     │   └── UnknownDevice (KeyError)    a device model the catalog does not have
     ├── LatencyConfigError (ValueError) a latency matrix file is missing or malformed; names
     │                                   the file and line (sites.latency)

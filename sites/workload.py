@@ -30,6 +30,7 @@ from sites.catalog import Capacity, DeviceCatalog, normalize
 from sites.clock import Clock
 from sites.errors import RegistryError, SitesError
 from sites.executor import JOB_ID_RE, Executor, ExecutorError, RunHandle, log_path
+from sites.layout import layout
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.spec import Oversubscription, SiteSpec
@@ -70,36 +71,25 @@ class SiteResources:
     oversubscription: Oversubscription | None = None
     # a site that declares its nodes (sites.spec.Topology): node -> model -> its device indices
     nodes: Mapping[str, Mapping[str, tuple[int, ...]]] = field(default_factory=dict)
+    # a partitioned device's slices (sites.layout): model -> per index, (physical device, slot
+    # id); absent for whole devices, whose index is the device's
+    slots: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
 
 
-def declared_resources(spec: SiteSpec) -> SiteResources:
-    """The declared inventory; device indices are 0..count-1 per model, given to the declared
-    nodes in order (the first node has the lowest indices)."""
+def declared_resources(spec: SiteSpec, catalog: DeviceCatalog | None = None) -> SiteResources:
+    """The declared inventory as slots (sites.layout): positions 0..n-1 per (pseudo-)model, a
+    partitioned device's slices (with the catalog) under their own names, given to the
+    declared nodes in order (the first node has the lowest indices)."""
     inv = spec.inventory
+    where = layout(spec, catalog)
     return SiteResources(
-        devices={pool.model: tuple(range(pool.count)) for pool in inv.devices},
+        devices={model: tuple(range(len(found))) for model, found in where.slots.items()},
         cpu_cores=inv.cpu_cores,
         mem_gb=inv.mem_gb,
         oversubscription=spec.oversubscription,
-        nodes=node_devices(spec),
+        nodes=where.nodes,
+        slots=where.slots,
     )
-
-
-def node_devices(spec: SiteSpec) -> dict[str, dict[str, tuple[int, ...]]]:
-    """node -> model -> device indices, for a site that declares its nodes ({} otherwise)."""
-    if spec.topology is None:
-        return {}
-    nodes: dict[str, dict[str, tuple[int, ...]]] = {}
-    next_index: dict[str, int] = {}
-    for group in spec.topology.nodes:
-        for name in group.node_names():
-            mine: dict[str, tuple[int, ...]] = {}
-            for model, n in group.devices.items():
-                first = next_index.get(model, 0)
-                mine[model] = tuple(range(first, first + n))
-                next_index[model] = first + n
-            nodes[name] = mine
-    return nodes
 
 
 @dataclass(eq=False)
@@ -254,6 +244,28 @@ def allocate(
     return devices
 
 
+def sliced(
+    a: Assignment, devices: tuple[int, ...], resources: SiteResources, catalog: DeviceCatalog
+) -> tuple[Assignment, tuple[int, ...]]:
+    """What the executor is given for a run on slices of devices (sites.layout): the physical
+    devices they are on (the visibility variable lists those) and the slices themselves in
+    CPN_GPU_SLICES (MIG instance or time-slice ids) and CPN_GPU_SHARE (the share of a device
+    each is); a run on whole devices, the physical indices of its positions (a partitioned
+    pool's whole devices come after its partitioned ones)."""
+    found = resources.slots.get(a.model or "")
+    if not devices or found is None:
+        return a, devices
+    physical = tuple(sorted({found[i][0] for i in devices}))
+    if all(not found[i][1] for i in devices):  # whole devices: their own indices
+        return a, physical
+    env = {
+        **a.env,
+        "CPN_GPU_SLICES": ",".join(found[i][1] for i in devices),
+        "CPN_GPU_SHARE": f"{catalog.fraction(a.model or ''):.4g}",
+    }
+    return a.model_copy(update={"env": env}), physical
+
+
 def _on_nodes(
     a: Assignment, model: str, resources: SiteResources, taken: set[int]
 ) -> tuple[int, ...]:
@@ -365,7 +377,7 @@ class Workload:
         self.clock = clock
         self.stop_grace_s = stop_grace_s
         self._record = record
-        self._resources = resources or (lambda: declared_resources(spec))
+        self._resources = resources or (lambda: declared_resources(spec, catalog))
         self._retry_max_s = retry_max_s
         self._mirror = PrefixMirror(
             registry=registry, prefix=keys.assignments(self.site), on_change=self._on_change
@@ -724,8 +736,9 @@ class Workload:
             return
         if run.log_path is None:  # allocated runs always have one
             raise ExecutorError(f"job {a.job}: no log path")
+        a, devices = sliced(a, run.devices, self._resources(), self.catalog)
         try:
-            handle = await self.executor.start(a, run.devices, run.log_path)
+            handle = await self.executor.start(a, devices, run.log_path)
         except ExecutorError as exc:
             run.finish(RunState.failed, self.clock.time(), None, str(exc))
             log.warning("job %s attempt %d: %s", a.job, a.attempt, exc)

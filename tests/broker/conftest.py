@@ -62,7 +62,13 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
         country=spec.get("country", "CN"),
         coordinates=spec["coordinates"],
         inventory={
-            "devices": [{"model": model, "count": spec.get("count", 16)}],
+            "devices": [
+                {
+                    "model": model,
+                    "count": spec.get("count", 16),
+                    **({"partitions": spec["partitions"]} if "partitions" in spec else {}),
+                }
+            ],
             "cpu_cores": 256,
             "mem_gb": 4096,
             "storage_tb": 10,

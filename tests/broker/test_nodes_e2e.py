@@ -83,3 +83,43 @@ def log_of(fed: Federation, job_id: str, wanted: str) -> str:
             return text
         time.sleep(0.1)
     raise AssertionError(f"{job_id}'s log has no {wanted!r}: {text!r}")
+
+
+def test_time_slices_are_packed_onto_one_device_and_never_over_it(
+    make_federation: Callable[..., Federation],
+) -> None:
+    west = {**SITES["west"], "count": 2, "partitions": [{"devices": 1, "time_slices": 4}]}
+    fed = make_federation({"west": west})
+    status, got = fed.request(
+        "POST",
+        "/v1/jobs",
+        {"tenant": "t1", "name": "x", "command": ["true"],
+         "gpu": {"model": "A100-80GB", "profile": "9g.99gb", "count": 1}},
+    )  # fmt: skip
+    assert status == 400 and got["error"]["field"] == "gpu.profile", got
+    assert "9g.99gb" in got["error"]["message"]
+    show = 'echo "devices=$CUDA_VISIBLE_DEVICES slices=$CPN_GPU_SLICES"; sleep 60'
+    jobs = [
+        fed.submit(name=f"nb{i}", gpu={"model": "A100-80GB", "share": 0.25}, cpu=1, mem_gb=4,
+                   command=["sh", "-c", show])
+        for i in range(5)
+    ]  # fmt: skip
+    running = [fed.wait_state(j["id"], "RUNNING") for j in jobs[:4]]
+    assert {r["placement"]["model"] for r in running} == {"A100-80GB/ts4"}
+    # the four shares run on the one time-sliced device (0), each on its own slice
+    lines = [log_of(fed, r["id"], "devices=") for r in running]
+    assert all("devices=0 " in line for line in lines), lines
+    assert len({line.split("slices=")[1].strip() for line in lines}) == 4
+    # the fifth waits: the device has no fifth slice, and the whole device is not a slice
+    fifth = fed.job(jobs[4]["id"])
+    deadline = time.monotonic() + 10
+    while not fifth.get("unschedulable") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        fifth = fed.job(jobs[4]["id"])
+    assert fifth["state"] == "PENDING"
+    assert "not enough free GPUs" in fifth["unschedulable"], fifth["unschedulable"]
+    # a whole-device job still gets the whole device (physical index 1)
+    whole = fed.submit(name="whole", gpu={"model": "A100-80GB", "count": 1}, cpu=1, mem_gb=4,
+                       command=["sh", "-c", show])  # fmt: skip
+    fed.wait_state(whole["id"], "RUNNING")
+    assert "devices=1 slices=\n" in log_of(fed, whole["id"], "devices=")

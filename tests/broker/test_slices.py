@@ -1,0 +1,161 @@
+"""Fractional accelerators (issue 17 item 1) in placement, quotas and the agent: a MIG instance
+or a time slice of a device is a pseudo-model (sites.catalog), priced at its share of the
+device, counted by its share in quotas, packed onto one device by the agent and never over it.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from broker.jobs import JobSpec
+from broker.placement import (
+    Federation,
+    GroupState,
+    SiteOffer,
+    TenantUsage,
+    Unschedulable,
+    apply,
+    place,
+)
+from broker.tenancy import Quotas
+from broker.tenants import TenancyFile
+from sites.assignments import Assignment
+from sites.catalog import DeviceCatalog
+from sites.spec import SiteSpec
+from sites.workload import Run, allocate, declared_resources, sliced
+
+NOW = datetime(2026, 12, 1, tzinfo=UTC)
+CATALOG = DeviceCatalog.load()
+PARTITIONS = [
+    {"devices": 1, "mig": {"1g.10gb": 7}},
+    {"devices": 1, "time_slices": 4},
+]
+
+
+def site(partitions: list[dict[str, Any]] = PARTITIONS, count: int = 3) -> SiteSpec:
+    return SiteSpec.model_validate(
+        {
+            "id": "west",
+            "region": "r1",
+            "country": "CN",
+            "provider": "on-prem",
+            "coordinates": {"lat": 30.0, "lon": 110.0},
+            "inventory": {
+                "devices": [{"model": "A100-80GB", "count": count, "partitions": partitions}],
+                "cpu_cores": 64,
+                "mem_gb": 512,
+            },
+            "prices": {"usd_per_gpu_hour": {"A100-80GB": 2.8}},
+            "power": {"pue": 1.2, "usd_per_kwh": 0.1, "grid_kgco2_per_kwh": 0.5},
+        }
+    )
+
+
+def job(name: str = "nb", **gpu: Any) -> JobSpec:
+    return JobSpec.model_validate(
+        {
+            "name": name,
+            "tenant": "acme",
+            "command": ["true"],
+            "gpu": {"model": "A100-80GB", **gpu},
+            "cpu": 1,
+            "mem_gb": 4,
+        }
+    )
+
+
+def test_a_slice_request_names_the_pseudo_models_it_accepts() -> None:
+    assert job(profile="1g.10gb", count=1).gpu.acceptable == ("A100-80GB/1g.10gb",)
+    share = job(share=0.25).gpu
+    assert share.count == 1
+    assert share.acceptable == ("A100-80GB/ts2", "A100-80GB/ts3", "A100-80GB/ts4")
+    for bad, words in (
+        ({"share": 0.75}, "a share above 0.5 is a whole device"),
+        ({"share": 0.25, "count": 2}, "a share is of one device"),
+        ({"profile": "1g.10gb", "share": 0.25, "count": 1}, "either profile or share"),
+        ({"count": 8, "per_node": 3}, "not a multiple of per_node"),
+    ):
+        with pytest.raises(ValidationError, match=words):
+            job(**bad)
+
+
+def test_placement_sees_the_slices_at_their_share_of_the_price() -> None:
+    offer = SiteOffer.from_spec(site(), CATALOG)
+    assert dict(offer.free_gpus) == {
+        "A100-80GB": 1,
+        "A100-80GB/1g.10gb": 7,
+        "A100-80GB/ts4": 4,
+    }
+    rates = offer.prices.usd_per_gpu_hour
+    assert rates["A100-80GB/1g.10gb"] == pytest.approx(2.8 / 7)
+    assert rates["A100-80GB/ts4"] == pytest.approx(0.7)
+    assert offer.gpu_mem_gb["A100-80GB/1g.10gb"] == 10
+
+
+def test_mig_instances_fill_their_device_and_never_go_over_it() -> None:
+    fed = Federation(sites=(SiteOffer.from_spec(site(), CATALOG),))
+    placed = 0
+    for i in range(8):
+        j = job(f"nb{i}", profile="1g.10gb", count=1)
+        out = place(j, fed, now=NOW, usage=TenantUsage(), groups=GroupState())
+        if isinstance(out, Unschedulable):
+            assert i == 7 and out.reasons == {"gpus": ["west"]}
+            break
+        assert out.model == "A100-80GB/1g.10gb"
+        assert out.cost_usd == pytest.approx(2.8 / 7 + 0.0, rel=1e-6)
+        fed = apply(fed, out, j)
+        placed += 1
+    assert placed == 7
+    # a share of 0.25 takes a time slice; the whole device stays for whole-device work
+    out = place(job("s", share=0.25), fed, now=NOW, usage=TenantUsage(), groups=GroupState())
+    assert not isinstance(out, Unschedulable) and out.model == "A100-80GB/ts4"
+
+
+def test_quotas_count_a_slice_by_its_share_of_the_device() -> None:
+    quotas = Quotas(TenancyFile.model_validate({"tenants": {"acme": {"gpus": 1}}}), CATALOG)
+    held = quotas.demand(3, "A100-80GB/1g.10gb", 1, 4, "r1")
+    assert held["gpus"] == pytest.approx(3 / 7)
+    assert held["gpus/A100-80GB"] == pytest.approx(3 / 7)
+    assert held["gpus/gpu"] == pytest.approx(3 / 7)
+    assert held["fp16_tflops"] == pytest.approx(3 / 7 * CATALOG.get("A100-80GB").fp16_tflops)
+    assert quotas.demand(1, "A100-80GB/ts4", 1, 4, "r1")["gpus"] == pytest.approx(0.25)
+
+
+def assignment(job_id: str, model: str) -> Assignment:
+    return Assignment(
+        job=job_id,
+        site="west",
+        tenant="acme",
+        attempt=1,
+        fence=1,
+        command=("true",),
+        model=model,
+        gpus=1,
+        cpu=1,
+        mem_gb=4,
+        assigned_at=0.0,
+    )
+
+
+def test_the_agent_packs_slices_onto_one_device_and_says_which() -> None:
+    # two devices of 1g.10gb x 7: the first seven runs share device 0
+    resources = declared_resources(site([{"devices": 2, "mig": {"1g.10gb": 7}}], 2), CATALOG)
+    runs: list[Run] = []
+    for i in range(8):
+        a = assignment(f"j{i}", "A100-80GB/1g.10gb")
+        devices = allocate(a, resources, runs)
+        runs.append(Run(assignment=a, devices=devices))
+    given = [sliced(r.assignment, r.devices, resources, CATALOG) for r in runs]
+    assert [physical for _, physical in given] == [(0,)] * 7 + [(1,)]
+    slices = [a.env["CPN_GPU_SLICES"] for a, _ in given]
+    assert len(set(slices)) == 8 and slices[0].startswith("0:1g.10gb:")
+    assert given[0][0].env["CPN_GPU_SHARE"] == "0.1429"
+    # a whole device of a partitioned pool is given by its own index: the partitioned
+    # device is 0, the whole one 1
+    whole = declared_resources(site([{"devices": 1, "time_slices": 4}], 2), CATALOG)
+    a = assignment("w", "A100-80GB")
+    assert sliced(a, allocate(a, whole, []), whole, CATALOG) == (a, (1,))
