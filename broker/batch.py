@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 
 from broker import feasibility
 from broker import placement as pl
-from broker.jobs import JobSpec
+from broker.jobs import JobSpec, gang_of
 from broker.plan import (
     Capacity,
     DataRef,
@@ -46,6 +46,7 @@ from broker.plan import (
     job_cost,
     job_parts,
 )
+from sites.assignments import NodeShare
 
 PENALTY_USD = 1_000_000.0
 
@@ -200,11 +201,33 @@ def decisions(
     plan_sites = {s.id: s for s in problem.sites}
     gap = (result.objective - result.bound) / result.objective if result.objective else 0.0
     out = []
+    # the plan counts site totals; at a site that declares its nodes each job also needs
+    # nodes that hold it (broker.nodes, the fast path's fit test), chosen in turn on the
+    # snapshot the jobs before it left: a job they cannot hold (a gang with any such member)
+    # is left to a later pass
+    left = fed
+    unplaced_gangs: set[str] = set()
     for job_id, assignment in sorted(result.assignments.items()):
         pending, job, site = by_id[job_id], plan_jobs[job_id], plan_sites[assignment.site]
-        offer = fed.site(assignment.site)
-        plain = job_parts(problem, job, site, assignment.model)
+        offer = left.site(assignment.site)
         spec = pending.spec
+        shares: tuple[NodeShare, ...] = ()
+        island: str | None = None
+        where = ""
+        if offer.nodes is not None and not (spec.best_effort and offer.spare is not None):
+            gpu = spec.gpu
+            chosen = offer.nodes.choose(
+                assignment.model, gpu.count, gpu.per_node, spec.cpu, spec.mem_gb
+            )
+            if chosen is None:
+                unplaced_gangs.add(gang_of(spec) or f"job {job_id}")
+                continue
+            shares, island, where = (
+                chosen.shares,
+                chosen.island,
+                "; " + chosen.describe(assignment.model),
+            )
+        plain = job_parts(problem, job, site, assignment.model)
         parts = pl.breakdown_at(
             offer,
             spec.duration_hours,
@@ -232,9 +255,17 @@ def decisions(
                         f"batch plan of {len(problem.jobs)} pending jobs ({result.status.value}, "
                         f"gap {100 * gap:.2f} %): {total:.2f} USD (compute "
                         f"{parts.compute_usd:.2f}, egress {parts.egress_usd:.2f}, latency "
-                        f"{parts.latency_usd:.2f})"
+                        f"{parts.latency_usd:.2f})" + where
                     ),
+                    nodes=shares,
+                    island=island,
                 ),
             )
         )
-    return out
+        if shares:
+            try:
+                left = pl.apply(left, out[-1][1], spec)
+            except pl.PlacementError:  # the plan's totals no longer hold: a later pass
+                out.pop()
+                unplaced_gangs.add(gang_of(spec) or f"job {job_id}")
+    return [(p, d) for p, d in out if (gang_of(p.spec) or "") not in unplaced_gangs]

@@ -71,6 +71,7 @@ from simulations.scenario import PolicyKind, Scenario, SimFederation, build_fede
 from simulations.tenancy import PREEMPT_RETRY_S, Gate, Gates, TenancyPass, TenantBook
 from simulations.workflows import WorkflowReplay
 from simulations.workloads import WorkloadError
+from sites.assignments import NodeShare
 from sites.catalog import DeviceCatalog
 from sites.spec import SiteSpec
 
@@ -155,6 +156,7 @@ class _Run:
     watts: float  # devices + cores at TDP, before PUE
     region: str = ""
     cost_usd: float = 0.0  # the placement's estimate (preemption weighs it)
+    nodes: tuple[NodeShare, ...] = ()  # at a site that declares its nodes: its part of each
 
 
 class Simulation:
@@ -605,6 +607,7 @@ class Simulation:
             watts=watts,
             region=decision.region,
             cost_usd=decision.cost_usd,
+            nodes=decision.nodes,
         )
         self.runs[j] = run
         self.on_site[s].add(j)
@@ -657,7 +660,13 @@ class Simulation:
         elif run.model is not None and cls.gpus:
             self.used[cls.tenant] -= cls.gpus
         self.fed = pl.release(
-            self.fed, self.site_ids[run.site], run.model, cls.gpus, cls.cpu, cls.mem
+            self.fed,
+            self.site_ids[run.site],
+            run.model,
+            cls.gpus,
+            cls.cpu,
+            cls.mem,
+            nodes=run.nodes,
         )
 
     def _end(self, j: int, run: _Run) -> _Class:

@@ -265,3 +265,28 @@ def test_the_agent_gives_the_devices_of_the_chosen_nodes() -> None:
     b = a.model_copy(update={"job": "j2"})
     with pytest.raises(DoesNotFit, match="on node n-1, only 0 free"):
         allocate(b, resources, [held])
+
+
+def test_the_batch_pass_takes_its_plan_to_the_nodes_and_leaves_what_they_cannot_hold() -> None:
+    from broker import batch
+    from broker.solver import solve
+
+    # site totals: 9 free H100, 3 a node; the plan (totals only) may put the 8-GPU job there,
+    # but its nodes cannot hold it: it is left to a later pass, the 3-GPU jobs go on nodes
+    fed = Federation(sites=(scattered("cheap"),))
+    pending = [
+        batch.Pending("big-x", job("big")),
+        batch.Pending("s1-x", job("s1", gpu={"count": 3, "model": "H100"}, cpu=4, mem_gb=8)),
+        batch.Pending("s2-x", job("s2", gpu={"count": 1, "model": "H100"}, cpu=4, mem_gb=8)),
+    ]
+    problem = batch.to_problem(
+        pending, fed, now=NOW, groups=GroupState({}, {}), usage=TenantUsage()
+    )
+    result = solve(problem, time_limit_s=5)
+    decided = batch.decisions(result, problem, pending, fed)
+    assert "big-x" not in {p.id for p, _ in decided}
+    for p, d in decided:
+        assert len(d.nodes) == 1 and d.nodes[0].gpus == p.spec.gpu.count
+        fed = apply(fed, d, p.spec)
+    # the plan chose by totals (here big + s2, 9 devices); what the nodes hold goes ahead
+    assert decided and {p.id for p, _ in decided} <= {"s1-x", "s2-x"}
