@@ -39,8 +39,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from broker.jobs import JobSpec
+from broker.nodes import NodesFree
 from broker.offers import Federation, GroupState, SiteOffer, TenantUsage, breakdown_at
 from broker.pricing import Breakdown
 from broker.tenancy import Headroom
@@ -243,15 +245,17 @@ def on_nodes(
 ) -> tuple[str | None, float, int] | None:
     """The capacity part's choice at a site with nodes: `model` (the cheapest with enough
     free in all) when its nodes hold the request, else the next cheapest acceptable model
-    whose nodes do; (model, USD per device-hour, free devices) or None."""
+    whose nodes do (model None with a count: the cheapest of `offered` whose nodes do);
+    (model, USD per device-hour, free devices) or None."""
     nodes = site.nodes
     assert nodes is not None
-    if nodes.fits(model, count, per_node, cpu, mem_gb):
+    if model is not None or not count:
+        if nodes.fits(model, count, per_node, cpu, mem_gb):
+            if model is None:
+                return None, 0.0, site.free_cpu
+            return model, site.prices.usd_per_gpu_hour.get(model, 0.0), free_gpus[model]
         if model is None:
-            return None, 0.0, site.free_cpu
-        return model, site.prices.usd_per_gpu_hour.get(model, 0.0), free_gpus[model]
-    if model is None:
-        return None
+            return None
     rest = sorted(
         (p, -free_gpus.get(name, 0), name)
         for name, p in offered
@@ -261,6 +265,53 @@ def on_nodes(
         if nodes.fits(name, count, per_node, cpu, mem_gb):
             return name, p, -minus_free
     return None
+
+
+def _holds(
+    nodes: NodesFree, model: str | None, count: int, per_node: int | None, cpu: int, mem: float
+) -> bool:
+    """Do a site's nodes hold the request with `model`? (screen's node filter)"""
+    if (
+        per_node is None
+        and cpu <= nodes.floor_cpu
+        and mem <= nodes.floor_mem_gb
+        and (model is None or count <= nodes.most.get(model, 0))
+    ):
+        return True  # one node has the devices, and every node the cores and memory
+    return nodes.fits(model, count, per_node, cpu, mem)
+
+
+def _next_model(
+    site: SiteOffer,
+    free_gpus: Mapping[str, int],
+    named: tuple[str, ...] | None,
+    floor: float | None,
+    count: int,
+    per_node: int | None,
+    cpu: int,
+    mem: float,
+    model: str | None,
+) -> tuple[str | None, float, int] | None:
+    """When the cheapest model with the devices in all is scattered over the site's nodes:
+    the next cheapest acceptable one whose nodes hold the request, as (model, USD per
+    device-hour, free devices), or None."""
+    if not count or (named is not None and len(named) == 1):
+        return None  # no other model to try
+    nodes = site.nodes
+    if nodes is not None and (cpu > nodes.ceiling_cpu or mem > nodes.ceiling_mem_gb + 1e-9):
+        if all(count <= n for n in nodes.size.values()):
+            return None  # one node would hold it, and none has the cores or the memory
+    offered = tuple(
+        (name, p)
+        for name in (free_gpus if named is None else named)
+        if name != model
+        and free_gpus.get(name, 0) >= count
+        and (p := site.prices.usd_per_gpu_hour.get(name)) is not None
+        and (floor is None or site.gpu_mem_gb.get(name, 0.0) >= floor)
+    )
+    if not offered:
+        return None
+    return on_nodes(site, free_gpus, offered, count, per_node, cpu, mem, None)
 
 
 @dataclass(slots=True)
@@ -317,6 +368,7 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
 
     quota_seen: dict[tuple[str | None, str], bool] = {}
+    node_memo: dict[tuple[object, ...], Any] | None = None
     failed: list[list[str]] = [[] for _ in FILTERS]
     options: list[Option] = []
     feasible = 0
@@ -377,36 +429,32 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
             failed[MEM].append(sid)
             continue
         nodes = site.nodes
-        if (
-            nodes is not None
-            and check
-            and spare is None
-            # the shortcut: one node has the devices, and every node the cores and memory
-            and not (
-                per_node is None
-                and cpu <= nodes.floor_cpu
-                and mem <= nodes.floor_mem_gb
-                and (not count or count <= nodes.most.get(model, 0))  # type: ignore[arg-type]
-            )
-            and not nodes.fits(model, count, per_node, cpu, mem)
-        ):
-            # the cheapest model with the devices in all is scattered: the next that fits
-            offered_here = (
-                ()
-                if not count
-                else tuple(
-                    (name, p)
-                    for name in (free_gpus if named is None else named)
-                    if (p := site.prices.usd_per_gpu_hour.get(name)) is not None
-                    and name in free_gpus
-                    and (floor is None or site.gpu_mem_gb.get(name, 0.0) >= floor)
-                )
-            )
-            fit = on_nodes(site, free_gpus, offered_here, count, per_node, cpu, mem, model)
-            if fit is None:
-                failed[NODES].append(sid)
-                continue
-            model, price, free = fit
+        if nodes is not None and check and spare is None:
+            # the same shape meets the same nodes at most sites on the next submits too: the
+            # answer is kept per shape for the lineage, per (site, model the totals chose),
+            # while the site's nodes are the ones it was worked out for
+            if node_memo is None:
+                node_memo = fed.node_memo((count, per_node, cpu, mem))
+            known = node_memo.get((sid, model))
+            if known is not None and known[0] is nodes:
+                holds = known[1]
+            else:
+                holds = _holds(nodes, model, count, per_node, cpu, mem)
+                node_memo[(sid, model)] = (nodes, holds)
+            if not holds:
+                # the next acceptable model, kept per (site, model, acceptable models) too
+                again = node_memo.get((sid, model, named, floor))
+                if again is not None and again[0] is nodes:
+                    fit = again[1]
+                else:
+                    fit = _next_model(
+                        site, free_gpus, named, floor, count, per_node, cpu, mem, model
+                    )
+                    node_memo[(sid, model, named, floor)] = (nodes, fit)
+                if fit is None:
+                    failed[NODES].append(sid)
+                    continue
+                model, price, free = fit
         rates = site.prices
         hourly = cpu * rates.usd_per_core_hour + mem * rates.usd_per_gb_mem_hour
         if count:

@@ -293,6 +293,16 @@ class Federation:
         offered: tuple[tuple[tuple[str, float], ...], ...] = table
         return offered
 
+    def node_memo(self, key: tuple[object, ...]) -> dict[tuple[object, ...], Any]:
+        """broker.feasibility's answers of a request shape at sites with nodes, kept for the
+        snapshot lineage: (site id, model, ...) -> (the site's NodesFree then, the answer);
+        an entry is used only while those nodes are still the site's."""
+        orders = self._index.orders
+        memo: dict[tuple[object, ...], Any] | None = orders.get(("nodes", key))
+        if memo is None:
+            memo = orders[("nodes", key)] = {}
+        return memo
+
     def site_order(self, key: tuple[object, ...], build: Callable[[], Any]) -> Any:
         """A request shape's site order (place's index), built once per snapshot lineage."""
         orders = self._index.orders
