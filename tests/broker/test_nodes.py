@@ -290,3 +290,69 @@ def test_the_batch_pass_takes_its_plan_to_the_nodes_and_leaves_what_they_cannot_
         fed = apply(fed, d, p.spec)
     # the plan chose by totals (here big + s2, 9 devices); what the nodes hold goes ahead
     assert decided and {p.id for p, _ in decided} <= {"s1-x", "s2-x"}
+
+
+def test_the_index_and_the_full_scan_agree_on_random_node_sites() -> None:
+    import random
+
+    from broker.nodes import Node
+    from sites.spec import Prices
+
+    rng = random.Random(17)
+    models = ["H100", "A100-80GB", "L40S"]
+    compared = placed = 0
+    for _ in range(120):
+        sites = []
+        for i in range(rng.randint(1, 12)):
+            have = rng.sample(models, rng.randint(1, 2))
+            nodes = []
+            totals = dict.fromkeys(have, 0)
+            for k in range(rng.randint(1, 6)):
+                m = rng.choice(have)
+                free = rng.choice((0, 1, 3, 8))
+                totals[m] += free
+                nodes.append(Node(f"n{k}", f"i{k // 2}", {m: free}, rng.choice((8, 64)), 512.0))
+            node_free = NodesFree(tuple(nodes), dict.fromkeys(have, 8))
+            sites.append(
+                SiteOffer(
+                    f"s{i:02d}",
+                    "r1",
+                    "CN",
+                    True,
+                    False,
+                    totals,
+                    sum(n.cpu for n in nodes),
+                    512.0 * len(nodes),
+                    dict.fromkeys(have, 80.0),
+                    Prices(usd_per_gpu_hour={m: rng.choice((1.0, 2.0)) for m in have}),
+                    nodes=node_free,
+                )
+            )
+        fed = Federation(tuple(sites))
+        for n in range(8):
+            gpu: dict[str, Any] = {"count": rng.choice((1, 2, 3, 8, 16))}
+            if rng.random() < 0.5:
+                gpu["model"] = rng.choice(models)
+            else:
+                gpu["models"] = rng.sample(models, 2)
+            if gpu["count"] == 16 and rng.random() < 0.5:
+                gpu["per_node"] = 8
+            spec = job(f"j{n}", gpu=gpu, cpu=rng.choice((1, 16)), mem_gb=rng.choice((1.0, 64.0)))
+            full = placed_on(spec, fed)
+            quick = place(
+                spec, fed, now=NOW, usage=TenantUsage(), groups=GroupState(), explain=False
+            )
+            compared += 1
+            if isinstance(full, Unschedulable):
+                assert quick == full
+                continue
+            placed += 1
+            assert not isinstance(quick, Unschedulable)
+            for name in ("site", "model", "cost_usd", "nodes", "island"):
+                assert getattr(quick, name) == getattr(full, name), (name, spec)
+            fed = apply(fed, full, spec)
+    assert compared == 960 and 100 < placed < 900
+
+
+def placed_on(spec: JobSpec, fed: Federation) -> Any:
+    return place(spec, fed, now=NOW, usage=TenantUsage(), groups=GroupState())
