@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sites.assignments import Assignment
-from sites.catalog import DeviceCatalog
+from sites.catalog import DeviceCatalog, split_model
 from sites.clock import Clock
 from sites.errors import ConfigError, Problem
 from sites.executor import (
@@ -228,11 +228,24 @@ def sbatch_args(
     if a.gpus > 0:
         if a.model is None:
             raise ExecutorError(f"job {a.job} asks for {a.gpus} GPU(s) but names no model")
-        args.append(f"--gres=gpu:{settings.gres_type(a.model)}:{a.gpus}")
+        args.append(gres(a.model, a.gpus, settings))
     minutes = time_limit_min(a, settings)
     if minutes is not None:
         args.append(f"--time={minutes}")
     return args
+
+
+def gres(model: str, count: int, settings: SlurmSettings) -> str:
+    """The --gres option for `count` devices of `model`. A slice (sites.catalog) without its
+    own entry in `gres_types`: a time slice is Slurm's GPU sharing, ``shard`` (gres.conf
+    Name=shard); a MIG instance the type ``<model>_<profile>`` in lower case, as an operator
+    names it in gres.conf (map another name in gres_types)."""
+    base, part = split_model(model)
+    if part is not None and model not in settings.gres_types:
+        if part.startswith("ts") and part[2:].isdigit():
+            return f"--gres=shard:{count}"
+        return f"--gres=gpu:{base.lower()}_{part}:{count}"
+    return f"--gres=gpu:{settings.gres_type(model)}:{count}"
 
 
 def batch_script(assignment: Assignment, *, site: str) -> str:

@@ -383,6 +383,15 @@ def test_sbatch_options_follow_the_assignment_and_the_site_file(tmp_path: Path) 
     with pytest.raises(Exception, match="tenant 'beta' has no Slurm account at site s"):
         sbatch_args(a.model_copy(update={"tenant": "beta"}), site="s", settings=settings,
                     partition=None, log_path=tmp_path, cwd=tmp_path)  # fmt: skip
+    # slices: a MIG instance by its <model>_<profile> type, a time slice as a Slurm shard
+    mig = a.model_copy(update={"model": "A100-80GB/3g.40gb", "gpus": 1})
+    assert "--gres=gpu:a100-80gb_3g.40gb:1" in sbatch_args(
+        mig, site="s", settings=settings, partition=None, log_path=tmp_path, cwd=tmp_path
+    )
+    shared = a.model_copy(update={"model": "H100/ts4", "gpus": 1})
+    assert "--gres=shard:1" in sbatch_args(
+        shared, site="s", settings=settings, partition=None, log_path=tmp_path, cwd=tmp_path
+    )
     script = batch_script(a.model_copy(update={"env": {"X": "a b"}}), site="s")
     assert "export X='a b'" in script and "export CPN_JOB_ID=j" in script
     assert script.rstrip().endswith("exec run")
