@@ -63,7 +63,7 @@ from sites.catalog import Capacity
 from sites.config import field_path
 from sites.errors import RegistryUnavailable
 from sites.spec import Coordinates
-from sites.status import AgentSecret, SiteState
+from sites.status import AgentSecret, SiteState, SiteView
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +209,30 @@ class SiteInfo(BaseModel):
         default=None, description="total capacity as last reported; null before a report"
     )
     coordinates: Coordinates | None = Field(default=None, description="from the site's spec")
+    nodes: dict[str, dict[str, int]] | None = Field(
+        default=None,
+        description="at a site that declares its nodes: node -> free devices by (pseudo-)model, "
+        "as its agent last published them (docs/topology.md); null elsewhere",
+    )
+
+
+def site_info(site: SiteView, now: float) -> SiteInfo:
+    """One entry of GET /v1/sites, from the registry's view of the site."""
+    status = site.status
+    return SiteInfo(
+        id=site.id,
+        region=site.region,
+        state=site.state,
+        last_seen=site.last_seen,
+        last_seen_ago_s=None if site.last_seen is None else round(now - site.last_seen, 3),
+        rtt_ms=site.rtt_ms,
+        free=None if status is None else status.free,
+        capacity=None if status is None else status.capacity,
+        coordinates=site.spec.coordinates,
+        nodes=None
+        if status is None or not status.nodes
+        else {n.node: dict(n.free_devices) for n in status.nodes},
+    )
 
 
 class Health(BaseModel):
@@ -397,21 +421,7 @@ async def list_sites(request: web.Request) -> web.Response:
         rows = sorted(
             (
                 site.id,
-                json.dumps(
-                    SiteInfo(
-                        id=site.id,
-                        region=site.region,
-                        state=site.state,
-                        last_seen=site.last_seen,
-                        last_seen_ago_s=None
-                        if site.last_seen is None
-                        else round(now - site.last_seen, 3),
-                        rtt_ms=site.rtt_ms,
-                        free=None if site.status is None else site.status.free,
-                        capacity=None if site.status is None else site.status.capacity,
-                        coordinates=site.spec.coordinates,
-                    ).model_dump(mode="json")
-                ).encode(),
+                json.dumps(site_info(site, now).model_dump(mode="json")).encode(),
             )
             for site in sites.views()
         )

@@ -104,6 +104,8 @@ async def cmd_sites(args: argparse.Namespace) -> int:
     views = snap.views()
     if args.output == "json":
         print(json.dumps([render.site_json(v, now=SystemClock().time()) for v in views], indent=2))
+    elif args.nodes:
+        print(render.nodes_table(views, catalog=catalog))
     else:
         print(render.sites_table(views, catalog=catalog, now=SystemClock().time()))
     return 0
@@ -628,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
     sites = sub.add_parser("sites", help="list the federation's sites")
     etcd_arg(sites)
     sites.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    sites.add_argument(
+        "--nodes", action="store_true", help="each declared node: its island and what it has free"
+    )
     sites.set_defaults(func=cmd_sites)
 
     site = sub.add_parser("site", help="onboard or remove a site")

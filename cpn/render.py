@@ -6,7 +6,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from sites.catalog import DeviceCatalog, normalize_inventory
-from sites.status import SiteView
+from sites.layout import layout
+from sites.status import NodeUsage, SiteView
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -38,8 +39,8 @@ def _num(x: float) -> str:
 
 
 def sites_table(views: Sequence[SiteView], *, catalog: DeviceCatalog, now: float) -> str:
-    headers = ["SITE", "STATE", "LAST SEEN", "REGION", "GPUS FREE/TOTAL", "FP16 TFLOPS", "CPU",
-               "MEM GB", "STORAGE TB", "NEAREST PEERS (RTT ms)"]  # fmt: skip
+    headers = ["SITE", "STATE", "LAST SEEN", "REGION", "GPUS FREE/TOTAL", "NODES IDLE",
+               "FP16 TFLOPS", "CPU", "MEM GB", "STORAGE TB", "NEAREST PEERS (RTT ms)"]  # fmt: skip
     rows = []
     for v in views:
         if v.status is not None:
@@ -57,6 +58,7 @@ def sites_table(views: Sequence[SiteView], *, catalog: DeviceCatalog, now: float
             ago(None if v.last_seen is None else now - v.last_seen),
             v.region,
             gpus or "-",
+            nodes_idle(v, catalog=catalog),
             _num(cap.fp16_tflops),
             str(cap.cpu_cores),
             _num(cap.mem_gb),
@@ -64,6 +66,88 @@ def sites_table(views: Sequence[SiteView], *, catalog: DeviceCatalog, now: float
             peers or "-",
         ])  # fmt: skip
     return table(headers, rows) if rows else "no sites joined"
+
+
+class NodeRow:
+    """One declared node (docs/topology.md): its size from the spec, what it has free from the
+    agent's last status (None before the agent published it)."""
+
+    __slots__ = ("cpu", "devices", "free", "island", "mem_gb", "name")
+
+    def __init__(
+        self,
+        name: str,
+        island: str | None,
+        devices: dict[str, int],
+        cpu: int,
+        mem_gb: float,
+        free: NodeUsage | None,
+    ) -> None:
+        self.name = name
+        self.island = island
+        self.devices = devices  # (pseudo-)model -> devices (or slices) on the node
+        self.cpu = cpu
+        self.mem_gb = mem_gb
+        self.free = free
+
+    @property
+    def idle(self) -> bool:
+        """Nothing held on it: every device, core and GB free."""
+        free = self.free
+        return (
+            free is not None
+            and all(free.free_devices.get(m, 0) >= n for m, n in self.devices.items())
+            and free.free_cpu >= self.cpu
+            and free.free_mem_gb >= self.mem_gb - 1e-6
+        )
+
+
+def node_rows(v: SiteView, *, catalog: DeviceCatalog) -> list[NodeRow]:
+    """The site's declared nodes in declaration order ([] for a site that declares none)."""
+    topology = v.spec.topology
+    if topology is None:
+        return []
+    published = {n.node: n for n in v.status.nodes} if v.status is not None else {}
+    slots = layout(v.spec, catalog).nodes
+    rows = []
+    for group in topology.nodes:
+        for i, name in enumerate(group.node_names()):
+            devices = {m: len(ix) for m, ix in slots.get(name, {}).items() if ix}
+            rows.append(NodeRow(name, group.island_of(i), devices, group.cpu_cores,
+                                group.mem_gb, published.get(name)))  # fmt: skip
+    return rows
+
+
+def nodes_idle(v: SiteView, *, catalog: DeviceCatalog) -> str:
+    """`idle/nodes` for a site with nodes (`-/nodes` before its agent published them)."""
+    rows = node_rows(v, catalog=catalog)
+    if not rows:
+        return "-"
+    if all(row.free is None for row in rows):
+        return f"-/{len(rows)}"
+    return f"{sum(row.idle for row in rows)}/{len(rows)}"
+
+
+def nodes_table(views: Sequence[SiteView], *, catalog: DeviceCatalog) -> str:
+    """Per declared node: its island and what it has free of what it has."""
+    headers = ["SITE", "NODE", "ISLAND", "GPUS FREE/TOTAL", "CPU FREE/TOTAL", "MEM GB FREE/TOTAL"]
+    rows = []
+    for v in views:
+        for row in node_rows(v, catalog=catalog):
+            free = row.free
+            gpus = ", ".join(
+                f"{m} {'-' if free is None else free.free_devices.get(m, 0)}/{n}"
+                for m, n in sorted(row.devices.items())
+            )
+            rows.append([
+                v.id,
+                row.name,
+                row.island or "-",
+                gpus or "-",
+                f"{'-' if free is None else free.free_cpu}/{row.cpu}",
+                f"{'-' if free is None else _num(free.free_mem_gb)}/{_num(row.mem_gb)}",
+            ])  # fmt: skip
+    return table(headers, rows) if rows else "no site declares its nodes"
 
 
 def site_json(v: SiteView, *, now: float) -> dict[str, Any]:
@@ -82,6 +166,9 @@ def site_json(v: SiteView, *, now: float) -> dict[str, Any]:
         "capacity": None if status is None else status.capacity.model_dump(mode="json"),
         "free": None if status is None else status.free.model_dump(mode="json"),
         "host": None if status is None else status.host.model_dump(mode="json"),
+        "nodes": None
+        if status is None or not status.nodes
+        else [n.model_dump(mode="json") for n in status.nodes],
         "agent": None if v.agent is None else v.agent.model_dump(mode="json"),
         "cordon": None if v.cordon is None else v.cordon.model_dump(mode="json"),
         "services": [ep.model_dump(mode="json") for ep in v.services],
@@ -145,6 +232,25 @@ def job_rows(records: Sequence[dict[str, Any]], *, now: float) -> list[list[str]
     return rows
 
 
+def placement_nodes(placement: dict[str, Any], *, most: int = 8) -> str:
+    """A placement's nodes and island in words ("g-2 (8 x H100), g-3 (8 x H100) in island
+    g-i1"); "" for a placement without nodes."""
+    shares = placement.get("nodes") or []
+    if not shares:
+        return ""
+    model = placement.get("model")
+    parts = [
+        f"{s['node']} ({s['gpus']} x {model})" if s.get("gpus") and model
+        else f"{s['node']} ({s.get('cpu', 0)} cores)"
+        for s in shares[:most]
+    ]  # fmt: skip
+    text = ", ".join(parts)
+    if len(shares) > most:
+        text += f" and {len(shares) - most} more"
+    island = placement.get("island")
+    return f"{text} in island {island}" if island else text
+
+
 def describe_job(r: dict[str, Any]) -> str:
     import time as _time
 
@@ -165,6 +271,9 @@ def describe_job(r: dict[str, Any]) -> str:
             f"Site:        {placement['site']} ({placement['region']}), {what}, "
             f"est. {placement['cost_usd']:.2f} USD"
         )
+        nodes = placement_nodes(placement)
+        if nodes:
+            lines.append(f"Nodes:       {nodes}")
         lines.append(f"Why:         {placement['reason']}")
     if r.get("unschedulable") and r["state"] == "PENDING":
         lines.append(f"Waiting:     {r['unschedulable']}")

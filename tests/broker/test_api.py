@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from broker.api import HTTP, OPERATIONS, make_app, openapi_document
+from broker.api import HTTP, OPERATIONS, make_app, openapi_document, site_info
 from broker.inference import Gateway
 from broker.openapi import spec_path
 from broker.router import Router
@@ -21,6 +21,7 @@ from broker.service import Broker
 from sites.etcd_server import EmbeddedEtcd
 from tests.broker.apiserver import ApiBroker, start_api_broker
 from tests.conftest import AUTH, Processes
+from tests.cpn.test_render import PUBLISHED, TOPOLOGY, site_spec, view
 
 JOB: dict[str, Any] = {"name": "api-job", "tenant": "ai-lab", "command": ["true"]}
 
@@ -59,6 +60,36 @@ def test_a_value_of_the_wrong_json_type_is_a_400_naming_the_field(
     reply = api.post_json("/v1/jobs", {**JOB, **change})
     assert reply.status == 400, reply
     assert reply.error() == ("invalid", field)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "field", "words"),
+    [
+        ({"model": "H100", "share": 0.75}, "gpu", "a share above 0.5 is a whole device"),
+        ({"model": "H100", "share": 0.25, "count": 2}, "gpu", "count must be 1"),
+        ({"min_mem_gb": 40, "count": 1, "profile": "3g.40gb"}, "gpu", "needs model or models"),
+        ({"model": "H100", "count": 12, "per_node": 8}, "gpu", "not a multiple of per_node"),
+        ({"model": "H100", "share": 0}, "gpu.share", "greater than 0"),
+        ({"model": "H100", "count": 1, "per_node": 0}, "gpu.per_node", "greater than or equal"),
+        ({"model": "A100-80GB", "profile": "1g.18gb", "count": 1}, "gpu.profile",
+         "A100-80GB has no MIG profile '1g.18gb'"),
+    ],
+)  # fmt: skip
+def test_bad_slices_and_node_shapes_name_their_field(
+    api: ApiBroker, gpu: dict[str, Any], field: str, words: str
+) -> None:
+    reply = api.post_json("/v1/jobs", {**JOB, "gpu": gpu})
+    assert reply.status == 400 and reply.error() == ("invalid", field), reply
+    assert words in str(reply.json()["error"]["message"]), reply
+
+
+def test_a_site_entry_gives_free_devices_per_node() -> None:
+    # pure: the entry GET /v1/sites builds from the registry's view (docs/topology.md)
+    entry = site_info(view(site_spec(TOPOLOGY), PUBLISHED), 101.0)
+    assert entry.nodes is not None and entry.nodes["g-0"] == {"H100": 3}
+    assert entry.nodes["c"] == {} and list(entry.nodes) == ["g-0", "g-1", "g-2", "g-3", "c"]
+    assert site_info(view(site_spec(None), ()), 101.0).nodes is None
+    assert site_info(view(site_spec(TOPOLOGY), None), 101.0).nodes is None
 
 
 @pytest.mark.parametrize(
