@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sites import keys
 from sites.agent_metrics import AgentMetrics
-from sites.catalog import Capacity, DeviceCatalog, normalize
+from sites.catalog import Capacity, DeviceCatalog, mig_model, normalize
 from sites.clock import Clock, SystemClock
 from sites.collectors.host import host_usage, storage_usage
 from sites.collectors.nvml import NvmlCollector
@@ -476,15 +476,29 @@ class Agent:
                 )
             return declared_resources(self.spec, self.catalog)
         devices: dict[str, list[int]] = {}
+        # a GPU in MIG mode is its MIG instances, each a slot of its profile's pseudo-model
+        # (sites.catalog) whose id is the MIG UUID the job's CUDA_VISIBLE_DEVICES takes
+        slots: dict[str, list[tuple[int, str]]] = {}
         for gpu in self._nvml.collect() if self._nvml else []:
-            if gpu.model is not None:
-                devices.setdefault(gpu.model, []).append(gpu.index)
+            if gpu.model is None:
+                continue
+            if gpu.mig_enabled:
+                for inst in gpu.mig:
+                    if inst.profile is not None:
+                        found = slots.setdefault(mig_model(gpu.model, inst.profile), [])
+                        found.append((gpu.index, inst.uuid))
+                continue
+            devices.setdefault(gpu.model, []).append(gpu.index)
         host = host_usage()
         return SiteResources(
-            devices={model: tuple(ix) for model, ix in devices.items()},
+            devices={
+                **{model: tuple(ix) for model, ix in devices.items()},
+                **{model: tuple(range(len(found))) for model, found in slots.items()},
+            },
             cpu_cores=host.cpu_cores,
             mem_gb=host.mem_gb,
             oversubscription=self.spec.oversubscription,
+            slots={model: tuple(found) for model, found in slots.items()},
         )
 
     def service_endpoints(self, now: float) -> list[ServiceEndpoint]:

@@ -183,8 +183,10 @@ def job_env(
     """The job's environment: ``base`` + the assignment's env + what cpn sets (which wins).
 
     CPN_DEVICES is ``MODEL:i,j,...`` (empty without devices). The vendor's visibility variable
-    (CUDA_VISIBLE_DEVICES for NVIDIA, see VISIBLE_DEVICES_ENV) lists the indices; a job without
-    accelerators gets CUDA_VISIBLE_DEVICES="" so it cannot use GPUs it does not hold.
+    (CUDA_VISIBLE_DEVICES for NVIDIA, see VISIBLE_DEVICES_ENV) lists the indices, or for MIG
+    instances the agent found with NVML (CPN_GPU_SLICES of MIG-... UUIDs, sites.workload's
+    `sliced`) those UUIDs; a job without accelerators gets CUDA_VISIBLE_DEVICES="" so it
+    cannot use GPUs it does not hold.
     """
     env = {k: v for k, v in base.items() if k not in ("CPN_CHECKPOINT_PATH", "CPN_RESUME")}
     env.update(assignment.env)
@@ -197,8 +199,11 @@ def job_env(
         CPN_RESTARTS=str(assignment.attempt - 1),  # earlier runs: retries, moves, preemptions
         CPN_DEVICES=f"{assignment.model}:{indices}" if devices and assignment.model else "",
     )
+    slices = assignment.env.get("CPN_GPU_SLICES", "")
     if not devices:
         env["CUDA_VISIBLE_DEVICES"] = ""
+    elif vendor == "nvidia" and slices and all(s.startswith("MIG-") for s in slices.split(",")):
+        env["CUDA_VISIBLE_DEVICES"] = slices  # MIG instances by their UUIDs (host mode)
     elif vendor in VISIBLE_DEVICES_ENV:
         env[VISIBLE_DEVICES_ENV[vendor]] = indices
     if assignment.checkpoint_path:

@@ -159,3 +159,28 @@ def test_the_agent_packs_slices_onto_one_device_and_says_which() -> None:
     whole = declared_resources(site([{"devices": 1, "time_slices": 4}], 2), CATALOG)
     a = assignment("w", "A100-80GB")
     assert sliced(a, allocate(a, whole, []), whole, CATALOG) == (a, (1,))
+
+
+def test_mig_instances_found_by_nvml_reach_the_job_by_their_uuids() -> None:
+    from sites.executor import job_env
+    from sites.workload import SiteResources
+
+    # what the agent builds in host mode from a GPU in MIG mode (sites.agent._resources)
+    uuids = ("MIG-aaaa", "MIG-bbbb")
+    resources = SiteResources(
+        devices={"A100-80GB/3g.40gb": (0, 1)},
+        cpu_cores=8,
+        mem_gb=64,
+        slots={"A100-80GB/3g.40gb": ((2, uuids[0]), (2, uuids[1]))},
+    )
+    a = assignment("m", "A100-80GB/3g.40gb")
+    given, physical = sliced(a, allocate(a, resources, []), resources, CATALOG)
+    assert physical == (2,) and given.env["CPN_GPU_SLICES"] == "MIG-aaaa"
+    env = job_env(given, physical, site="west", vendor="nvidia", base={})
+    assert env["CUDA_VISIBLE_DEVICES"] == "MIG-aaaa"
+    # declared slices (no UUID) keep the physical index
+    declared = declared_resources(site(), CATALOG)
+    b = assignment("d", "A100-80GB/1g.10gb")
+    given, physical = sliced(b, allocate(b, declared, []), declared, CATALOG)
+    env = job_env(given, physical, site="west", vendor="nvidia", base={})
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["CPN_GPU_SLICES"] == "0:1g.10gb:0"
