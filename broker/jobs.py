@@ -16,7 +16,14 @@ import shlex
 from datetime import UTC, datetime
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from broker.errors import IllegalTransition
 from sites.assignments import NodeShare
@@ -78,6 +85,40 @@ class GpuRequest(TenantInput):
             return {**data, "count": 1}
         return data
 
+    @field_validator("profile")
+    @classmethod
+    def _profile_of_named_models(cls, profile: str | None, info: ValidationInfo) -> str | None:
+        if profile is not None and info.data.get("model") is None and not info.data.get("models"):
+            raise ValueError("a profile needs model or models")
+        return profile
+
+    @field_validator("share")
+    @classmethod
+    def _share_of_one_device(cls, share: float | None, info: ValidationInfo) -> float | None:
+        if share is None:
+            return share
+        if info.data.get("model") is None and not info.data.get("models"):
+            raise ValueError("a share needs model or models")
+        if info.data.get("profile") is not None:
+            raise ValueError("give either profile or share, not both")
+        if info.data.get("count") != 1:
+            raise ValueError("a share is of one device: count must be 1")
+        if share > 0.5:
+            raise ValueError("a share above 0.5 is a whole device: ask for count 1 instead")
+        return share
+
+    @field_validator("per_node")
+    @classmethod
+    def _whole_nodes(cls, per_node: int | None, info: ValidationInfo) -> int | None:
+        if per_node is None:
+            return per_node
+        if info.data.get("profile") is not None or info.data.get("share") is not None:
+            raise ValueError("per_node applies to whole devices, not to slices")
+        count = info.data.get("count", 0)
+        if isinstance(count, int) and count % per_node:
+            raise ValueError(f"count {count} is not a multiple of per_node {per_node}")
+        return per_node
+
     @model_validator(mode="after")
     def _one_way(self) -> GpuRequest:
         if self.model is not None and self.models is not None:
@@ -95,19 +136,6 @@ class GpuRequest(TenantInput):
             self.model or self.models or self.min_mem_gb or self.profile or self.share
         ):
             raise ValueError("count must be >= 1 when accelerators are named")
-        if (self.profile is not None or self.share is not None) and self.acceptable is None:
-            raise ValueError("a profile or a share needs model or models")
-        if self.profile is not None and self.share is not None:
-            raise ValueError("give either profile or share, not both")
-        if self.share is not None and self.count != 1:
-            raise ValueError("a share is of one device: count must be 1")
-        if self.share is not None and self.share > 0.5:
-            raise ValueError("a share above 0.5 is a whole device: ask for count 1 instead")
-        if self.per_node is not None:
-            if self.profile is not None or self.share is not None:
-                raise ValueError("per_node applies to whole devices, not to slices")
-            if self.count % self.per_node:
-                raise ValueError(f"count {self.count} is not a multiple of per_node")
         return self
 
     @property

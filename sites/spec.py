@@ -10,7 +10,7 @@ import enum
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 SITE_ID_RE = r"^[a-z][a-z0-9-]{0,62}$"
 NAME_RE = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -380,12 +380,12 @@ class SiteSpec(Frozen):
                 raise ValueError(f"label key {key!r} must be a lower-case DNS-like name")
         return labels
 
-    @model_validator(mode="after")
-    def _nodes_add_up(self) -> SiteSpec:
-        topology = self.topology
-        if topology is None:
-            return self
-        inv = self.inventory
+    @field_validator("topology")
+    @classmethod
+    def _nodes_add_up(cls, topology: Topology | None, info: ValidationInfo) -> Topology | None:
+        inv = info.data.get("inventory")
+        if topology is None or not isinstance(inv, Inventory):
+            return topology
         declared = {pool.model: pool.count for pool in inv.devices}
         on_nodes: dict[str, int] = {}
         cpu = 0
@@ -406,4 +406,7 @@ class SiteSpec(Frozen):
                 f"topology.nodes hold {cpu} cores and {mem:g} GB, more than the inventory's "
                 f"{inv.cpu_cores} and {inv.mem_gb:g}"
             )
-        return self
+        executor = info.data.get("executor")
+        if isinstance(executor, Executor) and executor.kind is ExecutorKind.slurm:
+            raise ValueError("a Slurm site's nodes are Slurm's: declare no topology there")
+        return topology

@@ -121,6 +121,16 @@ def test_nodes_must_add_up_to_the_inventory() -> None:
     doc["topology"]["nodes"].append(node_group("n", 2))
     with pytest.raises(ValidationError, match="node 'n-0' is declared twice"):
         SiteSpec.model_validate(doc)
+    # the error names its field; a Slurm site's nodes are Slurm's
+    doc = spec("a", [node_group("n", 2)]).model_dump(mode="json")
+    doc["inventory"]["devices"] = [{"model": "H100", "count": 24}]
+    with pytest.raises(ValidationError) as caught:
+        SiteSpec.model_validate(doc)
+    assert caught.value.errors()[0]["loc"] == ("topology",)
+    doc["inventory"]["devices"] = [{"model": "H100", "count": 16}]
+    doc["executor"] = {"kind": "slurm"}
+    with pytest.raises(ValidationError, match="a Slurm site's nodes are Slurm's"):
+        SiteSpec.model_validate(doc)
 
 
 def test_shapes_take_one_node_when_one_holds_it_else_whole_nodes() -> None:
