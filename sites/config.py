@@ -83,6 +83,18 @@ def check_spec(source: str, spec: SiteSpec, catalog: DeviceCatalog) -> list[Prob
     problems += [
         Problem(source, p.field, p.message) for p in partition_problems(spec.inventory, catalog)
     ]
+    if spec.perception.mode == "host":
+        for i, pool in enumerate(spec.inventory.devices):
+            for j, partition in enumerate(pool.partitions):
+                if partition.time_slices is not None:
+                    problems.append(
+                        Problem(
+                            source,
+                            f"inventory.devices[{i}].partitions[{j}].time_slices",
+                            "a host-mode agent hands out the GPUs NVML shows (MIG instances, "
+                            "whole devices), not time slices",
+                        )
+                    )
     problems += _check_slurm(source, spec, catalog)
     seen: set[str] = set()
     for i, svc in enumerate(spec.services):

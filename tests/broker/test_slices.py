@@ -184,3 +184,13 @@ def test_mig_instances_found_by_nvml_reach_the_job_by_their_uuids() -> None:
     given, physical = sliced(b, allocate(b, declared, []), declared, CATALOG)
     env = job_env(given, physical, site="west", vendor="nvidia", base={})
     assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["CPN_GPU_SLICES"] == "0:1g.10gb:0"
+
+
+def test_a_host_site_may_not_declare_time_slices() -> None:
+    from sites.config import check_spec
+
+    doc = site().model_dump(mode="json")
+    doc["perception"] = {"mode": "host"}
+    problems = check_spec("west.yaml", SiteSpec.model_validate(doc), CATALOG)
+    assert [p.field for p in problems] == ["inventory.devices[0].partitions[1].time_slices"]
+    assert check_spec("west.yaml", site(), CATALOG) == []
