@@ -270,14 +270,8 @@ def on_nodes(
 def _holds(
     nodes: NodesFree, model: str | None, count: int, per_node: int | None, cpu: int, mem: float
 ) -> bool:
-    """Do a site's nodes hold the request with `model`? (screen's node filter)"""
-    if (
-        per_node is None
-        and cpu <= nodes.floor_cpu
-        and mem <= nodes.floor_mem_gb
-        and (model is None or count <= nodes.most.get(model, 0))
-    ):
-        return True  # one node has the devices, and every node the cores and memory
+    """Do a site's nodes hold the request with `model`? (screen's node filter, past its
+    shortcut)"""
     return nodes.fits(model, count, per_node, cpu, mem)
 
 
@@ -369,6 +363,7 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
 
     quota_seen: dict[tuple[str | None, str], bool] = {}
     node_memo: dict[tuple[object, ...], Any] | None = None
+    single = per_node is None  # no devices-per-node asked: one node may hold it
     failed: list[list[str]] = [[] for _ in FILTERS]
     options: list[Option] = []
     feasible = 0
@@ -429,7 +424,19 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
             failed[MEM].append(sid)
             continue
         nodes = site.nodes
-        if nodes is not None and check and spare is None:
+        if (
+            nodes is not None
+            and check
+            and spare is None
+            # the shortcut, most sites' answer: one node has the devices, and every node the
+            # cores and memory
+            and not (
+                single
+                and cpu <= nodes.floor_cpu
+                and mem <= nodes.floor_mem_gb
+                and (not count or count <= nodes.most.get(model, 0))  # type: ignore[arg-type]
+            )
+        ):
             # the same shape meets the same nodes at most sites on the next submits too: the
             # answer is kept per shape for the lineage, per (site, model the totals chose),
             # while the site's nodes are the ones it was worked out for

@@ -101,11 +101,20 @@ class NodesFree:
         self.nodes = nodes
         self.size = size  # model -> the most devices of it one node has (free or not)
         self.packing: Packing = packing
+        # built here, with the offer (the view's work at a bounded rate), not on a submit:
+        # per model the most free on one node, and how many nodes have at least d free
         most: dict[str, int] = {}
+        counts: dict[str, list[int]] = {m: [0] * (n + 2) for m, n in size.items()}
         for node in nodes:
             for model, n in node.gpus.items():
                 if n > most.get(model, 0):
                     most[model] = n
+                row = counts.get(model)
+                if row is not None:
+                    row[min(n, len(row) - 2)] += 1
+        for row in counts.values():
+            for d in range(len(row) - 3, -1, -1):
+                row[d] += row[d + 1]
         self.most = most  # model -> the most free on one node
         # the fewest and the most free cores and GB a node has: when a part's cores and
         # memory are at most the floors, the devices alone decide (broker.feasibility's
@@ -117,7 +126,7 @@ class NodesFree:
         self._by_name: dict[str, int] | None = None
         # model (None: cores) -> (free devices, cores, GB) of every node, most free first
         self._sorted: dict[str | None, list[tuple[int, int, float]]] = {}
-        self._ge: dict[str, list[int]] = {}
+        self._ge: dict[str, list[int]] = counts
         self._memo: dict[tuple[str | None, int, int | None, int, float], bool] = {}
 
     @classmethod
