@@ -424,32 +424,30 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
             failed[MEM].append(sid)
             continue
         nodes = site.nodes
-        if (
-            nodes is not None
-            and check
-            and spare is None
-            # the shortcut, most sites' answer: one node has the devices, and every node the
-            # cores and memory
-            and not (
-                single
-                and cpu <= nodes.floor_cpu
-                and mem <= nodes.floor_mem_gb
-                and (not count or count <= nodes.most.get(model, 0))  # type: ignore[arg-type]
-            )
-        ):
-            # the same shape meets the same nodes at most sites on the next submits too: the
-            # answer is kept per shape for the lineage, per (site, model the totals chose),
-            # while the site's nodes are the ones it was worked out for
-            if node_memo is None:
-                node_memo = fed.node_memo((count, per_node, cpu, mem))
-            known = node_memo.get((sid, model))
-            if known is not None and known[0] is nodes:
-                holds = known[1]
+        if nodes is not None and check and spare is None:
+            if single and count <= nodes.size.get(model, 0):  # type: ignore[arg-type]
+                # one node: exact from the nodes' frontier, most sites' answer
+                holds = False
+                for have, node_cpu, node_mem in nodes.frontier.get(model, ()):
+                    if have >= count and node_cpu >= cpu and node_mem >= mem:
+                        holds = True
+                        break
             else:
-                holds = _holds(nodes, model, count, per_node, cpu, mem)
-                node_memo[(sid, model)] = (nodes, holds)
+                # several nodes: the same shape meets the same nodes at most sites on the
+                # next submits too, so the answer is kept per shape for the lineage, per
+                # (site, model the totals chose), while the site's nodes are unchanged
+                if node_memo is None:
+                    node_memo = fed.node_memo((count, per_node, cpu, mem))
+                known = node_memo.get((sid, model))
+                if known is not None and known[0] is nodes:
+                    holds = known[1]
+                else:
+                    holds = _holds(nodes, model, count, per_node, cpu, mem)
+                    node_memo[(sid, model)] = (nodes, holds)
             if not holds:
                 # the next acceptable model, kept per (site, model, acceptable models) too
+                if node_memo is None:
+                    node_memo = fed.node_memo((count, per_node, cpu, mem))
                 again = node_memo.get((sid, model, named, floor))
                 if again is not None and again[0] is nodes:
                     fit = again[1]

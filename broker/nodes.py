@@ -78,6 +78,7 @@ class NodesFree:
     and `given` return new ones."""
 
     __slots__ = (
+        "frontier",
         "_by_name",
         "ceiling_cpu",
         "ceiling_mem_gb",
@@ -116,6 +117,9 @@ class NodesFree:
             for d in range(len(row) - 3, -1, -1):
                 row[d] += row[d + 1]
         self.most = most  # model -> the most free on one node
+        # model (None: cores only) -> the nodes' (free devices, cores, GB) that no other node
+        # has as much of in all three: a one-node request fits iff one of these holds it
+        self.frontier = _frontiers(nodes, size)
         # the fewest and the most free cores and GB a node has: when a part's cores and
         # memory are at most the floors, the devices alone decide (broker.feasibility's
         # shortcut); above the ceilings, no node holds it
@@ -431,6 +435,26 @@ class NodesFree:
         """Free devices of `model` on nodes that cannot hold `demand` of them: free but
         unusable for a job of that shape (the simulator's fragmentation)."""
         return sum(n for node in self.nodes if 0 < (n := node.gpus.get(model, 0)) < demand)
+
+
+def _frontiers(
+    nodes: Sequence[Node], size: Mapping[str, int]
+) -> dict[str | None, tuple[tuple[int, int, float], ...]]:
+    out: dict[str | None, tuple[tuple[int, int, float], ...]] = {}
+    for model in (None, *size):
+        rows = sorted(
+            {
+                (0 if model is None else node.gpus.get(model, 0), node.cpu, node.mem_gb)
+                for node in nodes
+            },
+            reverse=True,
+        )
+        kept: list[tuple[int, int, float]] = []
+        for row in rows:  # most devices first: a row is dominated only by one kept before it
+            if not any(k[1] >= row[1] and k[2] >= row[2] for k in kept):
+                kept.append(row)
+        out[model] = tuple(kept)
+    return out
 
 
 def shape(
