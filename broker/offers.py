@@ -19,7 +19,7 @@ from typing import Any
 
 from broker.errors import BrokerError
 from broker.jobs import DataLocation, Group
-from broker.nodes import NodesFree
+from broker.nodes import NodesFree, Packing
 from broker.pricing import Breakdown, egress_usd
 from broker.tenancy import BudgetLeft, Headroom, Usage
 from sites.assignments import NodeShare
@@ -72,9 +72,16 @@ class SiteOffer:
 
     @classmethod
     def from_spec(
-        cls, spec: SiteSpec, catalog: DeviceCatalog, *, up: bool = True, cordoned: bool = False
+        cls,
+        spec: SiteSpec,
+        catalog: DeviceCatalog,
+        *,
+        up: bool = True,
+        cordoned: bool = False,
+        packing: Packing = "pack",
     ) -> SiteOffer:
-        """The whole declared inventory free (a site with nothing running)."""
+        """The whole declared inventory free (a site with nothing running); `packing`: how
+        its nodes are chosen (SchedulingSettings.node_packing), for a site that has nodes."""
         pools = device_pools(spec, catalog)
         return cls(
             id=spec.id,
@@ -88,7 +95,7 @@ class SiteOffer:
             gpu_mem_gb={m: catalog.get(m).mem_gb or 0.0 for m in pools},
             prices=slice_prices(spec.prices, pools, catalog),
             labels=spec.labels,
-            nodes=NodesFree.of_spec(spec, pools=node_pools(spec, catalog)),
+            nodes=NodesFree.of_spec(spec, pools=node_pools(spec, catalog), packing=packing),
         )
 
 

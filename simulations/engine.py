@@ -10,7 +10,8 @@ Virtual time is seconds from the scenario's start (t = 0 is 00:00 UTC of day 0).
                  and re-queues the site's jobs as the broker does (broker.lifecycle)
     batch        the CP-SAT pass (policy batch) every batch_interval_s
     inference    the routing step every inference_step_s
-    sample       the utilization and queue series, every sample_s
+    sample       the utilization and queue series, every sample_s, and the devices free but
+                 stranded for the waiting shapes at sites with nodes (simulations.nodes)
 
 Policies and what happens on each event (docs/simulation.md):
 
@@ -65,6 +66,7 @@ from broker.tenants import TenancyFile
 from broker.why import Fairness, own_order
 from simulations.arrivals import Arrivals, generate
 from simulations.inference import InferenceSim
+from simulations.nodes import Fragmentation
 from simulations.phase import Phase
 from simulations.results import collect
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
@@ -190,6 +192,8 @@ class Simulation:
         offers = tuple(_offer(spec, catalog, self.policy) for spec in specs.values())
         self.fed = pl.Federation(offers, self.fedinfo.user_rtt_ms)
         self.full = list(offers)  # every site's offer with nothing running
+        has_nodes = any(o.nodes is not None for o in offers)
+        self.fragmentation = Fragmentation(self.fed) if has_nodes else None
         self.gpu_total = [sum(o.free_gpus.values()) for o in offers]
         self.core_total = [o.free_cpu for o in offers]
         self.power_w = {m: (catalog.get(m).power_w or 0.0) for m in catalog.models}
@@ -933,6 +937,23 @@ class Simulation:
         self._dequeue(item)
         self._begin(item, spec, decision)
 
+    def nodes_of(self, victim: Running) -> tuple[NodeShare, ...]:
+        """The node shares a running job holds (none at a site without nodes)."""
+        return self.runs[int(victim.id[1:])].nodes
+
+    def _waiting_classes(self) -> list[_Class]:
+        """The classes that have jobs waiting, under any policy."""
+        if self.passes:
+            return [c for c in self.gates.classes.values() if isinstance(c, _Class) and c.waiting]
+        if self.policy.kind is PolicyKind.fast_path:
+            return [c for c in self.waiting_classes.values() if c.queue]
+        seen: dict[int, _Class] = {}
+        for j in self.fifo:
+            cls = self.job_class[j]
+            if cls is not None:
+                seen.setdefault(id(cls), cls)
+        return list(seen.values())
+
     def _dequeue(self, j: int) -> None:
         cls = self.waiting(j)
         cls.waiting -= 1
@@ -963,7 +984,10 @@ class Simulation:
             return False
         found = options.options
         option = found[0] if len(found) == 1 else self.rng.choice(found)
-        self._start(j, spec, _decision(spec, option))
+        decision = _decision(spec, option)
+        if decision is None:
+            return False
+        self._start(j, spec, decision)
         return True
 
     def _retry_fifo(self, s: int | None) -> None:
@@ -1115,6 +1139,8 @@ class Simulation:
             cores = self.core_total[s]
             self.util_cpu[s].append(1.0 - offer.free_cpu / cores if cores else 0.0)
             self.up_series[s].append(offer.up)
+        if self.fragmentation is not None:
+            self.fragmentation.sample(self.fed, self._waiting_classes())
         if self.book is not None:
             capacity = sum(n for n, o in zip(self.gpu_total, self.fed.sites, strict=True) if o.up)
             held = self.usage.gpus_by_tenant
@@ -1125,9 +1151,18 @@ class Simulation:
             self.book.sample(held, capacity, active, borrowed)
 
 
-def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision:
-    """A placement Decision for a baseline's choice, priced by the filter as the fast path is."""
+def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision | None:
+    """A placement Decision for a baseline's choice, priced by the filter as the fast path is,
+    on the nodes broker.nodes chooses at a site with nodes (None: they cannot hold it)."""
     cost, _, _, offer, model, compute, egress, latency = option
+    shares: tuple[NodeShare, ...] = ()
+    island = None
+    if offer.nodes is not None and not (spec.best_effort and offer.spare is not None):
+        gpu = spec.gpu
+        chosen = offer.nodes.choose(model, gpu.count, gpu.per_node, spec.cpu, spec.mem_gb)
+        if chosen is None:
+            return None
+        shares, island = chosen.shares, chosen.island
     return pl.Decision(
         job=spec.name,
         site=offer.id,
@@ -1139,13 +1174,15 @@ def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision:
         runner_up=None,
         feasible=1,
         reason="baseline",
+        nodes=shares,
+        island=island,
     )
 
 
 def _offer(spec: SiteSpec, catalog: DeviceCatalog, policy: SchedulingSettings) -> pl.SiteOffer:
     """A site with nothing running, its rates with energy and carbon priced in when the
     scenario's policy prices them (broker.green, as the broker's view does)."""
-    offer = pl.SiteOffer.from_spec(spec, catalog)
+    offer = pl.SiteOffer.from_spec(spec, catalog, packing=policy.node_packing)
     green = green_of(spec, catalog, policy)
     if green is None:
         return offer

@@ -74,6 +74,7 @@ MAX_LINES = 15  # lines or bars in one plot; the rest are aggregated as "other"
 PLOTS = {
     "gpu_utilization.png": "GPU utilization per site",
     "jobs.png": "Pending and running jobs",
+    "fragmentation.png": "Free GPUs stranded for the waiting shapes (sites with nodes)",
     "queue_delay_hist.png": "Queue delay of started jobs",
     "footprint_by_site.png": "Cost, energy and carbon by site",
     "footprint_by_tenant.png": "Cost, energy and carbon by tenant",
@@ -321,6 +322,18 @@ def _plan_plots(results: Results) -> list[_Plot]:
     plots = [
         _Plot("gpu_utilization.png", [_Lines(x, gpu, xlabel, percent=True)]),
         _Plot("jobs.png", [_Lines(x, jobs, xlabel, "jobs")]),
+        _Plot(
+            "fragmentation.png",
+            [
+                _Lines(
+                    x,
+                    {"stranded": ys} if (ys := _floats(series.get("fragmentation"))) else {},
+                    xlabel,
+                    "of free GPUs",
+                    percent=True,
+                )
+            ],
+        ),
         _Plot(
             "queue_delay_hist.png",
             [_Hist(_floats(_at(hist, "edges_s")), _floats(_at(hist, "counts")))],

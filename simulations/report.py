@@ -263,6 +263,7 @@ def key_figures(results: Results) -> dict[str, float | str | None]:
         **{f"queue_delay_{p}_s": _f(jobs, "queue_delay_s", p) for p in ("p50", "p95", "p99")},
         **{f"jct_{p}_s": _f(jobs, "completion_time_s", p) for p in ("p50", "p99")},
         "gpu_utilization": overall_gpu_utilization(results),
+        "fragmentation": _f(results, "fragmentation", "mean_fraction"),
         "cost_usd": _f(results, "cost", "total_usd"),
         "energy_kwh": _f(results, "energy", "total_kwh"),
         "carbon_kg": _f(results, "carbon", "total_kg"),
@@ -463,11 +464,35 @@ def _tenancy(results: Results) -> list[_Section]:
     return sections
 
 
+def _fragmentation(results: Results, top: int) -> list[_Section]:
+    """Free GPUs no waiting job could use (stranded on nodes too small for the smallest
+    waiting per-node demand), time averages; none for a federation without nodes."""
+    frag = _map(results.get("fragmentation"))
+    if not frag:
+        return []
+    packing = str(_at(results, "scenario", "node_packing") or "pack")
+    overall = (
+        f"{format_percent(_f(frag, 'mean_fraction'))} of the waiting models' free GPUs "
+        f"(peak {format_percent(_f(frag, 'peak_fraction'))}); on average "
+        f"{_number(_f(frag, 'stranded_gpus_mean') or 0.0)} of "
+        f"{_number(_f(frag, 'wanted_free_gpus_mean') or 0.0)} "
+        f"({_number(_f(frag, 'free_gpus_mean') or 0.0)} free of any model)"
+    )
+    rows: list[tuple[str, ...]] = [("node packing", packing), ("stranded", overall)]
+    by_site = _map(frag.get("by_site"))
+    stranded = {str(k): v for k, s in by_site.items() if (v := _f(s, "stranded_gpus_mean"))}
+    for site, value in _ranked(stranded)[:top]:
+        share = format_percent(_f(by_site, site, "mean_fraction"))
+        rows.append((site, f"{_number(value)} GPUs stranded on average ({share} of the free)"))
+    return [_Section("GPU fragmentation at sites with nodes", rows)]
+
+
 def _sections(results: Results, top: int = TOP) -> list[_Section]:
     sections = [
         _Section("Scenario", _scenario_rows(results)),
         _Section("Jobs", _job_rows(results)),
         _Section("GPU utilization", _gpu_rows(results, top)),
+        *_fragmentation(results, top),
         *_tenancy(results),
         _footprint(results),
     ]
@@ -530,6 +555,7 @@ class _Row:
     fmt: _Fmt
     better: Literal["low", "high"] | None = None
     detail: str | None = None  # a figure named after the value: the worst region
+    optional: bool = False  # left out when no scenario has the figure
 
 
 _ROWS = (
@@ -542,6 +568,8 @@ _ROWS = (
     _Row("jct_p99_s", "JCT p99", format_duration, "low"),
     # Busier GPUs are not better in themselves (a smaller federation is busier): no mark.
     _Row("gpu_utilization", "GPU utilization", format_percent),
+    # free GPUs stranded for the waiting shapes, at sites with nodes (simulations.nodes)
+    _Row("fragmentation", "GPU fragmentation", format_percent, "low", optional=True),
     _Row("cost_usd", "cost", format_money, "low"),
     _Row("energy_kwh", "energy", _kwh, "low"),
     _Row("carbon_kg", "carbon", _kg, "low"),
@@ -556,7 +584,9 @@ def _grid(figures: Sequence[Mapping[str, Any]]) -> list[tuple[str, list[tuple[st
     """(label, [(text, best of the row)]) per row, one cell per scenario."""
     grid = [("policy", [(str(f["policy"]), False) for f in figures])]
     for row in _ROWS:
-        values = [_num(f[row.key]) for f in figures]
+        values = [_num(f.get(row.key)) for f in figures]
+        if row.optional and all(v is None for v in values):
+            continue
         shown = {row.fmt(v) for v in values if v is not None}
         best = None
         # A winner needs a contest as shown: two figures or more that do not read the same (a

@@ -56,6 +56,14 @@ class _Inference(Protocol):
     def results(self) -> dict[str, Any]: ...
 
 
+class _Fragmentation(Protocol):
+    """simulations.nodes.Fragmentation: stranded devices at sites with nodes."""
+
+    @property
+    def series(self) -> Sequence[float]: ...
+    def results(self, site_ids: list[str]) -> dict[str, Any]: ...
+
+
 class Run(Protocol):
     """What `collect` reads of a finished simulation (simulations.engine.Simulation)."""
 
@@ -132,6 +140,8 @@ class Run(Protocol):
     @property
     def infer(self) -> _Inference | None: ...
     @property
+    def fragmentation(self) -> _Fragmentation | None: ...  # None: no site declares nodes
+    @property
     def failure_log(self) -> Sequence[Mapping[str, Any]]: ...
     @property
     def book(self) -> TenantBook | None: ...  # a run with a tenancy (or the fifo baseline)
@@ -144,6 +154,7 @@ def collect(sim: Run, wall_s: float) -> dict[str, Any]:
     sites = sim.site_ids
     fed = sim.fedinfo
     tenants = arr.tenants
+    frag = sim.fragmentation
 
     arrived = int(np.searchsorted(arr.at_s, horizon, side="left"))
     waiting = [j for j in range(arrived) if sim.state[j] == Phase.WAITING]
@@ -207,6 +218,7 @@ def collect(sim: Run, wall_s: float) -> dict[str, Any]:
             "seed": sc.seed,
             "horizon_s": horizon,
             "policy": sc.policy.kind.value,
+            "node_packing": sc.policy.node_packing,
             "sites": {
                 site: {
                     "region": fed.specs[site].region,
@@ -261,8 +273,10 @@ def collect(sim: Run, wall_s: float) -> dict[str, Any]:
             },
             "cpu_utilization": {site: sim.util_cpu[s] for s, site in enumerate(sites)},
             "site_up": {site: sim.up_series[s] for s, site in enumerate(sites)},
+            **({"fragmentation": list(frag.series)} if frag is not None else {}),
         },
         "utilization": utilization,
+        "fragmentation": frag.results(list(sites)) if frag is not None else None,
         "inference": sim.infer.results() if sim.infer is not None else None,
         "cost": {
             "total_usd": math.fsum(sim.cost_site),

@@ -10,9 +10,11 @@ seed, a placement policy, workloads and site failures, as one validated YAML fil
         - set_prices: {site: "*", scale: 0.9}
         - set_power: {site: zhongwei, usd_per_kwh: 0.04}
         - set_latency: {scale: 1.2}
+        - set_topology: {site: "*", devices_per_node: 8, island_nodes: 16}
     horizon: 7d                      # or seconds; units s, m, h, d (e.g. 1d12h)
     seed: 1
-    policy: {kind: fast-path}        # fast-path | batch | fifo | fifo-first-fit | random
+    policy: {kind: fast-path}        # fast-path | batch | fifo | fifo-first-fit | random;
+                                     # node_packing: pack | spread at sites with nodes
     tenancy: {...}                   # optional: broker.tenants.TenancyFile (configs/tenants.yaml's
                                      # format); absent: the configs directory's tenants.yaml
     workloads: [...]                 # simulations.workloads (docs/simulation-workloads.md)
@@ -43,6 +45,7 @@ from broker.tenants import TenancyFile, load_tenancy
 from broker.workflows import WorkflowSpec
 from routing.clients import Clients, load_clients
 from routing.policy import RoutingSettings
+from simulations.nodes import generated_topology
 from simulations.workloads import (
     BatchWorkload,
     InferenceWorkload,
@@ -54,7 +57,7 @@ from sites.config import load_sites, read_yaml, site_files, validation_problems
 from sites.durations import Duration
 from sites.errors import ConfigError, Problem
 from sites.latency import Endpoint, LatencyModel
-from sites.spec import SiteSpec
+from sites.spec import ExecutorKind, SiteSpec
 
 __all__ = [
     "Failure",
@@ -134,6 +137,20 @@ class SetService(_Frozen):
     model: str | None = Field(default=None, description="needed when the site lacks the service")
 
 
+class SetTopology(_Frozen):
+    """Nodes and islands for the site (simulations.nodes.generated_topology): each accelerator
+    pool on nodes of `devices_per_node`, the site's cores and memory split evenly over them.
+    Device edits of the site go before it (the nodes must add up to the inventory)."""
+
+    site: str = Field(
+        description='a site id, or "*": every site with accelerators that does not run Slurm'
+    )
+    devices_per_node: int = Field(default=8, ge=1, le=64, description="devices on each node")
+    island_nodes: int | None = Field(
+        default=16, ge=1, description="nodes per fabric island; None: no islands"
+    )
+
+
 _EDIT_KINDS: dict[str, type[_Frozen]] = {
     "add_devices": AddDevices,
     "remove_devices": RemoveDevices,
@@ -142,6 +159,7 @@ _EDIT_KINDS: dict[str, type[_Frozen]] = {
     "set_power": SetPower,
     "set_latency": SetLatency,
     "set_service": SetService,
+    "set_topology": SetTopology,
 }
 
 
@@ -155,6 +173,7 @@ class Edit(_Frozen):
     set_power: SetPower | None = None
     set_latency: SetLatency | None = None
     set_service: SetService | None = None
+    set_topology: SetTopology | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Edit:
@@ -406,7 +425,7 @@ def _revalidate(spec: SiteSpec, **changes: Any) -> SiteSpec:
 def _apply(fed: SimFederation, edit: Edit, pairs: dict[tuple[str, str], float]) -> None:
     body = edit.body
     if isinstance(body, AddDevices):
-        spec = _site(fed, body.site)
+        spec = _with_pools(_site(fed, body.site))
         fed.catalog.get(body.model)  # CatalogError (a ValueError) names an unknown model
         prices = dict(spec.prices.usd_per_gpu_hour)
         if body.usd_per_gpu_hour is not None:
@@ -433,7 +452,7 @@ def _apply(fed: SimFederation, edit: Edit, pairs: dict[tuple[str, str], float]) 
             prices={**spec.prices.model_dump(), "usd_per_gpu_hour": prices},
         )
     elif isinstance(body, RemoveDevices):
-        spec = _site(fed, body.site)
+        spec = _with_pools(_site(fed, body.site))
         pools = []
         found = False
         for have in spec.inventory.devices:
@@ -502,6 +521,26 @@ def _apply(fed: SimFederation, edit: Edit, pairs: dict[tuple[str, str], float]) 
                 }
             )
         fed.specs[spec.id] = _revalidate(spec, services=services)
+    elif isinstance(body, SetTopology):
+        for spec in _targets(fed, body.site):
+            # a Slurm site's nodes are Slurm's (sites.spec): the broker sees one pool there
+            slurm = spec.executor.kind is ExecutorKind.slurm
+            topology = generated_topology(spec, body.devices_per_node, body.island_nodes)
+            if body.site != "*" and (slurm or topology is None):
+                why = "runs Slurm, which places on its own nodes" if slurm else "has no GPUs"
+                raise ValueError(f"{spec.id} {why}: it stays one pool")
+            if topology is not None and not slurm:
+                fed.specs[spec.id] = _revalidate(spec, topology=topology)
+
+
+def _with_pools(spec: SiteSpec) -> SiteSpec:
+    """The site, if it has no nodes: a device edit changes the pools, which its nodes must add
+    up to."""
+    if spec.topology is not None:
+        raise ValueError(
+            f"{spec.id} declares its nodes: edit its devices before set_topology lays them out"
+        )
+    return spec
 
 
 def _cross_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Problem]:
