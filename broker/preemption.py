@@ -42,6 +42,7 @@ from broker import placement as pl
 from broker.jobs import JobRecord, JobSpec, gang_of
 from broker.offers import Federation, GroupState, SiteOffer, TenantUsage, release
 from broker.tenancy import Usage
+from sites.assignments import NodeShare
 
 __all__ = [
     "CAPACITY_FILTERS",
@@ -65,7 +66,9 @@ def give_back(
 ) -> tuple[Federation, TenantUsage]:
     """The snapshot and the tenants' usage with the victims' capacity and quota given back."""
     for v in victims:
-        fed = release(fed, v.site, v.model, v.gpus, v.cpu, v.mem_gb, best_effort=v.best_effort)
+        fed = release(
+            fed, v.site, v.model, v.gpus, v.cpu, v.mem_gb, best_effort=v.best_effort, nodes=v.nodes
+        )
         usage = usage.placed(
             v.tenant,
             gpus=v.gpus,
@@ -104,6 +107,7 @@ def running_of(record: JobRecord, assigned_at: float | None, now: float) -> Runn
         cost_usd=placement.cost_usd,
         hours=spec.duration_hours,
         gang=gang_of(spec),
+        nodes=placement.nodes,
     )
 
 
@@ -123,7 +127,7 @@ def victim_kind(victim: Running, job: JobSpec) -> str:
     return "reclaim"
 
 
-CAPACITY_FILTERS = ("gpus", "cpu", "mem", "quota")
+CAPACITY_FILTERS = ("gpus", "cpu", "mem", "nodes", "quota")
 # pending jobs a pass may try preemption for, among those that have a possible victim: each
 # scans the sites it was refused at, and preemptions are paced rather than stormed
 # (bench/tenancy_pass.py); the broker and the simulator both stop there
@@ -153,6 +157,7 @@ class Running:
     cost_usd: float  # its placement's estimate
     hours: float  # its duration estimate
     gang: str | None = None  # gang key: its members go together
+    nodes: tuple[NodeShare, ...] = ()  # at a site that declares its nodes: its part of each
 
 
 @dataclass(frozen=True, slots=True)

@@ -928,6 +928,7 @@ class Simulation:
                     lost_s=lost_s(self.now - run.start, self.checkpoint_s[j]),
                     cost_usd=run.cost_usd,
                     hours=self.hours[j],
+                    nodes=run.nodes,
                 )
             )
         return out
@@ -936,10 +937,6 @@ class Simulation:
         self._in_pass.add(item)
         self._dequeue(item)
         self._begin(item, spec, decision)
-
-    def nodes_of(self, victim: Running) -> tuple[NodeShare, ...]:
-        """The node shares a running job holds (none at a site without nodes)."""
-        return self.runs[int(victim.id[1:])].nodes
 
     def _waiting_classes(self) -> list[_Class]:
         """The classes that have jobs waiting, under any policy."""

@@ -59,7 +59,6 @@ from broker.preemption import (
 from broker.tenancy import Quotas
 from broker.tenants import TenancyFile
 from broker.why import Fairness
-from sites.assignments import NodeShare
 
 __all__ = [
     "PREEMPT_RETRY_S",
@@ -179,7 +178,6 @@ class Host(Protocol[Item_contra]):
     ) -> bool: ...  # False only where broker.preemption.possible is (a necessary condition)
     def started(self, item: Item_contra, spec: JobSpec, decision: pl.Decision) -> None: ...
     def evicted(self, victim: Running, by: JobSpec) -> None: ...
-    def nodes_of(self, victim: Running) -> tuple[NodeShare, ...]: ...  # its node shares
 
 
 class TenancyPass:
@@ -435,12 +433,7 @@ class TenancyPass:
     ) -> None:
         """The victims back to waiting and the preemptor's capacity taken (broker.decisions.
         _Pass._preempt on the snapshot)."""
-        fed, used = give_back(self.fed, self.usage, chosen.victims)
-        for v in chosen.victims:
-            # give_back returns the site's totals; a victim's node shares go back here
-            # (broker.preemption.Running carries none)
-            if shares := host.nodes_of(v):
-                fed = pl.release(fed, v.site, v.model, 0, 0, 0.0, nodes=shares)
+        fed, used = give_back(self.fed, self.usage, chosen.victims)  # node shares too
         self._running(host).without(chosen.victims)
         for v in chosen.victims:
             host.evicted(v, spec)

@@ -23,7 +23,6 @@ from simulations.cli import simulate_main
 from simulations.engine import Simulation
 from simulations.scenario import load_scenario
 from simulations.tenancy import PREEMPT_RETRY_S, Gate, TenancyPass
-from sites.assignments import NodeShare
 from sites.errors import ConfigError
 from tests.broker.test_decisions import CATALOG, NOW, snapshot
 from tests.broker.test_tenancy import ctx, gpus, on, pending, tenancy, world
@@ -239,9 +238,6 @@ class _Host:
 
     def evicted(self, victim: Running, by: JobSpec) -> None:
         self.victims.setdefault(by.name, []).append(victim.id)
-
-    def nodes_of(self, victim: Running) -> tuple[NodeShare, ...]:
-        return ()  # the view's sites declare no nodes
 
 
 def _broker_pass(decided: dc.Decided) -> list[tuple[str, str, tuple[str, ...]]]:

@@ -149,12 +149,6 @@ def test_results_are_deterministic_for_a_seed(scenario: Callable[..., Scenario])
     assert strip(first) == strip(Checked(sc).run())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="broker.preemption gives a victim's site totals back, not its node shares "
-    "(Running carries none), so plan() finds no room on the nodes: no preemption at a site "
-    "with nodes yet; the same scenario without nodes preempts",
-)
 def test_preempted_jobs_give_their_node_shares_back(tmp_path: Path) -> None:
     """configs/scenarios/fair-share.yaml (reclaim and priority preemptions) cut to 36 h, on
     nodes: every victim's node shares come back."""
