@@ -273,6 +273,19 @@ def _entry(
     return entry.model_dump_json(exclude_none=True).encode()
 
 
+def submitting(request: web.Request, tenant: str) -> None:
+    """A submit as `tenant` (a job, a workflow): noted for the audit entry, and Forbidden
+    (field tenant) unless the caller may act for that tenant."""
+    who = principal(request)
+    note(request, tenant=tenant)
+    if not who.sees(tenant):
+        raise Forbidden(
+            f"a {who.role.value} token of tenant {who.tenant} submits as {who.tenant} only, "
+            f"not as {tenant}",
+            field="tenant",
+        )
+
+
 def note(request: web.Request, *, tenant: str | None = None, target: str | None = None) -> None:
     """Tell the audit entry which tenant's object a call changed (and its id)."""
     if tenant is not None:

@@ -77,14 +77,6 @@ class GpuRequest(TenantInput):
         default=None, ge=1, le=64, description="devices on each node, at sites with nodes"
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _one_share(cls, data: object) -> object:
-        # a share is one slice of one device: count defaults to 1
-        if isinstance(data, dict) and data.get("share") is not None and "count" not in data:
-            return {**data, "count": 1}
-        return data
-
     @field_validator("profile")
     @classmethod
     def _profile_of_named_models(cls, profile: str | None, info: ValidationInfo) -> str | None:
@@ -101,7 +93,7 @@ class GpuRequest(TenantInput):
             raise ValueError("a share needs model or models")
         if info.data.get("profile") is not None:
             raise ValueError("give either profile or share, not both")
-        if info.data.get("count") != 1:
+        if info.data.get("count") not in (0, 1):  # 0: not given, a share is 1
             raise ValueError("a share is of one device: count must be 1")
         if share > 0.5:
             raise ValueError("a share above 0.5 is a whole device: ask for count 1 instead")
@@ -121,6 +113,10 @@ class GpuRequest(TenantInput):
 
     @model_validator(mode="after")
     def _one_way(self) -> GpuRequest:
+        if self.share is not None and self.count == 0:
+            # a share is one slice of one device: count 1 unless given. Set here, not in a
+            # "before" validator, which would make strict JSON validation refuse arrays
+            object.__setattr__(self, "count", 1)
         if self.model is not None and self.models is not None:
             raise ValueError("give either model or models, not both")
         if self.models is not None and not self.models:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
 
-from broker.access import note, principal
+from broker.access import note, principal, submitting
 from broker.auth import Forbidden
 from broker.bodies import query_limit, read_model
 from broker.errors import InvalidRequest
@@ -50,14 +50,7 @@ def _json(view: WorkflowView, status: int = 200) -> web.Response:
 
 async def submit(request: web.Request) -> web.Response:
     spec = await read_model(request, WorkflowSpec)
-    who = principal(request)
-    note(request, tenant=spec.tenant)
-    if not who.sees(spec.tenant):
-        raise Forbidden(
-            f"a {who.role.value} token of tenant {who.tenant} submits as {who.tenant} only, "
-            f"not as {spec.tenant}",
-            field="tenant",
-        )
+    submitting(request, spec.tenant)
     view = await _workflows(request).submit(spec)
     note(request, target=view.id)
     return _json(view, 201)

@@ -65,10 +65,12 @@ def test_a_value_of_the_wrong_json_type_is_a_400_naming_the_field(
 @pytest.mark.parametrize(
     ("gpu", "field", "words"),
     [
-        ({"model": "H100", "share": 0.75}, "gpu", "a share above 0.5 is a whole device"),
-        ({"model": "H100", "share": 0.25, "count": 2}, "gpu", "count must be 1"),
-        ({"min_mem_gb": 40, "count": 1, "profile": "3g.40gb"}, "gpu", "needs model or models"),
-        ({"model": "H100", "count": 12, "per_node": 8}, "gpu", "not a multiple of per_node"),
+        ({"model": "H100", "share": 0.75}, "gpu.share", "a share above 0.5 is a whole device"),
+        ({"model": "H100", "share": 0.25, "count": 2}, "gpu.share", "count must be 1"),
+        ({"min_mem_gb": 40, "count": 1, "profile": "3g.40gb"}, "gpu.profile",
+         "needs model or models"),
+        ({"model": "H100", "count": 12, "per_node": 8}, "gpu.per_node",
+         "not a multiple of per_node"),
         ({"model": "H100", "share": 0}, "gpu.share", "greater than 0"),
         ({"model": "H100", "count": 1, "per_node": 0}, "gpu.per_node", "greater than or equal"),
         ({"model": "A100-80GB", "profile": "1g.18gb", "count": 1}, "gpu.profile",
