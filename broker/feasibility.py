@@ -574,6 +574,10 @@ def reason(job: JobSpec, name: str) -> str:
     if name == "model":
         gpu = job.gpu
         models = " or ".join(gpu.acceptable) if gpu.acceptable else "a model"
+        if gpu.share is not None and gpu.base_models:
+            most = len(gpu.acceptable or ()) // len(gpu.base_models) + 1
+            cut = "2" if most == 2 else f"2 to {most}"
+            models = " or ".join(gpu.base_models) + f" time-sliced into {cut} shares"
         floor = f" with >= {gpu.min_mem_gb:g} GB" if gpu.min_mem_gb is not None else ""
         return f"lack {models}{floor}"
     if name == "gpus":

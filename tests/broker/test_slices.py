@@ -110,7 +110,12 @@ def test_mig_instances_fill_their_device_and_never_go_over_it() -> None:
         fed = apply(fed, out, j)
         placed += 1
     assert placed == 7
-    # a share of 0.25 takes a time slice; the whole device stays for whole-device work
+    # a share of 0.25 takes a time slice; the whole device stays for whole-device work; where
+    # no device is cut, the reason says what is missing in words
+    bare = Federation(sites=(SiteOffer.from_spec(site([], 1), CATALOG),))
+    none = place(job("s", share=0.25), bare, now=NOW, usage=TenantUsage(), groups=GroupState())
+    assert isinstance(none, Unschedulable)
+    assert none.message == "0/1 sites: 1 lack A100-80GB time-sliced into 2 to 4 shares"
     out = place(job("s", share=0.25), fed, now=NOW, usage=TenantUsage(), groups=GroupState())
     assert not isinstance(out, Unschedulable) and out.model == "A100-80GB/ts4"
 
