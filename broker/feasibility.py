@@ -39,11 +39,17 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 from broker.jobs import JobSpec
 from broker.nodes import NodesFree
-from broker.offers import Federation, GroupState, SiteOffer, TenantUsage, breakdown_at
+from broker.offers import (
+    Federation,
+    GroupState,
+    SiteOffer,
+    TenantUsage,
+    breakdown_at,
+    site_offered,
+)
 from broker.pricing import Breakdown
 from broker.tenancy import Headroom
 
@@ -226,7 +232,7 @@ def capacity(
     if site.free_mem_gb < mem_gb:
         return MEM, model, price, free
     if site.nodes is not None:
-        fit = on_nodes(site, site.free_gpus, offered, count, per_node, cpu, mem_gb, model)
+        fit = on_nodes(site, offered, count, per_node, cpu, mem_gb, model)
         if fit is None:
             return NODES, model, price, free
         model, price, free = fit
@@ -235,7 +241,6 @@ def capacity(
 
 def on_nodes(
     site: SiteOffer,
-    free_gpus: Mapping[str, int],
     offered: Offered,
     count: int,
     per_node: int | None,
@@ -249,6 +254,7 @@ def on_nodes(
     (model, USD per device-hour, free devices) or None."""
     nodes = site.nodes
     assert nodes is not None
+    free_gpus = site.free_gpus
     if model is not None or not count:
         if nodes.fits(model, count, per_node, cpu, mem_gb):
             if model is None:
@@ -267,17 +273,9 @@ def on_nodes(
     return None
 
 
-def _holds(
-    nodes: NodesFree, model: str | None, count: int, per_node: int | None, cpu: int, mem: float
-) -> bool:
-    """Do a site's nodes hold the request with `model`? (screen's node filter, past its
-    shortcut)"""
-    return nodes.fits(model, count, per_node, cpu, mem)
-
-
 def _next_model(
     site: SiteOffer,
-    free_gpus: Mapping[str, int],
+    nodes: NodesFree,
     named: tuple[str, ...] | None,
     floor: float | None,
     count: int,
@@ -288,24 +286,25 @@ def _next_model(
 ) -> tuple[str | None, float, int] | None:
     """When the cheapest model with the devices in all is scattered over the site's nodes:
     the next cheapest acceptable one whose nodes hold the request, as (model, USD per
-    device-hour, free devices), or None."""
+    device-hour, free devices), or None. Remembered on the site's nodes while the site's free
+    devices are the ones it was worked out on."""
     if not count or (named is not None and len(named) == 1):
         return None  # no other model to try
-    nodes = site.nodes
-    if nodes is not None and (cpu > nodes.ceiling_cpu or mem > nodes.ceiling_mem_gb + 1e-9):
-        if all(count <= n for n in nodes.size.values()):
-            return None  # one node would hold it, and none has the cores or the memory
-    offered = tuple(
-        (name, p)
-        for name in (free_gpus if named is None else named)
-        if name != model
-        and free_gpus.get(name, 0) >= count
-        and (p := site.prices.usd_per_gpu_hour.get(name)) is not None
-        and (floor is None or site.gpu_mem_gb.get(name, 0.0) >= floor)
+    key = (model, named, floor, count, per_node, cpu, mem)
+    known = nodes.fallbacks.get(key)
+    if known is not None and known[0] is site.free_gpus:
+        return known[1]
+    fit = None
+    # one node would hold it, and none has the cores or the memory: no model helps
+    hopeless = (cpu > nodes.ceiling_cpu or mem > nodes.ceiling_mem_gb + 1e-9) and all(
+        count <= n for n in nodes.size.values()
     )
-    if not offered:
-        return None
-    return on_nodes(site, free_gpus, offered, count, per_node, cpu, mem, None)
+    if not hopeless:
+        offered = tuple(o for o in site_offered(site, named, floor) if o[0] != model)
+        if offered:
+            fit = on_nodes(site, offered, count, per_node, cpu, mem, None)
+    nodes.remember(nodes.fallbacks, key, (site.free_gpus, fit))
+    return fit
 
 
 @dataclass(slots=True)
@@ -362,7 +361,6 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
 
     quota_seen: dict[tuple[str | None, str], bool] = {}
-    node_memo: dict[tuple[object, ...], Any] | None = None
     single = per_node is None  # no devices-per-node asked: one node may hold it
     failed: list[list[str]] = [[] for _ in FILTERS]
     options: list[Option] = []
@@ -432,30 +430,10 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
                     if have >= count and node_cpu >= cpu and node_mem >= mem:
                         holds = True
                         break
-            else:
-                # several nodes: the same shape meets the same nodes at most sites on the
-                # next submits too, so the answer is kept per shape for the lineage, per
-                # (site, model the totals chose), while the site's nodes are unchanged
-                if node_memo is None:
-                    node_memo = fed.node_memo((count, per_node, cpu, mem))
-                known = node_memo.get((sid, model))
-                if known is not None and known[0] is nodes:
-                    holds = known[1]
-                else:
-                    holds = _holds(nodes, model, count, per_node, cpu, mem)
-                    node_memo[(sid, model)] = (nodes, holds)
+            else:  # several nodes (fits remembers its answers on the nodes)
+                holds = nodes.fits(model, count, per_node, cpu, mem)
             if not holds:
-                # the next acceptable model, kept per (site, model, acceptable models) too
-                if node_memo is None:
-                    node_memo = fed.node_memo((count, per_node, cpu, mem))
-                again = node_memo.get((sid, model, named, floor))
-                if again is not None and again[0] is nodes:
-                    fit = again[1]
-                else:
-                    fit = _next_model(
-                        site, free_gpus, named, floor, count, per_node, cpu, mem, model
-                    )
-                    node_memo[(sid, model, named, floor)] = (nodes, fit)
+                fit = _next_model(site, nodes, named, floor, count, per_node, cpu, mem, model)
                 if fit is None:
                     failed[NODES].append(sid)
                     continue

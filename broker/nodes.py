@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal
+from typing import Literal, TypeVar
 
 from sites.assignments import NodeShare
 from sites.spec import SiteSpec
@@ -35,6 +35,9 @@ __all__ = [
 ]
 
 Packing = Literal["pack", "spread"]
+MEMO_SHAPES = 1024  # request shapes a site's nodes remember answers for, then start afresh
+K = TypeVar("K")
+V = TypeVar("V")
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 _NONE: tuple[Mapping[str, int], int, float] = (_EMPTY, 0, 0.0)
 
@@ -78,6 +81,7 @@ class NodesFree:
     and `given` return new ones."""
 
     __slots__ = (
+        "fallbacks",
         "frontier",
         "_by_name",
         "ceiling_cpu",
@@ -130,8 +134,13 @@ class NodesFree:
         self._by_name: dict[str, int] | None = None
         # model (None: cores) -> (free devices, cores, GB) of every node, most free first
         self._sorted: dict[str | None, list[tuple[int, int, float]]] = {}
-        self._ge: dict[str, list[int]] = counts
+        self._ge = counts
         self._memo: dict[tuple[str | None, int, int | None, int, float], bool] = {}
+        # broker.feasibility's next-model answers at this site, with the free devices they
+        # were worked out on
+        self.fallbacks: dict[
+            tuple[object, ...], tuple[Mapping[str, int], tuple[str | None, float, int] | None]
+        ] = {}
 
     @classmethod
     def of_spec(
@@ -188,65 +197,45 @@ class NodesFree:
         key = (model, count, per_node, cpu, mem)
         known = self._memo.get(key)
         if known is None:
-            known = self._memo[key] = self._fits(model, count, per_node, cpu, mem)
+            known = self._fits(model, count, per_node, cpu, mem)
+            self.remember(self._memo, key, known)
         return known
+
+    @staticmethod
+    def remember(memo: dict[K, V], key: K, value: V) -> None:
+        """Keep an answer in one of these nodes' memos (`fits`', broker.feasibility's
+        `fallbacks`), which start afresh past MEMO_SHAPES request shapes."""
+        if len(memo) >= MEMO_SHAPES:
+            memo.clear()
+        memo[key] = value
 
     def _fits(
         self, model: str | None, count: int, per_node: int | None, cpu: int, mem: float
     ) -> bool:
-        if model is None or count == 0:
-            big = small = 0
-            k = need = 1
-        else:
-            size = self.size.get(model, 0)
-            if per_node is not None:
-                if per_node > size:
-                    return False
-                big = small = per_node
-                k = need = count // per_node
-            elif count <= size:
-                big = small = count
-                k = need = 1
-            elif size == 0:
-                return False
-            else:
-                whole, rest = divmod(count, size)
-                big, small = size, (rest or size)
-                k, need = whole, whole + (1 if rest else 0)
-            if self.most.get(model, 0) < big:
-                return False  # no node has that many free: most sites answer here
-        floors = (self.floor_cpu, self.floor_mem_gb, self.ceiling_cpu, self.ceiling_mem_gb)
-        if k == 1 and need == 1:
-            cpu_big, mem_big = cpu, mem
-        else:
-            cpu_big, mem_big = _split(cpu, mem, big, count)
-        cpu_small, mem_small = (
-            (cpu_big, mem_big) if small == big else _split(cpu, mem, small, count)
-        )
-        if cpu_small > floors[2] or mem_small > floors[3] + 1e-9:
+        demands = shape(self.size, model, count, per_node)
+        if demands is None:
+            return False
+        # demands are [big] * k (+ [small]): k nodes that hold `big`, `need` in all
+        big, small = demands[0], demands[-1]
+        need = len(demands)
+        k = need if small == big else need - 1
+        if model is not None and self.most.get(model, 0) < big:
+            return False  # no node has that many free: most sites answer here
+        cpu_big, mem_big = _split(cpu, mem, big, count)
+        cpu_small, mem_small = _split(cpu, mem, small, count)
+        if cpu_small > self.ceiling_cpu or mem_small > self.ceiling_mem_gb + 1e-9:
             return False  # no node has the cores or the memory for even the smallest part
+        every = self.floor_cpu >= cpu_big and self.floor_mem_gb >= mem_big - 1e-9
         if model is None:
-            if floors[0] >= cpu_big and floors[1] >= mem_big - 1e-9:
+            if every:
                 return bool(self.nodes)
         else:
-            ge = self._ge.get(model)
-            if ge is None:
-                ge = self._ge[model] = self._at_least(model)
+            ge = self._ge[model]  # [d] -> nodes with at least d free
             if ge[big] < k or ge[small] < need:
                 return False
-            if floors[0] >= cpu_big and floors[1] >= mem_big - 1e-9:
+            if every:
                 return True  # every node has the cores and memory: the devices decide
         return self._scan(model, big, small, k, need, count, cpu, mem)
-
-    def _at_least(self, model: str) -> list[int]:
-        """[d] -> how many nodes have at least d free devices of `model`, d = 0 .. size."""
-        size = self.size.get(model, 0)
-        counts = [0] * (size + 2)
-        for node in self.nodes:
-            counts[min(node.gpus.get(model, 0), size)] += 1
-        for d in range(size - 1, -1, -1):
-            counts[d] += counts[d + 1]
-        return counts
 
     def _scan(
         self,
@@ -283,9 +272,7 @@ class NodesFree:
 
     def _rows(self, model: str | None) -> list[tuple[int, int, float]]:
         if model is None:
-            rows = [(node.cpu, node.cpu, node.mem_gb) for node in self.nodes]
-            rows = [(0, cpu, mem) for _, cpu, mem in sorted(rows, reverse=True)]
-            return rows
+            return sorted(((0, node.cpu, node.mem_gb) for node in self.nodes), reverse=True)
         return sorted(
             ((node.gpus.get(model, 0), node.cpu, node.mem_gb) for node in self.nodes),
             reverse=True,

@@ -296,19 +296,9 @@ class Federation:
         orders = self._index.orders
         table = orders.get(key)
         if table is None:
-            table = orders[key] = tuple(_offered(site, named, floor) for site in self.sites)
+            table = orders[key] = tuple(site_offered(site, named, floor) for site in self.sites)
         offered: tuple[tuple[tuple[str, float], ...], ...] = table
         return offered
-
-    def node_memo(self, key: tuple[object, ...]) -> dict[tuple[object, ...], Any]:
-        """broker.feasibility's answers of a request shape at sites with nodes, kept for the
-        snapshot lineage: (site id, model, ...) -> (the site's NodesFree then, the answer);
-        an entry is used only while those nodes are still the site's."""
-        orders = self._index.orders
-        memo: dict[tuple[object, ...], Any] | None = orders.get(("nodes", key))
-        if memo is None:
-            memo = orders[("nodes", key)] = {}
-        return memo
 
     def site_order(self, key: tuple[object, ...], build: Callable[[], Any]) -> Any:
         """A request shape's site order (place's index), built once per snapshot lineage."""
@@ -413,9 +403,12 @@ class GroupState:
         return GroupState(self.site_of_colocate, {**self.spread_sites, group.name: taken | {site}})
 
 
-def _offered(
+def site_offered(
     site: SiteOffer, named: tuple[str, ...] | None, floor: float | None
 ) -> tuple[tuple[str, float], ...]:
+    """The (model, USD per device-hour) a GPU request of these acceptable models (None: any)
+    and per-device memory floor could use at `site`: priced, in its inventory, with the
+    memory (Federation.offered's entry for the site)."""
     prices = site.prices.usd_per_gpu_hour
     free = site.free_gpus
     mem = site.gpu_mem_gb
