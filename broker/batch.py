@@ -46,7 +46,6 @@ from broker.plan import (
     job_cost,
     job_parts,
 )
-from sites.assignments import NodeShare
 
 PENALTY_USD = 1_000_000.0
 
@@ -211,22 +210,11 @@ def decisions(
         pending, job, site = by_id[job_id], plan_jobs[job_id], plan_sites[assignment.site]
         offer = left.site(assignment.site)
         spec = pending.spec
-        shares: tuple[NodeShare, ...] = ()
-        island: str | None = None
-        where = ""
-        if offer.nodes is not None and not (spec.best_effort and offer.spare is not None):
-            gpu = spec.gpu
-            chosen = offer.nodes.choose(
-                assignment.model, gpu.count, gpu.per_node, spec.cpu, spec.mem_gb
-            )
-            if chosen is None:
-                unplaced_gangs.add(gang_of(spec) or f"job {job_id}")
-                continue
-            shares, island, where = (
-                chosen.shares,
-                chosen.island,
-                "; " + chosen.describe(assignment.model),
-            )
+        on_nodes = pl.nodes_at(spec, offer, assignment.model)
+        if on_nodes is None:
+            unplaced_gangs.add(gang_of(spec) or f"job {job_id}")
+            continue
+        shares, island, where = on_nodes
         plain = job_parts(problem, job, site, assignment.model)
         parts = pl.breakdown_at(
             offer,

@@ -75,6 +75,7 @@ __all__ = [
     "breakdown_at",
     "charged",
     "compute_only",
+    "nodes_at",
     "place",
     "place_gang",
     "price_floors",
@@ -374,19 +375,30 @@ def _place(
     )
 
 
-def _nodes_for(
-    job: JobSpec, site: SiteOffer, model: str | None, islands: dict[str, str] | None
-) -> tuple[tuple[NodeShare, ...], str | None, str]:
-    """The nodes a job placed at `site` takes (none at a site that declares no nodes, and for
-    best-effort work on spare capacity), their island and the reason's words for them."""
+def nodes_at(
+    job: JobSpec, site: SiteOffer, model: str | None, prefer_island: str | None = None
+) -> tuple[tuple[NodeShare, ...], str | None, str] | None:
+    """The nodes a job placed at `site` with `model` takes, their island and the reason's
+    words for them; none at a site that declares no nodes, and for best-effort work on spare
+    capacity; None when the site's nodes cannot hold it (the batch pass's plan, by totals)."""
     nodes = site.nodes
     if nodes is None or (job.best_effort and site.spare is not None):
         return (), None, ""
-    prefer = None if islands is None else islands.get(site.id)
-    chosen = nodes.choose(model, job.gpu.count, job.gpu.per_node, job.cpu, job.mem_gb, prefer)
-    if chosen is None:  # the filter said the nodes hold it: a caller's stale snapshot
-        raise PlacementError(f"{site.id}: its nodes cannot hold {job.name}")
+    gpu = job.gpu
+    chosen = nodes.choose(model, gpu.count, gpu.per_node, job.cpu, job.mem_gb, prefer_island)
+    if chosen is None:
+        return None
     return chosen.shares, chosen.island, "; " + chosen.describe(model)
+
+
+def _nodes_for(
+    job: JobSpec, site: SiteOffer, model: str | None, islands: dict[str, str] | None
+) -> tuple[tuple[NodeShare, ...], str | None, str]:
+    """nodes_at for a site the filter said holds the job (the gang's island preferred)."""
+    found = nodes_at(job, site, model, None if islands is None else islands.get(site.id))
+    if found is None:  # the filter said the nodes hold it: a caller's stale snapshot
+        raise PlacementError(f"{site.id}: its nodes cannot hold {job.name}")
+    return found
 
 
 def compute_only(job: JobSpec) -> bool:
