@@ -1152,14 +1152,10 @@ def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision | None:
     """A placement Decision for a baseline's choice, priced by the filter as the fast path is,
     on the nodes broker.nodes chooses at a site with nodes (None: they cannot hold it)."""
     cost, _, _, offer, model, compute, egress, latency = option
-    shares: tuple[NodeShare, ...] = ()
-    island = None
-    if offer.nodes is not None and not (spec.best_effort and offer.spare is not None):
-        gpu = spec.gpu
-        chosen = offer.nodes.choose(model, gpu.count, gpu.per_node, spec.cpu, spec.mem_gb)
-        if chosen is None:
-            return None
-        shares, island = chosen.shares, chosen.island
+    on_nodes = pl.nodes_at(spec, offer, model)
+    if on_nodes is None:
+        return None
+    shares, island, _ = on_nodes
     return pl.Decision(
         job=spec.name,
         site=offer.id,
