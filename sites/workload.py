@@ -512,16 +512,13 @@ class Workload:
         nodes = self._resources().nodes
         if not nodes:
             return ()
-        held: dict[str, set[int]] = {}
+        held = self.held_devices()
         cores: dict[str, int] = {}
         mem: dict[str, float] = {}
         for run in self._runs.values():
             if not run.live:
                 continue
-            a = run.assignment
-            if a.model is not None:
-                held.setdefault(a.model, set()).update(run.devices)
-            for share in a.nodes:
+            for share in run.assignment.nodes:
                 cores[share.node] = cores.get(share.node, 0) + share.cpu
                 mem[share.node] = mem.get(share.node, 0.0) + share.mem_gb
         topology = self.spec.topology
@@ -533,7 +530,7 @@ class Workload:
         out = []
         for name, devices in nodes.items():
             cpu, gb, island = sizes.get(name, (0, 0.0, None))
-            free = {m: sum(1 for i in ix if i not in held.get(m, ())) for m, ix in devices.items()}
+            free = {m: len(set(ix) - held.get(m, frozenset())) for m, ix in devices.items()}
             out.append(
                 NodeUsage(
                     node=name,

@@ -3,6 +3,7 @@ processes on the devices of the nodes the broker chose, the broker over HTTP on 
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -55,6 +56,17 @@ def test_jobs_go_by_free_nodes_not_site_totals_and_a_gang_stays_in_one_island(
     assert placement["nodes"] == [{"node": "g-0", "gpus": 8, "cpu": 16, "mem_gb": 128.0}]
     assert placement["island"] == "g-i0"
     assert "node g-0 (8 x H100) in island g-i0" in placement["reason"]
+    # the agents publish what each node has free, and GET /v1/sites shows it
+    deadline = time.monotonic() + 10
+    nodes: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        _, text = fed.get("/v1/sites")
+        nodes = {s["id"]: s.get("nodes") for s in json.loads(text)["items"]}
+        if (nodes.get("east-a") or {}).get("g-0") == {"H100": 0}:
+            break
+        time.sleep(0.1)
+    assert nodes["east-b"] == {f"n-{i}": {"H100": 3} for i in range(3)}, nodes
+    assert nodes["east-a"] == {"g-0": {"H100": 0}, **{f"g-{i}": {"H100": 8} for i in (1, 2, 3)}}
     # a gang of two 8-GPU members: island g-i0 has one whole node left, g-i1 two
     gang = [
         fed.submit(name=f"w{i}", gang={"name": "ring", "size": 2},
