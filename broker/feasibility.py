@@ -41,14 +41,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 from broker.jobs import JobSpec
-from broker.nodes import NodesFree
 from broker.offers import (
     Federation,
     GroupState,
     SiteOffer,
     TenantUsage,
     breakdown_at,
-    site_offered,
 )
 from broker.pricing import Breakdown
 from broker.tenancy import Headroom
@@ -250,61 +248,25 @@ def on_nodes(
 ) -> tuple[str | None, float, int] | None:
     """The capacity part's choice at a site with nodes: `model` (the cheapest with enough
     free in all) when its nodes hold the request, else the next cheapest acceptable model
-    whose nodes do (model None with a count: the cheapest of `offered` whose nodes do);
-    (model, USD per device-hour, free devices) or None."""
+    whose nodes do; (model, USD per device-hour, free devices) or None."""
     nodes = site.nodes
     assert nodes is not None
-    free_gpus = site.free_gpus
-    if model is not None or not count:
-        if nodes.fits(model, count, per_node, cpu, mem_gb):
-            if model is None:
-                return None, 0.0, site.free_cpu
-            return model, site.prices.usd_per_gpu_hour.get(model, 0.0), free_gpus[model]
+    if nodes.fits(model, count, per_node, cpu, mem_gb):
         if model is None:
-            return None
+            return None, 0.0, site.free_cpu
+        return model, site.prices.usd_per_gpu_hour.get(model, 0.0), site.free_gpus[model]
+    if not count:
+        return None
+    free_gpus = site.free_gpus
     rest = sorted(
-        (p, -free_gpus.get(name, 0), name)
+        (p, -have, name)
         for name, p in offered
-        if name != model and free_gpus.get(name, 0) >= count
+        if name != model and (have := free_gpus.get(name, 0)) >= count
     )
     for p, minus_free, name in rest:
         if nodes.fits(name, count, per_node, cpu, mem_gb):
             return name, p, -minus_free
     return None
-
-
-def _next_model(
-    site: SiteOffer,
-    nodes: NodesFree,
-    named: tuple[str, ...] | None,
-    floor: float | None,
-    count: int,
-    per_node: int | None,
-    cpu: int,
-    mem: float,
-    model: str | None,
-) -> tuple[str | None, float, int] | None:
-    """When the cheapest model with the devices in all is scattered over the site's nodes:
-    the next cheapest acceptable one whose nodes hold the request, as (model, USD per
-    device-hour, free devices), or None. Remembered on the site's nodes while the site's free
-    devices are the ones it was worked out on."""
-    if not count or (named is not None and len(named) == 1):
-        return None  # no other model to try
-    key = (model, named, floor, count, per_node, cpu, mem)
-    known = nodes.fallbacks.get(key)
-    if known is not None and known[0] is site.free_gpus:
-        return known[1]
-    fit = None
-    # one node would hold it, and none has the cores or the memory: no model helps
-    hopeless = (cpu > nodes.ceiling_cpu or mem > nodes.ceiling_mem_gb + 1e-9) and all(
-        count <= n for n in nodes.size.values()
-    )
-    if not hopeless:
-        offered = tuple(o for o in site_offered(site, named, floor) if o[0] != model)
-        if offered:
-            fit = on_nodes(site, offered, count, per_node, cpu, mem, None)
-    nodes.remember(nodes.fallbacks, key, (site.free_gpus, fit))
-    return fit
 
 
 @dataclass(slots=True)
@@ -362,6 +324,8 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
 
     quota_seen: dict[tuple[str | None, str], bool] = {}
     single = per_node is None  # no devices-per-node asked: one node may hold it
+    shape = (count, per_node, cpu, mem)  # the key of the nodes' remembered answers (`held`)
+    mem_floor = mem - 1e-9
     failed: list[list[str]] = [[] for _ in FILTERS]
     options: list[Option] = []
     feasible = 0
@@ -424,20 +388,32 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
         nodes = site.nodes
         if nodes is not None and check and spare is None:
             if single and count <= nodes.size.get(model, 0):  # type: ignore[arg-type]
-                # one node: exact from the nodes' frontier, most sites' answer
+                # one node: exact from the nodes' frontier (one entry at most sites)
                 holds = False
                 for have, node_cpu, node_mem in nodes.frontier.get(model, ()):
-                    if have >= count and node_cpu >= cpu and node_mem >= mem:
+                    if have >= count and node_cpu >= cpu and node_mem >= mem_floor:
                         holds = True
                         break
-            else:  # several nodes (fits remembers its answers on the nodes)
-                holds = nodes.fits(model, count, per_node, cpu, mem)
+            else:  # several nodes: nodes.fits, whose answers are remembered on the nodes
+                answers = nodes.held.get(shape)
+                known = None if answers is None else answers.get(model)
+                holds = nodes.fits(model, count, per_node, cpu, mem) if known is None else known
             if not holds:
-                fit = _next_model(site, nodes, named, floor, count, per_node, cpu, mem, model)
-                if fit is None:
+                # the cheapest model with the devices in all is scattered over the nodes:
+                # the next cheapest acceptable one whose nodes hold the request
+                model = None
+                if count:
+                    ranked = nodes.ranked(shape, free_gpus, site.prices.usd_per_gpu_hour)
+                    for p, minus_free, other in ranked:
+                        if named is not None and other not in named:
+                            continue
+                        if floor is not None and site.gpu_mem_gb.get(other, 0.0) < floor:
+                            continue
+                        model, price, free = other, p, -minus_free
+                        break
+                if model is None:
                     failed[NODES].append(sid)
                     continue
-                model, price, free = fit
         rates = site.prices
         hourly = cpu * rates.usd_per_core_hour + mem * rates.usd_per_gb_mem_hour
         if count:

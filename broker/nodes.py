@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Literal, TypeVar
+from typing import Literal
 
 from sites.assignments import NodeShare
 from sites.spec import SiteSpec
@@ -31,13 +31,13 @@ __all__ = [
     "Node",
     "NodesFree",
     "Packing",
+    "Shape",
     "shape",
 ]
 
 Packing = Literal["pack", "spread"]
+Shape = tuple[int, int | None, int, float]  # a request: (devices, per_node, cores, GB)
 MEMO_SHAPES = 1024  # request shapes a site's nodes remember answers for, then start afresh
-K = TypeVar("K")
-V = TypeVar("V")
 _EMPTY: Mapping[str, int] = MappingProxyType({})
 _NONE: tuple[Mapping[str, int], int, float] = (_EMPTY, 0, 0.0)
 
@@ -81,15 +81,15 @@ class NodesFree:
     and `given` return new ones."""
 
     __slots__ = (
-        "fallbacks",
         "frontier",
         "_by_name",
+        "_ranked",
         "ceiling_cpu",
         "ceiling_mem_gb",
         "floor_cpu",
         "floor_mem_gb",
         "_ge",
-        "_memo",
+        "held",
         "_sorted",
         "most",
         "nodes",
@@ -135,12 +135,10 @@ class NodesFree:
         # model (None: cores) -> (free devices, cores, GB) of every node, most free first
         self._sorted: dict[str | None, list[tuple[int, int, float]]] = {}
         self._ge = counts
-        self._memo: dict[tuple[str | None, int, int | None, int, float], bool] = {}
-        # broker.feasibility's next-model answers at this site, with the free devices they
-        # were worked out on
-        self.fallbacks: dict[
-            tuple[object, ...], tuple[Mapping[str, int], tuple[str | None, float, int] | None]
-        ] = {}
+        # (count, per_node, cpu, GB) -> model -> do the nodes hold it (`fits`); read by
+        # broker.feasibility.screen directly, two dict lookups per site
+        self.held: dict[Shape, dict[str | None, bool]] = {}
+        self._ranked: dict[Shape, tuple[Mapping[str, int], tuple[tuple[float, int, str], ...]]] = {}
 
     @classmethod
     def of_spec(
@@ -189,38 +187,83 @@ class NodesFree:
     def fits(
         self, model: str | None, count: int, per_node: int | None, cpu: int, mem: float
     ) -> bool:
-        """Can these nodes hold the request now (the same answer as `choose` is not None)?
-        Called for every site that passes the totals, so it answers from counts when it can:
-        the nodes with at least d free devices, and the smallest cores and memory a node has
-        (when every node has the cores and memory, the devices alone decide), and remembers
-        its answers: a value does not change, and job shapes repeat."""
-        key = (model, count, per_node, cpu, mem)
-        known = self._memo.get(key)
+        """Can these nodes hold the request with `model` now (the same answer as `choose` is
+        not None)? `model` None: a CPU-only request (count 0). Every site that passes the
+        totals asks, so answers are remembered on these nodes, per request shape and model
+        (`held`: a value does not change, and job shapes repeat), for at most MEMO_SHAPES
+        shapes, then afresh."""
+        request = (count, per_node, cpu, mem)
+        answers = self.held.get(request)
+        if answers is None:
+            if len(self.held) >= MEMO_SHAPES:
+                self.held.clear()
+            answers = self.held[request] = {}
+        known = answers.get(model)
         if known is None:
-            known = self._fits(model, count, per_node, cpu, mem)
-            self.remember(self._memo, key, known)
+            known = answers[model] = self._fits(model, count, per_node, cpu, mem)
         return known
 
-    @staticmethod
-    def remember(memo: dict[K, V], key: K, value: V) -> None:
-        """Keep an answer in one of these nodes' memos (`fits`', broker.feasibility's
-        `fallbacks`), which start afresh past MEMO_SHAPES request shapes."""
-        if len(memo) >= MEMO_SHAPES:
-            memo.clear()
-        memo[key] = value
+    def ranked(
+        self, request: Shape, free: Mapping[str, int], prices: Mapping[str, float]
+    ) -> tuple[tuple[float, int, str], ...]:
+        """(USD per device-hour, minus free devices, model) of the site's models whose nodes
+        hold the request and whose free devices in all (`free`, the site's) have its count,
+        cheapest first, ties to more free devices, then the name: broker.feasibility's next
+        model when the cheapest is scattered over the nodes. Remembered like `fits`, while
+        the site's free devices are the same object."""
+        known = self._ranked.get(request)
+        if known is not None and known[0] is free:
+            return known[1]
+        count, per_node, cpu, mem = request
+        order = tuple(
+            sorted(
+                (p, -have, model)
+                for model in self.size
+                if (have := free.get(model, 0)) >= count
+                and (p := prices.get(model)) is not None
+                and self.fits(model, count, per_node, cpu, mem)
+            )
+        )
+        if len(self._ranked) >= MEMO_SHAPES:
+            self._ranked.clear()
+        self._ranked[request] = (free, order)
+        return order
 
     def _fits(
         self, model: str | None, count: int, per_node: int | None, cpu: int, mem: float
     ) -> bool:
-        demands = shape(self.size, model, count, per_node)
-        if demands is None:
-            return False
-        # demands are [big] * k (+ [small]): k nodes that hold `big`, `need` in all
-        big, small = demands[0], demands[-1]
-        need = len(demands)
+        # the request's parts (shape(), without the list): k nodes that hold `big`, `need`
+        # in all, the last `small`
+        if model is None or count == 0:
+            model = None
+            big = small = 0
+            need = 1
+        else:
+            biggest = self.size.get(model, 0)
+            if per_node is not None:
+                if per_node > biggest:
+                    return False
+                big = small = per_node
+                need = count // per_node
+            elif biggest == 0:
+                return False
+            elif count <= biggest:
+                big = small = count
+                need = 1
+            else:
+                big = biggest
+                whole, small = divmod(count, biggest)
+                need = whole + 1 if small else whole
+                small = small or biggest
         k = need if small == big else need - 1
         if model is not None and self.most.get(model, 0) < big:
             return False  # no node has that many free: most sites answer here
+        if need == 1:  # one node: exact from the frontier (one entry at most sites)
+            mem -= 1e-9
+            return any(
+                have >= big and node_cpu >= cpu and node_mem >= mem
+                for have, node_cpu, node_mem in self.frontier[model]
+            )
         cpu_big, mem_big = _split(cpu, mem, big, count)
         cpu_small, mem_small = _split(cpu, mem, small, count)
         if cpu_small > self.ceiling_cpu or mem_small > self.ceiling_mem_gb + 1e-9:
