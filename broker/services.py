@@ -1,0 +1,131 @@
+"""Managed inference services: what an operator or tenant declares (`cpn service apply FILE`).
+
+A `ServiceSpec` says how to run one replica of a model server (command, port, resources), how
+much load one replica should carry, the latency it must meet for each client region, how many
+replicas it may have and where, how to tell that a replica is ready, and how fast to scale.
+The broker turns it into replicas: long-running jobs placed by the usual placement, started by
+the site's executor, registered as endpoints once ready, drained before they stop
+(docs/services.md). The autoscaler (broker.autoscaler) decides how many replicas each region
+gets; the simulator runs the same autoscaler on virtual time.
+
+Pure: pydantic models and their checks, no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from typing import Annotated
+
+from pydantic import Field, field_validator, model_validator
+
+from broker.jobs import ENV_NAME_RE, GpuRequest, Name, TenantInput
+
+__all__ = [
+    "Readiness",
+    "ScalingPolicy",
+    "ServiceSpec",
+    "Slo",
+]
+
+Seconds = Annotated[float, Field(gt=0, le=86_400)]
+
+
+class Readiness(TenantInput):
+    """How the agent tells that a replica is ready: `GET http://127.0.0.1:<port><path>` answers
+    2xx. Probed every `period_s` from `initial_delay_s` after the start; a replica that has not
+    become ready within `timeout_s` is stopped and replaced."""
+
+    path: str = Field(default="/healthz", pattern=r"^/\S*$")
+    period_s: Seconds = 1.0
+    initial_delay_s: float = Field(default=0.0, ge=0, le=3_600)
+    timeout_s: Seconds = 600.0
+
+
+class Slo(TenantInput):
+    """The latency the service must meet: p95 of time to first token (end to end, as the
+    client sees it: RTT plus the model server's own) in ms, for every client region unless
+    `regions` names its own figure."""
+
+    p95_ms: float = Field(gt=0, le=600_000)
+    regions: dict[Name, Annotated[float, Field(gt=0, le=600_000)]] = Field(default_factory=dict)
+
+    def for_region(self, region: str) -> float:
+        return self.regions.get(region, self.p95_ms)
+
+
+class ScalingPolicy(TenantInput):
+    """How the autoscaler follows the demand (broker.autoscaler). A decision every
+    `interval_s`; a region's count goes up once it has wanted more for `upscale_delay_s`, and
+    down once it has wanted fewer for `downscale_delay_s` (scale up fast, down slowly).
+    `target_qps_per_replica` is the load one replica should carry; `max_concurrency` is what
+    one replica serves at once (the router's saturation point)."""
+
+    target_qps_per_replica: float = Field(gt=0, le=1_000_000)
+    max_concurrency: int = Field(default=16, ge=1, le=100_000)
+    interval_s: Seconds = 20.0
+    upscale_delay_s: float = Field(default=60.0, ge=0, le=86_400)
+    downscale_delay_s: float = Field(default=600.0, ge=0, le=86_400)
+    kv_cache_high: float = Field(
+        default=0.9, gt=0, le=1, description="KV-cache use above which a replica is saturated"
+    )
+
+
+class ServiceSpec(TenantInput):
+    """One managed inference service (module docstring)."""
+
+    name: Name
+    tenant: Name
+    model: str = Field(min_length=1, max_length=200, description="the served model's name")
+    command: tuple[str, ...] = Field(
+        min_length=1,
+        description="the model server; it must listen on $CPN_PORT (also given as {port})",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_RE}}
+    )
+    port: int | None = Field(
+        default=None, ge=1, le=65_535, description="a fixed port; default: the agent picks one"
+    )
+    gpu: GpuRequest = GpuRequest()
+    cpu: int = Field(default=1, ge=0, le=100_000)
+    mem_gb: float = Field(default=1.0, ge=0, le=1_000_000)
+    slo: Slo
+    scaling: ScalingPolicy
+    min_replicas: int = Field(default=1, ge=0, le=1_000)
+    max_replicas: int = Field(default=4, ge=1, le=1_000)
+    regions: tuple[Name, ...] | None = Field(
+        default=None, description="the regions replicas may run in; default: any"
+    )
+    clients: tuple[Name, ...] = Field(
+        default=(), description="the client regions it serves; default: every known one"
+    )
+    readiness: Readiness = Readiness()
+    drain_timeout_s: float = Field(
+        default=30.0, ge=0, le=3_600, description="how long a stopping replica may finish"
+    )
+
+    @field_validator("command", mode="before")
+    @classmethod
+    def _split_shell(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(shlex.split(value))
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        for key in env:
+            if not re.fullmatch(ENV_NAME_RE, key):
+                raise ValueError(f"{key!r} is not an environment variable name")
+            if key.startswith("CPN_"):
+                raise ValueError(f"{key!r}: CPN_ variables are set by cpn")
+        return env
+
+    @model_validator(mode="after")
+    def _replicas(self) -> ServiceSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})"
+            )
+        return self
