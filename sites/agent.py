@@ -153,7 +153,7 @@ class Agent:
             source=host if host not in ("0.0.0.0", "", "localhost") else None,
             emulated=settings.wan_emulated,
         )
-        self.services = ServiceMonitor(spec.services)
+        self.services = ServiceMonitor(spec.services, clock=self.clock.time)
         self._peers = PrefixMirror(registry=registry, prefix=keys.AGENTS, on_change=self._on_agents)
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -517,6 +517,7 @@ class Agent:
                     latency_ms=load.latency_ms,
                     healthy=load.healthy,
                     updated_at=now,
+                    **load.signal_fields(),
                 )
             )
         return endpoints
