@@ -8,25 +8,57 @@ the site's executor, registered as endpoints once ready, drained before they sto
 (docs/services.md). The autoscaler (broker.autoscaler) decides how many replicas each region
 gets; the simulator runs the same autoscaler on virtual time.
 
+Stored (sites.keys):
+
+    /cpn/v1/service-specs/<svc>  ServiceRecord    the spec, its replicas' job ids, the last
+                                                  scaling events; written by the API (apply,
+                                                  delete) and the leader's reconciler
+                                                  (broker.replicas), each write guarded on the
+                                                  record's mod_revision
+    /cpn/v1/scaling/<svc>        ScalingDecision  the autoscaler's last decision: replicas per
+                                                  client region, why, when; one writer (the
+                                                  leader's autoscaler), replaced at every
+                                                  decision, guarded on its mod_revision and the
+                                                  leader fence
+
+The reconciler keeps, for every client region the decision names, that many replicas placed
+for it (a latency constraint toward it), and tops the whole up to `min_replicas` with replicas
+for the served client regions in turn (`desired_replicas`); never more than `max_replicas`.
+
 Pure: pydantic models and their checks, no I/O.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import shlex
+from collections.abc import Mapping
 from typing import Annotated
 
 from pydantic import Field, field_validator, model_validator
 
-from broker.jobs import ENV_NAME_RE, GpuRequest, Name, TenantInput
+from broker.jobs import ENV_NAME_RE, Frozen, GpuRequest, Name, TenantInput
 
 __all__ = [
+    "ANY_REGION",
+    "MAX_SERVICE_EVENTS",
     "Readiness",
+    "ReplicaEntry",
+    "ScalingDecision",
+    "ScalingEvent",
     "ScalingPolicy",
+    "ServiceRecord",
     "ServiceSpec",
     "Slo",
+    "desired_replicas",
+    "spread_group",
 ]
+
+ANY_REGION = "*"
+"""The region of replicas placed for no client region in particular (a service that names no
+`clients` and has only its `min_replicas`): placement's cost alone decides where they go."""
+MAX_SERVICE_EVENTS = 50
 
 Seconds = Annotated[float, Field(gt=0, le=86_400)]
 
@@ -129,3 +161,91 @@ class ServiceSpec(TenantInput):
                 f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})"
             )
         return self
+
+
+class ScalingDecision(Frozen):
+    """What the autoscaler decided for one service (/cpn/v1/scaling/<svc>), which the leader's
+    replica reconciler carries out: `replicas[r]` replicas placed for client region `r`
+    (configs/clients.yaml; each with a latency constraint toward r: the SLO's p95 for r as
+    its max RTT). Regions not named get none beyond the service's min_replicas."""
+
+    service: Name
+    replicas: dict[Name, Annotated[int, Field(ge=0, le=1_000)]] = Field(
+        default_factory=dict, description="client region -> replicas for it"
+    )
+    reason: str = Field(default="", max_length=2_000, description="why, in words")
+    at: float = Field(description="when it was decided (unix s)")
+    by: str = Field(default="autoscaler", max_length=200, description="who decided")
+
+
+class ScalingEvent(Frozen):
+    """One line of a service's scaling history, as `cpn service describe` shows it."""
+
+    at: float
+    type: str = Field(description="applied, scaled-up, scaled-down, replaced, deleted")
+    message: str
+    region: str | None = None
+    job: str | None = None
+
+
+class ReplicaEntry(Frozen):
+    """A replica the reconciler created: its job and the client region it is for."""
+
+    job: str
+    region: str = Field(description=f"a client region, or {ANY_REGION!r}")
+    created_at: float
+
+
+class ServiceRecord(Frozen):
+    """/cpn/v1/service-specs/<svc>: the spec as applied and what the reconciler keeps."""
+
+    spec: ServiceSpec
+    generation: int = Field(default=1, ge=1, description="+1 at every apply that changed it")
+    created_at: float
+    updated_at: float
+    replicas: tuple[ReplicaEntry, ...] = Field(
+        default=(), description="replica jobs not known to be finished"
+    )
+    events: tuple[ScalingEvent, ...] = ()
+    failures: int = Field(default=0, ge=0, description="replicas ended in a row by failure")
+    not_before: float = Field(default=0.0, description="no new replica before (backoff)")
+
+    def with_events(self, *events: ScalingEvent, **changes: object) -> ServiceRecord:
+        kept = (*self.events, *events)[-MAX_SERVICE_EVENTS:]
+        return self.model_copy(update={**changes, "events": kept})
+
+
+def spread_group(service: str) -> str:
+    """The spread group of a service's replicas: at most one replica of it per site, so the
+    endpoint key /cpn/v1/services/<svc>/<site> stays one endpoint."""
+    name = f"svc-{service}"
+    if len(name) <= 63:
+        return name
+    return "svc-" + hashlib.sha256(service.encode()).hexdigest()[:16]
+
+
+def desired_replicas(spec: ServiceSpec, decision: ScalingDecision | None) -> dict[str, int]:
+    """Replicas wanted per client region (ANY_REGION: for none in particular): what the
+    decision says, capped at max_replicas (the largest regions give first), topped up to
+    min_replicas with replicas for the served client regions in turn (or ANY_REGION)."""
+    wanted = {r: n for r, n in (decision.replicas if decision else {}).items() if n > 0}
+    total = sum(wanted.values())
+    while total > spec.max_replicas:
+        largest = max(sorted(wanted), key=lambda r: wanted[r])
+        wanted[largest] -= 1
+        total -= 1
+    wanted = {r: n for r, n in wanted.items() if n > 0}
+    order = list(spec.clients) or [ANY_REGION]
+    while total < spec.min_replicas:
+        region = min(order, key=lambda r: (wanted.get(r, 0), order.index(r)))
+        wanted[region] = wanted.get(region, 0) + 1
+        total += 1
+    return wanted
+
+
+def counts(entries: Mapping[str, int]) -> str:
+    """'2 for beijing, 1 for any region' (events' words)."""
+    parts = [
+        f"{n} for {'any region' if r == ANY_REGION else r}" for r, n in sorted(entries.items())
+    ]
+    return ", ".join(parts) or "none"

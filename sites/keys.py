@@ -29,6 +29,10 @@
 /cpn/v1/history/usage/<day>/<job>/<attempt>  Segment          leader, with the rollup
 /cpn/v1/alerts/<rule>/<subject...>           AlertRecord      leader: firing or resolved
 /cpn/v1/alerts-outbox/<us>/<webhook>/<id>    Notification     leader, with the state change
+/cpn/v1/service-specs/<svc>      ServiceRecord                 broker: `cpn service apply`, and
+                                                               the leader's replica reconciler
+/cpn/v1/scaling/<svc>            ScalingDecision               leader's autoscaler: replicas
+                                                               per client region (broker.services)
 
 <day> is the UTC date a run ended (YYYY-MM-DD), so a day's or a month's segments are one range.
 <inv> is the job's creation time inverted (broker.history.inverted_time), so etcd's key order
@@ -252,3 +256,19 @@ def alert_outbox(created_us: int, webhook: str, notification_id: str) -> str:
     """/cpn/v1/alerts-outbox/<us>/<webhook>/<id>: a notification not yet delivered to
     `webhook`, written in the transaction that changed the alert; oldest first."""
     return f"{ALERTS_OUTBOX}{created_us:017d}/{webhook}/{notification_id}"
+
+
+SERVICE_SPECS = ROOT + "service-specs/"
+SCALING = ROOT + "scaling/"
+
+
+def service_spec(name: str) -> str:
+    """/cpn/v1/service-specs/<svc>: a managed service's spec, its replicas and its last scaling
+    events (broker.services.ServiceRecord). Not under SERVICES, whose keys are endpoints."""
+    return f"{SERVICE_SPECS}{name}"
+
+
+def scaling(name: str) -> str:
+    """/cpn/v1/scaling/<svc>: the autoscaler's last decision for the service
+    (broker.services.ScalingDecision), which the replica reconciler carries out."""
+    return f"{SCALING}{name}"
