@@ -178,6 +178,31 @@ class ServiceEndpoint(Frozen):
     latency_ms: float | None = None
     healthy: bool = True
     updated_at: float
+    # The model server's own signals (docs/routing.md, "Model-server signals"). Every field has
+    # a default: records written before they existed are still in etcd and must still parse.
+    kv_cache_usage: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="fraction of the server's KV cache in use (vllm:gpu_cache_usage_perc, "
+        "sglang:token_usage); None: the server does not say",
+    )
+    ttft_ms: float | None = Field(
+        default=None, ge=0, description="mean time to first token since the previous scrape"
+    )
+    ttft_p95_ms: float | None = Field(
+        default=None, ge=0, description="p95 time to first token since the previous scrape"
+    )
+    signals: str | None = Field(
+        default=None,
+        description="where in_flight, queue and kv_cache_usage came from: vllm or sglang "
+        "(/metrics), stats (/stats); None: no load report (health only, or an old record)",
+    )
+    signals_at: float | None = Field(
+        default=None,
+        description="unix s the agent last read them; a failed read keeps the old ones and "
+        "their time, so routing sees how old they are",
+    )
     job: str | None = Field(
         default=None, description="the replica job serving it, for a managed service"
     )
