@@ -10,7 +10,14 @@ response carries `X-Cpn-Standin: 1` so nobody mistakes it for a real inference s
         `data: {...}` events spaced by service_time / tokens, then `data: [DONE]`.
     GET /healthz          200 while healthy (the fault switch applies here too)
     GET /stats            {in_flight, queue, served, errors, rejected, p50_ms, p99_ms,
-                           mean_ms, service_rate_per_s, max_concurrency, max_queue, ...}
+                           mean_ms, service_rate_per_s, max_concurrency, max_queue,
+                           kv_cache_usage, prefix_queries, prefix_hits, ...}
+    GET /metrics          Prometheus text with vLLM's names and types, labelled model_name:
+                          vllm:num_requests_running, vllm:num_requests_waiting (gauges),
+                          vllm:gpu_cache_usage_perc (gauge, 0..1),
+                          vllm:time_to_first_token_seconds (histogram, vLLM's buckets),
+                          vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total
+                          (counters, prompt tokens)
     POST /admin/fail      {"mode": "500" | "hang" | "slow" | "ok"}: a fault switch for tests
 
 Service time: lognormal with the declared median and p99 (p99 == median gives a constant),
@@ -20,8 +27,14 @@ p50/p99/mean are over the service times of the last WINDOW_S seconds (at most `w
 them; queueing excluded, the way the router's service estimate wants them), so a burst of slow
 answers ages out; service_rate_per_s = max_concurrency / mean service time.
 
+Time to first token: the queue wait, then a prefill of `prefill_ms` (times 1 - prefix_hit_discount
+when the prompt's prefix was recently served: routing.kvcache.PrefixCache), then the first of
+`max_tokens` tokens spaced by service_time / max_tokens. A running request holds KV blocks for
+its prompt and output tokens (routing.kvcache.KvCache); /metrics reports the cache's usage.
+
 Run: python -m routing.modelserver --listen HOST:PORT --name NAME --median-ms X --p99-ms Y
-     --max-concurrency N [--max-queue M] [--seed S] [--tokens T]
+     --max-concurrency N [--max-queue M] [--seed S] [--tokens T] [--prefill-ms P]
+     [--prefix-hit-discount D] [--prefix-chars C] [--kv-cache-blocks B]
 It prints `listening on http://HOST:PORT` once it accepts connections (PORT 0 picks one).
 """
 
@@ -44,7 +57,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from routing.kvcache import KvCache, PrefixCache, PromptError, prompt_text, tokens_of
 
 __all__ = [
     "FAULT_MODES",
@@ -62,6 +79,9 @@ SLOW_FACTOR = 50  # "slow": every service time x 50, so requests pile up (an ove
 MAX_BODY = 1024 * 1024
 MAX_STREAM_TOKENS = 4096
 _Z99 = statistics.NormalDist().inv_cdf(0.99)
+# vLLM's own buckets for vllm:time_to_first_token_seconds (vllm/engine/metrics.py)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                  5.0, 7.5, 10.0)  # fmt: skip
 
 
 class ModelServerSettings(BaseModel):
@@ -75,6 +95,20 @@ class ModelServerSettings(BaseModel):
     seed: int = Field(0, description="seeds the service-time draws, for repeatable runs")
     tokens: int = Field(8, ge=1, le=MAX_STREAM_TOKENS, description="events in a stream")
     window: int = Field(1000, ge=1, description="recent service times kept for /stats")
+    prefill_ms: float = Field(
+        0.0, ge=0, description="ms before the first token on a prefix-cache miss (0: none)"
+    )
+    prefix_hit_discount: float = Field(
+        0.8, ge=0, le=1, description="fraction of prefill_ms a prefix-cache hit saves"
+    )
+    prefix_chars: int = Field(
+        256, ge=1, description="leading characters of the prompt that make its prefix key"
+    )
+    prefix_cache_entries: int = Field(1024, ge=1, description="prefix keys kept (LRU)")
+    kv_cache_blocks: int = Field(
+        4096, ge=1, description="KV-cache capacity in blocks; usage = held / this"
+    )
+    kv_block_tokens: int = Field(16, ge=1, description="tokens per KV block (vLLM's default)")
 
     @model_validator(mode="after")
     def _p99_above_median(self) -> ModelServerSettings:
@@ -158,6 +192,13 @@ class ModelServer:
         self.errors = 0
         self.rejected = 0
         self._ids: Iterator[int] = itertools.count(1)
+        self.kv = KvCache(
+            capacity_blocks=settings.kv_cache_blocks, block_tokens=settings.kv_block_tokens
+        )
+        self.prefixes = PrefixCache(
+            chars=settings.prefix_chars, entries=settings.prefix_cache_entries
+        )
+        self.metrics = _Metrics(settings.name)
 
     def set_mode(self, mode: str) -> None:
         self.mode = mode
@@ -215,10 +256,53 @@ class ModelServer:
             "service_rate_per_s": round(self.settings.max_concurrency * 1000 / mean_ms, 3),
             "max_concurrency": self.settings.max_concurrency,
             "max_queue": self.settings.max_queue,
+            "kv_cache_usage": round(self.kv.usage, 4),
+            "prefix_queries": self.prefixes.queries,
+            "prefix_hits": self.prefixes.hits,
         }
 
     def next_id(self) -> int:
         return next(self._ids)
+
+    def exposition(self) -> bytes:
+        """/metrics: the gauges as of now, the histogram and counters as they accumulated."""
+        m = self.metrics
+        m.running.set(self.slots.in_flight)
+        m.waiting.set(len(self.slots.waiters))
+        m.kv_usage.set(self.kv.usage)
+        return generate_latest(m.registry)
+
+
+class _Metrics:
+    """The vLLM-named series of one server, in a registry of its own (tests run several)."""
+
+    def __init__(self, model: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, label = self.registry, ("model_name",)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Number of requests currently running on GPU.",
+            label, registry=r,
+        ).labels(model)  # fmt: skip
+        self.waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+            label, registry=r,
+        ).labels(model)  # fmt: skip
+        self.kv_usage = Gauge(
+            "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
+            label, registry=r,
+        ).labels(model)  # fmt: skip
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            label, registry=r, buckets=TTFT_BUCKETS_S,
+        ).labels(model)  # fmt: skip
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
+            "tokens.", label, registry=r,
+        ).labels(model)  # fmt: skip
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+            label, registry=r,
+        ).labels(model)  # fmt: skip
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:
@@ -271,6 +355,11 @@ async def _infer(request: web.Request, chat: bool) -> web.StreamResponse:
     tokens = _token_count(body, server.settings.tokens)
     if isinstance(tokens, web.Response):
         return tokens
+    try:
+        prompt = prompt_text(body, chat=chat)
+    except PromptError as exc:
+        return _error(400, "invalid", str(exc), exc.field)
+    arrived = time.monotonic()
     fault = await server.fault()
     if fault is not None:
         return fault
@@ -286,25 +375,67 @@ async def _infer(request: web.Request, chat: bool) -> web.StreamResponse:
         )
         busy.headers["Retry-After"] = str(server.retry_after_s())
         return busy
+    prompt_tokens = tokens_of(prompt)
+    blocks = server.kv.hold(prompt_tokens + tokens)
     try:
         service_ms = server.service_time.draw() * (SLOW_FACTOR if server.mode == "slow" else 1)
         rid = f"cmpl-{server.settings.name}-{server.next_id()}"
+        run = _Run(server, prompt, prompt_tokens, tokens, service_ms, arrived)
         response: web.StreamResponse
         if stream:
-            response = await _stream(request, server, rid, chat, tokens, service_ms)
+            response = await _stream(request, run, rid, chat)
         else:
-            await asyncio.sleep(service_ms / 1000)
-            response = web.json_response(_completion(server, rid, chat, tokens, service_ms))
+            await run.first_token()
+            await asyncio.sleep(run.per_token_s * (tokens - 1))
+            response = web.json_response(_completion(run, rid, chat))
         server.record(service_ms)
         server.served += 1
         return response
     finally:
+        server.kv.release(blocks)
         server.slots.release()
 
 
-def _completion(
-    server: ModelServer, rid: str, chat: bool, tokens: int, service_ms: float
-) -> dict[str, Any]:
+class _Run:
+    """One admitted request: its prefill (discounted on a prefix hit) and token pacing."""
+
+    def __init__(
+        self,
+        server: ModelServer,
+        prompt: str,
+        prompt_tokens: int,
+        tokens: int,
+        service_ms: float,
+        arrived: float,
+    ) -> None:
+        settings = server.settings
+        self.server = server
+        self.prompt_tokens = prompt_tokens
+        self.tokens = tokens
+        self.service_ms = service_ms
+        self.arrived = arrived
+        self.per_token_s = service_ms / tokens / 1000
+        self.key = server.prefixes.key(prompt)
+        self.hit = server.prefixes.lookup(self.key)
+        discount = settings.prefix_hit_discount if self.hit else 0.0
+        self.prefill_ms = settings.prefill_ms * (1 - discount)
+        self.ttft_ms: float | None = None
+        cached = min(prompt_tokens, tokens_of(prompt[: settings.prefix_chars])) if self.hit else 0
+        server.metrics.prefix_queries.inc(prompt_tokens)
+        server.metrics.prefix_hits.inc(cached)
+
+    async def first_token(self) -> None:
+        """Sleep through the prefill and the first token; record the time to first token (from
+        arrival, queueing included, as vLLM measures it)."""
+        await asyncio.sleep(self.prefill_ms / 1000 + self.per_token_s)
+        self.server.prefixes.store(self.key)
+        ttft_s = time.monotonic() - self.arrived
+        self.ttft_ms = ttft_s * 1000
+        self.server.metrics.ttft.observe(ttft_s)
+
+
+def _completion(run: _Run, rid: str, chat: bool) -> dict[str, Any]:
+    server, tokens = run.server, run.tokens
     text = " ".join(f"tok{i}" for i in range(tokens))
     choice: dict[str, Any] = (
         {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
@@ -317,32 +448,35 @@ def _completion(
         "created": int(time.time()),
         "model": server.settings.name,
         "choices": [choice],
-        "usage": {"prompt_tokens": 0, "completion_tokens": tokens, "total_tokens": tokens},
+        "usage": {
+            "prompt_tokens": run.prompt_tokens,
+            "completion_tokens": tokens,
+            "total_tokens": run.prompt_tokens + tokens,
+        },
         "cpn": {
             "standin": True,
             "server": server.settings.name,
-            "service_ms": round(service_ms, 3),
+            "service_ms": round(run.service_ms, 3),
+            "prefill_ms": round(run.prefill_ms, 3),
+            "prefix_hit": run.hit,
+            "ttft_ms": None if run.ttft_ms is None else round(run.ttft_ms, 3),
         },
     }
 
 
-async def _stream(
-    request: web.Request,
-    server: ModelServer,
-    rid: str,
-    chat: bool,
-    tokens: int,
-    service_ms: float,
-) -> web.StreamResponse:
+async def _stream(request: web.Request, run: _Run, rid: str, chat: bool) -> web.StreamResponse:
+    server, tokens = run.server, run.tokens
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    per_token_s = service_ms / tokens / 1000
     kind = "chat.completion.chunk" if chat else "text_completion"
     try:
         for i in range(tokens):
-            await asyncio.sleep(per_token_s)
+            if i == 0:
+                await run.first_token()
+            else:
+                await asyncio.sleep(run.per_token_s)
             choice: dict[str, Any] = (
                 {"index": 0, "delta": {"content": f"tok{i} "}}
                 if chat
@@ -379,6 +513,13 @@ async def stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVER].stats())
 
 
+async def metrics(request: web.Request) -> web.Response:
+    # Content-Type carries its own charset parameter, so it goes in as a raw header
+    return web.Response(
+        body=request.app[SERVER].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
+    )
+
+
 async def admin_fail(request: web.Request) -> web.Response:
     server = request.app[SERVER]
     body = await _read_json(request)
@@ -409,6 +550,7 @@ def make_app(settings: ModelServerSettings) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
+    app.router.add_get("/metrics", metrics)
     app.router.add_post("/admin/fail", admin_fail)
     return app
 
@@ -433,6 +575,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=8, help="events in a streamed answer")
+    p.add_argument("--prefill-ms", type=float, default=0.0, help="prefill on a prefix miss")
+    p.add_argument("--prefix-hit-discount", type=float, default=0.8)
+    p.add_argument("--prefix-chars", type=int, default=256)
+    p.add_argument("--kv-cache-blocks", type=int, default=4096)
     return p
 
 
@@ -468,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
             max_queue=args.max_queue,
             seed=args.seed,
             tokens=args.tokens,
+            prefill_ms=args.prefill_ms,
+            prefix_hit_discount=args.prefix_hit_discount,
+            prefix_chars=args.prefix_chars,
+            kv_cache_blocks=args.kv_cache_blocks,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
