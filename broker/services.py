@@ -101,6 +101,21 @@ class ScalingPolicy(TenantInput):
     kv_cache_high: float = Field(
         default=0.9, gt=0, le=1, description="KV-cache use above which a replica is saturated"
     )
+    queue_high: float = Field(
+        default=1.0,
+        ge=0,
+        le=100_000,
+        description="requests waiting per ready replica above which a region is saturated: "
+        "a replica with a request waiting has every slot busy",
+    )
+    consolidate_ms: float = Field(
+        default=20.0,
+        ge=0,
+        le=10_000,
+        description="ms: a client region's demand may be served from a region up to this much "
+        "further than its nearest allowed one, so small demands share a fleet instead of each "
+        "rounding up its own (broker.autoscaler)",
+    )
 
 
 class ServiceSpec(TenantInput):
