@@ -187,6 +187,8 @@ class Agent:
             record=lambda: self.record,
             resources=self._resources,
             stop_grace_s=self.settings.job_stop_grace_s,
+            replica_host=self._replica_host(),
+            settle_s=2 * self.settings.interval_s,  # a publish, and the brokers' watch
         )
         # the workload holds the jobs and keepalive the lease: if either dies the agent stops
         # (its lease expires and the broker moves the jobs); the measuring loops restart
@@ -501,8 +503,15 @@ class Agent:
             slots={model: tuple(found) for model, found in slots.items()},
         )
 
+    def _replica_host(self) -> str:
+        """Where managed replicas listen (sites.replicas): this agent's own address."""
+        host = self.settings.listen.rsplit(":", 1)[0]
+        return "127.0.0.1" if host in ("", "0.0.0.0", "localhost") else host
+
     def service_endpoints(self, now: float) -> list[ServiceEndpoint]:
-        endpoints = []
+        # the managed services' replicas ready or draining here (sites.replicas), then the
+        # services the site file declares
+        endpoints = self.workload.replica_endpoints(now) if self.workload is not None else []
         for svc in self.spec.services:
             load = self.services.loads.get(svc.name, ServiceLoad(healthy=False))
             endpoints.append(

@@ -28,6 +28,24 @@ class NodeShare(Frozen):
     mem_gb: float = Field(default=0.0, ge=0)
 
 
+class Serve(Frozen):
+    """A run that is a replica of a managed inference service (broker.services): the agent
+    gives it a port ($CPN_PORT, `{port}` in its command), probes its readiness, publishes it
+    as the service's endpoint at this site once ready, and drains it before it stops: the
+    endpoint is marked draining (routed to no more), and the run is stopped once what it has
+    in flight is done or `drain_timeout_s` passed (sites.replicas)."""
+
+    service: str
+    model: str
+    port: int | None = Field(default=None, ge=1, le=65_535, description="fixed; None: any free")
+    max_concurrency: int = Field(default=16, ge=1)
+    readiness_path: str = "/healthz"
+    readiness_period_s: float = Field(default=1.0, gt=0)
+    readiness_initial_delay_s: float = Field(default=0.0, ge=0)
+    readiness_timeout_s: float = Field(default=600.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+
+
 class Assignment(Frozen):
     job: str
     site: str
@@ -50,6 +68,7 @@ class Assignment(Frozen):
         default=None, gt=0, description="the job's duration estimate (a Slurm site's time limit)"
     )
     assigned_at: float
+    serve: Serve | None = Field(default=None, description="a managed service's replica")
 
 
 class RunState(enum.StrEnum):

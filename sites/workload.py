@@ -9,6 +9,10 @@ while etcd is unavailable. An attempt runs at most once per site: at start, a jo
 attempt+fence already has a report is not run again; one left `starting`/`running` by a
 crashed predecessor (whose process died with it) is reported `failed` as lost, for the broker
 to retry. Long form: docs/executor.md.
+
+A run whose assignment carries `serve` is a managed service's replica (sites.replicas): it is
+given a port, probed until ready, published as the service's endpoint here
+(`replica_endpoints`), and drained before it is stopped when withdrawn.
 """
 
 from __future__ import annotations
@@ -22,19 +26,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from pydantic import ValidationError
 
 from sites import keys
 from sites.assignments import Assignment, Report, RunState
 from sites.catalog import Capacity, DeviceCatalog, normalize
 from sites.clock import Clock
+from sites.collectors.services import ServiceMonitor
 from sites.errors import RegistryError, SitesError
 from sites.executor import JOB_ID_RE, Executor, ExecutorError, RunHandle, log_path
 from sites.layout import layout
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
+from sites.replicas import Replica, ReplicaState, free_port, in_flight, probe_ready, with_port
 from sites.spec import Oversubscription, SiteSpec
-from sites.status import AgentRecord, GpuDevice, NodeUsage
+from sites.status import AgentRecord, GpuDevice, NodeUsage, ServiceEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,8 @@ QUEUE_POLL_S = 1.0  # how often a run queued in the site's scheduler is looked a
 RETRY_MAX_S = 5.0
 LOG_POLL_S = 0.2
 LOG_CHUNK = 64 * 1024
+DRAIN_POLL_S = 0.2  # how often a draining replica's in-flight count is read
+REPLICA_POLL_S = 0.5  # how often the published replicas' load is read
 
 
 class UnknownJob(SitesError, LookupError):
@@ -112,6 +121,8 @@ class Run:
     metered_s: float = 0.0
     metered_at: float | None = None
     withdrawn: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    replica: Replica | None = None  # a managed service's replica (sites.replicas)
+    unready: str | None = None  # why it was stopped: not ready in time
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     @property
@@ -197,6 +208,7 @@ class Run:
             "finished_at": self.finished_at,
             "log_path": None if self.log_path is None else str(self.log_path),
             "withdrawn": self.withdrawn.is_set(),
+            "replica": None if self.replica is None else self.replica.state.value,
         }
 
 
@@ -368,6 +380,8 @@ class Workload:
         resources: Callable[[], SiteResources] | None = None,
         stop_grace_s: float = STOP_GRACE_S,
         retry_max_s: float = RETRY_MAX_S,
+        replica_host: str = "127.0.0.1",
+        settle_s: float = 1.0,
     ) -> None:
         self.registry = registry
         self.spec = spec
@@ -389,6 +403,11 @@ class Workload:
         self._tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[Any] | None = None
         self._closing = asyncio.Event()
+        # replicas (sites.replicas): where they listen, how long a draining one waits for the
+        # brokers to see it draining, and the published ones' load
+        self.replica_host = replica_host
+        self.settle_s = settle_s
+        self._replica_loads = ServiceMonitor(())
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -414,6 +433,7 @@ class Workload:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._mirror.run(), name=f"workload {self.site} assignments")
             group.create_task(self._reconcile_loop(), name=f"workload {self.site} reconcile")
+            group.create_task(self._replica_loop(), name=f"workload {self.site} replicas")
 
     async def _list(self, prefix: str, what: str) -> list[tuple[str, bytes, int]]:
         """Everything under `prefix`, retried with backoff until etcd answers."""
@@ -488,6 +508,7 @@ class Workload:
         for run in self._runs.values():
             if run.live:
                 run.finish(RunState.stopped, now, run.exit_code, "the agent stopped")
+        await self._replica_loads.close()
 
     # -- what the agent publishes and serves --------------------------------------------------
 
@@ -734,6 +755,11 @@ class Workload:
         if run.log_path is None:  # allocated runs always have one
             raise ExecutorError(f"job {a.job}: no log path")
         a, devices = sliced(a, run.devices, self._resources(), self.catalog)
+        if a.serve is not None:
+            host = self.replica_host
+            port = a.serve.port or free_port(host)
+            run.replica = Replica(job=a.job, serve=a.serve, host=host, port=port)
+            a = with_port(a, host, port)
         try:
             handle = await self.executor.start(a, devices, run.log_path)
         except ExecutorError as exc:
@@ -757,12 +783,18 @@ class Workload:
         else:
             await self._while_queued(run, handle)
         await self._write(run)
+        if run.replica is not None and not (self._closing.is_set() or run.withdrawn.is_set()):
+            self._spawn(self._await_ready(run, handle), f"ready {a.job}")
         ended = await self.executor.wait(handle)
+        if run.replica is not None:
+            run.replica.move(ReplicaState.stopped)
         if self._closing.is_set():
             return  # graceful agent stop: nothing more is reported (docs/executor.md)
         code = ended.code
         if run.withdrawn.is_set():
             state, message = RunState.stopped, "stopped: the assignment was withdrawn"
+        elif run.unready is not None:
+            state, message = RunState.failed, run.unready
         elif ended.ok:
             state, message = RunState.succeeded, ""
         else:
@@ -795,8 +827,92 @@ class Workload:
         run.started_at = self.clock.time()
 
     async def _withdraw(self, run: Run) -> None:
+        if run.replica is not None:
+            await self._drain(run, run.replica)
         if run.handle is not None:
             await self.executor.stop(run.handle, self.stop_grace_s)
+
+    # -- replicas (sites.replicas) --------------------------------------------------------------
+
+    async def _await_ready(self, run: Run, handle: RunHandle) -> None:
+        """Probe until the replica is ready; stop it when it is not within its timeout."""
+        replica = run.replica
+        if replica is None:
+            return
+        serve = replica.serve
+        await self.clock.sleep(serve.readiness_initial_delay_s)
+        deadline = self.clock.monotonic() + serve.readiness_timeout_s
+        async with aiohttp.ClientSession() as session:
+            while run.live and replica.state is ReplicaState.starting:
+                if run.withdrawn.is_set() or self._closing.is_set():
+                    return
+                if await probe_ready(session, replica):
+                    replica.move(ReplicaState.ready)
+                    log.info("job %s: replica of %s ready at %s", run.job, serve.service,
+                             replica.url)  # fmt: skip
+                    return
+                if self.clock.monotonic() >= deadline:
+                    run.unready = (
+                        f"not ready within {serve.readiness_timeout_s:g} s: "
+                        f"{serve.readiness_path} never answered 2xx"
+                    )
+                    log.warning("job %s: %s; stopping it", run.job, run.unready)
+                    await self.executor.stop(handle, self.stop_grace_s)
+                    return
+                await self.clock.sleep(serve.readiness_period_s)
+
+    async def _drain(self, run: Run, replica: Replica) -> None:
+        """Out of routing first, then wait for what it has in flight (module docstring of
+        sites.replicas); a replica not ready yet serves nothing and stops at once."""
+        if replica.state is not ReplicaState.ready:
+            return
+        replica.move(ReplicaState.draining)
+        started = self.clock.monotonic()
+        deadline = started + max(replica.serve.drain_timeout_s, self.settle_s)
+        log.info("job %s: replica of %s draining", run.job, replica.serve.service)
+        await self.clock.sleep(self.settle_s)  # the brokers see it draining: nothing new comes
+        monitor = ServiceMonitor(())
+        try:
+            while run.live and self.clock.monotonic() < deadline:
+                left = await in_flight(monitor, replica)
+                if left == 0:
+                    break
+                await self.clock.sleep(DRAIN_POLL_S)
+        finally:
+            await monitor.close()
+        log.info("job %s: replica drained after %.1f s", run.job, self.clock.monotonic() - started)
+
+    def _published_replicas(self) -> dict[str, Replica]:
+        """Per service, the replica published here: a ready one over a draining one (a new
+        replica may start at a site where the last one still drains)."""
+        best: dict[str, Replica] = {}
+        for run in self._runs.values():
+            replica = run.replica
+            if replica is None or not run.live:
+                continue
+            if replica.state not in (ReplicaState.ready, ReplicaState.draining):
+                continue
+            current = best.get(replica.serve.service)
+            if current is None or (
+                current.state is ReplicaState.draining and replica.state is ReplicaState.ready
+            ):
+                best[replica.serve.service] = replica
+        return best
+
+    def replica_endpoints(self, now: float) -> list[ServiceEndpoint]:
+        """The endpoints of the replicas ready or draining here, for the agent to publish."""
+        loads = self._replica_loads.loads
+        return [
+            replica.endpoint(self.site, loads.get(service), now)
+            for service, replica in sorted(self._published_replicas().items())
+        ]
+
+    async def _replica_loop(self) -> None:
+        while True:
+            published = self._published_replicas()
+            self._replica_loads.services = tuple(r.as_service() for r in published.values())
+            await self._replica_loads.poll()
+            await self.clock.sleep(REPLICA_POLL_S)
 
     async def _write(self, run: Run) -> None:
         """Write the run's report; retried with backoff until it lands or the agent stops."""
