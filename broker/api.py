@@ -59,6 +59,7 @@ from broker.service import Broker
 from broker.tenant_api import tenant_operations
 from broker.usage_api import usage_operations
 from broker.workflow_api import workflow_operations
+from routing.prefix import header_key
 from sites import keys
 from sites.catalog import Capacity
 from sites.config import field_path
@@ -161,6 +162,13 @@ class RouteRequest(BaseModel):
     session_key: str | None = Field(
         default=None, description="keeps a session on one site (rendezvous hashing)"
     )
+    prefix_key: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="requests with one prefix key go to one site while its load allows "
+        "(prefix-cache affinity; the proxy derives it from the prompt)",
+    )
 
 
 class RouteCandidate(BaseModel):
@@ -169,8 +177,16 @@ class RouteCandidate(BaseModel):
     url: str = Field(description="the site's endpoint of the service")
     network_ms: float = Field(description="client -> site round trip over the topology, ms")
     service_ms: float = Field(description="expected queueing + service time at the site, ms")
+    wait_ms: float = Field(description="the part of service_ms spent queued for a slot, ms")
+    kv_ms: float = Field(description="the KV cache's saturation (model-server signal), ms")
     penalty_ms: float = Field(description="error-rate and load penalties, ms")
-    total_ms: float = Field(description="network_ms + service_ms + penalty_ms")
+    total_ms: float = Field(description="network_ms + service_ms + kv_ms + penalty_ms")
+    running: int = Field(description="requests being served there (its report, or ours)")
+    waiting: int = Field(description="requests queued there")
+    kv_cache_usage: float | None = Field(description="the model server's KV-cache use, 0-1")
+    signals_age_s: float | None = Field(
+        description="age of the model server's signals, s; null when it reports none"
+    )
 
 
 class RouteExclusion(BaseModel):
@@ -185,11 +201,17 @@ class RouteAnswer(BaseModel):
     service: str
     client_region: str
     site: str | None = Field(description="the chosen site; null when none may serve")
-    mode: str | None = Field(description="how it was chosen: single, p2c or sticky")
+    mode: str | None = Field(
+        description="how it was chosen: single, p2c, sticky, affinity (session) or prefix"
+    )
     pool: list[str] = Field(description="the near-best sites the choice was made among")
     overflow: bool = Field(
         description="every allowed site was full: the request queues on the one that waits least"
     )
+    home: str | None = Field(
+        description="a prefix-keyed request that spilled: the prefix's home site"
+    )
+    reasons: list[str] = Field(description="why this site, in words: which signal decided")
     candidates: list[RouteCandidate] = Field(description="best first")
     excluded: list[RouteExclusion]
 
@@ -378,7 +400,13 @@ async def route(request: web.Request) -> web.Response:
     broker, router = request.app[BROKER], request.app[ROUTER]
     router.sync(broker.view().sites)
     region = router.region(body.client_region, body.client_address)
-    result = router.route(body.service, region, now=time.time(), session_key=body.session_key)
+    result = router.route(
+        body.service,
+        region,
+        now=time.time(),
+        session_key=body.session_key,
+        prefix_key=None if body.prefix_key is None else header_key(body.prefix_key),
+    )
     return web.json_response(route_json(result))
 
 

@@ -23,6 +23,7 @@ from routing.health import (
     HealthCheckSettings,
     OutlierDetector,
 )
+from routing.prefix import PREFIX_HEADER
 from routing.proxy import (
     REGION_HEADER,
     SESSION_COOKIE,
@@ -67,7 +68,13 @@ class Gateway:
         return aiohttp.ClientSession(connector=connector, auto_decompress=False)
 
     async def pick(
-        self, service: str, region: str | None, session_key: str | None
+        self,
+        service: str,
+        region: str | None,
+        session_key: str | None,
+        /,
+        *,
+        prefix_key: str | None = None,
     ) -> Sequence[Upstream]:
         self.router.sync(self.broker.view().sites)
         if region is None:
@@ -82,6 +89,7 @@ class Gateway:
                 region,
                 now=now,
                 session_key=session_key,
+                prefix_key=prefix_key,
                 ejected_until=ejected,
                 in_flight=proxy.in_flight(service) if proxy is not None else None,
             )
@@ -125,6 +133,7 @@ class Gateway:
                 known_regions=lambda: self.router.clients,
                 active=self.checker,
                 observe=self.broker.metrics.proxied,
+                prefix_chars=settings.prefix_chars,
             )
             yield
             await self.broker.supervisor.cancel("health checker")
@@ -153,6 +162,7 @@ def infer_operation(handle: Handler) -> Operation:
             Param(TENANT_HEADER, "header", "the tenant whose rate limit applies (anonymous)"),
             Param(SESSION_HEADER, "header", "keeps a session on one site"),
             Param(SESSION_COOKIE, "cookie", "the session key, when the header is absent"),
+            Param(PREFIX_HEADER, "header", "prefix affinity's key (else from the prompt)"),
             Param("Idempotency-Key", "header", "makes a POST safe to retry on another site"),
         ),
         body={"description": "passed through to the site as sent"},

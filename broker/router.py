@@ -128,6 +128,7 @@ class Router:
         error_rates: Mapping[str, float] | None = None,
         ejected_until: Mapping[str, float] | None = None,
         in_flight: Mapping[str, int] | None = None,
+        prefix_key: str | None = None,
     ) -> Route:
         index = self._candidates()
         if service not in index.services:
@@ -146,6 +147,7 @@ class Router:
             in_flight=in_flight,
             previous=self._previous.get(key),
             session_key=session_key,
+            prefix_key=prefix_key,
         )
         if result.previous is not None:
             self._previous[key] = result.previous
@@ -163,6 +165,8 @@ def route_json(route: Route) -> dict[str, object]:
         "mode": None if choice is None else choice.mode.value,
         "pool": [] if choice is None else list(choice.pool),
         "overflow": route.overflow,
+        "home": None if choice is None else choice.home,
+        "reasons": route.reasons(),
         "candidates": [
             {
                 "site": s.site,
@@ -170,8 +174,14 @@ def route_json(route: Route) -> dict[str, object]:
                 "url": s.candidate.endpoint.url,
                 "network_ms": round(s.score.network_ms, 3),
                 "service_ms": round(s.score.service_ms, 3),
+                "wait_ms": round(s.score.wait_ms, 3),
+                "kv_ms": round(s.score.kv_ms, 3),
                 "penalty_ms": round(s.score.penalty_ms, 3),
                 "total_ms": round(s.total_ms, 3),
+                "running": s.candidate.in_flight,
+                "waiting": s.candidate.queue,
+                "kv_cache_usage": s.candidate.endpoint.kv_cache_usage,
+                "signals_age_s": _age(s.candidate.endpoint.signals_at, ranking.now),
             }
             for s in ranking.ranked
         ],
@@ -179,3 +189,7 @@ def route_json(route: Route) -> dict[str, object]:
             {"site": e.site, "reason": e.reason.value, "detail": e.detail} for e in ranking.excluded
         ],
     }
+
+
+def _age(at: float | None, now: float) -> float | None:
+    return None if at is None else round(max(0.0, now - at), 3)

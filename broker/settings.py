@@ -24,6 +24,12 @@ class InferenceSettings(BaseModel):
     tenant_rate_per_s: float = Field(default=1000.0, gt=0, description="per-tenant request rate")
     tenant_burst: int = Field(default=2000, ge=1)
     health_interval_s: float = Field(default=2.0, gt=0, description="active /healthz checks")
+    prefix_chars: int = Field(
+        default=256,
+        ge=0,
+        description="bytes of a request's prompt or messages that make its prefix key, for "
+        "prefix-cache affinity (0: off); a system prompt is typically longer",
+    )
     outlier: OutlierSettings = OutlierSettings()
     routing: RoutingSettings = Field(
         default=RoutingSettings(),

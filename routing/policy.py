@@ -8,7 +8,7 @@ that per (service, client region) and call this with the same RoutingSettings, s
 plan routes as the gateway does, including near capacity.
 
 route(service, client_region, candidates, topology, policy, settings, now,
-      *, rng, in_flight=None, previous=None, session_key=None) -> Route
+      *, rng, in_flight=None, previous=None, session_key=None, prefix_key=None) -> Route
 
 1. In-flight merge (settings.in_flight), per candidate: the requests the site holds, being
    served or waiting (`total`), then split back into in_flight = min(total, max_concurrency)
@@ -29,6 +29,10 @@ route(service, client_region, candidates, topology, policy, settings, now,
      session_key given: rendezvous hashing over the affinity pool (affinity_slack_ms); the
        hysteresis state is neither read nor moved, so one region's sticky site does not
        capture every session of that region.
+     else prefix_key given (routing.prefix): the prefix's home site (rendezvous hashing over
+       the sites whose unloaded score is within affinity_slack_ms of the best) while it
+       scores within prefix_slack_ms of the best, else a spill to the near-best band (p2c);
+       the hysteresis state is neither read nor moved.
      else hysteresis: `previous` is kept while its total_ms <= best + hysteresis_ms.
      else power of two choices in the band.
 4. Overflow: nothing chosen and at least one site excluded only for being full.
@@ -57,6 +61,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.errors import InvalidParameter
+from routing.explain import explain
 from routing.selection import (
     Candidate,
     CandidateSet,
@@ -116,8 +121,16 @@ class RoutingSettings(BaseModel):
     affinity_slack_ms: float | None = Field(
         default=100.0,
         ge=0,
-        description="ms: a session key hashes over every site within this of the best "
-        "(None: every ranked site)",
+        description="ms: a session key hashes over every site within this of the best, a "
+        "prefix key over every site whose unloaded score is within this of the best unloaded "
+        "one (None: every ranked site)",
+    )
+    prefix_slack_ms: float = Field(
+        default=50.0,
+        ge=0,
+        description="ms: a prefix key stays on its home site while the home scores within "
+        "this of the best; past it the request spills (a prefix-cache hit saves part of a "
+        "prefill, not an unbounded queue)",
     )
     overflow: Overflow = Field(
         default=Overflow.queue,
@@ -154,6 +167,10 @@ class Route:
     @property
     def site(self) -> str | None:
         return None if self.choice is None else self.choice.site
+
+    def reasons(self) -> list[str]:
+        """Why this site, in words: which signal decided (routing.explain)."""
+        return explain(self.ranking, self.choice, overflow=self.overflow)
 
     def upstreams(self) -> list[tuple[str, str]]:
         """(site, base URL): the choice first, then the others best first."""
@@ -202,6 +219,7 @@ def route(
     in_flight: Mapping[str, int] | None = None,
     previous: str | None = None,
     session_key: str | None = None,
+    prefix_key: str | None = None,
 ) -> Route:
     """Route one request (module docstring). CandidateError on a repeated site."""
     if policy.scoring is not settings.scoring and policy.scoring != settings.scoring:
@@ -217,7 +235,9 @@ def route(
     else:
         cands = CandidateSet.of(merge_in_flight(candidates, in_flight, settings.in_flight))
     ranking = rank(service, client_region, cands, topology, policy, now)
-    sessioned = session_key is not None
+    if session_key is not None:
+        prefix_key = None  # the session's own affinity wins
+    sessioned = session_key is not None or prefix_key is not None
     choice = choose(
         ranking,
         rng=rng,
@@ -227,6 +247,8 @@ def route(
         near_best_ms=settings.near_best_ms,
         near_best_ratio=settings.near_best_ratio,
         affinity_slack_ms=settings.affinity_slack_ms,
+        prefix_key=prefix_key,
+        prefix_slack_ms=settings.prefix_slack_ms,
     )
     if choice is not None:
         return Route(ranking, choice, previous=previous if sessioned else choice.site)
@@ -243,6 +265,8 @@ def route(
         near_best_ms=0.0,
         near_best_ratio=0.0,
         affinity_slack_ms=settings.affinity_slack_ms,
+        prefix_key=prefix_key,
+        prefix_slack_ms=settings.prefix_slack_ms,
     )
     if choice is None:
         return Route(ranking, None, previous=previous)

@@ -10,7 +10,9 @@ Per request, in this order (docs/inference.md is the long form):
 4. candidates: `await pick(service, region, session_key)`, an ordered list of upstreams; the
    time it takes is `X-Cpn-Route-Ms`. Empty: 404 `unknown_service` when the service is not
    in `known_services()`, else 503 `no_capacity`. The session key is header `X-Cpn-Session`,
-   else cookie `cpn-session`.
+   else cookie `cpn-session`. With `prefix_chars` > 0 the proxy also computes the request's
+   prefix key (header `X-Cpn-Prefix-Key`, else the body's prompt or messages: routing.prefix)
+   and passes it as `pick(..., prefix_key=key)` when there is one.
 5. attempts: candidates in order, skipping ejected ones (OutlierDetector) and ones the active
    health checker calls unhealthy, at most `max_attempts`. None left -> 503 `no_capacity`.
    After a failed attempt the next candidate is tried when `may_retry` says so:
@@ -59,6 +61,7 @@ from aiohttp import web
 
 from routing.errors import ProxyError, UnknownRegion, UnknownService
 from routing.health import OutlierDetector
+from routing.prefix import PREFIX_HEADER, header_key, prefix_key
 from routing.ratelimit import TenantLimiter
 from routing.upstream import (
     UpstreamBroken,
@@ -130,7 +133,21 @@ class Upstream(NamedTuple):
     source_ip: str | None = None
 
 
-Pick = Callable[[str, str | None, str | None], Awaitable[Sequence[Upstream]]]
+class Pick(Protocol):
+    """(service, client region, session key) -> the upstreams, best first. `prefix_key` is
+    passed only by a proxy with prefix_chars > 0, and only when the request has one."""
+
+    def __call__(
+        self,
+        service: str,
+        region: str | None,
+        session_key: str | None,
+        /,
+        *,
+        prefix_key: str | None = None,
+    ) -> Awaitable[Sequence[Upstream]]: ...
+
+
 Observe = Callable[[str, str, float], None]
 """(client region, site that answered, seconds from arrival to the answer's end): called once
 per request that reached a site (the broker counts it: cpn_proxy_request_duration_seconds)."""
@@ -228,9 +245,11 @@ class InferenceProxy:
         active: HealthView | None = None,
         clock: Clock | None = None,
         observe: Observe | None = None,
+        prefix_chars: int = 0,
     ) -> None:
         """`pool` carries the upstream requests (a new one when None; `close()` closes it).
-        `session` is not used for them: it is accepted for callers that still pass one."""
+        `session` is not used for them: it is accepted for callers that still pass one.
+        `prefix_chars`: bytes of the prompt that make the prefix key (0: no prefix keys)."""
         if connect_timeout_s <= 0 or response_timeout_s <= 0:
             raise ValueError("connect_timeout_s and response_timeout_s must be > 0")
         if max_attempts < 1:
@@ -255,6 +274,7 @@ class InferenceProxy:
         self.active = active
         self.clock: Clock = clock or SystemClock()
         self.observe = observe
+        self.prefix_chars = prefix_chars
 
     async def close(self) -> None:
         """Close the upstream connections."""
@@ -293,10 +313,20 @@ class InferenceProxy:
         if isinstance(body, web.Response):
             return body
         session_key = request.headers.get(SESSION_HEADER) or request.cookies.get(SESSION_COOKIE)
+        session_key = session_key or None
+        prefix = None
+        if self.prefix_chars > 0:
+            given = request.headers.get(PREFIX_HEADER)
+            prefix = header_key(given) if given is not None else prefix_key(body, self.prefix_chars)
 
         started = self.clock.monotonic()
         try:
-            candidates = await self.pick(service, region, session_key or None)
+            if prefix is None:
+                candidates = await self.pick(service, region, session_key or None)
+            else:
+                candidates = await self.pick(
+                    service, region, session_key or None, prefix_key=prefix
+                )
         except UnknownRegion as exc:
             return _error(400, "unknown_region", str(exc), REGION_HEADER)
         except UnknownService as exc:

@@ -7,14 +7,24 @@ rank(service, client_region, candidates, topology, policy, now) -> Ranking
     Each candidate is checked in this order and excluded with the FIRST reason that applies:
     wrong_service, sovereignty (the client region's allowed_regions), tenant_policy, unhealthy
     (site down, endpoint unhealthy, report stale, ejected after failures, error rate at or above
-    eject_error_rate), full (in_flight + queue >= max_concurrency * (1 + queue_allowance)),
+    eject_error_rate), full (in_flight + queue >= max_concurrency * (1 + queue_allowance), or
+    the model server's signals older than signals_stale_after_s: they count as saturated),
     no_route (the topology has no path). The others are scored, in ms:
 
         network_ms = shortest-path RTT client region -> site (routing.topology)
         service_ms = L * (1 + w / c)        c = max_concurrency, L = endpoint latency_ms
                      w = max(0, in_flight + queue + 1 - c)
+        kv_ms      = L * kv_cache_weight * max(0, u - kv_cache_knee) / (1 - kv_cache_knee)
+                     u = the endpoint's kv_cache_usage (0 when it reports none)
         penalty_ms = error_rate * error_penalty_ms + (draining_penalty_ms if draining)
-        total_ms   = network_ms + service_ms + penalty_ms
+        total_ms   = network_ms + service_ms + kv_ms + penalty_ms
+
+    in_flight and queue are the model server's own running and waiting requests (the agent
+    scrapes vllm:num_requests_running / _waiting, or SGLang's), merged with the caller's
+    count (routing.policy). A saturated KV cache makes a new request wait for blocks to free
+    (or preempts a running one): kv_ms adds up to kv_cache_weight service times as the cache
+    fills past the knee. Stale signals count as saturated: held = the full cut-off and u = 1,
+    so such a site is excluded as full and serves only on overflow, when nothing fresher can.
 
     service_ms is an M/M/c-like FIFO estimate with the mean service time L: with a free slot the
     request is served in L; otherwise it waits for w departures, and c busy slots complete one
@@ -24,32 +34,14 @@ rank(service, client_region, candidates, topology, policy, now) -> Ranking
     them sends all traffic to the luckiest site); default_latency_ms while no endpoint of the
     model reports. Ranked ascending by total_ms, then site id.
 
-choose(ranking, rng=..., key=..., previous=..., <band, hysteresis, slack>) -> Choice | None
-    (the band, hysteresis and slack come from routing.policy.RoutingSettings, whose route() is
-    the whole gateway policy built on rank and choose: in-flight merge, hysteresis state,
-    overflow.)
-    near-best pool: ranked candidates with total_ms <= best + max(near_best_ms,
-    near_best_ratio * best). A site outside it is never chosen.
-    - key given (session affinity): rendezvous (HRW) hashing of the key over the AFFINITY pool,
-      every ranked candidate with total_ms <= best + affinity_slack_ms (None: all of them), i.e.
-      every acceptable site, not only the near-best. Each (key, site) gets a fixed pseudo-random
-      weight (blake2b) and the heaviest site wins, so adding or removing a site moves only the
-      keys that hash to that site; load changes inside the slack move none. If `previous` (the
-      site the session is on) is in the pool it is kept, so a session that moved during an
-      outage does not move back.
-    - else previous given (hysteresis): keep it while its total_ms <= best + hysteresis_ms.
-    - else power of two choices: draw two distinct sites of the near-best pool and take the less
-      loaded ((in_flight + queue) / max_concurrency, then total_ms; on a tie the first drawn), so
-      equal sites share the load instead of herding to the lowest score, and score noise inside
-      the pool changes nothing.
+choose(ranking, ...) -> Choice | None: routing.choice (p2c, hysteresis, session and prefix
+    affinity); re-exported here.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
 import math
-import random
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -58,7 +50,8 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.errors import CandidateError, InvalidParameter
+from routing.choice import Choice, ChoiceMode, choose, hrw_weight
+from routing.errors import CandidateError
 from sites.status import ServiceEndpoint, SiteState
 
 __all__ = [
@@ -128,6 +121,25 @@ class ScoringSettings(_Frozen):
         gt=0,
         description="an endpoint report older than this is unhealthy (agents publish every ~5 s)",
     )
+    signals_stale_after_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="s: model-server signals older than this count as saturated (agents read "
+        "them twice per publish interval; three intervals missed is not noise)",
+    )
+    kv_cache_knee: float = Field(
+        default=0.8,
+        ge=0,
+        lt=1,
+        description="KV-cache usage below this costs nothing: a server preempts or holds "
+        "requests back only when the cache is nearly full",
+    )
+    kv_cache_weight: float = Field(
+        default=1.0,
+        ge=0,
+        description="service times added at 100 % KV-cache usage (linear from the knee): a "
+        "new request waits about one request's run for blocks to free",
+    )
 
 
 class TenantPolicy(_Frozen):
@@ -155,6 +167,12 @@ class Exclusion(enum.StrEnum):
     unhealthy = "unhealthy"
     full = "full"
     no_route = "no_route"
+
+
+def signals_stale(endpoint: ServiceEndpoint, settings: ScoringSettings, now: float) -> bool:
+    """The endpoint's model-server signals are older than settings.signals_stale_after_s."""
+    at = endpoint.signals_at
+    return at is not None and now - at > settings.signals_stale_after_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,10 +239,19 @@ class Score:
     network_ms: float
     service_ms: float
     penalty_ms: float
+    kv_ms: float = 0.0  # the KV cache's saturation
+    wait_ms: float = 0.0  # the part of service_ms spent waiting for a slot (not added again)
     total_ms: float = field(init=False)  # the sum, stored: sorting and choosing read it often
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "total_ms", self.network_ms + self.service_ms + self.penalty_ms)
+        object.__setattr__(
+            self, "total_ms", self.network_ms + self.service_ms + self.penalty_ms + self.kv_ms
+        )
+
+    @property
+    def idle_ms(self) -> float:
+        """What the site would score unloaded: total_ms less the queue's and the KV cache's."""
+        return self.total_ms - self.wait_ms - self.kv_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,21 +291,6 @@ class Ranking:
 
     def reasons(self) -> dict[str, Exclusion]:
         return {e.site: e.reason for e in self.excluded}
-
-
-class ChoiceMode(enum.StrEnum):
-    single = "single"  # one near-best candidate
-    p2c = "p2c"  # power of two choices in the near-best pool
-    sticky = "sticky"  # kept the previous site (hysteresis, or the session's current site)
-    affinity = "affinity"  # rendezvous hashing of the session key
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    site: str
-    scored: Scored
-    mode: ChoiceMode
-    pool: tuple[str, ...]  # the sites it was chosen among
 
 
 def expected_service_ms(
@@ -414,8 +426,14 @@ def _health_exclusion(cand: Candidate, settings: ScoringSettings, now: float) ->
     return None
 
 
-def _full(cand: Candidate, settings: ScoringSettings) -> str | None:
+def _full(cand: Candidate, settings: ScoringSettings, now: float) -> str | None:
     limit = cand.endpoint.max_concurrency * (1 + settings.queue_allowance)
+    if signals_stale(cand.endpoint, settings, now):
+        age = now - (cand.endpoint.signals_at or now)
+        return (
+            f"model-server signals are {age:.0f} s old (stale after "
+            f"{settings.signals_stale_after_s:g} s): counted as saturated"
+        )
     if cand.in_flight + cand.queue >= limit:
         return (
             f"{cand.in_flight} in flight + {cand.queue} queued >= {limit:g} "
@@ -454,6 +472,9 @@ def rank(
     error_penalty_ms = settings.error_penalty_ms
     draining_penalty_ms = settings.draining_penalty_ms
     default_latency_ms = settings.default_latency_ms if default_ms is None else default_ms
+    signals_stale_after_s = settings.signals_stale_after_s
+    knee = settings.kv_cache_knee
+    kv_scale = settings.kv_cache_weight / (1 - knee)
     rtts = topology.rtt_table(client_region)
     down, cordoned = SiteState.down, SiteState.cordoned
     ranked: list[Scored] = []
@@ -468,6 +489,11 @@ def rank(
         network = rtts.get(site)
         held = cand.in_flight + cand.queue
         slots = ep.max_concurrency
+        usage = ep.kv_cache_usage
+        signals_at = ep.signals_at
+        if signals_at is not None and now - signals_at > signals_stale_after_s:
+            held = max(held, math.ceil(slots * allowance))  # stale: counted as saturated
+            usage = 1.0
         if (
             screened
             or network is None
@@ -492,7 +518,9 @@ def rank(
             latency = ep.latency_ms
             if latency is None:
                 latency = default_latency_ms
-        ranked.append(Scored(cand, Score(network, _service_ms(latency, slots, held), penalty)))
+        served_ms = _service_ms(latency, slots, held)
+        kv = latency * kv_scale * (usage - knee) if usage is not None and usage > knee else 0.0
+        ranked.append(Scored(cand, Score(network, served_ms, penalty, kv, served_ms - latency)))
     ranked.sort(key=_rank_key)
     excluded.sort(key=_site_key)
     return Ranking(
@@ -526,7 +554,7 @@ def _exclusion(
     unhealthy = _health_exclusion(cand, policy.scoring, now)
     if unhealthy is not None:
         return Exclusion.unhealthy, unhealthy
-    full = None if admit_full else _full(cand, policy.scoring)
+    full = None if admit_full else _full(cand, policy.scoring, now)
     if full is not None:
         return Exclusion.full, full
     if network_ms is None:
@@ -535,72 +563,3 @@ def _exclusion(
 
 
 _NO_ROUTE = (Exclusion.no_route, "no path")
-
-
-def hrw_weight(key: str, site: str) -> int:
-    """The rendezvous weight of (key, site): stable across processes and releases."""
-    digest = hashlib.blake2b(f"{key}\x00{site}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def choose(
-    ranking: Ranking,
-    *,
-    rng: random.Random,
-    key: str | None = None,
-    previous: str | None = None,
-    hysteresis_ms: float,
-    near_best_ms: float,
-    near_best_ratio: float,
-    affinity_slack_ms: float | None,
-) -> Choice | None:
-    """Pick a site from the ranking (module docstring); None when nothing is ranked.
-
-    The band, hysteresis and slack have no defaults here: routing.policy.RoutingSettings holds
-    the one set the gateway and the simulator use. InvalidParameter names a bad one."""
-    slack = 0.0 if affinity_slack_ms is None else affinity_slack_ms
-    # one chained test per call (a NaN fails every comparison); the loop only to name the field
-    if not (
-        0 <= hysteresis_ms < math.inf
-        and 0 <= near_best_ms < math.inf
-        and 0 <= near_best_ratio < math.inf
-        and 0 <= slack < math.inf
-    ):
-        for name, value in (
-            ("hysteresis_ms", hysteresis_ms),
-            ("near_best_ms", near_best_ms),
-            ("near_best_ratio", near_best_ratio),
-            ("affinity_slack_ms", slack),
-        ):
-            if not (math.isfinite(value) and value >= 0):
-                raise InvalidParameter(
-                    f"{name} must be a finite number >= 0, got {value}", field=name
-                )
-    best = ranking.best
-    if best is None:
-        return None
-    if key is not None:
-        limit = math.inf if affinity_slack_ms is None else best.total_ms + affinity_slack_ms
-        pool = [s for s in ranking.ranked if s.total_ms <= limit]
-        sites = tuple(s.site for s in pool)
-        kept = next((s for s in pool if s.site == previous), None)
-        if kept is not None:
-            return Choice(kept.site, kept, ChoiceMode.sticky, sites)
-        winner = max(pool, key=lambda s: (hrw_weight(key, s.site), s.site))
-        return Choice(winner.site, winner, ChoiceMode.affinity, sites)
-    if previous is not None:
-        prev = ranking.get(previous)
-        if prev is not None and prev.total_ms <= best.total_ms + hysteresis_ms:
-            return Choice(prev.site, prev, ChoiceMode.sticky, (prev.site,))
-    band = max(near_best_ms, near_best_ratio * best.total_ms)
-    near = [s for s in ranking.ranked if s.total_ms <= best.total_ms + band]
-    sites = tuple(s.site for s in near)
-    if len(near) == 1:
-        return Choice(best.site, best, ChoiceMode.single, sites)
-    first, second = rng.sample(near, 2)
-    pick = second if _lighter(second, first) else first
-    return Choice(pick.site, pick, ChoiceMode.p2c, sites)
-
-
-def _lighter(a: Scored, b: Scored) -> bool:
-    return (a.candidate.load, a.total_ms) < (b.candidate.load, b.total_ms)

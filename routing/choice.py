@@ -1,0 +1,159 @@
+"""Choosing one site from a ranking (routing.selection.rank): p2c, hysteresis, affinity. Pure.
+
+choose(ranking, rng=..., key=..., previous=..., <band, hysteresis, slack>) -> Choice | None
+(the band, hysteresis and slack come from routing.policy.RoutingSettings, whose route() is
+the whole gateway policy built on rank and choose: in-flight merge, hysteresis state,
+overflow.)
+near-best pool: ranked candidates with total_ms <= best + max(near_best_ms,
+near_best_ratio * best). A site outside it is never chosen.
+- key given (session affinity): rendezvous (HRW) hashing of the key over the AFFINITY pool,
+  every ranked candidate with total_ms <= best + affinity_slack_ms (None: all of them), i.e.
+  every acceptable site, not only the near-best. Each (key, site) gets a fixed pseudo-random
+  weight (blake2b) and the heaviest site wins, so adding or removing a site moves only the
+  keys that hash to that site; load changes inside the slack move none. If `previous` (the
+  site the session is on) is in the pool it is kept, so a session that moved during an
+  outage does not move back.
+- else prefix_key given (prefix-cache affinity): the key's home is the rendezvous winner
+  among the PREFIX pool, every ranked candidate whose idle score (total_ms less its wait
+  and kv_ms: what it would score unloaded) is within affinity_slack_ms of the best idle
+  score, a set that load does not change. The home is chosen (mode prefix) while its
+  total_ms <= best + prefix_slack_ms, i.e. while its load allows; else the request spills
+  to the ordinary choice below, without hysteresis, and the Choice names the home.
+- else previous given (hysteresis): keep it while its total_ms <= best + hysteresis_ms.
+- else power of two choices: draw two distinct sites of the near-best pool and take the less
+  loaded ((in_flight + queue) / max_concurrency, then total_ms; on a tie the first drawn), so
+  equal sites share the load instead of herding to the lowest score, and score noise inside
+  the pool changes nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from routing.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from routing.selection import Ranking, Scored
+
+__all__ = ["Choice", "ChoiceMode", "choose", "hrw_weight"]
+
+
+class ChoiceMode(enum.StrEnum):
+    single = "single"  # one near-best candidate
+    p2c = "p2c"  # power of two choices in the near-best pool
+    sticky = "sticky"  # kept the previous site (hysteresis, or the session's current site)
+    affinity = "affinity"  # rendezvous hashing of the session key
+    prefix = "prefix"  # rendezvous hashing of the prefix key: the prefix's home site
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    site: str
+    scored: Scored
+    mode: ChoiceMode
+    pool: tuple[str, ...]  # the sites it was chosen among
+    home: str | None = None  # a prefix-keyed request that spilled: its home site
+
+
+def hrw_weight(key: str, site: str) -> int:
+    """The rendezvous weight of (key, site): stable across processes and releases."""
+    digest = hashlib.blake2b(f"{key}\x00{site}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def choose(
+    ranking: Ranking,
+    *,
+    rng: random.Random,
+    key: str | None = None,
+    previous: str | None = None,
+    hysteresis_ms: float,
+    near_best_ms: float,
+    near_best_ratio: float,
+    affinity_slack_ms: float | None,
+    prefix_key: str | None = None,
+    prefix_slack_ms: float = 0.0,
+) -> Choice | None:
+    """Pick a site from the ranking (module docstring); None when nothing is ranked.
+
+    The band, hysteresis and slacks have no defaults here: routing.policy.RoutingSettings holds
+    the one set the gateway and the simulator use (prefix_slack_ms matters only with a
+    prefix_key). InvalidParameter names a bad one."""
+    if prefix_key is not None and not (0 <= prefix_slack_ms < math.inf):
+        raise InvalidParameter(
+            f"prefix_slack_ms must be a finite number >= 0, got {prefix_slack_ms}",
+            field="prefix_slack_ms",
+        )
+    slack = 0.0 if affinity_slack_ms is None else affinity_slack_ms
+    # one chained test per call (a NaN fails every comparison); the loop only to name the field
+    if not (
+        0 <= hysteresis_ms < math.inf
+        and 0 <= near_best_ms < math.inf
+        and 0 <= near_best_ratio < math.inf
+        and 0 <= slack < math.inf
+    ):
+        for name, value in (
+            ("hysteresis_ms", hysteresis_ms),
+            ("near_best_ms", near_best_ms),
+            ("near_best_ratio", near_best_ratio),
+            ("affinity_slack_ms", slack),
+        ):
+            if not (math.isfinite(value) and value >= 0):
+                raise InvalidParameter(
+                    f"{name} must be a finite number >= 0, got {value}", field=name
+                )
+    best = ranking.best
+    if best is None:
+        return None
+    if key is not None:
+        limit = math.inf if affinity_slack_ms is None else best.total_ms + affinity_slack_ms
+        pool = [s for s in ranking.ranked if s.total_ms <= limit]
+        sites = tuple(s.site for s in pool)
+        kept = next((s for s in pool if s.site == previous), None)
+        if kept is not None:
+            return Choice(kept.site, kept, ChoiceMode.sticky, sites)
+        winner = max(pool, key=lambda s: (hrw_weight(key, s.site), s.site))
+        return Choice(winner.site, winner, ChoiceMode.affinity, sites)
+    home: Scored | None = None
+    if prefix_key is not None:
+        home, sites = _prefix_home(ranking.ranked, prefix_key, affinity_slack_ms)
+        if home.total_ms <= best.total_ms + prefix_slack_ms:
+            return Choice(home.site, home, ChoiceMode.prefix, sites)
+        previous = None  # a spill is an ordinary choice, without hysteresis
+    if previous is not None:
+        prev = ranking.get(previous)
+        if prev is not None and prev.total_ms <= best.total_ms + hysteresis_ms:
+            return Choice(prev.site, prev, ChoiceMode.sticky, (prev.site,))
+    band = max(near_best_ms, near_best_ratio * best.total_ms)
+    near = [s for s in ranking.ranked if s.total_ms <= best.total_ms + band]
+    sites = tuple(s.site for s in near)
+    spilled = None if home is None else home.site
+    if len(near) == 1:
+        return Choice(best.site, best, ChoiceMode.single, sites, spilled)
+    first, second = rng.sample(near, 2)
+    pick = second if _lighter(second, first) else first
+    return Choice(pick.site, pick, ChoiceMode.p2c, sites, spilled)
+
+
+def _prefix_home(
+    ranked: Sequence[Scored], key: str, slack_ms: float | None
+) -> tuple[Scored, tuple[str, ...]]:
+    """The prefix key's home: the rendezvous winner of the sites whose idle score is within
+    slack_ms of the best idle score (None: every ranked site); and that pool."""
+    if slack_ms is None:
+        pool = list(ranked)
+    else:
+        limit = min(s.score.idle_ms for s in ranked) + slack_ms
+        pool = [s for s in ranked if s.score.idle_ms <= limit]
+    home = max(pool, key=lambda s: (hrw_weight(key, s.site), s.site))
+    return home, tuple(s.site for s in pool)
+
+
+def _lighter(a: Scored, b: Scored) -> bool:
+    return (a.candidate.load, a.total_ms) < (b.candidate.load, b.total_ms)
