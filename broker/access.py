@@ -80,6 +80,11 @@ ACCESS: dict[tuple[str, str], Permission] = {
     ("GET", "/v1/workflows/{workflow}"): P.jobs_read,
     ("POST", "/v1/workflows/{workflow}/cancel"): P.jobs_act,
     ("POST", "/v1/workflows/{workflow}/retry"): P.jobs_act,
+    # a managed service's replicas are its tenant's jobs: the jobs permissions
+    ("PUT", "/v1/services/{name}"): P.jobs_submit,
+    ("GET", "/v1/services"): P.jobs_read,
+    ("GET", "/v1/services/{name}"): P.jobs_read,
+    ("DELETE", "/v1/services/{name}"): P.jobs_act,
     ("GET", "/v1/sites"): P.sites_read,
     ("POST", "/v1/route"): P.route,
     ("*", "/v1/infer/{service}/{path}"): P.route,

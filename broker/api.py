@@ -56,6 +56,7 @@ from broker.jobs import JobRecord, JobSpec, JobState
 from broker.openapi import OPERATIONS, Operation, Param, Reply, document, register
 from broker.router import Router, route_json
 from broker.service import Broker
+from broker.service_api import service_operations
 from broker.tenant_api import tenant_operations
 from broker.usage_api import usage_operations
 from broker.workflow_api import workflow_operations
@@ -622,6 +623,7 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
     operations = [
         *job_operations(),
         *workflow_operations(),
+        *service_operations(),
         *access_operations(),
         *usage_operations(),
         *tenant_operations(),

@@ -794,6 +794,7 @@ def _placement(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: float)
             and spec.checkpoint_path is not None,
             duration_s=spec.duration_hours * 3600,
             assigned_at=now,
+            serve=record.replica.serve if record.replica is not None else None,
         )
         kind = "placed" if record.attempt == 0 else "re-placed"
         placement = decision.placement()

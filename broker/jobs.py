@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from broker.errors import IllegalTransition
-from sites.assignments import NodeShare
+from sites.assignments import NodeShare, Serve
 from sites.catalog import mig_model, shared_model
 from sites.spec import MAX_TIME_SLICES
 
@@ -400,6 +400,16 @@ class StepLink(Frozen):
     )
 
 
+class ReplicaOf(Frozen):
+    """A job that is a replica of a managed inference service (broker.services, broker.replicas):
+    what its assignment tells the agent (sites.assignments.Serve) and the client region it was
+    placed for."""
+
+    service: str
+    region: str = Field(description="the client region it is for ('*': none in particular)")
+    serve: Serve
+
+
 class JobRecord(Frozen):
     id: str
     spec: JobSpec
@@ -420,6 +430,9 @@ class JobRecord(Frozen):
     events: tuple[Event, ...] = ()
     workflow: StepLink | None = Field(
         default=None, description="the workflow step this job is (broker.workflows)"
+    )
+    replica: ReplicaOf | None = Field(
+        default=None, description="the managed service this job is a replica of"
     )
 
     def with_event(self, event: Event, **changes: object) -> JobRecord:

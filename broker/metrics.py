@@ -132,6 +132,12 @@ class BrokerMetrics:
             "Batch passes skipped because the pending jobs did not make a valid plan problem",
             registry=r,
         )
+        self.service_errors = Counter(
+            "cpn_broker_service_errors_total",
+            "Replica reconciler passes that failed for one managed service (broker.replicas)",
+            ["service"],
+            registry=r,
+        )
         self.healthy = Gauge(
             "cpn_broker_healthy", "1 unless a supervised task crashed recently", registry=r
         )

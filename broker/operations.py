@@ -69,6 +69,7 @@ class Operations:
         self.store = store
         self._models = catalog_models
         self._user_regions = user_regions
+        self.user_regions = user_regions  # the client regions a job's user.region may name
         self.clock = clock
         self.metrics = metrics
         self._view = view

@@ -7,6 +7,7 @@ scheduler, each in its own module:
     broker.decisions   decide(view, now) -> actions (pure)
     broker.actions     the actor: each action one guarded etcd transaction
     broker.history     job pages, archive and expiry, etcd compaction (the leader's upkeep)
+    broker.replicas    managed services' replicas kept at their desired count (the leader's)
 
 Every long-lived task runs under a sites.tasks.Supervisor: a crash is logged with its
 traceback, counted (cpn_broker_task_crashes_total), turns /healthz unhealthy, and the task is
@@ -36,6 +37,8 @@ from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
 from broker.operations import Operations
 from broker.preemption import PREEMPT_RETRY_S
+from broker.replicas import ReplicaReconciler
+from broker.service_ops import Services
 from broker.settings import BrokerSettings
 from broker.solver import solve
 from broker.store import JobStore
@@ -122,6 +125,20 @@ class Broker:
         self.workflows = Workflows(
             registry=registry, operations=self.operations, clock=self.clock, kick=self._kick
         )
+        # managed inference services (docs/services.md): the API side in any replica, the
+        # replica reconciler in the leader
+        self.services = Services(
+            registry=registry, operations=self.operations, clock=self.clock, view=self.view
+        )
+        self.replicas = ReplicaReconciler(
+            registry=registry,
+            operations=self.operations,
+            leadership=self.leadership,
+            clock=self.clock,
+            view=self.view,
+            kick=self._kick,
+            on_error=lambda service: self.metrics.service_errors.labels(service).inc(),
+        )
         self.history = HistoryKeeper(
             registry=registry,
             leadership=self.leadership,
@@ -173,6 +190,7 @@ class Broker:
         self.supervisor.spawn("leader election", self.leadership.run, restart=RESTART)
         self.supervisor.spawn("scheduler", self._schedule_loop, restart=RESTART)
         self.supervisor.spawn("history", self.history.run, restart=RESTART)
+        self.supervisor.spawn("replicas", self.replicas.run, restart=RESTART)
         self.supervisor.spawn("alerts", self.alerts.mirror.run, restart=RESTART)
         if self.settings.alerts.enabled:
             self.supervisor.spawn("alert rules", self.alerts.run_evaluation, restart=RESTART)

@@ -36,9 +36,9 @@ import shlex
 from collections.abc import Mapping
 from typing import Annotated
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
-from broker.jobs import ENV_NAME_RE, Frozen, GpuRequest, Name, TenantInput
+from broker.jobs import ENV_NAME_RE, CommandInput, Frozen, GpuRequest, Name, TenantInput
 
 __all__ = [
     "ANY_REGION",
@@ -152,11 +152,14 @@ class ServiceSpec(TenantInput):
         default=30.0, ge=0, le=3_600, description="how long a stopping replica may finish"
     )
 
-    @field_validator("command", mode="before")
+    @field_validator("command", mode="before", json_schema_input_type=CommandInput)
     @classmethod
     def _split_shell(cls, value: object) -> object:
+        # a shell string is split; a list becomes the tuple strict validation wants
         if isinstance(value, str):
             return tuple(shlex.split(value))
+        if isinstance(value, list):
+            return tuple(value)
         return value
 
     @field_validator("env")
@@ -169,13 +172,14 @@ class ServiceSpec(TenantInput):
                 raise ValueError(f"{key!r}: CPN_ variables are set by cpn")
         return env
 
-    @model_validator(mode="after")
-    def _replicas(self) -> ServiceSpec:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas ({self.min_replicas}) is above max_replicas ({self.max_replicas})"
-            )
-        return self
+    @field_validator("max_replicas")
+    @classmethod
+    def _replicas(cls, most: int, info: ValidationInfo) -> int:
+        # a field validator, not a model one, so that the error names max_replicas
+        least = info.data.get("min_replicas")
+        if isinstance(least, int) and least > most:
+            raise ValueError(f"max_replicas ({most}) is below min_replicas ({least})")
+        return most
 
 
 class ScalingDecision(Frozen):
@@ -224,6 +228,9 @@ class ServiceRecord(Frozen):
     events: tuple[ScalingEvent, ...] = ()
     failures: int = Field(default=0, ge=0, description="replicas ended in a row by failure")
     not_before: float = Field(default=0.0, description="no new replica before (backoff)")
+    deleted_at: float | None = Field(
+        default=None, description="deleted: its replicas drain and stop, then the record goes"
+    )
 
     def with_events(self, *events: ScalingEvent, **changes: object) -> ServiceRecord:
         kept = (*self.events, *events)[-MAX_SERVICE_EVENTS:]

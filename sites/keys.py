@@ -31,6 +31,8 @@
 /cpn/v1/alerts-outbox/<us>/<webhook>/<id>    Notification     leader, with the state change
 /cpn/v1/service-specs/<svc>      ServiceRecord                 broker: `cpn service apply`, and
                                                                the leader's replica reconciler
+/cpn/v1/index/services/<svc>     ServiceSummary                broker, with the service record
+/cpn/v1/index/tenants/<tenant>/services/<svc>     ServiceSummary  broker, with it too
 /cpn/v1/scaling/<svc>            ScalingDecision               leader's autoscaler: replicas
                                                                per client region (broker.services)
 
@@ -272,3 +274,20 @@ def scaling(name: str) -> str:
     """/cpn/v1/scaling/<svc>: the autoscaler's last decision for the service
     (broker.services.ScalingDecision), which the replica reconciler carries out."""
     return f"{SCALING}{name}"
+
+
+SERVICE_INDEX = ROOT + "index/services/"
+
+
+def service_index(name: str) -> str:
+    """A managed service's entry in the index of every service, by name."""
+    return f"{SERVICE_INDEX}{name}"
+
+
+def tenant_services(tenant: str) -> str:
+    """The prefix of one tenant's index of managed services: its list reads only its own."""
+    return f"{TENANT_INDEX}{tenant}/services/"
+
+
+def tenant_service(tenant: str, name: str) -> str:
+    return f"{tenant_services(tenant)}{name}"

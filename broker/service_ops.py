@@ -1,0 +1,466 @@
+"""What any broker replica does for a managed-service call: apply, list, describe, delete.
+
+A service is one record at /cpn/v1/service-specs/<svc> (broker.services.ServiceRecord) with an
+entry in its tenant's index (/cpn/v1/index/tenants/<tenant>/services/<svc>) and the all-tenants
+one (/cpn/v1/index/services/<svc>), written in one transaction guarded on the record's
+mod_revision. Replicas are the leader's business (broker.replicas): apply and delete change
+the record only, and the reconciler converges on it. Describe reads the record, its replicas'
+jobs (one batched read) and the endpoints the broker's view holds.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from broker.audit_intent import audit_puts, committed
+from broker.errors import Conflict, InvalidRequest, NotFound, StaleRecord
+from broker.jobs import Group, JobRecord, JobSpec, JobState, UserLocation
+from broker.operations import Operations
+from broker.services import (
+    ANY_REGION,
+    ScalingDecision,
+    ScalingEvent,
+    ServiceRecord,
+    ServiceSpec,
+    desired_replicas,
+    spread_group,
+)
+from broker.store import decode
+from broker.view import View
+from sites import keys
+from sites.assignments import Serve
+from sites.clock import Clock
+from sites.registry import Guard, Registry
+from sites.status import ServiceEndpoint
+
+__all__ = [
+    "REPLICA_DURATION_HOURS",
+    "REPLICA_LATENCY_WEIGHT",
+    "ReplicaState",
+    "ReplicaView",
+    "ServiceSummary",
+    "ServiceView",
+    "Services",
+    "replica_spec",
+    "serve_of",
+]
+
+MAX_TRIES = 20
+REPLICA_DURATION_HOURS = 24.0  # a replica runs until it is scaled away; placement prices a day
+# USD per ms of RTT toward the client region a replica is for: a day of a GPU costs tens of
+# USD, so a few ms nearer outweighs a cheaper site farther away (within the SLO's max RTT)
+REPLICA_LATENCY_WEIGHT = 1.0
+# which field of the replica's job spec is which field of the service file (admit's errors)
+_FIELDS = {"allowed_regions": "regions", "user.region": "clients", "user": "clients"}
+
+
+class ReplicaState(enum.StrEnum):
+    """A replica as describe shows it (docs/services.md)."""
+
+    pending = "pending"  # not placed yet (its job's reason says why)
+    starting = "starting"  # placed or running, not ready yet
+    ready = "ready"  # its endpoint is published and routed to
+    draining = "draining"  # taken out of routing, finishing what it has in flight
+    suspended = "suspended"
+
+
+class ServiceSummary(BaseModel):
+    """A service's index entry, as `cpn services` lists it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    name: str
+    tenant: str
+    model: str
+    min_replicas: int
+    max_replicas: int
+    created_at: float
+    deleting: bool = False
+
+
+class ServiceItem(ServiceSummary):
+    ready: int = Field(description="replicas routed to now (this broker's view)")
+
+
+class ReplicaView(BaseModel):
+    job: str
+    region: str = Field(description="the client region it was placed for ('*': any)")
+    state: ReplicaState
+    job_state: JobState | None
+    site: str | None
+    url: str | None
+    reason: str | None = Field(description="why it is pending, or its last event")
+
+
+class RegionCount(BaseModel):
+    region: str
+    desired: int
+    actual: int = Field(description="replicas not finished (pending, starting, ready)")
+    ready: int
+
+
+class ServiceView(BaseModel):
+    """GET /v1/services/{name}: the spec, desired and actual replicas per client region,
+    each replica, the autoscaler's last decision and the last scaling events."""
+
+    name: str
+    tenant: str
+    model: str
+    generation: int
+    created_at: float
+    updated_at: float
+    deleting: bool
+    spec: ServiceSpec
+    regions: list[RegionCount]
+    replicas: list[ReplicaView]
+    decision: ScalingDecision | None
+    events: list[ScalingEvent]
+
+
+class ServiceList(BaseModel):
+    """GET /v1/services: a page by name; `continue` asks for the next one."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True)
+
+    items: list[ServiceItem]
+    continue_: str | None = Field(alias="continue")
+
+
+def summary_of(record: ServiceRecord) -> ServiceSummary:
+    spec = record.spec
+    return ServiceSummary(
+        name=spec.name,
+        tenant=spec.tenant,
+        model=spec.model,
+        min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas,
+        created_at=record.created_at,
+        deleting=record.deleted_at is not None,
+    )
+
+
+def serve_of(spec: ServiceSpec) -> Serve:
+    """What a replica's assignment tells the agent."""
+    ready = spec.readiness
+    return Serve(
+        service=spec.name,
+        model=spec.model,
+        port=spec.port,
+        max_concurrency=spec.scaling.max_concurrency,
+        readiness_path=ready.path,
+        readiness_period_s=ready.period_s,
+        readiness_initial_delay_s=ready.initial_delay_s,
+        readiness_timeout_s=ready.timeout_s,
+        drain_timeout_s=spec.drain_timeout_s,
+    )
+
+
+def replica_spec(spec: ServiceSpec, region: str) -> JobSpec:
+    """The job of one replica for client region `region` (ANY_REGION: none): the service's
+    resources and command, at most one per site (spread group), within the SLO's RTT of the
+    region and nearer preferred."""
+    user = None
+    weight = 0.0
+    if region != ANY_REGION:
+        user = UserLocation(region=region, max_latency_ms=spec.slo.for_region(region))
+        weight = REPLICA_LATENCY_WEIGHT
+    return JobSpec(
+        name=spec.name,
+        tenant=spec.tenant,
+        gpu=spec.gpu,
+        cpu=spec.cpu,
+        mem_gb=spec.mem_gb,
+        duration_hours=REPLICA_DURATION_HOURS,
+        user=user,
+        latency_weight=weight,
+        allowed_regions=spec.regions,
+        group=Group(name=spread_group(spec.name), kind="spread"),
+        command=spec.command,
+        env=spec.env,
+    )
+
+
+def record_puts(record: ServiceRecord) -> dict[str, bytes]:
+    spec = record.spec
+    entry = summary_of(record).model_dump_json().encode()
+    return {
+        keys.service_spec(spec.name): record.model_dump_json().encode(),
+        keys.service_index(spec.name): entry,
+        keys.tenant_service(spec.tenant, spec.name): entry,
+    }
+
+
+def record_deletes(record: ServiceRecord) -> list[str]:
+    spec = record.spec
+    return [
+        keys.service_spec(spec.name),
+        keys.service_index(spec.name),
+        keys.tenant_service(spec.tenant, spec.name),
+        keys.scaling(spec.name),
+    ]
+
+
+def endpoints_of(view: View, service: str) -> dict[str, ServiceEndpoint]:
+    """The service's published endpoints by site."""
+    return {site: ep for (svc, site), ep in view.sites.services.items() if svc == service}
+
+
+def ready_endpoint(ep: ServiceEndpoint | None, job: str) -> bool:
+    return ep is not None and ep.job == job and ep.healthy and not ep.draining
+
+
+class Services:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        operations: Operations,
+        clock: Clock,
+        view: Callable[[], View],
+    ) -> None:
+        self.registry = registry
+        self.operations = operations
+        self.clock = clock
+        self._view = view
+
+    # -- apply ------------------------------------------------------------------------------
+
+    def check(self, spec: ServiceSpec) -> None:
+        """What the file must satisfy beyond its own model, each naming its field: known client
+        regions and regions, devices the catalog has, a replica that can fit somewhere."""
+        known = self.operations.user_regions
+        for i, region in enumerate(spec.clients):
+            if region not in known:
+                raise InvalidRequest(
+                    f"unknown client region {region!r} (known: {', '.join(sorted(known))})",
+                    field=f"clients[{i}]",
+                )
+        for region in spec.slo.regions:
+            if region not in known:
+                raise InvalidRequest(
+                    f"unknown client region {region!r} (known: {', '.join(sorted(known))})",
+                    field=f"slo.regions.{region}",
+                )
+        for site_id, site_spec in self._view().sites.specs.items():
+            if any(s.name == spec.name for s in site_spec.services):
+                raise Conflict(
+                    f"site {site_id} declares a service {spec.name!r} in its site file",
+                    field="name",
+                )
+        regions = [*spec.clients] or [ANY_REGION]
+        for region in regions:
+            try:
+                self.operations.admit(replica_spec(spec, region))
+            except InvalidRequest as exc:
+                field = _FIELDS.get(exc.field or "", exc.field)
+                if field is not None and field.startswith("allowed_regions["):
+                    field = "regions" + field.removeprefix("allowed_regions")
+                raise InvalidRequest(exc.message, field=field, code=exc.code) from None
+
+    async def apply(self, spec: ServiceSpec) -> tuple[ServiceView, bool]:
+        """Create or update the service; (its view, whether it was created)."""
+        self.check(spec)
+        key = keys.service_spec(spec.name)
+        for _ in range(MAX_TRIES):
+            now = self.clock.time()
+            got = await self.registry.get_raw(key)
+            if got is None:
+                record = ServiceRecord(
+                    spec=spec,
+                    created_at=now,
+                    updated_at=now,
+                    events=(
+                        ScalingEvent(at=now, type="applied", message=f"created by {spec.tenant}"),
+                    ),
+                )
+                guard = Guard(key, mod_revision=0)
+            else:
+                old = ServiceRecord.model_validate_json(got[0])
+                guard = Guard(key, mod_revision=got[1])
+                if old.spec.tenant != spec.tenant:
+                    raise Conflict(
+                        f"service {spec.name!r} exists (another tenant's): names are global",
+                        field="name",
+                        code="exists",
+                    )
+                if old.deleted_at is not None:
+                    raise Conflict(
+                        f"service {spec.name!r} is being deleted; apply it again once it is gone",
+                        field="name",
+                    )
+                if old.spec == spec:
+                    return await self.get(spec.name), False
+                record = old.with_events(
+                    ScalingEvent(
+                        at=now, type="applied", message=f"generation {old.generation + 1}"
+                    ),
+                    spec=spec,
+                    generation=old.generation + 1,
+                    updated_at=now,
+                    not_before=0.0,
+                    failures=0,
+                )
+            puts = {**record_puts(record), **audit_puts(spec.tenant, spec.name)}
+            if await self.registry.commit(guards=[guard], puts=puts):
+                committed()
+                return await self.get(spec.name), got is None
+        raise StaleRecord(f"service {spec.name!r} kept changing; gave up")
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def record(self, name: str) -> tuple[ServiceRecord, int]:
+        got = await self.registry.get_raw(keys.service_spec(name))
+        if got is None:
+            raise NotFound(f"no service {name!r}")
+        return ServiceRecord.model_validate_json(got[0]), got[1]
+
+    async def decision(self, name: str) -> ScalingDecision | None:
+        got = await self.registry.get_raw(keys.scaling(name))
+        if got is None:
+            return None
+        try:
+            return ScalingDecision.model_validate_json(got[0])
+        except ValueError:
+            return None  # a malformed decision is the reconciler's to report
+
+    async def jobs(self, job_ids: Iterable[str]) -> dict[str, JobRecord]:
+        wanted = list(job_ids)
+        got = await self.registry.get_many([keys.job(j) for j in wanted])
+        return {j: decode(got[keys.job(j)][0]) for j in wanted if keys.job(j) in got}
+
+    async def get(self, name: str) -> ServiceView:
+        record, _ = await self.record(name)
+        decision = await self.decision(name)
+        jobs = await self.jobs(e.job for e in record.replicas)
+        return view_of(record, decision, jobs, endpoints_of(self._view(), name))
+
+    async def list(
+        self, tenant: str | None, limit: int, after: str | None
+    ) -> tuple[list[ServiceItem], str | None]:
+        """A page of services by name, from after `after` (the previous page's last name)."""
+        prefix = keys.SERVICE_INDEX if tenant is None else keys.tenant_services(tenant)
+        start = prefix if after is None else prefix + after + "\x00"
+        ready: dict[str, int] = {}
+        for (svc, _), ep in self._view().sites.services.items():
+            if ep.job is not None and ep.healthy and not ep.draining:
+                ready[svc] = ready.get(svc, 0) + 1
+        out: list[ServiceItem] = []
+        more = False
+        async for page in self.registry.iter_range(
+            start, prefix=prefix, page_keys=min(limit + 1, 500)
+        ):
+            for _, raw, _ in page.items:
+                if len(out) == limit:
+                    more = True
+                    break
+                entry = ServiceSummary.model_validate_json(raw)
+                out.append(ServiceItem(**entry.model_dump(), ready=ready.get(entry.name, 0)))
+            if more or not page.more:
+                break
+        return out, (out[-1].name if more and out else None)
+
+    # -- delete -----------------------------------------------------------------------------
+
+    async def delete(self, name: str) -> ServiceView:
+        """Mark the service deleted: the leader's reconciler drains and stops its replicas,
+        then removes the record (broker.replicas)."""
+        for _ in range(MAX_TRIES):
+            record, revision = await self.record(name)
+            if record.deleted_at is not None:
+                return await self.get(name)
+            now = self.clock.time()
+            record = record.with_events(
+                ScalingEvent(at=now, type="deleted", message="its replicas drain and stop"),
+                deleted_at=now,
+                updated_at=now,
+            )
+            puts = {**record_puts(record), **audit_puts(record.spec.tenant, name)}
+            guard = Guard(keys.service_spec(name), mod_revision=revision)
+            if await self.registry.commit(guards=[guard], puts=puts):
+                committed()
+                return await self.get(name)
+        raise StaleRecord(f"service {name!r} kept changing; gave up")
+
+
+def replica_state(job: JobRecord | None, ep: ServiceEndpoint | None, job_id: str) -> ReplicaState:
+    if ep is not None and ep.job == job_id and ep.draining:
+        return ReplicaState.draining
+    if ready_endpoint(ep, job_id):
+        return ReplicaState.ready
+    if job is None or job.state is JobState.PENDING:
+        return ReplicaState.pending
+    if job.state is JobState.SUSPENDED:
+        return ReplicaState.suspended
+    if job.state.terminal:
+        return ReplicaState.draining  # its run is being withdrawn
+    return ReplicaState.starting
+
+
+def view_of(
+    record: ServiceRecord,
+    decision: ScalingDecision | None,
+    jobs: dict[str, JobRecord],
+    endpoints: dict[str, ServiceEndpoint],
+) -> ServiceView:
+    spec = record.spec
+    desired = {} if record.deleted_at is not None else desired_replicas(spec, decision)
+    replicas: list[ReplicaView] = []
+    listed: set[str] = set()
+    for entry in record.replicas:
+        job = jobs.get(entry.job)
+        site = job.placement.site if job is not None and job.placement is not None else None
+        ep = endpoints.get(site) if site is not None else None
+        state = replica_state(job, ep, entry.job)
+        reason = None
+        if job is not None:
+            reason = job.unschedulable or (job.events[-1].message if job.events else None)
+        replicas.append(
+            ReplicaView(
+                job=entry.job,
+                region=entry.region,
+                state=state,
+                job_state=job.state if job is not None else None,
+                site=site,
+                url=ep.url if ep is not None and ep.job == entry.job else None,
+                reason=reason,
+            )
+        )
+        listed.add(entry.job)
+    for site, ep in sorted(endpoints.items()):
+        if ep.job is not None and ep.job not in listed and ep.draining:
+            # scaled away: its job is finished, its run still finishes what it has in flight
+            replicas.append(
+                ReplicaView(
+                    job=ep.job, region="-", state=ReplicaState.draining, job_state=None,
+                    site=site, url=ep.url, reason="scaled down: draining",
+                )
+            )  # fmt: skip
+    regions: list[RegionCount] = []
+    for region in sorted({*desired, *(e.region for e in record.replicas)}):
+        mine = [r for r in replicas if r.region == region]
+        live = [r for r in mine if r.state is not ReplicaState.draining]
+        regions.append(
+            RegionCount(
+                region=region,
+                desired=desired.get(region, 0),
+                actual=len(live),
+                ready=sum(r.state is ReplicaState.ready for r in mine),
+            )
+        )
+    return ServiceView(
+        name=spec.name,
+        tenant=spec.tenant,
+        model=spec.model,
+        generation=record.generation,
+        created_at=record.created_at,
+        updated_at=record.updated_at,
+        deleting=record.deleted_at is not None,
+        spec=spec,
+        regions=regions,
+        replicas=replicas,
+        decision=decision,
+        events=list(reversed(record.events)),
+    )

@@ -1,0 +1,129 @@
+"""The replica reconciler's decisions (broker.replicas.plan, broker.services.desired_replicas):
+pure, so checked on values; the end-to-end test carries them out (test_services_e2e)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from broker.jobs import JobRecord, JobSpec, JobState
+from broker.replicas import REPLACE_BACKOFF_S, plan
+from broker.services import (
+    ANY_REGION,
+    ReplicaEntry,
+    ScalingDecision,
+    ServiceRecord,
+    ServiceSpec,
+    desired_replicas,
+)
+
+
+def spec(**overrides: Any) -> ServiceSpec:
+    doc: dict[str, Any] = {
+        "name": "chat",
+        "tenant": "t1",
+        "model": "m",
+        "command": "serve --port {port}",
+        "slo": {"p95_ms": 500},
+        "scaling": {"target_qps_per_replica": 5},
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "clients": ["east", "west"],
+    }
+    doc.update(overrides)
+    return ServiceSpec.model_validate(doc)
+
+
+def decision(**replicas: int) -> ScalingDecision:
+    return ScalingDecision(service="chat", replicas=replicas, reason="test", at=0.0)
+
+
+def job(job_id: str, state: JobState = JobState.RUNNING) -> JobRecord:
+    return JobRecord(
+        id=job_id,
+        spec=JobSpec(name="chat", tenant="t1", command=("x",)),
+        state=state,
+        created_at=0.0,
+        updated_at=0.0,
+    )
+
+
+def record(*entries: tuple[str, str, float], **changes: Any) -> ServiceRecord:
+    replicas = tuple(ReplicaEntry(job=j, region=r, created_at=t) for j, r, t in entries)
+    return ServiceRecord(
+        spec=changes.pop("spec", spec()),
+        created_at=0.0,
+        updated_at=0.0,
+        replicas=replicas,
+        **changes,
+    )
+
+
+def ids() -> Any:
+    counter = itertools.count(1)
+    return lambda: f"chat-new{next(counter)}"
+
+
+def test_desired_is_the_decision_capped_and_topped_up_to_min() -> None:
+    assert desired_replicas(spec(), None) == {"east": 1}
+    assert desired_replicas(spec(min_replicas=3), None) == {"east": 2, "west": 1}
+    assert desired_replicas(spec(min_replicas=2), decision(east=1)) == {"east": 1, "west": 1}
+    assert desired_replicas(spec(), decision(east=5, west=2)) == {"east": 2, "west": 2}
+    assert desired_replicas(spec(clients=()), None) == {ANY_REGION: 1}
+    assert desired_replicas(spec(min_replicas=0), None) == {}
+
+
+def test_missing_replicas_are_created_for_their_region() -> None:
+    step = plan(record(), decision(east=2), {}, lambda _: False, 10.0, ids())
+    assert step.create == [("chat-new1", "east"), ("chat-new2", "east")]
+    assert step.record is not None
+    assert [(e.job, e.region) for e in step.record.replicas] == [
+        ("chat-new1", "east"),
+        ("chat-new2", "east"),
+    ]
+    assert [e.type for e in step.record.events] == ["scaled-up", "scaled-up"]
+
+
+def test_a_lower_decision_cancels_the_not_ready_then_the_newest() -> None:
+    rec = record(("a", "east", 1.0), ("b", "east", 2.0), ("c", "east", 3.0))
+    jobs = {j: job(j) for j in "abc"}
+    step = plan(rec, decision(east=2), jobs, lambda r: r.id != "a", 10.0, ids())
+    assert step.cancel == ["a"] and not step.create  # not ready goes first, though oldest
+    step = plan(rec, decision(east=1), jobs, lambda _: True, 10.0, ids())
+    assert sorted(step.cancel) == ["b", "c"]  # all ready: the oldest stays
+    assert step.record is not None and [e.job for e in step.record.replicas] == ["a"]
+
+
+def test_a_failed_replica_is_replaced_after_a_backoff_that_doubles() -> None:
+    rec = record(("a", "east", 1.0))
+    step = plan(rec, None, {"a": job("a", JobState.FAILED)}, lambda _: False, 10.0, ids())
+    assert step.record is not None and not step.create  # backing off
+    assert step.record.failures == 1 and step.record.not_before == 10.0 + REPLACE_BACKOFF_S
+    later = plan(step.record, None, {}, lambda _: False, 12.0, ids())
+    assert later.create == [("chat-new1", "east")]
+    assert later.record is not None and later.record.events[-1].type == "replaced"
+    again = plan(
+        later.record, None, {"chat-new1": job("chat-new1", JobState.FAILED)},
+        lambda _: False, 13.0, ids(),
+    )  # fmt: skip
+    assert again.record is not None and again.record.not_before == 13.0 + 2 * REPLACE_BACKOFF_S
+
+
+def test_a_cancelled_replica_is_replaced_at_once() -> None:
+    rec = record(("a", "east", 1.0))
+    step = plan(rec, None, {"a": job("a", JobState.CANCELLED)}, lambda _: False, 10.0, ids())
+    assert step.create == [("chat-new1", "east")]
+
+
+def test_a_deleted_service_cancels_its_replicas_then_goes() -> None:
+    rec = record(("a", "east", 1.0), ("b", "west", 2.0), deleted_at=5.0)
+    step = plan(rec, decision(east=3), {"a": job("a"), "b": job("b")}, lambda _: True, 6.0, ids())
+    assert sorted(step.cancel) == ["a", "b"] and not step.create
+    gone = plan(rec, None, {}, lambda _: True, 7.0, ids())
+    assert gone.record is None and gone.changed
+
+
+def test_nothing_to_do_changes_nothing() -> None:
+    rec = record(("a", "east", 1.0))
+    step = plan(rec, None, {"a": job("a")}, lambda _: True, 10.0, ids())
+    assert not step.changed and not step.create and not step.cancel
