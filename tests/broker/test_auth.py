@@ -144,6 +144,33 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
                       f"/v1/workflows/{wf_id}/{action}")  # fmt: skip
         if allowed(who, Permission.jobs_act):
             assert reply.status == (200 if own(who) else 404), (who, action, reply)
+    # managed services: the jobs permissions, a tenant's token sees its own tenant's only
+    svc = {
+        "tenant": "ai-lab",
+        "model": "m",
+        "command": ["true"],
+        "slo": {"p95_ms": 500},
+        "scaling": {"target_qps_per_replica": 1},
+        "min_replicas": 0,
+        "max_replicas": 1,
+    }
+    mine = "svc-" + who.replace(":", "-")
+    put = check("PUT", "/v1/services/{name}", f"/v1/services/{mine}", {**svc, "name": mine},
+                cross=not own(who))  # fmt: skip
+    if allowed(who, Permission.jobs_submit):
+        assert put.status == (201 if own(who) else 403), (who, put)
+    made_svc = call(fed.a, "PUT", "/v1/services/shared", {**svc, "name": "shared"})
+    assert made_svc.status in (200, 201), made_svc
+    listed_svc = check("GET", "/v1/services", "/v1/services")
+    if allowed(who, Permission.jobs_read):
+        names = {s["name"] for s in listed_svc.json()["items"]}
+        assert ("shared" in names) == own(who), (who, names)
+    got_svc = check("GET", "/v1/services/{name}", "/v1/services/shared")
+    if allowed(who, Permission.jobs_read):
+        assert got_svc.status == (200 if own(who) else 404), (who, got_svc)
+    gone_svc = check("DELETE", "/v1/services/{name}", f"/v1/services/{mine}")
+    if allowed(who, Permission.jobs_act) and allowed(who, Permission.jobs_submit):
+        assert gone_svc.status == (200 if own(who) else 404), (who, gone_svc)
     check("GET", "/v1/sites", "/v1/sites")
     route = check(
         "POST", "/v1/route", "/v1/route", {"service": "qwen-72b", "client_region": "shanghai"}
