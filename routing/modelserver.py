@@ -18,7 +18,9 @@ response carries `X-Cpn-Standin: 1` so nobody mistakes it for a real inference s
                           vllm:time_to_first_token_seconds (histogram, vLLM's buckets),
                           vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total
                           (counters, prompt tokens)
-    POST /admin/fail      {"mode": "500" | "hang" | "slow" | "ok"}: a fault switch for tests
+    POST /admin/fail      {"mode": "500" | "hang" | "slow" | "blind" | "ok"}: a fault switch for
+                          tests; "blind" answers 503 to /metrics and /stats only (a server too
+                          busy to report, whose signals then go stale), inference still works
 
 Service time: lognormal with the declared median and p99 (p99 == median gives a constant),
 drawn from a seeded generator. Concurrency: at most `max_concurrency` requests are served at
@@ -73,7 +75,7 @@ __all__ = [
 ]
 
 STANDIN_HEADER = "X-Cpn-Standin"
-FAULT_MODES = ("ok", "500", "hang", "slow")
+FAULT_MODES = ("ok", "500", "hang", "slow", "blind")
 WINDOW_S = 10.0  # /stats covers the service times of the last 10 s
 SLOW_FACTOR = 50  # "slow": every service time x 50, so requests pile up (an overloaded site)
 MAX_BODY = 1024 * 1024
@@ -510,10 +512,14 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
+    if request.app[SERVER].mode == "blind":
+        return _error(503, "blind", "fault switch: no load report")
     return web.json_response(request.app[SERVER].stats())
 
 
 async def metrics(request: web.Request) -> web.Response:
+    if request.app[SERVER].mode == "blind":
+        return _error(503, "blind", "fault switch: no load report")
     # Content-Type carries its own charset parameter, so it goes in as a raw header
     return web.Response(
         body=request.app[SERVER].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST}
