@@ -145,13 +145,12 @@ async def probe_ready(session: aiohttp.ClientSession, replica: Replica) -> bool:
 
 
 async def in_flight(monitor: ServiceMonitor, replica: Replica) -> int | None:
-    """Requests the replica has in flight or queued, by its own signals; 0 when it does not
-    answer at all (nothing can be in flight there); None when it answers without saying."""
+    """Requests the replica has in flight or queued, by its own signals; None when it does
+    not say (no load report, or no answer: an overloaded server may time out, so silence is
+    not taken for idle; a server that died ends its run, which ends the drain)."""
     monitor.services = (replica.as_service(),)
     await monitor.poll()
     load = monitor.loads.get(replica.serve.service)
-    if load is None or not load.healthy:
-        return 0
-    if load.signals is None:
+    if load is None or not load.healthy or load.signals is None:
         return None
     return load.in_flight + load.queue

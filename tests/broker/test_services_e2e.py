@@ -143,6 +143,14 @@ async def test_a_service_scales_drains_and_replaces_its_replicas(
                                      fed.broker_url)  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "service chat applied" in result.stdout
+    # and one whose replicas never become ready: each is stopped after its readiness timeout
+    stuck = service_doc(
+        name="stuck",
+        command=["sleep", "60"],
+        readiness={"path": "/healthz", "period_s": 0.2, "timeout_s": 1},
+    )
+    status, _ = fed.request("PUT", "/v1/services/stuck", stuck)  # fmt: skip
+    assert status == 201
     async with aiohttp.ClientSession(headers=AUTH) as http:
         # min_replicas: one replica comes up, becomes ready and serves through the gateway
         view = await until(
@@ -220,6 +228,19 @@ async def test_a_service_scales_drains_and_replaces_its_replicas(
             lambda: _ok(infer(http, fed), avoid=first["site"]), 15, "traffic moved"
         )
         assert site != first["site"]
+
+        # the stuck service's replicas never got ready: each stopped at its timeout, failed
+        async def stopped_unready() -> bool:
+            status, view = await call(http, fed, "GET", "/v1/services/stuck")
+            assert status == 200 and all(r["state"] != "ready" for r in view["replicas"])
+            jobs = {e["job"] for e in view["events"] if e["job"]}
+            for job_id in sorted(jobs):
+                _, job = await call(http, fed, "GET", f"/v1/jobs/{job_id}")
+                if any("not ready within 1 s" in e["message"] for e in job.get("events", ())):
+                    return True
+            return False
+
+        await until(stopped_unready, 20, "a stuck replica stopped at its readiness timeout")
 
         # delete: the replicas drain and stop, then the service is gone
         result = await asyncio.to_thread(run_cpn, "service", "delete", "chat", "--broker",
