@@ -127,26 +127,33 @@ def plan(
     by_region: dict[str, list[ReplicaEntry]] = {}
     for entry in live:
         by_region.setdefault(entry.region, []).append(entry)
+    current = record.generation
     keep: list[ReplicaEntry] = []
     for region, entries in sorted(by_region.items()):
         want = desired.get(region, 0)
-        if len(entries) <= want:
+        surging = any(e.generation < current for e in entries) and any(
+            e.generation == current and not ready(jobs[e.job]) for e in entries
+        )
+        if len(entries) <= want or (surging and len(entries) <= want + 1):
+            # a rolling update's new replica is not ready yet: the old one serves meanwhile
             keep += entries
             continue
 
-        def worth(e: ReplicaEntry) -> tuple[int, float]:
-            job = jobs[e.job]
-            return (1 if ready(job) else 0, -e.created_at)  # ready and older stay
+        def worth(e: ReplicaEntry) -> tuple[int, int, float]:
+            # the current generation, then ready, then older stay
+            return (int(e.generation == current), int(ready(jobs[e.job])), -e.created_at)
 
         ordered = sorted(entries, key=worth, reverse=True)
         keep += ordered[:want]
         for entry in ordered[want:]:
             out.cancel.append(entry.job)
+            stale = entry.generation < current
             events.append(
                 ScalingEvent(
                     at=now,
-                    type="scaled-down",
-                    message=f"replica {entry.job} drains and stops ({counts(desired)})",
+                    type="updated" if stale else "scaled-down",
+                    message=f"replica {entry.job} drains and stops: "
+                    + (f"generation {current} is ready" if stale else counts(desired)),
                     region=region,
                     job=entry.job,
                 )  # fmt: skip
@@ -166,7 +173,9 @@ def plan(
                 if len(keep) + len(new) >= spec.max_replicas:
                     break
                 job_id = new_id()
-                new.append(ReplicaEntry(job=job_id, region=region, created_at=now))
+                new.append(
+                    ReplicaEntry(job=job_id, region=region, created_at=now, generation=current)
+                )
                 out.create.append((job_id, region))
                 kind = "replaced" if ended or record.failures else "scaled-up"
                 where = "any region" if region == ANY_REGION else f"client region {region}"
@@ -179,6 +188,25 @@ def plan(
                         job=job_id,
                     )  # fmt: skip
                 )
+        old = sorted((e for e in keep if e.generation < current), key=lambda e: e.created_at)
+        settled = all(ready(jobs[e.job]) for e in keep if e.generation == current)
+        if old and settled and not new and not out.cancel:
+            # rolling update: one replica of the current spec beside the oldest stale one;
+            # the stale one is scaled away once the new one is ready (above)
+            region = old[0].region
+            job_id = new_id()
+            new.append(ReplicaEntry(job=job_id, region=region, created_at=now, generation=current))
+            out.create.append((job_id, region))
+            events.append(
+                ScalingEvent(
+                    at=now,
+                    type="updated",
+                    message=f"replica {job_id} of generation {current} to replace "
+                    f"{old[0].job} (generation {old[0].generation})",
+                    region=region,
+                    job=job_id,
+                )  # fmt: skip
+            )
     if events or failures != record.failures or not_before != record.not_before:
         out.changed = True
         out.record = record.with_events(

@@ -88,6 +88,7 @@ class ServiceItem(ServiceSummary):
 class ReplicaView(BaseModel):
     job: str
     region: str = Field(description="the client region it was placed for ('*': any)")
+    generation: int | None = Field(description="the service generation it runs")
     state: ReplicaState
     job_state: JobState | None
     site: str | None
@@ -181,6 +182,11 @@ def replica_spec(spec: ServiceSpec, region: str) -> JobSpec:
         command=spec.command,
         env=spec.env,
     )
+
+
+def template(spec: ServiceSpec) -> tuple[object, ...]:
+    """What one replica runs and where it may run: a change is a new generation."""
+    return (serve_of(spec), spec.command, spec.env, spec.gpu, spec.cpu, spec.mem_gb, spec.regions)
 
 
 def record_puts(record: ServiceRecord) -> dict[str, bytes]:
@@ -293,12 +299,18 @@ class Services:
                     )
                 if old.spec == spec:
                     return await self.get(spec.name), False
+                # a new generation (a rolling update, broker.replicas) only when what a
+                # replica runs changed; new counts, SLO or scaling apply to the same replicas
+                generation = old.generation + int(template(old.spec) != template(spec))
+                said = (
+                    f"generation {generation}: replicas are replaced one by one"
+                    if generation != old.generation
+                    else "same replicas"
+                )
                 record = old.with_events(
-                    ScalingEvent(
-                        at=now, type="applied", message=f"generation {old.generation + 1}"
-                    ),
+                    ScalingEvent(at=now, type="applied", message=said),
                     spec=spec,
-                    generation=old.generation + 1,
+                    generation=generation,
                     updated_at=now,
                     not_before=0.0,
                     failures=0,
@@ -421,6 +433,7 @@ def view_of(
             ReplicaView(
                 job=entry.job,
                 region=entry.region,
+                generation=entry.generation,
                 state=state,
                 job_state=job.state if job is not None else None,
                 site=site,
@@ -434,7 +447,8 @@ def view_of(
             # scaled away: its job is finished, its run still finishes what it has in flight
             replicas.append(
                 ReplicaView(
-                    job=ep.job, region="-", state=ReplicaState.draining, job_state=None,
+                    job=ep.job, region="-", generation=None, state=ReplicaState.draining,
+                    job_state=None,
                     site=site, url=ep.url, reason="scaled down: draining",
                 )
             )  # fmt: skip

@@ -102,11 +102,12 @@ class ScalingPolicy(TenantInput):
         default=0.9, gt=0, le=1, description="KV-cache use above which a replica is saturated"
     )
     queue_high: float = Field(
-        default=1.0,
+        default=0.5,
         ge=0,
-        le=100_000,
-        description="requests waiting per ready replica above which a region is saturated: "
-        "a replica with a request waiting has every slot busy",
+        le=1_000,
+        description="requests waiting per ready replica, in max_concurrency, above which a "
+        "region is saturated: half a batch waiting is an M/M/c replica near 90 % busy, where "
+        "one request waiting is ordinary at 75 %",
     )
     consolidate_ms: float = Field(
         default=20.0,
@@ -213,6 +214,7 @@ class ReplicaEntry(Frozen):
     job: str
     region: str = Field(description=f"a client region, or {ANY_REGION!r}")
     created_at: float
+    generation: int = Field(default=1, ge=1, description="the service's generation it runs")
 
 
 class ServiceRecord(Frozen):

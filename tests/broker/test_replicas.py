@@ -127,3 +127,21 @@ def test_nothing_to_do_changes_nothing() -> None:
     rec = record(("a", "east", 1.0))
     step = plan(rec, None, {"a": job("a")}, lambda _: True, 10.0, ids())
     assert not step.changed and not step.create and not step.cancel
+
+
+def test_a_new_generation_rolls_one_replica_at_a_time() -> None:
+    rec = record(("a", "east", 1.0), ("b", "west", 2.0), generation=2)
+    jobs = {"a": job("a"), "b": job("b")}
+    step = plan(rec, decision(east=1, west=1), jobs, lambda _: True, 10.0, ids())
+    assert step.create == [("chat-new1", "east")] and not step.cancel  # a surge beside a
+    assert step.record is not None and step.record.events[-1].type == "updated"
+    jobs["chat-new1"] = job("chat-new1")
+    waiting = plan(step.record, decision(east=1, west=1), jobs,
+                   lambda r: r.id != "chat-new1", 11.0, ids())  # fmt: skip
+    assert not waiting.cancel and not waiting.create  # the old one serves until it is ready
+    done = plan(step.record, decision(east=1, west=1), jobs, lambda _: True, 12.0, ids())
+    assert done.cancel == ["a"] and not done.create  # then the stale one goes, b next pass
+    assert done.record is not None
+    assert {(e.job, e.generation) for e in done.record.replicas} == {("chat-new1", 2), ("b", 1)}
+    nxt = plan(done.record, decision(east=1, west=1), jobs, lambda _: True, 13.0, ids())
+    assert nxt.create == [("chat-new1", "west")]
