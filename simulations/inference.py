@@ -102,6 +102,7 @@ class SliceRouter:
         now: float,
         *,
         in_flight: dict[str, int],
+        prefix_key: str | None = None,
     ) -> Route:
         key = (service, region)
         result = route(
@@ -115,6 +116,7 @@ class SliceRouter:
             rng=self.rng,
             in_flight=in_flight,
             previous=self.previous.get(key),
+            prefix_key=prefix_key,
         )
         if result.previous is not None:
             self.previous[key] = result.previous

@@ -260,6 +260,9 @@ def federations(draw: st.DrawFn) -> tuple[Snapshot, Clients, dict[str, dict[str,
             queue=draw(st.integers(0, 4)),
             latency_ms=draw(st.one_of(st.none(), st.floats(40, 400))),
             healthy=draw(st.booleans().map(lambda b: b or draw(st.booleans()))),
+            # the model server's signals: none (an old record), fresh, or stale
+            kv_cache_usage=draw(st.one_of(st.none(), st.floats(0, 1))),
+            signals_at=draw(st.one_of(st.none(), st.floats(NOW - 40, NOW))),
         )
     down = draw(st.sets(st.sampled_from(sites), max_size=1))
     alive = [s for s in sites if s not in down]
@@ -307,7 +310,13 @@ routing_settings = st.builds(
     affinity_slack_ms=st.one_of(st.none(), st.floats(0, 200)),
     overflow=st.sampled_from(Overflow),
     in_flight=st.sampled_from(InFlight),
-    scoring=st.builds(ScoringSettings, queue_allowance=st.floats(0, 1)),
+    prefix_slack_ms=st.floats(0, 100),
+    scoring=st.builds(
+        ScoringSettings,
+        queue_allowance=st.floats(0, 1),
+        signals_stale_after_s=st.floats(1, 30),
+        kv_cache_knee=st.floats(0, 0.95),
+    ),
 )
 
 
@@ -328,7 +337,11 @@ def _sim_topology(snapshot: Snapshot, attach: dict[str, dict[str, float]]) -> To
     config=routing_settings,
     seed=st.integers(0, 2**32),
     requests=st.lists(
-        st.tuples(st.sampled_from(["city", "walled"]), st.lists(st.integers(0, 14), max_size=5)),
+        st.tuples(
+            st.sampled_from(["city", "walled"]),
+            st.lists(st.integers(0, 14), max_size=5),
+            st.one_of(st.none(), st.sampled_from(["p:1", "p:2", "p:3"])),  # prefix keys
+        ),
         min_size=1,
         max_size=25,
     ),
@@ -337,7 +350,7 @@ def test_gateway_and_simulator_choose_alike(
     fed: tuple[Snapshot, Clients, dict[str, dict[str, float]]],
     config: RoutingSettings,
     seed: int,
-    requests: list[tuple[str, list[int]]],
+    requests: list[tuple[str, list[int], str | None]],
 ) -> None:
     snapshot, clients, attach = fed
     gateway = Router(
@@ -352,14 +365,16 @@ def test_gateway_and_simulator_choose_alike(
     )
     sites = sorted(snapshot.specs)
     overflowed = 0
-    for region, loads in requests:
+    for region, loads, prefix in requests:
         counted = dict(zip(sites, loads, strict=False))
-        a = gateway.route("llm", region, now=NOW, in_flight=counted)
+        a = gateway.route("llm", region, now=NOW, in_flight=counted, prefix_key=prefix)
         cands = candidates_from_snapshot(snapshot, "llm")
-        b = sim.route("llm", region, cands, NOW, in_flight=counted)
+        b = sim.route("llm", region, cands, NOW, in_flight=counted, prefix_key=prefix)
         assert (a.site, a.overflow) == (b.site, b.overflow)
         if a.choice is not None and b.choice is not None:
-            assert (a.choice.mode, a.choice.pool) == (b.choice.mode, b.choice.pool)
+            assert (a.choice.mode, a.choice.pool, a.choice.home) == (
+                b.choice.mode, b.choice.pool, b.choice.home
+            )  # fmt: skip
         assert [s.site for s in a.ranking.ranked] == [s.site for s in b.ranking.ranked]
         overflowed += a.overflow
     assert gateway._previous == sim.previous  # noqa: SLF001 - the state each shell keeps
