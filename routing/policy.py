@@ -45,8 +45,9 @@ route(service, client_region, candidates, topology, policy, settings, now,
    When the re-rank admits nothing either (a full site with no route), the first ranking is
    returned with no choice.
 5. Route.previous, what the caller keeps for its next call for (service, client_region): the
-   chosen site after an ordinary choice (no session key, no overflow), else the `previous` it
-   passed in. An overflow does not move it: the sticky site is still the one to go back to.
+   chosen site after an ordinary choice (no session key, no prefix key, no overflow), else the
+   `previous` it passed in. An overflow does not move it: the sticky site is still the one to
+   go back to.
 
 The defaults of RoutingSettings are documented once, in docs/routing.md.
 """

@@ -5,12 +5,11 @@ Each service is polled every interval:
 1. `<url>/metrics`, the model server's Prometheus exposition, parsed with prometheus_client's
    text parser, so a real vLLM or SGLang drops in where the stand-in runs:
 
-   | signal         | vLLM                                        | SGLang                  |
-   |----------------|---------------------------------------------|-------------------------|
-   | in_flight      | vllm:num_requests_running                   | sglang:num_running_reqs |
-   | queue          | vllm:num_requests_waiting                   | sglang:num_queue_reqs   |
-   | kv_cache_usage | vllm:gpu_cache_usage_perc (V1: kv_cache_..) | sglang:token_usage      |
-   | ttft           | vllm:time_to_first_token_seconds            | sglang:time_to_first_.. |
+   in_flight       vllm:num_requests_running     sglang:num_running_reqs
+   queue           vllm:num_requests_waiting     sglang:num_queue_reqs
+   kv_cache_usage  vllm:gpu_cache_usage_perc     sglang:token_usage
+                   (V1: vllm:kv_cache_usage_perc)
+   ttft            vllm:time_to_first_token_seconds, sglang:time_to_first_token_seconds
 
    Gauges are summed over their label sets (one per model_name). The TTFT mean and p95 are of
    the observations since the previous scrape (the histogram's deltas; None when there were
@@ -19,7 +18,8 @@ Each service is polled every interval:
    load when /metrics gave none, and the per-request latency (p50_ms) in any case.
 3. Else `<url>/healthz`, else `<url>/`: a server that answers at all is healthy, load unknown.
 
-A timeout or connection error marks the endpoint unhealthy until it answers again. A server
+A connection error, or no answer from /healthz in time, marks the endpoint unhealthy until it
+answers again (a /metrics or /stats that times out only counts as no signals). A server
 that answers but whose signals cannot be read this round keeps its last signals and their
 time (`signals_at`), so routing sees them age and counts them as saturated once stale.
 """
