@@ -15,14 +15,20 @@ One decision (docs/autoscaling.md has the long form):
    regions within `scaling.consolidate_ms` of its nearest one; greedily, the region that the
    most demand could use takes all of it, so small demands share a fleet instead of each
    rounding up its own.
-2. What each region wants: ceil(its demand / target_qps_per_replica), the load one replica
-   should carry. Where the clients it serves see their p95 time to first token above their SLO,
-   or its replicas are saturated (KV-cache use at or above kv_cache_high, more than
-   queue_high requests waiting per ready replica, or stale signals), it wants one replica more
-   than it has (once the replicas it already has are ready: a replica still starting is
-   already the answer). A region no demand goes to wants none. The total is kept within
-   min_replicas..max_replicas (over max: the regions with the least demand per replica give up
-   replicas first; under min: the busiest region gets them).
+2. What each region wants. How many in all: ceil(the total demand / target_qps_per_replica),
+   the load one replica should carry (SkyServe's rule, so cpn spends no more on rounding than
+   one fleet would); where: one for each region with demand, then by its share of the demand
+   (largest remainder, sticky: a replica moves only for a remainder STICKY larger). Where the
+   clients a region serves see their p95 time to first token above their SLO, or its
+   replicas are saturated (KV-cache use at or above kv_cache_high, more than queue_high x
+   max_concurrency requests waiting per ready replica, or stale signals), it wants one
+   replica more than it has (once the replicas it already has are ready: a replica still
+   starting is already the answer), and it learns: the load per replica at which its
+   replicas saw that pressure (all of them ready) is kept, and from then on the region keeps
+   enough replicas for each to carry less than that, so it does not scale down into the same
+   miss again. A region no demand goes to wants none. The total is kept within
+   min_replicas..max_replicas (over max: the regions with the least demand per replica give
+   up replicas first; under min: the busiest region gets them).
 3. Hysteresis, per region: the count rises to what it wants once it has wanted more for
    upscale_delay_s without a break, and falls once it has wanted fewer for downscale_delay_s
    without a break, to the most it wanted during that time. Noise that crosses a boundary
@@ -64,6 +70,7 @@ __all__ = [
 ]
 
 _EPS = 1e-9  # 10.0 / 2.0 must need 5 replicas, not 6 after a rounding error
+STICKY = 0.25  # of a replica: how much larger a remainder must be to move one (_apportion)
 
 
 class Reason(enum.StrEnum):
@@ -72,6 +79,7 @@ class Reason(enum.StrEnum):
     demand = "demand"  # the QPS rule: its demand needs more (or fewer) replicas
     slo_miss = "slo_miss"  # clients it serves see their p95 above the SLO
     saturated = "saturated"  # its replicas' KV cache or queue is full, or their signals stale
+    capacity = "capacity"  # its replicas saw pressure at this load per replica before
     idle = "idle"  # no demand goes there
     bootstrap = "bootstrap"  # the service had no replica and there is demand
     min_replicas = "min_replicas"
@@ -116,6 +124,10 @@ class RegionState:
     up_since: float | None = None  # since when it has wanted more, without a break
     down_since: float | None = None  # since when it has wanted fewer, without a break
     down_want: int = 0  # the most it wanted since down_since
+    # req/s per ready replica at which its replicas last saw pressure (an SLO miss of the
+    # clients it serves, or saturation) with all of them ready: what one replica here carries
+    # at most, learned; the region keeps enough replicas for each to carry less
+    hot_qps: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +248,29 @@ def _needed(demand: float, per_replica: float) -> int:
     return max(0, math.ceil(demand / per_replica - _EPS))
 
 
+def _apportion(total: int, demand: Mapping[str, float], have: Mapping[str, int]) -> dict[str, int]:
+    """`total` replicas over the regions by their demand: one for each region with demand,
+    then each its quota's whole part, the rest by largest remainder; a region that has the
+    replica keeps it unless another's remainder is larger by STICKY (no ping-pong on noise)."""
+    out = dict.fromkeys(demand, 0)
+    busy = [r for r in demand if demand[r] > 0]
+    lam = sum(demand[r] for r in busy)
+    if not busy:
+        return out
+    quota = {r: total * demand[r] / lam for r in busy}
+    for region in busy:
+        out[region] = max(1, math.floor(quota[region] + _EPS))
+    left = total - sum(out.values())
+    if left > 0:
+        rest = {
+            r: quota[r] - math.floor(quota[r] + _EPS) + (STICKY if have.get(r, 0) > out[r] else 0)
+            for r in busy
+        }
+        for region in sorted(busy, key=lambda r: (-rest[r], r))[:left]:
+            out[region] += 1
+    return out
+
+
 def _saturation(spec: ServiceSpec, obs: ReplicaObservation | None) -> str | None:
     """Why the region's replicas are saturated, or None."""
     if obs is None or obs.ready <= 0:
@@ -245,8 +280,9 @@ def _saturation(spec: ServiceSpec, obs: ReplicaObservation | None) -> str | None
     if obs.kv_cache >= spec.scaling.kv_cache_high:
         return f"KV cache {obs.kv_cache:.0%} >= {spec.scaling.kv_cache_high:.0%}"
     per_replica = obs.queue / obs.ready
-    if per_replica > spec.scaling.queue_high:
-        return f"{per_replica:.1f} requests waiting per replica > {spec.scaling.queue_high:g}"
+    high = spec.scaling.queue_high * spec.scaling.max_concurrency
+    if per_replica > high:
+        return f"{per_replica:.1f} requests waiting per replica > {high:g}"
     return None
 
 
@@ -255,9 +291,15 @@ def _wants(
     observations: Observations,
     state: AutoscalerState,
     regions: tuple[str, ...],
-) -> tuple[dict[str, int], dict[str, tuple[Reason, str]], dict[str, float], dict[str, str]]:
-    """What each region wants before hysteresis, why, the demand it serves, and which client
-    region goes where."""
+) -> tuple[
+    dict[str, int],
+    dict[str, tuple[Reason, str]],
+    dict[str, float],
+    dict[str, str],
+    dict[str, float],
+]:
+    """What each region wants before hysteresis, why, the demand it serves, which client
+    region goes where, and the load per replica each region has seen pressure at."""
     served = assign_demand(spec, observations, regions)
     demand = dict.fromkeys(regions, 0.0)
     misses: dict[str, list[str]] = {r: [] for r in regions}
@@ -268,19 +310,34 @@ def _wants(
         if seen.ttft_p95_ms is not None and seen.ttft_p95_ms > slo:
             misses[region].append(f"{client} p95 {seen.ttft_p95_ms:.0f} ms > {slo:g} ms")
     per_replica = spec.scaling.target_qps_per_replica
+    have = {r: state.regions.get(r, RegionState()).target for r in regions}
+    total = sum(demand.values())
+    need = _needed(total, per_replica)
+    shares = _apportion(need, demand, have)
+    hot = {r: q for r in regions if (q := state.regions.get(r, RegionState()).hot_qps) is not None}
     wants: dict[str, int] = {}
     why: dict[str, tuple[Reason, str]] = {}
     for region in regions:
-        have = state.regions.get(region, RegionState()).target
-        need = _needed(demand[region], per_replica)
-        wants[region] = need
+        wants[region] = shares[region]
         if demand[region] <= 0:
             why[region] = (Reason.idle, "no demand is served here")
             continue
         why[region] = (
             Reason.demand,
-            f"{demand[region]:.1f} req/s needs {need} at {per_replica:g} req/s per replica",
+            f"{total:.1f} req/s in all needs {need} at {per_replica:g} req/s per replica; "
+            f"{demand[region]:.1f} req/s here gets {shares[region]}",
         )
+        learned = hot.get(region)
+        if learned is not None:
+            # the fewest replicas that each carry less than the load they saw pressure at
+            floor = math.floor(demand[region] / learned + _EPS) + 1
+            if floor > wants[region]:
+                wants[region] = floor
+                why[region] = (
+                    Reason.capacity,
+                    f"{demand[region]:.1f} req/s here needs {floor}: its replicas saw pressure "
+                    f"at {learned:.1f} req/s each",
+                )
         obs = observations.replicas.get(region)
         saturated = _saturation(spec, obs)
         pressure: tuple[Reason, str] | None = None
@@ -290,12 +347,15 @@ def _wants(
             pressure = (Reason.saturated, saturated)
         if pressure is None:
             continue
-        starting = obs is not None and obs.ready < min(obs.replicas, have)
-        more = have if starting else have + 1  # one more once what was ordered is ready
-        if more > need:
-            wants[region] = more
+        starting = obs is not None and obs.ready < min(obs.replicas, have[region])
+        more = have[region] if starting else have[region] + 1  # once what was ordered is ready
+        if obs is not None and not starting and obs.ready > 0:
+            load = demand[region] / obs.ready
+            hot[region] = min(hot.get(region, math.inf), load)
+        if more > shares[region]:
+            wants[region] = max(wants[region], more)
             why[region] = pressure
-    return wants, why, demand, served
+    return wants, why, demand, served, hot
 
 
 def _bounded(
@@ -331,7 +391,7 @@ def decide(
     """One decision (module docstring) and the state for the next call; inputs not mutated."""
     regions = allowed_regions(spec, observations)
     scaling = spec.scaling
-    wants, why, demand, served = _wants(spec, observations, state, regions)
+    wants, why, demand, served, hot = _wants(spec, observations, state, regions)
     wants = _bounded(spec, wants, demand, why)
     before = {r: state.regions.get(r, RegionState()).target for r in regions}
     # a region the spec no longer allows keeps nothing: its replicas go at once
@@ -361,6 +421,7 @@ def decide(
                 rs = RegionState(target=rs.target, down_since=since, down_want=most)
         else:
             rs = RegionState(target=rs.target)
+        rs = replace(rs, hot_qps=hot.get(region))
         new_states[region] = rs
         after[region] = rs.target
     bounded = _bounded(spec, after, demand, why, keep=before)

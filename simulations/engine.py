@@ -65,6 +65,7 @@ from broker.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
 from broker.tenants import TenancyFile
 from broker.why import Fairness, own_order
 from simulations.arrivals import Arrivals, generate
+from simulations.autoscaling import run_services
 from simulations.inference import InferenceSim
 from simulations.nodes import Fragmentation
 from simulations.phase import Phase
@@ -371,7 +372,9 @@ class Simulation:
         """The same jobs under the baseline policy: its tenancy figures and key job figures."""
         sc = self.scenario
         policy = sc.policy.model_copy(update={"kind": kind, "baseline": None})
-        other = sc.model_copy(update={"policy": policy, "workloads": tuple(sc.batch_workloads)})
+        other = sc.model_copy(
+            update={"policy": policy, "workloads": tuple(sc.batch_workloads), "services": ()}
+        )
         run = Simulation(
             other, federation=self.fedinfo, arrivals=self.arrivals, reference=self.reference
         )
@@ -389,6 +392,10 @@ class Simulation:
     def _with_workflows(self, results: dict[str, Any]) -> dict[str, Any]:
         if self.workflows is not None:
             results["workflows"] = self.workflows.results()
+        if self.scenario.services:
+            # autoscaled services run on their own steps (simulations.autoscaling): their
+            # replicas do not compete with the batch jobs for devices, as inference does not
+            results["services"] = run_services(self.scenario, self.fedinfo)
         return results
 
     def push_workflow_finish(self, t: float, step: int) -> None:

@@ -52,7 +52,14 @@ from sites.config import read_yaml
 from sites.latency import Endpoint
 from sites.status import LinkStatus, ServiceEndpoint, SiteState
 
-__all__ = ["SAMPLES", "SLICES", "InferenceSim", "SliceRouter", "service_profiles"]
+__all__ = [
+    "SAMPLES",
+    "SLICES",
+    "InferenceSim",
+    "SliceRouter",
+    "build_topology",
+    "service_profiles",
+]
 
 SLICES = 8
 SAMPLES = 512
@@ -171,7 +178,7 @@ class InferenceSim:
                         math.exp(mu + sigma * sigma / 2),
                     )
                 )
-        self.topology, self.links = _topology(fed)
+        self.topology, self.links = build_topology(fed)
         self.router = SliceRouter(
             topology=self.topology,
             settings=scenario.routing,
@@ -383,7 +390,7 @@ def _quantile(hist: np.ndarray, q: float) -> float | None:
     return float(_BINS[i] + frac * (_BINS[i + 1] - _BINS[i]))
 
 
-def _topology(fed: SimFederation) -> tuple[Topology, dict[tuple[str, str], LinkStatus]]:
+def build_topology(fed: SimFederation) -> tuple[Topology, dict[tuple[str, str], LinkStatus]]:
     """The broker's topology for the scenario: sites, modelled links, client regions."""
     clients = fed.clients
     if clients is None:

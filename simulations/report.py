@@ -272,6 +272,19 @@ def key_figures(results: Results) -> dict[str, float | str | None]:
     }
     figures["slo_worst"], figures["slo_worst_region"] = _worst(results, "slo_attainment", min)
     figures["p99_worst_ms"], figures["p99_worst_region"] = _worst(results, "p99_ms", max)
+    # autoscaled services (simulations.autoscaling), summed over the services: what a sweep of
+    # their settings trades, replica-hours against the worst client region's SLO attainment
+    services = [_map(v) for v in _map(results.get("services")).values()]
+    if services:
+        figures["replica_hours"] = sum(_f(v, "replica_hours") or 0.0 for v in services)
+        worst = [
+            (a, str(v.get("slo_worst_region")))
+            for v in services
+            if (a := _f(v, "slo_worst")) is not None
+        ]
+        figures["service_slo_worst"], figures["service_slo_worst_region"] = (
+            min(worst) if worst else (None, None)
+        )
     return figures
 
 
@@ -498,7 +511,52 @@ def _sections(results: Results, top: int = TOP) -> list[_Section]:
     ]
     if results.get("inference") is not None:
         sections.append(_inference(results))
+    sections += _services(results)
     return [*sections, _failures_section(results)]
+
+
+def _percent2(fraction: float | None) -> str:
+    """SLO attainment near 100 % needs two decimals to tell policies apart: 98.03%."""
+    return NONE if fraction is None else f"{100 * fraction:.2f}%"
+
+
+def _services(results: Results) -> list[_Section]:
+    """Per autoscaled service (simulations.autoscaling): each policy's replica-hours and SLO,
+    then each client region's attainment and p95 under each policy."""
+    out: list[_Section] = []
+    for name, svc in sorted(_map(results.get("services")).items()):
+        runs = {str(_at(svc, "policy")): _map(svc)}
+        runs.update({str(k): _map(v) for k, v in _map(_at(svc, "baselines")).items()})
+        rows = [
+            (
+                policy,
+                _or_none(_f(r, "replica_hours"), lambda v: f"{v:,.1f}"),
+                str(_int(r, "peak_replicas")),
+                _percent2(_f(r, "slo_attainment")),
+                f"{_percent2(_f(r, 'slo_worst'))} {r.get('slo_worst_region') or ''}".strip(),
+            )
+            for policy, r in runs.items()
+        ]
+        header = ("policy", "replica-hours", "peak replicas", "SLO met", "worst region")
+        out.append(_Section(f"Service {name}", rows, header))
+        clients = sorted(_map(_at(svc, "regions")))
+        per_region = []
+        for client in clients:
+            cells = []
+            for r in runs.values():
+                region = _map(_at(r, "regions", client))
+                p95 = _f(region, "p95_ms")
+                cells.append(f"{_percent2(_f(region, 'slo_attainment'))} p95 {_or_none(p95, _ms)}")
+            slo = _f(_at(svc, "regions", client), "slo_ms")
+            per_region.append((client, _or_none(slo, _ms), *cells))
+        out.append(
+            _Section(
+                f"Service {name}: SLO met and p95 per client region",
+                per_region,
+                ("client region", "SLO p95", *runs),
+            )
+        )
+    return out
 
 
 def summary(results: Results, *, top: int = TOP) -> Group:
@@ -576,6 +634,15 @@ _ROWS = (
     _Row("slo_attainment", "SLO attainment", format_percent, "high"),
     _Row("slo_worst", "SLO worst region", format_percent, "high", "slo_worst_region"),
     _Row("p99_worst_ms", "p99 worst region", _ms, "low", "p99_worst_region"),
+    _Row("replica_hours", "replica-hours", lambda v: f"{v:,.1f}", "low", optional=True),
+    _Row(
+        "service_slo_worst",
+        "service SLO worst region",
+        _percent2,
+        "high",
+        "service_slo_worst_region",
+        optional=True,
+    ),
     _Row("failures", "failures", _count),
 )
 

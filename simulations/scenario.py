@@ -46,6 +46,7 @@ from broker.workflows import WorkflowSpec
 from routing.clients import Clients, load_clients
 from routing.policy import RoutingSettings
 from simulations.nodes import generated_topology
+from simulations.service_demand import AutoscaledService
 from simulations.workloads import (
     BatchWorkload,
     InferenceWorkload,
@@ -268,7 +269,14 @@ class Scenario(_Frozen):
         "(configs/tenants.yaml's format, broker.tenants); absent: the configs directory's "
         "tenants.yaml, if any",
     )
-    workloads: tuple[Workload, ...] = Field(min_length=1)
+    workloads: tuple[Workload, ...] = Field(
+        default=(), description="at least one, unless the scenario has services"
+    )
+    services: tuple[AutoscaledService, ...] = Field(
+        default=(),
+        description="autoscaled inference services and their daily demand "
+        "(simulations.service_demand, simulations.autoscaling)",
+    )
     failures: tuple[Failure, ...] = ()
     workflows: tuple[WorkflowArrivals, ...] = Field(
         default=(), description="workflow arrivals: DAGs whose steps run as their parents finish"
@@ -284,6 +292,16 @@ class Scenario(_Frozen):
     )
     # where relative paths resolve (the scenario file's folder); set by load_scenario
     base_dir: str = Field(default=".", exclude=True)
+
+    @model_validator(mode="after")
+    def _something_to_run(self) -> Scenario:
+        if not self.workloads and not self.services:
+            raise ValueError("give at least one workload or service")
+        names = [s.spec.name for s in self.services]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"service name {twice[0]!r} is used twice")
+        return self
 
     @property
     def batch_workloads(self) -> list[BatchWorkload | TraceWorkload]:
@@ -574,6 +592,29 @@ def _cross_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Pr
                         Problem(source, f"{at}.model", f"{model!r} is not in the device catalog")
                     )
     problems += _classes_check(scenario, fed, source)
+    site_regions = {spec.region for spec in fed.specs.values()}
+    for i, svc in enumerate(scenario.services):
+        at = f"services[{i}]"
+        for region in svc.demand.requests_per_s:
+            if fed.clients is not None and region not in fed.clients:
+                problems.append(
+                    Problem(source, f"{at}.demand.requests_per_s.{region}", "unknown client region")
+                )
+        allowed = svc.spec.regions if svc.spec.regions is not None else tuple(site_regions)
+        if not set(allowed) & site_regions:
+            problems.append(Problem(source, f"{at}.spec.regions", "no simulated site is there"))
+        for region in sorted(set(svc.spec.regions or ()) - site_regions):
+            problems.append(
+                Problem(source, f"{at}.spec.regions", f"no simulated site in region {region!r}")
+            )
+        if svc.baseline_region is not None and svc.baseline_region not in allowed:
+            problems.append(
+                Problem(source, f"{at}.baseline_region", "is not one of the service's regions")
+            )
+    if scenario.services and fed.clients is None:
+        problems.append(
+            Problem(source, "services", f"services need {scenario.configs_dir}/clients.yaml")
+        )
     if scenario.inference_workloads and fed.clients is None:
         problems.append(
             Problem(source, "workloads", f"inference needs {scenario.configs_dir}/clients.yaml")

@@ -162,7 +162,7 @@ def test_no_flapping_under_noise() -> None:
 
 def test_slo_miss_in_one_region_adds_a_replica_near_it() -> None:
     spec = make_spec()
-    rates = {"east": 15.0, "west": 15.0}
+    rates = {"east": 20.0, "west": 20.0}
     state = steady(spec, rates)
     assert state.targets() == {"east-dc": 2, "west-dc": 2}
     t0 = 4000.0
@@ -195,6 +195,22 @@ def test_saturated_replicas_get_one_more() -> None:
     )
     decision, _ = decide(spec, seen({"east": 15.0}, replicas=stale), state2, 4060.0)
     assert decision.changes[0].reason is Reason.saturated
+
+
+def test_replicas_follow_the_demand_across_regions_without_rounding_each_up() -> None:
+    spec = make_spec(min_replicas=0)
+    # 36 req/s in all need 4: shares 3.2 and 0.8, where each region rounding up would take 5
+    decision, state = decide(spec, seen({"east": 28.8, "west": 7.2}), AutoscalerState(), 0.0)
+    assert decision.replicas == {"east-dc": 3, "west-dc": 1}
+    # the sun moves: west's share grows; east keeps its replicas until its run of wanting
+    # fewer lasts the downscale delay, west gets its own after the upscale delay
+    moved = seen({"east": 7.2, "west": 28.8})
+    decisions, _ = run(spec, state, 20.0, 20.0 + spec.scaling.downscale_delay_s + 20.0, moved)
+    first_up = next(d.at for d in decisions if d.replicas["west-dc"] == 3)
+    first_down = next(d.at for d in decisions if d.replicas["east-dc"] == 1)
+    assert first_up - 20.0 == spec.scaling.upscale_delay_s
+    assert first_down - 20.0 == spec.scaling.downscale_delay_s
+    assert decisions[-1].replicas == {"east-dc": 1, "west-dc": 3}
 
 
 def test_min_and_max_replicas_are_respected() -> None:
@@ -240,7 +256,8 @@ def test_the_decision_as_the_reconcilers_record() -> None:
     decision, _ = decide(spec, seen({"east": 25.0, "west": 12.0}), AutoscalerState(), 0.0)
     record = scaling_decision("chat", decision)
     assert isinstance(record, ScalingDecision)
-    assert record.replicas == {"east": 3, "west": 2}
+    # 37 req/s need 4 in all; by share of the demand, each region with demand one at least
+    assert record.replicas == {"east": 3, "west": 1}
     assert record.at == 0.0
     assert "east-dc 0->3" in record.reason
 
@@ -289,3 +306,20 @@ def test_skyserve_bootstraps_from_zero_and_clips() -> None:
     assert decision.replicas == {"east-dc": 0}
     decision, state = skyserve_decide(spec, 100.0, state, "east-dc", 20.0)
     assert decision.replicas == {"east-dc": 3}  # no replica: at once, clipped to max
+
+
+def test_a_region_does_not_scale_back_down_into_the_miss_it_learned() -> None:
+    spec = make_spec()
+    state = steady(spec, {"east": 9.0})
+    assert state.targets()["east-dc"] == 1
+    t0 = 4000.0
+    missing = seen({"east": 9.0}, p95={"east": 700.0}, replicas=ready(state))
+    _, state = run(spec, state, t0, t0 + 80.0, missing)
+    assert state.targets()["east-dc"] == 2
+    # the SLO is met again at 2; the QPS rule alone would go back to 1 after the delay
+    decisions, state = run(spec, state, t0 + 80.0, t0 + 3600.0, seen({"east": 9.0}))
+    assert {d.replicas["east-dc"] for d in decisions} == {2}
+    assert decisions[-1].wanted["east-dc"] == 2
+    # what it learned scales with the demand: a third of it needs one replica
+    decisions, _ = run(spec, state, t0 + 3600.0, t0 + 7200.0, seen({"east": 3.0}))
+    assert decisions[-1].replicas["east-dc"] == 1
