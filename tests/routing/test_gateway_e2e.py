@@ -171,6 +171,36 @@ async def test_session_affinity_holds_for_a_key(demo: Demo, http: aiohttp.Client
     assert len(sites) == 1
 
 
+async def test_a_shared_prompt_prefix_stays_on_one_site(
+    demo: Demo, http: aiohttp.ClientSession
+) -> None:
+    hdrs = {"X-Cpn-Client-Region": "shanghai"}
+    homes = {}
+    for team in range(6):
+        system = f"Team {team}: you are the assistant of the operations team. " * 6  # > 256 B
+        sites = set()
+        for question in range(4):
+            body = {"prompt": system + f"question {question}?", "max_tokens": 2}
+            async with http.post(
+                f"{demo.url}/v1/infer/qwen-72b/v1/completions", json=body, headers=hdrs
+            ) as resp:
+                assert resp.status == 200
+                sites.add(resp.headers["X-Cpn-Site"])
+        assert len(sites) == 1, (team, sites)  # one prefix, one site
+        homes[team] = sites.pop()
+    assert len(set(homes.values())) > 1, homes  # prefixes spread over the nearby sites
+    async with http.post(
+        demo.url + "/v1/route",
+        json={"service": "qwen-72b", "client_region": "shanghai", "prefix_key": "doc-7"},
+    ) as resp:
+        route = await resp.json()
+    assert resp.status == 200 and route["reasons"], route
+    assert route["mode"] == "prefix" or route["home"] is not None, route["reasons"]
+    # the agents of `cpn up` read the stand-ins' /metrics: every candidate has fresh signals
+    ages = [c["signals_age_s"] for c in route["candidates"]]
+    assert all(age is not None and age < 10 for age in ages), route["candidates"]
+
+
 async def test_streamed_response_passes_through(demo: Demo, http: aiohttp.ClientSession) -> None:
     hdrs = {"X-Cpn-Client-Region": "shanghai"}
     body = {"prompt": "hi", "stream": True, "max_tokens": 6}
