@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
+from broker import columns
 from broker.jobs import JobSpec
 from broker.offers import (
     Federation,
@@ -269,6 +270,44 @@ def on_nodes(
     return None
 
 
+def node_choice(
+    req: Request, site: SiteOffer, model: str | None, price: float, free: int
+) -> tuple[str | None, float, int] | None:
+    """The node filter at a site that declares its nodes, for a request whose capacity part
+    chose `model` (USD per device-hour `price`, `free` devices; None: a CPU-only job) on the
+    site's totals: the same (model, price, free) when its nodes hold it, else the next
+    cheapest acceptable model whose nodes do, else None (the site fails `nodes`)."""
+    nodes = site.nodes
+    assert nodes is not None
+    count, per_node, cpu, mem = req.count, req.per_node, req.cpu, req.mem_gb
+    if per_node is None and count <= nodes.size.get(model, 0):  # type: ignore[arg-type]
+        # one node: exact from the nodes' frontier (one entry at most sites)
+        floor_mem = mem - 1e-9
+        for have, node_cpu, node_mem in nodes.frontier.get(model, ()):
+            if have >= count and node_cpu >= cpu and node_mem >= floor_mem:
+                return model, price, free
+    else:  # several nodes: nodes.fits, whose answers are remembered on the nodes
+        answers = nodes.held.get((count, per_node, cpu, mem))
+        known = None if answers is None else answers.get(model)
+        if known is None:
+            known = nodes.fits(model, count, per_node, cpu, mem)
+        if known:
+            return model, price, free
+    if not count:
+        return None
+    # the cheapest model with the devices in all is scattered over the nodes: the next
+    # cheapest acceptable one whose nodes hold the request
+    named, floor = req.named, req.min_mem_gb
+    ranked = nodes.ranked((count, per_node, cpu, mem), site.free_gpus, site.prices.usd_per_gpu_hour)
+    for p, minus_free, other in ranked:
+        if named is not None and other not in named:
+            continue
+        if floor is not None and site.gpu_mem_gb.get(other, 0.0) < floor:
+            continue
+        return other, p, -minus_free
+    return None
+
+
 @dataclass(slots=True)
 class Screen:
     """What `screen` found: feasible options in site order (`Option`), and per filter (FILTERS
@@ -291,12 +330,23 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     runner-up, by (cost, more free devices, site id), best first: it counts the others in
     `feasible` without building them.
     """
+    if not first and not req.best_effort and len(fed.sites) >= columns.VECTOR_MIN_SITES:
+        static, dynamic = fed.columns()
+        return columns.screen(req, fed.sites, static, dynamic, cheapest=cheapest)
+    return screen_loop(req, fed, first=first, cheapest=cheapest)
+
+
+def screen_loop(
+    req: Request, fed: Federation, *, first: bool = False, cheapest: bool = False
+) -> Screen:
+    """`screen` site by site: what it runs below VECTOR_MIN_SITES sites, for the first-fit
+    baseline and for best-effort work (which may use an oversubscribed site's spare capacity);
+    broker.columns runs the same filters a column at a time."""
     # The hot path: everything site-independent is in `req`, and the loop reads locals only.
     # So it writes out, rather than calls, two things kept once elsewhere: the capacity part
     # (`capacity`) and broker.pricing's arithmetic (hourly_usd, compute_usd, total_usd); a call
     # per site would cost a third of a submit. tests/broker/test_pricing.py holds them equal.
     count = req.count
-    per_node = req.per_node
     named = req.named
     floor = req.min_mem_gb
     cpu = req.cpu
@@ -323,9 +373,6 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
 
     quota_seen: dict[tuple[str | None, str], bool] = {}
-    single = per_node is None  # no devices-per-node asked: one node may hold it
-    shape = (count, per_node, cpu, mem)  # the key of the nodes' remembered answers (`held`)
-    mem_floor = mem - 1e-9
     failed: list[list[str]] = [[] for _ in FILTERS]
     options: list[Option] = []
     feasible = 0
@@ -385,35 +432,12 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
         if free_mem < mem_need:
             failed[MEM].append(sid)
             continue
-        nodes = site.nodes
-        if nodes is not None and check and spare is None:
-            if single and count <= nodes.size.get(model, 0):  # type: ignore[arg-type]
-                # one node: exact from the nodes' frontier (one entry at most sites)
-                holds = False
-                for have, node_cpu, node_mem in nodes.frontier.get(model, ()):
-                    if have >= count and node_cpu >= cpu and node_mem >= mem_floor:
-                        holds = True
-                        break
-            else:  # several nodes: nodes.fits, whose answers are remembered on the nodes
-                answers = nodes.held.get(shape)
-                known = None if answers is None else answers.get(model)
-                holds = nodes.fits(model, count, per_node, cpu, mem) if known is None else known
-            if not holds:
-                # the cheapest model with the devices in all is scattered over the nodes:
-                # the next cheapest acceptable one whose nodes hold the request
-                model = None
-                if count:
-                    ranked = nodes.ranked(shape, free_gpus, site.prices.usd_per_gpu_hour)
-                    for p, minus_free, other in ranked:
-                        if named is not None and other not in named:
-                            continue
-                        if floor is not None and site.gpu_mem_gb.get(other, 0.0) < floor:
-                            continue
-                        model, price, free = other, p, -minus_free
-                        break
-                if model is None:
-                    failed[NODES].append(sid)
-                    continue
+        if site.nodes is not None and check and spare is None:
+            fit = node_choice(req, site, model, price, free)
+            if fit is None:
+                failed[NODES].append(sid)
+                continue
+            model, price, free = fit
         rates = site.prices
         hourly = cpu * rates.usd_per_core_hour + mem * rates.usd_per_gb_mem_hour
         if count:

@@ -83,6 +83,7 @@ class NodesFree:
     __slots__ = (
         "frontier",
         "_by_name",
+        "_islands",
         "_ranked",
         "ceiling_cpu",
         "ceiling_mem_gb",
@@ -90,7 +91,6 @@ class NodesFree:
         "floor_mem_gb",
         "_ge",
         "held",
-        "_sorted",
         "most",
         "nodes",
         "packing",
@@ -132,8 +132,7 @@ class NodesFree:
         self.ceiling_cpu = max((node.cpu for node in nodes), default=0)
         self.ceiling_mem_gb = max((node.mem_gb for node in nodes), default=0.0)
         self._by_name: dict[str, int] | None = None
-        # model (None: cores) -> (free devices, cores, GB) of every node, most free first
-        self._sorted: dict[str | None, list[tuple[int, int, float]]] = {}
+        self._islands: dict[str | None, list[int]] | None = None  # island -> node positions
         self._ge = counts
         # (count, per_node, cpu, GB) -> model -> do the nodes hold it (`fits`); read by
         # broker.feasibility.screen directly, two dict lookups per site
@@ -175,6 +174,11 @@ class NodesFree:
                     )
                 )
         return cls(tuple(nodes), size, packing)
+
+    def at_least(self, model: str) -> Sequence[int]:
+        """[d] -> how many nodes have at least d free devices of the model (d up to the
+        node size; broker.columns reads it)."""
+        return self._ge.get(model, ())
 
     def position(self, name: str) -> int:
         by_name = self._by_name
@@ -291,35 +295,29 @@ class NodesFree:
         cpu: int,
         mem: float,
     ) -> bool:
-        """fits() node by node, most free first: `k` nodes that hold `big` (cores and memory
-        too), `need` in all that hold at least `small`."""
+        """fits() node by node: `k` nodes that hold `big` (cores and memory too), `need` in
+        all that hold at least `small` (a node that holds `big` holds `small`, so counting
+        both is enough, in any order; remembered by `fits`, so no sort is kept)."""
         cpu_big, mem_big = _split(cpu, mem, big, count)
         cpu_small, mem_small = _split(cpu, mem, small, count)
         mem_big -= 1e-9
         mem_small -= 1e-9
         n_big = n_small = 0
-        rows = self._sorted.get(model)
-        if rows is None:
-            rows = self._sorted[model] = self._rows(model)
-        for have, node_cpu, node_mem in rows:
+        for node in self.nodes:
+            have = 0 if model is None else node.gpus.get(model, 0)
             if have < small:
-                return False
+                continue
+            node_cpu, node_mem = node.cpu, node.mem_gb
             if have >= big and node_cpu >= cpu_big and node_mem >= mem_big:
                 n_big += 1
                 n_small += 1
             elif node_cpu >= cpu_small and node_mem >= mem_small:
                 n_small += 1
+            else:
+                continue
             if n_big >= k and n_small >= need:
                 return True
         return False
-
-    def _rows(self, model: str | None) -> list[tuple[int, int, float]]:
-        if model is None:
-            return sorted(((0, node.cpu, node.mem_gb) for node in self.nodes), reverse=True)
-        return sorted(
-            ((node.gpus.get(model, 0), node.cpu, node.mem_gb) for node in self.nodes),
-            reverse=True,
-        )
 
     # -- the choice ---------------------------------------------------------------------
 
@@ -338,9 +336,11 @@ class NodesFree:
         demands = shape(self.size, model, count, per_node)
         if demands is None:
             return None
-        islands: dict[str | None, list[int]] = {}
-        for i, node in enumerate(self.nodes):
-            islands.setdefault(node.island, []).append(i)
+        islands = self._islands
+        if islands is None:  # the nodes' islands never change: shared by `moved` copies
+            islands = self._islands = {}
+            for i, node in enumerate(self.nodes):
+                islands.setdefault(node.island, []).append(i)
         order = sorted(
             islands,
             key=lambda isl: (
@@ -456,6 +456,7 @@ class NodesFree:
             )
         out = NodesFree(tuple(nodes), self.size, self.packing)
         out._by_name = self._by_name
+        out._islands = self._islands
         return out
 
     def free_gpus(self, model: str) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from broker.columns import MAX_CHAIN, Dynamic, Static
 from broker.errors import BrokerError
 from broker.jobs import DataLocation, Group
 from broker.nodes import NodesFree, Packing
@@ -181,7 +182,7 @@ class _Index:
     """What a snapshot derives once; shared by the snapshots `apply` makes from it, since
     apply changes free capacity only (never ids, regions, prices or RTTs)."""
 
-    __slots__ = ("by_id", "egress", "models", "orders", "regions", "rtt")
+    __slots__ = ("by_id", "columns", "egress", "models", "orders", "regions", "rtt")
 
     def __init__(self, sites: tuple[SiteOffer, ...]) -> None:
         self.by_id: dict[str, int] = {}
@@ -192,6 +193,7 @@ class _Index:
         self.egress: tuple[dict[str, float], float] | None = None
         self.models: dict[str, tuple[str, ...]] | None = None
         self.regions: Mapping[str, str] | None = None
+        self.columns: Static | None = None  # broker.columns' static part, built on first use
         # request shape -> place's index: sites by the lowest hourly rate the shape could cost
         # there, each with its acceptable (model, price) pairs
         self.orders: dict[tuple[object, ...], Any] = {}
@@ -208,9 +210,40 @@ class Federation:
     sites: tuple[SiteOffer, ...]
     user_rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
     _index: _Index = field(init=False, repr=False, compare=False)
+    # broker.columns' free capacity and state: built on first use, or the offers changed since
+    # a snapshot that has them (with_offer); None: to be built from the sites
+    _columns: Dynamic | _Changed | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", _Index(self.sites))
+        object.__setattr__(self, "_columns", None)
+
+    def columns(self) -> tuple[Static, Dynamic]:
+        """The snapshot as columns (broker.columns): the lineage's static part, built once,
+        and this snapshot's free capacity, from the last snapshot of the lineage that had its
+        columns plus the offers changed since (at most MAX_CHAIN), else from the sites."""
+        index = self._index
+        static = index.columns
+        if static is None:
+            static = index.columns = Static(self.sites)
+        link = self._columns
+        if isinstance(link, Dynamic) and link.static is static:
+            return static, link
+        changes: dict[int, SiteOffer] = {}
+        while isinstance(link, _Changed):
+            changes.setdefault(link.pos, link.offer)  # newest first
+            link = link.before
+        dynamic = None
+        if isinstance(link, Dynamic) and link.static is static:
+            dynamic = link.changed(changes)
+        if dynamic is None:
+            dynamic = Dynamic.of(static, self.sites)
+        if dynamic is None:  # a site lists a model the lineage's columns do not: start afresh
+            static = index.columns = Static(self.sites)
+            dynamic = Dynamic.of(static, self.sites)
+            assert dynamic is not None
+        object.__setattr__(self, "_columns", dynamic)
+        return static, dynamic
 
     @property
     def site_region(self) -> Mapping[str, str]:
@@ -321,7 +354,22 @@ class Federation:
         object.__setattr__(new, "sites", tuple(sites))
         object.__setattr__(new, "user_rtt_ms", self.user_rtt_ms)
         object.__setattr__(new, "_index", self._index)
+        link = self._columns
+        if link is not None:
+            depth = 1 if isinstance(link, Dynamic) else link.depth + 1
+            link = _Changed(link, pos, offer, depth) if depth <= MAX_CHAIN else None
+        object.__setattr__(new, "_columns", link)
         return new
+
+
+@dataclass(frozen=True, slots=True)
+class _Changed:
+    """One offer replaced since a snapshot (`before`: its columns, or its own change)."""
+
+    before: Dynamic | _Changed
+    pos: int
+    offer: SiteOffer
+    depth: int
 
 
 @dataclass(frozen=True, slots=True)
