@@ -487,13 +487,20 @@ class Workload:
     async def stop(self) -> None:
         """Graceful agent stop: SIGTERM every job (SIGKILL after the grace), report nothing.
 
-        The agent then revokes its lease; the broker sees the site go down and moves the jobs.
+        Ready replicas of managed services are drained first (out of routing, then what they
+        have in flight finishes, sites.replicas), while the agent still publishes. The agent
+        then revokes its lease; the broker sees the site go down and moves the jobs.
         """
         self._closing.set()
         main = self._main
         if main is not None and not main.done():
             main.cancel()
             await asyncio.gather(main, return_exceptions=True)
+        serving = [
+            run for run in self._runs.values()
+            if run.live and run.replica is not None and run.replica.state is ReplicaState.ready
+        ]  # fmt: skip
+        await asyncio.gather(*(self._drain(run, run.replica) for run in serving if run.replica))
         live = [run for run in self._runs.values() if run.live and run.handle is not None]
         await asyncio.gather(
             *(self.executor.stop(run.handle, self.stop_grace_s) for run in live if run.handle)

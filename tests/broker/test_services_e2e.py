@@ -1,5 +1,6 @@
 """Managed inference services end to end (docs/services.md): real etcd, agent and broker
-processes, stand-in model servers (`python -m routing.modelserver`) as the replicas.
+processes, stand-in model servers (routing.modelserver, made to drop what they have in flight
+on SIGTERM: tests/broker/abrupt_modelserver.py) as the replicas.
 
 One federation serves the whole lifecycle test (apply -> ready -> traffic -> a recorded
 decision scales up -> a lower one drains a replica with streams in flight -> its site's agent
@@ -37,6 +38,8 @@ CLIENTS = {
         {"id": "user-eu", "attach": [{"site": "abroad"}], "cidrs": ["10.2.0.0/16"]},
     ]
 }  # fmt: skip
+# the stand-in, but dropping what it has in flight on SIGTERM: only a drain saves a stream
+ABRUPT = Path(__file__).resolve().parent / "abrupt_modelserver.py"
 SERVICE_MS = 1500  # every request takes 1.5 s: a stream is still in flight when its drain begins
 
 
@@ -46,7 +49,7 @@ def service_doc(**overrides: Any) -> dict[str, Any]:
         "tenant": "t1",
         "model": "standin-7b",
         "command": [
-            sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:{port}",
+            sys.executable, str(ABRUPT), "--listen", "127.0.0.1:{port}",
             "--name", "chat", "--median-ms", str(SERVICE_MS), "--p99-ms", str(SERVICE_MS),
             "--max-concurrency", "8", "--tokens", "15",
         ],
@@ -228,6 +231,17 @@ async def test_a_service_scales_drains_and_replaces_its_replicas(
             lambda: _ok(infer(http, fed), avoid=first["site"]), 15, "traffic moved"
         )
         assert site != first["site"]
+
+        # a graceful stop of the replica's agent drains it first: a stream in flight survives
+        serving = next(r["site"] for r in ready(view) if r["site"] != first["site"])
+        opened = asyncio.Queue()
+        last = asyncio.create_task(stream(http, fed, "last", opened))
+        assert await asyncio.wait_for(opened.get(), 10) == serving
+        agent = fed.agents[serving]
+        agent.send_signal(signal.SIGTERM)
+        status, site, body = await last
+        assert (status, site) == (200, serving) and body.rstrip().endswith(b"data: [DONE]")
+        assert await asyncio.to_thread(agent.wait, 20) == 0
 
         # the stuck service's replicas never got ready: each stopped at its timeout, failed
         async def stopped_unready() -> bool:
