@@ -64,7 +64,10 @@ log = logging.getLogger(__name__)
 INTERVAL_S = 1.0
 REPLACE_BACKOFF_S = 1.0
 REPLACE_BACKOFF_MAX_S = 300.0
-CANCEL_BATCH = 100  # cancels per transaction (each is ~5 operations; etcd allows 1,024)
+# cancels and creations per pass (a transaction): each is ~5 operations, etcd allows 1,024 in
+# one; a larger step is carried out over several passes
+CANCEL_BATCH = 100
+CREATE_BATCH = 100
 
 
 @dataclass
@@ -146,6 +149,9 @@ def plan(
         ordered = sorted(entries, key=worth, reverse=True)
         keep += ordered[:want]
         for entry in ordered[want:]:
+            if len(out.cancel) >= CANCEL_BATCH:
+                keep.append(entry)  # the next pass
+                continue
             out.cancel.append(entry.job)
             stale = entry.generation < current
             events.append(
@@ -170,7 +176,7 @@ def plan(
         have = {r: len(v) for r, v in by_region.items()}
         for region, want in sorted(desired.items()):
             for _ in range(max(0, want - have.get(region, 0))):
-                if len(keep) + len(new) >= spec.max_replicas:
+                if len(keep) + len(new) >= spec.max_replicas or len(new) >= CREATE_BATCH:
                     break
                 job_id = new_id()
                 new.append(

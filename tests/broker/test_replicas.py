@@ -145,3 +145,17 @@ def test_a_new_generation_rolls_one_replica_at_a_time() -> None:
     assert {(e.job, e.generation) for e in done.record.replicas} == {("chat-new1", 2), ("b", 1)}
     nxt = plan(done.record, decision(east=1, west=1), jobs, lambda _: True, 13.0, ids())
     assert nxt.create == [("chat-new1", "west")]
+
+
+def test_a_large_step_is_carried_out_over_several_passes() -> None:
+    from broker.replicas import CANCEL_BATCH, CREATE_BATCH
+
+    big = spec(min_replicas=0, max_replicas=1000)
+    step = plan(record(spec=big), decision(east=300), {}, lambda _: False, 1.0, ids())
+    assert len(step.create) == CREATE_BATCH
+    entries = [(f"r{i}", "east", float(i)) for i in range(300)]
+    rec = record(*entries, spec=big)
+    jobs = {j: job(j) for j, _, _ in entries}
+    step = plan(rec, decision(east=10), jobs, lambda _: True, 1.0, ids())
+    assert len(step.cancel) == CANCEL_BATCH
+    assert step.record is not None and len(step.record.replicas) == 300 - CANCEL_BATCH
