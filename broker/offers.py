@@ -341,6 +341,36 @@ class Federation:
             order = orders[key] = build()
         return order
 
+    def keep_columns(self, previous: Federation) -> None:
+        """Start from `previous`'s columns (broker.columns; the view's last snapshot, when it
+        builds this one from changed offers): its static part when every site keeps its id,
+        region, prices and device memory, and its free capacity with the changed offers
+        applied on first use; nothing when more than MAX_CHAIN offers changed."""
+        static = previous._index.columns
+        link = previous._columns
+        if static is None or link is None or len(previous.sites) != len(self.sites):
+            return
+        depth = 0 if isinstance(link, Dynamic) else link.depth
+        changed: list[int] = []
+        for pos, (old, new) in enumerate(zip(previous.sites, self.sites, strict=True)):
+            if old is new:
+                continue
+            if (
+                old.id != new.id
+                or old.region != new.region
+                or old.prices != new.prices
+                or old.gpu_mem_gb != new.gpu_mem_gb
+            ):
+                return
+            changed.append(pos)
+            if depth + len(changed) > MAX_CHAIN:
+                return
+        for pos in changed:
+            depth += 1
+            link = _Changed(link, pos, self.sites[pos], depth)
+        self._index.columns = static
+        object.__setattr__(self, "_columns", link)
+
     def with_offer(self, offer: SiteOffer) -> Federation:
         """A snapshot with the site of the same id replaced; O(sites) pointer copies only.
 

@@ -309,6 +309,8 @@ def federation(
     ):
         return previous
     fed = view.derived.federation = pl.Federation(sites=tuple(offers), user_rtt_ms=user_rtt_ms)
+    if previous is not None:
+        fed.keep_columns(previous)  # broker.columns: only the changed offers are redone
     return fed
 
 

@@ -10,10 +10,12 @@ batch pass's (no capacity check).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import pytest
 
 from broker import columns
@@ -207,3 +209,29 @@ def test_screen_takes_the_columns_from_vector_min_sites() -> None:
         req = request(spec, fed, now=NOW, usage=usage, groups=groups)
         same(screen(req, fed, cheapest=True), screen_loop(req, fed, cheapest=True))
         assert isinstance(fed._columns, columns.Dynamic) is vector  # built only when used
+
+
+def test_a_new_snapshot_of_changed_offers_keeps_the_columns_of_the_last() -> None:
+    # the view builds a new Federation when offers change: only those are redone
+    rng = random.Random(5)
+    before = federation(150, rng)
+    static, _ = before.columns()
+    sites = list(before.sites)
+    for pos in (3, 77):
+        sites[pos] = dataclasses.replace(sites[pos], free_cpu=sites[pos].free_cpu // 2, up=False)
+    after = Federation(sites=tuple(sites), user_rtt_ms=before.user_rtt_ms)
+    after.keep_columns(before)
+    kept, dynamic = after.columns()
+    assert kept is static
+    fresh = columns.Dynamic.of(static, after.sites)
+    assert fresh is not None
+    for name in columns.Dynamic.__slots__:
+        if name != "static":
+            assert np.array_equal(getattr(dynamic, name), getattr(fresh, name)), name
+    # a price changed: the static part is not the lineage's any more
+    sites[5] = dataclasses.replace(
+        sites[5], prices=sites[5].prices.model_copy(update={"usd_per_core_hour": 9.0})
+    )
+    repriced = Federation(sites=tuple(sites), user_rtt_ms=before.user_rtt_ms)
+    repriced.keep_columns(before)
+    assert repriced.columns()[0] is not static
