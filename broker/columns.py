@@ -295,8 +295,9 @@ def screen(
     def stop(k: int, bad: Bools) -> None:
         nonlocal alive
         hit = alive & bad
-        failed_masks[k] = hit
-        alive &= ~hit
+        if hit.any():
+            failed_masks[k] = hit if failed_masks[k] is None else failed_masks[k] | hit
+            alive &= ~hit
 
     stop(fz.CORDONED, dyn.cordoned)
     if req.allowed is not None or req.denied:
@@ -440,6 +441,7 @@ def screen(
         stop(fz.TENANT_BUDGET, cost > req.tenant_left_usd)
     ids = static.ids
     failed = [[] if mask is None else ids[mask].tolist() for mask in failed_masks]
+
     at = np.flatnonzero(alive)
     if cheapest and len(at) > 2:
         order = np.lexsort((static.sid_rank[at], -free[at], cost[at]))
