@@ -296,7 +296,8 @@ def screen(
         nonlocal alive
         hit = alive & bad
         if hit.any():
-            failed_masks[k] = hit if failed_masks[k] is None else failed_masks[k] | hit
+            before = failed_masks[k]
+            failed_masks[k] = hit if before is None else before | hit
             alive &= ~hit
 
     stop(fz.CORDONED, dyn.cordoned)
