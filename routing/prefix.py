@@ -30,29 +30,32 @@ MAX_SCAN = 64 * 1024
 MAX_HEADER_KEY = 256  # a longer header is hashed as well, so keys stay small
 _FIELDS = (b'"prompt"', b'"messages"')
 _SPACE = b" \t\r\n"
+_COLON = ord(":")
 
 
 def prefix_key(body: bytes, chars: int) -> str | None:
     """The prefix key of a JSON request body (module docstring), or None."""
     if chars <= 0 or not body:
         return None
-    head = body[:MAX_SCAN]
-    at = -1
-    for name in _FIELDS:
-        found = head.find(name)
-        if found >= 0 and (at < 0 or found < at):
-            at = found + len(name)
-    if at < 0:
+    n = min(len(body), MAX_SCAN)
+    # the first of the two keys; no copy of the body (find takes bounds)
+    at = body.find(_FIELDS[0], 0, n)
+    end = n if at < 0 else at
+    other = body.find(_FIELDS[1], 0, end)
+    if other >= 0:
+        at = other + len(_FIELDS[1])
+    elif at >= 0:
+        at += len(_FIELDS[0])
+    else:
         return None
-    n = len(head)
-    while at < n and head[at] in _SPACE:
+    while at < n and body[at] in _SPACE:
         at += 1
-    if at >= n or head[at] != ord(":"):
+    if at >= n or body[at] != _COLON:
         return None
     at += 1
-    while at < n and head[at] in _SPACE:
+    while at < n and body[at] in _SPACE:
         at += 1
-    value = head[at : at + chars]
+    value = body[at : at + chars]
     if len(value) < chars or value.startswith((b'""', b"[]", b"null")):
         return None  # a short prompt has little prefill to reuse: no affinity for it
     return "p:" + hashlib.blake2b(value, digest_size=12).hexdigest()
