@@ -42,6 +42,7 @@ GE_MAX = 8  # devices per node up to which the columns count nodes by free devic
 
 Bools = npt.NDArray[np.bool_]
 Ints = npt.NDArray[np.int64]
+Small = npt.NDArray[np.int32]  # counts of devices and nodes
 Floats = npt.NDArray[np.float64]
 
 
@@ -116,12 +117,12 @@ class Dynamic:
     free_mem: Floats
     free: Ints  # (models, sites)
     has_nodes: Bools
-    node_size: Ints  # (models + 1, sites)
-    fr_rows: Ints  # (models + 1, sites)
-    fr_have: Ints  # (models + 1, FRONTIER_ROWS, sites)
+    node_size: Small  # (models + 1, sites)
+    fr_rows: Small  # (models + 1, sites)
+    fr_have: Small  # (models + 1, FRONTIER_ROWS, sites)
     fr_cpu: Ints
     fr_mem: Floats
-    ge: Ints  # (models + 1, GE_MAX + 1, sites)
+    ge: Small  # (models + 1, GE_MAX + 1, sites)
     floor_cpu: Ints
     floor_mem: Floats
     ceiling_cpu: Ints
@@ -139,12 +140,12 @@ class Dynamic:
             free_mem=np.zeros(n, dtype=np.float64),
             free=np.full((rows - 1, n), -1, dtype=np.int64),
             has_nodes=np.zeros(n, dtype=np.bool_),
-            node_size=np.zeros((rows, n), dtype=np.int64),
-            fr_rows=np.zeros((rows, n), dtype=np.int64),
-            fr_have=np.full((rows, FRONTIER_ROWS, n), -1, dtype=np.int64),
+            node_size=np.zeros((rows, n), dtype=np.int32),
+            fr_rows=np.zeros((rows, n), dtype=np.int32),
+            fr_have=np.full((rows, FRONTIER_ROWS, n), -1, dtype=np.int32),
             fr_cpu=np.full((rows, FRONTIER_ROWS, n), -1, dtype=np.int64),
             fr_mem=np.full((rows, FRONTIER_ROWS, n), -math.inf, dtype=np.float64),
-            ge=np.zeros((rows, GE_MAX + 1, n), dtype=np.int64),
+            ge=np.zeros((rows, GE_MAX + 1, n), dtype=np.int32),
             floor_cpu=np.zeros(n, dtype=np.int64),
             floor_mem=np.zeros(n, dtype=np.float64),
             ceiling_cpu=np.zeros(n, dtype=np.int64),
