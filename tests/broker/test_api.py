@@ -194,6 +194,12 @@ def test_a_body_without_content_type_is_read_as_json(api: ApiBroker) -> None:
         ({"service": "qwen-72b", "client_region": "shanghai", "extra": 1}, "extra"),
         ({"service": "qwen-72b", "client_region": "atlantis"}, "client_region"),
         ({"service": "qwen-72b"}, "client_region"),
+        ({"service": "qwen-72b", "client_region": "shanghai", "prefix_key": ""}, "prefix_key"),
+        ({"service": "qwen-72b", "client_region": "shanghai", "prefix_key": 7}, "prefix_key"),
+        (
+            {"service": "qwen-72b", "client_region": "shanghai", "prefix_key": "k" * 257},
+            "prefix_key",
+        ),
     ],
 )
 def test_route_bodies_are_strict(api: ApiBroker, body: dict[str, Any], field: str) -> None:
