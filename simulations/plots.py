@@ -80,6 +80,8 @@ PLOTS = {
     "footprint_by_tenant.png": "Cost, energy and carbon by tenant",
     "inference_slo.png": "Inference SLO attainment per client region",
     "inference_site_load.png": "Inference load per site (offered / capacity)",
+    "service_replicas.png": "Autoscaled services: replicas per region under each policy",
+    "service_demand.png": "Autoscaled services: demand and SLO attainment per client region",
     "site_timeline.png": "Site failures",
     "tenant_shares.png": "Each tenant's share of the GPUs (dashed: its weight's target)",
     "tenant_preemption.png": "Borrowed quota and preemptions per tenant",
@@ -236,6 +238,41 @@ class _Plot:
     size: tuple[float, float] = (9.0, 3.8)
 
 
+def _service_plots(results: Results) -> list[_Plot]:
+    """Replicas per region under each policy (one panel each), then demand and SLO attainment
+    per client region, for every autoscaled service (simulations.autoscaling)."""
+    replicas: list[_Panel] = []
+    demand: list[_Panel] = []
+    for name, svc in sorted(_map(results.get("services")).items()):
+        runs = {str(_at(svc, "policy")): svc, **_map(_at(svc, "baselines"))}
+        for policy, run in runs.items():
+            series = _at(run, "series")
+            xs, xlabel = _time_axis(_floats(_at(series, "t_s")))
+            lines = _top_lines(_series(_at(series, "replicas")), {})
+            replicas.append(_Lines(xs, lines, xlabel, "replicas", title=f"{name}: {policy}"))
+        series = _at(svc, "series")
+        xs, xlabel = _time_axis(_floats(_at(series, "t_s")))
+        demand.append(
+            _Lines(xs, _top_lines(_series(_at(series, "demand")), {}), xlabel, "req/s", name)
+        )
+        demand.append(
+            _Lines(
+                xs,
+                _top_lines(_series(_at(series, "slo_attainment")), {}),
+                xlabel,
+                "SLO attainment",
+                f"{name}: {_at(svc, 'policy')}",
+                percent=True,
+            )
+        )
+    if not replicas:
+        return []
+    return [
+        _Plot("service_replicas.png", replicas, size=(9.0, 3.0)),
+        _Plot("service_demand.png", demand, size=(9.0, 3.0)),
+    ]
+
+
 def _with_data(plots: Sequence[_Plot]) -> list[_Plot]:
     """The plots with their empty panels dropped, less those left with none."""
     return [replace(p, panels=ps) for p in plots if (ps := [x for x in p.panels if x.has_data()])]
@@ -358,6 +395,7 @@ def _plan_plots(results: Results) -> list[_Plot]:
             _Plot("inference_site_load.png", [_Lines(xi, load, xlabel_i, "load", reference=1.0)])
         )
     plots += _tenancy_plots(results, x, xlabel)
+    plots += _service_plots(results)
     horizon = _f(results, "scenario", "horizon_s") or max(t, default=0.0)
     down: dict[str, list[tuple[float, float]]] = {}
     for f in _failures(results):

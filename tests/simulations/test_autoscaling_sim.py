@@ -186,3 +186,4 @@ def test_cpn_simulate_prints_the_services(
     assert out.returncode == 0, out.stderr
     assert "Service chat" in out.stdout
     assert "static" in out.stdout
+    assert (tmp_path / "report" / "service_replicas.png").stat().st_size > 0
