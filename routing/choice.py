@@ -82,9 +82,9 @@ def choose(
 ) -> Choice | None:
     """Pick a site from the ranking (module docstring); None when nothing is ranked.
 
-    The band, hysteresis and slacks have no defaults here: routing.policy.RoutingSettings holds
-    the one set the gateway and the simulator use (prefix_slack_ms matters only with a
-    prefix_key). InvalidParameter names a bad one."""
+    The band, hysteresis and affinity slack have no defaults here: routing.policy.RoutingSettings
+    holds the one set the gateway and the simulator use (prefix_slack_ms has one because only a
+    prefix_key reads it). InvalidParameter names a bad one."""
     if prefix_key is not None and not (0 <= prefix_slack_ms < math.inf):
         raise InvalidParameter(
             f"prefix_slack_ms must be a finite number >= 0, got {prefix_slack_ms}",
