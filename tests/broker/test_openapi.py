@@ -64,6 +64,12 @@ CONFIG = {
         # a workflow's coverage cases (one per field of every step) cost a fifth of the run;
         # its valid and invalid bodies come from fuzzing
         {"include-operation-id": "submit_workflow", "phases": {"coverage": {"enabled": False}}},
+        # a service's resources are a job's (POST /v1/jobs covers them): its coverage cases
+        # are the refusals only
+        {
+            "include-operation-id": "apply_service",
+            "phases": {"coverage": {"generation": {"mode": "negative"}}},
+        },
     ],
     "request-timeout": 10,
     "workers": 1,
@@ -98,4 +104,5 @@ def test_no_server_error_and_bad_input_is_refused(
     assert {"POST /v1/jobs", "POST /v1/route", "POST /v1/infer/{service}/{path}"} <= tested
     assert {"PUT /v1/tenants/{tenant}", "PUT /v1/tenancy", "GET /v1/tenants"} <= tested
     assert {"POST /v1/workflows", "POST /v1/workflows/{workflow}/retry"} <= tested
+    assert {"PUT /v1/services/{name}", "GET /v1/services", "DELETE /v1/services/{name}"} <= tested
     assert time.monotonic() - started < 60
