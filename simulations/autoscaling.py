@@ -17,8 +17,8 @@ For each service of a scenario's `services:` section (simulations.service_demand
    lognormal of configs/standin.yaml for spec.model). A request waits with the Erlang C
    probability for an exponential time; a replica offered more than 98 % of its capacity
    serves 98 % and drops the rest. A request's TTFT = RTT + wait + service time: the share
-   within the SLO is computed (the lognormal's CDF, the wait integrated over its quantiles),
-   the p95 comes from a fixed bank of draws (seeded); dropped and unroutable requests miss.
+   within the SLO is computed (simulations.ttft), the p95 comes from a fixed bank of draws
+   (seeded); dropped and unroutable requests miss.
 4. Signals, as a replica's model server would publish them (vLLM names): running = busy
    slots, waiting = the M/M/c mean queue (or what exceeds capacity), KV-cache use = busy
    slots / slots (a modelled figure: a slot's sequence holds its share of the cache).
@@ -65,6 +65,7 @@ from simulations.inference import SliceRouter, build_topology, service_profiles
 from simulations.queueing import erlang_c
 from simulations.scenario import Scenario, SimFederation
 from simulations.service_demand import AutoscaledService, ScalerKind
+from simulations.ttft import BINS, ServiceTime, quantile, step_p95
 from sites.status import ServiceEndpoint, SiteState
 
 __all__ = ["BANK", "SLICES", "ServiceSim", "run_services", "static_fleet"]
@@ -74,11 +75,6 @@ BANK = 256  # draws per (client region, site) pair and step
 MAX_LOAD = 0.98
 SERIES_POINTS = 288  # series samples over the horizon (every 5 min of a day)
 MAX_CHANGES = 500  # scaling changes kept in the results
-_Z99 = 2.3263478740408408
-WAIT_POINTS = 64
-# quantiles of the standard exponential at the midpoints of WAIT_POINTS equal slices
-_WAIT_QUANTILES = -np.log(1.0 - (np.arange(WAIT_POINTS) + 0.5) / WAIT_POINTS)
-_BINS = np.concatenate(([0.0], np.geomspace(0.5, 600_000.0, 600)))  # ms
 
 
 @dataclass(slots=True)
@@ -120,9 +116,8 @@ class ServiceSim:
         self.np_rng = np.random.default_rng([scenario.seed, 15])
         models, default = service_profiles(scenario.configs_dir / "standin.yaml")
         median, p99 = models.get(self.spec.model, default)
-        self.sigma = math.log(p99 / median) / _Z99 if p99 > median else 0.0
-        self.mu_log = math.log(median)
-        self.mean_ms = math.exp(self.mu_log + self.sigma * self.sigma / 2)
+        self.ttft = ServiceTime.of(median, p99)
+        self.mean_ms = self.ttft.mean_ms
         self.slots = self.spec.scaling.max_concurrency
         # the regions replicas may run in, each at its first site (file order)
         site_of: dict[str, str] = {}
@@ -156,7 +151,7 @@ class ServiceSim:
                     row[region] = ms
             self.rtt[client] = row
         self.replicas = {r: _Replicas() for r in self.site_of}
-        self.acc = {c: _Client(np.zeros(len(_BINS) - 1)) for c in self.clients}
+        self.acc = {c: _Client(np.zeros(len(BINS) - 1)) for c in self.clients}
         self.replica_s = 0.0
         self.changes: list[dict[str, Any]] = []
         self.decisions = 0
@@ -309,7 +304,7 @@ class ServiceSim:
         normal = np.roll(self.normal_bank, shift)
         unit = np.roll(self.unit_bank, shift)
         expo = np.roll(self.exp_bank, shift)
-        service = np.exp(self.mu_log + self.sigma * normal)
+        service = self.ttft.draws(normal)
         for client in self.clients:
             acc = self.acc[client]
             total = counts[client]
@@ -328,39 +323,16 @@ class ServiceSim:
                 rtt = self.topology.rtt_ms(client, site) or 0.0
                 wait = np.where(unit < p_wait, expo / rate, 0.0) if p_wait > 0 else 0.0
                 lat = rtt + wait + service
-                acc.hist += np.histogram(lat, _BINS)[0] * (served / BANK)
-                within += self._attained(slo - rtt, p_wait, rate) * served
+                acc.hist += np.histogram(lat, BINS)[0] * (served / BANK)
+                within += self.ttft.attained(slo - rtt, p_wait, rate) * served
                 parts.append(lat)
                 weights.append(served)
             acc.within += within
             acc.dropped += lost
-            p95[client] = _step_p95(parts, weights, lost)
+            p95[client] = step_p95(parts, weights, lost)
             seen_total, seen_within = self._window[client]
             self._window[client] = (seen_total + total, seen_within + within)
         return rates, p95, signals
-
-    def _attained(self, budget_ms: float, p_wait: float, rate: float) -> float:
-        """P(wait + service <= budget_ms): exact for the service time's lognormal, the wait's
-        exponential integrated over WAIT_POINTS of its quantiles (the draws' bank would
-        quantize the share to 1/BANK)."""
-        if budget_ms <= 0:
-            return 0.0
-        no_wait = float(self._cdf(np.array([budget_ms]))[0])
-        if p_wait <= 0 or rate <= 0:
-            return no_wait
-        waited = float(self._cdf(budget_ms - _WAIT_QUANTILES / rate).mean())
-        return (1.0 - p_wait) * no_wait + p_wait * waited
-
-    def _cdf(self, x_ms: np.ndarray) -> np.ndarray:
-        """The service time's CDF at x_ms."""
-        out = np.zeros_like(x_ms, dtype=np.float64)
-        pos = x_ms > 0
-        if self.sigma <= 0:
-            out[pos] = (x_ms[pos] >= math.exp(self.mu_log)).astype(np.float64)
-            return out
-        z = (np.log(x_ms[pos]) - self.mu_log) / (self.sigma * math.sqrt(2.0))
-        out[pos] = 0.5 * (1.0 + _erf(z))
-        return out
 
     # -- scaling -------------------------------------------------------------------------------
 
@@ -485,8 +457,8 @@ class ServiceSim:
                 "requests": acc.requests,
                 "slo_ms": self.spec.slo.for_region(client),
                 "slo_attainment": acc.within / acc.requests if acc.requests else None,
-                "p95_ms": _quantile(acc.hist, 0.95, acc.dropped),
-                "p99_ms": _quantile(acc.hist, 0.99, acc.dropped),
+                "p95_ms": quantile(acc.hist, 0.95, acc.dropped),
+                "p99_ms": quantile(acc.hist, 0.99, acc.dropped),
                 "dropped": acc.dropped,
             }
         attained = {c: r["slo_attainment"] for c, r in regions.items() if r["requests"] > 0}
@@ -576,46 +548,3 @@ def _scaled(progress: Callable[[float], None], i: int, n: int) -> Callable[[floa
 def _offset(fed: SimFederation, client: str) -> float:
     where = fed.user_regions.get(client)
     return float(round(where.lon / 15.0)) if where is not None else 0.0
-
-
-def _step_p95(parts: Sequence[np.ndarray], weights: Sequence[float], lost: float) -> float | None:
-    """The p95 of one step's latencies, the draws of each pair weighted by its requests;
-    dropped requests count as infinitely late."""
-    total = sum(weights) + lost
-    if total <= 0:
-        return None
-    if lost / total > 0.05 or not parts:
-        return math.inf if lost > 0 else None
-    lat = np.concatenate(parts)
-    w = np.concatenate([np.full(len(p), wt / len(p)) for p, wt in zip(parts, weights, strict=True)])
-    order = np.argsort(lat)
-    cum = np.cumsum(w[order])
-    i = int(np.searchsorted(cum, 0.95 * total))
-    return float(lat[order][min(i, len(lat) - 1)])
-
-
-def _erf(x: np.ndarray) -> np.ndarray:
-    """erf, Abramowitz and Stegun 7.1.26 (absolute error below 1.5e-7): numpy has none."""
-    sign = np.sign(x)
-    a = np.abs(x)
-    t = 1.0 / (1.0 + 0.3275911 * a)
-    poly = t * (
-        0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429)))
-    )
-    result: np.ndarray = sign * (1.0 - poly * np.exp(-a * a))
-    return result
-
-
-def _quantile(hist: np.ndarray, q: float, dropped: float) -> float | None:
-    served = float(hist.sum())
-    total = served + dropped
-    if total <= 0:
-        return None
-    if q * total > served:
-        return None  # the quantile is a dropped request: no latency to name
-    cum = np.cumsum(hist)
-    i = min(int(np.searchsorted(cum, q * total)), len(hist) - 1)
-    below = float(cum[i - 1]) if i > 0 else 0.0
-    inside = float(hist[i])
-    frac = (q * total - below) / inside if inside > 0 else 0.0
-    return float(_BINS[i] + frac * (_BINS[i + 1] - _BINS[i]))
