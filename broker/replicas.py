@@ -239,6 +239,7 @@ class ReplicaReconciler:
         kick: asyncio.Event,
         on_error: Callable[[str], None] | None = None,
         interval_s: float = INTERVAL_S,
+        sovereignty: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
         self.registry = registry
         self.operations = operations
@@ -248,6 +249,7 @@ class ReplicaReconciler:
         self._kick = kick  # the scheduler's: new replica jobs are placed at once
         self._on_error = on_error or (lambda _service: None)
         self.interval_s = interval_s
+        self.sovereignty = dict(sovereignty or {})  # client region -> regions that may serve it
 
     async def run(self) -> None:
         while True:
@@ -353,7 +355,7 @@ class ReplicaReconciler:
 
     def _replica(self, record: ServiceRecord, job_id: str, region: str, now: float) -> JobRecord:
         spec = record.spec
-        job_spec = self.operations.admit(replica_spec(spec, region))
+        job_spec = self.operations.admit(replica_spec(spec, region, self.sovereignty))
         where = "any client region" if region == ANY_REGION else f"client region {region}"
         return JobRecord(
             id=job_id,

@@ -68,6 +68,9 @@ async def serve(
     if tls_cert is not None and tls_key is not None:
         ssl_context = server_ssl_context(tls_cert, tls_key)
     scheme = "https" if ssl_context else "http"
+    clients = None
+    if (config_dir / "clients.yaml").exists():
+        clients = load_clients(config_dir / "clients.yaml", user_regions=regions, sites=specs)
     registry = Registry.from_urls(etcd, tls=etcd_tls)
     await registry.connect()
     broker = Broker(
@@ -77,10 +80,11 @@ async def serve(
         tenancy=tenancy,
         settings=settings,
         url=f"{scheme}://{listen}",
+        # managed services' replicas for a client region run where it may be served
+        sovereignty=clients.sovereignty() if clients is not None else None,
     )
     router = None
-    if (config_dir / "clients.yaml").exists():
-        clients = load_clients(config_dir / "clients.yaml", user_regions=regions, sites=specs)
+    if clients is not None:
         router = Router(
             clients=clients,
             user_regions=regions,

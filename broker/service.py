@@ -76,6 +76,7 @@ class Broker:
         settings: BrokerSettings | None = None,
         clock: Clock | None = None,
         url: str = "",
+        sovereignty: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
         self.registry = registry
         self.catalog = catalog
@@ -127,8 +128,13 @@ class Broker:
         )
         # managed inference services (docs/services.md): the API side in any replica, the
         # replica reconciler in the leader
+        # sovereignty: client region -> the site regions that may serve it (configs/clients.yaml)
         self.services = Services(
-            registry=registry, operations=self.operations, clock=self.clock, view=self.view
+            registry=registry,
+            operations=self.operations,
+            clock=self.clock,
+            view=self.view,
+            sovereignty=sovereignty,
         )
         self.replicas = ReplicaReconciler(
             registry=registry,
@@ -138,6 +144,7 @@ class Broker:
             view=self.view,
             kick=self._kick,
             on_error=lambda service: self.metrics.service_errors.labels(service).inc(),
+            sovereignty=sovereignty,
         )
         self.history = HistoryKeeper(
             registry=registry,

@@ -11,7 +11,7 @@ jobs (one batched read) and the endpoints the broker's view holds.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -159,10 +159,25 @@ def serve_of(spec: ServiceSpec) -> Serve:
     )
 
 
-def replica_spec(spec: ServiceSpec, region: str) -> JobSpec:
+def allowed_regions(
+    spec: ServiceSpec, region: str, sovereignty: Mapping[str, frozenset[str]]
+) -> tuple[str, ...] | None:
+    """Where a replica for client region `region` may run: the service's regions, and of those
+    the ones that may serve that client region (configs/clients.yaml's allowed_regions)."""
+    served = sovereignty.get(region)
+    if served is None:
+        return spec.regions
+    if spec.regions is None:
+        return tuple(sorted(served))
+    return tuple(r for r in spec.regions if r in served)
+
+
+def replica_spec(
+    spec: ServiceSpec, region: str, sovereignty: Mapping[str, frozenset[str]] | None = None
+) -> JobSpec:
     """The job of one replica for client region `region` (ANY_REGION: none): the service's
     resources and command, at most one per site (spread group), within the SLO's RTT of the
-    region and nearer preferred."""
+    region and nearer preferred, in a region that may serve it."""
     user = None
     weight = 0.0
     if region != ANY_REGION:
@@ -177,7 +192,7 @@ def replica_spec(spec: ServiceSpec, region: str) -> JobSpec:
         duration_hours=REPLICA_DURATION_HOURS,
         user=user,
         latency_weight=weight,
-        allowed_regions=spec.regions,
+        allowed_regions=allowed_regions(spec, region, sovereignty or {}),
         group=Group(name=spread_group(spec.name), kind="spread"),
         command=spec.command,
         env=spec.env,
@@ -226,11 +241,13 @@ class Services:
         operations: Operations,
         clock: Clock,
         view: Callable[[], View],
+        sovereignty: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
         self.registry = registry
         self.operations = operations
         self.clock = clock
         self._view = view
+        self.sovereignty = dict(sovereignty or {})  # client region -> regions that may serve it
 
     # -- apply ------------------------------------------------------------------------------
 
@@ -242,6 +259,14 @@ class Services:
             if region not in known:
                 raise InvalidRequest(
                     f"unknown client region {region!r} (known: {', '.join(sorted(known))})",
+                    field=f"clients[{i}]",
+                )
+        for i, region in enumerate(spec.clients):
+            if allowed_regions(spec, region, self.sovereignty) == ():
+                served = ", ".join(sorted(self.sovereignty.get(region, ())))
+                raise InvalidRequest(
+                    f"client region {region!r} may be served from {served} only, and the "
+                    "service's regions name none of them",
                     field=f"clients[{i}]",
                 )
         for region in spec.slo.regions:
@@ -259,7 +284,7 @@ class Services:
         regions = [*spec.clients] or [ANY_REGION]
         for region in regions:
             try:
-                self.operations.admit(replica_spec(spec, region))
+                self.operations.admit(replica_spec(spec, region, self.sovereignty))
             except InvalidRequest as exc:
                 field = _FIELDS.get(exc.field or "", exc.field)
                 if field is not None and field.startswith("allowed_regions["):

@@ -159,3 +159,16 @@ def test_a_large_step_is_carried_out_over_several_passes() -> None:
     step = plan(rec, decision(east=10), jobs, lambda _: True, 1.0, ids())
     assert len(step.cancel) == CANCEL_BATCH
     assert step.record is not None and len(step.record.replicas) == 300 - CANCEL_BATCH
+
+
+def test_a_replica_runs_where_its_client_region_may_be_served() -> None:
+    from broker.service_ops import allowed_regions, replica_spec
+
+    served = {"east": frozenset({"cn-a", "cn-b"})}
+    assert allowed_regions(spec(), "east", served) == ("cn-a", "cn-b")
+    assert allowed_regions(spec(), "west", served) is None  # unrestricted: anywhere
+    assert allowed_regions(spec(regions=["cn-b", "us"]), "east", served) == ("cn-b",)
+    job_spec = replica_spec(spec(), "east", served)
+    assert job_spec.allowed_regions == ("cn-a", "cn-b")
+    assert job_spec.user is not None and job_spec.user.max_latency_ms == 500
+    assert job_spec.group is not None and job_spec.group.kind == "spread"

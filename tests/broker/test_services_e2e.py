@@ -304,7 +304,17 @@ async def _no_endpoints(fed: Federation) -> bool:
 def test_bad_service_files_name_their_field(
     make_federation: Callable[..., Federation], tmp_path: Path
 ) -> None:
-    fed = make_federation({"east-a": SITES["east-a"]}, agents=False)
+    cfg = tmp_path / "configs"
+    cfg.mkdir()
+    sovereign = {
+        "client_regions": [
+            {"id": "user-east", "attach": [{"site": "east-a"}], "cidrs": ["10.1.0.0/16"]},
+            {"id": "user-eu", "attach": [{"site": "abroad"}], "cidrs": ["10.2.0.0/16"],
+             "allowed_regions": ["eu"]},
+        ]
+    }  # fmt: skip
+    (cfg / "clients.yaml").write_text(yaml.safe_dump(sovereign))
+    fed = make_federation({n: SITES[n] for n in ("east-a", "abroad")}, agents=False)
     cases = {
         "slo": {k: v for k, v in service_doc().items() if k != "slo"},
         "max_replicas": service_doc(min_replicas=3, max_replicas=2),
@@ -314,6 +324,8 @@ def test_bad_service_files_name_their_field(
         "readiness.path": service_doc(readiness={"path": "healthz"}),
         "regions[0]": service_doc(regions=["mars"]),
         "env": service_doc(env={"CPN_PORT": "1"}),
+        # user-eu may be served from region eu only (clients.yaml), the service runs in east
+        "clients[1]": service_doc(clients=["user-east", "user-eu"], regions=["east"]),
     }
     for field, doc in cases.items():
         status, body = fed.request("PUT", "/v1/services/chat", doc)
