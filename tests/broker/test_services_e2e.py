@@ -232,6 +232,21 @@ async def test_a_service_scales_drains_and_replaces_its_replicas(
         )
         assert site != first["site"]
 
+        # a new command: a rolling update, a replica of generation 2 first, then the old drains
+        newer = service_doc()
+        newer["command"] = [*newer["command"], "--seed", "7"]
+        status, applied = fed.request("PUT", "/v1/services/chat", newer)
+        assert (status, applied["generation"]) == (200, 2), applied
+        view = await until(
+            lambda: _with(
+                describe(http, fed),
+                lambda v: [r["generation"] for r in v["replicas"]] == [2] and len(ready(v)) == 1,
+            ),
+            30,
+            "the replica of generation 2 alone",
+        )
+        assert any(e["type"] == "updated" for e in view["events"])
+
         # a graceful stop of the replica's agent drains it first: a stream in flight survives
         serving = next(r["site"] for r in ready(view) if r["site"] != first["site"])
         opened = asyncio.Queue()
