@@ -28,7 +28,6 @@ import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from broker.audit_intent import committed
 from broker.errors import BrokerError, InvalidRequest
 from broker.jobs import Event, JobRecord, JobState, ReplicaOf
 from broker.leadership import Leadership
@@ -345,7 +344,6 @@ class ReplicaReconciler:
             puts.update(writes(job))
             guards += [Guard(keys.job(job.id), 0), Guard(keys.archived_job(job.id), 0)]
         if await self.registry.commit(guards=guards, puts=puts, deletes=deletes):
-            committed()
             if created or step.cancel:
                 self._kick.set()
             for job_id, region in step.create:
