@@ -64,6 +64,7 @@ class ReplicaState(enum.StrEnum):
     starting = "starting"  # placed or running, not ready yet
     ready = "ready"  # its endpoint is published and routed to
     draining = "draining"  # taken out of routing, finishing what it has in flight
+    unhealthy = "unhealthy"  # was ready; its server does not answer its load now (not routed)
     suspended = "suspended"
 
 
@@ -427,6 +428,8 @@ def replica_state(job: JobRecord | None, ep: ServiceEndpoint | None, job_id: str
         return ReplicaState.draining
     if ready_endpoint(ep, job_id):
         return ReplicaState.ready
+    if ep is not None and ep.job == job_id and not ep.healthy:
+        return ReplicaState.unhealthy
     if job is None or job.state is JobState.PENDING:
         return ReplicaState.pending
     if job.state is JobState.SUSPENDED:
