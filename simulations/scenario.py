@@ -37,7 +37,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from broker.regions import load_user_regions, user_rtt_ms
 from broker.settings import SchedulingSettings
@@ -269,13 +277,14 @@ class Scenario(_Frozen):
         "(configs/tenants.yaml's format, broker.tenants); absent: the configs directory's "
         "tenants.yaml, if any",
     )
-    workloads: tuple[Workload, ...] = Field(
-        default=(), description="at least one, unless the scenario has services"
-    )
+    # services before workloads: the workloads' check reads them
     services: tuple[AutoscaledService, ...] = Field(
         default=(),
         description="autoscaled inference services and their daily demand "
         "(simulations.service_demand, simulations.autoscaling)",
+    )
+    workloads: tuple[Workload, ...] = Field(
+        default=(), description="at least one, unless the scenario has services"
     )
     failures: tuple[Failure, ...] = ()
     workflows: tuple[WorkflowArrivals, ...] = Field(
@@ -293,15 +302,23 @@ class Scenario(_Frozen):
     # where relative paths resolve (the scenario file's folder); set by load_scenario
     base_dir: str = Field(default=".", exclude=True)
 
-    @model_validator(mode="after")
-    def _something_to_run(self) -> Scenario:
-        if not self.workloads and not self.services:
-            raise ValueError("give at least one workload or service")
-        names = [s.spec.name for s in self.services]
+    @field_validator("workloads")
+    @classmethod
+    def _something_to_run(
+        cls, workloads: tuple[Workload, ...], info: ValidationInfo
+    ) -> tuple[Workload, ...]:
+        if not workloads and not info.data.get("services"):
+            raise ValueError("give at least 1 workload, unless the scenario has services")
+        return workloads
+
+    @field_validator("services")
+    @classmethod
+    def _names_once(cls, services: tuple[AutoscaledService, ...]) -> tuple[AutoscaledService, ...]:
+        names = [s.spec.name for s in services]
         twice = sorted({n for n in names if names.count(n) > 1})
         if twice:
             raise ValueError(f"service name {twice[0]!r} is used twice")
-        return self
+        return services
 
     @property
     def batch_workloads(self) -> list[BatchWorkload | TraceWorkload]:

@@ -171,6 +171,12 @@ def test_bad_services_name_their_field(write_scenario: Callable[..., Path]) -> N
     with pytest.raises(ConfigError) as err:
         load_scenario(path)
     assert "services[0].spec.regions" in str(err.value)
+    doc = yaml.safe_load(scenario_file(write_scenario).read_text())
+    doc["services"].append(doc["services"][0])
+    with pytest.raises(ConfigError) as err:
+        load_scenario(write_scenario(doc))
+    assert err.value.problems[0].field == "services"
+    assert "'chat' is used twice" in str(err.value)
 
 
 def test_cpn_simulate_prints_the_services(
