@@ -367,6 +367,12 @@ def test_bad_service_files_name_their_field(
     assert (status, body["error"]["field"]) == (409, "name")
     status, listed = fed.request("GET", "/v1/services?limit=1")
     assert [s["name"] for s in listed["items"]] == ["chat"] and listed["continue"] is None
+    status, _ = fed.request("PUT", "/v1/services/chat-b", service_doc(name="chat-b"))
+    assert status == 201
+    status, listed = fed.request("GET", "/v1/services?limit=1")
+    assert [s["name"] for s in listed["items"]] == ["chat"] and listed["continue"] == "chat"
+    status, listed = fed.request("GET", "/v1/services?limit=1&continue=chat&tenant=t1")
+    assert [s["name"] for s in listed["items"]] == ["chat-b"] and listed["continue"] is None
     result = run_cpn("services", "--broker", fed.broker_url)
     assert result.returncode == 0 and "chat" in result.stdout, result.stderr
     result = run_cpn("service", "describe", "chat", "--broker", fed.broker_url)
