@@ -100,7 +100,8 @@ def describe_service(view: dict[str, Any], now: float | None = None) -> str:
         where = r["site"] or "-"
         lines.append(
             f"  {r['job']:<24} {r['state']:<9} site {where:<14} for {r['region']:<12} "
-            f"{r['job_state'] or '-'}" + (f"  {r['reason']}" if r["state"] == "pending" else "")
+            f"gen {r.get('generation') or '-'}  {r['job_state'] or '-'}"
+            + (f"  {r['reason']}" if r["state"] == "pending" else "")
         )
     if not view["replicas"]:
         lines.append("  none")
