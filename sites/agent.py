@@ -510,8 +510,10 @@ class Agent:
 
     def service_endpoints(self, now: float) -> list[ServiceEndpoint]:
         # the managed services' replicas ready or draining here (sites.replicas), then the
-        # services the site file declares
-        endpoints = self.workload.replica_endpoints(now) if self.workload is not None else []
+        # services the site file declares; a name both have is the file's (one key each)
+        declared = {svc.name for svc in self.spec.services}
+        replicas = self.workload.replica_endpoints(now) if self.workload is not None else []
+        endpoints = [ep for ep in replicas if ep.service not in declared]
         for svc in self.spec.services:
             load = self.services.loads.get(svc.name, ServiceLoad(healthy=False))
             endpoints.append(
