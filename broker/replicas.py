@@ -249,6 +249,7 @@ class ReplicaReconciler:
         self._on_error = on_error or (lambda _service: None)
         self.interval_s = interval_s
         self.sovereignty = dict(sovereignty or {})  # client region -> regions that may serve it
+        self._unknown: dict[str, frozenset[str]] = {}  # service -> unknown regions said once
 
     async def run(self) -> None:
         while True:
@@ -283,6 +284,22 @@ class ReplicaReconciler:
             except ValueError as exc:
                 log.warning("service %s: ignoring a malformed scaling decision: %s", name, exc)
                 self._on_error(name)
+        notes: list[ScalingEvent] = []
+        if decision is not None:
+            unknown = frozenset(decision.replicas) - self.operations.user_regions
+            if unknown:
+                # a client region nobody knows gets no replica; the others are still served
+                # (and min_replicas topped up as if it were not named)
+                self._on_error(name)
+                if self._unknown.get(name) != unknown:
+                    message = (
+                        f"the decision names unknown client regions: {', '.join(sorted(unknown))}"
+                    )
+                    log.warning("service %s: %s", name, message)
+                    notes.append(ScalingEvent(at=self.clock.time(), type="error", message=message))
+                kept = {r: n for r, n in decision.replicas.items() if r not in unknown}
+                decision = decision.model_copy(update={"replicas": kept})
+            self._unknown[name] = unknown
         ids = [e.job for e in record.replicas]
         got = await self.registry.get_many([keys.job(j) for j in ids])
         jobs: dict[str, JobRecord] = {}
@@ -302,6 +319,9 @@ class ReplicaReconciler:
         step = plan(
             record, decision, jobs, ready, now, lambda: f"{spec.name}-{secrets.token_hex(3)}"
         )
+        if notes and step.record is not None:  # None: the record goes (a deleted service)
+            step.record = step.record.with_events(*notes)
+            step.changed = True
         if not step.changed and not step.create and not step.cancel:
             return
         guards = [Guard(keys.service_spec(name), mod_revision=revision), self.leadership.guard()]
@@ -322,24 +342,38 @@ class ReplicaReconciler:
             deletes += change.deletes
             guards.append(Guard(keys.job(job_id), mod_revision=revs[job_id]))
         created: list[JobRecord] = []
-        try:
-            for job_id, region in step.create:
+        refused: dict[str, str] = {}  # client region -> why placement's checks refuse it now
+        for job_id, region in step.create:
+            if region in refused:
+                continue
+            try:
                 created.append(self._replica(record, job_id, region, now))
-        except InvalidRequest as exc:
-            # the spec was accepted but placement's checks refuse it now (a region gone):
-            # recorded, backed off, the rest of the plan still carried out
-            message = f"cannot create a replica: {exc.message}"
-            log.warning("service %s: %s", name, message)
-            self._on_error(name)
+            except InvalidRequest as exc:
+                refused[region] = exc.message
+        if refused:
+            # the spec was accepted, but a region the decision names is refused now (unknown,
+            # or gone): recorded, the other regions' replicas still made; backed off when
+            # nothing else was
+            made = {job.id for job in created}
+            planned = {job_id for job_id, _ in step.create}
             base = step.record or record
-            entries = tuple(e for e in base.replicas if e.job not in dict(step.create))
-            failed = base.with_events(
-                ScalingEvent(at=now, type="error", message=message),
-                replicas=entries,
-                not_before=now + REPLACE_BACKOFF_MAX_S / 10,
+            for region, why in sorted(refused.items()):
+                log.warning("service %s: no replica for %s: %s", name, region, why)
+                self._on_error(name)
+            base = base.with_events(
+                *(
+                    ScalingEvent(
+                        at=now,
+                        type="error",
+                        region=region,
+                        message=f"cannot create a replica for {region}: {why}",
+                    )
+                    for region, why in sorted(refused.items())
+                ),  # fmt: skip
+                replicas=tuple(e for e in base.replicas if e.job not in planned or e.job in made),
+                not_before=base.not_before if made else now + REPLACE_BACKOFF_MAX_S / 10,
             )
-            puts.update(record_puts(failed))
-            created = []
+            puts.update(record_puts(base))
         for job in created:
             puts.update(writes(job))
             guards += [Guard(keys.job(job.id), 0), Guard(keys.archived_job(job.id), 0)]
