@@ -57,6 +57,19 @@ REPLICA_LATENCY_WEIGHT = 1.0
 _FIELDS = {"allowed_regions": "regions", "user.region": "clients", "user": "clients"}
 
 
+def _service_field(spec: ServiceSpec, job_field: str | None) -> str | None:
+    """The service file's field behind a refusal of its replica's job spec."""
+    if job_field is None:
+        return None
+    if job_field.startswith("allowed_regions["):
+        return "regions" + job_field.removeprefix("allowed_regions")
+    if job_field == "duration_hours":  # a budget: what a replica costs is its resources'
+        return "gpu" if spec.gpu.count else "cpu"
+    if job_field == "name":  # the tenant's quota of jobs: a replica is one
+        return "min_replicas"
+    return _FIELDS.get(job_field, job_field)
+
+
 class ReplicaState(enum.StrEnum):
     """A replica as describe shows it (docs/services.md)."""
 
@@ -282,15 +295,15 @@ class Services:
                     f"site {site_id} declares a service {spec.name!r} in its site file",
                     field="name",
                 )
-        regions = [*spec.clients] or [ANY_REGION]
-        for region in regions:
+        # the service's own regions first (their indices are its `regions`'), then a replica
+        # for each client region it serves
+        for region in (ANY_REGION, *spec.clients):
             try:
                 self.operations.admit(replica_spec(spec, region, self.sovereignty))
             except InvalidRequest as exc:
-                field = _FIELDS.get(exc.field or "", exc.field)
-                if field is not None and field.startswith("allowed_regions["):
-                    field = "regions" + field.removeprefix("allowed_regions")
-                raise InvalidRequest(exc.message, field=field, code=exc.code) from None
+                raise InvalidRequest(
+                    exc.message, field=_service_field(spec, exc.field), code=exc.code
+                ) from None
 
     async def apply(self, spec: ServiceSpec) -> tuple[ServiceView, bool]:
         """Create or update the service; (its view, whether it was created)."""
