@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +42,24 @@ GE_MAX = 8  # devices per node up to which the columns count nodes by free devic
 Bools = npt.NDArray[np.bool_]
 Ints = npt.NDArray[np.int64]
 Small = npt.NDArray[np.int32]  # counts of devices and nodes
+ARRAYS = (
+    "up",
+    "cordoned",
+    "free_cpu",
+    "free_mem",
+    "free",
+    "has_nodes",
+    "node_size",
+    "fr_rows",
+    "fr_have",
+    "fr_cpu",
+    "fr_mem",
+    "ge",
+    "floor_cpu",
+    "floor_mem",
+    "ceiling_cpu",
+    "ceiling_mem",
+)
 Floats = npt.NDArray[np.float64]
 
 
@@ -99,18 +116,94 @@ class Static:
         return known[1]
 
 
-@dataclass(frozen=True, slots=True)
 class Dynamic:
-    """One snapshot's free capacity and state, as columns. free[m] (a row per model, in
-    Static.models order) is -1 where the site does not list model m. What broker.nodes'
-    fit test reads, at sites with nodes, per model row and a last row for cores only:
-    node_size (the most devices of the model one node has), the first FRONTIER_ROWS rows of
-    the nodes' frontier (fr_have, fr_cpu, fr_mem; fr_rows: how many it has), ge[d] (nodes with
-    at least d free, d <= GE_MAX), and per site the fewest and most free cores and GB a node
-    has. Where these cannot answer (a longer frontier, bigger nodes, a node-by-node scan)
-    `holds` says so and the site goes through feasibility.node_choice."""
+    """One snapshot's free capacity and state (its `Columns`). The snapshots of a lineage
+    share one set of arrays, which hold the values of one of them (the owner); every other
+    keeps what to undo to get from the next one's values to its own (Baker's rerooting
+    persistent arrays). `changed` makes the next snapshot's values in place, saving the
+    changed sites' old values, so an apply costs its own sites, not a copy of every column;
+    reading an older snapshot's columns puts its values back first."""
 
-    static: Static
+    __slots__ = ("_cols", "_next", "_undo", "static")
+
+    def __init__(self, static: Static, cols: Columns) -> None:
+        self.static = static
+        self._cols = cols
+        self._next: Dynamic | None = None  # the snapshot this one's undo leads from
+        self._undo: dict[int, _Saved] = {}
+
+    @classmethod
+    def of(cls, static: Static, sites: Sequence[SiteOffer]) -> Dynamic | None:
+        """None when a site lists a model its lineage's Static does not know."""
+        cols = Columns(static, len(sites))
+        for pos, site in enumerate(sites):
+            if not cols.set(pos, site):
+                return None
+        out = cls(static, cols)
+        cols.owner = out
+        return out
+
+    def columns(self) -> Columns:
+        """The arrays, holding this snapshot's values."""
+        cols = self._cols
+        if cols.owner is not self:
+            path: list[Dynamic] = []
+            at: Dynamic = self
+            while cols.owner is not at:
+                path.append(at)
+                assert at._next is not None
+                at = at._next
+            for older in reversed(path):  # each undo turns its next one's values into its own
+                older.reroot_from_next()
+        return cols
+
+    def reroot_from_next(self) -> None:
+        """Take the arrays from the next snapshot (their owner): put this one's values back,
+        and leave the next one what takes them forward again."""
+        cols, newer = self._cols, self._next
+        assert newer is not None and cols.owner is newer
+        redo = {pos: cols.take(pos) for pos in self._undo}
+        for pos, saved in self._undo.items():
+            cols.put(pos, saved)
+        newer.follow(self, redo)
+        self._next, self._undo = None, {}
+        cols.owner = self
+
+    def follow(self, older: Dynamic, redo: dict[int, _Saved]) -> None:
+        self._next, self._undo = older, redo
+
+    def changed(self, offers: Mapping[int, SiteOffer]) -> Dynamic | None:
+        """The next snapshot: these columns with the offers at these positions replaced;
+        None when an offer lists a model the lineage does not know (then the caller
+        rebuilds, and these columns are as they were)."""
+        cols = self.columns()
+        undo = {pos: cols.take(pos) for pos in offers}
+        for pos, site in offers.items():
+            if not cols.set(pos, site):
+                for back, saved in undo.items():
+                    cols.put(back, saved)
+                return None
+        out = Dynamic(self.static, cols)
+        self._next, self._undo = out, undo
+        cols.owner = out
+        return out
+
+
+_Saved = tuple[npt.NDArray[Any], ...]  # one site's values in every array, in ARRAYS order
+
+
+class Columns:
+    """The arrays. free[m] (a row per model, in Static.models order) is -1 where the site does
+    not list model m. What broker.nodes' fit test reads, at sites with nodes, per model row
+    and a last row for cores only: node_size (the most devices of the model one node has),
+    the first FRONTIER_ROWS rows of the nodes' frontier (fr_have, fr_cpu, fr_mem; fr_rows:
+    how many it has), ge[d] (nodes with at least d free, d <= GE_MAX), and per site the
+    fewest and most free cores and GB a node has. Where these cannot answer (a longer
+    frontier, bigger nodes, a node-by-node scan) `holds` says so and the site goes through
+    feasibility.node_choice. The last axis is always the site."""
+
+    __slots__ = (*ARRAYS, "owner", "static")
+
     up: Bools
     cordoned: Bools
     free_cpu: Ints
@@ -128,45 +221,37 @@ class Dynamic:
     ceiling_cpu: Ints
     ceiling_mem: Floats
 
-    @classmethod
-    def of(cls, static: Static, sites: Sequence[SiteOffer]) -> Dynamic | None:
-        """None when a site lists a model its lineage's Static does not know."""
-        n, rows = len(sites), len(static.models) + 1
-        out = cls(
-            static=static,
-            up=np.zeros(n, dtype=np.bool_),
-            cordoned=np.zeros(n, dtype=np.bool_),
-            free_cpu=np.zeros(n, dtype=np.int64),
-            free_mem=np.zeros(n, dtype=np.float64),
-            free=np.full((rows - 1, n), -1, dtype=np.int64),
-            has_nodes=np.zeros(n, dtype=np.bool_),
-            node_size=np.zeros((rows, n), dtype=np.int32),
-            fr_rows=np.zeros((rows, n), dtype=np.int32),
-            fr_have=np.full((rows, FRONTIER_ROWS, n), -1, dtype=np.int32),
-            fr_cpu=np.full((rows, FRONTIER_ROWS, n), -1, dtype=np.int64),
-            fr_mem=np.full((rows, FRONTIER_ROWS, n), -math.inf, dtype=np.float64),
-            ge=np.zeros((rows, GE_MAX + 1, n), dtype=np.int32),
-            floor_cpu=np.zeros(n, dtype=np.int64),
-            floor_mem=np.zeros(n, dtype=np.float64),
-            ceiling_cpu=np.zeros(n, dtype=np.int64),
-            ceiling_mem=np.zeros(n, dtype=np.float64),
-        )
-        for pos, site in enumerate(sites):
-            if not out._set(pos, site):
-                return None
-        return out
+    def __init__(self, static: Static, n: int) -> None:
+        rows = len(static.models) + 1
+        self.static = static
+        self.owner: Dynamic | None = None
+        self.up = np.zeros(n, dtype=np.bool_)
+        self.cordoned = np.zeros(n, dtype=np.bool_)
+        self.free_cpu = np.zeros(n, dtype=np.int64)
+        self.free_mem = np.zeros(n, dtype=np.float64)
+        self.free = np.full((rows - 1, n), -1, dtype=np.int64)
+        self.has_nodes = np.zeros(n, dtype=np.bool_)
+        self.node_size = np.zeros((rows, n), dtype=np.int32)
+        self.fr_rows = np.zeros((rows, n), dtype=np.int32)
+        self.fr_have = np.full((rows, FRONTIER_ROWS, n), -1, dtype=np.int32)
+        self.fr_cpu = np.full((rows, FRONTIER_ROWS, n), -1, dtype=np.int64)
+        self.fr_mem = np.full((rows, FRONTIER_ROWS, n), -math.inf, dtype=np.float64)
+        self.ge = np.zeros((rows, GE_MAX + 1, n), dtype=np.int32)
+        self.floor_cpu = np.zeros(n, dtype=np.int64)
+        self.floor_mem = np.zeros(n, dtype=np.float64)
+        self.ceiling_cpu = np.zeros(n, dtype=np.int64)
+        self.ceiling_mem = np.zeros(n, dtype=np.float64)
 
-    def changed(self, offers: Mapping[int, SiteOffer]) -> Dynamic | None:
-        """These columns with the offers at these positions replaced; None when an offer
-        lists a model the lineage does not know (then the caller rebuilds)."""
-        out = Dynamic(
-            self.static,
-            *(getattr(self, name).copy() for name in Dynamic.__slots__ if name != "static"),
-        )
-        for pos, site in offers.items():
-            if not out._set(pos, site):
-                return None
-        return out
+    def take(self, pos: int) -> _Saved:
+        return tuple(getattr(self, name)[..., pos].copy() for name in ARRAYS)
+
+    def put(self, pos: int, saved: _Saved) -> None:
+        for name, values in zip(ARRAYS, saved, strict=True):
+            getattr(self, name)[..., pos] = values
+
+    def set(self, pos: int, site: SiteOffer) -> bool:
+        """Write one site's values; False when it lists a model the static part lacks."""
+        return self._set(pos, site)
 
     def _set(self, pos: int, site: SiteOffer) -> bool:
         index = self.static.model_index
@@ -278,20 +363,22 @@ def screen(
     req: Request,
     sites: Sequence[SiteOffer],
     static: Static,
-    dyn: Dynamic,
+    dynamic: Dynamic,
     *,
     cheapest: bool,
 ) -> Screen:
     """feasibility.screen over columns (its docstring; first=False, no best-effort job)."""
     from broker import feasibility as fz
 
+    cols = dynamic.columns()
+
     n = len(sites)
     count = req.count
     check = req.check_capacity
     need, cpu_need, mem_need = (count, req.cpu, req.mem_gb) if check else (0, 0, 0.0)
     failed_masks: list[Bools | None] = [None] * len(fz.FILTERS)
-    alive = dyn.up.copy()
-    failed_masks[fz.DOWN] = ~dyn.up
+    alive = cols.up.copy()
+    failed_masks[fz.DOWN] = ~cols.up
 
     def stop(k: int, bad: Bools) -> None:
         nonlocal alive
@@ -301,7 +388,7 @@ def screen(
             failed_masks[k] = hit if before is None else before | hit
             alive &= ~hit
 
-    stop(fz.CORDONED, dyn.cordoned)
+    stop(fz.CORDONED, cols.cordoned)
     if req.allowed is not None or req.denied:
         ok_region = np.array(
             [
@@ -321,13 +408,13 @@ def screen(
     # the model: the cheapest acceptable one with `need` free, ties to more free, then name;
     # at a site with nodes, also the cheapest one its nodes hold (broker.nodes' fit test,
     # from the columns: `unknown` where they cannot tell, for node_choice to answer)
-    on_nodes = alive & dyn.has_nodes if check else None
+    on_nodes = alive & cols.has_nodes if check else None
     if on_nodes is not None and not on_nodes.any():
         on_nodes = None
     unknown = np.zeros(n, dtype=np.bool_)
     model_at = np.full(n, -1, dtype=np.int64)
     price = np.zeros(n, dtype=np.float64)
-    free = dyn.free_cpu.copy()  # devices of the model, or cores for a CPU-only job
+    free = cols.free_cpu.copy()  # devices of the model, or cores for a CPU-only job
     fits_n = np.ones(n, dtype=np.bool_)  # CPU-only: do the nodes hold the cores
     if count:
         names = static.models if req.named is None else sorted(set(req.named))
@@ -343,7 +430,7 @@ def screen(
             if m is None:
                 continue
             p = static.price[m]
-            have = dyn.free[m]
+            have = cols.free[m]
             acceptable = (have >= 0) & ~np.isnan(p)
             if floor is not None:
                 acceptable &= static.gpu_mem[m] >= floor
@@ -354,9 +441,9 @@ def screen(
             best_have = np.where(better, have, best_have)
             model_at = np.where(better, m, model_at)
             if on_nodes is not None:
-                holds, unsure = dyn.holds(m, req, on_nodes & enough)
+                holds, unsure = cols.holds(m, req, on_nodes & enough)
                 unknown |= unsure
-                here = enough & (holds | ~dyn.has_nodes)
+                here = enough & (holds | ~cols.has_nodes)
                 better = here & ((p < node_price) | ((p == node_price) & (have > node_have)))
                 node_price = np.where(better, p, node_price)
                 node_have = np.where(better, have, node_have)
@@ -366,11 +453,11 @@ def screen(
         price = np.where(model_at >= 0, best_price, 0.0)
         free = best_have
     elif on_nodes is not None:
-        fits_n, unknown = dyn.holds(len(static.models), req, on_nodes)
-    stop(fz.CPU, dyn.free_cpu < cpu_need)
-    stop(fz.MEM, dyn.free_mem < mem_need)
+        fits_n, unknown = cols.holds(len(static.models), req, on_nodes)
+    stop(fz.CPU, cols.free_cpu < cpu_need)
+    stop(fz.MEM, cols.free_mem < mem_need)
     if on_nodes is not None:
-        at_nodes = alive & dyn.has_nodes
+        at_nodes = alive & cols.has_nodes
         slow = at_nodes & unknown
         node_fail = np.zeros(n, dtype=np.bool_)
         models = static.models
