@@ -9,7 +9,6 @@ the router answers 404 or 400, never a 5xx.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import schemathesis
@@ -82,7 +81,6 @@ def test_no_server_error_and_bad_input_is_refused(
     api = start_api_broker(registry.url, processes, tmp_path)
     config = SchemathesisConfig.from_dict(CONFIG)
     schema = schemathesis.openapi.from_url(api.url + "/openapi.json", config=config)
-    started = time.monotonic()
     tested: set[str] = set()
     problems: list[str] = []
     for event in from_schema(schema).execute():
@@ -105,4 +103,3 @@ def test_no_server_error_and_bad_input_is_refused(
     assert {"PUT /v1/tenants/{tenant}", "PUT /v1/tenancy", "GET /v1/tenants"} <= tested
     assert {"POST /v1/workflows", "POST /v1/workflows/{workflow}/retry"} <= tested
     assert {"PUT /v1/services/{name}", "GET /v1/services", "DELETE /v1/services/{name}"} <= tested
-    assert time.monotonic() - started < 60
