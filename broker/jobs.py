@@ -38,6 +38,26 @@ ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
 CommandInput = Annotated[str, Field(pattern=r"\S")] | Annotated[list[str], Field(min_length=1)]
 
 
+def split_command(value: object) -> object:
+    """A `command` field's input: a shell string is split (shlex; blank: no arguments), a list
+    becomes the tuple strict validation wants (JobSpec, broker.services.ServiceSpec)."""
+    if isinstance(value, str):
+        return tuple(shlex.split(value)) if value.strip() else ()
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def check_env(env: dict[str, str]) -> dict[str, str]:
+    """An `env` field: variable names only, and none of cpn's own (CPN_*)."""
+    for key in env:
+        if not re.fullmatch(ENV_NAME_RE, key):
+            raise ValueError(f"{key!r} is not a valid environment variable name")
+        if key.startswith("CPN_"):
+            raise ValueError(f"{key!r}: CPN_ variables are set by cpn")
+    return env
+
+
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -225,22 +245,12 @@ class JobSpec(TenantInput):
     @field_validator("command", mode="before", json_schema_input_type=CommandInput)
     @classmethod
     def _split_shell(cls, value: object) -> object:
-        # a shell string is split; a list becomes the tuple strict validation wants
-        if isinstance(value, str):
-            return tuple(shlex.split(value)) if value.strip() else ()
-        if isinstance(value, list):
-            return tuple(value)
-        return value
+        return split_command(value)
 
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for key in env:
-            if not re.fullmatch(ENV_NAME_RE, key):
-                raise ValueError(f"{key!r} is not a valid environment variable name")
-            if key.startswith("CPN_"):
-                raise ValueError(f"{key!r}: CPN_ variables are set by cpn")
-        return env
+        return check_env(env)
 
     @field_validator("deadline")
     @classmethod

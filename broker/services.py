@@ -31,14 +31,21 @@ Pure: pydantic models and their checks, no I/O.
 from __future__ import annotations
 
 import hashlib
-import re
-import shlex
 from collections.abc import Mapping
 from typing import Annotated
 
 from pydantic import Field, ValidationInfo, field_validator
 
-from broker.jobs import ENV_NAME_RE, CommandInput, Frozen, GpuRequest, Name, TenantInput
+from broker.jobs import (
+    ENV_NAME_RE,
+    CommandInput,
+    Frozen,
+    GpuRequest,
+    Name,
+    TenantInput,
+    check_env,
+    split_command,
+)
 
 __all__ = [
     "ANY_REGION",
@@ -156,22 +163,12 @@ class ServiceSpec(TenantInput):
     @field_validator("command", mode="before", json_schema_input_type=CommandInput)
     @classmethod
     def _split_shell(cls, value: object) -> object:
-        # a shell string is split; a list becomes the tuple strict validation wants
-        if isinstance(value, str):
-            return tuple(shlex.split(value))
-        if isinstance(value, list):
-            return tuple(value)
-        return value
+        return split_command(value)
 
     @field_validator("env")
     @classmethod
     def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
-        for key in env:
-            if not re.fullmatch(ENV_NAME_RE, key):
-                raise ValueError(f"{key!r} is not an environment variable name")
-            if key.startswith("CPN_"):
-                raise ValueError(f"{key!r}: CPN_ variables are set by cpn")
-        return env
+        return check_env(env)
 
     @field_validator("max_replicas")
     @classmethod
