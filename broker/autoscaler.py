@@ -365,10 +365,12 @@ def _bounded(
     why: dict[str, tuple[Reason, str]],
     *,
     keep: Mapping[str, int] | None = None,
+    prefer: Mapping[str, int] | None = None,
 ) -> dict[str, int]:
     """`counts` with the total within min..max replicas. Over max: regions rising above `keep`
     give up their rise first, then the least demand per replica loses one; under min: the
-    busiest region gains one."""
+    busiest region gains one (on a tie, the one with the most replicas in `prefer`, the counts
+    now: an idle service keeps its min_replicas where they are instead of moving them)."""
     out = dict(counts)
     if not out:
         return out
@@ -379,7 +381,8 @@ def _bounded(
         out[victim] -= 1
         why[victim] = (Reason.max_replicas, f"the service may have {spec.max_replicas} in all")
     while sum(out.values()) < spec.min_replicas:
-        gainer = max(out, key=lambda r: (demand.get(r, 0.0), -out[r], r))
+        had = prefer or {}
+        gainer = max(out, key=lambda r: (demand.get(r, 0.0), had.get(r, 0) - out[r], -out[r], r))
         out[gainer] += 1
         why[gainer] = (Reason.min_replicas, f"the service keeps {spec.min_replicas} at least")
     return out
@@ -392,8 +395,8 @@ def decide(
     regions = allowed_regions(spec, observations)
     scaling = spec.scaling
     wants, why, demand, served, hot = _wants(spec, observations, state, regions)
-    wants = _bounded(spec, wants, demand, why)
     before = {r: state.regions.get(r, RegionState()).target for r in regions}
+    wants = _bounded(spec, wants, demand, why, prefer=before)
     # a region the spec no longer allows keeps nothing: its replicas go at once
     gone = [r for r in state.regions if r not in before and state.regions[r].target > 0]
     empty = sum(before.values()) == 0 and any(w > 0 for w in wants.values())

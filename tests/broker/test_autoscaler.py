@@ -14,6 +14,7 @@ from broker.autoscaler import (
     Decision,
     Observations,
     Reason,
+    RegionState,
     ReplicaObservation,
     SkyServeState,
     assign_demand,
@@ -323,3 +324,13 @@ def test_a_region_does_not_scale_back_down_into_the_miss_it_learned() -> None:
     # what it learned scales with the demand: a third of it needs one replica
     decisions, _ = run(spec, state, t0 + 3600.0, t0 + 7200.0, seen({"east": 3.0}))
     assert decisions[-1].replicas["east-dc"] == 1
+
+
+def test_an_idle_service_keeps_its_min_replicas_where_they_are() -> None:
+    # no demand anywhere: min_replicas stay in the region that has them (the name order would
+    # move them to "west-dc"), so an idle service's replicas do not wander
+    spec = make_spec(min_replicas=1, scaling={"downscale_delay_s": 40.0, "upscale_delay_s": 0.0})
+    state = AutoscalerState(regions={"east-dc": RegionState(target=2)})
+    decisions, _ = run(spec, state, 20.0, 200.0, seen({"east": 0.0, "west": 0.0}))
+    assert decisions[-1].replicas == {"east-dc": 1, "west-dc": 0}
+    assert all(d.replicas["west-dc"] == 0 for d in decisions)
