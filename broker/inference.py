@@ -134,6 +134,7 @@ class Gateway:
                 active=self.checker,
                 observe=self.broker.metrics.proxied,
                 prefix_chars=settings.prefix_chars,
+                traffic=self.broker.traffic,  # the autoscaler's demand (broker.traffic)
             )
             yield
             await self.broker.supervisor.cancel("health checker")

@@ -8,6 +8,8 @@ scheduler, each in its own module:
     broker.actions     the actor: each action one guarded etcd transaction
     broker.history     job pages, archive and expiry, etcd compaction (the leader's upkeep)
     broker.replicas    managed services' replicas kept at their desired count (the leader's)
+    broker.traffic     the gateway's demand per service and client region, published (any)
+    broker.scaler      the autoscaler loop: observations -> decide -> ScalingDecision (leader)
 
 Every long-lived task runs under a sites.tasks.Supervisor: a crash is logged with its
 traceback, counted (cpn_broker_task_crashes_total), turns /healthz unhealthy, and the task is
@@ -38,6 +40,7 @@ from broker.metrics import BrokerMetrics
 from broker.operations import Operations
 from broker.preemption import PREEMPT_RETRY_S
 from broker.replicas import ReplicaReconciler
+from broker.scaler import Scaler
 from broker.service_ops import Services
 from broker.settings import BrokerSettings
 from broker.solver import solve
@@ -45,6 +48,7 @@ from broker.store import JobStore
 from broker.tenancy import BudgetLeft, FairShare, held_by_tenant
 from broker.tenant_store import TenancyBook, gpu_quotas
 from broker.tenants import TenancyFile
+from broker.traffic import TrafficBook, TrafficPublisher
 from broker.view import View, ViewCache, held_rows
 from broker.workflow_ops import Workflows
 from metering.usage import UsageBook
@@ -146,6 +150,22 @@ class Broker:
             on_error=lambda service: self.metrics.service_errors.labels(service).inc(),
             sovereignty=sovereignty,
         )
+        # the autoscaler: every replica's gateway counts its traffic and publishes it; the
+        # leader decides from every replica's (docs/autoscaling.md, "The live loop")
+        self.traffic = TrafficBook()
+        self.traffic_publisher = TrafficPublisher(
+            registry=registry, book=self.traffic, instance=self.instance, clock=self.clock
+        )
+        self.scaler = Scaler(
+            registry=registry,
+            leadership=self.leadership,
+            clock=self.clock,
+            view=self.view,
+            user_rtt_ms=self.user_rtt_ms,
+            sovereignty=sovereignty,
+            stale_after_s=self.settings.inference.routing.scoring.signals_stale_after_s,
+            on_error=lambda service: self.metrics.service_errors.labels(service).inc(),
+        )
         self.history = HistoryKeeper(
             registry=registry,
             leadership=self.leadership,
@@ -198,6 +218,8 @@ class Broker:
         self.supervisor.spawn("scheduler", self._schedule_loop, restart=RESTART)
         self.supervisor.spawn("history", self.history.run, restart=RESTART)
         self.supervisor.spawn("replicas", self.replicas.run, restart=RESTART)
+        self.supervisor.spawn("traffic", self.traffic_publisher.run, restart=RESTART)
+        self.supervisor.spawn("autoscaler", self.scaler.run, restart=RESTART)
         self.supervisor.spawn("alerts", self.alerts.mirror.run, restart=RESTART)
         if self.settings.alerts.enabled:
             self.supervisor.spawn("alert rules", self.alerts.run_evaluation, restart=RESTART)

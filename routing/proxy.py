@@ -78,6 +78,7 @@ __all__ = [
     "HealthView",
     "InferenceProxy",
     "Pick",
+    "TrafficSink",
     "ProxyError",
     "UnknownRegion",
     "UnknownService",
@@ -151,6 +152,17 @@ class Pick(Protocol):
 Observe = Callable[[str, str, float], None]
 """(client region, site that answered, seconds from arrival to the answer's end): called once
 per request that reached a site (the broker counts it: cpn_proxy_request_duration_seconds)."""
+
+
+class TrafficSink(Protocol):
+    """Where the proxy counts demand per (service, client region), for the autoscaler
+    (broker.traffic.TrafficBook): both calls O(1), on the request's path."""
+
+    def request(self, service: str, region: str) -> None:
+        """A request for a known service from a known client region (answered or not)."""
+
+    def first_byte(self, service: str, region: str, seconds: float) -> None:
+        """The answer's first byte went to the client `seconds` after the request arrived."""
 
 
 class HealthView(Protocol):
@@ -246,10 +258,12 @@ class InferenceProxy:
         clock: Clock | None = None,
         observe: Observe | None = None,
         prefix_chars: int = 0,
+        traffic: TrafficSink | None = None,
     ) -> None:
         """`pool` carries the upstream requests (a new one when None; `close()` closes it).
         `session` is not used for them: it is accepted for callers that still pass one.
-        `prefix_chars`: bytes of the prompt that make the prefix key (0: no prefix keys)."""
+        `prefix_chars`: bytes of the prompt that make the prefix key (0: no prefix keys).
+        `traffic`: counts requests and their time to first byte per service and client region."""
         if connect_timeout_s <= 0 or response_timeout_s <= 0:
             raise ValueError("connect_timeout_s and response_timeout_s must be > 0")
         if max_attempts < 1:
@@ -275,6 +289,7 @@ class InferenceProxy:
         self.clock: Clock = clock or SystemClock()
         self.observe = observe
         self.prefix_chars = prefix_chars
+        self.traffic = traffic
 
     async def close(self) -> None:
         """Close the upstream connections."""
@@ -339,12 +354,18 @@ class InferenceProxy:
                     404, "unknown_service", f"no service named {service!r}", "service",
                     **{"X-Cpn-Route-Ms": route_ms},
                 )  # fmt: skip
+            if self.traffic is not None and region is not None:
+                self.traffic.request(service, region)  # demand nobody could serve counts too
             return _error(
                 503, "no_capacity",
                 f"no site can take a {service!r} request from region {region!r} now",
                 **{"X-Cpn-Route-Ms": route_ms, "Retry-After": "1"},
             )  # fmt: skip
-        response = await self._forward(request, service, candidates, body, route_ms)
+        if self.traffic is not None and region is not None:
+            self.traffic.request(service, region)
+        response = await self._forward(
+            request, service, candidates, body, route_ms, region, arrived
+        )
         site = response.headers.get("X-Cpn-Site")
         if self.observe is not None and site is not None:
             self.observe(region or "none", site, self.clock.monotonic() - arrived)
@@ -392,6 +413,8 @@ class InferenceProxy:
         candidates: Sequence[Upstream],
         body: bytes,
         route_ms: str,
+        region: str | None = None,
+        arrived: float = 0.0,
     ) -> web.StreamResponse:
         now = self.clock.time()
         usable: list[Upstream] = []
@@ -439,7 +462,9 @@ class InferenceProxy:
         if attempt.response is None:
             return _no_answer(attempt, extra)
         try:
-            return await self._relay(request, service, attempt.upstream, attempt.response, extra)
+            return await self._relay(
+                request, service, attempt.upstream, attempt.response, extra, region, arrived
+            )
         finally:
             self._finished(service, attempt.upstream)
 
@@ -517,6 +542,8 @@ class InferenceProxy:
         upstream: Upstream,
         response: UpstreamResponse,
         extra: dict[str, str],
+        region: str | None = None,
+        arrived: float = 0.0,
     ) -> web.StreamResponse:
         """Stream `response` to the client chunk by chunk; the client's first byte ends retries.
 
@@ -537,10 +564,13 @@ class InferenceProxy:
                 if whole is not None
                 else web.StreamResponse(status=status, reason=reason, headers=headers)
             )
+            traffic = self.traffic if region is not None else None
             try:
                 await out.prepare(request)
                 if whole is not None:
                     await out.write_eof()
+                    if traffic is not None and region is not None:
+                        traffic.first_byte(service, region, self.clock.monotonic() - arrived)
                     return out
             except ConnectionError:
                 return out  # the client left before the answer
@@ -565,6 +595,10 @@ class InferenceProxy:
                     await out.write(chunk)
                 except ConnectionError:
                     return out  # the client left; the finally drops the upstream connection
+                if traffic is not None and region is not None:
+                    # the first token of a stream: what the SLO is about
+                    traffic.first_byte(service, region, self.clock.monotonic() - arrived)
+                    traffic = None
             await out.write_eof()
             return out
         finally:

@@ -35,6 +35,11 @@
 /cpn/v1/index/tenants/<tenant>/services/<svc>     ServiceSummary  broker, with it too
 /cpn/v1/scaling/<svc>            ScalingDecision               leader's autoscaler: replicas
                                                                per client region (broker.services)
+/cpn/v1/autoscaler/<svc>         AutoscalerRecord              leader's autoscaler: its delays in
+                                                               progress (broker.scaler)
+/cpn/v1/traffic/<instance>       TrafficSummary   (lease)      every broker replica: its gateway's
+                                                               requests and TTFB per service and
+                                                               client region (broker.traffic)
 
 <day> is the UTC date a run ended (YYYY-MM-DD), so a day's or a month's segments are one range.
 <inv> is the job's creation time inverted (broker.history.inverted_time), so etcd's key order
@@ -274,6 +279,22 @@ def scaling(name: str) -> str:
     """/cpn/v1/scaling/<svc>: the autoscaler's last decision for the service
     (broker.services.ScalingDecision), which the replica reconciler carries out."""
     return f"{SCALING}{name}"
+
+
+AUTOSCALER = ROOT + "autoscaler/"
+TRAFFIC = ROOT + "traffic/"
+
+
+def autoscaler_state(name: str) -> str:
+    """/cpn/v1/autoscaler/<svc>: the autoscaler's state for the service (its delays in
+    progress), so that a new leader goes on from it (broker.scaler.AutoscalerRecord)."""
+    return f"{AUTOSCALER}{name}"
+
+
+def traffic(instance: str) -> str:
+    """/cpn/v1/traffic/<instance>: one broker replica's gateway traffic, under its lease
+    (broker.traffic.TrafficSummary)."""
+    return f"{TRAFFIC}{instance}"
 
 
 SERVICE_INDEX = ROOT + "index/services/"
