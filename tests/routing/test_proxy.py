@@ -451,6 +451,51 @@ async def test_each_answered_request_is_observed_once_by_region_and_site(
     assert 0 < seen[0][2] < 5
 
 
+@dataclass
+class Sink:
+    """The autoscaler's counters as the proxy feeds them (broker.traffic.TrafficBook's calls)."""
+
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    first_bytes: list[tuple[str, str, float]] = field(default_factory=list)
+
+    def request(self, service: str, region: str) -> None:
+        self.requests.append((service, region))
+
+    def first_byte(self, service: str, region: str, seconds: float) -> None:
+        self.first_bytes.append((service, region, seconds))
+
+
+async def test_requests_and_their_first_byte_are_counted_per_service_and_region(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """Every request for a known service counts as demand (answered or not); its time to the
+    first byte the client gets is recorded once, for a stream at its first event."""
+    sink = Sink()
+    ends: list[tuple[str, str, float]] = []
+    a = await standin(serve, "site-a", median_ms=50, p99_ms=50, tokens=8)
+    h = await make_proxy([a], traffic=sink, observe=lambda *args: ends.append(args))
+    async with http.post(h.infer_url(), json={"prompt": "x"}, headers=REGION) as resp:
+        assert resp.status == 200
+        await resp.read()
+    async with http.post(
+        h.infer_url(), json={"prompt": "x", "stream": True}, headers=REGION
+    ) as resp:
+        assert resp.status == 200
+        await resp.read()
+    async with http.post(h.infer_url(service="nope"), json={}, headers=REGION) as resp:
+        assert resp.status == 404  # an unknown service is nobody's demand
+    assert sink.requests == [("llm", "beijing"), ("llm", "beijing")]
+    assert [(svc, region) for svc, region, _ in sink.first_bytes] == [("llm", "beijing")] * 2
+    whole, streamed = sink.first_bytes[0][2], sink.first_bytes[1][2]
+    assert 0 < whole <= ends[0][2]
+    assert 0 < streamed < ends[1][2]  # the first event, before the stream's end
+    # a known service nobody can serve now: demand all the same, no first byte
+    empty = await make_proxy([], traffic=sink)
+    async with http.post(empty.infer_url(), json={}, headers=REGION) as resp:
+        assert resp.status == 503
+    assert len(sink.requests) == 3 and len(sink.first_bytes) == 2
+
+
 # --- proxy: ejection and health checks -------------------------------------------------------
 
 
