@@ -143,18 +143,38 @@ def rtt_table(
 
 
 def replica_observations(
-    record: ServiceRecord, view: View, now: float, *, stale_after_s: float
+    record: ServiceRecord,
+    view: View,
+    now: float,
+    *,
+    stale_after_s: float,
+    rtt_ms: Mapping[str, Mapping[str, float]] | None = None,
 ) -> dict[str, ReplicaObservation]:
-    """Per region, the service's placed replicas, the ready ones and their signals."""
+    """Per region, the service's replicas, the ready ones and their signals. A replica not
+    placed yet counts (as starting) in the region nearest to its client region in `rtt_ms`,
+    where placement's latency weight will most likely put it: without it the autoscaler would
+    see a replica it ordered as missing and order more while placement waits for room."""
     endpoints = endpoints_of(view, record.spec.name)
     acc: dict[str, dict[str, float]] = {}
     fresh: dict[str, bool] = {}
     for entry in record.replicas:
         got = view.jobs.get(entry.job)
-        if got is None or got[0].state.terminal or got[0].placement is None:
-            continue  # finished, or not placed yet: in no region
+        if got is None or got[0].state.terminal:
+            continue  # finished
         job = got[0]
-        site = job.placement.site if job.placement is not None else ""
+        if job.placement is None:
+            allowed = record.spec.regions
+            row_ms = {
+                r: ms
+                for r, ms in (rtt_ms or {}).get(entry.region, {}).items()
+                if allowed is None or r in allowed
+            }
+            if row_ms:
+                nearest = min(row_ms, key=lambda r: (row_ms[r], r))
+                row = acc.setdefault(nearest, dict.fromkeys(("n", "ready", "q", "run", "kv"), 0.0))
+                row["n"] += 1
+            continue
+        site = job.placement.site
         site_spec = view.sites.specs.get(site)
         if site_spec is None:
             continue
@@ -279,12 +299,11 @@ class Scaler:
         if previous is None:
             return  # rates need two readings: this one is the baseline
         view = self._view()
-        replicas = replica_observations(record, view, now, stale_after_s=self.stale_after_s)
-        observations = Observations(
-            clients=clients,
-            replicas=replicas,
-            rtt_ms=rtt_table(spec, view, self.user_rtt_ms, self.sovereignty),
+        rtt = rtt_table(spec, view, self.user_rtt_ms, self.sovereignty)
+        replicas = replica_observations(
+            record, view, now, stale_after_s=self.stale_after_s, rtt_ms=rtt
         )
+        observations = Observations(clients=clients, replicas=replicas, rtt_ms=rtt)
         state_key, decision_key = keys.autoscaler_state(name), keys.scaling(name)
         got = await self.registry.get_many([state_key, decision_key])
         state_raw, state_rev = got[state_key] if state_key in got else (None, 0)

@@ -88,6 +88,9 @@ async def test_the_leader_decides_from_published_traffic_and_bad_input_stops_not
     await registry.put_raw(keys.service_spec("broken"), b"{not a record")
     await registry.put_raw(keys.traffic("junk"), b"[1, 2")
     await registry.put_raw(keys.autoscaler_state("good"), b"{no state")
+    # its min_replicas' replica, pending (no agent here), in the view
+    first = await until(lambda: _replicas(broker))
+    await until(lambda: asyncio.sleep(0, first[0].job in broker.view().jobs))
     feed = asyncio.create_task(other_gateway(registry, 20.0))
     try:
 
@@ -98,8 +101,8 @@ async def test_the_leader_decides_from_published_traffic_and_bad_input_stops_not
             decision = ScalingDecision.model_validate_json(got[0])
             return decision if decision.replicas.get("user-east", 0) >= 3 else None
 
-        # ~20 req/s at 2 per replica wants 10, capped at max_replicas 3 (no agent: the pending
-        # replica is in no region yet, so the count starts from 0)
+        # ~20 req/s at 2 per replica wants 10, capped at max_replicas 3; the pending replica
+        # counts in "east", the region nearest to its client region
         decision = await until(decided)
         assert decision.by == "autoscaler"
         assert decision.replicas == {"user-east": 3}
@@ -109,7 +112,7 @@ async def test_the_leader_decides_from_published_traffic_and_bad_input_stops_not
             await feed
     view = await broker.services.get("good")
     events = [e for e in view.events if e.type == "decision"]
-    assert any("east 0 -> 3" in e.message and e.region == "user-east" for e in events), events
+    assert any("east 1 -> 3" in e.message and e.region == "user-east" for e in events), events
     got = await registry.get_raw(keys.autoscaler_state("good"))
     assert got is not None
     assert AutoscalerRecord.model_validate_json(got[0]).regions["east"].target == 3
@@ -119,3 +122,7 @@ async def test_the_leader_decides_from_published_traffic_and_bad_input_stops_not
     assert errors.labels("broken")._value.get() >= 1  # noqa: SLF001 - the counter's value
     health = broker.health()
     assert health["healthy"] and health["leader"], health
+
+
+async def _replicas(broker: Broker) -> Any:
+    return (await broker.services.get("good")).replicas
