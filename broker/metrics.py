@@ -134,7 +134,8 @@ class BrokerMetrics:
         )
         self.service_errors = Counter(
             "cpn_broker_service_errors_total",
-            "Replica reconciler passes that failed for one managed service (broker.replicas)",
+            "Replica reconciler or autoscaler passes that failed for one managed service "
+            "(broker.replicas, broker.scaler)",
             ["service"],
             registry=r,
         )

@@ -199,7 +199,9 @@ class ScalingEvent(Frozen):
     """One line of a service's scaling history, as `cpn service describe` shows it."""
 
     at: float
-    type: str = Field(description="applied, scaled-up, scaled-down, replaced, deleted")
+    type: str = Field(
+        description="applied, decision (the autoscaler), scaled-up, scaled-down, replaced, deleted"
+    )
     message: str
     region: str | None = None
     job: str | None = None
