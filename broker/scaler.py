@@ -60,7 +60,14 @@ from sites.clock import Clock
 from sites.errors import RegistryError
 from sites.registry import Guard, Registry
 
-__all__ = ["AutoscalerRecord", "RegionRecord", "Scaler", "replica_observations", "rtt_table"]
+__all__ = [
+    "AutoscalerRecord",
+    "RegionRecord",
+    "Scaler",
+    "replica_observations",
+    "rtt_table",
+    "seed_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +209,30 @@ def replica_observations(
     }
 
 
+def seed_state(
+    replicas: Mapping[str, ReplicaObservation],
+    decision: ScalingDecision | None,
+    rtt_ms: Mapping[str, Mapping[str, float]],
+    allowed: tuple[str, ...] | None,
+) -> AutoscalerState:
+    """The state of a service the autoscaler has none for (a new service, or one whose
+    decisions were written by hand or before it ran): the counts of the decision there is, each
+    client region's in its nearest allowed region, else the replicas it has; so the first
+    decision moves nothing that is already right, and the delays run from there."""
+    targets: dict[str, int] = {}
+    if decision is not None:
+        for client, n in decision.replicas.items():
+            row = {
+                r: ms for r, ms in rtt_ms.get(client, {}).items() if allowed is None or r in allowed
+            }
+            if row and n > 0:
+                nearest = min(row, key=lambda r: (row[r], r))
+                targets[nearest] = targets.get(nearest, 0) + n
+    if not targets:
+        targets = {r: o.replicas for r, o in replicas.items()}
+    return AutoscalerState(regions={r: RegionState(target=n) for r, n in targets.items()})
+
+
 def _parse(model: type[Frozen], raw: bytes | None, what: str) -> Frozen | None:
     if raw is None:
         return None
@@ -309,17 +340,15 @@ class Scaler:
         state_raw, state_rev = got[state_key] if state_key in got else (None, 0)
         old_raw, old_rev = got[decision_key] if decision_key in got else (None, 0)
         stored = _parse(AutoscalerRecord, state_raw, state_key)
+        old = _parse(ScalingDecision, old_raw, decision_key)
         if isinstance(stored, AutoscalerRecord):
             state = stored.state()
         else:
-            # none yet (a new service): from the replicas it has, so the first decision moves
-            # nothing that is already right
-            state = AutoscalerState(
-                regions={r: RegionState(target=o.replicas) for r, o in replicas.items()}
+            state = seed_state(
+                replicas, old if isinstance(old, ScalingDecision) else None, rtt, spec.regions
             )
         decision, new_state = decide(spec, observations, state, now)
         scaled = scaling_decision(name, decision)
-        old = _parse(ScalingDecision, old_raw, decision_key)
         changed = not isinstance(old, ScalingDecision) or old.replicas != scaled.replicas
         if not changed and new_state == state and isinstance(stored, AutoscalerRecord):
             return

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from broker.autoscaler import AutoscalerState, RegionState
-from broker.scaler import AutoscalerRecord
+from broker.autoscaler import AutoscalerState, RegionState, ReplicaObservation
+from broker.scaler import AutoscalerRecord, seed_state
+from broker.services import ScalingDecision
 from broker.traffic import (
     MAX_PAIRS,
     TTFB_BUCKETS_MS,
@@ -112,3 +113,15 @@ def test_the_autoscaler_state_round_trips_through_its_record() -> None:
     record = AutoscalerRecord.of("chat", 9.0, state)
     again = AutoscalerRecord.model_validate_json(record.model_dump_json())
     assert again.state() == state
+
+
+def test_a_service_without_a_state_starts_from_its_decision_else_its_replicas() -> None:
+    rtt = {"user-east": {"east": 5.0, "eu": 150.0}, "user-eu": {"eu": 4.0}}
+    by_hand = ScalingDecision(
+        service="chat", replicas={"user-east": 2, "user-eu": 1}, at=1.0, by="operator"
+    )
+    replicas = {"east": ReplicaObservation(replicas=1, ready=1)}
+    assert seed_state(replicas, by_hand, rtt, None).targets() == {"east": 2, "eu": 1}
+    # only the allowed regions: user-east's nearest allowed one is eu
+    assert seed_state(replicas, by_hand, rtt, ("eu",)).targets() == {"eu": 3}
+    assert seed_state(replicas, None, rtt, None).targets() == {"east": 1}
