@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from broker.scaler import AutoscalerRecord
+from broker.scaler import AutoscalerRecord, RegionRecord
 from broker.service import Broker
 from broker.services import ScalingDecision, ServiceSpec
 from broker.settings import BrokerSettings
@@ -41,14 +41,19 @@ async def broker(registry: Registry) -> AsyncIterator[Broker]:
     await b.stop()
 
 
-def service(name: str) -> ServiceSpec:
+def service(name: str, **scaling: Any) -> ServiceSpec:
     doc: dict[str, Any] = {
         "name": name,
         "tenant": "t1",
         "model": "m",
         "command": "serve --port {port}",
         "slo": {"p95_ms": 500},
-        "scaling": {"target_qps_per_replica": 2, "interval_s": 1, "upscale_delay_s": 0},
+        "scaling": {
+            "target_qps_per_replica": 2,
+            "interval_s": 1,
+            "upscale_delay_s": 0,
+            **scaling,
+        },
         "min_replicas": 1,
         "max_replicas": 3,
         "clients": ["user-east"],
@@ -126,3 +131,38 @@ async def test_the_leader_decides_from_published_traffic_and_bad_input_stops_not
 
 async def _replicas(broker: Broker) -> Any:
     return (await broker.services.get("good")).replicas
+
+
+async def test_a_new_leader_goes_on_from_the_stored_state(
+    broker: Broker, registry: Registry
+) -> None:
+    """A run of wanting more that began under the previous leader keeps counting: with a 30 s
+    upscale delay begun 60 s ago, the first decision this leader makes scales up."""
+    await until(lambda: asyncio.sleep(0, broker.is_leader))
+    await broker.services.apply(service("good", upscale_delay_s=30))
+    first = await until(lambda: _replicas(broker))
+    await until(lambda: asyncio.sleep(0, first[0].job in broker.view().jobs))
+    began = time.time() - 60
+    left = AutoscalerRecord(
+        service="good", at=began, regions={"east": RegionRecord(target=1, up_since=began)}
+    )
+    await registry.put_raw(keys.autoscaler_state("good"), left.model_dump_json().encode())
+    feed = asyncio.create_task(other_gateway(registry, 20.0))
+    try:
+
+        async def decided() -> ScalingDecision | None:
+            got = await registry.get_raw(keys.scaling("good"))
+            if got is None:
+                return None
+            decision = ScalingDecision.model_validate_json(got[0])
+            return decision if decision.replicas.get("user-east", 0) >= 3 else None
+
+        started = time.monotonic()
+        await until(decided, timeout=10)
+        assert time.monotonic() - started < 10  # not the 30 s a fresh run would wait
+    finally:
+        feed.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await feed
+    events = [e for e in (await broker.services.get("good")).events if e.type == "decision"]
+    assert any("wanted more for 6" in e.message for e in events), events
