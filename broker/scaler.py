@@ -306,6 +306,27 @@ class Scaler:
         for gone in set(self._baselines) - names:
             self._baselines.pop(gone, None)
             self._due.pop(gone, None)
+        await self._forget(names)
+
+    async def _forget(self, names: set[str]) -> None:
+        """A service whose record is gone (deleted, its replicas stopped) leaves its decision
+        and state behind: removed, so a new service of that name starts afresh."""
+        left: list[tuple[str, str, int]] = []
+        for prefix in (keys.SCALING, keys.AUTOSCALER):
+            _, kvs = await self.registry.list_prefix(prefix)
+            for key, _, rev in kvs:
+                name = keys.split(key, prefix)[0]
+                if name not in names:
+                    left.append((name, key, rev))
+        for name, key, rev in left:
+            # the record still absent: a service applied since the list keeps its keys
+            guards = [
+                self.leadership.guard(),
+                Guard(key, mod_revision=rev),
+                Guard(keys.service_spec(name), mod_revision=0),
+            ]
+            if await self.registry.commit(guards=guards, deletes=[key]):
+                log.info("autoscaler: %s removed (its service is gone)", key)
 
     async def _one(
         self,

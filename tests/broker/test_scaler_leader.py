@@ -128,6 +128,17 @@ async def test_the_leader_decides_from_published_traffic_and_bad_input_stops_not
     health = broker.health()
     assert health["healthy"] and health["leader"], health
 
+    # deleted: once its record is gone, so are its decision and the autoscaler's state
+    await broker.services.delete("good")
+
+    async def forgotten() -> bool:
+        left = [
+            await registry.get_raw(k) for k in (keys.scaling("good"), keys.autoscaler_state("good"))
+        ]
+        return left == [None, None]
+
+    await until(forgotten)
+
 
 async def _replicas(broker: Broker) -> Any:
     return (await broker.services.get("good")).replicas
