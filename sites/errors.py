@@ -24,8 +24,10 @@
     ├── ExecutorError                   a run could not be started (sites.executor)
     │   └── SlurmError                  a Slurm client command failed (sites.slurm)
     ├── UnknownJob (LookupError)        a job with no run at this site (sites.workload)
-    └── DoesNotFit                      an assignment asks for more than the site has free
-                                        (sites.workload)
+    ├── DoesNotFit                      an assignment asks for more than the site has free
+    │                                   (sites.workload)
+    └── IllegalReplicaTransition        a managed replica asked to move between states it
+                                        cannot (sites.replicas)
 
 The classes drawn with a module live beside the code that raises them, which callers import
 anyway. etcd and gRPC errors are translated where they enter (sites.registry) and chained.
