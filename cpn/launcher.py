@@ -361,9 +361,18 @@ class Launcher:
             for name, svc_url in plan.service_urls.items():
                 args += ["--service-url", f"{name}={svc_url}"]
             plan.log_path = self.run_dir / f"agent-{plan.spec.id}.log"
+            # the jobs the demo's agents run find cpn's own Python first on PATH, so that a
+            # job's `python` (a managed service's stand-in model server) is the one with
+            # cpn's packages, as it would be in a site's own environment
+            env = dict(os.environ)
+            env["PATH"] = os.pathsep.join((os.path.dirname(sys.executable), env.get("PATH", "")))
             with open(plan.log_path, "ab") as logfile:
                 plan.process = subprocess.Popen(
-                    args, stdout=logfile, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                    args,
+                    stdout=logfile,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=env,
                 )
 
     def _start_broker(self, url: str) -> None:
