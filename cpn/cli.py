@@ -18,7 +18,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, NoReturn
 
-from cpn import render, service_cli, tenant_cli
+from cpn import load_cli, render, service_cli, tenant_cli
 from cpn.certs import DEFAULT_HOSTS, Pki, PkiError
 from cpn.client import ApiError, BrokerClient
 from cpn.config import ConfigFileError
@@ -826,6 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tenant_cli.add_parsers(sub.add_parser, broker_arg)
     service_cli.add_parsers(sub.add_parser, broker_arg)
+    load_cli.add_parsers(sub.add_parser, broker_arg)
 
     whoami = sub.add_parser("whoami", help="the token in use: its id, role and tenant")
     broker_arg(whoami)

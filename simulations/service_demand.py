@@ -15,7 +15,8 @@
 The demand curve moves across the client regions: each region's day is a cosine
 (simulations.workloads.diurnal_factor) peaking at `peak_local_hour` of its own time zone, so
 the peak travels west with the sun. The simulator (simulations.autoscaling) draws each step's
-requests from it (Poisson, seeded). Pure models, no I/O.
+requests from it (Poisson, seeded), and `cpn load` (cpn/load.py) sends real requests by the same
+curve on a compressed day. Pure models, no I/O.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from broker.services import ServiceSpec
 from simulations.workloads import diurnal_factor
 from sites.durations import Duration
 
-__all__ = ["AutoscaledService", "DailyDemand", "ScalerKind"]
+__all__ = ["AutoscaledService", "DailyDemand", "ScalerKind", "utc_offset_h_of"]
+
+
+def utc_offset_h_of(lon: float) -> float:
+    """A region's hours ahead of UTC when none is given: its longitude / 15, rounded."""
+    return float(round(lon / 15.0))
 
 
 class _Frozen(BaseModel):
@@ -61,6 +67,30 @@ class DailyDemand(_Frozen):
             if not rate >= 0:
                 raise ValueError(f"rate of {region!r} must be >= 0, got {rate}")
         return rates
+
+    @classmethod
+    def from_peak(
+        cls,
+        peak_rps: dict[str, float],
+        *,
+        peak_local_hour: float = 20.0,
+        peak_to_trough: float = 4.0,
+        utc_offset_h: dict[str, float] | None = None,
+    ) -> DailyDemand:
+        """The demand whose highest rate in each region is `peak_rps[region]` (the mean is the
+        peak / (1 + a), a the cosine's amplitude: diurnal_factor)."""
+        top = float(diurnal_factor(peak_local_hour, peak_local_hour, peak_to_trough))
+        return cls(
+            requests_per_s={r: rate / top for r, rate in peak_rps.items()},
+            peak_local_hour=peak_local_hour,
+            peak_to_trough=peak_to_trough,
+            utc_offset_h=dict(utc_offset_h or {}),
+        )
+
+    def peak_rate_per_s(self, region: str) -> float:
+        """The highest rate of `region` in a day (at its local `peak_local_hour`)."""
+        top = float(diurnal_factor(self.peak_local_hour, self.peak_local_hour, self.peak_to_trough))
+        return self.requests_per_s.get(region, 0.0) * top
 
     def rate_per_s(self, region: str, t_s: float, offset_h: float) -> float:
         """Mean requests/s of `region` at virtual time `t_s` (t = 0 is 00:00 UTC)."""
