@@ -571,6 +571,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         broker_listen=args.broker_listen,
         etcd_members=args.etcd_members,
         secure=args.secure,
+        demo_service=not args.no_service,
+        service_file=Path(args.service) if args.service else None,
     )
     if args.slurm:  # one more site, slurm-lab, on a local Slurm (cpn/slurm_demo.py)
         from cpn.slurm_demo import run_with_slurm
@@ -624,6 +626,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument(
         "--slurm", action="store_true", help="add site slurm-lab on a local Slurm (docs/slurm.md)"
+    )
+    up.add_argument(
+        "--service",
+        metavar="FILE",
+        help="the demo's managed service (default: configs/services/example.yaml)",
+    )
+    up.add_argument(
+        "--no-service", action="store_true", help="apply no managed service to the demo"
     )
     up.set_defaults(func=cmd_up)
 

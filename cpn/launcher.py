@@ -3,6 +3,9 @@
 Starts (or uses) etcd, joins every site of configs/sites/, starts the WAN emulation (in this
 process) and one `cpn agent` process per site, prints what runs where, and on SIGINT/SIGTERM
 stops everything: agents first (they revoke their leases), then the emulation, then etcd.
+Once the broker answers, it applies the demo's managed inference service
+(configs/services/example.yaml, or --service FILE; --no-service: none) through the broker's
+API, as `cpn service apply` would, and prints a line each time its ready replicas change.
 
 Address plan with the WAN emulation: site number N (1-based, in id order) owns 127.0.1.N; its
 agent listens there and its probes leave from there; peers reach it through the emulator's front
@@ -16,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -23,6 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
+
+import aiohttp
+import yaml
 
 from broker.auth import Role, create_token, new_token
 from broker.regions import load_user_regions
@@ -56,6 +63,17 @@ class LaunchSettings:
     broker_listen: str = "127.0.0.1:8080"
     etcd_members: int = 1
     secure: bool = False  # etcd with TLS and auth, per-site etcd users, the broker on HTTPS
+    demo_service: bool = True  # apply a managed service once the broker answers
+    service_file: Path | None = None  # default: configs/services/example.yaml, when there
+
+    def service_path(self) -> Path | None:
+        """The demo service's file, or None: --no-service, or no example in the configs."""
+        if not self.demo_service:
+            return None
+        if self.service_file is not None:
+            return self.service_file
+        example = self.config_dir / "services" / "example.yaml"
+        return example if example.exists() else None
 
 
 @dataclass
@@ -107,6 +125,7 @@ class Launcher:
         self.run_dir = state_dir() / f"up-{os.getpid()}"
         self.pki = Pki(self.run_dir / "pki")
         self.broker_log = self.run_dir / "broker.log"
+        self.service_name: str | None = None  # the demo's managed service, once read
         self._stop = asyncio.Event()
 
     def run(self) -> int:
@@ -147,6 +166,7 @@ class Launcher:
 
     async def _main(self) -> int:
         self.plans = self.load()
+        self.service_name = self._read_service()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -198,6 +218,9 @@ class Launcher:
             print(self.describe(url), flush=True)
             supervisor = Supervisor(owner="cpn up")
             supervisor.spawn("process monitor", self._supervise)
+            service = self.settings.service_path()
+            if service is not None and self.service_name is not None:
+                supervisor.spawn("demo service", lambda: self._demo_service(service))
             stop = asyncio.create_task(self._stop.wait(), name="cpn up stop")
             failed = asyncio.create_task(supervisor.failed.wait(), name="cpn up failed")
             try:
@@ -429,15 +452,124 @@ class Launcher:
         ]
         table = render.table(["SITE", "REGION", "PID", "LISTEN", "REACHED AT", "SERVICES"], rows)
         broker = f"broker {self.broker_url} (pid {self.broker.pid if self.broker else '-'})"
+        name = self.service_name
+        service = (
+            f"service: {name} ({self.settings.service_path()}), autoscaled; "
+            f"try: cpn services; cpn load {name} --day 10m\n"
+            if name
+            else ""
+        )
         return (
             f"cpn up: {len(self.plans)} sites, {etcd}\n"
             f"{broker}\n"
             f"dashboard: {self.broker_url}/#token={self.token or ''}\n"
             f"network: {mode}\n"
-            f"logs: {self.run_dir}\n{table}\n"
+            f"logs: {self.run_dir}\n{table}\n{service}"
             "try: cpn sites; cpn submit configs/jobs/train-small.yaml; cpn jobs"
             "   (Ctrl-C stops everything)"
         )
+
+    def _read_service(self) -> str | None:
+        """The demo service's name, read before anything starts (a file that is not a
+        mapping with a name is a ConfigError: exit 2)."""
+        path = self.settings.service_path()
+        if path is None:
+            return None
+        doc = read_yaml(path)  # ConfigFileError: exit 2 with one line
+        name = doc.get("name") if isinstance(doc, dict) else None
+        if not isinstance(name, str) or not name:
+            raise ConfigError([Problem(str(path), "name", "a service file needs a name")])
+        return name
+
+    def _service_text(self, path: Path) -> str:
+        """The file as sent. With --sites, a service that names no `regions` of its own may
+        run in the regions of the sites that run: the broker refuses a replica whose allowed
+        regions (a client region's sovereignty list) name a region no running site is in."""
+        text = path.read_text()
+        doc = read_yaml(path)
+        if not self.settings.only or not isinstance(doc, dict) or "regions" in doc:
+            return text
+        doc["regions"] = sorted({p.spec.region for p in self.plans})
+        return str(yaml.safe_dump(doc, sort_keys=False))
+
+    async def _demo_service(self, path: Path) -> None:
+        """Apply the demo's service once the broker takes it (PUT /v1/services/<name>, retried
+        while the broker starts), then report its ready replicas as they change, until
+        cancelled (a supervised task). A file the broker refuses is reported, not fatal: the
+        rest of the demo runs on."""
+        name = self.service_name
+        text = self._service_text(path)
+        context: ssl.SSLContext | bool = True
+        if self.settings.secure:
+            context = ssl.create_default_context(cafile=str(self.pki.ca_path))
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        url = f"{self.broker_url}/v1/services/{name}"
+        async with aiohttp.ClientSession(
+            headers=headers,
+            connector=aiohttp.TCPConnector(ssl=context),
+            timeout=aiohttp.ClientTimeout(total=10),
+        ) as http:
+            if not await self._apply_service(http, url, path, text):
+                await asyncio.Event().wait()  # nothing to follow; cancelled with the demo
+            shown: tuple[int, int] | None = None
+            while True:
+                await asyncio.sleep(2.0)
+                try:
+                    async with http.get(url) as resp:
+                        view = await resp.json() if resp.status == 200 else None
+                except (aiohttp.ClientError, TimeoutError, ValueError):
+                    continue  # the broker restarting: the supervisor reports that
+                if view is None:
+                    continue
+                counts = (
+                    sum(r["ready"] for r in view["regions"]),
+                    sum(r["desired"] for r in view["regions"]),
+                )
+                if counts != shown:
+                    shown = counts
+                    print(
+                        f"cpn up: service {name}: {counts[0]}/{counts[1]} replicas ready",
+                        flush=True,
+                    )
+
+    async def _apply_service(
+        self, http: aiohttp.ClientSession, url: str, path: Path, text: str
+    ) -> bool:
+        """PUT the service file until the broker takes it (True) or refuses it (False)."""
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                async with http.put(
+                    url, data=text.encode(), headers={"Content-Type": "application/yaml"}
+                ) as resp:
+                    body = await resp.json(content_type=None)
+                    if resp.status in (200, 201):
+                        print(
+                            f"cpn up: service {body['name']} applied from {path}; its replicas "
+                            "follow (cpn services)",
+                            flush=True,
+                        )
+                        return True
+                    if 400 <= resp.status < 500:
+                        err = body.get("error", {}) if isinstance(body, dict) else {}
+                        print(
+                            f"cpn up: the broker refused service file {path}: "
+                            f"{err.get('message', resp.status)} (field {err.get('field')})",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        return False
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                print(
+                    f"cpn up: service file {path} not applied: the broker did not take it "
+                    "within 120 s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return False
+            await asyncio.sleep(0.5)
 
     async def _supervise(self) -> None:
         """Report children that exit, until cancelled (a supervised task: sites.tasks)."""

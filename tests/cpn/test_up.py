@@ -122,6 +122,42 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
             return json.loads(out.stdout)["state"] == "SUCCEEDED"
 
         await wait_for(finished, timeout=30, interval=0.5)
+
+        # the demo's autoscaled service (configs/services/example.yaml, applied by cpn up
+        # through the broker's API): its min_replicas become ready and a request for a
+        # client region it serves is answered through the gateway
+        def service_ready() -> bool:
+            out = subprocess.run(
+                cpn_cmd("services", "-o", "json"), capture_output=True, text=True, env=env
+            )
+            assert out.returncode == 0, out.stderr
+            items = {s["name"]: s for s in json.loads(out.stdout)}
+            return items.get("qwen-7b-chat", {}).get("ready", 0) >= 2
+
+        await wait_for(service_ready, timeout=60, interval=0.5)
+        log_text = (tmp_path / "up.log").read_text()
+        assert "cpn up: service qwen-7b-chat applied" in log_text
+        request = urllib.request.Request(
+            state["broker"] + "/v1/infer/qwen-7b-chat/v1/completions",
+            data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+            headers={
+                "Authorization": f"Bearer {state['token']}",
+                "Content-Type": "application/json",
+                "X-Cpn-Client-Region": "shanghai",
+            },
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert answer.status == 200 and answer.headers["X-Cpn-Site"], answer.headers
+            assert json.loads(answer.read())["choices"], "an answer"
+        # and `cpn load` drives it, found through the same CLI config
+        load = subprocess.run(
+            cpn_cmd("load", "qwen-7b-chat", "--regions", "shanghai", "--day", "2s",
+                    "--every", "1s", "--peak-rps", "10", "-o", "json"),
+            capture_output=True, text=True, env=env, cwd=REPO, timeout=60,
+        )  # fmt: skip
+        assert load.returncode == 0, load.stderr
+        shanghai = json.loads(load.stdout)["regions"]["shanghai"]
+        assert shanghai["ok"] > 0 and shanghai["slo_ms"] == 800, shanghai
     finally:
         up.send_signal(signal.SIGINT)
         code = up.wait(30)
@@ -146,8 +182,8 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
     sites = ("wuhu", "tokyo")
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(
-        cpn_cmd("up", "--secure", "--no-wan-emulation", "--interval", "1", "--sites",
-                ",".join(sites), "--broker-listen", "127.0.0.1:0"),
+        cpn_cmd("up", "--secure", "--no-service", "--no-wan-emulation", "--interval", "1",
+                "--sites", ",".join(sites), "--broker-listen", "127.0.0.1:0"),
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
     )  # fmt: skip
     log.close()
@@ -239,7 +275,8 @@ async def test_up_slurm_runs_a_job_through_a_local_slurm(tmp_path: Path) -> None
     env |= {"CPN_STATE_DIR": str(tmp_path), "CPN_CONFIG": str(tmp_path / "cpn" / "config.yaml")}
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(
-        cpn_cmd("up", "--slurm", "--no-wan-emulation", "--interval", "1", "--sites", "wuhu",
+        cpn_cmd("up", "--slurm", "--no-service", "--no-wan-emulation", "--interval", "1",
+                "--sites", "wuhu",
                 "--broker-listen", "127.0.0.1:0"),
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
     )  # fmt: skip
