@@ -1,6 +1,8 @@
 """The operator's dashboard (docs/dashboard.md): a page at `/` with its static assets, shipped in
 the package (broker/static/dashboard/), and GET /v1/routes/summary, where each client region's
-inference traffic went.
+inference traffic went (this replica's counters) and what each managed service's client regions
+asked of every replica's gateway (/cpn/v1/traffic, broker.traffic: cumulative counts, which the
+page turns into rates between two polls, as Prometheus' rate() does).
 
 The page itself holds no data and is public. Everything it shows comes from the JSON API with
 the bearer token the operator gives it (in the URL fragment, which browsers never send, or in
@@ -22,10 +24,21 @@ from pydantic import BaseModel, Field
 
 from broker.metrics import BrokerMetrics
 from broker.openapi import Operation, Param, Reply
+from broker.traffic import TrafficSummary
+from sites import keys
+from sites.registry import Registry
 
-__all__ = ["ASSETS", "RouteFlow", "RouteSummary", "dashboard_operations", "route_flows"]
+__all__ = [
+    "ASSETS",
+    "RouteFlow",
+    "RouteSummary",
+    "ServiceDemand",
+    "dashboard_operations",
+    "route_flows",
+    "service_demand",
+]
 
-ASSETS = ("index.html", "app.js", "data.js", "map.js", "world.js", "style.css")
+ASSETS = ("index.html", "app.js", "data.js", "map.js", "services.js", "world.js", "style.css")
 """The dashboard's files in broker/static/dashboard/ (index.html is served at /)."""
 
 _TYPES = {
@@ -95,11 +108,32 @@ class RouteFlow(BaseModel):
     proxy_seconds_sum: float = Field(description="their summed time to the last byte, s")
 
 
+class ServiceDemand(BaseModel):
+    """One managed service's requests from one client region, over every broker replica."""
+
+    service: str
+    client_region: str
+    requests: int = Field(
+        description="requests the replicas' gateways took, each since it started (cumulative)"
+    )
+
+
 class RouteSummary(BaseModel):
     """The reply of GET /v1/routes/summary."""
 
     instance: str = Field(description="the replica whose counters these are")
     items: list[RouteFlow] = Field(description="by client region, then site")
+    services: list[ServiceDemand] = Field(
+        default_factory=list,
+        description="managed services' demand by client region, every replica's gateway "
+        "summed (/cpn/v1/traffic); by service, then client region",
+    )
+    services_at: float | None = Field(
+        default=None, description="unix s of the newest traffic summary summed in `services`"
+    )
+    services_instances: int = Field(
+        default=0, description="broker replicas whose traffic summaries were summed"
+    )
 
 
 def route_flows(metrics: BrokerMetrics) -> list[RouteFlow]:
@@ -129,11 +163,51 @@ def route_flows(metrics: BrokerMetrics) -> list[RouteFlow]:
     ]
 
 
+# a replica's summary older than this is left out: stuck or cut off (as the autoscaler does)
+TRAFFIC_MAX_AGE_S = 10.0
+
+
+def service_demand(
+    summaries: list[TrafficSummary], now: float
+) -> tuple[list[ServiceDemand], float | None, int]:
+    """Per (service, client region), the replicas' cumulative requests summed; the newest
+    summary's time; how many replicas were summed (those fresher than TRAFFIC_MAX_AGE_S)."""
+    fresh = [s for s in summaries if now - s.at <= TRAFFIC_MAX_AGE_S]
+    sums: dict[tuple[str, str], int] = {}
+    for summary in fresh:
+        for service, regions in summary.services.items():
+            for region, counts in regions.items():
+                sums[(service, region)] = sums.get((service, region), 0) + counts.requests
+    items = [
+        ServiceDemand(service=service, client_region=region, requests=n)
+        for (service, region), n in sorted(sums.items())
+    ]
+    return items, max((s.at for s in fresh), default=None), len(fresh)
+
+
+async def _traffic(registry: Registry) -> list[TrafficSummary]:
+    _, published = await registry.list_prefix(keys.TRAFFIC)
+    out = []
+    for _key, value, _rev in published:
+        try:
+            out.append(TrafficSummary.model_validate_json(value))
+        except ValueError:
+            continue  # a replica of another version: its summary is not summed
+    return out
+
+
 async def routes_summary(request: web.Request) -> web.Response:
     from broker.api import BROKER  # broker.api registers this module's routes: import late
 
     broker = request.app[BROKER]
-    summary = RouteSummary(instance=broker.instance, items=route_flows(broker.metrics))
+    services, at, instances = service_demand(await _traffic(broker.registry), broker.clock.time())
+    summary = RouteSummary(
+        instance=broker.instance,
+        items=route_flows(broker.metrics),
+        services=services,
+        services_at=at,
+        services_instances=instances,
+    )
     return web.json_response(summary.model_dump(mode="json"))
 
 
@@ -150,7 +224,8 @@ def dashboard_operations() -> list[Operation]:
         ),
         Operation(
             "GET", "/v1/routes/summary", routes_summary,
-            "Where each client region's inference traffic went (this replica's counters)",
+            "Where each client region's inference traffic went (this replica's counters), and "
+            "each managed service's requests per client region (every replica's gateway)",
             "routes_summary",
             replies={200: Reply("route decisions and proxied requests by region and site",
                                 RouteSummary)},

@@ -1,7 +1,9 @@
 """The dashboard in a real browser: headless Chromium (driven by Selenium through chromedriver)
 opens the page of a real broker with two agents, and the sites, a submitted job with its reason
-for pending, a running job, a tenant's usage, a client region's routed requests and a firing
-alert (a killed agent's site_down) appear; a screenshot is saved under the test's tmp_path.
+for pending, a running job, a tenant's usage, a client region's routed requests, a firing
+alert (a killed agent's site_down) and a managed service's replicas, the demand its client
+region sends through the gateway and the autoscaler's decision appear; a screenshot is saved
+under the test's tmp_path.
 Nothing the page loads comes from anywhere but the broker, and the browser logs no error.
 
 Selenium rather than the DevTools protocol by hand: chromedriver comes in the same Debian
@@ -11,8 +13,12 @@ are all the test needs; it asks for nothing Chromium-specific but the browser lo
 
 from __future__ import annotations
 
+import json
 import shutil
+import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,7 @@ import yaml
 
 from tests.broker import conftest as fed_conftest
 from tests.broker.conftest import BROKER_SETTINGS, SITES, Federation
-from tests.conftest import ADMIN_TOKEN
+from tests.conftest import ADMIN_TOKEN, AUTH
 
 webdriver = pytest.importorskip("selenium.webdriver")
 from selenium.common.exceptions import TimeoutException  # noqa: E402
@@ -31,6 +37,25 @@ from selenium.webdriver.support.wait import WebDriverWait  # noqa: E402
 
 TWO = {"east-a": SITES["east-a"], "west": SITES["west"]}
 OFF = {"enabled": False}
+SERVICE = {
+    "name": "assist",
+    "tenant": "t1",
+    "model": "standin-7b",
+    "command": [
+        sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:{port}",
+        "--name", "assist", "--median-ms", "10", "--p99-ms", "20", "--max-concurrency", "8",
+    ],
+    "cpu": 1,
+    "mem_gb": 0.5,
+    "slo": {"p95_ms": 5000},
+    "scaling": {"target_qps_per_replica": 100, "max_concurrency": 8, "interval_s": 1},
+    "min_replicas": 1,
+    "max_replicas": 2,
+    "clients": ["user-east"],
+    "regions": ["east"],  # west's agent is killed below
+    "readiness": {"path": "/healthz", "period_s": 0.2},
+    "drain_timeout_s": 2,
+}  # fmt: skip
 
 
 def chromium_paths() -> tuple[str, str]:
@@ -117,6 +142,8 @@ def test_the_dashboard_shows_sites_jobs_usage_and_a_firing_alert(
 ) -> None:
     fed = federation
     started = time.monotonic()
+    status, body = fed.request("PUT", "/v1/services/assist", SERVICE)
+    assert status == 201, body
     # a job that can never fit (64 GPUs, the sites have 16): it pends, and says why
     pending = fed.submit(name="too-big", gpu={"count": 64, "model": "H100"}, command=["true"])
     running = fed.submit(name="long", allowed_regions=["east"], command=["sleep", "60"])
@@ -177,6 +204,57 @@ def test_the_dashboard_shows_sites_jobs_usage_and_a_firing_alert(
     )
     assert "3 requests routed" in flow[0].text and "none 100%" in flow[0].text, flow[0].text
 
+    # the managed service: its replica for user-east ready on an east site, the demand the
+    # gateway sees from user-east while requests flow, the autoscaler's decision and reason
+    assist = '#services .service[data-service="assist"]'
+    row = wait_dom(
+        browser,
+        "assist's replica ready for user-east",
+        css(f'{assist} tr[data-region="user-east"][data-ready="1"]'),
+        timeout=30,
+    )[0]
+    assert "east-a" in row.text, row.text
+    sending = threading.Event()
+
+    def send() -> None:
+        while not sending.is_set():
+            request = urllib.request.Request(
+                fed.broker_url + "/v1/infer/assist/v1/completions",
+                data=json.dumps({"prompt": "hi", "max_tokens": 1}).encode(),
+                headers={**AUTH, "Content-Type": "application/json",
+                         "X-Cpn-Client-Region": "user-east"},
+            )  # fmt: skip
+            with urllib.request.urlopen(request, timeout=10) as answer:
+                assert answer.status == 200
+            time.sleep(0.1)
+
+    sender = threading.Thread(target=send, name="assist load")
+    sender.start()
+    try:
+        demand = f'{assist} tr[data-region="user-east"] td.demand'
+        wait_dom(
+            browser,
+            "user-east's demand for assist",
+            lambda d: [e for e in d.find_elements(By.CSS_SELECTOR, demand) if _rate(e.text) > 0],
+        )
+    finally:
+        sending.set()
+        sender.join(15)
+    block = browser.find_element(By.CSS_SELECTOR, assist)
+    assert block.get_attribute("data-ready") == "1", block.text
+    assert block.find_elements(By.CSS_SELECTOR, "svg.series path.ready"), "the time series"
+    decision = wait_dom(
+        browser,
+        "assist's scaling decision",
+        lambda d: [
+            e
+            for e in d.find_elements(By.CSS_SELECTOR, '[data-service="assist"] p.decision')
+            if "last decision (autoscaler" in e.text
+        ],
+    )[0]
+    assert "user-east 1" in decision.text, decision.text
+    assert block.find_elements(By.CSS_SELECTOR, "ul.events li"), block.text
+
     shot = tmp_path / "dashboard.png"
     assert browser.save_screenshot(str(shot)), shot
     print(f"dashboard screenshot: {shot}")
@@ -189,6 +267,13 @@ def test_the_dashboard_shows_sites_jobs_usage_and_a_firing_alert(
     errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
     assert not errors, errors
     assert time.monotonic() - started < 60
+
+
+def _rate(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0  # "-": no rate yet
 
 
 def test_without_a_token_the_page_asks_for_one_and_a_bad_one_is_refused(

@@ -4,6 +4,7 @@
 
 import { ApiError, api, forgetToken, pages, setToken, takeToken } from "./data.js";
 import { SiteMap } from "./map.js";
+import { ServicesPanel } from "./services.js";
 
 const REFRESH_MS = 3000;
 const SITES_PAGE = 500;
@@ -80,10 +81,11 @@ function panelState(panel, err) {
 class Dashboard {
   constructor() {
     this.map = new SiteMap($("map"));
+    this.services = new ServicesPanel($("services"), ago);
     this.sites = new Map();
     this.paused = false;
     this.busy = new Set();
-    this.visible = new Set(["map-panel", "alerts-panel", "util-panel", "jobs-panel", "traffic-panel", "usage-panel"]);
+    this.visible = new Set(["map-panel", "alerts-panel", "util-panel", "jobs-panel", "traffic-panel", "usage-panel", "services-panel"]);
     this.lastTraffic = null;
     this.firstSites = true;
     this.sitesMs = [];
@@ -122,6 +124,7 @@ class Dashboard {
       ["alerts-panel", () => this.refreshAlerts()],
       ["jobs-panel", () => this.refreshJobs()],
       ["traffic-panel", () => this.refreshTraffic()],
+      ["services-panel", () => this.services.refresh(api, el, $("services-count"))],
       ["usage-panel", () => this.refreshUsage()],
     ];
     for (const [panel, run] of jobs) {
