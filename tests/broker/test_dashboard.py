@@ -302,3 +302,31 @@ def test_without_a_token_the_page_asks_for_one_and_a_bad_one_is_refused(
         "the site once the token is good",
         lambda d: d.find_elements(By.CSS_SELECTOR, '#map circle[data-site="east-a"]'),
     )
+
+
+def test_service_demand_sums_fresh_replicas_by_service_and_client_region() -> None:
+    from broker.dashboard import service_demand
+    from broker.traffic import PairCounts, TrafficSummary
+
+    def summary(instance: str, at: float, **counts: int) -> TrafficSummary:
+        return TrafficSummary(
+            instance=instance,
+            started_at=0.0,
+            at=at,
+            services={"chat": {r: PairCounts(requests=n) for r, n in counts.items()}},
+        )
+
+    items, at, instances = service_demand(
+        [
+            summary("a", 100.0, beijing=10, tokyo=2),
+            summary("b", 101.0, beijing=5),
+            summary("stale", 80.0, beijing=1_000),  # 21 s old: stuck or cut off, left out
+        ],
+        now=101.5,
+    )
+    assert [(d.service, d.client_region, d.requests) for d in items] == [
+        ("chat", "beijing", 15),
+        ("chat", "tokyo", 2),
+    ]
+    assert at == 101.0 and instances == 2
+    assert service_demand([], now=1.0) == ([], None, 0)
