@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
 import math
 import random
 import ssl
@@ -285,15 +286,20 @@ class _Run:
         task.add_done_callback(self.tasks.discard)
 
 
-def _schedule(settings: LoadSettings) -> list[tuple[float, str]]:
-    """Every region's arrivals, merged in time order (seeded when `seed` is given)."""
+def _schedule(settings: LoadSettings) -> Iterator[tuple[float, str]]:
+    """Every region's arrivals, merged in time order, drawn as they are sent (a long run at a
+    high rate holds no list of them); seeded when `seed` is given."""
     rng = random.Random(settings.seed)
-    merged: list[tuple[float, str]] = []
-    for region in settings.regions:
-        own = random.Random(rng.getrandbits(64))
-        merged += [(t, region) for t in arrival_times(settings, region, own)]
-    merged.sort()
-    return merged
+
+    def labelled(region: str, own: random.Random) -> Iterator[tuple[float, str]]:
+        for t in arrival_times(settings, region, own):
+            yield t, region
+
+    return heapq.merge(*(labelled(r, random.Random(rng.getrandbits(64))) for r in settings.regions))
+
+
+STOP_GRACE_S = 5.0  # after a stop, the requests in flight get this long to finish
+_NAP_S = 0.25  # the longest sleep between two looks at the stop event
 
 
 async def run_load(
@@ -303,9 +309,12 @@ async def run_load(
     token: str | None = None,
     ssl_context: ssl.SSLContext | bool = True,
     on_window: Callable[[LoadWindow, LoadReport], None] | None = None,
+    stop: asyncio.Event | None = None,
 ) -> LoadReport:
     """Send `settings`' load through the gateway of the broker at `broker_url`; the report
-    once every request has finished (or timed out). `on_window` sees each progress period."""
+    once every request has finished (or timed out). `on_window` sees each progress period.
+    Once `stop` is set (the CLI's Ctrl-C) nothing more is sent, the requests in flight get
+    STOP_GRACE_S, and the report covers what was sent until then."""
     if not settings.regions:
         raise LoadError("--regions: give at least one client region")
     report = LoadReport(
@@ -331,25 +340,35 @@ async def run_load(
             if on_window is not None:
                 on_window(closed, report)
 
+        stopped = stop or asyncio.Event()
+
+        async def until(wall_s: float) -> bool:
+            """Sleep to `wall_s` after the start; False once stopped."""
+            while not stopped.is_set():
+                left = started + wall_s - loop.time()
+                if left <= 0:
+                    return True
+                await asyncio.sleep(min(left, _NAP_S))
+            return False
+
         next_report = settings.report_s
         try:
             for at, region in schedule:
-                while at >= next_report:
-                    await asyncio.sleep(max(0.0, started + next_report - loop.time()))
+                while at >= next_report and await until(next_report):
                     roll(next_report)
                     next_report += settings.report_s
-                delay = started + at - loop.time()
-                if delay > 0:
-                    await asyncio.sleep(delay)
+                if not await until(at):
+                    break
                 run.send(region)
-            while next_report < settings.duration_s:
-                await asyncio.sleep(max(0.0, started + next_report - loop.time()))
+            while next_report < settings.duration_s and await until(next_report):
                 roll(next_report)
                 next_report += settings.report_s
-            await asyncio.sleep(max(0.0, started + settings.duration_s - loop.time()))
-            if run.tasks:
-                await asyncio.gather(*list(run.tasks))
-            roll(max(settings.duration_s, loop.time() - started))
+            if await until(settings.duration_s):
+                if run.tasks:
+                    await asyncio.gather(*list(run.tasks))
+            elif run.tasks:
+                await asyncio.wait(list(run.tasks), timeout=STOP_GRACE_S)
+            roll(max(next_report - settings.report_s, loop.time() - started))
         finally:
             for task in list(run.tasks):
                 task.cancel()

@@ -9,9 +9,11 @@ not know) exits 2 with one line (cpn.load.LoadError is a ValueError; ApiError 4x
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import math
+import signal
 import ssl
 import sys
 from collections.abc import Callable
@@ -210,13 +212,23 @@ async def cmd_load(args: argparse.Namespace) -> int:
             f"for {duration_s:g} s from {_hhmm(settings.start_hour_utc)} UTC",
             flush=True,
         )
-    report = await run_load(
-        settings,
-        broker_url=url,
-        token=token,
-        ssl_context=_ssl_context(url),
-        on_window=progress,
-    )
+    # Ctrl-C (or SIGTERM) stops the sending and still prints the table of what was sent
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        report = await run_load(
+            settings,
+            broker_url=url,
+            token=token,
+            ssl_context=_ssl_context(url),
+            on_window=progress,
+            stop=stop,
+        )
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
     if table:
         print(report_table(report))
     else:
