@@ -18,6 +18,7 @@ or cluster daemon to size. Ray's strengths (actors, a shared object store, GPUs)
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,11 +28,26 @@ from simulations.scenario import Scenario
 
 __all__ = ["ClusterError", "run_on_cluster"]
 
-CONNECT_TIMEOUT_S = 10
+CONNECT_TIMEOUT_S = 10.0
+TIMEOUT_ENV = "CPN_CLUSTER_CONNECT_TIMEOUT_S"  # overrides CONNECT_TIMEOUT_S
 
 
 class ClusterError(Exception):
     """The cluster cannot be used: not reachable, or Dask is not installed."""
+
+
+def _connect_timeout() -> float:
+    """Seconds to wait for the scheduler: $CPN_CLUSTER_CONNECT_TIMEOUT_S, else 10."""
+    text = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not text:
+        return CONNECT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ClusterError(f"{TIMEOUT_ENV} must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 def _run(scenario: Scenario, file: str | None) -> dict[str, Any]:
@@ -53,8 +69,9 @@ def run_on_cluster(
     except ImportError:
         raise ClusterError("--cluster needs Dask: pip install 'cpn[cluster]'") from None
     dask: Any = distributed  # partly typed: its Client's methods are not
+    timeout = _connect_timeout()
     try:
-        client = dask.Client(address, timeout=CONNECT_TIMEOUT_S)  # as_completed needs it default
+        client = dask.Client(address, timeout=timeout)  # as_completed needs it default
     except (OSError, TimeoutError) as exc:
         raise ClusterError(f"no Dask scheduler answers at {address}: {exc}") from None
     run = secrets.token_hex(4)

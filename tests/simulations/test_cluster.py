@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from simulations.cluster import ClusterError, run_on_cluster
 from sites.etcd_server import free_port
 from tests.simulations.test_cli import cpn, small
 
@@ -81,10 +82,17 @@ def test_a_sweep_on_a_dask_cluster_equals_the_local_run(
 
 
 def test_cluster_errors_are_one_line(
-    make_configs: Callable[..., Path], write_scenario: Callable[..., Path], tmp_path: Path
+    make_configs: Callable[..., Path],
+    write_scenario: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path = small(make_configs, write_scenario)
     gone = f"tcp://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("CPN_CLUSTER_CONNECT_TIMEOUT_S", "nine")
+    with pytest.raises(ClusterError, match="CPN_CLUSTER_CONNECT_TIMEOUT_S must be a number"):
+        run_on_cluster([], [], gone, lambda i, f: None)
+    monkeypatch.setenv("CPN_CLUSTER_CONNECT_TIMEOUT_S", "1.5")  # not the default 10 s
     done = cpn("simulate", str(path), "--cluster", gone, "--no-progress", cwd=tmp_path)
     assert done.returncode == 1
     assert done.stderr.count("\n") == 1 and "no Dask scheduler answers" in done.stderr
