@@ -12,11 +12,15 @@ For each service of a scenario's `services:` section (simulations.service_demand
    slices and routed in turn with routing.policy.route (simulations.inference.SliceRouter),
    seeing the load the earlier slices put on each site, with the federation's client -> site
    RTT (the broker's topology: simulations.inference.build_topology) and sovereignty.
-3. Serving: a site's flow is split evenly over its ready replicas; each replica is an M/M/c
-   queue with c = max_concurrency and the model's service time (time to first token: the
-   lognormal of configs/standin.yaml for spec.model). A request waits with the Erlang C
-   probability for an exponential time; a replica offered more than 98 % of its capacity
-   serves 98 % and drops the rest. A request's TTFT = RTT + wait + service time: the share
+3. Serving: the gateway sends each request to the least loaded of the site's ready replicas
+   (the routing policy's in-flight count), so a request waits only when every slot of every
+   ready replica is busy: with n replicas of c = max_concurrency slots and the model's service
+   time (time to first token: the lognormal of configs/standin.yaml for spec.model), it waits
+   with the Erlang C probability of n x c servers, and then for an exponential time at the
+   one replica it was queued on, whose c slots drain at c / service time less that replica's
+   share of the arrivals (more conservative than one shared queue of n x c: a queued request
+   cannot take a slot that frees on another replica). A site offered more than 98 % of its
+   capacity serves 98 % and drops the rest. A request's TTFT = RTT + wait + service time: the share
    within the SLO is computed (simulations.ttft), the p95 comes from a fixed bank of draws
    (seeded); dropped and unroutable requests miss.
 4. Signals, as a replica's model server would publish them (vLLM names): running = busy
@@ -253,20 +257,20 @@ class ServiceSim:
                 counted[site] = busy
         return flows, dropped
 
-    def _serve(self, lam_replica: float) -> tuple[float, float, float, float, float]:
-        """One replica at `lam_replica` req/s: (share served, P(wait), wait rate per ms,
-        busy slots, mean waiting)."""
-        if lam_replica <= 0:
+    def _serve(self, lam: float, n: int) -> tuple[float, float, float, float, float]:
+        """A site's n ready replicas offered `lam` req/s (module docstring, step 3): (share
+        served, P(wait), wait rate per ms, busy slots per replica, mean waiting per replica)."""
+        if lam <= 0:
             return 1.0, 0.0, 0.0, 0.0, 0.0
         service_s = self.mean_ms / 1000.0
-        load = lam_replica * service_s
-        c = self.slots
+        load = lam * service_s
+        c = self.slots * n
         keep = min(1.0, MAX_LOAD * c / load)
         served = load * keep
         p_wait = erlang_c(c, served)
-        rate = (c - served) / service_s / 1000.0
-        waiting = p_wait * served / (c - served) + (load - served)
-        return keep, p_wait, rate, served, waiting
+        drain_per_s = (c - served) / n / service_s  # one replica's slots less its arrivals
+        waiting = p_wait * lam * keep / drain_per_s + (load - served)  # Little's law
+        return keep, p_wait, drain_per_s / 1000.0, served / n, waiting / n
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -287,7 +291,7 @@ class ServiceSim:
             site = self.site_of[region]
             lam = per_site.get(site, 0.0)
             if n > 0:
-                keep, p_wait, rate, busy, waiting = self._serve(lam / n)
+                keep, p_wait, rate, busy, waiting = self._serve(lam, n)
                 serving[site] = (keep, p_wait, rate)
                 kv = min(1.0, busy / self.slots)
                 signals[region] = ReplicaObservation(
