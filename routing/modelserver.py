@@ -36,7 +36,11 @@ its prompt and output tokens (routing.kvcache.KvCache); /metrics reports the cac
 
 Run: python -m routing.modelserver --listen HOST:PORT --name NAME --median-ms X --p99-ms Y
      --max-concurrency N [--max-queue M] [--seed S] [--tokens T] [--prefill-ms P]
-     [--prefix-hit-discount D] [--prefix-chars C] [--kv-cache-blocks B]
+     [--prefix-hit-discount D] [--prefix-chars C] [--prefix-cache-entries E]
+     [--kv-cache-blocks B]
+--prefill-ms and --prefix-cache-entries default to $CPN_STANDIN_PREFILL_MS and
+$CPN_STANDIN_PREFIX_CACHE_ENTRIES when set (so a `cpn up` started with them models the prefix
+cache: bench/routing.py's prefix workload), else 0 and 1024.
 It prints `listening on http://HOST:PORT` once it accepts connections (PORT 0 picks one).
 """
 
@@ -50,6 +54,7 @@ import importlib
 import itertools
 import json
 import math
+import os
 import random
 import signal
 import statistics
@@ -581,9 +586,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=8, help="events in a streamed answer")
-    p.add_argument("--prefill-ms", type=float, default=0.0, help="prefill on a prefix miss")
+    # the prefix-cache model's defaults may come from the environment: `cpn up` passes the
+    # stand-ins only their timing and size, and a benchmark (bench/routing.py) sets these
+    p.add_argument(
+        "--prefill-ms",
+        type=float,
+        default=float(os.environ.get("CPN_STANDIN_PREFILL_MS", "0")),
+        help="prefill on a prefix miss (default: $CPN_STANDIN_PREFILL_MS, else 0)",
+    )
     p.add_argument("--prefix-hit-discount", type=float, default=0.8)
     p.add_argument("--prefix-chars", type=int, default=256)
+    p.add_argument(
+        "--prefix-cache-entries",
+        type=int,
+        default=int(os.environ.get("CPN_STANDIN_PREFIX_CACHE_ENTRIES", "1024")),
+        help="prefix keys kept, LRU (default: $CPN_STANDIN_PREFIX_CACHE_ENTRIES, else 1024)",
+    )
     p.add_argument("--kv-cache-blocks", type=int, default=4096)
     return p
 
@@ -623,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
             prefill_ms=args.prefill_ms,
             prefix_hit_discount=args.prefix_hit_discount,
             prefix_chars=args.prefix_chars,
+            prefix_cache_entries=args.prefix_cache_entries,
             kv_cache_blocks=args.kv_cache_blocks,
         )
     except ValidationError as exc:

@@ -269,3 +269,22 @@ async def test_cli_rejects_bad_settings_with_exit_2() -> None:
     assert proc.returncode == 2
     lines = err.decode().strip().splitlines()
     assert len(lines) == 1 and "p99_ms" in lines[0]
+
+
+def test_prefix_cache_flags_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`cpn up` passes the stand-ins only timing and size; a bench sets the prefix-cache model
+    through CPN_STANDIN_PREFILL_MS and CPN_STANDIN_PREFIX_CACHE_ENTRIES."""
+    from routing import modelserver
+
+    need = ["--listen", "127.0.0.1:0", "--name", "x", "--median-ms", "1", "--p99-ms", "2"]
+    need += ["--max-concurrency", "1"]
+    monkeypatch.delenv("CPN_STANDIN_PREFILL_MS", raising=False)
+    monkeypatch.delenv("CPN_STANDIN_PREFIX_CACHE_ENTRIES", raising=False)
+    args = modelserver._parser().parse_args(need)
+    assert (args.prefill_ms, args.prefix_cache_entries) == (0.0, 1024)
+    monkeypatch.setenv("CPN_STANDIN_PREFILL_MS", "300")
+    monkeypatch.setenv("CPN_STANDIN_PREFIX_CACHE_ENTRIES", "32")
+    args = modelserver._parser().parse_args(need)
+    assert (args.prefill_ms, args.prefix_cache_entries) == (300.0, 32)
+    args = modelserver._parser().parse_args([*need, "--prefill-ms", "5"])
+    assert args.prefill_ms == 5.0
