@@ -156,8 +156,8 @@ class Decision:
     replicas: Mapping[str, int]
     changes: tuple[Change, ...] = ()
     wanted: Mapping[str, int] = field(default_factory=dict)  # before hysteresis
-    # replica region -> the client region whose demand its replicas are for (the busiest one
-    # it serves, else the nearest): how broker.services.ScalingDecision names them
+    # replica region -> the client region whose demand its replicas are for (the nearest one
+    # it serves, else the nearest of all): how broker.services.ScalingDecision names them
     anchors: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -465,7 +465,12 @@ def _anchors(
     for region in regions:
         mine = [c for c, r in served.items() if r == region]
         if mine:
-            out[region] = max(mine, key=lambda c: (observations.clients[c].rate_per_s, c))
+            # the nearest, not the busiest: two client regions of one fleet trade places in
+            # demand with every noisy interval, and each flip would re-key all its replicas
+            # (the reconciler drains those for the old key and starts new ones)
+            out[region] = min(
+                mine, key=lambda c: (observations.rtt_ms.get(c, {}).get(region, math.inf), c)
+            )
             continue
         near = [(row[region], c) for c, row in observations.rtt_ms.items() if region in row]
         if near:

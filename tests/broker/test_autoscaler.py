@@ -252,6 +252,21 @@ def test_nearby_small_demands_share_one_fleet() -> None:
     assert assign_demand(spec, obs)["b"] == "dc-b"
 
 
+def test_a_shared_fleet_keeps_its_anchor_while_its_clients_trade_places_in_demand() -> None:
+    # "a" and "b" share dc-a's fleet; whichever is busier this interval, its replicas stay
+    # keyed by the client region nearest to it, so the reconciler drains none of them
+    rtt = {"a": {"dc-a": 5.0, "dc-b": 15.0}, "b": {"dc-a": 12.0, "dc-b": 4.0}}
+    spec = make_spec(min_replicas=0, regions=["dc-a", "dc-b"])
+    state = AutoscalerState()
+    keys = set()
+    for i in range(10):
+        rates = {"a": 10.0, "b": 14.0} if i % 2 else {"a": 14.0, "b": 10.0}
+        decision, state = decide(spec, seen(rates, rtt=rtt), state, 20.0 * i)
+        assert decision.anchors["dc-a"] == "a"
+        keys |= set(scaling_decision("chat", decision).replicas)
+    assert keys == {"a"}
+
+
 def test_the_decision_as_the_reconcilers_record() -> None:
     spec = make_spec()
     decision, _ = decide(spec, seen({"east": 25.0, "west": 12.0}), AutoscalerState(), 0.0)
