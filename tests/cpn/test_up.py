@@ -134,7 +134,7 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
             items = {s["name"]: s for s in json.loads(out.stdout)}
             return items.get("qwen-7b-chat", {}).get("ready", 0) >= 2
 
-        await wait_for(service_ready, timeout=60, interval=0.5)
+        await wait_for(service_ready, timeout=90, interval=0.5)  # 2 replicas on a busy machine
         log_text = (tmp_path / "up.log").read_text()
         assert "cpn up: service qwen-7b-chat applied" in log_text
         request = urllib.request.Request(
