@@ -1,4 +1,4 @@
-"""Inference routing: cpn's broker against nginx round robin and direct calls to the best site.
+"""Inference routing: cpn's broker against nginx (round robin, least_conn) and direct calls.
 
 Prints figures; it is not a timed test. Two set-ups, each a real `cpn up` this bench starts
 (and stops with SIGINT) on a copy of configs/ in a temporary directory, whose model servers get
@@ -25,12 +25,27 @@ fresh free ports so that it cannot collide with another `cpn up` on this machine
      source address, so a shared block would reuse one region's connection for another.
      Round robin ignores sovereignty: the share of requests it sent to a disallowed site is
      reported.
+   - **nginx-lc**: the same nginx set-up (servers, proxy_bind, keep-alive, one block per
+     (service, region)) with `least_conn` in every upstream block. nginx counts a block's
+     connections per block, so each region's block balances that region's requests only.
    - **direct**: the client connects from its region's address straight to the front of the
      site that `POST /v1/route` picks for (service, region) before the runs: a GSLB-style
      client with no proxy hop.
    Figures: p50/p99 end-to-end latency per client region and per service, the share served
    in-region (by a site in the site region of the client region's primary ingress, its first
    `attach` site in configs/clients.yaml), the share served against sovereignty, errors.
+1b. **Prefix workload** (`--workload prefix`; `both`, the default, runs the mix then this, each
+   on its own `cpn up`): the same set-up, regions, services and arrivals, but the stand-ins
+   model a prefix cache (CPN_STANDIN_PREFILL_MS=--prefill-ms, 300, on a miss, 80 % of it saved
+   on a hit; CPN_STANDIN_PREFIX_CACHE_ENTRIES=--prefix-cache-entries, 32 keys each, LRU) and
+   every request is streamed (`"stream": true`, 8 tokens): a prompt of one of --prefixes (256)
+   shared 400-character prefixes (system prompts), drawn Zipf (--zipf 1.1), plus a unique
+   suffix. Each mode gets its own prefix texts (same ranks), so no mode starts on the caches
+   the previous one warmed. The rate counts the prefill in every service time (all misses).
+   TTFT is measured at the client, from the scheduled send to the first streamed body chunk.
+   Figures: p50/p95/p99 TTFT per client region and overall, the prefix hit rate (the
+   stand-ins' /stats prefix_hits / prefix_queries over the measured run), for cpn, nginx,
+   nginx-lc and direct; the line "p99 TTFT cpn / least_conn = X (target <= 0.5)".
 2. **Loopback** (`cpn up --no-wan-emulation --sites chongqing,shaoguan`, every stand-in at
    median 0.5 ms, p99 1 ms): the proxy's own cost. qwen-7b requests from several regions.
    - added latency: open loop at 1,000 req/s, direct to the backend the broker would pick and
@@ -61,8 +76,10 @@ Limits of the set-up, handled here:
     .venv/bin/python bench/routing.py                      # about 4 minutes
     .venv/bin/python bench/routing.py --quick              # smoke run, about 1.5 minutes
     .venv/bin/python bench/routing.py --json /tmp/routing.json --profile /tmp/broker.prof
+    .venv/bin/python bench/routing.py --workload prefix --skip-loopback    # about 6 minutes
 
-Targets: p99 end-to-end at most half of nginx round robin's on the cross-region mix; added
+Targets: p99 end-to-end at most half of nginx round robin's on the cross-region mix; p99 TTFT
+at most half of nginx least_conn's on the prefix workload (issue 15); added
 latency p50 under 0.5 ms at 1,000 req/s; 5,000 req/s per broker process (issue 10; the
 routing issue asked for 1 ms and 3,000 req/s). The throughput table also gives the broker's
 CPU time per request (its CPU seconds over the requests it served), the figure that moves
