@@ -298,6 +298,23 @@ class Demo:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
         return env
 
+    def wait_settled(self, timeout: float = 120, quiet_s: float = 5) -> None:
+        """Wait until the managed services' replicas `cpn up` starts are all ready (its log's
+        `cpn up: service S: a/b replicas ready` lines), then `quiet_s`: their start-up takes
+        CPU, and the first mode measured must not pay for it."""
+        pattern = re.compile(r"cpn up: service (\S+): (\d+)/(\d+) replicas ready")
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace") if self.log_path else ""
+            last = {m[1]: (int(m[2]), int(m[3])) for m in pattern.finditer(text)}
+            if last and all(a >= b for a, b in last.values()):
+                log(f"managed services ready: {', '.join(sorted(last))}")
+                break
+            time.sleep(1)
+        else:
+            log("managed services' replicas not all ready; measuring anyway")
+        time.sleep(quiet_s)
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -1117,6 +1134,7 @@ async def run_wan(
                 fd_max[current[0]] = max(fd_max.get(current[0], 0), demo.fds())
                 await asyncio.sleep(0.2)
 
+        demo.wait_settled()
         watcher = asyncio.create_task(watch_fds())
         out["emulator_fds_max"] = fd_max
         baseline = demo.fds()
