@@ -68,7 +68,7 @@ from routing.selection import Candidate
 from simulations.inference import SliceRouter, build_topology, service_profiles
 from simulations.queueing import erlang_c
 from simulations.scenario import Scenario, SimFederation
-from simulations.service_demand import AutoscaledService, ScalerKind
+from simulations.service_demand import AutoscaledService, ScalerKind, utc_offset_h_of
 from simulations.ttft import BINS, ServiceTime, quantile, step_p95
 from sites.status import ServiceEndpoint, SiteState
 
@@ -551,4 +551,4 @@ def _scaled(progress: Callable[[float], None], i: int, n: int) -> Callable[[floa
 
 def _offset(fed: SimFederation, client: str) -> float:
     where = fed.user_regions.get(client)
-    return float(round(where.lon / 15.0)) if where is not None else 0.0
+    return utc_offset_h_of(where.lon) if where is not None else 0.0
