@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import json
 import math
 import random
 import ssl
@@ -181,6 +182,21 @@ class RegionStats:
         return self.within_slo / done if done else None
 
 
+ERROR_BODY_BYTES = 4_096  # of an error answer, read for its code and message
+
+
+def _error_words(body: bytes) -> str:
+    """' no_capacity: no site can take ...' from the gateway's JSON error body (its code and the
+    message's first words), so that the report tells apart why requests failed; '' if none."""
+    try:
+        error = json.loads(body)["error"]
+        code, message = str(error["code"]), str(error.get("message") or "")
+    except (ValueError, KeyError, TypeError):
+        return ""
+    words = message if len(message) <= 60 else message[:57] + "..."
+    return f" {code}: {words}" if words else f" {code}"
+
+
 @dataclass(frozen=True)
 class LoadWindow:
     """One progress period: what each region sent and got in it."""
@@ -249,11 +265,14 @@ class _Run:
                 self.url, json=body, headers={REGION_HEADER: region}
             ) as resp:
                 first: float | None = None
-                async for _chunk in resp.content.iter_any():
+                head = b""
+                async for chunk in resp.content.iter_any():
                     if first is None:
                         first = time.perf_counter()
+                    if resp.status >= 300 and len(head) < ERROR_BODY_BYTES:
+                        head += chunk
                 if resp.status >= 300:
-                    kind = f"HTTP {resp.status}"
+                    kind = f"HTTP {resp.status}{_error_words(head)}"
                 elif first is None:
                     kind = "empty answer"
                 else:

@@ -19,7 +19,14 @@ from typing import Any
 import pytest
 import yaml
 
-from cpn.load import LoadError, LoadSettings, RegionStats, arrival_times, quantile
+from cpn.load import (
+    LoadError,
+    LoadSettings,
+    RegionStats,
+    _error_words,
+    arrival_times,
+    quantile,
+)
 from cpn.load_cli import report_table
 from simulations.service_demand import DailyDemand, utc_offset_h_of
 from tests.broker.conftest import SITES, Federation, make_federation
@@ -266,3 +273,12 @@ def test_per_region_counts_peak_where_each_regions_evening_falls(federation: Fed
         assert bad.returncode == 2, (args, bad.stdout, bad.stderr)
         assert bad.stderr.count("\n") == 1 and words in bad.stderr, (args, bad.stderr)
         assert bad.stderr.startswith("cpn: error: "), bad.stderr
+
+
+def test_an_error_kind_names_the_gateways_code_and_message() -> None:
+    body = b'{"error": {"code": "no_capacity", "message": "no site can take a \'qwen-7b-chat\' request from region \'shanghai\' now", "field": null}}'  # noqa: E501
+    words = " no_capacity: no site can take a 'qwen-7b-chat' request from region 'sh..."
+    assert _error_words(body) == words
+    assert _error_words(b'{"error": {"code": "busy"}}') == " busy"
+    assert _error_words(b"<html>Bad Gateway</html>") == ""
+    assert _error_words(b"") == ""
