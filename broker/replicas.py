@@ -46,6 +46,7 @@ from broker.services import (
     ScalingDecision,
     ScalingEvent,
     ServiceRecord,
+    ServiceSpec,
     counts,
     desired_replicas,
 )
@@ -67,6 +68,15 @@ REPLACE_BACKOFF_MAX_S = 300.0
 # one; a larger step is carried out over several passes
 CANCEL_BATCH = 100
 CREATE_BATCH = 100
+# make before break: how long a replacement may take to be placed (beyond its readiness
+# timeout) before it is given up and the replica it was to replace keeps serving
+PLACE_WITHIN_S = 60.0
+
+
+def hold_limit_s(spec: ServiceSpec) -> float:
+    """How long a replica that replaces a held one may take to become ready."""
+    ready = spec.readiness
+    return ready.initial_delay_s + ready.timeout_s + PLACE_WITHIN_S
 
 
 @dataclass
@@ -131,6 +141,7 @@ def plan(
         by_region.setdefault(entry.region, []).append(entry)
     current = record.generation
     keep: list[ReplicaEntry] = []
+    surplus: list[tuple[str, ReplicaEntry]] = []  # (region, entry) the decision wants no more
     for region, entries in sorted(by_region.items()):
         want = desired.get(region, 0)
         surging = any(e.generation < current for e in entries) and any(
@@ -147,19 +158,68 @@ def plan(
 
         ordered = sorted(entries, key=worth, reverse=True)
         keep += ordered[:want]
-        for entry in ordered[want:]:
-            if len(out.cancel) >= CANCEL_BATCH:
-                keep.append(entry)  # the next pass
+        surplus += [(region, e) for e in ordered[want:]]
+    # make before break: a ready replica the decision no longer wants keeps serving while the
+    # service has fewer ready replicas than it wants (its replacements are not ready yet)
+    total_want = sum(desired.values())
+    short = total_want - sum(ready(jobs[e.job]) for e in keep)
+    held: list[ReplicaEntry] = []
+    for region, entry in sorted(surplus, key=lambda re: not ready(jobs[re[1].job])):
+        if short > 0 and ready(jobs[entry.job]):
+            short -= 1
+            if entry.held_since is None:
+                entry = entry.model_copy(update={"held_since": now})
+                events.append(
+                    ScalingEvent(
+                        at=now,
+                        type="held",
+                        message=f"replica {entry.job} keeps serving until its replacement is "
+                        "ready (make before break)",
+                        region=region,
+                        job=entry.job,
+                    )  # fmt: skip
+                )
+            held.append(entry)
+            continue
+        if len(out.cancel) >= CANCEL_BATCH:
+            keep.append(entry)  # the next pass
+            continue
+        out.cancel.append(entry.job)
+        stale = entry.generation < current
+        if stale:
+            why = f"generation {current} is ready"
+        elif entry.held_since is not None:
+            why = f"its replacement is ready ({counts(desired)})"
+        else:
+            why = counts(desired)
+        events.append(
+            ScalingEvent(
+                at=now,
+                type="updated" if stale else "scaled-down",
+                message=f"replica {entry.job} drains and stops: {why}",
+                region=region,
+                job=entry.job,
+            )  # fmt: skip
+        )
+    # a replica wanted again is no longer held
+    keep = [e if e.held_since is None else e.model_copy(update={"held_since": None}) for e in keep]
+    if held:
+        # bounded: a replacement not ready in time is given up (a failure: backed off), and the
+        # replicas it was to replace keep serving
+        limit = hold_limit_s(spec)
+        for entry in [e for e in keep if e.generation == current and not ready(jobs[e.job])]:
+            if now - entry.created_at < limit or len(out.cancel) >= CANCEL_BATCH:
                 continue
+            keep.remove(entry)
             out.cancel.append(entry.job)
-            stale = entry.generation < current
+            failed += 1
             events.append(
                 ScalingEvent(
                     at=now,
-                    type="updated" if stale else "scaled-down",
-                    message=f"replica {entry.job} drains and stops: "
-                    + (f"generation {current} is ready" if stale else counts(desired)),
-                    region=region,
+                    type="replace-failed",
+                    message=f"replica {entry.job} not ready within {limit:g} s: cancelled; "
+                    f"{', '.join(e.job for e in held)} keep serving",
+                    region=entry.region,
                     job=entry.job,
                 )  # fmt: skip
             )
@@ -175,6 +235,7 @@ def plan(
         have = {r: len(v) for r, v in by_region.items()}
         for region, want in sorted(desired.items()):
             for _ in range(max(0, want - have.get(region, 0))):
+                # held replicas go once these are ready: a surge past max_replicas meanwhile
                 if len(keep) + len(new) >= spec.max_replicas or len(new) >= CREATE_BATCH:
                     break
                 job_id = new_id()
@@ -195,7 +256,7 @@ def plan(
                 )
         old = sorted((e for e in keep if e.generation < current), key=lambda e: e.created_at)
         settled = all(ready(jobs[e.job]) for e in keep if e.generation == current)
-        if old and settled and not new and not out.cancel:
+        if old and settled and not new and not out.cancel and not held:
             # rolling update: one replica of the current spec beside the oldest stale one;
             # the stale one is scaled away once the new one is ready (above)
             region = old[0].region
@@ -212,11 +273,18 @@ def plan(
                     job=job_id,
                 )  # fmt: skip
             )
-    if events or failures != record.failures or not_before != record.not_before:
+    position = {e.job: i for i, e in enumerate(record.replicas)}  # the record's order kept
+    replicas = (*sorted((*keep, *held), key=lambda e: position[e.job]), *new)
+    if (
+        events
+        or failures != record.failures
+        or not_before != record.not_before
+        or replicas != record.replicas
+    ):
         out.changed = True
         out.record = record.with_events(
             *events,
-            replicas=(*keep, *new),
+            replicas=replicas,
             failures=failures,
             not_before=not_before,
             updated_at=now if (out.create or out.cancel) else record.updated_at,
@@ -312,7 +380,7 @@ class ReplicaReconciler:
 
         def ready(job: JobRecord) -> bool:
             site = job.placement.site if job.placement is not None else None
-            return site is not None and ready_endpoint(endpoints.get(site), job.id)
+            return site is not None and ready_endpoint(endpoints.get(job.id), job.id, site)
 
         now = self.clock.time()
         spec = record.spec

@@ -187,8 +187,8 @@ def replica_observations(
             continue
         row = acc.setdefault(site_spec.region, dict.fromkeys(("n", "ready", "q", "run", "kv"), 0.0))
         row["n"] += 1
-        ep = endpoints.get(site)
-        if ep is None or not ready_endpoint(ep, job.id):
+        ep = endpoints.get(job.id)
+        if ep is None or not ready_endpoint(ep, job.id, site):
             continue
         row["ready"] += 1
         row["q"] += ep.queue

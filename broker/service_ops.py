@@ -190,8 +190,10 @@ def replica_spec(
     spec: ServiceSpec, region: str, sovereignty: Mapping[str, frozenset[str]] | None = None
 ) -> JobSpec:
     """The job of one replica for client region `region` (ANY_REGION: none): the service's
-    resources and command, at most one per site (spread group), within the SLO's RTT of the
-    region and nearer preferred, in a region that may serve it."""
+    resources and command, within the SLO's RTT of the region and nearer preferred, in a region
+    that may serve it. Several replicas may share a site (placement's capacity decides), unless
+    the service asks for `spread` or has a fixed `port` (one process per host can bind it):
+    then at most one per site (a spread group)."""
     user = None
     weight = 0.0
     if region != ANY_REGION:
@@ -207,15 +209,29 @@ def replica_spec(
         user=user,
         latency_weight=weight,
         allowed_regions=allowed_regions(spec, region, sovereignty or {}),
-        group=Group(name=spread_group(spec.name), kind="spread"),
+        group=Group(name=spread_group(spec.name), kind="spread") if one_per_site(spec) else None,
         command=spec.command,
         env=spec.env,
     )
 
 
+def one_per_site(spec: ServiceSpec) -> bool:
+    """At most one replica of the service per site: asked for (`spread`), or a fixed port."""
+    return spec.spread or spec.port is not None
+
+
 def template(spec: ServiceSpec) -> tuple[object, ...]:
     """What one replica runs and where it may run: a change is a new generation."""
-    return (serve_of(spec), spec.command, spec.env, spec.gpu, spec.cpu, spec.mem_gb, spec.regions)
+    return (
+        serve_of(spec),
+        spec.command,
+        spec.env,
+        spec.gpu,
+        spec.cpu,
+        spec.mem_gb,
+        spec.regions,
+        one_per_site(spec),
+    )
 
 
 def record_puts(record: ServiceRecord) -> dict[str, bytes]:
@@ -239,12 +255,21 @@ def record_deletes(record: ServiceRecord) -> list[str]:
 
 
 def endpoints_of(view: View, service: str) -> dict[str, ServiceEndpoint]:
-    """The service's published endpoints by site."""
-    return {site: ep for (svc, site), ep in view.sites.services.items() if svc == service}
+    """The service's published replica endpoints by job (each replica has its own, several
+    may run at one site)."""
+    return {ep.job: ep for ep in view.sites.replica_endpoints(service) if ep.job is not None}
 
 
-def ready_endpoint(ep: ServiceEndpoint | None, job: str) -> bool:
-    return ep is not None and ep.job == job and ep.healthy and not ep.draining
+def ready_endpoint(ep: ServiceEndpoint | None, job: str, site: str | None = None) -> bool:
+    """The replica `job` is routed to: its endpoint published healthy and not draining (at
+    `site`, its placement, when given: an endpoint left at a site it moved from is not it)."""
+    return (
+        ep is not None
+        and ep.job == job
+        and ep.healthy
+        and not ep.draining
+        and (site is None or ep.site == site)
+    )
 
 
 class Services:
@@ -395,9 +420,10 @@ class Services:
         prefix = keys.SERVICE_INDEX if tenant is None else keys.tenant_services(tenant)
         start = prefix if after is None else prefix + after + "\x00"
         ready: dict[str, int] = {}
-        for (svc, _), ep in self._view().sites.services.items():
-            if ep.job is not None and ep.healthy and not ep.draining:
-                ready[svc] = ready.get(svc, 0) + 1
+        for members in self._view().sites.replicas.values():
+            for ep in members.values():
+                if ep.healthy and not ep.draining:
+                    ready[ep.service] = ready.get(ep.service, 0) + 1
         out: list[ServiceItem] = []
         more = False
         async for page in self.registry.iter_range(
@@ -465,7 +491,9 @@ def view_of(
     for entry in record.replicas:
         job = jobs.get(entry.job)
         site = job.placement.site if job is not None and job.placement is not None else None
-        ep = endpoints.get(site) if site is not None else None
+        ep = endpoints.get(entry.job)
+        if ep is not None and site is not None and ep.site != site:
+            ep = None  # left at a site it moved from (its agent's lease not expired yet)
         state = replica_state(job, ep, entry.job)
         reason = None
         if job is not None:
@@ -483,7 +511,8 @@ def view_of(
             )
         )
         listed.add(entry.job)
-    for site, ep in sorted(endpoints.items()):
+    for ep in sorted(endpoints.values(), key=lambda e: (e.site, e.job or "")):
+        site = ep.site
         if ep.job is not None and ep.job not in listed and ep.draining:
             # scaled away: its job is finished, its run still finishes what it has in flight
             replicas.append(

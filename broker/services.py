@@ -155,6 +155,11 @@ class ServiceSpec(TenantInput):
     clients: tuple[Name, ...] = Field(
         default=(), description="the client regions it serves; default: every known one"
     )
+    spread: bool = Field(
+        default=False,
+        description="at most one replica per site (for availability); default: placement's "
+        "capacity decides, several may share a site (a fixed `port` implies one per site)",
+    )
     readiness: Readiness = Readiness()
     drain_timeout_s: float = Field(
         default=30.0, ge=0, le=3_600, description="how long a stopping replica may finish"
@@ -214,6 +219,11 @@ class ReplicaEntry(Frozen):
     region: str = Field(description=f"a client region, or {ANY_REGION!r}")
     created_at: float
     generation: int = Field(default=1, ge=1, description="the service's generation it runs")
+    held_since: float | None = Field(
+        default=None,
+        description="the decision wants it no more, but it serves until its replacement is "
+        "ready (make before break, broker.replicas): since when",
+    )
 
 
 class ServiceRecord(Frozen):
@@ -239,8 +249,8 @@ class ServiceRecord(Frozen):
 
 
 def spread_group(service: str) -> str:
-    """The spread group of a service's replicas: at most one replica of it per site, so the
-    endpoint key /cpn/v1/services/<svc>/<site> stays one endpoint."""
+    """The spread group of a service's replicas when they must be one per site (`spread`, or a
+    fixed `port`, broker.service_ops.one_per_site)."""
     name = f"svc-{service}"
     if len(name) <= 63:
         return name

@@ -141,7 +141,7 @@ class ViewCache:
         elif prefix == keys.LINKS:
             sites.links.clear()
         elif prefix == keys.SERVICES:
-            sites.services.clear()
+            sites.clear_services()
         elif prefix == keys.JOBS:
             view.jobs.clear()
         elif prefix == keys.ASSIGNMENTS:

@@ -1,5 +1,10 @@
 """A registry snapshot's inference endpoints as routing.selection candidates. Pure.
 
+One candidate per (service, site): a site with several replicas of a managed service is one
+candidate, their pool (sites.service_pool: n replicas of c slots are n x c slots, as the
+simulator models a region's replicas), carrying the routable replicas' own endpoints, which
+routing.policy.route sends the request to one of (routing.replica_choice).
+
 candidates_from_snapshot(snapshot, service, ...) builds one service's candidates (the
 simulator's and the tests' way). CandidateIndex is the gateway's: built once per registry
 change, it holds every service's candidates with their derived latency figures
@@ -15,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 
 from routing.selection import Candidate, CandidateSet
+from sites.service_pool import routable
 from sites.snapshot import Snapshot
 from sites.status import ServiceEndpoint
 
@@ -23,9 +29,20 @@ __all__ = ["CandidateIndex", "candidates_from_snapshot"]
 _NONE: Mapping[str, float] = MappingProxyType({})
 
 
+def _replicas(snapshot: Snapshot, service: str, site: str) -> tuple[ServiceEndpoint, ...]:
+    """The site's routable replicas of the service when it has several (one: the endpoint)."""
+    members = snapshot.replicas.get((service, site))
+    if not members or len(members) < 2:
+        return ()
+    return tuple(members[job] for job in sorted(members) if routable(members[job]))
+
+
 def _candidate(snapshot: Snapshot, site: str, endpoint: ServiceEndpoint) -> Candidate:
     return Candidate(
-        endpoint=endpoint, region=snapshot.specs[site].region, site_state=snapshot.state(site)
+        endpoint=endpoint,
+        region=snapshot.specs[site].region,
+        site_state=snapshot.state(site),
+        replicas=_replicas(snapshot, endpoint.service, site),
     )
 
 
@@ -57,6 +74,7 @@ def candidates_from_snapshot(
                 error_rate=errors.get(site, 0.0),
                 draining=site in drain,
                 ejected_until=ejected.get(site),
+                replicas=_replicas(snapshot, service, site),
             )
         )
     return out

@@ -44,7 +44,13 @@ route(service, client_region, candidates, topology, policy, settings, now,
      refuse  no choice; the ranking's exclusions say which sites were full.
    When the re-rank admits nothing either (a full site with no route), the first ranking is
    returned with no choice.
-5. Route.previous, what the caller keeps for its next call for (service, client_region): the
+5. Replicas: a chosen (or fallback) site that runs several replicas of the service is their
+   pool (sites.service_pool); Route.replica_urls names the replica each such ranked site's
+   request goes to (routing.replica_choice: the session or prefix key's rendezvous replica
+   while it has room, else a draw weighted by free room), and upstreams() lists it. A site
+   without several replicas draws nothing from `rng`, so a plan whose endpoints are one per
+   site (the simulator's) routes exactly as before.
+6. Route.previous, what the caller keeps for its next call for (service, client_region): the
    chosen site after an ordinary choice (no session key, no prefix key, no overflow), else the
    `previous` it passed in. An overflow does not move it: the sticky site is still the one to
    go back to.
@@ -57,12 +63,13 @@ from __future__ import annotations
 import enum
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.errors import InvalidParameter
 from routing.explain import explain
+from routing.replica_choice import choose_replica
 from routing.selection import (
     Candidate,
     CandidateSet,
@@ -164,6 +171,9 @@ class Route:
     choice: Choice | None
     overflow: bool = False  # the choice is a full site, taken because every allowed one was
     previous: str | None = None  # the caller's new hysteresis state for (service, region)
+    # site -> the base URL of the replica chosen there, for a site that runs several replicas
+    # of the service (routing.replica_choice); any other site's is its endpoint's URL
+    replica_urls: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def site(self) -> str | None:
@@ -177,7 +187,21 @@ class Route:
         """(site, base URL): the choice first, then the others best first."""
         chosen = self.site
         ordered = sorted(self.ranking.ranked, key=lambda s: s.site != chosen)
-        return [(s.site, s.candidate.endpoint.url) for s in ordered]
+        urls = self.replica_urls
+        return [(s.site, urls.get(s.site) or s.candidate.endpoint.url) for s in ordered]
+
+
+def _replica_urls(
+    ranking: Ranking, settings: ScoringSettings, now: float, rng: random.Random, key: str | None
+) -> dict[str, str]:
+    """site -> the replica the request goes to there, for each ranked site with several."""
+    return {
+        s.site: choose_replica(
+            s.candidate.replicas, settings=settings, now=now, rng=rng, key=key
+        ).url
+        for s in ranking.ranked
+        if s.candidate.replicas
+    }
 
 
 def merge_in_flight(
@@ -251,8 +275,12 @@ def route(
         prefix_key=prefix_key,
         prefix_slack_ms=settings.prefix_slack_ms,
     )
+    key = session_key if session_key is not None else prefix_key
     if choice is not None:
-        return Route(ranking, choice, previous=previous if sessioned else choice.site)
+        urls = _replica_urls(ranking, settings.scoring, now, rng, key)
+        return Route(
+            ranking, choice, previous=previous if sessioned else choice.site, replica_urls=urls
+        )
     if settings.overflow is Overflow.refuse or not any(
         e.reason is Exclusion.full for e in ranking.excluded
     ):
@@ -271,4 +299,5 @@ def route(
     )
     if choice is None:
         return Route(ranking, None, previous=previous)
-    return Route(admitted, choice, overflow=True, previous=previous)
+    urls = _replica_urls(admitted, settings.scoring, now, rng, key)
+    return Route(admitted, choice, overflow=True, previous=previous, replica_urls=urls)

@@ -181,7 +181,9 @@ class Candidate:
 
     `in_flight` and `queue` (requests) are the load rank scores it with: the endpoint's report,
     or what routing.policy.merge_in_flight accounted (`with_load`), so a merge copies no
-    endpoint. `site` is the endpoint's site."""
+    endpoint. `site` is the endpoint's site. `replicas`: where the site runs several replicas of
+    the service, their own routable endpoints (`endpoint` is then their pool,
+    sites.service_pool), which the request is sent to one of (routing.replica_choice)."""
 
     endpoint: ServiceEndpoint
     region: str
@@ -189,6 +191,7 @@ class Candidate:
     error_rate: float = 0.0
     draining: bool = False
     ejected_until: float | None = None
+    replicas: tuple[ServiceEndpoint, ...] = ()
     site: str = field(init=False)
     in_flight: int = field(init=False)
     queue: int = field(init=False)
@@ -212,6 +215,7 @@ class Candidate:
             self.error_rate,
             self.draining,
             self.ejected_until,
+            self.replicas,
         )
         object.__setattr__(out, "in_flight", in_flight)
         object.__setattr__(out, "queue", queue)
@@ -222,7 +226,13 @@ class Candidate:
     ) -> Candidate:
         """This candidate with what the caller observed of the site (its load kept)."""
         out = Candidate(
-            self.endpoint, self.region, self.site_state, error_rate, draining, ejected_until
+            self.endpoint,
+            self.region,
+            self.site_state,
+            error_rate,
+            draining,
+            ejected_until,
+            self.replicas,
         )
         object.__setattr__(out, "in_flight", self.in_flight)
         object.__setattr__(out, "queue", self.queue)

@@ -137,7 +137,7 @@ class Agent:
         self.supervisor = Supervisor(owner=f"agent {spec.id}", on_crash=self._crashed)
         self._nvml: NvmlCollector | None = None
         self._published_links: set[str] = set()
-        self._published_services: set[str] = set()
+        self._published_services: set[tuple[str, str | None]] = set()  # (service, job)
         self.workload: Workload | None = None
         self.executor: Executor = make_executor(spec, catalog=catalog, clock=self.clock)
         self.slurm: SlurmCapacity | None = None  # the cluster as last read (Slurm sites)
@@ -304,7 +304,7 @@ class Agent:
         links = self.prober.links(now)
         services = self.service_endpoints(now)
         link_dsts = {ln.dst for ln in links}
-        svc_names = {ep.service for ep in services}
+        svc_names = {(ep.service, ep.job) for ep in services}
         started = self.clock.monotonic()
         try:
             await self.registry.publish(

@@ -8,7 +8,10 @@
 /cpn/v1/agents/<site>            AgentRecord      (lease)      agent; the per-site agent lock
 /cpn/v1/agent-secrets/<site>     AgentSecret      (lease)      agent: the bearer its /jobs ask
 /cpn/v1/links/<src>/<dst>        LinkStatus       (lease)      agent of src, every interval
-/cpn/v1/services/<svc>/<site>    ServiceEndpoint  (lease)      agent, every interval
+/cpn/v1/services/<svc>/<site>    ServiceEndpoint  (lease)      agent, every interval: a service
+                                                               the site file declares
+/cpn/v1/services/<svc>/<site>/<job>  ServiceEndpoint (lease)   agent, every interval: one replica
+                                                               of a managed service (its job)
 /cpn/v1/assignments/<site>/<job> (broker)                      jobs placed on the site
 /cpn/v1/gangs/<tenant>/<gang>    GangRecord                    broker, at each member's submit
 /cpn/v1/workflows/<id>           WorkflowRecord                broker: the DAG, each step's job
@@ -104,7 +107,19 @@ def link(src: str, dst: str) -> str:
 
 
 def service(name: str, site: str) -> str:
+    """A site's own endpoint of a service: one its site file declares (and, before a managed
+    service could have several replicas at a site, its one replica's; still read as such)."""
     return f"{SERVICES}{name}/{site}"
+
+
+def service_replica(name: str, site: str, job: str) -> str:
+    """One replica's endpoint of a managed service: several replicas may run at one site."""
+    return f"{SERVICES}{name}/{site}/{job}"
+
+
+def service_endpoint(name: str, site: str, job: str | None) -> str:
+    """The key of an endpoint: a replica's (`job` given) or the site's own (`service`)."""
+    return service(name, site) if job is None else service_replica(name, site, job)
 
 
 def assignments(site: str) -> str:

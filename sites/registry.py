@@ -968,9 +968,13 @@ class Registry:
         links: Sequence[LinkStatus],
         services: Sequence[ServiceEndpoint],
         stale_links: Iterable[str] = (),
-        stale_services: Iterable[str] = (),
+        stale_services: Iterable[tuple[str, str | None]] = (),
     ) -> None:
         """Publish one snapshot of the site in one transaction.
+
+        An endpoint with a `job` (a managed service's replica) goes to its own key
+        (keys.service_replica), any other to the site's (keys.service); `stale_services` are
+        the (service, job or None) endpoints published before and gone now, deleted.
 
         Guarded by the agent lock and the site's spec: if the agent key is no longer ours (lease
         expired, another agent took over) or the site has left, nothing is written and LeaseLost
@@ -990,11 +994,16 @@ class Registry:
             self._tx.put(keys.link(site, ln.dst).encode(), _encode(ln), lease=lease) for ln in links
         ]
         ops += [
-            self._tx.put(keys.service(ep.service, site).encode(), _encode(ep), lease=lease)
+            self._tx.put(
+                keys.service_endpoint(ep.service, site, ep.job).encode(), _encode(ep), lease=lease
+            )
             for ep in services
         ]
         ops += [self._tx.delete(keys.link(site, dst).encode()) for dst in stale_links]
-        ops += [self._tx.delete(keys.service(svc, site).encode()) for svc in stale_services]
+        ops += [
+            self._tx.delete(keys.service_endpoint(svc, site, job).encode())
+            for svc, job in stale_services
+        ]
         ok, _ = await self._call(
             lambda: self._client.transaction(
                 compare=[

@@ -5,7 +5,8 @@
 
 The workload (sites.workload) gives the run a port ($CPN_PORT, `{port}` in its command), probes
 `GET http://<host>:<port><readiness_path>` until it answers 2xx, and from then on the agent
-publishes it as the service's endpoint at this site (`endpoint`). When its assignment is
+publishes it as its own endpoint of the service at this site (`endpoint`; several replicas of one
+service may run at a site, each with its own port). When its assignment is
 withdrawn (scaled down, the service deleted, the job cancelled) it is drained before it
 stops: published as draining (routed as unhealthy, so no broker sends it more), then, after
 the brokers had time to see that (`settle_s`: two publish intervals), stopped once it has

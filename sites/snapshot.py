@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 
 from sites import keys
 from sites.errors import NotJoined
+from sites.service_pool import pool
 from sites.spec import SiteSpec
 from sites.status import (
     AgentRecord,
@@ -56,7 +57,14 @@ class Snapshot:
     last_seen: dict[str, LastSeen] = field(default_factory=dict)
     agents: dict[str, AgentRecord] = field(default_factory=dict)
     links: dict[tuple[str, str], LinkStatus] = field(default_factory=dict)
+    # (service, site) -> the site's endpoint of it, kept by apply: the pool of its replicas'
+    # endpoints (sites.service_pool) when it has any, else what its own key holds (a service
+    # the site file declares); what routing ranks
     services: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
+    # (service, site) -> what its own key /cpn/v1/services/<svc>/<site> holds
+    site_endpoints: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
+    # (service, site) -> job -> that replica's own endpoint (/cpn/v1/services/<svc>/<site>/<job>)
+    replicas: dict[tuple[str, str], dict[str, ServiceEndpoint]] = field(default_factory=dict)
     price_history: dict[str, PriceHistory] = field(default_factory=dict)
     # +1 per applied change: a reader that derives something from a snapshot kept current in
     # place (broker.view) rebuilds it when this moved, not per request
@@ -89,8 +97,46 @@ class Snapshot:
                 _apply(self.links, (parts[0], parts[1]), LinkStatus, key, value)
         elif key.startswith(keys.SERVICES):
             parts = keys.split(key, keys.SERVICES)
+            pair = (parts[0], parts[1]) if len(parts) in (2, 3) else None
+            if pair is None:
+                return
             if len(parts) == 2:
-                _apply(self.services, (parts[0], parts[1]), ServiceEndpoint, key, value)
+                _apply(self.site_endpoints, pair, ServiceEndpoint, key, value)
+            else:
+                table = self.replicas.setdefault(pair, {})
+                _apply(table, parts[2], ServiceEndpoint, key, value)
+                if not table:
+                    del self.replicas[pair]
+            members = self.replicas.get(pair)
+            own = self.site_endpoints.get(pair)
+            if members:
+                self.services[pair] = pool(members.values())
+            elif own is not None:
+                self.services[pair] = own
+            else:
+                self.services.pop(pair, None)
+
+    def clear_services(self) -> None:
+        """Forget every endpoint (a re-list of the services prefix follows)."""
+        self.services.clear()
+        self.site_endpoints.clear()
+        self.replicas.clear()
+
+    def replica_endpoints(self, service: str) -> list[ServiceEndpoint]:
+        """Every replica endpoint of `service`, by site then job; a site's own endpoint that
+        names a job (an agent from before replicas had keys of their own) counts as one."""
+        out: list[ServiceEndpoint] = []
+        for pair in sorted({*self.replicas, *self.site_endpoints}):
+            if pair[0] != service:
+                continue
+            members = self.replicas.get(pair)
+            if members:
+                out += [members[job] for job in sorted(members)]
+                continue
+            own = self.site_endpoints[pair]
+            if own.job is not None:
+                out.append(own)
+        return out
 
     def site_ids(self) -> list[str]:
         return sorted(self.specs)

@@ -407,7 +407,7 @@ class Workload:
         # brokers to see it draining, and the published ones' load
         self.replica_host = replica_host
         self.settle_s = settle_s
-        self._replica_loads = ServiceMonitor(())
+        self._replica_loads = ServiceMonitor((), by_url=True)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -889,35 +889,28 @@ class Workload:
             await monitor.close()
         log.info("job %s: replica drained after %.1f s", run.job, self.clock.monotonic() - started)
 
-    def _published_replicas(self) -> dict[str, Replica]:
-        """Per service, the replica published here: a ready one over a draining one (a new
-        replica may start at a site where the last one still drains)."""
-        best: dict[str, Replica] = {}
-        for run in self._runs.values():
-            replica = run.replica
-            if replica is None or not run.live:
-                continue
-            if replica.state not in (ReplicaState.ready, ReplicaState.draining):
-                continue
-            current = best.get(replica.serve.service)
-            if current is None or (
-                current.state is ReplicaState.draining and replica.state is ReplicaState.ready
-            ):
-                best[replica.serve.service] = replica
-        return best
+    def _published_replicas(self) -> list[Replica]:
+        """The replicas published here, ready or draining, by job: each has an endpoint of its
+        own (several replicas of one service may run at a site)."""
+        out = [
+            run.replica
+            for run in self._runs.values()
+            if run.live
+            and run.replica is not None
+            and run.replica.state in (ReplicaState.ready, ReplicaState.draining)
+        ]
+        return sorted(out, key=lambda r: (r.serve.service, r.job))
 
     def replica_endpoints(self, now: float) -> list[ServiceEndpoint]:
-        """The endpoints of the replicas ready or draining here, for the agent to publish."""
+        """The endpoints of the replicas ready or draining here, for the agent to publish: each
+        with its own address and its own model server's load (read by URL)."""
         loads = self._replica_loads.loads
-        return [
-            replica.endpoint(self.site, loads.get(service), now)
-            for service, replica in sorted(self._published_replicas().items())
-        ]
+        return [r.endpoint(self.site, loads.get(r.url), now) for r in self._published_replicas()]
 
     async def _replica_loop(self) -> None:
         while True:
             published = self._published_replicas()
-            self._replica_loads.services = tuple(r.as_service() for r in published.values())
+            self._replica_loads.services = tuple(r.as_service() for r in published)
             await self._replica_loads.poll()
             await self.clock.sleep(REPLICA_POLL_S)
 

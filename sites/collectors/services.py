@@ -184,12 +184,15 @@ class ServiceMonitor:
         *,
         timeout_s: float = 1.0,
         clock: Callable[[], float] = time.time,
+        by_url: bool = False,
     ) -> None:
         self.services = services
         self.timeout_s = timeout_s
         self.clock = clock  # unix s, for signals_at
+        # loads by service name, or by URL (by_url: several replicas of one service at a site)
+        self._key: Callable[[Service], str] = _url if by_url else _name
         self.loads: dict[str, ServiceLoad] = {}
-        self._ttft: dict[str, Histogram] = {}  # the last scrape's histogram, per service
+        self._ttft: dict[str, Histogram] = {}  # the last scrape's histogram, per key
         self._session: aiohttp.ClientSession | None = None
 
     async def poll(self) -> None:
@@ -201,10 +204,12 @@ class ServiceMonitor:
             )
         session = self._session
         results = await asyncio.gather(*(self._poll(session, svc) for svc in self.services))
-        self.loads = {svc.name: load for svc, load in zip(self.services, results, strict=True)}
+        key = self._key
+        self.loads = {key(svc): load for svc, load in zip(self.services, results, strict=True)}
 
     async def _poll(self, session: aiohttp.ClientSession, svc: Service) -> ServiceLoad:
         base = svc.url.rstrip("/")
+        key = self._key(svc)
         try:
             now = self.clock()
             signals = await self._scrape(session, base, svc.name)
@@ -212,8 +217,8 @@ class ServiceMonitor:
             if signals is not None:
                 ttft = None
                 if signals.ttft is not None:
-                    ttft = signals.ttft.since(self._ttft.get(svc.name))
-                    self._ttft[svc.name] = signals.ttft
+                    ttft = signals.ttft.since(self._ttft.get(key))
+                    self._ttft[key] = signals.ttft
                 return ServiceLoad(
                     healthy=True,
                     in_flight=signals.running,
@@ -237,7 +242,7 @@ class ServiceMonitor:
             for path in ("/healthz", "/"):
                 async with session.get(base + path) as resp:
                     if resp.status < 500:
-                        return self._unread(svc.name, healthy=resp.status < 400 or path == "/")
+                        return self._unread(key, healthy=resp.status < 400 or path == "/")
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             log.debug("service %s at %s: %r", svc.name, svc.url, exc)
         return ServiceLoad(healthy=False)
@@ -282,6 +287,14 @@ class ServiceMonitor:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _name(svc: Service) -> str:
+    return svc.name
+
+
+def _url(svc: Service) -> str:
+    return svc.url
 
 
 def _float(value: object) -> float | None:

@@ -171,4 +171,69 @@ def test_a_replica_runs_where_its_client_region_may_be_served() -> None:
     job_spec = replica_spec(spec(), "east", served)
     assert job_spec.allowed_regions == ("cn-a", "cn-b")
     assert job_spec.user is not None and job_spec.user.max_latency_ms == 500
-    assert job_spec.group is not None and job_spec.group.kind == "spread"
+    # several replicas may share a site (capacity decides), unless spread or on a fixed port
+    assert job_spec.group is None
+    for one_each in (spec(spread=True), spec(port=8000)):
+        grouped = replica_spec(one_each, "east", served).group
+        assert grouped is not None and grouped.kind == "spread"
+
+
+def test_a_move_keeps_the_old_replicas_until_their_replacements_are_ready() -> None:
+    # the decision moves east's two ready replicas to west: make before break
+    rec = record(("a", "east", 1.0), ("b", "east", 2.0))
+    jobs = {"a": job("a"), "b": job("b")}
+    step = plan(rec, decision(west=2), jobs, lambda r: r.id in "ab", 10.0, ids())
+    assert step.create == [("chat-new1", "west"), ("chat-new2", "west")]
+    assert not step.cancel  # the old ones serve meanwhile
+    assert step.record is not None
+    held = {e.job: e.held_since for e in step.record.replicas if e.held_since is not None}
+    assert held == {"a": 10.0, "b": 10.0}
+    assert sorted(e.type for e in step.record.events) == ["held", "held", "scaled-up", "scaled-up"]
+    jobs.update({j: job(j) for j in ("chat-new1", "chat-new2")})
+    again = plan(step.record, decision(west=2), jobs, lambda r: r.id in "ab", 11.0, ids())
+    assert not again.cancel and not again.create and not again.changed  # events said once
+    # one replacement ready: one old one goes (the service keeps two ready throughout)
+    half = plan(step.record, decision(west=2), jobs, lambda r: r.id != "chat-new2", 12.0, ids())
+    assert len(half.cancel) == 1 and not half.create
+    assert half.record is not None
+    assert "its replacement is ready" in half.record.events[-1].message
+    done = plan(half.record, decision(west=2), jobs, lambda _: True, 13.0, ids())
+    assert len(done.cancel) == 1 and done.record is not None
+    assert sorted(e.job for e in done.record.replicas) == ["chat-new1", "chat-new2"]
+
+
+def test_a_move_surges_past_max_replicas_and_a_plain_scale_down_does_not_wait() -> None:
+    rec = record(("a", "east", 1.0), ("b", "east", 2.0), spec=spec(max_replicas=2))
+    jobs = {"a": job("a"), "b": job("b")}
+    step = plan(rec, decision(west=2), jobs, lambda _: True, 10.0, ids())
+    assert len(step.create) == 2 and not step.cancel  # held ones do not count against the max
+    down = plan(rec, decision(east=1), jobs, lambda _: True, 10.0, ids())
+    assert down.cancel == ["b"]  # nothing to wait for: one ready is what is wanted
+    assert down.record is not None and all(e.held_since is None for e in down.record.replicas)
+
+
+def test_a_replacement_never_ready_is_given_up_and_the_old_one_kept() -> None:
+    from broker.replicas import hold_limit_s
+
+    quick = spec(readiness={"timeout_s": 5})
+    rec = record(("a", "east", 1.0), spec=quick)
+    jobs = {"a": job("a")}
+    step = plan(rec, decision(west=1), jobs, lambda r: r.id == "a", 10.0, ids())
+    assert step.create == [("chat-new1", "west")] and step.record is not None
+    jobs["chat-new1"] = job("chat-new1", JobState.PENDING)  # e.g. no room beside the old one
+    limit = hold_limit_s(quick)
+    waiting = plan(step.record, decision(west=1), jobs, lambda r: r.id == "a", 10 + limit / 2,
+                   ids())  # fmt: skip
+    assert not waiting.cancel
+    late = 10.0 + limit + 1
+    given_up = plan(step.record, decision(west=1), jobs, lambda r: r.id == "a", late, ids())
+    assert given_up.cancel == ["chat-new1"]  # the replacement, not the one that serves
+    assert given_up.record is not None
+    assert [e.job for e in given_up.record.replicas] == ["a"]
+    last = given_up.record.events[-1]
+    assert last.type == "replace-failed" and "a keep serving" in last.message
+    assert given_up.record.failures == 1 and given_up.record.not_before > late  # backed off
+    # and the decision turned back: the old replica is simply wanted again
+    back = plan(step.record, decision(east=1), jobs, lambda r: r.id == "a", 12.0, ids())
+    assert back.cancel == ["chat-new1"] and back.record is not None
+    assert [(e.job, e.held_since) for e in back.record.replicas] == [("a", None)]

@@ -31,8 +31,9 @@ from routing.selection import (
 from routing.topology import Topology
 from simulations.inference import SliceRouter
 from sites.latency import LatencyModel
+from sites.service_pool import pool
 from sites.snapshot import Snapshot
-from sites.status import AgentRecord, SiteStatus
+from sites.status import AgentRecord, ServiceEndpoint, SiteStatus
 from tests.routing.helpers import endpoint, link, spec
 
 NOW = 1000.0
@@ -252,18 +253,27 @@ def federations(draw: st.DrawFn) -> tuple[Snapshot, Clients, dict[str, dict[str,
         s: spec(s, draw(st.sampled_from(REGIONS)), 30 + i, 110 + i) for i, s in enumerate(sites)
     }
     services = {}
+    replicas: dict[tuple[str, str], dict[str, ServiceEndpoint]] = {}
     for s in sites:
-        services[("llm", s)] = endpoint(
-            s,
-            max_concurrency=draw(st.integers(1, 8)),
-            in_flight=draw(st.integers(0, 10)),
-            queue=draw(st.integers(0, 4)),
-            latency_ms=draw(st.one_of(st.none(), st.floats(40, 400))),
-            healthy=draw(st.booleans().map(lambda b: b or draw(st.booleans()))),
-            # the model server's signals: none (an old record), fresh, or stale
-            kv_cache_usage=draw(st.one_of(st.none(), st.floats(0, 1))),
-            signals_at=draw(st.one_of(st.none(), st.floats(NOW - 40, NOW))),
-        )
+        # most sites one endpoint; some run several replicas of the service (their pool)
+        members = {}
+        for j in range(draw(st.sampled_from([1, 1, 2, 3]))):
+            members[f"j{j}"] = endpoint(
+                s,
+                url=f"http://{s}-{j}.example:8000",
+                job=f"j{j}",
+                max_concurrency=draw(st.integers(1, 8)),
+                in_flight=draw(st.integers(0, 10)),
+                queue=draw(st.integers(0, 4)),
+                latency_ms=draw(st.one_of(st.none(), st.floats(40, 400))),
+                healthy=draw(st.booleans().map(lambda b: b or draw(st.booleans()))),
+                # the model server's signals: none (an old record), fresh, or stale
+                kv_cache_usage=draw(st.one_of(st.none(), st.floats(0, 1))),
+                signals_at=draw(st.one_of(st.none(), st.floats(NOW - 40, NOW))),
+            )
+        if len(members) > 1:
+            replicas[("llm", s)] = members
+        services[("llm", s)] = pool(members.values())
     down = draw(st.sets(st.sampled_from(sites), max_size=1))
     alive = [s for s in sites if s not in down]
     links = {}
@@ -298,6 +308,7 @@ def federations(draw: st.DrawFn) -> tuple[Snapshot, Clients, dict[str, dict[str,
         agents={s: _agent(s) for s in alive},
         links=links,
         services=services,
+        replicas=replicas,
     )
     return snapshot, clients, attach
 
@@ -376,5 +387,6 @@ def test_gateway_and_simulator_choose_alike(
                 b.choice.mode, b.choice.pool, b.choice.home
             )  # fmt: skip
         assert [s.site for s in a.ranking.ranked] == [s.site for s in b.ranking.ranked]
+        assert a.upstreams() == b.upstreams()  # the same replica at each site too
         overflowed += a.overflow
     assert gateway._previous == sim.previous  # noqa: SLF001 - the state each shell keeps

@@ -1,0 +1,67 @@
+"""Which of a site's replicas a request goes to, once the site is chosen. Pure.
+
+The router ranks and chooses sites (routing.selection, routing.choice); a site that runs
+several replicas of the service is one candidate, their pool (sites.service_pool). The
+request then goes to one replica of it:
+
+- replicas whose model-server signals are stale (older than signals_stale_after_s) are left
+  out while a fresh one is there: their load is unknown;
+- with a key (the session's, else the request's prefix key): the rendezvous winner of the key
+  over the replicas by job, while it has room (in_flight + queue below max_concurrency x
+  (1 + queue_allowance)): a session stays on one server, and a prefix on the server whose
+  prefix cache holds it;
+- else a draw weighted by each replica's free room, max(0, its cut-off - in_flight - queue),
+  from its own report: a busier replica gets less, but the reports are up to half a publish
+  interval old, so they weight the draw instead of deciding it (picking the least loaded by
+  report would send every request of that half interval to one server). When no replica
+  has room, the draw is weighted by slots.
+
+rng: the caller's (route's), so a seeded rng repeats the choice.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from routing.choice import hrw_weight
+from routing.selection import ScoringSettings, signals_stale
+from sites.status import ServiceEndpoint
+
+__all__ = ["choose_replica"]
+
+
+def _room(endpoint: ServiceEndpoint, settings: ScoringSettings) -> float:
+    limit = endpoint.max_concurrency * (1 + settings.queue_allowance)
+    return max(0.0, limit - endpoint.in_flight - endpoint.queue)
+
+
+def choose_replica(
+    replicas: Sequence[ServiceEndpoint],
+    *,
+    settings: ScoringSettings,
+    now: float,
+    rng: random.Random,
+    key: str | None = None,
+) -> ServiceEndpoint:
+    """One of `replicas` (module docstring); ValueError when there is none."""
+    if not replicas:
+        raise ValueError("no replica to choose from")
+    if len(replicas) == 1:
+        return replicas[0]
+    fresh = [ep for ep in replicas if not signals_stale(ep, settings, now)] or list(replicas)
+    if key is not None:
+        home = max(fresh, key=lambda ep: hrw_weight(key, ep.job or ep.url))
+        if _room(home, settings) > 0:
+            return home
+    weights = [_room(ep, settings) for ep in fresh]
+    if not any(w > 0 for w in weights):
+        weights = [float(ep.max_concurrency) for ep in fresh]
+    total = math.fsum(weights)
+    point = rng.random() * total
+    for ep, weight in zip(fresh, weights, strict=True):
+        point -= weight
+        if point < 0:
+            return ep
+    return fresh[-1]
