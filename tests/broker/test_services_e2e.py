@@ -62,6 +62,8 @@ def service_doc(**overrides: Any) -> dict[str, Any]:
         "clients": ["user-east"],
         "readiness": {"path": "/healthz", "period_s": 0.2},
         "drain_timeout_s": 20,
+        "spread": True,  # one replica per site, so a site names a replica (several per site:
+                         # test_services_replicas_e2e)
     }  # fmt: skip
     doc.update(overrides)
     return doc
@@ -165,7 +167,7 @@ async def test_a_service_scales_drains_and_replaces_its_replicas(
         status, site = await until(lambda: _ok(infer(http, fed)), 15, "routed to the replica")
         assert site == first["site"]
 
-        # a recorded decision of 2 for user-east: a second replica, at another site
+        # a recorded decision of 2 for user-east: a second replica, at another site (spread)
         await decide(fed, {"user-east": 2})
         view = await until(
             lambda: _with(describe(http, fed), lambda v: len(ready(v)) == 2), 30, "two ready"
