@@ -75,7 +75,7 @@ async def test_bad_decisions_do_not_stop_the_reconciler(broker: Broker, registry
     assert [r.region for r in good] == ["*"]  # its min_replicas, the bad decision ignored
     job = await broker.get(good[0].job)
     assert job.replica is not None and job.replica.service == "good"
-    assert job.spec.group is not None and job.spec.group.name == "svc-good"
+    assert job.spec.group is None  # several may share a site: placement's capacity decides
 
     async def refused() -> bool:
         view = await broker.services.get("bad")
