@@ -8,6 +8,12 @@ first, then the newest). `ReplicaReconciler.run` carries each plan out in ONE tr
 guarded on the record's mod_revision, every job's, and the leader fence, so that two leaders
 (or an apply meanwhile) can never both act on one state.
 
+Make before break: a ready replica the decision no longer wants (its count moved to another
+client region) is held, still serving, while the service has fewer ready replicas than it
+wants; it is cancelled once its replacements are ready. Held replicas do not count against
+max_replicas. A replacement not ready within hold_limit_s while one is held for it is given up
+(cancelled, a failure: backed off) and the held one keeps serving (docs/services.md, "Moves").
+
 A cancelled replica's assignment is withdrawn; its agent drains it (the endpoint is marked
 draining, the run stops once its requests are done, sites.replicas). A replica whose site
 fails is moved by the job lifecycle's failover (broker.decisions); one that failed for good

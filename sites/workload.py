@@ -11,8 +11,9 @@ crashed predecessor (whose process died with it) is reported `failed` as lost, f
 to retry. Long form: docs/executor.md.
 
 A run whose assignment carries `serve` is a managed service's replica (sites.replicas): it is
-given a port, probed until ready, published as the service's endpoint here
-(`replica_endpoints`), and drained before it is stopped when withdrawn.
+given a port, probed until ready, published as its own endpoint of the service here
+(`replica_endpoints`: several replicas of a service may run at one site), and drained before
+it is stopped when withdrawn.
 """
 
 from __future__ import annotations
