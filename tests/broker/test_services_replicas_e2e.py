@@ -158,6 +158,8 @@ async def test_replicas_share_a_site_drain_alone_and_move_before_they_break(
             "the drained replica gone",
         )
         assert view["replicas"][0]["job"] == stays["job"]
+        _, kvs = await fed.registry.list_prefix(keys.SERVICES + "chat/east-a/")
+        assert [k.rsplit("/", 1)[1] for k, _, _ in kvs] == [stays["job"]]  # its key withdrawn
 
         # the fleet moves to the other region; requests keep flowing and none is refused
         results: list[int] = []
