@@ -182,9 +182,24 @@ class _Index:
     """What a snapshot derives once; shared by the snapshots `apply` makes from it, since
     apply changes free capacity only (never ids, regions, prices or RTTs)."""
 
-    __slots__ = ("by_id", "columns", "egress", "models", "orders", "regions", "rtt")
+    __slots__ = (
+        "branched",
+        "by_id",
+        "columns",
+        "egress",
+        "log",
+        "models",
+        "orders",
+        "regions",
+        "rtt",
+    )
 
     def __init__(self, sites: tuple[SiteOffer, ...]) -> None:
+        # the position of every offer with_offer replaced, in order: snapshot k of the
+        # lineage is the first one after k changes; `branched` once a snapshot other than
+        # the newest made one (then the log is no one snapshot's history)
+        self.log: list[int] = []
+        self.branched = False
         self.by_id: dict[str, int] = {}
         for pos, site in enumerate(sites):
             if self.by_id.setdefault(site.id, pos) != pos:
@@ -213,10 +228,24 @@ class Federation:
     # broker.columns' free capacity and state: built on first use, or the offers changed since
     # a snapshot that has them (with_offer); None: to be built from the sites
     _columns: Dynamic | _Changed | None = field(init=False, repr=False, compare=False)
+    # changes of the lineage's log this snapshot includes (with_offer)
+    _seq: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", _Index(self.sites))
         object.__setattr__(self, "_columns", None)
+        object.__setattr__(self, "_seq", 0)
+
+    def changes(self) -> list[int] | None:
+        """The positions whose offers changed since the lineage began, in order, when this
+        snapshot is the newest of a lineage that never branched (its state is the log's); else
+        None. For structures derived from the lineage's first snapshot and kept up to date by
+        replaying the log (placement's tier heaps). Read, never mutated."""
+        index = self._index
+        log = index.log
+        if index.branched or self._seq != len(log):
+            return None
+        return log
 
     def columns(self) -> tuple[Static, Dynamic]:
         """The snapshot as columns (broker.columns): the lineage's static part, built once,
@@ -383,7 +412,13 @@ class Federation:
         sites[pos] = offer
         object.__setattr__(new, "sites", tuple(sites))
         object.__setattr__(new, "user_rtt_ms", self.user_rtt_ms)
-        object.__setattr__(new, "_index", self._index)
+        index = self._index
+        object.__setattr__(new, "_index", index)
+        log = index.log
+        if self._seq != len(log):
+            index.branched = True  # a second successor of one snapshot
+        log.append(pos)
+        object.__setattr__(new, "_seq", len(log))
         link = self._columns
         if link is not None:
             depth = 1 if isinstance(link, Dynamic) else link.depth + 1

@@ -302,8 +302,18 @@ def test_the_batch_pass_takes_its_plan_to_the_nodes_and_leaves_what_they_cannot_
     assert decided and {p.id for p, _ in decided} <= {"s1-x", "s2-x"}
 
 
-def test_the_index_and_the_full_scan_agree_on_random_node_sites() -> None:
+@pytest.mark.parametrize("tier_min", [None, 1])
+def test_the_index_and_the_full_scan_agree_on_random_node_sites(
+    monkeypatch: pytest.MonkeyPatch, tier_min: int | None
+) -> None:
+    """tier_min 1: every price list of a floor is a tier (broker.placement._Tier), whose
+    sites' nodes may choose another model than their free devices say."""
     import random
+
+    from broker import placement
+
+    if tier_min is not None:
+        monkeypatch.setattr(placement, "TIER_HEAP_MIN", tier_min)
 
     from broker.nodes import Node
     from sites.spec import Prices

@@ -5,6 +5,7 @@ Federations are built by hand, small enough to check every figure with a pencil.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Mapping
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from broker import placement
 from broker.errors import InvalidRequest
 from broker.jobs import JobSpec
 from broker.placement import (
@@ -29,6 +31,7 @@ from broker.placement import (
     charged,
     place,
     place_gang,
+    release,
 )
 from broker.regions import load_user_regions, user_rtt_ms
 from broker.tenancy import BudgetLeft, Quotas
@@ -834,3 +837,91 @@ def tree_usage(rng: random.Random, models: list[str], regions: list[str]) -> Ten
         left = rng.choice((5.0, 40.0, 500.0))
         budgets["acme"] = BudgetLeft(usd=left, gpu_hours=rng.choice((10.0, 1e9)), usd_total=500)
     return TenantUsage(tree=Quotas(file, CATALOG).empty(), budgets=budgets)
+
+
+@pytest.mark.parametrize("tier_min", [placement.TIER_HEAP_MIN, 1])
+def test_indexed_place_on_tiers_of_like_sites_equals_the_full_scan(
+    monkeypatch: pytest.MonkeyPatch, tier_min: int
+) -> None:
+    """Many sites of one price list (a provider's identical sites) make tiers, which the
+    index answers from heaps kept by replaying the lineage's log: after placements, releases,
+    sites going down and up and cordoned, the same decision as the full scan; and on a branch
+    of the lineage (the log is no longer one snapshot's history) too."""
+    monkeypatch.setattr(placement, "TIER_HEAP_MIN", tier_min)
+    rng = random.Random(23)
+    models = ["H100", "L40S", "A100-80GB"]
+    compared = placed_count = released = 0
+    for _ in range(40):
+        kinds = []
+        for _k in range(rng.randint(1, 3)):
+            have = rng.sample(models, rng.randint(1, 3))
+            kinds.append(
+                (
+                    {m: rng.choice((4, 8, 16)) for m in have},
+                    {m: rng.choice((1.0, 2.0)) for m in have},
+                    rng.choice((32, 256)),
+                    rng.choice((0.0, 0.01)),
+                )
+            )
+        sites = []
+        for i in range(rng.randint(8, 40)):
+            gpus, price, cpu, core = rng.choice(kinds)
+            sites.append(
+                offer(f"s{i:02d}", region=rng.choice(("r1", "r2")), gpus=gpus, price=price,
+                      cpu=cpu, core=core, up=rng.random() > 0.05)
+            )  # fmt: skip
+        fed = Federation(tuple(sites))
+        usage = TenantUsage()
+        if rng.random() < 0.3:
+            usage = tree_usage(rng, models, ["r1", "r2"])
+        running: list[tuple[Decision, JobSpec]] = []
+        for n in range(60):
+            roll = rng.random()
+            if roll < 0.25 and running:  # a job ends: its capacity comes back
+                d, spec = running.pop(rng.randrange(len(running)))
+                fed = release(fed, d.site, d.model, d.gpus, spec.cpu, spec.mem_gb)
+                usage = usage.placed(
+                    spec.tenant, gpus=d.gpus, model=d.model, cpu=spec.cpu, mem_gb=spec.mem_gb,
+                    region=d.region, cost_usd=d.cost_usd, hours=spec.duration_hours, sign=-1.0,
+                )  # fmt: skip
+                released += 1
+                continue
+            if roll < 0.3:  # a site goes down, comes back or is cordoned
+                site = rng.choice(fed.sites)
+                flip = (
+                    {"up": not site.up} if rng.random() < 0.7 else {"cordoned": not site.cordoned}
+                )
+                fed = fed.with_offer(dataclasses.replace(site, **flip))
+                continue
+            spec = job(
+                name=f"j{n}",
+                gpu=random_gpu(rng, models),
+                cpu=rng.choice((1, 8, 32)),
+                mem_gb=rng.choice((1.0, 64.0)),
+                duration_hours=rng.choice((0.5, 2.0)),
+            )
+            full = place(spec, fed, now=NOW, usage=usage, groups=GroupState())
+            quick = place(spec, fed, now=NOW, usage=usage, groups=GroupState(), explain=False)
+            compared += 1
+            if isinstance(full, Unschedulable):
+                assert quick == full
+                continue
+            assert isinstance(quick, Decision)
+            for name in ("site", "model", "gpus", "cost_usd", "breakdown"):
+                assert getattr(quick, name) == getattr(full, name), (name, spec)
+            placed_count += 1
+            old = fed
+            fed = apply(fed, full, spec)
+            usage = charged(usage, spec, full)
+            running.append((full, spec))
+            if rng.random() < 0.02:  # a second successor of one snapshot: the index falls back
+                other = apply(old, full, spec)
+                again = place(spec, other, now=NOW, usage=usage, groups=GroupState())
+                fast = place(spec, other, now=NOW, usage=usage, groups=GroupState(), explain=False)
+                assert fast == again or (
+                    isinstance(fast, Decision)
+                    and isinstance(again, Decision)
+                    and (fast.site, fast.model, fast.cost_usd)
+                    == (again.site, again.model, again.cost_usd)
+                )
+    assert compared > 1500 and placed_count > 800 and released > 300
