@@ -888,10 +888,11 @@ def test_indexed_place_on_tiers_of_like_sites_equals_the_full_scan(
                 continue
             if roll < 0.3:  # a site goes down, comes back or is cordoned
                 site = rng.choice(fed.sites)
-                flip = (
-                    {"up": not site.up} if rng.random() < 0.7 else {"cordoned": not site.cordoned}
-                )
-                fed = fed.with_offer(dataclasses.replace(site, **flip))
+                if rng.random() < 0.7:
+                    changed = dataclasses.replace(site, up=not site.up)
+                else:
+                    changed = dataclasses.replace(site, cordoned=not site.cordoned)
+                fed = fed.with_offer(changed)
                 continue
             spec = job(
                 name=f"j{n}",
