@@ -171,7 +171,9 @@ def route_json(route: Route) -> dict[str, object]:
             {
                 "site": s.site,
                 "region": s.candidate.region,
-                "url": s.candidate.endpoint.url,
+                # the replica a request would go to at a site that runs several
+                "url": route.replica_urls.get(s.site) or s.candidate.endpoint.url,
+                "replicas": max(1, len(s.candidate.replicas)),
                 "network_ms": round(s.score.network_ms, 3),
                 "service_ms": round(s.score.service_ms, 3),
                 "wait_ms": round(s.score.wait_ms, 3),

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from broker.router import route_json
 from routing.candidates import CandidateIndex, candidates_from_snapshot
 from routing.policy import RoutingSettings, route
 from routing.replica_choice import choose_replica
@@ -81,6 +82,12 @@ def test_requests_spread_over_a_sites_replicas_and_a_session_sticks() -> None:
         for _ in range(20)
     }  # fmt: skip
     assert len(sticky) == 1
+    # POST /v1/route (GSLB) answers with the replica the gateway would send to
+    for _ in range(20):
+        got = route("llm", "city", cands, topology(), policy, settings, NOW, rng=rng)
+        listed = {c["site"]: c for c in route_json(got)["candidates"]}  # type: ignore[attr-defined]
+        assert listed["a"]["url"] == got.replica_urls["a"] and listed["a"]["replicas"] == 2
+        assert listed["b"]["url"] == "http://b-k.example:8000" and listed["b"]["replicas"] == 1
 
 
 def test_a_busier_or_stale_replica_gets_less() -> None:
