@@ -21,8 +21,9 @@ a pending one, which no site can take, is not) and
 scaled back to virtual time (x 86,400 / --day); the replicas per region over the day.
 
 What it is not: the demo's replicas are reached over loopback, not through the WAN emulation
-(docs/services.md, Limits), so the TTFT here has no RTT in it; a region holds at most one
-replica per site (one replica per site per service), so the scaling range is the sites run.
+(docs/services.md, Limits), so the TTFT here has no RTT in it. Several replicas may run at one
+site, so max_replicas (--max-replicas, default 3 per client region) bounds the scaling range
+and sizes the static fleet, not the number of sites.
 The SkyServe-like baseline runs in the simulated benchmark only (bench/autoscaling.py): the
 live broker runs cpn's autoscaler.
 
@@ -68,12 +69,12 @@ PLACED = ("starting", "ready", "draining", "unhealthy")  # running at a site: pa
 REGIONS = ("jing-jin-ji", "yangtze-delta", "chengdu-chongqing", "eu-central", "us-south")
 
 
-def spec(day_s: float, *, static: bool) -> dict[str, Any]:
+def spec(day_s: float, *, static: bool, count: int) -> dict[str, Any]:
     """The service: 4 slots per replica at a stand-in median of 150 ms (~22 req/s at
     saturation), a target of 9 req/s per replica, the autoscaler's delays compressed like the
-    day (60 s up, 600 s down, a decision every 20 s of virtual time; at least 1 s)."""
+    day (60 s up, 600 s down, a decision every 20 s of virtual time; at least 1 s), at most
+    `count` replicas (several may run at one site)."""
     k = day_s / DAY_S
-    count = len(SITES)
     return {
         "name": NAME,
         "tenant": "ai-lab",
@@ -336,14 +337,14 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     )
     results: dict[str, Any] = {"day_s": day_s, "sites": SITES, "peak_rps": args.peak_rps}
     try:
-        demo.start(spec(day_s, static=False))
+        demo.start(spec(day_s, static=False, count=args.max_replicas))
         demo.wait_ready(1)
         log("warm-up: a quarter of the day, not counted")
         warm = dataclasses.replace(settings, duration_s=day_s / 4, seed=0)
         await run_load(warm, broker_url=demo.url, token=demo.token)
         report, samples = await one_run(demo, "cpn", settings)
         results["cpn"] = summary(report, samples)
-        demo.apply(spec(day_s, static=True))
+        demo.apply(spec(day_s, static=True, count=args.max_replicas))
         got = demo.wait_ready(len(SITES), timeout=90)
         log(f"static: {got} replicas ready")
         report, samples = await one_run(demo, "static", settings)
@@ -361,6 +362,10 @@ def main() -> int:
     p.add_argument("--peak-rps", type=float, default=14.0, help="a region's rate at its peak")
     p.add_argument("--peak-to-trough", type=float, default=6.0)
     p.add_argument("--interval", type=float, default=1.0, help="the agents' publish period")
+    p.add_argument(
+        "--max-replicas", type=int, default=3 * len(CLIENTS),
+        help="the service's max_replicas, the static fleet (default 3 per client region)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--keep", action="store_true", help="keep the work directory")
