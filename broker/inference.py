@@ -18,6 +18,7 @@ from broker.openapi import JSON, Operation, Param, Reply, register
 from broker.router import Router
 from broker.service import RESTART, Broker
 from broker.settings import InferenceSettings
+from routing.candidates import site_replicas
 from routing.health import (
     ActiveHealthChecker,
     HealthCheckSettings,
@@ -84,6 +85,12 @@ class Gateway:
             now = time.time()
             proxy = self.proxy
             ejected = proxy.ejected_sites(service, now) if proxy is not None else {}
+            usable = None
+            if proxy is not None:
+
+                def usable(site: str, url: str) -> bool:
+                    return proxy.replica_usable(service, site, url, now)
+
             route = self.router.route(
                 service,
                 region,
@@ -92,19 +99,31 @@ class Gateway:
                 prefix_key=prefix_key,
                 ejected_until=ejected,
                 in_flight=proxy.in_flight(service) if proxy is not None else None,
+                replica_usable=usable,
             )
         except InvalidRequest as exc:
             raise UnknownRegion(exc.message) from None
         except NotFound as exc:
             raise UnknownService(str(exc)) from None
         source = self.client_source_ips.get(region)
-        return [Upstream(site, url, source) for site, url in route.upstreams()]
+        several = route.replica_urls
+        return [
+            Upstream(site, url, source, replica=site in several) for site, url in route.upstreams()
+        ]
 
     def _health_targets(self) -> dict[str, str]:
-        return {
-            upstream_key(svc, Upstream(site, ep.url)): ep.url.rstrip("/") + "/healthz"
-            for (svc, site), ep in self.router.snapshot.services.items()
-        }
+        """Health-check key -> URL: each endpoint of a service at a site, or each replica of a
+        site that runs several (checked, and ejected, one by one)."""
+        snapshot = self.router.snapshot
+        targets = {}
+        for (svc, site), ep in snapshot.services.items():
+            replicas = site_replicas(snapshot, svc, site)
+            if not replicas:
+                targets[upstream_key(svc, Upstream(site, ep.url))] = ep.url.rstrip("/") + "/healthz"
+            for member in replicas:
+                key = upstream_key(svc, Upstream(site, member.url, replica=True))
+                targets[key] = member.url.rstrip("/") + "/healthz"
+        return targets
 
     def install(self, app: web.Application) -> None:
         settings = self.settings

@@ -21,7 +21,7 @@ from broker.errors import InvalidRequest, NotFound
 from routing.candidates import CandidateIndex
 from routing.clients import Clients
 from routing.errors import InvalidParameter
-from routing.policy import Route, RoutingSettings, route
+from routing.policy import ReplicaUsable, Route, RoutingSettings, route
 from routing.selection import Policy
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
@@ -129,6 +129,7 @@ class Router:
         ejected_until: Mapping[str, float] | None = None,
         in_flight: Mapping[str, int] | None = None,
         prefix_key: str | None = None,
+        replica_usable: ReplicaUsable | None = None,
     ) -> Route:
         index = self._candidates()
         if service not in index.services:
@@ -148,6 +149,7 @@ class Router:
             previous=self._previous.get(key),
             session_key=session_key,
             prefix_key=prefix_key,
+            replica_usable=replica_usable,
         )
         if result.previous is not None:
             self._previous[key] = result.previous

@@ -24,12 +24,12 @@ from sites.service_pool import routable
 from sites.snapshot import Snapshot
 from sites.status import ServiceEndpoint
 
-__all__ = ["CandidateIndex", "candidates_from_snapshot"]
+__all__ = ["CandidateIndex", "candidates_from_snapshot", "site_replicas"]
 
 _NONE: Mapping[str, float] = MappingProxyType({})
 
 
-def _replicas(snapshot: Snapshot, service: str, site: str) -> tuple[ServiceEndpoint, ...]:
+def site_replicas(snapshot: Snapshot, service: str, site: str) -> tuple[ServiceEndpoint, ...]:
     """The site's routable replicas of the service when it has several (one: the endpoint)."""
     members = snapshot.replicas.get((service, site))
     if not members or len(members) < 2:
@@ -42,7 +42,7 @@ def _candidate(snapshot: Snapshot, site: str, endpoint: ServiceEndpoint) -> Cand
         endpoint=endpoint,
         region=snapshot.specs[site].region,
         site_state=snapshot.state(site),
-        replicas=_replicas(snapshot, endpoint.service, site),
+        replicas=site_replicas(snapshot, endpoint.service, site),
     )
 
 
@@ -74,7 +74,7 @@ def candidates_from_snapshot(
                 error_rate=errors.get(site, 0.0),
                 draining=site in drain,
                 ejected_until=ejected.get(site),
-                replicas=_replicas(snapshot, service, site),
+                replicas=site_replicas(snapshot, service, site),
             )
         )
     return out

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -191,17 +191,29 @@ class Route:
         return [(s.site, urls.get(s.site) or s.candidate.endpoint.url) for s in ordered]
 
 
+ReplicaUsable = Callable[[str, str], bool]
+"""(site, replica URL) -> may the gateway send there now."""
+
+
 def _replica_urls(
-    ranking: Ranking, settings: ScoringSettings, now: float, rng: random.Random, key: str | None
+    ranking: Ranking,
+    settings: ScoringSettings,
+    now: float,
+    rng: random.Random,
+    key: str | None,
+    usable: ReplicaUsable | None = None,
 ) -> dict[str, str]:
     """site -> the replica the request goes to there, for each ranked site with several."""
-    return {
-        s.site: choose_replica(
-            s.candidate.replicas, settings=settings, now=now, rng=rng, key=key
+    urls = {}
+    for s in ranking.ranked:
+        if not s.candidate.replicas:
+            continue
+        site = s.site
+        check = None if usable is None else (lambda ep, site=site: usable(site, ep.url))
+        urls[site] = choose_replica(
+            s.candidate.replicas, settings=settings, now=now, rng=rng, key=key, usable=check
         ).url
-        for s in ranking.ranked
-        if s.candidate.replicas
-    }
+    return urls
 
 
 def merge_in_flight(
@@ -245,8 +257,11 @@ def route(
     previous: str | None = None,
     session_key: str | None = None,
     prefix_key: str | None = None,
+    replica_usable: ReplicaUsable | None = None,
 ) -> Route:
-    """Route one request (module docstring). CandidateError on a repeated site."""
+    """Route one request (module docstring). CandidateError on a repeated site.
+    `replica_usable(site, url)`: whether the gateway may send to that replica of a site that
+    runs several now (not ejected, not failing health checks); None: every one."""
     if policy.scoring is not settings.scoring and policy.scoring != settings.scoring:
         raise InvalidParameter(
             "policy.scoring differs from settings.scoring: build the policy with "
@@ -277,7 +292,7 @@ def route(
     )
     key = session_key if session_key is not None else prefix_key
     if choice is not None:
-        urls = _replica_urls(ranking, settings.scoring, now, rng, key)
+        urls = _replica_urls(ranking, settings.scoring, now, rng, key, replica_usable)
         return Route(
             ranking, choice, previous=previous if sessioned else choice.site, replica_urls=urls
         )
@@ -299,5 +314,5 @@ def route(
     )
     if choice is None:
         return Route(ranking, None, previous=previous)
-    urls = _replica_urls(admitted, settings.scoring, now, rng, key)
+    urls = _replica_urls(admitted, settings.scoring, now, rng, key, replica_usable)
     return Route(admitted, choice, overflow=True, previous=previous, replica_urls=urls)

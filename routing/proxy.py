@@ -132,6 +132,8 @@ class Upstream(NamedTuple):
     # the local address to connect from: on a one-machine federation the WAN emulation tells
     # the client region by it (docs/wan-emulation.md); None in a real deployment
     source_ip: str | None = None
+    # one replica of several at its site: its outcomes and health are its own, not the site's
+    replica: bool = False
 
 
 class Pick(Protocol):
@@ -172,7 +174,11 @@ class HealthView(Protocol):
 
 
 def upstream_key(service: str, upstream: Upstream) -> str:
-    """The key of one (service, site) endpoint for the outlier detector and health checks."""
+    """The key of one (service, site) endpoint for the outlier detector and health checks:
+    "service@site", or "service@site#url" for one replica of several at the site (ejecting it
+    leaves the site and its other replicas routable)."""
+    if upstream.replica:
+        return f"{service}@{upstream.site}#{upstream.base_url}"
     return f"{service}@{upstream.site}"
 
 
@@ -222,7 +228,10 @@ class _Ejections(Mapping[str, float]):
     def __iter__(self) -> Iterator[str]:
         prefix = self._prefix
         keys = self._health.ejections(self._now)
-        return iter([key[len(prefix) :] for key in keys if key.startswith(prefix)])
+        # a replica's ejection ("service@site#url") is not its site's
+        return iter(
+            [key[len(prefix) :] for key in keys if key.startswith(prefix) and "#" not in key]
+        )
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
@@ -484,6 +493,11 @@ class InferenceProxy:
             active.pop(upstream.site, None)
             if not active:
                 del self._active[service]
+
+    def replica_usable(self, service: str, site: str, url: str, now: float) -> bool:
+        """May a request go to this replica of several at `site` (not ejected, not failing
+        its health checks)? For the router's choice among a site's replicas."""
+        return self._usable(service, Upstream(site, url, replica=True), now)
 
     def _usable(self, service: str, upstream: Upstream, now: float) -> bool:
         key = upstream_key(service, upstream)

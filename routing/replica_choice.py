@@ -4,6 +4,8 @@ The router ranks and chooses sites (routing.selection, routing.choice); a site t
 several replicas of the service is one candidate, their pool (sites.service_pool). The
 request then goes to one replica of it:
 
+- replicas the caller cannot use now (`usable`: the gateway's ejections and health checks of
+  each replica) are left out while another is there;
 - replicas whose model-server signals are stale (older than signals_stale_after_s) are left
   out while a fresh one is there: their load is unknown;
 - with a key (the session's, else the request's prefix key): the rendezvous winner of the key
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from routing.choice import hrw_weight
 from routing.selection import ScoringSettings, signals_stale
@@ -44,10 +46,13 @@ def choose_replica(
     now: float,
     rng: random.Random,
     key: str | None = None,
+    usable: Callable[[ServiceEndpoint], bool] | None = None,
 ) -> ServiceEndpoint:
     """One of `replicas` (module docstring); ValueError when there is none."""
     if not replicas:
         raise ValueError("no replica to choose from")
+    if usable is not None:
+        replicas = [ep for ep in replicas if usable(ep)] or list(replicas)
     if len(replicas) == 1:
         return replicas[0]
     fresh = [ep for ep in replicas if not signals_stale(ep, settings, now)] or list(replicas)

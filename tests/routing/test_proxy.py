@@ -530,6 +530,31 @@ async def test_failing_site_is_ejected_for_a_growing_time(
     assert await attempts() == "1"
 
 
+async def test_a_failing_replica_is_ejected_alone_not_its_site(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """One of a site's several replicas fails: its own key ("service@site#url") is ejected,
+    the site stays routable (not in ejected_sites) and its other replica usable."""
+    clock = FakeClock()
+    dead = Upstream("a", dead_url(), replica=True)
+    alive, _ = await echo(serve, "a")
+    alive = alive._replace(replica=True)
+    outlier = OutlierSettings(
+        consecutive_failures=2, consecutive_connect_failures=2, base_ejection_time_s=10
+    )
+    h = await make_proxy([dead, alive], outlier=outlier, clock=clock)
+    for _ in range(2):
+        async with http.post(h.infer_url(), json={}, headers=REGION) as resp:
+            assert resp.status == 200 and resp.headers["X-Cpn-Attempts"] == "2"
+    assert upstream_key("llm", dead) == f"llm@a#{dead.base_url}"
+    assert h.detector.ejected_until(upstream_key("llm", dead), clock.now) == clock.now + 10
+    assert h.proxy.ejected_sites("llm", clock.now) == {}  # the site is not ejected
+    assert not h.proxy.replica_usable("llm", "a", dead.base_url, clock.now)
+    assert h.proxy.replica_usable("llm", "a", alive.base_url, clock.now)
+    async with http.post(h.infer_url(), json={}, headers=REGION) as resp:
+        assert resp.headers["X-Cpn-Attempts"] == "1"  # the ejected replica is skipped
+
+
 async def test_all_candidates_ejected_is_503_no_capacity(
     make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:

@@ -109,6 +109,29 @@ def test_a_busier_or_stale_replica_gets_less() -> None:
         choose_replica([], settings=SCORING, now=NOW, rng=rng)
 
 
+def test_a_replica_the_gateway_cannot_use_is_not_chosen() -> None:
+    snap = federation(replica("j1"), replica("j2"), replica("k", "b"))
+    settings = RoutingSettings()
+    cands = CandidateIndex(snap).candidates("llm")
+    rng = random.Random(3)
+    bad = "http://a-j1.example:8000"
+
+    def usable(site: str, url: str) -> bool:
+        return url != bad
+
+    got = {
+        route("llm", "city", cands, topology(), settings.policy(), settings, NOW, rng=rng,
+              replica_usable=usable, session_key=f"s-{n}").replica_urls["a"]
+        for n in range(40)
+    }  # fmt: skip
+    assert got == {"http://a-j2.example:8000"}
+    # none usable: the draw goes on (the proxy then skips the site's ejected upstreams)
+    everyone_out = choose_replica(
+        [replica("j1"), replica("j2")], settings=SCORING, now=NOW, rng=rng, usable=lambda e: False
+    )
+    assert everyone_out.job in {"j1", "j2"}
+
+
 class Counting(random.Random):
     draws = 0
 
