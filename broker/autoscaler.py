@@ -14,7 +14,8 @@ One decision (docs/autoscaling.md has the long form):
    `observations.rtt_ms` may not serve it: no route, or sovereignty). Its candidates are the
    regions within `scaling.consolidate_ms` of its nearest one; greedily, the region that the
    most demand could use takes all of it, so small demands share a fleet instead of each
-   rounding up its own.
+   rounding up its own. A region that has replicas counts its pull INCUMBENT_PULL larger, so a
+   shared fleet does not move back and forth as demands of about one size swap places.
 2. What each region wants. How many in all: ceil(the total demand / target_qps_per_replica),
    the load one replica should carry (SkyServe's rule, so cpn spends no more on rounding than
    one fleet would); where: one for each region with demand, then by its share of the demand
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 
 from broker.services import ScalingDecision, ServiceSpec
@@ -71,6 +72,7 @@ __all__ = [
 
 _EPS = 1e-9  # 10.0 / 2.0 must need 5 replicas, not 6 after a rounding error
 STICKY = 0.25  # of a replica: how much larger a remainder must be to move one (_apportion)
+INCUMBENT_PULL = 0.25  # how much more demand must pull elsewhere to move a fleet (assign_demand)
 
 
 class Reason(enum.StrEnum):
@@ -202,10 +204,16 @@ def _clients(spec: ServiceSpec, observations: Observations) -> list[str]:
 
 
 def assign_demand(
-    spec: ServiceSpec, observations: Observations, regions: tuple[str, ...] | None = None
+    spec: ServiceSpec,
+    observations: Observations,
+    regions: tuple[str, ...] | None = None,
+    incumbents: Collection[str] = (),
 ) -> dict[str, str]:
     """Client region -> the region that serves its demand (module docstring, step 1). Client
-    regions with no request, or that no allowed region may serve, are left out."""
+    regions with no request, or that no allowed region may serve, are left out. A region in
+    `incumbents` (it has replicas now) counts its pull INCUMBENT_PULL larger, so that demands
+    of about one size do not move their shared fleet back and forth as their order flips
+    with noise."""
     allowed = regions if regions is not None else allowed_regions(spec, observations)
     slack = spec.scaling.consolidate_ms
     options: dict[str, dict[str, float]] = {}
@@ -232,7 +240,8 @@ def assign_demand(
         for region, lam in pull.items():
             takers = [c for c in left if region in options[c]]
             rtt = sum(options[c][region] * rate[c] for c in takers) / lam
-            ranked.append((-lam, rtt, region))
+            weight = 1.0 + INCUMBENT_PULL if region in incumbents else 1.0
+            ranked.append((-lam * weight, rtt, region))
         best = min(ranked)[2]
         for client in sorted(left):
             if best in options[client]:
@@ -300,7 +309,8 @@ def _wants(
 ]:
     """What each region wants before hysteresis, why, the demand it serves, which client
     region goes where, and the load per replica each region has seen pressure at."""
-    served = assign_demand(spec, observations, regions)
+    have = {r: state.regions.get(r, RegionState()).target for r in regions}
+    served = assign_demand(spec, observations, regions, {r for r, n in have.items() if n > 0})
     demand = dict.fromkeys(regions, 0.0)
     misses: dict[str, list[str]] = {r: [] for r in regions}
     for client, region in served.items():
@@ -310,7 +320,6 @@ def _wants(
         if seen.ttft_p95_ms is not None and seen.ttft_p95_ms > slo:
             misses[region].append(f"{client} p95 {seen.ttft_p95_ms:.0f} ms > {slo:g} ms")
     per_replica = spec.scaling.target_qps_per_replica
-    have = {r: state.regions.get(r, RegionState()).target for r in regions}
     total = sum(demand.values())
     need = _needed(total, per_replica)
     shares = _apportion(need, demand, have)

@@ -267,6 +267,27 @@ def test_a_shared_fleet_keeps_its_anchor_while_its_clients_trade_places_in_deman
     assert keys == {"a"}
 
 
+def test_a_shared_fleet_does_not_move_while_its_clients_trade_places_in_demand() -> None:
+    # the region that serves both (dc-a, where the fleet is) keeps serving both as their
+    # order flips: the other region (nearer to whichever is busier) never gets a replica
+    rtt = {"a": {"dc-a": 5.0, "dc-b": 15.0}, "b": {"dc-a": 12.0, "dc-b": 4.0}}
+    spec = make_spec(min_replicas=0, regions=["dc-a", "dc-b"])
+    _, state = decide(spec, seen({"a": 14.0, "b": 10.0}, rtt=rtt), AutoscalerState(), 0.0)
+    assert state.targets() == {"dc-a": 3, "dc-b": 0}
+    for i in range(1, 60):
+        rates = {"a": 10.0, "b": 14.0} if i % 2 else {"a": 14.0, "b": 10.0}
+        obs = seen(rates, replicas=ready(state), rtt=rtt)
+        assert set(assign_demand(spec, obs, None, {"dc-a"}).values()) == {"dc-a"}
+        decision, state = decide(spec, obs, state, 20.0 * i)
+        assert decision.replicas["dc-b"] == 0, i
+    # without a fleet anywhere the busier one's nearest region wins, as before
+    assert set(assign_demand(spec, seen({"a": 10.0, "b": 14.0}, rtt=rtt)).values()) == {"dc-b"}
+    # and a clearly larger pull elsewhere still moves it
+    far = {"a": {"dc-a": 5.0}, "b": {"dc-a": 12.0, "dc-b": 4.0}, "c": {"dc-b": 3.0}}
+    obs = seen({"a": 2.0, "b": 10.0, "c": 10.0}, rtt=far)
+    assert assign_demand(spec, obs, None, {"dc-a"})["b"] == "dc-b"
+
+
 def test_the_decision_as_the_reconcilers_record() -> None:
     spec = make_spec()
     decision, _ = decide(spec, seen({"east": 25.0, "west": 12.0}), AutoscalerState(), 0.0)
