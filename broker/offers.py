@@ -415,9 +415,12 @@ class Federation:
         index = self._index
         object.__setattr__(new, "_index", index)
         log = index.log
-        if self._seq != len(log):
-            index.branched = True  # a second successor of one snapshot
-        log.append(pos)
+        if not index.branched:
+            if self._seq != len(log):
+                index.branched = True  # a second successor of one snapshot: no more log
+                log.clear()
+            else:
+                log.append(pos)
         object.__setattr__(new, "_seq", len(log))
         link = self._columns
         if link is not None:
