@@ -21,11 +21,12 @@ import random
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.plan import PlanProblem, evaluate, feasible_options, load_problem
-from broker.solver import candidates, greedy, solve
+from broker.plan import PlanProblem, candidates, evaluate, feasible_options, load_problem
+from broker.solver import greedy, solve
 
 # name: (lat, lon, price factor): western "compute" regions are cheaper, eastern hubs dearer
 REGIONS: dict[str, tuple[float, float, float]] = {
@@ -78,9 +79,46 @@ def distance_km(a: str, b: str) -> float:
     return 2 * 6371 * math.asin(math.sqrt(h))
 
 
-def generate(n_jobs: int, n_sites: int, seed: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Shape:
+    """The generator's knobs; None keeps the original instance (seeded, bit for bit).
+
+    regions: how many regions the federation has (a seeded subset of REGIONS, both offshore
+    ones kept when there is room); group_share: the share of jobs in spread / colocate / gang
+    groups; demand: GPUs demanded over GPUs supplied, per model (the original draws
+    0.9-1.4x); models: (fewest, most) acceptable models per GPU job; latency_share: the share
+    of jobs that are inference replicas with a latency limit (the original: 0.30);
+    residency_share: the share restricted to mainland regions (the original: 0.20).
+    """
+
+    regions: int | None = None
+    group_share: float | None = None
+    demand: float | None = None
+    models: tuple[int, int] | None = None
+    latency_share: float | None = None
+    residency_share: float | None = None
+
+
+MEAN_GROUP = 10 / 3  # mean members of a group: spread, colocate 2-4, gang 2-6, a third each
+
+
+def generate(n_jobs: int, n_sites: int, seed: int, shape: Shape = Shape()) -> dict[str, Any]:
     rng = random.Random(seed)
     regions = list(REGIONS)
+    if shape.regions is not None and shape.regions < len(regions):
+        pick = random.Random(f"regions-{seed}")  # its own stream: the rest stays seeded alike
+        inland = [r for r in regions if r not in OFFSHORE]
+        offshore = sorted(OFFSHORE)[: max(0, min(2, shape.regions - 2))]
+        chosen = set(pick.sample(inland, shape.regions - len(offshore))) | set(offshore)
+        regions = [r for r in regions if r in chosen]
+    # a job outside a group starts one (of L members, itself included) with probability p:
+    # share = p L / (1 - p + p L)
+    share = shape.group_share
+    p_group = 0.03 if share is None else share / (MEAN_GROUP * (1 - share) + share)
+    lat = 0.30 if shape.latency_share is None else shape.latency_share
+    rest = (1 - lat) / 0.70  # training, fine-tuning and CPU-only keep their proportions
+    cut_train, cut_inf, cut_ft = 0.35 * rest, 0.35 * rest + lat, 0.35 * rest + lat + 0.25 * rest
+    residency = 0.2 if shape.residency_share is None else shape.residency_share
     rtt: dict[str, dict[str, float]] = defaultdict(dict)
     egress: dict[str, dict[str, float]] = defaultdict(dict)
     for i, a in enumerate(regions):
@@ -107,7 +145,7 @@ def generate(n_jobs: int, n_sites: int, seed: int) -> dict[str, Any]:
     group_user: str | None = None
     n_groups = 0
     for j in range(n_jobs):
-        if groups_left == 0 and rng.random() < 0.03:
+        if groups_left == 0 and rng.random() < p_group:
             n_groups += 1
             kind = rng.choice(["spread", "colocate", "gang"])
             group = {"name": f"g{n_groups}", "kind": kind}
@@ -117,20 +155,21 @@ def generate(n_jobs: int, n_sites: int, seed: int) -> dict[str, Any]:
         job: dict[str, Any] = {"id": f"job-{j:05d}"}
         if groups_left and group is not None:
             kind = group["kind"]
-            roll = 0.5 if kind == "spread" else 0.1  # replicas serve users; the rest train
-        if roll < 0.35:  # training
+            # replicas serve users; the rest train
+            roll = cut_train + lat / 2 if kind == "spread" else cut_train / 3
+        if roll < cut_train:  # training
             models = rng.choice(TRAINING)
             count = rng.choice([8, 8, 8, 16, 16, 32])
             duration = rng.choice([4, 8, 12, 24, 48, 72])
             data = {"region": rng.choice(regions), "size_gb": rng.choice([200, 500, 1000, 5000])}
             user = None
-        elif roll < 0.65:  # inference replicas near users
+        elif roll < cut_inf:  # inference replicas near users
             models = rng.choice(INFERENCE)
             count = rng.choice([1, 1, 2, 4])
             duration = 24
             data = None
             user = group_user if groups_left else rng.choice(regions)
-        elif roll < 0.9:  # fine-tuning and batch
+        elif roll < cut_ft:  # fine-tuning and batch
             models = rng.choice(FINETUNE)
             count = rng.choice([1, 2, 4, 8])
             duration = rng.choice([1, 2, 4, 8, 12])
@@ -141,6 +180,8 @@ def generate(n_jobs: int, n_sites: int, seed: int) -> dict[str, Any]:
             duration = rng.choice([1, 2, 6, 24])
             data = {"region": rng.choice(regions), "size_gb": rng.choice([50, 200, 1000])}
             user = None
+        if shape.models is not None and count:
+            models = _models(rng, models, shape.models)
         job["gpu"] = {"models": list(models), "count": count}
         job["cpu"] = count * rng.choice([8, 12, 16]) if count else rng.choice([8, 16, 32, 64])
         job["mem_gb"] = count * rng.choice([64, 96, 128]) if count else job["cpu"] * 4
@@ -150,7 +191,7 @@ def generate(n_jobs: int, n_sites: int, seed: int) -> dict[str, Any]:
         job["max_latency_ms"] = rng.choice([15, 25, 40, 60]) if user else None
         job["latency_weight"] = round(rng.uniform(0.5, 5.0), 2) if user else 0
         job["allowed_regions"] = (
-            sorted(r for r in regions if r not in OFFSHORE) if rng.random() < 0.2 else None
+            sorted(r for r in regions if r not in OFFSHORE) if rng.random() < residency else None
         )
         # what the tenant would lose: a multiple of the job's list cost at a median site
         gpu_price = min((MODELS[m][0] for m in models), default=0.0)
@@ -174,7 +215,10 @@ def generate(n_jobs: int, n_sites: int, seed: int) -> dict[str, Any]:
             holders[m].append(s)
     capacity: list[dict[str, int]] = [{} for _ in range(n_sites)]
     for m, sites in holders.items():
-        supply = demand[m] / rng.uniform(0.7, 1.1)
+        if shape.demand is None:
+            supply = demand[m] / rng.uniform(0.7, 1.1)
+        else:
+            supply = demand[m] / (shape.demand * rng.uniform(0.9, 1.1))
         shares = [rng.uniform(0.5, 2.0) for _ in sites]
         for s, share in zip(sites, shares, strict=True):
             capacity[s][m] = max(8, 8 * round(supply * share / sum(shares) / 8))
@@ -201,6 +245,16 @@ def generate(n_jobs: int, n_sites: int, seed: int) -> dict[str, Any]:
             }
         )
     return {"sites": sites, "rtt_ms": rtt, "egress_per_gb": egress, "jobs": jobs}
+
+
+def _models(rng: random.Random, models: list[str], span: tuple[int, int]) -> list[str]:
+    """The tenant's list cut or widened to a count drawn from `span`, its order kept."""
+    k = rng.randint(*span)
+    out = list(models[:k])
+    others = [m for m in MODELS if m not in out]
+    while len(out) < k and others:
+        out.append(others.pop(rng.randrange(len(others))))
+    return out
 
 
 def main() -> int:

@@ -52,26 +52,25 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
-from ortools.linear_solver import linear_solver_pb2, pywraplp
 from ortools.sat.python import cp_model
 
+from broker.highs import Relaxation, capacity, relax, solve_mip
 from broker.plan import (
+    SCALE,
     Assignment,
+    Candidate,
     GroupKind,
     Job,
     PlanInputError,
     PlanProblem,
     PlanResult,
     PlanStatus,
+    candidates,
     evaluate,
-    feasible_options,
-    job_cost,
     to_milli,
 )
 
-SCALE = 10_000  # USD -> integer objective units: 0.0001 USD precision per job
 MAX_OBJECTIVE = 2**60  # CP-SAT needs the objective's range to fit int64 with room to spare
 LP_SHARE = 0.6  # the LP relaxation may use this share of the remaining time budget
 RENS_SHARE = 0.4  # of the time left: the sub-model over the LP's support
@@ -82,36 +81,13 @@ NEIGHBOURS = 5  # options of least LP reduced cost added per job in the wider su
 # wider sub-model is closed; calibrated with bench/placement_plan.py
 FULL_MODEL_OPTIONS = 30_000
 BIG_MODEL_MIN_S = 2.0  # a model above FULL_MODEL_OPTIONS needs this much left to be worth building
-LP_TOLERANCE = 1e-6  # relative slack taken off the LP bound for GLOP's feasibility tolerances
+# above FULL_MODEL_OPTIONS: (width, hold the incumbent's options, share of the time left) of
+# HiGHS's sub-models: RENS and each job's cheapest option by reduced cost, which HiGHS
+# closes in about a second; then two and four such options with the incumbent's
+HIGHS_STEPS = ((1, False, 0.4), (2, True, 0.7), (4, True, 1.0))
 MIN_SEARCH_S = 0.2  # CP-SAT always gets this much, even when building used the budget
 FINISH_S = 0.3  # kept back from the budget to check the plan and report
 RANDOM_SEED = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """One option (site, model) of one job, with its cost in USD and in scaled units."""
-
-    site: str
-    model: str | None
-    cost: float
-    cost_int: int
-
-
-def candidates(problem: PlanProblem) -> list[list[Candidate]]:
-    """Per job (input order): its feasible options minus dominated ones, cheapest first."""
-    out: list[list[Candidate]] = []
-    for job in problem.jobs:
-        in_gang = job.group is not None and job.group.kind is GroupKind.gang
-        row: list[Candidate] = []
-        for site_id, model in feasible_options(problem, job):
-            cost = job_cost(problem, job, problem.site_by_id[site_id], model)
-            if cost >= job.unplaced_penalty and not in_gang:
-                continue
-            row.append(Candidate(site_id, model, cost, round(cost * SCALE)))
-        row.sort(key=lambda c: c.cost)
-        out.append(row)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,111 +309,10 @@ def _improve(
 
 
 # ---------------------------------------------------------------------------------------------
-# LP relaxation (GLOP)
+# LP-guided construction (the LP itself: broker.highs.relax)
 
 
-@dataclass(frozen=True)
-class _Relaxation:
-    bound: float  # USD, a lower bound on the optimum
-    x: list[list[float]]  # per job, per candidate: the LP value
-    reduced: list[list[float]]  # per job, per candidate: the LP reduced cost (USD)
-    y: dict[str, dict[str, float]]  # colocate group -> site -> LP value
-
-
-def _relax(
-    problem: PlanProblem, cands: list[list[Candidate]], time_limit_s: float
-) -> _Relaxation | None:
-    """The model above with 0 <= x, y, z <= 1; None when GLOP does not prove optimality.
-
-    Built as an MPModelProto (10x faster than one wrapper call per coefficient)."""
-    request = linear_solver_pb2.MPModelRequest(
-        solver_type=linear_solver_pb2.MPModelRequest.GLOP_LINEAR_PROGRAMMING,
-        solver_time_limit_seconds=max(0.01, time_limit_s),
-    )
-    lp = request.model
-    inf = math.inf
-
-    def new_vars(costs: Sequence[float]) -> list[int]:
-        first = len(lp.variable)
-        for cost in costs:
-            lp.variable.add(lower_bound=0.0, upper_bound=1.0, objective_coefficient=cost)
-        return list(range(first, first + len(costs)))
-
-    def row(terms: Sequence[tuple[int, float]], lower: float, upper: float) -> None:
-        ct = lp.constraint.add(lower_bound=lower, upper_bound=upper)
-        ct.var_index.extend(i for i, _ in terms)
-        ct.coefficient.extend(a for _, a in terms)
-
-    xs: list[list[int]] = []
-    rows: dict[tuple[str, str], list[tuple[int, float]]] = defaultdict(list)
-    for job, cands_j in zip(problem.jobs, cands, strict=True):
-        lp.objective_offset += job.unplaced_penalty
-        ids = new_vars([c.cost - job.unplaced_penalty for c in cands_j])
-        xs.append(ids)
-        if len(ids) > 1:
-            row([(i, 1.0) for i in ids], -inf, 1.0)
-        cpu, mem = to_milli(job.cpu), to_milli(job.mem_gb)
-        for i, c in zip(ids, cands_j, strict=True):
-            if c.model is not None:
-                rows[(c.site, "gpu:" + c.model)].append((i, job.gpu.count))
-            if cpu:
-                rows[(c.site, "cpu")].append((i, cpu))
-            if mem:
-                rows[(c.site, "mem")].append((i, mem))
-    for (site_id, what), terms in rows.items():
-        cap = _cap(problem, site_id, what)
-        if sum(a for _, a in terms) > cap:
-            row(terms, -inf, cap)
-    ys: dict[str, dict[str, int]] = {}
-    index = {job.id: j for j, job in enumerate(problem.jobs)}
-    for name, (kind, jobs) in problem.groups.items():
-        members = [index[job.id] for job in jobs]
-        if kind is GroupKind.gang:
-            (z,) = new_vars([0.0])
-            for j in members:
-                row([(i, 1.0) for i in xs[j]] + [(z, -1.0)], 0.0, 0.0)
-            continue
-        at: dict[str, list[list[int]]] = defaultdict(list)  # site -> per member, its x there
-        for j in members:
-            per_site: dict[str, list[int]] = defaultdict(list)
-            for i, c in zip(xs[j], cands[j], strict=True):
-                per_site[c.site].append(i)
-            for site, ids in per_site.items():
-                at[site].append(ids)
-        if kind is GroupKind.spread:
-            for site in sorted(at):
-                row([(i, 1.0) for ids in at[site] for i in ids], -inf, 1.0)
-            continue
-        sites = sorted(at)
-        ys[name] = dict(zip(sites, new_vars([0.0] * len(sites)), strict=True))
-        row([(y, 1.0) for y in ys[name].values()], -inf, 1.0)
-        for site in sites:
-            for ids in at[site]:
-                row([(i, 1.0) for i in ids] + [(ys[name][site], -1.0)], -inf, 0.0)
-    response = linear_solver_pb2.MPSolutionResponse()
-    pywraplp.Solver.SolveWithProto(request, response)
-    if response.status != linear_solver_pb2.MPSOLVER_OPTIMAL:
-        return None
-    values, reduced = response.variable_value, response.reduced_cost
-    bound = response.objective_value
-    return _Relaxation(
-        bound=bound - LP_TOLERANCE * max(1.0, abs(bound)),
-        x=[[values[i] for i in ids] for ids in xs],
-        reduced=[[reduced[i] for i in ids] for ids in xs],
-        y={g: {s: values[i] for s, i in row_.items()} for g, row_ in ys.items()},
-    )
-
-
-def _cap(problem: PlanProblem, site_id: str, what: str) -> int:
-    capacity = problem.site_by_id[site_id].capacity
-    if what == "cpu":
-        return to_milli(capacity.cpu)
-    if what == "mem":
-        return to_milli(capacity.mem_gb)
-    return capacity.gpu.get(what.removeprefix("gpu:"), 0)
-
-
-def _lp_guided(problem: PlanProblem, cands: list[list[Candidate]], relaxed: _Relaxation) -> Plan:
+def _lp_guided(problem: PlanProblem, cands: list[list[Candidate]], relaxed: Relaxation) -> Plan:
     prefs = [
         [c for _, c in sorted(zip(values, row, strict=True), key=lambda vc: (-vc[0], vc[1].cost))]
         for values, row in zip(relaxed.x, cands, strict=True)
@@ -487,7 +362,7 @@ def solve(
         min([job.unplaced_penalty] + [c.cost for c in row])
         for job, row in zip(problem.jobs, cands, strict=True)
     )
-    relaxed = _relax(problem, cands, LP_SHARE * left())
+    relaxed = relax(problem, cands, LP_SHARE * left(), start=best.plan)
     if relaxed is not None:
         bound = max(bound, relaxed.bound)
         best.offer(_assignments(problem, _lp_guided(problem, cands, relaxed)))
@@ -499,7 +374,11 @@ def solve(
     deadline = started + time_limit_s - FINISH_S
     total = sum(len(row) for row in cands)
     full = True  # whether the full model is worth its time
-    if relaxed is not None:
+    if relaxed is not None and total > FULL_MODEL_OPTIONS:
+        # large: HiGHS on sub-models from the incumbent (docs/placement.md, measured)
+        _highs_steps(problem, cands, relaxed, best, deadline)
+        full = False
+    elif relaxed is not None:
         # sub-models, each holding the incumbent: RENS (the LP's support; small, CP-SAT
         # usually closes it in well under a second), then the support plus every job's
         # NEIGHBOURS options of least reduced cost. The full model follows when it is small
@@ -528,6 +407,25 @@ def solve(
     if solver_bound is not None:
         bound = max(bound, solver_bound)
     return _result(problem, best, bound, proven=proven)
+
+
+def _highs_steps(
+    problem: PlanProblem,
+    cands: list[list[Candidate]],
+    relaxed: Relaxation,
+    best: _Incumbent,
+    deadline: float,
+) -> None:
+    """HiGHS branch and cut on neighbourhoods of the LP (HIGHS_STEPS), each from the best
+    plan so far and holding its options, until the deadline."""
+    for width, held, share in HIGHS_STEPS:
+        budget = deadline - time.monotonic()
+        if budget < MIN_SEARCH_S:
+            return
+        sub = _neighbourhood(problem, cands, relaxed, best.plan if held else {}, width)
+        out = solve_mip(problem, sub, share * budget, hint=best.plan if held else None, threads=1)
+        if out.assignments or not problem.jobs:
+            best.offer(out.assignments)
 
 
 def _result(problem: PlanProblem, best: _Incumbent, bound: float, *, proven: bool) -> PlanResult:
@@ -560,7 +458,7 @@ class _Incumbent:
 def _neighbourhood(
     problem: PlanProblem,
     cands: list[list[Candidate]],
-    relaxed: _Relaxation,
+    relaxed: Relaxation,
     incumbent: Mapping[str, Assignment],
     width: int,
 ) -> list[list[Candidate]]:
@@ -674,7 +572,7 @@ def _build(
         raise PlanInputError(None, "costs too large to optimize at 0.0001 USD precision")
 
     for (site_id, what), terms in rows.items():
-        cap = _cap(problem, site_id, what)
+        cap = capacity(problem, site_id, what)
         if sum(n for _, n in terms) > cap:  # else it cannot bind
             expr = cp_model.LinearExpr.weighted_sum([v for v, _ in terms], [n for _, n in terms])
             model.add(expr <= cap)
