@@ -1,0 +1,151 @@
+"""cpn plan on hard instances (issue 16): the family generator, the HiGHS LP and its bound,
+the large-model path, and candidates priced as job_cost prices them."""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker import highs, solver
+from broker.plan import (
+    GroupKind,
+    PlanProblem,
+    candidates,
+    evaluate,
+    feasible_options,
+    job_cost,
+    load_problem,
+)
+from broker.solver import greedy, solve
+from tests.broker.test_plan import brute_force, instances
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import placement_plan
+
+        yield placement_plan
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def hard_small(bench: ModuleType, seed: int, **shape: Any) -> dict[str, Any]:
+    knobs = {"regions": 6, "group_share": 0.3, "demand": 1.7, "models": (1, 2)} | shape
+    data: dict[str, Any] = bench.generate(120, 8, seed, bench.Shape(**knobs))
+    return data
+
+
+def test_generator_is_deterministic_per_seed_and_shape(bench: ModuleType) -> None:
+    assert hard_small(bench, 1) == hard_small(bench, 1)
+    assert hard_small(bench, 1) != hard_small(bench, 2)
+    assert hard_small(bench, 1) != hard_small(bench, 1, demand=0.8)
+    # the default shape is the original instance: its own stream, no knob drawn
+    assert bench.generate(50, 5, 3) == bench.generate(50, 5, 3, bench.Shape())
+
+
+def test_generator_knobs_move_the_instance(bench: ModuleType) -> None:
+    grouped = load_problem(bench.generate(1500, 20, 4, bench.Shape(group_share=0.3)))
+    share = sum(j.group is not None for j in grouped.jobs) / len(grouped.jobs)
+    assert 0.2 < share < 0.4
+    none = load_problem(bench.generate(300, 20, 4, bench.Shape(group_share=0.0)))
+    assert not none.groups
+    few = load_problem(bench.generate(300, 20, 4, bench.Shape(regions=5, models=(1, 1))))
+    assert len({s.region for s in few.sites}) <= 5
+    assert all(len(j.gpu.models) == 1 for j in few.jobs if j.gpu.count)
+    gpus = sum(sum(s.capacity.gpu.values()) for s in few.sites)
+    dear = load_problem(bench.generate(300, 20, 4, bench.Shape(regions=5, demand=2.0)))
+    assert sum(sum(s.capacity.gpu.values()) for s in dear.sites) < gpus
+
+
+@pytest.mark.parametrize("index", range(20))
+def test_lp_bound_is_below_the_optimum(index: int) -> None:
+    prob = load_problem(instances(60, seed=20240601)[index])
+    cands = candidates(prob)
+    optimum = brute_force(prob)
+    for first in (None, 1):  # the whole LP, and sifting from one option per job
+        relaxed = highs.relax(prob, cands, 10.0, first=first)
+        assert relaxed is not None and relaxed.optimal
+        assert relaxed.bound <= optimum + 1e-9
+
+
+def test_lagrangian_bound_holds_for_any_duals(bench: ModuleType) -> None:
+    prob = load_problem(hard_small(bench, 5))
+    cands = candidates(prob)
+    model = highs._Model(prob, cands)
+    best = solve(prob, time_limit_s=5, workers=1)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        duals = -rng.exponential(rng.uniform(0.1, 100.0), size=len(model.rows))
+        bound, _ = model.lagrangian(duals)
+        assert bound <= best.objective + 1e-6
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_large_model_path_plan_checks_out(
+    bench: ModuleType, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The HiGHS neighbourhoods (above FULL_MODEL_OPTIONS), forced on a small instance."""
+    monkeypatch.setattr(solver, "FULL_MODEL_OPTIONS", 0)
+    prob = load_problem(hard_small(bench, seed))
+    result = solve(prob, time_limit_s=5, workers=1)
+    objective, violations = evaluate(prob, result.assignments)
+    assert violations == []
+    assert objective == pytest.approx(result.objective, abs=1e-6)
+    assert result.bound <= result.objective
+    assert result.objective <= evaluate(prob, greedy(prob))[0] + 1e-6
+    exact = solve(prob, time_limit_s=10, workers=1)  # the CP-SAT path, small: proven
+    assert result.bound <= exact.objective + 1e-6
+    assert result.objective <= exact.objective * 1.015
+
+
+def test_bound_when_the_lp_does_not_finish(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No LP in time: the plan is greedy's or better, the bound at least the capacity-free
+    one (CP-SAT's, on a model this small)."""
+    monkeypatch.setattr(solver, "relax", lambda *a, **k: None)
+    prob = load_problem(hard_small(bench, 4))
+    result = solve(prob, time_limit_s=2, workers=1)
+    capacity_free = sum(
+        min([j.unplaced_penalty] + [c.cost for c in row])
+        for j, row in zip(prob.jobs, candidates(prob), strict=True)
+    )
+    assert min(capacity_free, result.objective) - 1e-6 <= result.bound <= result.objective
+    assert result.objective <= evaluate(prob, greedy(prob))[0] + 1e-6
+
+
+def _reference_candidates(prob: PlanProblem) -> list[list[tuple[str, str | None, float]]]:
+    out = []
+    for j in prob.jobs:
+        gang = j.group is not None and j.group.kind is GroupKind.gang
+        row = [
+            (s, m, job_cost(prob, j, prob.site_by_id[s], m)) for s, m in feasible_options(prob, j)
+        ]
+        row = [r for r in row if r[2] < j.unplaced_penalty or gang]
+        row.sort(key=lambda r: r[2])
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("green", [False, True])
+def test_candidates_are_priced_as_job_cost_prices_them(bench: ModuleType, green: bool) -> None:
+    data = hard_small(bench, 7, latency_share=0.4, residency_share=0.4)
+    if green:
+        rng = random.Random(1)
+        for site in data["sites"]:
+            site["price"]["energy_cpu_hour"] = round(rng.uniform(0, 0.01), 4)
+        data["carbon_usd_per_tonne"] = 80
+    prob = load_problem(data)
+    got = [[(c.site, c.model, c.cost) for c in row] for row in candidates(prob)]
+    assert got == _reference_candidates(prob)  # equal, not close
