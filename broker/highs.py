@@ -40,6 +40,9 @@ from broker.plan import Assignment, Candidate, GroupKind, PlanProblem, to_milli
 
 SIFT_FIRST = 8  # options per job (the cheapest) in the first round of the LP's sifting
 SIFT_ADD = 4  # options per job (most negative reduced cost) added in a round
+# sifting stops when its restricted LP is this close (relative) to the Lagrangian bound: the
+# tail of rounds then moves neither the guide nor the bound by anything a plan can tell
+SIFT_GAP = 2e-4
 PRICE_TOLERANCE = 1e-9  # relative: an option joins the LP when its reduced cost is below this
 BOUND_SLACK = 1e-9  # relative: float64 sums of ~1e5 terms are good to ~1e-12; kept well off
 FloatArray = npt.NDArray[np.float64]
@@ -274,6 +277,9 @@ def relax(
         if add.size == 0:
             optimal = True
             break
+        objective = float(h.getInfo().objective_function_value)
+        if objective - best[0] <= SIFT_GAP * max(1.0, abs(objective)):
+            break  # within SIFT_GAP of the LP's optimum: good enough to guide and bound
         active[add] = True
         h.setOptionValue("presolve", "off")  # from the last basis: a few pivots
         h.changeColsBounds(
