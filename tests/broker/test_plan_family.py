@@ -75,7 +75,8 @@ def test_lp_bound_is_below_the_optimum(index: int) -> None:
     optimum = brute_force(prob)
     for first in (None, 1):  # the whole LP, and sifting from one option per job
         relaxed = highs.relax(prob, cands, 10.0, first=first)
-        assert relaxed is not None and relaxed.optimal
+        assert relaxed is not None
+        assert relaxed.optimal or first is not None  # sifting may stop within SIFT_GAP
         assert relaxed.bound <= optimum + 1e-9
 
 
