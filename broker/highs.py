@@ -333,11 +333,12 @@ def solve_mip(
 ) -> MipResult:
     """HiGHS branch and cut on the model over `cands`, from `hint` when given; the jobs in
     `fixed` are held at their assignment (their option must be in `cands`)."""
+    until = time.monotonic() + time_limit_s  # building the model counts too
     model = _Model(problem, cands)
-    h = _highs(time_limit_s, threads)
+    lp = model.lp(integer=True)
+    h = _highs(until - time.monotonic(), threads)
     for key, value in (options or {}).items():
         h.setOptionValue(key, value)
-    lp = model.lp(integer=True)
     if fixed:
         lower = np.zeros(len(model.cost))
         for j, (job, row) in enumerate(zip(problem.jobs, cands, strict=True)):

@@ -1,4 +1,5 @@
-"""Batch placement by CP-SAT, guided by its LP relaxation. The only module importing OR-Tools.
+"""Batch placement by CP-SAT and HiGHS, guided by the LP relaxation. The only module importing
+OR-Tools (HiGHS: broker.highs).
 
 Model (`solve`):
 
@@ -27,18 +28,22 @@ sites on different capacity, so no option provably dominates another in general.
 Search, each step starting from the cheapest valid plan so far (docs/placement.md):
 1. `greedy`: units (a job, a colocate group, a gang) by net value per unit of resource, each
    job's cheapest option that still fits, then a move/insert pass. The fallback.
-2. The LP relaxation of the model (GLOP): a bound, and a guide, as it is nearly integral for
+2. The LP relaxation of the model (broker.highs.relax: HiGHS's dual simplex, sifted from each
+   job's cheapest options and greedy's): a bound, and a guide, as it is nearly integral for
    this assignment structure: whole LP placements first, options by LP value.
 3. The caller's `hint`, when it is a valid plan.
-4. CP-SAT on sub-models: RENS (the LP's support; small, closed in well under a second), then
-   the support plus each job's NEIGHBOURS options of least reduced cost.
-5. CP-SAT on the full model, when it is small or step 4 was closed (above FULL_MODEL_OPTIONS
-   its presolve alone outlasts a 10 s budget on 2 cores, so step 4 gets the time instead).
-   Only this step can report OPTIMAL.
+4. Up to FULL_MODEL_OPTIONS options: CP-SAT on sub-models, RENS (the LP's support; small,
+   closed in well under a second), then the support plus each job's NEIGHBOURS options of
+   least reduced cost; then CP-SAT on the full model (when step 4 was closed or the model is
+   small). Only this can report OPTIMAL.
+5. Above it (CP-SAT's presolve alone outlasts a 10 s budget on 2 cores there, and its 2-core
+   search did not improve on greedy in the hard instances of bench/plan_family.py): HiGHS's
+   branch and cut on LP neighbourhoods, HIGHS_STEPS, from the best plan.
 
 Reported figures are in USD: the objective is recomputed from the chosen assignments
-(plan.evaluate); the bound is the best of CP-SAT's bound / SCALE, the LP bound (less a 1e-6
-relative tolerance) and the capacity-free sum_j min(p_j, min_o c[j,o]), never above the
+(plan.evaluate); the bound is the best of CP-SAT's bound / SCALE, the LP's Lagrangian bound
+(broker.highs: a true bound from whatever duals the LP had when it stopped, less a 1e-9
+relative slack) and the capacity-free sum_j min(p_j, min_o c[j,o]), never above the
 objective. SCALE = 10_000 counts costs to 0.0001 USD per job; plans closer than that may tie.
 
 `time_limit_s` bounds the whole call, model building included (a compute budget in real time,
@@ -85,6 +90,7 @@ BIG_MODEL_MIN_S = 2.0  # a model above FULL_MODEL_OPTIONS needs this much left t
 # HiGHS's sub-models: RENS and each job's cheapest option by reduced cost, which HiGHS
 # closes in about a second; then two and four such options with the incumbent's
 HIGHS_STEPS = ((1, False, 0.4), (2, True, 0.7), (4, True, 1.0))
+MIN_MIP_S = 0.5  # a HiGHS step with less time than this left is not started
 MIN_SEARCH_S = 0.2  # CP-SAT always gets this much, even when building used the budget
 FINISH_S = 0.3  # kept back from the budget to check the plan and report
 RANDOM_SEED = 0
@@ -420,7 +426,7 @@ def _highs_steps(
     plan so far and holding its options, until the deadline."""
     for width, held, share in HIGHS_STEPS:
         budget = deadline - time.monotonic()
-        if budget < MIN_SEARCH_S:
+        if budget < MIN_MIP_S:
             return
         sub = _neighbourhood(problem, cands, relaxed, best.plan if held else {}, width)
         out = solve_mip(problem, sub, share * budget, hint=best.plan if held else None, threads=1)
