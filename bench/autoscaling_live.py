@@ -357,11 +357,13 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         await run_load(warm, broker_url=demo.url, token=demo.token)
         report, samples = await one_run(demo, "cpn", settings)
         results["cpn"] = summary(report, samples)
+        results["cpn"]["events"] = (demo.view() or {}).get("events", [])  # the last 50
         demo.apply(spec(day_s, static=True, count=args.max_replicas))
         got = demo.wait_ready(args.max_replicas, timeout=120)
         log(f"static: {got} replicas ready")
         report, samples = await one_run(demo, "static", settings)
         results["static"] = summary(report, samples)
+        results["static"]["events"] = (demo.view() or {}).get("events", [])
     finally:
         demo.stop()
         if not args.keep:

@@ -27,9 +27,10 @@ One decision (docs/autoscaling.md has the long form):
    starting is already the answer), and it learns: the load per replica at which its
    replicas saw that pressure (all of them ready) is kept, and from then on the region keeps
    enough replicas for each to carry less than that, so it does not scale down into the same
-   miss again. A region no demand goes to wants none. The total is kept within
-   min_replicas..max_replicas (over max: the regions with the least demand per replica give
-   up replicas first; under min: the busiest region gets them).
+   miss again; stale signals teach nothing, and what was learned is forgotten LEARNED_FOR
+   downscale delays after the pressure last came. A region no demand goes to wants none.
+   The total is kept within min_replicas..max_replicas (over max: the regions with the least
+   demand per replica give up replicas first; under min: the busiest region gets them).
 3. Hysteresis, per region: the count rises to what it wants once it has wanted more for
    upscale_delay_s without a break, and falls once it has wanted fewer for downscale_delay_s
    without a break, to the most it wanted during that time. Noise that crosses a boundary
@@ -72,6 +73,9 @@ __all__ = [
 
 _EPS = 1e-9  # 10.0 / 2.0 must need 5 replicas, not 6 after a rounding error
 STICKY = 0.25  # of a replica: how much larger a remainder must be to move one (_apportion)
+# how long a region's learned load per replica holds without new pressure, in downscale delays:
+# a pressure that does not come back was the moment's (a burst, a move), not the replicas'
+LEARNED_FOR = 6.0
 INCUMBENT_PULL = 0.25  # how much more demand must pull elsewhere to move a fleet (assign_demand)
 
 
@@ -130,6 +134,7 @@ class RegionState:
     # clients it serves, or saturation) with all of them ready: what one replica here carries
     # at most, learned; the region keeps enough replicas for each to carry less
     hot_qps: float | None = None
+    hot_at: float | None = None  # when it last saw that pressure; forgotten LEARNED_FOR later
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,12 +305,13 @@ def _wants(
     observations: Observations,
     state: AutoscalerState,
     regions: tuple[str, ...],
+    now: float,
 ) -> tuple[
     dict[str, int],
     dict[str, tuple[Reason, str]],
     dict[str, float],
     dict[str, str],
-    dict[str, float],
+    dict[str, tuple[float, float]],
 ]:
     """What each region wants before hysteresis, why, the demand it serves, which client
     region goes where, and the load per replica each region has seen pressure at."""
@@ -323,7 +329,14 @@ def _wants(
     total = sum(demand.values())
     need = _needed(total, per_replica)
     shares = _apportion(need, demand, have)
-    hot = {r: q for r in regions if (q := state.regions.get(r, RegionState()).hot_qps) is not None}
+    forget = LEARNED_FOR * spec.scaling.downscale_delay_s
+    hot: dict[str, tuple[float, float]] = {}  # region -> (req/s per replica, when learned)
+    for r in regions:
+        rs = state.regions.get(r)
+        if rs is not None and rs.hot_qps is not None:
+            at = rs.hot_at if rs.hot_at is not None else now
+            if now - at <= forget:
+                hot[r] = (rs.hot_qps, at)
     wants: dict[str, int] = {}
     why: dict[str, tuple[Reason, str]] = {}
     for region in regions:
@@ -336,7 +349,7 @@ def _wants(
             f"{total:.1f} req/s in all needs {need} at {per_replica:g} req/s per replica; "
             f"{demand[region]:.1f} req/s here gets {shares[region]}",
         )
-        learned = hot.get(region)
+        learned = hot[region][0] if region in hot else None
         if learned is not None:
             # the fewest replicas that each carry less than the load they saw pressure at
             floor = math.floor(demand[region] / learned + _EPS) + 1
@@ -358,9 +371,11 @@ def _wants(
             continue
         starting = obs is not None and obs.ready < min(obs.replicas, have[region])
         more = have[region] if starting else have[region] + 1  # once what was ordered is ready
-        if obs is not None and not starting and obs.ready > 0:
+        if obs is not None and not starting and obs.ready > 0 and obs.fresh:
+            # stale signals count as saturated (one more replica) but teach nothing about
+            # what a replica carries: what was stale is the monitoring, not the capacity
             load = demand[region] / obs.ready
-            hot[region] = min(hot.get(region, math.inf), load)
+            hot[region] = (min(hot[region][0], load) if region in hot else load, now)
         if more > shares[region]:
             wants[region] = max(wants[region], more)
             why[region] = pressure
@@ -403,7 +418,7 @@ def decide(
     """One decision (module docstring) and the state for the next call; inputs not mutated."""
     regions = allowed_regions(spec, observations)
     scaling = spec.scaling
-    wants, why, demand, served, hot = _wants(spec, observations, state, regions)
+    wants, why, demand, served, hot = _wants(spec, observations, state, regions, now)
     before = {r: state.regions.get(r, RegionState()).target for r in regions}
     wants = _bounded(spec, wants, demand, why, prefer=before)
     # a region the spec no longer allows keeps nothing: its replicas go at once
@@ -433,7 +448,12 @@ def decide(
                 rs = RegionState(target=rs.target, down_since=since, down_want=most)
         else:
             rs = RegionState(target=rs.target)
-        rs = replace(rs, hot_qps=hot.get(region))
+        learned = hot.get(region)
+        rs = replace(
+            rs,
+            hot_qps=None if learned is None else learned[0],
+            hot_at=None if learned is None else learned[1],
+        )
         new_states[region] = rs
         after[region] = rs.target
     bounded = _bounded(spec, after, demand, why, keep=before)

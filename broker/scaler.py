@@ -83,6 +83,7 @@ class RegionRecord(Frozen):
     down_since: float | None = None
     down_want: int = Field(default=0, ge=0)
     hot_qps: float | None = None
+    hot_at: float | None = None
 
 
 class AutoscalerRecord(Frozen):
@@ -104,6 +105,7 @@ class AutoscalerRecord(Frozen):
                     down_since=s.down_since,
                     down_want=s.down_want,
                     hot_qps=s.hot_qps,
+                    hot_at=s.hot_at,
                 )
                 for r, s in state.regions.items()
             },
@@ -118,6 +120,7 @@ class AutoscalerRecord(Frozen):
                     down_since=s.down_since,
                     down_want=s.down_want,
                     hot_qps=s.hot_qps,
+                    hot_at=s.hot_at,
                 )
                 for r, s in self.regions.items()
             }

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from broker.autoscaler import (
+    LEARNED_FOR,
     SKYSERVE_DECISION_INTERVAL_S,
     AutoscalerState,
     ClientObservation,
@@ -360,6 +361,30 @@ def test_a_region_does_not_scale_back_down_into_the_miss_it_learned() -> None:
     # what it learned scales with the demand: a third of it needs one replica
     decisions, _ = run(spec, state, t0 + 3600.0, t0 + 7200.0, seen({"east": 3.0}))
     assert decisions[-1].replicas["east-dc"] == 1
+
+
+def test_what_a_region_learned_is_forgotten_when_the_pressure_does_not_come_back() -> None:
+    spec = make_spec()
+    state = steady(spec, {"east": 9.0})
+    t0 = 4000.0
+    missing = seen({"east": 9.0}, p95={"east": 700.0}, replicas=ready(state))
+    _, state = run(spec, state, t0, t0 + 80.0, missing)
+    learned = state.regions["east-dc"]
+    assert learned.hot_qps == 9.0 and learned.hot_at is not None
+    forget = LEARNED_FOR * spec.scaling.downscale_delay_s
+    end = learned.hot_at + forget + 2 * spec.scaling.downscale_delay_s
+    decisions, state = run(spec, state, t0 + 80.0, end, seen({"east": 9.0}))
+    assert decisions[-1].replicas["east-dc"] == 1  # the QPS rule again
+    assert state.regions["east-dc"].hot_qps is None
+
+
+def test_stale_signals_add_a_replica_but_teach_nothing() -> None:
+    spec = make_spec()
+    state = steady(spec, {"east": 9.0})
+    stale = {"east-dc": ReplicaObservation(replicas=1, ready=1, fresh=False)}
+    decisions, state = run(spec, state, 4000.0, 4080.0, seen({"east": 9.0}, replicas=stale))
+    assert decisions[-1].replicas["east-dc"] == 2
+    assert state.regions["east-dc"].hot_qps is None
 
 
 def test_an_idle_service_keeps_its_min_replicas_where_they_are() -> None:
