@@ -675,9 +675,9 @@ def _tier_best(
                 continue
             if have < need:
                 break  # no site left here has room in this level's models
-            kept.append(heapq.heappop(heap))
             got = _evaluate(site, tier.offered, tier.base, job, headroom, tenant_left)
             if got is None:
+                kept.append(heapq.heappop(heap))  # look past it; it goes back below
                 continue
             if got.free == have and (not count or got.model in level.models):
                 found = _Found(site, got)
