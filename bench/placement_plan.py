@@ -5,7 +5,8 @@ It is not a timed test. It generates 2,000 jobs over 100 sites in 20 regions (Ch
 prices, capacities sized so that demand is 70-110 % of supply per model, data locality, users
 with latency limits, and spread / colocate / gang groups. Then it solves with broker.solver,
 verifies the plan with broker.plan.evaluate, and prints wall time, status, objective, bound,
-gap, the greedy objective and placed/unplaced counts.
+gap, the greedy objective and placed/unplaced counts. `generate(..., shape=Shape(...))` bends
+the instance along the axes of bench/plan_family.py's family (the default is this instance).
 
     .venv/bin/python bench/placement_plan.py                     # 2000 jobs, 100 sites, 10 s
     .venv/bin/python bench/placement_plan.py --jobs 500 --sites 30 --time-limit 5 --seed 7
