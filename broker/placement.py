@@ -714,21 +714,27 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
     sites = fed.sites
     limit = math.inf
     best_key: tuple[float, int, str] | None = None
-    best: tuple[SiteOffer, _Best] | None = None
+    best: _Found | None = None
     order = _order(job, fed)
     log = fed.changes() if len(order) >= TIER_HEAP_MIN else None
     floors = _floors(job, fed, order) if log is not None else None
 
-    def visit(row: int) -> None:
+    def consider(found: _Found) -> None:
+        """The scan's comparison: cheapest, then the most free devices, then the site id."""
         nonlocal best_key, best, limit
+        got = found.best
+        if got.cost > limit:
+            return
+        key = (got.cost, -got.free, found.site.id)
+        if best_key is None or key < best_key:
+            best_key, best, limit = key, found, got.cost
+
+    def visit(row: int) -> None:
         _, pos, offered, base = order[row]
         site = sites[pos]
         got = _evaluate(site, offered, base, job, headroom, tenant_left)
-        if got is None or got.cost > limit:
-            return
-        key = (got.cost, -got.free, site.id)
-        if best_key is None or key < best_key:
-            best_key, best, limit = key, (site, got), got.cost
+        if got is not None:
+            consider(_Found(site, got))
 
     i = 0
     n = len(order)
@@ -747,9 +753,7 @@ def _place_indexed(job: JobSpec, fed: Federation, usage: TenantUsage) -> Decisio
                 for row in tier.rows:
                     visit(row)
             elif isinstance(found, _Found):
-                key = (found.best.cost, -found.best.free, found.site.id)
-                if found.best.cost <= limit and (best_key is None or key < best_key):
-                    best_key, best, limit = key, (found.site, found.best), found.best.cost
+                consider(found)
         for row in rest:
             visit(row)
         i = end
