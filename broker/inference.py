@@ -118,11 +118,10 @@ class Gateway:
         targets = {}
         for (svc, site), ep in snapshot.services.items():
             replicas = site_replicas(snapshot, svc, site)
-            if not replicas:
-                targets[upstream_key(svc, Upstream(site, ep.url))] = ep.url.rstrip("/") + "/healthz"
-            for member in replicas:
-                key = upstream_key(svc, Upstream(site, member.url, replica=True))
-                targets[key] = member.url.rstrip("/") + "/healthz"
+            urls = [(m.url, True) for m in replicas] or [(ep.url, False)]
+            for url, replica in urls:
+                key = upstream_key(svc, Upstream(site, url, replica=replica))
+                targets[key] = url.rstrip("/") + "/healthz"
         return targets
 
     def install(self, app: web.Application) -> None:
