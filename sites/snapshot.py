@@ -126,9 +126,10 @@ class Snapshot:
         """Every replica endpoint of `service`, by site then job; a site's own endpoint that
         names a job (an agent from before replicas had keys of their own) counts as one."""
         out: list[ServiceEndpoint] = []
-        for pair in sorted({*self.replicas, *self.site_endpoints}):
-            if pair[0] != service:
-                continue
+        pairs = {
+            p for table in (self.replicas, self.site_endpoints) for p in table if p[0] == service
+        }
+        for pair in sorted(pairs):
             members = self.replicas.get(pair)
             if members:
                 out += [members[job] for job in sorted(members)]
