@@ -31,7 +31,10 @@ from tests.broker.conftest import BROKER_SETTINGS, SITES, Federation
 from tests.conftest import ADMIN_TOKEN, AUTH
 
 webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.common.exceptions import TimeoutException  # noqa: E402
+from selenium.common.exceptions import (  # noqa: E402
+    StaleElementReferenceException,
+    TimeoutException,
+)
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.wait import WebDriverWait  # noqa: E402
 
@@ -132,7 +135,13 @@ def css(selector: str) -> Callable[[Any], list[Any]]:
 
 def wait_dom(driver: Any, what: str, predicate: Callable[[Any], Any], timeout: float = 20) -> Any:
     try:
-        return WebDriverWait(driver, timeout, poll_frequency=0.1).until(predicate)
+        # the dashboard re-renders its panels on every refresh: an element found by one poll may
+        # be gone when the predicate reads it, which is a reason to poll again, not a failure
+        wait = WebDriverWait(
+            driver, timeout, poll_frequency=0.1,
+            ignored_exceptions=(StaleElementReferenceException,),
+        )  # fmt: skip
+        return wait.until(predicate)
     except TimeoutException:
         raise AssertionError(f"the dashboard did not show {what} within {timeout}s") from None
 
