@@ -18,8 +18,9 @@ One decision (docs/autoscaling.md has the long form):
    shared fleet does not move back and forth as demands of about one size swap places.
 2. What each region wants. How many in all: ceil(the total demand / target_qps_per_replica),
    the load one replica should carry (SkyServe's rule, so cpn spends no more on rounding than
-   one fleet would); where: one for each region with demand, then by its share of the demand
-   (largest remainder, sticky: a replica moves only for a remainder STICKY larger). Where the
+   one fleet would); where: one for each region with demand, then by its share of the demand,
+   each replica left over to the region with the least headroom for its load (square-root
+   staffing; sticky: a replica moves only for a quota STICKY larger). Where the
    clients a region serves see their p95 time to first token above their SLO, or its
    replicas are saturated (KV-cache use at or above kv_cache_high, more than queue_high x
    max_concurrency requests waiting per ready replica, or stale signals), it wants one
@@ -264,8 +265,15 @@ def _needed(demand: float, per_replica: float) -> int:
 
 def _apportion(total: int, demand: Mapping[str, float], have: Mapping[str, int]) -> dict[str, int]:
     """`total` replicas over the regions by their demand: one for each region with demand,
-    then each its quota's whole part, the rest by largest remainder; a region that has the
-    replica keeps it unless another's remainder is larger by STICKY (no ping-pong on noise)."""
+    then each its quota's whole part, and each replica left to the region with the least
+    headroom for its load: the smallest (replicas - quota) / sqrt(quota), quotas in replicas
+    at the target. That is square-root staffing (Halfin-Whitt): the spare capacity a pool of
+    servers needs for a given chance of waiting grows with the square root of its load, so 1.3
+    replicas of demand on one replica gets the next one before 10.5 on ten (whose pooled slots
+    absorb half a replica more easily), but 10.9 on ten before 1.3 on one. The ranking needs
+    no service time: it scales both sides alike. The largest remainder (which ignores pool
+    size) left small regions queueing at 1.3x the target. A region that has the replica keeps
+    it unless another's quota is larger by STICKY of a replica (no ping-pong on noise)."""
     out = dict.fromkeys(demand, 0)
     busy = [r for r in demand if demand[r] > 0]
     lam = sum(demand[r] for r in busy)
@@ -274,14 +282,13 @@ def _apportion(total: int, demand: Mapping[str, float], have: Mapping[str, int])
     quota = {r: total * demand[r] / lam for r in busy}
     for region in busy:
         out[region] = max(1, math.floor(quota[region] + _EPS))
-    left = total - sum(out.values())
-    if left > 0:
-        rest = {
-            r: quota[r] - math.floor(quota[r] + _EPS) + (STICKY if have.get(r, 0) > out[r] else 0)
-            for r in busy
-        }
-        for region in sorted(busy, key=lambda r: (-rest[r], r))[:left]:
-            out[region] += 1
+
+    def headroom(r: str) -> tuple[float, str]:
+        held = STICKY if have.get(r, 0) > out[r] else 0.0
+        return ((out[r] - quota[r] - held) / math.sqrt(quota[r]), r)
+
+    for _ in range(total - sum(out.values())):
+        out[min(busy, key=headroom)] += 1
     return out
 
 

@@ -215,6 +215,20 @@ def test_replicas_follow_the_demand_across_regions_without_rounding_each_up() ->
     assert decisions[-1].replicas == {"east-dc": 1, "west-dc": 3}
 
 
+def test_a_replica_left_over_goes_where_the_pool_has_least_headroom() -> None:
+    """Square-root staffing: the replica left after each region's whole quota goes to the
+    smallest (replicas - quota) / sqrt(quota), not the largest remainder."""
+    spec = make_spec(min_replicas=0, max_replicas=30)
+    # 118 req/s need 12: quotas 10.68 and 1.32; one replica alone at 1.32x its target queues
+    # more than ten at 1.07x, so west gets it, where the largest remainder would give east
+    decision, _ = decide(spec, seen({"east": 105.0, "west": 13.0}), AutoscalerState(), 0.0)
+    assert decision.replicas == {"east-dc": 10, "west-dc": 2}
+    # 145 req/s need 15: quotas 13.9 and 1.1; thirteen at 1.07x have less headroom than one
+    # at 1.1x, so east gets it
+    decision, _ = decide(spec, seen({"east": 134.37, "west": 10.63}), AutoscalerState(), 0.0)
+    assert decision.replicas == {"east-dc": 14, "west-dc": 1}
+
+
 def test_min_and_max_replicas_are_respected() -> None:
     spec = make_spec(min_replicas=2, max_replicas=5)
     decision, state = decide(spec, seen({"east": 40.0, "west": 30.0}), AutoscalerState(), 0.0)
