@@ -60,6 +60,7 @@ PREFIXES = (
     keys.REPORTS,
     keys.LINKS,
     keys.SERVICES,
+    keys.REPLICAS,
 )
 
 
@@ -91,7 +92,7 @@ class View:
         return site in self.sites.specs and self.sites.alive(site)
 
 
-_SITE_PREFIXES = (keys.SITES, keys.AGENTS, keys.LINKS, keys.SERVICES)
+_SITE_PREFIXES = keys.SNAPSHOT
 
 
 class ViewCache:
@@ -140,8 +141,8 @@ class ViewCache:
             sites.agents.clear()
         elif prefix == keys.LINKS:
             sites.links.clear()
-        elif prefix == keys.SERVICES:
-            sites.clear_services()
+        elif prefix in (keys.SERVICES, keys.REPLICAS):
+            sites.clear_services(prefix)
         elif prefix == keys.JOBS:
             view.jobs.clear()
         elif prefix == keys.ASSIGNMENTS:

@@ -243,6 +243,8 @@ def site_grants(spec: SiteSpec) -> list[Grant]:
         Grant(READ, keys.assignments(site), prefix=True),
     ]
     grants += [Grant(READWRITE, keys.service(s.name, site)) for s in spec.services]
+    # the managed replicas the broker places here, whatever service they are of
+    grants.append(Grant(READWRITE, keys.site_replicas(site), prefix=True))
     return grants
 
 

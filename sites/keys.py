@@ -10,8 +10,10 @@
 /cpn/v1/links/<src>/<dst>        LinkStatus       (lease)      agent of src, every interval
 /cpn/v1/services/<svc>/<site>    ServiceEndpoint  (lease)      agent, every interval: a service
                                                                the site file declares
-/cpn/v1/services/<svc>/<site>/<job>  ServiceEndpoint (lease)   agent, every interval: one replica
-                                                               of a managed service (its job)
+/cpn/v1/replicas/<site>/<svc>/<job>  ServiceEndpoint (lease)   agent, every interval: one replica
+                                                               of a managed service (its job); the
+                                                               site first, so one prefix grant
+                                                               covers a site's replicas
 /cpn/v1/assignments/<site>/<job> (broker)                      jobs placed on the site
 /cpn/v1/gangs/<tenant>/<gang>    GangRecord                    broker, at each member's submit
 /cpn/v1/workflows/<id>           WorkflowRecord                broker: the DAG, each step's job
@@ -57,6 +59,9 @@ AGENTS = ROOT + "agents/"
 AGENT_SECRETS = ROOT + "agent-secrets/"
 LINKS = ROOT + "links/"
 SERVICES = ROOT + "services/"
+REPLICAS = ROOT + "replicas/"
+# what a registry snapshot (sites.snapshot.Snapshot) is made of
+SNAPSHOT = (SITES, AGENTS, LINKS, SERVICES, REPLICAS)
 ASSIGNMENTS = ROOT + "assignments/"
 REPORTS = ROOT + "reports/"
 JOBS = ROOT + "jobs/"
@@ -113,8 +118,15 @@ def service(name: str, site: str) -> str:
 
 
 def service_replica(name: str, site: str, job: str) -> str:
-    """One replica's endpoint of a managed service: several replicas may run at one site."""
-    return f"{SERVICES}{name}/{site}/{job}"
+    """One replica's endpoint of a managed service: several replicas may run at one site.
+    Under the site, not the service, so that the site's etcd role holds one prefix for all the
+    replicas the broker may ever place there (sites.etcd_security.site_grants)."""
+    return f"{REPLICAS}{site}/{name}/{job}"
+
+
+def site_replicas(site: str) -> str:
+    """The prefix of every managed replica's endpoint at `site`."""
+    return f"{REPLICAS}{site}/"
 
 
 def service_endpoint(name: str, site: str, job: str | None) -> str:

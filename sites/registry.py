@@ -528,9 +528,7 @@ class Registry:
 
         return await self._consistent(prefix, read)
 
-    async def snapshot(
-        self, prefixes: Iterable[str] = (keys.SITES, keys.AGENTS, keys.LINKS, keys.SERVICES)
-    ) -> Snapshot:
+    async def snapshot(self, prefixes: Iterable[str] = keys.SNAPSHOT) -> Snapshot:
         """Everything under `prefixes`, read in pages at one revision (as list_prefix)."""
         wanted = tuple(prefixes)
 

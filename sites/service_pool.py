@@ -1,6 +1,6 @@
 """A site's replicas of one managed service, seen as the one endpoint the router ranks. Pure.
 
-Each replica publishes its own endpoint (/cpn/v1/services/<svc>/<site>/<job>, its own address
+Each replica publishes its own endpoint (/cpn/v1/replicas/<site>/<svc>/<job>, its own address
 and its own model-server signals). The router ranks sites (RTT + load, routing.selection), so
 a site with several replicas of a service is one candidate whose slots are the sum of its
 routable replicas' (healthy, not draining): n replicas of c slots are one endpoint of n x c

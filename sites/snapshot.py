@@ -63,7 +63,7 @@ class Snapshot:
     services: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
     # (service, site) -> what its own key /cpn/v1/services/<svc>/<site> holds
     site_endpoints: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
-    # (service, site) -> job -> that replica's own endpoint (/cpn/v1/services/<svc>/<site>/<job>)
+    # (service, site) -> job -> that replica's own endpoint (/cpn/v1/replicas/<site>/<svc>/<job>)
     replicas: dict[tuple[str, str], dict[str, ServiceEndpoint]] = field(default_factory=dict)
     price_history: dict[str, PriceHistory] = field(default_factory=dict)
     # +1 per applied change: a reader that derives something from a snapshot kept current in
@@ -97,30 +97,45 @@ class Snapshot:
                 _apply(self.links, (parts[0], parts[1]), LinkStatus, key, value)
         elif key.startswith(keys.SERVICES):
             parts = keys.split(key, keys.SERVICES)
-            pair = (parts[0], parts[1]) if len(parts) in (2, 3) else None
-            if pair is None:
+            if len(parts) != 2:
                 return
-            if len(parts) == 2:
-                _apply(self.site_endpoints, pair, ServiceEndpoint, key, value)
-            else:
-                table = self.replicas.setdefault(pair, {})
-                _apply(table, parts[2], ServiceEndpoint, key, value)
-                if not table:
-                    del self.replicas[pair]
-            members = self.replicas.get(pair)
-            own = self.site_endpoints.get(pair)
-            if members:
-                self.services[pair] = pool(members.values())
-            elif own is not None:
-                self.services[pair] = own
-            else:
-                self.services.pop(pair, None)
+            pair = (parts[0], parts[1])
+            _apply(self.site_endpoints, pair, ServiceEndpoint, key, value)
+            self._pool(pair)
+        elif key.startswith(keys.REPLICAS):
+            parts = keys.split(key, keys.REPLICAS)
+            if len(parts) != 3:
+                return
+            site, service, job = parts
+            pair = (service, site)
+            table = self.replicas.setdefault(pair, {})
+            _apply(table, job, ServiceEndpoint, key, value)
+            if not table:
+                del self.replicas[pair]
+            self._pool(pair)
 
-    def clear_services(self) -> None:
-        """Forget every endpoint (a re-list of the services prefix follows)."""
-        self.services.clear()
-        self.site_endpoints.clear()
-        self.replicas.clear()
+    def _pool(self, pair: tuple[str, str]) -> None:
+        """What routing ranks for (service, site): the pool of its replicas when it has any,
+        else the site's own endpoint."""
+        members = self.replicas.get(pair)
+        own = self.site_endpoints.get(pair)
+        if members:
+            self.services[pair] = pool(members.values())
+        elif own is not None:
+            self.services[pair] = own
+        else:
+            self.services.pop(pair, None)
+
+    def clear_services(self, prefix: str = keys.SERVICES) -> None:
+        """Forget the endpoints under `prefix` (keys.SERVICES: the sites' own; keys.REPLICAS:
+        the managed replicas'): a re-list of that prefix follows."""
+        table: dict[tuple[str, str], Any] = (
+            self.site_endpoints if prefix == keys.SERVICES else self.replicas
+        )
+        pairs = list(table)
+        table.clear()
+        for pair in pairs:
+            self._pool(pair)
 
     def replica_endpoints(self, service: str) -> list[ServiceEndpoint]:
         """Every replica endpoint of `service`, by site then job; a site's own endpoint that

@@ -280,9 +280,7 @@ async def test_a_service_scales_drains_and_replaces_its_replicas(
         await until(lambda: _gone(http, fed), 30, "the service gone")
         _, kvs = await fed.registry.list_prefix(keys.service_spec("chat"))
         assert kvs == []
-        _, endpoints = await fed.registry.list_prefix(keys.SERVICES + "chat/")
         await until(lambda: _no_endpoints(fed), 15, "its endpoints withdrawn")
-        del endpoints
 
 
 async def _with(view: Any, check: Callable[[dict[str, Any]], bool]) -> dict[str, Any] | None:
@@ -314,8 +312,10 @@ async def _gone(http: aiohttp.ClientSession, fed: Federation) -> bool:
 
 
 async def _no_endpoints(fed: Federation) -> bool:
-    _, kvs = await fed.registry.list_prefix(keys.SERVICES + "chat/")
-    return not kvs
+    """No endpoint of chat: neither a site's own nor a managed replica's (replicas/<site>/chat/)."""
+    _, own = await fed.registry.list_prefix(keys.SERVICES + "chat/")
+    _, replicas = await fed.registry.list_prefix(keys.REPLICAS)
+    return not own and not [k for k, _, _ in replicas if keys.split(k, keys.REPLICAS)[1] == "chat"]
 
 
 def test_bad_service_files_name_their_field(

@@ -113,7 +113,7 @@ async def test_replicas_share_a_site_drain_alone_and_move_before_they_break(
         pair = ready(view)
         assert {r["site"] for r in pair} == {"east-a"}, view["replicas"]
         assert len({r["url"] for r in pair}) == 2
-        _, kvs = await fed.registry.list_prefix(keys.SERVICES + "chat/east-a/")
+        _, kvs = await fed.registry.list_prefix(keys.site_replicas("east-a") + "chat/")
         assert sorted(k.rsplit("/", 1)[1] for k, _, _ in kvs) == sorted(r["job"] for r in pair)
 
         # both receive traffic (the gateway ranks the site, then draws a replica)
@@ -158,7 +158,7 @@ async def test_replicas_share_a_site_drain_alone_and_move_before_they_break(
             "the drained replica gone",
         )
         assert view["replicas"][0]["job"] == stays["job"]
-        _, kvs = await fed.registry.list_prefix(keys.SERVICES + "chat/east-a/")
+        _, kvs = await fed.registry.list_prefix(keys.site_replicas("east-a") + "chat/")
         assert [k.rsplit("/", 1)[1] for k, _, _ in kvs] == [stays["job"]]  # its key withdrawn
 
         # the fleet moves to the other region; requests keep flowing and none is refused

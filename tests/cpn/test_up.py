@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import signal
+import ssl
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -176,13 +177,14 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
 
 async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: Path) -> None:
     """`cpn up --secure`: etcd with TLS and auth, each agent on its own site's etcd user, the
-    broker on HTTPS; the README's commands work unchanged, with nothing but the state dir."""
+    broker on HTTPS; the README's commands work unchanged, with nothing but the state dir, and
+    the demo's managed service registers its replicas on the sites' own etcd users."""
     env = {k: v for k, v in os.environ.items() if k not in ("CPN_TOKEN", "CPN_ETCD")}
     env |= {"CPN_STATE_DIR": str(tmp_path), "CPN_CONFIG": str(tmp_path / "cpn" / "config.yaml")}
     sites = ("wuhu", "tokyo")
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(
-        cpn_cmd("up", "--secure", "--no-service", "--no-wan-emulation", "--interval", "1",
+        cpn_cmd("up", "--secure", "--no-wan-emulation", "--interval", "1",
                 "--sites", ",".join(sites), "--broker-listen", "127.0.0.1:0"),
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
     )  # fmt: skip
@@ -243,6 +245,28 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
         await wait_for(finished, timeout=30, interval=0.5)
         logs = cpn("logs", job_id)
         assert "hi" in logs.stdout, logs
+
+        # the managed service's replicas publish /cpn/v1/replicas/<site>/... on their site's
+        # own user (its role's prefix grant), become ready and answer through the gateway
+        def service_ready() -> bool:
+            out = cpn("services", "-o", "json")
+            assert out.returncode == 0, out.stderr
+            items = {s["name"]: s for s in json.loads(out.stdout)}
+            return items.get("qwen-7b-chat", {}).get("ready", 0) >= 1
+
+        await wait_for(service_ready, timeout=90, interval=0.5)
+        request = urllib.request.Request(
+            state["broker"] + "/v1/infer/qwen-7b-chat/v1/completions",
+            data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+            headers={
+                "Authorization": f"Bearer {state['token']}",
+                "Content-Type": "application/json",
+                "X-Cpn-Client-Region": "shanghai",
+            },
+        )
+        trust = ssl.create_default_context(cafile=state["ca"])
+        with urllib.request.urlopen(request, timeout=30, context=trust) as answer:
+            assert answer.status == 200 and answer.headers["X-Cpn-Site"], answer.headers
 
         # without the CA, the broker's certificate is not trusted: exit 1, one line
         untrusted = subprocess.run(

@@ -132,6 +132,7 @@ async def test_a_site_writes_its_own_keys_and_no_one_elses(
             keys.link(a.id, b.id),
             keys.report(a.id, "job-1"),
             keys.service("chat", a.id),
+            keys.service_replica("any-managed-service", a.id, "job-2"),
         ):
             await site_a.put_raw(key, b"{}")
         assert await site_a.get_spec(a.id) == a
@@ -142,6 +143,7 @@ async def test_a_site_writes_its_own_keys_and_no_one_elses(
             keys.link(b.id, a.id),
             keys.report(b.id, "job-1"),
             keys.service("chat", b.id),
+            keys.service_replica("any-managed-service", b.id, "job-2"),
             keys.site_spec(a.id),
             keys.assignment(a.id, "job-1"),
             keys.job("job-1"),

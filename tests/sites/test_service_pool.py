@@ -79,10 +79,25 @@ def test_the_snapshot_keeps_each_replica_and_the_sites_pool() -> None:
     assert snap.services[("llm", "a")] == two
     _put(snap, keys.service_replica("llm", "a", "j2"), None)
     assert ("llm", "a") not in snap.services and ("llm", "a") not in snap.replicas
-    snap.apply(keys.SERVICES + "llm/a/j3/extra", b"{}")  # not an endpoint key: ignored
+    snap.apply(keys.REPLICAS + "a/llm/j3/extra", b"{}")  # not an endpoint key: ignored
     assert ("llm", "a") not in snap.services
     snap.clear_services()
     assert not (snap.services or snap.replicas or snap.site_endpoints)
+
+
+def test_a_relist_of_one_prefix_forgets_only_its_endpoints() -> None:
+    """The sites' own endpoints (keys.SERVICES) and the managed replicas' (keys.REPLICAS) are
+    two prefixes, each re-listed on its own (broker.view): a reset of one keeps the other."""
+    snap = Snapshot(revision=1)
+    declared = replica("x").model_copy(update={"job": None})
+    _put(snap, keys.service("llm", "a"), declared)
+    _put(snap, keys.service_replica("llm", "a", "j1"), replica("j1", in_flight=2))
+    _put(snap, keys.service_replica("llm", "b", "j2"), replica("j2", site="b"))
+    snap.clear_services(keys.REPLICAS)
+    assert snap.services == {("llm", "a"): declared} and not snap.replicas
+    _put(snap, keys.service_replica("llm", "a", "j1"), replica("j1", in_flight=2))
+    snap.clear_services(keys.SERVICES)
+    assert snap.services[("llm", "a")].job == "j1" and not snap.site_endpoints
 
 
 def test_a_malformed_replica_value_is_skipped() -> None:
@@ -90,4 +105,4 @@ def test_a_malformed_replica_value_is_skipped() -> None:
     snap.apply(keys.service_replica("llm", "a", "j1"), b"not json")
     assert ("llm", "a") not in snap.services
     assert keys.service_endpoint("llm", "a", None) == keys.service("llm", "a")
-    assert keys.service_endpoint("llm", "a", "j1") == "/cpn/v1/services/llm/a/j1"
+    assert keys.service_endpoint("llm", "a", "j1") == "/cpn/v1/replicas/a/llm/j1"
