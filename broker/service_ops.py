@@ -419,11 +419,17 @@ class Services:
         """A page of services by name, from after `after` (the previous page's last name)."""
         prefix = keys.SERVICE_INDEX if tenant is None else keys.tenant_services(tenant)
         start = prefix if after is None else prefix + after + "\x00"
-        ready: dict[str, int] = {}
-        for members in self._view().sites.replicas.values():
-            for ep in members.values():
-                if ep.healthy and not ep.draining:
-                    ready[ep.service] = ready.get(ep.service, 0) + 1
+        sites = self._view().sites
+
+        def ready(service: str) -> int:
+            """Its replicas serving now: the sites that have it, not every replica's entry."""
+            return sum(
+                1
+                for site in sites.service_sites.get(service, ())
+                for ep in sites.replicas.get((service, site), {}).values()
+                if ep.healthy and not ep.draining
+            )
+
         out: list[ServiceItem] = []
         more = False
         async for page in self.registry.iter_range(
@@ -434,7 +440,7 @@ class Services:
                     more = True
                     break
                 entry = ServiceSummary.model_validate_json(raw)
-                out.append(ServiceItem(**entry.model_dump(), ready=ready.get(entry.name, 0)))
+                out.append(ServiceItem(**entry.model_dump(), ready=ready(entry.name)))
             if more or not page.more:
                 break
         return out, (out[-1].name if more and out else None)

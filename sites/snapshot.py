@@ -65,6 +65,9 @@ class Snapshot:
     site_endpoints: dict[tuple[str, str], ServiceEndpoint] = field(default_factory=dict)
     # (service, site) -> job -> that replica's own endpoint (/cpn/v1/replicas/<site>/<svc>/<job>)
     replicas: dict[tuple[str, str], dict[str, ServiceEndpoint]] = field(default_factory=dict)
+    # service -> the sites that have an entry of it in `services`, kept by apply: what one
+    # service's readers (replica_endpoints) visit, instead of every (service, site) pair
+    service_sites: dict[str, set[str]] = field(default_factory=dict)
     price_history: dict[str, PriceHistory] = field(default_factory=dict)
     # +1 per applied change: a reader that derives something from a snapshot kept current in
     # place (broker.view) rebuilds it when this moved, not per request
@@ -119,12 +122,18 @@ class Snapshot:
         else the site's own endpoint."""
         members = self.replicas.get(pair)
         own = self.site_endpoints.get(pair)
-        if members:
-            self.services[pair] = pool(members.values())
-        elif own is not None:
-            self.services[pair] = own
-        else:
-            self.services.pop(pair, None)
+        service, site = pair
+        ranked = pool(members.values()) if members else own
+        if ranked is not None:
+            self.services[pair] = ranked
+            self.service_sites.setdefault(service, set()).add(site)
+            return
+        self.services.pop(pair, None)
+        where = self.service_sites.get(service)
+        if where is not None:
+            where.discard(site)
+            if not where:
+                del self.service_sites[service]
 
     def clear_services(self, prefix: str = keys.SERVICES) -> None:
         """Forget the endpoints under `prefix` (keys.SERVICES: the sites' own; keys.REPLICAS:
@@ -141,10 +150,8 @@ class Snapshot:
         """Every replica endpoint of `service`, by site then job; a site's own endpoint that
         names a job (an agent from before replicas had keys of their own) counts as one."""
         out: list[ServiceEndpoint] = []
-        pairs = {
-            p for table in (self.replicas, self.site_endpoints) for p in table if p[0] == service
-        }
-        for pair in sorted(pairs):
+        for site in sorted(self.service_sites.get(service, ())):
+            pair = (service, site)
             members = self.replicas.get(pair)
             if members:
                 out += [members[job] for job in sorted(members)]

@@ -98,6 +98,10 @@ def test_a_relist_of_one_prefix_forgets_only_its_endpoints() -> None:
     _put(snap, keys.service_replica("llm", "a", "j1"), replica("j1", in_flight=2))
     snap.clear_services(keys.SERVICES)
     assert snap.services[("llm", "a")].job == "j1" and not snap.site_endpoints
+    assert snap.service_sites == {"llm": {"a"}}  # the index by service follows both
+    assert [ep.job for ep in snap.replica_endpoints("llm")] == ["j1"]
+    _put(snap, keys.service_replica("llm", "a", "j1"), None)
+    assert snap.service_sites == {} and snap.replica_endpoints("llm") == []
 
 
 def test_a_malformed_replica_value_is_skipped() -> None:
