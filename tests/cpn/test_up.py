@@ -11,6 +11,7 @@ import ssl
 import subprocess
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -36,6 +37,33 @@ def expected_rtts() -> dict[tuple[str, str], float]:
         (a, b): model.rtt_ms(endpoint_of(specs[a]), endpoint_of(specs[b]))
         for a, b in itertools.permutations(SITES, 2)
     }
+
+
+def demo_service_ready(env: dict[str, str], replicas: int) -> bool:
+    """`cpn services` shows the demo's service (configs/services/example.yaml, applied by
+    cpn up through the broker's API) with at least `replicas` ready."""
+    out = subprocess.run(cpn_cmd("services", "-o", "json"), capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    items = {s["name"]: s for s in json.loads(out.stdout)}
+    return bool(items.get("qwen-7b-chat", {}).get("ready", 0) >= replicas)
+
+
+def infer_demo(state: dict[str, Any], trust: ssl.SSLContext | None = None) -> dict[str, Any]:
+    """One completion of the demo's service for a client region it serves, through the
+    broker's gateway; its answer (the site that served it is checked)."""
+    request = urllib.request.Request(
+        state["broker"] + "/v1/infer/qwen-7b-chat/v1/completions",
+        data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
+        headers={
+            "Authorization": f"Bearer {state['token']}",
+            "Content-Type": "application/json",
+            "X-Cpn-Client-Region": "shanghai",
+        },
+    )
+    with urllib.request.urlopen(request, timeout=30, context=trust) as answer:
+        assert answer.status == 200 and answer.headers["X-Cpn-Site"], answer.headers
+        body: dict[str, Any] = json.loads(answer.read())
+        return body
 
 
 async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: Path) -> None:
@@ -127,29 +155,10 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
         # the demo's autoscaled service (configs/services/example.yaml, applied by cpn up
         # through the broker's API): its min_replicas become ready and a request for a
         # client region it serves is answered through the gateway
-        def service_ready() -> bool:
-            out = subprocess.run(
-                cpn_cmd("services", "-o", "json"), capture_output=True, text=True, env=env
-            )
-            assert out.returncode == 0, out.stderr
-            items = {s["name"]: s for s in json.loads(out.stdout)}
-            return items.get("qwen-7b-chat", {}).get("ready", 0) >= 2
-
-        await wait_for(service_ready, timeout=90, interval=0.5)  # 2 replicas on a busy machine
+        await wait_for(lambda: demo_service_ready(env, 2), timeout=90, interval=0.5)
         log_text = (tmp_path / "up.log").read_text()
         assert "cpn up: service qwen-7b-chat applied" in log_text
-        request = urllib.request.Request(
-            state["broker"] + "/v1/infer/qwen-7b-chat/v1/completions",
-            data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
-            headers={
-                "Authorization": f"Bearer {state['token']}",
-                "Content-Type": "application/json",
-                "X-Cpn-Client-Region": "shanghai",
-            },
-        )
-        with urllib.request.urlopen(request, timeout=30) as answer:
-            assert answer.status == 200 and answer.headers["X-Cpn-Site"], answer.headers
-            assert json.loads(answer.read())["choices"], "an answer"
+        assert infer_demo(state)["choices"], "an answer"
         # and `cpn load` drives it, found through the same CLI config
         load = subprocess.run(
             cpn_cmd("load", "qwen-7b-chat", "--regions", "shanghai", "--day", "2s",
@@ -248,25 +257,8 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
 
         # the managed service's replicas publish /cpn/v1/replicas/<site>/... on their site's
         # own user (its role's prefix grant), become ready and answer through the gateway
-        def service_ready() -> bool:
-            out = cpn("services", "-o", "json")
-            assert out.returncode == 0, out.stderr
-            items = {s["name"]: s for s in json.loads(out.stdout)}
-            return items.get("qwen-7b-chat", {}).get("ready", 0) >= 1
-
-        await wait_for(service_ready, timeout=90, interval=0.5)
-        request = urllib.request.Request(
-            state["broker"] + "/v1/infer/qwen-7b-chat/v1/completions",
-            data=json.dumps({"prompt": "hi", "max_tokens": 2}).encode(),
-            headers={
-                "Authorization": f"Bearer {state['token']}",
-                "Content-Type": "application/json",
-                "X-Cpn-Client-Region": "shanghai",
-            },
-        )
-        trust = ssl.create_default_context(cafile=state["ca"])
-        with urllib.request.urlopen(request, timeout=30, context=trust) as answer:
-            assert answer.status == 200 and answer.headers["X-Cpn-Site"], answer.headers
+        await wait_for(lambda: demo_service_ready(env, 1), timeout=90, interval=0.5)
+        assert infer_demo(state, ssl.create_default_context(cafile=state["ca"]))["choices"]
 
         # without the CA, the broker's certificate is not trusted: exit 1, one line
         untrusted = subprocess.run(
