@@ -85,11 +85,14 @@ class Gateway:
             now = time.time()
             proxy = self.proxy
             ejected = proxy.ejected_sites(service, now) if proxy is not None else {}
-            usable = None
+            usable = counted = None
             if proxy is not None:
 
                 def usable(site: str, url: str) -> bool:
                     return proxy.replica_usable(service, site, url, now)
+
+                def counted(site: str, url: str) -> int:
+                    return proxy.replica_in_flight(service, site, url)
 
             route = self.router.route(
                 service,
@@ -100,6 +103,7 @@ class Gateway:
                 ejected_until=ejected,
                 in_flight=proxy.in_flight(service) if proxy is not None else None,
                 replica_usable=usable,
+                replica_in_flight=counted,
             )
         except InvalidRequest as exc:
             raise UnknownRegion(exc.message) from None

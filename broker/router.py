@@ -21,7 +21,7 @@ from broker.errors import InvalidRequest, NotFound
 from routing.candidates import CandidateIndex
 from routing.clients import Clients
 from routing.errors import InvalidParameter
-from routing.policy import ReplicaUsable, Route, RoutingSettings, route
+from routing.policy import ReplicaCounted, ReplicaUsable, Route, RoutingSettings, route
 from routing.selection import Policy
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
@@ -130,6 +130,7 @@ class Router:
         in_flight: Mapping[str, int] | None = None,
         prefix_key: str | None = None,
         replica_usable: ReplicaUsable | None = None,
+        replica_in_flight: ReplicaCounted | None = None,
     ) -> Route:
         index = self._candidates()
         if service not in index.services:
@@ -150,6 +151,7 @@ class Router:
             session_key=session_key,
             prefix_key=prefix_key,
             replica_usable=replica_usable,
+            replica_in_flight=replica_in_flight,
         )
         if result.previous is not None:
             self._previous[key] = result.previous

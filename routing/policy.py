@@ -194,6 +194,9 @@ class Route:
 ReplicaUsable = Callable[[str, str], bool]
 """(site, replica URL) -> may the gateway send there now."""
 
+ReplicaCounted = Callable[[str, str], int]
+"""(site, replica URL) -> requests the gateway has in flight there now."""
+
 
 def _replica_urls(
     ranking: Ranking,
@@ -202,6 +205,7 @@ def _replica_urls(
     rng: random.Random,
     key: str | None,
     usable: ReplicaUsable | None = None,
+    counted: ReplicaCounted | None = None,
 ) -> dict[str, str]:
     """site -> the replica the request goes to there, for each ranked site with several."""
     urls = {}
@@ -210,8 +214,15 @@ def _replica_urls(
             continue
         site = s.site
         check = None if usable is None else (lambda ep, site=site: usable(site, ep.url))
+        load = None if counted is None else (lambda ep, site=site: counted(site, ep.url))
         urls[site] = choose_replica(
-            s.candidate.replicas, settings=settings, now=now, rng=rng, key=key, usable=check
+            s.candidate.replicas,
+            settings=settings,
+            now=now,
+            rng=rng,
+            key=key,
+            usable=check,
+            counted=load,
         ).url
     return urls
 
@@ -258,10 +269,13 @@ def route(
     session_key: str | None = None,
     prefix_key: str | None = None,
     replica_usable: ReplicaUsable | None = None,
+    replica_in_flight: ReplicaCounted | None = None,
 ) -> Route:
     """Route one request (module docstring). CandidateError on a repeated site.
     `replica_usable(site, url)`: whether the gateway may send to that replica of a site that
-    runs several now (not ejected, not failing health checks); None: every one."""
+    runs several now (not ejected, not failing health checks); None: every one.
+    `replica_in_flight(site, url)`: the requests the gateway has in flight at that replica
+    (routing.replica_choice weighs the larger of it and the replica's report)."""
     if policy.scoring is not settings.scoring and policy.scoring != settings.scoring:
         raise InvalidParameter(
             "policy.scoring differs from settings.scoring: build the policy with "
@@ -292,7 +306,9 @@ def route(
     )
     key = session_key if session_key is not None else prefix_key
     if choice is not None:
-        urls = _replica_urls(ranking, settings.scoring, now, rng, key, replica_usable)
+        urls = _replica_urls(
+            ranking, settings.scoring, now, rng, key, replica_usable, replica_in_flight
+        )
         return Route(
             ranking, choice, previous=previous if sessioned else choice.site, replica_urls=urls
         )
@@ -314,5 +330,7 @@ def route(
     )
     if choice is None:
         return Route(ranking, None, previous=previous)
-    urls = _replica_urls(admitted, settings.scoring, now, rng, key, replica_usable)
+    urls = _replica_urls(
+        admitted, settings.scoring, now, rng, key, replica_usable, replica_in_flight
+    )
     return Route(admitted, choice, overflow=True, previous=previous, replica_urls=urls)

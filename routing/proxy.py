@@ -290,6 +290,9 @@ class InferenceProxy:
         self.response_timeout_s = response_timeout_s
         # service -> site -> requests in flight through us (read per request by the router)
         self._active: dict[str, dict[str, int]] = {}
+        # (service, site, replica URL) -> requests in flight through us, for replicas of several at
+        # a site (the router's choice among them weighs it)
+        self._active_replicas: dict[tuple[str, str, str], int] = {}
         self.known_services = known_services
         self.resolve_region = resolve_region
         self.known_regions = known_regions
@@ -482,7 +485,19 @@ class InferenceProxy:
         exact and immediate, where the sites' published load is up to an interval old)."""
         return dict(self._active.get(service, _NONE_ACTIVE))
 
+    def replica_in_flight(self, service: str, site: str, url: str) -> int:
+        """Requests of `service` this proxy has in flight at the replica `url` (one of several
+        at `site`) now."""
+        return self._active_replicas.get((service, site, url), 0)
+
     def _finished(self, service: str, upstream: Upstream) -> None:
+        if upstream.replica:
+            key = (service, upstream.site, upstream.base_url)
+            left = self._active_replicas.get(key, 0) - 1
+            if left > 0:
+                self._active_replicas[key] = left
+            else:
+                self._active_replicas.pop(key, None)
         active = self._active.get(service)
         if active is None:
             return
@@ -517,6 +532,9 @@ class InferenceProxy:
         key = upstream_key(service, upstream)
         active = self._active.setdefault(service, {})
         active[upstream.site] = active.get(upstream.site, 0) + 1
+        if upstream.replica:
+            key_r = (service, upstream.site, upstream.base_url)
+            self._active_replicas[key_r] = self._active_replicas.get(key_r, 0) + 1
         try:
             origin = parse_origin(upstream.base_url)
             response = await self.pool.request(

@@ -12,11 +12,15 @@ request then goes to one replica of it:
   over the replicas by job, while it has room (in_flight + queue below max_concurrency x
   (1 + queue_allowance)): a session stays on one server, and a prefix on the server whose
   prefix cache holds it;
-- else a draw weighted by each replica's free room, max(0, its cut-off - in_flight - queue),
-  from its own report: a busier replica gets less, but the reports are up to half a publish
-  interval old, so they weight the draw instead of deciding it (picking the least loaded by
-  report would send every request of that half interval to one server). When no replica
-  has room, the draw is weighted by slots.
+- else a draw weighted by each replica's free room, max(0, its cut-off - its load): a busier
+  replica gets less, but the reports are up to half a publish interval old, so they weight
+  the draw instead of deciding it (picking the least loaded by report would send every
+  request of that half interval to one server). When no replica has room, the draw is
+  weighted by slots.
+
+A replica's load is its report's in_flight + queue, or what the caller has in flight there now
+(`counted`: the gateway's own count, exact and immediate) when that is more: the report holds
+the gateway's requests of its moment too, so the larger of the two, not their sum.
 
 rng: the caller's (route's), so a seeded rng repeats the choice.
 """
@@ -34,9 +38,9 @@ from sites.status import ServiceEndpoint
 __all__ = ["choose_replica"]
 
 
-def _room(endpoint: ServiceEndpoint, settings: ScoringSettings) -> float:
+def _room(endpoint: ServiceEndpoint, settings: ScoringSettings, counted: int = 0) -> float:
     limit = endpoint.max_concurrency * (1 + settings.queue_allowance)
-    return max(0.0, limit - endpoint.in_flight - endpoint.queue)
+    return max(0.0, limit - max(endpoint.in_flight + endpoint.queue, counted))
 
 
 def choose_replica(
@@ -47,6 +51,7 @@ def choose_replica(
     rng: random.Random,
     key: str | None = None,
     usable: Callable[[ServiceEndpoint], bool] | None = None,
+    counted: Callable[[ServiceEndpoint], int] | None = None,
 ) -> ServiceEndpoint:
     """One of `replicas` (module docstring); ValueError when there is none."""
     if not replicas:
@@ -56,11 +61,15 @@ def choose_replica(
     if len(replicas) == 1:
         return replicas[0]
     fresh = [ep for ep in replicas if not signals_stale(ep, settings, now)] or list(replicas)
+
+    def room(ep: ServiceEndpoint) -> float:
+        return _room(ep, settings, counted(ep) if counted is not None else 0)
+
     if key is not None:
         home = max(fresh, key=lambda ep: hrw_weight(key, ep.job or ep.url))
-        if _room(home, settings) > 0:
+        if room(home) > 0:
             return home
-    weights = [_room(ep, settings) for ep in fresh]
+    weights = [room(ep) for ep in fresh]
     if not any(w > 0 for w in weights):
         weights = [float(ep.max_concurrency) for ep in fresh]
     total = math.fsum(weights)

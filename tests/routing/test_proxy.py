@@ -782,8 +782,9 @@ async def test_rate_limit_per_tenant_is_a_429_with_retry_after(
 async def test_counts_its_own_requests_in_flight_per_site(
     serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
-    dead = Upstream("dead", dead_url())
+    dead = Upstream("dead", dead_url(), replica=True)  # replicas of several at their sites
     slow, _ = await echo(serve, "slow", delay_s=0.5)
+    slow = slow._replace(replica=True)
     h = await make_proxy([dead, slow])
 
     async def one() -> int:
@@ -795,8 +796,12 @@ async def test_counts_its_own_requests_in_flight_per_site(
     await asyncio.sleep(0.25)
     assert h.proxy.in_flight("llm") == {"slow": 3}  # the refused site was counted and released
     assert h.proxy.in_flight("other") == {}
+    # and per replica, for the choice among a site's replicas
+    assert h.proxy.replica_in_flight("llm", "slow", slow.base_url) == 3
+    assert h.proxy.replica_in_flight("llm", "dead", dead.base_url) == 0
     assert await asyncio.gather(*calls) == [200, 200, 200]
     assert h.proxy.in_flight("llm") == {}
+    assert h.proxy.replica_in_flight("llm", "slow", slow.base_url) == 0
 
 
 async def test_a_body_that_arrived_whole_goes_out_as_a_streamed_one_would(

@@ -132,6 +132,41 @@ def test_a_replica_the_gateway_cannot_use_is_not_chosen() -> None:
     assert everyone_out.job in {"j1", "j2"}
 
 
+def test_what_the_gateway_has_in_flight_counts_when_the_report_is_behind() -> None:
+    """Reports are up to half an interval old; the gateway's own count of a replica is exact
+    now. The larger of the two is the load, so a burst the report has not seen yet moves the
+    draw, and a session's home with no room left by that count gives way."""
+    snap = federation(replica("j1"), replica("j2"), replica("k", "b"))  # both report idle
+    settings = RoutingSettings()
+    cands = CandidateIndex(snap).candidates("llm")
+    rng = random.Random(5)
+    hot = "http://a-j1.example:8000"
+
+    def counted(site: str, url: str) -> int:
+        return 10 if url == hot else 0  # the gateway sent j1 ten requests since its report
+
+    picks = Counter(
+        route("llm", "city", cands, topology(), settings.policy(), settings, NOW, rng=rng,
+              replica_in_flight=counted).replica_urls["a"]
+        for _ in range(300)
+    )  # fmt: skip
+    assert picks[hot] < 60  # room 2 against 12 (8 slots + 50 % queue allowance)
+    # the count does not add to the report (the report holds it): 4 reported and 4 counted
+    # is a load of 4, room 8 against 12 (about 40 % of draws; summed, 25 %)
+    both = Counter(
+        choose_replica([replica("j1", in_flight=4), replica("j2")], settings=SCORING, now=NOW,
+                       rng=rng, counted=lambda ep: 4 if ep.job == "j1" else 0).job
+        for _ in range(300)
+    )  # fmt: skip
+    assert 97 < both["j1"] < 150
+    full = {
+        choose_replica([replica("j1"), replica("j2")], settings=SCORING, now=NOW, rng=rng,
+                       key=f"s-{n}", counted=lambda ep: 12 if ep.job == "j1" else 0).job
+        for n in range(40)
+    }  # fmt: skip
+    assert full == {"j2"}  # j1 is every key's home or not; with no room it never wins
+
+
 class Counting(random.Random):
     draws = 0
 
