@@ -34,6 +34,7 @@ from sites import keys
 from sites.assignments import Serve
 from sites.clock import Clock
 from sites.registry import Guard, Registry
+from sites.service_pool import routable
 from sites.status import ServiceEndpoint
 
 __all__ = [
@@ -427,7 +428,7 @@ class Services:
                 1
                 for site in sites.service_sites.get(service, ())
                 for ep in sites.replicas.get((service, site), {}).values()
-                if ep.healthy and not ep.draining
+                if routable(ep)
             )
 
         out: list[ServiceItem] = []

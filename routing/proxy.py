@@ -54,7 +54,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -116,6 +116,18 @@ _HOP_BY_HOP = frozenset(
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length"}
 _NONE_ACTIVE: dict[str, int] = {}
+_K = TypeVar("_K")
+
+
+def _count(counts: dict[_K, int], key: _K, step: int) -> None:
+    """Add `step` to a count of requests in flight; a count back at zero is removed."""
+    left = counts.get(key, 0) + step
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 # the same sets as bytes, for the raw headers both hops carry
 _HOP_BY_HOP_B = frozenset(name.encode() for name in _HOP_BY_HOP)
 # X-Forwarded-*: replaced by this hop's own (see _forward_headers)
@@ -490,24 +502,20 @@ class InferenceProxy:
         at `site`) now."""
         return self._active_replicas.get((service, site, url), 0)
 
+    def _started(self, service: str, upstream: Upstream) -> None:
+        _count(self._active.setdefault(service, {}), upstream.site, 1)
+        if upstream.replica:
+            _count(self._active_replicas, (service, upstream.site, upstream.base_url), 1)
+
     def _finished(self, service: str, upstream: Upstream) -> None:
         if upstream.replica:
-            key = (service, upstream.site, upstream.base_url)
-            left = self._active_replicas.get(key, 0) - 1
-            if left > 0:
-                self._active_replicas[key] = left
-            else:
-                self._active_replicas.pop(key, None)
+            _count(self._active_replicas, (service, upstream.site, upstream.base_url), -1)
         active = self._active.get(service)
         if active is None:
             return
-        left = active.get(upstream.site, 0) - 1
-        if left > 0:
-            active[upstream.site] = left
-        else:
-            active.pop(upstream.site, None)
-            if not active:
-                del self._active[service]
+        _count(active, upstream.site, -1)
+        if not active:
+            del self._active[service]
 
     def replica_usable(self, service: str, site: str, url: str, now: float) -> bool:
         """May a request go to this replica of several at `site` (not ejected, not failing
@@ -530,11 +538,7 @@ class InferenceProxy:
         body: bytes,
     ) -> _Attempt:
         key = upstream_key(service, upstream)
-        active = self._active.setdefault(service, {})
-        active[upstream.site] = active.get(upstream.site, 0) + 1
-        if upstream.replica:
-            key_r = (service, upstream.site, upstream.base_url)
-            self._active_replicas[key_r] = self._active_replicas.get(key_r, 0) + 1
+        self._started(service, upstream)
         try:
             origin = parse_origin(upstream.base_url)
             response = await self.pool.request(

@@ -135,7 +135,7 @@ class Snapshot:
             if not where:
                 del self.service_sites[service]
 
-    def clear_services(self, prefix: str = keys.SERVICES) -> None:
+    def clear_services(self, prefix: str) -> None:
         """Forget the endpoints under `prefix` (keys.SERVICES: the sites' own; keys.REPLICAS:
         the managed replicas'): a re-list of that prefix follows."""
         table: dict[tuple[str, str], Any] = (

@@ -81,7 +81,7 @@ def test_the_snapshot_keeps_each_replica_and_the_sites_pool() -> None:
     assert ("llm", "a") not in snap.services and ("llm", "a") not in snap.replicas
     snap.apply(keys.REPLICAS + "a/llm/j3/extra", b"{}")  # not an endpoint key: ignored
     assert ("llm", "a") not in snap.services
-    snap.clear_services()
+    snap.clear_services(keys.SERVICES)
     assert not (snap.services or snap.replicas or snap.site_endpoints)
 
 
