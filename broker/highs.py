@@ -379,3 +379,47 @@ def solve_mip(
                     plan[job.id] = Assignment(site=c.site, model=c.model)
     bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else -math.inf
     return MipResult(assignments=plan, bound=bound, status=status)
+
+
+def solve_lp(
+    cost: FloatArray,
+    starts: npt.NDArray[np.int32],
+    index: npt.NDArray[np.int32],
+    value: FloatArray,
+    row_lower: FloatArray,
+    row_upper: FloatArray,
+    time_limit_s: float,
+) -> tuple[FloatArray, FloatArray] | None:
+    """min cost . x over x >= 0 with row_lower <= rows (row-wise: starts, index, value) <=
+    row_upper, by HiGHS's primal simplex without presolve (on broker.aggregate's LPs 5x
+    faster than the dual simplex with it: 0.09 vs 0.51 s at 23,000 columns): (column values,
+    row duals, <= 0 on binding <= rows), or None when it did not reach optimality within
+    `time_limit_s`."""
+    n, m = len(cost), len(row_upper)
+    lp = highspy.HighsLp()
+    lp.num_col_ = n
+    lp.num_row_ = m
+    lp.col_cost_ = cost
+    lp.col_lower_ = np.zeros(n)
+    lp.col_upper_ = np.full(n, math.inf)
+    lp.row_lower_ = row_lower
+    lp.row_upper_ = row_upper
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+    lp.a_matrix_.num_col_ = n
+    lp.a_matrix_.num_row_ = m
+    lp.a_matrix_.start_ = starts
+    lp.a_matrix_.index_ = index
+    lp.a_matrix_.value_ = value
+    h = _highs(time_limit_s, 1)
+    h.setOptionValue("solver", "simplex")
+    h.setOptionValue("simplex_strategy", 4)  # primal
+    h.setOptionValue("presolve", "off")
+    h.passModel(lp)
+    h.run()
+    solution = h.getSolution()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal or not solution.dual_valid:
+        return None
+    return (
+        np.asarray(solution.col_value, dtype=np.float64),
+        np.asarray(solution.row_dual, dtype=np.float64),
+    )

@@ -37,6 +37,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from broker import pricing
@@ -159,6 +161,11 @@ class PlanProblem(Frozen):
                 out.add(a)
                 out.update(row)
         return frozenset(out)
+
+    @cached_property
+    def options(self) -> OptionTable:
+        """Every job's feasible options, priced (`OptionTable`)."""
+        return OptionTable(self)
 
     @cached_property
     def site_by_id(self) -> dict[str, Site]:
@@ -574,70 +581,245 @@ class Candidate:
 
 
 def candidates(problem: PlanProblem) -> list[list[Candidate]]:
-    """Per job (input order): its feasible options minus dominated ones, cheapest first.
-
-    The costs are `job_cost`'s to the bit: without energy and carbon prices the same sums are
-    written out here, in pricing's order, over rates read once per site (a 275,000-option
-    problem is priced in a third of the time); with them, `job_cost` itself is called."""
-    green = any(
-        s.price.energy_gpu_hour or s.price.co2_kg_gpu_hour or s.price.energy_cpu_hour
-        or s.price.co2_kg_cpu_hour
-        for s in problem.sites
-    )  # fmt: skip
-    out: list[list[Candidate]] = []
-    for job in problem.jobs:
-        in_gang = job.group is not None and job.group.kind is GroupKind.gang
-        row: list[Candidate] = []
-        if green:
-            for site_id, model in feasible_options(problem, job):
-                cost = job_cost(problem, job, problem.site_by_id[site_id], model)
-                if cost < job.unplaced_penalty or in_gang:
-                    row.append(Candidate(site_id, model, cost, round(cost * SCALE)))
-        else:
-            row = _plain_candidates(problem, job, in_gang)
-        row.sort(key=lambda c: c.cost)
-        out.append(row)
+    """Per job (input order): its feasible options minus dominated ones, cheapest first (a
+    stable sort: equal costs keep `feasible_options`' order). Priced by `problem.options`:
+    `job_cost`'s figures to the bit."""
+    out: list[list[Candidate]] = [[] for _ in problem.jobs]
+    for shape in problem.options.shapes:
+        if not shape.sites:
+            continue
+        scaled = np.rint(shape.costs * SCALE).astype(np.int64)
+        order = np.argsort(shape.costs, axis=1, kind="stable")
+        for row, j in enumerate(shape.jobs):
+            out[j] = _candidate_row(
+                problem.jobs[j], shape, shape.costs[row], scaled[row], order[row]
+            )
     return out
 
 
-def _plain_candidates(problem: PlanProblem, job: Job, in_gang: bool) -> list[Candidate]:
-    """`feasible_options` priced as `job_parts` prices them with no energy or carbon terms:
-    duration * (cpu * cpu_hour + mem * mem_hour [+ count * gpu_hour]) + egress + latency."""
+def _candidate_row(
+    job: Job,
+    shape: Shape,
+    costs: npt.NDArray[np.float64],
+    scaled: npt.NDArray[np.int64],
+    order: npt.NDArray[np.int64],
+) -> list[Candidate]:
+    keep_all = job.group is not None and job.group.kind is GroupKind.gang
+    penalty = job.unplaced_penalty
+    cost_row = costs.tolist()
+    int_row = scaled.tolist()
+    sites, models = shape.sites, shape.models
+    return [
+        Candidate(sites[k], models[k], cost_row[k], int_row[k])
+        for k in order.tolist()
+        if keep_all or cost_row[k] < penalty
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Jobs that differ only in id, duration, penalty and group: the same options, each with
+    an hourly rate and fixed terms, so a job's cost there is duration x hourly + egress +
+    latency (`job_parts`' arithmetic, in its order)."""
+
+    jobs: tuple[int, ...]  # indexes into problem.jobs
+    sites: tuple[str, ...]  # per option, `feasible_options`' order
+    models: tuple[str | None, ...]
+    site_index: npt.NDArray[np.int64]  # per option, the site's index in problem.sites
+    free: tuple[float, ...]  # per option: free devices of the model (cores when CPU-only)
+    hourly: npt.NDArray[np.float64]  # per option, USD per hour of the run
+    fixed: npt.NDArray[np.float64]  # per option, egress + latency USD
+    costs: npt.NDArray[np.float64]  # jobs x options, USD
+
+
+class OptionTable:
+    """Every job's feasible options, priced once per shape (`Shape`) and per job by numpy.
+
+    `feasible_options` and `job_cost` stay the reference: the tests hold this table equal to
+    them, option for option and to the last bit."""
+
+    def __init__(self, problem: PlanProblem) -> None:
+        self.problem = problem
+        by_key: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+        for j, job in enumerate(problem.jobs):
+            by_key[_shape_key(job)].append(j)
+        self.site_pos = {site.id: i for i, site in enumerate(problem.sites)}
+        self.shapes = [_price_shape(problem, members, self.site_pos) for members in by_key.values()]
+        where = {j: (shape, row) for shape in self.shapes for row, j in enumerate(shape.jobs)}
+        self.shape_of = [where[j] for j in range(len(problem.jobs))]
+
+    def candidates(self, j: int, keep: npt.NDArray[np.bool_] | None = None) -> list[Candidate]:
+        """Job `j`'s row of `candidates(problem)`, alone; with `keep` (per option of its
+        shape), only the options it marks."""
+        shape, row = self.shape_of[j]
+        costs = shape.costs[row]
+        order = np.argsort(costs, kind="stable")
+        if keep is not None:
+            order = order[keep[order]]
+        scaled = np.rint(costs * SCALE).astype(np.int64)
+        return _candidate_row(self.problem.jobs[j], shape, costs, scaled, order)
+
+    def size(self) -> int:
+        """Every job's feasible options, counted."""
+        return sum(len(shape.jobs) * len(shape.sites) for shape in self.shapes)
+
+    def cheapest(self) -> dict[str, Assignment]:
+        """Every job on its cheapest option (the first of equal ones) when that beats its
+        penalty or the job is in a gang: the capacity-free plan."""
+        out: dict[str, Assignment] = {}
+        jobs = self.problem.jobs
+        for shape in self.shapes:
+            if not shape.sites:
+                continue
+            best = np.argmin(shape.costs, axis=1).tolist()
+            low = shape.costs.min(axis=1).tolist()
+            for row, j in enumerate(shape.jobs):
+                job = jobs[j]
+                in_gang = job.group is not None and job.group.kind is GroupKind.gang
+                if in_gang or low[row] < job.unplaced_penalty:
+                    k = best[row]
+                    out[job.id] = Assignment.model_construct(  # valid: the problem's own
+                        site=shape.sites[k], model=shape.models[k]
+                    )
+        return out
+
+    def bound(self) -> float:
+        """The capacity-free bound: sum over jobs (input order) of min(penalty, cheapest)."""
+        low = [math.inf] * len(self.problem.jobs)
+        for shape in self.shapes:
+            if shape.sites:
+                for row, value in zip(shape.jobs, shape.costs.min(axis=1).tolist(), strict=True):
+                    low[row] = value
+        return sum(
+            min(job.unplaced_penalty, c) for job, c in zip(self.problem.jobs, low, strict=True)
+        )
+
+    def runner_up(self, j: int, chosen: str) -> tuple[tuple[float, str] | None, int]:
+        """The cheapest option of job `j` on another site than `chosen`, ties to the more free
+        devices, then the site id (the fast path's order): (cost, site) or None, and how many
+        sites the job could use at all."""
+        shape, row = self.shape_of[j]
+        if not shape.sites:
+            return None, 0
+        feasible = len(set(shape.site_index.tolist()))
+        costs = shape.costs[row]
+        others = np.flatnonzero(shape.site_index != self.site_pos.get(chosen, -1))
+        if not len(others):
+            return None, feasible
+        low = costs[others].min()
+        ties = others[costs[others] == low].tolist()
+        k = min(ties, key=lambda k: (-shape.free[k], shape.sites[k]))
+        return (float(costs[k]), shape.sites[k]), feasible
+
+
+def _shape_key(job: Job) -> tuple[Any, ...]:
+    count = job.gpu.count
+    data = job.data
+    return (
+        count,
+        job.gpu.models if count else (),
+        job.cpu,
+        job.mem_gb,
+        None if data is None or data.size_gb <= 0 else (data.region, data.size_gb),
+        job.user_region,
+        job.max_latency_ms if job.user_region is not None else None,
+        job.latency_weight if job.user_region is not None else 0.0,
+        job.allowed_regions,
+    )
+
+
+def _price_shape(problem: PlanProblem, members: list[int], site_pos: Mapping[str, int]) -> Shape:
+    """`feasible_options` of the shape's jobs, each with `job_parts`' hourly rate, egress and
+    latency terms, and every member's costs."""
+    job = problem.jobs[members[0]]
     cpu, mem = to_milli(job.cpu), to_milli(job.mem_gb)
     count = job.gpu.count
-    size = job.data.size_gb if job.data is not None and job.data.size_gb > 0 else 0.0
-    weight = job.latency_weight if job.user_region is not None else 0.0
+    tonne = problem.carbon_usd_per_tonne
+    sites: list[str] = []
+    models: list[str | None] = []
+    index: list[int] = []
+    free: list[float] = []
+    hourly: list[float] = []
+    fixed_e: list[float] = []
+    fixed_l: list[float] = []
     terms: dict[str, tuple[bool, float, float]] = {}  # region -> allowed, egress, latency
-    out: list[Candidate] = []
     for site in problem.sites:
         cap = site.capacity
         if to_milli(cap.cpu) < cpu or to_milli(cap.mem_gb) < mem:
             continue
         term = terms.get(site.region)
         if term is None:
-            egress = latency = 0.0
-            if size and job.data is not None:
-                egress = pricing.egress_usd(size, problem.egress(job.data.region, site.region) or 0)
-            if weight > 0 and job.user_region is not None:
-                rtt = problem.rtt(job.user_region, site.region) or 0.0
-                latency = pricing.latency_usd(weight, rtt)
-            term = (region_allowed(problem, job, site.region), egress, latency)
-            terms[site.region] = term
+            term = terms[site.region] = region_terms(problem, job, site)
         allowed, egress, latency = term
         if not allowed:
             continue
         price = site.price
-        base = job.cpu * price.cpu_hour + job.mem_gb * price.mem_gb_hour
+        cpu_rate = pricing.green_rate(
+            price.cpu_hour, price.energy_cpu_hour, price.co2_kg_cpu_hour, tonne
+        )
         if count == 0:
-            cost = job.duration_hours * base + egress + latency
-            if cost < job.unplaced_penalty or in_gang:
-                out.append(Candidate(site.id, None, cost, round(cost * SCALE)))
-            continue
-        for model in job.gpu.models:
-            rate = price.gpu_hour.get(model)
-            if rate is None or cap.gpu.get(model, 0) < count:
-                continue
-            cost = job.duration_hours * (base + count * rate) + egress + latency
-            if cost < job.unplaced_penalty or in_gang:
-                out.append(Candidate(site.id, model, cost, round(cost * SCALE)))
-    return out
+            options: list[tuple[str | None, float, float]] = [
+                (
+                    None,
+                    pricing.hourly_usd(job.cpu, job.mem_gb, cpu_rate, price.mem_gb_hour),
+                    cap.cpu,
+                )
+            ]
+        else:
+            options = []
+            for name in job.gpu.models:
+                if name not in price.gpu_hour or cap.gpu.get(name, 0) < count:
+                    continue
+                gpu_rate = pricing.green_rate(
+                    price.gpu_hour[name],
+                    price.energy_gpu_hour.get(name, 0.0),
+                    price.co2_kg_gpu_hour.get(name, 0.0),
+                    tonne,
+                )
+                rate = pricing.hourly_usd(
+                    job.cpu, job.mem_gb, cpu_rate, price.mem_gb_hour, count, gpu_rate
+                )
+                options.append((name, rate, cap.gpu.get(name, 0)))
+        for model, rate, have in options:
+            sites.append(site.id)
+            models.append(model)
+            index.append(site_pos[site.id])
+            free.append(have)
+            hourly.append(rate)
+            fixed_e.append(egress)
+            fixed_l.append(latency)
+    durations = np.array([problem.jobs[j].duration_hours for j in members], dtype=np.float64)
+    rates = np.array(hourly, dtype=np.float64)
+    egresses = np.array(fixed_e, dtype=np.float64)
+    latencies = np.array(fixed_l, dtype=np.float64)
+    # pricing.breakdown then total_usd: (duration * hourly + egress) + latency, as job_parts
+    costs = durations[:, None] * rates[None, :] + egresses[None, :] + latencies[None, :]
+    return Shape(
+        jobs=tuple(members),
+        sites=tuple(sites),
+        models=tuple(models),
+        site_index=np.array(index, dtype=np.int64),
+        free=tuple(free),
+        hourly=rates,
+        fixed=egresses + latencies,
+        costs=costs,
+    )
+
+
+def region_terms(problem: PlanProblem, job: Job, site: Site) -> tuple[bool, float, float]:
+    """Whether the job may use the site's region, and its egress and latency terms there
+    (`job_parts`' arithmetic; ValueError for a pair it needs that is missing)."""
+    if not region_allowed(problem, job, site.region):
+        return False, 0.0, 0.0
+    egress = latency = 0.0
+    if job.data is not None and job.data.size_gb > 0:
+        per_gb = problem.egress(job.data.region, site.region)
+        if per_gb is None:
+            raise ValueError(f"egress_per_gb has no entry for {job.data.region} <-> {site.region}")
+        egress = pricing.egress_usd(job.data.size_gb, per_gb)
+    if job.user_region is not None and job.latency_weight > 0:
+        rtt = problem.rtt(job.user_region, site.region)
+        if rtt is None:
+            raise ValueError(f"rtt_ms has no entry for {job.user_region} <-> {site.region}")
+        latency = pricing.latency_usd(job.latency_weight, rtt)
+    return True, egress, latency
