@@ -56,10 +56,13 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
+import numpy.typing as npt
 from ortools.sat.python import cp_model
 
+from broker import aggregate
 from broker.highs import Relaxation, capacity, relax, solve_mip
 from broker.plan import (
     SCALE,
@@ -71,12 +74,17 @@ from broker.plan import (
     PlanProblem,
     PlanResult,
     PlanStatus,
+    Shape,
     candidates,
     evaluate,
     to_milli,
 )
 
 MAX_OBJECTIVE = 2**60  # CP-SAT needs the objective's range to fit int64 with room to spare
+# the aggregated LP (broker.aggregate) runs when it has at most this share of the full
+# model's options, on at most AGGREGATE_SHARE of the time left
+AGGREGATE_COLUMNS = 0.25
+AGGREGATE_SHARE = 0.3
 LP_SHARE = 0.6  # the LP relaxation may use this share of the remaining time budget
 RENS_SHARE = 0.4  # of the time left: the sub-model over the LP's support
 NEIGHBOURHOOD_SHARE = 0.5  # of the time left: the support plus NEIGHBOURS options per job
@@ -104,6 +112,7 @@ class _Ledger:
     """Remaining capacity while a plan is built by hand."""
 
     def __init__(self, problem: PlanProblem) -> None:
+        self.problem = problem
         self.gpu: dict[tuple[str, str], int] = {}
         self.cpu: dict[str, int] = {}
         self.mem: dict[str, int] = {}
@@ -127,6 +136,20 @@ class _Ledger:
     def give(self, job: Job, c: Candidate) -> None:
         self.take(job, c, -1)
 
+    def room(self, shape: Shape) -> npt.NDArray[np.bool_]:
+        """Per option of `shape`: whether one of its jobs fits there now."""
+        job = self.problem.jobs[shape.jobs[0]]
+        count, cpu, mem = job.gpu.count, to_milli(job.cpu), to_milli(job.mem_gb)
+        gpu, cpus, mems = self.gpu, self.cpu, self.mem
+        return np.fromiter(
+            (
+                cpus[s] >= cpu and mems[s] >= mem and (m is None or gpu.get((s, m), 0) >= count)
+                for s, m in zip(shape.sites, shape.models, strict=True)
+            ),
+            dtype=np.bool_,
+            count=len(shape.sites),
+        )
+
 
 Plan = dict[int, Candidate]  # job index -> chosen option
 
@@ -138,7 +161,9 @@ def greedy(problem: PlanProblem) -> dict[str, Assignment]:
 
 
 def _assignments(problem: PlanProblem, plan: Plan) -> dict[str, Assignment]:
-    return {problem.jobs[j].id: Assignment(site=c.site, model=c.model) for j, c in plan.items()}
+    # the problem's own site ids and models: valid already, so not validated again
+    make = Assignment.model_construct
+    return {problem.jobs[j].id: make(site=c.site, model=c.model) for j, c in plan.items()}
 
 
 def _units(
@@ -196,13 +221,15 @@ def _construct(
     prefs: list[list[Candidate]],
     units: list[list[int]],
     site_order: Mapping[str, list[str]] | None = None,
+    *,
+    ledger: _Ledger | None = None,
 ) -> Plan:
     """Place units in order; each job tries its options in `prefs` order.
 
     A colocate group takes the first site in `site_order[group]` that places any of its jobs
     if given, else the site with the least total cost (placed costs + penalties of the rest).
     """
-    ledger = _Ledger(problem)
+    ledger = _Ledger(problem) if ledger is None else ledger
     plan: Plan = {}
     spread_sites: dict[str, set[str]] = defaultdict(set)
     for unit in units:
@@ -292,6 +319,10 @@ def _improve(
     problem: PlanProblem, prefs: list[list[Candidate]], ledger: _Ledger, plan: Plan
 ) -> None:
     """Move ungrouped jobs to cheaper options with room; place unplaced ones that now fit."""
+    by_cost = [
+        [] if job.group is not None else sorted(row, key=lambda c: c.cost)
+        for job, row in zip(problem.jobs, prefs, strict=True)
+    ]
     for _ in range(3):
         changed = False
         for j, job in enumerate(problem.jobs):
@@ -301,7 +332,7 @@ def _improve(
             limit = current.cost if current is not None else job.unplaced_penalty
             if current is not None:
                 ledger.give(job, current)
-            for c in sorted(prefs[j], key=lambda c: c.cost):
+            for c in by_cost[j]:
                 if c.cost >= limit:
                     break
                 if ledger.fits(job, c):
@@ -315,7 +346,46 @@ def _improve(
 
 
 # ---------------------------------------------------------------------------------------------
-# LP-guided construction (the LP itself: broker.highs.relax)
+# LP-guided construction (the LP itself: broker.highs.relax, broker.aggregate.relax)
+
+
+def _from_preferences(
+    problem: PlanProblem, prefs: list[list[Candidate]], key: Callable[[list[int]], float]
+) -> Plan:
+    """A plan from each job's preferred options (broker.aggregate: the few of least reduced
+    cost), units in `key` order (the least first), then every option of the jobs left out, by
+    cost, for the improvement pass."""
+    ledger = _Ledger(problem)
+    units = sorted(_units(problem, prefs), key=key)
+    plan = _construct(problem, prefs, units, ledger=ledger)
+    # a job left out may still fit elsewhere than its preferred options: those with room
+    table = problem.options
+    room: dict[int, npt.NDArray[np.bool_]] = {}
+    rows = list(prefs)
+    for j, job in enumerate(problem.jobs):
+        if j in plan or job.group is not None:
+            continue
+        shape, _ = table.shape_of[j]
+        keep = room.get(id(shape))
+        if keep is None:
+            keep = room[id(shape)] = ledger.room(shape)
+        rows[j] = table.candidates(j, keep)
+    _improve(problem, rows, ledger, plan)
+    return plan
+
+
+def _preference_orders(prefs: list[list[Candidate]]) -> list[Callable[[list[int]], float]]:
+    """The unit orders `_from_preferences` tries (on bench/simulation.py's passes each was
+    the best on some; docs/placement.md): the dearest first (its preferred option's cost),
+    and the most regret first (how much more its second choice costs)."""
+
+    def dearest(unit: list[int]) -> float:
+        return -sum(prefs[j][0].cost for j in unit if prefs[j])
+
+    def regret(unit: list[int]) -> float:
+        return -sum(prefs[j][1].cost - prefs[j][0].cost for j in unit if len(prefs[j]) > 1)
+
+    return [dearest, regret]
 
 
 def _lp_guided(problem: PlanProblem, cands: list[list[Candidate]], relaxed: Relaxation) -> Plan:
@@ -361,13 +431,28 @@ def solve(
     def left() -> float:
         return time_limit_s - (time.monotonic() - started)
 
-    cands = candidates(problem)
     best = _Incumbent(problem)
+    # the capacity-free plan, every job on its cheapest option: when it fits, it is optimal
+    # (it costs the capacity-free bound), and nothing else needs building
+    bound = problem.options.bound()
+    best.offer_if_valid(problem.options.cheapest())
+    if best.objective <= bound:
+        return _result(problem, best, bound, proven=True)
+    # alike jobs and sites: the aggregated LP's bound and plan (broker.aggregate), before the
+    # full model's options are even listed
+    columns = int(AGGREGATE_COLUMNS * problem.options.size())
+    agg = aggregate.relax(problem, AGGREGATE_SHARE * left(), columns)
+    if agg is not None:
+        bound = max(bound, agg.bound)
+        for key in _preference_orders(agg.prefs):
+            best.offer(_assignments(problem, _from_preferences(problem, agg.prefs, key)))
+            if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):
+                return _result(problem, best, bound, proven=best.objective <= bound)
+    cands = candidates(problem)
     best.offer(_assignments(problem, _construct(problem, cands, _units(problem, cands))))
-    bound = sum(
-        min([job.unplaced_penalty] + [c.cost for c in row])
-        for job, row in zip(problem.jobs, cands, strict=True)
-    )
+    if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):
+        return _result(problem, best, bound, proven=best.objective <= bound)
+    total = sum(len(row) for row in cands)
     relaxed = relax(problem, cands, LP_SHARE * left(), start=best.plan)
     if relaxed is not None:
         bound = max(bound, relaxed.bound)
@@ -378,7 +463,6 @@ def solve(
         return _result(problem, best, bound, proven=best.objective <= bound)
 
     deadline = started + time_limit_s - FINISH_S
-    total = sum(len(row) for row in cands)
     full = True  # whether the full model is worth its time
     if relaxed is not None and total > FULL_MODEL_OPTIONS:
         # large: HiGHS on sub-models from the incumbent (docs/placement.md, measured)
@@ -454,11 +538,18 @@ class _Incumbent:
 
     def offer(self, plan: dict[str, Assignment]) -> None:
         """Keep `plan` if it is cheaper."""
+        if not self.offer_if_valid(plan):
+            violations = evaluate(self.problem, plan)[1]
+            raise RuntimeError(f"plan violates {violations[0]}")  # a bug here, not input
+
+    def offer_if_valid(self, plan: dict[str, Assignment]) -> bool:
+        """Keep `plan` if it meets every hard constraint and is cheaper; whether it met them."""
         objective, violations = evaluate(self.problem, plan)
         if violations:
-            raise RuntimeError(f"plan violates {violations[0]}")  # a bug here, not input
+            return False
         if objective < self.objective:
             self.plan, self.objective = plan, objective
+        return True
 
 
 def _neighbourhood(
