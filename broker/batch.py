@@ -24,6 +24,8 @@ Pure translation both ways (no I/O), so the broker, tests and the simulator shar
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -42,8 +44,6 @@ from broker.plan import (
     PlanResult,
     Price,
     Site,
-    feasible_options,
-    job_cost,
     job_parts,
 )
 
@@ -91,13 +91,16 @@ def to_problem(
     rtt: dict[str, dict[str, float]] = {}
     egress: dict[str, dict[str, float]] = {}
     plan_jobs: list[Job] = []
+    # a pass's jobs come in few kinds: the filter's answer and the offered models once per kind
+    allowed_of: dict[tuple[object, ...], tuple[str, ...]] = {}
+    models_of: dict[tuple[tuple[str, ...] | None, float | None], tuple[str, ...]] = {}
     for pending in jobs:
         spec = pending.spec
         if usage is not None and usage.limited(spec.tenant):
             continue
         if spec.deadline is not None and now + timedelta(hours=spec.duration_hours) > spec.deadline:
             continue
-        allowed = _allowed_sites(spec, fed, now, groups)
+        allowed = _allowed_sites(spec, fed, now, groups, allowed_of)
         if not allowed:
             continue
         origin = _data_origin(spec)
@@ -114,21 +117,27 @@ def to_problem(
             group = Group(
                 name=f"{spec.group.kind}:{spec.group.name}", kind=GroupKind(spec.group.kind)
             )
-        models: list[str] = []
+        models: tuple[str, ...] = ()
         if spec.gpu.count:
-            offered = fed.offered(spec.gpu.acceptable, spec.gpu.min_mem_gb)
-            models = sorted(
-                {
-                    m
-                    for site, o in zip(fed.sites, offered, strict=True)
-                    if site.up and not site.cordoned
-                    for m, _ in o
-                }
-            )
+            wanted = (spec.gpu.acceptable, spec.gpu.min_mem_gb)
+            found = models_of.get(wanted)
+            if found is None:
+                offered = fed.offered(*wanted)
+                found = models_of[wanted] = tuple(
+                    sorted(
+                        {
+                            m
+                            for site, o in zip(fed.sites, offered, strict=True)
+                            if site.up and not site.cordoned
+                            for m, _ in o
+                        }
+                    )
+                )
+            models = found
         plan_jobs.append(
             Job(
                 id=pending.id,
-                gpu=GpuRequest(models=tuple(models), count=spec.gpu.count),
+                gpu=GpuRequest(models=models, count=spec.gpu.count),
                 cpu=spec.cpu,
                 mem_gb=spec.mem_gb,
                 duration_hours=spec.duration_hours,
@@ -138,7 +147,7 @@ def to_problem(
                 user_region=None if user is None else user.region,
                 max_latency_ms=None if user is None else user.max_latency_ms,
                 latency_weight=spec.latency_weight,
-                allowed_regions=tuple(allowed),
+                allowed_regions=allowed,
                 group=group,
                 unplaced_penalty=_penalty(spec, order, len(jobs), pending.id),
             )
@@ -161,42 +170,58 @@ def _penalty(spec: JobSpec, order: Mapping[str, int] | None, n: int, job_id: str
 
 
 def _allowed_sites(
-    spec: JobSpec, fed: pl.Federation, now: datetime, groups: pl.GroupState
-) -> list[str]:
+    spec: JobSpec,
+    fed: pl.Federation,
+    now: datetime,
+    groups: pl.GroupState,
+    seen: dict[tuple[object, ...], tuple[str, ...]],
+) -> tuple[str, ...]:
     """The sites that pass the fast path's filter but its capacity part (the solver's) and
-    quota (a tenant with a quota is left to the fast path), in snapshot order."""
+    quota (a tenant with a quota is left to the fast path), in snapshot order; `seen` keeps
+    the answers of one pass (one `fed`) by `_screen_key`."""
     req = feasibility.request(
         spec, fed, now=now, usage=_NO_QUOTAS, groups=groups, check_capacity=False
     )
-    return [option[2] for option in feasibility.screen(req, fed).options]
+    key = _screen_key(req)
+    allowed = seen.get(key)
+    if allowed is None:
+        allowed = seen[key] = tuple(option[2] for option in feasibility.screen(req, fed).options)
+    return allowed
+
+
+_SCREENED = tuple(
+    f.name
+    for f in dataclasses.fields(feasibility.Request)
+    if f.name not in ("rtts", "duration_hours", "check_capacity")
+)
+
+
+def _screen_key(req: feasibility.Request) -> tuple[object, ...]:
+    """What the filter's answer depends on without its capacity part: every term of `req`
+    but the duration, which only prices (and a price only matters against a budget), and the
+    RTT table, one per user region and the same object for one snapshot (so its id)."""
+    assert not req.check_capacity  # the capacity terms are not in the key
+    duration = req.duration_hours if math.isfinite(req.budget_usd) else None
+    rtts = None if req.rtts is None else id(req.rtts)
+    return (*(getattr(req, name) for name in _SCREENED), duration, rtts)
 
 
 _NO_QUOTAS = pl.TenantUsage()
 
 
-def _runner_up(problem: PlanProblem, job: Job, chosen: str) -> tuple[pl.RunnerUp | None, int]:
-    """The cheapest option of `job` on another site than `chosen`, as the job alone would pay
+def _runner_up(problem: PlanProblem, j: int, chosen: str) -> tuple[pl.RunnerUp | None, int]:
+    """The cheapest option of job `j` on another site than `chosen`, as the job alone would pay
     it (the plan may have passed it over for another job's sake), and how many sites could
-    take the job at all: the decision record's evidence. About 10 us an option."""
-    best: tuple[float, float, str] | None = None  # the fast path's order: cost, more free, id
-    sites = set()
-    for site_id, model in feasible_options(problem, job):
-        sites.add(site_id)
-        if site_id == chosen:
-            continue
-        site = problem.site_by_id[site_id]
-        free = site.capacity.gpu.get(model, 0) if model is not None else site.capacity.cpu
-        key = (job_cost(problem, job, site, model), -free, site_id)
-        if best is None or key < best:
-            best = key
-    return (None if best is None else pl.RunnerUp(best[2], best[0])), len(sites)
+    take the job at all: the decision record's evidence (broker.plan.OptionTable.runner_up)."""
+    best, feasible = problem.options.runner_up(j, chosen)
+    return (None if best is None else pl.RunnerUp(best[1], best[0])), feasible
 
 
 def decisions(
     result: PlanResult, problem: PlanProblem, jobs: Sequence[Pending], fed: pl.Federation
 ) -> list[tuple[Pending, pl.Decision]]:
     by_id = {p.id: p for p in jobs}
-    plan_jobs = {j.id: j for j in problem.jobs}
+    plan_jobs = {job.id: (j, job) for j, job in enumerate(problem.jobs)}
     plan_sites = {s.id: s for s in problem.sites}
     gap = (result.objective - result.bound) / result.objective if result.objective else 0.0
     out = []
@@ -207,7 +232,8 @@ def decisions(
     left = fed
     unplaced_gangs: set[str] = set()
     for job_id, assignment in sorted(result.assignments.items()):
-        pending, job, site = by_id[job_id], plan_jobs[job_id], plan_sites[assignment.site]
+        pending, site = by_id[job_id], plan_sites[assignment.site]
+        j, job = plan_jobs[job_id]
         offer = left.site(assignment.site)
         spec = pending.spec
         on_nodes = pl.nodes_at(spec, offer, assignment.model)
@@ -225,7 +251,7 @@ def decisions(
             (plain.compute_usd, plain.egress_usd, plain.latency_usd),
         )
         total = parts.total_usd
-        runner_up, feasible = _runner_up(problem, job, assignment.site)
+        runner_up, feasible = _runner_up(problem, j, assignment.site)
         out.append(
             (
                 pending,
