@@ -13,7 +13,7 @@ import sys
 from typing import NoReturn
 
 from broker.plan import PlanInputError, load_problem
-from broker.solver import solve
+from broker.solver import collector_paused, solve
 
 
 class _UsageError(Exception):
@@ -73,7 +73,8 @@ def main(args: list[str]) -> int:
         where = f"{ns.problem}: {exc.field}" if exc.field else ns.problem
         print(f"cpn: error: {where}: {exc.message}", file=sys.stderr)
         return 2
-    result = solve(problem, time_limit_s=ns.time_limit, workers=ns.workers)
+    with collector_paused():
+        result = solve(problem, time_limit_s=ns.time_limit, workers=ns.workers)
     print(json.dumps(result.to_output(), indent=2))
     return 0
 

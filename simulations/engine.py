@@ -60,7 +60,7 @@ from broker.jobs import DataLocation, GpuRequest, JobSpec
 from broker.lifecycle import RetryPolicy, retry_backoff_s
 from broker.preemption import Preemption, Running, lost_s, victim_kind
 from broker.settings import SchedulingSettings
-from broker.solver import solve
+from broker.solver import collector_paused, solve
 from broker.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
 from broker.tenants import TenancyFile
 from broker.why import Fairness, own_order
@@ -1014,6 +1014,10 @@ class Simulation:
         waiting = list(self.fifo)  # every job in it waits: placed ones leave at the pass's end
         if not waiting:
             return
+        with collector_paused():  # a third of the run otherwise (broker.solver)
+            self._batch_pass_of(waiting)
+
+    def _batch_pass_of(self, waiting: list[int]) -> None:
         specs: dict[str, tuple[int, JobSpec]] = {}
         for j in waiting:
             cls = self.job_class[j]
