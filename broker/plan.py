@@ -316,6 +316,7 @@ def _check(problem: PlanProblem) -> None:
     _check_pairs(problem.egress_per_gb, "egress_per_gb")
     first_job: dict[str, int] = {}
     group_kind: dict[str, tuple[GroupKind, int]] = {}
+    reachable: set[tuple[Any, ...]] = set()  # _check_job's region pairs already found present
     for i, job in enumerate(problem.jobs):
         at = f"jobs[{i}]"
         if job.id in first_job:
@@ -323,7 +324,7 @@ def _check(problem: PlanProblem) -> None:
                 f"{at}.id", f"duplicate job id {job.id!r} (also jobs[{first_job[job.id]}])"
             )
         first_job[job.id] = i
-        _check_job(problem, job, at)
+        _check_job(problem, job, at, reachable)
         if job.group is not None:
             kind, where = group_kind.setdefault(job.group.name, (job.group.kind, i))
             if kind != job.group.kind:
@@ -333,7 +334,7 @@ def _check(problem: PlanProblem) -> None:
                 )
 
 
-def _check_job(problem: PlanProblem, job: Job, at: str) -> None:
+def _check_job(problem: PlanProblem, job: Job, at: str, reachable: set[tuple[Any, ...]]) -> None:
     _check_milli(job.cpu, f"{at}.cpu")
     _check_milli(job.mem_gb, f"{at}.mem_gb")
     if job.gpu.count > 0 and not job.gpu.models:
@@ -356,12 +357,22 @@ def _check_job(problem: PlanProblem, job: Job, at: str) -> None:
             raise PlanInputError(f"{at}.max_latency_ms", "needs user_region")
         if job.latency_weight > 0:
             raise PlanInputError(f"{at}.latency_weight", "needs user_region when > 0")
+    needs_rtt = job.user_region is not None and (
+        job.max_latency_ms is not None or job.latency_weight > 0
+    )
+    needs_egress = job.data is not None and job.data.size_gb > 0
+    # the same allowed regions, user region and data region as a job checked before: the same
+    # answer (once per kind of job, not once per job times every site)
+    key = (
+        job.allowed_regions,
+        job.user_region if needs_rtt else None,
+        job.data.region if needs_egress and job.data is not None else None,
+    )
+    if key in reachable:
+        return
     allowed = None if job.allowed_regions is None else set(job.allowed_regions)
     site_regions = sorted(
         {s.region for s in problem.sites if allowed is None or s.region in allowed}
-    )
-    needs_rtt = job.user_region is not None and (
-        job.max_latency_ms is not None or job.latency_weight > 0
     )
     for region in site_regions:
         if needs_rtt and job.user_region is not None:
@@ -378,6 +389,7 @@ def _check_job(problem: PlanProblem, job: Job, at: str) -> None:
                     f"no entry for {job.data.region} <-> {region}, needed by {at} "
                     f"(id {job.id!r}: data in {job.data.region})",
                 )
+    reachable.add(key)
 
 
 # ---------------------------------------------------------------------------------------------
