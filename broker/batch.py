@@ -209,14 +209,6 @@ def _screen_key(req: feasibility.Request) -> tuple[object, ...]:
 _NO_QUOTAS = pl.TenantUsage()
 
 
-def _runner_up(problem: PlanProblem, j: int, chosen: str) -> tuple[pl.RunnerUp | None, int]:
-    """The cheapest option of job `j` on another site than `chosen`, as the job alone would pay
-    it (the plan may have passed it over for another job's sake), and how many sites could
-    take the job at all: the decision record's evidence (broker.plan.OptionTable.runner_up)."""
-    best, feasible = problem.options.runner_up(j, chosen)
-    return (None if best is None else pl.RunnerUp(best[1], best[0])), feasible
-
-
 def decisions(
     result: PlanResult, problem: PlanProblem, jobs: Sequence[Pending], fed: pl.Federation
 ) -> list[tuple[Pending, pl.Decision]]:
@@ -231,6 +223,12 @@ def decisions(
     # is left to a later pass
     left = fed
     unplaced_gangs: set[str] = set()
+    # per job: the cheapest option on another site than its own, as the job alone would pay it
+    # (the plan may have passed it over for another job's sake), and how many sites could take
+    # it at all: the decision record's evidence (broker.plan.OptionTable.runner_ups)
+    runner_ups = problem.options.runner_ups(
+        {plan_jobs[job_id][0]: a.site for job_id, a in result.assignments.items()}
+    )
     for job_id, assignment in sorted(result.assignments.items()):
         pending, site = by_id[job_id], plan_sites[assignment.site]
         j, job = plan_jobs[job_id]
@@ -251,7 +249,8 @@ def decisions(
             (plain.compute_usd, plain.egress_usd, plain.latency_usd),
         )
         total = parts.total_usd
-        runner_up, feasible = _runner_up(problem, j, assignment.site)
+        best, feasible = runner_ups[j]
+        runner_up = None if best is None else pl.RunnerUp(best[1], best[0])
         out.append(
             (
                 pending,

@@ -706,6 +706,42 @@ class OptionTable:
             min(job.unplaced_penalty, c) for job, c in zip(self.problem.jobs, low, strict=True)
         )
 
+    def runner_ups(
+        self, chosen: Mapping[int, str]
+    ) -> dict[int, tuple[tuple[float, str] | None, int]]:
+        """`runner_up(j, site)` for every (j, site) of `chosen` at once: per shape, in numpy
+        over its chosen jobs (a pass's decisions otherwise cost one small array walk each)."""
+        rows_of: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        for j, site in chosen.items():
+            shape, row = self.shape_of[j]
+            rows_of[id(shape)].append((j, row, self.site_pos.get(site, -1)))
+        out: dict[int, tuple[tuple[float, str] | None, int]] = {}
+        for shape in self.shapes:
+            picked = rows_of.get(id(shape))
+            if not picked:
+                continue
+            if not shape.sites:
+                out.update((j, (None, 0)) for j, _, _ in picked)
+                continue
+            feasible = len(set(shape.site_index.tolist()))
+            js = [j for j, _, _ in picked]
+            rows = np.array([row for _, row, _ in picked], dtype=np.int64)
+            at = np.array([pos for _, _, pos in picked], dtype=np.int64)
+            other = shape.site_index[None, :] != at[:, None]
+            costs = np.where(other, shape.costs[rows], np.inf)
+            low = costs.min(axis=1)
+            # ties to the more free devices, then the site id: the least rank of the tied
+            ranked = sorted(range(len(shape.sites)), key=lambda k: (-shape.free[k], shape.sites[k]))
+            rank = np.empty(len(ranked), dtype=np.int64)
+            rank[ranked] = np.arange(len(ranked))
+            tied = np.where(costs == low[:, None], rank[None, :], len(ranked))
+            best = np.argmin(tied, axis=1).tolist()
+            for j, k, value, any_other in zip(
+                js, best, low.tolist(), other.any(axis=1).tolist(), strict=True
+            ):
+                out[j] = ((value, shape.sites[k]) if any_other else None, feasible)
+        return out
+
     def runner_up(self, j: int, chosen: str) -> tuple[tuple[float, str] | None, int]:
         """The cheapest option of job `j` on another site than `chosen`, ties to the more free
         devices, then the site id (the fast path's order): (cost, site) or None, and how many

@@ -191,6 +191,22 @@ class _Ledger:
 Plan = dict[int, Candidate]  # job index -> chosen option
 
 
+def _fits(problem: PlanProblem, plan: Mapping[str, Assignment]) -> bool:
+    """Whether `plan` (valid options) stays within every site's capacity."""
+    ledger = _Ledger(problem)
+    gpu, cpu, mem = ledger.gpu, ledger.cpu, ledger.mem
+    for job in problem.jobs:
+        a = plan.get(job.id)
+        if a is None:
+            continue
+        if a.model is not None:
+            key = (a.site, a.model)
+            gpu[key] = gpu.get(key, 0) - job.gpu.count
+        cpu[a.site] -= to_milli(job.cpu)
+        mem[a.site] -= to_milli(job.mem_gb)
+    return all(v >= 0 for table in (gpu, cpu, mem) for v in table.values())
+
+
 def greedy(problem: PlanProblem) -> dict[str, Assignment]:
     """A plan that respects every hard constraint, built unit by unit (module docstring)."""
     cands = candidates(problem)
@@ -472,7 +488,9 @@ def solve(
     # the capacity-free plan, every job on its cheapest option: when it fits, it is optimal
     # (it costs the capacity-free bound), and nothing else needs building
     bound = problem.options.bound()
-    best.offer_if_valid(problem.options.cheapest())
+    free = problem.options.cheapest()
+    if _fits(problem, free):  # else plan.evaluate would only say so, at ten times the cost
+        best.offer_if_valid(free)
     if best.objective <= bound:
         return _result(problem, best, bound, proven=True)
     # alike jobs and sites: the aggregated LP's bound and plan (broker.aggregate), before the
