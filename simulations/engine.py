@@ -265,6 +265,7 @@ class Simulation:
         self.kgco2_tenant = [0.0] * ntenants
         self.batch_passes = 0
         self.batch_limited = 0
+        self.batch_gap_max = 0.0  # the widest (objective - bound) / objective of a pass
         self.failure_log: list[dict[str, Any]] = []
         self.infer = (
             InferenceSim(scenario, self.fedinfo, self.rng) if scenario.inference_workloads else None
@@ -1038,6 +1039,9 @@ class Simulation:
             )
             self.batch_passes += 1
             within = result.objective - result.bound <= gap * abs(result.objective)
+            if result.objective:
+                spread = (result.objective - result.bound) / abs(result.objective)
+                self.batch_gap_max = max(self.batch_gap_max, spread)
             if result.status.value != "optimal" and not (gap and within):
                 self.batch_limited += 1  # searched until the clock stopped it
             for pending, decision in bt.decisions(result, problem, jobs, self.fed):

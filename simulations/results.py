@@ -235,6 +235,7 @@ def collect(sim: Run, wall_s: float) -> dict[str, Any]:
             "events": sim.events,
             "batch_passes": sim.batch_passes,
             "batch_passes_time_limited": sim.batch_limited,
+            "batch_gap_max": sim.batch_gap_max,
         },
         "jobs": {
             "arrived": arrived,
