@@ -36,7 +36,7 @@ from broker.highs import solve_lp
 from broker.plan import SCALE, Candidate, PlanProblem, Shape, region_terms, to_milli
 
 BUCKET_RATIO = 1.05  # a bucket's longest job is at most 5 % longer than its shortest
-PREFERENCES = 32  # options per job, by reduced cost, handed to the construction
+PREFERENCES = 24  # options per job, by reduced cost, handed to the construction
 BOUND_SLACK = 1e-9  # relative, as broker.highs: float64 sums kept well off the true bound
 FloatArray = npt.NDArray[np.float64]
 

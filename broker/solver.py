@@ -518,6 +518,15 @@ def solve(
         return _result(problem, best, bound, proven=best.objective <= bound)
 
     deadline = started + time_limit_s - FINISH_S
+
+    def target() -> int | None:
+        """The scaled objective at which a CP-SAT search may stop: within gap_limit of the
+        bound so far, less a unit per job for the scale's rounding (solve checks the exact
+        figure after each step)."""
+        if gap_limit is None or gap_limit >= 1 or bound <= 0:
+            return None
+        return math.floor(bound / (1 - gap_limit) * SCALE) - len(problem.jobs)
+
     full = True  # whether the full model is worth its time
     if relaxed is not None and total > FULL_MODEL_OPTIONS:
         # large: HiGHS on sub-models from the incumbent (docs/placement.md, measured)
@@ -535,20 +544,30 @@ def solve(
             last = width > 0 and total > FULL_MODEL_OPTIONS
             share = RENS_SHARE if width == 0 else 1.0 if last else NEIGHBOURHOOD_SHARE
             until = min(deadline, time.monotonic() + share * (deadline - time.monotonic()))
-            status, plan, _ = _cp_solve(problem, sub, best.plan, until, workers, presolve=False)
+            status, plan, _ = _cp_solve(
+                problem, sub, best.plan, until, workers, presolve=False, stop_at=target()
+            )
             if plan is not None:
                 best.offer(plan)
+            if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):
+                return _result(problem, best, bound, proven=best.objective <= bound)
             full = not last or status == cp_model.OPTIMAL
 
     if total > FULL_MODEL_OPTIONS and deadline - time.monotonic() < BIG_MODEL_MIN_S:
         full = False  # building alone would overrun the budget
     status, solved, solver_bound = cp_model.UNKNOWN, None, None
     if full:
-        status, solved, solver_bound = _cp_solve(problem, cands, best.plan, deadline, workers)
+        status, solved, solver_bound = _cp_solve(
+            problem, cands, best.plan, deadline, workers, stop_at=target(), gap_limit=gap_limit
+        )
     if solved is not None:
         best.offer(solved)
     # OPTIMAL on the full model: no plan beats the kept one by more than the scale's rounding
     proven = status == cp_model.OPTIMAL
+    if proven and gap_limit:  # OPTIMAL may mean "within relative_gap_limit" then
+        proven = (
+            solver_bound is not None and best.objective - solver_bound <= len(problem.jobs) / SCALE
+        )
     if solver_bound is not None:
         bound = max(bound, solver_bound)
     return _result(problem, best, bound, proven=proven)
@@ -643,9 +662,17 @@ def _cp_solve(
     workers: int | None,
     *,
     presolve: bool = True,
+    stop_at: int | None = None,
+    gap_limit: float | None = None,
 ) -> tuple[cp_model.CpSolverStatus, dict[str, Assignment] | None, float | None]:
     """Solve the CP-SAT model over `cands` by `deadline` (time.monotonic()):
-    (status, plan or None, bound in USD or None)."""
+    (status, plan or None, bound in USD or None).
+
+    stop_at: stop at the first solution whose scaled objective is at most this (a target
+    from a bound CP-SAT does not know, as the LP's). gap_limit: stop once within this
+    relative gap of CP-SAT's own bound; only for the full model, where that bound is the
+    problem's. Either stop is deterministic with one worker: it depends on the search path,
+    not the clock."""
     model, x = _build(problem, cands, start)
     solver = cp_model.CpSolver()
     params = solver.parameters
@@ -657,7 +684,9 @@ def _cp_solve(
     # presolve rewrites capacity rows into forms whose LP is weaker; sub-models, small and
     # LP-driven, close far faster without it (measured: 0.3 s vs not in 5 s)
     params.cp_model_presolve = presolve
-    status = solver.solve(model)
+    if gap_limit is not None:
+        params.relative_gap_limit = gap_limit
+    status = solver.solve(model, None if stop_at is None else _StopAt(stop_at))
     if status == cp_model.MODEL_INVALID:
         raise RuntimeError(f"invalid CP-SAT model: {model.validate()}")  # a bug, not input
     plan = None
@@ -671,6 +700,18 @@ def _cp_solve(
     if status != cp_model.INFEASIBLE and math.isfinite(solver.best_objective_bound):
         bound = solver.best_objective_bound / SCALE
     return status, plan, bound
+
+
+class _StopAt(cp_model.CpSolverSolutionCallback):
+    """Ends the search at the first solution at or below a scaled objective."""
+
+    def __init__(self, target: int) -> None:
+        super().__init__()
+        self.target = target
+
+    def on_solution_callback(self) -> None:
+        if self.objective_value <= self.target:
+            self.stop_search()
 
 
 def _cpu_count() -> int:

@@ -150,3 +150,27 @@ def test_candidates_are_priced_as_job_cost_prices_them(bench: ModuleType, green:
     prob = load_problem(data)
     got = [[(c.site, c.model, c.cost) for c in row] for row in candidates(prob)]
     assert got == _reference_candidates(prob)  # equal, not close
+
+
+def test_gap_limit_stops_cp_sat_within_the_gap_and_repeats_itself(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a hard small instance: greedy and the LP's rounding are not within 0.2 %, so the CP-SAT
+    # sub-models run and stop at the first plan within it (one worker: the same every time)
+    prob = load_problem(hard_small(bench, 1))
+    targets: list[int | None] = []
+    cp_solve = solver._cp_solve
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        targets.append(kwargs.get("stop_at"))
+        return cp_solve(*args, **kwargs)
+
+    monkeypatch.setattr(solver, "_cp_solve", counted)
+    first = solve(prob, time_limit_s=10, workers=1, gap_limit=0.002)
+    again = solve(prob, time_limit_s=10, workers=1, gap_limit=0.002)
+    assert evaluate(prob, first.assignments)[1] == []
+    assert first.objective - first.bound <= 0.002 * first.objective + 1e-9
+    assert (again.assignments, again.objective) == (first.assignments, first.objective)
+    assert targets and all(t is not None for t in targets)  # CP-SAT ran, with a target
+    if first.status.value == "optimal":  # claimed only when the bound meets the plan
+        assert first.objective - first.bound <= len(prob.jobs) / 10_000
