@@ -12,19 +12,22 @@ workload and the whole run (results included), not loading the configs.
     .venv/bin/python bench/simulation.py --quick         # smaller counts
     .venv/bin/python bench/simulation.py --sites 1000 --jobs 200000 --policy fast-path
 
-Targets (issue 5): >= 20,000 jobs/s simulated with the fast path at 100 sites; one million jobs
-in under two minutes. For scale, Alibaba's PAI simulator does about 200-400 jobs/s on 6,500
-GPUs.
+Targets: >= 20,000 jobs/s simulated with the fast path at 1,000 sites (issue 16; issue 5 asked
+it at 100 sites); one million jobs in under two minutes; the batch policy >= 5,000 jobs/s at
+100 sites with every pass within 1 % of its proven bound (issue 16: the widest pass gap is
+printed). For scale, Alibaba's PAI simulator does about 200-400 jobs/s on 6,500 GPUs.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
 import shutil
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
@@ -38,7 +41,9 @@ from simulations.engine import Simulation  # noqa: E402
 from simulations.scenario import load_scenario  # noqa: E402
 from simulations.workloads import PRESETS  # noqa: E402
 
-TARGET_JOBS_PER_S = 20_000
+TARGET_JOBS_PER_S = 20_000  # fast path, at 1,000 sites
+TARGET_BATCH_JOBS_PER_S = 5_000  # batch policy, at 100 sites
+TARGET_BATCH_GAP = 0.01  # every pass within 1 % of its bound
 TARGET_MILLION_S = 120.0
 LOAD = 0.8
 MAX_S = 6 * 3600.0  # run times capped at 6 h (a wall-time limit), so the load is steady soon
@@ -105,6 +110,15 @@ def scenario(
 def measure(
     n_sites: int, jobs: int, policy: str, seed: int = 1, load: float = LOAD
 ) -> dict[str, Any]:
+    """One row, run in a child process of its own: a run that follows another in the same
+    process was up to 40 % slower (the 100-site batch row after the 10-site one: 5.4 vs 3.9 s),
+    the heap the earlier run left behind, not this run's work."""
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
+        return pool.submit(_measure, n_sites, jobs, policy, seed, load).result()
+
+
+def _measure(n_sites: int, jobs: int, policy: str, seed: int, load: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cpn-bench-sim-") as tmp:
         sc, gpus = scenario(Path(tmp), n_sites, jobs, policy, seed, load)
         started = time.perf_counter()
@@ -125,12 +139,18 @@ def measure(
         "delay_p95_s": j["queue_delay_s"]["p95"],
         "passes": res["run"]["batch_passes"],
         "limited": res["run"]["batch_passes_time_limited"],
+        "gap_max": res["run"]["batch_gap_max"],
     }
 
 
 def show(row: dict[str, Any]) -> None:
     delay = row["delay_p95_s"]
-    extra = f", {row['passes']} passes ({row['limited']} hit the limit)" if row["passes"] else ""
+    extra = ""
+    if row["passes"]:
+        extra = (
+            f", {row['passes']} passes ({row['limited']} hit the limit), widest gap "
+            f"{100 * row['gap_max']:.3f} % (target <= {100 * TARGET_BATCH_GAP:.0f} %)"
+        )
     print(
         f"  {row['policy']:>9}  {row['sites']:>5} sites {row['gpus']:>8,} GPUs  "
         f"{row['jobs']:>9,} jobs  {row['wall_s']:7.1f} s  {row['jobs_per_s']:>9,.0f} jobs/s  "
@@ -154,6 +174,7 @@ def main() -> int:
                 row = measure(n, jobs, args.policy or "fast-path")
                 show(row)
                 rows.append(row)
+        verdicts(rows)
         return 0
     small = args.quick
     print("fast path, growth with jobs and sites:")
@@ -178,20 +199,41 @@ def main() -> int:
         row = measure(n, jobs, policy)
         show(row)
         rows.append(row)
-    fast100 = [r for r in rows if r["policy"] == "fast-path" and r["sites"] == 100]
-    best = max(r["jobs_per_s"] for r in fast100)
+    verdicts(rows)
+    return 0
+
+
+def verdicts(rows: list[dict[str, Any]]) -> None:
+    """Each target the rows measured, beside its figure."""
+
+    def met(ok: bool) -> str:
+        return "met" if ok else "NOT met"
+
+    for policy, sites, target in (
+        ("fast-path", 1000, TARGET_JOBS_PER_S),
+        ("batch", 100, TARGET_BATCH_JOBS_PER_S),
+    ):
+        some = [r for r in rows if r["policy"] == policy and r["sites"] == sites]
+        if some:
+            best = max(r["jobs_per_s"] for r in some)
+            print(
+                f"target >= {target:,} jobs/s at {sites:,} sites ({policy}): {best:,.0f} "
+                f"-> {met(best >= target)}"
+            )
+    batch = [r for r in rows if r["policy"] == "batch" and r["passes"]]
+    if batch:
+        widest = max(r["gap_max"] for r in batch)
+        print(
+            f"target every batch pass within {100 * TARGET_BATCH_GAP:.0f} % of its bound: "
+            f"widest {100 * widest:.3f} % -> {met(widest <= TARGET_BATCH_GAP)}"
+        )
     million = [r for r in rows if r["policy"] == "fast-path" and r["jobs"] >= 900_000]
-    print(
-        f"target >= {TARGET_JOBS_PER_S:,} jobs/s at 100 sites (fast path): {best:,.0f} "
-        f"-> {'met' if best >= TARGET_JOBS_PER_S else 'NOT met'}"
-    )
     if million:
         worst = max(r["wall_s"] for r in million)
         print(
             f"target one million jobs < {TARGET_MILLION_S:.0f} s: {worst:.1f} s "
-            f"-> {'met' if worst < TARGET_MILLION_S else 'NOT met'}"
+            f"-> {met(worst < TARGET_MILLION_S)}"
         )
-    return 0
 
 
 if __name__ == "__main__":
