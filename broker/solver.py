@@ -25,7 +25,10 @@ leaving that job unplaced instead costs no more, frees capacity and never breaks
 colocate group. Nothing else is pruned: two models at a site draw on different pools and two
 sites on different capacity, so no option provably dominates another in general.
 
-Search, each step starting from the cheapest valid plan so far (docs/placement.md):
+Search, each step starting from the cheapest valid plan so far (docs/placement.md); with
+`gap_limit`, `solve` returns after any step whose plan is within it of the best bound so far:
+0. The capacity-free plan (optimal when it fits), then the aggregated LP over alike sites and
+   jobs (broker.aggregate): a Lagrangian bound and plans from each job's preferred options.
 1. `greedy`: units (a job, a colocate group, a gang) by net value per unit of resource, each
    job's cheapest option that still fits, then a move/insert pass. The fallback.
 2. The LP relaxation of the model (broker.highs.relax: HiGHS's dual simplex, sifted from each
