@@ -6,12 +6,14 @@ import json
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -237,3 +239,18 @@ async def assignments_of(registry: Registry) -> dict[str, list[str]]:
         site, job = keys.split(key, keys.ASSIGNMENTS)
         out.setdefault(site, []).append(job)
     return out
+
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def bench() -> Iterator[ModuleType]:
+    """bench/placement_plan.py, the plan instances' generator, as a module."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import placement_plan
+
+        yield placement_plan
+    finally:
+        sys.path.remove(str(BENCH))

@@ -7,9 +7,6 @@ from __future__ import annotations
 import gc
 import math
 import random
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -31,19 +28,6 @@ from broker.solver import collector_paused, solve
 from tests.broker.test_batch import FED, NOW
 from tests.broker.test_batch import job as pending_job
 from tests.broker.test_plan import brute_force, instances
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import placement_plan
-
-        yield placement_plan
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def family(bench: ModuleType, seed: int, **shape: Any) -> PlanProblem:

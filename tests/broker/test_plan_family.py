@@ -4,9 +4,6 @@ the large-model path, and candidates priced as job_cost prices them."""
 from __future__ import annotations
 
 import random
-import sys
-from collections.abc import Iterator
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -25,19 +22,6 @@ from broker.plan import (
 )
 from broker.solver import greedy, solve
 from tests.broker.test_plan import brute_force, instances
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
-
-@pytest.fixture(scope="module")
-def bench() -> Iterator[ModuleType]:
-    sys.path.insert(0, str(BENCH))
-    try:
-        import placement_plan
-
-        yield placement_plan
-    finally:
-        sys.path.remove(str(BENCH))
 
 
 def hard_small(bench: ModuleType, seed: int, **shape: Any) -> dict[str, Any]:
