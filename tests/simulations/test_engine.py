@@ -3,13 +3,18 @@ the baselines, what-if edits, determinism."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
+from pydantic import ValidationError
 
-from simulations.engine import Simulation
+from broker.jobs import DataLocation, GpuRequest, JobSpec
+from simulations.engine import Simulation, job_like, unique_rows
 from simulations.queueing import mmc_waiting_time_s
 from simulations.scenario import load_scenario
 from sites.errors import ConfigError
@@ -491,3 +496,73 @@ def test_trace_replay_runs_each_row_as_given(scenario: Callable[..., Any], tmp_p
     per_gpu_hour = 2.5 + 8 * 0.02 + 64 * 0.003
     assert res["cost"]["total_usd"] == pytest.approx(14 * per_gpu_hour)
     assert set(res["cost"]["by_tenant"]) == {"a", "b"}
+
+
+def test_job_classes_are_the_distinct_rows_np_unique_gives() -> None:
+    # the engine's class keys and indices: np.unique of the columns' record array, the
+    # reference it replaced (same keys, same order, same index per job)
+    rng = np.random.default_rng(7)
+    n = 5_000
+    columns: list[npt.NDArray[Any]] = [
+        rng.integers(0, 9, n),
+        rng.integers(-1, 3, n),
+        rng.integers(0, 3, n).astype(np.int32),
+        rng.integers(-1, 2, n),
+        rng.choice([1, 8, 64], n).astype(np.int32),
+        rng.choice([0.0, 16.0, 32.5, -1.5], n),
+        rng.integers(0, 3, n).astype(np.int32),
+        rng.choice([0.0, 10.0, 2.25], n),
+        rng.integers(0, 2, n).astype(np.int8),
+        rng.integers(-1, 2, n),
+    ]
+    types = (int, int, int, int, int, float, int, float, int, int)
+    keys, inverse = np.unique(np.rec.fromarrays(columns), return_inverse=True)  # type: ignore[call-overload]
+    want_keys = [tuple(t(v) for t, v in zip(types, row, strict=True)) for row in keys.tolist()]
+    got_index, got_keys = unique_rows(columns, types)
+    assert got_keys == want_keys
+    assert got_index == inverse.ravel().tolist()
+    assert 100 < len(got_keys) < n  # repeats and distinct rows both
+    assert unique_rows([np.array([], dtype=int)], (int,)) == ([], [])
+
+
+def test_a_run_keeps_the_collector_off_and_leaves_next_to_no_cycles(
+    scenario: Callable[..., Any],
+) -> None:
+    # Simulation.run pauses the cyclic collector for its event loop; that is safe only while
+    # the events make no garbage cycles (per job, they would be thousands here)
+    sc = contended(scenario)
+    seen: list[bool] = []
+    sim = Simulation(sc)
+    sample = sim._sample
+
+    def watched() -> None:
+        seen.append(gc.isenabled())
+        sample()
+
+    sim._sample = watched  # type: ignore[method-assign]
+    gc.collect()
+    res = sim.run()
+    assert gc.isenabled()
+    assert seen and not any(seen)
+    assert res["jobs"]["arrived"] > 1_000 and res["jobs"]["migrations"] > 0
+    assert gc.collect() < 50  # 0 when written, for 1,164 jobs
+
+
+def test_each_job_is_its_class_template_copied_as_model_copy_copies_it() -> None:
+    template = JobSpec(
+        name="class-0",
+        tenant="ai-lab",
+        gpu=GpuRequest(count=2, model="H100"),
+        cpu=16,
+        mem_gb=64.0,
+        data=DataLocation(region="east", size_gb=3.0),
+        command=("simulated",),
+        max_retries=2,
+    )
+    got = job_like(template, "j7", 2.5)
+    want = template.model_copy(update={"name": "j7", "duration_hours": 2.5})
+    assert got == want and got.model_dump() == want.model_dump()
+    assert got.model_fields_set == want.model_fields_set
+    assert template.name == "class-0" and template.duration_hours != 2.5
+    with pytest.raises(ValidationError):  # frozen as the template is
+        got.name = "other"  # type: ignore[misc]
