@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from broker import pricing
 from broker.errors import InvalidRequest
+from broker.frozen import maker
 from broker.pricing import Breakdown
 from sites.config import field_path
 
@@ -592,6 +593,9 @@ class Candidate:
     cost_int: int
 
 
+_candidate = maker(Candidate)  # Candidate(...) at a plain dataclass's cost: one per option
+
+
 def candidates(problem: PlanProblem) -> list[list[Candidate]]:
     """Per job (input order): its feasible options minus dominated ones, cheapest first (a
     stable sort: equal costs keep `feasible_options`' order). Priced by `problem.options`:
@@ -621,8 +625,9 @@ def _candidate_row(
     cost_row = costs.tolist()
     int_row = scaled.tolist()
     sites, models = shape.sites, shape.models
+    make = _candidate
     return [
-        Candidate(sites[k], models[k], cost_row[k], int_row[k])
+        make(sites[k], models[k], cost_row[k], int_row[k])
         for k in order.tolist()
         if keep_all or cost_row[k] < penalty
     ]
@@ -656,7 +661,10 @@ class OptionTable:
         for j, job in enumerate(problem.jobs):
             by_key[_shape_key(job)].append(j)
         self.site_pos = {site.id: i for i, site in enumerate(problem.sites)}
-        self.shapes = [_price_shape(problem, members, self.site_pos) for members in by_key.values()]
+        rates = _site_rates(problem)
+        self.shapes = [
+            _price_shape(problem, members, self.site_pos, rates) for members in by_key.values()
+        ]
         where = {j: (shape, row) for shape in self.shapes for row, j in enumerate(shape.jobs)}
         self.shape_of = [where[j] for j in range(len(problem.jobs))]
 
@@ -776,13 +784,51 @@ def _shape_key(job: Job) -> tuple[Any, ...]:
     )
 
 
-def _price_shape(problem: PlanProblem, members: list[int], site_pos: Mapping[str, int]) -> Shape:
+class _SiteRates(NamedTuple):
+    """A site's figures that every shape's pricing reads, worked out once per problem."""
+
+    site: Site
+    cpu_milli: int
+    mem_milli: int
+    cpu_rate: float  # USD per core-hour, energy and carbon priced in (pricing.green_rate)
+    gpu: dict[str, tuple[float, int]]  # model -> (USD per device-hour, priced in; devices)
+
+
+def _site_rates(problem: PlanProblem) -> list[_SiteRates]:
+    tonne = problem.carbon_usd_per_tonne
+    out = []
+    for site in problem.sites:
+        cap, price = site.capacity, site.price
+        gpu = {
+            name: (
+                pricing.green_rate(
+                    rate,
+                    price.energy_gpu_hour.get(name, 0.0),
+                    price.co2_kg_gpu_hour.get(name, 0.0),
+                    tonne,
+                ),
+                cap.gpu.get(name, 0),
+            )
+            for name, rate in price.gpu_hour.items()
+        }
+        cpu_rate = pricing.green_rate(
+            price.cpu_hour, price.energy_cpu_hour, price.co2_kg_cpu_hour, tonne
+        )
+        out.append(_SiteRates(site, to_milli(cap.cpu), to_milli(cap.mem_gb), cpu_rate, gpu))
+    return out
+
+
+def _price_shape(
+    problem: PlanProblem,
+    members: list[int],
+    site_pos: Mapping[str, int],
+    site_rates: Sequence[_SiteRates],
+) -> Shape:
     """`feasible_options` of the shape's jobs, each with `job_parts`' hourly rate, egress and
-    latency terms, and every member's costs."""
+    latency terms, and every member's costs. `site_rates`: _site_rates(problem)."""
     job = problem.jobs[members[0]]
     cpu, mem = to_milli(job.cpu), to_milli(job.mem_gb)
     count = job.gpu.count
-    tonne = problem.carbon_usd_per_tonne
     sites: list[str] = []
     models: list[str | None] = []
     index: list[int] = []
@@ -791,9 +837,9 @@ def _price_shape(problem: PlanProblem, members: list[int], site_pos: Mapping[str
     fixed_e: list[float] = []
     fixed_l: list[float] = []
     terms: dict[str, tuple[bool, float, float]] = {}  # region -> allowed, egress, latency
-    for site in problem.sites:
-        cap = site.capacity
-        if to_milli(cap.cpu) < cpu or to_milli(cap.mem_gb) < mem:
+    job_cpu, job_mem, wanted = job.cpu, job.mem_gb, job.gpu.models
+    for site, cpu_milli, mem_milli, cpu_rate, gpu in site_rates:
+        if cpu_milli < cpu or mem_milli < mem:
             continue
         term = terms.get(site.region)
         if term is None:
@@ -801,37 +847,26 @@ def _price_shape(problem: PlanProblem, members: list[int], site_pos: Mapping[str
         allowed, egress, latency = term
         if not allowed:
             continue
-        price = site.price
-        cpu_rate = pricing.green_rate(
-            price.cpu_hour, price.energy_cpu_hour, price.co2_kg_cpu_hour, tonne
-        )
+        mem_rate = site.price.mem_gb_hour
         if count == 0:
             options: list[tuple[str | None, float, float]] = [
-                (
-                    None,
-                    pricing.hourly_usd(job.cpu, job.mem_gb, cpu_rate, price.mem_gb_hour),
-                    cap.cpu,
-                )
+                (None, pricing.hourly_usd(job_cpu, job_mem, cpu_rate, mem_rate), site.capacity.cpu)
             ]
         else:
             options = []
-            for name in job.gpu.models:
-                if name not in price.gpu_hour or cap.gpu.get(name, 0) < count:
+            for name in wanted:
+                got = gpu.get(name)
+                if got is None or got[1] < count:
                     continue
-                gpu_rate = pricing.green_rate(
-                    price.gpu_hour[name],
-                    price.energy_gpu_hour.get(name, 0.0),
-                    price.co2_kg_gpu_hour.get(name, 0.0),
-                    tonne,
-                )
-                rate = pricing.hourly_usd(
-                    job.cpu, job.mem_gb, cpu_rate, price.mem_gb_hour, count, gpu_rate
-                )
-                options.append((name, rate, cap.gpu.get(name, 0)))
+                gpu_rate, devices = got
+                rate = pricing.hourly_usd(job_cpu, job_mem, cpu_rate, mem_rate, count, gpu_rate)
+                options.append((name, rate, devices))
+        site_id = site.id
+        at = site_pos[site_id]
         for model, rate, have in options:
-            sites.append(site.id)
+            sites.append(site_id)
             models.append(model)
-            index.append(site_pos[site.id])
+            index.append(at)
             free.append(have)
             hourly.append(rate)
             fixed_e.append(egress)
