@@ -43,6 +43,7 @@ SIFT_ADD = 4  # options per job (most negative reduced cost) added in a round
 # sifting stops when its restricted LP is this close (relative) to the Lagrangian bound: the
 # tail of rounds then moves neither the guide nor the bound by anything a plan can tell
 SIFT_GAP = 2e-4
+SIFT_STALL_ROUNDS = 2  # relax(stall=...): rounds over which the objective must have moved
 PRICE_TOLERANCE = 1e-9  # relative: an option joins the LP when its reduced cost is below this
 BOUND_SLACK = 1e-9  # relative: float64 sums of ~1e5 terms are good to ~1e-12; kept well off
 FloatArray = npt.NDArray[np.float64]
@@ -232,12 +233,16 @@ def relax(
     first: int | None = SIFT_FIRST,
     start: Mapping[str, Assignment] | None = None,
     threads: int = 1,
+    stall: float | None = None,
 ) -> Relaxation | None:
     """The LP relaxation by HiGHS's dual simplex, by sifting: the LP over each job's `first`
     cheapest options (None: all) and those `start` uses, then the options of negative reduced
     cost added and the LP solved again from its basis, until none is left or the time is up.
     Every round's duals give a Lagrangian bound over all options (module docstring); the best
-    is kept. None when not even the first round finished in `time_limit_s`."""
+    is kept. `stall`: also stop once the restricted LP's objective moved by less than this
+    share over the last SIFT_STALL_ROUNDS rounds (the guide no longer changes; the bound is
+    then that of the best round so far). None when not even the first round finished in
+    `time_limit_s`."""
     deadline = time.monotonic() + time_limit_s
     model = _Model(problem, cands)
     n = len(model.cost)
@@ -261,6 +266,7 @@ def relax(
     h.passModel(lp)
     best: tuple[float, FloatArray, FloatArray] | None = None
     optimal = False
+    objectives: list[float] = []  # the restricted LP's, round by round
     while True:
         h.run()
         solved = h.getModelStatus() == highspy.HighsModelStatus.kOptimal
@@ -280,6 +286,13 @@ def relax(
         objective = float(h.getInfo().objective_function_value)
         if objective - best[0] <= SIFT_GAP * max(1.0, abs(objective)):
             break  # within SIFT_GAP of the LP's optimum: good enough to guide and bound
+        objectives.append(objective)
+        if (
+            stall is not None
+            and len(objectives) > SIFT_STALL_ROUNDS
+            and objectives[-1 - SIFT_STALL_ROUNDS] - objective <= stall * abs(objective)
+        ):
+            break  # the restricted LP's objective no longer moves: only the bound would
         active[add] = True
         h.setOptionValue("presolve", "off")  # from the last basis: a few pivots
         h.changeColsBounds(

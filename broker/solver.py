@@ -33,7 +33,8 @@ Search, each step starting from the cheapest valid plan so far (docs/placement.m
    job's cheapest option that still fits, then a move/insert pass. The fallback.
 2. The LP relaxation of the model (broker.highs.relax: HiGHS's dual simplex, sifted from each
    job's cheapest options and greedy's): a bound, and a guide, as it is nearly integral for
-   this assignment structure: whole LP placements first, options by LP value.
+   this assignment structure: whole LP placements first, options by LP value. On a large
+   model without a gap limit the sifting stops once its objective stalls (SIFT_STALL).
 3. The caller's `hint`, when it is a valid plan.
 4. Up to FULL_MODEL_OPTIONS options: CP-SAT on sub-models, RENS (the LP's support; small,
    closed in well under a second), then the support plus each job's NEIGHBOURS options of
@@ -94,6 +95,13 @@ MAX_OBJECTIVE = 2**60  # CP-SAT needs the objective's range to fit int64 with ro
 AGGREGATE_COLUMNS = 0.25
 AGGREGATE_SHARE = 0.3
 LP_SHARE = 0.6  # the LP relaxation may use this share of the remaining time budget
+# above FULL_MODEL_OPTIONS and without a gap limit (`cpn plan`), the sifting stops once its
+# objective moved less than SIFT_STALL (relative) over broker.highs.SIFT_STALL_ROUNDS rounds:
+# the guide is then as good as the optimum's, and only the bound would still creep up, round
+# by round, on time the HiGHS steps need (bench/plan_family.py's `wide`: 2.2 -> 0.64 %); it
+# may use LP_STALL_SHARE of the time left, as it usually stops well before
+SIFT_STALL = 1e-4
+LP_STALL_SHARE = 0.7
 RENS_SHARE = 0.4  # of the time left: the sub-model over the LP's support
 NEIGHBOURHOOD_SHARE = 0.5  # of the time left: the support plus NEIGHBOURS options per job
 NEIGHBOURS = 5  # options of least LP reduced cost added per job in the wider sub-model
@@ -511,7 +519,9 @@ def solve(
     if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):
         return _result(problem, best, bound, proven=best.objective <= bound)
     total = sum(len(row) for row in cands)
-    relaxed = relax(problem, cands, LP_SHARE * left(), start=best.plan)
+    stall = SIFT_STALL if total > FULL_MODEL_OPTIONS and gap_limit is None else None
+    share = LP_SHARE if stall is None else LP_STALL_SHARE
+    relaxed = relax(problem, cands, share * left(), start=best.plan, stall=stall)
     if relaxed is not None:
         bound = max(bound, relaxed.bound)
         best.offer(_assignments(problem, _lp_guided(problem, cands, relaxed)))

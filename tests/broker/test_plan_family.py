@@ -158,3 +158,51 @@ def test_gap_limit_stops_cp_sat_within_the_gap_and_repeats_itself(
     assert targets and all(t is not None for t in targets)  # CP-SAT ran, with a target
     if first.status.value == "optimal":  # claimed only when the bound meets the plan
         assert first.objective - first.bound <= len(prob.jobs) / 10_000
+
+
+def test_sifting_stops_once_its_objective_stalls_with_an_honest_bound(bench: ModuleType) -> None:
+    # stall=1.0: any two rounds move the restricted LP by less than its objective, so the
+    # sifting stops at the first round the rule may look at (SIFT_STALL_ROUNDS + 1 recorded)
+    shape = bench.Shape(regions=6, group_share=0.3, demand=1.7, models=(1, 3))
+    prob = load_problem(bench.generate(1000, 40, 2, shape))
+    cands = candidates(prob)
+    rounds: list[int] = []
+    entering = highs._entering
+
+    def counted(*args: Any) -> Any:
+        rounds.append(1)
+        return entering(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(highs, "_entering", counted)
+        full = highs.relax(prob, cands, 30)
+        n_full = len(rounds)
+        rounds.clear()
+        stalled = highs.relax(prob, cands, 30, stall=1.0)
+    assert full is not None and stalled is not None
+    assert n_full > highs.SIFT_STALL_ROUNDS + 1  # the rule really cut rounds
+    assert len(rounds) == highs.SIFT_STALL_ROUNDS + 1
+    assert not stalled.optimal
+    assert stalled.bound <= full.bound  # a Lagrangian bound of earlier duals: weaker, still true
+    assert len(stalled.x) == len(prob.jobs)
+
+
+def test_cpn_plan_stalls_its_lp_on_large_models_and_the_batch_pass_does_not(
+    bench: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the stall rule trades the LP's bound for time left to the HiGHS steps: for `cpn plan`
+    # (no gap limit) above FULL_MODEL_OPTIONS; a pass with a gap limit stops on that bound
+    prob = load_problem(hard_small(bench, 1))
+    seen: list[float | None] = []
+    relax = solver.relax
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get("stall"))
+        return relax(*args, **kwargs)
+
+    monkeypatch.setattr(solver, "relax", recorded)
+    monkeypatch.setattr(solver, "FULL_MODEL_OPTIONS", 10)
+    for gap_limit in (None, 0.0):
+        result = solve(prob, time_limit_s=5, workers=1, gap_limit=gap_limit)
+        assert evaluate(prob, result.assignments)[1] == []
+    assert seen == [solver.SIFT_STALL, None]
