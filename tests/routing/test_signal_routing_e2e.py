@@ -201,11 +201,17 @@ async def test_routing_follows_queue_depth_prefix_affinity_and_stale_signals(
         await wait_for(endpoint("alpha", lambda ep: (ep.in_flight, ep.queue) == (4, 1)), timeout=5)
         plain = await gateway.route()
         assert plain["site"] == "beta", plain["reasons"]
-        # beta is reached through alpha too, so alpha is nearer by less than the access links'
-        assert any(
-            r.startswith("alpha is ") and "ms nearer but lost on its queue" in r
-            for r in plain["reasons"]
-        ), plain["reasons"]
+        # beta is reached through alpha too, so alpha is nearer by less than the access links':
+        # by the measured alpha-beta link, a loopback one (0.036 ms in a quiet run). A CI run
+        # saw a tie (no why-not reason: no site was nearer), so the reason is asked only when
+        # alpha is strictly nearer; queue depth beating RTT is the site's check above
+        network = {c["site"]: c["network_ms"] for c in plain["candidates"]}
+        assert network["alpha"] <= network["beta"], plain["candidates"]
+        if network["alpha"] < network["beta"]:
+            assert any(
+                r.startswith("alpha is ") and "ms nearer but lost on its queue" in r
+                for r in plain["reasons"]
+            ), plain["reasons"]
         spilled = await gateway.route({"prompt": ours, "max_tokens": 2})
         assert (spilled["site"], spilled["home"]) == ("beta", "alpha"), spilled["reasons"]
         assert "spilled from the prefix's home alpha" in spilled["reasons"][0]
