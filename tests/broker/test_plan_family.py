@@ -30,6 +30,20 @@ def hard_small(bench: ModuleType, seed: int, **shape: Any) -> dict[str, Any]:
     return data
 
 
+def keyword_of_calls(monkeypatch: pytest.MonkeyPatch, name: str, keyword: str) -> list[Any]:
+    """broker.solver's `name`, wrapped for the test: the list it returns gets the `keyword`
+    argument of every call (None when not given)."""
+    seen: list[Any] = []
+    original = getattr(solver, name)
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs.get(keyword))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(solver, name, recorded)
+    return seen
+
+
 def test_generator_is_deterministic_per_seed_and_shape(bench: ModuleType) -> None:
     assert hard_small(bench, 1) == hard_small(bench, 1)
     assert hard_small(bench, 1) != hard_small(bench, 2)
@@ -142,14 +156,7 @@ def test_gap_limit_stops_cp_sat_within_the_gap_and_repeats_itself(
     # a hard small instance: greedy and the LP's rounding are not within 0.2 %, so the CP-SAT
     # sub-models run and stop at the first plan within it (one worker: the same every time)
     prob = load_problem(hard_small(bench, 1))
-    targets: list[int | None] = []
-    cp_solve = solver._cp_solve
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        targets.append(kwargs.get("stop_at"))
-        return cp_solve(*args, **kwargs)
-
-    monkeypatch.setattr(solver, "_cp_solve", counted)
+    targets = keyword_of_calls(monkeypatch, "_cp_solve", "stop_at")
     first = solve(prob, time_limit_s=10, workers=1, gap_limit=0.002)
     again = solve(prob, time_limit_s=10, workers=1, gap_limit=0.002)
     assert evaluate(prob, first.assignments)[1] == []
@@ -193,14 +200,7 @@ def test_cpn_plan_stalls_its_lp_on_large_models_and_the_batch_pass_does_not(
     # the stall rule trades the LP's bound for time left to the HiGHS steps: for `cpn plan`
     # (no gap limit) above FULL_MODEL_OPTIONS; a pass with a gap limit stops on that bound
     prob = load_problem(hard_small(bench, 1))
-    seen: list[float | None] = []
-    relax = solver.relax
-
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs.get("stall"))
-        return relax(*args, **kwargs)
-
-    monkeypatch.setattr(solver, "relax", recorded)
+    seen = keyword_of_calls(monkeypatch, "relax", "stall")
     monkeypatch.setattr(solver, "FULL_MODEL_OPTIONS", 10)
     for gap_limit in (None, 0.0):
         result = solve(prob, time_limit_s=5, workers=1, gap_limit=gap_limit)
