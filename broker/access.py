@@ -161,6 +161,19 @@ def _refusal(status: int, code: str, message: str, field: str = "Authorization")
     return web.json_response(body, status=status, headers=headers)
 
 
+def new_request_id(given: str) -> str:
+    """The request's id: the client's X-Request-Id when it is a sane one, else a new one."""
+    return given if _REQUEST_ID_RE.match(given) else secrets.token_hex(8)
+
+
+def authorize(access: Access, permission: Permission, authorization: str | None) -> Principal:
+    """The caller of an Authorization header, allowed `permission`; Unauthorized or Forbidden
+    else (auth_middleware, and the inference lane's guard: broker.inference)."""
+    who = access.tokens.authenticate(authorization, access.clock())
+    who.check(permission)
+    return who
+
+
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = _route_key(request)
@@ -174,9 +187,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if not access.enabled:
             request[PRINCIPAL] = ANONYMOUS
             return await handler(request)
-        who = access.tokens.authenticate(request.headers.get("Authorization"), access.clock())
+        who = authorize(access, permission, request.headers.get("Authorization"))
         request[PRINCIPAL] = who
-        who.check(permission)
         if who.tenant is not None:
             # an inference token names its tenant: rate limits and policy key on it, not
             # on whatever X-Cpn-Tenant the client sends (routing.proxy reads it here)
@@ -196,8 +208,7 @@ def audit_middleware_for(
 
     @web.middleware
     async def audit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-        given = request.headers.get(REQUEST_ID, "")
-        request_id = given if _REQUEST_ID_RE.match(given) else secrets.token_hex(8)
+        request_id = new_request_id(request.headers.get(REQUEST_ID, ""))
         key = _route_key(request)
         if request.method not in _CHANGES or key is None or key[1] in _NOT_CHANGES:
             response = await errors(request, handler)

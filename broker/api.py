@@ -136,16 +136,21 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         response = error(410, "expired", str(exc), "continue")
     except RegistryUnavailable as exc:
         response = error(503, "registry_unavailable", str(exc))
-    metric = broker.metrics.http_requests
+    count_request(broker.metrics.http_requests, request.method, route, response.status)
+    return response
+
+
+def count_request(metric: Counter, method: str, route: str, status: int) -> None:
+    """One answered API request, on `metric` (cpn_http_requests_total) by (method, route,
+    status); routing.lane's guard counts its requests here too (broker.inference)."""
     children = _REQUEST_COUNTERS.get(metric)
     if children is None:
         children = _REQUEST_COUNTERS[metric] = {}
-    key = (request.method, route, response.status)
+    key = (method, route, status)
     child = children.get(key)
     if child is None:
-        child = children[key] = metric.labels(request.method, route, str(response.status))
+        child = children[key] = metric.labels(method, route, str(status))
     child.inc()
-    return response
 
 
 class RouteRequest(BaseModel):

@@ -8,11 +8,22 @@ ejections feed back into selection; an active checker GETs every endpoint's /hea
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import Counter
 
+from broker.access import (
+    ACCESS,
+    AUTH,
+    REQUEST_ID,
+    Access,
+    authorize,
+    new_request_id,
+)
+from broker.api import count_request
+from broker.auth import Forbidden, Unauthorized
 from broker.errors import InvalidRequest, NotFound
 from broker.openapi import JSON, Operation, Param, Reply, register
 from broker.router import Router
@@ -24,6 +35,7 @@ from routing.health import (
     HealthCheckSettings,
     OutlierDetector,
 )
+from routing.lane import Admission, Refusal
 from routing.prefix import PREFIX_HEADER
 from routing.proxy import (
     REGION_HEADER,
@@ -40,6 +52,7 @@ from routing.ratelimit import RateLimit, TenantLimiter
 from routing.upstream import UpstreamPool
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+INFER_ROUTE = "/v1/infer/{service}/{path}"  # the route's canonical form, as metrics label it
 
 
 class Gateway:
@@ -171,6 +184,46 @@ class Gateway:
             return await self.proxy.handle(request)
 
         register(app, infer_operation(handle))
+
+    def guard(self, app: web.Application) -> LaneGuard:
+        """What the API's middlewares do for /v1/infer, for the inference lane (routing.lane)."""
+        return LaneGuard(app[AUTH], self.broker.metrics.http_requests)
+
+
+class LaneGuard:
+    """routing.lane's Guard in the broker: for `/v1/infer` on the lane it does what the audit,
+    errors and auth middlewares do on aiohttp's route (broker.access, broker.api): the
+    caller's token and role (401/403 with the same bodies), the X-Request-Id on every
+    answer, and the request counter by (method, route, status)."""
+
+    def __init__(self, access: Access, requests: Counter) -> None:
+        self.access = access
+        self.requests = requests
+        self.permission = ACCESS[("*", INFER_ROUTE)]
+
+    def admit(self, headers: Mapping[bytes, bytes]) -> Admission | Refusal:
+        given = headers.get(b"x-request-id")
+        ids = ((REQUEST_ID, new_request_id(given.decode("latin-1") if given else "")),)
+        access = self.access
+        if not access.enabled:
+            return Admission(None, ids)
+        authorization = headers.get(b"authorization")
+        try:
+            who = authorize(
+                access,
+                self.permission,
+                authorization.decode("latin-1") if authorization is not None else None,
+            )
+        except Unauthorized as exc:
+            challenge = ("WWW-Authenticate", 'Bearer realm="cpn"')
+            return Refusal(401, "unauthorized", str(exc), "Authorization", (*ids, challenge))
+        except Forbidden as exc:
+            return Refusal(403, "forbidden", str(exc), exc.field, ids)
+        return Admission(who.tenant, ids)
+
+    def done(self, method: str, status: int) -> None:
+        if status:
+            count_request(self.requests, method, INFER_ROUTE, status)
 
 
 def infer_operation(handle: Handler) -> Operation:

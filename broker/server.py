@@ -20,6 +20,7 @@ from broker.service import Broker
 from broker.settings import BrokerSettings, load_settings
 from broker.tenants import load_tenancy
 from routing.clients import load_clients
+from routing.lane import LaneSite
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, site_files
 from sites.errors import ConfigError, Problem
@@ -95,16 +96,18 @@ async def serve(
     else:
         log.warning("no %s: inference routing is off", config_dir / "clients.yaml")
     app = make_app(broker, router)
+    gateway = None
     if router is not None:
         sources = {}
         if wan_emulated:  # emulated WAN: each client region's traffic leaves from its own address
             sources = router.clients.loopback_sources()
-        Gateway(
+        gateway = Gateway(
             broker=broker,
             router=router,
             settings=broker.settings.inference,
             client_source_ips=sources,
-        ).install(app)
+        )
+        gateway.install(app)
 
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
         await broker.start()
@@ -119,7 +122,19 @@ async def serve(
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, int(port), reuse_address=True, ssl_context=ssl_context)
+        site: web.TCPSite
+        if gateway is not None:  # /v1/infer on the inference lane, the rest on aiohttp
+            site = LaneSite(
+                runner,
+                host,
+                int(port),
+                proxy=lambda: gateway.proxy,
+                guard=gateway.guard(app),
+                reuse_address=True,
+                ssl_context=ssl_context,
+            )
+        else:
+            site = web.TCPSite(runner, host, int(port), reuse_address=True, ssl_context=ssl_context)
         await site.start()
         log.info("broker %s serving %s://%s", broker.instance, scheme, listen)
         print(f"broker serving {scheme}://{listen} (etcd {etcd})", flush=True)

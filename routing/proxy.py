@@ -44,6 +44,7 @@ the broker's CPU per proxied request.
 from __future__ import annotations
 
 import enum
+import json
 import logging
 from collections.abc import (
     Awaitable,
@@ -83,7 +84,12 @@ __all__ = [
     "UnknownRegion",
     "UnknownService",
     "Upstream",
+    "Exchange",
     "add_routes",
+    "error_body",
+    "forward_block",
+    "path_tail",
+    "response_lines",
     "may_retry",
     "upstream_key",
 ]
@@ -136,6 +142,8 @@ _NOT_FORWARDED_B = frozenset(name.encode() for name in _NOT_FORWARDED) | {
     b"x-forwarded-proto",
     b"x-forwarded-host",
 }
+# what an answer the proxy frames itself does not copy from the upstream's (response_lines)
+_NOT_RELAYED_B = _HOP_BY_HOP_B | {b"content-length"}
 
 
 class Upstream(NamedTuple):
@@ -207,11 +215,80 @@ def may_retry(failure: Failure, *, idempotent: bool) -> bool:
     return failure in (Failure.not_sent, Failure.busy) or idempotent
 
 
-def _error(
-    status: int, code: str, message: str, field: str | None = None, **headers: str
-) -> web.Response:
-    body = {"error": {"code": code, "message": message, "field": field}}
-    return web.json_response(body, status=status, headers=headers or None)
+Extra = Sequence[tuple[str, str]]
+"""Headers the proxy adds to an answer (X-Cpn-*, Retry-After): (name, value), ASCII."""
+RawHeaders = Sequence[tuple[bytes, bytes]]
+
+
+class Exchange(Protocol):
+    """One request and its answer, as the proxy's core (`InferenceProxy.serve`) sees them.
+
+    Two implement it: `_WebExchange` over aiohttp's server (`InferenceProxy.handle`, the
+    route add_routes registers) and routing.lane's, which parses the request itself. The
+    request side is plain attributes, read once; the answer is one `refuse`, or one `answer`,
+    or `start`, any `send`s, then `finish` (or `cut`)."""
+
+    method: str
+    path: str  # as received, for logs
+    service: str  # the {service} segment of /v1/infer/{service}/...
+    tail: bytes  # the raw (percent-encoded) path after /v1/infer/{service}/, with the query
+    region_hint: str  # header X-Cpn-Client-Region, stripped; "" when absent
+    remote: str | None  # the peer's address
+    tenant: str  # the authenticated tenant, else header X-Cpn-Tenant, else "anonymous"
+    session_key: str | None  # header X-Cpn-Session, else cookie cpn-session
+    prefix_header: str | None  # header X-Cpn-Prefix-Key as sent
+    idempotent: bool  # an idempotent method, or an Idempotency-Key header
+
+    def forward_headers(self) -> bytes:
+        """The request's headers for the upstream hop (see `forward_block`)."""
+
+    async def read_body(self, limit: int) -> bytes | None:
+        """The whole body; None when it is over `limit` bytes."""
+
+    def refuse(
+        self, status: int, code: str, message: str, field: str | None, headers: Extra = ()
+    ) -> None:
+        """Answer with the JSON error `{"error": {"code", "message", "field"}}`."""
+
+    async def answer(
+        self, status: int, reason: str, headers: RawHeaders, extra: Extra, body: bytes
+    ) -> bool:
+        """Answer whole: the upstream's headers (hop-by-hop ones dropped), `extra`, `body`.
+        False when the client left."""
+
+    async def start(
+        self, status: int, reason: str, headers: RawHeaders, extra: Extra, length: int | None
+    ) -> bool:
+        """Start a streamed answer (`length`: the upstream's Content-Length, if it sent one).
+        False when the client left."""
+
+    async def send(self, chunk: bytes) -> bool:
+        """One piece of a streamed body. False when the client left."""
+
+    async def finish(self) -> None:
+        """End a streamed answer."""
+
+    def cut(self) -> None:
+        """Drop the client's connection: a stream broke halfway (no silently short body)."""
+
+
+class _Refusal(Exception):
+    """Raised inside InferenceProxy.serve to answer with a JSON error before any answer."""
+
+    def __init__(
+        self, status: int, code: str, message: str, field: str | None, headers: Extra = ()
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.field = field
+        self.headers = headers
+
+
+def error_body(code: str, message: str, field: str | None) -> bytes:
+    """The JSON body of every error the proxy answers itself."""
+    return json.dumps({"error": {"code": code, "message": message, "field": field}}).encode()
 
 
 class _Ejections(Mapping[str, float]):
@@ -327,82 +404,86 @@ class InferenceProxy:
         return _Ejections(self.health, service, now)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        """aiohttp's handler for the route add_routes registers: `serve` over _WebExchange."""
+        exchange = _WebExchange(request)
+        await self.serve(exchange)
+        if exchange.response is None:
+            raise RuntimeError("unreachable: serve always answers")
+        return exchange.response
+
+    async def serve(self, exchange: Exchange) -> None:
+        """Proxy one request, as the module docstring says; its answer goes out by `exchange`."""
+        try:
+            await self._serve(exchange)
+        except _Refusal as no:
+            exchange.refuse(no.status, no.code, no.message, no.field, no.headers)
+
+    async def _serve(self, ex: Exchange) -> None:
         arrived = self.clock.monotonic()
-        service = request.match_info["service"]
-        region = self._client_region(request)
-        if isinstance(region, web.Response):
-            return region
-        tenant = (
-            request.get(TENANT_KEY)
-            or request.headers.get(TENANT_HEADER, "").strip()
-            or DEFAULT_TENANT
-        )
+        service = ex.service
+        region = self._client_region(ex)
+        tenant = ex.tenant
         if self.limiter is not None:
             decision = self.limiter.acquire(tenant, self.clock.monotonic())
             if not decision.allowed:
-                return _error(
+                raise _Refusal(
                     429,
                     "rate_limited",
                     f"tenant {tenant!r} is over its rate limit; retry in "
                     f"{decision.retry_after_s:.2f} s",
                     TENANT_HEADER,
-                    **{"Retry-After": decision.retry_after_header},
+                    (("Retry-After", decision.retry_after_header),),
                 )
-        body = await self._read_body(request)
-        if isinstance(body, web.Response):
-            return body
-        session_key = request.headers.get(SESSION_HEADER) or request.cookies.get(SESSION_COOKIE)
-        session_key = session_key or None
+        body = await ex.read_body(self.max_body_bytes)
+        if body is None:
+            raise _Refusal(
+                413, "too_large", f"request body over {self.max_body_bytes} bytes", "body"
+            )
+        session_key = ex.session_key or None
         prefix = None
         if self.prefix_chars > 0:
-            given = request.headers.get(PREFIX_HEADER)
+            given = ex.prefix_header
             prefix = header_key(given) if given is not None else prefix_key(body, self.prefix_chars)
 
         started = self.clock.monotonic()
         try:
             if prefix is None:
-                candidates = await self.pick(service, region, session_key or None)
+                candidates = await self.pick(service, region, session_key)
             else:
-                candidates = await self.pick(
-                    service, region, session_key or None, prefix_key=prefix
-                )
+                candidates = await self.pick(service, region, session_key, prefix_key=prefix)
         except UnknownRegion as exc:
-            return _error(400, "unknown_region", str(exc), REGION_HEADER)
+            raise _Refusal(400, "unknown_region", str(exc), REGION_HEADER) from None
         except UnknownService as exc:
-            return _error(404, "unknown_service", str(exc), "service")
+            raise _Refusal(404, "unknown_service", str(exc), "service") from None
         route_ms = f"{(self.clock.monotonic() - started) * 1000:.3f}"
 
         if not candidates:
             if self.known_services is not None and service not in self.known_services():
-                return _error(
+                raise _Refusal(
                     404, "unknown_service", f"no service named {service!r}", "service",
-                    **{"X-Cpn-Route-Ms": route_ms},
+                    (("X-Cpn-Route-Ms", route_ms),),
                 )  # fmt: skip
             if self.traffic is not None and region is not None:
                 self.traffic.request(service, region)  # demand nobody could serve counts too
-            return _error(
+            raise _Refusal(
                 503, "no_capacity",
-                f"no site can take a {service!r} request from region {region!r} now",
-                **{"X-Cpn-Route-Ms": route_ms, "Retry-After": "1"},
+                f"no site can take a {service!r} request from region {region!r} now", None,
+                (("X-Cpn-Route-Ms", route_ms), ("Retry-After", "1")),
             )  # fmt: skip
         if self.traffic is not None and region is not None:
             self.traffic.request(service, region)
-        response = await self._forward(
-            request, service, candidates, body, route_ms, region, arrived
-        )
-        site = response.headers.get("X-Cpn-Site")
+        site = await self._forward(ex, service, candidates, body, route_ms, region, arrived)
         if self.observe is not None and site is not None:
             self.observe(region or "none", site, self.clock.monotonic() - arrived)
-        return response
 
-    def _client_region(self, request: web.Request) -> str | None | web.Response:
-        region = request.headers.get(REGION_HEADER, "").strip()
-        if not region and self.resolve_region is not None and request.remote:
-            region = self.resolve_region(request.remote) or ""
+    def _client_region(self, ex: Exchange) -> str | None:
+        region = ex.region_hint
+        if not region and self.resolve_region is not None and ex.remote:
+            region = self.resolve_region(ex.remote) or ""
         if not region:
             if not self.require_region:
                 return None
-            return _error(
+            raise _Refusal(
                 400,
                 "missing_region",
                 f"say where the client is: header {REGION_HEADER}, or connect from an address "
@@ -410,36 +491,21 @@ class InferenceProxy:
                 REGION_HEADER,
             )
         if self.known_regions is not None and region not in self.known_regions():
-            return _error(400, "unknown_region", f"no client region {region!r}", REGION_HEADER)
+            raise _Refusal(400, "unknown_region", f"no client region {region!r}", REGION_HEADER)
         return region
-
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        limit = self.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            return _too_large(limit)
-        content = request.content
-        if content.is_eof() and content.exception() is None:
-            body = content.read_nowait()  # all of it came with the headers: no read loop
-            return _too_large(limit) if len(body) > limit else body
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                return _too_large(limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     async def _forward(
         self,
-        request: web.Request,
+        ex: Exchange,
         service: str,
         candidates: Sequence[Upstream],
         body: bytes,
         route_ms: str,
         region: str | None = None,
         arrived: float = 0.0,
-    ) -> web.StreamResponse:
+    ) -> str | None:
+        """Try the candidates and relay the answer; the site that answered (None if none was
+        usable)."""
         now = self.clock.time()
         usable: list[Upstream] = []
         for candidate in candidates:  # the first max_attempts usable ones, checking no more
@@ -448,16 +514,16 @@ class InferenceProxy:
                 if len(usable) == self.max_attempts:
                     break
         if not usable:
-            return _error(
+            raise _Refusal(
                 503, "no_capacity",
                 f"every site for {service!r} ({', '.join(u.site for u in candidates)}) is "
-                "ejected or failing health checks",
-                **{"X-Cpn-Route-Ms": route_ms, "X-Cpn-Attempts": "0", "Retry-After": "1"},
+                "ejected or failing health checks", None,
+                (("X-Cpn-Route-Ms", route_ms), ("X-Cpn-Attempts", "0"), ("Retry-After", "1")),
             )  # fmt: skip
-        idempotent = request.method in IDEMPOTENT_METHODS or "Idempotency-Key" in request.headers
-        headers = _forward_headers(request)
-        tail = _path_tail(request).encode("utf-8", "surrogateescape")
-        method = request.method.encode("ascii")
+        idempotent = ex.idempotent
+        headers = ex.forward_headers()
+        tail = ex.tail
+        method = ex.method.encode("ascii")
         attempt: _Attempt | None = None
         attempts = 0
         for upstream in usable:
@@ -468,7 +534,7 @@ class InferenceProxy:
                     continue  # ejected by a concurrent request meanwhile
                 log.info(
                     "%s %s: %s on %s (%s); trying %s",
-                    request.method, request.path, attempt.failure, attempt.upstream.site,
+                    ex.method, ex.path, attempt.failure, attempt.upstream.site,
                     attempt.detail, upstream.site,
                 )  # fmt: skip
                 if attempt.response is not None:
@@ -478,19 +544,23 @@ class InferenceProxy:
             attempts += 1
         if attempt is None:
             raise RuntimeError("unreachable: the first usable candidate is always tried")
-        extra = {
-            "X-Cpn-Site": attempt.upstream.site,
-            "X-Cpn-Attempts": str(attempts),
-            "X-Cpn-Route-Ms": route_ms,
-        }
+        site = attempt.upstream.site
+        extra = (
+            ("X-Cpn-Site", site),
+            ("X-Cpn-Attempts", str(attempts)),
+            ("X-Cpn-Route-Ms", route_ms),
+        )
         if attempt.response is None:
-            return _no_answer(attempt, extra)
+            status, code, message = _no_answer(attempt)
+            ex.refuse(status, code, message, None, extra)
+            return site
         try:
-            return await self._relay(
-                request, service, attempt.upstream, attempt.response, extra, region, arrived
+            await self._relay(
+                ex, service, attempt.upstream, attempt.response, extra, region, arrived
             )
         finally:
             self._finished(service, attempt.upstream)
+        return site
 
     def in_flight(self, service: str) -> dict[str, int]:
         """site -> requests of `service` this proxy has in flight there now (its own view:
@@ -573,43 +643,34 @@ class InferenceProxy:
 
     async def _relay(
         self,
-        request: web.Request,
+        ex: Exchange,
         service: str,
         upstream: Upstream,
         response: UpstreamResponse,
-        extra: dict[str, str],
+        extra: Extra,
         region: str | None = None,
         arrived: float = 0.0,
-    ) -> web.StreamResponse:
+    ) -> None:
         """Stream `response` to the client chunk by chunk; the client's first byte ends retries.
 
         A body that already arrived whole with the headers (a Content-Length answer of one
         segment, the common short completion) goes out with its headers in one write: the same
         bytes to the client, where streaming would send headers and body as two."""
         try:
-            headers = _response_headers(response.headers)
-            headers.extend(extra.items())
             status, reason = response.status, response.reason
             whole = (
                 None
-                if request.method == "HEAD" or status < 200 or status in (204, 304)
+                if ex.method == "HEAD" or status < 200 or status in (204, 304)
                 else response.whole_body()
             )
-            out = (
-                web.Response(body=whole, status=status, reason=reason, headers=headers)
-                if whole is not None
-                else web.StreamResponse(status=status, reason=reason, headers=headers)
-            )
             traffic = self.traffic if region is not None else None
-            try:
-                await out.prepare(request)
-                if whole is not None:
-                    await out.write_eof()
-                    if traffic is not None and region is not None:
-                        traffic.first_byte(service, region, self.clock.monotonic() - arrived)
-                    return out
-            except ConnectionError:
-                return out  # the client left before the answer
+            if whole is not None:
+                sent = await ex.answer(status, reason, response.headers, extra, whole)
+                if sent and traffic is not None and region is not None:
+                    traffic.first_byte(service, region, self.clock.monotonic() - arrived)
+                return
+            if not await ex.start(status, reason, response.headers, extra, response.content_length):
+                return  # the client left before the answer
             while True:
                 try:
                     chunk = await response.read_any()
@@ -620,23 +681,19 @@ class InferenceProxy:
                     self.health.report(key, False, self.clock.time())
                     log.warning(
                         "%s %s: upstream %s broke mid-stream (%s: %s); cutting the client off",
-                        request.method, request.path, upstream.site, type(exc).__name__, exc,
+                        ex.method, ex.path, upstream.site, type(exc).__name__, exc,
                     )  # fmt: skip
-                    if request.transport is not None:
-                        request.transport.close()
-                    return out
+                    ex.cut()
+                    return
                 if not chunk:
                     break
-                try:
-                    await out.write(chunk)
-                except ConnectionError:
-                    return out  # the client left; the finally drops the upstream connection
+                if not await ex.send(chunk):
+                    return  # the client left; the finally drops the upstream connection
                 if traffic is not None and region is not None:
                     # the first token of a stream: what the SLO is about
                     traffic.first_byte(service, region, self.clock.monotonic() - arrived)
                     traffic = None
-            await out.write_eof()
-            return out
+            await ex.finish()
         finally:
             if response.at_eof():
                 response.release()
@@ -644,22 +701,134 @@ class InferenceProxy:
                 response.close()
 
 
-def _too_large(limit: int) -> web.Response:
-    return _error(413, "too_large", f"request body over {limit} bytes", "body")
+class _WebExchange:
+    """An Exchange over aiohttp's server: the request as aiohttp parsed it; the answer is
+    `response`, which the route's handler returns."""
+
+    __slots__ = (
+        "request",
+        "response",
+        "method",
+        "path",
+        "service",
+        "tail",
+        "region_hint",
+        "remote",
+        "tenant",
+        "session_key",
+        "prefix_header",
+        "idempotent",
+    )
+
+    def __init__(self, request: web.Request) -> None:
+        headers = request.headers
+        self.request = request
+        self.response: web.StreamResponse | None = None
+        self.method = request.method
+        self.path = request.path
+        self.service = request.match_info["service"]
+        self.tail = path_tail(request.raw_path).encode("utf-8", "surrogateescape")
+        self.region_hint = headers.get(REGION_HEADER, "").strip()
+        self.remote = request.remote
+        self.tenant = (
+            request.get(TENANT_KEY) or headers.get(TENANT_HEADER, "").strip() or DEFAULT_TENANT
+        )
+        self.session_key = (
+            headers.get(SESSION_HEADER) or request.cookies.get(SESSION_COOKIE) or None
+        )
+        self.prefix_header = headers.get(PREFIX_HEADER)
+        self.idempotent = self.method in IDEMPOTENT_METHODS or "Idempotency-Key" in headers
+
+    def forward_headers(self) -> bytes:
+        request = self.request
+        return forward_block(
+            request.raw_headers,
+            request.remote,
+            request.scheme,
+            request.host.encode("utf-8", "surrogateescape"),
+        )
+
+    async def read_body(self, limit: int) -> bytes | None:
+        request = self.request
+        if request.content_length is not None and request.content_length > limit:
+            return None
+        content = request.content
+        if content.is_eof() and content.exception() is None:
+            body = content.read_nowait()  # all of it came with the headers: no read loop
+            return None if len(body) > limit else body
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def refuse(
+        self, status: int, code: str, message: str, field: str | None, headers: Extra = ()
+    ) -> None:
+        body = {"error": {"code": code, "message": message, "field": field}}
+        self.response = web.json_response(body, status=status, headers=dict(headers) or None)
+
+    async def answer(
+        self, status: int, reason: str, headers: RawHeaders, extra: Extra, body: bytes
+    ) -> bool:
+        out = _response_headers(headers)
+        out.extend(extra)
+        response = self.response = web.Response(
+            body=body, status=status, reason=reason, headers=out
+        )
+        try:
+            await response.prepare(self.request)
+            await response.write_eof()
+        except ConnectionError:
+            return False
+        return True
+
+    async def start(
+        self, status: int, reason: str, headers: RawHeaders, extra: Extra, length: int | None
+    ) -> bool:
+        del length  # the upstream's Content-Length, if any, is among `headers`
+        out = _response_headers(headers)
+        out.extend(extra)
+        response = self.response = web.StreamResponse(status=status, reason=reason, headers=out)
+        try:
+            await response.prepare(self.request)
+        except ConnectionError:
+            return False
+        return True
+
+    async def send(self, chunk: bytes) -> bool:
+        if self.response is None:
+            raise RuntimeError("send before start")
+        try:
+            await self.response.write(chunk)
+        except ConnectionError:
+            return False
+        return True
+
+    async def finish(self) -> None:
+        if self.response is None:
+            raise RuntimeError("finish before start")
+        try:
+            await self.response.write_eof()
+        except ConnectionError:
+            pass  # the client left at the very end
+
+    def cut(self) -> None:
+        if self.request.transport is not None:
+            self.request.transport.close()
 
 
-def _no_answer(attempt: _Attempt, extra: dict[str, str]) -> web.Response:
+def _no_answer(attempt: _Attempt) -> tuple[int, str, str]:
+    """(status, code, message) when no attempt got an answer."""
     site = attempt.upstream.site
     if attempt.failure is Failure.timeout:
-        return _error(504, "upstream_timeout", f"site {site!r} did not answer in time", **extra)
+        return 504, "upstream_timeout", f"site {site!r} did not answer in time"
     if attempt.failure is Failure.not_sent:
-        return _error(
-            502, "upstream_unreachable", f"cannot connect to site {site!r}: {attempt.detail}",
-            **extra,
-        )  # fmt: skip
-    return _error(
-        502, "upstream_error", f"site {site!r} failed the request: {attempt.detail}", **extra
-    )
+        return 502, "upstream_unreachable", f"cannot connect to site {site!r}: {attempt.detail}"
+    return 502, "upstream_error", f"site {site!r} failed the request: {attempt.detail}"
 
 
 def _connection_tokens(values: Sequence[bytes]) -> frozenset[bytes]:
@@ -705,30 +874,47 @@ def _response_headers_listed(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[s
     ]
 
 
-def _forward_headers(request: web.Request) -> bytes:
+def response_lines(raw: RawHeaders) -> bytes:
+    """The upstream's response headers as CRLF-terminated lines for a client answer the proxy
+    frames itself (routing.lane): minus hop-by-hop fields, those a Connection header lists,
+    and Content-Length (the framer writes its own)."""
+    skip = _NOT_RELAYED_B
+    for name, _ in raw:
+        if name.lower() == b"connection":
+            listed = [v for n, v in raw if n.lower() == b"connection"]
+            skip = skip | _connection_tokens(listed)
+            break
+    return b"".join([n + b": " + v + b"\r\n" for n, v in raw if n.lower() not in skip])
+
+
+def forward_block(raw: RawHeaders, remote: str | None, scheme: str, host: bytes) -> bytes:
     """The client's request headers for the upstream hop as CRLF-terminated lines: minus
-    hop-by-hop ones, Host and Content-Length (the pool sets both), plus X-Forwarded-*."""
-    raw = request.raw_headers
-    headers = request.headers
+    hop-by-hop ones, Host and Content-Length (the pool sets both), plus X-Forwarded-*
+    (`host`: the Host the client asked for)."""
     skip = _NOT_FORWARDED_B
-    if "Connection" in headers:
-        skip = skip | _connection_tokens([v for n, v in raw if n.lower() == b"connection"])
+    prior = None
+    for name, value in raw:
+        lower = name.lower()
+        if lower == b"connection":
+            listed = [v for n, v in raw if n.lower() == b"connection"]
+            skip = skip | _connection_tokens(listed)
+        elif lower == b"x-forwarded-for":
+            prior = value if prior is None else prior + b", " + value
     block = b"".join(
         [name + b": " + value + b"\r\n" for name, value in raw if name.lower() not in skip]
     )
-    peer = (request.remote or "unknown").encode()
-    prior = headers.get("X-Forwarded-For")
-    forwarded_for = prior.encode("utf-8", "surrogateescape") + b", " + peer if prior else peer
+    peer = (remote or "unknown").encode()
+    forwarded_for = prior + b", " + peer if prior else peer
     return block + b"X-Forwarded-For: %s\r\nX-Forwarded-Proto: %s\r\nX-Forwarded-Host: %s\r\n" % (
         forwarded_for,
-        request.scheme.encode(),
-        request.host.encode("utf-8", "surrogateescape"),
+        scheme.encode(),
+        host,
     )
 
 
-def _path_tail(request: web.Request) -> str:
+def path_tail(raw_path: str) -> str:
     """The raw (still percent-encoded) path after /v1/infer/{service}/, with the query."""
-    parts = request.raw_path.split("/", 4)  # ['', 'v1', 'infer', service, tail?query]
+    parts = raw_path.split("/", 4)  # ['', 'v1', 'infer', service, tail?query]
     return parts[4] if len(parts) == 5 else ""
 
 

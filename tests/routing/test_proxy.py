@@ -26,6 +26,7 @@ from routing.health import (
     OutlierDetector,
     OutlierSettings,
 )
+from routing.lane import LaneSite
 from routing.modelserver import ModelServerSettings, make_app
 from routing.proxy import (
     Failure,
@@ -142,8 +143,33 @@ class Harness:
 MakeProxy = Callable[..., Awaitable[Harness]]
 
 
+ServeProxy = Callable[[web.Application, InferenceProxy], Awaitable[str]]
+
+
+@pytest.fixture(params=["aiohttp", "lane"])
+async def serve_proxy(request: pytest.FixtureRequest) -> AsyncIterator[ServeProxy]:
+    """The proxy's app served as the broker serves it: through aiohttp's server alone, or
+    with routing.lane in front (every proxy test runs on both)."""
+    runners: list[web.AppRunner] = []
+
+    async def start(app: web.Application, proxy: InferenceProxy) -> str:
+        runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await runner.setup()
+        runners.append(runner)
+        if request.param == "lane":
+            site: web.TCPSite = LaneSite(runner, "127.0.0.1", 0, proxy=lambda: proxy, drain_s=0.5)
+        else:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+    yield start
+    for runner in reversed(runners):
+        await runner.cleanup()
+
+
 @pytest.fixture
-async def make_proxy(serve: Serve) -> AsyncIterator[MakeProxy]:
+async def make_proxy(serve_proxy: ServeProxy) -> AsyncIterator[MakeProxy]:
     sessions: list[aiohttp.ClientSession] = []
 
     async def make(
@@ -174,7 +200,7 @@ async def make_proxy(serve: Serve) -> AsyncIterator[MakeProxy]:
         proxy = InferenceProxy(pick=pick, health=detector, session=session, **settings)
         app = web.Application()
         add_routes(app, proxy)
-        return Harness(await serve(app), proxy, detector, picks)
+        return Harness(await serve_proxy(app, proxy), proxy, detector, picks)
 
     yield make
     for session in sessions:
