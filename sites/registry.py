@@ -709,6 +709,12 @@ class Registry:
             )
         )
         try:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # a cancellation that landed as etcd answered was lost in aetcd's wait_for
+                # (3.11 returns the answer instead); honour it, or the caller follows a watch
+                # that nothing stops any more
+                raise asyncio.CancelledError
             iterator = aiter(watch)
             while True:
                 try:

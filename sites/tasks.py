@@ -13,6 +13,11 @@ A root task that returns on its own is treated like a crash (a loop that must ru
 stopped). `healthy` is False while a task is down (between a crash and its restart), for
 `unhealthy_s` after any crash (so a probe that polls every few seconds still sees it), and
 for good once the supervisor failed. Cancellation is never a crash.
+
+Stopping is bounded: a task still running `stop_grace_s` after it was cancelled is cancelled
+once more (a cancellation can be lost: 3.11's `asyncio.wait_for`, which aetcd uses, returns a
+result that lands as the cancellation does, and the task runs on as if never asked), and one
+still running `stop_grace_s` after that is named in a warning and left, so `stop()` returns.
 """
 
 from __future__ import annotations
@@ -86,6 +91,9 @@ class Supervisor:
     on_crash: Callable[[Crash], Coroutine[Any, Any, None] | None] | None = None
     unhealthy_s: float = 30.0
     keep: int = 20  # crashes remembered
+    # seconds stop() waits for cancelled tasks, twice at most (module docstring); longer than
+    # any task's own bounded cleanup (a watch's cancel waits up to 1 s, sites.registry)
+    stop_grace_s: float = 5.0
     monotonic: Callable[[], float] = time.monotonic
     crashes: deque[Crash] = field(init=False)
     failed: asyncio.Event = field(init=False, default_factory=asyncio.Event)
@@ -136,16 +144,35 @@ class Supervisor:
         entry = self._entries.pop(name, None)
         if entry is None or entry.task is None:
             return
-        entry.task.cancel()
-        await asyncio.gather(entry.task, return_exceptions=True)
+        await self._halt({name: entry.task})
 
     async def stop(self) -> None:
-        """Cancel every task and wait for them (idempotent)."""
-        tasks = [e.task for e in self._entries.values() if e.task is not None]
+        """Cancel every task and wait for them (idempotent), at most 2 x stop_grace_s."""
+        tasks = {e.name: e.task for e in self._entries.values() if e.task is not None}
         self._entries.clear()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._halt(tasks)
+
+    async def _halt(self, tasks: dict[str, asyncio.Task[None]]) -> None:
+        """Cancel `tasks` and wait for them; again for those a cancellation did not stop."""
+        names = {task: name for name, task in tasks.items()}
+        pending = set(names)
+        for attempt in (1, 2):
+            for task in pending:
+                task.cancel()
+            if not pending:
+                break
+            _, pending = await asyncio.wait(pending, timeout=self.stop_grace_s)
+            for task in pending:
+                log.warning(
+                    "%s %s: still running %.1fs after it was cancelled; %s",
+                    self.owner,
+                    names[task],
+                    self.stop_grace_s,
+                    "cancelling it again" if attempt == 1 else "left running",
+                )
+        for task in names:
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved, so asyncio does not report it as never retrieved
 
     async def _run(self, entry: _Entry) -> None:
         while True:

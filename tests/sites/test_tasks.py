@@ -126,3 +126,90 @@ async def test_names_are_unique() -> None:
     with pytest.raises(ValueError, match="already runs"):
         sup.spawn("x", forever)
     await sup.stop()
+
+
+def _task(name: str) -> asyncio.Task[object]:
+    return next(t for t in asyncio.all_tasks() if t.get_name() == name)
+
+
+async def test_stop_cancels_again_a_task_that_lost_its_cancellation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The CI hang: a mirror's cancellation, lost in 3.11's wait_for inside aetcd, left
+    Broker.stop waiting on a watch that never ended. A second cancellation stops it."""
+    started = asyncio.Event()
+
+    async def deaf_once() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass  # lost, as wait_for loses one that lands together with the result
+        await asyncio.Event().wait()  # follows its watch on, as if never asked to stop
+
+    sup = Supervisor(owner="test", stop_grace_s=0.2)
+    sup.spawn("mirror /x/", deaf_once, restart=FAST)
+    await started.wait()
+    task = _task("test mirror /x/")
+    with caplog.at_level(logging.WARNING):
+        async with asyncio.timeout(2):  # a bound of 2 x stop_grace_s, with room for a slow CI
+            await sup.stop()
+    assert task.cancelled()
+    assert "test mirror /x/: still running 0.2s after it was cancelled; cancelling it again" in (
+        caplog.text
+    )
+    assert "left running" not in caplog.text
+    assert sup.status()["tasks"] == {}
+
+
+async def test_stop_returns_when_a_task_ignores_every_cancellation(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def deaf() -> None:
+        started.set()
+        while True:
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue
+            raise asyncio.CancelledError  # it gives in at last, so that the test leaves nothing
+
+    sup = Supervisor(owner="test", stop_grace_s=0.1)
+    sup.spawn("deaf", deaf)
+    await started.wait()
+    task = _task("test deaf")
+    with caplog.at_level(logging.WARNING):
+        async with asyncio.timeout(2):
+            await sup.stop()
+    assert not task.done()  # stop() returned all the same, and said which task it left
+    assert "test deaf: still running 0.1s after it was cancelled; cancelling it again" in (
+        caplog.text
+    )
+    assert "test deaf: still running 0.1s after it was cancelled; left running" in caplog.text
+    release.set()
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.cancelled() and not sup.failed.is_set()
+
+
+async def test_cancel_of_one_task_is_bounded_too(caplog: pytest.LogCaptureFixture) -> None:
+    started = asyncio.Event()
+
+    async def deaf_once() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            pass
+        await asyncio.Event().wait()
+
+    sup = Supervisor(owner="test", stop_grace_s=0.1)
+    sup.spawn("once", deaf_once)
+    await started.wait()
+    task = _task("test once")
+    with caplog.at_level(logging.WARNING):
+        async with asyncio.timeout(2):
+            await sup.cancel("once")
+    assert task.cancelled() and "test once: still running" in caplog.text
+    await sup.stop()
