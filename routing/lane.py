@@ -560,17 +560,23 @@ class _LaneConnection(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         pass  # the lane read the request line itself
 
+    # the parser's callbacks after the request's end belong to a pipelined one: dropped, and
+    # the connection closes after this answer (on_message_begin)
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange.on_header(name, value)
+        exchange = self.exchange
+        if exchange is not None and not exchange.complete:
+            exchange.on_header(name, value)
 
     def on_body(self, body: bytes) -> None:
-        if self.exchange is not None:
-            self.exchange.on_body(body)
+        exchange = self.exchange
+        if exchange is not None and not exchange.complete:
+            exchange.on_body(body)
 
     def on_message_complete(self) -> None:
-        if self.exchange is not None:
-            self.exchange.on_message_complete()
+        exchange = self.exchange
+        if exchange is not None:
+            exchange.on_message_complete()
 
     # -- serving ----------------------------------------------------------------------------------
 
@@ -605,9 +611,11 @@ class _LaneConnection(asyncio.Protocol):
             else:
                 self.closing = True
         finally:
-            if lane.guard is not None:
-                lane.guard.done(exchange.method, exchange.status)
-            self._next(exchange)
+            try:
+                if lane.guard is not None:
+                    lane.guard.done(exchange.method, exchange.status)
+            finally:
+                self._next(exchange)
 
     def _next(self, exchange: LaneExchange) -> None:
         """The answer is out: close, or read the next request."""
