@@ -141,7 +141,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 def count_request(metric: Counter, method: str, route: str, status: int) -> None:
-    """One answered API request, on `metric` (cpn_http_requests_total) by (method, route,
+    """One answered API request, on `metric` (cpn_broker_http_requests_total) by (method, route,
     status); routing.lane's guard counts its requests here too (broker.inference)."""
     children = _REQUEST_COUNTERS.get(metric)
     if children is None:

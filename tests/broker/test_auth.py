@@ -462,5 +462,28 @@ def test_an_inference_token_is_rate_limited_as_its_tenant(
                 fields.append(json.loads(exc.read())["error"]["field"])
         assert statuses == [404, 404, 429], statuses  # no site serves it; then over the limit
         assert fields[-1] == "X-Cpn-Tenant"
+        # the inference lane refuses as the API's middlewares do: 401 JSON, the challenge, the
+        # request's id; and counts its requests with the API's
+        bare = urllib.request.Request(
+            api.url + "/v1/infer/qwen-72b/v1/completions",
+            data=b"{}",
+            method="POST",
+            headers={"X-Cpn-Client-Region": "shanghai", "X-Request-Id": "trace-7"},
+        )
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(bare, timeout=10)
+        assert refused.value.code == 401
+        assert refused.value.headers["WWW-Authenticate"] == 'Bearer realm="cpn"'
+        assert refused.value.headers["X-Request-Id"] == "trace-7"
+        assert json.loads(refused.value.read())["error"]["field"] == "Authorization"
+        metrics = api.call("GET", "/metrics").body.decode()
+        route = 'route="/v1/infer/{service}/{path}"'
+        counted = {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("cpn_broker_http_requests_total{") and route in line
+        }
+        assert sum(v for k, v in counted.items() if 'status="404"' in k) == 2, counted
+        assert sum(v for k, v in counted.items() if 'status="401"' in k) == 1, counted
     finally:
         procs.stop_all()
