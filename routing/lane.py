@@ -250,14 +250,9 @@ class LaneExchange:
         head = [
             b"HTTP/1.1 %d %s\r\n" % (status, reason.encode("latin-1", "replace")),
             lines,
-            b"".join(
-                [b"%s: %s\r\n" % (n.encode(), v.encode("latin-1", "replace")) for n, v in extra]
-            ),
+            _header_lines(extra),
+            _header_lines(self.extra),  # the guard's
         ]
-        if self.extra:
-            head.append(
-                b"".join([b"%s: %s\r\n" % (n.encode(), v.encode("latin-1")) for n, v in self.extra])
-            )
         if conn.closing or not self.keep_alive:
             head.append(b"Connection: close\r\n")
         elif not self.http11:
@@ -326,6 +321,13 @@ class LaneExchange:
         transport = self.conn.transport
         if transport is not None:
             transport.close()
+
+
+def _header_lines(pairs: Extra) -> bytes:
+    """(name, value) pairs as CRLF-terminated header lines."""
+    return b"".join(
+        [b"%s: %s\r\n" % (n.encode(), v.encode("latin-1", "replace")) for n, v in pairs]
+    )
 
 
 def _has_date(headers: RawHeaders) -> bool:
