@@ -157,10 +157,22 @@ class ViewCache:
 
     def _event(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:
         unfinished = prefix == keys.JOBS and key[len(keys.JOBS) :] in self._view.jobs
-        record = self._apply(prefix, key, value, rev)
+        if prefix in _SITE_PREFIXES:
+            before = _placement_inputs(self._view.sites, prefix, key)
+            self._view.sites.apply(key, value)
+            record = None
+            # a heartbeat (a status of the same capacity, last_seen, a link, an endpoint) is
+            # applied but decides nothing: the scheduler is told only of what placement reads
+            # (a site's spec, cordon, liveness, declared capacity); at a thousand sites
+            # publishing every second, a pass per heartbeat was most of the leader's idle CPU
+            changed = before != _placement_inputs(self._view.sites, prefix, key)
+        else:
+            record = self._apply(prefix, key, value, rev)
+            changed = True
         if self._metrics is not None and value is not None:
             self._observe(self._metrics, prefix, key, record, unfinished)
-        self._on_change()
+        if changed:
+            self._on_change()
 
     def _observe(
         self,
@@ -209,6 +221,28 @@ class ViewCache:
             else:
                 view.reports[(site, job)] = (report, rev)
         return None
+
+
+_NOT_READ = ("last_seen",)  # leaves of a site's key the scheduler never reads
+
+
+def _placement_inputs(sites: Snapshot, prefix: str, key: str) -> object:
+    """What of `key`'s entry placement reads (broker.view.federation, decisions): compared
+    before and after an event to tell the scheduler only of changes that can move a decision.
+    Links, service endpoints and replicas are the router's and the reconcilers' (they read the
+    view on their own ticks): never the scheduler's."""
+    if prefix == keys.AGENTS:
+        return sites.agents.get(key[len(keys.AGENTS) :]) is not None
+    if prefix != keys.SITES:
+        return None
+    parts = keys.split(key, keys.SITES)
+    if len(parts) != 2 or parts[1] in _NOT_READ:
+        return None
+    site, leaf = parts
+    if leaf == "status":
+        status = sites.statuses.get(site)
+        return None if status is None else (True, status.capacity)
+    return key, object()  # a spec, cordon or price change: always told
 
 
 def _assignment(raw: bytes) -> Assignment:

@@ -215,13 +215,21 @@ class Snapshot:
 
     def views(self) -> list[SiteView]:
         """Every site's view; links and services are grouped once (not once per site)."""
+        by_src, served = self.grouped()
+        return [self.view(site, _links=by_src, _services=served) for site in self.site_ids()]
+
+    def grouped(
+        self,
+    ) -> tuple[dict[str, dict[str, LinkStatus]], dict[str, list[ServiceEndpoint]]]:
+        """The links by source site and the endpoints by site: what `view` takes to build many
+        sites' views without scanning every link for each."""
         by_src: dict[str, dict[str, LinkStatus]] = {}
         for (src, dst), ln in self.links.items():
             by_src.setdefault(src, {})[dst] = ln
         served: dict[str, list[ServiceEndpoint]] = {}
         for (_, site), ep in sorted(self.services.items()):
             served.setdefault(site, []).append(ep)
-        return [self.view(site, _links=by_src, _services=served) for site in self.site_ids()]
+        return by_src, served
 
 
 def _apply(

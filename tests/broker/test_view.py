@@ -138,3 +138,44 @@ def test_the_placement_snapshot_is_reused_while_what_it_reads_is_unchanged() -> 
     # the same as derived from nothing
     fresh = View(sites=sites, assignments=dict(view.assignments))
     assert federation(fresh, catalog, rtt).sites == down.sites
+
+
+async def test_the_scheduler_is_told_of_what_placement_reads_not_of_heartbeats(
+    cache: tuple[ViewCache, list[int]], registry: Registry
+) -> None:
+    """A status of the same capacity, last_seen, links and endpoints are applied (the router
+    reads them) without a scheduler pass each; liveness and capacity changes kick it."""
+    views, kicks = cache
+    sites = views.view().sites
+    catalog = DeviceCatalog.load()
+    spec = SiteSpec.model_validate(site_doc("hb"))
+    await registry.join(spec)
+    await until(lambda: "hb" in sites.specs)
+    cap = normalize_inventory(spec.inventory, catalog)
+
+    def status(seq: int, capacity: Any = cap) -> bytes:
+        return SiteStatus.model_validate(
+            {"site": "hb", "instance": "i", "seq": seq, "published_at": time.time(),
+             "interval_s": 1.0, "mode": "declared", "capacity": capacity.model_dump(),
+             "free": capacity.model_dump(),
+             "host": {"cpu_cores": 8, "cpu_util_pct": 5.0, "mem_gb": 32.0, "mem_used_gb": 4.0,
+                      "load_1m": 0.5}}
+        ).model_dump_json().encode()  # fmt: skip
+
+    await registry.put_raw(keys.agent("hb"), b'{"site": "hb"}')  # malformed: not alive
+    await registry.put_raw(keys.site_status("hb"), status(1))
+    await until(lambda: "hb" in sites.statuses)
+    kicks.clear()
+    for seq in range(2, 6):  # heartbeats: the same capacity, a newer published_at
+        await registry.put_raw(keys.site_status("hb"), status(seq))
+    await registry.put_raw(keys.link("hb", "other"), b"{}")
+    await until(lambda: sites.statuses["hb"].seq == 5)
+    assert kicks == []
+    bigger = cap.model_copy(update={"cpu_cores": cap.cpu_cores + 8})
+    await registry.put_raw(keys.site_status("hb"), status(6, bigger))
+    await until(lambda: sites.statuses["hb"].seq == 6)
+    assert kicks, "a capacity change is the scheduler's"
+    kicks.clear()
+    await registry.delete_prefix(keys.site_status("hb"))  # the lease expired
+    await until(lambda: "hb" not in sites.statuses)
+    assert kicks, "a site going down is the scheduler's"
