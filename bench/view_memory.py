@@ -102,7 +102,7 @@ def main() -> None:
     views = ViewCache(registry=Registry.from_urls("http://127.0.0.1:1"), on_change=lambda: None)
     by_prefix: dict[str, list[tuple[str, bytes, int]]] = {}
     for key, value, rev in site_values(args.sites, now):
-        prefix = next(p for p in views.mirrors if key.startswith(p))
+        prefix = next(p for p in views.mirror.prefixes if key.startswith(p))
         by_prefix.setdefault(prefix, []).append((key, value, rev))
     live = job_values(args.jobs, JobState.RUNNING, "live")
     done = job_values(args.finished, JobState.SUCCEEDED, "done")

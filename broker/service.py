@@ -204,8 +204,7 @@ class Broker:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        for prefix, mirror in self.views.mirrors.items():
-            self.supervisor.spawn(f"mirror {prefix}", mirror.run, restart=RESTART)
+        self.supervisor.spawn("view", self.views.mirror.run, restart=RESTART)
         self.supervisor.spawn("tokens", self.tokens.mirror.run, restart=RESTART)
         self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)
         if await self.tenancy.seed(self.tenancy_seed):

@@ -9,7 +9,6 @@ of a View, so decisions are tested without etcd.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ from sites import keys
 from sites.assignments import Assignment, Report
 from sites.catalog import Capacity, DeviceCatalog, normalize_inventory
 from sites.clock import Clock, SystemClock
-from sites.mirror import KeyValues, PrefixMirror
+from sites.mirror import KeyValues, RootMirror
 from sites.registry import Registry
 from sites.snapshot import Snapshot
 from sites.spec import Oversubscription, Prices, SiteSpec
@@ -96,9 +95,10 @@ _SITE_PREFIXES = keys.SNAPSHOT
 
 
 class ViewCache:
-    """The mirrors and the one View they keep current: each watch event is decoded and applied
-    to the entry it changes (a site's status, a link, a job), never the whole registry again.
-    The mirrors keep no raw copy of the values: the decoded entry is all that is held."""
+    """The mirror of the view's prefixes (one watch of the root: sites.mirror.RootMirror) and
+    the one View it keeps current: each watch event is decoded and applied to the entry it
+    changes (a site's status, a link, a job), never the whole registry again. The mirror keeps
+    no raw copy of the values: the decoded entry is all that is held."""
 
     def __init__(
         self,
@@ -112,21 +112,12 @@ class ViewCache:
         self._metrics = metrics
         self._clock: Clock = clock or SystemClock()
         self._view = View(sites=Snapshot(revision=0))
-        self.mirrors = {
-            prefix: PrefixMirror(
-                registry=registry,
-                prefix=prefix,
-                on_reset=functools.partial(self._reset, prefix),
-                on_event=functools.partial(self._event, prefix),
-                keep_items=False,
-            )
-            for prefix in PREFIXES
-        }
+        self.mirror = RootMirror(
+            registry=registry, prefixes=PREFIXES, on_reset=self._reset, on_event=self._event
+        )
 
     async def synced(self, timeout_s: float) -> None:
-        await asyncio.wait_for(
-            asyncio.gather(*(m.synced.wait() for m in self.mirrors.values())), timeout_s
-        )
+        await asyncio.wait_for(self.mirror.synced.wait(), timeout_s)
 
     def view(self) -> View:
         return self._view

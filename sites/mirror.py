@@ -6,6 +6,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
+from sites import keys
 from sites.errors import RegistryError
 from sites.registry import Registry
 
@@ -84,3 +85,74 @@ class PrefixMirror:
     def _changed(self) -> None:
         if self._on_change is not None:
             self._on_change(self.items)
+
+
+class RootMirror:
+    """Several prefixes under one root (`keys.ROOT`), each listed, then all followed over ONE
+    watch of the root.
+
+    A prefix mirror per prefix meant a watch per prefix, and an agent's publish (its status,
+    last_seen and links in one transaction) came as a watch response per prefix it touched:
+    each response is a gRPC message read, the largest per-publish cost of a broker following a
+    thousand sites publishing every second (bench/README.md, live_federation.py). One watch of
+    the root gets one response per transaction. Events under other prefixes of the root are
+    skipped by their key's first segment (a dict lookup), before anything is decoded.
+
+    `on_reset(prefix, kvs)` after every (re-)list of a prefix, then `on_event(prefix, key, value
+    or None for a delete, mod_revision)` per change under a followed prefix. Each prefix is
+    listed at its own revision, and the watch starts after the oldest: an event a prefix's list
+    already holds (its revision at or below that list's) is not applied again. A broken watch
+    or a compacted revision re-lists every prefix. No value is kept here: the consumer keeps
+    what it decoded.
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        prefixes: Sequence[str],
+        on_reset: Callable[[str, KeyValues], None],
+        on_event: Callable[[str, str, bytes | None, int], None],
+        root: str = keys.ROOT,
+        retry_s: float = 1.0,
+    ) -> None:
+        for prefix in prefixes:
+            rest = prefix[len(root) :]
+            if not prefix.startswith(root) or rest.find("/") != len(rest) - 1 or len(rest) < 2:
+                raise ValueError(f"{prefix!r} is not one segment under {root!r} ('name/')")
+        self.registry = registry
+        self.root = root
+        self.prefixes = tuple(prefixes)
+        self.revision = 0
+        self.synced = asyncio.Event()
+        self._on_reset = on_reset
+        self._on_event = on_event
+        self._retry_s = retry_s
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._follow()
+            except RegistryError as exc:
+                log.warning("mirror of %s: %s; re-listing in %.1fs", self.root, exc, self._retry_s)
+                await asyncio.sleep(self._retry_s)
+
+    async def _follow(self) -> None:
+        listed: dict[str, int] = {}  # segment ("sites/") -> the revision it was listed at
+        for prefix in self.prefixes:
+            revision, kvs = await self.registry.list_prefix(prefix)
+            self._on_reset(prefix, kvs)
+            listed[prefix[len(self.root) :]] = revision
+        self.revision = min(listed.values())
+        self.synced.set()
+        root, cut = self.root, len(self.root)
+        on_event = self._on_event
+        async for event in self.registry.watch(root, start_revision=self.revision + 1):
+            key = event.key
+            self.revision = event.revision
+            end = key.find("/", cut)
+            segment = key[cut : end + 1] if end > 0 else ""
+            upto = listed.get(segment)
+            if upto is None or event.revision <= upto:
+                continue  # another prefix of the root, or already in the list
+            on_event(root + segment, key, event.value, event.revision)

@@ -40,8 +40,7 @@ async def cache(registry: Registry) -> AsyncIterator[tuple[ViewCache, list[int]]
     kicks: list[int] = []
     views = ViewCache(registry=registry, on_change=lambda: kicks.append(1))
     supervisor = Supervisor(owner="test")
-    for prefix, mirror in views.mirrors.items():
-        supervisor.spawn(prefix, mirror.run)
+    supervisor.spawn("view", views.mirror.run)
     await views.synced(10)
     yield views, kicks
     await supervisor.stop()
@@ -86,7 +85,6 @@ async def test_finished_jobs_are_not_held(
     await registry.put_raw(keys.job("live"), encode(record("live")))
     await until(lambda: "live" in view.jobs)
     assert set(view.jobs) == {"live"}
-    assert views.mirrors[keys.JOBS].items == {}
 
 
 async def test_site_changes_move_the_snapshot_version_and_a_relist_agrees(
@@ -101,7 +99,7 @@ async def test_site_changes_move_the_snapshot_version_and_a_relist_agrees(
     await registry.put_raw(keys.job("j"), encode(record("j")))
     await until(lambda: "j" in views.view().jobs)
     # a re-list (after a broken watch) rebuilds each part from etcd: the same view
-    for prefix in views.mirrors:
+    for prefix in views.mirror.prefixes:
         _, kvs = await registry.list_prefix(prefix)
         views._reset(prefix, kvs)
     fresh = views.view()

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 
 from sites import keys
 from sites.errors import RevisionCompacted
-from sites.mirror import PrefixMirror
+from sites.mirror import PrefixMirror, RootMirror
 from sites.registry import Registry
 from sites.tasks import Supervisor
 
@@ -59,3 +60,63 @@ async def test_a_watch_from_a_compacted_revision_is_refused(registry: Registry) 
         async with asyncio.timeout(10):
             async for _ in registry.watch(PREFIX, start_revision=first):
                 pass
+
+
+async def test_a_root_mirror_follows_several_prefixes_over_one_watch(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = keys.ROOT + "test-root/"
+    a, b = root + "a/", root + "b/"
+    await registry.delete_prefix(root)
+    await registry.put_raw(a + "1", b"a1")
+    await registry.put_raw(b + "1", b"b1")
+    await registry.put_raw(root + "other/1", b"x")
+    watches: list[str] = []
+    real = registry.watch
+
+    def counted(prefix: str, *, start_revision: int) -> Any:
+        watches.append(prefix)
+        return real(prefix, start_revision=start_revision)
+
+    monkeypatch.setattr(registry, "watch", counted)
+    state: dict[str, dict[str, bytes]] = {a: {}, b: {}}
+    seen: list[tuple[str, str, bytes | None]] = []
+
+    def reset(prefix: str, kvs: Any) -> None:
+        state[prefix] = {k: v for k, v, _ in kvs}
+
+    def event(prefix: str, key: str, value: bytes | None, rev: int) -> None:
+        seen.append((prefix, key, value))
+        if value is None:
+            state[prefix].pop(key, None)
+        else:
+            state[prefix][key] = value
+
+    mirror = RootMirror(
+        registry=registry, prefixes=(a, b), on_reset=reset, on_event=event, root=root
+    )
+    sup = Supervisor(owner="test", stop_grace_s=30.0)
+    sup.spawn("root", mirror.run)
+    await asyncio.wait_for(mirror.synced.wait(), 10)
+    assert state == {a: {a + "1": b"a1"}, b: {b + "1": b"b1"}}
+    await registry.commit(guards=[], puts={a + "2": b"a2", b + "1": b"b1'", root + "other/2": b"y"})
+    await registry.delete_prefix(a + "1")
+    await registry.put_raw(root + "ab/1", b"not a/")  # a segment that merely starts alike
+    await until(lambda: a + "1" not in state[a])
+    assert state == {a: {a + "2": b"a2"}, b: {b + "1": b"b1'"}}
+    assert {k for _, k, _ in seen} == {a + "1", a + "2", b + "1"}  # nothing outside a/, b/
+    assert watches == [root]  # one watch for both
+    async with asyncio.timeout(5):
+        await sup.stop()
+
+
+def test_a_root_mirror_takes_one_segment_prefixes_only(registry: Registry) -> None:
+    def mirror(prefix: str) -> RootMirror:
+        return RootMirror(
+            registry=registry, prefixes=(prefix,), on_reset=print, on_event=print, root="/r/"
+        )
+
+    mirror("/r/a/")
+    for bad in ("/r/a", "/r/a/b/", "/s/a/", "/r/"):
+        with pytest.raises(ValueError, match="one segment"):
+            mirror(bad)
