@@ -4,10 +4,11 @@ Prints figures; it is not a timed test. For each N (100, 1000, 5000 by default) 
 interval (1 s, 5 s) it starts, from scratch:
 
 - an embedded etcd (sites.etcd_server.EmbeddedEtcd) on /dev/shm, fsync off;
-- the simulated agents of bench/registry_fanin.py (SimAgent: lease, agent lock, a SiteStatus
-  and 4 LinkStatus entries per publish, keepalives), all N in ONE process of their own
-  (`live_federation.py agents ...`); K of the sites (--service-sites) also publish an
-  endpoint of the inference service `bench-llm`;
+- N synthetic sites' agents (lease, agent lock, a SiteStatus and 4 LinkStatus entries per
+  publish, keepalives), all N in ONE process of their own (`live_federation.py agents ...`):
+  bench/agent_emulator.py by default (the requests of registry_fanin's SimAgent, cheaply),
+  SimAgent itself with `--emulator simagent`; K of the sites (--service-sites) also publish
+  an endpoint of the inference service `bench-llm`;
 - a real broker, `cpn broker --etcd URL --listen 127.0.0.1:PORT --config-dir DIR`, whose
   config dir has a clients.yaml attaching two client regions to four of the serving sites;
 
@@ -52,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import agent_emulator as emulator
 import aiohttp
 import psutil
 import registry_fanin as fanin
@@ -67,6 +69,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
 SERVICE = "bench-llm"
 CLIENT_REGIONS = ("beijing", "shanghai")
+AGENT_KINDS = ("emulator", "simagent")
+TRANSPORTS = ("h2", "grpc")
 TARGET_SITES, TARGET_INTERVAL_S = 1000, 1.0
 TARGET_SUBMIT_P99_MS, TARGET_BROKER_CORES = 20.0, 0.5
 JOB: dict[str, Any] = {
@@ -121,56 +125,51 @@ def emit(obj: dict[str, Any]) -> None:
 
 
 async def agents_main(args: argparse.Namespace) -> None:
-    """N SimAgents in this process; one JSON line per second on stdout; SIGTERM/SIGINT stop."""
+    """N emulated agents (default) or N SimAgents (`--emulator simagent`) in this process; one
+    JSON line per second on stdout; SIGTERM/SIGINT stop."""
     n, interval = args.sites, args.interval
     catalog = DeviceCatalog.load()
     docs = federation_docs(n, interval, args.seed)
     specs = [SiteSpec.model_validate(doc) for doc in docs]
     ids = [spec.id for spec in specs]
     serving = set(serving_sites(ids, args.service_sites))
-    n_clients = max(1, math.ceil(n / args.agents_per_client))
-    clients = [fanin.make_registry(args.etcd, local_subchannels=True) for _ in range(n_clients)]
-    control = fanin.make_registry(args.etcd, local_subchannels=True)
-    stats = fanin.AgentStats(measuring=True)
-    cfg = fanin.AgentConfig(interval_s=interval, ttl_s=args.ttl, keepalive_s=args.keepalive)
     rng = random.Random(args.seed)
-    agents = [
-        fanin.SimAgent(
-            spec,
-            clients[i % n_clients],
-            catalog,
-            [ids[(i + k) % n] for k in range(1, min(args.peers, n - 1) + 1)],
-            cfg,
-            stats,
-            seed=rng.randrange(2**32),
+    plans = [
+        emulator.SitePlan(
+            spec=spec,
+            peers=tuple(ids[(i + k) % n] for k in range(1, min(args.peers, n - 1) + 1)),
             serves=SERVICE if spec.id in serving else None,
+            seed=rng.randrange(2**32),
         )
         for i, spec in enumerate(specs)
     ]
+    control = fanin.make_registry(args.etcd, local_subchannels=True)
+    stats = fanin.AgentStats(measuring=True)
+    crashed: Counter[str] = Counter()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    tasks: list[asyncio.Task[None]] = []
-    crashed: Counter[str] = Counter()
-
-    def on_done(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            crashed[f"task crashed: {type(exc).__name__}: {exc}"] += 1
-
+    agents: SimAgents | emulator.AgentEmulator
+    if args.emulator == "simagent":
+        agents = SimAgents(plans, args, catalog, stats, crashed)
+    else:
+        cfg = emulator.EmulatorConfig(
+            interval_s=interval,
+            ttl_s=args.ttl,
+            keepalive_s=args.keepalive,
+            transport=args.transport,
+        )
+        agents = emulator.AgentEmulator(
+            plans=plans, etcd_url=args.etcd, cfg=cfg, catalog=catalog, stats=stats, crashed=crashed
+        )
     try:
         await control.connect()
-        await asyncio.gather(*(c.connect() for c in clients))
         t = time.monotonic()
         await fanin.bounded([functools.partial(control.join, s) for s in specs], 64)
-        await fanin.bounded([a.acquire for a in agents], 64)
-        emit({"ready": True, "setup_s": round(time.monotonic() - t, 2)})
-        t0 = loop.time() + 0.2
-        for agent in agents:
-            for coro in (agent.publish_loop(t0), agent.keepalive_loop(t0)):
-                task = asyncio.create_task(coro)
-                task.add_done_callback(on_done)
-                tasks.append(task)
+        await agents.setup()
+        emit({"ready": True, "setup_s": round(time.monotonic() - t, 2), "agents": agents.name})
+        agents.start(loop.time() + 0.2)
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -189,17 +188,72 @@ async def agents_main(args: argparse.Namespace) -> None:
             stats.publish_ms, stats.lag_ms, stats.tick_publish_ms = [], [], []
             stats.errors.clear()
     finally:
-        for task in tasks:
+        await agents.stop()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(control.close(), 5.0)
+        emit({"stopped": True})
+
+
+class SimAgents:
+    """registry_fanin.SimAgent x N (a publish and a keepalive task each), behind the
+    emulator's setup / start / stop."""
+
+    def __init__(
+        self,
+        plans: Sequence[emulator.SitePlan],
+        args: argparse.Namespace,
+        catalog: DeviceCatalog,
+        stats: fanin.AgentStats,
+        crashed: Counter[str],
+    ) -> None:
+        n_clients = max(1, math.ceil(len(plans) / args.agents_per_client))
+        self.name = f"registry_fanin.SimAgent, {args.agents_per_client} per Registry"
+        self.clients = [
+            fanin.make_registry(args.etcd, local_subchannels=True) for _ in range(n_clients)
+        ]
+        cfg = fanin.AgentConfig(
+            interval_s=args.interval, ttl_s=args.ttl, keepalive_s=args.keepalive
+        )
+        self.agents = [
+            fanin.SimAgent(
+                plan.spec,
+                self.clients[i % n_clients],
+                catalog,
+                plan.peers,
+                cfg,
+                stats,
+                seed=plan.seed,
+                serves=plan.serves,
+            )
+            for i, plan in enumerate(plans)
+        ]
+        self.crashed = crashed
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def setup(self) -> None:
+        await asyncio.gather(*(c.connect() for c in self.clients))
+        await fanin.bounded([a.acquire for a in self.agents], 64)
+
+    def start(self, t0: float) -> None:
+        for agent in self.agents:
+            for coro in (agent.publish_loop(t0), agent.keepalive_loop(t0)):
+                task = asyncio.create_task(coro)
+                task.add_done_callback(self._on_done)
+                self.tasks.append(task)
+
+    def _on_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            self.crashed[f"task crashed: {type(exc).__name__}: {exc}"] += 1
+
+    async def stop(self) -> None:
+        for task in self.tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         # the etcd goes away with the row; revoke what can be revoked quickly, no more
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(fanin.bounded([a.revoke for a in agents], 64), 10.0)
+            await asyncio.wait_for(fanin.bounded([a.revoke for a in self.agents], 64), 10.0)
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(
-                asyncio.gather(*(c.close() for c in clients), control.close()), 5.0
-            )
-        emit({"stopped": True})
+            await asyncio.wait_for(asyncio.gather(*(c.close() for c in self.clients)), 5.0)
 
 
 # -- processes this bench started --------------------------------------------------------------
@@ -629,6 +683,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
                 "--service-sites", str(args.service_sites), "--seed", str(args.seed),
                 "--ttl", str(ttl), "--keepalive", str(keepalive),
                 "--peers", str(args.peers), "--agents-per-client", str(args.agents_per_client),
+                "--emulator", args.emulator, "--transport", args.transport,
             ],
             row_dir / "agents.log",
             stdout_pipe=True,
@@ -932,7 +987,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--keepalive", type=float, default=0.0, help="keepalive period, s (default: ttl / 3)"
     )
     p.add_argument("--peers", type=int, default=4, help="LinkStatus entries per publish")
-    p.add_argument("--agents-per-client", type=int, default=100, help="agents per Registry")
+    p.add_argument(
+        "--emulator",
+        choices=AGENT_KINDS,
+        default="emulator",
+        help="emulator: bench/agent_emulator.py (the same requests, cheaply); simagent: "
+        "registry_fanin.SimAgent through sites.registry (about a core at 1000 publishes/s)",
+    )
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="h2",
+        help="the emulator's wire: h2 (bench/h2_grpc.py) or grpc (grpc.aio, dearer)",
+    )
+    p.add_argument(
+        "--agents-per-client", type=int, default=100, help="SimAgents per Registry client"
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", metavar="FILE", type=Path, help="also write the figures here")
     p.add_argument(
@@ -972,6 +1042,8 @@ def parse_agents_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--keepalive", type=float, default=1.0)
     p.add_argument("--peers", type=int, default=4)
     p.add_argument("--agents-per-client", type=int, default=100)
+    p.add_argument("--emulator", choices=AGENT_KINDS, default="emulator")
+    p.add_argument("--transport", choices=TRANSPORTS, default="h2")
     return p.parse_args(argv)
 
 
@@ -986,7 +1058,14 @@ async def amain(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["agents"]:
-        asyncio.run(agents_main(parse_agents_args(argv[1:])))
+        agents_args = parse_agents_args(argv[1:])
+        run: Callable[[Any], Any] = asyncio.run
+        if agents_args.emulator == "emulator":
+            with contextlib.suppress(ImportError):
+                import uvloop  # type: ignore[import-not-found,unused-ignore]
+
+                run = uvloop.run
+        run(agents_main(agents_args))
         return 0
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C; SIGINT too, even where it was inherited ignored (a job
@@ -998,8 +1077,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="cpn-live-", dir=parent))
     header = [
         f"etcd: embedded, data on {tmp} (fsync off); a fresh one per row",
-        f"agents: registry_fanin.SimAgent x N in ONE process of their own, "
-        f"{args.agents_per_client} per Registry client; {args.peers} links per publish; "
+        "agents: "
+        + (
+            f"registry_fanin.SimAgent x N in ONE process of their own, "
+            f"{args.agents_per_client} per Registry client"
+            if args.emulator == "simagent"
+            else f"bench/agent_emulator.py (N sites' requests, over {args.transport}) in ONE "
+            "process of their own"
+        )
+        + f"; {args.peers} links per publish; "
         f"{args.service_sites} sites serve {SERVICE}; lease ttl "
         + (f"{args.ttl}s" if args.ttl else "3 intervals (as sites.agent)")
         + ", keepalive every "
