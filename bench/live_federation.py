@@ -70,6 +70,7 @@ CONFIGS = ROOT / "configs"
 SERVICE = "bench-llm"
 CLIENT_REGIONS = ("beijing", "shanghai")
 AGENT_KINDS = ("emulator", "simagent")
+SITES_PAGE = 5000  # GET /v1/sites pages at 500 by default (broker.api), at most 5000
 TRANSPORTS = ("h2", "grpc")
 TARGET_SITES, TARGET_INTERVAL_S = 1000, 1.0
 TARGET_SUBMIT_P99_MS, TARGET_BROKER_CORES = 20.0, 0.5
@@ -524,14 +525,13 @@ async def drive_load(base: str, args: argparse.Namespace, load: Load, until: flo
 
         async def sites() -> None:
             try:
-                ms, status, data = await timed(session, "GET", f"{base}/v1/sites", None)
+                ms, status, rows = await all_sites(session, base)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 load.sites.outcomes[f"error {type(exc).__name__}"] += 1
                 return
             load.sites.ms.append(ms)
             load.sites.outcomes[f"HTTP {status}"] += 1
             if status == 200:
-                rows = json.loads(data)["items"]
                 ago = [r["last_seen_ago_s"] for r in rows if r.get("last_seen_ago_s") is not None]
                 load.sites_up.append(sum(1 for r in rows if r.get("state") == "up"))
                 if ago:
@@ -545,6 +545,26 @@ async def drive_load(base: str, args: argparse.Namespace, load: Load, until: flo
         )
         if cancels:  # not timed: they free the capacity the window's jobs hold
             await asyncio.wait(cancels, timeout=args.job_life + 10)
+
+
+async def all_sites(
+    session: aiohttp.ClientSession, base: str
+) -> tuple[float, int, list[dict[str, Any]]]:
+    """Every row of GET /v1/sites (pages of up to SITES_PAGE, following `continue`): the
+    milliseconds all its pages took, the last status and the rows."""
+    rows: list[dict[str, Any]] = []
+    total_ms, after = 0.0, ""
+    while True:
+        query = f"?limit={SITES_PAGE}" + (f"&continue={after}" if after else "")
+        ms, status, data = await timed(session, "GET", f"{base}/v1/sites{query}", None)
+        total_ms += ms
+        if status != 200:
+            return total_ms, status, rows
+        page = json.loads(data)
+        rows += page["items"]
+        after = page.get("continue") or ""
+        if not after:
+            return total_ms, status, rows
 
 
 async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> tuple[float, int]:
@@ -563,8 +583,7 @@ async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> tuple[f
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
                 _, status, data = await timed(session, "GET", f"{base}/healthz", None)
                 if status == 200 and json.loads(data).get("leader"):
-                    _, status, data = await timed(session, "GET", f"{base}/v1/sites", None)
-                    rows = json.loads(data)["items"]
+                    _, status, rows = await all_sites(session, base)
                     up = sum(1 for r in rows if r.get("state") == "up")
                     if up >= n:
                         return time.monotonic() - started, up
