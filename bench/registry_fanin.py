@@ -9,6 +9,10 @@ publish-to-visible latency (receive time - SiteStatus.published_at, both time.ti
     .venv/bin/python bench/registry_fanin.py                      # embedded etcd on /dev/shm
     .venv/bin/python bench/registry_fanin.py --sites 1000 --duration 30 --json out.json
     .venv/bin/python bench/registry_fanin.py --etcd http://127.0.0.1:2379   # existing etcd
+    .venv/bin/python bench/registry_fanin.py --sites 1000 --emulator emulator --uvloop
+
+`--emulator emulator` sends the same requests from bench/agent_emulator.py instead of SimAgents
+(about a quarter of the CPU: etcd and watcher figures at 1000 sites without an overloaded bench).
 
 See bench/README.md for what the figures mean and what was measured.
 """
@@ -612,6 +616,7 @@ class Options:
     duration_s: float
     concurrency: int
     seed: int
+    emulator: bool = False  # bench/agent_emulator.py instead of SimAgents
 
 
 async def step(aw: Awaitable[T], what: str, timeout_s: float = 30.0) -> T | None:
@@ -664,6 +669,7 @@ async def run_one(n: int, opts: Options, catalog: DeviceCatalog) -> dict[str, An
     control = make_registry(opts.etcd_url, local_subchannels=opts.local_subchannels)
     stats = AgentStats()
     cfg = AgentConfig(interval_s=opts.interval_s, ttl_s=opts.ttl_s, keepalive_s=opts.keepalive_s)
+    seeds = [rng.randrange(2**32) for _ in specs]
     agents = [
         SimAgent(
             spec,
@@ -672,13 +678,32 @@ async def run_one(n: int, opts: Options, catalog: DeviceCatalog) -> dict[str, An
             [ids[(i + k) % n] for k in range(1, min(opts.peers, n - 1) + 1)],
             cfg,
             stats,
-            seed=rng.randrange(2**32),
+            seed=seeds[i],
         )
         for i, spec in enumerate(specs)
     ]
     watcher = WatcherHandle(opts.etcd_url, keys.SITES + SITE_PREFIX, separate=opts.separate_watcher)
     tasks: list[asyncio.Task[None]] = []
     crashed: Counter[str] = Counter()
+    emulator = None
+    if opts.emulator:  # the same requests from the SimAgents' figures, cheaply
+        import agent_emulator
+
+        plans = [
+            agent_emulator.SitePlan(spec=a.spec, peers=tuple(a.peers), serves=None, seed=seed)
+            for a, seed in zip(agents, seeds, strict=True)
+        ]
+        emulator = agent_emulator.AgentEmulator(
+            plans=plans,
+            etcd_url=opts.etcd_url,
+            cfg=agent_emulator.EmulatorConfig(
+                interval_s=opts.interval_s, ttl_s=opts.ttl_s, keepalive_s=opts.keepalive_s
+            ),
+            catalog=catalog,
+            stats=stats,
+            crashed=crashed,
+        )
+        agents = []
 
     def on_done(task: asyncio.Task[None]) -> None:
         exc = None if task.cancelled() else task.exception()
@@ -696,12 +721,16 @@ async def run_one(n: int, opts: Options, catalog: DeviceCatalog) -> dict[str, An
         t = time.monotonic()
         await bounded([functools.partial(control.join, spec) for spec in specs], opts.concurrency)
         await bounded([a.acquire for a in agents], opts.concurrency)
+        if emulator is not None:
+            await emulator.setup()
         log(f"   joined {n} sites and took {n} agent locks in {time.monotonic() - t:.1f}s")
 
         revision, _ = await control.list_prefix("/cpn/bench-revision-probe")
         await watcher.start(revision + 1)
         loop = asyncio.get_running_loop()
         t0 = loop.time() + 0.2
+        if emulator is not None:
+            emulator.start(t0)
         for agent in agents:
             for coro in (agent.publish_loop(t0), agent.keepalive_loop(t0)):
                 task = asyncio.create_task(coro)
@@ -751,6 +780,8 @@ async def run_one(n: int, opts: Options, catalog: DeviceCatalog) -> dict[str, An
             stats.tick_publish_ms = []
     finally:
         log("   stopping: cancelling agent tasks")
+        if emulator is not None:
+            await step(emulator.stop(), "stop the emulator (revokes its leases)")
         for task in tasks:
             task.cancel()
         await step(asyncio.gather(*tasks, return_exceptions=True), "cancel agent tasks")
@@ -914,6 +945,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="let gRPC share one TCP connection between clients (its default)",
     )
     p.add_argument("--uvloop", action="store_true", help="use uvloop (must be installed)")
+    p.add_argument(
+        "--emulator",
+        choices=("simagent", "emulator"),
+        default="simagent",
+        help="simagent: SimAgents through sites.registry (what this bench measures by default); "
+        "emulator: bench/agent_emulator.py, the same requests at a fraction of the CPU",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(
         "--profile", metavar="FILE", type=Path, help="cProfile the bench process into FILE"
@@ -932,6 +970,7 @@ async def amain(args: argparse.Namespace, etcd_url: str, etcd_pid: int | None) -
         peers=args.peers,
         agents_per_client=args.agents_per_client,
         separate_watcher=args.watcher == "process",
+        emulator=args.emulator == "emulator",
         local_subchannels=not args.shared_connection,
         warmup_s=args.warmup,
         duration_s=args.duration,
@@ -996,12 +1035,20 @@ def _run(
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     header = [
         f"etcd: {mode}",
-        f"agents: simulated as coroutines in ONE process ({loop_name}), "
-        f"{args.agents_per_client} agents per shared Registry client"
-        + ("" if args.shared_connection else ", one TCP connection per client"),
+        (
+            f"agents: simulated as coroutines in ONE process ({loop_name}), "
+            f"{args.agents_per_client} agents per shared Registry client"
+            + ("" if args.shared_connection else ", one TCP connection per client")
+            if args.emulator == "simagent"
+            else f"agents: bench/agent_emulator.py in this process ({loop_name}), over h2"
+        ),
         f"agent: publish every {args.interval:g}s (random phase), {args.peers} links each, "
         f"lease ttl {args.ttl}s, keepalive every {args.keepalive:g}s "
-        + "(Registry.keepalive: one shared LeaseKeepAlive stream per client)",
+        + (
+            "(Registry.keepalive: shared LeaseKeepAlive streams per client)"
+            if args.emulator == "simagent"
+            else "(the emulator's shared LeaseKeepAlive streams)"
+        ),
         f"watcher: {'own process' if args.watcher == 'process' else 'in this process'}, "
         f"own client, watching {keys.SITES}",
         f"window: {args.warmup:g}s warm-up + {args.duration:g}s measured per site count",
