@@ -109,8 +109,9 @@ class AgentEmulator:
         self.sites = [EmulatedSite(plan, cfg.interval_s, catalog) for plan in plans]
         self._url = etcd_url
         self._registries = [fanin.make_registry(etcd_url, local_subchannels=True) for _ in range(4)]
-        kind = {"h2": H2Transport, "grpc": GrpcTransport}[cfg.transport]
-        self.transport: Transport = kind(
+        if cfg.transport not in ("h2", "grpc"):
+            raise ValueError(f"transport {cfg.transport!r}: expected h2 or grpc")
+        self.transport: Transport = (H2Transport if cfg.transport == "h2" else GrpcTransport)(
             etcd_url,
             connections=cfg.connections,
             timeout_s=cfg.timeout_s,

@@ -131,9 +131,7 @@ class H2Transport:
                 channel.expire(now)
             elif i not in self._reopening:
                 self._log(f"connection {i}: {channel.close_reason if channel else 'none'}")
-                task = asyncio.create_task(self._reopen(i), name=f"h2 reconnect {i}")
-                self._reopening[i] = task
-                task.add_done_callback(lambda _t, i=i: self._reopening.pop(i, None))
+                self._reopening[i] = asyncio.create_task(self._reopen(i), name=f"reconnect {i}")
 
     async def _reopen(self, i: int) -> None:
         self._channels[i] = None
@@ -141,7 +139,9 @@ class H2Transport:
             self._channels[i] = await self._connect()
         except (OSError, TimeoutError) as exc:
             self._log(f"connection {i}: reconnect failed: {exc!r}")
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the next tick tries again
+        finally:
+            self._reopening.pop(i, None)
 
     async def call(self, path: str, request: bytes) -> bytes:
         channel = self._channel()

@@ -193,8 +193,8 @@ class H2Channel(asyncio.Protocol):
 
     def unary(self, block: bytes, message: bytes, done: Done, *, timeout_s: float) -> None:
         """Start a unary call (`block`: header_block() of its method); `done` is called once."""
-        if self.closed:
-            done(None, self.close_reason or "channel closed")
+        if self.closed:  # answered on the next turn: a caller retrying from `done` cannot recurse
+            self._loop.call_soon(done, None, self.close_reason or "channel closed")
             return
         stream = self._open(block)
         self._calls[stream] = _Call(
