@@ -30,6 +30,14 @@ from sites.registry import Registry
 
 log = logging.getLogger(__name__)
 
+GC_THRESHOLDS = (10_000, 10, 100)
+"""The collector's thresholds once the broker is up (CPython's are 700, 10, 10). A federation's
+view is objects that live about one publish interval (a thousand sites' statuses and links
+replaced every second): they outlive the young generations and made a full collection of
+80-140 ms every few seconds, a pause every request in flight waits out. Nearly all of that
+garbage is freed by reference counting; the cyclic collector runs a young pass every 10,000
+net allocations and a full one a hundred times more rarely (bench/README.md, live_federation)."""
+
 
 def server_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
     """TLS 1.2 or later with the given certificate; ConfigError naming the file if unusable."""
@@ -115,6 +123,7 @@ async def serve(
         # process: out of the collector's sight, a full collection at 1000 sites is 130 ms,
         # not 340-470 (bench/README.md, live_federation.py)
         gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
         yield
         await broker.stop()
 

@@ -147,12 +147,14 @@ class RootMirror:
         self.synced.set()
         root, cut = self.root, len(self.root)
         on_event = self._on_event
-        async for event in self.registry.watch(root, start_revision=self.revision + 1):
-            key = event.key
-            self.revision = event.revision
-            end = key.find("/", cut)
-            segment = key[cut : end + 1] if end > 0 else ""
-            upto = listed.get(segment)
-            if upto is None or event.revision <= upto:
-                continue  # another prefix of the root, or already in the list
-            on_event(root + segment, key, event.value, event.revision)
+        prefixes = {segment: root + segment for segment in listed}
+        async for batch in self.registry.watch_batches(root, start_revision=self.revision + 1):
+            for event in batch:
+                key = event.key
+                end = key.find("/", cut)
+                segment = key[cut : end + 1] if end > 0 else ""
+                upto = listed.get(segment)
+                if upto is None or event.revision <= upto:
+                    continue  # another prefix of the root, or already in the list
+                on_event(prefixes[segment], key, event.value, event.revision)
+            self.revision = batch[-1].revision

@@ -46,6 +46,15 @@ def decode_value(model: type[M], raw: bytes, key: str) -> M | None:
         return None
 
 
+_SITE_TABLES: dict[str, tuple[str, type[BaseModel]]] = {
+    "spec": ("specs", SiteSpec),
+    "status": ("statuses", SiteStatus),
+    "cordon": ("cordons", Cordon),
+    "last_seen": ("last_seen", LastSeen),
+    "prices": ("price_history", PriceHistory),
+}  # a site's key's last part -> the Snapshot table it goes to, and its model
+
+
 @dataclass
 class Snapshot:
     """Every registry value under /cpn/v1/ at one revision, decoded."""
@@ -81,17 +90,11 @@ class Snapshot:
             if len(parts) != 2:
                 return
             site, leaf = parts
-            tables: dict[str, tuple[dict[str, Any], type[BaseModel]]] = {
-                "spec": (self.specs, SiteSpec),
-                "status": (self.statuses, SiteStatus),
-                "cordon": (self.cordons, Cordon),
-                "last_seen": (self.last_seen, LastSeen),
-                "prices": (self.price_history, PriceHistory),
-            }
-            if leaf not in tables:
+            found = _SITE_TABLES.get(leaf)
+            if found is None:
                 return
-            table, model = tables[leaf]
-            _apply(table, site, model, key, value)
+            attr, model = found
+            _apply(getattr(self, attr), site, model, key, value)
         elif key.startswith(keys.AGENTS):
             _apply(self.agents, keys.split(key, keys.AGENTS)[0], AgentRecord, key, value)
         elif key.startswith(keys.LINKS):

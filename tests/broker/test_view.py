@@ -138,6 +138,17 @@ def test_the_placement_snapshot_is_reused_while_what_it_reads_is_unchanged() -> 
     assert federation(fresh, catalog, rtt).sites == down.sites
 
 
+def status_bytes(site: str, seq: int, capacity: Any) -> bytes:
+    """A status as an agent publishes it (sites.status.SiteStatus), encoded."""
+    return SiteStatus.model_validate(
+        {"site": site, "instance": "i", "seq": seq, "published_at": time.time(),
+         "interval_s": 1.0, "mode": "declared", "capacity": capacity.model_dump(),
+         "free": capacity.model_dump(),
+         "host": {"cpu_cores": 8, "cpu_util_pct": 5.0, "mem_gb": 32.0, "mem_used_gb": 4.0,
+                  "load_1m": 0.5}}
+    ).model_dump_json().encode()  # fmt: skip
+
+
 async def test_the_scheduler_is_told_of_what_placement_reads_not_of_heartbeats(
     cache: tuple[ViewCache, list[int]], registry: Registry
 ) -> None:
@@ -152,13 +163,7 @@ async def test_the_scheduler_is_told_of_what_placement_reads_not_of_heartbeats(
     cap = normalize_inventory(spec.inventory, catalog)
 
     def status(seq: int, capacity: Any = cap) -> bytes:
-        return SiteStatus.model_validate(
-            {"site": "hb", "instance": "i", "seq": seq, "published_at": time.time(),
-             "interval_s": 1.0, "mode": "declared", "capacity": capacity.model_dump(),
-             "free": capacity.model_dump(),
-             "host": {"cpu_cores": 8, "cpu_util_pct": 5.0, "mem_gb": 32.0, "mem_used_gb": 4.0,
-                      "load_1m": 0.5}}
-        ).model_dump_json().encode()  # fmt: skip
+        return status_bytes("hb", seq, capacity)
 
     await registry.put_raw(keys.agent("hb"), b'{"site": "hb"}')  # malformed: not alive
     await registry.put_raw(keys.site_status("hb"), status(1))
@@ -177,3 +182,45 @@ async def test_the_scheduler_is_told_of_what_placement_reads_not_of_heartbeats(
     await registry.delete_prefix(keys.site_status("hb"))  # the lease expired
     await until(lambda: "hb" not in sites.statuses)
     assert kicks, "a site going down is the scheduler's"
+
+
+async def test_a_tracked_view_redoes_only_the_offers_of_what_changed(
+    cache: tuple[ViewCache, list[int]], registry: Registry
+) -> None:
+    """The broker's own view (kept by the cache) rebuilds the offers of the sites marked
+    changed and of those whose held work moved; the result is the from-scratch snapshot."""
+    views, _ = cache
+    view = views.view()
+    assert view.derived.tracked
+    catalog = DeviceCatalog.load()
+    rtt: dict[tuple[str, str], float] = {}
+    names = [f"tr{i}" for i in range(4)]
+    for name in names:
+        spec = SiteSpec.model_validate(site_doc(name))
+        await registry.join(spec)
+        record = AgentRecord(
+            site=name, instance="i", pid=1, host="h", started_at=1.0, url="http://x", lease_id=1
+        )
+        await registry.put_raw(keys.agent(name), record.model_dump_json().encode())
+        cap = normalize_inventory(spec.inventory, catalog)
+        await registry.put_raw(keys.site_status(name), status_bytes(name, 1, cap))
+    await until(lambda: all(view.site_up(n) for n in names))
+    first = federation(view, catalog, rtt)
+    assert all(first.site(n).up for n in names)
+    await registry.put_raw(keys.site_status("tr0"), status_bytes("tr0", 2, cap))  # a heartbeat
+    await until(lambda: view.sites.statuses["tr0"].seq == 2)
+    assert federation(view, catalog, rtt) is first  # nothing placement reads changed
+    await registry.delete_prefix(keys.agent("tr2"))  # tr2 goes down
+    await until(lambda: "tr2" not in view.sites.agents)
+    view.assignments[("tr1", "j")] = Assignment(
+        job="j", site="tr1", tenant="t", attempt=1, fence=1, command=("true",), cpu=2,
+        mem_gb=1.0, assigned_at=1.0,
+    )  # fmt: skip
+    second = federation(view, catalog, rtt)
+    assert second.site("tr0") is first.site("tr0") and second.site("tr3") is first.site("tr3")
+    assert second.site("tr1").free_cpu == first.site("tr1").free_cpu - 2
+    assert not second.site("tr2").up
+    fresh = View(sites=view.sites, assignments=dict(view.assignments))
+    assert federation(fresh, catalog, rtt).sites == second.sites
+    del view.assignments[("tr1", "j")]  # the job ended: its site's offer is freed again
+    assert federation(view, catalog, rtt).site("tr1") == first.site("tr1")

@@ -72,13 +72,13 @@ async def test_a_root_mirror_follows_several_prefixes_over_one_watch(
     await registry.put_raw(b + "1", b"b1")
     await registry.put_raw(root + "other/1", b"x")
     watches: list[str] = []
-    real = registry.watch
+    real = registry.watch_batches
 
     def counted(prefix: str, *, start_revision: int) -> Any:
         watches.append(prefix)
         return real(prefix, start_revision=start_revision)
 
-    monkeypatch.setattr(registry, "watch", counted)
+    monkeypatch.setattr(registry, "watch_batches", counted)
     state: dict[str, dict[str, bytes]] = {a: {}, b: {}}
     seen: list[tuple[str, str, bytes | None]] = []
 
