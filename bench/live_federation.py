@@ -630,7 +630,7 @@ def _cb(phase, info):
     if phase == "start":
         _t[0] = time.perf_counter()
     elif (ms := (time.perf_counter() - _t[0]) * 1000) >= 5:
-        print(f"gc {info['generation']} {ms:.1f}", file=sys.stderr, flush=True)
+        print(f"gc {info['generation']} {ms:.1f} {time.time():.3f}", file=sys.stderr, flush=True)
 gc.callbacks.append(_cb)
 if (freeze_after := float(sys.argv.pop(1))) > 0:  # an experiment: gc.freeze() once set up
     import threading
@@ -640,11 +640,12 @@ sys.exit(main())
 """
 
 
-def gc_pauses(log_text: str) -> dict[str, Any]:
+def gc_pauses(log_text: str, since: float = 0.0, until: float = float("inf")) -> dict[str, Any]:
+    """The broker's logged collections (`gc <gen> <ms> <unix time>`) between since and until."""
     by_gen: dict[str, list[float]] = {}
     for line in log_text.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[0] == "gc":
+        if len(parts) == 4 and parts[0] == "gc" and since <= float(parts[3]) <= until:
             by_gen.setdefault(f"gen{parts[1]}", []).append(float(parts[2]))
     return {
         gen: {"count": len(ms), "max_ms": max(ms), "total_ms": round(sum(ms), 1)}
@@ -748,6 +749,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         log(f"   idle window {args.idle:g}s (no API calls)")
         sampler = Sampler(pids)
         spy_idle = spy_load = None
+        load_window = (0.0, 0.0)
         if args.py_spy is not None:
             args.py_spy.mkdir(parents=True, exist_ok=True)
             spy_idle = args.py_spy / f"broker-{n}x{interval:g}s-idle.txt"
@@ -779,6 +781,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             spies.append(start_py_spy(broker.pid, args.duration, spy_load))
         sampler.start()
         until = asyncio.get_running_loop().time() + args.duration
+        load_window = (time.time(), time.time() + args.duration)
         await drive_load(base, args, load, until)
         load_cpu = sampler.rates()
         load_agents = agents_summary(reader.take())
@@ -809,6 +812,8 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
     gc_stats = gc_pauses((row_dir / "broker.log").read_text()) if args.gc_log else None
     if gc_stats is not None:
         log(f"   broker gc pauses >= 5 ms over the whole run: {gc_stats}")
+        in_load = gc_pauses((row_dir / "broker.log").read_text(), *load_window)
+        log(f"   of which in the load window: {in_load}")
     for spy in (spy_idle, spy_load):
         if spy is not None:
             for line in py_spy_summary(spy):

@@ -72,6 +72,9 @@ def link_weight(link: LinkStatus, weights: LinkWeights) -> float | None:
     return link.rtt_ms + p / (1 - p) * weights.loss_penalty_ms
 
 
+_UNSET = object()  # no weight applied yet
+
+
 def _site(site: str) -> Node:
     return (SITE, site)
 
@@ -118,6 +121,9 @@ class Topology:
             clients.check_estimable(self._user_regions)
         self._graph: Any = nx.DiGraph()
         self._links: dict[tuple[str, str], LinkStatus] = {}
+        # link -> the weight last given to its edge: a link measured again at the same weight
+        # (a heartbeat) touches no graph (networkx's edge views cost microseconds a lookup)
+        self._applied: dict[tuple[str, str], float | None] = {}
         # site -> the keys of self._links that touch it: adding or removing a site looks at its
         # own links only (a scan of every link per site made a first sync of N sites O(N^2))
         self._links_of: dict[str, set[tuple[str, str]]] = {}
@@ -214,7 +220,9 @@ class Topology:
         for src, dst in sorted(self._links_of.get(site, ())):
             u, v = _site(src), _site(dst)
             if u in self._graph and v in self._graph:
-                self._set_edge(u, v, link_weight(self._links[(src, dst)], self.weights))
+                weight = link_weight(self._links[(src, dst)], self.weights)
+                self._set_edge(u, v, weight)
+                self._applied[(src, dst)] = weight
         for region, attach in self._attach.items():
             if site in attach:
                 self._set_edge(_client(region), node, attach[site])
@@ -224,6 +232,7 @@ class Topology:
         node = _site(site)
         for key in self._links_of.pop(site, ()):
             self._links.pop(key, None)
+            self._applied.pop(key, None)
             other = key[1] if key[0] == site else key[0]
             if other != site and (touching := self._links_of.get(other)) is not None:
                 touching.discard(key)
@@ -254,13 +263,18 @@ class Topology:
                 self._links_of.setdefault(link.src, set()).add(key)
                 self._links_of.setdefault(link.dst, set()).add(key)
             self._links[key] = link
+            weight = link_weight(link, self.weights)
+            if self._applied.get(key, _UNSET) == weight:
+                continue  # a new measurement of the same weight (most of a heartbeat's links)
             u, v = _site(link.src), _site(link.dst)
             if u in self._graph and v in self._graph:
-                changed += self._set_edge(u, v, link_weight(link, self.weights))
+                changed += self._set_edge(u, v, weight)
+                self._applied[key] = weight
         return changed
 
     def remove_link(self, src: str, dst: str) -> None:
         """Forget the measured link src->dst (its registry key was deleted)."""
+        self._applied.pop((src, dst), None)
         if self._links.pop((src, dst), None) is not None:
             for site in (src, dst):
                 touching = self._links_of.get(site)
