@@ -25,6 +25,7 @@ rest waits for the next pass).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import enum
 import hashlib
 import logging
@@ -286,6 +287,21 @@ class AlertKeeper:
             self._term = term
         return True
 
+    def _evaluate(
+        self,
+        inputs: AlertInputs,
+        baselines: dict[tuple[str, str], Baseline],
+        slo: dict[tuple[str, str], SloSamples],
+        now: float,
+    ) -> tuple[
+        dict[tuple[str, str], Baseline], dict[tuple[str, str], SloSamples], dict[str, Finding]
+    ]:
+        """The rules' findings and the baselines and samples they moved (pure: no I/O)."""
+        baselines = update_baselines(baselines, inputs.sites, now, self.settings.link)
+        if self.settings.slo.enabled and self.settings.slo.latency_ms:
+            slo = update_slo(slo, inputs.sites, now, self.settings.slo)
+        return baselines, slo, evaluate(inputs, self.settings, baselines, slo)
+
     async def evaluate_once(self) -> list[AlertRecord]:
         """One pass; the records it changed."""
         if not await self._load():
@@ -293,10 +309,13 @@ class AlertKeeper:
         now = self.clock.time()
         started = time.perf_counter()
         inputs = self.inputs()
-        self._baselines = update_baselines(self._baselines, inputs.sites, now, self.settings.link)
-        if self.settings.slo.enabled and self.settings.slo.latency_ms:
-            self._slo = update_slo(self._slo, inputs.sites, now, self.settings.slo)
-        found = evaluate(inputs, self.settings, self._baselines, self._slo)
+        # the rules look at every site and link (36 ms at a thousand sites): on a worker
+        # thread, over a copy of the view's tables, so the event loop runs on meanwhile (the
+        # interpreter hands it the GIL every few ms) instead of every request waiting it out
+        inputs = dataclasses.replace(inputs, sites=inputs.sites.copy())
+        self._baselines, self._slo, found = await asyncio.to_thread(
+            self._evaluate, inputs, self._baselines, self._slo, now
+        )
         self.metrics.evaluation.observe(time.perf_counter() - started)
         self._since = {key: self._since.get(key, now) for key in found}
         changes = list(self._changes(found, now))

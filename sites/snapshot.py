@@ -82,6 +82,25 @@ class Snapshot:
     # place (broker.view) rebuilds it when this moved, not per request
     version: int = 0
 
+    def copy(self) -> Snapshot:
+        """A copy of the tables (the decoded values shared, they are frozen): what a reader on
+        another thread reads while this one is kept current in place by the event loop."""
+        return Snapshot(
+            revision=self.revision,
+            specs=dict(self.specs),
+            statuses=dict(self.statuses),
+            cordons=dict(self.cordons),
+            last_seen=dict(self.last_seen),
+            agents=dict(self.agents),
+            links=dict(self.links),
+            services=dict(self.services),
+            site_endpoints=dict(self.site_endpoints),
+            replicas={pair: dict(jobs) for pair, jobs in self.replicas.items()},
+            service_sites={svc: set(where) for svc, where in self.service_sites.items()},
+            price_history=dict(self.price_history),
+            version=self.version,
+        )
+
     def apply(self, key: str, value: bytes | None) -> None:
         """Apply one put (value) or delete (None) of `key` to this snapshot."""
         self.version += 1
