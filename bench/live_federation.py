@@ -635,6 +635,30 @@ gc.callbacks.append(_cb)
 if (freeze_after := float(sys.argv.pop(1))) > 0:  # an experiment: gc.freeze() once set up
     import threading
     threading.Timer(freeze_after, gc.freeze).start()
+if (stall_ms := float(sys.argv.pop(1))) > 0:  # report the event loop's stalls, with a stack
+    import threading, traceback
+    _main = threading.main_thread().ident
+    def _watch():
+        held, since, shown = None, 0.0, None
+        while True:
+            time.sleep(0.002)
+            frame = sys._current_frames().get(_main)
+            outer = None
+            while frame is not None:  # the frame the loop called: the one inside Runner.run
+                if frame.f_code.co_filename.endswith("asyncio/runners.py"):
+                    break
+                outer, frame = frame, frame.f_back
+            if frame is None:
+                outer = None  # not in the loop (start-up, shutdown)
+            now = time.perf_counter()
+            if outer is not held:
+                held, since, shown = outer, now, None
+            elif outer is not None and shown is not outer and now - since >= stall_ms / 1000:
+                shown = outer
+                stack = traceback.format_stack(sys._current_frames().get(_main), limit=-14)
+                print(f"stall >= {stall_ms:g} ms at {time.time():.3f} in", file=sys.stderr)
+                print("".join(stack), file=sys.stderr, flush=True)
+    threading.Thread(target=_watch, daemon=True).start()
 sys.argv[0] = "cpn"
 sys.exit(main())
 """
@@ -730,7 +754,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             prof = args.profile / f"broker-{n}x{interval:g}s.prof"
             argv = [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "cpn"]
         elif args.gc_log:
-            argv = [sys.executable, "-c", GC_LOG, str(args.gc_freeze)]
+            argv = [sys.executable, "-c", GC_LOG, str(args.gc_freeze), str(args.stall_log)]
         argv += ["broker", "--etcd", url, "--listen", f"127.0.0.1:{port}"]
         argv += ["--config-dir", str(cfg)]
         broker = start_process("broker", argv, row_dir / "broker.log", stdout_pipe=False)
@@ -814,6 +838,11 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         log(f"   broker gc pauses >= 5 ms over the whole run: {gc_stats}")
         in_load = gc_pauses((row_dir / "broker.log").read_text(), *load_window)
         log(f"   of which in the load window: {in_load}")
+    if args.stall_log:
+        kept = Path(tempfile.gettempdir()) / f"live-broker-{n}x{interval:g}s.log"
+        shutil.copy(row_dir / "broker.log", kept)
+        stalls = (row_dir / "broker.log").read_text().count("stall >= ")
+        log(f"   {stalls} event-loop stalls of {args.stall_log:g} ms or more: stacks in {kept}")
     for spy in (spy_idle, spy_load):
         if spy is not None:
             for line in py_spy_summary(spy):
@@ -1040,6 +1069,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="DIR",
         type=Path,
         help="sample the broker with py-spy (if installed) in each window into DIR",
+    )
+    p.add_argument(
+        "--stall-log",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="with --gc-log: the broker logs each stall of its event loop of MS or more, with "
+        "the stack it was in (a sampling thread; a debugging aid)",
     )
     p.add_argument(
         "--gc-log", action="store_true", help="log the broker's gc pauses of 5 ms or more"

@@ -122,7 +122,9 @@ class ViewCache:
         self._on_change = on_change
         self._metrics = metrics
         self._clock: Clock = clock or SystemClock()
-        self._view = View(sites=Snapshot(revision=0), derived=Derived(tracked=True))
+        self._view = View(
+            sites=Snapshot(revision=0, link_journal=[]), derived=Derived(tracked=True)
+        )
         self.mirror = RootMirror(
             registry=registry, prefixes=PREFIXES, on_reset=self._reset, on_event=self._event
         )
@@ -155,6 +157,7 @@ class ViewCache:
             self._apply(prefix, key, value, rev)
         if prefix in _SITE_PREFIXES:
             sites.version += 1  # the clear above moved it too, even when etcd held nothing
+            sites.layout_version += 1  # a follower of the link journal syncs in full
             view.derived.full = True
         self._on_change()
 

@@ -121,6 +121,10 @@ class Topology:
             clients.check_estimable(self._user_regions)
         self._graph: Any = nx.DiGraph()
         self._links: dict[tuple[str, str], LinkStatus] = {}
+        # the snapshot whose link journal sync follows, and where in it: see sync
+        self._followed: Snapshot | None = None
+        self._layout = -1
+        self._cursor = 0
         # link -> the weight last given to its edge: a link measured again at the same weight
         # (a heartbeat) touches no graph (networkx's edge views cost microseconds a lookup)
         self._applied: dict[tuple[str, str], float | None] = {}
@@ -315,6 +319,26 @@ class Topology:
         Access links come from the clients config given at construction (omitted RTTs estimated
         from coordinates); without one, client regions are left as set_client_region made them.
         """
+        journal = snapshot.link_journal
+        if (
+            journal is not None
+            and snapshot is self._followed
+            and snapshot.layout_version == self._layout
+            and self._cursor >= snapshot.journal_base
+        ):
+            # the same sites: only the links changed since the last sync (Snapshot.link_journal)
+            changed = dict.fromkeys(journal[self._cursor - snapshot.journal_base :])
+            self._cursor = snapshot.journal_base + len(journal)
+            for pair in changed:
+                link = snapshot.links.get(pair)
+                if link is None:
+                    self.remove_link(*pair)
+                else:
+                    self.update_links((link,))
+            return
+        self._followed = snapshot if journal is not None else None
+        self._layout = snapshot.layout_version
+        self._cursor = snapshot.journal_base + len(journal) if journal is not None else 0
         present = set(snapshot.specs)
         for site in self.sites - present:
             self.remove_site(site)

@@ -46,6 +46,8 @@ def decode_value(model: type[M], raw: bytes, key: str) -> M | None:
         return None
 
 
+JOURNAL_MAX = 100_000  # entries of Snapshot.link_journal (a thousand sites' 25 s of links)
+
 _SITE_TABLES: dict[str, tuple[str, type[BaseModel]]] = {
     "spec": ("specs", SiteSpec),
     "status": ("statuses", SiteStatus),
@@ -81,6 +83,15 @@ class Snapshot:
     # +1 per applied change: a reader that derives something from a snapshot kept current in
     # place (broker.view) rebuilds it when this moved, not per request
     version: int = 0
+    # The links changed, in order, for a reader that follows a snapshot kept current in place
+    # (routing.topology): it applies what changed since its last look, not every link. Kept
+    # only when asked for (the broker's view: every change goes through `apply`); None for a
+    # snapshot built or changed by hand. `journal_base` is the position of its first entry
+    # (the oldest half is dropped past JOURNAL_MAX); `layout_version` moves when the set of
+    # sites changes or the links are listed again: a follower then syncs in full.
+    link_journal: list[tuple[str, str]] | None = None
+    journal_base: int = 0
+    layout_version: int = 0
 
     def copy(self) -> Snapshot:
         """A copy of the tables (the decoded values shared, they are frozen): what a reader on
@@ -112,6 +123,8 @@ class Snapshot:
             found = _SITE_TABLES.get(leaf)
             if found is None:
                 return
+            if leaf == "spec":
+                self.layout_version += 1
             attr, model = found
             _apply(getattr(self, attr), site, model, key, value)
         elif key.startswith(keys.AGENTS):
@@ -119,7 +132,15 @@ class Snapshot:
         elif key.startswith(keys.LINKS):
             parts = keys.split(key, keys.LINKS)
             if len(parts) == 2:
-                _apply(self.links, (parts[0], parts[1]), LinkStatus, key, value)
+                pair = (parts[0], parts[1])
+                _apply(self.links, pair, LinkStatus, key, value)
+                journal = self.link_journal
+                if journal is not None:
+                    journal.append(pair)
+                    if len(journal) > JOURNAL_MAX:
+                        half = len(journal) // 2
+                        del journal[:half]
+                        self.journal_base += half
         elif key.startswith(keys.SERVICES):
             parts = keys.split(key, keys.SERVICES)
             if len(parts) != 2:

@@ -250,3 +250,51 @@ def test_a_thousand_lookups_do_no_graph_search(monkeypatch: pytest.MonkeyPatch) 
     for i in range(1000):
         topo.rtt_ms(regions[i % len(regions)], sites[i % len(sites)])
     assert topo.searches == searches
+
+
+def test_sync_of_a_journaled_snapshot_applies_only_the_changed_links(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The broker's view keeps a link journal (Snapshot.link_journal): a sync applies the links
+    changed since the last one, and a change of the sites syncs in full; the graph is the one a
+    fresh topology builds from the same snapshot."""
+    from sites import keys
+
+    def put(snap: Snapshot, src: str, dst: str, rtt: float) -> None:
+        snap.apply(keys.link(src, dst), link(src, dst, rtt).model_dump_json().encode())
+
+    snap = Snapshot(revision=1, link_journal=[])
+    for name, lon in (("a", 116.0), ("b", 121.0), ("c", 104.0)):
+        snap.apply(keys.site_spec(name), spec(name, "r", 30.0, lon).model_dump_json().encode())
+    put(snap, "a", "b", 10)
+    put(snap, "b", "c", 10)
+    put(snap, "c", "a", 50)  # never changes: a sync never looks at it again
+    topo = Topology(weights=LinkWeights(min_change_ms=0))
+    topo.set_client_region("city", {"a": 0.0})
+    topo.sync(snap)
+    assert topo.rtt_ms("city", "c") == 20
+    applied: list[object] = []
+    real = topo.update_links
+
+    def counted(links: Any) -> int:
+        links = list(links)
+        applied.extend(links)
+        return real(links)
+
+    monkeypatch.setattr(topo, "update_links", counted)
+    put(snap, "a", "b", 30)  # a change
+    put(snap, "b", "c", 10)  # a heartbeat: the same weight
+    put(snap, "a", "c", 25)  # a new link
+    topo.sync(snap)
+    assert {(ln.src, ln.dst) for ln in applied} == {("a", "b"), ("b", "c"), ("a", "c")}  # type: ignore[attr-defined]
+    assert topo.rtt_ms("city", "c") == 25 and topo.rtt_ms("city", "b") == 30
+    snap.apply(keys.link("a", "c"), None)  # its lease expired
+    topo.sync(snap)
+    assert topo.rtt_ms("city", "c") == 40
+    snap.apply(keys.site_spec("c"), None)  # a site left: a full sync
+    topo.sync(snap)
+    assert topo.sites == {"a", "b"}
+    fresh = Topology(weights=LinkWeights(min_change_ms=0))
+    fresh.set_client_region("city", {"a": 0.0})
+    fresh.sync(snap)
+    assert topo.rtt_ms("city", "b") == fresh.rtt_ms("city", "b") == 30
