@@ -758,6 +758,8 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         argv += ["broker", "--etcd", url, "--listen", f"127.0.0.1:{port}"]
         argv += ["--config-dir", str(cfg)]
         broker = start_process("broker", argv, row_dir / "broker.log", stdout_pipe=False)
+        if args.broker_nice:  # as if the broker had its own core (root may raise priority)
+            os.setpriority(os.PRIO_PROCESS, broker.pid, args.broker_nice)
         took, ready_up = await wait_ready(base, n, broker, timeout_s=60 + n / 20)
         log(f"   broker {base} (pid {broker.pid}) leads, {ready_up} sites up after {took:.1f}s")
         await asyncio.sleep(args.warmup)
@@ -1069,6 +1071,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="DIR",
         type=Path,
         help="sample the broker with py-spy (if installed) in each window into DIR",
+    )
+    p.add_argument(
+        "--broker-nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the broker at this nice value (e.g. -10, as root): what its latency would be "
+        "if the agents' emulator and etcd did not share its cores",
     )
     p.add_argument(
         "--stall-log",

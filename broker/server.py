@@ -30,13 +30,14 @@ from sites.registry import Registry
 
 log = logging.getLogger(__name__)
 
-GC_THRESHOLDS = (10_000, 10, 100)
+GC_THRESHOLDS = (700, 10, 1000)
 """The collector's thresholds once the broker is up (CPython's are 700, 10, 10). A federation's
 view is objects that live about one publish interval (a thousand sites' statuses and links
-replaced every second): they outlive the young generations and made a full collection of
-80-140 ms every few seconds, a pause every request in flight waits out. Nearly all of that
-garbage is freed by reference counting; the cyclic collector runs a young pass every 10,000
-net allocations and a full one a hundred times more rarely (bench/README.md, live_federation)."""
+replaced every second): they outlive the young generations, and full collections of 80-140 ms
+came every few seconds, a pause every request in flight waited out. Nearly all of that garbage
+is freed by reference counting: the young generations keep CPython's thresholds (a larger
+first one made each young pass 20-50 ms at a thousand sites), a full collection comes a
+hundred times more rarely (bench/README.md, live_federation.py)."""
 
 
 def server_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
