@@ -420,6 +420,14 @@ class InferenceProxy:
 
     async def _serve(self, ex: Exchange) -> None:
         arrived = self.clock.monotonic()
+        if has_dot_segment(ex.tail):
+            raise _Refusal(
+                400,
+                "invalid_path",
+                "the path has a '.' or '..' segment, which the site would resolve outside "
+                f"/v1/infer/{ex.service}/: send it resolved",
+                "path",
+            )
         service = ex.service
         region = self._client_region(ex)
         tenant = ex.tenant
@@ -910,6 +918,19 @@ def forward_block(raw: RawHeaders, remote: str | None, scheme: str, host: bytes)
         scheme.encode(),
         host,
     )
+
+
+def has_dot_segment(tail: bytes) -> bool:
+    """Whether the path part of `tail` has a '.' or '..' segment, percent-encoded or not: the
+    site (RFC 3986, 5.2.4) would resolve it to another path than the one routed, another
+    service's or none of the model server's API."""
+    path = tail.split(b"?", 1)[0]
+    if b"." not in path and b"%2" not in path:
+        return False
+    for segment in path.split(b"/"):
+        if segment.lower().replace(b"%2e", b".") in (b".", b".."):
+            return True
+    return False
 
 
 def path_tail(raw_path: str) -> str:

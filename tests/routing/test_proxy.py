@@ -716,6 +716,26 @@ async def test_missing_or_unknown_region_is_a_400(
     assert h.picks == []
 
 
+async def test_a_path_with_dot_segments_is_a_400_and_never_reaches_a_site(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """A site would resolve `..` to another path than the one routed (another service's, or
+    none of the model server's API): refused, encoded or not; a dot inside a name is fine."""
+    up, upstream = await echo(serve, "a")
+    h = await make_proxy([up])
+    for tail in ("v1/../../admin", "v1/%2e%2E/x", "./v1/chat", "v1/%2E"):
+        async with http.post(URL(h.infer_url(tail), encoded=True), json={}, headers=REGION) as resp:
+            assert resp.status == 400, tail
+            error = (await resp.json())["error"]
+        assert (error["code"], error["field"]) == ("invalid_path", "path")
+    assert upstream.hits == [] and h.picks == []
+    async with http.post(
+        URL(h.infer_url("v1/model.v2/..x?q=../a"), encoded=True), json={}, headers=REGION
+    ) as resp:
+        assert resp.status == 200
+    assert [hit["raw_path"] for hit in upstream.hits] == ["/v1/model.v2/..x?q=../a"]
+
+
 async def test_region_from_the_peer_address_when_no_header(
     serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
