@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from sites import keys
 from sites.errors import RegistryError
@@ -13,6 +13,16 @@ from sites.registry import Registry
 log = logging.getLogger(__name__)
 
 KeyValues = Sequence[tuple[str, bytes, int]]  # (key, value, mod_revision)
+
+
+async def _follow_forever(follow: Callable[[], Awaitable[None]], what: str, retry_s: float) -> None:
+    """List and watch with `follow` until cancelled; a registry error lists again."""
+    while True:
+        try:
+            await follow()
+        except RegistryError as exc:
+            log.warning("mirror of %s: %s; re-listing in %.1fs", what, exc, retry_s)
+            await asyncio.sleep(retry_s)
 
 
 class PrefixMirror:
@@ -51,14 +61,7 @@ class PrefixMirror:
         self._retry_s = retry_s
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self._follow()
-            except RegistryError as exc:
-                log.warning(
-                    "mirror of %s: %s; re-listing in %.1fs", self.prefix, exc, self._retry_s
-                )
-                await asyncio.sleep(self._retry_s)
+        await _follow_forever(self._follow, self.prefix, self._retry_s)
 
     async def _follow(self) -> None:
         self.revision, kvs = await self.registry.list_prefix(self.prefix)
@@ -130,12 +133,7 @@ class RootMirror:
         self._retry_s = retry_s
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self._follow()
-            except RegistryError as exc:
-                log.warning("mirror of %s: %s; re-listing in %.1fs", self.root, exc, self._retry_s)
-                await asyncio.sleep(self._retry_s)
+        await _follow_forever(self._follow, self.root, self._retry_s)
 
     async def _follow(self) -> None:
         listed: dict[str, int] = {}  # segment ("sites/") -> the revision it was listed at
