@@ -302,9 +302,10 @@ async def test_the_guard_refuses_and_names_the_tenant(lane: Lane) -> None:
 
 async def test_heads_the_lane_leaves_to_aiohttp(lane: Lane) -> None:
     reader, writer = await lane.connect()
-    # a dot segment: served by aiohttp's route (its router decides what it means), not the lane
+    # a dot segment: served by aiohttp's route (its router decides what it means), not the
+    # lane; the proxy refuses it before anything else (InferenceProxy: invalid_path)
     writer.write(b"GET /v1/infer/llm/../../jobs HTTP/1.1\r\nHost: x\r\n\r\n")
-    assert (await read_answer(reader)).json()["error"]["code"] == "missing_region"
+    assert (await read_answer(reader)).json()["error"]["code"] == "invalid_path"
     assert lane.gate.answered == []
     writer.close()
     reader, writer = await lane.connect()
