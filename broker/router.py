@@ -11,6 +11,7 @@ first and the rest of the ranking after it, to retry on.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -74,6 +75,14 @@ class Router:
         # the candidates of self.snapshot as of the last sync: rebuilt with the topology, never
         # per request (a request lays only its own overlay over them)
         self._index: CandidateIndex | None = None
+
+    async def follow(self, snapshot: Callable[[], Snapshot]) -> None:
+        """Sync every SYNC_INTERVAL_S (supervised, for as long as the broker runs): a route
+        finds the topology current instead of catching up on what changed while no request
+        came (after a quiet minute at a thousand sites, 60,000 link changes in its path)."""
+        while True:
+            await asyncio.sleep(SYNC_INTERVAL_S)
+            self.sync(snapshot())
 
     def sync(self, snapshot: Snapshot) -> None:
         """Follow `snapshot` (the broker's view keeps one current in place). The topology and the
