@@ -11,10 +11,8 @@ message builders, and raises EmulatorMismatch unless they are the same bytes.
 
 from __future__ import annotations
 
-import os
 import random
 import re
-import socket
 import time
 import uuid
 from collections.abc import Sequence
@@ -239,15 +237,7 @@ class EmulatedSite:
 
     def new_record(self, lease_id: int) -> AgentRecord:
         """As SimAgent.acquire writes it."""
-        return AgentRecord(
-            site=self.id,
-            instance=self.instance,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            started_at=time.time(),
-            url=f"http://127.0.0.1:{20000 + self.rng.randrange(20000)}",
-            lease_id=lease_id,
-        )
+        return fanin.agent_record(self.id, self.instance, self.rng, lease_id)
 
     def set_record(self, record: AgentRecord | None) -> None:
         self.record = record

@@ -176,6 +176,19 @@ class AgentConfig:
     keepalive_s: float
 
 
+def agent_record(site: str, instance: str, rng: random.Random, lease_id: int) -> AgentRecord:
+    """The agent lock's record of a simulated site's agent (a made-up URL: never called)."""
+    return AgentRecord(
+        site=site,
+        instance=instance,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        started_at=time.time(),
+        url=f"http://127.0.0.1:{20000 + rng.randrange(20000)}",
+        lease_id=lease_id,
+    )
+
+
 class SimAgent:
     """One site's agent as the real one behaves: lease, agent lock, publish and keepalive loops.
 
@@ -213,15 +226,7 @@ class SimAgent:
 
     async def acquire(self) -> None:
         lease_id = await self.registry.grant_lease(self.cfg.ttl_s)
-        record = AgentRecord(
-            site=self.spec.id,
-            instance=self.instance,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            started_at=time.time(),
-            url=f"http://127.0.0.1:{20000 + self.rng.randrange(20000)}",
-            lease_id=lease_id,
-        )
+        record = agent_record(self.spec.id, self.instance, self.rng, lease_id)
         try:
             # Any holder of a bench site is a leftover of an earlier bench run: take it over.
             await self.registry.acquire_agent(record, is_stale=lambda _holder: True)

@@ -444,8 +444,7 @@ async def list_sites(request: web.Request) -> web.Response:
     after = request.query.get("continue") or ""
     sites = request.app[BROKER].view().sites
     cache = request.app[SITES_CACHE]
-    lock: asyncio.Lock = cache.setdefault("lock", asyncio.Lock())
-    async with lock:  # one rebuild at a time; the requests queued behind it reuse it
+    async with cache["lock"]:  # one rebuild at a time; the requests queued behind it reuse it
         now = time.time()
         version = (id(sites), sites.version)
         if cache.get("version") != version and now - cache.get("at", 0.0) >= SITES_REFRESH_S:
@@ -643,7 +642,7 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
         clock=broker.clock.time,
     )
     app[OPERATIONS] = []
-    app[SITES_CACHE] = {}
+    app[SITES_CACHE] = {"lock": asyncio.Lock()}
     app.cleanup_ctx.append(_http_session)
     app.on_startup.append(_check_access)
     operations = [

@@ -163,20 +163,18 @@ class ViewCache:
 
     def _event(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:
         unfinished = prefix == keys.JOBS and key[len(keys.JOBS) :] in self._view.jobs
-        if prefix in _SITE_PREFIXES:
-            before = _placement_inputs(self._view.sites, prefix, key)
-            self._view.sites.apply(key, value)
-            record = None
-            # a heartbeat (a status of the same capacity, last_seen, a link, an endpoint) is
-            # applied but decides nothing: the scheduler is told only of what placement reads
-            # (a site's spec, cordon, liveness, declared capacity); at a thousand sites
-            # publishing every second, a pass per heartbeat was most of the leader's idle CPU
-            changed = before != _placement_inputs(self._view.sites, prefix, key)
-            if changed and prefix in (keys.SITES, keys.AGENTS):
-                self._view.derived.dirty.add(keys.split(key, prefix)[0])
-        else:
-            record = self._apply(prefix, key, value, rev)
+        sites = self._view.sites
+        before = _placement_inputs(sites, prefix, key)
+        record = self._apply(prefix, key, value, rev)
+        # a heartbeat (a status of the same capacity, last_seen, a link, an endpoint) is
+        # applied but decides nothing: the scheduler is told only of what placement reads (a
+        # site's spec, cordon, liveness, declared capacity) and of every other prefix's change;
+        # at a thousand sites publishing every second, a pass per heartbeat was most of the
+        # leader's idle CPU
+        changed = prefix not in _SITE_PREFIXES
+        if before != _placement_inputs(sites, prefix, key):
             changed = True
+            self._view.derived.dirty.add(keys.split(key, prefix)[0])
         if self._metrics is not None and value is not None:
             self._observe(self._metrics, prefix, key, record, unfinished)
         if changed:
@@ -238,7 +236,7 @@ def _placement_inputs(sites: Snapshot, prefix: str, key: str) -> object:
     """What of `key`'s entry placement reads (broker.view.federation, decisions): compared
     before and after an event to tell the scheduler only of changes that can move a decision.
     Links, service endpoints and replicas are the router's and the reconcilers' (they read the
-    view on their own ticks): never the scheduler's."""
+    view on their own ticks): never the scheduler's. None for a key of no site's placement."""
     if prefix == keys.AGENTS:
         return sites.agents.get(key[len(keys.AGENTS) :]) is not None
     if prefix != keys.SITES:
@@ -318,16 +316,18 @@ def federation(
         offers = [_offer(view, site, held, cached, d.offers, catalog, settings) for site in order]
     else:
         assert previous is not None  # (for mypy: todo is None without one)
-        if not todo and previous.user_rtt_ms is user_rtt_ms:
-            return previous
         offers = list(previous.sites)
+        replaced = False
         for site in todo:
-            if site in d.positions:
-                offers[d.positions[site]] = _offer(
-                    view, site, held, cached, cached, catalog, settings
-                )
+            if (pos := d.positions.get(site)) is not None:
+                offer = _offer(view, site, held, cached, cached, catalog, settings)
+                replaced = replaced or offer is not offers[pos]
+                offers[pos] = offer
+        if not replaced and previous.user_rtt_ms is user_rtt_ms:
+            return previous  # what changed made the same offers: no look at every site
     if (
-        previous is not None
+        todo is None
+        and previous is not None
         and previous.user_rtt_ms is user_rtt_ms
         and len(previous.sites) == len(offers)
         and all(a is b for a, b in zip(previous.sites, offers, strict=True))

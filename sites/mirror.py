@@ -136,23 +136,22 @@ class RootMirror:
         await _follow_forever(self._follow, self.root, self._retry_s)
 
     async def _follow(self) -> None:
-        listed: dict[str, int] = {}  # segment ("sites/") -> the revision it was listed at
+        root, cut = self.root, len(self.root)
+        # segment ("sites/") -> its prefix and the revision it was listed at
+        listed: dict[str, tuple[str, int]] = {}
         for prefix in self.prefixes:
             revision, kvs = await self.registry.list_prefix(prefix)
             self._on_reset(prefix, kvs)
-            listed[prefix[len(self.root) :]] = revision
-        self.revision = min(listed.values())
+            listed[prefix[cut:]] = (prefix, revision)
+        self.revision = min(revision for _, revision in listed.values())
         self.synced.set()
-        root, cut = self.root, len(self.root)
         on_event = self._on_event
-        prefixes = {segment: root + segment for segment in listed}
         async for batch in self.registry.watch_batches(root, start_revision=self.revision + 1):
             for event in batch:
                 key = event.key
                 end = key.find("/", cut)
-                segment = key[cut : end + 1] if end > 0 else ""
-                upto = listed.get(segment)
-                if upto is None or event.revision <= upto:
+                found = listed.get(key[cut : end + 1] if end > 0 else "")
+                if found is None or event.revision <= found[1]:
                     continue  # another prefix of the root, or already in the list
-                on_event(prefixes[segment], key, event.value, event.revision)
+                on_event(found[0], key, event.value, event.revision)
             self.revision = batch[-1].revision
