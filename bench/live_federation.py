@@ -283,11 +283,13 @@ class Proc:
 STARTED: list[Proc] = []  # stopped, by pid, in reverse order, on every exit path
 
 
-def start_process(name: str, argv: list[str], log_path: Path, *, stdout_pipe: bool) -> Proc:
+def start_process(
+    name: str, argv: list[str], log_path: Path, *, stdout_pipe: bool, stdin_pipe: bool = False
+) -> Proc:
     with open(log_path, "ab") as logfile:
         popen = subprocess.Popen(
             argv,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
             stdout=subprocess.PIPE if stdout_pipe else logfile,
             stderr=logfile,
             cwd=ROOT,
@@ -308,9 +310,10 @@ def stop_process(proc: Proc, timeout_s: float = 20.0) -> None:
             log(f"   {proc.name} (pid {proc.pid}) did not stop in {timeout_s:.0f}s: killed")
             proc.popen.kill()
             proc.popen.wait()
-    if proc.popen.stdout is not None:
-        with contextlib.suppress(OSError):
-            proc.popen.stdout.close()
+    for stream in (proc.popen.stdin, proc.popen.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()
     if proc in STARTED:
         STARTED.remove(proc)
 
@@ -415,12 +418,21 @@ class Calls:
 
     ms: list[float] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
+    ended: list[float] = field(default_factory=list)
+
+    def add(self, ms: float) -> None:
+        self.ms.append(ms)
+        self.ended.append(time.time())
 
     def summary(self) -> dict[str, Any]:
+        worst = sorted(zip(self.ms, self.ended, strict=True), reverse=True)[:5]
         return {
             "p50": percentile(self.ms, 50),
+            "p90": percentile(self.ms, 90),
             "p99": percentile(self.ms, 99),
             "max": max(self.ms) if self.ms else None,
+            # the slowest calls and when they ended (unix time): to match with the broker's log
+            "worst": [(round(ms, 1), round(at, 3)) for ms, at in worst],
             "count": len(self.ms),
             "outcomes": dict(self.outcomes),
         }
@@ -431,6 +443,8 @@ class Load:
     submit: Calls = field(default_factory=Calls)
     route: Calls = field(default_factory=Calls)
     sites: Calls = field(default_factory=Calls)
+    etcd_txn: Calls = field(default_factory=Calls)
+    loop_lag: Calls = field(default_factory=Calls)
     cancels: Counter[str] = field(default_factory=Counter)
     staleness_p50_s: list[float] = field(default_factory=list)
     staleness_max_s: list[float] = field(default_factory=list)
@@ -474,7 +488,9 @@ async def paced(rate: float, until: float, one: Callable[[], Any], in_flight: in
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def drive_load(base: str, args: argparse.Namespace, load: Load, until: float) -> None:
+async def drive_load(
+    base: str, etcd_url: str, args: argparse.Namespace, load: Load, until: float
+) -> None:
     rng = random.Random(args.seed)
     timeout = aiohttp.ClientTimeout(total=30)
     cancels: set[asyncio.Task[None]] = set()
@@ -502,7 +518,7 @@ async def drive_load(base: str, args: argparse.Namespace, load: Load, until: flo
             except (aiohttp.ClientError, TimeoutError) as exc:
                 load.submit.outcomes[f"error {type(exc).__name__}"] += 1
                 return
-            load.submit.ms.append(ms)
+            load.submit.add(ms)
             load.submit.outcomes[f"HTTP {status}"] += 1
             if status == 201:
                 task = asyncio.create_task(cancel_later(json.loads(data)["id"]))
@@ -516,20 +532,51 @@ async def drive_load(base: str, args: argparse.Namespace, load: Load, until: flo
             except (aiohttp.ClientError, TimeoutError) as exc:
                 load.route.outcomes[f"error {type(exc).__name__}"] += 1
                 return
-            load.route.ms.append(ms)
+            load.route.add(ms)
             if status == 200:
                 site = json.loads(data).get("site")
                 load.route.outcomes["routed" if site else "no site chosen"] += 1
             else:
                 load.route.outcomes[f"HTTP {status}"] += 1
 
+        async with Registry.from_urls(etcd_url) as registry:
+
+            async def etcd_txn() -> None:
+                # control: a submit's own etcd Txn (one guarded put) straight from this process
+                key = f"/bench/probe/{rng.randrange(16**8):08x}"
+                started = time.perf_counter()
+                await registry.commit(guards=[], puts={key: b"x" * 2048})
+                load.etcd_txn.add((time.perf_counter() - started) * 1000)
+
+            await asyncio.gather(
+                paced(args.submit_rate, until, submit),
+                paced(args.route_rate, until, route),
+                paced(args.submit_rate, until, etcd_txn),
+                loop_lag(until, load.loop_lag),
+            )
+        if cancels:  # not timed: they free the capacity the window's jobs hold
+            await asyncio.wait(cancels, timeout=args.job_life + 10)
+
+
+async def operator_main(args: argparse.Namespace) -> None:
+    """`live_federation.py operator ...`: the operator polling GET /v1/sites, in a process of its
+    own, as a real operator's client is: parsing its pages of 500 rows (and the collections
+    that leaves behind) stalled the loop that times the submits and routes by up to 100 ms,
+    which then counted as the broker's latency. Prints {"ready": true}, polls from the
+    "go <unix time until>" line on its stdin until then, and prints what it measured."""
+    load = Load()
+    rng = random.Random(args.seed)
+    timeout = aiohttp.ClientTimeout(total=30)
+    headers = {"Authorization": os.environ["CPN_BENCH_AUTH"]}
+    async with aiohttp.ClientSession(timeout=timeout, headers=headers) as session:
+
         async def sites() -> None:
             try:
-                ms, status, rows = await all_sites(session, base)
+                ms, status, rows = await all_sites(session, args.base)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 load.sites.outcomes[f"error {type(exc).__name__}"] += 1
                 return
-            load.sites.ms.append(ms)
+            load.sites.add(ms)
             load.sites.outcomes[f"HTTP {status}"] += 1
             if status == 200:
                 ago = [r["last_seen_ago_s"] for r in rows if r.get("last_seen_ago_s") is not None]
@@ -538,13 +585,86 @@ async def drive_load(base: str, args: argparse.Namespace, load: Load, until: flo
                     load.staleness_p50_s.append(percentile(ago, 50) or 0.0)
                     load.staleness_max_s.append(max(ago))
 
-        await asyncio.gather(
-            paced(args.submit_rate, until, submit),
-            paced(args.route_rate, until, route),
-            paced(args.sites_rate, until, sites, in_flight=4),
-        )
-        if cancels:  # not timed: they free the capacity the window's jobs hold
-            await asyncio.wait(cancels, timeout=args.job_life + 10)
+        emit({"ready": True})
+        line = await asyncio.to_thread(sys.stdin.readline)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + float(line.split()[1]) - time.time()
+        await asyncio.sleep(rng.uniform(0, 0.1))
+        await paced(args.rate, until, sites, in_flight=4)
+    emit(
+        {
+            "sites": {
+                "ms": load.sites.ms,
+                "ended": load.sites.ended,
+                "outcomes": dict(load.sites.outcomes),
+            },
+            "staleness_p50_s": load.staleness_p50_s,
+            "staleness_max_s": load.staleness_max_s,
+            "sites_up": load.sites_up,
+        }
+    )
+
+
+async def wait_line(proc: Proc, reader: LineReader, key: str, timeout_s: float) -> dict[str, Any]:
+    """The first JSON line with `key` set that proc prints, within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} (pid {proc.pid}) exited:\n{proc.log_tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no {key!r} from the {proc.name} in time:\n{proc.log_tail()}")
+        got = next((line for line in reader.take() if line.get(key)), None)
+        if got is not None:
+            return got
+        await asyncio.sleep(0.2)
+
+
+def start_operator(base: str, args: argparse.Namespace, row_dir: Path) -> tuple[Proc, LineReader]:
+    """The operator's process (operator_main), started and ready to be told to go."""
+    os.environ["CPN_BENCH_AUTH"] = AUTH["Authorization"]
+    proc = start_process(
+        "operator",
+        [
+            sys.executable, str(Path(__file__).resolve()), "operator",
+            "--base", base, "--rate", str(args.sites_rate), "--seed", str(args.seed),
+        ],
+        row_dir / "operator.log",
+        stdout_pipe=True,
+        stdin_pipe=True,
+    )  # fmt: skip
+    assert proc.popen.stdout is not None
+    return proc, LineReader(proc.popen.stdout)
+
+
+async def operator_result(
+    proc: Proc, reader: LineReader, load: Load, timeout_s: float = 60.0
+) -> None:
+    """Waits for the operator's figures and adds them to `load`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = next((line for line in reader.take() if "sites" in line), None)
+        if got is not None:
+            load.sites.ms += got["sites"]["ms"]
+            load.sites.ended += got["sites"]["ended"]
+            load.sites.outcomes.update(got["sites"]["outcomes"])
+            load.staleness_p50_s += got["staleness_p50_s"]
+            load.staleness_max_s += got["staleness_max_s"]
+            load.sites_up += got["sites_up"]
+            return
+        if not proc.alive():
+            break
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"the operator's process gave no figures:\n{proc.log_tail()}")
+
+
+async def loop_lag(until: float, into: Calls, every_s: float = 0.01) -> None:
+    """Control: how late this process's own event loop wakes from a sleep of every_s (ms), so
+    that a latency tail that is the load generator's, not the broker's, shows."""
+    loop = asyncio.get_running_loop()
+    while loop.time() < until:
+        started = loop.time()
+        await asyncio.sleep(every_s)
+        into.add((loop.time() - started - every_s) * 1000)
 
 
 async def all_sites(
@@ -714,6 +834,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
     )
     agents: Proc | None = None
     broker: Proc | None = None
+    operator: tuple[Proc, LineReader] | None = None
     spies: list[Proc | None] = []
     try:
         url = await asyncio.to_thread(etcd.start)
@@ -734,15 +855,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         )  # fmt: skip
         assert agents.popen.stdout is not None
         reader = LineReader(agents.popen.stdout)
-        deadline = time.monotonic() + 60 + n / 20
-        ready: dict[str, Any] | None = None
-        while ready is None:
-            if not agents.alive():
-                raise RuntimeError(f"the agents' process exited:\n{agents.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the agents did not join in time:\n{agents.log_tail()}")
-            ready = next((line for line in reader.take() if line.get("ready")), None)
-            await asyncio.sleep(0.2)
+        ready = await wait_line(agents, reader, "ready", timeout_s=60 + n / 20)
         log(f"   {n} sites joined, agent locks taken in {ready['setup_s']}s; agents publishing")
 
         await bootstrap_token(url)
@@ -762,7 +875,10 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             os.setpriority(os.PRIO_PROCESS, broker.pid, args.broker_nice)
         took, ready_up = await wait_ready(base, n, broker, timeout_s=60 + n / 20)
         log(f"   broker {base} (pid {broker.pid}) leads, {ready_up} sites up after {took:.1f}s")
+        operator = start_operator(base, args, row_dir) if args.sites_rate > 0 else None
         await asyncio.sleep(args.warmup)
+        if operator is not None:
+            await wait_line(operator[0], operator[1], "ready", timeout_s=30)
         reader.take()
 
         pids: dict[str, int | None] = {
@@ -808,15 +924,26 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         sampler.start()
         until = asyncio.get_running_loop().time() + args.duration
         load_window = (time.time(), time.time() + args.duration)
-        await drive_load(base, args, load, until)
+        if operator is not None:
+            assert operator[0].popen.stdin is not None
+            operator[0].popen.stdin.write(f"go {load_window[1]}\n".encode())
+            operator[0].popen.stdin.flush()
+        await drive_load(base, url, args, load, until)
+        if operator is not None:
+            await operator_result(*operator, load)
         load_cpu = sampler.rates()
         load_agents = agents_summary(reader.take())
         load_rss = rss_mb(broker.pid)
         log(
-            "   load: submit p99 {} ms, route p99 {} ms, broker {:.0f}% of a core".format(
+            "   load: submit p99 {} ms, route p99 {} ms, broker {:.0f}% of a core; controls: "
+            "etcd Txn from here p50/p99 {}/{} ms, this process's loop lag p99/max {}/{} ms".format(
                 fanin.fmt_ms(percentile(load.submit.ms, 99)),
                 fanin.fmt_ms(percentile(load.route.ms, 99)),
                 load_cpu["broker"] or 0,
+                fanin.fmt_ms(percentile(load.etcd_txn.ms, 50)),
+                fanin.fmt_ms(percentile(load.etcd_txn.ms, 99)),
+                fanin.fmt_ms(percentile(load.loop_lag.ms, 99)),
+                fanin.fmt_ms(max(load.loop_lag.ms, default=None)),
             )
         )
         if not broker.alive():
@@ -827,6 +954,8 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     await asyncio.to_thread(spy.popen.wait, 30)
                 stop_process(spy)
+        if operator is not None:
+            stop_process(operator[0], timeout_s=5)
         if broker is not None:
             stop_process(broker)
         if agents is not None:
@@ -869,6 +998,8 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             "submit_ms": load.submit.summary(),
             "route_ms": load.route.summary(),
             "sites_ms": load.sites.summary(),
+            "etcd_txn_ms": load.etcd_txn.summary(),
+            "bench_loop_lag_ms": load.loop_lag.summary(),
             "cancels": dict(load.cancels),
             "sites_up_min": min(load.sites_up) if load.sites_up else None,
             "staleness_s": {
@@ -1137,6 +1268,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 run = uvloop.run
         run(agents_main(agents_args))
+        return 0
+    if argv[:1] == ["operator"]:
+        p = argparse.ArgumentParser(prog="live_federation.py operator")
+        p.add_argument("--base", required=True)
+        p.add_argument("--rate", type=float, required=True)
+        p.add_argument("--seed", type=int, default=1)
+        asyncio.run(operator_main(p.parse_args(argv[1:])))
         return 0
     args = parse_args(argv)
     # SIGTERM unwinds like Ctrl-C; SIGINT too, even where it was inherited ignored (a job
