@@ -23,7 +23,7 @@ setup every site's first publish is rendered both ways and must match byte for b
 against pydantic's model_dump_json, the TxnRequest against aetcd's own message builders). One
 timer wheel (a slot every 10 ms) issues the due Txns concurrently (at most 256 in flight)
 instead of 2N sleeping tasks. The wire (bench/emulator_transport.py) is cleartext HTTP/2 by
-bench/h2_grpc.py (default), or grpc.aio (`--transport grpc`), which costs ~45 % of a core for
+sites/h2grpc.py (default), or grpc.aio (`--transport grpc`), which costs ~45 % of a core for
 the calls alone at 1000 Txns and 1000 keepalives a second on the 2-vCPU bench machine.
 
 What differs from N agents: one process and one TCP connection instead of N; the transport is

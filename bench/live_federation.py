@@ -1184,7 +1184,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--transport",
         choices=TRANSPORTS,
         default="h2",
-        help="the emulator's wire: h2 (bench/h2_grpc.py) or grpc (grpc.aio, dearer)",
+        help="the emulator's wire: h2 (sites/h2grpc.py) or grpc (grpc.aio, dearer)",
     )
     p.add_argument(
         "--agents-per-client", type=int, default=100, help="SimAgents per Registry client"

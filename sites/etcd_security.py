@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +88,21 @@ class EtcdTls:
         return grpc.ssl_channel_credentials(
             root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
         )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The same trust and client certificate for sites.h2grpc's channels (ALPN "h2")."""
+        context = ssl.create_default_context(
+            cadata=None if self.ca_pem is None else self.ca_pem.decode()
+        )
+        if self.cert_pem is not None and self.key_pem is not None:
+            # ssl reads a certificate chain only from files: a private directory, removed at once
+            with tempfile.TemporaryDirectory(prefix="cpn-tls-") as tmp:
+                cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+                write_private(cert, self.cert_pem.decode())
+                write_private(key, self.key_pem.decode())
+                context.load_cert_chain(cert, key)
+        context.set_alpn_protocols(["h2"])
+        return context
 
 
 class EtcdCredentials(BaseModel):

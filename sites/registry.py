@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import ssl
 import time
 from collections.abc import (
     AsyncGenerator,
@@ -44,6 +46,7 @@ from sites.errors import (
     RevisionCompacted,
 )
 from sites.etcd_security import EtcdCredentials, EtcdTls, make_client
+from sites.h2grpc import H2Channel, header_block
 from sites.paging import Page
 from sites.snapshot import Snapshot, decode_value
 from sites.spec import SiteSpec
@@ -314,6 +317,56 @@ class _LeaseKeepAlive:
         self._streams = []
 
 
+WATCH_TRANSPORT_ENV = "CPN_ETCD_WATCH"
+"""`grpc`: watch streams over grpc.aio instead of sites.h2grpc (Registry.watch_batches)."""
+WATCH_PATH = "/etcdserverpb.Watch/Watch"
+WATCH_BUFFER_BYTES = 16 * 2**20
+"""A watch's answers held unread before its socket is no longer read (back-pressure on etcd)."""
+WATCH_PING_S = 10.0
+"""A watch connection is PINGed this often; no ACK within as long ends the watch (etcd gone)."""
+
+
+async def _ping_forever(channel: H2Channel, held: list[int]) -> None:
+    """A PING every WATCH_PING_S; a channel with no answer is closed, which ends its watch
+    (its socket may be paused by back-pressure: then the caller is behind, not etcd)."""
+    while not channel.closed:
+        await asyncio.sleep(WATCH_PING_S)
+        if held[0] >= WATCH_BUFFER_BYTES:
+            continue
+        try:
+            async with asyncio.timeout(WATCH_PING_S):
+                await channel.ping()
+        except TimeoutError:
+            channel.close(f"no answer to a PING in {WATCH_PING_S:g}s")
+            return
+        except ConnectionError:
+            return
+
+
+def _check_watch(response: Any, prefix: str, start_revision: int, url: str) -> None:
+    """The registry's error for a watch answer that ends the watch, if it is one."""
+    if response.compact_revision:
+        raise RevisionCompacted(
+            f"watch of {prefix} compacted: etcd holds revisions from "
+            f"{response.compact_revision} on",
+            revision=start_revision,
+        )
+    if response.canceled:
+        if "permission denied" in response.cancel_reason:
+            raise PermissionDenied(
+                f"etcd at {url} refused the watch of {prefix}: {response.cancel_reason}"
+            )
+        raise RegistryUnavailable(f"watch of {prefix} cancelled by etcd: {response.cancel_reason}")
+
+
+def _events(response: Any) -> list[Event]:
+    delete = rpc.Event.DELETE
+    return [
+        Event(ev.kv.key.decode(), None if ev.type == delete else ev.kv.value, ev.kv.mod_revision)
+        for ev in response.events
+    ]
+
+
 class Registry:
     """An open connection to the registry. Use `async with Registry.from_urls(url) as reg:`."""
 
@@ -333,6 +386,7 @@ class Registry:
         self._client = make_client(host, port, timeout=timeout_s, tls=tls, server_name=name)
         self._tx = self._client.transactions
         self._leases = _LeaseKeepAlive(self._client, timeout_s)
+        self._ssl: ssl.SSLContext | None = None
 
     @classmethod
     def from_urls(
@@ -711,14 +765,105 @@ class Registry:
         self, prefix: str, *, start_revision: int
     ) -> AsyncIterator[list[Event]]:
         """As `watch`, the events of each of etcd's answers together (one transaction's, or
-        more when the watch catches up): a caller that follows thousands of changes a second
-        resumes once per answer, not once per event.
+        more when the watch catches up or the caller was busy): a caller that follows thousands
+        of changes a second resumes once per turn of the event loop, not once per event.
 
-        One Watch stream of its own per call, read directly: aetcd's watcher hands each event
-        through a callback, a lock and a queue to a task of the caller's, a task switch per
-        event (at a thousand sites publishing every second, six events a publish, that was a
-        third of the broker's idle CPU: bench/README.md, live_federation.py).
+        One Watch stream on a connection of its own, read by sites.h2grpc: grpc.aio cost ~180
+        us of CPU per answer whatever it held, aetcd's watcher a task switch per event more (at
+        a thousand sites publishing every second that was a third of the broker's CPU:
+        bench/README.md, live_federation.py). Answers wait in memory up to WATCH_BUFFER_BYTES;
+        past that the socket is not read, so TCP makes etcd wait, as gRPC's flow control did.
+        A PING every WATCH_PING_S of the connection finds a peer that is gone. With
+        CPN_ETCD_WATCH=grpc the stream is grpc.aio's instead (the way to rule this client out).
         """
+        if os.environ.get(WATCH_TRANSPORT_ENV, "").strip().lower() == "grpc":
+            async for answer in self._watch_batches_grpc(prefix, start_revision=start_revision):
+                yield answer
+            return
+        key = prefix.encode()
+        await self._call(self._client.connect)  # the auth token, where etcd has users
+        channel = await self._h2_channel()
+        inbox: list[bytes] = []
+        held = [0]  # bytes in inbox
+        closed: list[str] = []
+        wake = asyncio.Event()
+
+        def on_message(message: bytes) -> None:
+            inbox.append(message)
+            held[0] += len(message)
+            if held[0] >= WATCH_BUFFER_BYTES:
+                channel.pause_reading()
+            wake.set()
+
+        def on_close(why: str) -> None:
+            closed.append(why)
+            wake.set()
+
+        block = header_block(
+            WATCH_PATH,
+            channel.authority,
+            None,
+            tls=self.tls is not None,
+            metadata=self._client.metadata or (),
+        )
+        stream = channel.stream(block, on_message, on_close)
+        create = rpc.WatchRequest(
+            create_request=rpc.WatchCreateRequest(
+                key=key, range_end=aetcd.utils.prefix_range_end(key), start_revision=start_revision
+            )
+        )
+        channel.send(stream, create.SerializeToString())
+        keepalive = asyncio.create_task(_ping_forever(channel, held))
+        parse = rpc.WatchResponse.FromString
+        try:
+            while True:
+                await wake.wait()
+                wake.clear()
+                messages = inbox[:]
+                inbox.clear()
+                if held[0] >= WATCH_BUFFER_BYTES:
+                    channel.resume_reading()
+                held[0] = 0
+                batch: list[Event] = []
+                for raw in messages:
+                    response = parse(raw)
+                    _check_watch(response, prefix, start_revision, self.url)
+                    batch += _events(response)
+                if batch:
+                    yield batch
+                if closed:
+                    raise RegistryUnavailable(
+                        f"watch of {prefix} at {channel.authority} lost: {closed[0]}"
+                    )
+        finally:
+            keepalive.cancel()
+            channel.close()
+
+    async def _h2_channel(self) -> H2Channel:
+        """A connection of its own to the first endpoint that answers (sites.h2grpc)."""
+        context = None
+        if self.tls is not None:
+            if self._ssl is None:
+                self._ssl = self.tls.ssl_context()
+            context = self._ssl
+        problems = []
+        for host, port in self.endpoints:
+            try:
+                return await H2Channel.open(
+                    host,
+                    port,
+                    timeout_s=self._timeout_s,
+                    ssl_context=context,
+                    server_hostname=self.endpoints[0][0],
+                )
+            except (OSError, ConnectionError, TimeoutError) as exc:
+                problems.append(f"{host}:{port}: {exc or type(exc).__name__}")
+        raise RegistryUnavailable(f"etcd at {self.url} is unavailable: {'; '.join(problems)}")
+
+    async def _watch_batches_grpc(
+        self, prefix: str, *, start_revision: int
+    ) -> AsyncIterator[list[Event]]:
+        """watch_batches over grpc.aio's stream (CPN_ETCD_WATCH=grpc)."""
         key = prefix.encode()
         client = self._client
         await self._call(client.connect)
@@ -728,38 +873,15 @@ class Registry:
             )
         )
         call = rpc.WatchStub(client.channel).Watch(metadata=client.metadata)
-        delete = rpc.Event.DELETE
         try:
             await call.write(create)
             while True:
                 response = await call.read()
                 if response is grpc.aio.EOF:
                     raise RegistryUnavailable(f"watch of {prefix} ended by etcd at {self.url}")
-                if response.compact_revision:
-                    raise RevisionCompacted(
-                        f"watch of {prefix} compacted: etcd holds revisions from "
-                        f"{response.compact_revision} on",
-                        revision=start_revision,
-                    )
-                if response.canceled:
-                    if "permission denied" in response.cancel_reason:
-                        raise PermissionDenied(
-                            f"etcd at {self.url} refused the watch of {prefix}: "
-                            f"{response.cancel_reason}"
-                        )
-                    raise RegistryUnavailable(
-                        f"watch of {prefix} cancelled by etcd: {response.cancel_reason}"
-                    )
-                events = response.events
-                if events:
-                    yield [
-                        Event(
-                            ev.kv.key.decode(),
-                            None if ev.type == delete else ev.kv.value,
-                            ev.kv.mod_revision,
-                        )
-                        for ev in events
-                    ]
+                _check_watch(response, prefix, start_revision, self.url)
+                if response.events:
+                    yield _events(response)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == rpc.StatusCode.PERMISSION_DENIED:
                 raise PermissionDenied(f"etcd at {self.url} refused the watch of {prefix}") from exc

@@ -4,6 +4,7 @@ that site's keys; the CLI's `cpn certs`, `cpn etcd secure` and `cpn site join` o
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import urllib.error
@@ -166,6 +167,28 @@ async def test_a_site_writes_its_own_keys_and_no_one_elses(
         await broker.put_raw(keys.assignment(a.id, "job-1"), b"{}")
         with pytest.raises(PermissionDenied):
             await broker.put_raw("/elsewhere", b"{}")
+
+
+async def test_watches_go_over_tls_on_the_users_certificate(
+    secure: SecureEtcd, root: Registry, spec_of: Callable[..., SiteSpec]
+) -> None:
+    """sites.h2grpc's watch streams: TLS with ALPN h2, the client certificate as the etcd
+    user; etcd's refusal (in the stream) is PermissionDenied."""
+    spec = spec_of("sec-w")
+    await root.join(spec)
+    await site_credentials(root, secure.pki, spec)
+    async with secure.registry(BROKER_USER) as broker:
+        start = await broker.revision() + 1
+        await root.put_raw(keys.job("watched-1"), b"{}")
+        async with asyncio.timeout(10):
+            async for batch in broker.watch_batches(keys.JOBS, start_revision=start):
+                assert [e.key for e in batch] == [keys.job("watched-1")]
+                break
+    async with secure.registry(spec.id) as site:
+        with pytest.raises(PermissionDenied):
+            async with asyncio.timeout(10):
+                async for _ in site.watch_batches(keys.JOBS, start_revision=start):
+                    pass
 
 
 async def test_rejoining_with_other_services_changes_the_role(

@@ -1,28 +1,33 @@
-"""A minimal gRPC client over cleartext HTTP/2 on asyncio, for bench/agent_emulator.py.
+"""A minimal gRPC client over HTTP/2 on asyncio: the registry's watch streams
+(sites.registry.Registry.watch_batches) and bench/agent_emulator.py's calls.
 
 Why not grpc.aio: on the 2-vCPU bench machine a grpc.aio unary call costs about 300 us of CPU
 (its Cython call objects, a task per call, the poller thread's wake-ups) and a message on a
-bidirectional stream about 250 us, so 1000 etcd Txns plus 1000 lease keepalives a second take
-~45 % of a core before the emulator does anything. Here a call is two frames appended to a
-buffer that is written once per event-loop turn, and answers are parsed straight off the
-socket: about 8 % of a core for the same 1000 Txns a second.
+stream about 180 us whatever it holds, so a broker following 1000 sites that publish every
+second (one watch answer per publish) spent ~18 % of a core in grpc.aio's read alone, and the
+emulator's 1000 Txns plus 1000 lease keepalives a second ~45 %. Here a call is two frames
+appended to a buffer that is written once per event-loop turn, and answers are parsed straight
+off the socket: ~25 us a watch answer, protobuf parsing included (bench/README.md).
 
-What it speaks: HTTP/2 with prior knowledge (h2c, RFC 9113 section 3.3) and gRPC's
-length-prefixed messages, pre-serialized by the caller; flow control both ways, SETTINGS,
-PING, GOAWAY, RST_STREAM and CONTINUATION are honoured. What it does not: TLS, compression,
-HPACK decoding. We ask the server for a header table of size 0 and never look into the header
-blocks it sends: a unary call that ends with a message succeeded (gRPC servers answer an error
-with trailers only), one that ends without one is reported as a gRPC error whose status is not
-decoded (run the emulator with `--transport grpc` to see statuses).
+What it speaks: HTTP/2 with prior knowledge over TCP (h2c, RFC 9113 section 3.3) or over TLS
+with ALPN "h2", and gRPC's length-prefixed messages, pre-serialized by the caller; flow
+control both ways, SETTINGS, PING (also sent, as a keepalive), GOAWAY, RST_STREAM and
+CONTINUATION are honoured. What it does not: compression, HPACK decoding. We ask the server
+for a header table of size 0 and never look into the header blocks it sends: a unary call that
+ends with a message succeeded (gRPC servers answer an error with trailers only), one that ends
+without one is reported as a gRPC error whose status is not decoded. etcd answers a watch it
+refuses or cannot serve in the stream itself (a WatchResponse `canceled`, with its reason), so
+the watch loses nothing by that.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -48,23 +53,51 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return _FRAME.pack(n >> 16, n & 0xFFFF, kind, flags, stream) + payload
 
 
+def _integer(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """An HPACK integer (RFC 7541 5.1) in a prefix of prefix_bits, `first` holding the bits
+    above it."""
+    top = (1 << prefix_bits) - 1
+    if value < top:
+        return bytes((first | value,))
+    out = bytearray((first | top,))
+    value -= top
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def _literal(index: int, value: bytes) -> bytes:
     """HPACK literal header field without indexing, name from the static table (RFC 7541
     6.2.2), value not Huffman-coded."""
-    if index >= 15 or len(value) >= 127:
-        raise ValueError("header too long for this encoder")
-    return bytes((index, len(value))) + value
+    return _integer(index, 4) + _integer(len(value), 7) + value
 
 
-def header_block(path: str, authority: str, timeout_s: float | None) -> bytes:
-    """The request headers of a gRPC call to `path`, HPACK-encoded without the dynamic table."""
-    block = b"\x83\x86"  # :method POST, :scheme http (static 3 and 6)
+def _literal_named(name: bytes, value: bytes) -> bytes:
+    """HPACK literal header field without indexing, with a literal name (RFC 7541 6.2.2)."""
+    return b"\x00" + _integer(len(name), 7) + name + _integer(len(value), 7) + value
+
+
+def header_block(
+    path: str,
+    authority: str,
+    timeout_s: float | None,
+    *,
+    tls: bool = False,
+    metadata: Sequence[tuple[str, str]] = (),
+) -> bytes:
+    """The request headers of a gRPC call to `path`, HPACK-encoded without the dynamic table;
+    `metadata`: the call's own headers (etcd's auth token)."""
+    block = b"\x83" + (b"\x87" if tls else b"\x86")  # :method POST, :scheme (static 3, 7 / 6)
     block += _literal(4, path.encode()) + _literal(1, authority.encode())  # :path, :authority
     block += b"\x0f\x10\x10application/grpc"  # content-type (static 31: 15 + 16)
     block += b"\x00\x02te\x08trailers"
     if timeout_s is not None:  # as grpc sends a call's deadline (etcd derives its context)
         value = f"{max(1, round(timeout_s * 1000))}m".encode()
-        block += b"\x00\x0cgrpc-timeout" + bytes((len(value),)) + value
+        block += _literal_named(b"grpc-timeout", value)
+    for name, meta in metadata:
+        block += _literal_named(name.lower().encode(), meta.encode())
     return block
 
 
@@ -109,15 +142,57 @@ class H2Channel(asyncio.Protocol):
         self._peer_max_streams = 2**31
         self._blocked: deque[tuple[int, bytes, bool]] = deque()  # DATA waiting for window
         self._recv_used = 0
+        self._pings: deque[asyncio.Future[None]] = deque()
 
     @classmethod
-    async def open(cls, host: str, port: int, *, timeout_s: float = 5.0) -> H2Channel:
+    async def open(
+        cls,
+        host: str,
+        port: int,
+        *,
+        timeout_s: float = 5.0,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+    ) -> H2Channel:
+        """Connect (over TLS with `ssl_context`, whose ALPN must offer "h2") and wait for the
+        server's SETTINGS."""
         loop = asyncio.get_running_loop()
         authority = f"{host}:{port}"
+        name = None if ssl_context is None else server_hostname or host
         async with asyncio.timeout(timeout_s):
-            _, channel = await loop.create_connection(lambda: cls(authority), host, port)
-            await channel._ready  # the server's SETTINGS: it speaks HTTP/2
+            transport, channel = await loop.create_connection(
+                lambda: cls(authority), host, port, ssl=ssl_context, server_hostname=name
+            )
+            if ssl_context is not None:
+                ssl_object = transport.get_extra_info("ssl_object")
+                if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
+                    transport.close()
+                    raise ConnectionError(f"{authority} did not agree to HTTP/2 over TLS")
+            await channel.ready()  # the server's SETTINGS: it speaks HTTP/2
         return channel
+
+    def ready(self) -> asyncio.Future[None]:
+        """Done once the server's first SETTINGS came (it speaks HTTP/2)."""
+        return self._ready
+
+    def ping(self) -> asyncio.Future[None]:
+        """A PING; the future is done when its ACK comes (or fails when the channel closes)."""
+        waiter = self._loop.create_future()
+        if self.closed:
+            waiter.set_exception(ConnectionError(self.close_reason or "channel closed"))
+            return waiter
+        self._pings.append(waiter)
+        self._write(frame(PING, 0, 0, b"cpn-ping"))
+        return waiter
+
+    def pause_reading(self) -> None:
+        """Stop reading the socket (TCP pushes back on the server) until resume_reading()."""
+        if self._transport is not None and not self.closed:
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._transport is not None and not self.closed:
+            self._transport.resume_reading()
 
     # -- asyncio.Protocol -----------------------------------------------------------------
 
@@ -168,6 +243,10 @@ class H2Channel(asyncio.Protocol):
             elif kind == PING:
                 if not flags & ACK:
                     self._write(frame(PING, ACK, 0, bytes(buf[off + 9 : end])))
+                elif self._pings:
+                    waiter = self._pings.popleft()
+                    if not waiter.done():
+                        waiter.set_result(None)
             elif kind == SETTINGS:
                 if not flags & ACK:
                     self._on_settings(bytes(buf[off + 9 : end]))
@@ -232,13 +311,13 @@ class H2Channel(asyncio.Protocol):
         for stream in late:
             self.cancel(stream, "deadline exceeded")
 
-    def close(self) -> None:
+    def close(self, why: str = "channel closed") -> None:
         if self._transport is not None and not self.closed:
             # last stream id: the server opened none; error code 0 (NO_ERROR)
             self._write(frame(GOAWAY, 0, 0, _U32.pack(0) + _U32.pack(0)))
             self.flush()
             self._transport.close()
-        self._shut("channel closed")
+        self._shut(why)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -372,5 +451,10 @@ class H2Channel(asyncio.Protocol):
             with contextlib.suppress(ConnectionError):
                 self._ready.exception()  # retrieved: open() may have given up already
         self._blocked.clear()
+        while self._pings:
+            waiter = self._pings.popleft()
+            if not waiter.done():
+                waiter.set_exception(ConnectionError(self.close_reason))
+                waiter.exception()  # retrieved: a caller may have stopped waiting
         for stream in list(self._calls):
             self._fail(stream, self.close_reason)

@@ -1,0 +1,198 @@
+"""Registry.watch_batches on a real etcd, over sites.h2grpc (the default) and over grpc.aio
+(CPN_ETCD_WATCH=grpc): what a transaction changes arrives together and in order, a reader that
+falls behind loses nothing (back-pressure), a compacted start is refused, and a watch whose
+etcd goes away, or stops answering, ends with RegistryUnavailable instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+import sites.registry as registry_module
+from sites import keys
+from sites.errors import RegistryUnavailable, RevisionCompacted
+from sites.etcd_server import EmbeddedEtcd, free_port
+from sites.h2grpc import _integer, header_block
+from sites.registry import Guard, Registry
+
+PREFIX = keys.ROOT + "test-watch/"
+
+
+@pytest.fixture(params=["h2", "grpc"])
+def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "grpc":
+        monkeypatch.setenv(registry_module.WATCH_TRANSPORT_ENV, "grpc")
+    else:
+        monkeypatch.delenv(registry_module.WATCH_TRANSPORT_ENV, raising=False)
+    return str(request.param)
+
+
+async def _collect(
+    registry: Registry, start: int, until: int, timeout_s: float = 10.0
+) -> list[list[tuple[str, bytes | None, int]]]:
+    """The batches from `start` until one holds revision `until`."""
+    batches = []
+    async with asyncio.timeout(timeout_s):
+        async for batch in registry.watch_batches(PREFIX, start_revision=start):
+            batches.append([(e.key, e.value, e.revision) for e in batch])
+            if any(rev >= until for _, _, rev in batches[-1]):
+                return batches
+    raise AssertionError("the watch ended")
+
+
+async def test_a_transaction_arrives_whole_and_in_order(registry: Registry, transport: str) -> None:
+    start = await registry.revision() + 1
+    await registry.put_raw(PREFIX + "a", b"1")
+    await registry.commit(
+        guards=[Guard(PREFIX + "a", value=b"1")],
+        puts={PREFIX + "b": b"2", PREFIX + "c": b"3"},
+        deletes=[PREFIX + "a"],
+    )
+    await registry.put_raw(keys.ROOT + "test-watch-not/x", b"outside the prefix")
+    last = await registry.revision()
+    got = await _collect(registry, start, last - 1)
+    flat = [event for batch in got for event in batch]
+    assert [(k, v) for k, v, _ in flat] == [
+        (PREFIX + "a", b"1"),
+        (PREFIX + "b", b"2"),
+        (PREFIX + "c", b"3"),
+        (PREFIX + "a", None),
+    ]
+    # the transaction's three changes share a revision and come in one batch (with what else
+    # had come meanwhile: several answers may make one batch)
+    txn_rev = flat[1][2]
+    assert [rev for _, _, rev in flat[1:]] == [txn_rev] * 3
+    assert sum(1 for batch in got if any(rev == txn_rev for _, _, rev in batch)) == 1
+
+
+async def test_a_reader_that_falls_behind_loses_nothing(
+    registry: Registry, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a 64 KiB buffer, 2 MiB of changes written while the reader sleeps: the socket is
+    paused and resumed many times over, and every change comes, once, in order."""
+    monkeypatch.setattr(registry_module, "WATCH_BUFFER_BYTES", 64 * 1024)
+    start = await registry.revision() + 1
+    value = b"x" * 4096
+    seen: list[tuple[str, int]] = []
+    ready = asyncio.Event()
+    total = 512
+
+    async def read() -> None:
+        async for batch in registry.watch_batches(PREFIX, start_revision=start):
+            ready.set()
+            if len(seen) == 0:
+                await asyncio.sleep(1.0)  # behind while the writes go on
+            seen.extend((e.key, e.revision) for e in batch)
+            if len(seen) >= total:
+                return
+
+    await registry.put_raw(PREFIX + "first", b"0")
+    reader = asyncio.create_task(read())
+    try:
+        async with asyncio.timeout(30):
+            await ready.wait()
+            for i in range(total - 1):
+                await registry.put_raw(f"{PREFIX}k{i:04d}", value)
+            await reader
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+    assert [k for k, _ in seen] == [PREFIX + "first"] + [f"{PREFIX}k{i:04d}" for i in range(511)]
+    revisions = [rev for _, rev in seen]
+    assert revisions == sorted(set(revisions))
+
+
+async def test_a_compacted_start_is_refused(registry: Registry, transport: str) -> None:
+    await registry.put_raw(PREFIX + "c", b"1")
+    first = await registry.revision()
+    await registry.put_raw(PREFIX + "c", b"2")
+    await registry.compact(await registry.revision())
+    with pytest.raises(RevisionCompacted):
+        await _collect(registry, first, first + 10)
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path) -> Iterator[EmbeddedEtcd]:
+    server = EmbeddedEtcd(data_dir=tmp_path / "etcd", unsafe_no_fsync=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_a_watch_whose_etcd_stops_ends_unavailable(
+    own_etcd: EmbeddedEtcd, transport: str
+) -> None:
+    async with Registry.from_urls(own_etcd.url, timeout_s=2) as registry:
+        start = await registry.revision() + 1
+
+        async def follow() -> None:
+            async for _ in registry.watch_batches(PREFIX, start_revision=start):
+                pass
+
+        task = asyncio.create_task(follow())
+        await registry.put_raw(PREFIX + "x", b"1")
+        await asyncio.sleep(0.3)
+        await asyncio.to_thread(own_etcd.stop)
+        with pytest.raises(RegistryUnavailable):
+            async with asyncio.timeout(20):
+                await task
+
+
+@pytest.fixture
+async def silent_peer() -> AsyncIterator[int]:
+    """A STAND-IN for an etcd behind a dead link: it completes the HTTP/2 handshake (its
+    SETTINGS) and then never answers anything, PINGs included, while the TCP connection
+    stays open. This machine cannot cut a real link under a live connection."""
+    port = free_port()
+    held: list[socket.socket] = []
+
+    async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # an empty SETTINGS frame
+        await writer.drain()
+        try:
+            while await reader.read(65536):
+                pass  # read and ignore: no ACK, no answer
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(on_client, "127.0.0.1", port)
+    try:
+        yield port
+    finally:
+        server.close()
+        for sock in held:
+            sock.close()
+        await server.wait_closed()
+
+
+async def test_a_watch_on_a_peer_that_stops_answering_ends_after_its_ping_goes_unanswered(
+    silent_peer: int, monkeypatch: pytest.MonkeyPatch, etcd: EmbeddedEtcd
+) -> None:
+    monkeypatch.delenv(registry_module.WATCH_TRANSPORT_ENV, raising=False)
+    monkeypatch.setattr(registry_module, "WATCH_PING_S", 0.2)
+    async with Registry.from_urls(etcd.url) as registry:
+        # the same client, its watch connection sent to the silent peer
+        registry.endpoints = [("127.0.0.1", silent_peer)]
+        with pytest.raises(RegistryUnavailable, match="PING"):
+            async with asyncio.timeout(10):
+                async for _ in registry.watch_batches(PREFIX, start_revision=1):
+                    pass
+
+
+def test_hpack_integers_and_long_header_values() -> None:
+    # RFC 7541 C.1.1 and C.1.2: 10 and 1337 in a 5-bit prefix
+    assert _integer(10, 5) == b"\x0a"
+    assert _integer(1337, 5) == b"\x1f\x9a\x0a"
+    assert _integer(127, 7) == b"\x7f\x00"
+    token = "t" * 300  # a JWT-sized auth token: longer than a one-byte length
+    block = header_block(
+        "/etcdserverpb.Watch/Watch", "h:1", None, tls=True, metadata=[("token", token)]
+    )
+    assert block.startswith(b"\x83\x87")  # :method POST, :scheme https
+    assert block.endswith(b"\x00\x05token" + b"\x7f\xad\x01" + token.encode())
