@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from sites.endpoints import grpc_target, parse_endpoints, uses_tls
 from sites.errors import RegistryError
-from sites.h2grpc import H2Channel, header_block
+from sites.h2grpc import Failure, H2Channel, header_block
 
 TXN = "/etcdserverpb.KV/Txn"
 KEEPALIVE = "/etcdserverpb.Lease/LeaseKeepAlive"
@@ -103,8 +103,8 @@ class H2Transport:
             asyncio.get_running_loop().call_soon(done, None, "RegistryUnavailable: no connection")
             return
 
-        def finish(message: bytes | None, reason: str | None) -> None:
-            done(message, None if reason is None else _h2_kind(reason))
+        def finish(message: bytes | None, failure: Failure | None) -> None:
+            done(message, None if failure is None else _h2_kind(str(failure)))
 
         channel.unary(self._txn, request, finish, timeout_s=self._timeout_s)
 

@@ -12,12 +12,11 @@ off the socket: ~25 us a watch answer, protobuf parsing included (bench/README.m
 What it speaks: HTTP/2 with prior knowledge over TCP (h2c, RFC 9113 section 3.3) or over TLS
 with ALPN "h2", and gRPC's length-prefixed messages, pre-serialized by the caller; flow
 control both ways, SETTINGS, PING (also sent, as a keepalive), GOAWAY, RST_STREAM and
-CONTINUATION are honoured. What it does not: compression, HPACK decoding. We ask the server
-for a header table of size 0 and never look into the header blocks it sends: a unary call that
-ends with a message succeeded (gRPC servers answer an error with trailers only), one that ends
-without one is reported as a gRPC error whose status is not decoded. etcd answers a watch it
-refuses or cannot serve in the stream itself (a WatchResponse `canceled`, with its reason), so
-the watch loses nothing by that.
+CONTINUATION are honoured. What it does not: compression. We ask the server for a header table
+of size 0 and look into no header block but the trailers of a unary call that ended without a
+message (gRPC servers answer an error with trailers only): their grpc-status and grpc-message,
+decoded by the hpack package, make its Failure. etcd answers a watch it refuses or cannot serve
+in the stream itself (a WatchResponse `canceled`, with its reason).
 """
 
 from __future__ import annotations
@@ -26,13 +25,31 @@ import asyncio
 import contextlib
 import ssl
 import struct
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
-Done = Callable[[bytes | None, str | None], None]
+import hpack
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a call failed: `status` is the gRPC status code where the server sent one (its
+    trailers), None when the stream or the connection broke first."""
+
+    why: str
+    status: int | None = None
+
+    def __str__(self) -> str:
+        return self.why
+
+
+Done = Callable[[bytes | None, Failure | None], None]
 """A unary call's completion: (response message, None) or (None, what went wrong)."""
+
+PERMISSION_DENIED, UNAVAILABLE, DEADLINE_EXCEEDED = 7, 14, 4
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 _FRAME = struct.Struct(">BHBBL")  # 24-bit length as 8 + 16 bits, type, flags, stream id
@@ -101,6 +118,33 @@ def header_block(
     return block
 
 
+def _fragment(flags: int, payload: bytearray) -> bytes:
+    """The header block fragment of a HEADERS frame (its padding and priority removed)."""
+    start, end = 0, len(payload)
+    if flags & PADDED:
+        start, end = 1, end - payload[0]
+    if flags & PRIORITY_FLAG:
+        start += 5
+    return bytes(payload[start:end])
+
+
+def grpc_failure(block: bytes) -> Failure:
+    """The gRPC status and message in a call's trailers (HPACK, decoded by the hpack package:
+    the server uses no dynamic table with us, so each block decodes on its own)."""
+    try:
+        fields = {
+            bytes(name).decode("latin-1"): bytes(value).decode("latin-1")
+            for name, value in hpack.Decoder().decode(block, raw=True)
+        }
+    except (hpack.HPACKError, ValueError) as exc:
+        return Failure(f"gRPC error (trailers not decodable: {exc})")
+    status = fields.get("grpc-status")
+    message = urllib.parse.unquote(fields.get("grpc-message", ""))  # percent-encoded (gRPC spec)
+    if status is None or not status.isdigit():
+        return Failure(f"gRPC error (no status in the trailers{': ' + message if message else ''})")
+    return Failure(f"gRPC error {status}: {message or 'no message'}", int(status))
+
+
 @dataclass(eq=False)
 class _Call:
     """One stream: a unary call (`done`) or a bidirectional stream (`on_message`)."""
@@ -114,6 +158,7 @@ class _Call:
     send_window: int = DEFAULT_WINDOW
     recv_used: int = 0
     trailers_pending: bool = False  # HEADERS with END_STREAM waiting for its CONTINUATION
+    trailers: bytearray = field(default_factory=bytearray)  # their header block, if no message
 
 
 class H2Channel(asyncio.Protocol):
@@ -230,14 +275,19 @@ class H2Channel(asyncio.Protocol):
                 if flags & END_STREAM:
                     call = self._calls.get(stream)
                     if call is not None:
+                        if call.message is None and call.on_message is None:
+                            call.trailers += _fragment(flags, buf[off + 9 : end])
                         if flags & END_HEADERS:
                             self._finish(stream, call)
                         else:
                             call.trailers_pending = True
             elif kind == CONTINUATION:
                 call = self._calls.get(stream)
-                if call is not None and call.trailers_pending and flags & END_HEADERS:
-                    self._finish(stream, call)
+                if call is not None and call.trailers_pending:
+                    if call.message is None and call.on_message is None:
+                        call.trailers += buf[off + 9 : end]
+                    if flags & END_HEADERS:
+                        self._finish(stream, call)
             elif kind == WINDOW_UPDATE:
                 self._on_window(stream, _U32.unpack_from(buf, off + 9)[0] & 0x7FFFFFFF)
             elif kind == PING:
@@ -273,13 +323,19 @@ class H2Channel(asyncio.Protocol):
     def unary(self, block: bytes, message: bytes, done: Done, *, timeout_s: float) -> None:
         """Start a unary call (`block`: header_block() of its method); `done` is called once."""
         if self.closed:  # answered on the next turn: a caller retrying from `done` cannot recurse
-            self._loop.call_soon(done, None, self.close_reason or "channel closed")
+            self._loop.call_soon(done, None, Failure(self.close_reason or "channel closed"))
             return
         stream = self._open(block)
         self._calls[stream] = _Call(
             done=done, deadline=self._loop.time() + timeout_s, send_window=self._peer_window
         )
         self._send(stream, b"\x00" + _U32.pack(len(message)) + message, True)
+        self._loop.call_later(timeout_s, self._expire, stream)
+
+    def _expire(self, stream: int) -> None:
+        call = self._calls.get(stream)
+        if call is not None and call.deadline <= self._loop.time():
+            self.cancel(stream, "deadline exceeded")
 
     def stream(
         self, block: bytes, on_message: Callable[[bytes], None], on_close: Callable[[str], None]
@@ -401,7 +457,7 @@ class H2Channel(asyncio.Protocol):
             if call.message is not None:
                 call.done(call.message, None)
             else:
-                call.done(None, "gRPC error (trailers only; status not decoded)")
+                call.done(None, grpc_failure(bytes(call.trailers)))
         elif call.on_close is not None:
             call.on_close("stream ended by the server")
 
@@ -410,7 +466,7 @@ class H2Channel(asyncio.Protocol):
         if call is None:
             return
         if call.done is not None:
-            call.done(None, why)
+            call.done(None, Failure(why))
         elif call.on_close is not None:
             call.on_close(why)
 

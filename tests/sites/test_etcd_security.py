@@ -169,11 +169,12 @@ async def test_a_site_writes_its_own_keys_and_no_one_elses(
             await broker.put_raw("/elsewhere", b"{}")
 
 
-async def test_watches_go_over_tls_on_the_users_certificate(
+async def test_watches_and_transactions_go_over_tls_on_the_users_certificate(
     secure: SecureEtcd, root: Registry, spec_of: Callable[..., SiteSpec]
 ) -> None:
-    """sites.h2grpc's watch streams: TLS with ALPN h2, the client certificate as the etcd
-    user; etcd's refusal (in the stream) is PermissionDenied."""
+    """sites.h2grpc's watch streams and transactions: TLS with ALPN h2, the client certificate
+    as the etcd user; etcd's refusals (in the watch stream, in a Txn's trailers) are
+    PermissionDenied."""
     spec = spec_of("sec-w")
     await root.join(spec)
     await site_credentials(root, secure.pki, spec)
@@ -189,6 +190,10 @@ async def test_watches_go_over_tls_on_the_users_certificate(
             async with asyncio.timeout(10):
                 async for _ in site.watch_batches(keys.JOBS, start_revision=start):
                     pass
+        # its transactions go the same way: its own key, yes; the broker's records, refused
+        assert await site.commit(guards=[], puts={keys.site_status(spec.id): b"{}"})
+        with pytest.raises(PermissionDenied):
+            await site.commit(guards=[], puts={keys.job("watched-2"): b"{}"})
 
 
 async def test_rejoining_with_other_services_changes_the_role(

@@ -1,11 +1,16 @@
-"""Registry.watch_batches on a real etcd, over sites.h2grpc (the default) and over grpc.aio
-(CPN_ETCD_WATCH=grpc): what a transaction changes arrives together and in order, a reader that
-falls behind loses nothing (back-pressure), a compacted start is refused, and a watch whose
-etcd goes away, or stops answering, ends with RegistryUnavailable instead of hanging."""
+"""The registry's own gRPC client (sites.h2grpc) on a real etcd, against grpc.aio
+(CPN_ETCD_TRANSPORT=grpc) where both apply.
+
+Watches: what a transaction changes arrives together and in order, a reader that falls behind
+loses nothing (back-pressure), a compacted start is refused, and a watch whose etcd goes away,
+or stops answering, ends with RegistryUnavailable instead of hanging. Transactions: guards hold
+or fail, etcd's own refusals come back as the registry's errors with etcd's message, and a
+registry whose etcd restarted reconnects."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -14,8 +19,8 @@ import pytest
 
 import sites.registry as registry_module
 from sites import keys
-from sites.errors import RegistryUnavailable, RevisionCompacted
-from sites.etcd_server import EmbeddedEtcd, free_port
+from sites.errors import RegistryError, RegistryUnavailable, RevisionCompacted
+from sites.etcd_server import MAX_TXN_OPS, EmbeddedEtcd, free_port
 from sites.h2grpc import _integer, header_block
 from sites.registry import Guard, Registry
 
@@ -25,9 +30,9 @@ PREFIX = keys.ROOT + "test-watch/"
 @pytest.fixture(params=["h2", "grpc"])
 def transport(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "grpc":
-        monkeypatch.setenv(registry_module.WATCH_TRANSPORT_ENV, "grpc")
+        monkeypatch.setenv(registry_module.TRANSPORT_ENV, "grpc")
     else:
-        monkeypatch.delenv(registry_module.WATCH_TRANSPORT_ENV, raising=False)
+        monkeypatch.delenv(registry_module.TRANSPORT_ENV, raising=False)
     return str(request.param)
 
 
@@ -144,6 +149,101 @@ async def test_a_watch_whose_etcd_stops_ends_unavailable(
                 await task
 
 
+async def test_a_transactions_guards_hold_or_fail(registry: Registry, transport: str) -> None:
+    key = PREFIX + "guarded"
+    assert await registry.commit(guards=[Guard(key, mod_revision=0)], puts={key: b"1"})
+    assert not await registry.commit(guards=[Guard(key, mod_revision=0)], puts={key: b"2"})
+    revision = (await registry.get_raw(key) or (b"", 0))[1]
+    assert await registry.commit(
+        guards=[Guard(key, mod_revision=revision)], puts={PREFIX + "other": b"x"}, deletes=[key]
+    )
+    assert await registry.get_raw(key) is None
+    assert await registry.commit(guards=[Guard(PREFIX + "other", value=b"x")], puts={})
+    assert not await registry.commit(guards=[Guard(PREFIX + "other", value=b"y")], puts={})
+
+
+async def test_etcds_refusal_of_a_transaction_names_its_reason(
+    registry: Registry, transport: str
+) -> None:
+    # etcd takes at most --max-txn-ops operations in one transaction
+    puts = {f"{PREFIX}many/{i:05d}": b"x" for i in range(MAX_TXN_OPS + 1)}
+    with pytest.raises(RegistryError, match="too many operations") as caught:
+        await registry.commit(guards=[], puts=puts)
+    assert not isinstance(caught.value, RegistryUnavailable)
+    assert not (await registry.list_prefix(PREFIX + "many/"))[1]  # nothing half-written
+
+
+async def test_a_commit_whose_etcd_stopped_is_unavailable(
+    own_etcd: EmbeddedEtcd, transport: str
+) -> None:
+    async with Registry.from_urls(own_etcd.url, timeout_s=2) as registry:
+        assert await registry.commit(guards=[], puts={PREFIX + "before": b"1"})
+        await asyncio.to_thread(own_etcd.stop)
+        with pytest.raises(RegistryUnavailable):
+            async with asyncio.timeout(10):
+                await registry.commit(guards=[], puts={PREFIX + "down": b"1"})
+
+
+class Relay:
+    """A TCP relay on loopback in front of etcd whose connections the test can cut (a link
+    that breaks under live connections; etcd itself stays up)."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.port = free_port()
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._client, "127.0.0.1", self.port)
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.target)
+        self.writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def cut(self) -> None:
+        for writer in self.writers:
+            writer.transport.abort()
+        self.writers.clear()
+
+    async def stop(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+async def test_a_registry_whose_connection_broke_commits_again(
+    etcd: EmbeddedEtcd, transport: str
+) -> None:
+    relay = Relay(("127.0.0.1", etcd.client_port))
+    await relay.start()
+    try:
+        async with Registry.from_urls(f"http://127.0.0.1:{relay.port}", timeout_s=2) as registry:
+            assert await registry.commit(guards=[], puts={PREFIX + "before": b"1"})
+            relay.cut()
+            await asyncio.sleep(0.1)
+            async with asyncio.timeout(20):
+                while True:
+                    try:
+                        assert await registry.commit(guards=[], puts={PREFIX + "after": b"1"})
+                        break
+                    except RegistryUnavailable:
+                        await asyncio.sleep(0.2)
+            assert await registry.get_raw(PREFIX + "after") is not None
+    finally:
+        await relay.stop()
+
+
 @pytest.fixture
 async def silent_peer() -> AsyncIterator[int]:
     """A STAND-IN for an etcd behind a dead link: it completes the HTTP/2 handshake (its
@@ -174,7 +274,7 @@ async def silent_peer() -> AsyncIterator[int]:
 async def test_a_watch_on_a_peer_that_stops_answering_ends_after_its_ping_goes_unanswered(
     silent_peer: int, monkeypatch: pytest.MonkeyPatch, etcd: EmbeddedEtcd
 ) -> None:
-    monkeypatch.delenv(registry_module.WATCH_TRANSPORT_ENV, raising=False)
+    monkeypatch.delenv(registry_module.TRANSPORT_ENV, raising=False)
     monkeypatch.setattr(registry_module, "WATCH_PING_S", 0.2)
     async with Registry.from_urls(etcd.url) as registry:
         # the same client, its watch connection sent to the silent peer
