@@ -13,15 +13,26 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from broker.api import HTTP, OPERATIONS, make_app, openapi_document, site_info
+from broker.api import (
+    HTTP,
+    OPERATIONS,
+    SiteInfo,
+    make_app,
+    openapi_document,
+    site_info,
+    site_row,
+)
 from broker.inference import Gateway
 from broker.openapi import spec_path
 from broker.router import Router
 from broker.service import Broker
 from sites.etcd_server import EmbeddedEtcd
+from sites.snapshot import Snapshot
+from sites.status import Cordon, LastSeen
 from tests.broker.apiserver import ApiBroker, start_api_broker
 from tests.conftest import AUTH, Processes
 from tests.cpn.test_render import PUBLISHED, TOPOLOGY, site_spec, view
+from tests.routing.helpers import link
 
 JOB: dict[str, Any] = {"name": "api-job", "tenant": "ai-lab", "command": ["true"]}
 
@@ -92,6 +103,38 @@ def test_a_site_entry_gives_free_devices_per_node() -> None:
     assert entry.nodes["c"] == {} and list(entry.nodes) == ["g-0", "g-1", "g-2", "g-3", "c"]
     assert site_info(view(site_spec(None), ()), 101.0).nodes is None
     assert site_info(view(site_spec(TOPOLOGY), None), 101.0).nodes is None
+
+
+def test_a_site_row_is_its_views_entry() -> None:
+    """GET /v1/sites builds its rows from the snapshot without a view per site (site_row): the
+    same JSON as site_info of the view, and what a validated SiteInfo gives."""
+    up = view(site_spec(TOPOLOGY), PUBLISHED)
+    other = site_spec(None).model_copy(update={"id": "plain"})
+    gone = site_spec(None).model_copy(update={"id": "zz-cordoned"})
+    assert up.status is not None
+    snapshot = Snapshot(
+        revision=1,
+        specs={up.id: up.spec, other.id: other, gone.id: gone},
+        statuses={up.id: up.status},
+        links={
+            (up.id, other.id): link(up.id, other.id, 12.5),
+            (up.id, gone.id): link(up.id, gone.id, 3.0),
+            (other.id, up.id): link(other.id, up.id, None),  # every probe lost
+        },
+        cordons={gone.id: Cordon(since=50.0, reason="maintenance")},
+        last_seen={other.id: LastSeen(at=90.0, instance="i0")},
+    )
+    by_src, _ = snapshot.grouped()
+    for site in snapshot.site_ids():
+        row = site_row(snapshot, site, by_src, 101.0)
+        assert row == site_info(snapshot.view(site), 101.0).model_dump_json().encode()
+        assert row is not None
+        assert SiteInfo.model_validate_json(row).model_dump_json().encode() == row
+    assert json.loads(site_row(snapshot, up.id, by_src, 101.0) or b"")["rtt_ms"] == {
+        "zz-cordoned": 3.0,
+        "plain": 12.5,
+    }
+    assert site_row(snapshot, "left", by_src, 101.0) is None
 
 
 @pytest.mark.parametrize(
