@@ -1175,6 +1175,10 @@ class Registry:
         channel.unary(self._unary_block, request, done, timeout_s=self._timeout_s)
         message, failure = await answer
         if failure is not None or message is None:
+            if failure is not None and failure.status is None and not channel.closed:
+                # no answer in time on a connection that looks open (a peer gone silently,
+                # TCP not yet told): the next call connects again, maybe to another member
+                channel.close(f"a call got no answer: {failure}")
             raise _failure_error(failure or Failure("no answer"), what, self.url)
         return message
 

@@ -298,3 +298,44 @@ def test_sync_of_a_journaled_snapshot_applies_only_the_changed_links(
     fresh.set_client_region("city", {"a": 0.0})
     fresh.sync(snap)
     assert topo.rtt_ms("city", "b") == fresh.rtt_ms("city", "b") == 30
+
+
+def test_catch_up_applies_the_changed_links_a_slice_at_a_time() -> None:
+    """Router.follow applies the journal in slices (Topology.catch_up), yielding between
+    them: each slice applies at most its budget, the last says so, and the graph ends as a
+    full sync leaves it; a change of the sites is left to sync()."""
+    from sites import keys
+
+    def put(snap: Snapshot, src: str, dst: str, rtt: float) -> None:
+        snap.apply(keys.link(src, dst), link(src, dst, rtt).model_dump_json().encode())
+
+    names = [f"s{i}" for i in range(6)]
+    snap = Snapshot(revision=1, link_journal=[])
+    for i, name in enumerate(names):
+        snap.apply(
+            keys.site_spec(name), spec(name, "r", 30.0, 100.0 + i).model_dump_json().encode()
+        )
+    for src in names:
+        for dst in names:
+            if src != dst:
+                put(snap, src, dst, 50)
+    topo = Topology(weights=LinkWeights(min_change_ms=0))
+    topo.set_client_region("city", {"s0": 0.0})
+    topo.sync(snap)
+    for i, dst in enumerate(names[1:]):  # five links change, one of them twice
+        put(snap, "s0", dst, 5 + i)
+    put(snap, "s0", "s1", 7)
+    done = [topo.catch_up(snap, 2) for _ in range(3)]
+    assert done == [False, False, True]
+    assert topo.catch_up(snap, 2)  # nothing left
+    fresh = Topology(weights=LinkWeights(min_change_ms=0))
+    fresh.set_client_region("city", {"s0": 0.0})
+    fresh.sync(snap)
+    for dst in names:
+        assert topo.rtt_ms("city", dst) == fresh.rtt_ms("city", dst)
+    assert topo.rtt_ms("city", "s1") == 7
+    snap.apply(keys.site_spec("s5"), None)  # a site left: not a journal's catch-up
+    assert topo.catch_up(snap, 2)
+    assert "s5" in topo.sites
+    topo.sync(snap)
+    assert "s5" not in topo.sites

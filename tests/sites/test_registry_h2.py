@@ -244,6 +244,9 @@ async def test_a_registry_whose_connection_broke_commits_again(
         await relay.stop()
 
 
+CONNECTIONS: list[int] = []  # the silent peers' accepted connections, by port
+
+
 @pytest.fixture
 async def silent_peer() -> AsyncIterator[int]:
     """A STAND-IN for an etcd behind a dead link: it completes the HTTP/2 handshake (its
@@ -253,6 +256,7 @@ async def silent_peer() -> AsyncIterator[int]:
     held: list[socket.socket] = []
 
     async def on_client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        CONNECTIONS.append(port)
         writer.write(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # an empty SETTINGS frame
         await writer.drain()
         try:
@@ -283,6 +287,20 @@ async def test_a_watch_on_a_peer_that_stops_answering_ends_after_its_ping_goes_u
             async with asyncio.timeout(10):
                 async for _ in registry.watch_batches(PREFIX, start_revision=1):
                     pass
+
+
+async def test_a_commit_a_silent_peer_never_answers_is_unavailable_and_reconnects(
+    silent_peer: int, monkeypatch: pytest.MonkeyPatch, etcd: EmbeddedEtcd
+) -> None:
+    monkeypatch.delenv(registry_module.TRANSPORT_ENV, raising=False)
+    async with Registry.from_urls(etcd.url, timeout_s=1) as registry:
+        registry.endpoints = [("127.0.0.1", silent_peer)]
+        for _ in range(2):
+            with pytest.raises(RegistryUnavailable, match="deadline exceeded"):
+                async with asyncio.timeout(10):
+                    await registry.commit(guards=[], puts={PREFIX + "lost": b"1"})
+        # each unanswered call gave up its connection: the second one connected again
+        assert CONNECTIONS.count(silent_peer) == 2
 
 
 def test_hpack_integers_and_long_header_values() -> None:
