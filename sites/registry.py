@@ -341,7 +341,8 @@ def _over_grpc() -> bool:
 
 
 def _request_ops(ops: Sequence[Any]) -> list[Any]:
-    """aetcd's transaction operations (Put, Delete, Get) as etcd's RequestOps."""
+    """aetcd's transaction operations (Put, Delete: what commit() builds) as etcd's
+    RequestOps."""
     out = []
     for op in ops:
         if isinstance(op, aetcd.transactions.Put):
@@ -350,9 +351,6 @@ def _request_ops(ops: Sequence[Any]) -> list[Any]:
         elif isinstance(op, aetcd.transactions.Delete):
             delete = rpc.DeleteRangeRequest(key=op.key, range_end=op.range_end or b"")
             out.append(rpc.RequestOp(request_delete_range=delete))
-        elif isinstance(op, aetcd.transactions.Get):
-            get = rpc.RangeRequest(key=op.key, range_end=op.range_end or b"")
-            out.append(rpc.RequestOp(request_range=get))
         else:
             raise TypeError(f"not a transaction operation: {op!r}")
     return out
@@ -398,6 +396,16 @@ def _check_watch(response: Any, prefix: str, start_revision: int, url: str) -> N
                 f"etcd at {url} refused the watch of {prefix}: {response.cancel_reason}"
             )
         raise RegistryUnavailable(f"watch of {prefix} cancelled by etcd: {response.cancel_reason}")
+
+
+def _watch_request(prefix: str, start_revision: int) -> Any:
+    """The request that creates a watch of every key under `prefix` from start_revision."""
+    key = prefix.encode()
+    return rpc.WatchRequest(
+        create_request=rpc.WatchCreateRequest(
+            key=key, range_end=aetcd.utils.prefix_range_end(key), start_revision=start_revision
+        )
+    )
 
 
 def _events(response: Any) -> list[Event]:
@@ -827,7 +835,6 @@ class Registry:
             async for answer in self._watch_batches_grpc(prefix, start_revision=start_revision):
                 yield answer
             return
-        key = prefix.encode()
         await self._call(self._client.connect)  # the auth token, where etcd has users
         channel = await self._h2_channel()
         inbox: list[bytes] = []
@@ -846,20 +853,8 @@ class Registry:
             closed.append(why)
             wake.set()
 
-        block = header_block(
-            WATCH_PATH,
-            channel.authority,
-            None,
-            tls=self.tls is not None,
-            metadata=self._client.metadata or (),
-        )
-        stream = channel.stream(block, on_message, on_close)
-        create = rpc.WatchRequest(
-            create_request=rpc.WatchCreateRequest(
-                key=key, range_end=aetcd.utils.prefix_range_end(key), start_revision=start_revision
-            )
-        )
-        channel.send(stream, create.SerializeToString())
+        stream = channel.stream(self._h2_block(WATCH_PATH, channel, None), on_message, on_close)
+        channel.send(stream, _watch_request(prefix, start_revision).SerializeToString())
         keepalive = asyncio.create_task(_ping_forever(channel, held))
         parse = rpc.WatchResponse.FromString
         try:
@@ -886,6 +881,16 @@ class Registry:
             keepalive.cancel()
             channel.close()
 
+    def _h2_block(self, path: str, channel: H2Channel, timeout_s: float | None) -> bytes:
+        """The header block of a call to `path` on `channel`, with the auth token if any."""
+        return header_block(
+            path,
+            channel.authority,
+            timeout_s,
+            tls=self.tls is not None,
+            metadata=self._client.metadata or (),
+        )
+
     async def _h2_channel(self) -> H2Channel:
         """A connection of its own to the first endpoint that answers (sites.h2grpc)."""
         context = None
@@ -911,14 +916,9 @@ class Registry:
         self, prefix: str, *, start_revision: int
     ) -> AsyncIterator[list[Event]]:
         """watch_batches over grpc.aio's stream (CPN_ETCD_TRANSPORT=grpc)."""
-        key = prefix.encode()
         client = self._client
         await self._call(client.connect)
-        create = rpc.WatchRequest(
-            create_request=rpc.WatchCreateRequest(
-                key=key, range_end=aetcd.utils.prefix_range_end(key), start_revision=start_revision
-            )
-        )
+        create = _watch_request(prefix, start_revision)
         call = rpc.WatchStub(client.channel).Watch(metadata=client.metadata)
         try:
             await call.write(create)
@@ -1155,15 +1155,7 @@ class Registry:
                 if channel is None or channel.closed:
                     await self._call(self._client.connect)  # the auth token, where etcd has users
                     channel = await self._h2_channel()
-                    self._unary_block = header_block(
-                        TXN_PATH,
-                        channel.authority,
-                        self._timeout_s,
-                        tls=self.tls is not None,
-                        metadata=self._client.metadata or (),
-                    )
-                    if self._unary is not None:
-                        self._unary.close()
+                    self._unary_block = self._h2_block(TXN_PATH, channel, self._timeout_s)
                     self._unary = channel
         answer: asyncio.Future[tuple[bytes | None, Failure | None]]
         answer = asyncio.get_running_loop().create_future()
