@@ -57,6 +57,7 @@ from broker.store import (
     encode_archived,
     micros,
     position,
+    state_entries,
     summary,
     writes,
 )
@@ -76,16 +77,16 @@ DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 SCAN_LIMIT = 5000
 """Most index entries one page reads (count): a filter that matches little costs at most this."""
-ARCHIVE_BATCH = 16
-"""Jobs moved per transaction (count): 7 operations each (4 deletes, 3 puts; a gang's record
-may add one), under etcd's --max-txn-ops of 128."""
-EXPIRE_BATCH = 40
-"""Archived jobs dropped per transaction (count): 3 deletes each."""
+ARCHIVE_BATCH = 10
+"""Jobs moved per transaction (count): 11 operations each (6 deletes, 5 puts), under etcd's
+default --max-txn-ops of 128."""
+EXPIRE_BATCH = 24
+"""Archived jobs dropped per transaction (count): 5 deletes each."""
 PASS_LIMIT = 2000
 """Most jobs one archive or expiry pass handles (count) before the loop checks in again."""
 HOT_COUNT_S = 60.0
 """How often (s) a pass that moved nothing counts the hot finished jobs for the gauge."""
-MIGRATION = "job-index-v2"  # v1: the job index; v2: and each tenant's own copy of it
+MIGRATION = "job-index-v3"  # v1: the job index; v2: each tenant's own copy; v3: the state indexes
 
 
 # -- listing ------------------------------------------------------------------------------------
@@ -152,14 +153,7 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
     """One page of jobs, newest first (see the module docstring)."""
     revision, after = untoken(token) if token else (None, None)
     page_keys = 2000 if query.filtered else min(500, query.limit + 1)
-    if query.tenant is not None:  # its own index: the others' jobs are not even read
-        prefixes = [(keys.tenant_jobs(query.tenant), False)]
-        if query.include_archived:
-            prefixes.append((keys.tenant_history(query.tenant), True))
-    else:
-        prefixes = [(keys.JOB_INDEX, False)]
-        if query.include_archived:
-            prefixes.append((keys.HISTORY_INDEX, True))
+    prefixes = _indexes(query)
     try:
         if revision is None:
             revision = await registry.revision()
@@ -184,6 +178,31 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
         next=make_token(revision, last) if more and last is not None else None,
         revision=revision,
     )
+
+
+def _indexes(query: JobQuery) -> list[tuple[str, bool]]:
+    """The indexes a query reads, (prefix, archived): a tenant's own (the others' jobs are not
+    even read); with states, only those states' (a finished state's own index, and the live
+    one for unfinished states), so a filter that matches few jobs reads few entries."""
+    tenant = query.tenant
+    if not query.states:
+        if tenant is not None:
+            out = [(keys.tenant_jobs(tenant), False)]
+            if query.include_archived:
+                out.append((keys.tenant_history(tenant), True))
+            return out
+        out = [(keys.JOB_INDEX, False)]
+        if query.include_archived:
+            out.append((keys.HISTORY_INDEX, True))
+        return out
+    out = []
+    for state in sorted(s for s in query.states if s.terminal):
+        out.append((keys.state_jobs(state, tenant), False))
+        if query.include_archived:
+            out.append((keys.state_jobs(state, tenant, archived=True), True))
+    if any(not s.terminal for s in query.states):
+        out.append((keys.live_jobs(tenant), False))  # filtered by state as it is read
+    return out
 
 
 async def _scan(
@@ -342,9 +361,7 @@ class HistoryKeeper:
                     records.append((decode(raw), rev))
                 except ValidationError as exc:
                     log.warning("not indexing unreadable job record %s: %s", key, exc)
-            wanted = [
-                keys.tenant_job(r.spec.tenant, position(r.created_at), r.id) for r, _ in records
-            ]
+            wanted = [_newest_entry(r) for r, _ in records]
             have = await self.registry.get_many(wanted)
             missing = [
                 (r, rev) for (r, rev), k in zip(records, wanted, strict=True) if k not in have
@@ -360,41 +377,40 @@ class HistoryKeeper:
         return indexed
 
     async def _index_history(self) -> int:
-        """Each archived job's entry in its tenant's history index, where it is missing (jobs
-        archived before the tenant indexes existed); guarded by the entry's revision, so an
-        entry expired meanwhile leaves nothing behind."""
+        """Each archived job's entries in its tenant's history index and in the archived state
+        indexes, where they are missing (jobs archived before those indexes existed); guarded
+        by the entry's revision, so an entry expired meanwhile leaves nothing behind."""
         indexed = 0
         async for page in self.registry.iter_prefix(keys.HISTORY_INDEX):
-            todo: list[tuple[str, bytes, int, str]] = []
+            todo: list[tuple[str, bytes, int, list[str]]] = []
             for key, raw, rev in page.items:
-                tenant = _tenant_of(raw)
-                if tenant is not None:
-                    pos, job_id = keys.split(key, keys.HISTORY_INDEX)
-                    todo.append((key, raw, rev, keys.tenant_archived(tenant, pos, job_id)))
-            have = await self.registry.get_many([own for *_, own in todo])
-            todo = [t for t in todo if t[3] not in have]
-            for i in range(0, len(todo), 60):
-                chunk = todo[i : i + 60]
+                entry = _summary_of(raw)
+                if entry is not None and entry.state.terminal:
+                    todo.append((key, raw, rev, _archived_entries(key, entry)))
+            # the tenant state entry is the last one written: present, so are the others
+            have = await self.registry.get_many([own[-1] for *_, own in todo])
+            todo = [t for t in todo if t[3][-1] not in have]
+            for i in range(0, len(todo), 40):
+                chunk = todo[i : i + 40]
                 guards = [self.leadership.guard()]
                 guards += [Guard(key, mod_revision=rev) for key, _, rev, _ in chunk]
-                if await self.registry.commit(
-                    guards=guards, puts={own: raw for _, raw, _, own in chunk}
-                ):
+                puts = {k: raw for _, raw, _, own in chunk for k in own}
+                if await self.registry.commit(guards=guards, puts=puts):
                     indexed += len(chunk)
         return indexed
 
     async def _index(self, batch: list[tuple[JobRecord, int]]) -> int:
         """Index entries for `batch`, all in one transaction; one by one if a record moved."""
 
-        def entries(record: JobRecord) -> dict[str, bytes]:
-            return {k: v for k, v in writes(record).items() if k != keys.job(record.id)}
-
         puts: dict[str, bytes] = {}
+        deletes: list[str] = []
         guards = [self.leadership.guard()]
         for record, rev in batch:
-            puts.update(entries(record))
+            own, gone = writes(record)
+            puts.update({k: v for k, v in own.items() if k != keys.job(record.id)})
+            deletes += gone
             guards.append(Guard(keys.job(record.id), mod_revision=rev))
-        if await self.registry.commit(guards=guards, puts=puts):
+        if await self.registry.commit(guards=guards, puts=puts, deletes=deletes):
             return len(batch)
         if len(batch) == 1:
             return 0  # it changed meanwhile: its new write carries its index entries
@@ -453,15 +469,19 @@ class HistoryKeeper:
             pos = position(record.created_at)
             guards.append(Guard(keys.job(job_id), mod_revision=raw[1]))
             tenant = record.spec.tenant
+            tail = f"{pos}/{job_id}"
             deletes += [
                 keys.job(job_id),
                 keys.job_index(pos, job_id),
                 keys.tenant_job(tenant, pos, job_id),
+                *state_entries(tenant, record.state, tail, archived=False),
             ]
             entry = summary(archived).model_dump_json().encode()
             puts[keys.archived_job(job_id)] = encode_archived(archived)
             puts[keys.history_index(pos, job_id)] = entry
             puts[keys.tenant_archived(tenant, pos, job_id)] = entry
+            for key in state_entries(tenant, record.state, tail, archived=True):
+                puts[key] = entry
             if record.spec.gang is not None:
                 gangs.add((record.spec.tenant, record.spec.gang.name))
             moving += 1
@@ -573,11 +593,11 @@ class HistoryKeeper:
             guards = [self.leadership.guard(), *(Guard(k, mod_revision=r) for k, r, _ in batch)]
             deletes = []
             for key, _, raw in batch:
-                pos, job_id = keys.split(key, keys.HISTORY_INDEX)
+                job_id = keys.split(key, keys.HISTORY_INDEX)[1]
                 deletes += [key, keys.archived_job(job_id)]
-                tenant = _tenant_of(raw)
-                if tenant is not None:
-                    deletes.append(keys.tenant_archived(tenant, pos, job_id))
+                entry = _summary_of(raw)
+                if entry is not None:
+                    deletes += _archived_entries(key, entry)
             if await self.registry.commit(guards=guards, deletes=deletes):
                 dropped += len(batch)
         self.metrics.expired.inc(dropped)
@@ -665,12 +685,31 @@ class HistoryKeeper:
         return done
 
 
-def _tenant_of(raw: bytes) -> str | None:
-    """The tenant of an index entry (a JobSummary), None if it cannot be read."""
+def _summary_of(raw: bytes) -> JobSummary | None:
+    """An index entry, None if it cannot be read."""
     try:
-        return JobSummary.model_validate_json(raw).tenant
+        return JobSummary.model_validate_json(raw)
     except ValidationError:
         return None
+
+
+def _archived_entries(history_key: str, entry: JobSummary) -> list[str]:
+    """An archived job's keys in its tenant's history index and in the archived state indexes,
+    from its entry in the history index; the tenant's state entry last."""
+    pos, job_id = keys.split(history_key, keys.HISTORY_INDEX)
+    tail = f"{pos}/{job_id}"
+    out = [keys.tenant_archived(entry.tenant, pos, job_id)]
+    if entry.state.terminal:
+        out += state_entries(entry.tenant, entry.state, tail, archived=True)
+    return out
+
+
+def _newest_entry(record: JobRecord) -> str:
+    """The index key the newest migration writes for a hot record: present, it is indexed."""
+    tail = f"{position(record.created_at)}/{record.id}"
+    if record.state.terminal:
+        return state_entries(record.spec.tenant, record.state, tail, archived=False)[-1]
+    return keys.live_jobs(record.spec.tenant) + tail
 
 
 def _segment_day(key: str) -> str:

@@ -411,9 +411,10 @@ class ReplicaReconciler:
             change = self.operations.transition(job, JobState.CANCELLED, "cancelled", why, now)
             if change is None:
                 continue
-            puts.update(writes(change.record))
+            own, gone = writes(change.record)
+            puts.update(own)
             puts.update(change.puts)
-            deletes += change.deletes
+            deletes += gone + change.deletes
             guards.append(Guard(keys.job(job_id), mod_revision=revs[job_id]))
         created: list[JobRecord] = []
         refused: dict[str, str] = {}  # client region -> why placement's checks refuse it now
@@ -449,7 +450,7 @@ class ReplicaReconciler:
             )
             puts.update(record_puts(base))
         for job in created:
-            puts.update(writes(job))
+            puts.update(writes(job).puts)  # unfinished: nothing to delete
             guards += [Guard(keys.job(job.id), 0), Guard(keys.archived_job(job.id), 0)]
         if await self.registry.commit(guards=guards, puts=puts, deletes=deletes):
             if created or step.cancel:

@@ -7,10 +7,11 @@ ever written from a stale read.
 
 Every write of a record puts, in the same transaction, what `writes(record)` lists: the
 record, its entry in the newest-first job index (a `JobSummary`, what a list page filters on)
-and in its tenant's own copy of that index (a tenant's pages read only its entries),
-and, once the job has finished, its place in the archive queue. broker.history reads them.
-An archived job's record lives at /cpn/v1/history/jobs/<id>, zlib-compressed; `find` reads
-the hot record and falls back to the archived one.
+and in its tenant's own copy of that index (a tenant's pages read only its entries), its
+entries in the live indexes (unfinished) or in its end state's indexes (finished, with the
+live ones deleted), and, once the job has finished, its place in the archive queue.
+broker.history reads them. An archived job's record lives at /cpn/v1/history/jobs/<id>,
+zlib-compressed; `find` reads the hot record and falls back to the archived one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -98,18 +100,46 @@ def decode_archived(raw: bytes) -> JobRecord:
     return decode(zlib.decompress(raw))
 
 
-def writes(record: JobRecord) -> dict[str, bytes]:
-    """What every write of a hot record puts with it (in the same transaction)."""
+class Writes(NamedTuple):
+    """What one write of a hot record puts and deletes, in its transaction."""
+
+    puts: dict[str, bytes]
+    deletes: list[str]
+
+
+def writes(record: JobRecord) -> Writes:
+    """What every write of a hot record puts with it (and deletes), in the same transaction.
+
+    An unfinished job has entries in the live indexes; a finished one, in the indexes of the
+    state it ended in instead (written once: a job never leaves a terminal state), and its
+    live entries are deleted. A list filtered by state reads those, not every job.
+    """
     entry = summary(record).model_dump_json().encode()
     pos = position(record.created_at)
+    tenant = record.spec.tenant
+    tail = f"{pos}/{record.id}"
     puts = {
         keys.job(record.id): encode(record),
         keys.job_index(pos, record.id): entry,
-        keys.tenant_job(record.spec.tenant, pos, record.id): entry,
+        keys.tenant_job(tenant, pos, record.id): entry,
     }
-    if record.state.terminal:
-        puts[keys.finished(micros(record.updated_at), record.id)] = b""
-    return puts
+    live = [keys.live_jobs() + tail, keys.live_jobs(tenant) + tail]
+    if not record.state.terminal:
+        puts.update(dict.fromkeys(live, entry))
+        return Writes(puts, [])
+    puts[keys.finished(micros(record.updated_at), record.id)] = b""
+    for key in state_entries(tenant, record.state, tail, archived=False):
+        puts[key] = entry
+    return Writes(puts, live)
+
+
+def state_entries(tenant: str, state: str, tail: str, *, archived: bool) -> list[str]:
+    """A finished job's keys in the state indexes (all tenants' and its tenant's); `tail` is
+    '<position>/<id>'."""
+    return [
+        keys.state_jobs(state, archived=archived) + tail,
+        keys.state_jobs(state, tenant, archived=archived) + tail,
+    ]
 
 
 class JobStore:
@@ -118,9 +148,11 @@ class JobStore:
 
     async def create(self, record: JobRecord) -> None:
         key = keys.job(record.id)
+        puts, deletes = writes(record)
         ok = await self.registry.commit(
             guards=[Guard(key, mod_revision=0), Guard(keys.archived_job(record.id), 0)],
-            puts={**writes(record), **audit_puts(record.spec.tenant, record.id)},
+            puts={**puts, **audit_puts(record.spec.tenant, record.id)},
+            deletes=deletes,
         )
         if not ok:
             raise InvalidRequest(f"job {record.id!r} already exists", field="name", code="exists")
@@ -163,10 +195,11 @@ class JobStore:
                 return None
             key = keys.job(job_id)
             audit = audit_puts(change.record.spec.tenant, job_id)
+            puts, deletes = writes(change.record)
             ok = await self.registry.commit(
                 guards=[Guard(key, mod_revision=revision), *guards, *change.guards],
-                puts={**writes(change.record), **change.puts, **audit},
-                deletes=change.deletes,
+                puts={**puts, **change.puts, **audit},
+                deletes=[*deletes, *change.deletes],
             )
             if ok:
                 committed()
@@ -189,8 +222,9 @@ class JobStore:
         if revision == 0:
             guards.append(Guard(keys.archived_job(record.id), mod_revision=0))
         audit = audit_puts(record.spec.tenant, record.id)
+        own, gone = writes(record)
         ok = await self.registry.commit(
-            guards=guards, puts={**writes(record), **(puts or {}), **audit}, deletes=deletes
+            guards=guards, puts={**own, **(puts or {}), **audit}, deletes=[*gone, *deletes]
         )
         if ok:
             committed()

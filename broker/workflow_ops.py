@@ -177,7 +177,7 @@ class Workflows:
         puts = {**self._record_puts(record, index=True), **audit_puts(spec.tenant, wf_id)}
         guards = [Guard(keys.workflow(wf_id), mod_revision=0)]
         for job in records:
-            puts.update(writes(job))
+            puts.update(writes(job).puts)  # unfinished: nothing to delete
             guards += [Guard(keys.job(job.id), 0), Guard(keys.archived_job(job.id), 0)]
         ok = await self.registry.commit(guards=guards, puts=puts)
         if not ok:
@@ -291,9 +291,10 @@ class Workflows:
                 if change is None:
                     continue
                 changed[job.id] = change.record
-                puts.update(writes(change.record))
+                own, gone = writes(change.record)
+                puts.update(own)
                 puts.update(change.puts)
-                deletes += change.deletes
+                deletes += gone + change.deletes
                 guards.append(Guard(keys.job(job.id), mod_revision=rev))
             if step is None:
                 record = record.model_copy(update={"cancelled_at": now, "updated_at": now})
@@ -333,7 +334,7 @@ class Workflows:
                     if old is None:
                         raise NotFound(f"step {s.name}'s job {s.job} is gone; cannot retry it")
                     fresh = _fresh(old, new_ids[s.name], s, current, states, again, now)
-                    puts.update(writes(fresh))
+                    puts.update(writes(fresh).puts)  # unfinished
                     guards += [Guard(keys.job(fresh.id), 0), Guard(keys.archived_job(fresh.id), 0)]
                     continue
                 entry = entries.get(s.job)
@@ -355,7 +356,7 @@ class Workflows:
                     workflow=new_link,
                     unschedulable=f"waiting for {', '.join(waiting)}",
                 )
-                puts.update(writes(fresh_dep))
+                puts.update(writes(fresh_dep).puts)  # unfinished
                 guards.append(Guard(keys.job(old.id), mod_revision=entry[1]))
             steps = tuple(
                 st.model_copy(update={"job": new_ids[st.name], "previous": (*st.previous, st.job)})

@@ -25,6 +25,11 @@
 /cpn/v1/index/finished/<ts>/<id> ""                            broker, when a job finishes
 /cpn/v1/index/tenants/<tenant>/jobs/<inv>/<id>     JobSummary  broker, with every job write
 /cpn/v1/index/tenants/<tenant>/history/<inv>/<id>  JobSummary  broker, when it archives a job
+/cpn/v1/index/live/<inv>/<id>    JobSummary                    broker, while a job is unfinished
+/cpn/v1/index/states/<STATE>/<inv>/<id>            JobSummary  broker, when a job finishes
+/cpn/v1/index/history-states/<STATE>/<inv>/<id>    JobSummary  broker, when it archives a job
+/cpn/v1/index/tenants/<tenant>/{live,states/<STATE>,history-states/<STATE>}/<inv>/<id>
+                                                   JobSummary  the same, per tenant
 /cpn/v1/history/jobs/<id>        zlib(JobRecord)               broker, when it archives a job
 /cpn/v1/migrations/<name>        {"done_at": ...}              broker, once per migration
 /cpn/v1/tokens/<id>              TokenRecord (hash only)       broker or `cpn token create`
@@ -186,6 +191,25 @@ def tenant_job(tenant: str, position: str, job_id: str) -> str:
 def tenant_archived(tenant: str, position: str, job_id: str) -> str:
     """An archived job's entry in its tenant's own history index (as history_index's)."""
     return f"{tenant_history(tenant)}{position}/{job_id}"
+
+
+LIVE_INDEX = ROOT + "index/live/"
+STATE_INDEX = ROOT + "index/states/"
+HISTORY_STATE_INDEX = ROOT + "index/history-states/"
+
+
+def live_jobs(tenant: str | None = None) -> str:
+    """The prefix of the newest-first index of unfinished jobs (all tenants', or one's): a
+    list of running or pending jobs reads only them, however long the history."""
+    return LIVE_INDEX if tenant is None else f"{TENANT_INDEX}{tenant}/live/"
+
+
+def state_jobs(state: str, tenant: str | None = None, *, archived: bool = False) -> str:
+    """The prefix of the newest-first index of the jobs that ended in `state` (a terminal
+    state: a job never leaves it, so its entry is written once), hot or archived."""
+    if tenant is None:
+        return f"{HISTORY_STATE_INDEX if archived else STATE_INDEX}{state}/"
+    return f"{TENANT_INDEX}{tenant}/{'history-states' if archived else 'states'}/{state}/"
 
 
 def finished(finished_us: int, job_id: str) -> str:

@@ -102,9 +102,16 @@ def pending_jobs(n: int, *, now: float, seed: int = 2) -> list[JobRecord]:
 async def write(
     registry: Registry, records: Sequence[JobRecord], *, old: bool, batch: int = 30
 ) -> None:
-    """Write `records` in transactions of `batch` (30 x 4 puts stays under --max-txn-ops)."""
+    """Write `records` in transactions of `batch` (30 x 6 puts and 2 deletes stays under the
+    test etcd's --max-txn-ops)."""
     for i in range(0, len(records), batch):
         puts: dict[str, bytes] = {}
+        deletes: list[str] = []
         for record in records[i : i + batch]:
-            puts.update({keys.job(record.id): encode(record)} if old else writes(record))
-        assert await registry.commit(guards=[], puts=puts)
+            if old:
+                puts[keys.job(record.id)] = encode(record)
+                continue
+            own, gone = writes(record)
+            puts.update(own)
+            deletes += gone
+        assert await registry.commit(guards=[], puts=puts, deletes=deletes)

@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from broker import history
 from broker.errors import Expired, IllegalTransition, InvalidRequest, NotFound
-from broker.history import HistoryKeeper, JobQuery, list_page, parse_since
+from broker.history import MIGRATION, HistoryKeeper, JobQuery, list_page, parse_since
 from broker.jobs import JobRecord, JobState
 from broker.leadership import Leadership
 from broker.metrics import BrokerMetrics
 from broker.settings import HistorySettings
-from broker.store import JobStore, position
+from broker.store import Change, JobStore, JobSummary, decode, position, state_entries
 from sites import keys
 from sites.clock import SystemClock
 from sites.etcd_server import EmbeddedEtcd
@@ -97,6 +98,32 @@ async def check_one_place_each(registry: Registry, records: list[JobRecord]) -> 
     return len(hot_ids), len(old_ids)
 
 
+async def check_state_indexes(registry: Registry) -> int:
+    """Every hot unfinished job is in the live indexes (all tenants' and its tenant's), every
+    hot finished one in its end state's, every archived one in its end state's archived ones,
+    and nothing else is in any of them: the number of entries."""
+    want: set[str] = set()
+    for _, raw, _ in (await registry.list_prefix(keys.JOBS))[1]:
+        r = decode(raw)
+        tail = f"{position(r.created_at)}/{r.id}"
+        if r.state.terminal:
+            want.update(state_entries(r.spec.tenant, r.state, tail, archived=False))
+        else:
+            want.update((keys.live_jobs() + tail, keys.live_jobs(r.spec.tenant) + tail))
+    for key, raw, _ in (await registry.list_prefix(keys.HISTORY_INDEX))[1]:
+        entry = JobSummary.model_validate_json(raw)
+        tail = key.removeprefix(keys.HISTORY_INDEX)
+        want.update(state_entries(entry.tenant, entry.state, tail, archived=True))
+    prefixes = [keys.LIVE_INDEX, keys.STATE_INDEX, keys.HISTORY_STATE_INDEX]
+    for tenant in history_data.TENANTS:
+        own = f"{keys.TENANT_INDEX}{tenant}/"
+        prefixes += [keys.live_jobs(tenant), own + "states/", own + "history-states/"]
+    have = {k for p in prefixes for k, _, _ in (await registry.list_prefix(p))[1]}
+    assert have - want == set(), "a state index entry of a job not in that state (or gone)"
+    assert want - have == set(), "a job missing from its state's index"
+    return len(have)
+
+
 async def test_old_federation_is_indexed_and_pages_newest_first(
     registry: Registry, leader: Leadership
 ) -> None:
@@ -111,6 +138,7 @@ async def test_old_federation_is_indexed_and_pages_newest_first(
     assert await k.migrate() == 0  # once: the marker says it is done
     k2 = keeper(registry, leader)
     assert await k2.migrate() == 0
+    assert await check_state_indexes(registry) == 2 * len(records)
 
     items, pages = await all_pages(registry, JobQuery(limit=100))
     assert [r.id for r in items] == newest_first(records)
@@ -201,13 +229,85 @@ async def test_archive_moves_old_finished_jobs_and_keeps_them_readable(
     mine, _ = await all_pages(registry, JobQuery(tenant="speech", include_archived=True))
     assert [r.id for r in mine] == newest_first(kept)
 
-    # a federation archived before the tenant indexes existed: the migration fills them in
-    await registry.delete_prefix(keys.TENANT_INDEX)
-    await registry.commit(guards=[], deletes=[keys.migration("job-index-v2")])
+    assert await check_state_indexes(registry) == 2 * (len(records) - len(expired))
+
+    # a federation archived before the tenant and state indexes existed: the migration fills
+    # them in
+    for prefix in (keys.TENANT_INDEX, keys.LIVE_INDEX, keys.STATE_INDEX, keys.HISTORY_STATE_INDEX):
+        await registry.delete_prefix(prefix)
+    await registry.commit(guards=[], deletes=[keys.migration(MIGRATION)])
     assert (await all_pages(registry, JobQuery(tenant="speech", include_archived=True)))[0] == []
     assert await keeper(registry, leader).migrate() == len(records) - len(expired)
     mine, _ = await all_pages(registry, JobQuery(tenant="speech", include_archived=True))
     assert [r.id for r in mine] == newest_first(kept)
+    assert await check_state_indexes(registry) == 2 * (len(records) - len(expired))
+    failed, _ = await all_pages(
+        registry, JobQuery(states=frozenset({JobState.FAILED}), include_archived=True)
+    )
+    assert [r.id for r in failed] == newest_first(
+        [r for r in records if r not in expired and r.state is JobState.FAILED]
+    )
+
+
+async def test_a_state_filter_reads_only_that_states_jobs(
+    registry: Registry, leader: Leadership, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filter by state and tenant that matches 1 job in 40 still fills its pages: it reads
+    the state's own index, not the tenant's every job (a page scans at most SCAN_LIMIT
+    entries, here 100, so a scan of the tenant's index would return a page of 2 or 3)."""
+    monkeypatch.setattr(history, "SCAN_LIMIT", 100)
+    now = time.time()
+    records = history_data.finished_jobs(3000, now=now, days=30)
+    records += history_data.pending_jobs(40, now=now)
+    await history_data.write(registry, records, old=False)
+    failed = frozenset({JobState.FAILED})
+    want = newest_first([r for r in records if r.state in failed and r.spec.tenant == "vision"])
+    assert 40 < len(want) < 3040 / 20
+    page = await list_page(registry, JobQuery(states=failed, tenant="vision", limit=40))
+    assert [r.id for r in page.items] == want[:40] and page.next is not None
+    items, _ = await all_pages(registry, JobQuery(states=failed, tenant="vision", limit=40))
+    assert [r.id for r in items] == want
+
+    # unfinished states read the live index; a mix merges it with the finished states', and
+    # a job that finishes moves from the one to the other in the same transaction
+    store = JobStore(registry=registry)
+    live = [r for r in records if not r.state.terminal]
+    mixed = frozenset({JobState.PENDING, JobState.RUNNING, JobState.CANCELLED})
+    items, _ = await all_pages(registry, JobQuery(states=mixed, limit=70))
+    assert [r.id for r in items] == newest_first([r for r in records if r.state in mixed])
+
+    def to(state: JobState) -> object:
+        def change(r: JobRecord, _: int) -> Change:
+            return Change(r.model_copy(update={"state": state, "updated_at": time.time()}))
+
+        return change
+
+    await store.mutate(live[0].id, to(JobState.RUNNING))  # type: ignore[arg-type]
+    await store.mutate(live[1].id, to(JobState.SUCCEEDED))  # type: ignore[arg-type]
+    running = await list_page(registry, JobQuery(states=frozenset({JobState.RUNNING})))
+    assert [r.id for r in running.items] == [live[0].id]
+    pending = await list_page(registry, JobQuery(states=frozenset({JobState.PENDING})))
+    assert [r.id for r in pending.items] == newest_first(live[2:])
+    done = await list_page(
+        registry, JobQuery(states=frozenset({JobState.SUCCEEDED}), since=now - 600)
+    )
+    assert live[1].id in {r.id for r in done.items}
+    assert await check_state_indexes(registry) == 2 * len(records)
+
+    # after the archive, include=archived reads the archived state indexes too
+    k = keeper(registry, leader, retention_s="7d")
+    assert await k.archive(now) > 0
+    while await k.archive(now):  # PASS_LIMIT a pass
+        pass
+    assert await check_state_indexes(registry) == 2 * len(records)
+    everywhere, _ = await all_pages(
+        registry, JobQuery(states=failed, tenant="vision", limit=40, include_archived=True)
+    )
+    assert [r.id for r in everywhere] == want
+    hot_only, _ = await all_pages(registry, JobQuery(states=failed, tenant="vision"))
+    recent = {r.id for r in records if r.updated_at > now - 7 * DAY}
+    assert 0 < len(hot_only) < len(want)
+    assert [r.id for r in hot_only] == [i for i in want if i in recent]
 
 
 async def test_transitions_of_an_archived_job_are_refused(
@@ -322,6 +422,7 @@ async def test_a_broker_killed_mid_archive_leaves_nothing_half_moved(
         assert time.monotonic() < deadline, "the archive did not finish"
         await asyncio.sleep(0.05)
     assert await check_one_place_each(registry, records) == (0, len(records))
+    assert await check_state_indexes(registry) == 2 * len(records)
     reply = broker.call("GET", f"/v1/jobs/{records[0].id}")
     assert reply.status == 200 and reply.json()["archived_at"] is not None
     created = broker.post_json("/v1/jobs", {"name": "after", "tenant": "ai-lab", "command": "true"})
