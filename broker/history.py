@@ -183,9 +183,11 @@ async def list_page(registry: Registry, query: JobQuery, token: str | None = Non
 def _indexes(query: JobQuery) -> list[tuple[str, bool]]:
     """The indexes a query reads, (prefix, archived): a tenant's own (the others' jobs are not
     even read); with states, only those states' (a finished state's own index, and the live
-    one for unfinished states), so a filter that matches few jobs reads few entries."""
+    one for unfinished states), so a filter that matches few jobs reads few entries. The
+    finished states' entries are empty (the key is the match), so a `site` filter, which needs
+    the summary, reads the tenant's (or the whole) index instead."""
     tenant = query.tenant
-    if not query.states:
+    if not query.states or query.site is not None:  # the state indexes hold no site
         if tenant is not None:
             out = [(keys.tenant_jobs(tenant), False)]
             if query.include_archived:
@@ -244,7 +246,9 @@ async def _scan(
                 return picked, last, True
             scanned += 1
             last = suffix
-            if (not states or any(s in value for s in states)) and all(n in value for n in needles):
+            if not value or (
+                (not states or any(s in value for s in states)) and all(n in value for n in needles)
+            ):  # an empty entry is a state index's: its key matched the filter already
                 picked.append((suffix.partition("/")[2], archived))
 
 
@@ -394,7 +398,8 @@ class HistoryKeeper:
                 chunk = todo[i : i + 40]
                 guards = [self.leadership.guard()]
                 guards += [Guard(key, mod_revision=rev) for key, _, rev, _ in chunk]
-                puts = {k: raw for _, raw, _, own in chunk for k in own}
+                puts = {k: b"" for *_, own in chunk for k in own[1:]}
+                puts.update({own[0]: raw for _, raw, _, own in chunk})
                 if await self.registry.commit(guards=guards, puts=puts):
                     indexed += len(chunk)
         return indexed
@@ -481,7 +486,7 @@ class HistoryKeeper:
             puts[keys.history_index(pos, job_id)] = entry
             puts[keys.tenant_archived(tenant, pos, job_id)] = entry
             for key in state_entries(tenant, record.state, tail, archived=True):
-                puts[key] = entry
+                puts[key] = b""
             if record.spec.gang is not None:
                 gangs.add((record.spec.tenant, record.spec.gang.name))
             moving += 1

@@ -110,9 +110,10 @@ class Writes(NamedTuple):
 def writes(record: JobRecord) -> Writes:
     """What every write of a hot record puts with it (and deletes), in the same transaction.
 
-    An unfinished job has entries in the live indexes; a finished one, in the indexes of the
-    state it ended in instead (written once: a job never leaves a terminal state), and its
-    live entries are deleted. A list filtered by state reads those, not every job.
+    An unfinished job has entries (its summary) in the live indexes; a finished one, in the
+    indexes of the state it ended in instead (empty, written once: a job never leaves a
+    terminal state), and its live entries are deleted. A list filtered by state reads those,
+    not every job.
     """
     entry = summary(record).model_dump_json().encode()
     pos = position(record.created_at)
@@ -129,13 +130,14 @@ def writes(record: JobRecord) -> Writes:
         return Writes(puts, [])
     puts[keys.finished(micros(record.updated_at), record.id)] = b""
     for key in state_entries(tenant, record.state, tail, archived=False):
-        puts[key] = entry
+        puts[key] = b""
     return Writes(puts, live)
 
 
 def state_entries(tenant: str, state: str, tail: str, *, archived: bool) -> list[str]:
     """A finished job's keys in the state indexes (all tenants' and its tenant's); `tail` is
-    '<position>/<id>'."""
+    '<position>/<id>'. Their values are empty: the key says all a list needs (the state, the
+    tenant, the position and the id), and a year of history holds hundreds of thousands."""
     return [
         keys.state_jobs(state, archived=archived) + tail,
         keys.state_jobs(state, tenant, archived=archived) + tail,

@@ -267,6 +267,11 @@ async def test_a_state_filter_reads_only_that_states_jobs(
     assert [r.id for r in page.items] == want[:40] and page.next is not None
     items, _ = await all_pages(registry, JobQuery(states=failed, tenant="vision", limit=40))
     assert [r.id for r in items] == want
+    # a site filter needs the summaries: it reads the tenant's whole index, as before
+    west, _ = await all_pages(registry, JobQuery(states=failed, tenant="vision", site="west"))
+    assert [r.id for r in west] == [
+        r.id for r in (items) if r.placement is not None and r.placement.site == "west"
+    ]
 
     # unfinished states read the live index; a mix merges it with the finished states', and
     # a job that finishes moves from the one to the other in the same transaction
