@@ -7,9 +7,12 @@ has to index them; `old=False` writes them as today's broker does (broker.store.
 
 from __future__ import annotations
 
+import json
 import random
+import time
 from collections.abc import Sequence
 
+from broker.history import MIGRATION
 from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState, Placement
 from broker.store import encode, writes
 from sites import keys
@@ -103,7 +106,12 @@ async def write(
     registry: Registry, records: Sequence[JobRecord], *, old: bool, batch: int = 30
 ) -> None:
     """Write `records` in transactions of `batch` (30 x 6 puts and 2 deletes stays under the
-    test etcd's --max-txn-ops)."""
+    test etcd's --max-txn-ops). Written as today's broker writes them (`old=False`), they are
+    indexed: the marker of the last index migration is written too, as the first leader to
+    see them would have."""
+    if not old:
+        done = json.dumps({"done_at": time.time(), "indexed": 0}).encode()
+        assert await registry.commit(guards=[], puts={keys.migration(MIGRATION): done})
     for i in range(0, len(records), batch):
         puts: dict[str, bytes] = {}
         deletes: list[str] = []
