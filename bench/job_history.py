@@ -13,9 +13,13 @@ Prints figures; it is not a timed test. For each N (0, 10,000, 100,000 by defaul
    filtered page (state=failed&tenant=vision), the broker's RSS and the etcd database size.
 3. **Archive phase** (N > 0). `cpn up` again with the default retention (7 days), the history
    pass every second, compaction to 2 s ago and defragmentation every 10 s: the bench waits
-   for every job finished more than 7 days ago to be archived and for a defragmentation after
-   that, then measures the same figures again (and a page with include=archived), and the
-   etcd database size after archive and compaction.
+   for every job finished more than 7 days ago to be archived, then measures the same figures
+   again (and a page with include=archived): "just archived", while etcd still compacts the
+   revisions of the burst (a real federation archives a few jobs a minute, not 76,000 at
+   once). It then waits for a defragmentation (up to 60 s) and for etcd's compaction to
+   settle (fewer than 5,000 keys deleted in 5 s), and measures again: "archived", with the
+   etcd database size after archive and compaction. Every phase reports what etcd's
+   compaction deleted while it was measured, and its pauses.
 
     .venv/bin/python bench/job_history.py                  # 0, 10k, 100k: about 10 minutes
     .venv/bin/python bench/job_history.py --jobs 0,10000 --json /tmp/history.json
@@ -68,6 +72,7 @@ SERVICE = rb.LOOPBACK_SERVICE
 RETENTION_DAYS = 7.0
 TARGET_RATIO = 1.10
 TARGET_PAGE_MS = 100.0
+PHASES = ("hot", "just archived", "archived")
 
 
 async def timed(
@@ -132,8 +137,36 @@ def _route(regions: list[str], i: int) -> dict[str, Any]:
     return {"service": SERVICE, "client_region": regions[i % len(regions)]}
 
 
-def metric(base: str, name: str) -> float:
-    req = urllib.request.Request(f"{base}/metrics", headers=rb.AUTH)
+COMPACTED = "etcd_debugging_mvcc_db_compaction_keys_total"
+COMPACTION_PAUSES = "etcd_debugging_mvcc_db_compaction_pause_duration_milliseconds_sum"
+SETTLED_KEYS = 5000
+"""etcd's compaction has settled when it deleted fewer keys than this in 5 s."""
+
+
+async def measured(
+    demo: Any, regions: list[str], args: argparse.Namespace, etcd_url: str
+) -> dict[str, Any]:
+    """`measure`, with what etcd's compaction did meanwhile (keys deleted, its pauses)."""
+    keys0, paused0 = metric(etcd_url, COMPACTED, {}), metric(etcd_url, COMPACTION_PAUSES, {})
+    out = await measure(demo, regions, args)
+    out["etcd_compacted_keys"] = metric(etcd_url, COMPACTED, {}) - keys0
+    out["etcd_compaction_pause_ms"] = metric(etcd_url, COMPACTION_PAUSES, {}) - paused0
+    return out
+
+
+async def settle(etcd_url: str, limit_s: float = 180.0) -> float:
+    """Wait until etcd's compaction deletes fewer than SETTLED_KEYS keys in 5 s: seconds."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        before = metric(etcd_url, COMPACTED, {})
+        await asyncio.sleep(5)
+        if metric(etcd_url, COMPACTED, {}) - before < SETTLED_KEYS:
+            break
+    return time.monotonic() - t0
+
+
+def metric(base: str, name: str, headers: dict[str, str] | None = None) -> float:
+    req = urllib.request.Request(f"{base}/metrics", headers=rb.AUTH if headers is None else headers)
     with urllib.request.urlopen(req, timeout=10) as resp:
         text = resp.read().decode()
     total = 0.0
@@ -186,7 +219,7 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
             demo.start()
             routes = demo.wait_ready([(SERVICE, r) for r in clients])
             regions = sorted(r for _, r in routes)
-            result["hot"] = await measure(demo, regions, args)
+            result["hot"] = await measured(demo, regions, args, url)
             result["hot"].update(await db_size(reg))
             demo.stop()
             demo = None
@@ -218,6 +251,10 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
                 await asyncio.sleep(0.5)
             result["archive_s"] = time.perf_counter() - t0
             log(f"archived {due} jobs in {result['archive_s']:.1f} s (broker start included)")
+            # right after a burst of archiving (the bench's: a real federation archives a few
+            # jobs a minute), etcd is still compacting the revisions the burst left
+            result["just archived"] = await measured(demo, regions, args, url)
+            result["just archived"].update(await db_size(reg))
             defrags = metric(demo.broker, "cpn_broker_etcd_defragmentations_total")
             deadline = time.monotonic() + 60
             while metric(demo.broker, "cpn_broker_etcd_defragmentations_total") <= defrags:
@@ -225,7 +262,9 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
                     log("no defragmentation within 60 s after the archive")
                     break
                 await asyncio.sleep(1)
-            result["archived"] = await measure(demo, regions, args)
+            result["settle_s"] = await settle(url)
+            log(f"etcd's compaction settled {result['settle_s']:.0f} s after the defrag wait")
+            result["archived"] = await measured(demo, regions, args, url)
             result["archived"].update(await db_size(reg))
             result["hot_after"] = await reg.count_prefix(keys.JOBS)
     finally:
@@ -236,13 +275,17 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
     return result
 
 
+def compacted(m: dict[str, Any]) -> str:
+    return f"{m.get('etcd_compacted_keys', 0):,.0f} ({m.get('etcd_compaction_pause_ms', 0):,.0f})"
+
+
 def report(results: list[dict[str, Any]]) -> str:
     headers = ["finished jobs", "phase", "route p50/p99 ms", "submit p50/p99 ms"]
     headers += ["page p50/p99 ms", "deep page p99", "filtered p99", "+archived p99"]
-    headers += ["broker RSS MB", "etcd DB MB (in use)"]
+    headers += ["broker RSS MB", "etcd DB MB (in use)", "etcd compacted keys (pauses ms)"]
     rows = []
     for r in results:
-        for phase in ("hot", "archived"):
+        for phase in PHASES:
             m = r.get(phase)
             if not m:
                 continue
@@ -255,6 +298,7 @@ def report(results: list[dict[str, Any]]) -> str:
                 pair("page_first_ms"), fmt(m["page_deep_ms"]["p99"], 1),
                 fmt(m["page_filtered_ms"]["p99"], 1), fmt(m["page_archived_ms"]["p99"], 1),
                 fmt(m["broker_rss_mb"], 0), f"{m['db_mb']:.1f} ({m['db_in_use_mb']:.1f})",
+                compacted(m),
             ])  # fmt: skip
     lines = [table(headers, rows), ""]
     for r in results:
@@ -269,7 +313,7 @@ def report(results: list[dict[str, Any]]) -> str:
         for r in results:
             if not r["jobs"]:
                 continue
-            for phase in ("hot", "archived"):
+            for phase in PHASES:
                 m = r.get(phase)
                 if not m:
                     continue
