@@ -17,8 +17,9 @@ Prints figures; it is not a timed test. For each N (0, 10,000, 100,000 by defaul
    again (and a page with include=archived): "just archived", while etcd still compacts the
    revisions of the burst (a real federation archives a few jobs a minute, not 76,000 at
    once). It then waits for a defragmentation (up to 60 s) and for etcd's compaction to
-   settle (fewer than 5,000 keys deleted in 5 s), and measures again: "archived", with the
-   etcd database size after archive and compaction. Every phase reports what etcd's
+   settle (fewer than 5,000 keys deleted in 5 s), starts `cpn up` once more with the default
+   upkeep (compaction to an hour ago) and measures again: "archived", with the etcd database
+   size after archive and compaction. Every phase reports what etcd's
    compaction deleted while it was measured, and its pauses.
 
     .venv/bin/python bench/job_history.py                  # 0, 10k, 100k: about 10 minutes
@@ -264,6 +265,18 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
                 await asyncio.sleep(1)
             result["settle_s"] = await settle(url)
             log(f"etcd's compaction settled {result['settle_s']:.0f} s after the defrag wait")
+            demo.stop()
+            demo = None
+            # the archived history under a broker with the default upkeep (the phase above
+            # compacts every second, which costs etcd a walk of its whole key index each time)
+            cfg = rb.copy_configs(work / f"n{n}-archived", fast=True)
+            write_settings(cfg, {"retention_s": f"{RETENTION_DAYS:g}d"})
+            demo = rb.Demo(
+                cfg, work / f"n{n}-archived" / "state", wan=False, sites=rb.LOOPBACK_SITES,
+                interval_s=1.0, block_scapy=True,
+            )  # fmt: skip
+            demo.start()
+            demo.wait_ready([(SERVICE, r) for r in regions])
             result["archived"] = await measured(demo, regions, args, url)
             result["archived"].update(await db_size(reg))
             result["hot_after"] = await reg.count_prefix(keys.JOBS)
