@@ -20,15 +20,10 @@ from broker.store import position
 from sites.paging import Page
 from sites.registry import Registry
 
-__all__ = ["EMPTY_GROWTH", "GROWTH", "WINDOW_US", "Cursor", "token", "untoken"]
+__all__ = ["WINDOW_US", "Cursor", "token", "untoken"]
 
 WINDOW_US = 3600 * 1_000_000
 """The first time window a page reads of the index (microseconds of creation time)."""
-GROWTH = 4
-"""How much wider (x) the next window is after one that held entries."""
-EMPTY_GROWTH = 32
-"""How much wider (x) the next window is after an empty one: the index is sparse there (with
-4x, an empty index took 13 reads to be known empty)."""
 _POSITIONS = 10**17
 
 
@@ -55,9 +50,8 @@ class Cursor:
     In time windows: etcd 3.5 counts every key left in a range for each page it answers, so a
     page read to the end of a 100,000-key index costs 100,000 key visits. A window starts one
     hour of creation time wide (positions are microseconds) and grows 4x each time it is
-    used up (EMPTY_GROWTH x when it held nothing), so a page costs what the window holds, and
-    a sparse or old stretch of the index is crossed in a few reads: an empty index (a state
-    no job is in) in 5, back to 1970.
+    used up, so a page costs what the window holds, and a sparse or old stretch of the index
+    is crossed in a few reads.
     """
 
     def __init__(
@@ -82,7 +76,6 @@ class Cursor:
         self._pages: AsyncGenerator[Page, None] | None = None
         self._last_window = False
         self._end: str | None = None
-        self._window_held = False  # whether the current window has returned an entry
 
     def _open_window(self) -> AsyncGenerator[Page, None]:
         digits = self._start[len(self.prefix) :][:17]
@@ -114,10 +107,8 @@ class Cursor:
                 else:  # this window is used up: the next, wider one
                     assert self._end is not None
                     self._start = self._end
-                    self._span *= GROWTH if self._window_held else EMPTY_GROWTH
-                    self._window_held = False
+                    self._span *= 4
                 continue
-            self._window_held = self._window_held or bool(page.items)
             cut = len(self.prefix)
             self.buffer = [(k[cut:], v) for k, v, _ in page.items]
             if page.items:

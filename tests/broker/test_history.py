@@ -9,7 +9,6 @@ import signal
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -314,26 +313,6 @@ async def test_a_state_filter_reads_only_that_states_jobs(
     recent = {r.id for r in records if r.updated_at > now - 7 * DAY}
     assert 0 < len(hot_only) < len(want)
     assert [r.id for r in hot_only] == [i for i in want if i in recent]
-
-
-async def test_an_empty_index_is_known_empty_in_a_few_reads(
-    registry: Registry, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The cursor's windows grow 32x past an empty one: a list of a state no job is in reads
-    5 windows back to 1970, not 13 (each a range read while the client waits)."""
-    windows = 0
-    real = registry.iter_range
-
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        nonlocal windows
-        windows += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(registry, "iter_range", counting)
-    query = JobQuery(states=frozenset({JobState.SUSPENDED}), tenant="nobody-at-all")
-    page = await list_page(registry, query)
-    assert page.items == [] and page.next is None
-    assert windows <= 5
 
 
 async def test_transitions_of_an_archived_job_are_refused(
