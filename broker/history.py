@@ -212,8 +212,11 @@ async def _scan(
 ) -> tuple[list[tuple[str, bool]], str | None, bool]:
     """Walk the cursors merged in key order: ([(job id, archived)], last suffix, more left).
 
-    Page-wise: every buffered entry up to the smallest last key among the cursors that may
-    read more is in order already, so it is merged and filtered in one tight loop.
+    Every buffered entry before the smallest `read_to` of the cursors is in order already, so
+    it is merged and filtered in one tight loop; then only the cursor holding that bound back
+    reads on. An index with nothing near the head (the archived jobs, on a first page) is not
+    read further than the others' entries need: each wider window it read costs etcd a count
+    of every key in it.
     """
     stop = None if query.since is None else position(query.since) + "/\xff"
     # Entries are compact JSON in one field order (JobSummary.model_dump_json), and tenant,
@@ -229,16 +232,15 @@ async def _scan(
     last: str | None = None
     scanned = 0
     while True:
-        for cursor in cursors:
-            await cursor.fill()
-        live = [c for c in cursors if c.buffer]
-        if not live:
-            return picked, last, False
-        open_ends = [c.buffer[-1][0] for c in live if not c.done]
-        bound = min(open_ends) if open_ends else None
-        chunk = [e for c in live for e in c.take(bound)]
-        if len(live) > 1:
+        reading = [c for c in cursors if not c.done]
+        bound = min((c.read_to for c in reading if c.read_to is not None), default=None)
+        chunk = [e for c in cursors for e in c.take(bound, before=True)]
+        if len(cursors) > 1:
             chunk.sort(key=lambda e: e[0])
+        if not chunk and not reading:
+            return picked, last, False
+        if not chunk and stop is not None and bound is not None and bound > stop:
+            return picked, last, False  # nothing left before `since`
         for suffix, value, archived in chunk:
             if stop is not None and suffix > stop:
                 return picked, last, False
@@ -250,6 +252,8 @@ async def _scan(
                 (not states or any(s in value for s in states)) and all(n in value for n in needles)
             ):  # an empty entry is a state index's: its key matched the filter already
                 picked.append((suffix.partition("/")[2], archived))
+        if reading:
+            await min(reading, key=lambda c: c.read_to or "").step()
 
 
 async def _records(

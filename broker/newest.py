@@ -93,31 +93,47 @@ class Cursor:
             page_keys=self.page_keys,
         )
 
-    async def fill(self) -> None:
-        """Read the next page once the buffer is used up (nothing once the index is)."""
-        while not self.buffer and not self.done:
-            if self._pages is None:
-                self._pages = self._open_window()
-            try:
-                page = await anext(self._pages)
-            except StopAsyncIteration:
-                self._pages = None
-                if self._last_window:
-                    self.done = True
-                else:  # this window is used up: the next, wider one
-                    assert self._end is not None
-                    self._start = self._end
-                    self._span *= 4
-                continue
-            cut = len(self.prefix)
-            self.buffer = [(k[cut:], v) for k, v, _ in page.items]
-            if page.items:
-                self._start = page.items[-1][0] + "\x00"
+    @property
+    def read_to(self) -> str | None:
+        """Every entry whose suffix sorts before this one has been read into the buffer (None
+        once the index is read to its end): a merge may hand out the others' entries up to
+        it without reading this index further."""
+        return None if self.done else self._start[len(self.prefix) :]
 
-    def take(self, bound: str | None) -> list[tuple[str, bytes, bool]]:
-        """The buffered entries up to `bound` (all when None), removed from the buffer."""
+    async def step(self) -> None:
+        """Read on by one page of the current window, or on to the next, wider window."""
+        if self.done:
+            return
+        if self._pages is None:
+            self._pages = self._open_window()
+        try:
+            page = await anext(self._pages)
+        except StopAsyncIteration:
+            self._pages = None
+            if self._last_window:
+                self.done = True
+            else:  # this window is used up: the next, wider one
+                assert self._end is not None
+                self._start = self._end
+                self._span *= 4
+            return
+        cut = len(self.prefix)
+        self.buffer += [(k[cut:], v) for k, v, _ in page.items]
+        if page.items:
+            self._start = page.items[-1][0] + "\x00"
+
+    async def fill(self) -> None:
+        """Read on until the buffer holds an entry (nothing once the index is read)."""
+        while not self.buffer and not self.done:
+            await self.step()
+
+    def take(self, bound: str | None, *, before: bool = False) -> list[tuple[str, bytes, bool]]:
+        """The buffered entries up to `bound` (all when None; `before`: those sorting before
+        it), removed from the buffer."""
         if bound is None:
             n = len(self.buffer)
+        elif before:
+            n = bisect.bisect_left(self.buffer, bound, key=lambda e: e[0])
         else:
             n = bisect.bisect_right(self.buffer, bound, key=lambda e: e[0])
         out = [(k, v, self.archived) for k, v in self.buffer[:n]]
