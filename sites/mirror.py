@@ -90,6 +90,14 @@ class PrefixMirror:
             self._on_change(self.items)
 
 
+APPLY_SLICE = 100
+"""Events a RootMirror applies before it lets the event loop run other work (at the next
+transaction's start). A watch batch holds whatever came since the last read: at 1,000 sites
+publishing every second, a batch that waited behind other work held 300-600 events, and
+decoding them in one go stalled every request for 6-15 ms (bench/README.md,
+live_federation.py --stall-log)."""
+
+
 class RootMirror:
     """Several prefixes under one root (`keys.ROOT`), each listed, then all followed over ONE
     watch of the root.
@@ -147,11 +155,19 @@ class RootMirror:
         self.synced.set()
         on_event = self._on_event
         async for batch in self.registry.watch_batches(root, start_revision=self.revision + 1):
+            applied, previous = 0, self.revision
             for event in batch:
+                if applied >= APPLY_SLICE and event.revision != previous:
+                    # between two transactions: what a reader sees meanwhile is a state the
+                    # registry was in, as if the batch had come in two
+                    self.revision, applied = previous, 0
+                    await asyncio.sleep(0)
+                previous = event.revision
                 key = event.key
                 end = key.find("/", cut)
                 found = listed.get(key[cut : end + 1] if end > 0 else "")
                 if found is None or event.revision <= found[1]:
                     continue  # another prefix of the root, or already in the list
                 on_event(found[0], key, event.value, event.revision)
+                applied += 1
             self.revision = batch[-1].revision

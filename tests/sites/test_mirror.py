@@ -110,6 +110,58 @@ async def test_a_root_mirror_follows_several_prefixes_over_one_watch(
         await sup.stop()
 
 
+async def test_a_root_mirror_applies_a_large_batch_between_transactions(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of 300 transactions (as a watch read after the loop was busy holds) is applied
+    a slice at a time: a reader runs between slices, and never sees half a transaction."""
+    root = keys.ROOT + "test-slices/"
+    prefix = root + "s/"
+    a, b = prefix + "a", prefix + "b"
+    await registry.delete_prefix(root)
+    real = registry.watch_batches
+
+    async def merged(prefix: str, *, start_revision: int) -> Any:
+        held: list[Any] = []
+        async for batch in real(prefix, start_revision=start_revision):
+            held += batch
+            if len(held) >= 600:  # 300 transactions of 2 events: one batch
+                yield held
+                held = []
+
+    monkeypatch.setattr(registry, "watch_batches", merged)
+    state: dict[str, bytes | None] = {}
+
+    def event(_: str, key: str, value: bytes | None, rev: int) -> None:
+        state[key] = value
+
+    mirror = RootMirror(
+        registry=registry, prefixes=(prefix,), on_reset=lambda *_: None, on_event=event, root=root
+    )
+    sup = Supervisor(owner="test", stop_grace_s=30.0)
+    sup.spawn("root", mirror.run)
+    await asyncio.wait_for(mirror.synced.wait(), 10)
+    seen: set[bytes | None] = set()
+    torn = 0
+
+    async def read() -> None:
+        nonlocal torn
+        while True:
+            torn += state.get(a) != state.get(b)
+            seen.add(state.get(a))
+            await asyncio.sleep(0)
+
+    reader = asyncio.create_task(read())
+    for i in range(300):
+        assert await registry.commit(guards=[], puts={a: b"%d" % i, b: b"%d" % i})
+    await until(lambda: state.get(a) == b"299")
+    reader.cancel()
+    assert torn == 0, "a reader saw one key of a transaction and not the other"
+    assert len(seen - {None, b"299"}) >= 2, "the batch was applied in one go"
+    async with asyncio.timeout(5):
+        await sup.stop()
+
+
 def test_a_root_mirror_takes_one_segment_prefixes_only(registry: Registry) -> None:
     def mirror(prefix: str) -> RootMirror:
         return RootMirror(
