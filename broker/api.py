@@ -439,7 +439,7 @@ async def job_logs(request: web.Request) -> web.StreamResponse:
 async def route(request: web.Request) -> web.Response:
     body = await read_model(request, RouteRequest)
     broker, router = request.app[BROKER], request.app[ROUTER]
-    router.sync(broker.view().sites)
+    router.sync(broker.view().sites, request=True)
     region = router.region(body.client_region, body.client_address)
     result = router.route(
         body.service,

@@ -90,7 +90,7 @@ class Gateway:
         *,
         prefix_key: str | None = None,
     ) -> Sequence[Upstream]:
-        self.router.sync(self.broker.view().sites)
+        self.router.sync(self.broker.view().sites, request=True)
         if region is None:
             raise UnknownRegion("no client region")
         try:

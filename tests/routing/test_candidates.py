@@ -3,12 +3,14 @@ request, followed when the registry changes, and never a wrong latency figure re
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from broker import router as router_module
 from broker.router import SYNC_INTERVAL_S, Router
 from routing.candidates import CandidateIndex, candidates_from_snapshot
 from routing.clients import parse_clients
@@ -160,6 +162,54 @@ def test_the_router_follows_a_snapshot_changed_in_place() -> None:
     # a new snapshot object is followed too, even at the same version number
     router.sync(Snapshot(revision=2, specs=dict(snapshot.specs), version=snapshot.version))
     assert router.services() == frozenset()
+
+
+async def test_a_request_leaves_the_sync_to_the_follow_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While the follow task runs, a request syncs only a topology older than
+    FOLLOWED_MAX_AGE_S (the task syncs every SYNC_INTERVAL_S)."""
+    # intervals the follow task cannot reach while the test runs; the clock is the test's
+    every, bound = 60.0, 240.0
+    monkeypatch.setattr(router_module, "SYNC_INTERVAL_S", every)
+    monkeypatch.setattr(router_module, "FOLLOWED_MAX_AGE_S", bound)
+    clients = parse_clients(
+        "test", {"client_regions": [{"id": "city", "attach": [{"site": "a", "rtt_ms": 5.0}]}]}
+    )
+    snapshot = Snapshot(
+        revision=1,
+        specs={"a": spec("a", "east", 30, 110)},
+        statuses={"a": SiteStatus.model_construct(site="a")},
+        agents={"a": AgentRecord.model_construct(site="a")},
+        services={("llm", "a"): endpoint("a")},
+    )
+    clock = [100.0]
+    router = Router(
+        clients=clients, user_regions={}, latency=LatencyModel(), seed=1, clock=lambda: clock[0]
+    )
+    router.sync(snapshot)
+    assert router.services() == {"llm"}  # derived now
+    follow = asyncio.create_task(router.follow(lambda: Snapshot(revision=0)))
+    await asyncio.sleep(0)  # it has started (and sleeps)
+    snapshot.services[("vision", "a")] = endpoint("a", service="vision")
+    snapshot.version += 1
+    clock[0] += every
+    router.sync(snapshot, request=True)
+    assert router.services() == {"llm"}  # the follow task's to do
+    router.sync(snapshot)  # not a request: due
+    assert router.services() == {"llm", "vision"}
+    snapshot.services.pop(("vision", "a"))
+    snapshot.version += 1
+    clock[0] += bound
+    router.sync(snapshot, request=True)  # older than the bound: the request syncs
+    assert router.services() == {"llm"}
+    follow.cancel()
+    await asyncio.gather(follow, return_exceptions=True)
+    snapshot.services[("vision", "a")] = endpoint("a", service="vision")
+    snapshot.version += 1
+    clock[0] += every
+    router.sync(snapshot, request=True)  # no follow task: every SYNC_INTERVAL_S
+    assert router.services() == {"llm", "vision"}
 
 
 def test_rtt_table_is_rtt_ms() -> None:
