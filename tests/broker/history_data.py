@@ -7,15 +7,20 @@ has to index them; `old=False` writes them as today's broker does (broker.store.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 
 from broker.history import MIGRATION
 from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState, Placement
+from broker.leadership import Leadership
+from broker.metrics import BrokerMetrics
 from broker.store import encode, writes
 from sites import keys
+from sites.clock import SystemClock
 from sites.registry import Registry
 
 TENANTS = ("ai-lab", "vision", "speech", "search")
@@ -123,3 +128,28 @@ async def write(
             puts.update(own)
             deletes += gone
         assert await registry.commit(guards=[], puts=puts, deletes=deletes)
+
+
+@asynccontextmanager
+async def leading(
+    registry: Registry, instance: str, timeout_s: float = 10.0
+) -> AsyncIterator[Leadership]:
+    """A leadership of `registry` once elected (the leader's upkeep commits under its guard),
+    given up on exit. Its lease lives 30 s: a test's own work blocks the loop for seconds on
+    a loaded machine."""
+    leadership = Leadership(
+        registry=registry, instance=instance, url="", ttl_s=30, clock=SystemClock(),
+        metrics=BrokerMetrics(), on_elected=asyncio.Event(),
+    )  # fmt: skip
+    task = asyncio.create_task(leadership.run())
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not leadership.is_leader:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{instance} was not elected in {timeout_s:g} s")
+            await asyncio.sleep(0.02)
+        yield leadership
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await leadership.close()

@@ -33,24 +33,8 @@ DAY = 86400.0
 
 @pytest.fixture
 async def leader(registry: Registry) -> AsyncIterator[Leadership]:
-    leadership = Leadership(
-        registry=registry,
-        instance="history-test",
-        url="",
-        ttl_s=30,  # the tests' own work blocks this loop for seconds on a loaded machine
-        clock=SystemClock(),
-        metrics=BrokerMetrics(),
-        on_elected=asyncio.Event(),
-    )
-    task = asyncio.create_task(leadership.run())
-    deadline = time.monotonic() + 10
-    while not leadership.is_leader:
-        assert time.monotonic() < deadline, "no leadership"
-        await asyncio.sleep(0.02)
-    yield leadership
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await leadership.close()
+    async with history_data.leading(registry, "history-test") as leadership:
+        yield leadership
 
 
 def keeper(registry: Registry, leader: Leadership, **settings: object) -> HistoryKeeper:

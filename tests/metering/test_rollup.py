@@ -4,7 +4,6 @@ from what is left is the same as from the segments themselves."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from datetime import date
 
@@ -20,6 +19,7 @@ from metering.usage import UsageBook, day_number
 from sites import keys
 from sites.clock import SystemClock
 from sites.registry import Registry
+from tests.broker import history_data
 from tests.metering.test_usage_api import at, segment
 
 NOW = at("2026-12-01T12:00:00")
@@ -72,17 +72,8 @@ def test_a_rollup_sums_exactly_what_its_segments_count() -> None:
 
 @pytest.fixture
 async def leader(registry: Registry) -> AsyncIterator[Leadership]:
-    leadership = Leadership(
-        registry=registry, instance="rollup-test", url="", ttl_s=30, clock=SystemClock(),
-        metrics=BrokerMetrics(), on_elected=asyncio.Event(),
-    )  # fmt: skip
-    task = asyncio.create_task(leadership.run())
-    while not leadership.is_leader:
-        await asyncio.sleep(0.02)
-    yield leadership
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await leadership.close()
+    async with history_data.leading(registry, "rollup-test") as leadership:
+        yield leadership
 
 
 class _Clock(SystemClock):
