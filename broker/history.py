@@ -188,15 +188,12 @@ def _indexes(query: JobQuery) -> list[tuple[str, bool]]:
     the summary, reads the tenant's (or the whole) index instead."""
     tenant = query.tenant
     if not query.states or query.site is not None:  # the state indexes hold no site
-        if tenant is not None:
-            out = [(keys.tenant_jobs(tenant), False)]
-            if query.include_archived:
-                out.append((keys.tenant_history(tenant), True))
-            return out
-        out = [(keys.JOB_INDEX, False)]
-        if query.include_archived:
-            out.append((keys.HISTORY_INDEX, True))
-        return out
+        hot, old = (
+            (keys.JOB_INDEX, keys.HISTORY_INDEX)
+            if tenant is None
+            else (keys.tenant_jobs(tenant), keys.tenant_history(tenant))
+        )
+        return [(hot, False), (old, True)] if query.include_archived else [(hot, False)]
     out = []
     for state in sorted(s for s in query.states if s.terminal):
         out.append((keys.state_jobs(state, tenant), False))
@@ -234,7 +231,7 @@ async def _scan(
     while True:
         reading = [c for c in cursors if not c.done]
         bound = min((c.read_to for c in reading if c.read_to is not None), default=None)
-        chunk = [e for c in cursors for e in c.take(bound, before=True)]
+        chunk = [e for c in cursors for e in c.take(bound)]
         if len(cursors) > 1:
             chunk.sort(key=lambda e: e[0])
         if not chunk and not reading:

@@ -127,15 +127,13 @@ class Cursor:
         while not self.buffer and not self.done:
             await self.step()
 
-    def take(self, bound: str | None, *, before: bool = False) -> list[tuple[str, bytes, bool]]:
-        """The buffered entries up to `bound` (all when None; `before`: those sorting before
-        it), removed from the buffer."""
+    def take(self, bound: str | None) -> list[tuple[str, bytes, bool]]:
+        """The buffered entries sorting before `bound` (all when None), removed from the
+        buffer."""
         if bound is None:
             n = len(self.buffer)
-        elif before:
-            n = bisect.bisect_left(self.buffer, bound, key=lambda e: e[0])
         else:
-            n = bisect.bisect_right(self.buffer, bound, key=lambda e: e[0])
+            n = bisect.bisect_left(self.buffer, bound, key=lambda e: e[0])
         out = [(k, v, self.archived) for k, v in self.buffer[:n]]
         del self.buffer[:n]
         return out

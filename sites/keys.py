@@ -26,10 +26,10 @@
 /cpn/v1/index/tenants/<tenant>/jobs/<inv>/<id>     JobSummary  broker, with every job write
 /cpn/v1/index/tenants/<tenant>/history/<inv>/<id>  JobSummary  broker, when it archives a job
 /cpn/v1/index/live/<inv>/<id>    JobSummary                    broker, while a job is unfinished
-/cpn/v1/index/states/<STATE>/<inv>/<id>            JobSummary  broker, when a job finishes
-/cpn/v1/index/history-states/<STATE>/<inv>/<id>    JobSummary  broker, when it archives a job
+/cpn/v1/index/states/<STATE>/<inv>/<id>            ""          broker, when a job finishes
+/cpn/v1/index/history-states/<STATE>/<inv>/<id>    ""          broker, when it archives a job
 /cpn/v1/index/tenants/<tenant>/{live,states/<STATE>,history-states/<STATE>}/<inv>/<id>
-                                                   JobSummary  the same, per tenant
+                                                   the same    the same, per tenant
 /cpn/v1/history/jobs/<id>        zlib(JobRecord)               broker, when it archives a job
 /cpn/v1/migrations/<name>        {"done_at": ...}              broker, once per migration
 /cpn/v1/tokens/<id>              TokenRecord (hash only)       broker or `cpn token create`
