@@ -189,6 +189,18 @@ def write_settings(cfg: Path, history: dict[str, Any]) -> None:
     path.write_text(yaml.safe_dump(doc))
 
 
+def new_demo(where: Path, history: dict[str, Any]) -> tuple[Any, Path]:
+    """bench/routing.py's loopback demo with these history settings, on fresh ports (not
+    started): (demo, its config directory)."""
+    cfg = rb.copy_configs(where, fast=True)
+    write_settings(cfg, history)
+    demo = rb.Demo(
+        cfg, where / "state", wan=False, sites=rb.LOOPBACK_SITES, interval_s=1.0,
+        block_scapy=True,
+    )  # fmt: skip
+    return demo, cfg
+
+
 async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"jobs": n}
     data_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
@@ -209,14 +221,9 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
             result["before"] = await db_size(reg)
             log(f"{n} finished jobs written in {result['write_s']:.1f} s; {due} past retention")
 
-            cfg = rb.copy_configs(work / f"n{n}", fast=True)
-            clients = sorted(rb.load_client_regions(cfg))
             os.environ["CPN_ETCD"] = url
-            write_settings(cfg, {"retention_s": "400d", "interval_s": 5})
-            demo = rb.Demo(
-                cfg, work / f"n{n}" / "state", wan=False, sites=rb.LOOPBACK_SITES,
-                interval_s=1.0, block_scapy=True,
-            )  # fmt: skip
+            demo, cfg = new_demo(work / f"n{n}", {"retention_s": "400d", "interval_s": 5})
+            clients = sorted(rb.load_client_regions(cfg))
             demo.start()
             routes = demo.wait_ready([(SERVICE, r) for r in clients])
             regions = sorted(r for _, r in routes)
@@ -227,21 +234,14 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
             if n == 0:
                 return result
 
-            cfg = rb.copy_configs(work / f"n{n}-archive", fast=True)  # fresh ports
-            write_settings(
-                cfg,
-                {
-                    "retention_s": f"{RETENTION_DAYS:g}d",
-                    "interval_s": 1,
-                    "compaction_retention_s": 2,
-                    "defrag_interval_s": 10,
-                    "defrag_min_free_bytes": 1024 * 1024,
-                },
-            )
-            demo = rb.Demo(
-                cfg, work / f"n{n}-archive" / "state", wan=False, sites=rb.LOOPBACK_SITES,
-                interval_s=1.0, block_scapy=True,
-            )  # fmt: skip
+            upkeep = {
+                "retention_s": f"{RETENTION_DAYS:g}d",
+                "interval_s": 1,
+                "compaction_retention_s": 2,
+                "defrag_interval_s": 10,
+                "defrag_min_free_bytes": 1024 * 1024,
+            }
+            demo, _ = new_demo(work / f"n{n}-archive", upkeep)
             t0 = time.perf_counter()
             demo.start()
             demo.wait_ready([(SERVICE, r) for r in regions])
@@ -269,12 +269,7 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
             demo = None
             # the archived history under a broker with the default upkeep (the phase above
             # compacts every second, which costs etcd a walk of its whole key index each time)
-            cfg = rb.copy_configs(work / f"n{n}-archived", fast=True)
-            write_settings(cfg, {"retention_s": f"{RETENTION_DAYS:g}d"})
-            demo = rb.Demo(
-                cfg, work / f"n{n}-archived" / "state", wan=False, sites=rb.LOOPBACK_SITES,
-                interval_s=1.0, block_scapy=True,
-            )  # fmt: skip
+            demo, _ = new_demo(work / f"n{n}-archived", {"retention_s": f"{RETENTION_DAYS:g}d"})
             demo.start()
             demo.wait_ready([(SERVICE, r) for r in regions])
             result["archived"] = await measured(demo, regions, args, url)
