@@ -35,6 +35,7 @@ from broker.auth import Role, create_token, new_token
 from broker.regions import load_user_regions
 from cpn import render
 from cpn.certs import Pki
+from cpn.client import ApiError, BrokerClient
 from cpn.config import ConfigFileError, remove_context, save_context
 from cpn.secure import bootstrap, init_pki, site_credentials
 from cpn.state import clear_up_state, state_dir, write_up_state
@@ -106,6 +107,10 @@ def endpoint_of(spec: SiteSpec) -> Endpoint:
 
 
 CONTEXT = "up"  # the CLI config entry `cpn up` writes (cpn.config)
+READY_WAIT_S = 60.0  # how long `cpn up` waits for the broker and every site before it says so
+TRY = (
+    "try: cpn sites; cpn submit configs/jobs/train-small.yaml; cpn jobs   (Ctrl-C stops everything)"
+)
 
 
 class Launcher:
@@ -218,6 +223,7 @@ class Launcher:
             print(self.describe(url), flush=True)
             supervisor = Supervisor(owner="cpn up")
             supervisor.spawn("process monitor", self._supervise)
+            ready = asyncio.create_task(self._announce_ready(), name="cpn up ready")
             service = self.settings.service_path()
             if service is not None and self.service_name is not None:
                 supervisor.spawn("demo service", lambda: self._demo_service(service))
@@ -226,9 +232,9 @@ class Launcher:
             try:
                 await asyncio.wait((stop, failed), return_when=asyncio.FIRST_COMPLETED)
             finally:
-                for task in (stop, failed):
+                for task in (stop, failed, ready):
                     task.cancel()
-                await asyncio.gather(stop, failed, return_exceptions=True)
+                await asyncio.gather(stop, failed, ready, return_exceptions=True)
                 await supervisor.stop()
             if supervisor.fatal is not None:
                 print(f"cpn up: {supervisor.fatal.error}; stopping", file=sys.stderr, flush=True)
@@ -465,8 +471,39 @@ class Launcher:
             f"dashboard: {self.broker_url}/#token={self.token or ''}\n"
             f"network: {mode}\n"
             f"logs: {self.run_dir}\n{table}\n{service}"
-            "try: cpn sites; cpn submit configs/jobs/train-small.yaml; cpn jobs"
-            "   (Ctrl-C stops everything)"
+            f"starting: the hint to try comes once the broker answers (up to {READY_WAIT_S:.0f} s)"
+        )
+
+    async def _announce_ready(self) -> None:
+        """Print what to try once the broker answers and has heard from every site (a
+        `cpn submit` before that was "broker unreachable", and `cpn sites` showed every site
+        down); after READY_WAIT_S, what is still missing."""
+        assert self.broker_url is not None
+        ca = str(self.pki.ca_path) if self.settings.secure else None
+        wanted = {p.spec.id for p in self.plans}
+        missing = "the broker's first answer"
+        deadline = time.monotonic() + READY_WAIT_S
+        async with BrokerClient(self.broker_url, self.token, ca=ca) as client:
+            while time.monotonic() < deadline:
+                try:
+                    up = {
+                        row["id"]
+                        async for page in client.pages("/v1/sites", {}, limit=None)
+                        for row in page
+                        if row.get("state") == "up"
+                    }
+                except ApiError as exc:
+                    missing = f"the broker's first answer ({exc})"
+                else:
+                    if wanted <= up:
+                        print(f"cpn up: ready, {len(wanted)} sites up. {TRY}", flush=True)
+                        return
+                    missing = f"sites not up yet: {', '.join(sorted(wanted - up))}"
+                await asyncio.sleep(0.5)
+        print(
+            f"cpn up: still waiting after {READY_WAIT_S:.0f} s for {missing} "
+            f"(logs: {self.run_dir}). {TRY}",
+            flush=True,
         )
 
     def _read_service(self) -> str | None:

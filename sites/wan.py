@@ -47,6 +47,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_MAX_QUEUED_BYTES = 4 * 1024 * 1024
+UNREACHABLE_LOG_S = 30.0
+"""A backend that refuses connections is logged at most once per this many seconds, with the
+count since (peers probe a stopped agent several times a second: each probe was a line)."""
 
 
 class PreciseSelector(selectors.EpollSelector):
@@ -143,6 +146,24 @@ class _Route:
     bytes_to_backend: int = 0
     bytes_to_client: int = 0
     connect_errors: int = 0
+    warned_at: float = -math.inf  # when its unreachable backend was last logged
+    unlogged_errors: int = 0  # connect errors since then
+
+
+def _unreachable(route: _Route, exc: OSError) -> None:
+    route.connect_errors += 1
+    route.unlogged_errors += 1
+    now = time.monotonic()
+    if now - route.warned_at < UNREACHABLE_LOG_S:
+        return
+    more = route.unlogged_errors - 1
+    logger.warning(
+        "WAN: backend %s unreachable: %s%s",
+        _hostport(route.backend),
+        exc,
+        f" ({more} more since the last report)" if more and route.warned_at > -math.inf else "",
+    )
+    route.warned_at, route.unlogged_errors = now, 0
 
 
 class _Pipe:
@@ -548,8 +569,7 @@ class WanEmulator:
                 # e.g. an IPv6 client in front of an IPv4 backend: connect from any address.
                 await loop.create_connection(lambda: _BackendProtocol(conn), host, port)
         except OSError as exc:
-            conn.route.connect_errors += 1
-            logger.warning("WAN: backend %s unreachable: %s", _hostport(conn.route.backend), exc)
+            _unreachable(conn.route, exc)
             conn.connect_failed()
 
     def _task_done(self, task: asyncio.Task[None]) -> None:

@@ -126,6 +126,11 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
         # the dashboard's address, its admin token in the fragment (never sent to the server)
         dashboard = f"dashboard: {state['broker']}/#token={state['token']}"
         assert dashboard in (tmp_path / "up.log").read_text()
+        # the hint to try comes once the broker answers and every site is up, not before
+        assert (
+            f"cpn up: ready, {len(SITES)} sites up. try: cpn sites"
+            in (tmp_path / "up.log").read_text()
+        )
         with urllib.request.urlopen(state["broker"] + "/", timeout=10) as page:
             assert page.status == 200 and "text/html" in page.headers["Content-Type"]
         children = psutil.Process(up.pid).children(recursive=True)
