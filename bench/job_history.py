@@ -238,6 +238,7 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
                 "retention_s": f"{RETENTION_DAYS:g}d",
                 "interval_s": 1,
                 "compaction_retention_s": 2,
+                "compaction_interval_s": 0,
                 "defrag_interval_s": 10,
                 "defrag_min_free_bytes": 1024 * 1024,
             }

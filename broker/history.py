@@ -318,6 +318,7 @@ class HistoryKeeper:
         self._migrated = False
         self._revisions: list[tuple[float, int]] = []  # (time, revision), oldest first
         self._compacted = 0
+        self._compacted_at = -math.inf  # time.monotonic() of the last compaction
         self._last_defrag = time.monotonic()
         self._defrag_refused = False
         self._counted_at = -HOT_COUNT_S  # when the hot finished jobs were last counted
@@ -642,19 +643,22 @@ class HistoryKeeper:
     # etcd upkeep
 
     async def compact(self) -> int | None:
-        """Compact to the newest revision seen at least compaction_retention_s ago."""
+        """Compact to the newest revision seen at least compaction_retention_s ago, at most
+        once per compaction_interval_s (the revisions are sampled on every pass)."""
         keep = float(self.settings.compaction_retention_s)
         if not keep:
             return None
         now = time.monotonic()
         self._revisions.append((now, await self.registry.revision()))
+        if now - self._compacted_at < float(self.settings.compaction_interval_s):
+            return None
         target = None
         while self._revisions and self._revisions[0][0] <= now - keep:
             target = self._revisions.pop(0)[1]
         if target is None or target <= self._compacted:
             return None
         await self.registry.compact(target)
-        self._compacted = target
+        self._compacted, self._compacted_at = target, now
         self.metrics.compactions.inc()
         return target
 

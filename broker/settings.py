@@ -115,6 +115,13 @@ class HistorySettings(BaseModel):
         description="etcd keeps this much key history; the leader compacts older revisions "
         "(0: leave compaction to etcd's own --auto-compaction)",
     )
+    compaction_interval_s: Duration = Field(
+        default=300.0,
+        ge=0,
+        description="at most this often the leader compacts (each compaction walks etcd's "
+        "whole key index; the API server of Kubernetes compacts every 5 min too); 0: on "
+        "every history pass",
+    )
     defrag_interval_s: Duration = Field(
         default=86400.0,
         ge=0,

@@ -389,6 +389,14 @@ async def test_etcd_upkeep(registry: Registry, leader: Leadership) -> None:
     await asyncio.sleep(0.1)
     assert await k.compact() == seen
     assert await k.compact() is None
+    # ... at most once per compaction_interval_s (5 min by default), however much is older
+    await registry.put_raw("/upkeep-tick", b"y")
+    await asyncio.sleep(0.1)
+    assert await k.compact() is None
+    k.settings = k.settings.model_copy(update={"compaction_interval_s": 0})
+    newer = await registry.revision()
+    await asyncio.sleep(0.1)
+    assert await k.compact() == newer
 
 
 async def test_a_broker_killed_mid_archive_leaves_nothing_half_moved(
