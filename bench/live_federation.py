@@ -419,20 +419,32 @@ class Calls:
     ms: list[float] = field(default_factory=list)
     outcomes: Counter[str] = field(default_factory=Counter)
     ended: list[float] = field(default_factory=list)
+    # the broker's own part of each call (its Server-Timing), None where it sent none
+    server_ms: list[float | None] = field(default_factory=list)
 
-    def add(self, ms: float) -> None:
+    def add(self, ms: float, server_ms: float | None = None) -> None:
         self.ms.append(ms)
         self.ended.append(time.time())
+        self.server_ms.append(server_ms)
 
     def summary(self) -> dict[str, Any]:
-        worst = sorted(zip(self.ms, self.ended, strict=True), reverse=True)[:5]
+        worst = sorted(zip(self.ms, self.ended, self.server_ms, strict=True), reverse=True)[:5]
+        own = [v for v in self.server_ms if v is not None]
         return {
             "p50": percentile(self.ms, 50),
             "p90": percentile(self.ms, 90),
             "p99": percentile(self.ms, 99),
             "max": max(self.ms) if self.ms else None,
-            # the slowest calls and when they ended (unix time): to match with the broker's log
-            "worst": [(round(ms, 1), round(at, 3)) for ms, at in worst],
+            # the broker's own time (Server-Timing): the rest of a call waited on the broker's
+            # event loop before its handler ran, on the network or on this process
+            "server_p50": percentile(own, 50),
+            "server_p99": percentile(own, 99),
+            # the slowest calls, when they ended (unix time: to match with the broker's log)
+            # and the broker's own part of each
+            "worst": [
+                (round(ms, 1), round(at, 3), None if mine is None else round(mine, 1))
+                for ms, at, mine in worst
+            ],
             "count": len(self.ms),
             "outcomes": dict(self.outcomes),
         }
@@ -454,11 +466,23 @@ class Load:
 
 async def timed(
     session: aiohttp.ClientSession, method: str, url: str, body: object | None
-) -> tuple[float, int, bytes]:
+) -> tuple[float, int, bytes, float | None]:
+    """(ms as this client saw it, status, body, ms the broker says it worked on it)."""
     started = time.perf_counter()
     async with session.request(method, url, json=body) as resp:
         data = await resp.read()
-    return (time.perf_counter() - started) * 1000, resp.status, data
+    took = (time.perf_counter() - started) * 1000
+    return took, resp.status, data, server_ms(resp.headers.get("Server-Timing"))
+
+
+def server_ms(header: str | None) -> float | None:
+    """The broker's `Server-Timing: app;dur=<ms>` (docs/api.md), None without one."""
+    if not header or not header.startswith("app;dur="):
+        return None
+    try:
+        return float(header.removeprefix("app;dur="))
+    except ValueError:
+        return None
 
 
 async def paced(rate: float, until: float, one: Callable[[], Any], in_flight: int = 32) -> None:
@@ -499,7 +523,7 @@ async def drive_load(
         async def cancel_later(job_id: str) -> None:
             await asyncio.sleep(args.job_life)
             try:
-                _, status, data = await timed(
+                _, status, data, _ = await timed(
                     session, "POST", f"{base}/v1/jobs/{job_id}/cancel", None
                 )
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -514,11 +538,11 @@ async def drive_load(
         async def submit() -> None:
             body = {**JOB, "name": f"bench-{rng.randrange(16**8):08x}"}
             try:
-                ms, status, data = await timed(session, "POST", f"{base}/v1/jobs", body)
+                ms, status, data, own = await timed(session, "POST", f"{base}/v1/jobs", body)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 load.submit.outcomes[f"error {type(exc).__name__}"] += 1
                 return
-            load.submit.add(ms)
+            load.submit.add(ms, own)
             load.submit.outcomes[f"HTTP {status}"] += 1
             if status == 201:
                 task = asyncio.create_task(cancel_later(json.loads(data)["id"]))
@@ -528,11 +552,11 @@ async def drive_load(
         async def route() -> None:
             body = {"service": SERVICE, "client_region": rng.choice(CLIENT_REGIONS)}
             try:
-                ms, status, data = await timed(session, "POST", f"{base}/v1/route", body)
+                ms, status, data, own = await timed(session, "POST", f"{base}/v1/route", body)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 load.route.outcomes[f"error {type(exc).__name__}"] += 1
                 return
-            load.route.add(ms)
+            load.route.add(ms, own)
             if status == 200:
                 site = json.loads(data).get("site")
                 load.route.outcomes["routed" if site else "no site chosen"] += 1
@@ -646,6 +670,7 @@ async def operator_result(
         if got is not None:
             load.sites.ms += got["sites"]["ms"]
             load.sites.ended += got["sites"]["ended"]
+            load.sites.server_ms += [None] * len(got["sites"]["ms"])
             load.sites.outcomes.update(got["sites"]["outcomes"])
             load.staleness_p50_s += got["staleness_p50_s"]
             load.staleness_max_s += got["staleness_max_s"]
@@ -676,7 +701,7 @@ async def all_sites(
     total_ms, after = 0.0, ""
     while True:
         query = f"?limit={SITES_PAGE}" + (f"&continue={after}" if after else "")
-        ms, status, data = await timed(session, "GET", f"{base}/v1/sites{query}", None)
+        ms, status, data, _ = await timed(session, "GET", f"{base}/v1/sites{query}", None)
         total_ms += ms
         if status != 200:
             return total_ms, status, rows
@@ -701,7 +726,7 @@ async def wait_ready(base: str, n: int, proc: Proc, timeout_s: float) -> tuple[f
             if not proc.alive():
                 raise RuntimeError(f"the broker exited; its log:\n{proc.log_tail()}")
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-                _, status, data = await timed(session, "GET", f"{base}/healthz", None)
+                _, status, data, _ = await timed(session, "GET", f"{base}/healthz", None)
                 if status == 200 and json.loads(data).get("leader"):
                     _, status, rows = await all_sites(session, base)
                     up = sum(1 for r in rows if r.get("state") == "up")
@@ -935,10 +960,13 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         load_agents = agents_summary(reader.take())
         load_rss = rss_mb(broker.pid)
         log(
-            "   load: submit p99 {} ms, route p99 {} ms, broker {:.0f}% of a core; controls: "
+            "   load: submit p99 {} ms (the broker's own p99 {} ms), route p99 {} ms ({} ms), "
+            "broker {:.0f}% of a core; controls: "
             "etcd Txn from here p50/p99 {}/{} ms, this process's loop lag p99/max {}/{} ms".format(
                 fanin.fmt_ms(percentile(load.submit.ms, 99)),
+                fanin.fmt_ms(load.submit.summary()["server_p99"]),
                 fanin.fmt_ms(percentile(load.route.ms, 99)),
+                fanin.fmt_ms(load.route.summary()["server_p99"]),
                 load_cpu["broker"] or 0,
                 fanin.fmt_ms(percentile(load.etcd_txn.ms, 50)),
                 fanin.fmt_ms(percentile(load.etcd_txn.ms, 99)),

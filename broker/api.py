@@ -23,7 +23,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.access import (
@@ -98,11 +98,15 @@ def _validation_error(exc: ValidationError) -> web.Response:
 _REQUEST_COUNTERS: weakref.WeakKeyDictionary[Counter, dict[tuple[str, str, int], Counter]] = (
     weakref.WeakKeyDictionary()
 )
+_REQUEST_TIMERS: weakref.WeakKeyDictionary[Histogram, dict[tuple[str, str], Histogram]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     broker = request.app[BROKER]
+    started = time.perf_counter()
     route = (
         request.match_info.route.resource.canonical if request.match_info.route.resource else "-"
     )
@@ -139,6 +143,19 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except RegistryUnavailable as exc:
         response = error(503, "registry_unavailable", str(exc))
     count_request(broker.metrics.http_requests, request.method, route, response.status)
+    took = time.perf_counter() - started
+    timer_key = (request.method, route)
+    timers = _REQUEST_TIMERS.get(broker.metrics.http_seconds)
+    if timers is None:
+        timers = _REQUEST_TIMERS[broker.metrics.http_seconds] = {}
+    timer = timers.get(timer_key)
+    if timer is None:
+        timer = timers[timer_key] = broker.metrics.http_seconds.labels(*timer_key)
+    timer.observe(took)
+    if not response.prepared:  # a stream (logs, events) sent its headers already
+        # the broker's own share of the answer (W3C Server Timing): a client that waited longer
+        # waited on the network, the event loop or its own process
+        response.headers["Server-Timing"] = f"app;dur={took * 1000:.2f}"
     return response
 
 

@@ -115,6 +115,15 @@ class BrokerMetrics:
             ["method", "route", "status"],
             registry=r,
         )
+        self.http_seconds = Histogram(
+            "cpn_broker_http_request_duration_seconds",
+            "API requests, from the handler chain's start (authentication included) to the "
+            "answer being ready, by method and route; what the same request waited for the "
+            "event loop before that is not in it (the Server-Timing header carries each one's)",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.actions = Counter(
             "cpn_broker_actions_total",
             "Scheduler actions carried out (done) or dropped because the view was behind (stale)",

@@ -27,6 +27,7 @@ class Reply:
     status: int
     body: bytes
     content_type: str
+    server_timing: str | None = None
 
     def json(self) -> dict[str, object]:
         data = json.loads(self.body)
@@ -61,9 +62,19 @@ class ApiBroker:
         req = urllib.request.Request(self.url + path, data=body, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=30, context=self.context) as resp:
-                return Reply(resp.status, resp.read(), resp.headers.get("Content-Type", ""))
+                return Reply(
+                    resp.status,
+                    resp.read(),
+                    resp.headers.get("Content-Type", ""),
+                    resp.headers.get("Server-Timing"),
+                )
         except urllib.error.HTTPError as exc:
-            return Reply(exc.code, exc.read(), exc.headers.get("Content-Type", ""))
+            return Reply(
+                exc.code,
+                exc.read(),
+                exc.headers.get("Content-Type", ""),
+                exc.headers.get("Server-Timing"),
+            )
 
     def post_json(self, path: str, body: object) -> Reply:
         return self.call("POST", path, json.dumps(body).encode(), "application/json")

@@ -29,7 +29,7 @@ from broker.service import Broker
 from sites.etcd_server import EmbeddedEtcd
 from sites.snapshot import Snapshot
 from sites.status import Cordon, LastSeen
-from tests.broker.apiserver import ApiBroker, start_api_broker
+from tests.broker.apiserver import ApiBroker, Reply, start_api_broker
 from tests.conftest import AUTH, Processes
 from tests.cpn.test_render import PUBLISHED, TOPOLOGY, site_spec, view
 from tests.routing.helpers import link
@@ -168,6 +168,25 @@ def test_strict_json_keeps_the_conversions_json_needs(api: ApiBroker) -> None:
     assert spec["deadline"] == "2099-01-01T00:00:00Z"
     assert spec["command"] == ["sh", "-c", "echo hi"]
     assert spec["denied_regions"] == ["eu-central"] and spec["mem_gb"] == 4.0
+
+
+def test_answers_carry_the_brokers_own_time(api: ApiBroker) -> None:
+    def dur_ms(reply: Reply) -> float:
+        assert reply.server_timing is not None and reply.server_timing.startswith("app;dur="), reply
+        return float(reply.server_timing.removeprefix("app;dur="))
+
+    def counted() -> float:
+        metrics = api.call("GET", "/metrics").body.decode()
+        prefix = 'cpn_broker_http_request_duration_seconds_count{method="POST",route="/v1/jobs"}'
+        lines = [line for line in metrics.splitlines() if line.startswith(prefix)]
+        return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
+
+    before = counted()
+    created = api.post_json("/v1/jobs", {**JOB, "name": "timed"})
+    refused = api.post_json("/v1/jobs", {**JOB, "cpu": "4"})
+    assert created.status == 201 and refused.status == 400
+    assert 0 < dur_ms(created) < 30_000 and 0 < dur_ms(refused) < 30_000
+    assert counted() == before + 2  # the histogram counts both, refusals included
 
 
 @pytest.mark.parametrize("content_type", ["application/yaml", "text/yaml"])
