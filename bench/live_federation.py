@@ -386,6 +386,47 @@ def etcd_revision(url: str) -> int | None:
     return None
 
 
+LAG = "cpn_broker_event_loop_lag_seconds"
+
+
+def loop_lag_buckets(base: str) -> dict[float, float]:
+    """The broker's event-loop lag histogram (docs/metrics.md): upper bound -> count."""
+    req = urllib.request.Request(base + "/metrics", headers=AUTH)
+    with urllib.request.urlopen(req, timeout=5) as resp:
+        text = resp.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(LAG + "_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            out[math.inf if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """The window's samples of the broker's loop lag: the bucket each percentile falls in
+    (its upper bound, ms) and the share of samples late by more than 5, 10 and 20 ms."""
+    counts = {b: after[b] - before.get(b, 0.0) for b in sorted(after)}
+    total = counts.get(math.inf, 0.0)
+    if not total:
+        return {"samples": 0}
+
+    def bound_ms(q: float) -> float | None:
+        b = next(b for b, c in counts.items() if c >= q * total)
+        return None if b == math.inf else b * 1000
+
+    def over(ms: float) -> float:
+        return 100 * (total - counts[ms / 1000]) / total
+
+    return {
+        "samples": int(total),
+        "p50_le_ms": bound_ms(0.5),
+        "p99_le_ms": bound_ms(0.99),
+        "over_5ms_pct": over(5),
+        "over_10ms_pct": over(10),
+        "over_20ms_pct": over(20),
+    }
+
+
 @dataclass
 class Sampler:
     """CPU seconds of each process at the start of a window; rates at its end."""
@@ -947,6 +988,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             spy_load = args.py_spy / f"broker-{n}x{interval:g}s-load.txt"
             spies.append(start_py_spy(broker.pid, args.duration, spy_load))
         sampler.start()
+        lag_before = await asyncio.to_thread(loop_lag_buckets, base)
         until = asyncio.get_running_loop().time() + args.duration
         load_window = (time.time(), time.time() + args.duration)
         if operator is not None:
@@ -957,6 +999,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         if operator is not None:
             await operator_result(*operator, load)
         load_cpu = sampler.rates()
+        lag = lag_summary(lag_before, await asyncio.to_thread(loop_lag_buckets, base))
         load_agents = agents_summary(reader.take())
         load_rss = rss_mb(broker.pid)
         log(
@@ -974,6 +1017,17 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
                 fanin.fmt_ms(max(load.loop_lag.ms, default=None)),
             )
         )
+        if lag.get("samples"):
+            log(
+                "   the broker's event loop, sampled every 50 ms: lag p50 <= {} ms, p99 <= {} ms; "
+                "late > 5 / 10 / 20 ms: {:.1f} / {:.1f} / {:.1f} % of samples".format(
+                    fanin.fmt_ms(lag["p50_le_ms"]),
+                    fanin.fmt_ms(lag["p99_le_ms"]),
+                    lag["over_5ms_pct"],
+                    lag["over_10ms_pct"],
+                    lag["over_20ms_pct"],
+                )
+            )
         if not broker.alive():
             raise RuntimeError(f"the broker exited during the window:\n{broker.log_tail()}")
     finally:
@@ -1024,6 +1078,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             "broker_rss_mb": load_rss,
             "agents": load_agents,
             "submit_ms": load.submit.summary(),
+            "broker_loop_lag": lag,
             "route_ms": load.route.summary(),
             "sites_ms": load.sites.summary(),
             "etcd_txn_ms": load.etcd_txn.summary(),

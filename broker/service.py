@@ -58,7 +58,7 @@ from sites.clock import Clock, SystemClock
 from sites.errors import RegistryError
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
-from sites.tasks import Backoff, Crash, Supervisor
+from sites.tasks import Backoff, Crash, Supervisor, measure_loop_lag
 
 __all__ = ["Broker"]
 
@@ -204,6 +204,9 @@ class Broker:
     # -- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self.supervisor.spawn(
+            "loop lag", lambda: measure_loop_lag(self.metrics.loop_lag.observe), restart=RESTART
+        )
         self.supervisor.spawn("view", self.views.mirror.run, restart=RESTART)
         self.supervisor.spawn("tokens", self.tokens.mirror.run, restart=RESTART)
         self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)

@@ -90,12 +90,14 @@ class PrefixMirror:
             self._on_change(self.items)
 
 
-APPLY_SLICE = 100
+APPLY_SLICE = 25
 """Events a RootMirror applies before it lets the event loop run other work (at the next
 transaction's start). A watch batch holds whatever came since the last read: at 1,000 sites
 publishing every second, a batch that waited behind other work held 300-600 events, and
 decoding them in one go stalled every request for 6-15 ms (bench/README.md,
-live_federation.py --stall-log)."""
+live_federation.py --stall-log). 100 left the broker's loop late by more than 20 ms in 1.5 % of
+its 50 ms samples (cpn_broker_event_loop_lag_seconds); 25, with the registry's watch handing
+over WATCH_BATCH_EVENTS at a time, in 0.2 %."""
 
 
 class RootMirror:

@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Backoff", "Crash", "Supervisor"]
+__all__ = ["Backoff", "Crash", "Supervisor", "measure_loop_lag"]
 
 log = logging.getLogger(__name__)
 
@@ -227,3 +227,19 @@ class Supervisor:
             raise
         except Exception:  # noqa: BLE001 - a failing crash hook must not hide the crash
             log.exception("%s: the crash handler for %s failed", self.owner, crash.task)
+
+
+LOOP_LAG_EVERY_S = 0.05
+
+
+async def measure_loop_lag(
+    observe: Callable[[float], None], every_s: float = LOOP_LAG_EVERY_S
+) -> None:
+    """Forever: sleep `every_s` and `observe` how much later than asked the loop woke this
+    task (seconds). What a request that came in at a random moment waits for the loop before
+    its handler runs, sampled: Node's monitorEventLoopDelay, cheaply (20 wakes a second)."""
+    loop = asyncio.get_running_loop()
+    while True:
+        asked = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        observe(max(0.0, loop.time() - asked))

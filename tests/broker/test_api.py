@@ -187,6 +187,14 @@ def test_answers_carry_the_brokers_own_time(api: ApiBroker) -> None:
     assert created.status == 201 and refused.status == 400
     assert 0 < dur_ms(created) < 30_000 and 0 < dur_ms(refused) < 30_000
     assert counted() == before + 2  # the histogram counts both, refusals included
+    # and how late the broker's loop runs, sampled every 50 ms since it started
+    metrics = api.call("GET", "/metrics").body.decode()
+    (samples,) = [
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("cpn_broker_event_loop_lag_seconds_count ")
+    ]
+    assert samples > 0
 
 
 @pytest.mark.parametrize("content_type", ["application/yaml", "text/yaml"])

@@ -74,6 +74,44 @@ async def test_a_transaction_arrives_whole_and_in_order(registry: Registry, tran
     assert sum(1 for batch in got if any(rev == txn_rev for _, _, rev in batch)) == 1
 
 
+async def test_answers_that_waited_are_handed_over_in_bounded_batches(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader busy elsewhere while 100 changes came gets them WATCH_BATCH_EVENTS at a time
+    (whole answers each), not all in one list it must decode and apply in one go."""
+    monkeypatch.delenv(registry_module.TRANSPORT_ENV, raising=False)
+    monkeypatch.setattr(registry_module, "WATCH_BATCH_EVENTS", 10)
+    start = await registry.revision() + 1
+    sizes: list[int] = []
+    seen: list[str] = []
+    ready = asyncio.Event()
+
+    async def read() -> None:
+        async for batch in registry.watch_batches(PREFIX, start_revision=start):
+            if not ready.is_set():
+                ready.set()
+                await asyncio.sleep(1.0)  # busy while the writes go on
+            sizes.append(len(batch))
+            seen.extend(e.key for e in batch)
+            if len(seen) >= 101:
+                return
+
+    await registry.put_raw(PREFIX + "first", b"0")
+    reader = asyncio.create_task(read())
+    try:
+        async with asyncio.timeout(30):
+            await ready.wait()
+            for i in range(100):
+                await registry.put_raw(f"{PREFIX}w{i:03d}", b"x")
+            await reader
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+    assert seen == [PREFIX + "first"] + [f"{PREFIX}w{i:03d}" for i in range(100)]
+    assert max(sizes) == 10, sizes  # one put per answer: a batch is 10 answers at most
+    assert len(sizes) >= 11, sizes
+
+
 async def test_a_reader_that_falls_behind_loses_nothing(
     registry: Registry, transport: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

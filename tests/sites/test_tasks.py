@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
-from sites.tasks import Backoff, Crash, Supervisor
+from sites.tasks import Backoff, Crash, Supervisor, measure_loop_lag
 
 FAST = Backoff(initial_s=0.01, max_s=0.04, reset_after_s=60.0)
 
@@ -213,3 +214,20 @@ async def test_cancel_of_one_task_is_bounded_too(caplog: pytest.LogCaptureFixtur
             await sup.cancel("once")
     assert task.cancelled() and "test once: still running" in caplog.text
     await sup.stop()
+
+
+async def test_loop_lag_is_how_late_the_loop_woke_a_sleeper() -> None:
+    seen: list[float] = []
+    task = asyncio.create_task(measure_loop_lag(seen.append, every_s=0.01))
+    try:
+        while len(seen) < 3:
+            await asyncio.sleep(0.01)
+        time.sleep(0.08)  # a callback that holds the loop: whoever sleeps wakes that much late
+        count = len(seen)
+        while len(seen) == count:
+            await asyncio.sleep(0.001)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert seen[count] >= 0.06, seen
+    assert min(seen[:count]) < 0.06 and min(seen) >= 0
