@@ -11,14 +11,11 @@ registry is unreachable; a 500 is a bug.
 
 from __future__ import annotations
 
-import asyncio
-import bisect
 import dataclasses
 import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from operator import itemgetter
 from typing import Any
 
 import aiohttp
@@ -58,17 +55,15 @@ from broker.openapi import OPERATIONS, Operation, Param, Reply, document, regist
 from broker.router import Router, route_json
 from broker.service import Broker
 from broker.service_api import service_operations
+from broker.site_list import SiteInfo, SiteRows
 from broker.tenant_api import tenant_operations
 from broker.usage_api import usage_operations
 from broker.workflow_api import workflow_operations
 from routing.prefix import header_key
 from sites import keys
-from sites.catalog import Capacity
 from sites.config import field_path
 from sites.errors import RegistryUnavailable
-from sites.snapshot import Snapshot
-from sites.spec import Coordinates, SiteSpec
-from sites.status import AgentSecret, LinkStatus, SiteState, SiteStatus, SiteView
+from sites.status import AgentSecret
 
 log = logging.getLogger(__name__)
 
@@ -241,81 +236,6 @@ class RouteAnswer(BaseModel):
     excluded: list[RouteExclusion]
 
 
-class SiteInfo(BaseModel):
-    """One entry of GET /v1/sites."""
-
-    id: str
-    region: str
-    state: SiteState
-    last_seen: float | None = Field(description="unix time of the agent's last report, s")
-    last_seen_ago_s: float | None = Field(
-        description="seconds since last_seen, when the list was built (at most 1 s before)"
-    )
-    rtt_ms: dict[str, float] = Field(description="peer site -> measured round trip, ms")
-    free: Capacity | None = Field(description="capacity not held by jobs; null before a report")
-    capacity: Capacity | None = Field(
-        default=None, description="total capacity as last reported; null before a report"
-    )
-    coordinates: Coordinates | None = Field(default=None, description="from the site's spec")
-    nodes: dict[str, dict[str, int]] | None = Field(
-        default=None,
-        description="at a site that declares its nodes: node -> free devices by (pseudo-)model, "
-        "as its agent last published them (docs/topology.md); null elsewhere",
-    )
-
-
-def site_info(site: SiteView, now: float) -> SiteInfo:
-    """One entry of GET /v1/sites, from the registry's view of the site."""
-    return _site_info(
-        site.id, site.region, site.state, site.last_seen, site.rtt_ms, site.status, site.spec, now
-    )
-
-
-def _site_info(
-    site: str,
-    region: str,
-    state: SiteState,
-    last_seen: float | None,
-    rtt_ms: dict[str, float],
-    status: SiteStatus | None,
-    spec: SiteSpec,
-    now: float,
-) -> SiteInfo:
-    # every part is a validated value of the registry's view already: constructed, not
-    # validated again (GET /v1/sites builds a thousand of these a second at 1,000 sites)
-    return SiteInfo.model_construct(
-        id=site,
-        region=region,
-        state=state,
-        last_seen=last_seen,
-        last_seen_ago_s=None if last_seen is None else round(now - last_seen, 3),
-        rtt_ms=rtt_ms,
-        free=None if status is None else status.free,
-        capacity=None if status is None else status.capacity,
-        coordinates=spec.coordinates,
-        nodes=None
-        if status is None or not status.nodes
-        else {n.node: dict(n.free_devices) for n in status.nodes},
-    )
-
-
-def site_row(
-    sites: Snapshot, site: str, links: dict[str, dict[str, LinkStatus]], now: float
-) -> bytes | None:
-    """`site`'s GET /v1/sites entry (JSON) straight from the snapshot, as site_info of its
-    view (the test holds them equal) without building the view; None if it left."""
-    spec = sites.specs.get(site)
-    if spec is None:
-        return None
-    status = sites.statuses.get(site)
-    seen = sites.last_seen.get(site)
-    last_seen = status.published_at if status else (seen.at if seen else None)
-    rtt = [(dst, ln.rtt_ms) for dst, ln in links.get(site, {}).items() if ln.rtt_ms is not None]
-    rtt.sort(key=itemgetter(1))
-    info = _site_info(site, spec.region, sites.state(site), last_seen, dict(rtt), status, spec, now)
-    return info.model_dump_json().encode()
-
-
 class Health(BaseModel):
     """The reply of GET /healthz."""
 
@@ -468,13 +388,7 @@ async def route(request: web.Request) -> web.Response:
     return web.json_response(route_json(result))
 
 
-SITES_REFRESH_S = 1.0
-"""GET /v1/sites is built again at most this often (s) while the sites keep changing: at
-1,000 sites publishing every second the view changes ~1,000 times a second, and building
-the list costs ~100 ms of the event loop, which every other request would wait behind."""
-SITES_CACHE = web.AppKey("sites_cache", dict)
-
-
+SITE_ROWS = web.AppKey("site_rows", SiteRows)
 SITES_LIMIT = 500
 SITES_MAX_LIMIT = 5000
 
@@ -493,44 +407,10 @@ class SiteList(BaseModel):
 async def list_sites(request: web.Request) -> web.Response:
     limit = query_limit(request.query, default=SITES_LIMIT, maximum=SITES_MAX_LIMIT)
     after = request.query.get("continue") or ""
-    sites = request.app[BROKER].view().sites
-    cache = request.app[SITES_CACHE]
-    async with cache["lock"]:  # one rebuild at a time; the requests queued behind it reuse it
-        now = time.time()
-        version = (id(sites), sites.version)
-        if cache.get("version") != version and now - cache.get("at", 0.0) >= SITES_REFRESH_S:
-            ids, rows = await site_rows(sites, now)
-            cache.update(version=version, at=now, ids=ids, rows=rows)
-    ids = cache["ids"]
-    start = bisect.bisect_right(ids, after) if after else 0
-    page = cache["rows"][start : start + limit]
-    more = start + limit < len(ids)
-    return page_response(page, ids[start + limit - 1] if more else None)
-
-
-SITES_CHUNK = 10
-"""GET /v1/sites builds its rows this many at a time (about half a ms), yielding to the event
-loop between chunks: a thousand rows cost tens of ms, which no submit or route should wait
-behind whole (with 50 a chunk, a submit that came during a rebuild waited behind one at each
-of its turns of the loop: bench/README.md, live_federation.py)."""
-
-
-async def site_rows(sites: Snapshot, now: float) -> tuple[list[str], list[bytes]]:
-    """Every site's GET /v1/sites entry (JSON), by site id, built a chunk at a time; a site
-    that left while the list was being built is left out."""
-    ids = sites.site_ids()
-    by_src, _ = sites.grouped()
-    out_ids: list[str] = []
-    rows: list[bytes] = []
-    for i in range(0, len(ids), SITES_CHUNK):
-        if i:
-            await asyncio.sleep(0)
-        for site in ids[i : i + SITES_CHUNK]:
-            row = site_row(sites, site, by_src, now)
-            if row is not None:
-                out_ids.append(site)
-                rows.append(row)
-    return out_ids, rows
+    rows = request.app[SITE_ROWS]
+    await rows.refresh(request.app[BROKER].view().sites)
+    page, next_token = rows.page(after, limit, time.time())
+    return page_response(page, next_token)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -694,7 +574,7 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
         clock=broker.clock.time,
     )
     app[OPERATIONS] = []
-    app[SITES_CACHE] = {"lock": asyncio.Lock()}
+    app[SITE_ROWS] = SiteRows()
     app.cleanup_ctx.append(_http_session)
     app.on_startup.append(_check_access)
     operations = [

@@ -123,7 +123,8 @@ class ViewCache:
         self._metrics = metrics
         self._clock: Clock = clock or SystemClock()
         self._view = View(
-            sites=Snapshot(revision=0, link_journal=[]), derived=Derived(tracked=True)
+            sites=Snapshot(revision=0, link_journal=[], site_journal=[]),
+            derived=Derived(tracked=True),
         )
         self.mirror = RootMirror(
             registry=registry, prefixes=PREFIXES, on_reset=self._reset, on_event=self._event

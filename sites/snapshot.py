@@ -92,6 +92,11 @@ class Snapshot:
     link_journal: list[tuple[str, str]] | None = None
     journal_base: int = 0
     layout_version: int = 0
+    # The sites whose spec, status, cordon, last_seen or agent changed, in order, kept like
+    # link_journal (GET /v1/sites renders again only those sites' rows, broker.site_list);
+    # `site_journal_base` is the position of its first entry
+    site_journal: list[str] | None = None
+    site_journal_base: int = 0
 
     def copy(self) -> Snapshot:
         """A copy of the tables (the decoded values shared, they are frozen): what a reader on
@@ -127,20 +132,20 @@ class Snapshot:
                 self.layout_version += 1
             attr, model = found
             _apply(getattr(self, attr), site, model, key, value)
+            if self.site_journal is not None:
+                self.site_journal_base += _journal(self.site_journal, site)
         elif key.startswith(keys.AGENTS):
-            _apply(self.agents, keys.split(key, keys.AGENTS)[0], AgentRecord, key, value)
+            site = keys.split(key, keys.AGENTS)[0]
+            _apply(self.agents, site, AgentRecord, key, value)
+            if self.site_journal is not None:
+                self.site_journal_base += _journal(self.site_journal, site)
         elif key.startswith(keys.LINKS):
             parts = keys.split(key, keys.LINKS)
             if len(parts) == 2:
                 pair = (parts[0], parts[1])
                 _apply(self.links, pair, LinkStatus, key, value)
-                journal = self.link_journal
-                if journal is not None:
-                    journal.append(pair)
-                    if len(journal) > JOURNAL_MAX:
-                        half = len(journal) // 2
-                        del journal[:half]
-                        self.journal_base += half
+                if self.link_journal is not None:
+                    self.journal_base += _journal(self.link_journal, pair)
         elif key.startswith(keys.SERVICES):
             parts = keys.split(key, keys.SERVICES)
             if len(parts) != 2:
@@ -273,6 +278,17 @@ class Snapshot:
         for (_, site), ep in sorted(self.services.items()):
             served.setdefault(site, []).append(ep)
         return by_src, served
+
+
+def _journal(journal: list[Any], entry: Any) -> int:
+    """Append `entry`; past JOURNAL_MAX drop the oldest half. The entries dropped (what the
+    journal's base position moves by)."""
+    journal.append(entry)
+    if len(journal) <= JOURNAL_MAX:
+        return 0
+    half = len(journal) // 2
+    del journal[:half]
+    return half
 
 
 def _apply(

@@ -13,19 +13,14 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from broker.api import (
-    HTTP,
-    OPERATIONS,
-    SiteInfo,
-    make_app,
-    openapi_document,
-    site_info,
-    site_row,
-)
+from broker import site_list
+from broker.api import HTTP, OPERATIONS, make_app, openapi_document
 from broker.inference import Gateway
 from broker.openapi import spec_path
 from broker.router import Router
 from broker.service import Broker
+from broker.site_list import SiteInfo, SiteRows, site_info, site_row
+from sites import keys
 from sites.etcd_server import EmbeddedEtcd
 from sites.snapshot import Snapshot
 from sites.status import Cordon, LastSeen
@@ -135,6 +130,74 @@ def test_a_site_row_is_its_views_entry() -> None:
         "plain": 12.5,
     }
     assert site_row(snapshot, "left", by_src, 101.0) is None
+
+
+async def test_site_rows_follow_the_journals_and_render_only_what_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GET /v1/sites' rows (broker.site_list.SiteRows) against a snapshot kept current as the
+    view keeps it: after each change, every page equals the rows rendered from scratch, and
+    only the sites the change touched were rendered again."""
+    monkeypatch.setattr(site_list, "SITES_REFRESH_S", 0.0)
+    up = view(site_spec(TOPOLOGY), PUBLISHED)
+    assert up.status is not None
+    specs = [site_spec(None).model_copy(update={"id": f"s{i:02d}"}) for i in range(30)]
+    sites = Snapshot(revision=0, link_journal=[], site_journal=[])
+    for spec in [up.spec, *specs]:
+        sites.apply(keys.site_spec(spec.id), spec.model_dump_json().encode())
+    sites.apply(keys.site_status(up.id), up.status.model_dump_json().encode())
+    for spec in specs[:3]:
+        ln = link(spec.id, up.id, 10.0)
+        sites.apply(keys.link(spec.id, up.id), ln.model_dump_json().encode())
+    rendered: list[str] = []
+    real = site_list._render
+
+    def counted(snapshot: Snapshot, site: str, rtt: dict[str, float]) -> Any:
+        rendered.append(site)
+        return real(snapshot, site, rtt)
+
+    monkeypatch.setattr(site_list, "_render", counted)
+    rows = SiteRows()
+
+    async def check(expect_rendered: set[str]) -> None:
+        rendered.clear()
+        await rows.refresh(sites)
+        assert set(rendered) == expect_rendered
+        by_src, _ = sites.grouped()
+        want = [site_row(sites, site, by_src, 200.0) for site in sites.site_ids()]
+        got, after = [], ""
+        while True:  # pages of 7, as a client follows `continue`
+            page, after_ = rows.page(after, 7, 200.0)
+            got += page
+            if after_ is None:
+                break
+            after = after_
+        assert got == want
+
+    await check({up.id, *(s.id for s in specs)})  # the first list renders every site
+    await check(set())  # nothing changed: nothing rendered
+    status = up.status.model_copy(update={"published_at": 150.0})
+    sites.apply(keys.site_status(up.id), status.model_dump_json().encode())
+    await check({up.id})
+    sites.apply(
+        keys.link(specs[1].id, up.id), link(specs[1].id, up.id, 3.5).model_dump_json().encode()
+    )
+    sites.apply(keys.link(specs[2].id, up.id), None)
+    await check({specs[1].id, specs[2].id})
+    assert json.loads(rows.page("", 100, 200.0)[0][2])["rtt_ms"] == {up.id: 3.5}
+    sites.apply(
+        keys.site_cordon(specs[5].id), Cordon(since=1.0, reason="r").model_dump_json().encode()
+    )
+    await check({specs[5].id})
+    # a site joins: the whole list again (the set of sites changed)
+    joined = site_spec(None).model_copy(update={"id": "s99"})
+    sites.apply(keys.site_spec(joined.id), joined.model_dump_json().encode())
+    await check({up.id, joined.id, *(s.id for s in specs)})
+    # a journal that dropped what the rows had not read yet: the whole list again
+    sites.apply(keys.site_status(up.id), up.status.model_dump_json().encode())
+    sites.site_journal_base += len(sites.site_journal or []) + 1
+    sites.site_journal = []
+    await check({up.id, joined.id, *(s.id for s in specs)})
 
 
 @pytest.mark.parametrize(
