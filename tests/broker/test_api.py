@@ -139,6 +139,7 @@ async def test_site_rows_follow_the_journals_and_render_only_what_changed(
     view keeps it: after each change, every page equals the rows rendered from scratch, and
     only the sites the change touched were rendered again."""
     monkeypatch.setattr(site_list, "SITES_REFRESH_S", 0.0)
+    monkeypatch.setattr(site_list, "JOURNAL_CHUNK", 1)  # the journals read in slices
     up = view(site_spec(TOPOLOGY), PUBLISHED)
     assert up.status is not None
     specs = [site_spec(None).model_copy(update={"id": f"s{i:02d}"}) for i in range(30)]
