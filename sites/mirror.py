@@ -95,9 +95,9 @@ APPLY_SLICE = 25
 transaction's start). A watch batch holds whatever came since the last read: at 1,000 sites
 publishing every second, a batch that waited behind other work held 300-600 events, and
 decoding them in one go stalled every request for 6-15 ms (bench/README.md,
-live_federation.py --stall-log). 100 left the broker's loop late by more than 20 ms in 1.5 % of
-its 50 ms samples (cpn_broker_event_loop_lag_seconds); 25, with the registry's watch handing
-over WATCH_BATCH_EVENTS at a time, in 0.2 %."""
+live_federation.py --stall-log). With 25, and the registry's watch handing over
+WATCH_BATCH_EVENTS at a time, the broker's loop was late by more than 20 ms in 0.2-2.4 % of its
+50 ms samples (cpn_broker_event_loop_lag_seconds), depending on the host's load."""
 
 
 class RootMirror:
