@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,6 +75,27 @@ async def test_a_transaction_arrives_whole_and_in_order(registry: Registry, tran
     assert sum(1 for batch in got if any(rev == txn_rev for _, _, rev in batch)) == 1
 
 
+async def _write_behind(
+    registry: Registry,
+    read: Coroutine[Any, Any, None],
+    ready: asyncio.Event,
+    puts: Iterable[tuple[str, bytes]],
+) -> None:
+    """Put PREFIX/first, run `read` (a watch from before it), and once `ready` (the reader saw
+    its first batch and went busy) put `puts`; until the reader returns."""
+    await registry.put_raw(PREFIX + "first", b"0")
+    reader = asyncio.create_task(read)
+    try:
+        async with asyncio.timeout(30):
+            await ready.wait()
+            for key, value in puts:
+                await registry.put_raw(key, value)
+            await reader
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
 async def test_answers_that_waited_are_handed_over_in_bounded_batches(
     registry: Registry, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -96,17 +118,7 @@ async def test_answers_that_waited_are_handed_over_in_bounded_batches(
             if len(seen) >= 101:
                 return
 
-    await registry.put_raw(PREFIX + "first", b"0")
-    reader = asyncio.create_task(read())
-    try:
-        async with asyncio.timeout(30):
-            await ready.wait()
-            for i in range(100):
-                await registry.put_raw(f"{PREFIX}w{i:03d}", b"x")
-            await reader
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+    await _write_behind(registry, read(), ready, ((f"{PREFIX}w{i:03d}", b"x") for i in range(100)))
     assert seen == [PREFIX + "first"] + [f"{PREFIX}w{i:03d}" for i in range(100)]
     assert max(sizes) == 10, sizes  # one put per answer: a batch is 10 answers at most
     assert len(sizes) >= 11, sizes
@@ -133,17 +145,8 @@ async def test_a_reader_that_falls_behind_loses_nothing(
             if len(seen) >= total:
                 return
 
-    await registry.put_raw(PREFIX + "first", b"0")
-    reader = asyncio.create_task(read())
-    try:
-        async with asyncio.timeout(30):
-            await ready.wait()
-            for i in range(total - 1):
-                await registry.put_raw(f"{PREFIX}k{i:04d}", value)
-            await reader
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+    puts = ((f"{PREFIX}k{i:04d}", value) for i in range(total - 1))
+    await _write_behind(registry, read(), ready, puts)
     assert [k for k, _ in seen] == [PREFIX + "first"] + [f"{PREFIX}k{i:04d}" for i in range(511)]
     revisions = [rev for _, rev in seen]
     assert revisions == sorted(set(revisions))

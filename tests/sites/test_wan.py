@@ -282,6 +282,17 @@ def test_client_close_after_half_close_closes_backend() -> None:
     assert run_precise(scenario())
 
 
+async def _read_to_close(front: tuple[str, int]) -> bytes:
+    """Connect to `front` from node a and read until the emulator closes it (b"" on a reset)."""
+    reader, writer = await _connect(front, NODE_A_IP)
+    try:
+        received = await asyncio.wait_for(reader.read(), 5)
+    except ConnectionResetError:
+        received = b""
+    await _close(writer)
+    return received
+
+
 def test_unreachable_backend_closes_client(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> tuple[bytes, WanStats]:
         loop = asyncio.get_running_loop()
@@ -294,12 +305,7 @@ def test_unreachable_backend_closes_client(caplog: pytest.LogCaptureFixture) -> 
         try:
             front = await wan.add_route(front=(FRONT_B_IP, 0), backend=dead, node="b")
             for _ in range(3):  # as peers' probes keep knocking at a stopped agent
-                reader, writer = await _connect(front, NODE_A_IP)
-                try:
-                    received = await asyncio.wait_for(reader.read(), 5)
-                except ConnectionResetError:
-                    received = b""
-                await _close(writer)
+                received = await _read_to_close(front)
             return received, wan.stats()
         finally:
             await wan.close()
@@ -321,13 +327,7 @@ def test_failing_rtt_callable_refuses_only_that_connection(
 
     async def scenario() -> bytes:
         async with federation(rtt) as (_, front):
-            reader, writer = await _connect(front, NODE_A_IP)
-            try:
-                received = await asyncio.wait_for(reader.read(), 5)
-            except ConnectionResetError:
-                received = b""
-            await _close(writer)
-            return received
+            return await _read_to_close(front)
 
     with caplog.at_level("ERROR", logger="sites.wan"):
         assert run_precise(scenario()) == b""
