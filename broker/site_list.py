@@ -210,9 +210,11 @@ class SiteRows:
         for (src, dst), ln in sites.links.items():
             if ln.rtt_ms is not None:
                 rtt.setdefault(src, {})[dst] = ln.rtt_ms
-        self._rtt, self._rows = rtt, {}
-        self.ids = sites.site_ids()
-        await self._render(sites, self.ids)
+        ids = sites.site_ids()
+        rows: dict[str, _Row] = {}
+        await self._render(sites, ids, rtt, rows)
+        # swapped in whole: a page answered meanwhile (between the chunks) reads the old rows
+        self._rtt, self._rows, self.ids = rtt, rows, ids
 
     async def _update(self, sites: Snapshot) -> None:
         # copies of what is new (a list copy is one memcpy), read JOURNAL_CHUNK at a time
@@ -230,15 +232,19 @@ class SiteRows:
                 else:
                     self._rtt.setdefault(src, {})[dst] = ln.rtt_ms
             changed += [src for src, _ in links[i : i + JOURNAL_CHUNK]]
-        await self._render(sites, sorted(set(changed)))
+        await self._render(sites, sorted(set(changed)), self._rtt, self._rows)
 
-    async def _render(self, sites: Snapshot, ids: list[str]) -> None:
+    @staticmethod
+    async def _render(
+        sites: Snapshot, ids: list[str], rtt: dict[str, dict[str, float]], rows: dict[str, _Row]
+    ) -> None:
+        """Render `ids`' rows into `rows`, SITES_CHUNK at a time."""
         for i in range(0, len(ids), SITES_CHUNK):
             if i:
                 await asyncio.sleep(0)
             for site in ids[i : i + SITES_CHUNK]:
-                row = _render(sites, site, self._rtt.get(site, {}))
+                row = _render(sites, site, rtt.get(site, {}))
                 if row is None:
-                    self._rows.pop(site, None)
+                    rows.pop(site, None)
                 else:
-                    self._rows[site] = row
+                    rows[site] = row

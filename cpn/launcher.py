@@ -113,6 +113,12 @@ TRY = (
 )
 
 
+def _report_failure(task: asyncio.Task[None]) -> None:
+    """A one-shot helper task of `cpn up` that failed says so (its loops are supervised)."""
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        print(f"cpn up: {task.get_name()} failed: {exc!r}", file=sys.stderr, flush=True)
+
+
 class Launcher:
     def __init__(self, settings: LaunchSettings) -> None:
         self.settings = settings
@@ -224,6 +230,7 @@ class Launcher:
             supervisor = Supervisor(owner="cpn up")
             supervisor.spawn("process monitor", self._supervise)
             ready = asyncio.create_task(self._announce_ready(), name="cpn up ready")
+            ready.add_done_callback(_report_failure)
             service = self.settings.service_path()
             if service is not None and self.service_name is not None:
                 supervisor.spawn("demo service", lambda: self._demo_service(service))
@@ -486,14 +493,15 @@ class Launcher:
         async with BrokerClient(self.broker_url, self.token, ca=ca) as client:
             while time.monotonic() < deadline:
                 try:
-                    up = {
-                        row["id"]
-                        async for page in client.pages("/v1/sites", {}, limit=None)
-                        for row in page
-                        if row.get("state") == "up"
-                    }
-                except ApiError as exc:
-                    missing = f"the broker's first answer ({exc})"
+                    async with asyncio.timeout(5):
+                        up = {
+                            row.get("id")
+                            async for page in client.pages("/v1/sites", {}, limit=None)
+                            for row in page
+                            if row.get("state") == "up"
+                        }
+                except (ApiError, TimeoutError) as exc:
+                    missing = f"the broker's first answer ({exc or 'no answer within 5 s'})"
                 else:
                     if wanted <= up:
                         print(f"cpn up: ready, {len(wanted)} sites up. {TRY}", flush=True)

@@ -5,6 +5,7 @@ Every refusal names its code and its field. One broker process serves the whole 
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 from collections.abc import Iterator
@@ -199,6 +200,19 @@ async def test_site_rows_follow_the_journals_and_render_only_what_changed(
     sites.site_journal_base += len(sites.site_journal or []) + 1
     sites.site_journal = []
     await check({up.id, joined.id, *(s.id for s in specs)})
+    # a page answered while the whole list is rendered again (between its chunks) reads the
+    # rows from before, all of them, never a list half rendered
+    monkeypatch.setattr(site_list, "SITES_CHUNK", 1)
+    before = rows.page("", 100, 200.0)[0]
+    sites.apply(
+        keys.site_spec("s98"), joined.model_copy(update={"id": "s98"}).model_dump_json().encode()
+    )
+    rebuilding = asyncio.create_task(rows.refresh(sites))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert not rebuilding.done() and rows.page("", 100, 200.0)[0] == before
+    await rebuilding
+    assert len(rows.page("", 100, 200.0)[0]) == len(before) + 1
 
 
 @pytest.mark.parametrize(
