@@ -8,6 +8,7 @@ simulator read it (or build one by hand) without importing the etcd client.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -132,13 +133,13 @@ class Snapshot:
                 self.layout_version += 1
             attr, model = found
             _apply(getattr(self, attr), site, model, key, value)
-            if self.site_journal is not None:
-                self.site_journal_base += _journal(self.site_journal, site)
+            if self.site_journal is not None:  # interned: one string per site, not per entry
+                self.site_journal_base += _journal(self.site_journal, sys.intern(site))
         elif key.startswith(keys.AGENTS):
             site = keys.split(key, keys.AGENTS)[0]
             _apply(self.agents, site, AgentRecord, key, value)
             if self.site_journal is not None:
-                self.site_journal_base += _journal(self.site_journal, site)
+                self.site_journal_base += _journal(self.site_journal, sys.intern(site))
         elif key.startswith(keys.LINKS):
             parts = keys.split(key, keys.LINKS)
             if len(parts) == 2:
