@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.access import (
@@ -93,9 +93,6 @@ def _validation_error(exc: ValidationError) -> web.Response:
 _REQUEST_COUNTERS: weakref.WeakKeyDictionary[Counter, dict[tuple[str, str, int], Counter]] = (
     weakref.WeakKeyDictionary()
 )
-_REQUEST_TIMERS: weakref.WeakKeyDictionary[Histogram, dict[tuple[str, str], Histogram]] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 @web.middleware
@@ -139,14 +136,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         response = error(503, "registry_unavailable", str(exc))
     count_request(broker.metrics.http_requests, request.method, route, response.status)
     took = time.perf_counter() - started
-    timer_key = (request.method, route)
-    timers = _REQUEST_TIMERS.get(broker.metrics.http_seconds)
-    if timers is None:
-        timers = _REQUEST_TIMERS[broker.metrics.http_seconds] = {}
-    timer = timers.get(timer_key)
-    if timer is None:
-        timer = timers[timer_key] = broker.metrics.http_seconds.labels(*timer_key)
-    timer.observe(took)
+    broker.metrics.request_timed(request.method, route, took)
     if not response.prepared:  # a stream (logs, events) sent its headers already
         # the broker's own share of the answer (W3C Server Timing): a client that waited longer
         # waited on the network, the event loop or its own process

@@ -225,6 +225,7 @@ class BrokerMetrics:
         self._route_children: dict[tuple[str, str], Counter] = {}
         self._proxy_children: dict[tuple[str, str], Histogram] = {}
         self._lag_children: dict[str, Histogram] = {}
+        self._http_children: dict[tuple[str, str], Histogram] = {}
 
     # -- per-request and per-event updates: O(1), label children cached -------------------------
 
@@ -240,6 +241,13 @@ class BrokerMetrics:
         child = self._proxy_children.get(key)
         if child is None:
             child = self._proxy_children[key] = self.proxy_seconds.labels(*key)
+        child.observe(seconds)
+
+    def request_timed(self, method: str, route: str, seconds: float) -> None:
+        key = (method, route)
+        child = self._http_children.get(key)
+        if child is None:
+            child = self._http_children[key] = self.http_seconds.labels(*key)
         child.observe(seconds)
 
     def watch_lagged(self, kind: str, seconds: float) -> None:
