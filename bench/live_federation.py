@@ -64,6 +64,7 @@ from sites.catalog import DeviceCatalog
 from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.registry import Registry
 from sites.spec import SiteSpec
+from sites.tasks import measure_loop_lag
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -726,11 +727,9 @@ async def operator_result(
 async def loop_lag(until: float, into: Calls, every_s: float = 0.01) -> None:
     """Control: how late this process's own event loop wakes from a sleep of every_s (ms), so
     that a latency tail that is the load generator's, not the broker's, shows."""
-    loop = asyncio.get_running_loop()
-    while loop.time() < until:
-        started = loop.time()
-        await asyncio.sleep(every_s)
-        into.add((loop.time() - started - every_s) * 1000)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout_at(until):
+            await measure_loop_lag(lambda s: into.add(s * 1000), every_s)
 
 
 async def all_sites(
