@@ -161,7 +161,7 @@ def _unreachable(route: _Route, exc: OSError) -> None:
         "WAN: backend %s unreachable: %s%s",
         _hostport(route.backend),
         exc,
-        f" ({more} more since the last report)" if more and route.warned_at > -math.inf else "",
+        f" ({more} more since the last report)" if more else "",  # none before the first
     )
     route.warned_at, route.unlogged_errors = now, 0
 
