@@ -12,7 +12,7 @@ Prometheus scrapes, by `ViewCollector`, so nothing is updated per request or per
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -222,39 +222,25 @@ class BrokerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self._route_children: dict[tuple[str, str], Counter] = {}
-        self._proxy_children: dict[tuple[str, str], Histogram] = {}
-        self._lag_children: dict[str, Histogram] = {}
-        self._http_children: dict[tuple[str, str], Histogram] = {}
+        self._route_children: dict[tuple[str, ...], Counter] = {}
+        self._proxy_children: dict[tuple[str, ...], Histogram] = {}
+        self._lag_children: dict[tuple[str, ...], Histogram] = {}
+        self._http_children: dict[tuple[str, ...], Histogram] = {}
 
     # -- per-request and per-event updates: O(1), label children cached -------------------------
 
     def route_decided(self, client_region: str, site: str | None) -> None:
-        key = (client_region, site or "none")
-        child = self._route_children.get(key)
-        if child is None:
-            child = self._route_children[key] = self.route_decisions.labels(*key)
-        child.inc()
+        _child(self._route_children, self.route_decisions, (client_region, site or "none")).inc()
 
     def proxied(self, client_region: str, site: str, seconds: float) -> None:
-        key = (client_region, site)
-        child = self._proxy_children.get(key)
-        if child is None:
-            child = self._proxy_children[key] = self.proxy_seconds.labels(*key)
-        child.observe(seconds)
+        _child(self._proxy_children, self.proxy_seconds, (client_region, site)).observe(seconds)
 
     def request_timed(self, method: str, route: str, seconds: float) -> None:
-        key = (method, route)
-        child = self._http_children.get(key)
-        if child is None:
-            child = self._http_children[key] = self.http_seconds.labels(*key)
-        child.observe(seconds)
+        _child(self._http_children, self.http_seconds, (method, route)).observe(seconds)
 
     def watch_lagged(self, kind: str, seconds: float) -> None:
-        child = self._lag_children.get(kind)
-        if child is None:
-            child = self._lag_children[kind] = self.watch_lag.labels(kind)
-        child.observe(max(0.0, seconds))  # clocks of two hosts may disagree by a little
+        # clocks of two hosts may disagree by a little
+        _child(self._lag_children, self.watch_lag, (kind,)).observe(max(0.0, seconds))
 
     def watch_view(self, view: Callable[[], View]) -> None:
         """Export what is derived from the view (jobs by tenant and state, sites up) at scrape
@@ -264,6 +250,18 @@ class BrokerMetrics:
     def watch_usage(self, book: UsageBook) -> None:
         """Export the ledger's totals by tenant and site (cpn_usage_*_total) at scrape time."""
         self.registry.register(UsageCollector(book))
+
+
+M = TypeVar("M", Counter, Histogram)
+
+
+def _child(children: dict[tuple[str, ...], M], metric: M, key: tuple[str, ...]) -> M:
+    """`metric`'s child of labels `key`, kept in `children`: prometheus_client's labels()
+    validates and locks on every call."""
+    child = children.get(key)
+    if child is None:
+        child = children[key] = metric.labels(*key)
+    return child
 
 
 class ViewCollector(Collector):
