@@ -2,10 +2,11 @@
 
 Lifecycle: check the site is joined -> serve HTTP -> grant a lease (TTL ~ 3 intervals) -> take
 the site's agent lock under it -> start the workload (the jobs assigned to the site,
-sites.workload) -> every interval publish status, links and services in one transaction -> on a
-graceful stop SIGTERM the jobs (reporting nothing) and revoke the lease (the site goes down at
-once, and the broker moves its jobs). When killed, the lease expires by itself and the site is
-down within the TTL; the jobs die with the agent (docs/executor.md).
+sites.workload) -> every interval measure, and publish in one transaction what changed
+(sites.drift: the status, links and every service endpoint; all of it at least every
+`refresh_s`) -> on a graceful stop SIGTERM the jobs (reporting nothing) and revoke the lease
+(the site goes down at once, and the broker moves its jobs). When killed, the lease expires by
+itself and the site is down within the TTL; the jobs die with the agent (docs/executor.md).
 """
 
 from __future__ import annotations
@@ -36,13 +37,21 @@ from sites.collectors.probes import METHODS, Prober, ProbeResponder, choose_meth
 from sites.collectors.services import ServiceLoad, ServiceMonitor
 from sites.collectors.slurm import SlurmCapacity, parse_nodes
 from sites.collectors.slurm import capacity as slurm_capacity
+from sites.drift import link_changed, status_changed
 from sites.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
 from sites.executor import Executor, UnavailableExecutor, make_executor
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.slurm import SlurmExecutor
 from sites.spec import SiteSpec
-from sites.status import AgentRecord, AgentSecret, GpuDevice, ServiceEndpoint, SiteStatus
+from sites.status import (
+    AgentRecord,
+    AgentSecret,
+    GpuDevice,
+    LinkStatus,
+    ServiceEndpoint,
+    SiteStatus,
+)
 from sites.tasks import Backoff, Crash, Supervisor
 from sites.workload import STOP_GRACE_S, SiteResources, UnknownJob, Workload, declared_resources
 
@@ -67,6 +76,9 @@ class AgentSettings(BaseModel):
     )
     probe_advertise: str | None = Field(default=None, description="host:port peers probe")
     interval_s: float = Field(gt=0)
+    refresh_s: float = Field(
+        default=30.0, ge=0, description="write the status and links at least this often"
+    )
     probe_method: str = "auto"
     probe_samples: int = Field(default=5, ge=1)
     probe_timeout_s: float = Field(default=2.0, gt=0)
@@ -89,6 +101,7 @@ class AgentSettings(BaseModel):
         base: dict[str, Any] = {
             "listen": spec.agent.listen,
             "interval_s": spec.agent.interval_s,
+            "refresh_s": spec.agent.refresh_s,
             "probe_samples": spec.agent.probe_samples,
             "probe_timeout_s": spec.agent.probe_timeout_s,
         }
@@ -136,7 +149,14 @@ class Agent:
         self._runner: web.AppRunner | None = None
         self.supervisor = Supervisor(owner=f"agent {spec.id}", on_crash=self._crashed)
         self._nvml: NvmlCollector | None = None
-        self._published_links: set[str] = set()
+        # what the registry holds of ours: the status and links as last written, and when
+        # everything was last written (monotonic); a publish writes only what moved from these
+        self._written_status: SiteStatus | None = None
+        self._written_links: dict[str, LinkStatus] = {}
+        self._refreshed_at: float | None = None
+        # the registry may no longer hold what we wrote (our lock or the site's spec is gone):
+        # the next publish writes everything, and so finds out (LeaseLost)
+        self._confirm = False
         self._published_services: set[tuple[str, str | None]] = set()  # (service, job)
         self.workload: Workload | None = None
         self.executor: Executor = make_executor(spec, catalog=catalog, clock=self.clock)
@@ -155,6 +175,10 @@ class Agent:
         )
         self.services = ServiceMonitor(spec.services, clock=self.clock.time)
         self._peers = PrefixMirror(registry=registry, prefix=keys.AGENTS, on_change=self._on_agents)
+        # the site's spec: gone (the site left), the next publish is sent (and finds it gone)
+        self._spec_key = PrefixMirror(
+            registry=registry, prefix=keys.site_spec(spec.id), on_change=self._on_spec
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -197,6 +221,7 @@ class Agent:
         self.supervisor.spawn("keepalive", self._keepalive_loop)
         self.supervisor.spawn("publish", self._publish_loop, restart=RESTART)
         self.supervisor.spawn("peers", self._peers.run, restart=RESTART)
+        self.supervisor.spawn("spec", self._spec_key.run, restart=RESTART)
         self.supervisor.spawn("services", self._services_loop, restart=RESTART)
         if isinstance(self.executor, SlurmExecutor):
             self.supervisor.spawn("slurm", self._slurm_loop, restart=RESTART)
@@ -284,7 +309,7 @@ class Agent:
 
     async def _reacquire(self) -> None:
         self.record = None
-        self._published_links.clear()
+        self._forget_written()
         self._published_services.clear()
         await self._acquire()
 
@@ -295,25 +320,61 @@ class Agent:
             next_at += self.settings.interval_s
             await self.clock.sleep(max(0.0, next_at - self.clock.monotonic()))
 
+    def _forget_written(self) -> None:
+        """The registry holds nothing of ours (a new lease): the next publish writes it all."""
+        self._written_status = None
+        self._written_links = {}
+        self._refreshed_at = None
+        self._confirm = False
+
     async def publish_once(self) -> None:
+        """Measure, and write what moved materially since it was last written (sites.drift).
+
+        Every service endpoint is written each time (its load is what routing ranks by), the
+        status and links only when they changed or `refresh_s` has passed since everything was
+        last written. With nothing to write, no transaction is sent: the lease alone says the
+        site is up.
+        """
         record = self.record
         if record is None:
             return
         now = self.clock.time()
+        mono = self.clock.monotonic()
         status = self.measure(now)
         links = self.prober.links(now)
         services = self.service_endpoints(now)
+        written, written_links = self._written_status, self._written_links
+        refresh = (
+            self._confirm
+            or self._refreshed_at is None
+            or mono - self._refreshed_at >= self.settings.refresh_s
+        )
+        put_status = refresh or written is None or status_changed(written, status)
+        put_links = [
+            ln
+            for ln in links
+            if refresh or (old := written_links.get(ln.dst)) is None or link_changed(old, ln)
+        ]
         link_dsts = {ln.dst for ln in links}
+        stale_links = written_links.keys() - link_dsts
         svc_names = {(ep.service, ep.job) for ep in services}
+        stale_services = self._published_services - svc_names
+        self.metrics.observe_status(status)
+        self.metrics.observe_links(links)
+        if not (put_status or put_links or services or stale_links or stale_services):
+            self.metrics.publishes_skipped.labels(self.spec.id).inc()
+            self.last_publish_at = now  # what the registry holds is still true
+            self.last_error = None
+            return
         started = self.clock.monotonic()
         try:
             await self.registry.publish(
                 record,
-                status=status,
-                links=links,
+                status=status if put_status else None,
+                links=put_links,
                 services=services,
-                stale_links=self._published_links - link_dsts,
-                stale_services=self._published_services - svc_names,
+                stale_links=stale_links,
+                stale_services=stale_services,
             )
         except LeaseLost:
             self.metrics.publish_errors.labels(self.spec.id, "lease").inc()
@@ -331,13 +392,18 @@ class Agent:
             return
         self.metrics.publish_seconds.labels(self.spec.id).observe(self.clock.monotonic() - started)
         self.metrics.publishes.labels(self.spec.id).inc()
-        self.metrics.observe_status(status)
-        self.metrics.observe_links(links)
-        for gone in self._published_links - link_dsts:
+        for gone in stale_links:
             self.metrics.forget_peer(gone)
-        self._published_links = link_dsts
+        if put_status:
+            self._written_status = status
+            self.seq += 1
+        kept = {dst: ln for dst, ln in written_links.items() if dst in link_dsts}
+        kept.update((ln.dst, ln) for ln in put_links)
+        self._written_links = kept
+        if refresh:
+            self._refreshed_at = mono
+            self._confirm = False
         self._published_services = svc_names
-        self.seq += 1
         self.last_publish_at = now
         self.last_error = None
 
@@ -379,10 +445,19 @@ class Agent:
             try:
                 record = json.loads(raw)
                 peers[site] = record.get("probe_url") or record["url"]
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("ignoring malformed agent record at %s", key)
+                continue
+            if site == self.spec.id and self.record is not None:
+                self._confirm |= record.get("lease_id") != self.record.lease_id
+        if self.record is not None and keys.agent(self.spec.id) not in items:
+            self._confirm = True  # our lock is gone (the lease expired or was revoked)
         peers.pop(self.spec.id, None)
         self.prober.set_peers(peers)
+
+    def _on_spec(self, items: dict[str, bytes]) -> None:
+        if not items:
+            self._confirm = True  # the site left: the next publish finds out and stops
 
     # -- measurement -------------------------------------------------------------------------
 

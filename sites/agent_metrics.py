@@ -49,6 +49,12 @@ class AgentMetrics:
         self.publishes = Counter(
             "cpn_agent_publishes_total", "Snapshots published to the registry", labels, registry=r
         )
+        self.publishes_skipped = Counter(
+            "cpn_agent_publishes_skipped_total",
+            "Measurements with nothing changed enough to write (sites.drift)",
+            labels,
+            registry=r,
+        )
         self.task_crashes = Counter(
             "cpn_agent_task_crashes_total",
             "Crashes of the agent's supervised tasks",

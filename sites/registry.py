@@ -1211,13 +1211,16 @@ class Registry:
         self,
         record: AgentRecord,
         *,
-        status: SiteStatus,
+        status: SiteStatus | None,
         links: Sequence[LinkStatus],
         services: Sequence[ServiceEndpoint],
         stale_links: Iterable[str] = (),
         stale_services: Iterable[tuple[str, str | None]] = (),
     ) -> None:
-        """Publish one snapshot of the site in one transaction.
+        """Publish what changed of the site in one transaction.
+
+        `status` (with the site's last_seen) is written when given; each of `links` and
+        `services` is written.
 
         An endpoint with a `job` (a managed service's replica) goes to its own key
         (keys.service_replica), any other to the site's (keys.service); `stale_services` are
@@ -1230,13 +1233,15 @@ class Registry:
         site = record.site
         lease = record.lease_id
         akey = keys.agent(site).encode()
-        ops = [
-            self._tx.put(keys.site_status(site).encode(), _encode(status), lease=lease),
-            self._tx.put(
-                keys.site_last_seen(site).encode(),
-                _encode(LastSeen(at=status.published_at, instance=record.instance)),
-            ),
-        ]
+        ops = []
+        if status is not None:
+            ops += [
+                self._tx.put(keys.site_status(site).encode(), _encode(status), lease=lease),
+                self._tx.put(
+                    keys.site_last_seen(site).encode(),
+                    _encode(LastSeen(at=status.published_at, instance=record.instance)),
+                ),
+            ]
         ops += [
             self._tx.put(keys.link(site, ln.dst).encode(), _encode(ln), lease=lease) for ln in links
         ]

@@ -255,7 +255,16 @@ class Agent(Frozen):
         pattern=r"^[^\s:]+:\d{1,5}$",
         description="host:port of /probe, /healthz and /metrics; port 0 picks a free one",
     )
-    interval_s: float = Field(default=5.0, ge=0.2, le=300, description="publish period")
+    interval_s: float = Field(
+        default=5.0, ge=0.2, le=300, description="measurement period: what changed is published"
+    )
+    refresh_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="the status and links are written at least this often even when unchanged "
+        "(sites.drift); 0: every interval",
+    )
     probe_samples: int = Field(
         default=5, ge=1, le=100, description="RTT samples per peer per interval"
     )
