@@ -7,11 +7,18 @@ sends, per site, the same etcd requests:
 
 - setup (once, through Registry as SimAgent.acquire): a lease of TTL ttl_s, the agent lock
   (keys.agent(site), an AgentRecord) taken with Registry.acquire_agent;
-- every interval, at a random phase, ONE Txn shaped as Registry.publish builds it: compares
-  value(keys.agent) == the encoded AgentRecord and version(keys.site_spec) > 0; puts the
-  SiteStatus (with the lease), LastSeen (no lease), a LinkStatus per peer and, for serving
-  sites, a ServiceEndpoint (with the lease); the same variation as SimAgent (seq, published_at,
-  random usage within capacity, jittering RTTs, endpoint load);
+- every interval, at a random phase, what sites.agent.Agent.publish_once sends: ONE Txn shaped
+  as Registry.publish builds it, of what changed (sites.drift), or none when nothing did.
+  Compares value(keys.agent) == the encoded AgentRecord and version(keys.site_spec) > 0; puts
+  the SiteStatus (with the lease) and LastSeen (no lease) when the status changed materially,
+  the LinkStatus of each peer whose RTT moved beyond drift's tolerance of the one last written,
+  and for serving sites the ServiceEndpoint (with the lease) every time; all of them every
+  --refresh-s (30 s as the agent's default; each site's first refresh at a random phase). A
+  site's allocation changes in an interval with probability --churn (0.1; 1.0: every status
+  changes every interval, the worst case and what every publish was before the agent wrote
+  only changes); otherwise its usage figures stay. seq counts the statuses written;
+  published_at is now; a link's median RTT is 0-2 ms above a fixed floor (jitter_ms 0-1 ms);
+  the endpoint's load is drawn each time;
 - a failed compare: LeaseLost, a new lease and the lock again (SimAgent._reacquire);
 - a LeaseKeepAlive per lease every keepalive_s on shared bidirectional streams, at most one in
   flight per lease (as sites.registry does); an answer with TTL 0: the lease is gone, reacquire.
@@ -19,12 +26,14 @@ sends, per site, the same etcd requests:
 What is cheaper (bench/emulated_site.py): each site's JSON documents are rendered once through
 pydantic with sentinel numbers and kept as %-format templates; a publish fills in figures
 drawn as integers (pre-rendered strings) and assembles the Txn's protobuf bytes by hand. At
-setup every site's first publish is rendered both ways and must match byte for byte (the JSON
-against pydantic's model_dump_json, the TxnRequest against aetcd's own message builders). One
-timer wheel (a slot every 10 ms) issues the due Txns concurrently (at most 256 in flight)
-instead of 2N sleeping tasks. The wire (bench/emulator_transport.py) is cleartext HTTP/2 by
-sites/h2grpc.py (default), or grpc.aio (`--transport grpc`), which costs ~45 % of a core for
-the calls alone at 1000 Txns and 1000 keepalives a second on the 2-vCPU bench machine.
+setup a full publish and a partial one (no status, one link, the endpoint) of every site are
+rendered both ways and must match byte for byte (the JSON against pydantic's model_dump_json,
+the TxnRequest against aetcd's own message builders), and the rules deciding what is written
+must agree with sites.drift on real documents. One timer wheel (a slot every 10 ms) issues
+the due Txns concurrently (at most 256 in flight) instead of 2N sleeping tasks. The wire
+(bench/emulator_transport.py) is cleartext HTTP/2 by sites/h2grpc.py (default), or grpc.aio
+(`--transport grpc`), which costs ~45 % of a core for the calls alone at 1000 Txns and 1000
+keepalives a second on the 2-vCPU bench machine.
 
 What differs from N agents: one process and one TCP connection instead of N; the transport is
 not aetcd's (the same protobuf messages, Txn deadline and methods); publish times are quantized
@@ -32,9 +41,11 @@ to the wheel's slot.
 
     .venv/bin/python bench/agent_emulator.py                 # 1000 sites x 1 s and x 5 s
     .venv/bin/python bench/agent_emulator.py --sites 1000 --intervals 1 --transport grpc
+    .venv/bin/python bench/agent_emulator.py --sites 1000 --intervals 1 --churn 1 --refresh-s 0
 
 The command line measures the agents' process of bench/live_federation.py (`agents ...`)
-against an embedded etcd alone: publishes/s, keepalives/s, errors, its CPU.
+against an embedded etcd alone: publishes/s (Txns sent), skipped/s (publishes with nothing to
+write, no Txn), keepalives/s, errors, its CPU.
 """
 
 from __future__ import annotations
@@ -58,7 +69,7 @@ from typing import Any
 import psutil
 import registry_fanin as fanin
 from aetcd import rpc
-from emulated_site import EmulatedSite, SitePlan, varint
+from emulated_site import EmulatedSite, Publish, SitePlan, varint
 from emulator_transport import REVOKE, GrpcTransport, H2Transport, Transport
 
 from sites.catalog import DeviceCatalog
@@ -83,6 +94,14 @@ class EmulatorConfig:
     max_in_flight: int = 256  # Txns in flight at once; more wait in a backlog (lag)
     slot_s: float = 0.01  # the wheel's tick: publish and keepalive times are quantized to it
     timeout_s: float = 5.0  # a call's deadline, as Registry's (sites.registry.DEFAULT_TIMEOUT_S)
+    churn: float = 0.1  # fraction of the sites whose allocation changes in an interval
+    refresh_s: float = 30.0  # everything is written at least this often (sites.agent refresh_s)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.churn <= 1.0:
+            raise ValueError(f"churn {self.churn}: expected a fraction in [0, 1]")
+        if self.refresh_s < 0:
+            raise ValueError(f"refresh_s {self.refresh_s}: expected >= 0")
 
 
 def log(msg: str) -> None:
@@ -91,7 +110,8 @@ def log(msg: str) -> None:
 
 class AgentEmulator:
     """N emulated agents: setup() takes every lease and lock, start() runs the wheel, stop()
-    revokes the leases. Figures go to a registry_fanin.AgentStats, as SimAgent's do."""
+    revokes the leases. Figures go to a registry_fanin.AgentStats, as SimAgent's do; the
+    publishes with nothing to write (no Txn) are counted here (take_skipped, skipped)."""
 
     def __init__(
         self,
@@ -106,7 +126,12 @@ class AgentEmulator:
         self.cfg = cfg
         self.stats = stats
         self.crashed = crashed
-        self.sites = [EmulatedSite(plan, cfg.interval_s, catalog) for plan in plans]
+        self.sites = [
+            EmulatedSite(plan, cfg.interval_s, catalog, churn=cfg.churn, refresh_s=cfg.refresh_s)
+            for plan in plans
+        ]
+        self.skipped = 0  # while stats.measuring
+        self._tick_skipped = 0
         self._url = etcd_url
         self._registries = [fanin.make_registry(etcd_url, local_subchannels=True) for _ in range(4)]
         if cfg.transport not in ("h2", "grpc"):
@@ -169,6 +194,11 @@ class AgentEmulator:
             raise
         site.set_record(record)
         self._by_lease[lease_id] = site
+
+    def take_skipped(self) -> int:
+        """Publishes skipped (nothing to write) since the last call."""
+        n, self._tick_skipped = self._tick_skipped, 0
+        return n
 
     def start(self, t0: float) -> None:
         self._run_task = self._spawn(self._run(t0), "emulator wheel")
@@ -260,18 +290,23 @@ class AgentEmulator:
         loop = self._loop
         if loop is None:
             raise RuntimeError("AgentEmulator.setup() was not awaited")
+        pub = site.next_publish(due)
+        if pub is None:  # nothing changed: the agent sends no Txn, its lease keeps the site up
+            self._tick_skipped += 1
+            if self.stats.measuring:
+                self.skipped += 1
+            return
         lag_ms = (loop.time() - due) * 1000
-        values = site.values(site.draw(), time.time())
-        request = site.request(values)
-        size = len(values[0]) if site.seq == 0 else 0
-        puts = len(values)
+        values = site.values(pub, time.time())
+        request = site.request(pub, values)
+        size = len(values[0]) if pub.status is not None and site.seq == 0 else 0
         site.txn_busy = True
         self._in_flight += 1
         started = time.perf_counter()
 
         def done(message: bytes | None, error: str | None) -> None:
             try:
-                self._txn_done(site, record, started, lag_ms, puts, size, message, error)
+                self._txn_done(site, record, pub, started, lag_ms, size, message, error)
             except Exception as exc:  # noqa: BLE001 - counted and shown as a crash, as a task's
                 self._crash("txn answer", exc)
 
@@ -281,9 +316,9 @@ class AgentEmulator:
         self,
         site: EmulatedSite,
         record: AgentRecord,
+        pub: Publish,
         started: float,
         lag_ms: float,
-        puts: int,
         size: int,
         message: bytes | None,
         error: str | None,
@@ -292,8 +327,9 @@ class AgentEmulator:
         site.txn_busy = False
         if message is not None:
             if rpc.TxnResponse.FromString(message).succeeded:
-                site.seq += 1
-                self.stats.published((time.perf_counter() - started) * 1000, lag_ms, puts, size)
+                if site.record is record:  # else written under a lease given up since
+                    site.written(pub)
+                self.stats.published((time.perf_counter() - started) * 1000, lag_ms, pub.puts, size)
             else:
                 self.stats.error("publish: LeaseLost")
                 self._reacquire(site, record)
@@ -390,6 +426,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--emulator", choices=("emulator", "simagent"), default="emulator")
     p.add_argument("--transport", choices=("h2", "grpc"), default="h2")
     p.add_argument("--service-sites", type=int, default=8)
+    p.add_argument(
+        "--churn",
+        type=float,
+        default=0.1,
+        help="fraction of the sites whose allocation changes per interval (1: every status "
+        "every interval)",
+    )
+    p.add_argument(
+        "--refresh-s",
+        type=float,
+        default=30.0,
+        help="each site writes its status and links at least this often, s (0: every publish)",
+    )
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
 
@@ -413,6 +462,7 @@ def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) ->
         argv += ["--keepalive", str(ttl / 3), "--service-sites", str(args.service_sites)]
         argv += ["--seed", str(args.seed), "--emulator", args.emulator]
         argv += ["--transport", args.transport]
+        argv += ["--churn", str(args.churn), "--refresh-s", str(args.refresh_s)]
         agents = live.start_process("agents", argv, row / "agents.log", stdout_pipe=True)
         assert agents.popen.stdout is not None
         reader = live.LineReader(agents.popen.stdout)
@@ -436,7 +486,8 @@ def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) ->
             lines += got
             for line in got:
                 print(
-                    f"   pub/s {line.get('publishes')} ka/s {line.get('keepalives')} "
+                    f"   pub/s {line.get('publishes')} skipped/s {line.get('skipped', 0)} "
+                    f"ka/s {line.get('keepalives')} "
                     f"errors {line.get('errors') or {}} {line.get('crashed') or ''}",
                     file=sys.stderr,
                     flush=True,
@@ -452,6 +503,8 @@ def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) ->
             "interval_s": interval,
             "target_per_s": n / interval,
             "ttl_s": ttl,
+            "churn": args.churn,
+            "refresh_s": args.refresh_s,
             **summary,
             "agents_cpu_pct": None if cpu["agents"] is None else 100 * cpu["agents"],
             "etcd_cpu_pct": None if cpu["etcd"] is None else 100 * cpu["etcd"],
@@ -470,6 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"agents: `live_federation.py agents --emulator {args.emulator}"
         + (f" --transport {args.transport}`" if args.emulator == "emulator" else "`")
+        + f"; churn {args.churn:g}, refresh every {args.refresh_s:g} s"
         + f"; etcd: embedded on {tmp} (fsync off); host: {psutil.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.2f} at start",
         flush=True,
@@ -484,13 +538,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print("sites | every | pub/s (target) | keepalives/s | publish p50/p99 ms | lag p99 ms | "
-          "errors | agents CPU % | etcd CPU % | agents RSS MB")  # fmt: skip
+    print("sites | every | pub/s + skipped/s (target) | keepalives/s | publish p50/p99 ms | "
+          "lag p99 ms | errors | agents CPU % | etcd CPU % | agents RSS MB")  # fmt: skip
     for r in results:
         call = r["publish_call_ms"]
         print(
-            f"{r['sites']} | {r['interval_s']:g}s | {r['publishes_per_s']:,.0f} "
-            f"({r['target_per_s']:,.0f}) | {r['keepalives_per_s']:,.0f} | "
+            f"{r['sites']} | {r['interval_s']:g}s | {r['publishes_per_s']:,.0f} + "
+            f"{r['skipped_per_s']:,.0f} ({r['target_per_s']:,.0f}) | "
+            f"{r['keepalives_per_s']:,.0f} | "
             f"{fanin.fmt_ms(call['p50'])}/{fanin.fmt_ms(call['p99'])} | "
             f"{fanin.fmt_ms(r['schedule_lag_p99_ms'])} | {sum(r['errors'].values())} "
             f"{r['errors'] or ''} | {live_num(r['agents_cpu_pct'])} | "

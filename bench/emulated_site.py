@@ -4,9 +4,23 @@ A site's JSON documents (SiteStatus, LastSeen, LinkStatus per peer, ServiceEndpo
 dumped once through pydantic with sentinel numbers and turned into %-format templates; a
 publish fills in figures drawn as integers (in units of the last decimal SimAgent rounds to,
 pre-rendered as strings) and assembles Registry.publish's TxnRequest as protobuf bytes by
-hand. `EmulatedSite.check()` renders one publish both ways, the JSON against pydantic's
-model_dump_json (what sites.registry._encode writes) and the TxnRequest against aetcd's own
-message builders, and raises EmulatorMismatch unless they are the same bytes.
+hand.
+
+What a publish writes is what sites.agent.Agent.publish_once writes (sites.drift): each
+interval the site measures; with probability `churn` its allocation changed (new usage
+figures, so its free capacity differs), otherwise it keeps the figures it had (its status
+differs only in seq and published_at: not written). The status (and last_seen) is written when
+sites.drift.status_changed says so against the status last written, each link when
+link_changed does against the link last written to that peer (the RTT floor is fixed, the
+median moves 0-2 ms above it), the endpoint of a serving site every time, and all of them
+every `refresh_s` (each site's first refresh at a random phase, so refreshes spread). A
+publish with nothing to write sends no Txn; `seq` counts the statuses written. Both rules are
+implemented on the integer figures and checked against sites.drift at setup.
+
+`EmulatedSite.check()` renders a full publish and a partial one (no status, one link, the
+endpoint if serving) both ways, the JSON against pydantic's model_dump_json (what
+sites.registry._encode writes) and the TxnRequest against aetcd's own message builders in
+Registry.publish's shape, and raises EmulatorMismatch unless they are the same bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +29,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +40,15 @@ from pydantic import BaseModel
 
 from sites import keys
 from sites.catalog import Capacity, DeviceCatalog, normalize, normalize_inventory
+from sites.drift import (
+    HOST_CPU_PCT,
+    HOST_LOAD_PER_CORE,
+    HOST_MEM_REL,
+    LINK_RTT_ABS_MS,
+    LINK_RTT_REL,
+    link_changed,
+    status_changed,
+)
 from sites.spec import SiteSpec
 from sites.status import (
     AgentRecord,
@@ -160,6 +183,11 @@ class FreeTables:
             repr(round(max(0.0, cap.storage_tb - k / 100), 6)) for k in range(sto_n + 1)
         ]
         self.storage_used = _table(sto_n, 100)
+        # EmulatedSite.status_moved reads "the free capacity differs" as "a usage index differs"
+        if not (_distinct(self.gpu) and _distinct(self.cpu) and _distinct(self.mem)):
+            raise EmulatorMismatch("two usage figures give the same free capacity")
+        if not _distinct(self.storage):
+            raise EmulatorMismatch("two storage figures give the same free capacity")
 
     _cache: dict[str, FreeTables] = {}
 
@@ -169,6 +197,10 @@ class FreeTables:
         if key not in cls._cache:
             cls._cache[key] = cls(cap, catalog)
         return cls._cache[key]
+
+
+def _distinct(items: Sequence[Hashable]) -> bool:
+    return len(set(items)) == len(items)
 
 
 # -- one emulated site -------------------------------------------------------------------------
@@ -184,19 +216,84 @@ class SitePlan:
     seed: int
 
 
-Draw = tuple[int, ...]
-"""One publish's random figures, as integers (units of the last decimal SimAgent rounds to)."""
+Usage = tuple[int, int, int, int, int, int, int]
+"""A status's usage figures, as integers (units of the last decimal SimAgent rounds to): busy
+devices, cores used, memory used (0.1 GB), storage used (0.01 TB), then the host's
+cpu_util_pct (0.1), mem_used_gb (0.1) and load_1m (0.01)."""
+
+LinkDraw = tuple[int, int, int]
+"""One link's measurement: (peer index, median above the RTT floor in us, jitter in us)."""
+
+Endpoint = tuple[int, int]
+"""A serving site's endpoint load: (in_flight, latency_ms in 0.1 ms)."""
+
+HOST_CORES, HOST_MEM_GB = 8, 32.0  # SimAgent's host (HostUsage.cpu_cores, mem_gb)
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """What one publish writes, in Registry.publish's order: the status and last_seen (when
+    `status` is not None), the links listed, the endpoint (when not None). `refresh`: it writes
+    everything, as the agent does every refresh_s; `due`: its loop time."""
+
+    status: Usage | None
+    links: tuple[LinkDraw, ...]
+    endpoint: Endpoint | None
+    refresh: bool
+    due: float
+
+    @property
+    def puts(self) -> int:
+        return 2 * (self.status is not None) + len(self.links) + (self.endpoint is not None)
+
+
+def status_moved(old: Usage, new: Usage) -> bool:
+    """sites.drift.status_changed(old, new) for two statuses of a site that differ only in these
+    figures (and seq, published_at): capacity, free and storage differ exactly when a usage
+    index does (FreeTables checks that each index gives other figures); the host by drift's
+    tolerances, on the very floats the documents hold."""
+    if old[:4] != new[:4]:
+        return True
+    if abs(old[4] / 10 - new[4] / 10) > HOST_CPU_PCT:
+        return True
+    if abs(old[5] / 10 - new[5] / 10) > HOST_MEM_REL * HOST_MEM_GB:
+        return True
+    return abs(old[6] / 100 - new[6] / 100) > HOST_LOAD_PER_CORE * max(1, HOST_CORES)
+
+
+def rtt_tolerance(old_ms: float) -> float:
+    """sites.drift's tolerance on an RTT whose value last written was `old_ms`."""
+    return max(LINK_RTT_ABS_MS, LINK_RTT_REL * (old_ms or 0.0))
+
+
+def rtt_moved(old_ms: float, tolerance: float, new_ms: float) -> bool:
+    """sites.drift's test of a link's median RTT (the floor, loss, method never change here)."""
+    return abs(new_ms - old_ms) > tolerance
 
 
 class EmulatedSite:
     """A site's agent state and its pre-rendered documents; no I/O of its own."""
 
-    def __init__(self, plan: SitePlan, interval_s: float, catalog: DeviceCatalog) -> None:
+    def __init__(
+        self,
+        plan: SitePlan,
+        interval_s: float,
+        catalog: DeviceCatalog,
+        *,
+        churn: float = 0.1,
+        refresh_s: float = 30.0,
+    ) -> None:
+        if not 0.0 <= churn <= 1.0:
+            raise ValueError(f"churn {churn}: expected a fraction in [0, 1]")
+        if refresh_s < 0:
+            raise ValueError(f"refresh_s {refresh_s}: expected >= 0")
         spec = plan.spec
         self.id = spec.id
         self.plan = plan
         self.interval_s = interval_s
         self.catalog = catalog
+        self.churn = churn
+        self.refresh_s = refresh_s
         self.rng = random.Random(plan.seed)
         self.instance = uuid.uuid4().hex[:12]
         self.capacity = normalize_inventory(spec.inventory, catalog)
@@ -204,7 +301,14 @@ class EmulatedSite:
         # a link's RTT floor in us (SimAgent: uniform 2-60 ms, rounded to 3 decimals)
         self.links = [(peer, round(self.rng.uniform(2.0, 60.0) * 1000)) for peer in plan.peers]
         self.record: AgentRecord | None = None
-        self.seq = 0
+        self.seq = 0  # statuses written under this instance (sites.agent)
+        # what the agent measures and what the registry holds of it (Agent._written_*)
+        self.usage: Usage | None = None
+        self.written_status: Usage | None = None
+        self.written_median: list[float | None] = [None] * len(self.links)  # ms
+        self.written_tolerance: list[float] = [0.0] * len(self.links)
+        self.refreshed_at: float | None = None  # loop time
+        self._phased = False  # the first refresh's phase is drawn
         self.txn_busy = False
         self.owed: float | None = None  # a publish fell due while the previous was in flight
         self.ka_sent: float | None = None  # loop time of the keepalive in flight
@@ -241,6 +345,7 @@ class EmulatedSite:
 
     def set_record(self, record: AgentRecord | None) -> None:
         self.record = record
+        self.forget()  # a new lease holds none of our keys (Agent._reacquire)
         if record is None:
             return
         value = record.model_dump_json().encode()  # sites.registry._encode
@@ -264,12 +369,59 @@ class EmulatedSite:
         self._lease = lease_field(record.lease_id)
         self.keepalive_request = b"\x08" + varint(record.lease_id)  # LeaseKeepAliveRequest{ID}
 
-    # -- one publish --------------------------------------------------------------------------
+    # -- what a publish writes (Agent.publish_once) --------------------------------------------
 
-    def draw(self) -> Draw:
+    def forget(self) -> None:
+        """The registry holds nothing of ours: the next publish writes it all."""
+        self.written_status = None
+        self.written_median = [None] * len(self.links)
+        self.refreshed_at = None
+
+    def next_publish(self, due: float) -> Publish | None:
+        """Measure (draw) and decide what to write, as Agent.publish_once; None: nothing, no Txn.
+
+        With probability `churn` the allocation changed (new usage figures), else the figures
+        are those of the last interval; every link is measured again (a median 0-2 ms above its
+        floor); the endpoint's load is drawn each time."""
+        r = self.rng.random
+        usage = self.usage
+        if usage is None or r() < self.churn:
+            usage = self.usage = self.draw_usage()
+        refresh = self.refreshed_at is None or due - self.refreshed_at >= self.refresh_s
+        written = self.written_status
+        put_status = refresh or written is None or status_moved(written, usage)
+        links: list[LinkDraw] = []
+        medians, tolerances = self.written_median, self.written_tolerance
+        for i, (_, base) in enumerate(self.links):
+            median, jitter = int(r() * 2001), int(r() * 1001)
+            old = medians[i]
+            if refresh or old is None or rtt_moved(old, tolerances[i], (base + median) / 1000):
+                links.append((i, median, jitter))
+        endpoint = self.draw_endpoint()
+        if not (put_status or links or endpoint is not None):
+            return None
+        return Publish(usage if put_status else None, tuple(links), endpoint, refresh, due)
+
+    def written(self, pub: Publish) -> None:
+        """The Txn of `pub` succeeded: the registry now holds what it wrote."""
+        if pub.status is not None:
+            self.written_status = pub.status
+            self.seq += 1
+        for i, median, _ in pub.links:
+            old = (self.links[i][1] + median) / 1000
+            self.written_median[i] = old
+            self.written_tolerance[i] = rtt_tolerance(old)
+        if pub.refresh:
+            if self._phased:
+                self.refreshed_at = pub.due
+            else:  # as if the agent had started at a random time: refreshes spread over refresh_s
+                self._phased = True
+                self.refreshed_at = pub.due - self.rng.uniform(0.0, self.refresh_s)
+
+    def draw_usage(self) -> Usage:
         r = self.rng.random
         t = self.tables
-        out = [
+        return (
             int(r() * len(t.gpu)),  # busy devices
             int(r() * len(t.cpu)),  # cores used
             int(r() * len(t.mem)),  # memory used, 0.1 GB
@@ -277,56 +429,65 @@ class EmulatedSite:
             20 + int(r() * 931),  # host cpu_util_pct 2-95, 0.1
             40 + int(r() * 261),  # host mem_used_gb 4-30, 0.1
             int(r() * 801),  # load_1m 0-8, 0.01
-        ]
-        for _ in self.links:
-            out.append(int(r() * 2001))  # median above the floor, us (0-2 ms)
-            out.append(int(r() * 1001))  # jitter, us (0-1 ms)
-        if self.plan.serves:
-            out.append(int(r() * 9))  # in_flight 0-8
-            out.append(200 + int(r() * 401))  # latency_ms 20-60, 0.1
-        return tuple(out)
+        )
 
-    def values(self, d: Draw, now: float) -> list[bytes]:
-        """The documents of one publish: status, last_seen, links..., endpoint."""
-        t = self.tables
+    def draw_links(self) -> tuple[LinkDraw, ...]:
+        r = self.rng.random
+        # median above the floor 0-2 ms, jitter 0-1 ms, in us
+        return tuple((i, int(r() * 2001), int(r() * 1001)) for i in range(len(self.links)))
+
+    def draw_endpoint(self) -> Endpoint | None:
+        if not self.plan.serves:
+            return None
+        r = self.rng.random
+        return int(r() * 9), 200 + int(r() * 401)  # in_flight 0-8, latency_ms 20-60 in 0.1
+
+    def values(self, pub: Publish, now: float) -> list[bytes]:
+        """The documents of one publish, in its order: status, last_seen, links..., endpoint."""
         at = repr(now)
-        out = [
-            self._status_t.render(
-                (
-                    str(self.seq),
-                    at,
-                    *t.gpu[d[0]],
-                    *t.cpu[d[1]],
-                    t.mem[d[2]],
-                    t.storage[d[3]],
-                    t.storage_used[d[3]],
-                    TENTHS[d[4]],
-                    TENTHS[d[5]],
-                    HUNDREDTHS[d[6]],
+        out = []
+        if (d := pub.status) is not None:
+            t = self.tables
+            out.append(
+                self._status_t.render(
+                    (
+                        str(self.seq),
+                        at,
+                        *t.gpu[d[0]],
+                        *t.cpu[d[1]],
+                        t.mem[d[2]],
+                        t.storage[d[3]],
+                        t.storage_used[d[3]],
+                        TENTHS[d[4]],
+                        TENTHS[d[5]],
+                        HUNDREDTHS[d[6]],
+                    )
                 )
-            ),
-            self._seen_t.render((at,)),
-        ]
-        i = 7
-        for (_, base), template in zip(self.links, self._link_t, strict=True):
-            out.append(template.render((repr((base + d[i]) / 1000), THOUSANDTHS[d[i + 1]], at)))
-            i += 2
-        if self._endpoint_t is not None:
-            out.append(self._endpoint_t.render((SMALL_INTS[d[i]], TENTHS[d[i + 1]], at)))
+            )
+            out.append(self._seen_t.render((at,)))
+        for i, median, jitter in pub.links:
+            base = self.links[i][1]
+            out.append(
+                self._link_t[i].render((repr((base + median) / 1000), THOUSANDTHS[jitter], at))
+            )
+        if (e := pub.endpoint) is not None and self._endpoint_t is not None:
+            out.append(self._endpoint_t.render((SMALL_INTS[e[0]], TENTHS[e[1]], at)))
         return out
 
-    def request(self, values: list[bytes]) -> bytes:
-        """The TxnRequest of Registry.publish for these documents."""
+    def request(self, pub: Publish, values: list[bytes]) -> bytes:
+        """The TxnRequest of Registry.publish for these documents (values(pub, ...))."""
         lease = self._lease
-        parts = [
-            self._compare,
-            put_op(self._status_key, values[0], lease),
-            put_op(self._seen_key, values[1], b""),
-        ]
-        for key, value in zip(self._link_keys, values[2 : 2 + len(self.links)], strict=True):
-            parts.append(put_op(key, value, lease))
-        if self._endpoint_t is not None:
-            parts.append(put_op(self._endpoint_key, values[-1], lease))
+        parts = [self._compare]
+        k = 0
+        if pub.status is not None:
+            parts.append(put_op(self._status_key, values[0], lease))
+            parts.append(put_op(self._seen_key, values[1], b""))
+            k = 2
+        for i, _, _ in pub.links:
+            parts.append(put_op(self._link_keys[i], values[k], lease))
+            k += 1
+        if pub.endpoint is not None:
+            parts.append(put_op(self._endpoint_key, values[k], lease))
         return b"".join(parts)
 
     # -- the same documents through pydantic (templates and the self check) -------------------
@@ -370,9 +531,9 @@ class EmulatedSite:
             storage=(StorageUsage(path="/data", total_tb=50.0, used_tb=used_tb),),
             host=fanin.build(
                 HostUsage,
-                cpu_cores=8,
+                cpu_cores=HOST_CORES,
                 cpu_util_pct=util,
-                mem_gb=32.0,
+                mem_gb=HOST_MEM_GB,
                 mem_used_gb=mem_used,
                 load_1m=load,
             ),
@@ -414,8 +575,8 @@ class EmulatedSite:
             updated_at=now,
         )
 
-    def models(self, d: Draw, now: float) -> list[BaseModel]:
-        """values() through pydantic, as SimAgent builds them: the reference for the check."""
+    def status_model(self, d: Usage, now: float) -> SiteStatus:
+        """The status values() renders for `d`, through pydantic as SimAgent builds it."""
         used = normalize(
             devices={self.tables.model: d[0]},
             cpu_cores=d[1],
@@ -423,42 +584,122 @@ class EmulatedSite:
             storage_tb=d[3] / 100,
             catalog=self.catalog,
         )
-        out: list[BaseModel] = [
-            self._status_model(
-                self.seq,
-                now,
-                self.capacity.minus(used),
-                used.storage_tb,
-                d[4] / 10,
-                d[5] / 10,
-                d[6] / 100,
-            ),
-            LastSeen(at=now, instance=self.instance),
-        ]
-        i = 7
-        for peer, base in self.links:
-            out.append(self._link_model(peer, base, (base + d[i]) / 1000, d[i + 1] / 1000, now))
-            i += 2
-        if self.plan.serves:
-            out.append(self._endpoint_model(d[i], d[i + 1] / 10, now))
-        return out
+        return self._status_model(
+            self.seq,
+            now,
+            self.capacity.minus(used),
+            used.storage_tb,
+            d[4] / 10,
+            d[5] / 10,
+            d[6] / 100,
+        )
+
+    def link_model(self, link: LinkDraw, now: float) -> LinkStatus:
+        i, median, jitter = link
+        peer, base = self.links[i]
+        return self._link_model(peer, base, (base + median) / 1000, jitter / 1000, now)
+
+    def endpoint_model(self, e: Endpoint, now: float) -> ServiceEndpoint:
+        return self._endpoint_model(e[0], e[1] / 10, now)
 
     def check(self) -> None:
-        """One publish rendered both ways must match byte for byte (raises EmulatorMismatch)."""
+        """A full publish and a partial one (no status, one link, the endpoint if serving),
+        rendered both ways, must match byte for byte, and the rules deciding what a publish
+        writes must agree with sites.drift (raises EmulatorMismatch)."""
         if self.record is None:
             raise EmulatorMismatch(f"{self.id}: no agent record to check against")
-        d, now = self.draw(), time.time()
-        values, models = self.values(d, now), self.models(d, now)
+        now = time.time()
+        full = Publish(self.draw_usage(), self.draw_links(), self.draw_endpoint(), True, 0.0)
+        self._check_publish(full, now, "a full publish")
+        partial = Publish(None, full.links[:1], full.endpoint, False, 0.0)
+        if partial.puts:
+            self._check_publish(partial, now, "a partial publish")
+        self._check_drift(now)
+
+    def _check_publish(self, pub: Publish, now: float, what: str) -> None:
+        record = self.record
+        if record is None:
+            raise EmulatorMismatch(f"{self.id}: no agent record to check against")
+        status = None if pub.status is None else self.status_model(pub.status, now)
+        links = [self.link_model(link, now) for link in pub.links]
+        services = [] if pub.endpoint is None else [self.endpoint_model(pub.endpoint, now)]
+        models: list[BaseModel] = []
+        if status is not None:
+            models += [status, LastSeen(at=now, instance=self.instance)]
+        models += [*links, *services]
+        values = self.values(pub, now)
+        if len(values) != len(models) or len(values) != pub.puts:
+            raise EmulatorMismatch(f"{self.id}: {what} renders {len(values)} documents")
         for value, model in zip(values, models, strict=True):
             expected = model.model_dump_json().encode()  # sites.registry._encode
             if value != expected:
                 raise EmulatorMismatch(
-                    f"{self.id}: {type(model).__name__} differs from pydantic's:\n"
+                    f"{self.id}: {what}: {type(model).__name__} differs from pydantic's:\n"
                     f"  emulator: {value!r}\n  pydantic: {expected!r}"
                 )
             type(model).model_validate_json(value)  # what the broker does with it
-        if self.request(values) != reference_txn(self.record, models, self.plan.serves):
-            raise EmulatorMismatch(f"{self.id}: the TxnRequest differs from aetcd's")
+        reference = reference_txn(record, status=status, links=links, services=services)
+        if self.request(pub, values) != reference:
+            raise EmulatorMismatch(f"{self.id}: {what}: the TxnRequest differs from aetcd's")
+
+    def _check_drift(self, now: float) -> None:
+        """status_moved and rtt_moved against sites.drift on the documents themselves: random
+        pairs and pairs at drift's tolerances (a step of exactly the tolerance, and one more).
+        The status rule depends on the site's capacity alone: checked once per capacity."""
+        if self.tables not in EmulatedSite._drift_checked:
+            self._check_status_drift(now)
+            EmulatedSite._drift_checked.append(self.tables)
+        self._check_link_drift(now)
+
+    _drift_checked: list[FreeTables] = []
+
+    def _check_status_drift(self, now: float) -> None:
+        old = self.draw_usage()
+        news = [old, self.draw_usage()]
+        if len(self.tables.gpu) > 1:
+            news.append(_replace(old, 0, 0 if old[0] else 1))
+        # (index, tolerance in the figure's units, its range)
+        for k, tolerance, lo, hi in (
+            (4, round(HOST_CPU_PCT * 10), 20, 950),
+            (5, round(HOST_MEM_REL * HOST_MEM_GB * 10), 40, 300),
+            (6, round(HOST_LOAD_PER_CORE * max(1, HOST_CORES) * 100), 0, 800),
+        ):
+            for step in (tolerance, tolerance + 1):
+                moved = old[k] + step if old[k] + step <= hi else old[k] - step
+                if lo <= moved <= hi:
+                    news.append(_replace(old, k, moved))
+        old_model = self.status_model(old, now)
+        for new in news:
+            expected = status_changed(old_model, self.status_model(new, now))
+            if status_moved(old, new) != expected:
+                raise EmulatorMismatch(
+                    f"{self.id}: status {old} -> {new}: the emulator says changed="
+                    f"{not expected}, sites.drift.status_changed {expected}"
+                )
+
+    def _check_link_drift(self, now: float) -> None:
+        r = self.rng.random
+        for i, (_, base) in enumerate(self.links):
+            w = int(r() * 2001)
+            tolerance_us = round(rtt_tolerance((base + w) / 1000) * 1000)
+            steps = (0, tolerance_us, tolerance_us + 1, int(r() * 2001) - w)
+            medians = {w + s for s in steps} | {w - s for s in steps}
+            old_ms = (base + w) / 1000
+            old_model = self.link_model((i, w, 0), now)
+            for m in sorted(x for x in medians if 0 <= x <= 2000):
+                expected = link_changed(old_model, self.link_model((i, m, 0), now))
+                got = rtt_moved(old_ms, rtt_tolerance(old_ms), (base + m) / 1000)
+                if got != expected:
+                    raise EmulatorMismatch(
+                        f"{self.id}: link {i} median {w} -> {m} us: the emulator says changed="
+                        f"{got}, sites.drift.link_changed {expected}"
+                    )
+
+
+def _replace(u: Usage, k: int, value: int) -> Usage:
+    f = list(u)
+    f[k] = value
+    return f[0], f[1], f[2], f[3], f[4], f[5], f[6]
 
 
 def range_holes(n: int) -> list[int | float]:
@@ -467,8 +708,15 @@ def range_holes(n: int) -> list[int | float]:
     return [si(i) if i in ints else sf(i) for i in range(n)]
 
 
-def reference_txn(record: AgentRecord, models: Sequence[BaseModel], serves: str | None) -> bytes:
-    """Registry.publish's TxnRequest, built with aetcd's own classes as aetcd's client does."""
+def reference_txn(
+    record: AgentRecord,
+    *,
+    status: SiteStatus | None,
+    links: Sequence[LinkStatus],
+    services: Sequence[ServiceEndpoint],
+) -> bytes:
+    """Registry.publish's TxnRequest (no deletes), built with aetcd's own classes as aetcd's
+    client does: the status and last_seen when `status` is given, the links, the endpoints."""
     tx = aetcd.transactions
     site, lease = record.site, record.lease_id
 
@@ -485,13 +733,15 @@ def reference_txn(record: AgentRecord, models: Sequence[BaseModel], serves: str 
     # aetcd's comparison DSL: `==` and `>` return the comparison, as Registry.publish uses it
     value_cmp = tx.Value(keys.agent(site).encode()) == record.model_dump_json().encode()
     version_cmp = tx.Version(keys.site_spec(site).encode()) > 0
-    status, seen, *rest = models
-    ops = [put(keys.site_status(site), status, True), put(keys.site_last_seen(site), seen, False)]
-    for model in rest:
-        if isinstance(model, LinkStatus):
-            ops.append(put(keys.link(site, model.dst), model, True))
-        elif isinstance(model, ServiceEndpoint) and serves:
-            ops.append(put(keys.service_endpoint(model.service, site, model.job), model, True))
+    ops = []
+    if status is not None:
+        seen = LastSeen(at=status.published_at, instance=record.instance)
+        ops += [
+            put(keys.site_status(site), status, True),
+            put(keys.site_last_seen(site), seen, False),
+        ]
+    ops += [put(keys.link(site, ln.dst), ln, True) for ln in links]
+    ops += [put(keys.service_endpoint(ep.service, site, ep.job), ep, True) for ep in services]
     request = rpc.TxnRequest(
         compare=[value_cmp.build_message(), version_cmp.build_message()], success=ops, failure=[]
     )

@@ -701,8 +701,14 @@ async def run_one(n: int, opts: Options, catalog: DeviceCatalog) -> dict[str, An
         emulator = agent_emulator.AgentEmulator(
             plans=plans,
             etcd_url=opts.etcd_url,
+            # every site writes everything every interval, as SimAgent does: this bench is
+            # the fan-in's worst case (live_federation.py has the agents' churn model)
             cfg=agent_emulator.EmulatorConfig(
-                interval_s=opts.interval_s, ttl_s=opts.ttl_s, keepalive_s=opts.keepalive_s
+                interval_s=opts.interval_s,
+                ttl_s=opts.ttl_s,
+                keepalive_s=opts.keepalive_s,
+                churn=1.0,
+                refresh_s=0.0,
             ),
             catalog=catalog,
             stats=stats,
