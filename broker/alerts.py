@@ -36,7 +36,6 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker import webhooks
@@ -56,6 +55,7 @@ from broker.alert_rules import (
 from broker.budgets import month_spend
 from broker.jobs import JobRecord, JobState
 from broker.leadership import Leadership
+from broker.metrics import LoopCollector, register_on_loop
 from broker.view import View, usage
 from metering.usage import UsageBook
 from sites import keys
@@ -188,20 +188,17 @@ class AlertMetrics:
             ["state"],
             registry=r,
         )
-        r.register(_FiringCollector(keeper))
+        register_on_loop(r, _FiringCollector(keeper))
 
 
-class _FiringCollector(Collector):
+class _FiringCollector(LoopCollector):
     """cpn_alerts_firing: 1 per firing alert, from the replica's mirror (every replica says
     the same: aggregate replicas with max)."""
 
     def __init__(self, keeper: AlertKeeper) -> None:
         self._keeper = keeper
 
-    def describe(self) -> Iterable[Metric]:
-        return iter(())
-
-    def collect(self) -> Iterable[Metric]:
+    def families(self) -> Iterable[Metric]:
         family = GaugeMetricFamily(
             "cpn_alerts_firing",
             "1 per alert the leader broker has firing, by rule and subject",

@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, Counter
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from broker.access import (
@@ -51,6 +51,7 @@ from broker.errors import (
 )
 from broker.history import DEFAULT_LIMIT, MAX_LIMIT, JobQuery, list_page, parse_since
 from broker.jobs import JobRecord, JobSpec, JobState
+from broker.metrics import exposition
 from broker.openapi import OPERATIONS, Operation, Param, Reply, document, register
 from broker.router import Router, route_json
 from broker.service import Broker
@@ -411,7 +412,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[BROKER].metrics.registry)
+    body = await exposition(request.app[BROKER].metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

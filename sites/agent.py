@@ -344,8 +344,9 @@ class Agent:
         links = self.prober.links(now)
         services = self.service_endpoints(now)
         written, written_links = self._written_status, self._written_links
+        confirm, self._confirm = self._confirm, False  # asked for again while this one runs
         refresh = (
-            self._confirm
+            confirm
             or self._refreshed_at is None
             or mono - self._refreshed_at >= self.settings.refresh_s
         )
@@ -386,6 +387,7 @@ class Agent:
             await self._reacquire()
             return
         except RegistryError as exc:
+            self._confirm |= confirm
             self.last_error = str(exc)
             self.metrics.publish_errors.labels(self.spec.id, "registry").inc()
             log.warning("publish failed: %s", exc)
@@ -402,7 +404,6 @@ class Agent:
         self._written_links = kept
         if refresh:
             self._refreshed_at = mono
-            self._confirm = False
         self._published_services = svc_names
         self.last_publish_at = now
         self.last_error = None

@@ -3,11 +3,16 @@ site, jobs by tenant and state from the view, at O(1) per request (label childre
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+
 from prometheus_client import generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 from broker.jobs import JobRecord, JobSpec, JobState
-from broker.metrics import BrokerMetrics
+from broker.metrics import BrokerMetrics, exposition
 from broker.view import View
 from sites.snapshot import Snapshot
 
@@ -57,3 +62,32 @@ def test_jobs_by_tenant_and_state_come_from_the_view_at_scrape_time() -> None:
     assert ("cpn_broker_jobs", frozenset({("tenant", "t2"), ("state", "RUNNING")})) not in (
         samples(metrics)
     )
+
+
+async def test_a_scrape_reads_the_view_on_the_loop_and_formats_on_a_thread() -> None:
+    """exposition(): what reads the view runs on the event loop's thread, everything else
+    (prometheus_client's own metrics, the text) on a worker thread, and the text is what
+    generate_latest gives."""
+    loop_thread = threading.get_ident()
+    seen: dict[str, int] = {}
+
+    class Spy(Collector):
+        def collect(self) -> Iterator[Metric]:
+            seen["formatting"] = threading.get_ident()
+            return iter(())
+
+    view = View(sites=Snapshot(revision=0))
+    view.jobs["j1"] = (record("j1", "t1", JobState.PENDING), 1)
+
+    def the_view() -> View:
+        seen["view"] = threading.get_ident()
+        return view
+
+    metrics = BrokerMetrics()
+    metrics.watch_view(the_view)
+    metrics.route_decided("beijing", "east-a")
+    metrics.registry.register(Spy())
+    text = (await exposition(metrics.registry)).decode()
+    assert seen["view"] == loop_thread and seen["formatting"] != loop_thread
+    assert text == generate_latest(metrics.registry).decode()
+    assert 'cpn_broker_jobs{state="PENDING",tenant="t1"} 1.0' in text
