@@ -17,6 +17,7 @@ from sites.registry import Registry
 from sites.spec import SiteSpec
 from sites.status import GpuDevice, HostUsage, LinkStatus, SiteStatus
 from tests.conftest import CONFIGS, site_doc
+from tests.routing.test_proxy import FakeClock  # time moves only when the test says
 
 REFRESH_S = 60.0
 
@@ -78,27 +79,10 @@ def test_a_link_changes_by_reachability_and_rtt_beyond_a_tolerance() -> None:
     assert link_changed(old, link("b", 22.5)) and not link_changed(link("b", 21.0), link("b", 22.5))
 
 
-class StepClock:
-    """Time moves only when the test says (the agent's clock)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def time(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return self.now
-
-    async def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-
 class Measured:
     """What the agent measures next: set by the test in place of the site's sensors."""
 
-    def __init__(self, clock: StepClock) -> None:
-        self.clock = clock
+    def __init__(self) -> None:
         self.free = 6
         self.rtt = {"peer-a": 20.0, "peer-b": 40.0}
 
@@ -113,7 +97,7 @@ class Measured:
 async def agent(registry: Registry, etcd: EmbeddedEtcd) -> Any:
     spec = SiteSpec.model_validate(site_doc("drifty", agent={"interval_s": 1.0}))
     await registry.join(spec)
-    clock = StepClock()
+    clock = FakeClock()
     agent = Agent(
         spec=spec,
         catalog=DeviceCatalog.load(CONFIGS / "devices.yaml"),
@@ -121,7 +105,7 @@ async def agent(registry: Registry, etcd: EmbeddedEtcd) -> Any:
         settings=AgentSettings.from_spec(spec, listen="127.0.0.1:0", refresh_s=REFRESH_S),
         clock=clock,
     )
-    measured = Measured(clock)
+    measured = Measured()
     agent.measure = measured.status  # type: ignore[method-assign]
     agent.prober.links = measured.links  # type: ignore[method-assign]
     await agent._acquire()
