@@ -148,11 +148,11 @@ class H2Transport:
             raise RegistryError("no connection")
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
-        def done(message: bytes | None, reason: str | None) -> None:
+        def done(message: bytes | None, reason: Failure | None) -> None:
             if future.done():
                 return
             if message is None:
-                future.set_exception(RegistryError(reason or "failed"))
+                future.set_exception(RegistryError(str(reason or "failed")))
             else:
                 future.set_result(message)
 

@@ -395,24 +395,30 @@ def etcd_revision(url: str) -> int | None:
 
 
 LAG = "cpn_broker_event_loop_lag_seconds"
+DECIDE = "cpn_broker_decide_duration_seconds"
 
 
-def loop_lag_buckets(base: str) -> dict[float, float]:
-    """The broker's event-loop lag histogram (docs/metrics.md): upper bound -> count."""
+def broker_histograms(base: str) -> dict[str, dict[float, float]]:
+    """The broker's event-loop lag and scheduler pass histograms (docs/metrics.md): name ->
+    upper bound -> count."""
     req = urllib.request.Request(base + "/metrics", headers=AUTH)
     with urllib.request.urlopen(req, timeout=5) as resp:
         text = resp.read().decode()
-    out = {}
+    out: dict[str, dict[float, float]] = {LAG: {}, DECIDE: {}}
     for line in text.splitlines():
-        if line.startswith(LAG + "_bucket{"):
+        name = line.split("_bucket{", 1)[0]
+        if name in out and line.startswith(name + "_bucket{"):
             bound = line.split('le="', 1)[1].split('"', 1)[0]
-            out[math.inf if bound == "+Inf" else float(bound)] = float(line.rsplit(" ", 1)[1])
+            count = float(line.rsplit(" ", 1)[1])
+            out[name][math.inf if bound == "+Inf" else float(bound)] = count
     return out
 
 
-def lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
-    """The window's samples of the broker's loop lag: the bucket each percentile falls in
-    (its upper bound, ms) and the share of samples late by more than 5, 10 and 20 ms."""
+def lag_summary(
+    before: dict[float, float], after: dict[float, float], over_ms: Sequence[int] = (5, 10, 20)
+) -> dict[str, Any]:
+    """The window's samples of one of the broker's histograms: the bucket each percentile falls
+    in (its upper bound, ms) and the share of samples over each of `over_ms` (bucket bounds)."""
     counts = {b: after[b] - before.get(b, 0.0) for b in sorted(after)}
     total = counts.get(math.inf, 0.0)
     if not total:
@@ -429,9 +435,7 @@ def lag_summary(before: dict[float, float], after: dict[float, float]) -> dict[s
         "samples": int(total),
         "p50_le_ms": bound_ms(0.5),
         "p99_le_ms": bound_ms(0.99),
-        "over_5ms_pct": over(5),
-        "over_10ms_pct": over(10),
-        "over_20ms_pct": over(20),
+        **{f"over_{ms}ms_pct": over(ms) for ms in over_ms},
     }
 
 
@@ -997,7 +1001,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             spy_load = args.py_spy / f"broker-{n}x{interval:g}s-load.txt"
             spies.append(start_py_spy(broker.pid, args.duration, spy_load))
         sampler.start()
-        lag_before = await asyncio.to_thread(loop_lag_buckets, base)
+        hist_before = await asyncio.to_thread(broker_histograms, base)
         until = asyncio.get_running_loop().time() + args.duration
         load_window = (time.time(), time.time() + args.duration)
         if operator is not None:
@@ -1008,7 +1012,9 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
         if operator is not None:
             await operator_result(*operator, load)
         load_cpu = sampler.rates()
-        lag = lag_summary(lag_before, await asyncio.to_thread(loop_lag_buckets, base))
+        hist_after = await asyncio.to_thread(broker_histograms, base)
+        lag = lag_summary(hist_before[LAG], hist_after[LAG])
+        passes = lag_summary(hist_before[DECIDE], hist_after[DECIDE], over_ms=(10, 25, 50))
         load_agents = agents_summary(reader.take())
         load_rss = rss_mb(broker.pid)
         log(
@@ -1035,6 +1041,18 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
                     lag["over_5ms_pct"],
                     lag["over_10ms_pct"],
                     lag["over_20ms_pct"],
+                )
+            )
+        if passes.get("samples"):
+            log(
+                "   the leader's scheduler passes (decide): {} in the window, p50 <= {} ms, "
+                "p99 <= {} ms; over 10 / 25 / 50 ms: {:.1f} / {:.1f} / {:.1f} %".format(
+                    passes["samples"],
+                    fanin.fmt_ms(passes["p50_le_ms"]),
+                    fanin.fmt_ms(passes["p99_le_ms"]),
+                    passes["over_10ms_pct"],
+                    passes["over_25ms_pct"],
+                    passes["over_50ms_pct"],
                 )
             )
         if not broker.alive():
@@ -1090,6 +1108,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             "agents": load_agents,
             "submit_ms": load.submit.summary(),
             "broker_loop_lag": lag,
+            "scheduler_passes": passes,
             "route_ms": load.route.summary(),
             "sites_ms": load.sites.summary(),
             "etcd_txn_ms": load.etcd_txn.summary(),

@@ -1005,7 +1005,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import uvloop  # type: ignore[import-not-found,unused-ignore]
 
         runner = uvloop.run
-        loop_name = f"uvloop {uvloop.__version__}"
+        loop_name = f"uvloop {getattr(uvloop, '__version__', '?')}"
 
     etcd: EmbeddedEtcd | None = None
     tmp: Path | None = None
