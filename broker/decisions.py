@@ -73,6 +73,7 @@ from sites import keys
 from sites.assignments import Assignment, Report, RunState
 from sites.catalog import DeviceCatalog
 from sites.registry import Guard
+from sites.snapshot import SiteChanges
 
 __all__ = [
     "Action",
@@ -84,6 +85,7 @@ __all__ = [
     "decide",
     "decide_batch",
     "track_down",
+    "DownSince",
 ]
 
 log = logging.getLogger(__name__)
@@ -163,8 +165,32 @@ class Decided:
 
 
 def track_down(view: View, previous: Mapping[str, float], now: float) -> dict[str, float]:
-    """site -> when the leader first saw it down, for the sites down now."""
+    """site -> when the leader first saw it down, for the sites down now (every site looked
+    at: DownSince follows the view's journal instead)."""
     return {site: previous.get(site, now) for site in view.sites.specs if not view.site_up(site)}
+
+
+class DownSince:
+    """site -> when the leader first saw it down, kept across passes: a pass looks again only
+    at the sites the view's site journal names (sites.snapshot.SiteChanges), every site only
+    when the journal cannot say. At 5,000 sites looking at every site on every pass was 15 %
+    of the leader's CPU under a load of 10 passes a second."""
+
+    def __init__(self) -> None:
+        self.since: dict[str, float] = {}
+        self._changes = SiteChanges()
+
+    def update(self, view: View, now: float) -> Mapping[str, float]:
+        changed = self._changes.since(view.sites)
+        if changed is None:
+            self.since = track_down(view, self.since, now)
+            return self.since
+        for site in set(changed):
+            if view.site_up(site) or site not in view.sites.specs:
+                self.since.pop(site, None)
+            else:
+                self.since.setdefault(site, now)
+        return self.since
 
 
 def decide(view: View, now: float, ctx: Context) -> Decided:

@@ -195,16 +195,22 @@ class _Index:
         "rtt",
     )
 
-    def __init__(self, sites: tuple[SiteOffer, ...]) -> None:
+    def __init__(
+        self, sites: tuple[SiteOffer, ...], by_id: Mapping[str, int] | None = None
+    ) -> None:
         # the position of every offer with_offer replaced, in order: snapshot k of the
         # lineage is the first one after k changes; `branched` once a snapshot other than
         # the newest made one (then the log is no one snapshot's history)
         self.log: list[int] = []
         self.branched = False
-        self.by_id: dict[str, int] = {}
-        for pos, site in enumerate(sites):
-            if self.by_id.setdefault(site.id, pos) != pos:
-                raise PlacementError(f"site id {site.id!r} appears twice in the snapshot")
+        if by_id is not None:  # the same ids in the same order (Federation.successor)
+            self.by_id: Mapping[str, int] = by_id
+        else:
+            ids: dict[str, int] = {}
+            for pos, site in enumerate(sites):
+                if ids.setdefault(site.id, pos) != pos:
+                    raise PlacementError(f"site id {site.id!r} appears twice in the snapshot")
+            self.by_id = ids
         self.rtt: dict[str, Mapping[str, float]] | None = None
         self.egress: tuple[dict[str, float], float] | None = None
         self.models: dict[str, tuple[str, ...]] | None = None
@@ -376,24 +382,49 @@ class Federation:
         builds this one from changed offers): its static part when every site keeps its id,
         region, prices and device memory, and its free capacity with the changed offers
         applied on first use; nothing when more than MAX_CHAIN offers changed."""
+        if len(previous.sites) != len(self.sites):
+            return
+        pairs = zip(previous.sites, self.sites, strict=True)
+        self._chain_columns(previous, [pos for pos, (a, b) in enumerate(pairs) if a is not b])
+
+    def successor(
+        self,
+        sites: tuple[SiteOffer, ...],
+        changed: Sequence[int],
+        user_rtt_ms: Mapping[tuple[str, str], float],
+    ) -> Federation:
+        """A snapshot of the same sites in the same order whose offers at positions `changed`
+        are new (the view's next one): its index takes this one's ids as they are, and its
+        columns chain from this one's (keep_columns), looking at the changed offers only. At
+        5,000 sites deriving both from every site took a pass 1-2 ms."""
+        if len(sites) != len(self.sites):
+            raise PlacementError("a successor keeps the snapshot's sites")
+        new = object.__new__(Federation)
+        object.__setattr__(new, "sites", sites)
+        object.__setattr__(new, "user_rtt_ms", user_rtt_ms)
+        object.__setattr__(new, "_index", _Index(sites, by_id=self._index.by_id))
+        object.__setattr__(new, "_columns", None)
+        object.__setattr__(new, "_seq", 0)
+        new._chain_columns(self, changed)
+        return new
+
+    def _chain_columns(self, previous: Federation, changed: Sequence[int]) -> None:
+        """keep_columns, given the positions whose offers differ from `previous`'s."""
         static = previous._index.columns
         link = previous._columns
-        if static is None or link is None or len(previous.sites) != len(self.sites):
+        if static is None or link is None:
             return
         depth = 0 if isinstance(link, Dynamic) else link.depth
-        changed: list[int] = []
-        for pos, (old, new) in enumerate(zip(previous.sites, self.sites, strict=True)):
-            if old is new:
-                continue
+        if depth + len(changed) > MAX_CHAIN:
+            return
+        for pos in changed:
+            old, new = previous.sites[pos], self.sites[pos]
             if (
                 old.id != new.id
                 or old.region != new.region
                 or old.prices != new.prices
                 or old.gpu_mem_gb != new.gpu_mem_gb
             ):
-                return
-            changed.append(pos)
-            if depth + len(changed) > MAX_CHAIN:
                 return
         for pos in changed:
             depth += 1

@@ -198,7 +198,7 @@ class Broker:
             external_url=url,
         )
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
-        self._down_since: dict[str, float] = {}
+        self._down = dc.DownSince()
         self._last_batch = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -303,7 +303,7 @@ class Broker:
             fair=self._fair,
             budgets=self.budgets(),
             written=tuple(self.actor.written.values()),
-            down_since=self._down_since,
+            down_since=self._down.since,
             preempt_skip=frozenset(
                 j for j, at in self._preempt_failed.items() if now - at < PREEMPT_RETRY_S
             ),
@@ -349,7 +349,7 @@ class Broker:
         now = self.clock.time()
         view = self.view()
         self.actor.forget_mirrored({job_id: r.attempt for job_id, (r, _) in view.jobs.items()})
-        self._down_since = dc.track_down(view, self._down_since, now)
+        self._down.update(view, now)
         await self._advance_fair_share(view, now)
         self._finished = await self.workflows.finished_parents(view, self._finished)
         started = time.perf_counter()

@@ -318,17 +318,20 @@ def federation(
     else:
         assert previous is not None  # (for mypy: todo is None without one)
         offers = list(previous.sites)
-        replaced = False
+        replaced: list[int] = []
         for site in todo:
             if (pos := d.positions.get(site)) is not None:
                 offer = _offer(view, site, held, cached, cached, catalog, settings)
-                replaced = replaced or offer is not offers[pos]
+                if offer is not offers[pos]:
+                    replaced.append(pos)
                 offers[pos] = offer
         if not replaced and previous.user_rtt_ms is user_rtt_ms:
             return previous  # what changed made the same offers: no look at every site
+        # the same sites in the same order: ids and columns carried over, not derived again
+        d.federation = previous.successor(tuple(offers), replaced, user_rtt_ms)
+        return d.federation
     if (
-        todo is None
-        and previous is not None
+        previous is not None
         and previous.user_rtt_ms is user_rtt_ms
         and len(previous.sites) == len(offers)
         and all(a is b for a, b in zip(previous.sites, offers, strict=True))

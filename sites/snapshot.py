@@ -30,7 +30,7 @@ from sites.status import (
     SiteView,
 )
 
-__all__ = ["Snapshot", "decode_value"]
+__all__ = ["SiteChanges", "Snapshot", "decode_value"]
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +279,33 @@ class Snapshot:
         for (_, site), ep in sorted(self.services.items()):
             served.setdefault(site, []).append(ep)
         return by_src, served
+
+
+class SiteChanges:
+    """Follows one reader's way through a snapshot's site journal.
+
+    `since(sites)` gives the sites whose spec, status, cordon, last_seen or agent changed since
+    the reader's previous call (with repeats), or None when the journal cannot say: the first
+    call, another snapshot, a site joined or left (`layout_version`), or entries dropped before
+    they were read. On None the reader looks at every site."""
+
+    def __init__(self) -> None:
+        self._snapshot: int | None = None  # id() of the snapshot followed
+        self._layout = -1
+        self._at = 0  # journal position read up to
+
+    def since(self, sites: Snapshot) -> list[str] | None:
+        journal, base = sites.site_journal, sites.site_journal_base
+        follows = (
+            journal is not None
+            and id(sites) == self._snapshot
+            and sites.layout_version == self._layout
+            and self._at >= base
+        )
+        changed = journal[self._at - base :] if follows and journal is not None else None
+        self._snapshot, self._layout = id(sites), sites.layout_version
+        self._at = base + len(journal or ())
+        return changed
 
 
 def _journal(journal: list[Any], entry: Any) -> int:

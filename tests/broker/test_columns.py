@@ -26,6 +26,7 @@ from broker.placement import (
     Decision,
     Federation,
     GroupState,
+    PlacementError,
     SiteOffer,
     TenantUsage,
     apply,
@@ -262,3 +263,30 @@ def test_a_new_snapshot_of_changed_offers_keeps_the_columns_of_the_last() -> Non
     repriced = Federation(sites=tuple(sites), user_rtt_ms=before.user_rtt_ms)
     repriced.keep_columns(before)
     assert repriced.columns()[0] is not static
+
+
+def test_a_successor_takes_the_ids_and_chains_the_columns_of_the_changed_offers_only() -> None:
+    # the view's next snapshot (broker.view.federation): same sites, same order
+    rng = random.Random(6)
+    before = federation(150, rng)
+    static, _ = before.columns()
+    sites = list(before.sites)
+    for pos in (3, 77):
+        sites[pos] = dataclasses.replace(sites[pos], free_cpu=sites[pos].free_cpu // 2, up=False)
+    after = before.successor(tuple(sites), [3, 77], before.user_rtt_ms)
+    assert after._index.by_id is before._index.by_id
+    assert after.position(sites[77].id) == 77 and after.site(sites[3].id) is sites[3]
+    kept, dynamic = after.columns()
+    assert kept is static
+    equal(dynamic, after)
+    assert before.columns()[1] is not dynamic  # each snapshot reads its own values
+    equal(before.columns()[1], before)
+    # a changed offer with another price: the static part is built again
+    sites[5] = dataclasses.replace(
+        sites[5], prices=sites[5].prices.model_copy(update={"usd_per_core_hour": 9.0})
+    )
+    repriced = after.successor(tuple(sites), [5], after.user_rtt_ms)
+    assert repriced.columns()[0] is not static
+    equal(repriced.columns()[1], repriced)
+    with pytest.raises(PlacementError):
+        after.successor(tuple(sites[:-1]), [], after.user_rtt_ms)

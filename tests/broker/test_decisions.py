@@ -196,6 +196,38 @@ def test_failover_waits_for_the_grace_then_migrates_at_once() -> None:
     assert new.state is JobState.PENDING and new.not_before == NOW + 1.0 and new.retries == 1
 
 
+def test_down_since_follows_the_site_journal_and_keeps_when_each_site_went_down() -> None:
+    snap = snapshot("a", "b", "c", down=("c",))
+    snap.site_journal = []  # as the broker's view keeps it
+    v = view(snap)
+    down = dc.DownSince()
+    assert down.update(v, NOW) == {"c": NOW}  # the first pass: every site
+    looked: list[str] = []
+    site_up = v.site_up
+    v.site_up = lambda site: looked.append(site) or site_up(site)  # type: ignore[method-assign]
+    snap.apply(keys.agent("a"), None)  # a's lease expired
+    assert down.update(v, NOW + 1) == {"a": NOW + 1, "c": NOW}
+    assert looked == ["a"]  # only the site the journal names
+    b_agent, b_status = snap.agents["b"], snap.statuses["b"]
+    snap.apply(keys.agent("c"), b_agent.model_copy(update={"site": "c"}).model_dump_json().encode())
+    snap.apply(
+        keys.site_status("c"), b_status.model_copy(update={"site": "c"}).model_dump_json().encode()
+    )
+    assert down.update(v, NOW + 2) == {"a": NOW + 1}  # c is back; a is still down since NOW + 1
+    assert down.since == dc.track_down(v, down.since, NOW + 2)
+    # a site joins (the layout moved): every site again; d has no agent yet
+    snap.apply(
+        keys.site_spec("d"),
+        snap.specs["b"].model_copy(update={"id": "d"}).model_dump_json().encode(),
+    )
+    assert down.update(v, NOW + 3) == {"a": NOW + 1, "d": NOW + 3}
+    # changes dropped from the journal before this reader read them: every site again
+    snap.apply(keys.site_status("b"), None)
+    snap.site_journal_base += len(snap.site_journal)
+    snap.site_journal.clear()
+    assert down.update(v, NOW + 4) == {"a": NOW + 1, "b": NOW + 4, "d": NOW + 3}
+
+
 # -- gangs ----------------------------------------------------------------------------------
 
 
