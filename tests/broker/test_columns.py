@@ -243,14 +243,20 @@ def test_older_snapshots_read_their_own_columns_after_newer_ones() -> None:
         equal(dynamic, snap)
 
 
-def test_a_new_snapshot_of_changed_offers_keeps_the_columns_of_the_last() -> None:
-    # the view builds a new Federation when offers change: only those are redone
-    rng = random.Random(5)
-    before = federation(150, rng)
+def two_offers_changed(seed: int) -> tuple[Federation, columns.Static, list[SiteOffer]]:
+    """A snapshot with its columns built, its static part, and its offers with those at
+    positions 3 and 77 changed (less free, down)."""
+    before = federation(150, random.Random(seed))
     static, _ = before.columns()
     sites = list(before.sites)
     for pos in (3, 77):
         sites[pos] = dataclasses.replace(sites[pos], free_cpu=sites[pos].free_cpu // 2, up=False)
+    return before, static, sites
+
+
+def test_a_new_snapshot_of_changed_offers_keeps_the_columns_of_the_last() -> None:
+    # the view builds a new Federation when offers change: only those are redone
+    before, static, sites = two_offers_changed(5)
     after = Federation(sites=tuple(sites), user_rtt_ms=before.user_rtt_ms)
     after.keep_columns(before)
     kept, dynamic = after.columns()
@@ -267,12 +273,7 @@ def test_a_new_snapshot_of_changed_offers_keeps_the_columns_of_the_last() -> Non
 
 def test_a_successor_takes_the_ids_and_chains_the_columns_of_the_changed_offers_only() -> None:
     # the view's next snapshot (broker.view.federation): same sites, same order
-    rng = random.Random(6)
-    before = federation(150, rng)
-    static, _ = before.columns()
-    sites = list(before.sites)
-    for pos in (3, 77):
-        sites[pos] = dataclasses.replace(sites[pos], free_cpu=sites[pos].free_cpu // 2, up=False)
+    before, static, sites = two_offers_changed(6)
     after = before.successor(tuple(sites), [3, 77], before.user_rtt_ms)
     assert after._index.by_id is before._index.by_id
     assert after.position(sites[77].id) == 77 and after.site(sites[3].id) is sites[3]
