@@ -22,7 +22,7 @@ from operator import itemgetter
 from pydantic import BaseModel, Field
 
 from sites.catalog import Capacity
-from sites.snapshot import Snapshot
+from sites.snapshot import JournalCursor, Snapshot
 from sites.spec import Coordinates, SiteSpec
 from sites.status import LinkStatus, SiteState, SiteStatus, SiteView
 
@@ -156,10 +156,9 @@ class SiteRows:
     def __init__(self) -> None:
         self.lock = asyncio.Lock()
         self._snapshot: int | None = None  # id() of the snapshot these rows follow
-        self._layout = -1
         self._version = -1
-        self._sites_at = 0  # journal positions read up to
-        self._links_at = 0
+        self._sites = JournalCursor("site")
+        self._links = JournalCursor("link")
         self._at = -math.inf  # time.monotonic() of the last refresh
         self._rtt: dict[str, dict[str, float]] = {}  # src -> dst -> rtt_ms
         self._rows: dict[str, _Row] = {}
@@ -174,10 +173,13 @@ class SiteRows:
             if self._snapshot is not None and now - self._at < SITES_REFRESH_S:
                 return
             self._at = now
-            if self._follows(sites):
-                await self._update(sites)
-            else:
+            self._snapshot, self._version = id(sites), sites.version
+            # read now: what changes while rendering is in the journals for the next refresh
+            changed, links = self._sites.since(sites), self._links.since(sites)
+            if changed is None or links is None:
                 await self._rebuild(sites)
+            else:
+                await self._update(sites, changed, links)
 
     def page(self, after: str, limit: int, now: float) -> tuple[list[bytes], str | None]:
         """Up to `limit` rows after site id `after`, their last_seen_ago_s as of `now`, and the
@@ -188,24 +190,7 @@ class SiteRows:
         more = start + limit < len(self.ids)
         return rows, ids[-1] if more and ids else None
 
-    def _follows(self, sites: Snapshot) -> bool:
-        """Whether the journals hold every change since the last refresh."""
-        return (
-            id(sites) == self._snapshot
-            and sites.layout_version == self._layout
-            and sites.site_journal is not None
-            and sites.link_journal is not None
-            and self._sites_at >= sites.site_journal_base
-            and self._links_at >= sites.journal_base
-        )
-
-    def _mark(self, sites: Snapshot) -> None:
-        self._snapshot, self._layout, self._version = id(sites), sites.layout_version, sites.version
-        self._sites_at = sites.site_journal_base + len(sites.site_journal or ())
-        self._links_at = sites.journal_base + len(sites.link_journal or ())
-
     async def _rebuild(self, sites: Snapshot) -> None:
-        self._mark(sites)  # what changes while rendering is in the journals from here on
         rtt: dict[str, dict[str, float]] = {}
         for (src, dst), ln in sites.links.items():
             if ln.rtt_ms is not None:
@@ -216,12 +201,11 @@ class SiteRows:
         # swapped in whole: a page answered meanwhile (between the chunks) reads the old rows
         self._rtt, self._rows, self.ids = rtt, rows, ids
 
-    async def _update(self, sites: Snapshot) -> None:
+    async def _update(
+        self, sites: Snapshot, changed: list[str], links: list[tuple[str, str]]
+    ) -> None:
         # copies of what is new (a list copy is one memcpy), read JOURNAL_CHUNK at a time
         # yielding between: seconds of a thousand sites' changes are thousands of entries
-        changed = (sites.site_journal or [])[self._sites_at - sites.site_journal_base :]
-        links = (sites.link_journal or [])[self._links_at - sites.journal_base :]
-        self._mark(sites)
         for i in range(0, len(links), JOURNAL_CHUNK):
             if i:
                 await asyncio.sleep(0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -30,7 +30,7 @@ from sites.status import (
     SiteView,
 )
 
-__all__ = ["SiteChanges", "Snapshot", "decode_value"]
+__all__ = ["JournalCursor", "Snapshot", "decode_value"]
 
 log = logging.getLogger(__name__)
 
@@ -281,21 +281,28 @@ class Snapshot:
         return by_src, served
 
 
-class SiteChanges:
-    """Follows one reader's way through a snapshot's site journal.
+class JournalCursor:
+    """One reader's way through one of a snapshot's journals: `site` (Snapshot.site_journal)
+    or `link` (Snapshot.link_journal).
 
-    `since(sites)` gives the sites whose spec, status, cordon, last_seen or agent changed since
-    the reader's previous call (with repeats), or None when the journal cannot say: the first
-    call, another snapshot, a site joined or left (`layout_version`), or entries dropped before
-    they were read. On None the reader looks at every site."""
+    `since(sites)` gives the entries added since the reader's previous call (with repeats),
+    and moves the reader to the journal's end; None when the journal cannot say: the first
+    call, another snapshot, a site joined or left or a prefix was listed again
+    (`layout_version`), or entries dropped before they were read. On None the reader looks at
+    everything."""
 
-    def __init__(self) -> None:
+    def __init__(self, journal: Literal["site", "link"]) -> None:
+        self._site = journal == "site"
         self._snapshot: int | None = None  # id() of the snapshot followed
         self._layout = -1
         self._at = 0  # journal position read up to
 
-    def since(self, sites: Snapshot) -> list[str] | None:
-        journal, base = sites.site_journal, sites.site_journal_base
+    def since(self, sites: Snapshot) -> list[Any] | None:
+        journal: list[Any] | None
+        if self._site:
+            journal, base = sites.site_journal, sites.site_journal_base
+        else:
+            journal, base = sites.link_journal, sites.journal_base
         follows = (
             journal is not None
             and id(sites) == self._snapshot
