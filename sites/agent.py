@@ -43,7 +43,7 @@ from sites.executor import Executor, UnavailableExecutor, make_executor
 from sites.mirror import PrefixMirror
 from sites.registry import Registry
 from sites.slurm import SlurmExecutor
-from sites.spec import SiteSpec
+from sites.spec import REFRESH_S, SiteSpec
 from sites.status import (
     AgentRecord,
     AgentSecret,
@@ -77,7 +77,7 @@ class AgentSettings(BaseModel):
     probe_advertise: str | None = Field(default=None, description="host:port peers probe")
     interval_s: float = Field(gt=0)
     refresh_s: float = Field(
-        default=30.0, ge=0, description="write the status and links at least this often"
+        default=REFRESH_S, ge=0, description="write the status and links at least this often"
     )
     probe_method: str = "auto"
     probe_samples: int = Field(default=5, ge=1)

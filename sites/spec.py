@@ -249,6 +249,9 @@ class Perception(Frozen):
     storage_paths: tuple[str, ...] = ("/",)
 
 
+REFRESH_S = 30.0  # an agent writes its status and links at least this often (sites.drift)
+
+
 class Agent(Frozen):
     listen: str = Field(
         default="127.0.0.1:0",
@@ -259,7 +262,7 @@ class Agent(Frozen):
         default=5.0, ge=0.2, le=300, description="measurement period: what changed is published"
     )
     refresh_s: float = Field(
-        default=30.0,
+        default=REFRESH_S,
         ge=0,
         le=3600,
         description="the status and links are written at least this often even when unchanged "

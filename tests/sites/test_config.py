@@ -64,6 +64,8 @@ INVALID = [
     ("services", [svc(), svc()], "services[1].name"),
     ("executor", {"kind": "local", "partition": "gpu"}, "executor.partition"),
     ("agent", {"interval_s": 0}, "agent.interval_s"),
+    ("agent", {"refresh_s": -1}, "agent.refresh_s"),
+    ("agent", {"refresh_s": 7200}, "agent.refresh_s"),
     ("labels", {"Bad Key": "x"}, "labels"),
     ("surprise", 1, "surprise"),
 ]  # fmt: skip
