@@ -44,9 +44,8 @@ from sites.drift import (
     HOST_CPU_PCT,
     HOST_LOAD_PER_CORE,
     HOST_MEM_REL,
-    LINK_RTT_ABS_MS,
-    LINK_RTT_REL,
     link_changed,
+    rtt_tolerance,
     status_changed,
 )
 from sites.spec import SiteSpec
@@ -259,11 +258,6 @@ def status_moved(old: Usage, new: Usage) -> bool:
     if abs(old[5] / 10 - new[5] / 10) > HOST_MEM_REL * HOST_MEM_GB:
         return True
     return abs(old[6] / 100 - new[6] / 100) > HOST_LOAD_PER_CORE * max(1, HOST_CORES)
-
-
-def rtt_tolerance(old_ms: float) -> float:
-    """sites.drift's tolerance on an RTT whose value last written was `old_ms`."""
-    return max(LINK_RTT_ABS_MS, LINK_RTT_REL * (old_ms or 0.0))
 
 
 def rtt_moved(old_ms: float, tolerance: float, new_ms: float) -> bool:

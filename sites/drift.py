@@ -29,6 +29,7 @@ __all__ = [
     "LINK_RTT_ABS_MS",
     "LINK_RTT_REL",
     "link_changed",
+    "rtt_tolerance",
     "status_changed",
 ]
 
@@ -74,8 +75,13 @@ def link_changed(old: LinkStatus, new: LinkStatus) -> bool:
     return abs(old.loss_pct - new.loss_pct) >= LINK_LOSS_PCT
 
 
+def rtt_tolerance(old_ms: float | None) -> float:
+    """How far an RTT may move from `old_ms`, the value last written, before it is written."""
+    return max(LINK_RTT_ABS_MS, LINK_RTT_REL * (old_ms or 0.0))
+
+
 def _rtt_moved(old: float | None, new: float | None) -> bool:
-    return _moved(old, new, max(LINK_RTT_ABS_MS, LINK_RTT_REL * (old or 0.0)))
+    return _moved(old, new, rtt_tolerance(old))
 
 
 def _host_moved(old: HostUsage, new: HostUsage) -> bool:
