@@ -52,8 +52,16 @@ fresh free ports so that it cannot collide with another `cpn up` on this machine
      through the broker, alternated; added = p50 (p99) through the broker - p50 (p99) direct.
    - throughput: closed loop, fixed concurrency, through the one broker process (and direct,
      for what the generator and stand-ins alone reach); CPU of every process is reported.
+     The closed loop is wrk (the Debian package, installed with apt-get when root and
+     missing; --no-wrk: the bench's aiohttp client), which costs a few % of a core where the
+     aiohttp client cost as much as the broker. Then the same runs with the service's
+     stand-ins replaced by nginx answering what each stand-in answered (a completion,
+     /metrics, /stats, /healthz, captured from it; "nginx backends" in the table;
+     --no-fixed-backends skips them): the stand-ins, in Python, cost about as much per request
+     as the broker, so on 2 cores they, not the broker, capped the throughput.
 
-The load generator is an asyncio aiohttp client in this process. The machine has 2 cores
+The load generator is an asyncio aiohttp client in this process (wrk for the loopback
+throughput). The machine has 2 cores
 shared by the generator, the broker, the emulator, the agents, etcd, nginx and the stand-ins:
 the CPU table under each run says who used what. Requests rotate over 16 tenants
 (`X-Cpn-Tenant: bench-N`) so the broker's per-tenant rate limit (1,000 req/s) does not cap
@@ -716,37 +724,44 @@ def poisson_schedule(
 
 def ensure_nginx() -> tuple[str | None, str]:
     """The nginx binary, installing the system package when missing; (None, why) if not."""
-    found = shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/usr/local/sbin/nginx") if Path(p).exists()), None
-    )
+    return ensure_tool("nginx", "nginx", ("/usr/sbin/nginx", "/usr/local/sbin/nginx"))
+
+
+def ensure_wrk() -> tuple[str | None, str]:
+    """wrk (the HTTP load generator, in C), installing the system package when missing."""
+    return ensure_tool("wrk", "wrk", ("/usr/bin/wrk", "/usr/local/bin/wrk"))
+
+
+def ensure_tool(name: str, package: str, paths: tuple[str, ...]) -> tuple[str | None, str]:
+    """The binary `name`, installing the Debian `package` with apt-get (as root) when it is
+    missing; (None, why) when it cannot be had."""
+    found = shutil.which(name) or next((p for p in paths if Path(p).exists()), None)
     if found:
-        return found, f"nginx found at {found}"
+        return found, f"{name} found at {found}"
     if not shutil.which("apt-get"):
-        return None, "nginx is not installed and there is no apt-get"
+        return None, f"{name} is not installed and there is no apt-get"
     if os.geteuid() != 0:
-        return None, "nginx is not installed and installing it needs root (apt-get)"
-    log("nginx is not on PATH: installing it: apt-get update && apt-get install -y nginx")
+        return None, f"{name} is not installed and installing it needs root (apt-get)"
+    log(f"{name} is not on PATH: installing it: apt-get update && apt-get install -y {package}")
     running_before = _nginx_pids()
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     try:
-        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "nginx"]):
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", package]):
             r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
             if r.returncode != 0:
                 tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
                 return None, f"`{' '.join(cmd)}` failed ({r.returncode}): {' / '.join(tail)}"
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return None, f"installing nginx failed: {exc}"
-    # The package's postinst may start the system nginx (port 80): stop what the install started.
+        return None, f"installing {name} failed: {exc}"
+    # nginx's postinst may start the system nginx (port 80): stop what the install started.
     for pid in _nginx_pids() - running_before:
         try:
             os.kill(pid, signal.SIGQUIT)
             log(f"stopped the system nginx (pid {pid}) that the package install started")
         except OSError:
             pass
-    found = shutil.which("nginx") or (
-        "/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None
-    )
-    return (found, "nginx installed from the system packages") if found else (None, "no nginx")
+    found = shutil.which(name) or next((p for p in paths if Path(p).exists()), None)
+    return (found, f"{name} installed from the system packages") if found else (None, f"no {name}")
 
 
 def _nginx_pids() -> set[int]:
@@ -837,6 +852,226 @@ http {{
                 break
             time.sleep(0.1)
         raise RuntimeError(f"nginx did not start; see {self.workdir}/error.log")
+
+    def processes(self) -> list[psutil.Process]:
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children()]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# -- the loopback throughput's C tools: wrk, and nginx as fixed-answer model servers ----------
+
+
+WRK_SCRIPT = """-- bench/routing.py: each request names a client region and a tenant, in turn
+local heads = {}
+local i = 0
+init = function(args)
+  local regions = {%(regions)s}
+  local body = %(body)s
+  local n = 0
+  for k = 0, %(tenants)d * #regions - 1 do
+    local h = {["Content-Type"] = "application/json", ["Authorization"] = %(auth)s,
+      ["X-Cpn-Client-Region"] = regions[(k %% #regions) + 1],
+      ["X-Cpn-Tenant"] = "bench-" .. (k %% %(tenants)d)}
+    if not %(region_header)s then h["X-Cpn-Client-Region"] = nil end
+    heads[n] = wrk.format("POST", nil, h, body)
+    n = n + 1
+  end
+end
+request = function()
+  i = (i + 1) %% #heads
+  return heads[i]
+end
+"""
+
+
+def _lua(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a valid Lua string literal for these texts
+
+
+def _wrk_ms(value: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s)", value)
+    if not m:
+        return math.nan
+    return float(m.group(1)) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[m.group(2)]
+
+
+def run_wrk(
+    binary: str, url: str, regions: list[str], script_dir: Path, *, concurrency: int,
+    duration_s: float, region_header: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """A closed loop of `concurrency` connections by wrk (one thread), over `url`; the
+    figures closed_loop gives, and wrk's own CPU (% of one core)."""
+    script = script_dir / ("wrk.lua" if region_header else "wrk-direct.lua")
+    script.write_text(
+        WRK_SCRIPT
+        % {
+            "regions": ", ".join(_lua(r) for r in regions),
+            "body": _lua(BODY),
+            "tenants": TENANTS,
+            "auth": _lua(AUTH.get("Authorization", "")),
+            "region_header": "true" if region_header else "false",
+        }
+    )
+    before = os.times()
+    r = subprocess.run(
+        [binary, "-t1", f"-c{concurrency}", f"-d{duration_s:g}s", "--latency", "-s", str(script),
+         url],
+        capture_output=True, text=True, timeout=duration_s + 60,
+    )  # fmt: skip
+    after = os.times()
+    out = r.stdout
+    if r.returncode != 0 or "requests in" not in out:
+        raise RuntimeError(f"wrk failed ({r.returncode}): {(r.stderr or out).strip()[-300:]}")
+    done = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
+    assert done is not None
+    wall = float(done.group(2)) * (0.001 if done.group(3) == "ms" else 1.0)
+    lat = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+    errors: dict[str, int] = {}
+    if m := re.search(r"Non-2xx or 3xx responses: (\d+)", out):
+        errors["non-2xx"] = int(m.group(1))
+    if m := re.search(r"Socket errors: (.*)$", out, re.M):
+        for kind, n in re.findall(r"(\w+) (\d+)", m.group(1)):
+            if int(n):
+                errors[f"socket {kind}"] = int(n)
+    child_cpu = (after.children_user + after.children_system) - (
+        before.children_user + before.children_system
+    )
+    return {
+        "generator": "wrk",
+        "concurrency": concurrency,
+        "completed": int(done.group(1)),
+        "rps": int(done.group(1)) / wall,
+        "p50_ms": _wrk_ms(lat.get("50", "")),
+        "p99_ms": _wrk_ms(lat.get("99", "")),
+        "errors": errors,
+        "wrk_cpu": 100 * child_cpu / wall,
+    }
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    """The process's command line; "" once it exited (a zombie has none)."""
+    try:
+        return " ".join(proc.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def stop_standin(proc: psutil.Process, timeout_s: float = 10) -> None:
+    """SIGTERM to a stand-in of the demo and wait until it exited (a zombie until `cpn up`,
+    its parent, reaps it: psutil's wait() would wait for that)."""
+    proc.terminate()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"stand-in pid {proc.pid} did not stop in {timeout_s:g} s")
+
+
+@dataclass
+class FixedBackends:
+    """nginx in place of the STAND-IN model servers of one service: each answers what its
+    stand-in answered (a completion, /metrics, /stats, /healthz, captured from it before it was
+    stopped) at the cost of a static reply, so that a throughput run measures the broker and
+    not the stand-ins (about as costly per request as the broker, in Python). Not a model
+    server either: no service time, no load; the agents go on reading its /metrics."""
+
+    binary: str
+    workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+    urls: list[str] = field(default_factory=list)
+
+    def replace(self, demo: Demo, urls: list[str]) -> None:
+        """Capture each stand-in's answers, stop it, and start nginx on its address."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        standins = demo.processes().get("stand-in model servers", [])
+        servers = []
+        for n, url in enumerate(urls):
+            base = url.rstrip("/")
+            host_port = base.split("://", 1)[1]
+            d = self.workdir / f"b{n}"
+            d.mkdir(exist_ok=True)
+            for name in ("metrics", "stats", "healthz"):
+                with urllib.request.urlopen(f"{base}/{name}", timeout=5) as resp:
+                    (d / name).write_bytes(resp.read())
+            req = urllib.request.Request(
+                f"{base}/v1/completions", data=BODY.encode(),
+                headers={"Content-Type": "application/json"},
+            )  # fmt: skip
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                answer = resp.read().decode()
+            if any(c in answer for c in "'\\$"):
+                raise RuntimeError(f"{base}: the stand-in's answer cannot be an nginx literal")
+            owner = [p for p in standins if f"--listen {host_port}" in _cmdline(p)]
+            if len(owner) != 1:
+                raise RuntimeError(f"no single stand-in listens on {host_port}: {owner}")
+            stop_standin(owner[0])
+            servers.append(
+                f"""  server {{
+    listen {host_port};
+    keepalive_requests 1000000;
+    location = /metrics {{
+      default_type "text/plain; version=0.0.4; charset=utf-8"; alias {d}/metrics;
+    }}
+    location = /stats {{ default_type application/json; alias {d}/stats; }}
+    location = /healthz {{ default_type application/json; alias {d}/healthz; }}
+    location / {{ default_type application/json; return 200 '{answer}'; }}
+  }}
+"""
+            )
+        temps = "".join(
+            f"  {k}_temp_path {self.workdir}/tmp/{k};\n"
+            for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (self.workdir / "tmp" / k).mkdir(parents=True, exist_ok=True)
+        conf = self.workdir / "nginx.conf"
+        conf.write_text(
+            f"""# bench/routing.py: fixed-answer backends in place of stand-ins (bench-routing)
+worker_processes 1;
+pid {self.workdir}/nginx.pid;
+error_log {self.workdir}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+{temps}{"".join(servers)}}}
+"""
+        )
+        args = [self.binary, "-p", str(self.workdir), "-c", str(conf), "-g", "daemon off;"]
+        with open(self.workdir / "stdout.log", "ab") as out:
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        self.urls = urls
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                for url in urls:
+                    with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=1) as resp:
+                        if "nginx" not in resp.headers.get("Server", ""):
+                            raise OSError("not nginx yet")
+                log(f"fixed-answer backends: nginx (pid {self.proc.pid}) on {', '.join(urls)}")
+                return
+            except OSError:
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        raise RuntimeError(f"the fixed-answer nginx did not start; see {self.workdir}/error.log")
 
     def processes(self) -> list[psutil.Process]:
         if self.proc is None or self.proc.poll() is not None:
@@ -1388,28 +1623,78 @@ async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             added[f"added_p{q}_ms_rounds"] = diffs
         route_ms = await route_ms_sample(demo, regions)
 
+        wrk_bin, wrk_note = (None, "wrk not used (--no-wrk)") if args.no_wrk else ensure_wrk()
+        log(wrk_note)
+        urls = {
+            "cpn": f"{base}/v1/infer/{LOOPBACK_SERVICE}/v1/completions",
+            # wrk sends to one URL: the site the broker picks for the first region
+            "direct": f"{endpoints[best[regions[0]]].rstrip('/')}/v1/completions",
+        }
         throughput: dict[str, Any] = {}
-        for name, target in paths.items():
-            for conc in args.concurrency:
-                meter = CpuMeter(demo.processes)
-                meter.start()
-                log(f"throughput, {name}: {conc} clients, {args.throughput_s:g} s")
 
-                def make(k: int) -> Req:
-                    return Req(regions[k % len(regions)], LOOPBACK_SERVICE, 0.0, f"bench-{k % 16}")
+        async def runs(
+            roles: Callable[[], dict[str, list[psutil.Process]]], suffix: str = ""
+        ) -> None:
+            for name, target in paths.items():
+                for conc in args.concurrency:
+                    meter = CpuMeter(roles)
+                    meter.start()
+                    how = "wrk" if wrk_bin else "the bench's aiohttp client"
+                    secs = f"{args.throughput_s:g} s"
+                    log(f"throughput, {name}{suffix}: {conc} clients ({how}), {secs}")
+                    if wrk_bin:
+                        r = await asyncio.to_thread(
+                            run_wrk, wrk_bin, urls[name], regions, work / "loopback",
+                            concurrency=conc, duration_s=args.throughput_s,
+                            region_header=name == "cpn",
+                        )  # fmt: skip
+                    else:
 
-                r = await closed_loop(target, make, conc, 1.0, args.throughput_s)
-                r["cpu"] = meter.stop()
-                key = f"{name} c={conc}"
-                throughput[key] = r
-                cpu[key] = r["cpu"]
-                log(f"  {r['rps']:,.0f} req/s, p50 {fmt(r['p50_ms'], 2)} ms, errors {r['errors']}")
+                        def make(k: int) -> Req:
+                            return Req(
+                                regions[k % len(regions)], LOOPBACK_SERVICE, 0.0, f"bench-{k % 16}"
+                            )
+
+                        r = await closed_loop(target, make, conc, 1.0, args.throughput_s)
+                    r["cpu"] = meter.stop()
+                    if "wrk_cpu" in r:
+                        r["cpu"]["wrk (load generator)"] = r["wrk_cpu"]
+                    key = f"{name} c={conc}{suffix}"
+                    throughput[key] = r
+                    cpu[key] = r["cpu"]
+                    log(
+                        f"  {r['rps']:,.0f} req/s, p50 {fmt(r['p50_ms'], 2)} ms, "
+                        f"errors {r['errors']}"
+                    )
+
+        await runs(demo.processes)
+        fixed_note = None
+        if not args.no_fixed_backends:
+            nginx_bin, fixed_note = ensure_nginx()
+            if nginx_bin:
+                fixed = FixedBackends(nginx_bin, work / "loopback" / "fixed")
+                try:
+                    fixed.replace(demo, [e["url"] for e in demo.endpoints()[LOOPBACK_SERVICE]])
+                    fixed_note = "nginx answering what each stand-in answered"
+                    await until_served(broker, regions)
+
+                    def roles() -> dict[str, list[psutil.Process]]:
+                        return {
+                            **demo.processes(),
+                            "fixed-answer backends (nginx)": fixed.processes(),
+                        }
+
+                    await runs(roles, ", nginx backends")
+                finally:
+                    fixed.stop()
         await session.close()
         profile = None
         if args.profile:
             profile = await profile_broker(demo, cfg, regions, Path(args.profile), args)
         return {
             "scapy_blocked": demo.block_scapy,
+            "generator": wrk_note if wrk_bin else f"the bench's aiohttp client ({wrk_note})",
+            "fixed_backends": fixed_note,
             "profile": profile,
             "uvloop": uvloop_installed() and not demo.block_uvloop,
             "service": LOOPBACK_SERVICE,
@@ -1422,6 +1707,18 @@ async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         }
     finally:
         demo.stop()
+
+
+async def until_served(target: Target, regions: list[str], timeout_s: float = 30) -> None:
+    """Wait until a request from every region through `target` is answered 200."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = [await send(target, Req(r, LOOPBACK_SERVICE, 0.0)) for r in regions]
+        if all(status == 200 for status, _, _ in got):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not served in {timeout_s:g} s: {got}")
+        await asyncio.sleep(0.5)
 
 
 async def profile_broker(
@@ -1549,7 +1846,9 @@ def print_loopback(lb: dict[str, Any]) -> None:
         ]
         for k, v in lb["throughput"].items()
     ]
-    print("\nthroughput (closed loop)")
+    print(f"\nthroughput (closed loop; load generator: {lb.get('generator', 'aiohttp')})")
+    if lb.get("fixed_backends"):
+        print(f"rows marked 'nginx backends': the stand-ins replaced by {lb['fixed_backends']}")
     print(
         table(
             [
@@ -1740,6 +2039,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--throughput-s", type=float, help="seconds per throughput run")
     p.add_argument("--no-nginx", action="store_true", help="skip the nginx comparison")
+    p.add_argument(
+        "--no-wrk",
+        action="store_true",
+        help="loopback throughput: the bench's aiohttp client instead of wrk",
+    )
+    p.add_argument(
+        "--no-fixed-backends",
+        action="store_true",
+        help="loopback throughput: skip the runs with nginx in place of the stand-ins",
+    )
     p.add_argument("--keep", action="store_true", help="keep the work dir and its logs")
     p.add_argument(
         "--scapy",

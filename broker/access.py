@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 import secrets
 import time
@@ -161,9 +162,15 @@ def _refusal(status: int, code: str, message: str, field: str = "Authorization")
     return web.json_response(body, status=status, headers=headers)
 
 
+_IDS = random.Random(secrets.randbits(128))
+"""Request ids: unique, not secret (a client may send its own), so a generator seeded once
+from the OS, not a getrandom() system call per request as secrets.token_hex would make."""
+
+
 def new_request_id(given: str) -> str:
-    """The request's id: the client's X-Request-Id when it is a sane one, else a new one."""
-    return given if _REQUEST_ID_RE.match(given) else secrets.token_hex(8)
+    """The request's id: the client's X-Request-Id when it is a sane one, else a new one
+    (16 hex digits)."""
+    return given if _REQUEST_ID_RE.match(given) else f"{_IDS.getrandbits(64):016x}"
 
 
 def authorize(access: Access, permission: Permission, authorization: str | None) -> Principal:

@@ -107,7 +107,7 @@ class Gateway:
                 def counted(site: str, url: str) -> int:
                     return proxy.replica_in_flight(service, site, url)
 
-            route = self.router.route(
+            chosen = self.router.pick(
                 service,
                 region,
                 now=now,
@@ -123,9 +123,9 @@ class Gateway:
         except NotFound as exc:
             raise UnknownService(str(exc)) from None
         source = self.client_source_ips.get(region)
-        several = route.replica_urls
+        several = chosen.replica_urls
         return [
-            Upstream(site, url, source, replica=site in several) for site, url in route.upstreams()
+            Upstream(site, url, source, replica=site in several) for site, url in chosen.upstreams
         ]
 
     def _health_targets(self) -> dict[str, str]:

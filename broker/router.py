@@ -22,7 +22,7 @@ from broker.errors import InvalidRequest, NotFound
 from routing.candidates import CandidateIndex
 from routing.clients import Clients
 from routing.errors import InvalidParameter
-from routing.policy import ReplicaCounted, ReplicaUsable, Route, RoutingSettings, route
+from routing.policy import Pick, ReplicaCounted, ReplicaUsable, Route, RoutingSettings, pick, route
 from routing.selection import Policy
 from routing.topology import Topology
 from sites.latency import Endpoint, LatencyModel
@@ -174,6 +174,48 @@ class Router:
         candidates = index.candidates(service, error_rates=error_rates, ejected_until=ejected_until)
         key = (service, client_region)
         result = route(
+            service,
+            client_region,
+            candidates,
+            self.topology,
+            self.policy,
+            self.settings,
+            now,
+            rng=self._rng,
+            in_flight=in_flight,
+            previous=self._previous.get(key),
+            session_key=session_key,
+            prefix_key=prefix_key,
+            replica_usable=replica_usable,
+            replica_in_flight=replica_in_flight,
+        )
+        if result.previous is not None:
+            self._previous[key] = result.previous
+        if self.metrics is not None:
+            self.metrics.route_decided(client_region, result.site)
+        return result
+
+    def pick(
+        self,
+        service: str,
+        client_region: str,
+        *,
+        now: float,
+        session_key: str | None = None,
+        ejected_until: Mapping[str, float] | None = None,
+        in_flight: Mapping[str, int] | None = None,
+        prefix_key: str | None = None,
+        replica_usable: ReplicaUsable | None = None,
+        replica_in_flight: ReplicaCounted | None = None,
+    ) -> Pick:
+        """`route`'s decision for the proxy, without the ranking it explains itself by
+        (routing.policy.pick: the same site and upstreams, the same state moved)."""
+        index = self._candidates()
+        if service not in index.services:
+            raise NotFound(f"no site serves {service!r}")
+        candidates = index.candidates(service, ejected_until=ejected_until)
+        key = (service, client_region)
+        result = pick(
             service,
             client_region,
             candidates,

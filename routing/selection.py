@@ -69,9 +69,11 @@ __all__ = [
     "ScoringSettings",
     "TenantPolicy",
     "choose",
+    "exclusion",
     "expected_service_ms",
     "hrw_weight",
     "rank",
+    "service_ms",
 ]
 
 
@@ -321,10 +323,10 @@ def expected_service_ms(
     latency = endpoint.latency_ms if latency_ms is None else latency_ms
     if latency is None:
         latency = settings.default_latency_ms if default_ms is None else default_ms
-    return _service_ms(latency, endpoint.max_concurrency, endpoint.in_flight + endpoint.queue)
+    return service_ms(latency, endpoint.max_concurrency, endpoint.in_flight + endpoint.queue)
 
 
-def _service_ms(latency: float, slots: int, held: int) -> float:
+def service_ms(latency: float, slots: int, held: int) -> float:
     """L * (1 + w / c) with w = max(0, held + 1 - c): `held` requests served or waiting."""
     waiting = max(0, held + 1 - slots)
     return latency * (1 + waiting / slots)
@@ -470,7 +472,7 @@ def rank(
 
     The loop runs once per candidate per request, so each candidate first takes the cheap
     tests inline; only one that fails one (or has a tenant policy to check) goes through
-    _exclusion, which names the first reason in the documented order."""
+    exclusion, which names the first reason in the documented order."""
     settings = policy.scoring
     pool = candidates if isinstance(candidates, CandidateSet) else CandidateSet.of(candidates)
     default_ms, pooled = pool.default_ms, pool.pooled
@@ -516,7 +518,7 @@ def rank(
             or cand.error_rate >= eject_error_rate
             or (not admit_full and held >= slots * allowance)
         ):
-            reason = _exclusion(service, client_region, cand, network, policy, now, admit_full)
+            reason = exclusion(service, client_region, cand, network, policy, now, admit_full)
             if reason is not None or network is None:
                 excluded.append(Excluded(site, *(reason or _NO_ROUTE)))
                 continue
@@ -528,7 +530,7 @@ def rank(
             latency = ep.latency_ms
             if latency is None:
                 latency = default_latency_ms
-        served_ms = _service_ms(latency, slots, held)
+        served_ms = service_ms(latency, slots, held)
         kv = latency * kv_scale * (usage - knee) if usage is not None and usage > knee else 0.0
         ranked.append(Scored(cand, Score(network, served_ms, penalty, kv, served_ms - latency)))
     ranked.sort(key=_rank_key)
@@ -547,7 +549,7 @@ _rank_key = attrgetter("total_ms", "site")
 _site_key = attrgetter("site")
 
 
-def _exclusion(
+def exclusion(
     service: str,
     client_region: str,
     cand: Candidate,
@@ -556,6 +558,8 @@ def _exclusion(
     now: float,
     admit_full: bool = False,
 ) -> tuple[Exclusion, str] | None:
+    """The first reason, in the documented order, that rank excludes `cand` for; None when
+    there is none (rank asks only about a candidate that failed one of its cheap tests)."""
     if cand.endpoint.service != service:
         return Exclusion.wrong_service, f"endpoint serves {cand.endpoint.service!r}"
     by_policy = _policy_exclusion(cand, client_region, policy)
