@@ -170,7 +170,9 @@ from the OS, not a getrandom() system call per request as secrets.token_hex woul
 def new_request_id(given: str) -> str:
     """The request's id: the client's X-Request-Id when it is a sane one, else a new one
     (16 hex digits)."""
-    return given if _REQUEST_ID_RE.match(given) else f"{_IDS.getrandbits(64):016x}"
+    if given and _REQUEST_ID_RE.match(given):
+        return given
+    return f"{_IDS.getrandbits(64):016x}"
 
 
 def authorize(access: Access, permission: Permission, authorization: str | None) -> Principal:

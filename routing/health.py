@@ -90,6 +90,7 @@ class OutlierDetector:
     def __init__(self, *, settings: OutlierSettings | None = None) -> None:
         self.settings = settings or OutlierSettings()
         self._hosts: dict[str, HostOutlier] = {}
+        self._ejections_end = -math.inf  # no key is ejected from then on (an upper bound)
 
     def report(self, key: str, ok: bool, now: float, *, connect_failure: bool = False) -> bool:
         """Record one attempt's outcome; True when this report ejected the key."""
@@ -120,14 +121,20 @@ class OutlierDetector:
                     decay_from=None,
                 )
                 ejected = True
+                self._ejections_end = max(self._ejections_end, now + duration)
                 log.warning("upstream %s ejected for %.1f s (ejection %d)", key, duration, times)
             else:
                 host = replace(host, consecutive_failures=failures)
         self._hosts[key] = host
         return ejected
 
+    def ejecting(self, now: float) -> bool:
+        """Whether any key may be ejected at `now` (False: none is; one comparison, so that a
+        request pays nothing for ejections while there are none)."""
+        return now < self._ejections_end
+
     def is_ejected(self, key: str, now: float) -> bool:
-        return self.ejected_until(key, now) is not None
+        return now < self._ejections_end and self.ejected_until(key, now) is not None
 
     def ejected_until(self, key: str, now: float) -> float | None:
         host = self._hosts.get(key)

@@ -55,6 +55,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from types import MappingProxyType
 from typing import NamedTuple, Protocol, TypeVar
 
 import aiohttp
@@ -122,6 +123,7 @@ _HOP_BY_HOP = frozenset(
 )
 _NOT_FORWARDED = _HOP_BY_HOP | {"host", "content-length"}
 _NONE_ACTIVE: dict[str, int] = {}
+_NO_EJECTIONS: Mapping[str, float] = MappingProxyType({})
 _K = TypeVar("_K")
 
 
@@ -400,7 +402,10 @@ class InferenceProxy:
         """Site -> end of its ejection for `service`, for routing.candidates' candidates.
 
         A view, valid at `now`: a lookup asks the detector about that one site, so a request
-        pays for its service's candidates, not for every upstream the detector knows."""
+        pays for its service's candidates, not for every upstream the detector knows; while
+        nothing is ejected, an empty mapping."""
+        if not self.health.ejecting(now):
+            return _NO_EJECTIONS
         return _Ejections(self.health, service, now)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
