@@ -887,10 +887,27 @@ def _response_headers_listed(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[s
     ]
 
 
+# header blocks -> their lines: a site sends the same headers on every answer (its Date moves
+# once a second), a client the same on every request of a connection
+_RELAYED: dict[tuple[tuple[bytes, bytes], ...], bytes] = {}
+_FORWARDED: dict[tuple[tuple[tuple[bytes, bytes], ...], str | None, str, bytes], bytes] = {}
+_LINES_MAX = 1024
+
+
 def response_lines(raw: RawHeaders) -> bytes:
     """The upstream's response headers as CRLF-terminated lines for a client answer the proxy
     frames itself (routing.lane): minus hop-by-hop fields, those a Connection header lists,
     and Content-Length (the framer writes its own)."""
+    key = tuple(raw)
+    lines = _RELAYED.get(key)
+    if lines is None:
+        if len(_RELAYED) >= _LINES_MAX:
+            _RELAYED.clear()
+        lines = _RELAYED[key] = _response_lines(raw)
+    return lines
+
+
+def _response_lines(raw: RawHeaders) -> bytes:
     skip = _NOT_RELAYED_B
     for name, _ in raw:
         if name.lower() == b"connection":
@@ -904,6 +921,16 @@ def forward_block(raw: RawHeaders, remote: str | None, scheme: str, host: bytes)
     """The client's request headers for the upstream hop as CRLF-terminated lines: minus
     hop-by-hop ones, Host and Content-Length (the pool sets both), plus X-Forwarded-*
     (`host`: the Host the client asked for)."""
+    key = (tuple(raw), remote, scheme, host)
+    block = _FORWARDED.get(key)
+    if block is None:
+        if len(_FORWARDED) >= _LINES_MAX:
+            _FORWARDED.clear()
+        block = _FORWARDED[key] = _forward_block(raw, remote, scheme, host)
+    return block
+
+
+def _forward_block(raw: RawHeaders, remote: str | None, scheme: str, host: bytes) -> bytes:
     skip = _NOT_FORWARDED_B
     prior = None
     for name, value in raw:
