@@ -998,6 +998,9 @@ class FixedBackends:
     def replace(self, demo: Demo, urls: list[str]) -> None:
         """Capture each stand-in's answers, stop it, and start nginx on its address."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        # nginx's worker (user nobody, when started as root) reads the answers from here: a
+        # directory of its own, not under the demo's (which holds its admin token)
+        os.chmod(self.workdir, 0o755)
         standins = demo.processes().get("stand-in model servers", [])
         servers = []
         for n, url in enumerate(urls):
@@ -1672,7 +1675,7 @@ async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if not args.no_fixed_backends:
             nginx_bin, fixed_note = ensure_nginx()
             if nginx_bin:
-                fixed = FixedBackends(nginx_bin, work / "loopback" / "fixed")
+                fixed = FixedBackends(nginx_bin, Path(tempfile.mkdtemp(prefix="cpn-bench-fixed-")))
                 try:
                     fixed.replace(demo, [e["url"] for e in demo.endpoints()[LOOPBACK_SERVICE]])
                     fixed_note = "nginx answering what each stand-in answered"
@@ -1687,6 +1690,7 @@ async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     await runs(roles, ", nginx backends")
                 finally:
                     fixed.stop()
+                    shutil.rmtree(fixed.workdir, ignore_errors=True)
         await session.close()
         profile = None
         if args.profile:

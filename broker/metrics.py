@@ -18,14 +18,23 @@ values, so the thread reads them safely while the loop updates them.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextvars
+import itertools
+import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from metering.usage import UsageBook
 
@@ -215,34 +224,33 @@ class BrokerMetrics:
             + (10.0, 30.0),
             registry=r,
         )
-        self.route_decisions = Counter(
-            "cpn_route_decisions_total",
+        # bumped by every proxied request: counted on the loop as plain numbers
+        self.route_decisions = LoopCounter(
+            "cpn_route_decisions",
             "Inference routing decisions (POST /v1/route and the gateway), by the client "
             'region and the chosen site ("none": no site could take it)',
-            ["client_region", "site"],
-            registry=r,
+            ("client_region", "site"),
         )
-        self.proxy_seconds = Histogram(
+        register_on_loop(r, self.route_decisions)
+        self.proxy_seconds = LoopHistogram(
             "cpn_proxy_request_duration_seconds",
             "Inference requests through the gateway, from arrival to the answer's last byte, "
             "by client region and the site that answered (the last one tried: retries and "
             "502/504 answers included)",
-            ["client_region", "site"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
+            ("client_region", "site"),
+            LATENCY_BUCKETS,
         )
-        self._route_children: dict[tuple[str, ...], Counter] = {}
-        self._proxy_children: dict[tuple[str, ...], Histogram] = {}
+        register_on_loop(r, self.proxy_seconds)
         self._lag_children: dict[tuple[str, ...], Histogram] = {}
         self._http_children: dict[tuple[str, ...], Histogram] = {}
 
     # -- per-request and per-event updates: O(1), label children cached -------------------------
 
     def route_decided(self, client_region: str, site: str | None) -> None:
-        _child(self._route_children, self.route_decisions, (client_region, site or "none")).inc()
+        self.route_decisions.inc((client_region, site or "none"))
 
     def proxied(self, client_region: str, site: str, seconds: float) -> None:
-        _child(self._proxy_children, self.proxy_seconds, (client_region, site)).observe(seconds)
+        self.proxy_seconds.observe((client_region, site), seconds)
 
     def request_timed(self, method: str, route: str, seconds: float) -> None:
         _child(self._http_children, self.http_seconds, (method, route)).observe(seconds)
@@ -314,6 +322,53 @@ async def exposition(registry: CollectorRegistry) -> bytes:
         return await asyncio.to_thread(generate_latest, registry)  # copies the context
     finally:
         _COLLECTED.reset(token)
+
+
+class LoopCounter(LoopCollector):
+    """A counter by labels that only the event loop bumps (per proxied request): a plain
+    number per label set, where a prometheus_client child takes a lock per update. `name`
+    without `_total`; the samples are `<name>_total`."""
+
+    def __init__(self, name: str, documentation: str, labels: tuple[str, ...]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.counts: dict[tuple[str, ...], int] = {}
+
+    def inc(self, key: tuple[str, ...]) -> None:
+        counts = self.counts
+        counts[key] = counts.get(key, 0) + 1
+
+    def families(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
+        for key, n in list(self.counts.items()):
+            family.add_metric(key, n)
+        yield family
+
+
+class LoopHistogram(LoopCollector):
+    """A histogram by labels that only the event loop observes (per proxied request), as
+    LoopCounter: per label set a count per bucket and the sum."""
+
+    def __init__(
+        self, name: str, documentation: str, labels: tuple[str, ...], buckets: Sequence[float]
+    ) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+        self.bounds = tuple(float(b) for b in buckets if b != math.inf)
+        self.rows: dict[tuple[str, ...], list[float]] = {}  # per bucket (+Inf last), then sum
+
+    def observe(self, key: tuple[str, ...], value: float) -> None:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = [0.0] * (len(self.bounds) + 2)
+        row[bisect.bisect_left(self.bounds, value)] += 1
+        row[-1] += value
+
+    def families(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
+        bounds = [*(floatToGoString(b) for b in self.bounds), "+Inf"]  # type: ignore[no-untyped-call]
+        for key, row in list(self.rows.items()):
+            cumulative = list(itertools.accumulate(row[:-1]))
+            family.add_metric(key, list(zip(bounds, cumulative, strict=True)), row[-1])
+        yield family
 
 
 class ViewCollector(LoopCollector):

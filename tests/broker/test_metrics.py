@@ -6,13 +6,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from broker.jobs import JobRecord, JobSpec, JobState
-from broker.metrics import BrokerMetrics, exposition
+from broker.metrics import (
+    LATENCY_BUCKETS,
+    BrokerMetrics,
+    LoopHistogram,
+    exposition,
+    register_on_loop,
+)
 from broker.view import View
 from sites.snapshot import Snapshot
 
@@ -43,6 +49,26 @@ def test_route_and_proxy_metrics_by_region_and_site() -> None:
     assert got[("cpn_route_decisions_total", east - {("site", "east-a")} | {("site", "none")})] == 1
     assert got[("cpn_proxy_request_duration_seconds_count", east)] == 1
     assert got[("cpn_proxy_request_duration_seconds_sum", east)] == 0.02
+
+
+def test_the_loop_histogram_exports_what_prometheus_clients_would() -> None:
+    """LoopHistogram (a plain count per bucket, bumped on the loop) against prometheus_client's
+    Histogram fed the same values: the same text, but for the _created series it omits."""
+    ours = LoopHistogram("h_seconds", "doc", ("a",), LATENCY_BUCKETS)
+    reference_registry = CollectorRegistry()
+    reference = Histogram("h_seconds", "doc", ["a"], buckets=LATENCY_BUCKETS,
+                          registry=reference_registry)  # fmt: skip
+    registry = CollectorRegistry()
+    register_on_loop(registry, ours)
+    values = [0.0, 0.0005, 0.001, 0.02, 0.25, 0.25000001, 1.0, 7.5, 1e9]
+    for i, v in enumerate(values):
+        ours.observe((f"x{i % 2}",), v)
+        reference.labels(f"x{i % 2}").observe(v)
+
+    def lines(text: bytes) -> list[str]:
+        return sorted(x for x in text.decode().splitlines() if "_created" not in x)
+
+    assert lines(generate_latest(registry)) == lines(generate_latest(reference_registry))
 
 
 def test_jobs_by_tenant_and_state_come_from_the_view_at_scrape_time() -> None:
