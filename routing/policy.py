@@ -68,7 +68,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.errors import CandidateError, InvalidParameter
+from routing.errors import InvalidParameter
 from routing.explain import explain
 from routing.replica_choice import choose_replica
 from routing.selection import (
@@ -79,15 +79,14 @@ from routing.selection import (
     Policy,
     Ranking,
     RttSource,
+    ScoredRow,
     ScoringSettings,
     TenantPolicy,
     choose,
-    exclusion,
     hrw_weight,
     rank,
-    service_ms,
+    score_rows,
 )
-from sites.status import SiteState
 
 __all__ = [
     "InFlight",
@@ -392,113 +391,42 @@ def pick(
     where route() builds a merged Candidate, a Score and a Scored per candidate and a Ranking
     (a quarter of the broker's CPU per proxied request). A tenant policy, a site with several
     replicas, or nothing to choose but a full site (overflow) goes through route() itself."""
-    if policy.tenant is not None or (
-        policy.scoring is not settings.scoring and policy.scoring != settings.scoring
+    if (
+        policy.tenant is not None
+        or candidates.replicated
+        or (policy.scoring is not settings.scoring and policy.scoring != settings.scoring)
     ):
         return _pick_by_route(
             service, client_region, candidates, topology, policy, settings, now, rng, in_flight,
             previous, session_key, prefix_key, replica_usable, replica_in_flight,
         )  # fmt: skip
-    scoring = settings.scoring
     mode = settings.in_flight
-    counts: Mapping[str, int] = in_flight or {}
-    merged = mode is not InFlight.reported
-    counted = mode is InFlight.counted
-    default_ms, pooled = candidates.default_ms, candidates.pooled
-    allowed = policy.sovereignty.get(client_region)
-    stale_after_s = scoring.stale_after_s
-    eject_error_rate = scoring.eject_error_rate
-    allowance = 1 + scoring.queue_allowance
-    error_penalty_ms = scoring.error_penalty_ms
-    draining_penalty_ms = scoring.draining_penalty_ms
-    default_latency_ms = scoring.default_latency_ms if default_ms is None else default_ms
-    signals_stale_after_s = scoring.signals_stale_after_s
-    knee = scoring.kv_cache_knee
-    kv_scale = scoring.kv_cache_weight / (1 - knee)
-    rtts = topology.rtt_table(client_region)
-    down, cordoned = SiteState.down, SiteState.cordoned
-    # per ranked site: (total_ms, site, load, idle_ms, url); sorted, (total_ms, site) decides
-    rows: list[tuple[float, str, float, float, str]] = []
-    seen: set[str] = set()
-    for cand in candidates.candidates:
-        if cand.replicas:
-            return _pick_by_route(
-                service, client_region, candidates, topology, policy, settings, now, rng,
-                in_flight, previous, session_key, prefix_key, replica_usable, replica_in_flight,
-            )  # fmt: skip
-        site = cand.site
-        if site in seen:
-            raise CandidateError(f"site {site!r} is a candidate twice")
-        seen.add(site)
-        ep = cand.endpoint
-        slots = ep.max_concurrency
-        total = cand.in_flight + cand.queue  # merge_in_flight's figure, as rank sees it
-        if merged:
-            count = counts.get(site, 0)
-            if count < 0:
-                raise InvalidParameter(
-                    f"in_flight[{site!r}] is {count}, must be >= 0", field="in_flight"
-                )
-            total = count if counted else max(total, count)
-        network = rtts.get(site)
-        held = total
-        usage = ep.kv_cache_usage
-        signals_at = ep.signals_at
-        if signals_at is not None and now - signals_at > signals_stale_after_s:
-            held = max(held, math.ceil(slots * allowance))  # stale: counted as saturated
-            usage = 1.0
-        if (
-            network is None
-            or ep.service != service
-            or (allowed is not None and cand.region not in allowed)
-            or cand.site_state is down
-            or not ep.healthy
-            or now - ep.updated_at > stale_after_s
-            or (cand.ejected_until is not None and now < cand.ejected_until)
-            or cand.error_rate >= eject_error_rate
-            or held >= slots * allowance
-        ):
-            running = min(total, slots)
-            if (running, total - running) != (cand.in_flight, cand.queue):
-                cand = cand.with_load(running, total - running)
-            if network is None or exclusion(service, client_region, cand, network, policy, now):
-                continue
-        penalty = cand.error_rate * error_penalty_ms
-        penalty += draining_penalty_ms if cand.draining or cand.site_state is cordoned else 0.0
-        latency = pooled.get(site)
-        if latency is None:
-            latency = ep.latency_ms
-            if latency is None:
-                latency = default_latency_ms
-        served_ms = service_ms(latency, slots, held)
-        kv = latency * kv_scale * (usage - knee) if usage is not None and usage > knee else 0.0
-        total_ms = network + served_ms + penalty + kv  # Score's sum, in its order
-        idle_ms = total_ms - (served_ms - latency) - kv  # Score.idle_ms
-        rows.append((total_ms, site, total / slots, idle_ms, ep.url))
+    rows, _ = score_rows(
+        service, client_region, candidates, topology, policy, now,
+        counts=None if mode is InFlight.reported else (in_flight or {}),
+        counted_only=mode is InFlight.counted,
+    )  # fmt: skip
     if not rows:  # nothing ranked: route() decides (overflow, or no choice)
         return _pick_by_route(
             service, client_region, candidates, topology, policy, settings, now, rng, in_flight,
             previous, session_key, prefix_key, replica_usable, replica_in_flight,
         )  # fmt: skip
-    rows.sort()
     chosen = _choose_row(rows, settings, rng, previous, session_key, prefix_key)
     sessioned = session_key is not None or prefix_key is not None
-    order = [(chosen[1], chosen[4])]
-    order += [(r[1], r[4]) for r in rows if r is not chosen]
-    return Pick(chosen[1], tuple(order), previous if sessioned else chosen[1])
-
-
-_Row = tuple[float, str, float, float, str]
+    site = chosen[1]
+    order = [(site, chosen[4].endpoint.url)]
+    order += [(r[1], r[4].endpoint.url) for r in rows if r is not chosen]
+    return Pick(site, tuple(order), previous if sessioned else site)
 
 
 def _choose_row(
-    rows: list[_Row],
+    rows: list[ScoredRow],
     settings: RoutingSettings,
     rng: random.Random,
     previous: str | None,
     session_key: str | None,
     prefix_key: str | None,
-) -> _Row:
+) -> ScoredRow:
     """routing.choice.choose over pick's rows, as route() calls it (module docstring, step 3)."""
     best = rows[0]
     slack = settings.affinity_slack_ms

@@ -45,13 +45,13 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from routing.choice import Choice, ChoiceMode, choose, hrw_weight
-from routing.errors import CandidateError
+from routing.errors import CandidateError, InvalidParameter
 from sites.status import ServiceEndpoint, SiteState
 
 __all__ = [
@@ -73,6 +73,7 @@ __all__ = [
     "expected_service_ms",
     "hrw_weight",
     "rank",
+    "score_rows",
     "service_ms",
 ]
 
@@ -377,13 +378,15 @@ class CandidateSet:
     candidates: tuple[Candidate, ...]
     default_ms: float | None
     pooled: Mapping[str, float]
+    replicated: bool = False  # a site among them runs several replicas (Candidate.replicas)
 
     @classmethod
     def of(cls, candidates: Iterable[Candidate]) -> CandidateSet:
         cands = tuple(candidates)
         reported = sorted(c.endpoint.latency_ms for c in cands if c.endpoint.latency_ms is not None)
         default_ms = reported[len(reported) // 2] if reported else None
-        return cls(cands, default_ms, _pooled_latency(cands))
+        replicated = any(c.replicas for c in cands)
+        return cls(cands, default_ms, _pooled_latency(cands), replicated)
 
     def replaced(self, candidates: Sequence[Candidate]) -> CandidateSet:
         """The same endpoints with other overlays (load, errors, ejections, drains).
@@ -395,7 +398,7 @@ class CandidateSet:
             new.endpoint is not old.endpoint for new, old in zip(candidates, mine, strict=True)
         ):
             raise CandidateError("replaced() needs the same endpoints, in the same order")
-        return CandidateSet(tuple(candidates), self.default_ms, self.pooled)
+        return CandidateSet(tuple(candidates), self.default_ms, self.pooled, self.replicated)
 
 
 def _policy_exclusion(
@@ -469,12 +472,52 @@ def rank(
 
     admit_full: do not exclude full sites (the caller's overflow when every site is full: the
     request then queues where the score, which grows with the queue, is lowest).
+    The filter and the scores are score_rows'."""
+    pool = candidates if isinstance(candidates, CandidateSet) else CandidateSet.of(candidates)
+    rows, excluded = score_rows(
+        service, client_region, pool, topology, policy, now, admit_full=admit_full
+    )
+    ranked = [Scored(r[4], Score(r[5], r[6], r[7], r[8], r[6] - r[9])) for r in rows]
+    excluded.sort(key=_site_key)
+    return Ranking(
+        service=service,
+        client_region=client_region,
+        now=now,
+        topology_version=topology.version,
+        ranked=tuple(ranked),
+        excluded=tuple(excluded),
+    )
+
+
+ScoredRow = tuple[float, str, float, float, Candidate, float, float, float, float, float]
+"""One ranked candidate as score_rows gives it: (total_ms, site, load, idle_ms, candidate,
+network_ms, service_ms, penalty_ms, kv_ms, latency_ms); total_ms and idle_ms are Score's."""
+
+
+def score_rows(
+    service: str,
+    client_region: str,
+    pool: CandidateSet,
+    topology: RttSource,
+    policy: Policy,
+    now: float,
+    *,
+    admit_full: bool = False,
+    counts: Mapping[str, int] | None = None,
+    counted_only: bool = False,
+) -> tuple[list[ScoredRow], list[Excluded]]:
+    """rank's filter and scores as plain rows, sorted by (total_ms, site), and the excluded
+    (unsorted): rank builds its Ranking of them, routing.policy.pick chooses on them.
+
+    `counts`: a caller's in-flight counts, merged into each candidate's load as
+    routing.policy.merge_in_flight merges them (the larger of the two, or with `counted_only`
+    the count alone); a row's candidate is then the one given (the merged one is made only for
+    exclusion's message). None: the candidates carry their load (rank's, merged before).
 
     The loop runs once per candidate per request, so each candidate first takes the cheap
     tests inline; only one that fails one (or has a tenant policy to check) goes through
     exclusion, which names the first reason in the documented order."""
     settings = policy.scoring
-    pool = candidates if isinstance(candidates, CandidateSet) else CandidateSet.of(candidates)
     default_ms, pooled = pool.default_ms, pool.pooled
     allowed = policy.sovereignty.get(client_region)
     screened = policy.tenant is not None
@@ -489,7 +532,7 @@ def rank(
     kv_scale = settings.kv_cache_weight / (1 - knee)
     rtts = topology.rtt_table(client_region)
     down, cordoned = SiteState.down, SiteState.cordoned
-    ranked: list[Scored] = []
+    rows: list[ScoredRow] = []
     excluded: list[Excluded] = []
     seen: set[str] = set()
     for cand in pool.candidates:
@@ -499,8 +542,16 @@ def rank(
         seen.add(site)
         ep = cand.endpoint
         network = rtts.get(site)
-        held = cand.in_flight + cand.queue
         slots = ep.max_concurrency
+        total = cand.in_flight + cand.queue
+        if counts is not None:
+            count = counts.get(site, 0)
+            if count < 0:
+                raise InvalidParameter(
+                    f"in_flight[{site!r}] is {count}, must be >= 0", field="in_flight"
+                )
+            total = count if counted_only else max(total, count)
+        held = total
         usage = ep.kv_cache_usage
         signals_at = ep.signals_at
         if signals_at is not None and now - signals_at > signals_stale_after_s:
@@ -518,7 +569,12 @@ def rank(
             or cand.error_rate >= eject_error_rate
             or (not admit_full and held >= slots * allowance)
         ):
-            reason = exclusion(service, client_region, cand, network, policy, now, admit_full)
+            merged = cand
+            if counts is not None:  # exclusion names the merged load, as merge_in_flight's
+                running = min(total, slots)
+                if (running, total - running) != (cand.in_flight, cand.queue):
+                    merged = cand.with_load(running, total - running)
+            reason = exclusion(service, client_region, merged, network, policy, now, admit_full)
             if reason is not None or network is None:
                 excluded.append(Excluded(site, *(reason or _NO_ROUTE)))
                 continue
@@ -532,20 +588,15 @@ def rank(
                 latency = default_latency_ms
         served_ms = service_ms(latency, slots, held)
         kv = latency * kv_scale * (usage - knee) if usage is not None and usage > knee else 0.0
-        ranked.append(Scored(cand, Score(network, served_ms, penalty, kv, served_ms - latency)))
-    ranked.sort(key=_rank_key)
-    excluded.sort(key=_site_key)
-    return Ranking(
-        service=service,
-        client_region=client_region,
-        now=now,
-        topology_version=topology.version,
-        ranked=tuple(ranked),
-        excluded=tuple(excluded),
-    )
+        total_ms = network + served_ms + penalty + kv  # Score's sum, in its order
+        idle_ms = total_ms - (served_ms - latency) - kv  # Score.idle_ms, in its order
+        load = total / slots
+        rows.append((total_ms, site, load, idle_ms, cand, network, served_ms, penalty, kv, latency))
+    rows.sort(key=_row_key)
+    return rows, excluded
 
 
-_rank_key = attrgetter("total_ms", "site")
+_row_key = itemgetter(0, 1)
 _site_key = attrgetter("site")
 
 
