@@ -774,12 +774,56 @@ def _nginx_pids() -> set[int]:
 
 
 @dataclass
-class Nginx:
+class NginxProcess:
+    """An nginx master this bench started (`daemon off`), with its work directory."""
+
     binary: str
     workdir: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def launch(self, conf_text: str) -> subprocess.Popen[bytes]:
+        """Write nginx.conf (its temp paths under the work directory) and start nginx."""
+        for k in NGINX_TEMPS:
+            (self.workdir / "tmp" / k).mkdir(parents=True, exist_ok=True)
+        conf = self.workdir / "nginx.conf"
+        conf.write_text(conf_text)
+        args = [self.binary, "-p", str(self.workdir), "-c", str(conf), "-g", "daemon off;"]
+        test = subprocess.run([*args[:5], "-t"], capture_output=True, text=True)
+        if test.returncode != 0:
+            raise RuntimeError(f"nginx -t: {test.stderr.strip()}")
+        with open(self.workdir / "stdout.log", "ab") as out:
+            self.proc = subprocess.Popen(
+                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )  # fmt: skip
+        return self.proc
+
+    def temp_paths(self) -> str:
+        return "".join(f"  {k}_temp_path {self.workdir}/tmp/{k};\n" for k in NGINX_TEMPS)
+
+    def processes(self) -> list[psutil.Process]:
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        root = psutil.Process(self.proc.pid)
+        return [root, *root.children()]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGQUIT)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+NGINX_TEMPS = ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+
+
+@dataclass
+class Nginx(NginxProcess):
     port: int = 0
     least_conn: bool = False  # nginx `least_conn` upstreams instead of round robin
-    proc: subprocess.Popen[bytes] | None = None
 
     def config(self, fronts: dict[str, list[str]], sources: dict[str, str]) -> str:
         """One upstream per (service, region), all of the service's fronts, round robin or
@@ -795,10 +839,7 @@ class Nginx:
                 )
         src_map = "".join(f"    {region} {ip};\n" for region, ip in sorted(sources.items()))
         region_map = "".join(f"    {region} {region};\n" for region in sorted(sources))
-        temps = "".join(
-            f"  {k}_temp_path {d}/tmp/{k};\n"
-            for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
+        temps = self.temp_paths()
         how = "least_conn" if self.least_conn else "round robin"
         return f"""# bench/routing.py: nginx {how} over the same site fronts (bench-routing)
 worker_processes 1;
@@ -829,44 +870,17 @@ http {{
 """
 
     def start(self, fronts: dict[str, list[str]], sources: dict[str, str]) -> None:
-        for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (self.workdir / "tmp" / k).mkdir(parents=True, exist_ok=True)
-        conf = self.workdir / "nginx.conf"
-        conf.write_text(self.config(fronts, sources))
-        args = [self.binary, "-p", str(self.workdir), "-c", str(conf), "-g", "daemon off;"]
-        test = subprocess.run([*args[:5], "-t"], capture_output=True, text=True)
-        if test.returncode != 0:
-            raise RuntimeError(f"nginx -t: {test.stderr.strip()}")
-        with open(self.workdir / "stdout.log", "ab") as out:
-            self.proc = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )  # fmt: skip
+        proc = self.launch(self.config(fronts, sources))
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    log(f"nginx started (pid {self.proc.pid}, http://127.0.0.1:{self.port})")
+                    log(f"nginx started (pid {proc.pid}, http://127.0.0.1:{self.port})")
                     return
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 break
             time.sleep(0.1)
         raise RuntimeError(f"nginx did not start; see {self.workdir}/error.log")
-
-    def processes(self) -> list[psutil.Process]:
-        if self.proc is None or self.proc.poll() is not None:
-            return []
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children()]
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGQUIT)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 # -- the loopback throughput's C tools: wrk, and nginx as fixed-answer model servers ----------
@@ -983,16 +997,13 @@ def stop_standin(proc: psutil.Process, timeout_s: float = 10) -> None:
 
 
 @dataclass
-class FixedBackends:
+class FixedBackends(NginxProcess):
     """nginx in place of the STAND-IN model servers of one service: each answers what its
     stand-in answered (a completion, /metrics, /stats, /healthz, captured from it before it was
     stopped) at the cost of a static reply, so that a throughput run measures the broker and
     not the stand-ins (about as costly per request as the broker, in Python). Not a model
     server either: no service time, no load; the agents go on reading its /metrics."""
 
-    binary: str
-    workdir: Path
-    proc: subprocess.Popen[bytes] | None = None
     urls: list[str] = field(default_factory=list)
 
     def replace(self, demo: Demo, urls: list[str]) -> None:
@@ -1036,14 +1047,7 @@ class FixedBackends:
   }}
 """
             )
-        temps = "".join(
-            f"  {k}_temp_path {self.workdir}/tmp/{k};\n"
-            for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
-        for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (self.workdir / "tmp" / k).mkdir(parents=True, exist_ok=True)
-        conf = self.workdir / "nginx.conf"
-        conf.write_text(
+        proc = self.launch(
             f"""# bench/routing.py: fixed-answer backends in place of stand-ins (bench-routing)
 worker_processes 1;
 pid {self.workdir}/nginx.pid;
@@ -1051,15 +1055,9 @@ error_log {self.workdir}/error.log warn;
 events {{ worker_connections 4096; }}
 http {{
   access_log off;
-{temps}{"".join(servers)}}}
+{self.temp_paths()}{"".join(servers)}}}
 """
         )
-        args = [self.binary, "-p", str(self.workdir), "-c", str(conf), "-g", "daemon off;"]
-        with open(self.workdir / "stdout.log", "ab") as out:
-            self.proc = subprocess.Popen(
-                args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )  # fmt: skip
         self.urls = urls
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -1068,28 +1066,13 @@ http {{
                     with urllib.request.urlopen(url.rstrip("/") + "/healthz", timeout=1) as resp:
                         if "nginx" not in resp.headers.get("Server", ""):
                             raise OSError("not nginx yet")
-                log(f"fixed-answer backends: nginx (pid {self.proc.pid}) on {', '.join(urls)}")
+                log(f"fixed-answer backends: nginx (pid {proc.pid}) on {', '.join(urls)}")
                 return
             except OSError:
-                if self.proc.poll() is not None:
+                if proc.poll() is not None:
                     break
                 time.sleep(0.1)
         raise RuntimeError(f"the fixed-answer nginx did not start; see {self.workdir}/error.log")
-
-    def processes(self) -> list[psutil.Process]:
-        if self.proc is None or self.proc.poll() is not None:
-            return []
-        root = psutil.Process(self.proc.pid)
-        return [root, *root.children()]
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGQUIT)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 # -- scenario 1: the WAN mix ---------------------------------------------------------------

@@ -16,7 +16,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from broker.errors import InvalidRequest, NotFound
 from routing.candidates import CandidateIndex
@@ -40,6 +40,9 @@ task runs (that task syncs every SYNC_INTERVAL_S): a request that came just afte
 ran out did the sync in its own path, at 1000 sites every second a stall of 6-10 ms."""
 
 __all__ = ["Route", "Router", "route_json"]
+
+
+_D = TypeVar("_D", Route, Pick)  # what Router._decide returns: route's or pick's
 
 
 class Router:
@@ -168,32 +171,10 @@ class Router:
         replica_usable: ReplicaUsable | None = None,
         replica_in_flight: ReplicaCounted | None = None,
     ) -> Route:
-        index = self._candidates()
-        if service not in index.services:
-            raise NotFound(f"no site serves {service!r}")
-        candidates = index.candidates(service, error_rates=error_rates, ejected_until=ejected_until)
-        key = (service, client_region)
-        result = route(
-            service,
-            client_region,
-            candidates,
-            self.topology,
-            self.policy,
-            self.settings,
-            now,
-            rng=self._rng,
-            in_flight=in_flight,
-            previous=self._previous.get(key),
-            session_key=session_key,
-            prefix_key=prefix_key,
-            replica_usable=replica_usable,
-            replica_in_flight=replica_in_flight,
-        )
-        if result.previous is not None:
-            self._previous[key] = result.previous
-        if self.metrics is not None:
-            self.metrics.route_decided(client_region, result.site)
-        return result
+        return self._decide(
+            route, service, client_region, now, session_key, error_rates, ejected_until,
+            in_flight, prefix_key, replica_usable, replica_in_flight,
+        )  # fmt: skip
 
     def pick(
         self,
@@ -210,12 +191,33 @@ class Router:
     ) -> Pick:
         """`route`'s decision for the proxy, without the ranking it explains itself by
         (routing.policy.pick: the same site and upstreams, the same state moved)."""
+        return self._decide(
+            pick, service, client_region, now, session_key, None, ejected_until, in_flight,
+            prefix_key, replica_usable, replica_in_flight,
+        )  # fmt: skip
+
+    def _decide(
+        self,
+        decide: Callable[..., _D],
+        service: str,
+        client_region: str,
+        now: float,
+        session_key: str | None,
+        error_rates: Mapping[str, float] | None,
+        ejected_until: Mapping[str, float] | None,
+        in_flight: Mapping[str, int] | None,
+        prefix_key: str | None,
+        replica_usable: ReplicaUsable | None,
+        replica_in_flight: ReplicaCounted | None,
+    ) -> _D:
+        """`decide` (routing.policy's route or pick) with this router's candidates, topology,
+        policy and random generator; it keeps the hysteresis state and counts the decision."""
         index = self._candidates()
         if service not in index.services:
             raise NotFound(f"no site serves {service!r}")
-        candidates = index.candidates(service, ejected_until=ejected_until)
+        candidates = index.candidates(service, error_rates=error_rates, ejected_until=ejected_until)
         key = (service, client_region)
-        result = pick(
+        result = decide(
             service,
             client_region,
             candidates,

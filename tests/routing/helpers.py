@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from routing.clients import Clients, parse_clients
+from sites.snapshot import Snapshot
 from sites.spec import SiteSpec
-from sites.status import LinkStatus, ServiceEndpoint
+from sites.status import AgentRecord, LinkStatus, ServiceEndpoint, SiteStatus
 
 
 def link(src: str, dst: str, rtt_ms: float | None, loss_pct: float = 0.0) -> LinkStatus:
@@ -50,3 +52,18 @@ def spec(site: str, region: str, lat: float, lon: float, country: str = "CN") ->
             "power": {"pue": 1.2, "usd_per_kwh": 0.1, "grid_kgco2_per_kwh": 0.5},
         }
     )
+
+
+def one_site_federation() -> tuple[Snapshot, Clients]:
+    """Site "a" (region east) serving "llm", and the client region "city" attached to it."""
+    clients = parse_clients(
+        "test", {"client_regions": [{"id": "city", "attach": [{"site": "a", "rtt_ms": 5.0}]}]}
+    )
+    snapshot = Snapshot(
+        revision=1,
+        specs={"a": spec("a", "east", 30, 110)},
+        statuses={"a": SiteStatus.model_construct(site="a")},
+        agents={"a": AgentRecord.model_construct(site="a")},
+        services={("llm", "a"): endpoint("a")},
+    )
+    return snapshot, clients

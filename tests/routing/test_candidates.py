@@ -21,7 +21,7 @@ from routing.topology import Topology
 from sites.latency import LatencyModel
 from sites.snapshot import Snapshot
 from sites.status import AgentRecord, Cordon, SiteStatus
-from tests.routing.helpers import endpoint, link, spec
+from tests.routing.helpers import endpoint, link, one_site_federation, spec
 
 NOW = 1000.0
 
@@ -173,16 +173,7 @@ async def test_a_request_leaves_the_sync_to_the_follow_task(
     every, bound = 60.0, 240.0
     monkeypatch.setattr(router_module, "SYNC_INTERVAL_S", every)
     monkeypatch.setattr(router_module, "FOLLOWED_MAX_AGE_S", bound)
-    clients = parse_clients(
-        "test", {"client_regions": [{"id": "city", "attach": [{"site": "a", "rtt_ms": 5.0}]}]}
-    )
-    snapshot = Snapshot(
-        revision=1,
-        specs={"a": spec("a", "east", 30, 110)},
-        statuses={"a": SiteStatus.model_construct(site="a")},
-        agents={"a": AgentRecord.model_construct(site="a")},
-        services={("llm", "a"): endpoint("a")},
-    )
+    snapshot, clients = one_site_federation()
     clock = [100.0]
     router = Router(
         clients=clients, user_regions={}, latency=LatencyModel(), seed=1, clock=lambda: clock[0]

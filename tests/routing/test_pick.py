@@ -14,13 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.router import Router
-from routing.clients import Clients, parse_clients
+from routing.clients import Clients
 from routing.errors import InvalidParameter
 from routing.policy import Pick, RoutingSettings
 from sites.latency import LatencyModel
 from sites.snapshot import Snapshot
-from sites.status import AgentRecord, SiteStatus
-from tests.routing.helpers import endpoint, spec
+from tests.routing.helpers import one_site_federation
 from tests.routing.test_policy import NOW, federations, routing_settings
 
 Fed = tuple[Snapshot, Clients, dict[str, dict[str, float]]]
@@ -99,16 +98,7 @@ def test_pick_decides_as_route(
 
 
 def test_a_negative_count_is_refused_alike() -> None:
-    clients = parse_clients(
-        "test", {"client_regions": [{"id": "city", "attach": [{"site": "a", "rtt_ms": 5.0}]}]}
-    )
-    snapshot = Snapshot(
-        revision=1,
-        specs={"a": spec("a", "east", 30, 110)},
-        statuses={"a": SiteStatus.model_construct(site="a")},
-        agents={"a": AgentRecord.model_construct(site="a")},
-        services={("llm", "a"): endpoint("a")},
-    )
+    snapshot, clients = one_site_federation()
     reference, proxy = _gateways((snapshot, clients, {}), RoutingSettings(), 1)
     for gateway in (reference.route, proxy.pick):
         with pytest.raises(InvalidParameter) as caught:
