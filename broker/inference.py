@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import Counter
 
 from broker.access import (
     ACCESS,
@@ -25,6 +24,7 @@ from broker.access import (
 from broker.api import count_request
 from broker.auth import Forbidden, Unauthorized
 from broker.errors import InvalidRequest, NotFound
+from broker.metrics import LoopCounter
 from broker.openapi import JSON, Operation, Param, Reply, register
 from broker.router import Router
 from broker.service import RESTART, Broker
@@ -196,7 +196,7 @@ class LaneGuard:
     caller's token and role (401/403 with the same bodies), the X-Request-Id on every
     answer, and the request counter by (method, route, status)."""
 
-    def __init__(self, access: Access, requests: Counter) -> None:
+    def __init__(self, access: Access, requests: LoopCounter) -> None:
         self.access = access
         self.requests = requests
         self.permission = ACCESS[("*", INFER_ROUTE)]

@@ -127,12 +127,11 @@ class BrokerMetrics:
         self.solver_jobs = Gauge(
             "cpn_broker_solver_jobs", "Pending jobs in the last batch solve's problem", registry=r
         )
-        self.http_requests = Counter(
-            "cpn_broker_http_requests_total",
-            "API requests",
-            ["method", "route", "status"],
-            registry=r,
+        # bumped by every API and inference request, on the loop
+        self.http_requests = LoopCounter(
+            "cpn_broker_http_requests", "API requests", ("method", "route", "status")
         )
+        register_on_loop(r, self.http_requests)
         self.loop_lag = Histogram(
             "cpn_broker_event_loop_lag_seconds",
             "How much later than asked the event loop woke a task that sleeps 50 ms at a time: "

@@ -325,9 +325,19 @@ class LaneExchange:
 
 def _header_lines(pairs: Extra) -> bytes:
     """(name, value) pairs as CRLF-terminated header lines."""
-    return b"".join(
-        [b"%s: %s\r\n" % (n.encode(), v.encode("latin-1", "replace")) for n, v in pairs]
-    )
+    names = _NAMES
+    out = []
+    for n, v in pairs:
+        head = names.get(n)
+        if head is None:
+            if len(names) >= 256:
+                names.clear()
+            head = names[n] = n.encode() + b": "
+        out.append(head + v.encode("latin-1", "replace") + b"\r\n")
+    return b"".join(out)
+
+
+_NAMES: dict[str, bytes] = {}  # header name -> b"Name: " (the proxy's and the guard's few)
 
 
 def _has_date(headers: RawHeaders) -> bool:
