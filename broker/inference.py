@@ -144,7 +144,7 @@ class Gateway:
     def install(self, app: web.Application) -> None:
         settings = self.settings
 
-        async def lifetime(_: web.Application) -> AsyncIterator[None]:
+        async def lifetime(app: web.Application) -> AsyncIterator[None]:
             self._session = self._new_session()
             self.checker = ActiveHealthChecker(
                 targets=self._health_targets,
@@ -170,6 +170,8 @@ class Gateway:
                 observe=self.broker.metrics.proxied,
                 prefix_chars=settings.prefix_chars,
                 traffic=self.broker.traffic,  # the autoscaler's demand (broker.traffic)
+                # a client's Authorization is its cpn token, checked here: never the site's
+                drop_credentials=app[AUTH].enabled,
             )
             yield
             await self.broker.supervisor.cancel("health checker")

@@ -230,10 +230,10 @@ class LaneExchange:
 
     # -- the Exchange's request side ----------------------------------------------------------
 
-    def forward_headers(self) -> bytes:
+    def forward_headers(self, drop: frozenset[bytes] = frozenset()) -> bytes:
         conn = self.conn
         host = self.headers.get(b"host") or conn.local
-        return forward_block(self.raw, self.remote, conn.scheme, host)
+        return forward_block(self.raw, self.remote, conn.scheme, host, drop)
 
     async def read_body(self, limit: int) -> bytes | None:
         del limit  # the connection counted it while reading (on_body)

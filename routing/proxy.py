@@ -144,6 +144,8 @@ _NOT_FORWARDED_B = frozenset(name.encode() for name in _NOT_FORWARDED) | {
     b"x-forwarded-proto",
     b"x-forwarded-host",
 }
+# a gateway's clients' credentials: for the gateway, not the site (drop_credentials)
+_CREDENTIALS = frozenset({b"authorization"})
 # what an answer the proxy frames itself does not copy from the upstream's (response_lines)
 _NOT_RELAYED_B = _HOP_BY_HOP_B | {b"content-length"}
 
@@ -241,8 +243,8 @@ class Exchange(Protocol):
     prefix_header: str | None  # header X-Cpn-Prefix-Key as sent
     idempotent: bool  # an idempotent method, or an Idempotency-Key header
 
-    def forward_headers(self) -> bytes:
-        """The request's headers for the upstream hop (see `forward_block`)."""
+    def forward_headers(self, drop: frozenset[bytes] = frozenset()) -> bytes:
+        """The request's headers for the upstream hop (see `forward_block`), less `drop`."""
 
     async def read_body(self, limit: int) -> bytes | None:
         """The whole body; None when it is over `limit` bytes."""
@@ -359,11 +361,15 @@ class InferenceProxy:
         observe: Observe | None = None,
         prefix_chars: int = 0,
         traffic: TrafficSink | None = None,
+        drop_credentials: bool = False,
     ) -> None:
         """`pool` carries the upstream requests (a new one when None; `close()` closes it).
         `session` is not used for them: it is accepted for callers that still pass one.
         `prefix_chars`: bytes of the prompt that make the prefix key (0: no prefix keys).
-        `traffic`: counts requests and their time to first byte per service and client region."""
+        `traffic`: counts requests and their time to first byte per service and client region.
+        `drop_credentials`: the client's Authorization header is not sent on to the site (the
+        broker's gateway, whose clients authenticate with their cpn token: the site must not
+        see it)."""
         if connect_timeout_s <= 0 or response_timeout_s <= 0:
             raise ValueError("connect_timeout_s and response_timeout_s must be > 0")
         if max_attempts < 1:
@@ -393,6 +399,7 @@ class InferenceProxy:
         self.observe = observe
         self.prefix_chars = prefix_chars
         self.traffic = traffic
+        self.not_forwarded = _CREDENTIALS if drop_credentials else frozenset()
 
     async def close(self) -> None:
         """Close the upstream connections."""
@@ -534,7 +541,7 @@ class InferenceProxy:
                 (("X-Cpn-Route-Ms", route_ms), ("X-Cpn-Attempts", "0"), ("Retry-After", "1")),
             )  # fmt: skip
         idempotent = ex.idempotent
-        headers = ex.forward_headers()
+        headers = ex.forward_headers(self.not_forwarded)
         tail = ex.tail
         method = ex.method.encode("ascii")
         attempt: _Attempt | None = None
@@ -752,13 +759,14 @@ class _WebExchange:
         self.prefix_header = headers.get(PREFIX_HEADER)
         self.idempotent = self.method in IDEMPOTENT_METHODS or "Idempotency-Key" in headers
 
-    def forward_headers(self) -> bytes:
+    def forward_headers(self, drop: frozenset[bytes] = frozenset()) -> bytes:
         request = self.request
         return forward_block(
             request.raw_headers,
             request.remote,
             request.scheme,
             request.host.encode("utf-8", "surrogateescape"),
+            drop,
         )
 
     async def read_body(self, limit: int) -> bytes | None:
@@ -890,7 +898,9 @@ def _response_headers_listed(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[s
 # header blocks -> their lines: a site sends the same headers on every answer (its Date moves
 # once a second), a client the same on every request of a connection
 _RELAYED: dict[tuple[tuple[bytes, bytes], ...], bytes] = {}
-_FORWARDED: dict[tuple[tuple[tuple[bytes, bytes], ...], str | None, str, bytes], bytes] = {}
+_FORWARDED: dict[
+    tuple[tuple[tuple[bytes, bytes], ...], str | None, str, bytes, frozenset[bytes]], bytes
+] = {}
 _LINES_MAX = 1024
 
 
@@ -917,21 +927,29 @@ def _response_lines(raw: RawHeaders) -> bytes:
     return b"".join([n + b": " + v + b"\r\n" for n, v in raw if n.lower() not in skip])
 
 
-def forward_block(raw: RawHeaders, remote: str | None, scheme: str, host: bytes) -> bytes:
+def forward_block(
+    raw: RawHeaders,
+    remote: str | None,
+    scheme: str,
+    host: bytes,
+    drop: frozenset[bytes] = frozenset(),
+) -> bytes:
     """The client's request headers for the upstream hop as CRLF-terminated lines: minus
-    hop-by-hop ones, Host and Content-Length (the pool sets both), plus X-Forwarded-*
-    (`host`: the Host the client asked for)."""
-    key = (tuple(raw), remote, scheme, host)
+    hop-by-hop ones, Host and Content-Length (the pool sets both) and the lower-case names in
+    `drop`, plus X-Forwarded-* (`host`: the Host the client asked for)."""
+    key = (tuple(raw), remote, scheme, host, drop)
     block = _FORWARDED.get(key)
     if block is None:
         if len(_FORWARDED) >= _LINES_MAX:
             _FORWARDED.clear()
-        block = _FORWARDED[key] = _forward_block(raw, remote, scheme, host)
+        block = _FORWARDED[key] = _forward_block(raw, remote, scheme, host, drop)
     return block
 
 
-def _forward_block(raw: RawHeaders, remote: str | None, scheme: str, host: bytes) -> bytes:
-    skip = _NOT_FORWARDED_B
+def _forward_block(
+    raw: RawHeaders, remote: str | None, scheme: str, host: bytes, drop: frozenset[bytes]
+) -> bytes:
+    skip = _NOT_FORWARDED_B | drop if drop else _NOT_FORWARDED_B
     prior = None
     for name, value in raw:
         lower = name.lower()

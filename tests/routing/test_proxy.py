@@ -360,6 +360,22 @@ async def test_forwards_path_query_and_end_to_end_headers_only(
     assert hit["headers"]["Host"] == up.base_url.removeprefix("http://")
 
 
+async def test_a_gateways_client_credentials_stay_with_the_gateway(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """With drop_credentials (the broker's gateway, whose clients send their cpn token) the
+    site never sees the Authorization header; a plain proxy passes it on."""
+    up, upstream = await echo(serve, "a")
+    headers = {**REGION, "Authorization": "Bearer cpn_0123456789abcdef_secret", "X-Custom": "1"}
+    for drop in (True, False):
+        h = await make_proxy([up], drop_credentials=drop)
+        async with http.post(h.infer_url(), data=b"{}", headers=headers) as resp:
+            assert resp.status == 200
+        hit = upstream.hits[-1]
+        assert hit["headers"]["X-Custom"] == "1"
+        assert ("Authorization" in hit["headers"]) is not drop
+
+
 async def test_session_key_from_header_or_cookie_reaches_pick(
     serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
