@@ -83,6 +83,8 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
         },
     )
     doc["agent"] = {"interval_s": 0.5}
+    if "refresh_s" in spec:  # how often the agent writes everything (agent.refresh_s)
+        doc["agent"]["refresh_s"] = spec["refresh_s"]
     if "oversubscription" in spec:
         doc["oversubscription"] = spec["oversubscription"]
     if "topology" in spec:

@@ -16,9 +16,22 @@ from sites import keys
 from sites.registry import Registry
 from tests.broker.conftest import Federation
 
+# A lost site's last run is billed up to the status its agent last wrote, and an agent writes
+# an unchanged status only every agent.refresh_s (30 s by default): refresh_s 0 writes every
+# interval (0.5 s), so the migration below bills the lost run within TOLERANCE_S of its kill.
 SITES: dict[str, dict[str, Any]] = {
-    "east-a": {"region": "east", "coordinates": {"lat": 31.2, "lon": 121.4}, "price": 3.0},
-    "east-b": {"region": "east", "coordinates": {"lat": 31.3, "lon": 120.6}, "price": 2.0},
+    "east-a": {
+        "region": "east",
+        "coordinates": {"lat": 31.2, "lon": 121.4},
+        "price": 3.0,
+        "refresh_s": 0,
+    },
+    "east-b": {
+        "region": "east",
+        "coordinates": {"lat": 31.3, "lon": 120.6},
+        "price": 2.0,
+        "refresh_s": 0,
+    },
 }
 TOLERANCE_S = 1.0
 
