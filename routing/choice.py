@@ -34,14 +34,14 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from routing.errors import InvalidParameter
 
 if TYPE_CHECKING:
     from routing.selection import Ranking, Scored
 
-__all__ = ["Choice", "ChoiceMode", "choose", "hrw_weight"]
+__all__ = ["Choice", "ChoiceMode", "Row", "choose", "choose_row", "hrw_weight"]
 
 
 class ChoiceMode(enum.StrEnum):
@@ -108,52 +108,81 @@ def choose(
                 raise InvalidParameter(
                     f"{name} must be a finite number >= 0, got {value}", field=name
                 )
-    best = ranking.best
-    if best is None:
+    rows = ranking.rows
+    if not rows:
         return None
+    row, mode, pool, home = choose_row(
+        rows,
+        rng=rng,
+        key=key,
+        previous=previous,
+        hysteresis_ms=hysteresis_ms,
+        near_best_ms=near_best_ms,
+        near_best_ratio=near_best_ratio,
+        affinity_slack_ms=affinity_slack_ms,
+        prefix_key=prefix_key,
+        prefix_slack_ms=prefix_slack_ms,
+    )
+    ranked = ranking.ranked
+    chosen = next(ranked[i] for i, r in enumerate(rows) if r is row)
+    spilled = None if home is None or mode is ChoiceMode.prefix else home[1]
+    return Choice(chosen.site, chosen, mode, tuple(r[1] for r in pool), spilled)
+
+
+Row = TypeVar("Row", bound=tuple[float, str, float, float, *tuple[object, ...]])
+"""A ranked candidate as choose_row reads it: (total_ms, site, load, idle_ms, ...), load being
+(in_flight + queue) / max_concurrency and idle_ms Score.idle_ms (routing.selection's
+ScoredRow and Ranking.rows)."""
+
+
+def choose_row(
+    rows: Sequence[Row],
+    *,
+    rng: random.Random,
+    key: str | None,
+    previous: str | None,
+    hysteresis_ms: float,
+    near_best_ms: float,
+    near_best_ratio: float,
+    affinity_slack_ms: float | None,
+    prefix_key: str | None,
+    prefix_slack_ms: float,
+) -> tuple[Row, ChoiceMode, Sequence[Row], Row | None]:
+    """choose's steps (module docstring) on rows sorted best first, at least one, with the
+    settings already checked: (the chosen row, how, the rows it was chosen among, the prefix
+    key's home when there was one). routing.policy.pick calls it on score_rows' rows, where
+    choose would need a Ranking of them."""
+    best = rows[0]
     if key is not None:
-        limit = math.inf if affinity_slack_ms is None else best.total_ms + affinity_slack_ms
-        pool = [s for s in ranking.ranked if s.total_ms <= limit]
-        sites = tuple(s.site for s in pool)
-        kept = next((s for s in pool if s.site == previous), None)
-        if kept is not None:
-            return Choice(kept.site, kept, ChoiceMode.sticky, sites)
-        winner = max(pool, key=lambda s: (hrw_weight(key, s.site), s.site))
-        return Choice(winner.site, winner, ChoiceMode.affinity, sites)
-    home: Scored | None = None
+        limit = math.inf if affinity_slack_ms is None else best[0] + affinity_slack_ms
+        pool = [r for r in rows if r[0] <= limit]
+        for r in pool:
+            if r[1] == previous:
+                return r, ChoiceMode.sticky, pool, None
+        winner = max(pool, key=lambda r: (hrw_weight(key, r[1]), r[1]))
+        return winner, ChoiceMode.affinity, pool, None
+    home: Row | None = None
     if prefix_key is not None:
-        home, sites = _prefix_home(ranking.ranked, prefix_key, affinity_slack_ms)
-        if home.total_ms <= best.total_ms + prefix_slack_ms:
-            return Choice(home.site, home, ChoiceMode.prefix, sites)
+        if affinity_slack_ms is None:
+            homes: Sequence[Row] = rows
+        else:
+            lowest = min(r[3] for r in rows) + affinity_slack_ms
+            homes = [r for r in rows if r[3] <= lowest]
+        home = max(homes, key=lambda r: (hrw_weight(prefix_key, r[1]), r[1]))
+        if home[0] <= best[0] + prefix_slack_ms:
+            return home, ChoiceMode.prefix, homes, home
         previous = None  # a spill is an ordinary choice, without hysteresis
     if previous is not None:
-        prev = ranking.get(previous)
-        if prev is not None and prev.total_ms <= best.total_ms + hysteresis_ms:
-            return Choice(prev.site, prev, ChoiceMode.sticky, (prev.site,))
-    band = max(near_best_ms, near_best_ratio * best.total_ms)
-    near = [s for s in ranking.ranked if s.total_ms <= best.total_ms + band]
-    sites = tuple(s.site for s in near)
-    spilled = None if home is None else home.site
+        for r in rows:
+            if r[1] == previous:
+                if r[0] <= best[0] + hysteresis_ms:
+                    return r, ChoiceMode.sticky, (r,), None
+                break
+    band = max(near_best_ms, near_best_ratio * best[0])
+    near = [r for r in rows if r[0] <= best[0] + band]
     if len(near) == 1:
-        return Choice(best.site, best, ChoiceMode.single, sites, spilled)
+        return best, ChoiceMode.single, near, home
     first, second = rng.sample(near, 2)
-    pick = second if _lighter(second, first) else first
-    return Choice(pick.site, pick, ChoiceMode.p2c, sites, spilled)
-
-
-def _prefix_home(
-    ranked: Sequence[Scored], key: str, slack_ms: float | None
-) -> tuple[Scored, tuple[str, ...]]:
-    """The prefix key's home: the rendezvous winner of the sites whose idle score is within
-    slack_ms of the best idle score (None: every ranked site); and that pool."""
-    if slack_ms is None:
-        pool = list(ranked)
-    else:
-        limit = min(s.score.idle_ms for s in ranked) + slack_ms
-        pool = [s for s in ranked if s.score.idle_ms <= limit]
-    home = max(pool, key=lambda s: (hrw_weight(key, s.site), s.site))
-    return home, tuple(s.site for s in pool)
-
-
-def _lighter(a: Scored, b: Scored) -> bool:
-    return (a.candidate.load, a.total_ms) < (b.candidate.load, b.total_ms)
+    # the less loaded, then the lower total_ms; on a tie the first drawn
+    chosen = second if (second[2], second[0]) < (first[2], first[0]) else first
+    return chosen, ChoiceMode.p2c, near, home

@@ -61,13 +61,13 @@ The defaults of RoutingSettings are documented once, in docs/routing.md.
 from __future__ import annotations
 
 import enum
-import math
 import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from routing.choice import choose_row
 from routing.errors import InvalidParameter
 from routing.explain import explain
 from routing.replica_choice import choose_replica
@@ -79,11 +79,10 @@ from routing.selection import (
     Policy,
     Ranking,
     RttSource,
-    ScoredRow,
     ScoringSettings,
     TenantPolicy,
     choose,
-    hrw_weight,
+    counted_total,
     rank,
     score_rows,
 )
@@ -246,24 +245,16 @@ def merge_in_flight(
     """The candidates with in_flight accounted per `mode` (module docstring, step 1).
 
     Candidates whose figure does not change are returned as they are (no copy); the others
-    carry the merged figure (Candidate.with_load), their endpoint untouched."""
+    carry the merged figure (Candidate.with_total), their endpoint untouched."""
     if mode is InFlight.reported:
         return list(candidates)
     counts = counted or {}
     out: list[Candidate] = []
+    counted_only = mode is InFlight.counted
     for cand in candidates:
-        count = counts.get(cand.site, 0)
-        if count < 0:
-            raise InvalidParameter(
-                f"in_flight[{cand.site!r}] is {count}, must be >= 0", field="in_flight"
-            )
         held = cand.in_flight + cand.queue
-        total = count if mode is InFlight.counted else max(held, count)
-        in_flight = min(total, cand.endpoint.max_concurrency)
-        queue = total - in_flight
-        if (in_flight, queue) != (cand.in_flight, cand.queue):
-            cand = cand.with_load(in_flight, queue)
-        out.append(cand)
+        total = counted_total(cand.site, held, counts.get(cand.site, 0), counted_only)
+        out.append(cand.with_total(total))
     return out
 
 
@@ -411,49 +402,25 @@ def pick(
             service, client_region, candidates, topology, policy, settings, now, rng, in_flight,
             previous, session_key, prefix_key, replica_usable, replica_in_flight,
         )  # fmt: skip
-    chosen = _choose_row(rows, settings, rng, previous, session_key, prefix_key)
+    if session_key is not None:
+        prefix_key = None  # the session's own affinity wins, as in route()
     sessioned = session_key is not None or prefix_key is not None
+    chosen = choose_row(
+        rows,
+        rng=rng,
+        key=session_key,
+        previous=None if sessioned else previous,
+        hysteresis_ms=settings.hysteresis_ms,
+        near_best_ms=settings.near_best_ms,
+        near_best_ratio=settings.near_best_ratio,
+        affinity_slack_ms=settings.affinity_slack_ms,
+        prefix_key=prefix_key,
+        prefix_slack_ms=settings.prefix_slack_ms,
+    )[0]
     site = chosen[1]
     order = [(site, chosen[4].endpoint.url)]
     order += [(r[1], r[4].endpoint.url) for r in rows if r is not chosen]
     return Pick(site, tuple(order), previous if sessioned else site)
-
-
-def _choose_row(
-    rows: list[ScoredRow],
-    settings: RoutingSettings,
-    rng: random.Random,
-    previous: str | None,
-    session_key: str | None,
-    prefix_key: str | None,
-) -> ScoredRow:
-    """routing.choice.choose over pick's rows, as route() calls it (module docstring, step 3)."""
-    best = rows[0]
-    slack = settings.affinity_slack_ms
-    if session_key is not None:  # the session's own affinity wins over a prefix key
-        limit = math.inf if slack is None else best[0] + slack
-        pool = [r for r in rows if r[0] <= limit]
-        return max(pool, key=lambda r: (hrw_weight(session_key, r[1]), r[1]))
-    if prefix_key is not None:
-        previous = None  # neither read nor moved
-        if slack is None:
-            pool = rows
-        else:
-            lowest = min(r[3] for r in rows) + slack
-            pool = [r for r in rows if r[3] <= lowest]
-        home = max(pool, key=lambda r: (hrw_weight(prefix_key, r[1]), r[1]))
-        if home[0] <= best[0] + settings.prefix_slack_ms:
-            return home
-    if previous is not None:
-        prev = next((r for r in rows if r[1] == previous), None)
-        if prev is not None and prev[0] <= best[0] + settings.hysteresis_ms:
-            return prev
-    band = max(settings.near_best_ms, settings.near_best_ratio * best[0])
-    near = [r for r in rows if r[0] <= best[0] + band]
-    if len(near) == 1:
-        return best
-    first, second = rng.sample(near, 2)
-    return second if (second[2], second[0]) < (first[2], first[0]) else first
 
 
 def _pick_by_route(

@@ -73,6 +73,7 @@ __all__ = [
     "expected_service_ms",
     "hrw_weight",
     "rank",
+    "counted_total",
     "score_rows",
     "service_ms",
 ]
@@ -241,6 +242,14 @@ class Candidate:
         object.__setattr__(out, "queue", self.queue)
         return out
 
+    def with_total(self, total: int) -> Candidate:
+        """This candidate with `total` requests: as many served as it has slots, the rest
+        queued; itself when that is its load already."""
+        in_flight = min(total, self.endpoint.max_concurrency)
+        if in_flight == self.in_flight and total - in_flight == self.queue:
+            return self
+        return self.with_load(in_flight, total - in_flight)
+
     @property
     def load(self) -> float:
         """Occupancy: (in_flight + queue) / max_concurrency; above 1 means a queue."""
@@ -294,6 +303,8 @@ class Ranking:
     topology_version: int
     ranked: tuple[Scored, ...]
     excluded: tuple[Excluded, ...]
+    # score_rows' rows of `ranked`, in its order: what routing.choice.choose reads
+    rows: tuple[ScoredRow, ...] = field(compare=False, repr=False)
 
     @property
     def best(self) -> Scored | None:
@@ -486,6 +497,7 @@ def rank(
         topology_version=topology.version,
         ranked=tuple(ranked),
         excluded=tuple(excluded),
+        rows=tuple(rows),
     )
 
 
@@ -545,12 +557,7 @@ def score_rows(
         slots = ep.max_concurrency
         total = cand.in_flight + cand.queue
         if counts is not None:
-            count = counts.get(site, 0)
-            if count < 0:
-                raise InvalidParameter(
-                    f"in_flight[{site!r}] is {count}, must be >= 0", field="in_flight"
-                )
-            total = count if counted_only else max(total, count)
+            total = counted_total(site, total, counts.get(site, 0), counted_only)
         held = total
         usage = ep.kv_cache_usage
         signals_at = ep.signals_at
@@ -569,11 +576,8 @@ def score_rows(
             or cand.error_rate >= eject_error_rate
             or (not admit_full and held >= slots * allowance)
         ):
-            merged = cand
-            if counts is not None:  # exclusion names the merged load, as merge_in_flight's
-                running = min(total, slots)
-                if (running, total - running) != (cand.in_flight, cand.queue):
-                    merged = cand.with_load(running, total - running)
+            # exclusion names the merged load, as merge_in_flight's
+            merged = cand if counts is None else cand.with_total(total)
             reason = exclusion(service, client_region, merged, network, policy, now, admit_full)
             if reason is not None or network is None:
                 excluded.append(Excluded(site, *(reason or _NO_ROUTE)))
@@ -594,6 +598,15 @@ def score_rows(
         rows.append((total_ms, site, load, idle_ms, cand, network, served_ms, penalty, kv, latency))
     rows.sort(key=_row_key)
     return rows, excluded
+
+
+def counted_total(site: str, held: int, count: int, counted_only: bool) -> int:
+    """A candidate's requests (`held`: in flight and queued, as reported) with a caller's own
+    `count` of them merged in: the larger of the two, or with `counted_only` the count alone
+    (routing.policy.InFlight). InvalidParameter on a negative count."""
+    if count < 0:
+        raise InvalidParameter(f"in_flight[{site!r}] is {count}, must be >= 0", field="in_flight")
+    return count if counted_only else max(held, count)
 
 
 _row_key = itemgetter(0, 1)
