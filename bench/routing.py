@@ -976,6 +976,89 @@ def run_wrk(
     }
 
 
+PACED_SCRIPT = """-- bench/routing.py: one client region; each connection waits an exponential
+-- think time (mean %(think_ms)s ms) after each answer: %(connections)d connections offer the rate
+local req
+init = function(args)
+  math.randomseed(%(seed)d)
+  local h = {["Content-Type"] = "application/json", ["Authorization"] = %(auth)s,
+    ["X-Cpn-Client-Region"] = %(region)s, ["X-Cpn-Tenant"] = "bench-0"}
+  req = wrk.format("POST", nil, h, %(body)s)
+end
+request = function() return req end
+delay = function() return -math.log(1 - math.random()) * %(think_ms)s end
+"""
+PACED_CONNECTIONS = 8
+
+
+def run_wrk_paced(
+    binary: str, url: str, region: str, script_dir: Path, *, rate: float, duration_s: float,
+    seed: int,
+) -> dict[str, Any]:  # fmt: skip
+    """wrk at about `rate` req/s: PACED_CONNECTIONS connections, each sending its next request
+    an exponential think time after the last answer (wrk's delay()). The latency a C client
+    sees at that rate, where the bench's open loop is a Python client that shares the 2 cores
+    with the broker; its p50, p90 and p99 (ms) and the rate achieved."""
+    script = script_dir / "wrk-paced.lua"
+    script.write_text(
+        PACED_SCRIPT
+        % {
+            "think_ms": repr(1000.0 * PACED_CONNECTIONS / rate),
+            "connections": PACED_CONNECTIONS,
+            "seed": seed,
+            "auth": _lua(AUTH.get("Authorization", "")),
+            "region": _lua(region),
+            "body": _lua(BODY),
+        }
+    )
+    r = subprocess.run(
+        [binary, "-t1", f"-c{PACED_CONNECTIONS}", f"-d{duration_s:g}s", "--latency", "-s",
+         str(script), url],
+        capture_output=True, text=True, timeout=duration_s + 60,
+    )  # fmt: skip
+    out = r.stdout
+    done = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
+    if r.returncode != 0 or done is None:
+        raise RuntimeError(f"wrk failed ({r.returncode}): {(r.stderr or out).strip()[-300:]}")
+    wall = float(done.group(2)) * (0.001 if done.group(3) == "ms" else 1.0)
+    lat = dict(re.findall(r"^\s+(50|90|99)%\s+(\S+)$", out, re.M))
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {
+        "rps": int(done.group(1)) / wall,
+        "non_2xx": int(bad.group(1)) if bad else 0,
+        **{f"p{q}_ms": _wrk_ms(lat.get(q, "")) for q in ("50", "90", "99")},
+    }
+
+
+def added_latency_paced(
+    binary: str, urls: dict[str, str], region: str, script_dir: Path, args: argparse.Namespace,
+) -> dict[str, Any]:  # fmt: skip
+    """added_latency's rounds with wrk paced at --added-rate (run_wrk_paced) in place of the
+    bench's Python client, for one client region (`urls`: "direct" to the site the broker
+    picks for it, "cpn" through the broker): added = the median over rounds of (cpn - direct)."""
+    rounds: list[dict[str, dict[str, Any]]] = []
+    secs = max(3.0, args.added_requests / args.added_rate)
+    for rnd in range(args.added_rounds):
+        rounds.append({})
+        for name in ("direct", "cpn"):
+            log(
+                f"added latency, wrk paced, {name}, round {rnd + 1}/{args.added_rounds}: "
+                f"about {args.added_rate:g} req/s for {secs:g} s"
+            )
+            r = run_wrk_paced(
+                binary, urls[name], region, script_dir, rate=args.added_rate, duration_s=secs,
+                seed=args.seed + rnd,
+            )  # fmt: skip
+            log(f"  {r['rps']:,.0f} req/s, p50 {fmt(r['p50_ms'], 3)} ms")
+            rounds[-1][name] = r
+    out: dict[str, Any] = {"region": region, "rounds": rounds}
+    for q in (50, 90, 99):
+        diffs = [r["cpn"][f"p{q}_ms"] - r["direct"][f"p{q}_ms"] for r in rounds]
+        out[f"added_p{q}_ms"] = statistics.median(diffs)
+        out[f"added_p{q}_ms_rounds"] = diffs
+    return out
+
+
 def _cmdline(proc: psutil.Process) -> str:
     """The process's command line; "" once it exited (a zombie has none)."""
     try:
@@ -1672,6 +1755,11 @@ async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     )
 
         await runs(demo.processes)
+        paced: dict[str, Any] = {}  # added latency with wrk paced, per backends
+        if wrk_bin:
+            paced["the stand-ins"] = await asyncio.to_thread(
+                added_latency_paced, wrk_bin, urls, regions[0], work / "loopback", args
+            )
         fixed_note = None
         added_fixed: dict[str, Any] | None = None
         if not args.no_fixed_backends:
@@ -1695,6 +1783,10 @@ async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     added_fixed = await added_latency(
                         paths, rng, mix, args, roles, cpu, ", nginx backends"
                     )
+                    if wrk_bin:
+                        paced["nginx backends"] = await asyncio.to_thread(
+                            added_latency_paced, wrk_bin, urls, regions[0], work / "loopback", args
+                        )
                     await runs(roles, ", nginx backends")
                 finally:
                     fixed.stop()
@@ -1708,6 +1800,7 @@ async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             "generator": wrk_note if wrk_bin else f"the bench's aiohttp client ({wrk_note})",
             "fixed_backends": fixed_note,
             "added_fixed": added_fixed,
+            "added_paced": paced,
             "profile": profile,
             "uvloop": uvloop_installed() and not demo.block_uvloop,
             "service": LOOPBACK_SERVICE,
@@ -1847,6 +1940,17 @@ def print_loopback(lb: dict[str, Any]) -> None:
     for added, where in ((a, "the stand-ins"), (lb.get("added_fixed"), "nginx backends")):
         if added:
             print_added(added, where)
+    for where, p in (lb.get("added_paced") or {}).items():
+        rounds = ", ".join(
+            f"{r['direct']['p50_ms']:.3f} -> {r['cpn']['p50_ms']:.3f} at {r['cpn']['rps']:,.0f}/s"
+            for r in p["rounds"]
+        )
+        print(
+            f"added latency, wrk paced ({PACED_CONNECTIONS} connections, exponential think "
+            f"time; client region {p['region']}), {where}: p50 {fmt(p['added_p50_ms'], 3)} ms, "
+            f"p90 {fmt(p['added_p90_ms'], 3)} ms, p99 {fmt(p['added_p99_ms'], 3)} ms "
+            f"(p50 direct -> cpn per round: {rounds})"
+        )
     print(
         f"broker route choice (X-Cpn-Route-Ms, idle): p50 {fmt(lb['route_ms']['p50_ms'], 3)} ms, "
         f"p99 {fmt(lb['route_ms']['p99_ms'], 3)} ms"

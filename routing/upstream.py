@@ -184,7 +184,9 @@ class UpstreamResponse:
                 raise self.exception
             if self.complete:
                 return b""
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            conn = self._conn
+            loop = asyncio.get_running_loop() if conn is None else conn.loop
+            waiter = self._waiter = loop.create_future()
             pool = self._pool
             pool.watch(waiter, self._timeout_s, "no body bytes in time")
             try:
@@ -237,6 +239,8 @@ class _Connection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool, key: _Key) -> None:
         self.pool = pool
         self.key = key
+        # the loop it runs on, asked once: asyncio.get_running_loop() is a getpid() system call
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.idle_since = 0.0
@@ -343,7 +347,7 @@ class _Connection(asyncio.Protocol):
 
     def send(self, data: bytes, head: bool, timeout_s: float) -> asyncio.Future[UpstreamResponse]:
         assert self.transport is not None
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.head = head
         self.timeout_s = timeout_s
         self.got_bytes = False
@@ -466,7 +470,7 @@ class UpstreamPool:
     def watch(self, waiter: asyncio.Future[Any], timeout_s: float, message: str) -> None:
         """Fail `waiter` with TimeoutError(message) unless it is done within `timeout_s`
         (give or take TICK_S); `unwatch` it when done."""
-        loop = asyncio.get_running_loop()
+        loop = waiter.get_loop()
         self._deadlines[waiter] = (loop.time() + timeout_s, message)
         if self._sweeper is None:
             self._sweeper = loop.call_later(TICK_S, self._sweep)
