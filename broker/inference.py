@@ -66,12 +66,15 @@ class Gateway:
         router: Router,
         settings: InferenceSettings | None = None,
         client_source_ips: dict[str, str] | None = None,
+        site_keys: Mapping[tuple[str, str], str] | None = None,
     ) -> None:
+        """`site_keys`: the keys of broker.settings.read_site_keys, for the proxy."""
         self.broker = broker
         self.router = router
         self.settings = settings or InferenceSettings()
         # emulated WAN only: client region -> the loopback address its traffic leaves from
         self.client_source_ips = client_source_ips or {}
+        self.site_keys = dict(site_keys or {})
         self.health = OutlierDetector(settings=self.settings.outlier)
         self._session: aiohttp.ClientSession | None = None  # the health checks'
         self.checker: ActiveHealthChecker | None = None
@@ -172,6 +175,7 @@ class Gateway:
                 traffic=self.broker.traffic,  # the autoscaler's demand (broker.traffic)
                 # a client's Authorization is its cpn token, checked here: never the site's
                 drop_credentials=app[AUTH].enabled,
+                site_keys=self.site_keys,  # a site's own key, where it needs one
             )
             yield
             await self.broker.supervisor.cancel("health checker")

@@ -18,7 +18,7 @@ from broker.inference import Gateway
 from broker.regions import load_user_regions, user_rtt_ms
 from broker.router import Router
 from broker.service import RESTART, Broker
-from broker.settings import BrokerSettings, load_settings
+from broker.settings import BrokerSettings, load_settings, read_site_keys
 from broker.tenants import load_tenancy
 from routing.clients import load_clients
 from routing.lane import LaneSite
@@ -83,6 +83,7 @@ async def serve(
     tenancy = load_tenancy(config_dir / "tenants.yaml")
     if settings is None:
         settings = load_settings(config_dir / "broker.yaml")
+    site_keys = read_site_keys(settings.inference, str(config_dir / "broker.yaml"))
     host, port = listen.rsplit(":", 1)
     ssl_context = None
     if tls_cert is not None and tls_key is not None:
@@ -125,6 +126,7 @@ async def serve(
             router=router,
             settings=broker.settings.inference,
             client_source_ips=sources,
+            site_keys=site_keys,
         )
         gateway.install(app)
 

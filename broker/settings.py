@@ -2,16 +2,64 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.alert_rules import AlertSettings
 from routing.health import OutlierSettings
 from routing.policy import RoutingSettings
 from sites.config import read_yaml, validate_mapping
 from sites.durations import Duration
+from sites.errors import ConfigError, Problem
+
+
+class SiteKey(BaseModel):
+    """A key a site's model servers require (vLLM's `--api-key`, any OpenAI-compatible server's
+    bearer key): the gateway sends `Authorization: Bearer <key>` with every request it proxies
+    there, in place of the client's own header (docs/inference.md). The key is read when the
+    broker starts, from an environment variable or a file: never written in broker.yaml."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    site: str = Field(min_length=1, description="the site (configs/sites)")
+    service: str | None = Field(
+        default=None, min_length=1, description="one service at the site (none: every one)"
+    )
+    key_env: str | None = Field(
+        default=None, min_length=1, description="the environment variable that holds the key"
+    )
+    key_file: Path | None = Field(
+        default=None, description="the file that holds the key (surrounding whitespace dropped)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SiteKey:
+        if (self.key_env is None) == (self.key_file is None):
+            raise ValueError("give the key's key_env or its key_file, one of the two")
+        return self
+
+    def read(self) -> str:
+        """The key; ValueError saying what is missing or wrong."""
+        if self.key_env is not None:
+            key = os.environ.get(self.key_env, "").strip()
+            if not key:
+                raise ValueError(f"the environment variable {self.key_env} is not set, or empty")
+        else:
+            assert self.key_file is not None
+            try:
+                key = self.key_file.read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = getattr(exc, "strerror", None) or str(exc)
+                raise ValueError(f"cannot read {self.key_file}: {reason}") from None
+            if not key:
+                raise ValueError(f"{self.key_file} is empty")
+        if not (key.isascii() and key.isprintable()):
+            # a header value: a line break would end it and start another header
+            raise ValueError("the key must be printable ASCII, on one line")
+        return key
 
 
 class InferenceSettings(BaseModel):
@@ -30,12 +78,45 @@ class InferenceSettings(BaseModel):
         description="bytes of a request's prompt or messages that make its prefix key, for "
         "prefix-cache affinity (0: off); a system prompt is typically longer",
     )
+    site_keys: tuple[SiteKey, ...] = Field(
+        default=(),
+        description="keys the sites' model servers require, sent by the gateway in place of the "
+        "client's Authorization (read from the environment or a file when the broker starts)",
+    )
     outlier: OutlierSettings = OutlierSettings()
     routing: RoutingSettings = Field(
         default=RoutingSettings(),
         description="the routing policy (band, hysteresis, overflow, in-flight accounting, "
         "scoring) the gateway and the simulator share; docs/routing.md",
     )
+
+    @model_validator(mode="after")
+    def _one_key_each(self) -> InferenceSettings:
+        seen: set[tuple[str, str | None]] = set()
+        for k in self.site_keys:
+            if (k.site, k.service) in seen:
+                what = f"service {k.service!r} at " if k.service else ""
+                raise ValueError(f"site_keys: two keys for {what}site {k.site!r}")
+            seen.add((k.site, k.service))
+        return self
+
+
+def read_site_keys(settings: InferenceSettings, source: str) -> dict[tuple[str, str], str]:
+    """(site, service, or "*" for each) -> key, for routing.proxy.InferenceProxy's site_keys;
+    ConfigError naming `source` and each key that cannot be read. (A site is not checked
+    against the registry: it may join after the broker started, from any file.)"""
+    keys: dict[tuple[str, str], str] = {}
+    problems: list[Problem] = []
+    for i, entry in enumerate(settings.site_keys):
+        where = f"inference.site_keys[{i}]"
+        try:
+            keys[(entry.site, entry.service or "*")] = entry.read()
+        except ValueError as exc:
+            field = "key_env" if entry.key_env is not None else "key_file"
+            problems.append(Problem(source, f"{where}.{field}", str(exc)))
+    if problems:
+        raise ConfigError(problems)
+    return keys
 
 
 class SchedulingSettings(BaseModel):

@@ -358,6 +358,8 @@ class Launcher:
         path = self.settings.config_dir / "standin.yaml"
         table = (read_yaml(path) or {}) if path.exists() else {}
         models, default = table.get("models", {}), table.get("default", {})
+        # "site/service" -> the environment variable of the key that stand-in requires
+        api_keys = table.get("api_keys", {})
         for n, plan in enumerate(self.plans, start=1):
             for svc in plan.spec.services:
                 parts = urlsplit(svc.url)
@@ -371,6 +373,8 @@ class Launcher:
                     "--max-concurrency", str(svc.max_concurrency),
                     "--seed", str(n),
                 ]  # fmt: skip
+                if key_env := api_keys.get(f"{plan.spec.id}/{svc.name}"):
+                    args += ["--api-key-env", str(key_env)]
                 log_path = self.run_dir / f"model-{plan.spec.id}-{svc.name}.log"
                 with open(log_path, "ab") as logfile:
                     self.model_servers.append(

@@ -50,6 +50,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import hmac
 import importlib
 import itertools
 import json
@@ -60,7 +61,7 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -116,6 +117,13 @@ class ModelServerSettings(BaseModel):
         4096, ge=1, description="KV-cache capacity in blocks; usage = held / this"
     )
     kv_block_tokens: int = Field(16, ge=1, description="tokens per KV block (vLLM's default)")
+    api_key: str | None = Field(
+        None,
+        min_length=1,
+        repr=False,
+        description="as vLLM's --api-key: /v1/ requests without `Authorization: Bearer <key>` "
+        "get a 401 (None: no key)",
+    )
 
     @model_validator(mode="after")
     def _p99_above_median(self) -> ModelServerSettings:
@@ -556,6 +564,8 @@ def make_app(settings: ModelServerSettings) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY)
     app[SERVER] = ModelServer(settings)
     app.on_response_prepare.append(_mark_standin)
+    if settings.api_key is not None:
+        app.middlewares.append(_require_key(settings.api_key))
     app.on_shutdown.append(_release_hung)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -564,6 +574,25 @@ def make_app(settings: ModelServerSettings) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/admin/fail", admin_fail)
     return app
+
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _require_key(key: str) -> Any:
+    """vLLM's check of its --api-key: a /v1/ request needs `Authorization: Bearer <key>`,
+    else 401 {"error": "Unauthorized"}; /healthz, /metrics and /stats stay open."""
+    expected = f"Bearer {key}"
+
+    @web.middleware
+    async def require_key(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/") and not hmac.compare_digest(
+            request.headers.get("Authorization", ""), expected
+        ):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return require_key
 
 
 def _parse_listen(value: str) -> tuple[str, int]:
@@ -603,6 +632,11 @@ def _parser() -> argparse.ArgumentParser:
         help="prefix keys kept, LRU (default: $CPN_STANDIN_PREFIX_CACHE_ENTRIES, else 1024)",
     )
     p.add_argument("--kv-cache-blocks", type=int, default=4096)
+    p.add_argument(
+        "--api-key-env",
+        metavar="NAME",
+        help="require the key in this environment variable on /v1/ requests (vLLM's --api-key)",
+    )
     return p
 
 
@@ -629,6 +663,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     host, port = args.listen
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = os.environ.get(args.api_key_env, "").strip()
+        if not api_key:
+            print(f"modelserver: --api-key-env: {args.api_key_env} is not set", file=sys.stderr)
+            return 2
     try:
         settings = ModelServerSettings(
             name=args.name,
@@ -643,6 +683,7 @@ def main(argv: list[str] | None = None) -> int:
             prefix_chars=args.prefix_chars,
             prefix_cache_entries=args.prefix_cache_entries,
             kv_cache_blocks=args.kv_cache_blocks,
+            api_key=api_key,
         )
     except ValidationError as exc:
         first = exc.errors()[0]

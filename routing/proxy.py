@@ -362,6 +362,7 @@ class InferenceProxy:
         prefix_chars: int = 0,
         traffic: TrafficSink | None = None,
         drop_credentials: bool = False,
+        site_keys: Mapping[tuple[str, str], str] | None = None,
     ) -> None:
         """`pool` carries the upstream requests (a new one when None; `close()` closes it).
         `session` is not used for them: it is accepted for callers that still pass one.
@@ -369,7 +370,10 @@ class InferenceProxy:
         `traffic`: counts requests and their time to first byte per service and client region.
         `drop_credentials`: the client's Authorization header is not sent on to the site (the
         broker's gateway, whose clients authenticate with their cpn token: the site must not
-        see it)."""
+        see it).
+        `site_keys`: (site, service, or "*" for every service there) -> the key that site's
+        model servers require, sent as `Authorization: Bearer <key>` in place of the client's
+        header (broker.settings.SiteKey)."""
         if connect_timeout_s <= 0 or response_timeout_s <= 0:
             raise ValueError("connect_timeout_s and response_timeout_s must be > 0")
         if max_attempts < 1:
@@ -400,6 +404,10 @@ class InferenceProxy:
         self.prefix_chars = prefix_chars
         self.traffic = traffic
         self.not_forwarded = _CREDENTIALS if drop_credentials else frozenset()
+        self._key_lines = {
+            where: b"Authorization: Bearer %s\r\n" % key.encode("ascii")
+            for where, key in (site_keys or {}).items()
+        }
 
     async def close(self) -> None:
         """Close the upstream connections."""
@@ -542,6 +550,7 @@ class InferenceProxy:
             )  # fmt: skip
         idempotent = ex.idempotent
         headers = ex.forward_headers(self.not_forwarded)
+        keyed: bytes | None = None  # the headers without the client's Authorization
         tail = ex.tail
         method = ex.method.encode("ascii")
         attempt: _Attempt | None = None
@@ -560,7 +569,14 @@ class InferenceProxy:
                 if attempt.response is not None:
                     attempt.response.release()
                     self._finished(service, attempt.upstream)
-            attempt = await self._attempt(method, service, upstream, tail, headers, body)
+            sent = headers
+            if self._key_lines:
+                line = self._key_line(service, upstream.site)
+                if line is not None:  # the site's own key, in place of the client's header
+                    if keyed is None:
+                        keyed = ex.forward_headers(self.not_forwarded | _CREDENTIALS)
+                    sent = keyed + line
+            attempt = await self._attempt(method, service, upstream, tail, sent, body)
             attempts += 1
         if attempt is None:
             raise RuntimeError("unreachable: the first usable candidate is always tried")
@@ -581,6 +597,10 @@ class InferenceProxy:
         finally:
             self._finished(service, attempt.upstream)
         return site
+
+    def _key_line(self, service: str, site: str) -> bytes | None:
+        lines = self._key_lines
+        return lines.get((site, service)) or lines.get((site, "*"))
 
     def in_flight(self, service: str) -> dict[str, int]:
         """site -> requests of `service` this proxy has in flight there now (its own view:

@@ -30,6 +30,9 @@ from tests.conftest import AUTH, CONFIGS, REPO, cpn_cmd, write_admin_token
 
 # qwen-72b is served at yrd-demo-zone, shaoguan, zhangjiakou and tokyo
 SITES = ("yrd-demo-zone", "wuhu", "shaoguan", "zhangjiakou", "tokyo", "frankfurt")
+# tokyo's qwen-72b stand-in requires a key, as vLLM's --api-key does; the broker has it
+TOKYO_KEY_ENV = "CPN_TEST_TOKYO_QWEN_KEY"
+TOKYO_KEY = "sk-tokyo-" + os.urandom(8).hex()
 
 
 class Demo:
@@ -50,12 +53,17 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     cfg = tmp_path_factory.mktemp("configs")
     for item in CONFIGS.iterdir():
         (shutil.copytree if item.is_dir() else shutil.copy)(item, cfg / item.name)
-    fast = {"default": {"median_ms": 20, "p99_ms": 40}, "models": {}}
+    fast = {
+        "default": {"median_ms": 20, "p99_ms": 40},
+        "models": {},
+        "api_keys": {"tokyo/qwen-72b": TOKYO_KEY_ENV},
+    }
     (cfg / "standin.yaml").write_text(yaml.safe_dump(fast))
     # short ejections and quick health checks, so a repaired site rejoins within the test
     inference = {
         "health_interval_s": 0.5,
         "outlier": {"base_ejection_time_s": 2, "max_ejection_time_s": 4},
+        "site_keys": [{"site": "tokyo", "service": "qwen-72b", "key_env": TOKYO_KEY_ENV}],
     }
     (cfg / "broker.yaml").write_text(yaml.safe_dump({"inference": inference}))
     state = tmp_path_factory.mktemp("state")
@@ -66,7 +74,7 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         cpn_cmd("up", "--etcd", etcd.url, "--config-dir", str(cfg), "--sites", ",".join(SITES),
                 "--interval", "0.5", "--broker-listen", f"127.0.0.1:{port}"),
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-        env={**os.environ, "CPN_STATE_DIR": str(state)},
+        env={**os.environ, "CPN_STATE_DIR": str(state), TOKYO_KEY_ENV: TOKYO_KEY},
     )  # fmt: skip
     log.close()
     demo = Demo(f"http://127.0.0.1:{port}", up, state)
@@ -119,6 +127,28 @@ async def infer(
         f"{demo.url}/v1/infer/{service}/v1/completions", json={"prompt": "hi"}, headers=hdrs
     ) as resp:
         return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+async def test_a_site_that_requires_a_key_gets_the_brokers_not_the_clients(
+    demo: Demo, http: aiohttp.ClientSession
+) -> None:
+    """tokyo's qwen-72b requires a key (vLLM's --api-key): the broker sends the one broker.yaml
+    names (inference.site_keys, read from the environment), in place of the client's cpn
+    token; without it the model server refuses."""
+    cmdline = demo.model_server("tokyo", "qwen-72b").cmdline()
+    direct = f"http://{cmdline[cmdline.index('--listen') + 1]}/v1/completions"
+    async with aiohttp.ClientSession() as plain:
+        for auth, want in ((None, 401), ("Bearer wrong", 401), (f"Bearer {TOKYO_KEY}", 200)):
+            hdrs = {"Authorization": auth} if auth else {}
+            async with plain.post(direct, json={"prompt": "hi"}, headers=hdrs) as resp:
+                assert resp.status == want, (auth, await resp.text())
+    status, headers, body = await infer(http, demo, "tokyo")
+    assert status == 200, body
+    assert headers["X-Cpn-Site"] == "tokyo"
+    # a site without a key is unchanged: it gets no Authorization at all (the client's cpn
+    # token stays with the broker)
+    status, headers, body = await infer(http, demo, "shanghai")
+    assert status == 200 and headers["X-Cpn-Site"] == "yrd-demo-zone", body
 
 
 async def test_each_region_reaches_its_nearest_healthy_site(

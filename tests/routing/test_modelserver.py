@@ -271,6 +271,31 @@ async def test_cli_rejects_bad_settings_with_exit_2() -> None:
     assert len(lines) == 1 and "p99_ms" in lines[0]
 
 
+def test_an_api_key_named_but_unset_is_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
+    from routing import modelserver
+
+    monkeypatch.delenv("CPN_TEST_NO_KEY", raising=False)
+    argv = ["--listen", "127.0.0.1:0", "--name", "x", "--median-ms", "1", "--p99-ms", "2"]
+    argv += ["--max-concurrency", "1", "--api-key-env", "CPN_TEST_NO_KEY"]
+    assert modelserver.main(argv) == 2
+
+
+async def test_an_api_key_guards_v1_only(
+    make_server: MakeServer, http: aiohttp.ClientSession
+) -> None:
+    """As vLLM's --api-key: /v1/ needs the bearer key; /healthz, /metrics, /stats stay open
+    (the agents and the broker's health checks read them without it)."""
+    url, _ = await make_server(api_key="sk-1")
+    body = {"prompt": "hi"}
+    for auth, want in ((None, 401), ("Bearer sk-2", 401), ("Bearer sk-1", 200)):
+        hdrs = {"Authorization": auth} if auth else {}
+        async with http.post(f"{url}/v1/completions", json=body, headers=hdrs) as resp:
+            assert resp.status == want
+    for path in ("/healthz", "/metrics", "/stats"):
+        async with http.get(url + path) as resp:
+            assert resp.status == 200, path
+
+
 def test_prefix_cache_flags_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """`cpn up` passes the stand-ins only timing and size; a bench sets the prefix-cache model
     through CPN_STANDIN_PREFILL_MS and CPN_STANDIN_PREFIX_CACHE_ENTRIES."""

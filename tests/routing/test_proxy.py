@@ -376,6 +376,29 @@ async def test_a_gateways_client_credentials_stay_with_the_gateway(
         assert ("Authorization" in hit["headers"]) is not drop
 
 
+async def test_a_sites_own_key_replaces_the_clients_authorization(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """site_keys: a site that requires a key gets `Authorization: Bearer <its key>` (the
+    service's own over the site's "*"), never the client's header; a site without one gets
+    what it got before. Per attempt: a retry from a keyed site to another carries that one's."""
+    up_a, a = await echo(serve, "a")
+    up_b, b = await echo(serve, "b")
+    client = {**REGION, "Authorization": "Bearer cpn_0123456789abcdef_secret"}
+    for drop in (True, False):
+        h = await make_proxy([up_a], drop_credentials=drop, site_keys={("a", "*"): "sk-a"})
+        async with http.post(h.infer_url(), data=b"{}", headers=client) as resp:
+            assert resp.status == 200
+        assert a.hits[-1]["headers"]["Authorization"] == "Bearer sk-a"
+    keys = {("a", "*"): "sk-any", ("a", "llm"): "sk-llm", ("b", "other"): "sk-b"}
+    h = await make_proxy([up_a, up_b], site_keys=keys)
+    a.statuses = [429]  # a turns it away, the proxy tries b
+    async with http.post(h.infer_url(), data=b"{}", headers=client) as resp:
+        assert resp.status == 200 and resp.headers["X-Cpn-Site"] == "b"
+    assert a.hits[-1]["headers"]["Authorization"] == "Bearer sk-llm"
+    assert b.hits[-1]["headers"]["Authorization"] == client["Authorization"]  # none for llm
+
+
 async def test_session_key_from_header_or_cookie_reaches_pick(
     serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
 ) -> None:
