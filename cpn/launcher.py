@@ -655,6 +655,8 @@ class Launcher:
         if self.broker is not None and self.broker.poll() is None:
             procs.append(self.broker)
         procs += [m for m in self.model_servers if m.poll() is None]
+        if self.emulator is not None:
+            self.emulator.stopping()  # peers' probes to agents already gone: no warning each
         for proc in procs:
             proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10

@@ -485,6 +485,7 @@ class WanEmulator:
         self._total = 0
         self._unknown_source = 0
         self._closed = False
+        self._stopping = False
         self._warned_loop = False
 
     async def add_route(
@@ -569,7 +570,10 @@ class WanEmulator:
                 # e.g. an IPv6 client in front of an IPv4 backend: connect from any address.
                 await loop.create_connection(lambda: _BackendProtocol(conn), host, port)
         except OSError as exc:
-            _unreachable(conn.route, exc)
+            if self._stopping:  # counted, not logged: the backends are being stopped
+                conn.route.connect_errors += 1
+            else:
+                _unreachable(conn.route, exc)
             conn.connect_failed()
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
@@ -596,6 +600,12 @@ class WanEmulator:
                 for r in self._routes
             },
         )
+
+    def stopping(self) -> None:
+        """The processes behind the routes are being stopped (`cpn up` on Ctrl-C): a backend
+        that no longer answers is expected, and counted without a warning. Relaying goes on
+        until `close`."""
+        self._stopping = True
 
     async def close(self) -> None:
         """Stop listening, drop every relayed connection, and wait for all of it to end."""

@@ -319,6 +319,33 @@ def test_unreachable_backend_closes_client(caplog: pytest.LogCaptureFixture) -> 
     assert len(logged) == 1 and logged[0].levelname == "WARNING", logged
 
 
+def test_a_stopping_federations_dead_backends_are_counted_not_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`cpn up` stopping: its agents go one by one, and the peers' probes still knock."""
+
+    async def scenario() -> WanStats:
+        loop = asyncio.get_running_loop()
+        probe = await loop.create_server(asyncio.Protocol, NODE_B_IP, 0)
+        dead = probe.sockets[0].getsockname()[:2]
+        probe.close()
+        await probe.wait_closed()
+        wan = WanEmulator(node_of_ip=NODES, rtt_ms=_symmetric(5.0))
+        try:
+            front = await wan.add_route(front=(FRONT_B_IP, 0), backend=dead, node="b")
+            wan.stopping()
+            for _ in range(2):
+                assert await _read_to_close(front) == b""
+            return wan.stats()
+        finally:
+            await wan.close()
+
+    stats = run_precise(scenario())
+    (route,) = stats["routes"].values()
+    assert route["connect_errors"] == 2
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage()]
+
+
 def test_failing_rtt_callable_refuses_only_that_connection(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
