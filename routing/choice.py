@@ -34,14 +34,23 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from routing.errors import InvalidParameter
 
 if TYPE_CHECKING:
     from routing.selection import Ranking, Scored
 
-__all__ = ["Choice", "ChoiceMode", "Row", "choose", "choose_row", "hrw_weight"]
+__all__ = [
+    "Choice",
+    "ChoiceMode",
+    "Chosen",
+    "Row",
+    "choice_of",
+    "choose",
+    "choose_row",
+    "hrw_weight",
+]
 
 
 class ChoiceMode(enum.StrEnum):
@@ -111,7 +120,7 @@ def choose(
     rows = ranking.rows
     if not rows:
         return None
-    row, mode, pool, home = choose_row(
+    chosen = choose_row(
         rows,
         rng=rng,
         key=key,
@@ -123,16 +132,27 @@ def choose(
         prefix_key=prefix_key,
         prefix_slack_ms=prefix_slack_ms,
     )
-    ranked = ranking.ranked
-    chosen = next(ranked[i] for i, r in enumerate(rows) if r is row)
+    return choice_of(ranking, chosen)
+
+
+def choice_of(ranking: Ranking, chosen: Chosen[Any]) -> Choice:
+    """choose_row's answer on `ranking.rows` as a Choice of the ranking's Scored."""
+    row, mode, pool, home = chosen
+    rows, ranked = ranking.rows, ranking.ranked
+    scored = next(ranked[i] for i, r in enumerate(rows) if r is row)
     spilled = None if home is None or mode is ChoiceMode.prefix else home[1]
-    return Choice(chosen.site, chosen, mode, tuple(r[1] for r in pool), spilled)
+    return Choice(scored.site, scored, mode, tuple(r[1] for r in pool), spilled)
 
 
 Row = TypeVar("Row", bound=tuple[float, str, float, float, *tuple[object, ...]])
 """A ranked candidate as choose_row reads it: (total_ms, site, load, idle_ms, ...), load being
 (in_flight + queue) / max_concurrency and idle_ms Score.idle_ms (routing.selection's
 ScoredRow and Ranking.rows)."""
+
+
+Chosen = tuple[Row, ChoiceMode, Sequence[Row], Row | None]
+"""choose_row's answer: the chosen row, how, the rows it was chosen among, the prefix key's
+home when there was one."""
 
 
 def choose_row(
@@ -147,11 +167,10 @@ def choose_row(
     affinity_slack_ms: float | None,
     prefix_key: str | None,
     prefix_slack_ms: float,
-) -> tuple[Row, ChoiceMode, Sequence[Row], Row | None]:
+) -> Chosen[Row]:
     """choose's steps (module docstring) on rows sorted best first, at least one, with the
-    settings already checked: (the chosen row, how, the rows it was chosen among, the prefix
-    key's home when there was one). routing.policy.pick calls it on score_rows' rows, where
-    choose would need a Ranking of them."""
+    settings already checked (RoutingSettings checks its own). routing.policy's route and
+    pick call it: route on its Ranking's rows (then choice_of), pick on score_rows' rows."""
     best = rows[0]
     if key is not None:
         limit = math.inf if affinity_slack_ms is None else best[0] + affinity_slack_ms

@@ -62,12 +62,12 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from routing.choice import choose_row
+from routing.choice import Chosen, Row, choice_of, choose_row
 from routing.errors import InvalidParameter
 from routing.explain import explain
 from routing.replica_choice import choose_replica
@@ -81,7 +81,6 @@ from routing.selection import (
     RttSource,
     ScoringSettings,
     TenantPolicy,
-    choose,
     counted_total,
     rank,
     score_rows,
@@ -296,17 +295,8 @@ def route(
     if session_key is not None:
         prefix_key = None  # the session's own affinity wins
     sessioned = session_key is not None or prefix_key is not None
-    choice = choose(
-        ranking,
-        rng=rng,
-        key=session_key,
-        previous=None if sessioned else previous,
-        hysteresis_ms=settings.hysteresis_ms,
-        near_best_ms=settings.near_best_ms,
-        near_best_ratio=settings.near_best_ratio,
-        affinity_slack_ms=settings.affinity_slack_ms,
-        prefix_key=prefix_key,
-        prefix_slack_ms=settings.prefix_slack_ms,
+    choice = _choice(
+        ranking, settings, rng, None if sessioned else previous, session_key, prefix_key
     )
     key = session_key if session_key is not None else prefix_key
     if choice is not None:
@@ -321,17 +311,7 @@ def route(
     ):
         return Route(ranking, None, previous=previous)
     admitted = rank(service, client_region, cands, topology, policy, now, admit_full=True)
-    choice = choose(
-        admitted,
-        rng=rng,
-        key=session_key,
-        hysteresis_ms=settings.hysteresis_ms,
-        near_best_ms=0.0,
-        near_best_ratio=0.0,
-        affinity_slack_ms=settings.affinity_slack_ms,
-        prefix_key=prefix_key,
-        prefix_slack_ms=settings.prefix_slack_ms,
-    )
+    choice = _choice(admitted, settings, rng, None, session_key, prefix_key, overflow=True)
     if choice is None:
         return Route(ranking, None, previous=previous)
     urls = _replica_urls(
@@ -405,22 +385,58 @@ def pick(
     if session_key is not None:
         prefix_key = None  # the session's own affinity wins, as in route()
     sessioned = session_key is not None or prefix_key is not None
-    chosen = choose_row(
-        rows,
-        rng=rng,
-        key=session_key,
-        previous=None if sessioned else previous,
-        hysteresis_ms=settings.hysteresis_ms,
-        near_best_ms=settings.near_best_ms,
-        near_best_ratio=settings.near_best_ratio,
-        affinity_slack_ms=settings.affinity_slack_ms,
-        prefix_key=prefix_key,
-        prefix_slack_ms=settings.prefix_slack_ms,
+    chosen = _choose_rows(
+        rows, settings, rng, None if sessioned else previous, session_key, prefix_key
     )[0]
     site = chosen[1]
     order = [(site, chosen[4].endpoint.url)]
     order += [(r[1], r[4].endpoint.url) for r in rows if r is not chosen]
     return Pick(site, tuple(order), previous if sessioned else site)
+
+
+def _choice(
+    ranking: Ranking,
+    settings: RoutingSettings,
+    rng: random.Random,
+    previous: str | None,
+    session_key: str | None,
+    prefix_key: str | None,
+    *,
+    overflow: bool = False,
+) -> Choice | None:
+    """routing.choice.choose on `ranking` with the settings' band, hysteresis and slack."""
+    if not ranking.rows:
+        return None
+    chosen = _choose_rows(
+        ranking.rows, settings, rng, previous, session_key, prefix_key, overflow=overflow
+    )
+    return choice_of(ranking, chosen)
+
+
+def _choose_rows(
+    rows: Sequence[Row],
+    settings: RoutingSettings,
+    rng: random.Random,
+    previous: str | None,
+    session_key: str | None,
+    prefix_key: str | None,
+    *,
+    overflow: bool = False,
+) -> Chosen[Row]:
+    """choose_row with the settings' band, hysteresis and slack; `overflow` (every allowed
+    site full: the least waiting one takes it) without the near-best band."""
+    return choose_row(
+        rows,
+        rng=rng,
+        key=session_key,
+        previous=previous,
+        hysteresis_ms=settings.hysteresis_ms,
+        near_best_ms=0.0 if overflow else settings.near_best_ms,
+        near_best_ratio=0.0 if overflow else settings.near_best_ratio,
+        affinity_slack_ms=settings.affinity_slack_ms,
+        prefix_key=prefix_key,
+        prefix_slack_ms=settings.prefix_slack_ms,
+    )
 
 
 def _pick_by_route(
