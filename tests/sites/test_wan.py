@@ -293,14 +293,18 @@ async def _read_to_close(front: tuple[str, int]) -> bytes:
     return received
 
 
+async def _dead_backend() -> tuple[str, int]:
+    """An address on node b where nothing listens: a listener's, bound then closed."""
+    probe = await asyncio.get_running_loop().create_server(asyncio.Protocol, NODE_B_IP, 0)
+    host, port = probe.sockets[0].getsockname()[:2]
+    probe.close()
+    await probe.wait_closed()
+    return host, port
+
+
 def test_unreachable_backend_closes_client(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> tuple[bytes, WanStats]:
-        loop = asyncio.get_running_loop()
-        # Bind then close a listener to get a port on which nothing listens.
-        probe = await loop.create_server(asyncio.Protocol, NODE_B_IP, 0)
-        dead = probe.sockets[0].getsockname()[:2]
-        probe.close()
-        await probe.wait_closed()
+        dead = await _dead_backend()
         wan = WanEmulator(node_of_ip=NODES, rtt_ms=_symmetric(5.0))
         try:
             front = await wan.add_route(front=(FRONT_B_IP, 0), backend=dead, node="b")
@@ -325,11 +329,7 @@ def test_a_stopping_federations_dead_backends_are_counted_not_logged(
     """`cpn up` stopping: its agents go one by one, and the peers' probes still knock."""
 
     async def scenario() -> WanStats:
-        loop = asyncio.get_running_loop()
-        probe = await loop.create_server(asyncio.Protocol, NODE_B_IP, 0)
-        dead = probe.sockets[0].getsockname()[:2]
-        probe.close()
-        await probe.wait_closed()
+        dead = await _dead_backend()
         wan = WanEmulator(node_of_ip=NODES, rtt_ms=_symmetric(5.0))
         try:
             front = await wan.add_route(front=(FRONT_B_IP, 0), backend=dead, node="b")
