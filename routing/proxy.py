@@ -20,6 +20,7 @@ Per request, in this order (docs/inference.md is the long form):
        failure                                  POST/PATCH   idempotent*
        connect refused / connect timeout        retry        retry      (nothing was sent)
        upstream 429 (no room)                   retry        retry      (it did no work)
+       401/403 to the site's key (site_keys)    retry        retry      (it did no work)
        upstream 5xx, response timeout, lost     no           retry
        * GET, HEAD, OPTIONS, PUT, DELETE, or any request carrying `Idempotency-Key`
 
@@ -212,11 +213,12 @@ class Failure(enum.StrEnum):
     status_5xx = "5xx"
     timeout = "timeout"  # no response headers within response_timeout_s
     broken = "broken"  # the connection failed after the request was (maybe) sent
+    key_refused = "key_refused"  # 401/403 to the site's own key (site_keys): nothing was done
 
 
 def may_retry(failure: Failure, *, idempotent: bool) -> bool:
     """Whether a failed attempt may go to the next candidate (see the module docstring)."""
-    return failure in (Failure.not_sent, Failure.busy) or idempotent
+    return failure in (Failure.not_sent, Failure.busy, Failure.key_refused) or idempotent
 
 
 Extra = Sequence[tuple[str, str]]
@@ -569,14 +571,16 @@ class InferenceProxy:
                 if attempt.response is not None:
                     attempt.response.release()
                     self._finished(service, attempt.upstream)
-            sent = headers
+            sent, with_key = headers, False
             if self._key_lines:
                 line = self._key_line(service, upstream.site)
                 if line is not None:  # the site's own key, in place of the client's header
                     if keyed is None:
                         keyed = ex.forward_headers(self.not_forwarded | _CREDENTIALS)
-                    sent = keyed + line
-            attempt = await self._attempt(method, service, upstream, tail, sent, body)
+                    sent, with_key = keyed + line, True
+            attempt = await self._attempt(
+                method, service, upstream, tail, sent, body, keyed=with_key
+            )
             attempts += 1
         if attempt is None:
             raise RuntimeError("unreachable: the first usable candidate is always tried")
@@ -586,6 +590,12 @@ class InferenceProxy:
             ("X-Cpn-Attempts", str(attempts)),
             ("X-Cpn-Route-Ms", route_ms),
         )
+        if attempt.failure is Failure.key_refused and attempt.response is not None:
+            # the site's refusal of the broker's key is no answer to relay to the client,
+            # whose own credentials were fine
+            attempt.response.release()
+            self._finished(service, attempt.upstream)
+            attempt = attempt._replace(response=None)
         if attempt.response is None:
             status, code, message = _no_answer(attempt)
             ex.refuse(status, code, message, None, extra)
@@ -646,7 +656,10 @@ class InferenceProxy:
         tail: bytes,
         headers: bytes,
         body: bytes,
+        *,
+        keyed: bool = False,
     ) -> _Attempt:
+        """One try at `upstream`; `keyed`: `headers` carry the site's own key (site_keys)."""
         key = upstream_key(service, upstream)
         self._started(service, upstream)
         try:
@@ -674,6 +687,9 @@ class InferenceProxy:
                 return _Attempt(upstream, response, Failure.status_5xx, f"HTTP {status}")
             if status == 429:
                 return _Attempt(upstream, response, Failure.busy, "HTTP 429")
+            if keyed and status in (401, 403):  # a wrong or rotated key: it serves us nothing
+                self.health.report(key, False, self.clock.time())
+                return _Attempt(upstream, response, Failure.key_refused, f"HTTP {status}")
             self.health.report(key, True, self.clock.time())
             return _Attempt(upstream, response, None, "")
         connect = failure is Failure.not_sent
@@ -869,6 +885,13 @@ def _no_answer(attempt: _Attempt) -> tuple[int, str, str]:
         return 504, "upstream_timeout", f"site {site!r} did not answer in time"
     if attempt.failure is Failure.not_sent:
         return 502, "upstream_unreachable", f"cannot connect to site {site!r}: {attempt.detail}"
+    if attempt.failure is Failure.key_refused:
+        return (
+            502,
+            "upstream_key_refused",
+            f"site {site!r} refused the broker's key ({attempt.detail}): see the broker's "
+            "inference.site_keys",
+        )
     return 502, "upstream_error", f"site {site!r} failed the request: {attempt.detail}"
 
 

@@ -233,7 +233,7 @@ def test_retry_table() -> None:
     for failure in Failure:
         assert may_retry(failure, idempotent=True)
     retried_without_idempotency = {f for f in Failure if may_retry(f, idempotent=False)}
-    assert retried_without_idempotency == {Failure.not_sent, Failure.busy}
+    assert retried_without_idempotency == {Failure.not_sent, Failure.busy, Failure.key_refused}
 
 
 def test_outlier_ejects_after_consecutive_failures_only() -> None:
@@ -397,6 +397,34 @@ async def test_a_sites_own_key_replaces_the_clients_authorization(
         assert resp.status == 200 and resp.headers["X-Cpn-Site"] == "b"
     assert a.hits[-1]["headers"]["Authorization"] == "Bearer sk-llm"
     assert b.hits[-1]["headers"]["Authorization"] == client["Authorization"]  # none for llm
+
+
+async def test_a_site_that_refuses_its_key_is_tried_elsewhere_and_named(
+    serve: Serve, make_proxy: MakeProxy, http: aiohttp.ClientSession
+) -> None:
+    """A 401/403 to the site's own key did no work: the next site is tried (a POST too), the
+    site counts a failure (ejected after enough), and when no site is left the client gets a
+    502 naming the key, not the site's 401 (its own credentials were fine). A site without a
+    key keeps its 401 as the client's answer."""
+    up_a, a = await echo(serve, "a")
+    up_b, b = await echo(serve, "b")
+    h = await make_proxy([up_a, up_b], site_keys={("a", "*"): "sk-old"})
+    a.statuses = [401]
+    async with http.post(h.infer_url(), data=b"{}", headers=REGION) as resp:
+        assert resp.status == 200 and resp.headers["X-Cpn-Site"] == "b"
+        assert resp.headers["X-Cpn-Attempts"] == "2"
+    assert h.detector.state(upstream_key("llm", up_a), 0.0).consecutive_failures == 1
+    h = await make_proxy([up_a], site_keys={("a", "*"): "sk-old"})
+    a.statuses = [403]
+    async with http.post(h.infer_url(), data=b"{}", headers=REGION) as resp:
+        assert resp.status == 502
+        error = (await resp.json())["error"]
+    assert error["code"] == "upstream_key_refused"
+    assert "'a'" in error["message"] and "site_keys" in error["message"]
+    b.statuses = [401]
+    h = await make_proxy([up_b], site_keys={("a", "*"): "sk-old"})
+    async with http.post(h.infer_url(), data=b"{}", headers=REGION) as resp:
+        assert resp.status == 401  # the site's own answer to the client's request
 
 
 async def test_session_key_from_header_or_cookie_reaches_pick(
