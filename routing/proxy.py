@@ -406,6 +406,7 @@ class InferenceProxy:
         self.prefix_chars = prefix_chars
         self.traffic = traffic
         self.not_forwarded = _CREDENTIALS if drop_credentials else frozenset()
+        self._not_forwarded_keyed = self.not_forwarded | _CREDENTIALS  # to a site with its key
         self._key_lines = {
             where: b"Authorization: Bearer %s\r\n" % key.encode("ascii")
             for where, key in (site_keys or {}).items()
@@ -576,7 +577,7 @@ class InferenceProxy:
                 line = self._key_line(service, upstream.site)
                 if line is not None:  # the site's own key, in place of the client's header
                     if keyed is None:
-                        keyed = ex.forward_headers(self.not_forwarded | _CREDENTIALS)
+                        keyed = ex.forward_headers(self._not_forwarded_keyed)
                     sent, with_key = keyed + line, True
             attempt = await self._attempt(
                 method, service, upstream, tail, sent, body, keyed=with_key
@@ -889,8 +890,7 @@ def _no_answer(attempt: _Attempt) -> tuple[int, str, str]:
         return (
             502,
             "upstream_key_refused",
-            f"site {site!r} refused the broker's key ({attempt.detail}): see the broker's "
-            "inference.site_keys",
+            f"site {site!r} refused the key the broker sends it ({attempt.detail})",
         )
     return 502, "upstream_error", f"site {site!r} failed the request: {attempt.detail}"
 
