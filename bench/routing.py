@@ -79,10 +79,11 @@ Limits of the set-up, handled here:
   blocks it (a PYTHONPATH shim) in both set-ups. If the agents publish their site links but
   every probe is lost, the broker has no site-to-site path: the WAN set-up stops with that
   error (ProbesDown) rather than measure a federation without links.
-- Without the WAN emulation the agents, as root, probe with scapy ICMP, whose sniffers parse
-  every packet on lo: at 2,000 req/s through the broker they took ~60 % of a core. The
-  loopback set-up blocks scapy the same way (the agents fall back to tcp-connect) unless
-  `--scapy`.
+- Without the WAN emulation the agents, as root, probe with ICMP on raw sockets, which the
+  kernel hands only ICMP. (Until 2026-12-06 that was scapy's ICMP, whose sniffers parsed every
+  packet on lo: at 2,000 req/s through the broker they took ~60 % of a core.) The loopback
+  set-up still blocks scapy in the demo's processes unless `--scapy`: only the tcp-syn
+  method, which no agent here uses, would load it.
 
     .venv/bin/python bench/routing.py                      # about 4 minutes
     .venv/bin/python bench/routing.py --quick              # smoke run, about 1.5 minutes
@@ -258,7 +259,7 @@ class Demo:
     wan: bool
     sites: tuple[str, ...] = ()
     block_uvloop: bool = False  # run cpn's processes on asyncio's own loop (see run_wan)
-    block_scapy: bool = False  # agents probe with tcp-connect, not scapy's ICMP (see run_loopback)
+    block_scapy: bool = False  # scapy unimportable in the demo's processes (see --scapy)
     interval_s: float = 1.0  # the agents' publish period
     extra_env: dict[str, str] = field(default_factory=dict)  # e.g. the stand-ins' prefill
     port: int = 0
@@ -1934,8 +1935,8 @@ def print_loopback(lb: dict[str, Any]) -> None:
     )
     if lb.get("scapy_blocked"):
         print(
-            "(scapy blocked in the demo's processes: the agents probe with tcp-connect instead "
-            "of ICMP, whose sniffers would parse every loopback packet; see --scapy)"
+            "(scapy blocked in the demo's processes, see --scapy; the agents probe with ICMP "
+            "on raw sockets, which see no TCP)"
         )
     for added, where in ((a, "the stand-ins"), (lb.get("added_fixed"), "nginx backends")):
         if added:
@@ -2182,7 +2183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--scapy",
         action="store_true",
-        help="loopback: let the agents probe with scapy ICMP (their sniffers see all traffic)",
+        help="loopback: let the demo's processes import scapy (only the tcp-syn probe uses it)",
     )
     p.add_argument(
         "--profile", metavar="FILE", help="also run a second broker under cProfile (to FILE)"

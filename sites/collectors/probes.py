@@ -4,9 +4,9 @@ Methods:
   http         GET /probe over one persistent TCP connection, timed at the application. The
                only method that sees the user-space WAN emulation, so `cpn up` uses it there.
   tcp-connect  time of a TCP handshake to the peer's agent port; works unprivileged.
-  icmp         ICMP echo with scapy (root).
+  icmp         ICMP echo on a raw socket (root or CAP_NET_RAW).
   tcp-syn      SYN -> SYN-ACK with scapy (root).
-`auto` picks http when the WAN is emulated, else icmp when root and scapy work, else
+`auto` picks http when the WAN is emulated, else icmp when a raw ICMP socket can be made, else
 tcp-connect. Each peer is sampled `samples` times per interval, spread evenly; a link's figures
 are taken over the last `samples` samples, less the host overhead: the agent also probes its own
 responder through the same path (a zero-distance round trip: both hosts' stacks, the process
@@ -124,7 +124,7 @@ class _Peer:
                 await writer.wait_closed()
             return elapsed * 1000.0
         if self.method == "icmp":
-            return await asyncio.to_thread(icmp.icmp_rtt_ms, t.host, self.timeout_s)
+            return await icmp.echo_rtt_ms(t.host, self.source)
         if self.method == "tcp-syn":
             return await asyncio.to_thread(icmp.tcp_syn_rtt_ms, t.host, t.port, self.timeout_s)
         raise ValueError(f"unknown probe method {self.method!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import sys
 import types
 from collections.abc import Iterator
@@ -291,8 +292,10 @@ async def test_probe_methods_measure_a_live_peer(method: str) -> None:
     from sites.collectors import icmp
     from sites.collectors.probes import Prober
 
-    if method in ("icmp", "tcp-syn") and not icmp.available():
-        pytest.skip("scapy probes need root")
+    if method == "icmp" and not icmp.available():
+        pytest.skip("ICMP echo needs a raw socket (root or CAP_NET_RAW)")
+    if method == "tcp-syn" and not icmp.scapy_available():
+        pytest.skip("tcp-syn probes need root and scapy")
 
     async def ok(_: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -322,6 +325,34 @@ async def test_probe_methods_measure_a_live_peer(method: str) -> None:
     finally:
         await prober.close()
         await runner.cleanup()
+
+
+def test_an_echo_request_is_checksummed_and_its_reply_recognized() -> None:
+    from sites.collectors import icmp
+
+    request = icmp.echo_request(0x1234, 7)
+    assert request[0] == 8 and icmp._checksum(request) == 0  # a valid packet sums to zero
+    ip = bytes([0x45]) + bytes(19)  # an IPv4 header of 20 bytes, as a raw socket reads it
+    reply = struct.pack("!BBHHH", 0, 0, 0, 0x1234, 7)
+    assert icmp._is_reply(ip + reply, 0x1234, 7)
+    assert not icmp._is_reply(ip + reply, 0x1234, 8)  # another probe's
+    assert not icmp._is_reply(ip + request, 0x1234, 7)  # the request itself, on loopback
+    assert not icmp._is_reply(ip + reply[:4], 0x1234, 7)
+    assert not icmp._is_reply(b"", 0x1234, 7)
+
+
+async def test_concurrent_echoes_each_get_their_own_reply() -> None:
+    """Every raw ICMP socket sees every reply: each probe takes only its own (id, sequence)."""
+    from sites.collectors import icmp
+
+    if not icmp.available():
+        pytest.skip("ICMP echo needs a raw socket (root or CAP_NET_RAW)")
+    rtts = await asyncio.wait_for(
+        asyncio.gather(*(icmp.echo_rtt_ms("127.0.0.1") for _ in range(20))), 10
+    )
+    assert len(rtts) == 20 and all(0 < r < 1000 for r in rtts)
+    with pytest.raises(OSError):
+        await icmp.echo_rtt_ms("127.0.0.1", source="192.0.2.1")  # not an address of ours
 
 
 def test_host_overhead_is_subtracted_and_clamped() -> None:
