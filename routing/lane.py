@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import enum
+import functools
 import http
 import logging
 import ssl
@@ -325,19 +326,13 @@ class LaneExchange:
 
 def _header_lines(pairs: Extra) -> bytes:
     """(name, value) pairs as CRLF-terminated header lines."""
-    names = _NAMES
-    out = []
-    for n, v in pairs:
-        head = names.get(n)
-        if head is None:
-            if len(names) >= 256:
-                names.clear()
-            head = names[n] = n.encode() + b": "
-        out.append(head + v.encode("latin-1", "replace") + b"\r\n")
-    return b"".join(out)
+    return b"".join([_name_prefix(n) + v.encode("latin-1", "replace") + b"\r\n" for n, v in pairs])
 
 
-_NAMES: dict[str, bytes] = {}  # header name -> b"Name: " (the proxy's and the guard's few)
+@functools.lru_cache(maxsize=256)
+def _name_prefix(name: str) -> bytes:
+    """b"Name: ", kept: the names are the proxy's and the guard's few."""
+    return name.encode() + b": "
 
 
 def _has_date(headers: RawHeaders) -> bool:

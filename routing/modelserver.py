@@ -61,10 +61,11 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -576,16 +577,13 @@ def make_app(settings: ModelServerSettings) -> web.Application:
     return app
 
 
-_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _require_key(key: str) -> Any:
+def _require_key(key: str) -> Middleware:
     """vLLM's check of its --api-key: a /v1/ request needs `Authorization: Bearer <key>`,
     else 401 {"error": "Unauthorized"}; /healthz, /metrics and /stats stay open."""
     expected = f"Bearer {key}"
 
     @web.middleware
-    async def require_key(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    async def require_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith("/v1/") and not hmac.compare_digest(
             request.headers.get("Authorization", ""), expected
         ):

@@ -45,6 +45,7 @@ the broker's CPU per proxied request.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import logging
 from collections.abc import (
@@ -553,7 +554,7 @@ class InferenceProxy:
             )  # fmt: skip
         idempotent = ex.idempotent
         headers = ex.forward_headers(self.not_forwarded)
-        keyed: bytes | None = None  # the headers without the client's Authorization
+        unauthorized: bytes | None = None  # the headers without the client's Authorization
         tail = ex.tail
         method = ex.method.encode("ascii")
         attempt: _Attempt | None = None
@@ -576,9 +577,9 @@ class InferenceProxy:
             if self._key_lines:
                 line = self._key_line(service, upstream.site)
                 if line is not None:  # the site's own key, in place of the client's header
-                    if keyed is None:
-                        keyed = ex.forward_headers(self._not_forwarded_keyed)
-                    sent, with_key = keyed + line, True
+                    if unauthorized is None:
+                        unauthorized = ex.forward_headers(self._not_forwarded_keyed)
+                    sent, with_key = unauthorized + line, True
             attempt = await self._attempt(
                 method, service, upstream, tail, sent, body, keyed=with_key
             )
@@ -938,12 +939,9 @@ def _response_headers_listed(raw: Sequence[tuple[bytes, bytes]]) -> list[tuple[s
     ]
 
 
-# header blocks -> their lines: a site sends the same headers on every answer (its Date moves
-# once a second), a client the same on every request of a connection
-_RELAYED: dict[tuple[tuple[bytes, bytes], ...], bytes] = {}
-_FORWARDED: dict[
-    tuple[tuple[tuple[bytes, bytes], ...], str | None, str, bytes, frozenset[bytes]], bytes
-] = {}
+# header blocks -> their lines, kept (functools.lru_cache): a site sends the same headers on
+# every answer (its Date moves once a second), a client the same on every request of a
+# connection
 _LINES_MAX = 1024
 
 
@@ -951,16 +949,11 @@ def response_lines(raw: RawHeaders) -> bytes:
     """The upstream's response headers as CRLF-terminated lines for a client answer the proxy
     frames itself (routing.lane): minus hop-by-hop fields, those a Connection header lists,
     and Content-Length (the framer writes its own)."""
-    key = tuple(raw)
-    lines = _RELAYED.get(key)
-    if lines is None:
-        if len(_RELAYED) >= _LINES_MAX:
-            _RELAYED.clear()
-        lines = _RELAYED[key] = _response_lines(raw)
-    return lines
+    return _response_lines(tuple(raw))
 
 
-def _response_lines(raw: RawHeaders) -> bytes:
+@functools.lru_cache(maxsize=_LINES_MAX)
+def _response_lines(raw: tuple[tuple[bytes, bytes], ...]) -> bytes:
     skip = _NOT_RELAYED_B
     for name, _ in raw:
         if name.lower() == b"connection":
@@ -980,17 +973,16 @@ def forward_block(
     """The client's request headers for the upstream hop as CRLF-terminated lines: minus
     hop-by-hop ones, Host and Content-Length (the pool sets both) and the lower-case names in
     `drop`, plus X-Forwarded-* (`host`: the Host the client asked for)."""
-    key = (tuple(raw), remote, scheme, host, drop)
-    block = _FORWARDED.get(key)
-    if block is None:
-        if len(_FORWARDED) >= _LINES_MAX:
-            _FORWARDED.clear()
-        block = _FORWARDED[key] = _forward_block(raw, remote, scheme, host, drop)
-    return block
+    return _forward_block(tuple(raw), remote, scheme, host, drop)
 
 
+@functools.lru_cache(maxsize=_LINES_MAX)
 def _forward_block(
-    raw: RawHeaders, remote: str | None, scheme: str, host: bytes, drop: frozenset[bytes]
+    raw: tuple[tuple[bytes, bytes], ...],
+    remote: str | None,
+    scheme: str,
+    host: bytes,
+    drop: frozenset[bytes],
 ) -> bytes:
     skip = _NOT_FORWARDED_B | drop if drop else _NOT_FORWARDED_B
     prior = None

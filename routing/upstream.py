@@ -120,6 +120,7 @@ class UpstreamResponse:
         "_conn",
         "_waiter",
         "_pool",
+        "_loop",
         "_timeout_s",
         "chunks",
         "buffered",
@@ -142,6 +143,7 @@ class UpstreamResponse:
     ) -> None:
         self._conn: _Connection | None = conn
         self._pool = conn.pool
+        self._loop = conn.loop
         self._waiter: asyncio.Future[None] | None = None
         self._timeout_s = timeout_s
         self.status = status
@@ -184,9 +186,7 @@ class UpstreamResponse:
                 raise self.exception
             if self.complete:
                 return b""
-            conn = self._conn
-            loop = asyncio.get_running_loop() if conn is None else conn.loop
-            waiter = self._waiter = loop.create_future()
+            waiter = self._waiter = self._loop.create_future()
             pool = self._pool
             pool.watch(waiter, self._timeout_s, "no body bytes in time")
             try:
