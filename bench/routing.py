@@ -942,19 +942,40 @@ def run_wrk(
         }
     )
     before = os.times()
+    r = _run_wrk(binary, script, url, concurrency, duration_s)
+    after = os.times()
+    child_cpu = (after.children_user + after.children_system) - (
+        before.children_user + before.children_system
+    )
+    return {
+        "generator": "wrk",
+        "concurrency": concurrency,
+        "completed": r["completed"],
+        "rps": r["rps"],
+        "p50_ms": r["p50_ms"],
+        "p99_ms": r["p99_ms"],
+        "errors": r["errors"],
+        "wrk_cpu": 100 * child_cpu / r["wall_s"],
+    }
+
+
+def _run_wrk(
+    binary: str, script: Path, url: str, connections: int, duration_s: float
+) -> dict[str, Any]:
+    """wrk, one thread, `connections` connections, `script`, over `url`: the requests
+    completed, wall_s, rps, p50/p90/p99_ms and errors (non-2xx answers, socket errors)."""
     r = subprocess.run(
-        [binary, "-t1", f"-c{concurrency}", f"-d{duration_s:g}s", "--latency", "-s", str(script),
+        [binary, "-t1", f"-c{connections}", f"-d{duration_s:g}s", "--latency", "-s", str(script),
          url],
         capture_output=True, text=True, timeout=duration_s + 60,
     )  # fmt: skip
-    after = os.times()
     out = r.stdout
-    if r.returncode != 0 or "requests in" not in out:
-        raise RuntimeError(f"wrk failed ({r.returncode}): {(r.stderr or out).strip()[-300:]}")
     done = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
-    assert done is not None
+    if r.returncode != 0 or done is None:
+        raise RuntimeError(f"wrk failed ({r.returncode}): {(r.stderr or out).strip()[-300:]}")
+    completed = int(done.group(1))
     wall = float(done.group(2)) * (0.001 if done.group(3) == "ms" else 1.0)
-    lat = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+    lat = dict(re.findall(r"^\s+(50|90|99)%\s+(\S+)$", out, re.M))
     errors: dict[str, int] = {}
     if m := re.search(r"Non-2xx or 3xx responses: (\d+)", out):
         errors["non-2xx"] = int(m.group(1))
@@ -962,18 +983,12 @@ def run_wrk(
         for kind, n in re.findall(r"(\w+) (\d+)", m.group(1)):
             if int(n):
                 errors[f"socket {kind}"] = int(n)
-    child_cpu = (after.children_user + after.children_system) - (
-        before.children_user + before.children_system
-    )
     return {
-        "generator": "wrk",
-        "concurrency": concurrency,
-        "completed": int(done.group(1)),
-        "rps": int(done.group(1)) / wall,
-        "p50_ms": _wrk_ms(lat.get("50", "")),
-        "p99_ms": _wrk_ms(lat.get("99", "")),
+        "completed": completed,
+        "wall_s": wall,
+        "rps": completed / wall,
+        **{f"p{q}_ms": _wrk_ms(lat.get(q, "")) for q in ("50", "90", "99")},
         "errors": errors,
-        "wrk_cpu": 100 * child_cpu / wall,
     }
 
 
@@ -999,7 +1014,7 @@ def run_wrk_paced(
     """wrk at about `rate` req/s: PACED_CONNECTIONS connections, each sending its next request
     an exponential think time after the last answer (wrk's delay()). The latency a C client
     sees at that rate, where the bench's open loop is a Python client that shares the 2 cores
-    with the broker; its p50, p90 and p99 (ms) and the rate achieved."""
+    with the broker; its p50, p90 and p99 (ms), the rate achieved and the errors."""
     script = script_dir / "wrk-paced.lua"
     script.write_text(
         PACED_SCRIPT
@@ -1012,23 +1027,7 @@ def run_wrk_paced(
             "body": _lua(BODY),
         }
     )
-    r = subprocess.run(
-        [binary, "-t1", f"-c{PACED_CONNECTIONS}", f"-d{duration_s:g}s", "--latency", "-s",
-         str(script), url],
-        capture_output=True, text=True, timeout=duration_s + 60,
-    )  # fmt: skip
-    out = r.stdout
-    done = re.search(r"(\d+) requests in ([\d.]+)(m?s)", out)
-    if r.returncode != 0 or done is None:
-        raise RuntimeError(f"wrk failed ({r.returncode}): {(r.stderr or out).strip()[-300:]}")
-    wall = float(done.group(2)) * (0.001 if done.group(3) == "ms" else 1.0)
-    lat = dict(re.findall(r"^\s+(50|90|99)%\s+(\S+)$", out, re.M))
-    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {
-        "rps": int(done.group(1)) / wall,
-        "non_2xx": int(bad.group(1)) if bad else 0,
-        **{f"p{q}_ms": _wrk_ms(lat.get(q, "")) for q in ("50", "90", "99")},
-    }
+    return _run_wrk(binary, script, url, PACED_CONNECTIONS, duration_s)
 
 
 def added_latency_paced(
