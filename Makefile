@@ -9,18 +9,32 @@ PYTHON ?= $(shell /usr/bin/python3 -c 'import sys, ensurepip; sys.exit(sys.versi
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
+NATIVE := $(VENV)/.native-stamp
 
-.PHONY: up test lint fmt bench clean slurm prometheus chromium
+.PHONY: up test lint fmt bench clean slurm prometheus chromium native
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
-up: $(STAMP)
+# The gateway's hot path (routing.native.MODULES) compiled by mypyc, beside its sources, with
+# the venv's mypy and the types it checks against; rebuilt when a routing module changes. A C
+# compiler and the Python headers are installed when missing (root and apt-get); without them
+# the build says so and cpn runs those modules as Python (routing/native.py). CPN_COMPILE=0
+# skips it. A module edited since the build runs from source until the next build.
+$(NATIVE): $(STAMP) setup.py $(wildcard routing/*.py)
+	@[ "$$CPN_COMPILE" = 0 ] || .ci/install-compiler $(BIN)/python \
+		|| echo "make: no C compiler; the gateway's hot path runs as Python" >&2
+	$(BIN)/python setup.py --quiet build_ext --inplace > $(VENV)/native-build.log
+	touch $(NATIVE)
+
+native: $(NATIVE)
+
+up: $(NATIVE)
 	$(BIN)/cpn up
 
-test: lint slurm prometheus chromium
+test: lint native slurm prometheus chromium
 	$(BIN)/pytest
 
 # A real single-machine Slurm for tests/sites/test_slurm.py and `cpn up --slurm`: the Debian
@@ -53,3 +67,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -f *__mypyc.*.so routing/*.so

@@ -1841,8 +1841,9 @@ async def profile_broker(
     log_path = demo.state_dir / "profiled-broker.log"
     with open(log_path, "ab") as logfile:
         proc = subprocess.Popen(
-            cmd, env=demo.env(), cwd=ROOT, stdout=logfile, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
+            # the hot path from source: cProfile sees no function compiled by mypyc
+            cmd, env={**demo.env(), "CPN_PURE_PYTHON": "1"}, cwd=ROOT, stdout=logfile,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip
     log(f"profiled broker started (pid {proc.pid}, cProfile to {out_file})")
     base = f"http://127.0.0.1:{port}"
@@ -2090,6 +2091,16 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
     return out
 
 
+def hot_path() -> str:
+    """What the brokers this bench starts will load (routing.native.state(), asked in a process
+    like theirs: here, `routing` is this file)."""
+    probe = "import routing.native as n; print(n.state())"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"settings": {k: v for k, v in vars(args).items() if k != "json"}}
     results["machine"] = {
@@ -2097,9 +2108,13 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         "loadavg_start": os.getloadavg(),
         "python": sys.version.split()[0],
         "aiohttp": aiohttp.__version__,
+        "hot_path": hot_path(),
     }
     work = Path(tempfile.mkdtemp(prefix="cpn-bench-routing-"))
-    log(f"work dir {work}; machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    log(
+        f"work dir {work}; machine: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
+        f"the gateway's hot path: {results['machine']['hot_path']} (routing/native.py)"
+    )
     try:
         if not args.skip_wan:
             nginx_bin, note = (None, "nginx skipped (--no-nginx)")

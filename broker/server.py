@@ -20,8 +20,9 @@ from broker.router import Router
 from broker.service import RESTART, Broker
 from broker.settings import BrokerSettings, load_settings, read_site_keys
 from broker.tenants import load_tenancy
+from routing import native
 from routing.clients import load_clients
-from routing.lane import LaneSite
+from routing.lane_site import LaneSite
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, site_files
 from sites.errors import ConfigError, Problem
@@ -164,7 +165,13 @@ async def serve(
         else:
             site = web.TCPSite(runner, host, int(port), reuse_address=True, ssl_context=ssl_context)
         await site.start()
-        log.info("broker %s serving %s://%s", broker.instance, scheme, listen)
+        log.info(
+            "broker %s serving %s://%s (inference hot path: %s)",
+            broker.instance,
+            scheme,
+            listen,
+            native.state(),
+        )
         print(f"broker serving {scheme}://{listen} (etcd {etcd})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

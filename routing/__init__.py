@@ -4,3 +4,7 @@ Layer: imports `sites` only (never `broker` or `cpn`). `clients` reads configs/c
 `topology` keeps shortest-path RTTs from client regions to sites, `selection` scores and picks a
 site as a pure function. docs/routing.md is the long form.
 """
+
+from routing import native
+
+native.install()

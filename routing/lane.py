@@ -35,13 +35,11 @@ import enum
 import functools
 import http
 import logging
-import ssl
 import time
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, Protocol, cast
 
 import httptools
-from aiohttp import web
 
 from routing.prefix import PREFIX_HEADER
 from routing.proxy import (
@@ -64,7 +62,6 @@ __all__ = [
     "Guard",
     "InferenceLane",
     "LaneExchange",
-    "LaneSite",
     "PREFIX",
     "Refusal",
 ]
@@ -236,8 +233,8 @@ class LaneExchange:
         host = self.headers.get(b"host") or conn.local
         return forward_block(self.raw, self.remote, conn.scheme, host, drop)
 
-    async def read_body(self, limit: int) -> bytes | None:
-        del limit  # the connection counted it while reading (on_body)
+    async def read_body(self, limit: int) -> bytes | None:  # noqa: ARG002
+        # `limit`: the connection counted the body against it while reading (on_body)
         if self.too_large:
             return None
         body = self.body
@@ -752,55 +749,3 @@ class InferenceLane:
         for conn in list(self.connections):
             if conn.transport is not None:
                 conn.transport.abort()
-
-
-class LaneSite(web.TCPSite):
-    """aiohttp's TCPSite with the lane in front: `/v1/infer` requests are served by `proxy()`,
-    every other request by the runner's application, as a TCPSite would."""
-
-    def __init__(
-        self,
-        runner: web.BaseRunner,
-        host: str | None = None,
-        port: int | None = None,
-        *,
-        proxy: Callable[[], InferenceProxy | None],
-        guard: Guard | None = None,
-        ssl_context: ssl.SSLContext | None = None,
-        reuse_address: bool | None = None,
-        drain_s: float = 5.0,
-    ) -> None:
-        """`drain_s`: on stop, how long answers in progress may take before they are cut."""
-        super().__init__(runner, host, port, ssl_context=ssl_context, reuse_address=reuse_address)
-        self._proxy = proxy
-        self._guard = guard
-        self._drain_s = drain_s
-        self.lane: InferenceLane | None = None
-
-    async def start(self) -> None:
-        await web.BaseSite.start(self)  # registers the site with its runner
-        server = self._runner.server
-        if server is None:
-            raise RuntimeError("call runner.setup() before starting a site")
-        self.lane = InferenceLane(
-            fallback=server,
-            proxy=self._proxy,
-            guard=self._guard,
-            scheme="https" if self._ssl_context else "http",
-        )
-        self._server = await asyncio.get_running_loop().create_server(
-            self.lane,
-            self._host,
-            self._port,
-            ssl=self._ssl_context,
-            backlog=self._backlog,
-            reuse_address=self._reuse_address,
-            reuse_port=self._reuse_port,
-        )
-        sockets = self._server.sockets
-        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
-
-    async def stop(self) -> None:
-        await super().stop()
-        if self.lane is not None:
-            await self.lane.close(self._drain_s)

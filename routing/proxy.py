@@ -846,9 +846,14 @@ class _WebExchange:
         return True
 
     async def start(
-        self, status: int, reason: str, headers: RawHeaders, extra: Extra, length: int | None
+        self,
+        status: int,
+        reason: str,
+        headers: RawHeaders,
+        extra: Extra,
+        length: int | None,  # noqa: ARG002
     ) -> bool:
-        del length  # the upstream's Content-Length, if any, is among `headers`
+        # `length`: the upstream's Content-Length, if any, is among `headers`
         out = _response_headers(headers)
         out.extend(extra)
         response = self.response = web.StreamResponse(status=status, reason=reason, headers=out)

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, cast
 
 import httptools
+from mypy_extensions import mypyc_attr
 
 __all__ = [
     "HIGH_WATER",
@@ -59,10 +60,12 @@ _NO_BODY_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 RawHeaders = Sequence[tuple[bytes, bytes]]
 
 
+@mypyc_attr(native_class=False)  # mypyc: a subclass of OSError stays a Python class
 class UpstreamConnectError(OSError):
     """The connection could not be made (refused, unreachable, timed out): nothing was sent."""
 
 
+@mypyc_attr(native_class=False)
 class UpstreamBroken(ConnectionError):
     """The connection failed, or the answer did not parse, after the request was (maybe) sent."""
 
@@ -553,7 +556,7 @@ class UpstreamPool:
 
     async def close(self) -> None:
         """Close every connection, idle or busy."""
-        for conn in [*self._busy, *(c for d in self._idle.values() for c in d)]:
+        for conn in [*self._busy, *[c for d in self._idle.values() for c in d]]:
             conn.close()
         self._idle.clear()
         self._busy.clear()

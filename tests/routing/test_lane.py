@@ -19,7 +19,8 @@ from aiohttp import web
 
 from routing import lane as lane_module
 from routing.health import OutlierDetector
-from routing.lane import MAX_HEAD, Admission, LaneSite, Refusal
+from routing.lane import MAX_HEAD, Admission, Refusal
+from routing.lane_site import LaneSite
 from routing.proxy import InferenceProxy, Upstream, add_routes
 from tests.conftest import wait_for
 

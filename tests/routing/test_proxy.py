@@ -26,7 +26,7 @@ from routing.health import (
     OutlierDetector,
     OutlierSettings,
 )
-from routing.lane import LaneSite
+from routing.lane_site import LaneSite
 from routing.modelserver import ModelServerSettings, make_app
 from routing.proxy import (
     Failure,

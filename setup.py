@@ -1,0 +1,58 @@
+"""cpn's build: pyproject.toml has the metadata; this adds the compiled hot path.
+
+routing.native.MODULES (the inference lane, proxy, upstream client, prefix key and rate
+limiter) are compiled by mypyc into C extension modules beside their sources. Where that cannot
+be done (no C compiler or Python headers, or CPN_COMPILE=0), cpn installs as pure Python and
+runs the same code from source: slower, not different.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+
+
+def _native() -> Any:
+    spec = importlib.util.spec_from_file_location("_cpn_native", HERE / "routing" / "native.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ext_modules() -> list[Any]:
+    if os.environ.get("CPN_COMPILE", "1") == "0":
+        return []
+    try:
+        from mypyc.build import mypycify
+    except ImportError:
+        print("cpn: mypyc is not installed; the hot path stays Python", file=sys.stderr)
+        return []
+    paths = [name.replace(".", "/") + ".py" for name in _native().MODULES]
+    return list(mypycify(paths, opt_level="3", group_name="cpn_hotpath"))
+
+
+class OptionalBuildExt(build_ext):
+    """Builds the extensions, or none of them: a failure leaves cpn pure Python, with a word."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 - any build failure means: install as Python
+            for output in self.get_outputs():
+                Path(output).unlink(missing_ok=True)
+            print(
+                f"cpn: the compiled hot path was not built ({exc}); it stays Python",
+                file=sys.stderr,
+            )
+
+
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})
