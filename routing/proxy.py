@@ -485,8 +485,8 @@ class InferenceProxy:
                 candidates = await self.pick(service, region, session_key, prefix_key=prefix)
         except UnknownRegion as exc:
             raise _Refusal(400, "unknown_region", str(exc), REGION_HEADER) from None
-        except UnknownService as exc:
-            raise _Refusal(404, "unknown_service", str(exc), "service") from None
+        except UnknownService as missing:  # a name of its own: mypyc types `exc` once
+            raise _Refusal(404, "unknown_service", str(missing), "service") from None
         route_ms = f"{(self.clock.monotonic() - started) * 1000:.3f}"
 
         if not candidates:
@@ -680,8 +680,8 @@ class InferenceProxy:
             failure, detail = Failure.not_sent, f"{type(exc).__name__}: {exc}"
         except TimeoutError:
             failure, detail = Failure.timeout, "no response headers in time"
-        except (UpstreamBroken, OSError, ValueError) as exc:
-            failure, detail = Failure.broken, f"{type(exc).__name__}: {exc}"
+        except (UpstreamBroken, OSError, ValueError) as broken:  # mypyc types `exc` once
+            failure, detail = Failure.broken, f"{type(broken).__name__}: {broken}"
         else:
             status = response.status
             if status >= 500:
