@@ -9,6 +9,7 @@ runs the same code from source: slower, not different.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -28,6 +29,9 @@ def _native() -> Any:
     return module
 
 
+_compiled_from: dict[str, str] = {}
+
+
 def _ext_modules() -> list[Any]:
     if os.environ.get("CPN_COMPILE", "1") == "0":
         return []
@@ -36,14 +40,24 @@ def _ext_modules() -> list[Any]:
     except ImportError:
         print("cpn: mypyc is not installed; the hot path stays Python", file=sys.stderr)
         return []
-    paths = [name.replace(".", "/") + ".py" for name in _native().MODULES]
+    native = _native()
+    _compiled_from.update(native.digests(HERE))  # before mypyc reads them
+    paths = [name.replace(".", "/") + ".py" for name in native.MODULES]
     return list(mypycify(paths, opt_level="3", group_name="cpn_hotpath"))
 
 
 class OptionalBuildExt(build_ext):
-    """Builds the extensions, or none of them: a failure leaves cpn pure Python, with a word."""
+    """Builds the extensions, or none of them: a failure leaves cpn pure Python, with a word.
+
+    Then writes what they were compiled from (routing.native.BUILT: each source's sha256, taken
+    before mypyc read them), which routing.native checks at every start."""
 
     def run(self) -> None:
+        if not self.extensions:
+            return
+        package = HERE / "routing" if self.inplace else Path(self.build_lib) / "routing"
+        built = package / _native().BUILT
+        built.unlink(missing_ok=True)
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any build failure means: install as Python
@@ -53,6 +67,9 @@ class OptionalBuildExt(build_ext):
                 f"cpn: the compiled hot path was not built ({exc}); it stays Python",
                 file=sys.stderr,
             )
+            return
+        package.mkdir(parents=True, exist_ok=True)
+        built.write_text(json.dumps(_compiled_from, indent=1) + "\n")
 
 
 setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})

@@ -138,8 +138,10 @@ def choose(
 def choice_of(ranking: Ranking, chosen: Chosen[Any]) -> Choice:
     """choose_row's answer on `ranking.rows` as a Choice of the ranking's Scored."""
     row, mode, pool, home = chosen
-    rows, ranked = ranking.rows, ranking.ranked
-    scored = next(ranked[i] for i, r in enumerate(rows) if r is row)
+    rows, ranked, site = ranking.rows, ranking.ranked, row[1]
+    # by site, which a ranking holds once: compiled code (routing.native) boxes a row anew
+    # each time it hands it over, so `is` would not find it
+    scored = next(ranked[i] for i, r in enumerate(rows) if r[1] == site)
     spilled = None if home is None or mode is ChoiceMode.prefix else home[1]
     return Choice(scored.site, scored, mode, tuple(r[1] for r in pool), spilled)
 

@@ -1,15 +1,18 @@
 """The gateway's hot path, compiled: which modules mypyc builds, and whether they are loaded.
 
-The inference lane, the proxy, the upstream client, the prefix key and the rate limiter are
-plain, fully typed Python. setup.py compiles them with mypyc into C extension modules beside
-their sources (`pip install -e .`, which `make` runs): the same code, 15-20 % less of the
-broker's CPU per proxied request (bench/README.md, "The compiled hot path").
+What a proxied request runs (the inference lane, the proxy, the upstream client, the prefix
+key, the rate limiter, and the routing decision: candidates, selection, policy) is plain, fully
+typed Python. setup.py compiles it with mypyc into C extension modules beside the sources
+(`make` runs `setup.py build_ext --inplace`): the same code, with less of the broker's CPU per
+proxied request (bench/README.md, "The compiled hot path").
 
 Python loads an extension module before the source of the same name. An extension built from an
-older source would run code that is no longer in the tree, so `install()` (called by
-routing/__init__.py before any of them is imported) checks, and when
+older source would run code that is no longer in the tree, so the build writes the digest of
+each source it compiled (BUILT, beside this file), and `install()` (called by
+routing/__init__.py before any of them is imported) checks them, and when
 
-- any compiled module is older than its source (edited since the build),
+- any compiled module's source differs from what was compiled (edited since the build), or
+  an extension is missing,
 - or the environment says CPN_PURE_PYTHON=1 (to profile line by line with py-spy, or to
   rule the compiled code out),
 
@@ -22,9 +25,11 @@ is installed.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import json
 import logging
 import os
 import sys
@@ -32,21 +37,28 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["MODULES", "PURE_ENV", "compiled", "install", "state"]
+__all__ = ["BUILT", "MODULES", "PURE_ENV", "compiled", "digests", "install", "state"]
 
 log = logging.getLogger(__name__)
 
-# Modules (dotted, as imported) that setup.py compiles. A module here must keep to what mypyc
-# compiles: no pydantic models (their fields are class attributes), no subclass of a class
-# from a C library other than the builtins' exceptions, no circular import in the group.
+# Modules (dotted, as imported) that setup.py compiles, as one group (one shared library, in
+# which they call each other natively). A module here must keep to what mypyc compiles: no
+# pydantic model (routing.settings holds the policy's), no subclass of a class from a C library
+# other than the builtins' exceptions (routing.lane_site holds the lane's aiohttp site), no
+# import cycle within the group (routing.choice, which selection imports and which names
+# selection's types, stays Python).
 MODULES: tuple[str, ...] = (
     "routing.lane",
     "routing.proxy",
     "routing.upstream",
     "routing.prefix",
     "routing.ratelimit",
+    "routing.selection",
+    "routing.policy",
+    "routing.candidates",
 )
 PURE_ENV = "CPN_PURE_PYTHON"
+BUILT = "native-build.json"  # {module: sha256 of the source compiled}, written by setup.py
 _ROOT = Path(__file__).resolve().parent.parent
 
 _state = "not checked"
@@ -65,6 +77,11 @@ def _extension(name: str, root: Path = _ROOT) -> Path | None:
     return None
 
 
+def digests(root: Path = _ROOT) -> dict[str, str]:
+    """The sha256 of each compiled module's source under `root` (what setup.py writes to BUILT)."""
+    return {name: hashlib.sha256(_source(name, root).read_bytes()).hexdigest() for name in MODULES}
+
+
 def _check(root: Path = _ROOT) -> str:
     """'compiled', or why the sources are loaded: 'not built', 'stale: ...', 'CPN_PURE_PYTHON'."""
     if os.environ.get(PURE_ENV, "") not in ("", "0"):
@@ -72,11 +89,16 @@ def _check(root: Path = _ROOT) -> str:
     built = {name: _extension(name, root) for name in MODULES}
     if not any(built.values()):
         return "not built"
+    try:
+        compiled_from = json.loads((root / "routing" / BUILT).read_text())
+    except (OSError, ValueError):
+        compiled_from = {}
     missing = [f"{name} not built" for name, path in built.items() if path is None]
+    now = digests(root)
     edited = [
         f"{name} edited since the build"
         for name, path in built.items()
-        if path is not None and _source(name, root).stat().st_mtime > path.stat().st_mtime
+        if path is not None and compiled_from.get(name) != now[name]
     ]
     return "stale: " + ", ".join(missing + edited) if missing or edited else "compiled"
 
@@ -110,7 +132,7 @@ def install() -> None:
     if _state.startswith("stale"):
         log.warning(
             "routing: the compiled hot path is %s; running its Python sources "
-            "(rebuild: pip install -e . or make)",
+            "(rebuild: make native)",
             _state,
         )
 
@@ -122,5 +144,4 @@ def state() -> str:
 
 def compiled() -> bool:
     """Whether the hot path runs compiled in this process."""
-    mod = sys.modules.get(MODULES[0])
-    return mod is not None and not (getattr(mod, "__file__", "") or "").endswith(".py")
+    return _state == "compiled"

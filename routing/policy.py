@@ -60,12 +60,9 @@ The defaults of RoutingSettings are documented once, in docs/routing.md.
 
 from __future__ import annotations
 
-import enum
 import random
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-from pydantic import BaseModel, ConfigDict, Field
 
 from routing.choice import Chosen, Row, choice_of, choose_row
 from routing.errors import InvalidParameter
@@ -80,11 +77,11 @@ from routing.selection import (
     Ranking,
     RttSource,
     ScoringSettings,
-    TenantPolicy,
     counted_total,
     rank,
     score_rows,
 )
+from routing.settings import InFlight, Overflow, RoutingSettings
 
 __all__ = [
     "InFlight",
@@ -96,82 +93,6 @@ __all__ = [
     "pick",
     "route",
 ]
-
-
-class InFlight(enum.StrEnum):
-    """How a candidate's in_flight is made of the site's report and the caller's own count."""
-
-    max = "max"
-    reported = "reported"
-    counted = "counted"
-
-
-class Overflow(enum.StrEnum):
-    """What happens when every site that may serve a request is full."""
-
-    queue = "queue"
-    refuse = "refuse"
-
-
-class RoutingSettings(BaseModel):
-    """The gateway's routing policy settings (docs/routing.md: each default and why)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    near_best_ms: float = Field(
-        default=5.0,
-        ge=0,
-        description="ms: sites within this of the best score share the load (power of two "
-        "choices); with the ratio, the band is the larger of the two",
-    )
-    near_best_ratio: float = Field(
-        default=0.02,
-        ge=0,
-        le=1,
-        description="fraction of the best score: the relative near-best band; with service "
-        "times of hundreds of ms, 10 % would treat a site 20 ms further away as equal",
-    )
-    hysteresis_ms: float = Field(
-        default=20.0,
-        ge=0,
-        description="ms: a (service, client region) stays on its previous site while that "
-        "site scores within this of the best, so small score changes do not flap traffic",
-    )
-    affinity_slack_ms: float | None = Field(
-        default=100.0,
-        ge=0,
-        description="ms: a session key hashes over every site within this of the best, a "
-        "prefix key over every site whose unloaded score is within this of the best unloaded "
-        "one (None: every ranked site)",
-    )
-    prefix_slack_ms: float = Field(
-        default=50.0,
-        ge=0,
-        description="ms: a prefix key stays on its home site while the home scores within "
-        "this of the best; past it the request spills (a prefix-cache hit saves part of a "
-        "prefill, not an unbounded queue)",
-    )
-    overflow: Overflow = Field(
-        default=Overflow.queue,
-        description="every allowed site full: queue on the one that waits least, or refuse",
-    )
-    in_flight: InFlight = Field(
-        default=InFlight.max,
-        description="in-flight accounting: max of the site's report and the gateway's count, "
-        "the report alone, or the count alone",
-    )
-    scoring: ScoringSettings = Field(
-        default=ScoringSettings(), description="how rank scores and excludes sites"
-    )
-
-    def policy(
-        self,
-        *,
-        sovereignty: Mapping[str, frozenset[str]] | None = None,
-        tenant: TenantPolicy | None = None,
-    ) -> Policy:
-        """The rank policy with these settings' scoring."""
-        return Policy(scoring=self.scoring, sovereignty=dict(sovereignty or {}), tenant=tenant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -390,7 +311,8 @@ def pick(
     )[0]
     site = chosen[1]
     order = [(site, chosen[4].endpoint.url)]
-    order += [(r[1], r[4].endpoint.url) for r in rows if r is not chosen]
+    # by site (once in rows), not `is`: compiled, a row is boxed anew when handed over
+    order += [(r[1], r[4].endpoint.url) for r in rows if r[1] != site]
     return Pick(site, tuple(order), previous if sessioned else site)
 
 

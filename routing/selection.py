@@ -48,10 +48,9 @@ from dataclasses import dataclass, field
 from operator import attrgetter, itemgetter
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from routing.choice import Choice, ChoiceMode, choose, hrw_weight
 from routing.errors import CandidateError, InvalidParameter
+from routing.settings import Policy, ScoringSettings, TenantPolicy
 from sites.status import ServiceEndpoint, SiteState
 
 __all__ = [
@@ -90,78 +89,6 @@ class RttSource(Protocol):
     def rtt_table(self, client_region: str) -> Mapping[str, float]:
         """site -> rtt_ms(client_region, site) for every reachable site (read, not kept)."""
         ...
-
-
-class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-class ScoringSettings(_Frozen):
-    default_latency_ms: float = Field(
-        default=200.0, gt=0, description="service time assumed until an endpoint reports one"
-    )
-    queue_allowance: float = Field(
-        default=0.5,
-        ge=0,
-        description="waiting requests per slot before a site counts as full (0: full once every "
-        "slot is busy); queueing also raises service_ms, so this is a cut-off, not the preference",
-    )
-    error_penalty_ms: float = Field(
-        default=1000.0,
-        ge=0,
-        description="penalty at a 100 % error rate, scaled linearly: a failed try costs about a "
-        "retry elsewhere after a timeout",
-    )
-    eject_error_rate: float = Field(
-        default=0.5, gt=0, le=1, description="at or above this error rate the site is unhealthy"
-    )
-    draining_penalty_ms: float = Field(
-        default=10_000.0,
-        ge=0,
-        description="added to a draining (or cordoned) site: used only when nothing else is",
-    )
-    stale_after_s: float = Field(
-        default=30.0,
-        gt=0,
-        description="an endpoint report older than this is unhealthy (agents publish every ~5 s)",
-    )
-    signals_stale_after_s: float = Field(
-        default=15.0,
-        gt=0,
-        description="s: model-server signals older than this count as saturated (agents read "
-        "them twice per publish interval; three intervals missed is not noise)",
-    )
-    kv_cache_knee: float = Field(
-        default=0.8,
-        ge=0,
-        lt=1,
-        description="KV-cache usage below this costs nothing: a server preempts or holds "
-        "requests back only when the cache is nearly full",
-    )
-    kv_cache_weight: float = Field(
-        default=1.0,
-        ge=0,
-        description="service times added at 100 % KV-cache usage (linear from the knee): a "
-        "new request waits about one request's run for blocks to free",
-    )
-
-
-class TenantPolicy(_Frozen):
-    """Where one tenant's requests may go; None means no restriction."""
-
-    allowed_regions: frozenset[str] | None = None
-    denied_regions: frozenset[str] = frozenset()
-    allowed_sites: frozenset[str] | None = None
-    denied_sites: frozenset[str] = frozenset()
-
-
-class Policy(_Frozen):
-    scoring: ScoringSettings = ScoringSettings()
-    sovereignty: Mapping[str, frozenset[str]] = Field(
-        default_factory=dict,
-        description="client region -> site regions that may serve it (Clients.sovereignty())",
-    )
-    tenant: TenantPolicy | None = None
 
 
 class Exclusion(enum.StrEnum):

@@ -22,6 +22,7 @@ from routing.health import OutlierDetector
 from routing.lane import MAX_HEAD, Admission, Refusal
 from routing.lane_site import LaneSite
 from routing.proxy import InferenceProxy, Upstream, add_routes
+from routing.ratelimit import RateLimit, TenantLimiter
 from tests.conftest import wait_for
 
 
@@ -78,7 +79,7 @@ class Lane:
     proxy: InferenceProxy
     gate: Gate
     site: LaneSite
-    tenants: list[str]
+    limiter: TenantLimiter  # it keeps a bucket for each tenant it rate-limited as
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_connection(self.host, self.port)
@@ -91,20 +92,15 @@ async def lane() -> AsyncIterator[Lane]:
     await up_runner.setup()
     await web.TCPSite(up_runner, "127.0.0.1", 0).start()
     up_url = f"http://127.0.0.1:{up_runner.addresses[0][1]}"
-    tenants: list[str] = []
 
     async def pick(service: str, region: str | None, key: str | None) -> list[Upstream]:
         return [Upstream("a", up_url)] if service == "llm" else []
 
-    class Limiter:  # records the tenant the proxy rate-limits as
-        def acquire(self, tenant: str, now: float) -> Any:
-            tenants.append(tenant)
-            return type("D", (), {"allowed": True})()
-
+    limiter = TenantLimiter(default=RateLimit(rate_per_s=1000.0, burst=1000.0))
     proxy = InferenceProxy(
         pick=pick,
         health=OutlierDetector(),
-        limiter=Limiter(),  # type: ignore[arg-type]
+        limiter=limiter,
         connect_timeout_s=1.0,
         response_timeout_s=2.0,
         max_attempts=2,
@@ -124,7 +120,7 @@ async def lane() -> AsyncIterator[Lane]:
     gate = Gate()
     site = LaneSite(runner, "127.0.0.1", 0, proxy=lambda: proxy, guard=gate, drain_s=1.0)
     await site.start()
-    yield Lane("127.0.0.1", runner.addresses[0][1], upstreams, proxy, gate, site, tenants)
+    yield Lane("127.0.0.1", runner.addresses[0][1], upstreams, proxy, gate, site, limiter)
     await runner.cleanup()
     await proxy.close()
     await up_runner.cleanup()
@@ -296,7 +292,7 @@ async def test_the_guard_refuses_and_names_the_tenant(lane: Lane) -> None:
     assert refused.headers["x-request-id"] == "abc-1"
     writer.write(infer(**{"X-Cpn-Tenant": "someone-else"}))
     assert (await read_answer(reader)).status == 200
-    assert lane.tenants == ["ai-lab"]  # the token's tenant, not the header's
+    assert list(lane.limiter._buckets) == ["ai-lab"]  # the token's tenant, not the header's
     assert lane.gate.answered == [("POST", 401), ("POST", 200)]
     writer.close()
 
