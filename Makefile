@@ -62,9 +62,9 @@ fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-bench: $(STAMP)
+bench: $(NATIVE)
 	$(BIN)/python bench/registry_fanin.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
-	rm -f *__mypyc.*.so routing/*.so
+	rm -f routing/*.so routing/native-build.json

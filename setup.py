@@ -43,7 +43,7 @@ def _ext_modules() -> list[Any]:
     native = _native()
     _compiled_from.update(native.digests(HERE))  # before mypyc reads them
     paths = [name.replace(".", "/") + ".py" for name in native.MODULES]
-    return list(mypycify(paths, opt_level="3", group_name="cpn_hotpath"))
+    return list(mypycify(paths, opt_level="3", group_name=native.GROUP))
 
 
 class OptionalBuildExt(build_ext):

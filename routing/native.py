@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["BUILT", "MODULES", "PURE_ENV", "compiled", "digests", "install", "state"]
+__all__ = ["BUILT", "GROUP", "MODULES", "PURE_ENV", "compiled", "digests", "install", "state"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,9 @@ MODULES: tuple[str, ...] = (
     "routing.policy",
     "routing.candidates",
 )
+# mypyc's group: the modules' code is in one shared library, GROUP + "__mypyc", in this
+# package (a top-level one would be found only from the repository's root)
+GROUP = "routing.hotpath"
 PURE_ENV = "CPN_PURE_PYTHON"
 BUILT = "native-build.json"  # {module: sha256 of the source compiled}, written by setup.py
 _ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +97,8 @@ def _check(root: Path = _ROOT) -> str:
     except (OSError, ValueError):
         compiled_from = {}
     missing = [f"{name} not built" for name, path in built.items() if path is None]
+    if _extension(GROUP + "__mypyc", root) is None:
+        missing.append(f"{GROUP}__mypyc (their shared library) not built")
     now = digests(root)
     edited = [
         f"{name} edited since the build"

@@ -33,11 +33,17 @@ needs_build = pytest.mark.skipif(
 )
 
 
-def _probe(**env: str) -> dict[str, object]:
+def _probe(cwd: Path, **env: str) -> dict[str, object]:
+    """PROBE in a fresh interpreter, in `cwd`: as `cpn` runs anywhere (not the repository)."""
     environ = {k: v for k, v in os.environ.items() if k != native.PURE_ENV}
     environ.update(env)
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], env=environ, capture_output=True, text=True, check=True
+        [sys.executable, "-c", PROBE],
+        cwd=cwd,
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     result: dict[str, object] = json.loads(out.stdout)
     return result
@@ -51,13 +57,13 @@ def _copy(tmp_path: Path) -> Path:
 
 
 @needs_build
-def test_this_checkout_runs_its_build_and_pure_python_on_request() -> None:
-    got = _probe()
+def test_this_checkout_runs_its_build_and_pure_python_on_request(tmp_path: Path) -> None:
+    got = _probe(tmp_path)
     assert got["state"] == "compiled"
     assert got["compiled"] is True
     assert not any(str(f).endswith(".py") for f in got["files"])  # type: ignore[attr-defined]
 
-    got = _probe(CPN_PURE_PYTHON="1")
+    got = _probe(tmp_path, CPN_PURE_PYTHON="1")
     assert got["state"] == "CPN_PURE_PYTHON"
     assert got["compiled"] is False
     assert got["files"] == [str(ROOT / "routing" / "lane.py"), str(ROOT / "routing" / "proxy.py")]
@@ -78,8 +84,14 @@ def test_a_module_edited_or_missing_since_the_build_is_stale(tmp_path: Path) -> 
     assert native._check(tree) == (
         "stale: routing.prefix not built, routing.upstream edited since the build"
     )
+    for ext in (tree / "routing").glob("hotpath__mypyc.*.so"):
+        ext.unlink()
+    assert native._check(tree) == (
+        "stale: routing.prefix not built, routing.hotpath__mypyc (their shared library) not "
+        "built, routing.upstream edited since the build"
+    )
     (tree / "routing" / native.BUILT).unlink()  # a build that did not finish writes none
-    assert native._check(tree).startswith("stale: routing.prefix not built, routing.lane edited")
+    assert "routing.lane edited since the build" in native._check(tree)
 
 
 def test_stale_or_unbuilt_modules_load_from_source(tmp_path: Path) -> None:
