@@ -133,3 +133,24 @@ def test_compiled_modules_keep_to_what_mypyc_compiles() -> None:
                             f"{source}:{handler.lineno}: `as {handler.name}` catches {kind} "
                             f"after {first} in {node.name}: give it a name of its own"
                         )
+
+
+@needs_build
+def test_the_sources_still_pass_as_python() -> None:
+    """Where no compiler is, the same modules run as Python: the lane's, the proxy's and the
+    routing decision's tests on them (this suite runs them compiled)."""
+    tests = [
+        "tests/routing/test_lane.py",
+        "tests/routing/test_proxy.py",
+        "tests/routing/test_pick.py",
+    ]
+    environ = {**os.environ, native.PURE_ENV: "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
