@@ -1,9 +1,9 @@
 """cpn's build: pyproject.toml has the metadata; this adds the compiled hot path.
 
-routing.native.MODULES (the inference lane, proxy, upstream client, prefix key and rate
-limiter) are compiled by mypyc into C extension modules beside their sources. Where that cannot
-be done (no C compiler or Python headers, or CPN_COMPILE=0), cpn installs as pure Python and
-runs the same code from source: slower, not different.
+routing.native.MODULES (the inference lane, proxy, upstream client, prefix key, rate limiter
+and routing decision) are compiled by mypyc into C extension modules beside their sources.
+Where that cannot be done (no C compiler or Python headers, or CPN_COMPILE=0), cpn installs as
+pure Python and runs the same code from source: slower, not different.
 """
 
 from __future__ import annotations
