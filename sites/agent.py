@@ -161,6 +161,7 @@ class Agent:
         self.workload: Workload | None = None
         self.executor: Executor = make_executor(spec, catalog=catalog, clock=self.clock)
         self.slurm: SlurmCapacity | None = None  # the cluster as last read (Slurm sites)
+        self.confinement = ""  # how tenants' runs are confined here, decided at start
         method = choose_method(settings.probe_method, emulated=settings.wan_emulated)
         host = settings.listen.rsplit(":", 1)[0]
         self.prober = Prober(
@@ -195,6 +196,12 @@ class Agent:
                 await self.read_slurm()
         if self.spec.perception.mode == "host":
             self._nvml = NvmlCollector(catalog=self.catalog)
+        # how tenants' runs are confined here, in one line (a site that cannot confine says so)
+        self.confinement = await asyncio.to_thread(self.executor.confinement)
+        log.log(
+            logging.WARNING if self.confinement.startswith("refusing") else logging.INFO,
+            "site %s: confinement: %s", self.spec.id, self.confinement,
+        )  # fmt: skip
         await self._serve()
         try:
             await self._acquire()
@@ -540,6 +547,7 @@ class Agent:
             storage=tuple(storage),
             host=host,
             nodes=self.workload.node_usage() if self.workload is not None else (),
+            confinement=self.confinement,
         )
 
     def _resources(self) -> SiteResources:

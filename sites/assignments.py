@@ -100,4 +100,10 @@ class Report(Frozen):
         description="what the site's scheduler accounted for the finished run: elapsed_s, "
         "cpu_core_s, mem_gb_s, gpu_s:<model>, energy_j (where measured); None: not accounted",
     )
+    reason: str | None = Field(
+        default=None, description="why the run ended, as a word: out_of_memory; None: its exit"
+    )
+    confinement: str | None = Field(
+        default=None, description="how the site confines the run: sandbox, account, limits"
+    )
     updated_at: float

@@ -37,7 +37,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +45,16 @@ from typing import Protocol
 import psutil
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from sites.accounts import AccountError
 from sites.assignments import Assignment
 from sites.catalog import DeviceCatalog
+from sites.cgroups import CgroupError
 from sites.clock import Clock
+from sites.confinement import ConfinedRun, Confiner, Refused
 from sites.errors import SitesError
-from sites.spec import ExecutorKind, SiteSpec
+from sites.launcher import launcher
+from sites.netns import EgressError, start_egress, with_fds
+from sites.spec import Confinement, ExecutorKind, SiteSpec
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +87,7 @@ class RunHandle:
     pid: int | None
     log_path: Path
     started_at: float
+    confinement: str = ""  # how it runs (sites.confinement), for the job's events
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class RunExit:
     code: int | None
     message: str | None = None
     usage: Mapping[str, float] | None = None  # resource-seconds, when the scheduler counts them
+    reason: str | None = None  # why it ended, as a word: "out_of_memory"
 
     @property
     def ok(self) -> bool:
@@ -143,6 +149,10 @@ class Executor(Protocol):
     async def queued(self, handle: RunHandle) -> str | None:
         """Why the run still waits in the site's own scheduler (e.g. "pending in Slurm:
         Resources"); None once it runs, or has ended. A local process never waits."""
+        ...
+
+    def confinement(self) -> str:
+        """One line: how this site confines tenants' runs (the agent logs and publishes it)."""
         ...
 
 
@@ -226,7 +236,8 @@ def default_work_dir(spec: SiteSpec) -> Path:
 
 
 def make_executor(spec: SiteSpec, *, catalog: DeviceCatalog, clock: Clock) -> Executor:
-    """The executor spec.executor names; Slurm without its client commands fails every run."""
+    """The executor spec.executor names; Slurm without its client commands fails every run.
+    ConfigError when the site's confinement names an account this host cannot give."""
     work_dir = default_work_dir(spec)
     if spec.executor.kind is ExecutorKind.slurm:
         from sites.slurm import SlurmCommands, SlurmExecutor
@@ -239,51 +250,70 @@ def make_executor(spec: SiteSpec, *, catalog: DeviceCatalog, clock: Clock) -> Ex
         return SlurmExecutor(
             work_dir=work_dir, spec=spec, catalog=catalog, clock=clock, commands=commands
         )
-    return LocalExecutor(work_dir=work_dir, site=spec.id, catalog=catalog, clock=clock)
+    confiner = Confiner(spec.executor.confinement, site=spec.id, work_dir=work_dir)
+    return LocalExecutor(
+        work_dir=work_dir, site=spec.id, catalog=catalog, clock=clock, confiner=confiner
+    )
 
 
 # -- local processes ---------------------------------------------------------------------------
 
 
 class LocalExecutor:
-    """Runs each job as a process group on this host (see the module docstring)."""
+    """Runs each job as a confined process group on this host (see the module docstring)."""
 
     kind = "local"
 
-    def __init__(self, *, work_dir: Path, site: str, catalog: DeviceCatalog, clock: Clock) -> None:
+    def __init__(
+        self,
+        *,
+        work_dir: Path,
+        site: str,
+        catalog: DeviceCatalog,
+        clock: Clock,
+        confiner: Confiner | None = None,
+    ) -> None:
         self.work_dir = work_dir
         self.site = site
         self._catalog = catalog
         self._clock = clock
+        self.confiner = confiner or Confiner(Confinement(), site=site, work_dir=work_dir)
         self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._runs: dict[str, ConfinedRun] = {}
+        self._nets: dict[str, asyncio.subprocess.Process] = {}  # egress: slirp4netns per run
+
+    def confinement(self) -> str:
+        """How this site confines runs, decided once (the agent logs the line at start)."""
+        return self.confiner.summary if self.confiner.checked else self.confiner.check()
 
     async def start(
         self, assignment: Assignment, devices: tuple[int, ...], log_path: Path
     ) -> RunHandle:
         check_job_id(assignment.job)
+        self.confinement()
         jdir = job_dir(self.work_dir, assignment.job)
         cwd = jdir / "work"
         vendor = None
         if assignment.model is not None and assignment.model in self._catalog:
             vendor = self._catalog.get(assignment.model).vendor
-        env = job_env(assignment, devices, site=self.site, vendor=vendor, base=os.environ)
+        job_vars = job_env(assignment, devices, site=self.site, vendor=vendor, base={})
         argv = command_argv(assignment.command)
-        _check_program(argv[0], env=env, cwd=cwd)
+        _check_program(argv[0], env={"PATH": job_vars.get("PATH", self.confiner.settings.path)},
+                       cwd=cwd)  # fmt: skip
         try:
-            cwd.mkdir(parents=True, exist_ok=True)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            with open(log_path, "ab") as out:
-                proc = await asyncio.create_subprocess_exec(
-                    *_die_with_parent(argv),
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=cwd,
-                    env=env,
-                    start_new_session=True,  # own session and process group: stop() kills it all
-                )
+            run = self.confiner.prepare(
+                assignment, devices, vendor=vendor, job_vars=job_vars, argv=argv, cwd=cwd
+            )
+        except (Refused, AccountError, CgroupError, OSError) as exc:
+            raise ExecutorError(f"cannot confine the run: {exc}") from exc
+        try:
+            proc = await self._spawn(run, log_path)
         except OSError as exc:
+            self._discard(run)
             raise ExecutorError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from exc
+        except ExecutorError:
+            self._discard(run)
+            raise
         handle = RunHandle(
             job=assignment.job,
             attempt=assignment.attempt,
@@ -292,6 +322,7 @@ class LocalExecutor:
             pid=proc.pid,
             log_path=log_path,
             started_at=self._clock.time(),
+            confinement=run.summary,
         )
         record = RunRecord(
             site=self.site,
@@ -305,47 +336,127 @@ class LocalExecutor:
             log_path=str(log_path),
             agent_pid=os.getpid(),
         )
+        self._procs[handle.ref] = proc
+        self._runs[handle.ref] = run
         try:
             write_record(jdir / RUN_RECORD, record)
         except OSError as exc:
             # without a record a crashed agent's successor could not find it: do not run it
             _signal_group(proc.pid, signal.SIGKILL)
             await proc.wait()
+            await self._release(handle.ref)
             raise ExecutorError(f"cannot write {jdir / RUN_RECORD}: {exc}") from exc
-        self._procs[handle.ref] = proc
         log.info(
-            "job %s attempt %d started: pid %d, devices %s",
+            "job %s attempt %d started: pid %d, devices %s, %s",
             handle.job,
             handle.attempt,
             proc.pid,
             list(devices),
+            run.summary,
         )
         return handle
+
+    async def _spawn(self, run: ConfinedRun, log_path: Path) -> asyncio.subprocess.Process:
+        """Start the launcher (which joins the run's cgroup, and drops to the tenant's account
+        when there is no sandbox to do it) with the run's output appended to ``log_path``."""
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        procs = run.group.procs_files if run.group is not None else []
+        uid = (run.account.uid, run.account.gid) if run.setuid else None
+        info_r = info_w = block_r = block_w = -1
+        argv = run.argv
+        if run.egress:
+            info_r, info_w = os.pipe()
+            block_r, block_w = os.pipe()
+            argv = with_fds(argv, info_fd=info_w, block_fd=block_r)
+        out_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *launcher(argv, procs=procs, uid=uid),
+                stdin=subprocess.DEVNULL,
+                stdout=out_fd,
+                stderr=subprocess.STDOUT,
+                cwd=run.cwd,
+                env=run.env,
+                start_new_session=True,  # own session and process group: stop() kills it all
+                pass_fds=(info_w, block_r) if run.egress else (),
+            )
+        finally:
+            os.close(out_fd)
+            for fd in (info_w, block_r):
+                if fd >= 0:
+                    os.close(fd)
+        if run.egress:
+            try:
+                self._nets[str(proc.pid)] = await start_egress(info_r, block_w, run)
+            except EgressError as exc:
+                _signal_group(proc.pid, signal.SIGKILL)
+                await proc.wait()
+                raise ExecutorError(str(exc)) from exc
+            finally:
+                os.close(info_r)
+                os.close(block_w)
+        return proc
+
+    def _discard(self, run: ConfinedRun) -> None:
+        if run.group is not None:
+            run.group.remove()
+
+    async def _release(self, ref: str) -> None:
+        """After a run ended: its network helper and cgroup (and what is left in it) go."""
+        net = self._nets.pop(ref, None)
+        if net is not None and net.returncode is None:
+            net.kill()
+            await net.wait()
+        run = self._runs.pop(ref, None)
+        if run is not None and run.group is not None:
+            await asyncio.to_thread(run.group.remove)
 
     async def wait(self, handle: RunHandle) -> RunExit:
         proc = self._procs.get(handle.ref)
         if proc is None:
             raise ExecutorError(f"run {handle.ref} of job {handle.job} is not ours")
+        run = self._runs.get(handle.ref)
+        oom = 0
         try:
             code = await proc.wait()
         finally:
             if proc.returncode is not None:
                 # what the job left behind in its group dies with it, as under Slurm
                 _signal_group(int(handle.ref), signal.SIGKILL)
+                if run is not None and run.group is not None:
+                    oom = run.group.oom_kills()
                 self._procs.pop(handle.ref, None)
+                await self._release(handle.ref)
                 remove_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, handle.ref)
+        if run is not None and run.sandboxed and code > 128:
+            code = -(code - 128)  # bubblewrap exits 128+n for a run killed by signal n
+        if oom:
+            return RunExit(
+                code,
+                message=f"out of memory: the run used more than its memory limit "
+                f"({run.limits_text if run else ''}) and the kernel killed it",
+                reason="out_of_memory",
+            )
         return RunExit(code)
 
     async def stop(self, handle: RunHandle, grace_s: float) -> None:
         """SIGTERM the group, SIGKILL it after ``grace_s``; returns once it is gone."""
         pgid = int(handle.ref)
-        if not _signal_group(pgid, signal.SIGTERM):
+        run = self._runs.get(handle.ref)
+        if run is not None and run.sandboxed:
+            # SIGTERM to the run's own processes: bubblewrap's (outer and the namespace's init)
+            # would die of it and take the run down at once, with no grace
+            if not _signal_sandboxed(pgid, signal.SIGTERM) and not _group_members(pgid):
+                return
+        elif not _signal_group(pgid, signal.SIGTERM):
             return
         if await self._wait_gone(pgid, grace_s):
             return
         log.warning("job %s (pgid %d) outlived its %.1fs grace; killing it", handle.job, pgid,
                     grace_s)  # fmt: skip
         _signal_group(pgid, signal.SIGKILL)
+        if run is not None and run.group is not None:
+            run.group.kill()
         if not await self._wait_gone(pgid, KILL_WAIT_S):
             log.error("job %s (pgid %d) survived SIGKILL for %.0fs", handle.job, pgid, KILL_WAIT_S)
 
@@ -378,6 +489,13 @@ class LocalExecutor:
         await asyncio.gather(*(self.stop(handle_of(r), grace_s) for _, r in alive))
         for path, _ in found:
             path.unlink(missing_ok=True)
+        # whatever is left in the cgroups of earlier runs (a daemon that left its group)
+        self.confinement()
+        cgroups = self.confiner.cgroups
+        for group in cgroups.leftovers() if cgroups is not None else []:
+            if group.pids():
+                log.warning("killing what is left in cgroup %s", list(group.dirs.values()))
+            await asyncio.to_thread(group.remove)
         return [r for _, r in alive]
 
     async def adopt(self, assignment: Assignment) -> RunHandle | None:
@@ -425,28 +543,30 @@ class UnavailableExecutor:
     async def queued(self, handle: RunHandle) -> str | None:  # noqa: ARG002
         return None
 
+    def confinement(self) -> str:
+        return f"refusing jobs: {self.reason}"
+
 
 # -- process helpers ---------------------------------------------------------------------------
 
-# Sets PR_SET_PDEATHSIG(SIGKILL), checks the agent did not die first, then becomes the job.
-_EXEC_WITH_PDEATHSIG = """\
-import ctypes, os, signal, sys
-ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)
-if os.getppid() != int(sys.argv[1]):
-    os._exit(137)
-try:
-    os.execvp(sys.argv[2], sys.argv[2:])
-except OSError as exc:
-    print(f"cpn: cannot start {sys.argv[2]!r}: {exc.strerror}", file=sys.stderr)
-    os._exit(127)
-"""
 
-
-def _die_with_parent(argv: list[str]) -> list[str]:
-    """argv wrapped so the job gets SIGKILL when the agent (its parent) dies. Linux only."""
-    if sys.platform != "linux":
-        return argv
-    return [sys.executable, "-I", "-S", "-c", _EXEC_WITH_PDEATHSIG, str(os.getpid()), *argv]
+def _signal_sandboxed(pgid: int, sig: signal.Signals) -> bool:
+    """Signal the processes a sandbox runs, not bubblewrap's own two; False when none."""
+    try:
+        outer = psutil.Process(pgid)
+        inner = outer.children()
+        spare = {outer.pid, *(p.pid for p in inner)}
+        targets = [p for p in outer.children(recursive=True) if p.pid not in spare]
+    except psutil.Error:
+        return False
+    sent = False
+    for p in targets:
+        try:
+            os.kill(p.pid, sig)
+            sent = True
+        except (ProcessLookupError, PermissionError):
+            continue
+    return sent
 
 
 def _check_program(program: str, *, env: Mapping[str, str], cwd: Path) -> None:

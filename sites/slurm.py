@@ -391,6 +391,10 @@ class SlurmExecutor:
 
     # -- the site file against the cluster ------------------------------------------------------
 
+    def confinement(self) -> str:
+        """Slurm confines the runs (its cgroup plugin); they run as the tenant's account."""
+        return "slurm: runs as the tenant's Slurm user and account, Slurm's own limits"
+
     async def unreachable(self) -> str | None:
         """Why no Slurm controller answers here (the client commands installed, no cluster
         configured or slurmctld down), None when one does. A missing slurm.conf is told at

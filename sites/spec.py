@@ -220,11 +220,96 @@ class SlurmSettings(Frozen):
         return self.gres_types.get(model, model.lower())
 
 
+class NetworkPolicy(enum.StrEnum):
+    """What a confined run may reach over the network (docs/security.md)."""
+
+    full = "full"  # the host's network namespace: anything the host reaches, loopback too
+    egress = "egress"  # its own namespace, outbound through user-mode NAT; not the host's loopback
+    none = "none"  # its own namespace with only its own loopback
+
+
+class SandboxKind(enum.StrEnum):
+    auto = "auto"  # bubblewrap when it works on this host, else what `when_unavailable` says
+    bwrap = "bwrap"  # bubblewrap, or no job runs
+    none = "none"  # no sandbox: runs are only unprivileged (an agent that is root) and limited
+
+
+class WhenUnavailable(enum.StrEnum):
+    refuse = "refuse"  # every run fails, naming why
+    unsandboxed = "unsandboxed"  # as the tenant's account with limits, but no sandbox
+
+
+UID_MIN = 1000  # below: system accounts
+
+
+class Accounts(Frozen):
+    """Which unprivileged account runs a tenant's jobs at this site (agents that are root).
+
+    A tenant named in `tenants` runs as that account (it must exist, and be neither root nor
+    the agent's); any other tenant gets an id of its own from `uid_range` (uid = gid, kept in
+    tenant-ids.json beside the site's work dir); with neither, its jobs are refused.
+    """
+
+    uid_range: tuple[int, int] | None = Field(
+        default=(400_000, 499_999),
+        description="first and last uid handed to tenants not named in `tenants`; null: none",
+    )
+    tenants: dict[Name, Annotated[str, Field(pattern=r"^[a-z_][a-z0-9_.-]{0,31}$")]] = Field(
+        default_factory=dict, description="cpn tenant -> an existing account at the site"
+    )
+
+    @field_validator("uid_range")
+    @classmethod
+    def _range(cls, value: tuple[int, int] | None) -> tuple[int, int] | None:
+        if value is None:
+            return value
+        first, last = value
+        if first < UID_MIN or last < first or last > 2**31 - 2:
+            raise ValueError(f"a range [first, last] with {UID_MIN} <= first <= last < 2^31-1")
+        return value
+
+
+PATH_RE = r"^/[^\x00]*$"
+
+
+class Confinement(Frozen):
+    """How the site confines the runs of tenants' jobs (long form: docs/security.md)."""
+
+    sandbox: SandboxKind = Field(default=SandboxKind.auto, description="see SandboxKind")
+    when_unavailable: WhenUnavailable = Field(
+        default=WhenUnavailable.refuse,
+        description="no sandbox can be made here: refuse jobs, or run them as the tenant's "
+        "account with limits (root agents only; a non-root agent always refuses)",
+    )
+    network: NetworkPolicy = Field(default=NetworkPolicy.full, description="see NetworkPolicy")
+    accounts: Accounts = Accounts()
+    ro_paths: tuple[Annotated[str, Field(pattern=PATH_RE)], ...] = Field(
+        default=(),
+        description="host paths a run may read besides the system's (/usr, /etc, /opt, ...)",
+    )
+    hide: tuple[Annotated[str, Field(pattern=PATH_RE)], ...] = Field(
+        default=(), description="more host paths no run may see (the agent's own are hidden)"
+    )
+    path: str = Field(
+        default="/usr/local/bin:/usr/bin:/bin", min_length=1, description="a run's PATH"
+    )
+    limits: bool = Field(
+        default=True, description="CPU, memory, process and device limits with cgroups"
+    )
+    pids_max: int = Field(default=4096, ge=16, le=4_194_304, description="processes per run")
+    min_mem_gb: float = Field(
+        default=0.25, gt=0, le=1024, description="memory limit of a run that asked for none"
+    )
+
+
 class Executor(Frozen):
     kind: ExecutorKind = ExecutorKind.local
     work_dir: str | None = Field(default=None, description="where job logs and files go")
     partition: SlurmName | None = Field(default=None, description="slurm partition (slurm only)")
     slurm: SlurmSettings | None = Field(default=None, description="slurm only; see docs/slurm.md")
+    confinement: Confinement = Field(
+        default_factory=Confinement, description="identity, sandbox and limits of tenants' runs"
+    )
 
     @field_validator("partition", "slurm")
     @classmethod

@@ -147,6 +147,9 @@ class SiteStatus(Frozen):
     nodes: tuple[NodeUsage, ...] = Field(
         default=(), description="per declared node, what it has free (sites with nodes)"
     )
+    confinement: str = Field(
+        default="", description="how the site confines tenants' runs (sites.confinement)"
+    )
 
 
 class LinkStatus(Frozen):

@@ -115,6 +115,7 @@ class Run:
     finished_at: float | None = None
     exit_code: int | None = None
     message: str = ""
+    reason: str | None = None  # why it ended, as a word (out_of_memory)
     usage: dict[str, float] | None = None
     # NVML-measured GPU energy and utilization of its devices while it runs (`meter`)
     gpu_energy_j: float = 0.0
@@ -187,6 +188,8 @@ class Run:
             finished_at=self.finished_at,
             log_path=None if self.log_path is None else str(self.log_path),
             usage=self.usage,
+            reason=self.reason,
+            confinement=(self.handle.confinement or None) if self.handle is not None else None,
             updated_at=now,
         )
 
@@ -812,6 +815,7 @@ class Workload:
             )
         usage = {**run.metered(), **(ended.usage or {})}  # the scheduler's own figures win
         run.usage = usage or None
+        run.reason = ended.reason
         run.finish(state, self.clock.time(), code, message)
         log.info("job %s attempt %d %s (exit %s): %s", a.job, a.attempt, state.value, code, message)
         await self._write(run)

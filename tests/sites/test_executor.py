@@ -268,14 +268,15 @@ async def test_killed_agent_takes_its_job_along_and_its_successor_does_not_rerun
 ) -> None:
     agent = await make_site("crashy")
     # the shell dies with the agent (PDEATHSIG); its background child only with the group
-    script = "echo run >> ../starts; sleep 300 & echo $! > grandchild; wait"
+    script = "echo run >> starts; sleep 300 & echo $! > grandchild; wait"
     await assign(registry, assignment("crashy", "j", script))
     await wait_report(registry, "crashy", "j", RunState.running)
     record = RunRecord.model_validate_json((job_dir(work, "j") / "run.json").read_bytes())
     assert record.pid is not None
     grandchild_file = cwd_of(work, "j") / "grandchild"
     await wait_for(lambda: grandchild_file.exists() and grandchild_file.read_text().strip(), 5)
-    grandchild = int(grandchild_file.read_text())
+    # the pid it wrote is its pid in the sandbox's namespace: find it from the host
+    grandchild = _host_pid(["sleep", "300"], cwd_of(work, "j"))
     try:
         agent.send_signal(signal.SIGKILL)
         agent.wait()
@@ -286,9 +287,17 @@ async def test_killed_agent_takes_its_job_along_and_its_successor_does_not_rerun
         assert "lost" in lost.message and lost.attempt == 1
         assert not alive(grandchild)  # reaped through the process group
         assert not (job_dir(work, "j") / "run.json").exists()
-        assert (job_dir(work, "j") / "starts").read_text() == "run\n"  # never run twice
+        assert (cwd_of(work, "j") / "starts").read_text() == "run\n"  # never run twice
     finally:
         kill_if_alive(grandchild)
+
+
+def _host_pid(cmdline: list[str], cwd: Path) -> int:
+    """The host's pid of a run's process (the pid it sees is its sandbox's)."""
+    for proc in psutil.process_iter(["cmdline", "cwd"]):
+        if proc.info["cmdline"] == cmdline and proc.info["cwd"] == str(cwd):
+            return proc.pid
+    raise AssertionError(f"no process {cmdline} in {cwd}")
 
 
 async def test_graceful_stop_stops_jobs_silently_and_a_restart_runs_nothing_twice(
@@ -299,12 +308,12 @@ async def test_graceful_stop_stops_jobs_silently_and_a_restart_runs_nothing_twic
     tmp_path: Path,
 ) -> None:
     agent = await make_site("again")
-    await assign(registry, assignment("again", "once", "echo run >> ../starts"))
-    await assign(registry, assignment("again", "long", "echo run >> ../starts; sleep 60"))
+    await assign(registry, assignment("again", "once", "echo run >> starts"))
+    await assign(registry, assignment("again", "long", "echo run >> starts; sleep 60"))
     await wait_report(registry, "again", "once", RunState.succeeded)
     await wait_report(registry, "again", "long", RunState.running)
     # running means spawned; on a loaded machine its shell may not have run `echo` yet
-    starts = job_dir(work, "long") / "starts"
+    starts = cwd_of(work, "long") / "starts"
     await wait_for(lambda: starts.exists() and starts.read_text() == "run\n", timeout=10)
     record = RunRecord.model_validate_json((job_dir(work, "long") / "run.json").read_bytes())
     assert record.pid is not None
@@ -323,7 +332,7 @@ async def test_graceful_stop_stops_jobs_silently_and_a_restart_runs_nothing_twic
     await assign(registry, assignment("again", "later", ["true"]))
     await wait_report(registry, "again", "later", RunState.succeeded)
     for job in ("once", "long"):
-        assert (job_dir(work, job) / "starts").read_text() == "run\n"
+        assert (cwd_of(work, job) / "starts").read_text() == "run\n"
     assert await registry.get_raw(keys.report("again", "once")) == before
 
 
@@ -457,7 +466,9 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(
     log = work / "stubborn.log"
     handle = await executor.start(a, (), log)
     await wait_for(lambda: log.exists() and b"ready" in log.read_bytes(), 10)
-    child = int((cwd_of(work, "stubborn") / "child").read_text())
+    child_argv = [PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "time.sleep(60)"]  # fmt: skip
+    child = _host_pid(child_argv, cwd_of(work, "stubborn"))
     started = time.monotonic()
     await executor.stop(handle, grace_s=0.5)
     assert 0.5 <= time.monotonic() - started < 3
