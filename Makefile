@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NATIVE := $(VENV)/.native-stamp
 
-.PHONY: up test lint fmt bench clean slurm prometheus chromium native
+.PHONY: up test lint fmt bench clean slurm prometheus chromium native sandbox
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,11 +31,16 @@ $(NATIVE): $(STAMP) setup.py $(wildcard routing/*.py)
 
 native: $(NATIVE)
 
-up: $(NATIVE)
+up: $(NATIVE) sandbox
 	$(BIN)/cpn up
 
-test: lint native slurm prometheus chromium
+test: lint native sandbox slurm prometheus chromium
 	$(BIN)/pytest
+
+# bubblewrap and slirp4netns, which confine tenants' runs (docs/security.md): the Debian
+# packages, installed when missing (root and apt-get). Without them agents refuse jobs.
+sandbox:
+	@.ci/install-sandbox || echo "make: bubblewrap could not be installed; agents will refuse jobs" >&2
 
 # A real single-machine Slurm for tests/sites/test_slurm.py and `cpn up --slurm`: the Debian
 # packages, installed when missing (root and apt-get); nothing is started here.

@@ -279,10 +279,11 @@ class _Pass:
         if report.state is RunState.running:
             if record.state is JobState.RUNNING:
                 return
+            confined = f" ({report.confinement})" if report.confinement else ""
             ev = Event(
                 at=now,
                 type="running",
-                message=f"running on {site}",
+                message=f"running on {site}{confined}",
                 site=site,
                 attempt=record.attempt,
             )
@@ -319,6 +320,8 @@ class _Pass:
             why += f": {report.message}"
         new = self._retry_or_fail(record, why, site, exit_code=report.exit_code)
         ended = EndReason.failed if report.state is RunState.failed else EndReason.stopped
+        if report.reason == EndReason.out_of_memory:
+            ended = EndReason.out_of_memory
         self._stop_with_gang(record, rev, new, _run_keys(record), guard, why, ended=ended)
 
     def _retry_or_fail(

@@ -26,7 +26,12 @@ from sites.catalog import DeviceCatalog
 
 __all__ = ["EndReason", "closing_puts", "run_of"]
 
-_FROM_REPORT = (EndReason.succeeded, EndReason.failed, EndReason.stopped)
+_FROM_REPORT = (
+    EndReason.succeeded,
+    EndReason.failed,
+    EndReason.out_of_memory,
+    EndReason.stopped,
+)
 
 
 def _report(view: View, record: JobRecord, site: str) -> Report | None:

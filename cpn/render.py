@@ -40,7 +40,8 @@ def _num(x: float) -> str:
 
 def sites_table(views: Sequence[SiteView], *, catalog: DeviceCatalog, now: float) -> str:
     headers = ["SITE", "STATE", "LAST SEEN", "REGION", "GPUS FREE/TOTAL", "NODES IDLE",
-               "FP16 TFLOPS", "CPU", "MEM GB", "STORAGE TB", "NEAREST PEERS (RTT ms)"]  # fmt: skip
+               "FP16 TFLOPS", "CPU", "MEM GB", "STORAGE TB", "CONFINEMENT",
+               "NEAREST PEERS (RTT ms)"]  # fmt: skip
     rows = []
     for v in views:
         if v.status is not None:
@@ -63,6 +64,7 @@ def sites_table(views: Sequence[SiteView], *, catalog: DeviceCatalog, now: float
             str(cap.cpu_cores),
             _num(cap.mem_gb),
             _num(cap.storage_tb),
+            confinement_short(v.status.confinement if v.status is not None else ""),
             peers or "-",
         ])  # fmt: skip
     return table(headers, rows) if rows else "no sites joined"
@@ -150,6 +152,19 @@ def nodes_table(views: Sequence[SiteView], *, catalog: DeviceCatalog) -> str:
     return table(headers, rows) if rows else "no site declares its nodes"
 
 
+def confinement_short(line: str) -> str:
+    """The table's word for how a site confines runs (the whole line: `cpn sites -o json`)."""
+    if not line:
+        return "-"
+    if line.startswith("refusing"):
+        return "REFUSING JOBS"
+    parts = [p.strip() for p in line.split(",")]
+    network = next((p.removeprefix("network ") for p in parts if p.startswith("network ")), "")
+    first = parts[0].removesuffix(" sandbox").replace("NO sandbox", "UNSANDBOXED")
+    first = first.split(" (")[0]
+    return f"{first}, net {network}" if network else first
+
+
 def site_json(v: SiteView, *, now: float) -> dict[str, Any]:
     status = v.status
     return {
@@ -173,6 +188,7 @@ def site_json(v: SiteView, *, now: float) -> dict[str, Any]:
         "cordon": None if v.cordon is None else v.cordon.model_dump(mode="json"),
         "services": [ep.model_dump(mode="json") for ep in v.services],
         "labels": v.spec.labels,
+        "confinement": None if status is None else status.confinement or None,
     }
 
 

@@ -52,6 +52,7 @@ _J_PER_KWH = 3.6e6
 class EndReason(enum.StrEnum):
     succeeded = "succeeded"  # the site reported exit 0
     failed = "failed"  # the site reported a non-zero exit
+    out_of_memory = "out_of_memory"  # the site's kernel killed it over its memory limit
     stopped = "stopped"  # the site reported the run stopped
     withdrawn = "withdrawn"  # the broker took the assignment back: cancel, suspend, gang, spec
     site_lost = "site_lost"  # the site's lease expired: ended when it was last seen

@@ -235,7 +235,9 @@ class Confiner:
             group = self.cgroups.create(f"{assignment.job}.{assignment.attempt}", limits)
             cpu_text = f"{assignment.cpu} cpu" if assignment.cpu else "no cpu cap"
             limits_text = f"limits {cpu_text}, {mem_gb:g} GB, {self.settings.pids_max} pids"
-        egress = self.settings.network is NetworkPolicy.egress
+        # a replica must be reachable by the gateway: it keeps the host's network (security.md)
+        network = NetworkPolicy.full if assignment.serve is not None else self.settings.network
+        egress = network is NetworkPolicy.egress
         if self.bwrap is not None:
             plan = SandboxPlan(
                 work=cwd,
@@ -244,7 +246,7 @@ class Confiner:
                 ro_paths=(*code_roots(), *self.settings.ro_paths),
                 hide=self.hide,
                 devices=nodes,
-                network=self.settings.network.value,
+                network=network.value,
                 hostname=self.site,
             )
             run_argv = bwrap_argv(self.bwrap, plan, argv)
@@ -252,7 +254,7 @@ class Confiner:
         else:
             run_argv = list(argv)
             how = "unsandboxed"
-        summary = f"{how} as uid {account.uid}, {limits_text}, network {self.settings.network}"
+        summary = f"{how} as uid {account.uid}, {limits_text}, network {network}"
         return ConfinedRun(
             argv=run_argv,
             env=env,

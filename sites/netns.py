@@ -65,7 +65,10 @@ async def start_egress(info_r: int, block_w: int, run: ConfinedRun) -> asyncio.s
     except (TimeoutError, SitesError, OSError) as exc:
         raise EgressError(f"network egress: {exc}") from exc
     ready_r, ready_w = os.pipe()
-    procs = run.group.procs_files if run.group is not None else []
+    # in the run's memory, cpu and pids groups (it ends with them), not its devices group:
+    # it opens /dev/net/tun, which the run may not
+    procs = [p for p in (run.group.procs_files if run.group is not None else [])
+             if "/devices/" not in p]  # fmt: skip
     try:
         net = await asyncio.create_subprocess_exec(
             *launcher(

@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from sites.registry import Registry
 from sites.slurm_cluster import LocalSlurm, missing
-from tests.conftest import REPO
+from tests.conftest import REPO, Processes
 
 INSTALLER = REPO / ".ci" / "install-slurm"
 
@@ -60,3 +63,29 @@ def local_slurm(slurm: LocalSlurm) -> Iterator[LocalSlurm]:
     yield slurm
     slurm.run("scancel", "--user", slurm.user, check=False)
     slurm.run("scontrol", "update", f"nodename={slurm.node}", "state=resume", check=False)
+
+
+# -- agents with a work dir of the test's (tests/sites/test_executor.py, test_confinement.py) --
+
+
+@pytest.fixture
+def work(tmp_path: Path) -> Path:
+    path = tmp_path / "work"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def make_site(
+    registry: Registry, processes: Processes, site_file: Callable[..., Path], work: Path
+) -> Callable[..., Any]:
+    """Join a site (its executor's work dir: ``work``) and start its agent process."""
+    from tests.sites.test_agent import join, start_agent
+
+    async def make(site: str, **overrides: Any) -> subprocess.Popen[bytes]:
+        overrides.setdefault("executor", {"work_dir": str(work)})
+        file = site_file(site, **overrides)
+        await join(registry, file)
+        return await start_agent(processes, registry, file, site)
+
+    return make

@@ -97,26 +97,6 @@ async def agent_http(registry: Registry, site: str) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(headers={"Authorization": f"Bearer {bearer}"})
 
 
-@pytest.fixture
-def work(tmp_path: Path) -> Path:
-    path = tmp_path / "work"
-    path.mkdir()
-    return path
-
-
-@pytest.fixture
-def make_site(
-    registry: Registry, processes: Processes, site_file: Callable[..., Path], work: Path
-) -> Callable[..., Any]:
-    async def make(site: str, **overrides: Any) -> subprocess.Popen[bytes]:
-        overrides.setdefault("executor", {"work_dir": str(work)})
-        file = site_file(site, **overrides)
-        await join(registry, file)
-        return await start_agent(processes, registry, file, site)
-
-    return make
-
-
 def cwd_of(work: Path, job: str) -> Path:
     return job_dir(work, job) / "work"
 

@@ -1,0 +1,422 @@
+"""Confined runs (docs/security.md): what a tenant's job can reach, tried from inside the job.
+
+The escape battery (tests/sites/escape_battery.py) runs as a real job, in the real sandbox, as
+a real tenant account, and asserts from its own output; the settings' bad values name their
+field. The fake GPU device nodes below are character devices made with mknod (as /dev/null),
+standing in for /dev/nvidia<i>, which this machine cannot have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from sites.accounts import AccountError, TenantAccounts
+from sites.assignments import Assignment, RunState, Serve
+from sites.catalog import DeviceCatalog
+from sites.clock import SystemClock
+from sites.confinement import Confiner, device_nodes
+from sites.errors import ConfigError
+from sites.executor import ExecutorError, LocalExecutor, RunHandle, job_dir
+from sites.registry import Registry
+from sites.spec import Accounts, Confinement
+from tests.conftest import REPO, Processes, site_doc, wait_for
+from tests.sites.test_executor import assign, cwd_of, wait_report
+
+BATTERY = REPO / "tests" / "sites" / "escape_battery.py"
+ROOT = os.geteuid() == 0
+needs_root_and_bwrap = pytest.mark.skipif(
+    not ROOT or not Path("/usr/bin/bwrap").exists(),
+    reason="the confined identity needs a root agent and bubblewrap (make sandbox)",
+)
+
+
+def assignment(job: str, command: list[str], **fields: Any) -> Assignment:
+    base: dict[str, Any] = {"tenant": "acme", "attempt": 1, "fence": 1, "cpu": 1, "mem_gb": 0.5}
+    base.update(fields)
+    return Assignment(job=job, site="here", command=tuple(command), assigned_at=time.time(),
+                      **base)  # fmt: skip
+
+
+def make_executor(root: Path, **settings: Any) -> LocalExecutor:
+    where = root / "sites" / "here"
+    confiner = Confiner(Confinement(**settings), site="here", work_dir=where)
+    return LocalExecutor(work_dir=where, site="here", catalog=DeviceCatalog.load(),
+                         clock=SystemClock(), confiner=confiner)  # fmt: skip
+
+
+@pytest.fixture
+async def confined(tmp_path: Path) -> AsyncIterator[Callable[..., LocalExecutor]]:
+    made: list[LocalExecutor] = []
+
+    def make(**settings: Any) -> LocalExecutor:
+        ex = make_executor(tmp_path, **settings)
+        made.append(ex)
+        return ex
+
+    yield make
+    for ex in made:
+        for ref, proc in list(ex._procs.items()):  # noqa: SLF001 (what a failed test left)
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+            await ex._release(ref)  # noqa: SLF001
+
+
+async def run_to_end(ex: LocalExecutor, a: Assignment, timeout: float = 30) -> tuple[str, Any]:
+    log = job_dir(ex.work_dir, a.job) / f"attempt-{a.attempt}.log"
+    handle = await ex.start(a, (), log)
+    ended = await asyncio.wait_for(ex.wait(handle), timeout)
+    return log.read_text(), ended
+
+
+def battery_lines(output: str) -> list[str]:
+    lines = [ln for ln in output.splitlines() if ln.startswith(("OK ", "ESCAPED ", "DONE "))]
+    assert lines and lines[-1].startswith("DONE "), output
+    assert int(lines[-1].split()[1]) == len(lines) - 1, output
+    return lines[:-1]
+
+
+# -- the battery through the executor ----------------------------------------------------------
+
+
+@needs_root_and_bwrap
+async def test_escape_battery_from_inside_a_job(
+    confined: Callable[..., LocalExecutor], tmp_path: Path
+) -> None:
+    ex = confined()
+    # what a site's host holds: the operator's CLI config, the site's credentials, the CA key,
+    # the etcd data dir, and another tenant's running job with its work dir and log
+    secrets = tmp_path / "secrets"
+    (secrets / "pki").mkdir(parents=True)
+    (secrets / "pki" / "ca.key").write_text("CA KEY")
+    (secrets / "credentials.yaml").write_text("password: hunter2")
+    (secrets / "etcd-data").mkdir()
+    (secrets / "etcd-data" / "member").write_text("db")
+    cli = Path.home() / ".config" / "cpn" / "config.yaml"
+    other = assignment("other", ["sleep", "60"], tenant="rival")
+    other_log = job_dir(ex.work_dir, "other") / "attempt-1.log"
+    other_handle = await ex.start(other, (), other_log)
+    (cwd_of(ex.work_dir, "other")).joinpath("notes").write_text("rival's data")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        spec = {
+            "agent_uid": os.getuid(),
+            "agent_pids": [os.getpid()],
+            "other_pids": [other_handle.pid],
+            "secrets": [str(secrets / "pki" / "ca.key"), str(secrets / "credentials.yaml"),
+                        str(secrets / "etcd-data" / "member"), str(cli), str(other_log),
+                        str(cwd_of(ex.work_dir, "other") / "notes"), "/etc/shadow",
+                        str(ex.work_dir.parent / "tenant-ids.json")],
+            "dirs": [str(secrets), [str(ex.work_dir / "jobs"), ["bat"]],
+                     str(cwd_of(ex.work_dir, "other")),
+                     "/root", "/home"],
+            "write": ["/etc/cpn-pwned", "/usr/pwned", str(tmp_path / "pwned"),
+                      str(job_dir(ex.work_dir, "bat") / "run.json"),
+                      str(job_dir(ex.work_dir, "bat") / "pwned")],
+            "marker": "MARKER-9f1c",
+        }  # fmt: skip
+        os.environ["CPN_TEST_MARKER"] = "MARKER-9f1c"  # the agent's environment: none of it leaks
+        try:
+            out, ended = await run_to_end(
+                ex, assignment("bat", ["python3", str(BATTERY), json.dumps(spec)])
+            )
+        finally:
+            del os.environ["CPN_TEST_MARKER"]
+    await ex.stop(other_handle, 1.0)
+    await ex.wait(other_handle)
+    lines = battery_lines(out)
+    escaped = [ln for ln in lines if ln.startswith("ESCAPED")]
+    assert not escaped, out
+    assert len(lines) >= 25, out
+    assert ended.code == 0, out
+    # the job's files are its account's, mode 0700, beside the agent's log it cannot touch
+    st = cwd_of(ex.work_dir, "bat").stat()
+    assert st.st_uid != 0 and st.st_mode & 0o777 == 0o700
+    assert (job_dir(ex.work_dir, "bat") / "attempt-1.log").stat().st_uid == 0
+    rival = cwd_of(ex.work_dir, "other").stat()
+    assert rival.st_uid not in (0, st.st_uid)  # two tenants, two accounts
+
+
+@needs_root_and_bwrap
+async def test_a_run_over_its_memory_is_killed_and_reported_out_of_memory(
+    confined: Callable[..., LocalExecutor],
+) -> None:
+    ex = confined()
+    if ex.confinement() and ex.confiner.cgroups is None:
+        pytest.skip(f"no cgroups here: {ex.confinement()}")
+    hog = "b = []\nwhile True: b.append(bytearray(16 << 20))"  # twice its 0.125 GB, and more
+    out, ended = await run_to_end(ex, assignment("hog", ["python3", "-c", hog], mem_gb=0.125))
+    assert ended.reason == "out_of_memory" and ended.code == -signal.SIGKILL, (ended, out)
+    assert "out of memory" in (ended.message or "") and "0.125 GB" in (ended.message or "")
+    # and a run within its memory is untouched
+    ok = "b = bytearray(32 << 20); print('fine')"
+    out, ended = await run_to_end(ex, assignment("fits", ["python3", "-c", ok], mem_gb=0.125))
+    assert ended.ok and "fine" in out, (ended, out)
+
+
+@needs_root_and_bwrap
+async def test_cpu_and_pids_limits_hold(confined: Callable[..., LocalExecutor]) -> None:
+    ex = confined(pids_max=32)
+    if ex.confinement() and ex.confiner.cgroups is None:
+        pytest.skip(f"no cgroups here: {ex.confinement()}")
+    forks = (
+        "import subprocess\nps = []\ntry:\n    for i in range(100):\n"
+        "        ps.append(subprocess.Popen(['sleep', '5']))\nexcept OSError as e:\n"
+        "    print('refused at', len(ps))\nfor p in ps: p.kill()"
+    )
+    out, ended = await run_to_end(ex, assignment("forks", ["python3", "-c", forks]))
+    assert "refused at" in out and int(out.split("refused at")[1].split()[0]) < 32, out
+    # 1 cpu of quota: two busy threads' CPU time over wall time stays near 1
+    spin = (
+        "import os, time, multiprocessing as m\n"
+        "def burn():\n    t = time.time()\n    while time.time() - t < 1.5: pass\n"
+        "ps = [m.Process(target=burn) for _ in range(2)]\n[p.start() for p in ps]\n"
+        "[p.join() for p in ps]\nprint('cpu', sum(os.times()[2:4]))"
+    )
+    out, ended = await run_to_end(ex, assignment("spin", ["python3", "-c", spin], cpu=1))
+    assert ended.ok, out
+    assert float(out.split("cpu")[1]) < 2.4, out  # unlimited: ~3.0 on 2 cores
+
+
+@needs_root_and_bwrap
+async def test_network_none_has_only_its_own_loopback(
+    confined: Callable[..., LocalExecutor],
+) -> None:
+    ex = confined(network="none")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        spec = {"agent_uid": 0, "connect": [["127.0.0.1", listener.getsockname()[1]]]}
+        out, ended = await run_to_end(
+            ex, assignment("net", ["python3", str(BATTERY), json.dumps(spec)])
+        )
+    assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
+    assert "network none" in ex.confiner.summary
+
+
+@needs_root_and_bwrap
+@pytest.mark.skipif(not Path("/usr/bin/slirp4netns").exists(), reason="needs slirp4netns")
+async def test_network_egress_reaches_out_but_not_the_hosts_loopback(
+    confined: Callable[..., LocalExecutor],
+) -> None:
+    ex = confined(network="egress")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        # 10.0.2.2 is the host through slirp4netns: its loopback services stay out of reach
+        spec = {"agent_uid": 0, "connect": [["127.0.0.1", port], ["10.0.2.2", port]]}
+        script = (
+            f"ip -o -4 addr show tap0 || cat /proc/net/dev; python3 {BATTERY} '{json.dumps(spec)}'"
+        )
+        out, ended = await run_to_end(ex, assignment("egress", ["sh", "-c", script]))
+    assert "tap0" in out, out  # its own interface, set up before the job ran
+    assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
+
+
+@needs_root_and_bwrap
+async def test_only_its_own_accelerators_are_in_its_dev(
+    confined: Callable[..., LocalExecutor], tmp_path: Path
+) -> None:
+    fake_dev = tmp_path / "fake-dev"  # fake GPU nodes: char devices 1:3 (/dev/null's numbers)
+    fake_dev.mkdir()
+    for name in ("nvidia0", "nvidia1", "nvidia2", "nvidiactl", "nvidia-uvm"):
+        os.mknod(fake_dev / name, 0o666 | 0o020000, os.makedev(1, 3))
+        os.chmod(fake_dev / name, 0o666)  # as the driver makes them (mknod's mode is umasked)
+    ex = confined()
+    ex.confiner.dev_root = fake_dev
+    a = assignment("gpu", ["sh", "-c", "ls /dev; echo hi > /dev/nvidia1 && echo wrote"],
+                   model="H100", gpus=1)  # fmt: skip
+    log = job_dir(ex.work_dir, "gpu") / "attempt-1.log"
+    handle = await ex.start(a, (1,), log)
+    ended = await ex.wait(handle)
+    out = log.read_text()
+    assert ended.ok, out
+    listed = out.split()
+    assert "nvidia1" in listed and "nvidiactl" in listed and "wrote" in listed, out
+    assert "nvidia0" not in listed and "nvidia2" not in listed, out
+    assert device_nodes("nvidia", (0, 2), fake_dev)[0] == (
+        str(fake_dev / "nvidia0"),
+        "/dev/nvidia0",
+    )
+    assert device_nodes(None, (0,), fake_dev) == ()
+
+
+@needs_root_and_bwrap
+async def test_replicas_are_confined_but_keep_a_reachable_port(
+    confined: Callable[..., LocalExecutor],
+) -> None:
+    ex = confined(network="none")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve = Serve(service="svc", model="m", port=port)
+    server = (
+        f"import http.server as h; "
+        f"h.HTTPServer(('127.0.0.1', {port}), h.SimpleHTTPRequestHandler).serve_forever()"
+    )
+    a = assignment("rep", ["python3", "-c", server], serve=serve)
+    log = job_dir(ex.work_dir, "rep") / "attempt-1.log"
+    handle: RunHandle = await ex.start(a, (), log)
+    try:
+        assert "network full" in handle.confinement and "bwrap" in handle.confinement
+
+        def answers() -> bool:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return True
+            except OSError:
+                return False
+
+        await wait_for(answers, timeout=10)
+    finally:
+        await ex.stop(handle, 1.0)
+        await ex.wait(handle)
+
+
+async def test_a_site_without_a_sandbox_refuses_or_runs_unsandboxed(
+    confined: Callable[..., LocalExecutor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sites.confinement.find_bwrap", lambda: None)  # as if not installed
+    refusing = confined()
+    line = refusing.confinement()
+    assert line.startswith("refusing jobs") and "bwrap not found" in line
+    with pytest.raises(ExecutorError, match="refuses jobs"):
+        await refusing.start(assignment("r", ["/bin/true"]), (), refusing.work_dir / "r.log")
+    monkeypatch.undo()
+    if not ROOT:
+        return
+    loose = confined(sandbox="none", when_unavailable="unsandboxed")
+    assert "NO sandbox" in loose.confinement()
+    out, ended = await run_to_end(loose, assignment("u", ["sh", "-c", "id -u; echo $HOME"]))
+    uid, home = out.split()[:2]
+    assert ended.ok and int(uid) not in (0, os.getuid()) and home.endswith("/work"), out
+
+
+# -- identity ----------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not ROOT, reason="uids are handed out by root agents")
+def test_uids_are_stable_distinct_and_kept_across_restarts(tmp_path: Path) -> None:
+    ids = tmp_path / "tenant-ids.json"
+    first = TenantAccounts(Accounts(uid_range=(500_000, 500_002)), ids_path=ids, field="s:f")
+    got = {t: first.for_tenant(t).uid for t in ("a", "b", "c")}
+    assert len(set(got.values())) == 3 and all(500_000 <= u <= 500_002 for u in got.values())
+    again = TenantAccounts(Accounts(uid_range=(500_000, 500_002)), ids_path=ids, field="s:f")
+    assert {t: again.for_tenant(t).uid for t in ("c", "b", "a")} == got
+    with pytest.raises(AccountError, match="used up"):
+        again.for_tenant("d")
+    none = TenantAccounts(Accounts(uid_range=None), ids_path=ids, field="s:f")
+    with pytest.raises(AccountError, match="no account"):
+        none.for_tenant("a")
+
+
+@pytest.mark.skipif(not ROOT, reason="named accounts are checked by root agents")
+def test_named_accounts_are_checked_at_start(tmp_path: Path) -> None:
+    ids = tmp_path / "ids.json"
+    root_name = pwd.getpwuid(0).pw_name
+    cases = {
+        "nosuchuser-cpn": "no account",
+        root_name: "root or the agent",
+    }
+    for user, why in cases.items():
+        with pytest.raises(ConfigError, match=why) as info:
+            TenantAccounts(Accounts(tenants={"t": user}), ids_path=ids,
+                           field="site x:executor.confinement.accounts")  # fmt: skip
+        assert info.value.problems[0].field == "executor.confinement.accounts.tenants.t"
+    nobody = pwd.getpwnam("nobody").pw_uid  # a host account inside the range
+    with pytest.raises(ConfigError, match="range must be free"):
+        TenantAccounts(Accounts(uid_range=(nobody, nobody)), ids_path=ids, field="s:f")
+
+
+# -- settings ----------------------------------------------------------------------------------
+
+
+BAD = {
+    "sandbox": ("docker", "executor.confinement.sandbox"),
+    "when_unavailable": ("maybe", "executor.confinement.when_unavailable"),
+    "network": ("lan", "executor.confinement.network"),
+    "accounts": ({"uid_range": [10, 20]}, "executor.confinement.accounts.uid_range"),
+    "ro_paths": (["relative/path"], "executor.confinement.ro_paths[0]"),
+    "hide": (["no-slash"], "executor.confinement.hide[0]"),
+    "path": ("", "executor.confinement.path"),
+    "pids_max": (1, "executor.confinement.pids_max"),
+    "min_mem_gb": (0, "executor.confinement.min_mem_gb"),
+    "limits": ("sometimes", "executor.confinement.limits"),
+    "color": ("red", "executor.confinement.color"),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(BAD))
+def test_bad_confinement_settings_name_their_field(setting: str, tmp_path: Path) -> None:
+    value, field = BAD[setting]
+    doc = site_doc("bad", executor={"confinement": {setting: value}})
+    path = tmp_path / "bad.yaml"
+    path.write_text(json.dumps(doc))
+    out = subprocess.run([sys.executable, "-m", "cpn", "site", "validate", str(path)],
+                         capture_output=True, text=True, cwd=REPO)  # fmt: skip
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0], out.stderr
+
+
+def test_bad_account_names_name_their_field() -> None:
+    with pytest.raises(ValidationError) as info:
+        Accounts(tenants={"t": "Bad Name"})
+    assert info.value.errors()[0]["loc"] == ("tenants", "t")
+
+
+# -- through a real agent ----------------------------------------------------------------------
+
+
+@needs_root_and_bwrap
+async def test_a_real_agent_confines_its_jobs_and_says_how(
+    registry: Registry,
+    processes: Processes,
+    make_site: Callable[..., Any],
+    work: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CPN_TEST_MARKER", "MARKER-77aa")  # in the agent's environment
+    agent = await make_site(
+        "jail", executor={"work_dir": str(work), "confinement": {"network": "none"}}
+    )
+    spec = {"agent_uid": 0, "agent_pids": [agent.pid], "marker": "MARKER-77aa",
+            "secrets": [str(work.parent / "jail.yaml")],
+            "dirs": [[str(work), ["jobs"]]]}  # fmt: skip
+    await assign(
+        registry, _through_agent("jail", "bat", ["python3", str(BATTERY), json.dumps(spec)])
+    )
+    report = await wait_report(registry, "jail", "bat", RunState.succeeded, timeout=20)
+    assert report.confinement and "bwrap sandbox as uid" in report.confinement
+    out = (job_dir(work, "bat") / "attempt-1.log").read_text()
+    assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
+    status = (await registry.snapshot()).view("jail").status
+    assert status is not None and status.confinement.startswith("bwrap sandbox")
+    assert "network none" in status.confinement
+    # a job over its memory fails with the reason, as the broker's ledger then records it
+    hog = "b = []\nwhile True: b.append(bytearray(16 << 20))"
+    await assign(registry, _through_agent("jail", "hog", ["python3", "-c", hog], mem_gb=0.125))
+    failed = await wait_report(registry, "jail", "hog", RunState.failed, timeout=20)
+    assert failed.reason == "out_of_memory" and "out of memory" in failed.message, failed
+
+
+def _through_agent(site: str, job: str, command: list[str], **fields: Any) -> Assignment:
+    base: dict[str, Any] = {"tenant": "acme", "attempt": 1, "fence": 1, "cpu": 1, "mem_gb": 0.5}
+    base.update(fields)
+    return Assignment(job=job, site=site, command=tuple(command), assigned_at=time.time(), **base)
