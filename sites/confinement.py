@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -118,6 +119,11 @@ class Confiner:
             field=field or f"site {site}:executor.confinement.accounts",
         )  # fmt: skip
         self.hide = tuple(sorted({*hide, *settings.hide, *_agent_secrets(work_dir)}))
+        # a run's PATH: the site's, then the agent's Python (read-only in the sandbox, so a
+        # replica may start one of cpn's stand-ins as `python -m ...`)
+        python_bin = str(Path(sys.prefix) / "bin")
+        parts = settings.path.split(":")
+        self.path = ":".join(parts if python_bin in parts else [*parts, python_bin])
         self.bwrap: str | None = None
         self.cgroups: Cgroups | None = None
         self.refusal: str | None = None
@@ -177,7 +183,7 @@ class Confiner:
             try:
                 done = subprocess.run(
                     bwrap_argv(bwrap, plan, ["/bin/true"]), capture_output=True,
-                    timeout=PROBE_TIMEOUT_S, check=False, env={"PATH": self.settings.path},
+                    timeout=PROBE_TIMEOUT_S, check=False, env={"PATH": self.path},
                 )  # fmt: skip
             except (OSError, subprocess.TimeoutExpired) as exc:
                 return f"bwrap: {exc}"
@@ -213,7 +219,7 @@ class Confiner:
         account = self.accounts.for_tenant(assignment.tenant)  # AccountError: none here
         _own_dir(cwd, account, root=self.root)
         env = {
-            "PATH": self.settings.path,
+            "PATH": self.path,
             "LANG": os.environ.get("LANG", "C.UTF-8"),
             "HOME": str(cwd),
             "TMPDIR": "/tmp" if self.bwrap else str(cwd),

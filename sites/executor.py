@@ -298,7 +298,7 @@ class LocalExecutor:
             vendor = self._catalog.get(assignment.model).vendor
         job_vars = job_env(assignment, devices, site=self.site, vendor=vendor, base={})
         argv = command_argv(assignment.command)
-        _check_program(argv[0], env={"PATH": job_vars.get("PATH", self.confiner.settings.path)},
+        _check_program(argv[0], env={"PATH": job_vars.get("PATH", self.confiner.path)},
                        cwd=cwd)  # fmt: skip
         try:
             run = self.confiner.prepare(

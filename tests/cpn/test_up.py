@@ -9,6 +9,7 @@ import os
 import signal
 import ssl
 import subprocess
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -189,6 +190,56 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
     assert state["token"] not in config.read_text()
 
 
+def escape_battery_through_the_broker(
+    cpn: Any, env: dict[str, str], state_dir: Path, up_pid: int
+) -> None:
+    """As a tenant-user of ai-lab, a job runs the escape battery; every check holds, and its
+    events say how the site confined it."""
+    token = cpn("token", "create", "--role", "tenant-user", "--tenant", "ai-lab", "-o", "token")
+    assert token.returncode == 0, token.stderr
+    as_tenant = {**env, "CPN_TOKEN": token.stdout.strip()}
+    state = json.loads((state_dir / "up.json").read_text())
+    pki = Path(state["ca"]).parent
+    secrets = [str(p) for p in (
+        state_dir / "cpn" / "config.yaml", pki / "ca.key", pki / "credentials" / "wuhu.yaml",
+        pki / "credentials" / "tokyo.yaml", *pki.glob("**/*.pem"), *pki.glob("**/*.key"),
+    )]  # fmt: skip
+    agents = [c.pid for c in psutil.Process(up_pid).children(recursive=True)]
+    spec = {"agent_uid": os.getuid(), "agent_pids": [up_pid, *agents], "secrets": secrets,
+            # the state dir: only the path down to its own work dir (sites/<site>/jobs/<job>)
+            "dirs": [[str(state_dir), ["sites"]], str(pki)],
+            "write": [str(state_dir / "pwned")]}  # fmt: skip
+    job = state_dir / "escape.yaml"
+    battery = REPO / "tests" / "sites" / "escape_battery.py"
+    command = ["python3", str(battery), json.dumps(spec)]
+    job.write_text(json.dumps({"name": "escape", "tenant": "ai-lab", "cpu": 1, "mem_gb": 1,
+                               "command": command}))  # fmt: skip
+    submitted = subprocess.run(cpn_cmd("submit", str(job)), capture_output=True, text=True,
+                               env=as_tenant, cwd=REPO)  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.split()[1]
+
+    def described() -> dict[str, Any] | None:
+        out = subprocess.run(cpn_cmd("describe", job_id, "-o", "json"), capture_output=True,
+                             text=True, env=as_tenant, cwd=REPO)  # fmt: skip
+        got: dict[str, Any] = json.loads(out.stdout) if out.returncode == 0 else {}
+        return got if got.get("state") in ("SUCCEEDED", "FAILED") else None
+
+    deadline = time.monotonic() + 60
+    done = described()
+    while done is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        done = described()
+    assert done is not None and done["state"] == "SUCCEEDED", done
+    logs = subprocess.run(cpn_cmd("logs", job_id), capture_output=True, text=True,
+                          env=as_tenant, cwd=REPO)  # fmt: skip
+    lines = [ln for ln in logs.stdout.splitlines() if ln.startswith(("OK ", "ESCAPED "))]
+    assert len(lines) >= 15 and not [ln for ln in lines if ln.startswith("ESCAPED")], logs.stdout
+    assert "DONE" in logs.stdout, logs.stdout
+    running = [e for e in done["events"] if e["type"] == "running"]
+    assert running and "bwrap sandbox as uid" in running[-1]["message"], done["events"]
+
+
 async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: Path) -> None:
     """`cpn up --secure`: etcd with TLS and auth, each agent on its own site's etcd user, the
     broker on HTTPS; the README's commands work unchanged, with nothing but the state dir, and
@@ -259,6 +310,10 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
         await wait_for(finished, timeout=30, interval=0.5)
         logs = cpn("logs", job_id)
         assert "hi" in logs.stdout, logs
+
+        # a tenant's job tries to escape: the CLI's admin config, the CA key, the sites' etcd
+        # credentials, etcd's data, the agents' processes (tests/sites/escape_battery.py)
+        escape_battery_through_the_broker(cpn, env, tmp_path, up.pid)
 
         # the managed service's replicas publish /cpn/v1/replicas/<site>/... on their site's
         # own user (its role's prefix grant), become ready and answer through the gateway
