@@ -75,6 +75,11 @@ class SiteInfo(BaseModel):
         description="at a site that declares its nodes: node -> free devices by (pseudo-)model, "
         "as its agent last published them (docs/topology.md); null elsewhere",
     )
+    confinement: str | None = Field(
+        default=None,
+        description="how the site confines tenants' runs, as its agent last published it "
+        "(docs/security.md); null before a report",
+    )
 
 
 def site_info(site: SiteView, now: float) -> SiteInfo:
@@ -109,6 +114,7 @@ def _site_info(
         nodes=None
         if status is None or not status.nodes
         else {n.node: dict(n.free_devices) for n in status.nodes},
+        confinement=None if status is None else status.confinement or None,
     )
 
 

@@ -178,6 +178,9 @@ class Cgroups:
                 d.mkdir(exist_ok=True)
                 if self.version == 2:
                     _enable_v2(self.parents[controller], d)
+                probe = d / f"probe-{os.getpid()}"  # that runs' groups can be made there too
+                probe.mkdir(exist_ok=True)
+                probe.rmdir()
             except OSError as exc:
                 raise CgroupError(f"cannot make cgroup {d}: {exc.strerror or exc}") from exc
 

@@ -420,3 +420,99 @@ def _through_agent(site: str, job: str, command: list[str], **fields: Any) -> As
     base: dict[str, Any] = {"tenant": "acme", "attempt": 1, "fence": 1, "cpu": 1, "mem_gb": 0.5}
     base.update(fields)
     return Assignment(job=job, site=site, command=tuple(command), assigned_at=time.time(), **base)
+
+
+NOT_ROOT_AGENT = """
+import asyncio, json, sys, time
+from pathlib import Path
+from sites.assignments import Assignment
+from sites.catalog import DeviceCatalog
+from sites.clock import SystemClock
+from sites.executor import LocalExecutor, job_dir
+
+root = Path(sys.argv[1])
+ex = LocalExecutor(work_dir=root / "sites" / "here", site="here", catalog=DeviceCatalog.load(),
+                   clock=SystemClock())
+print("LINE", ex.confinement(), flush=True)
+a = Assignment(job="bat", site="here", tenant="acme", attempt=1, fence=1, cpu=1, mem_gb=0.5,
+               command=("python3", sys.argv[2], sys.argv[3]), assigned_at=time.time())
+
+async def main():
+    log = job_dir(ex.work_dir, "bat") / "attempt-1.log"
+    ended = await ex.wait(await ex.start(a, (), log))
+    print(log.read_text(), flush=True)
+    print("EXIT", ended.code, flush=True)
+
+asyncio.run(main())
+"""
+
+
+@needs_root_and_bwrap
+def test_an_agent_that_is_not_root_still_sandboxes_its_jobs(tmp_path: Path) -> None:
+    """An agent running as nobody: its jobs keep its uid, but nothing of its files is there."""
+    import shutil
+    import tempfile
+
+    nobody = pwd.getpwnam("nobody")
+    root = Path(tempfile.mkdtemp(prefix="cpn-nonroot-"))  # not under root's 0700 pytest dir
+    try:
+        (root / "state").mkdir()
+        (root / "state" / "credentials.yaml").write_text("password: agent's own")
+        (root / "sites").mkdir()
+        (root / "sites" / "agent-secret").write_text("agent's bearer")
+        for path in (root, *root.rglob("*")):
+            os.chown(path, nobody.pw_uid, nobody.pw_gid)
+        spec = {"agent_uid": nobody.pw_uid,
+                "secrets": [str(root / "state" / "credentials.yaml"),
+                            str(root / "sites" / "agent-secret")],
+                "dirs": [[str(root), ["sites"]]], "write": [str(root / "pwned")]}  # fmt: skip
+        env = {"PATH": os.environ["PATH"], "HOME": str(root), "CPN_STATE_DIR": str(root / "state"),
+               "PYTHONPATH": str(REPO)}  # fmt: skip
+        out = subprocess.run(
+            ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
+             sys.executable, "-c", NOT_ROOT_AGENT, str(root), str(BATTERY), json.dumps(spec)],
+            capture_output=True, text=True, env=env, cwd=root, timeout=60,
+        )  # fmt: skip
+        assert "LINE bwrap sandbox, the agent's uid, sandboxed" in out.stdout, out
+        assert "NO limits" in out.stdout  # nobody may not make cgroups here: it says so
+        lines = battery_lines(out.stdout)
+        # what it wrote above its work dir went to the sandbox's own directories, not the host's
+        assert not (root / "pwned").exists()
+        escaped = [ln for ln in lines if ln.startswith("ESCAPED") and "write" not in ln]
+        assert not escaped, out.stdout
+        assert "EXIT 0" in out.stdout, out
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_cgroup_v2_files_written_for_a_run(tmp_path: Path) -> None:
+    """On a cgroup v2 host (a fake tree of plain files here: this machine is v1/hybrid): the
+    site's group gets its controllers, a run's group its limits, and the OOM counter is read
+    from memory.events."""
+    from sites.cgroups import Cgroups, Limits
+
+    (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    agent = tmp_path / "system.slice" / "agent.service"
+    agent.mkdir(parents=True)
+    (agent / "cgroup.procs").write_text("")
+    (agent / "cgroup.subtree_control").write_text("")
+    proc = tmp_path / "proc-cgroup"
+    proc.write_text("0::/system.slice/agent.service\n")
+    cgroups = Cgroups.detect("east", root=tmp_path, proc_cgroup=proc)
+    assert cgroups.version == 2 and cgroups.parents == {"": agent}
+    cgroups.check()
+    assert (agent / "cgroup.subtree_control").read_text() == "+memory +cpu +pids"
+    group = cgroups.create("job-1.2", Limits(cpu=2, mem_bytes=1 << 30, pids_max=64))
+    d = agent / "cpn-east" / "job-1.2"
+    assert group.dirs == {"": d}
+    assert (d / "memory.max").read_text() == str(1 << 30)
+    assert (d / "memory.swap.max").read_text() == "0"
+    assert (d / "cpu.max").read_text() == "200000 100000"
+    assert (d / "pids.max").read_text() == "64"
+    assert group.procs_files == [str(d / "cgroup.procs")]
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert group.oom_kills() == 1
+    assert [g.dirs for g in cgroups.leftovers()] == [{"": d}]
+    (tmp_path / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(Exception, match="memory, pids"):
+        Cgroups.detect("east", root=tmp_path, proc_cgroup=proc)
