@@ -1,16 +1,20 @@
 """The Slurm executor: a site's jobs run on its own Slurm cluster (long form: docs/slurm.md).
 
 ``start`` writes a batch script (the job's environment, then ``exec`` of its command) and submits
-it with ``sbatch``: one task on one node, ``--cpus-per-task``, ``--mem``, GPUs as
-``--gres=gpu:<type>:<n>`` (the catalog model's GRES type), ``--time`` from the job's duration
-estimate times a margin, the tenant's account and QOS (``executor.slurm.accounts``), the
-partition, ``--no-requeue`` (cpn decides about retries), output appended to the attempt's log.
-The job name is ``cpn-<job>`` and the comment ``cpn:<site>:<job>:<attempt>:<fence>``: that is
-how a restarted agent finds its jobs again (``reap`` / ``adopt``) and never submits an attempt
-twice. ``wait`` follows the job through one ``squeue`` per poll for all the site's jobs, then
-takes its end from ``scontrol`` / ``sacct`` and maps the Slurm state to an exit and a reason
-(``slurm_exit``). ``stop`` is ``scancel`` (SIGTERM, SIGKILL after the cluster's KillWait).
+it with ``sbatch`` as the tenant's own Unix user (``--uid``/``--gid``, named in
+``executor.confinement.accounts.tenants``), never with the agent's identity or environment
+(``--export=NONE``; the script exports an allow-list): one task on one node,
+``--cpus-per-task``, ``--mem``, GPUs as ``--gres=gpu:<type>:<n>`` (the catalog model's GRES
+type), ``--time`` from the job's duration estimate times a margin, the tenant's account and QOS
+(``executor.slurm.accounts``), the partition, ``--no-requeue`` (cpn decides about retries),
+output appended to the attempt's log. The job name is ``cpn-<job>`` and the comment
+``cpn:<site>:<job>:<attempt>:<fence>``: that is how a restarted agent finds its jobs again
+(``reap`` / ``adopt``) and never submits an attempt twice. ``wait`` follows the job through one
+``squeue`` per poll for all the site's jobs, then takes its end from ``scontrol`` / ``sacct`` and
+maps the Slurm state to an exit and a reason (``slurm_exit``). ``stop`` is ``scancel`` (SIGTERM,
+SIGKILL after the cluster's KillWait).
 
+Slurm confines the job itself (its TaskPlugin: task/cgroup on the test harness's cluster).
 Unlike a local process, a Slurm job outlives the agent: a crashed agent's successor adopts the
 runs that are still the current attempt of an assignment, and cancels the others.
 """
@@ -25,10 +29,12 @@ import pwd
 import re
 import shlex
 import shutil
+import stat
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sites.accounts import Account, check_named
 from sites.assignments import Assignment
 from sites.catalog import DeviceCatalog, split_model
 from sites.clock import Clock
@@ -62,6 +68,8 @@ DEFAULT_CONF = "/etc/slurm/slurm.conf"  # where the client commands look without
 VANISHED_POLLS = 5  # polls a job may be unknown to both squeue and sacct before it is lost
 STOP_POLL_S = 0.2
 STOP_WAIT_S = 60.0  # beyond the grace: Slurm's KillWait, and a node slow to clean up
+SQUEUE_FORMAT = "%i|%T|%r|%u|%k"  # id, state, reason, user, comment (last: it may hold a |)
+ACCOUNTS_FIELD = "executor.confinement.accounts"
 
 # Slurm job states (squeue %T / sacct State) that are over; every other one is still live
 TERMINAL = frozenset(
@@ -98,6 +106,7 @@ class SlurmJob:
     state: str  # JOB_STATE, e.g. RUNNING; sacct's "CANCELLED by 0" is split into `by`
     reason: str = ""
     comment: str = ""
+    user: str = ""  # who it runs as (squeue %u)
     exit_code: str = ""  # "code:signal", from scontrol / sacct
     by: str = ""  # the uid that cancelled it (sacct)
 
@@ -143,8 +152,15 @@ class SlurmCommands:
             env["SLURM_CONF"] = self.conf
         return env
 
-    async def run(self, name: str, *args: str, env: Mapping[str, str] | None = None) -> Completed:
-        """Run one command; SlurmError when it cannot be run or takes too long (not on rc)."""
+    async def run(
+        self,
+        name: str,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> Completed:
+        """Run one command (in ``env`` plus SLURM_CONF, default os.environ); SlurmError when it
+        cannot be run or takes too long (not on rc)."""
         program = self.path(name)
         if program is None:
             raise SlurmError(f"{name} not found" + (f" in {self.bin_dir}" if self.bin_dir else ""))
@@ -156,6 +172,7 @@ class SlurmCommands:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=self.env(env),
+                cwd=cwd,
             )
         except OSError as exc:
             raise SlurmError(f"cannot run {name}: {exc.strerror or exc}") from exc
@@ -189,6 +206,75 @@ def time_limit_min(assignment: Assignment, settings: SlurmSettings) -> int | Non
     return max(settings.min_time_limit_min, minutes)
 
 
+def run_as(tenant: str, *, site: str, named: Mapping[str, Account], root: bool) -> Account:
+    """The Unix user ``tenant``'s jobs are submitted as (pure); ExecutorError when there is none.
+
+    Slurm runs a job as a user its nodes know (a passwd entry), so only the named accounts of
+    ``executor.confinement.accounts.tenants`` serve (a uid from ``uid_range`` has no entry), and
+    only root may submit for another user (sbatch ``--uid``).
+    """
+    if not root:
+        raise ExecutorError(
+            f"refusing jobs at Slurm site {site}: the agent is not root, and only root may "
+            "submit a job as a tenant's own user (sbatch --uid)"
+        )
+    account = named.get(tenant)
+    if account is None:
+        raise ExecutorError(
+            f"tenant {tenant!r} has no Unix user at Slurm site {site}: name one in "
+            f"{ACCOUNTS_FIELD}.tenants (a uid_range gives no user that Slurm's nodes know)"
+        )
+    return account
+
+
+def job_base_env(user: Account, *, cwd: Path, path: str) -> dict[str, str]:
+    """The allow-list a job's environment starts from (its own env and cpn's variables follow):
+    nothing of the agent's."""
+    return {
+        "PATH": path,
+        "LANG": "C.UTF-8",
+        "HOME": str(cwd),
+        "USER": user.name,
+        "LOGNAME": user.name,
+    }
+
+
+def job_files(cwd: Path, log_path: Path, user: Account) -> None:
+    """The job dir (the agent's, 0711: passable, not listable), its work dir ``cwd`` (the user's,
+    0700) and the attempt's log (the user's, 0600: Slurm writes it as the user, the agent reads
+    it as root). The user cannot replace either: the job dir is not theirs."""
+    jdir = cwd.parent
+    jdir.mkdir(parents=True, exist_ok=True)
+    os.chmod(jdir, 0o711)
+    cwd.mkdir(exist_ok=True)
+    os.chown(cwd, user.uid, user.gid)
+    os.chmod(cwd, 0o700)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchown(fd, user.uid, user.gid)
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def unreachable_dir(path: Path, user: Account) -> Path | None:
+    """The first directory on the way to ``path`` (itself included) that ``user`` may not pass,
+    by its mode bits (ACLs are not read); None when the user reaches it."""
+    groups = set(os.getgrouplist(user.name, user.gid))
+    for directory in (*reversed(path.parents), path):
+        st = directory.stat()
+        if st.st_uid == user.uid:
+            bit = stat.S_IXUSR
+        elif st.st_gid in groups:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not st.st_mode & bit:
+            return directory
+    return None
+
+
 def sbatch_args(
     assignment: Assignment,
     *,
@@ -197,8 +283,14 @@ def sbatch_args(
     partition: str | None,
     log_path: Path,
     cwd: Path,
+    user: Account,
 ) -> list[str]:
-    """sbatch's options for ``assignment`` (pure); ExecutorError for a tenant with no account."""
+    """sbatch's options for ``assignment`` run as ``user`` (pure); ExecutorError for a tenant
+    with no Slurm account.
+
+    ``--export=NONE``: nothing of sbatch's environment reaches the job but SLURM_* (and sbatch
+    runs with PATH and SLURM_CONF only); the batch script exports the job's variables.
+    """
     a = assignment
     account = settings.account_for(a.tenant)
     if account is None:
@@ -218,6 +310,9 @@ def sbatch_args(
         f"--cpus-per-task={max(1, a.cpu)}",
         "--no-requeue",
         f"--account={account.account}",
+        f"--uid={user.name}",
+        f"--gid={user.gid}",
+        "--export=NONE",
     ]
     if account.qos:
         args.append(f"--qos={account.qos}")
@@ -248,13 +343,17 @@ def gres(model: str, count: int, settings: SlurmSettings) -> str:
     return f"--gres=gpu:{settings.gres_type(model)}:{count}"
 
 
-def batch_script(assignment: Assignment, *, site: str) -> str:
-    """The script sbatch runs: cpn's variables and the job's env, then exec of the command.
+def batch_script(
+    assignment: Assignment, *, site: str, base: Mapping[str, str] | None = None
+) -> str:
+    """The script sbatch runs: ``base`` (``job_base_env``), the job's env and cpn's variables,
+    then exec of the command.
 
-    The agent's own environment reaches the job through sbatch (``--export=ALL``, Slurm's
-    default). Slurm picks the GPUs, so CPN_DEVICES names Slurm's indices, read at run time.
+    Nothing else of the agent's reaches the job (sbatch ``--export=NONE``); SLURM_EXPORT_ENV=ALL
+    lets the job's own srun steps inherit this environment (NONE would reach them too). Slurm
+    picks the GPUs, so CPN_DEVICES names Slurm's indices, read at run time.
     """
-    env = job_env(assignment, (), site=site, vendor=None, base={})
+    env = job_env(assignment, (), site=site, vendor=None, base=base or {})
     env.pop("CUDA_VISIBLE_DEVICES", None)  # Slurm sets it for the GPUs it gives the job
     env.pop("CPN_DEVICES", None)
     lines = [
@@ -263,6 +362,7 @@ def batch_script(assignment: Assignment, *, site: str) -> str:
         " (written by the cpn agent, sites/slurm.py)",
     ]
     lines += [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items())]
+    lines.append("export SLURM_EXPORT_ENV=ALL")
     if assignment.gpus and assignment.model:
         model = shlex.quote(assignment.model)
         lines.append(f'export CPN_DEVICES={model}:"${{SLURM_JOB_GPUS:-$CUDA_VISIBLE_DEVICES}}"')
@@ -336,12 +436,13 @@ def _mem_gb(value: str) -> float:
 
 
 def _squeue_lines(text: str) -> dict[str, SlurmJob]:
+    """squeue's lines in SQUEUE_FORMAT, by job id."""
     jobs = {}
     for line in text.splitlines():
-        parts = line.split("|", 3)
-        if len(parts) == 4:
+        parts = line.split("|", 4)
+        if len(parts) == 5:
             jobs[parts[0]] = SlurmJob(
-                id=parts[0], state=parts[1], reason=parts[2], comment=parts[3]
+                id=parts[0], state=parts[1], reason=parts[2], user=parts[3], comment=parts[4]
             )
     return jobs
 
@@ -383,17 +484,40 @@ class SlurmExecutor:
         self._catalog = catalog
         self._clock = clock
         self._user = pwd.getpwuid(os.getuid()).pw_name
+        self._root = os.geteuid() == 0
+        self._path = spec.executor.confinement.path
+        # tenant -> its named Unix user; ConfigError (naming the entry) when one is unusable
+        self.named: dict[str, Account] = (
+            check_named(
+                spec.executor.confinement.accounts, field=f"site {spec.id}:{ACCOUNTS_FIELD}"
+            )
+            if self._root
+            else {}
+        )
+        self._limits: str | None = None  # how the cluster confines a job, read by check()
         self._watched: set[str] = set()
         self._snapshot: dict[str, SlurmJob] = {}
         self._snapshot_at: float | None = None
         self._poll_lock = asyncio.Lock()
-        self._orphans: dict[RunKey, SlurmJob] = {}  # left by a previous agent, kept to adopt
+        # left by a previous agent, kept to adopt (several when a tenant forged a comment)
+        self._orphans: dict[RunKey, list[SlurmJob]] = {}
 
     # -- the site file against the cluster ------------------------------------------------------
 
     def confinement(self) -> str:
-        """Slurm confines the runs (its cgroup plugin); they run as the tenant's account."""
-        return "slurm: runs as the tenant's Slurm user and account, Slurm's own limits"
+        """How this site's jobs run, in one line (the agent logs and publishes it)."""
+        if not self._root:
+            return (
+                "refusing jobs: the agent is not root, and only root may submit a job as a "
+                "tenant's own user (sbatch --uid)"
+            )
+        if not self.named:
+            return f"refusing jobs: no tenant has a Unix user here ({ACCOUNTS_FIELD}.tenants)"
+        limits = self._limits or "limits as the cluster's TaskPlugin sets"
+        return (
+            f"slurm as the tenants' own users ({len(self.named)} named, sbatch --uid) and Slurm "
+            f"accounts, environment allow-listed (--export=NONE), {limits}"
+        )
 
     async def unreachable(self) -> str | None:
         """Why no Slurm controller answers here (the client commands installed, no cluster
@@ -454,8 +578,59 @@ class SlurmExecutor:
                             f"(it has: {', '.join(sorted(qos)) or 'none'})",
                         )
                     )
+        problems += await self._check_users(source)
         if problems:
             raise ConfigError(problems)
+        self._limits = await self._task_limits()
+
+    async def _check_users(self, source: str) -> list[Problem]:
+        """Each named user must hold an association with its tenant's Slurm account, or sbatch
+        refuses its jobs; tenants with an account and no user are told once, in the log."""
+        unnamed = sorted(set(self.settings.accounts) - set(self.named))
+        if unnamed and self._root:
+            log.warning(
+                "site %s: tenants with a Slurm account but no Unix user (%s.tenants), whose jobs "
+                "are refused: %s", self.site, ACCOUNTS_FIELD, ", ".join(unnamed),
+            )  # fmt: skip
+        if not self.named or self.commands.path("sacctmgr") is None:
+            return []
+        got = await self.commands.run(
+            "sacctmgr", "-n", "-P", "show", "association", "format=User,Account"
+        )
+        if got.returncode != 0:
+            log.warning("site %s: cannot list Slurm associations: %s", self.site, got.error)
+            return []
+        pairs = {
+            (user, account.lower())
+            for user, _, account in (line.partition("|") for line in got.stdout.splitlines())
+        }
+        problems = []
+        for tenant, user in sorted(self.named.items()):
+            mapping = self.settings.account_for(tenant)
+            if mapping is not None and (user.name, mapping.account.lower()) not in pairs:
+                problems.append(
+                    Problem(
+                        source,
+                        f"{ACCOUNTS_FIELD}.tenants.{tenant}",
+                        f"Slurm user {user.name!r} has no association with account "
+                        f"{mapping.account!r} (sacctmgr add user {user.name} "
+                        f"account={mapping.account})",
+                    )
+                )
+        return problems
+
+    async def _task_limits(self) -> str | None:
+        """What limits the cluster puts on a job, from its TaskPlugin (scontrol show config)."""
+        got = await self.commands.run("scontrol", "show", "config")
+        if got.returncode != 0:
+            return None
+        found = re.search(r"^TaskPlugin\s*=\s*(\S+)", got.stdout, re.MULTILINE)
+        if found is None:
+            return None
+        plugin = found.group(1)
+        if "task/cgroup" in plugin:
+            return f"limits by Slurm's {plugin} (CPUs, memory, devices)"
+        return f"no limits on the nodes (TaskPlugin={plugin})"
 
     async def _names(self, entity: str, column: str) -> set[str] | None:
         """Names sacctmgr lists (lower case); None when accounting cannot be asked."""
@@ -473,6 +648,7 @@ class SlurmExecutor:
         del devices  # Slurm picks the GPUs; the agent's indices only count them
         a = assignment
         check_job_id(a.job)
+        user = run_as(a.tenant, site=self.site, named=self.named, root=self._root)
         jdir = job_dir(self.work_dir, a.job)
         cwd = jdir / "work"
         args = sbatch_args(
@@ -482,20 +658,33 @@ class SlurmExecutor:
             partition=self.partition,
             log_path=log_path,
             cwd=cwd,
+            user=user,
         )
-        existing = await self._find(comment_of(self.site, a.job, a.attempt, a.fence))
+        existing = await self._find(comment_of(self.site, a.job, a.attempt, a.fence), user.name)
         if existing is not None:  # submitted already (an agent died right after sbatch)
             log.warning("job %s attempt %d is slurm job %s already", a.job, a.attempt, existing.id)
             return self._handle(a, existing.id, log_path, self._clock.time())
         script = jdir / f"attempt-{a.attempt}.sbatch"
         try:
-            cwd.mkdir(parents=True, exist_ok=True)
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-            script.write_text(batch_script(a, site=self.site))
-            script.chmod(0o755)
+            job_files(cwd, log_path, user)
+            script.write_text(
+                batch_script(a, site=self.site, base=job_base_env(user, cwd=cwd, path=self._path))
+            )
+            script.chmod(0o700)  # sbatch reads it as root and hands Slurm a copy
+            blocked = unreachable_dir(cwd, user)
         except OSError as exc:
-            raise ExecutorError(f"cannot write {script}: {exc.strerror or exc}") from exc
-        got = await self.commands.run("sbatch", *args, str(script))
+            raise ExecutorError(
+                f"cannot make the files of job {a.job} in {jdir}: {exc.strerror or exc}"
+            ) from exc
+        if blocked is not None:
+            raise ExecutorError(
+                f"user {user.name} cannot reach {blocked} (mode {blocked.stat().st_mode & 0o777:o}"
+                "): a Slurm site's work_dir must be passable by its tenants' users"
+            )
+        # sbatch's own environment: PATH and SLURM_CONF, nothing else of the agent's (no
+        # SBATCH_* either); run from the job dir, the job's SLURM_SUBMIT_DIR
+        env = {k: v for k, v in os.environ.items() if k in ("PATH", "SLURM_CONF")}
+        got = await self.commands.run("sbatch", *args, str(script), env=env, cwd=jdir)
         if got.returncode != 0:
             raise ExecutorError(f"sbatch refused job {a.job}: {got.error}")
         slurm_id = got.stdout.strip().split(";")[0]
@@ -575,20 +764,16 @@ class SlurmExecutor:
 
     async def reap(self, grace_s: float, keep: Collection[RunKey] = ()) -> list[RunRecord]:
         """Cancel this site's Slurm jobs a previous agent left, except those in ``keep``."""
-        got = await self.commands.run(
-            "squeue", "-h", "-t", "all", "-u", self._user, "-o", "%i|%T|%r|%k"
-        )
-        if got.returncode != 0:
-            raise SlurmError(f"squeue: {got.error}")
+        listed = await self._list(self._submitters())
         records = self._records()
         stopped = []
-        for job in _squeue_lines(got.stdout).values():
+        for job in listed.values():
             parsed = parse_comment(job.comment)
             if parsed is None or parsed[0] != self.site:
                 continue
             key = parsed[1]
             if key in keep:
-                self._orphans[key] = job
+                self._orphans.setdefault(key, []).append(job)
                 continue
             if not job.live:
                 continue
@@ -621,7 +806,16 @@ class SlurmExecutor:
         a = assignment
         key = (a.job, a.attempt, a.fence)
         record = self._records().get(a.job)
-        job = self._orphans.pop(key, None)
+        user = self.named.get(a.tenant)
+        job = None
+        for found in self._orphans.pop(key, []):
+            if job is None and user is not None and found.user == user.name:
+                job = found
+                continue
+            # not as the tenant's user (submitted before identities, or forged): not followed
+            log.warning("cancelling slurm job %s of job %s: it runs as %s, not as the tenant's "
+                        "user", found.id, a.job, found.user)  # fmt: skip
+            await self.stop(RunHandle(a.job, a.attempt, a.fence, found.id, None, Path(), 0.0), 0)
         slurm_id = job.id if job is not None else None
         if slurm_id is None and record is not None and record.key == key:
             # aged out of squeue: sacct still knows how it ended
@@ -652,7 +846,7 @@ class SlurmExecutor:
             if not fresh and self._watched:
                 ids = ",".join(sorted(self._watched, key=int))
                 got = await self.commands.run(
-                    "squeue", "-h", "-t", "all", "-j", ids, "-o", "%i|%T|%r|%k"
+                    "squeue", "-h", "-t", "all", "-j", ids, "-o", SQUEUE_FORMAT
                 )
                 if got.returncode == 0:
                     self._snapshot = _squeue_lines(got.stdout)
@@ -666,7 +860,7 @@ class SlurmExecutor:
 
     async def _state(self, slurm_id: str) -> SlurmJob | None:
         got = await self.commands.run("squeue", "-h", "-t", "all", "-j", slurm_id, "-o",
-                                      "%i|%T|%r|%k")  # fmt: skip
+                                      SQUEUE_FORMAT)  # fmt: skip
         return _squeue_lines(got.stdout).get(slurm_id) if got.returncode == 0 else None
 
     async def _gone(self, slurm_id: str, timeout_s: float) -> bool:
@@ -714,20 +908,37 @@ class SlurmExecutor:
             job = seen  # squeue said how, nobody says the code
         return job
 
-    async def _find(self, comment: str) -> SlurmJob | None:
+    async def _find(self, comment: str, user: str) -> SlurmJob | None:
+        """The job of ``user`` with this very comment (one a tenant forged under its own user
+        only ever stands in for its own job)."""
+        for job in (await self._list([user])).values():
+            if job.comment == comment and job.user == user:
+                return job
+        return None
+
+    async def _list(self, users: Sequence[str]) -> dict[str, SlurmJob]:
         got = await self.commands.run(
-            "squeue", "-h", "-t", "all", "-u", self._user, "-o", "%i|%T|%r|%k"
+            "squeue", "-h", "-t", "all", "-u", ",".join(users), "-o", SQUEUE_FORMAT
         )
         if got.returncode != 0:
             raise SlurmError(f"squeue: {got.error}")
-        for job in _squeue_lines(got.stdout).values():
-            if job.comment == comment:
-                return job
-        return None
+        return _squeue_lines(got.stdout)
+
+    def _submitters(self) -> list[str]:
+        """Whose jobs may be this site's: the tenants' users, and the agent's (earlier jobs)."""
+        return sorted({self._user, *(account.name for account in self.named.values())})
 
     # -- run records ------------------------------------------------------------------------
 
     def _handle(self, a: Assignment, slurm_id: str, log_path: Path, started: float) -> RunHandle:
+        user = self.named.get(a.tenant)
+        account = self.settings.account_for(a.tenant)
+        how = (
+            f"slurm job as {user.name} (uid {user.uid})"
+            + (f", account {account.account}" if account is not None else "")
+            if user is not None
+            else ""
+        )
         return RunHandle(
             job=a.job,
             attempt=a.attempt,
@@ -736,6 +947,7 @@ class SlurmExecutor:
             pid=None,
             log_path=log_path,
             started_at=started,
+            confinement=how,
         )
 
     def _record(self, handle: RunHandle) -> None:

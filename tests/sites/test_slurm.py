@@ -2,16 +2,20 @@
 real slurmctld, slurmd, slurmdbd and MariaDB, real etcd, real agent and broker processes.
 
 The node's GPUs are placeholders (GRES on empty files, sites/slurm_cluster.py): the fake is the
-GPU, never Slurm.
+GPU, never Slurm. The tenants' Unix users are real users of this host (the node), made for the
+module and removed after it (``tenant_users``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import pwd
 import shutil
 import subprocess
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +23,16 @@ import pytest
 import yaml
 
 from sites import keys
+from sites.accounts import Account
 from sites.assignments import Assignment, RunState
 from sites.collectors.slurm import capacity, parse_nodes
-from sites.executor import RunExit
+from sites.executor import ExecutorError, RunExit
 from sites.registry import Registry
 from sites.slurm import (
     SlurmJob,
     batch_script,
     job_usage,
+    run_as,
     sbatch_args,
     slurm_exit,
     time_limit_min,
@@ -42,6 +48,11 @@ from tests.sites.test_executor import assign, assignment, get_report, wait_repor
 pytestmark = pytest.mark.timeout(300)
 
 SITE = "hpc"
+# tenant -> (its Unix user at the site, uid): real users of this host, made by `tenant_users`
+# in a high range no other test hands out (uid_range defaults to 400000-499999)
+TENANT_USERS = {"acme": ("cpnsl-acme", 620101), "beta": ("cpnsl-beta", 620102)}
+# each user's Slurm accounts: acme's user may not charge "other" (a site-file check refuses it)
+USER_ACCOUNTS = {"acme": ("acme",), "beta": ("other",)}
 
 
 def slurm_site(cluster: LocalSlurm, work: Path, **executor: Any) -> dict[str, Any]:
@@ -56,6 +67,9 @@ def slurm_site(cluster: LocalSlurm, work: Path, **executor: Any) -> dict[str, An
             "default_account": {"account": "other"},
             "poll_s": 0.2,
             "conf": str(cluster.conf),
+        },
+        "confinement": {
+            "accounts": {"tenants": {tenant: user for tenant, (user, _) in TENANT_USERS.items()}}
         },
     }
     for key, value in executor.items():
@@ -77,9 +91,71 @@ def sacct_of(slurm: LocalSlurm, job: str) -> list[dict[str, str]]:
     return [row for row in sacct(slurm) if row["JobName"] == f"cpn-{job}"]
 
 
+@contextlib.contextmanager
+def unix_users(
+    slurm: LocalSlurm, users: Mapping[str, tuple[str, int]], accounts: Mapping[str, Sequence[str]]
+) -> Iterator[dict[str, str]]:
+    """Unix users of this host (the cluster's node) for the tenants, each associated with its
+    Slurm accounts; their jobs cancelled, associations and users removed on exit."""
+    made = []
+    try:
+        for tenant, (name, uid) in users.items():
+            with contextlib.suppress(KeyError):
+                pwd.getpwnam(name)  # left by an interrupted run: ours by its name
+                subprocess.run(["userdel", name], check=True, capture_output=True)
+            subprocess.run(
+                ["useradd", "--no-create-home", "--user-group", "--uid", str(uid),
+                 "--shell", "/usr/sbin/nologin", name],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            made.append(name)
+            slurm.associate(name, accounts[tenant])
+        yield {tenant: name for tenant, (name, _) in users.items()}
+    finally:
+        for name in made:
+            slurm.run("scancel", "--user", name, check=False)
+        wait_until(lambda: not slurm.run("squeue", "-h", "-u", ",".join(made), check=False)
+                   .stdout.strip(), timeout=30)  # fmt: skip
+        for name in made:
+            slurm.dissociate(name)
+            subprocess.run(["userdel", name], check=False, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def tenant_users(slurm: LocalSlurm) -> Iterator[dict[str, str]]:
+    """tenant -> its Unix user, for the module (TENANT_USERS)."""
+    with unix_users(slurm, TENANT_USERS, USER_ACCOUNTS) as users:
+        yield users
+
+
+@pytest.fixture
+def slurm_tenants(
+    local_slurm: LocalSlurm, tenant_users: dict[str, str]
+) -> Iterator[dict[str, str]]:
+    """The tenants' users, their jobs cancelled after each test (local_slurm cancels root's)."""
+    yield tenant_users
+    for name in tenant_users.values():
+        local_slurm.run("scancel", "--user", name, check=False)
+
+
+@pytest.fixture
+def site_work() -> Iterator[Path]:
+    """The Slurm site's work dir, where the tenants' users can reach it: a test's tmp_path is
+    0700 (pytest's), a site's work dir must be passable (docs/slurm.md)."""
+    path = Path(tempfile.mkdtemp(prefix="cpn-slurm-site-"))
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def slurm_federation(
-    local_slurm: LocalSlurm, registry: Registry, processes: Processes, tmp_path: Path
+    local_slurm: LocalSlurm,
+    registry: Registry,
+    processes: Processes,
+    tmp_path: Path,
+    slurm_tenants: dict[str, str],
+    site_work: Path,
 ) -> Callable[..., Federation]:
     def make(**executor: Any) -> Federation:
         cfg = tmp_path / "configs"
@@ -91,7 +167,7 @@ def slurm_federation(
         (cfg / "tenants.yaml").write_text(yaml.safe_dump({"tenants": {}}))
         settings = {**BROKER_SETTINGS, "scheduling": {**BROKER_SETTINGS["scheduling"]}}
         (cfg / "broker.yaml").write_text(yaml.safe_dump(settings))
-        doc = slurm_site(local_slurm, tmp_path / "work", **executor)
+        doc = slurm_site(local_slurm, site_work, **executor)
         (cfg / "sites" / f"{SITE}.yaml").write_text(yaml.safe_dump(doc))
         joined = run_cpn("site", "join", str(cfg / "sites" / f"{SITE}.yaml"), "--catalog",
                          str(cfg / "devices.yaml"), etcd_url=registry.url)  # fmt: skip
@@ -252,10 +328,15 @@ def test_broker_sees_slurm_capacity_and_a_drained_node_drops_out(
 
 
 async def test_restarted_agent_reattaches_and_submits_nothing_twice(
-    local_slurm: LocalSlurm, registry: Registry, processes: Processes, tmp_path: Path
+    local_slurm: LocalSlurm,
+    registry: Registry,
+    processes: Processes,
+    tmp_path: Path,
+    slurm_tenants: dict[str, str],
+    site_work: Path,
 ) -> None:
     file = tmp_path / f"{SITE}.yaml"
-    file.write_text(yaml.safe_dump(slurm_site(local_slurm, tmp_path / "work")))
+    file.write_text(yaml.safe_dump(slurm_site(local_slurm, site_work)))
     await join(registry, file)
     first = start_slurm_agent(processes, registry, file)
     stay = assignment(SITE, "stay", ["sh", "-c", "sleep 8; echo finished"], tenant="acme")
@@ -271,6 +352,12 @@ async def test_restarted_agent_reattaches_and_submits_nothing_twice(
     await registry.delete_prefix(keys.assignment(SITE, "gone"))
     slurm_id = wait_for_state(local_slurm, "stay", "RUNNING")["JobID"]  # it outlives the agent
     assert local_slurm.run("squeue", "-h", "-j", slurm_id, "-o", "%T").stdout.strip() == "RUNNING"
+    # another tenant's job (beta's user) with stay's comment, as a job of beta's could sbatch
+    forged = local_slurm.run(
+        "sbatch", "--parsable", f"--uid={slurm_tenants['beta']}", "--account=other",
+        f"--comment=cpn:{SITE}:stay:1:{stay.fence}", "--job-name=forged", "--chdir=/tmp",
+        "--output=/dev/null", "--wrap=sleep 60",
+    ).stdout.strip()  # fmt: skip
     second = start_slurm_agent(processes, registry, file)
     report = await wait_report(registry, SITE, "stay", RunState.succeeded, timeout=30)
     assert report.exit_code == 0
@@ -284,13 +371,18 @@ async def test_restarted_agent_reattaches_and_submits_nothing_twice(
     assert wait_for_state(local_slurm, "gone", "CANCELLED")  # withdrawn: cancelled
     gone_report = await get_report(registry, SITE, "gone")
     assert gone_report is not None and gone_report.state is RunState.running  # the broker's call
-    assert "adopted run" in processes.log(f"agent-{SITE}-{second.pid}")
+    agent_log = processes.log(f"agent-{SITE}-{second.pid}")
+    assert "adopted run" in agent_log
+    # the forged one is not followed as stay's: cancelled, as not the tenant's user's
+    assert f"cancelling slurm job {forged} of job stay: it runs as cpnsl-beta" in agent_log
+    state = local_slurm.run("sacct", "-n", "-P", "-X", "-j", forged, "-o", "State").stdout
+    assert state.strip() == "CANCELLED by 0", state
 
 
 async def test_site_file_naming_what_slurm_lacks_is_refused_with_the_field(
-    local_slurm: LocalSlurm, registry: Registry, tmp_path: Path
+    local_slurm: LocalSlurm, registry: Registry, tmp_path: Path, slurm_tenants: dict[str, str]
 ) -> None:
-    cases = [
+    cases: list[tuple[dict[str, Any], str]] = [
         ({"partition": "nope"}, "executor.partition: Slurm has no partition 'nope' (it has: "),
         (
             {"slurm": {"accounts": {"acme": {"account": "ghost"}}}},
@@ -299,6 +391,19 @@ async def test_site_file_naming_what_slurm_lacks_is_refused_with_the_field(
         (
             {"slurm": {"accounts": {"acme": {"account": "acme", "qos": "gold"}}}},
             "executor.slurm.accounts.acme.qos: Slurm has no QOS 'gold'",
+        ),
+        (  # acme's user may charge acme only
+            {"slurm": {"accounts": {"acme": {"account": "other"}}}},
+            "executor.confinement.accounts.tenants.acme: Slurm user 'cpnsl-acme' has no "
+            "association with account 'other'",
+        ),
+        (
+            {"confinement": {"accounts": {"tenants": {"acme": "cpnsl-ghost"}}}},
+            "executor.confinement.accounts.tenants.acme: no account 'cpnsl-ghost' on this host",
+        ),
+        (
+            {"confinement": {"accounts": {"tenants": {"acme": "root"}}}},
+            "executor.confinement.accounts.tenants.acme: 'root' is root or the agent's account",
         ),
     ]
     for executor, message in cases:
@@ -370,31 +475,54 @@ def test_sbatch_options_follow_the_assignment_and_the_site_file(tmp_path: Path) 
         job="j", site="s", tenant="acme", attempt=2, fence=9, command=("run",), model="H100",
         gpus=4, cpu=16, mem_gb=64, duration_s=3600, assigned_at=0,
     )  # fmt: skip
+    user = Account(uid=620900, gid=620950, name="acme-user")
     args = sbatch_args(a, site="s", settings=settings, partition="gpu", log_path=tmp_path / "l",
-                       cwd=tmp_path)  # fmt: skip
+                       cwd=tmp_path, user=user)  # fmt: skip
     expected = (
         "--job-name=cpn-j", "--comment=cpn:s:j:2:9", "--account=a1", "--qos=high",
         "--partition=gpu", "--gres=gpu:hopper:4", "--cpus-per-task=16", "--mem=65536M",
         "--time=90", "--nodes=1", "--ntasks=1", "--no-requeue",
+        "--uid=acme-user", "--gid=620950", "--export=NONE",
     )  # fmt: skip
     for option in expected:
         assert option in args
     assert time_limit_min(a.model_copy(update={"duration_s": 60}), settings) == 10  # the floor
     with pytest.raises(Exception, match="tenant 'beta' has no Slurm account at site s"):
         sbatch_args(a.model_copy(update={"tenant": "beta"}), site="s", settings=settings,
-                    partition=None, log_path=tmp_path, cwd=tmp_path)  # fmt: skip
+                    partition=None, log_path=tmp_path, cwd=tmp_path, user=user)  # fmt: skip
     # slices: a MIG instance by its <model>_<profile> type, a time slice as a Slurm shard
     mig = a.model_copy(update={"model": "A100-80GB/3g.40gb", "gpus": 1})
     assert "--gres=gpu:a100-80gb_3g.40gb:1" in sbatch_args(
-        mig, site="s", settings=settings, partition=None, log_path=tmp_path, cwd=tmp_path
-    )
+        mig, site="s", settings=settings, partition=None, log_path=tmp_path, cwd=tmp_path,
+        user=user,
+    )  # fmt: skip
     shared = a.model_copy(update={"model": "H100/ts4", "gpus": 1})
     assert "--gres=shard:1" in sbatch_args(
-        shared, site="s", settings=settings, partition=None, log_path=tmp_path, cwd=tmp_path
-    )
-    script = batch_script(a.model_copy(update={"env": {"X": "a b"}}), site="s")
+        shared, site="s", settings=settings, partition=None, log_path=tmp_path, cwd=tmp_path,
+        user=user,
+    )  # fmt: skip
+    script = batch_script(
+        a.model_copy(update={"env": {"X": "a b", "PATH": "/opt/x/bin"}}), site="s",
+        base={"PATH": "/usr/bin:/bin", "HOME": "/w", "USER": "acme-user"},
+    )  # fmt: skip
     assert "export X='a b'" in script and "export CPN_JOB_ID=j" in script
+    assert "export HOME=/w" in script and "export USER=acme-user" in script
+    assert "export PATH=/opt/x/bin" in script  # the job's own env wins over the allow-list
+    assert "export SLURM_EXPORT_ENV=ALL" in script  # its srun steps inherit what it has
     assert script.rstrip().endswith("exec run")
+
+
+def test_a_tenant_runs_only_as_its_named_user_and_only_a_root_agent_submits_for_it() -> None:
+    named = {"acme": Account(uid=620900, gid=620900, name="acme-user")}
+    assert run_as("acme", site="s", named=named, root=True) == named["acme"]
+    with pytest.raises(ExecutorError) as err:
+        run_as("beta", site="s", named=named, root=True)
+    assert str(err.value) == (
+        "tenant 'beta' has no Unix user at Slurm site s: name one in "
+        "executor.confinement.accounts.tenants (a uid_range gives no user that Slurm's nodes know)"
+    )
+    with pytest.raises(ExecutorError, match="the agent is not root, and only root may submit"):
+        run_as("acme", site="s", named=named, root=False)
 
 
 def test_usage_is_the_allocation_times_the_elapsed_time() -> None:
