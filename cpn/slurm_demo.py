@@ -8,10 +8,14 @@ run; on exit it stops the daemons. A job file to watch it with is written beside
 
 from __future__ import annotations
 
+import grp
 import os
+import pwd
 import shutil
+import subprocess
+import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,8 +32,14 @@ REGION = "slurm-lab"
 ACCOUNT = "cpn"
 
 
-def site_doc(cluster: LocalSlurm, work_dir: Path) -> dict[str, Any]:
-    """The demo site's file: its capacity comes from Slurm; the inventory is what it declares."""
+FIRST_UID = 390_001  # the demo's tenant users: outside the default uid_range of local sites
+
+
+def site_doc(
+    cluster: LocalSlurm, work_dir: Path, users: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The demo site's file: its capacity comes from Slurm; the inventory is what it declares;
+    each tenant's jobs run as its user (``users``: tenant -> Unix user)."""
     return {
         "id": SITE,
         "region": REGION,
@@ -60,8 +70,65 @@ def site_doc(cluster: LocalSlurm, work_dir: Path) -> dict[str, Any]:
                 "poll_s": 1.0,
                 "conf": str(cluster.conf),
             },
+            "confinement": {"accounts": {"tenants": dict(users or {})}},
         },
     }
+
+
+@contextmanager
+def tenant_users(cluster: LocalSlurm, tenants: list[str]) -> Iterator[dict[str, str]]:
+    """A Unix user per demo tenant (``cpnlab-<tenant>``, no home, no shell), associated with
+    the demo's Slurm account, for the run of the demo; removed afterwards (docs/slurm.md)."""
+    made: list[str] = []
+    users: dict[str, str] = {}
+    try:
+        uid = FIRST_UID
+        for tenant in tenants:
+            name = f"cpnlab-{tenant}"[:32]
+            try:
+                pwd.getpwnam(name)  # left by an interrupted demo: ours by its name
+                subprocess.run(["userdel", name], check=True, capture_output=True)
+            except KeyError:
+                pass
+            while _taken(uid):
+                uid += 1
+            made_user = subprocess.run(
+                ["useradd", "--no-create-home", "--user-group", "--uid", str(uid),
+                 "--shell", "/usr/sbin/nologin", name],
+                check=False, capture_output=True, text=True,
+            )  # fmt: skip
+            if made_user.returncode != 0:
+                why = made_user.stderr.strip() or f"exit {made_user.returncode}"
+                raise ConfigError([Problem("--slurm", "", f"cannot add user {name}: {why}")])
+            uid += 1
+            made.append(name)
+            cluster.associate(name)
+            users[tenant] = name
+        yield users
+    finally:
+        for name in made:
+            cluster.run("scancel", "--user", name, check=False)
+            cluster.dissociate(name)
+            subprocess.run(["userdel", name], check=False, capture_output=True)
+
+
+def _taken(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        try:
+            grp.getgrgid(uid)
+        except KeyError:
+            return False
+    return True
+
+
+def demo_tenants(config_dir: Path) -> list[str]:
+    """The tenants of the demo's tenancy file, ai-lab (the example job's) first."""
+    path = config_dir / "tenants.yaml"
+    doc = yaml.safe_load(path.read_text()) if path.exists() else {}
+    names = sorted((doc or {}).get("tenants") or {})
+    return ["ai-lab", *(n for n in names if n != "ai-lab")]
 
 
 JOB = {
@@ -89,15 +156,20 @@ def slurm_demo(config_dir: Path, run_dir: Path) -> Iterator[Path]:
         raise ConfigError([Problem("--slurm", "", "a local slurmd must run as root")])
     run_dir.mkdir(parents=True, exist_ok=True)
     cluster = LocalSlurm(root=run_dir / "slurm", cluster="cpnlab", accounts=(ACCOUNT,))
+    stack = ExitStack()
     try:
         cluster.start()
     except SlurmStartError as exc:
         raise ConfigError([Problem("--slurm", "", str(exc).splitlines()[0])]) from exc
+    # the jobs' dir: their users must pass through its parents (the state dir may be 0700)
+    work = Path(tempfile.mkdtemp(prefix="cpn-slurm-lab-", dir="/var/tmp"))
+    work.chmod(0o711)
     try:
+        users = stack.enter_context(tenant_users(cluster, demo_tenants(config_dir)))
         cfg = run_dir / "configs"
         shutil.rmtree(cfg, ignore_errors=True)
         shutil.copytree(config_dir, cfg)
-        doc = site_doc(cluster, run_dir / "work")
+        doc = site_doc(cluster, work, users)
         (cfg / "sites" / f"{SITE}.yaml").write_text(
             "# cpn up --slurm: a site on the local Slurm (docs/slurm.md)\n"
             + yaml.safe_dump(doc, sort_keys=False)
@@ -111,7 +183,9 @@ def slurm_demo(config_dir: Path, run_dir: Path) -> Iterator[Path]:
         )
         yield cfg
     finally:
+        stack.close()
         cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def run_with_slurm(settings: LaunchSettings) -> int:
