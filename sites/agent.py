@@ -196,18 +196,19 @@ class Agent:
                 await self.read_slurm()
         if self.spec.perception.mode == "host":
             self._nvml = NvmlCollector(catalog=self.catalog)
-        # how tenants' runs are confined here, in one line (a site that cannot confine says so)
-        self.confinement = await asyncio.to_thread(self.executor.confinement)
-        log.log(
-            logging.WARNING if self.confinement.startswith("refusing") else logging.INFO,
-            "site %s: confinement: %s", self.spec.id, self.confinement,
-        )  # fmt: skip
         await self._serve()
         try:
             await self._acquire()
         except BaseException:
             await self._close_http()
             raise
+        # how tenants' runs are confined here, in one line (a site that cannot confine says
+        # so), once the site is ours
+        self.confinement = await asyncio.to_thread(self.executor.confinement)
+        log.log(
+            logging.WARNING if self.confinement.startswith("refusing") else logging.INFO,
+            "site %s: confinement: %s", self.spec.id, self.confinement,
+        )  # fmt: skip
         # only now, holding the site's lock: the workload kills what a dead predecessor left
         self.workload = Workload(
             registry=self.registry,

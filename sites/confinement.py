@@ -250,6 +250,7 @@ class Confiner:
                 uid=account.uid if self.root else None,
                 gid=account.gid if self.root else None,
                 ro_paths=(*code_roots(), *self.settings.ro_paths),
+                rw_paths=self.settings.rw_paths,
                 hide=self.hide,
                 devices=nodes,
                 network=network.value,

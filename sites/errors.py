@@ -23,6 +23,13 @@
     │                                   the file and line (sites.latency)
     ├── ExecutorError                   a run could not be started (sites.executor)
     │   └── SlurmError                  a Slurm client command failed (sites.slurm)
+    ├── AccountError                    a tenant has no account at this site (sites.accounts)
+    ├── Refused                         the site refuses runs: no sandbox can be made here
+    │                                   (sites.confinement)
+    ├── CgroupError                     a run's cgroup could not be made or limited
+    │                                   (sites.cgroups)
+    ├── EgressError                     a run's user-mode network could not be set up
+    │                                   (sites.netns)
     ├── UnknownJob (LookupError)        a job with no run at this site (sites.workload)
     ├── DoesNotFit                      an assignment asks for more than the site has free
     │                                   (sites.workload)

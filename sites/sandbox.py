@@ -46,6 +46,7 @@ class SandboxPlan:
     uid: int | None  # root agents: the account the run becomes; None: the agent's own uid
     gid: int | None
     ro_paths: tuple[str, ...] = ()
+    rw_paths: tuple[str, ...] = ()
     hide: tuple[str, ...] = ()
     devices: tuple[tuple[str, str], ...] = ()  # (host node, path in the sandbox)
     network: str = "full"  # full | egress | none
@@ -84,16 +85,22 @@ def _under(path: str, roots: Iterable[str]) -> bool:
     return any(path == r or path.startswith(r.rstrip("/") + "/") for r in roots)
 
 
-def _parents(path: str, made: set[str]) -> list[str]:
+def _parents(
+    path: str, made: set[str], bound: Sequence[str] = (), masked: Sequence[str] = ()
+) -> list[str]:
     """Its ancestors as directories anyone may pass through (bubblewrap running as root would
-    make them 0700, and the run's account could not reach what is mounted below)."""
+    make them 0700, and the run's account could not reach what is mounted below). Those inside
+    a bound host tree are there already (read-only), except below a hidden one's empty dir."""
     args: list[str] = []
     parts = Path(path).parts[1:-1]
     for i in range(len(parts)):
         parent = "/" + "/".join(parts[: i + 1])
-        if parent not in made and not _under(parent, SYSTEM):
-            made.add(parent)
-            args += ["--perms", "0755", "--dir", parent]
+        if parent in made or _under(parent, SYSTEM):
+            continue
+        if _under(parent, bound) and not any(parent.startswith(m + "/") for m in masked):
+            continue
+        made.add(parent)
+        args += ["--perms", "0755", "--dir", parent]
     return args
 
 
@@ -118,19 +125,28 @@ def bwrap_argv(bwrap: str, plan: SandboxPlan, command: Sequence[str]) -> list[st
     for path in (*RUNTIME_FILES, *plan.ro_paths):
         real = os.path.realpath(path)
         if not _under(real, bound) and os.path.exists(real):
-            argv += _parents(real, made)
+            argv += _parents(real, made, bound)
             argv += ["--ro-bind", real, real]
             bound.append(real)
-    # the agent's secrets under a bound directory: an empty dir or /dev/null over each
+    for path in plan.rw_paths:  # shared scratch: the file system's permissions decide
+        real = os.path.realpath(path)
+        if os.path.isdir(real) and not _under(real, bound):
+            argv += _parents(real, made, bound)
+            argv += ["--bind", real, real]
+            bound.append(real)
+    # the agent's secrets under a bound directory: an empty dir or /dev/null over each (after
+    # every bind, so nothing an operator opens up uncovers one)
+    masked: list[str] = []
     for path in sorted({os.path.realpath(p) for p in plan.hide}):
         if not _under(path, bound) or not os.path.exists(path):
             continue
         if os.path.isdir(path):
             argv += ["--tmpfs", path]
+            masked.append(path)
         else:
             argv += ["--ro-bind", "/dev/null", path]
     work = str(plan.work)
-    argv += _parents(work, made)
+    argv += _parents(work, made, bound, masked)
     argv += ["--bind", work, work]
     for src, dst in plan.devices:
         argv += ["--dev-bind", src, dst]

@@ -287,6 +287,11 @@ class Confinement(Frozen):
         default=(),
         description="host paths a run may read besides the system's (/usr, /etc, /opt, ...)",
     )
+    rw_paths: tuple[Annotated[str, Field(pattern=PATH_RE)], ...] = Field(
+        default=(),
+        description="host directories a run may also write (a shared scratch file system); "
+        "their own permissions decide what each tenant's account may do there",
+    )
     hide: tuple[Annotated[str, Field(pattern=PATH_RE)], ...] = Field(
         default=(), description="more host paths no run may see (the agent's own are hidden)"
     )

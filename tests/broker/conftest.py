@@ -89,7 +89,19 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
         doc["oversubscription"] = spec["oversubscription"]
     if "topology" in spec:
         doc["topology"] = spec["topology"]
+    if "shared" in spec:  # a scratch dir every site's runs may write (a shared file system)
+        doc["executor"] = {"confinement": {"rw_paths": [str(spec["shared"])]}}
     return doc
+
+
+def shared_dir(tmp_path: Path) -> Path:
+    """The test's scratch dir that jobs at every site may write (executor.confinement.rw_paths):
+    what a job leaves for the test to read (markers across attempts and sites). Sticky and
+    world-writable like /tmp: each tenant's account writes its own files."""
+    path = tmp_path / "shared"
+    path.mkdir(exist_ok=True)
+    path.chmod(0o1777)
+    return path
 
 
 @dataclass
@@ -202,9 +214,10 @@ def make_federation(
         (cfg / "tenants.yaml").write_text(yaml.safe_dump({"tenants": {"small": {"gpus": 4}}}))
         (cfg / "broker.yaml").write_text(yaml.safe_dump(BROKER_SETTINGS))
         chosen = sites or SITES
+        shared = shared_dir(tmp_path)
         for site_id, spec in chosen.items():
             (cfg / "sites" / f"{site_id}.yaml").write_text(
-                yaml.safe_dump(federation_site(site_id, spec))
+                yaml.safe_dump(federation_site(site_id, {"shared": shared, **spec}))
             )
         result = run_cpn(
             "site",

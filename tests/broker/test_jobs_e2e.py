@@ -151,7 +151,7 @@ async def test_killed_site_job_moves_and_finishes_once(
     make_federation: Callable[..., Federation], tmp_path: Any, registry: Registry
 ) -> None:
     fed = make_federation()
-    marker = tmp_path / "runs.log"
+    marker = tmp_path / "shared" / "runs.log"
     # the job appends one line when it starts and one when it completes
     command = (
         f"echo start $CPN_SITE $CPN_ATTEMPT >> {marker}; sleep 4; echo done $CPN_SITE >> {marker}"

@@ -62,7 +62,7 @@ def test_workflows_run_in_order_hold_fail_cancel_and_retry(
     make_federation: Callable[..., Federation], tmp_path: Path
 ) -> None:
     fed = make_federation(SITES)
-    mark = tmp_path / "flaky-ran-once"
+    mark = tmp_path / "shared" / "flaky-ran-once"
     pipeline = submit(
         fed, "pipeline",
         # cpu only, in north; leaves 2,000 GB there (100 USD to move south)

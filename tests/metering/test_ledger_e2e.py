@@ -68,7 +68,7 @@ async def test_segments_add_up_through_retry_failover_and_migration(
     make_federation: Callable[..., Federation], registry: Registry, tmp_path: Path
 ) -> None:
     fed = make_federation(SITES)
-    retry_log, long_log, move_log = (tmp_path / n for n in ("retry", "long", "move"))
+    retry_log, long_log, move_log = (tmp_path / "shared" / n for n in ("retry", "long", "move"))
     # fails its first run after 1 s, succeeds on the second
     flaky = fed.submit(
         name="flaky",

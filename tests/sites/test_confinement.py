@@ -354,6 +354,7 @@ BAD = {
     "accounts": ({"uid_range": [10, 20]}, "executor.confinement.accounts.uid_range"),
     "ro_paths": (["relative/path"], "executor.confinement.ro_paths[0]"),
     "hide": (["no-slash"], "executor.confinement.hide[0]"),
+    "rw_paths": (["scratch"], "executor.confinement.rw_paths[0]"),
     "path": ("", "executor.confinement.path"),
     "pids_max": (1, "executor.confinement.pids_max"),
     "min_mem_gb": (0, "executor.confinement.min_mem_gb"),
