@@ -62,6 +62,9 @@ def config_dir(tmp: Path, confinement: dict[str, Any]) -> Path:
         if entry.name != "sites":
             (out / entry.name).symlink_to(entry)
     (out / "sites").mkdir()
+    for site in (ROOT / "configs" / "sites").iterdir():  # the others are named elsewhere
+        (out / "sites" / site.name).symlink_to(site)
+    (out / "sites" / f"{SITE}.yaml").unlink()
     doc = yaml.safe_load((ROOT / "configs" / "sites" / f"{SITE}.yaml").read_text())
     executor = dict(doc.get("executor") or {})
     if confinement:
@@ -145,13 +148,16 @@ async def wait_state(tmp: Path, up: subprocess.Popen[bytes]) -> dict[str, Any]:
 
 
 async def wait_site_up(http: aiohttp.ClientSession) -> None:
-    for _ in range(300):
-        async with http.get("/v1/sites") as r:
-            if r.status == 200:
-                body = await r.json()
-                items = body.get("items", body) if isinstance(body, dict) else body
-                if any(s.get("id") == SITE and s.get("state") == "up" for s in items):
-                    return
+    for _ in range(600):
+        try:
+            async with http.get("/v1/sites") as r:
+                if r.status == 200:
+                    body = await r.json()
+                    items = body.get("items", body) if isinstance(body, dict) else body
+                    if any(s.get("id") == SITE and s.get("state") == "up" for s in items):
+                        return
+        except aiohttp.ClientConnectionError:  # the broker is still starting
+            pass
         await asyncio.sleep(0.2)
     raise SystemExit("the site did not come up")
 

@@ -517,3 +517,20 @@ def test_cgroup_v2_files_written_for_a_run(tmp_path: Path) -> None:
     (tmp_path / "cgroup.controllers").write_text("cpu io\n")
     with pytest.raises(Exception, match="memory, pids"):
         Cgroups.detect("east", root=tmp_path, proc_cgroup=proc)
+
+
+@needs_root_and_bwrap
+async def test_the_python_launcher_where_setpriv_is_missing(
+    confined: Callable[..., LocalExecutor], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher is sh + setpriv; without setpriv a few lines of Python do the same (the
+    cgroup, the parent-death signal, and the account when there is no sandbox)."""
+    monkeypatch.setattr("sites.launcher.SETPRIV", None)
+    ex = confined(sandbox="none", when_unavailable="unsandboxed")
+    ex.confinement()
+    script = "id -u; cat /proc/self/cgroup | grep memory; grep CapEff /proc/self/status"
+    out, ended = await run_to_end(ex, assignment("py", ["sh", "-c", script]))
+    assert ended.ok, out
+    uid = int(out.split()[0])
+    assert uid not in (0, os.getuid()) and "cpn-here/py.1" in out, out
+    assert "CapEff:\t0000000000000000" in out, out
