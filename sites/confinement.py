@@ -41,7 +41,8 @@ GB = 1024**3
 PROBE_TIMEOUT_S = 10.0
 
 # the agent's own secrets, by the variables that name them (files or directories)
-SECRET_ENV = ("CPN_STATE_DIR", "CPN_PKI_DIR", "CPN_CONFIG", "CPN_ETCD_CA", "CPN_ETCD_CERT",
+SECRET_ENV = ("CPN_STATE_DIR", "CPN_PKI_DIR", "CPN_CONFIG", "CPN_ETCD_CREDENTIALS",
+              "CPN_ETCD_CA", "CPN_ETCD_CERT",
               "CPN_ETCD_KEY", "CPN_SITE_KEYS", "ETCD_DATA_DIR", "XDG_STATE_HOME",
               "XDG_CONFIG_HOME", "HOME")  # fmt: skip
 
@@ -295,6 +296,12 @@ def _agent_secrets(work_dir: Path) -> list[str]:
     for name in SECRET_ENV:
         value = os.environ.get(name)
         if value and os.path.isabs(value):
+            found.append(value)
+    # the files the agent was started with (its site file, its etcd credentials: the client
+    # key is inline there), by path
+    for arg in sys.argv[1:]:
+        value = arg.partition("=")[2] if arg.startswith("--") else arg
+        if os.path.isabs(value) and os.path.isfile(value):
             found.append(value)
     home = Path.home()
     found += [str(home / ".config" / "cpn"), str(home / ".local" / "state" / "cpn")]

@@ -49,7 +49,8 @@ def main() -> None:
         try:
             with open(path, "rb") as f:
                 data = f.read(64)
-            say(False, "read", f"{path}: read {data[:20]!r}")
+            # an empty read is /dev/null mounted over it: nothing of it shows
+            say(not data, "read", f"{path}: read {data[:20]!r}")
         except OSError as exc:
             say(True, "read", f"{path}: {exc.strerror}")
     for entry in spec.get("dirs", []):

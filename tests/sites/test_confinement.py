@@ -534,3 +534,29 @@ async def test_the_python_launcher_where_setpriv_is_missing(
     uid = int(out.split()[0])
     assert uid not in (0, os.getuid()) and "cpn-here/py.1" in out, out
     assert "CapEff:\t0000000000000000" in out, out
+
+
+@needs_root_and_bwrap
+async def test_the_agents_files_stay_hidden_inside_a_path_runs_may_read(
+    confined: Callable[..., LocalExecutor], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An operator opens a directory to runs (ro_paths) that holds the agent's credentials, its
+    state and the site's `hide`: those are still covered, the rest is readable."""
+    opened = tmp_path / "opt-site"
+    (opened / "state").mkdir(parents=True)
+    (opened / "state" / "db").write_text("agent state")
+    (opened / "creds.yaml").write_text("key: agent's")
+    (opened / "private").mkdir()
+    (opened / "private" / "x").write_text("operator's")
+    (opened / "tool.txt").write_text("shared tool")
+    for path in (tmp_path, opened, *opened.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    monkeypatch.setattr("sys.argv", ["cpn", "agent", f"--etcd-credentials={opened / 'creds.yaml'}"])
+    monkeypatch.setenv("CPN_STATE_DIR", str(opened / "state"))
+    ex = confined(ro_paths=[str(opened)], hide=[str(opened / "private")])
+    spec = {"agent_uid": 0, "secrets": [str(opened / "creds.yaml"), str(opened / "state" / "db"),
+                                       str(opened / "private" / "x")]}  # fmt: skip
+    script = f"cat {opened / 'tool.txt'}; echo; python3 {BATTERY} '{json.dumps(spec)}'"
+    out, ended = await run_to_end(ex, assignment("hid", ["sh", "-c", script]))
+    assert "shared tool" in out, out
+    assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
