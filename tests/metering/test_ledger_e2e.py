@@ -153,3 +153,30 @@ async def test_segments_add_up_through_retry_failover_and_migration(
         ("t1", "east-a"),
         ("t1", "east-b"),
     }
+
+
+async def test_a_run_killed_over_its_memory_is_billed_and_told_out_of_memory(
+    make_federation: Callable[..., Federation], registry: Registry
+) -> None:
+    """A job that allocates more than its mem_gb is killed by its cgroup, inside its sandbox:
+    FAILED with the reason in its events, and its segment ends `out_of_memory`."""
+    from sites.cgroups import CgroupError, Cgroups
+
+    try:
+        Cgroups.detect("probe").check()
+    except (CgroupError, OSError) as exc:
+        import pytest
+
+        pytest.skip(f"no cgroups here: {exc}")
+    fed = make_federation(SITES)
+    hog = "b = []\nwhile True: b.append(bytearray(16 << 20))"
+    job = fed.submit(name="hog", cpu=1, mem_gb=0.125, max_retries=0,
+                     command=["python3", "-c", hog])  # fmt: skip
+    done = fed.wait_state(job["id"], "FAILED", "SUCCEEDED", timeout=60)
+    assert done["state"] == "FAILED", done["events"]
+    failed = [e for e in done["events"] if e["type"] == "failed"]
+    assert failed and "out of memory" in failed[-1]["message"], done["events"]
+    running = [e for e in done["events"] if e["type"] == "running"]
+    assert running and "bwrap sandbox" in running[-1]["message"], done["events"]
+    (seg,) = (await segments(registry, job["id"])).values()
+    assert seg.reason == "out_of_memory", seg
