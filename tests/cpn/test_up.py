@@ -190,6 +190,14 @@ async def test_up_emulates_wan_and_stops_cleanly(registry: Registry, tmp_path: P
     assert state["token"] not in config.read_text()
 
 
+def cmdline(proc: psutil.Process) -> list[str]:
+    """Its argv; [] for a process that has just ended (a job's, a probe's)."""
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return []
+
+
 def escape_battery_through_the_broker(
     cpn: Any, env: dict[str, str], state_dir: Path, up_pid: int
 ) -> None:
@@ -274,9 +282,9 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
         pki = Path(state["ca"]).parent
         # every agent runs on its own site's credentials, the broker on its own
         agents = {
-            " ".join(c.cmdline())
-            for c in psutil.Process(up.pid).children(recursive=True)
-            if "agent" in c.cmdline() or "broker" in c.cmdline()
+            " ".join(argv)
+            for argv in map(cmdline, psutil.Process(up.pid).children(recursive=True))
+            if "agent" in argv or "broker" in argv
         }
         for site in sites:
             assert any(f"credentials/{site}.yaml" in a for a in agents), agents

@@ -43,7 +43,11 @@ class Demo:
 
     def model_server(self, site: str, service: str) -> psutil.Process:
         for child in psutil.Process(self.up.pid).children(recursive=True):
-            if f"{site}/{service}" in " ".join(child.cmdline()):
+            try:
+                argv = child.cmdline()
+            except psutil.Error:  # ended meanwhile (a job's, a probe's): not a stand-in
+                continue
+            if f"{site}/{service}" in " ".join(argv):
                 return child
         raise AssertionError(f"no stand-in for {site}/{service}")
 

@@ -424,7 +424,7 @@ def _through_agent(site: str, job: str, command: list[str], **fields: Any) -> As
 
 
 NOT_ROOT_AGENT = """
-import asyncio, json, sys, time
+import asyncio, json, os, sys, time
 from pathlib import Path
 from sites.assignments import Assignment
 from sites.catalog import DeviceCatalog
@@ -436,7 +436,7 @@ ex = LocalExecutor(work_dir=root / "sites" / "here", site="here", catalog=Device
                    clock=SystemClock())
 print("LINE", ex.confinement(), flush=True)
 a = Assignment(job="bat", site="here", tenant="acme", attempt=1, fence=1, cpu=1, mem_gb=0.5,
-               command=("python3", sys.argv[2], sys.argv[3]), assigned_at=time.time())
+               command=("python3", os.environ["BATTERY"], sys.argv[2]), assigned_at=time.time())
 
 async def main():
     log = job_dir(ex.work_dir, "bat") / "attempt-1.log"
@@ -468,10 +468,11 @@ def test_an_agent_that_is_not_root_still_sandboxes_its_jobs(tmp_path: Path) -> N
                             str(root / "sites" / "agent-secret")],
                 "dirs": [[str(root), ["sites"]]], "write": [str(root / "pwned")]}  # fmt: skip
         env = {"PATH": os.environ["PATH"], "HOME": str(root), "CPN_STATE_DIR": str(root / "state"),
-               "PYTHONPATH": str(REPO)}  # fmt: skip
+               "PYTHONPATH": str(REPO), "BATTERY": str(BATTERY)}  # fmt: skip
         out = subprocess.run(
+            # (the battery's path in the environment: files on an agent's command line are hidden)
             ["setpriv", f"--reuid={nobody.pw_uid}", f"--regid={nobody.pw_gid}", "--clear-groups",
-             sys.executable, "-c", NOT_ROOT_AGENT, str(root), str(BATTERY), json.dumps(spec)],
+             sys.executable, "-c", NOT_ROOT_AGENT, str(root), json.dumps(spec)],
             capture_output=True, text=True, env=env, cwd=root, timeout=60,
         )  # fmt: skip
         assert "LINE bwrap sandbox, the agent's uid, sandboxed" in out.stdout, out
