@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NATIVE := $(VENV)/.native-stamp
 
-.PHONY: up test lint fmt bench clean slurm prometheus chromium native sandbox
+.PHONY: up test test-fast lint fmt bench clean slurm prometheus chromium native sandbox
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ up: $(NATIVE) sandbox
 
 test: lint native sandbox slurm prometheus chromium
 	$(BIN)/pytest
+
+# The unit tier: every test not marked e2e (tests/tiers.py), no agent, broker or cpn process.
+test-fast: native
+	$(BIN)/pytest -m "not e2e"
 
 # bubblewrap and slirp4netns, which confine tenants' runs (docs/security.md): the Debian
 # packages, installed when missing (root and apt-get). Without them agents refuse jobs.

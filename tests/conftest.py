@@ -18,6 +18,8 @@ from sites import keys
 from sites.etcd_server import EmbeddedEtcd
 from sites.registry import Registry
 
+pytest_plugins = ["tests.tiers"]
+
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"
 

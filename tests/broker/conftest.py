@@ -126,20 +126,23 @@ class Federation:
         self.agents[site] = proc
         return proc
 
-    def start_broker(self) -> subprocess.Popen[bytes]:
+    def start_broker(self, tries: int = 3) -> subprocess.Popen[bytes]:
+        """Start a broker on a free port and wait for it to lead; a port taken between the
+        pick and the bind (an outgoing connection's ephemeral port) is picked again."""
         port = free_port()
         self.broker_url = f"http://127.0.0.1:{port}"
+        name = f"broker-{len(self.processes.procs)}"
         self.broker = self.processes.start(
             "broker", "--etcd", self.registry.url, "--listen", f"127.0.0.1:{port}",
-            "--config-dir", str(self.config_dir), name=f"broker-{len(self.processes.procs)}",
+            "--config-dir", str(self.config_dir), name=name,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.broker.poll() is not None:
-                raise AssertionError(
-                    "broker exited: "
-                    + self.processes.log(f"broker-{len(self.processes.procs) - 1}")
-                )
+                log = self.processes.log(name)
+                if "address already in use" in log and tries > 1:
+                    return self.start_broker(tries - 1)
+                raise AssertionError("broker exited: " + log)
             try:
                 if json.loads(self.get("/healthz")[1])["leader"]:
                     return self.broker

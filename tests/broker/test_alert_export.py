@@ -36,6 +36,7 @@ def promtool() -> str:
     return found
 
 
+@pytest.mark.e2e
 def test_the_checked_in_rules_file_is_cpn_alerts_rules_of_configs() -> None:
     result = run_cpn("alerts", "rules", "--config-dir", str(CONFIGS))
     assert result.returncode == 0, result.stderr
@@ -46,6 +47,7 @@ def test_the_checked_in_rules_file_is_cpn_alerts_rules_of_configs() -> None:
     )
 
 
+@pytest.mark.e2e
 def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
     tool = promtool()
     every = AlertSettings.model_validate(

@@ -20,6 +20,8 @@ from sites.etcd_server import free_port
 from tests.broker import conftest as fed_conftest
 from tests.broker.conftest import BROKER_SETTINGS, Federation
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 SITE = {"east-a": fed_conftest.SITES["east-a"]}
 
 

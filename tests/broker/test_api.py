@@ -30,6 +30,8 @@ from tests.conftest import AUTH, Processes
 from tests.cpn.test_render import PUBLISHED, TOPOLOGY, site_spec, view
 from tests.routing.helpers import link
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 JOB: dict[str, Any] = {"name": "api-job", "tenant": "ai-lab", "command": ["true"]}
 
 

@@ -19,6 +19,8 @@ from sites.etcd_server import EmbeddedEtcd
 from tests.broker.apiserver import ApiBroker, Reply, start_api_broker
 from tests.conftest import Processes, run_cpn
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 JOB = {"tenant": "ai-lab", "command": ["true"]}
 
 

@@ -24,7 +24,7 @@ from sites import keys
 from tests.broker.conftest import SITES, Federation
 from tests.conftest import AUTH
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(90)]
 
 THREE = {name: SITES[name] for name in ("east-a", "east-b", "abroad")}
 CLIENTS = {

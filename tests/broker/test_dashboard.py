@@ -146,6 +146,7 @@ def wait_dom(driver: Any, what: str, predicate: Callable[[Any], Any], timeout: f
         raise AssertionError(f"the dashboard did not show {what} within {timeout}s") from None
 
 
+@pytest.mark.e2e
 def test_the_dashboard_shows_sites_jobs_usage_and_a_firing_alert(
     federation: Federation, browser: Any, tmp_path: Path
 ) -> None:
@@ -291,6 +292,7 @@ def _rate(text: str) -> float:
         return 0.0  # "-": no rate yet
 
 
+@pytest.mark.e2e
 def test_without_a_token_the_page_asks_for_one_and_a_bad_one_is_refused(
     make_federation: Callable[..., Federation], browser: Any
 ) -> None:

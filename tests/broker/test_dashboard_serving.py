@@ -8,6 +8,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from broker.dashboard import ASSETS, route_flows
 from broker.metrics import BrokerMetrics
 from sites.registry import Registry
@@ -24,6 +26,7 @@ def fetch(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[st
         return exc.code, dict(exc.headers), exc.read()
 
 
+@pytest.mark.e2e
 def test_the_page_and_its_files_are_public_cached_and_same_origin_only(
     registry: Registry, processes: Processes, tmp_path: Path
 ) -> None:

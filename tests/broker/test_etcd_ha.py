@@ -108,6 +108,7 @@ async def test_a_secure_cluster_survives_its_leader(tmp_path: Path) -> None:
         cluster.stop()
 
 
+@pytest.mark.e2e
 async def test_jobs_are_placed_once_while_members_die(
     cluster: EtcdCluster, processes: Processes, tmp_path: Path
 ) -> None:

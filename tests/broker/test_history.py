@@ -399,6 +399,7 @@ async def test_etcd_upkeep(registry: Registry, leader: Leadership) -> None:
     assert await k.compact() == newer
 
 
+@pytest.mark.e2e
 async def test_a_broker_killed_mid_archive_leaves_nothing_half_moved(
     etcd: EmbeddedEtcd, registry: Registry, processes: Processes, tmp_path: Path
 ) -> None:

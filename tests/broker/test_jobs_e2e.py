@@ -18,6 +18,8 @@ from sites.registry import Registry
 from tests.broker.conftest import SITES, Federation, assignments_of
 from tests.conftest import AUTH, run_cpn
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 CPU_ONLY: dict[str, Any] = {"cpu": 2, "mem_gb": 4}
 SOON = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
 

@@ -8,7 +8,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from tests.broker.conftest import SITES, Federation
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 
 def nodes(name: str, count: int, **more: Any) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import schemathesis
 from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import Status, from_schema
@@ -19,6 +20,8 @@ from schemathesis.engine.events import FatalError, NonFatalError, ScenarioFinish
 from sites.registry import Registry
 from tests.broker.apiserver import start_api_broker
 from tests.conftest import AUTH, Processes
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 # The engine is what `schemathesis run` drives; its pytest plugin's lazy loader does not run on
 # pytest 9. Deterministic, no shrinking, a handful of fuzzed cases: well under a minute.

@@ -619,6 +619,7 @@ def test_cli_usage_and_file_errors(
     assert words in lines[0]
 
 
+@pytest.mark.e2e
 def test_cli_as_a_process(tmp_path: Path) -> None:
     path = write(tmp_path, base())
     done = subprocess.run(

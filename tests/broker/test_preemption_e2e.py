@@ -7,7 +7,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from tests.broker.conftest import SITES, Federation
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 ONE_SITE = {"east-b": {**SITES["east-b"], "count": 8}}
 # the first run sleeps (and is preempted); a later run says how it was started, and ends

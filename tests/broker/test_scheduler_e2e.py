@@ -9,12 +9,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from broker.jobs import Event, JobRecord, JobSpec, JobState
 from broker.leadership import LeaderRecord
 from broker.store import encode
 from sites import keys
 from sites.registry import Registry
 from tests.broker.conftest import SITES, Federation, assignments_of
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 TWO_SITES = {name: SITES[name] for name in ("east-a", "east-b")}
 QUICK: dict[str, Any] = {"cpu": 1, "mem_gb": 1, "command": ["sh", "-c", "sleep 0.2"]}

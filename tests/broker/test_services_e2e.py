@@ -27,7 +27,7 @@ from sites import keys
 from tests.broker.conftest import SITES, Federation
 from tests.conftest import AUTH, run_cpn
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 # three sites: two in "east" near client region user-east, one abroad near user-eu
 THREE = {name: SITES[name] for name in ("east-a", "east-b", "abroad")}

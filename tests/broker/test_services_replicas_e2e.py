@@ -34,7 +34,7 @@ from tests.broker.test_services_e2e import (
 )
 from tests.conftest import AUTH
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 TWO = {name: SITES[name] for name in ("east-a", "abroad")}
 CLIENTS = {

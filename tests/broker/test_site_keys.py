@@ -81,6 +81,7 @@ def test_a_bad_entry_is_a_config_error(
     assert "inference" in str(err.value) and message in str(err.value)
 
 
+@pytest.mark.e2e
 def test_the_broker_refuses_to_start_without_a_key_it_names(tmp_path: Path) -> None:
     """Exit 2 with one line naming the entry: before the broker connects to etcd or listens."""
     cfg = tmp_path / "configs"

@@ -19,6 +19,8 @@ from tests.broker.apiserver import ApiBroker, Reply, start_api_broker
 from tests.broker.conftest import SITES, Federation
 from tests.conftest import CONFIGS, Processes, write_admin_token
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 
 def call(api: ApiBroker, method: str, path: str, body: object = None) -> Reply:
     if body is None:

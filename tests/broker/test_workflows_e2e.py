@@ -9,10 +9,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tests.broker.conftest import Federation
 from tests.conftest import run_cpn
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 # two regions: moving data between them costs 0.05 USD per GB; south's H100s are cheaper
 SITES: dict[str, dict[str, Any]] = {

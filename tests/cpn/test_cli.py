@@ -5,7 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 
+import pytest
+
 from tests.conftest import CONFIGS, REPO, cpn_cmd
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 
 def test_a_closed_pipe_ends_the_command_quietly() -> None:

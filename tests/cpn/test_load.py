@@ -194,6 +194,7 @@ def cpn_load(fed: Federation, *args: str, timeout: float = 60) -> subprocess.Com
     )  # fmt: skip
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_per_region_counts_peak_where_each_regions_evening_falls(federation: Federation) -> None:
     fed = federation

@@ -88,6 +88,7 @@ class Cli:
         return subprocess.CompletedProcess(list(argv), code, out, err)
 
 
+@pytest.mark.e2e
 def test_the_tenant_commands_against_a_broker(
     registry: Registry,
     processes: Processes,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 
 from sites import keys
 from sites.catalog import DeviceCatalog
@@ -23,6 +24,8 @@ from sites.latency import LatencyModel
 from sites.registry import Registry
 from sites.status import SiteState
 from tests.conftest import CONFIGS, REPO, cpn_cmd, run_cpn, wait_for
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 # two hub clusters ~240 km apart (~5.6 ms), an inland hub and two foreign clouds (matrix RTT)
 SITES = ("yrd-demo-zone", "wuhu", "tianfu", "frankfurt", "tokyo")

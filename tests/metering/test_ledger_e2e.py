@@ -11,10 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from metering.ledger import Segment
 from sites import keys
 from sites.registry import Registry
 from tests.broker.conftest import Federation
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 # A lost site's last run is billed up to the status its agent last wrote, and an agent writes
 # an unchanged status only every agent.refresh_s (30 s by default): refresh_s 0 writes every

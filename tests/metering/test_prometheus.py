@@ -26,6 +26,8 @@ from sites.etcd_server import free_port
 from tests.broker.conftest import Federation
 from tests.conftest import ADMIN_TOKEN, AUTH
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 SITES: dict[str, dict[str, Any]] = {
     "east-a": {"region": "east", "coordinates": {"lat": 31.2, "lon": 121.4}, "price": 3.0},
     "west": {

@@ -25,6 +25,8 @@ from sites.spec import SiteSpec
 from tests.broker.apiserver import ApiBroker, start_api_broker
 from tests.conftest import Processes, run_cpn, site_doc
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 CATALOG = DeviceCatalog.load()
 SPEC = SiteSpec.model_validate(site_doc("s1"))  # H100 2.5 USD/h, 0.02 per core-hour
 

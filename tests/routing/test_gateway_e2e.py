@@ -28,6 +28,8 @@ from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.registry import Registry
 from tests.conftest import AUTH, CONFIGS, REPO, cpn_cmd, write_admin_token
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 # qwen-72b is served at yrd-demo-zone, shaoguan, zhangjiakou and tokyo
 SITES = ("yrd-demo-zone", "wuhu", "shaoguan", "zhangjiakou", "tokyo", "frankfurt")
 # tokyo's qwen-72b stand-in requires a key, as vLLM's --api-key does; the broker has it

@@ -234,6 +234,7 @@ async def test_a_cancelled_waiter_gives_up_its_place() -> None:
     assert slots.in_flight == 0
 
 
+@pytest.mark.e2e
 async def test_runs_as_a_subprocess(http: aiohttp.ClientSession) -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:0",
@@ -259,6 +260,7 @@ async def test_runs_as_a_subprocess(http: aiohttp.ClientSession) -> None:
     assert rc == 0
 
 
+@pytest.mark.e2e
 async def test_cli_rejects_bad_settings_with_exit_2() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:0",

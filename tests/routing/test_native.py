@@ -56,6 +56,7 @@ def _copy(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.e2e
 @needs_build
 def test_this_checkout_runs_its_build_and_pure_python_on_request(tmp_path: Path) -> None:
     got = _probe(tmp_path)
@@ -135,6 +136,7 @@ def test_compiled_modules_keep_to_what_mypyc_compiles() -> None:
                         )
 
 
+@pytest.mark.e2e
 @needs_build
 def test_the_sources_still_pass_as_python() -> None:
     """Where no compiler is, the same modules run as Python: the lane's, the proxy's and the

@@ -35,6 +35,8 @@ from sites.status import ServiceEndpoint
 from tests.conftest import Processes, run_cpn, wait_for
 from tests.routing.standin import StandIns, standins  # noqa: F401 - the fixture
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 RTT = {"alpha": 5.0, "beta": 8.0}
 STALE_S = 2.0
 SETTINGS = RoutingSettings(

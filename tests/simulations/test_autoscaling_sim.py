@@ -179,6 +179,7 @@ def test_bad_services_name_their_field(write_scenario: Callable[..., Path]) -> N
     assert "'chat' is used twice" in str(err.value)
 
 
+@pytest.mark.e2e
 def test_cpn_simulate_prints_the_services(
     write_scenario: Callable[..., Path], tmp_path: Path
 ) -> None:

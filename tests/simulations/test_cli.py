@@ -8,8 +8,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.conftest import cpn_cmd
 from tests.simulations.test_engine import batch, h100_site
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 
 def cpn(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

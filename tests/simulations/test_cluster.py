@@ -16,6 +16,8 @@ from simulations.cluster import ClusterError, run_on_cluster
 from sites.etcd_server import free_port
 from tests.simulations.test_cli import cpn, small
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 WALL = ("wall_s", "jobs_per_s")  # the only figures that depend on the machine, not the seed
 
 

@@ -10,6 +10,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from sites import keys
 from sites.etcd_server import EmbeddedEtcd, find_binary
 from sites.registry import Registry
@@ -25,6 +27,8 @@ from sites.status import (
     SiteStatus,
 )
 from tests.conftest import Processes, run_cpn, wait_for
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
 TTL_S = 3  # interval 1 s -> lease TTL 3 s
 

@@ -73,6 +73,7 @@ def test_capacity_and_use_in_base_units() -> None:
     assert not [name for name, _ in got if name.startswith("cpn_gpu_")]
 
 
+@pytest.mark.e2e
 def test_nvml_readings_map_to_gpu_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
     devices = [
         {"name": "NVIDIA H100 80GB HBM3", "mem": 80 * GIB, "util": 90, "procs": 1},

@@ -85,6 +85,7 @@ def test_invalid_field_is_named(
     assert all(p.source == str(file) for p in info.value.problems)
 
 
+@pytest.mark.e2e
 def test_every_problem_reported_with_file_field_reason(tmp_path: Path) -> None:
     doc = with_("country", "china")
     doc["power"]["pue"] = 0.5
@@ -117,6 +118,7 @@ def test_duplicate_ids_across_files(tmp_path: Path, catalog: DeviceCatalog) -> N
     assert info.value.problems[0].field == "id"
 
 
+@pytest.mark.e2e
 def test_demo_federation_validates() -> None:
     files = sorted((CONFIGS / "sites").glob("*.yaml"))
     result = run_cpn("site", "validate", *map(str, files))
@@ -124,6 +126,7 @@ def test_demo_federation_validates() -> None:
     assert result.stdout.count(": ok") == len(files) >= 12
 
 
+@pytest.mark.e2e
 async def test_join_is_all_or_nothing(tmp_path: Path, registry: Registry) -> None:
     good = write(tmp_path, "good.yaml", site_doc("good"))
     bad = write(tmp_path, "bad.yaml", with_("inventory.devices.0.model", "H900"))
@@ -142,6 +145,7 @@ async def test_join_is_all_or_nothing(tmp_path: Path, registry: Registry) -> Non
     assert "site good updated" in again.stdout
 
 
+@pytest.mark.e2e
 def test_cli_usage_errors_are_one_line(tmp_path: Path) -> None:
     result = run_cpn("sites", "--etcd", "ftp://x:1")
     assert result.returncode == 2
@@ -150,6 +154,7 @@ def test_cli_usage_errors_are_one_line(tmp_path: Path) -> None:
     assert result.returncode == 2 and result.stderr.startswith("cpn: error:")
 
 
+@pytest.mark.e2e
 def test_unreachable_etcd_is_one_line_exit_1() -> None:
     result = run_cpn("sites", "--etcd", "http://127.0.0.1:1", timeout=30)
     assert result.returncode == 1

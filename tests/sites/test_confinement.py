@@ -93,6 +93,7 @@ def battery_lines(output: str) -> list[str]:
 # -- the battery through the executor ----------------------------------------------------------
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_escape_battery_from_inside_a_job(
     confined: Callable[..., LocalExecutor], tmp_path: Path
@@ -152,6 +153,7 @@ async def test_escape_battery_from_inside_a_job(
     assert rival.st_uid not in (0, st.st_uid)  # two tenants, two accounts
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_a_run_over_its_memory_is_killed_and_reported_out_of_memory(
     confined: Callable[..., LocalExecutor],
@@ -169,6 +171,7 @@ async def test_a_run_over_its_memory_is_killed_and_reported_out_of_memory(
     assert ended.ok and "fine" in out, (ended, out)
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_cpu_and_pids_limits_hold(confined: Callable[..., LocalExecutor]) -> None:
     ex = confined(pids_max=32)
@@ -193,6 +196,7 @@ async def test_cpu_and_pids_limits_hold(confined: Callable[..., LocalExecutor]) 
     assert float(out.split("cpu")[1]) < 2.4, out  # unlimited: ~3.0 on 2 cores
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_network_none_has_only_its_own_loopback(
     confined: Callable[..., LocalExecutor],
@@ -209,6 +213,7 @@ async def test_network_none_has_only_its_own_loopback(
     assert "network none" in ex.confiner.summary
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 @pytest.mark.skipif(not Path("/usr/bin/slirp4netns").exists(), reason="needs slirp4netns")
 async def test_network_egress_reaches_out_but_not_the_hosts_loopback(
@@ -229,6 +234,7 @@ async def test_network_egress_reaches_out_but_not_the_hosts_loopback(
     assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_only_its_own_accelerators_are_in_its_dev(
     confined: Callable[..., LocalExecutor], tmp_path: Path
@@ -257,6 +263,7 @@ async def test_only_its_own_accelerators_are_in_its_dev(
     assert device_nodes(None, (0,), fake_dev) == ()
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_replicas_are_confined_but_keep_a_reachable_port(
     confined: Callable[..., LocalExecutor],
@@ -289,6 +296,7 @@ async def test_replicas_are_confined_but_keep_a_reachable_port(
         await ex.wait(handle)
 
 
+@pytest.mark.e2e
 async def test_a_site_without_a_sandbox_refuses_or_runs_unsandboxed(
     confined: Callable[..., LocalExecutor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -363,6 +371,7 @@ BAD = {
 }
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("setting", sorted(BAD))
 def test_bad_confinement_settings_name_their_field(setting: str, tmp_path: Path) -> None:
     value, field = BAD[setting]
@@ -385,6 +394,7 @@ def test_bad_account_names_name_their_field() -> None:
 # -- through a real agent ----------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_a_real_agent_confines_its_jobs_and_says_how(
     registry: Registry,
@@ -448,6 +458,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 def test_an_agent_that_is_not_root_still_sandboxes_its_jobs(tmp_path: Path) -> None:
     """An agent running as nobody: its jobs keep its uid, but nothing of its files is there."""
@@ -520,6 +531,7 @@ def test_cgroup_v2_files_written_for_a_run(tmp_path: Path) -> None:
         Cgroups.detect("east", root=tmp_path, proc_cgroup=proc)
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_the_python_launcher_where_setpriv_is_missing(
     confined: Callable[..., LocalExecutor], monkeypatch: pytest.MonkeyPatch
@@ -537,6 +549,7 @@ async def test_the_python_launcher_where_setpriv_is_missing(
     assert "CapEff:\t0000000000000000" in out, out
 
 
+@pytest.mark.e2e
 @needs_root_and_bwrap
 async def test_the_agents_files_stay_hidden_inside_a_path_runs_may_read(
     confined: Callable[..., LocalExecutor], tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -37,6 +37,8 @@ from sites.spec import SiteSpec
 from tests.broker.apiserver import ApiBroker, start_api_broker
 from tests.conftest import Processes, run_cpn, wait_for, write_admin_token
 
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
 
 @dataclass
 class SecureEtcd:

@@ -104,6 +104,7 @@ def cwd_of(work: Path, job: str) -> Path:
 # -- through the agent ---------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 async def test_job_runs_with_its_environment_then_succeeds(
     registry: Registry, make_site: Callable[..., Any], work: Path
 ) -> None:
@@ -157,6 +158,7 @@ async def test_job_runs_with_its_environment_then_succeeds(
             assert await resp.text() == "hello\nbye\n"
 
 
+@pytest.mark.e2e
 async def test_failing_and_unstartable_commands_report_failed(
     registry: Registry, make_site: Callable[..., Any]
 ) -> None:
@@ -174,6 +176,7 @@ async def test_failing_and_unstartable_commands_report_failed(
             assert await resp.text() == "oops\n"  # stderr goes to the log too
 
 
+@pytest.mark.e2e
 async def test_withdrawn_assignment_stops_the_job(
     registry: Registry, make_site: Callable[..., Any], work: Path
 ) -> None:
@@ -191,6 +194,7 @@ async def test_withdrawn_assignment_stops_the_job(
     assert not alive(record.pid)
 
 
+@pytest.mark.e2e
 async def test_devices_are_disjoint_and_free_capacity_follows_jobs(
     registry: Registry, make_site: Callable[..., Any]
 ) -> None:
@@ -239,6 +243,7 @@ async def _eq(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
 
 
+@pytest.mark.e2e
 async def test_killed_agent_takes_its_job_along_and_its_successor_does_not_rerun_it(
     registry: Registry,
     processes: Processes,
@@ -280,6 +285,7 @@ def _host_pid(cmdline: list[str], cwd: Path) -> int:
     raise AssertionError(f"no process {cmdline} in {cwd}")
 
 
+@pytest.mark.e2e
 async def test_graceful_stop_stops_jobs_silently_and_a_restart_runs_nothing_twice(
     registry: Registry,
     processes: Processes,
@@ -316,6 +322,7 @@ async def test_graceful_stop_stops_jobs_silently_and_a_restart_runs_nothing_twic
     assert await registry.get_raw(keys.report("again", "once")) == before
 
 
+@pytest.mark.e2e
 async def test_log_endpoint_serves_and_follows_output(
     registry: Registry, make_site: Callable[..., Any], work: Path
 ) -> None:
@@ -350,6 +357,7 @@ async def test_log_endpoint_serves_and_follows_output(
             assert resp.status == 404
 
 
+@pytest.mark.e2e
 async def test_slurm_site_without_sbatch_fails_its_jobs(
     registry: Registry,
     processes: Processes,
@@ -372,6 +380,7 @@ async def test_slurm_site_without_sbatch_fails_its_jobs(
     assert "slurm executor: sbatch" in processes.log("agent-hpc")
 
 
+@pytest.mark.e2e
 async def test_slurm_site_whose_controller_does_not_answer_runs_without_it(
     registry: Registry,
     processes: Processes,
@@ -432,6 +441,7 @@ async def executor(work: Path) -> AsyncIterator[LocalExecutor]:
         await proc.wait()
 
 
+@pytest.mark.e2e
 async def test_stop_escalates_to_sigkill_for_the_whole_group(
     executor: LocalExecutor, work: Path
 ) -> None:
@@ -457,6 +467,7 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(
     assert not (job_dir(work, "stubborn") / "run.json").exists()
 
 
+@pytest.mark.e2e
 async def test_reap_stops_recorded_runs_but_never_a_reused_pid(
     executor: LocalExecutor, work: Path
 ) -> None:

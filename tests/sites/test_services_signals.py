@@ -78,6 +78,7 @@ async def load(url: str, n: int, prompt: str = "z" * 400) -> list[asyncio.Task[i
     return tasks
 
 
+@pytest.mark.e2e
 async def test_the_poller_reads_vllm_signals_and_ttft_since_the_last_scrape(
     standins: StandIns,  # noqa: F811
 ) -> None:
@@ -111,6 +112,7 @@ async def test_the_poller_reads_vllm_signals_and_ttft_since_the_last_scrape(
         await monitor.close()
 
 
+@pytest.mark.e2e
 async def test_a_blind_server_keeps_its_last_signals_and_their_time(
     standins: StandIns,  # noqa: F811
 ) -> None:
@@ -191,6 +193,7 @@ def test_histogram_deltas_survive_a_counter_reset() -> None:
         parse_signals("vllm:num_requests_running{ 1")
 
 
+@pytest.mark.e2e
 async def test_the_agent_publishes_the_signals_into_etcd(
     registry: Registry,
     processes: Processes,

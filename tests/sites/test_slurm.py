@@ -45,7 +45,7 @@ from tests.sites.test_agent import join
 from tests.sites.test_executor import assign, assignment, get_report, wait_report
 
 # setup may install the packages (.ci/install-slurm) and starts five daemons
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 SITE = "hpc"
 # tenant -> (its Unix user at the site, uid): real users of this host, made by `tenant_users`

@@ -28,7 +28,7 @@ from tests.sites.test_slurm import (  # noqa: F401 - the fixtures
     wait_for_state,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 # what the job prints: its identity, then its whole environment, each line marked
 WHOAMI = (

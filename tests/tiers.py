@@ -1,0 +1,83 @@
+"""Test tiers: a test that starts a process is marked ``e2e``, and the suite holds it to that.
+
+``make test`` runs every tier; ``make test-fast`` runs ``-m "not e2e"``: the unit tier, which
+starts no agent, broker, ``cpn`` command, Slurm, Prometheus or Chromium (the session's etcd,
+started once for every tier, is the one process it shares).
+
+Every process a test starts goes through ``subprocess.Popen`` (asyncio's subprocesses too), so
+this plugin wraps it for the session: a test that started one without the ``e2e`` marker fails
+at its teardown, naming the program, so the fast tier stays fast as tests are added.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+E2E = "e2e"
+# started once for the whole session by a fixture every tier shares
+SHARED = frozenset({"etcd"})
+
+_spawned: list[str] = []
+_active = False
+
+
+def _program(args: Any) -> str:
+    if isinstance(args, (str, bytes, os.PathLike)):
+        first = os.fsdecode(args).split()[0] if os.fsdecode(args).split() else ""
+    else:
+        first = os.fsdecode(args[0]) if args else ""
+    return os.path.basename(first)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{E2E}: starts processes (agents, brokers, cpn commands, jobs, Slurm, Prometheus, "
+        "Chromium) or a federation; `make test-fast` leaves these out",
+    )
+    original = subprocess.Popen.__init__
+
+    def recording_init(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+        if _active:
+            program = _program(args)
+            if program not in SHARED:
+                _spawned.append(program)
+        original(self, args, *rest, **kw)
+
+    subprocess.Popen.__init__ = recording_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    global _active
+    _spawned.clear()
+    _active = True
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    global _active
+    yield
+    _active = False
+    if _spawned and item.get_closest_marker(E2E) is None:
+        programs = ", ".join(sorted(set(_spawned)))
+        _spawned.clear()
+        report = os.environ.get("CPN_TIERS_REPORT")
+        if report:  # list them (one JSON line each) instead of failing
+            fixtures = sorted(getattr(item, "fixturenames", ()))
+            line = {"test": item.nodeid, "programs": programs, "fixtures": fixtures}
+            with open(report, "a") as f:
+                f.write(json.dumps(line) + "\n")
+            return
+        pytest.fail(
+            f"{item.nodeid} started processes ({programs}) but is not marked "
+            f"@pytest.mark.{E2E} (tests/tiers.py)",
+            pytrace=False,
+        )
