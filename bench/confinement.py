@@ -13,7 +13,9 @@ submit-to-running time is read from its own events (the broker's `submitted` and
 events, as `cpn describe` shows them). The agent's CPU (user + system, its own process) over
 the jobs, divided by N, is its CPU per started job; the launcher and bubblewrap run in child
 processes and are reported apart (the children's CPU reaped by the agent, the jobs' own
-`sleep` included).
+`sleep` included). Then the agent's part alone, in this process: `LocalExecutor.start` to the
+job's first instruction (it prints the time), N runs per mode, where the broker's pass and the
+watch, which make up most of submit-to-running and move it by +-10 ms, are not in the figure.
 
     .venv/bin/python bench/confinement.py                 # 200 jobs each: about 2 minutes
     .venv/bin/python bench/confinement.py --jobs 50 --json /tmp/confinement.json
@@ -89,6 +91,7 @@ async def run_mode(mode: str, jobs: int, rate: float) -> dict[str, Any]:
          "--sites", SITE, "--no-wan-emulation", "--no-service", "--interval", "1",
          "--broker-listen", "127.0.0.1:0"],
         stdout=subprocess.DEVNULL, stderr=open(tmp / "up.log", "wb"), env=env, cwd=ROOT,  # noqa: SIM115
+        start_new_session=True,  # its group: killed whole if it does not stop on Ctrl-C
     )  # fmt: skip
     try:
         state = await wait_state(tmp, up)
@@ -129,7 +132,12 @@ async def run_mode(mode: str, jobs: int, rate: float) -> dict[str, Any]:
         try:
             up.wait(60)
         except subprocess.TimeoutExpired:
-            up.kill()
+            log(f"{mode}: cpn up did not stop in 60 s; killing its process group")
+        try:  # what it left (an agent, etcd) if it died without stopping them
+            os.killpg(up.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        up.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -206,6 +214,40 @@ async def wait_running(http: aiohttp.ClientSession, ids: list[str]) -> list[floa
     return list(latencies.values())
 
 
+async def direct(mode: str, runs: int) -> dict[str, Any]:
+    """The agent's part alone: LocalExecutor.start to the job's first instruction, in process
+    (no broker, no etcd), with the same confinement as the federation's site."""
+    sys.path.insert(0, str(ROOT))
+    from sites.assignments import Assignment
+    from sites.catalog import DeviceCatalog
+    from sites.clock import SystemClock
+    from sites.confinement import Confiner
+    from sites.executor import LocalExecutor, job_dir
+    from sites.spec import Confinement
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"cpn-bench-direct-{mode}-"))
+    work = tmp / "sites" / "bench"
+    confiner = Confiner(Confinement(**MODES[mode]), site="bench", work_dir=work)
+    ex = LocalExecutor(work_dir=work, site="bench", catalog=DeviceCatalog.load(),
+                       clock=SystemClock(), confiner=confiner)  # fmt: skip
+    ex.confinement()
+    latencies = []
+    try:
+        for i in range(runs):
+            a = Assignment(job=f"d{i}", site="bench", tenant="ai-lab", attempt=1, fence=1,
+                           cpu=1, mem_gb=0.25, command=("date", "+%s.%N"),
+                           assigned_at=time.time())  # fmt: skip
+            log_file = job_dir(work, a.job) / "attempt-1.log"
+            before = time.time()
+            handle = await ex.start(a, (), log_file)
+            await ex.wait(handle)
+            latencies.append(1000 * (float(log_file.read_text().split()[0]) - before))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {"mode": mode, "p50_ms": percentile(latencies, 0.5),
+            "p99_ms": percentile(latencies, 0.99)}  # fmt: skip
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=200)
@@ -228,9 +270,17 @@ async def main() -> None:
           f"(target < {TARGET_ADDED_P50_MS:g} ms at p50: {met})")  # fmt: skip
     for r in rows:
         print(f"  {r['mode']}: {r['confinement']}")
+    direct_rows = [await direct(mode, args.jobs) for mode in MODES]
+    print(f"the agent's part alone (LocalExecutor.start to the job's first instruction, "
+          f"{args.jobs} runs each):")  # fmt: skip
+    for r in direct_rows:
+        print(f"  {r['mode']:<12} p50 {r['p50_ms']:6.1f} ms   p99 {r['p99_ms']:6.1f} ms")
+    direct_added = direct_rows[0]["p50_ms"] - direct_rows[1]["p50_ms"]
+    print(f"  sandbox adds {direct_added:.1f} ms at p50 here")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "added_p50_ms": added_p50,
-                                         "added_p99_ms": added_p99}, indent=2))  # fmt: skip
+        figures = {"rows": rows, "added_p50_ms": added_p50, "added_p99_ms": added_p99,
+                   "direct": direct_rows, "direct_added_p50_ms": direct_added}  # fmt: skip
+        args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":
