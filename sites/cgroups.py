@@ -90,24 +90,10 @@ class RunGroup:
                 return int(value)
         return 0
 
-    def peak_mem_bytes(self) -> int | None:
-        d = self._dir("memory")
-        if d is None:
-            return None
-        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
-        try:
-            return int((d / name).read_text())
-        except (OSError, ValueError):
-            return None
-
-    def kill(
-        self, sig: signal.Signals = signal.SIGKILL, *, spare: frozenset[int] = frozenset()
-    ) -> int:
-        """Signal every process of the group but ``spare``; how many were signalled."""
+    def kill(self, sig: signal.Signals = signal.SIGKILL) -> int:
+        """Signal every process of the group; how many were signalled."""
         n = 0
         for pid in self.pids():
-            if pid in spare:
-                continue
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, sig)
                 n += 1

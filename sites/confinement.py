@@ -35,7 +35,7 @@ from sites.spec import Confinement, NetworkPolicy, SandboxKind, WhenUnavailable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConfinedRun", "Confiner", "Refused", "device_nodes"]
+__all__ = ["ConfinedRun", "Confiner", "Refused", "allowed_env", "device_nodes", "own_work_dir"]
 
 GB = 1024**3
 PROBE_TIMEOUT_S = 10.0
@@ -120,6 +120,7 @@ class Confiner:
             field=field or f"site {site}:executor.confinement.accounts",
         )  # fmt: skip
         self.hide = tuple(sorted({*hide, *settings.hide, *_agent_secrets(work_dir)}))
+        self.ro_paths = (*code_roots(), *settings.ro_paths)
         # a run's PATH: the site's, then the agent's Python (read-only in the sandbox, so a
         # replica may start one of cpn's stand-ins as `python -m ...`)
         python_bin = str(Path(sys.prefix) / "bin")
@@ -158,7 +159,7 @@ class Confiner:
         if s.network is NetworkPolicy.egress and not self.refusal:
             if self.bwrap is None:
                 self.refusal = "network: egress needs the sandbox; this site refuses jobs"
-            elif _which("slirp4netns") is None:
+            elif shutil.which("slirp4netns") is None:
                 self.refusal = "network: egress needs slirp4netns (not found); refusing jobs"
         if s.limits:
             try:
@@ -218,15 +219,10 @@ class Confiner:
         if self.refusal:
             raise Refused(self.refusal)
         account = self.accounts.for_tenant(assignment.tenant)  # AccountError: none here
-        _own_dir(cwd, account, root=self.root)
-        env = {
-            "PATH": self.path,
-            "LANG": os.environ.get("LANG", "C.UTF-8"),
-            "HOME": str(cwd),
-            "TMPDIR": "/tmp" if self.bwrap else str(cwd),
-            "USER": account.name,
-            "LOGNAME": account.name,
-        }
+        own_work_dir(cwd, account, root=self.root)
+        env = allowed_env(account, home=cwd, path=self.path,
+                          lang=os.environ.get("LANG", "C.UTF-8"))  # fmt: skip
+        env["TMPDIR"] = "/tmp" if self.bwrap else str(cwd)
         env.update(job_vars)
         nodes = device_nodes(vendor, devices, self.dev_root)
         group = None
@@ -250,7 +246,7 @@ class Confiner:
                 work=cwd,
                 uid=account.uid if self.root else None,
                 gid=account.gid if self.root else None,
-                ro_paths=(*code_roots(), *self.settings.ro_paths),
+                ro_paths=self.ro_paths,
                 rw_paths=self.settings.rw_paths,
                 hide=self.hide,
                 devices=nodes,
@@ -277,7 +273,14 @@ class Confiner:
         )
 
 
-def _own_dir(cwd: Path, account: Account, *, root: bool) -> None:
+def allowed_env(account: Account, *, home: Path, path: str, lang: str) -> dict[str, str]:
+    """The allow-list a run's environment starts from (every executor's): the job's own env and
+    cpn's variables follow; nothing of the agent's."""
+    return {"PATH": path, "LANG": lang, "HOME": str(home), "USER": account.name,
+            "LOGNAME": account.name}  # fmt: skip
+
+
+def own_work_dir(cwd: Path, account: Account, *, root: bool) -> None:
     """The run's work dir: the tenant's, mode 0700; its job dir (logs, run.json) the agent's."""
     cwd.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(cwd.parent, 0o711)  # others may pass through to their own dir, not list it
@@ -306,7 +309,3 @@ def _agent_secrets(work_dir: Path) -> list[str]:
     home = Path.home()
     found += [str(home / ".config" / "cpn"), str(home / ".local" / "state" / "cpn")]
     return found
-
-
-def _which(name: str) -> str | None:
-    return shutil.which(name)

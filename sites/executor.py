@@ -344,6 +344,7 @@ class LocalExecutor:
             # without a record a crashed agent's successor could not find it: do not run it
             _signal_group(proc.pid, signal.SIGKILL)
             await proc.wait()
+            self._procs.pop(handle.ref, None)
             await self._release(handle.ref)
             raise ExecutorError(f"cannot write {jdir / RUN_RECORD}: {exc}") from exc
         log.info(
@@ -430,11 +431,11 @@ class LocalExecutor:
                 remove_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, handle.ref)
         if run is not None and run.sandboxed and code > 128:
             code = -(code - 128)  # bubblewrap exits 128+n for a run killed by signal n
-        if oom:
+        if oom and run is not None:  # counted in the run's own group: there is one
             return RunExit(
                 code,
                 message=f"out of memory: the run used more than its memory limit "
-                f"({run.limits_text if run else ''}) and the kernel killed it",
+                f"({run.limits_text}) and the kernel killed it",
                 reason="out_of_memory",
             )
         return RunExit(code)

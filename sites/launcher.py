@@ -4,9 +4,9 @@ It sets PR_SET_PDEATHSIG(SIGKILL) (the run dies with the agent, its parent), che
 did not die first, joins the run's cgroups before anything of the job runs (so nothing escapes
 them), drops to the tenant's account when asked (a root agent without a sandbox: groups, gid,
 uid, then no_new_privs), then becomes the job, or the sandbox that starts it (same pid). It is
-a few lines of shell and util-linux's setpriv (or, without setpriv, of Python) that exec, not a
-``preexec_fn``: that runs Python in the forked child of
-a process full of gRPC threads, and gRPC's fork hooks crash such a child.
+a few lines of shell and util-linux's setpriv (or, without setpriv, of Python) that exec, not
+a ``preexec_fn``: that runs Python in the forked child of a process full of gRPC threads, and
+gRPC's fork hooks crash such a child.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import shutil
 import sys
 from collections.abc import Sequence
 
-__all__ = ["launcher"]
+__all__ = ["SETPRIV", "drop_to", "launcher"]
 
 _LAUNCHER = """\
 import ctypes, json, os, signal, sys
@@ -66,6 +66,13 @@ SETPRIV = shutil.which("setpriv")
 SH = "/bin/sh"
 
 
+def drop_to(uid: int, gid: int) -> list[str]:
+    """setpriv's options that make a root process ``uid``:``gid`` for good: no supplementary
+    groups, no capabilities in any set, no_new_privs (a setuid program cannot raise it)."""
+    return [f"--reuid={uid}", f"--regid={gid}", "--clear-groups", "--no-new-privs",
+            "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
+
+
 def launcher(
     argv: list[str], *, procs: Sequence[str] = (), uid: tuple[int, int] | None = None
 ) -> list[str]:
@@ -73,10 +80,7 @@ def launcher(
     if sys.platform != "linux":
         return argv
     if SETPRIV is not None and os.path.exists(SH):
-        drop: list[str] = []
-        if uid is not None:
-            drop = [f"--reuid={uid[0]}", f"--regid={uid[1]}", "--clear-groups", "--no-new-privs",
-                    "--inh-caps=-all", "--bounding-set=-all"]  # fmt: skip
+        drop = drop_to(*uid) if uid is not None else []
         return [SH, "-c", _LAUNCHER_SH, "cpn-launch", str(os.getpid()), str(len(procs)), *procs,
                 SETPRIV, "--pdeathsig", "KILL", *drop, "--", *argv]  # fmt: skip
     spec = json.dumps({

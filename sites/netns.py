@@ -103,5 +103,4 @@ async def start_egress(info_r: int, block_w: int, run: ConfinedRun) -> asyncio.s
         _, err = await net.communicate()
         raise EgressError(f"network egress: slirp4netns failed: {err.decode().strip()[-200:]}")
     os.write(block_w, b"1")
-
     return net

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sites.launcher import SETPRIV, drop_to
+
 __all__ = ["SandboxPlan", "bwrap_argv", "code_roots", "find_bwrap", "system_roots"]
 
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt")
@@ -51,8 +53,6 @@ class SandboxPlan:
     devices: tuple[tuple[str, str], ...] = ()  # (host node, path in the sandbox)
     network: str = "full"  # full | egress | none
     hostname: str = "cpn"
-    info_fd: int | None = None  # egress: bubblewrap writes the run's pid here
-    block_fd: int | None = None  # egress: and waits for a byte here (its network is set up)
 
 
 def find_bwrap() -> str | None:
@@ -151,15 +151,9 @@ def bwrap_argv(bwrap: str, plan: SandboxPlan, command: Sequence[str]) -> list[st
     for src, dst in plan.devices:
         argv += ["--dev-bind", src, dst]
     argv += ["--chdir", work]
-    if plan.info_fd is not None:
-        argv += ["--info-fd", str(plan.info_fd)]
-    if plan.block_fd is not None:
-        argv += ["--block-fd", str(plan.block_fd)]
     argv.append("--")
     if plan.uid is not None:
         gid = plan.gid if plan.gid is not None else plan.uid
-        setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
-        argv += [setpriv, f"--reuid={plan.uid}", f"--regid={gid}", "--clear-groups",
-                 "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all", "--"]  # fmt: skip
+        argv += [SETPRIV or "/usr/bin/setpriv", *drop_to(plan.uid, gid), "--"]
     argv += list(command)
     return argv

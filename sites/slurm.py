@@ -38,6 +38,7 @@ from sites.accounts import Account, check_named
 from sites.assignments import Assignment
 from sites.catalog import DeviceCatalog, split_model
 from sites.clock import Clock
+from sites.confinement import allowed_env, own_work_dir
 from sites.errors import ConfigError, Problem
 from sites.executor import (
     RUN_RECORD,
@@ -227,28 +228,11 @@ def run_as(tenant: str, *, site: str, named: Mapping[str, Account], root: bool) 
     return account
 
 
-def job_base_env(user: Account, *, cwd: Path, path: str) -> dict[str, str]:
-    """The allow-list a job's environment starts from (its own env and cpn's variables follow):
-    nothing of the agent's."""
-    return {
-        "PATH": path,
-        "LANG": "C.UTF-8",
-        "HOME": str(cwd),
-        "USER": user.name,
-        "LOGNAME": user.name,
-    }
-
-
 def job_files(cwd: Path, log_path: Path, user: Account) -> None:
     """The job dir (the agent's, 0711: passable, not listable), its work dir ``cwd`` (the user's,
     0700) and the attempt's log (the user's, 0600: Slurm writes it as the user, the agent reads
     it as root). The user cannot replace either: the job dir is not theirs."""
-    jdir = cwd.parent
-    jdir.mkdir(parents=True, exist_ok=True)
-    os.chmod(jdir, 0o711)
-    cwd.mkdir(exist_ok=True)
-    os.chown(cwd, user.uid, user.gid)
-    os.chmod(cwd, 0o700)
+    own_work_dir(cwd, user, root=True)  # only a root agent submits (run_as)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
@@ -346,8 +330,8 @@ def gres(model: str, count: int, settings: SlurmSettings) -> str:
 def batch_script(
     assignment: Assignment, *, site: str, base: Mapping[str, str] | None = None
 ) -> str:
-    """The script sbatch runs: ``base`` (``job_base_env``), the job's env and cpn's variables,
-    then exec of the command.
+    """The script sbatch runs: ``base`` (``sites.confinement.allowed_env``), the job's env and
+    cpn's variables, then exec of the command.
 
     Nothing else of the agent's reaches the job (sbatch ``--export=NONE``); SLURM_EXPORT_ENV=ALL
     lets the job's own srun steps inherit this environment (NONE would reach them too). Slurm
@@ -668,7 +652,11 @@ class SlurmExecutor:
         try:
             job_files(cwd, log_path, user)
             script.write_text(
-                batch_script(a, site=self.site, base=job_base_env(user, cwd=cwd, path=self._path))
+                batch_script(
+                    a,
+                    site=self.site,
+                    base=allowed_env(user, home=cwd, path=self._path, lang="C.UTF-8"),
+                )
             )
             script.chmod(0o700)  # sbatch reads it as root and hands Slurm a copy
             blocked = unreachable_dir(cwd, user)

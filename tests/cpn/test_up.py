@@ -24,6 +24,7 @@ from sites.latency import LatencyModel
 from sites.registry import Registry
 from sites.status import SiteState
 from tests.conftest import CONFIGS, REPO, cpn_cmd, run_cpn, wait_for
+from tests.sites.escape_battery import checks, escapes
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
@@ -244,9 +245,7 @@ def escape_battery_through_the_broker(
     assert done is not None and done["state"] == "SUCCEEDED", done
     logs = subprocess.run(cpn_cmd("logs", job_id), capture_output=True, text=True,
                           env=as_tenant, cwd=REPO)  # fmt: skip
-    lines = [ln for ln in logs.stdout.splitlines() if ln.startswith(("OK ", "ESCAPED "))]
-    assert len(lines) >= 15 and not [ln for ln in lines if ln.startswith("ESCAPED")], logs.stdout
-    assert "DONE" in logs.stdout, logs.stdout
+    assert len(checks(logs.stdout)) >= 15 and not escapes(logs.stdout), logs.stdout
     running = [e for e in done["events"] if e["type"] == "running"]
     assert running and "bwrap sandbox as uid" in running[-1]["message"], done["events"]
 

@@ -107,5 +107,23 @@ def main() -> None:
     print(f"DONE {n}", flush=True)
 
 
+def checks(output: str) -> list[str]:
+    """The battery's check lines in a job's output (the tests' side); AssertionError when the
+    battery did not run to its end (a check that could not run must not pass unseen)."""
+    lines = [ln for ln in output.splitlines() if ln.startswith(("OK ", "ESCAPED ", "DONE "))]
+    if (
+        not lines
+        or not lines[-1].startswith("DONE ")
+        or int(lines[-1].split()[1]) != len(lines) - 1
+    ):
+        raise AssertionError(f"the escape battery did not finish:\n{output}")
+    return lines[:-1]
+
+
+def escapes(output: str) -> list[str]:
+    """The checks in ``output`` that escaped (none, for a confined job)."""
+    return [ln for ln in checks(output) if ln.startswith("ESCAPED")]
+
+
 if __name__ == "__main__":
     main()

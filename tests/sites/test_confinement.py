@@ -9,6 +9,7 @@ standing in for /dev/nvidia<i>, which this machine cannot have.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pwd
@@ -17,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,21 @@ from sites.executor import ExecutorError, LocalExecutor, RunHandle, job_dir
 from sites.registry import Registry
 from sites.spec import Accounts, Confinement
 from tests.conftest import REPO, Processes, site_doc, wait_for
+from tests.sites.escape_battery import checks, escapes
 from tests.sites.test_executor import assign, cwd_of, wait_report
 
 BATTERY = REPO / "tests" / "sites" / "escape_battery.py"
+
+
+@contextlib.contextmanager
+def listening() -> Iterator[int]:
+    """A port the host listens on (on loopback) for the duration: what a job must not reach."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        yield listener.getsockname()[1]
+
+
 ROOT = os.geteuid() == 0
 needs_root_and_bwrap = pytest.mark.skipif(
     not ROOT or not Path("/usr/bin/bwrap").exists(),
@@ -76,18 +89,13 @@ async def confined(tmp_path: Path) -> AsyncIterator[Callable[..., LocalExecutor]
             await ex._release(ref)  # noqa: SLF001
 
 
-async def run_to_end(ex: LocalExecutor, a: Assignment, timeout: float = 30) -> tuple[str, Any]:
+async def run_to_end(
+    ex: LocalExecutor, a: Assignment, devices: tuple[int, ...] = (), timeout: float = 30
+) -> tuple[str, Any]:
     log = job_dir(ex.work_dir, a.job) / f"attempt-{a.attempt}.log"
-    handle = await ex.start(a, (), log)
+    handle = await ex.start(a, devices, log)
     ended = await asyncio.wait_for(ex.wait(handle), timeout)
     return log.read_text(), ended
-
-
-def battery_lines(output: str) -> list[str]:
-    lines = [ln for ln in output.splitlines() if ln.startswith(("OK ", "ESCAPED ", "DONE "))]
-    assert lines and lines[-1].startswith("DONE "), output
-    assert int(lines[-1].split()[1]) == len(lines) - 1, output
-    return lines[:-1]
 
 
 # -- the battery through the executor ----------------------------------------------------------
@@ -112,37 +120,33 @@ async def test_escape_battery_from_inside_a_job(
     other_log = job_dir(ex.work_dir, "other") / "attempt-1.log"
     other_handle = await ex.start(other, (), other_log)
     (cwd_of(ex.work_dir, "other")).joinpath("notes").write_text("rival's data")
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        spec = {
-            "agent_uid": os.getuid(),
-            "agent_pids": [os.getpid()],
-            "other_pids": [other_handle.pid],
-            "secrets": [str(secrets / "pki" / "ca.key"), str(secrets / "credentials.yaml"),
-                        str(secrets / "etcd-data" / "member"), str(cli), str(other_log),
-                        str(cwd_of(ex.work_dir, "other") / "notes"), "/etc/shadow",
-                        str(ex.work_dir.parent / "tenant-ids.json")],
-            "dirs": [str(secrets), [str(ex.work_dir / "jobs"), ["bat"]],
-                     str(cwd_of(ex.work_dir, "other")),
-                     "/root", "/home"],
-            "write": ["/etc/cpn-pwned", "/usr/pwned", str(tmp_path / "pwned"),
-                      str(job_dir(ex.work_dir, "bat") / "run.json"),
-                      str(job_dir(ex.work_dir, "bat") / "pwned")],
-            "marker": "MARKER-9f1c",
-        }  # fmt: skip
-        os.environ["CPN_TEST_MARKER"] = "MARKER-9f1c"  # the agent's environment: none of it leaks
-        try:
-            out, ended = await run_to_end(
-                ex, assignment("bat", ["python3", str(BATTERY), json.dumps(spec)])
-            )
-        finally:
-            del os.environ["CPN_TEST_MARKER"]
+    spec = {
+        "agent_uid": os.getuid(),
+        "agent_pids": [os.getpid()],
+        "other_pids": [other_handle.pid],
+        "secrets": [str(secrets / "pki" / "ca.key"), str(secrets / "credentials.yaml"),
+                    str(secrets / "etcd-data" / "member"), str(cli), str(other_log),
+                    str(cwd_of(ex.work_dir, "other") / "notes"), "/etc/shadow",
+                    str(ex.work_dir.parent / "tenant-ids.json")],
+        "dirs": [str(secrets), [str(ex.work_dir / "jobs"), ["bat"]],
+                 str(cwd_of(ex.work_dir, "other")),
+                 "/root", "/home"],
+        "write": ["/etc/cpn-pwned", "/usr/pwned", str(tmp_path / "pwned"),
+                  str(job_dir(ex.work_dir, "bat") / "run.json"),
+                  str(job_dir(ex.work_dir, "bat") / "pwned")],
+        "marker": "MARKER-9f1c",
+    }  # fmt: skip
+    os.environ["CPN_TEST_MARKER"] = "MARKER-9f1c"  # the agent's environment: none of it leaks
+    try:
+        out, ended = await run_to_end(
+            ex, assignment("bat", ["python3", str(BATTERY), json.dumps(spec)])
+        )
+    finally:
+        del os.environ["CPN_TEST_MARKER"]
     await ex.stop(other_handle, 1.0)
     await ex.wait(other_handle)
-    lines = battery_lines(out)
-    escaped = [ln for ln in lines if ln.startswith("ESCAPED")]
-    assert not escaped, out
+    lines = checks(out)
+    assert not escapes(out), out
     assert len(lines) >= 25, out
     assert ended.code == 0, out
     # the job's files are its account's, mode 0700, beside the agent's log it cannot touch
@@ -202,14 +206,12 @@ async def test_network_none_has_only_its_own_loopback(
     confined: Callable[..., LocalExecutor],
 ) -> None:
     ex = confined(network="none")
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        spec = {"agent_uid": 0, "connect": [["127.0.0.1", listener.getsockname()[1]]]}
+    with listening() as port:
+        spec = {"agent_uid": 0, "connect": [["127.0.0.1", port]]}
         out, ended = await run_to_end(
             ex, assignment("net", ["python3", str(BATTERY), json.dumps(spec)])
         )
-    assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
+    assert not escapes(out), out
     assert "network none" in ex.confiner.summary
 
 
@@ -220,10 +222,7 @@ async def test_network_egress_reaches_out_but_not_the_hosts_loopback(
     confined: Callable[..., LocalExecutor],
 ) -> None:
     ex = confined(network="egress")
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen()
-        port = listener.getsockname()[1]
+    with listening() as port:
         # 10.0.2.2 is the host through slirp4netns: its loopback services stay out of reach
         spec = {"agent_uid": 0, "connect": [["127.0.0.1", port], ["10.0.2.2", port]]}
         script = (
@@ -231,7 +230,7 @@ async def test_network_egress_reaches_out_but_not_the_hosts_loopback(
         )
         out, ended = await run_to_end(ex, assignment("egress", ["sh", "-c", script]))
     assert "tap0" in out, out  # its own interface, set up before the job ran
-    assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
+    assert not escapes(out), out
 
 
 @pytest.mark.e2e
@@ -248,10 +247,7 @@ async def test_only_its_own_accelerators_are_in_its_dev(
     ex.confiner.dev_root = fake_dev
     a = assignment("gpu", ["sh", "-c", "ls /dev; echo hi > /dev/nvidia1 && echo wrote"],
                    model="H100", gpus=1)  # fmt: skip
-    log = job_dir(ex.work_dir, "gpu") / "attempt-1.log"
-    handle = await ex.start(a, (1,), log)
-    ended = await ex.wait(handle)
-    out = log.read_text()
+    out, ended = await run_to_end(ex, a, devices=(1,))
     assert ended.ok, out
     listed = out.split()
     assert "nvidia1" in listed and "nvidiactl" in listed and "wrote" in listed, out
@@ -416,7 +412,7 @@ async def test_a_real_agent_confines_its_jobs_and_says_how(
     report = await wait_report(registry, "jail", "bat", RunState.succeeded, timeout=20)
     assert report.confinement and "bwrap sandbox as uid" in report.confinement
     out = (job_dir(work, "bat") / "attempt-1.log").read_text()
-    assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
+    assert not escapes(out), out
     status = (await registry.snapshot()).view("jail").status
     assert status is not None and status.confinement.startswith("bwrap sandbox")
     assert "network none" in status.confinement
@@ -488,7 +484,7 @@ def test_an_agent_that_is_not_root_still_sandboxes_its_jobs(tmp_path: Path) -> N
         )  # fmt: skip
         assert "LINE bwrap sandbox, the agent's uid, sandboxed" in out.stdout, out
         assert "NO limits" in out.stdout  # nobody may not make cgroups here: it says so
-        lines = battery_lines(out.stdout)
+        lines = checks(out.stdout)
         # what it wrote above its work dir went to the sandbox's own directories, not the host's
         assert not (root / "pwned").exists()
         escaped = [ln for ln in lines if ln.startswith("ESCAPED") and "write" not in ln]
@@ -573,4 +569,4 @@ async def test_the_agents_files_stay_hidden_inside_a_path_runs_may_read(
     script = f"cat {opened / 'tool.txt'}; echo; python3 {BATTERY} '{json.dumps(spec)}'"
     out, ended = await run_to_end(ex, assignment("hid", ["sh", "-c", script]))
     assert "shared tool" in out, out
-    assert not [ln for ln in battery_lines(out) if ln.startswith("ESCAPED")], out
+    assert not escapes(out), out
