@@ -308,9 +308,11 @@ class LocalExecutor:
             raise ExecutorError(f"cannot confine the run: {exc}") from exc
         try:
             proc = await self._spawn(run, log_path)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the job's argv or env
             self._discard(run)
-            raise ExecutorError(f"cannot start {argv[0]!r}: {exc.strerror or exc}") from exc
+            raise ExecutorError(
+                f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}"
+            ) from exc
         except ExecutorError:
             self._discard(run)
             raise

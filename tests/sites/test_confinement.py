@@ -570,3 +570,18 @@ async def test_the_agents_files_stay_hidden_inside_a_path_runs_may_read(
     out, ended = await run_to_end(ex, assignment("hid", ["sh", "-c", script]))
     assert "shared tool" in out, out
     assert not escapes(out), out
+
+
+@pytest.mark.e2e
+@needs_root_and_bwrap
+async def test_a_job_the_kernel_cannot_start_fails_and_leaves_no_cgroup(
+    confined: Callable[..., LocalExecutor],
+) -> None:
+    """A tenant's env with a NUL byte cannot be passed to exec: the run fails with a clear
+    message (never an agent error) and its cgroup, made before the start, is gone."""
+    ex = confined()
+    a = assignment("nul", ["true"], env={"BAD": "a\x00b"})
+    with pytest.raises(ExecutorError, match="cannot start 'true'.*null byte"):
+        await ex.start(a, (), job_dir(ex.work_dir, "nul") / "attempt-1.log")
+    cgroups = ex.confiner.cgroups
+    assert cgroups is None or not cgroups.group("nul.1").dirs
