@@ -6,9 +6,10 @@ with RTT in every client region), demand in 12 client regions peaking at 20:00 l
 the peak follows the sun. The same Poisson draws (seed) run under three policies in
 simulations.autoscaling, with the gateway's routing policy and the federation's RTT:
 
-    cpn       broker.autoscaler.decide: replicas per region near the demand, SLO and saturation
+    cpn       broker.model.autoscaler.decide: replicas per region near the demand, SLO and
+    saturation
               aware, the spec's delays (up 60 s, down 600 s)
-    skyserve  broker.autoscaler.skyserve_decide: SkyServe's RequestRateAutoscaler, one region,
+    skyserve  broker.model.autoscaler.skyserve_decide: SkyServe's RequestRateAutoscaler, one region,
               ceil(QPS over 60 s / target), a decision every 20 s, up after 300 s, down after
               1,200 s (sky/serve/autoscalers.py)
     static    max_replicas all day, spread over the regions by their peak demand

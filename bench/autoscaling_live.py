@@ -9,8 +9,8 @@ streaming, so the time to first token is the first server-sent event as the clie
 
 Two runs on the same seeded arrivals, one after the other on the same federation:
 
-    cpn     the service as written below: the leader broker's autoscaler (broker/scaler.py,
-            broker.autoscaler.decide) with its delays compressed like the day
+    cpn     the service as written below: the leader broker's autoscaler (broker/leader/scaler.py,
+            broker.model.autoscaler.decide) with its delays compressed like the day
     static  the same service with min_replicas = max_replicas: every replica it may have, all
             day (the static fleet of the simulated benchmark)
 
@@ -54,7 +54,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from broker.regions import load_user_regions  # noqa: E402
+from broker.model.regions import load_user_regions  # noqa: E402
 from cpn.load import LoadReport, LoadSettings, run_load  # noqa: E402
 from simulations.service_demand import utc_offset_h_of  # noqa: E402
 from sites.durations import parse_duration_s  # noqa: E402

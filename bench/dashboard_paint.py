@@ -42,7 +42,7 @@ from typing import Any
 
 import registry_fanin as fanin
 
-from broker.auth import Role, create_token, new_token
+from broker.state.auth import Role, create_token, new_token
 from sites.catalog import DeviceCatalog
 from sites.etcd_server import EmbeddedEtcd, free_port
 from sites.registry import Registry

@@ -72,7 +72,7 @@ CONFIGS = ROOT / "configs"
 SERVICE = "bench-llm"
 CLIENT_REGIONS = ("beijing", "shanghai")
 AGENT_KINDS = ("emulator", "simagent")
-SITES_PAGE = 5000  # GET /v1/sites pages at 500 by default (broker.api), at most 5000
+SITES_PAGE = 5000  # GET /v1/sites pages at 500 by default (broker.api.app), at most 5000
 TRANSPORTS = ("h2", "grpc")
 TARGET_SITES, TARGET_INTERVAL_S = 1000, 1.0
 TARGET_SUBMIT_P99_MS, TARGET_BROKER_CORES = 20.0, 0.5
@@ -374,7 +374,7 @@ bootstraps one): the broker checks tokens as in production."""
 
 
 async def bootstrap_token(etcd_url: str) -> None:
-    from broker.auth import Role, create_token, new_token
+    from broker.state.auth import Role, create_token, new_token
 
     record, token = new_token(role=Role.admin, tenant=None, now=time.time(), created_by="bench")
     async with Registry.from_urls(etcd_url) as registry:

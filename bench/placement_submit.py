@@ -1,4 +1,5 @@
-"""Single-submit placement latency: broker.placement.place on federations of 100 and 1,000 sites.
+"""Single-submit placement latency: broker.placement.place.place on federations of 100 and 1,000
+sites.
 
 Prints figures; it is not a timed test. For each federation size it builds a random realistic
 federation (seeded: regions in China, Europe, Japan and the US; accelerator models H100, H200,
@@ -29,9 +30,10 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from broker.jobs import JobSpec
-from broker.nodes import Node, NodesFree
-from broker.placement import (
+from broker.model.jobs import JobSpec
+from broker.model.tenants import TenancyFile
+from broker.placement.nodes import Node, NodesFree
+from broker.placement.place import (
     Decision,
     Federation,
     GroupState,
@@ -41,8 +43,7 @@ from broker.placement import (
     charged,
     place,
 )
-from broker.tenancy import BudgetLeft, Quotas
-from broker.tenants import TenancyFile
+from broker.placement.tenancy import BudgetLeft, Quotas
 from sites.catalog import DeviceCatalog
 from sites.latency import Endpoint, LatencyModel
 from sites.spec import Prices
@@ -247,7 +248,8 @@ def percentile(sorted_ms: list[float], q: float) -> float:
 
 
 def tenancy_usage(rng: random.Random) -> TenantUsage:
-    """Quotas over cohorts (broker.tenancy) for the first 16 tenants: two cohorts of eight,
+    """Quotas over cohorts (broker.placement.tenancy) for the first 16 tenants: two cohorts of
+    eight,
     each tenant with a GPU quota, one per model, one per region and a CPU quota, half of them
     with borrowing limits; four with a monthly budget. The per-site quota and budget checks
     of feasibility.screen run for every job of theirs."""

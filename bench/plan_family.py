@@ -9,12 +9,12 @@ instance the issue describes (2,000 jobs, 100 sites, 12 regions, a quarter in gr
     .venv/bin/python bench/plan_family.py --only hard,base     # some of them
     .venv/bin/python bench/plan_family.py --reference --reference-s 180 --only hard
 
-The default mode solves each instance with broker.solver.solve (the `cpn plan` path) under
---time-limit, checks the plan with broker.plan.evaluate, solves it with greedy too, and prints
-objective, reported bound, the gap to the best known bound (objective - best) / objective
+The default mode solves each instance with broker.plan.solver.solve (the `cpn plan` path) under
+--time-limit, checks the plan with broker.plan.problem.evaluate, solves it with greedy too, and
+prints objective, reported bound, the gap to the best known bound (objective - best) / objective
 beside the 1.5 % target, and the greedy objective (the plan must never be worse).
 
---reference runs a long HiGHS MIP solve of the full model per instance (broker.highs), and
+--reference runs a long HiGHS MIP solve of the full model per instance (broker.plan.highs), and
 keeps per instance the best bound and the best objective ever seen, with the run that gave
 them, in bench/plan_family_reference.json (committed): later runs only raise the bound and
 lower the objective, never the reverse.
@@ -32,8 +32,8 @@ from typing import Any
 
 from placement_plan import Shape, generate
 
-from broker.plan import PlanProblem, candidates, evaluate, load_problem
-from broker.solver import greedy, solve
+from broker.plan.problem import PlanProblem, candidates, evaluate, load_problem
+from broker.plan.solver import greedy, solve
 
 REFERENCE = Path(__file__).with_name("plan_family_reference.json")
 TARGET_GAP = 0.015  # the plan within 1.5 % of the best known bound (issue 16)
@@ -140,7 +140,7 @@ def describe(inst: Instance, problem: PlanProblem) -> str:
 
 
 def run_reference(insts: list[Instance], seconds: float) -> None:
-    from broker.highs import relax, solve_mip
+    from broker.plan.highs import relax, solve_mip
 
     ref = load_reference()
     for inst in insts:

@@ -1,9 +1,10 @@
 """One scheduler pass with tenancy at scale: quotas over cohorts, fair share, preemption.
 
-Prints figures; not a timed test. Builds a View (broker.view) of N sites (the demo's site
+Prints figures; not a timed test. Builds a View (broker.state.view) of N sites (the demo's site
 templates, copied) that are nearly full of running jobs of T tenants in cohorts, with
 quotas and weights, some best-effort and some low priority, then P pending jobs of every
-tenant, many of them at a higher priority than what runs, and times `broker.decisions.decide`:
+tenant, many of them at a higher priority than what runs, and times
+`broker.leader.decisions.decide`:
 the whole pass (reports, failover, the fair-share ordered fast path with preemption for up to
 MAX_PREEMPTION_TRIES jobs), the preemptions it decided, and, for comparison, the same pass
 without a tenancy (plain priority order, no quotas). The first pass, then the median of R
@@ -31,12 +32,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # first: bench/routing.py must not shadow the routing package
 
-from broker import decisions as dc  # noqa: E402
-from broker.jobs import Event, JobRecord, JobSpec, JobState, Placement  # noqa: E402
-from broker.settings import SchedulingSettings  # noqa: E402
-from broker.tenancy import Quotas  # noqa: E402
-from broker.tenants import TenancyFile  # noqa: E402
-from broker.view import View  # noqa: E402
+from broker.leader import decisions as dc  # noqa: E402
+from broker.model.jobs import Event, JobRecord, JobSpec, JobState, Placement  # noqa: E402
+from broker.model.tenants import TenancyFile  # noqa: E402
+from broker.placement.settings import SchedulingSettings  # noqa: E402
+from broker.placement.tenancy import Quotas  # noqa: E402
+from broker.state.view import View  # noqa: E402
 from sites.assignments import Assignment  # noqa: E402
 from sites.catalog import DeviceCatalog, normalize_inventory  # noqa: E402
 from sites.config import load_sites, site_files  # noqa: E402

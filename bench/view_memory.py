@@ -1,4 +1,5 @@
-"""Memory the broker's view holds per site and per job, and what an update costs (broker.view).
+"""Memory the broker's view holds per site and per job, and what an update costs
+(broker.state.view).
 
 Prints figures; not a timed test. Feeds a ViewCache the registry values of N synthetic sites
 (spec, status, agent record, 4 links, one service endpoint: what an agent publishes) and of
@@ -19,9 +20,9 @@ import time
 import tracemalloc
 from pathlib import Path
 
-from broker.jobs import Event, JobRecord, JobSpec, JobState
-from broker.store import encode
-from broker.view import ViewCache
+from broker.model.jobs import Event, JobRecord, JobSpec, JobState
+from broker.state.store import encode
+from broker.state.view import ViewCache
 from sites import keys
 from sites.catalog import DeviceCatalog, normalize_inventory
 from sites.config import load_sites, site_files

@@ -13,13 +13,13 @@ from pathlib import Path
 
 from aiohttp import web
 
-from broker.api import make_app
-from broker.inference import Gateway
-from broker.regions import load_user_regions, user_rtt_ms
-from broker.router import Router
-from broker.service import RESTART, Broker
-from broker.settings import BrokerSettings, load_settings, read_site_keys
-from broker.tenants import load_tenancy
+from broker.api.app import make_app
+from broker.api.inference import Gateway
+from broker.model.regions import load_user_regions, user_rtt_ms
+from broker.model.tenants import load_tenancy
+from broker.placement.settings import BrokerSettings, load_settings, read_site_keys
+from broker.process import RESTART, Broker
+from broker.state.router import Router
 from routing import native
 from routing.clients import load_clients
 from routing.lane_site import LaneSite

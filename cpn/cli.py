@@ -347,8 +347,8 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 async def cmd_token_create(args: argparse.Namespace) -> int:
     """Through the broker (with a token that may), or straight into etcd with --etcd (or
     $CPN_ETCD and no token configured): how the first admin token is made."""
-    from broker.auth import Role, create_token, new_token
-    from broker.errors import InvalidRequest
+    from broker.model.errors import InvalidRequest
+    from broker.state.auth import Role, create_token, new_token
     from sites.durations import parse_duration_s
 
     try:
@@ -466,8 +466,8 @@ async def cmd_alerts(args: argparse.Namespace) -> int:
     """`cpn alerts`: firing and recently resolved alerts (GET /v1/alerts); `cpn alerts rules`:
     the same rules as a Prometheus alerting-rules file, from configs/broker.yaml."""
     if args.alerts_command == "rules":
-        from broker.alert_export import rules_yaml
-        from broker.settings import load_settings
+        from broker.leader.alert_export import rules_yaml
+        from broker.placement.settings import load_settings
 
         where = Path(args.config_dir) if args.config_dir else config_dir()
         print(rules_yaml(load_settings(where / "broker.yaml").alerts), end="")
@@ -544,7 +544,7 @@ def cmd_plan_capacity(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from broker.plan_cli import main as plan_main
+    from broker.plan.cli import main as plan_main
 
     return plan_main(args.rest)
 
@@ -865,7 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
 # commands with their own parser: everything after the name is theirs, `--help` included
 # (argparse's REMAINDER does not take an option that comes first)
 _DELEGATED = {
-    "plan": ("broker.plan_cli", "main"),
+    "plan": ("broker.plan.cli", "main"),
     "simulate": ("simulations.cli", "simulate_main"),
     "plan-capacity": ("simulations.cli", "plan_capacity_main"),
 }

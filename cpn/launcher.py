@@ -31,8 +31,8 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import yaml
 
-from broker.auth import Role, create_token, new_token
-from broker.regions import load_user_regions
+from broker.model.regions import load_user_regions
+from broker.state.auth import Role, create_token, new_token
 from cpn import render
 from cpn.certs import Pki
 from cpn.client import ApiError, BrokerClient

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from broker.regions import load_user_regions
+from broker.model.regions import load_user_regions
 from cpn.client import BrokerClient, certificate_authority, connection
 from cpn.config import ConfigFileError
 from cpn.load import LoadError, LoadReport, LoadSettings, LoadWindow, run_load

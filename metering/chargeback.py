@@ -1,6 +1,6 @@
 """Usage reports as a person or a finance system reads them: a table, CSV, and the monthly
 chargeback (a CSV per tenant, site and model, the idle capacity cost per site apart, and a PNG
-chart of both). Input: the JSON of GET /v1/usage (broker.usage_api.UsageReport).
+chart of both). Input: the JSON of GET /v1/usage (broker.api.usage.UsageReport).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The usage ledger's unit: one `Segment` per run (one attempt of a job at one site). Pure.
 
 The broker closes a segment in the very transaction that ends the run (the job record's
-guarded write, broker.store / broker.actions), at /cpn/v1/usage/segments/<day>/<job>/<attempt>
+guarded write, broker.state.store / broker.leader.actions), at
+/cpn/v1/usage/segments/<day>/<job>/<attempt>
 (sites.keys.usage_segment). A run ends once per (job, attempt): the transaction that ends it
 is guarded on the job record's revision, so a second writer (a retried action, a new leader)
 finds the run already over and writes nothing; and the key is the run's own, so even a

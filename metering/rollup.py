@@ -1,7 +1,7 @@
 """Rollups: a closed day's segments summed into a few keys, so that what a broker reads at
 start, and holds, grows with days and groups, not with runs.
 
-The leader (broker.history) takes the segments of days older than `usage_rollup_after_s`,
+The leader (broker.leader.history) takes the segments of days older than `usage_rollup_after_s`,
 ROLLUP_SEGMENTS at a time, and in ONE transaction guarded by each segment's revision: puts a
 `Rollup` (their rows summed by tenant, site, model and day, exactly as `metering.usage.pieces`
 shares a segment out), moves the segments to /cpn/v1/history/usage/ (their detail, for exports),

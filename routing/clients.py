@@ -249,8 +249,8 @@ def load_clients(
 ) -> Clients:
     """Read and validate clients.yaml; ConfigError lists every problem with file and field.
 
-    With `user_regions` (configs/regions.yaml, as broker.regions.load_user_regions returns) every
-    id must be a user region and every omitted rtt_ms must be estimable; with `sites` every
+    With `user_regions` (configs/regions.yaml, as broker.model.regions.load_user_regions returns)
+    every id must be a user region and every omitted rtt_ms must be estimable; with `sites` every
     attach site must exist and every allowed region must be some site's region.
     """
     file = Path(path) if path is not None else default_path()

@@ -6,7 +6,7 @@ routing.py). The lane is the listener's protocol: it reads each request head on 
 and
 
 - a request for `/v1/infer/{service}/...` is parsed by httptools (llhttp), admitted by the
-  `Guard` (the broker's tokens, request ids and request counters: broker.inference) and
+  `Guard` (the broker's tokens, request ids and request counters: broker.api.inference) and
   served by `InferenceProxy.serve` over `LaneExchange`, which writes the answer's bytes
   itself (one write for a whole answer);
 - at the first request for anything else the connection, with every byte read so far, goes

@@ -3,7 +3,7 @@
 No I/O, no clock reads, no hidden state: `now` is passed in, randomness comes from the caller's
 `rng`, and the one piece of memory the policy needs (the site a (service, client region) was
 last sent to, for hysteresis) goes in as `previous` and comes back as Route.previous. The
-gateway (broker.router.Router) and the capacity simulator (simulations.inference) each keep
+gateway (broker.state.router.Router) and the capacity simulator (simulations.inference) each keep
 that per (service, client region) and call this with the same RoutingSettings, so a capacity
 plan routes as the gateway does, including near capacity.
 

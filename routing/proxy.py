@@ -184,7 +184,7 @@ per request that reached a site (the broker counts it: cpn_proxy_request_duratio
 
 class TrafficSink(Protocol):
     """Where the proxy counts demand per (service, client region), for the autoscaler
-    (broker.traffic.TrafficBook): both calls O(1), on the request's path."""
+    (broker.state.traffic.TrafficBook): both calls O(1), on the request's path."""
 
     def request(self, service: str, region: str) -> None:
         """A request for a known service from a known client region (answered or not)."""
@@ -376,7 +376,7 @@ class InferenceProxy:
         see it).
         `site_keys`: (site, service, or "*" for every service there) -> the key that site's
         model servers require, sent as `Authorization: Bearer <key>` in place of the client's
-        header (broker.settings.SiteKey)."""
+        header (broker.placement.settings.SiteKey)."""
         if connect_timeout_s <= 0 or response_timeout_s <= 0:
             raise ValueError("connect_timeout_s and response_timeout_s must be > 0")
         if max_attempts < 1:

@@ -26,10 +26,10 @@ For each service of a scenario's `services:` section (simulations.service_demand
 4. Signals, as a replica's model server would publish them (vLLM names): running = busy
    slots, waiting = the M/M/c mean queue (or what exceeds capacity), KV-cache use = busy
    slots / slots (a modelled figure: a slot's sequence holds its share of the cache).
-5. Scaling, every interval: `cpn` calls broker.autoscaler.decide with the step's rates and
+5. Scaling, every interval: `cpn` calls broker.model.autoscaler.decide with the step's rates and
    measured p95 per client region, each region's replicas and signals and the RTT table
    (client region -> region, pairs sovereignty forbids left out), every
-   spec.scaling.interval_s; `skyserve` calls broker.autoscaler.skyserve_decide every 20 s
+   spec.scaling.interval_s; `skyserve` calls broker.model.autoscaler.skyserve_decide every 20 s
    with the QPS of the last 60 s, all replicas in one region; `static` keeps max_replicas,
    spread over the regions by their peak demand. A new replica is ready `startup_s` after
    the decision; a removed one goes at once (starting ones first, then the newest).
@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.autoscaler import (
+from broker.model.autoscaler import (
     SKYSERVE_DECISION_INTERVAL_S,
     SKYSERVE_QPS_WINDOW_S,
     AutoscalerState,
@@ -63,7 +63,7 @@ from broker.autoscaler import (
     decide,
     skyserve_decide,
 )
-from broker.services import ServiceSpec
+from broker.model.services import ServiceSpec
 from routing.selection import Candidate
 from simulations.inference import SliceRouter, build_topology, service_profiles
 from simulations.queueing import erlang_c

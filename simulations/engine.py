@@ -1,5 +1,6 @@
 """The discrete-event simulation: jobs arrive, are placed by the broker's own placement code
-(broker.placement, broker.batch + broker.solver) or a baseline, run, finish, and move when their
+(broker.placement.place, broker.plan.batch + broker.plan.solver) or a baseline, run, finish, and
+move when their
 site dies; inference demand is routed by the router's own selection code (simulations.inference).
 
 Virtual time is seconds from the scenario's start (t = 0 is 00:00 UTC of day 0). Events:
@@ -7,7 +8,7 @@ Virtual time is seconds from the scenario's start (t = 0 is 00:00 UTC of day 0).
     arrival      the next job of the merged, time-sorted workloads (simulations.arrivals)
     finish       a running job completes; its capacity returns to its site
     down / up    a scenario failure starts / ends; `failover` fires failover_grace_s after down
-                 and re-queues the site's jobs as the broker does (broker.lifecycle)
+                 and re-queues the site's jobs as the broker does (broker.model.lifecycle)
     batch        the CP-SAT pass (policy batch) every batch_interval_s
     inference    the routing step every inference_step_s
     sample       the utilization and queue series, every sample_s, and the devices free but
@@ -15,15 +16,15 @@ Virtual time is seconds from the scenario's start (t = 0 is 00:00 UTC of day 0).
 
 Policies and what happens on each event (docs/simulation.md):
 
-- fast-path: the broker's behaviour. An arrival is placed at once by broker.placement.place on
+- fast-path: the broker's behaviour. An arrival is placed at once by broker.placement.place.place on
   the current snapshot; what cannot be placed waits. Whenever capacity returns, waiting jobs are
   retried in the broker's order (priority, then arrival) and any that fits is placed (no
   head-of-line blocking). Retries are gated without changing the outcome: jobs with the same
   request (a "class") are equivalent, so only a class's oldest job is tried, and only when a
   site it could use gained capacity (or its tenant gave back quota, or a site came up).
 - batch: arrivals wait for the next pass; each pass turns every waiting job into one plan
-  problem (broker.batch.to_problem), solves it with broker.solver (one worker, so a pass that
-  finishes within its time limit is deterministic) and applies the plan; jobs the plan format
+  problem (broker.plan.batch.to_problem), solves it with broker.plan.solver (one worker, so a pass
+  that finishes within its time limit is deterministic) and applies the plan; jobs the plan format
   cannot express go through the fast path at the pass, as in the broker.
 - fifo-first-fit / random: baselines with a strict FIFO queue (the head blocks the others);
   the head goes to the first site in file order that fits / a uniformly random one.
@@ -52,18 +53,18 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from broker import batch as bt
-from broker import feasibility as fz
-from broker import placement as pl
-from broker.green import green_of, priced
-from broker.jobs import DataLocation, GpuRequest, JobSpec
-from broker.lifecycle import RetryPolicy, retry_backoff_s
-from broker.preemption import Preemption, Running, lost_s, victim_kind
-from broker.settings import SchedulingSettings
-from broker.solver import collector_paused, solve
-from broker.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
-from broker.tenants import TenancyFile
-from broker.why import Fairness, own_order
+from broker.model.jobs import DataLocation, GpuRequest, JobSpec
+from broker.model.lifecycle import RetryPolicy, retry_backoff_s
+from broker.model.tenants import TenancyFile
+from broker.placement import feasibility as fz
+from broker.placement import place as pl
+from broker.placement.green import green_of, priced
+from broker.placement.preemption import Preemption, Running, lost_s, victim_kind
+from broker.placement.settings import SchedulingSettings
+from broker.placement.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
+from broker.placement.why import Fairness, own_order
+from broker.plan import batch as bt
+from broker.plan.solver import collector_paused, solve
 from simulations.arrivals import Arrivals, generate
 from simulations.autoscaling import run_services
 from simulations.inference import InferenceSim
@@ -138,7 +139,7 @@ class _Class:
 
     def fits(self, fed: pl.Federation, s: int) -> bool:
         """Could site `s` take the class's request now? The filter's static verdicts from the
-        last try (`ineligible`), then its capacity part (broker.feasibility.capacity)."""
+        last try (`ineligible`), then its capacity part (broker.placement.feasibility.capacity)."""
         offer = fed.sites[s]
         if not offer.up or offer.cordoned or offer.id in self.ineligible:
             return False
@@ -327,7 +328,7 @@ class Simulation:
         self.fair_share = FairShare((self.tenancy or TenancyFile()).fair_share.half_life, 0.0, {})
         self._in_pass: set[int] = set()
         self._passing = False
-        # jobs whose preemption found nothing, and when (broker.service keeps the same): each
+        # jobs whose preemption found nothing, and when (broker.process keeps the same): each
         # is given no try for PREEMPT_RETRY_S; a gated pass is due when one of them may try
         # again, a job joined a waiting class, or the last pass spent every try (the reference
         # runs one at every event, and those change which jobs get the tries)
@@ -820,7 +821,7 @@ class Simulation:
             bisect.insort(self.queues.setdefault("", []), j)
 
     def _hold(self, j: int, model: str | None, region: str, sign: int) -> None:
-        """What tenants hold, for fair share (broker.tenancy.held_by_tenant's figures) and
+        """What tenants hold, for fair share (broker.placement.tenancy.held_by_tenant's figures) and
         for preemption's necessary conditions (the priorities and best-effort work running)."""
         cls = self.waiting(j)
         demand = self.quotas.demand(cls.gpus, model, cls.cpu, cls.mem, region)
@@ -838,7 +839,8 @@ class Simulation:
         return self.held
 
     def victims_possible(self, spec: JobSpec, may_preempt: bool, usage: pl.TenantUsage) -> bool:
-        """A necessary condition of broker.preemption.possible, without the victim index: the
+        """A necessary condition of broker.placement.preemption.possible, without the victim index:
+        the
         job is no gang and not best-effort (which preempts nothing), and best-effort work runs,
         lower-priority work runs (and the job may preempt), or its tenant is in a cohort (it
         may reclaim while it stays within its nominal quota). Gated passes only; a reference
@@ -892,7 +894,7 @@ class Simulation:
         return bool(failed) and self.now - min(failed.values()) >= PREEMPT_RETRY_S
 
     def _preempt_skip(self) -> frozenset[int]:
-        """The jobs whose preemption found nothing lately (broker.service's preempt_skip)."""
+        """The jobs whose preemption found nothing lately (broker.process's preempt_skip)."""
         now = self.now
         self.preempt_failed = {
             j: at for j, at in self.preempt_failed.items() if now - at < PREEMPT_RETRY_S
@@ -959,7 +961,8 @@ class Simulation:
         return self._spec(item, self.waiting(item))
 
     def running(self) -> list[Running]:
-        """The live jobs as broker.preemption weighs them (not those placed in this pass)."""
+        """The live jobs as broker.placement.preemption weighs them (not those placed in this
+        pass)."""
         out = []
         for j, run in self.runs.items():
             if j in self._in_pass:
@@ -1024,7 +1027,8 @@ class Simulation:
 
     def _try_baseline(self, j: int, cls: _Class) -> bool:
         """The head of the FIFO to the first site (fifo-first-fit) or a random one (random)
-        that broker.feasibility finds feasible, with the model and price it gives there."""
+        that broker.placement.feasibility finds feasible, with the model and price it gives
+        there."""
         spec = self._spec(j, cls)
         when = EPOCH + timedelta(seconds=self.now)
         req = fz.request(spec, self.fed, now=when, usage=self.usage, groups=self.groups)
@@ -1059,7 +1063,7 @@ class Simulation:
         waiting = list(self.fifo)  # every job in it waits: placed ones leave at the pass's end
         if not waiting:
             return
-        with collector_paused():  # a third of the run otherwise (broker.solver)
+        with collector_paused():  # a third of the run otherwise (broker.plan.solver)
             self._batch_pass_of(waiting)
 
     def _batch_pass_of(self, waiting: list[int]) -> None:
@@ -1155,7 +1159,7 @@ class Simulation:
             self._keep_checkpoint(j, run)
             self._release(j, run)
             retries = self.retries.get(j, 0)
-            # the broker's rule (broker.lifecycle): a lost site uses up a retry, no backoff
+            # the broker's rule (broker.model.lifecycle): a lost site uses up a retry, no backoff
             if retry_backoff_s(retries, self.policy.max_retries, self.retry) is None:
                 self.state[j] = Phase.FAILED
                 self.failed += 1
@@ -1221,7 +1225,7 @@ class Simulation:
 
 def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision | None:
     """A placement Decision for a baseline's choice, priced by the filter as the fast path is,
-    on the nodes broker.nodes chooses at a site with nodes (None: they cannot hold it)."""
+    on the nodes broker.placement.nodes chooses at a site with nodes (None: they cannot hold it)."""
     cost, _, _, offer, model, compute, egress, latency = option
     on_nodes = pl.nodes_at(spec, offer, model)
     if on_nodes is None:
@@ -1245,7 +1249,7 @@ def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision | None:
 
 def _offer(spec: SiteSpec, catalog: DeviceCatalog, policy: SchedulingSettings) -> pl.SiteOffer:
     """A site with nothing running, its rates with energy and carbon priced in when the
-    scenario's policy prices them (broker.green, as the broker's view does)."""
+    scenario's policy prices them (broker.placement.green, as the broker's view does)."""
     offer = pl.SiteOffer.from_spec(spec, catalog, packing=policy.node_packing)
     green = green_of(spec, catalog, policy)
     if green is None:

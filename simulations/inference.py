@@ -82,7 +82,7 @@ def service_profiles(path: Any) -> tuple[dict[str, tuple[float, float]], tuple[f
 class SliceRouter:
     """The simulator's gateway: routing.policy.route, one slice as one request.
 
-    Keeps what broker.router.Router keeps (the hysteresis site per (service, client region),
+    Keeps what broker.state.router.Router keeps (the hysteresis site per (service, client region),
     the rng), so with the same settings, topology, candidates and loads it makes the same
     choices (tests/routing/test_policy.py holds them equal).
     """

@@ -8,8 +8,10 @@ real racks: sites that publish their nodes declare `topology` in their own file.
 
 `Fragmentation` samples, where the engine samples utilization, the free devices that no waiting
 job could use: at each site with nodes that is up, for each model, the free devices on nodes
-that cannot hold the smallest per-node demand (broker.nodes.shape) among the jobs waiting for
-that model and allowed at the site (broker.nodes.NodesFree.fragmentation), as a fraction of the
+that cannot hold the smallest per-node demand (broker.placement.nodes.shape) among the jobs waiting
+for
+that model and allowed at the site (broker.placement.nodes.NodesFree.fragmentation), as a fraction
+of the
 free devices of the models jobs wait for (a model nobody waits for strands nothing, and its free
 devices would only dilute the figure; they are reported apart). A partitioned device counts as
 its free slots. Workflow steps waiting for their parents' site are not counted. Pure: reads
@@ -23,9 +25,9 @@ import re
 from collections.abc import Iterable
 from typing import Any, Protocol
 
-from broker import placement as pl
-from broker.jobs import JobSpec
-from broker.nodes import shape
+from broker.model.jobs import JobSpec
+from broker.placement import place as pl
+from broker.placement.nodes import shape
 from sites.spec import SiteSpec
 
 __all__ = ["Fragmentation", "Waiting", "generated_topology"]

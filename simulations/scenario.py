@@ -15,7 +15,8 @@ seed, a placement policy, workloads and site failures, as one validated YAML fil
     seed: 1
     policy: {kind: fast-path}        # fast-path | batch | fifo | fifo-first-fit | random;
                                      # node_packing: pack | spread at sites with nodes
-    tenancy: {...}                   # optional: broker.tenants.TenancyFile (configs/tenants.yaml's
+    tenancy: {...}                   # optional: broker.model.tenants.TenancyFile
+    (configs/tenants.yaml's
                                      # format); absent: the configs directory's tenants.yaml
     workloads: [...]                 # simulations.workloads (docs/simulation-workloads.md)
     failures:
@@ -47,10 +48,10 @@ from pydantic import (
     model_validator,
 )
 
-from broker.regions import load_user_regions, user_rtt_ms
-from broker.settings import SchedulingSettings
-from broker.tenants import TenancyFile, load_tenancy
-from broker.workflows import WorkflowSpec
+from broker.model.regions import load_user_regions, user_rtt_ms
+from broker.model.tenants import TenancyFile, load_tenancy
+from broker.model.workflows import WorkflowSpec
+from broker.placement.settings import SchedulingSettings
 from routing.clients import Clients, load_clients
 from routing.policy import RoutingSettings
 from simulations.nodes import generated_topology
@@ -222,7 +223,7 @@ class PolicyKind(enum.StrEnum):
 
 
 class PolicySettings(SchedulingSettings):
-    """A scenario's `policy:`: the broker's scheduling settings (broker.settings.
+    """A scenario's `policy:`: the broker's scheduling settings (broker.placement.settings.
     SchedulingSettings: fields, units and defaults are documented there, once), which a
     scenario overrides rather than redefines, plus what only a simulation needs."""
 
@@ -274,7 +275,7 @@ class Scenario(_Frozen):
     tenancy: TenancyFile | None = Field(
         default=None,
         description="tenants, cohorts, priority classes, fair share and preemption "
-        "(configs/tenants.yaml's format, broker.tenants); absent: the configs directory's "
+        "(configs/tenants.yaml's format, broker.model.tenants); absent: the configs directory's "
         "tenants.yaml, if any",
     )
     # services before workloads: the workloads' check reads them
@@ -643,7 +644,7 @@ def _cross_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Pr
 
 
 def _classes_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Problem]:
-    """Priority classes as the broker resolves them at submit (broker.operations.resolve):
+    """Priority classes as the broker resolves them at submit (broker.ops.operations.resolve):
     a known class, and no explicit priority or best_effort that contradicts it."""
     problems: list[Problem] = []
     policy = scenario.policy

@@ -1,7 +1,8 @@
 """A scenario's `services:` section: autoscaled inference services and their daily demand.
 
     services:
-      - spec: {...}                 # broker.services.ServiceSpec, as `cpn service apply` takes it
+      - spec: {...}                 # broker.model.services.ServiceSpec, as `cpn service apply`
+      takes it
         demand:
           requests_per_s: {beijing: 20, frankfurt: 12}   # client region -> mean over a day
           peak_local_hour: 20       # local time of the day's highest rate, in every region
@@ -25,7 +26,7 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from broker.services import ServiceSpec
+from broker.model.services import ServiceSpec
 from simulations.workloads import diurnal_factor
 from sites.durations import Duration
 
@@ -42,8 +43,10 @@ class _Frozen(BaseModel):
 
 
 class ScalerKind(enum.StrEnum):
-    cpn = "cpn"  # broker.autoscaler.decide: per region, from demand, SLO misses and saturation
-    skyserve = "skyserve"  # broker.autoscaler.skyserve_decide: one region, QPS per replica
+    cpn = (
+        "cpn"  # broker.model.autoscaler.decide: per region, from demand, SLO misses and saturation
+    )
+    skyserve = "skyserve"  # broker.model.autoscaler.skyserve_decide: one region, QPS per replica
     static = "static"  # max_replicas all day, spread over the regions by their peak demand
 
 

@@ -1,15 +1,19 @@
-"""The broker's tenancy in the simulator: one scheduling pass as broker.decisions makes it, and
+"""The broker's tenancy in the simulator: one scheduling pass as broker.leader.decisions makes it,
+and
 what lets the simulator skip tries whose outcome it already knows.
 
-`TenancyPass.run` is the fast path of `broker.decisions._Pass.place` on the simulator's state,
-calling the same policy code: waiting jobs in `broker.why.Fairness.order` (the tenant with the
+`TenancyPass.run` is the fast path of `broker.leader.decisions._Pass.place` on the simulator's
+state,
+calling the same policy code: waiting jobs in `broker.placement.why.Fairness.order` (the tenant
+with the
 lowest weighted dominant share first; a tenant's own jobs by priority, then age), each placed
-by `broker.placement.place` under quotas over cohorts (`TenantUsage.tree`) and charged with
-`broker.placement.charged`; a job that finds no site may preempt, as `broker.preemption.plan`
+by `broker.placement.place.place` under quotas over cohorts (`TenantUsage.tree`) and charged with
+`broker.placement.place.charged`; a job that finds no site may preempt, as
+`broker.placement.preemption.plan`
 decides, with the broker's tries: a try only for a job with a possible victim
-(`broker.preemption.possible`), at most MAX_PREEMPTION_TRIES a pass, and a job whose search
-found nothing skipped for PREEMPT_RETRY_S (`preempt_skip`, `preempt_failed`: the engine keeps
-them on virtual time as broker.service does). With `fairness=None` it is the fifo baseline: the
+(`broker.placement.preemption.possible`), at most MAX_PREEMPTION_TRIES a pass, and a job whose
+search found nothing skipped for PREEMPT_RETRY_S (`preempt_skip`, `preempt_failed`: the engine keeps
+them on virtual time as broker.process does). With `fairness=None` it is the fifo baseline: the
 queue in arrival order, no fair share, no preemption.
 
 Gates. Waiting jobs with the same request (a class: tenant, shape, priority, best-effort) get
@@ -43,9 +47,10 @@ from collections.abc import Container, Iterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
-from broker import placement as pl
-from broker.jobs import JobSpec
-from broker.preemption import (
+from broker.model.jobs import JobSpec
+from broker.model.tenants import TenancyFile
+from broker.placement import place as pl
+from broker.placement.preemption import (
     CAPACITY_FILTERS,
     MAX_PREEMPTION_TRIES,
     PREEMPT_RETRY_S,
@@ -56,9 +61,8 @@ from broker.preemption import (
     plan,
     possible,
 )
-from broker.tenancy import Quotas
-from broker.tenants import TenancyFile
-from broker.why import Fairness
+from broker.placement.tenancy import Quotas
+from broker.placement.why import Fairness
 
 __all__ = [
     "PREEMPT_RETRY_S",
@@ -175,7 +179,9 @@ class Host(Protocol[Item_contra]):
     def running(self) -> list[Running]: ...  # live at the pass's start, not placed in it
     def victims_possible(
         self, spec: JobSpec, may_preempt: bool, usage: pl.TenantUsage
-    ) -> bool: ...  # False only where broker.preemption.possible is (a necessary condition)
+    ) -> (
+        bool
+    ): ...  # False only where broker.placement.preemption.possible is (a necessary condition)
     def started(self, item: Item_contra, spec: JobSpec, decision: pl.Decision) -> None: ...
     def evicted(self, victim: Running, by: JobSpec) -> None: ...
 
@@ -183,9 +189,9 @@ class Host(Protocol[Item_contra]):
 class TenancyPass:
     """One pass over the waiting jobs (module docstring). The snapshot, usage and group state
     are the pass's own, as in the broker; read them back after `run`. `preempt_skip`: jobs
-    whose preemption found nothing lately (broker.decisions.Context.preempt_skip), given no
+    whose preemption found nothing lately (broker.leader.decisions.Context.preempt_skip), given no
     try; `preempt_failed` after `run`: the jobs a preemption was sought for in vain
-    (broker.decisions.Decided.preempt_failed)."""
+    (broker.leader.decisions.Decided.preempt_failed)."""
 
     def __init__(
         self,
@@ -217,7 +223,7 @@ class TenancyPass:
         self._sites_taken: set[str] = set()
 
     def tries_left(self) -> bool:
-        """Has the pass a preemption try left (broker.preemption.MAX_PREEMPTION_TRIES)?"""
+        """Has the pass a preemption try left (broker.placement.preemption.MAX_PREEMPTION_TRIES)?"""
         return self._tries < MAX_PREEMPTION_TRIES
 
     def run(
@@ -312,7 +318,8 @@ class TenancyPass:
     def _possible(
         self, host: Host[Item], spec: JobSpec, sites: Sequence[str], may_preempt: bool
     ) -> bool:
-        """broker.preemption.possible on the pass's victim index, as the broker asks it before
+        """broker.placement.preemption.possible on the pass's victim index, as the broker asks it
+        before
         it counts a try; a gated pass asks the host's cheaper necessary condition first."""
         if not sites:
             return False
@@ -389,7 +396,8 @@ class TenancyPass:
         return True  # the victims' capacity opened gates
 
     def _running(self, host: Host[Item]) -> Runs:
-        """The live runs as victim units, built once a pass (broker.decisions._Pass._running)."""
+        """The live runs as victim units, built once a pass
+        (broker.leader.decisions._Pass._running)."""
         if self._live is None:
             self._live = Runs(host.running())
         return self._live
@@ -431,7 +439,7 @@ class TenancyPass:
     def _preempt(
         self, host: Host[Item], spec: JobSpec, chosen: Preemption, fairness: Fairness | None
     ) -> None:
-        """The victims back to waiting and the preemptor's capacity taken (broker.decisions.
+        """The victims back to waiting and the preemptor's capacity taken (broker.leader.decisions.
         _Pass._preempt on the snapshot)."""
         fed, used = give_back(self.fed, self.usage, chosen.victims)  # node shares too
         self._running(host).without(chosen.victims)
@@ -494,7 +502,7 @@ class TenantBook:
             self.preempted_series[t].append(self.preempted[t])
 
     def evicted(self, tenant: str, reason: str, lost_gpu_s: float) -> None:
-        """A job of `tenant` was preempted (`reason`: broker.preemption.victim_kind's
+        """A job of `tenant` was preempted (`reason`: broker.placement.preemption.victim_kind's
         'best-effort', 'priority' or 'reclaim'), losing `lost_gpu_s`."""
         self.preempted[tenant] = self.preempted.get(tenant, 0) + 1
         self.lost_gpu_s[tenant] = self.lost_gpu_s.get(tenant, 0.0) + lost_gpu_s

@@ -1,10 +1,10 @@
 """Workflow arrivals in a simulation (docs/workflows.md, "In the simulator").
 
 A scenario's `workflows:` entries each bring `count` instances of a DAG template (the
-broker's workflow file format, broker.workflows.WorkflowSpec), one every `every`. A step is
+broker's workflow file format, broker.model.workflows.WorkflowSpec), one every `every`. A step is
 released when all its parents finished, with its data at the site holding most of their
-outputs (broker.workflows.data_location, the broker's rule), and placed by the broker's own
-placement (broker.placement.place) on the simulation's snapshot, sharing capacity with the
+outputs (broker.model.workflows.data_location, the broker's rule), and placed by the broker's own
+placement (broker.placement.place.place) on the simulation's snapshot, sharing capacity with the
 batch workloads; a released step that does not fit waits and is tried again whenever
 capacity comes back. Steps always succeed here: the simulator has no failure model for them,
 and a site failure does not interrupt them.
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from broker import placement as pl
-from broker.jobs import JobSpec, StepInput
-from broker.workflows import WorkflowSpec, check, data_location, step_job, topological
+from broker.model.jobs import JobSpec, StepInput
+from broker.model.workflows import WorkflowSpec, check, data_location, step_job, topological
+from broker.placement import place as pl
 
 if TYPE_CHECKING:
     from simulations.engine import Simulation

@@ -29,7 +29,7 @@ class NodeShare(Frozen):
 
 
 class Serve(Frozen):
-    """A run that is a replica of a managed inference service (broker.services): the agent
+    """A run that is a replica of a managed inference service (broker.model.services): the agent
     gives it a port ($CPN_PORT, `{port}` in its command), probes its readiness, publishes it
     as the service's endpoint at this site once ready, and drains it before it stops: the
     endpoint is marked draining (routed to no more), and the run is stopped once what it has

@@ -44,15 +44,16 @@
 /cpn/v1/index/services/<svc>     ServiceSummary                broker, with the service record
 /cpn/v1/index/tenants/<tenant>/services/<svc>     ServiceSummary  broker, with it too
 /cpn/v1/scaling/<svc>            ScalingDecision               leader's autoscaler: replicas
-                                                               per client region (broker.services)
+                                                               per client region
+                                                               (broker.model.services)
 /cpn/v1/autoscaler/<svc>         AutoscalerRecord              leader's autoscaler: its delays in
-                                                               progress (broker.scaler)
+                                                               progress (broker.leader.scaler)
 /cpn/v1/traffic/<instance>       TrafficSummary   (lease)      every broker replica: its gateway's
                                                                requests and TTFB per service and
-                                                               client region (broker.traffic)
+                                                               client region (broker.state.traffic)
 
 <day> is the UTC date a run ended (YYYY-MM-DD), so a day's or a month's segments are one range.
-<inv> is the job's creation time inverted (broker.history.inverted_time), so etcd's key order
+<inv> is the job's creation time inverted (broker.leader.history.inverted_time), so etcd's key order
 is newest first; <ts> is a finish time in microseconds, so the oldest finished comes first.
 """
 
@@ -160,7 +161,7 @@ def job(job_id: str) -> str:
 
 
 def job_index(position: str, job_id: str) -> str:
-    """A hot job's entry in the newest-first index; `position` from broker.history."""
+    """A hot job's entry in the newest-first index; `position` from broker.leader.history."""
     return f"{JOB_INDEX}{position}/{job_id}"
 
 
@@ -258,7 +259,7 @@ WORKFLOW_INDEX = ROOT + "index/workflows/"
 
 
 def workflow(workflow_id: str) -> str:
-    """/cpn/v1/workflows/<id>: a workflow's DAG and its steps' job ids (broker.workflows)."""
+    """/cpn/v1/workflows/<id>: a workflow's DAG and its steps' job ids (broker.model.workflows)."""
     return f"{WORKFLOWS}{workflow_id}"
 
 
@@ -305,7 +306,7 @@ ALERTS_OUTBOX = ROOT + "alerts-outbox/"
 
 
 def alert(rule: str, subject: tuple[str, ...]) -> str:
-    """/cpn/v1/alerts/<rule>/<subject...>: one alert's state (broker.alerts), firing or
+    """/cpn/v1/alerts/<rule>/<subject...>: one alert's state (broker.leader.alerts), firing or
     resolved; the subject is a site, a link (src/dst), a tenant or a service/site."""
     return "/".join((ALERTS + rule, *subject))
 
@@ -322,13 +323,13 @@ SCALING = ROOT + "scaling/"
 
 def service_spec(name: str) -> str:
     """/cpn/v1/service-specs/<svc>: a managed service's spec, its replicas and its last scaling
-    events (broker.services.ServiceRecord). Not under SERVICES, whose keys are endpoints."""
+    events (broker.model.services.ServiceRecord). Not under SERVICES, whose keys are endpoints."""
     return f"{SERVICE_SPECS}{name}"
 
 
 def scaling(name: str) -> str:
     """/cpn/v1/scaling/<svc>: the autoscaler's last decision for the service
-    (broker.services.ScalingDecision), which the replica reconciler carries out."""
+    (broker.model.services.ScalingDecision), which the replica reconciler carries out."""
     return f"{SCALING}{name}"
 
 
@@ -338,13 +339,13 @@ TRAFFIC = ROOT + "traffic/"
 
 def autoscaler_state(name: str) -> str:
     """/cpn/v1/autoscaler/<svc>: the autoscaler's state for the service (its delays in
-    progress), so that a new leader goes on from it (broker.scaler.AutoscalerRecord)."""
+    progress), so that a new leader goes on from it (broker.leader.scaler.AutoscalerRecord)."""
     return f"{AUTOSCALER}{name}"
 
 
 def traffic(instance: str) -> str:
     """/cpn/v1/traffic/<instance>: one broker replica's gateway traffic, under its lease
-    (broker.traffic.TrafficSummary)."""
+    (broker.state.traffic.TrafficSummary)."""
     return f"{TRAFFIC}{instance}"
 
 

@@ -33,7 +33,7 @@ class PrefixMirror:
     - `on_change(items)` after the initial list and after every event (the whole mapping);
     - `on_reset(kvs)` after every (re-)list with everything under the prefix, then
       `on_event(key, value or None for a delete, mod_revision)` per change: a consumer that
-      keeps its own decoded state (broker.view) applies each change to what it changes, and
+      keeps its own decoded state (broker.state.view) applies each change to what it changes, and
       with keep_items=False the mirror holds no copy of the values at all.
     """
 

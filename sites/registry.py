@@ -572,7 +572,7 @@ class Registry:
         Pages come in etcd's own key order (no sort asked: a sorted range makes etcd read the
         whole range before it applies the limit). Mind that etcd (3.5) counts every key left
         in the range for each page it answers: a caller that wants a few keys from a large
-        prefix bounds the range with `end_key` (broker.history reads in time windows).
+        prefix bounds the range with `end_key` (broker.leader.history reads in time windows).
         """
         if not start_key.startswith(prefix):
             raise ValueError(f"start key {start_key!r} is not under {prefix!r}")
@@ -669,7 +669,8 @@ class Registry:
         response = await self._range_request(request, prefix)
         return int(response.count)
 
-    # -- maintenance (the leader's history loop: broker.history) ---------------------------------
+    # -- maintenance (the leader's history loop: broker.leader.history)
+    # ---------------------------------
 
     async def revision(self) -> int:
         """etcd's current revision (a count-only read of one key)."""

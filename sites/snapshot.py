@@ -82,7 +82,7 @@ class Snapshot:
     service_sites: dict[str, set[str]] = field(default_factory=dict)
     price_history: dict[str, PriceHistory] = field(default_factory=dict)
     # +1 per applied change: a reader that derives something from a snapshot kept current in
-    # place (broker.view) rebuilds it when this moved, not per request
+    # place (broker.state.view) rebuilds it when this moved, not per request
     version: int = 0
     # The links changed, in order, for a reader that follows a snapshot kept current in place
     # (routing.topology): it applies what changed since its last look, not every link. Kept
@@ -94,7 +94,7 @@ class Snapshot:
     journal_base: int = 0
     layout_version: int = 0
     # The sites whose spec, status, cordon, last_seen or agent changed, in order, kept like
-    # link_journal (GET /v1/sites renders again only those sites' rows, broker.site_list);
+    # link_journal (GET /v1/sites renders again only those sites' rows, broker.api.sites);
     # `site_journal_base` is the position of its first entry
     site_journal: list[str] | None = None
     site_journal_base: int = 0

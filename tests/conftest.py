@@ -36,7 +36,7 @@ os.environ["CPN_CONFIG"] = str(Path("/nonexistent/cpn-tests/config.yaml"))
 def admin_token_record() -> bytes:
     import hashlib
 
-    from broker.auth import Role, TokenRecord
+    from broker.state.auth import Role, TokenRecord
 
     token_id, secret = ADMIN_TOKEN[4:20], ADMIN_TOKEN[21:]
     record = TokenRecord(

@@ -2,7 +2,7 @@
 
 Used by tests/broker/test_history.py and bench/job_history.py. `old=True` writes what a
 broker from before the job index wrote (the record alone), so the first leader's migration
-has to index them; `old=False` writes them as today's broker does (broker.store.writes).
+has to index them; `old=False` writes them as today's broker does (broker.state.store.writes).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
-from broker.history import MIGRATION
-from broker.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState, Placement
-from broker.leadership import Leadership
-from broker.metrics import BrokerMetrics
-from broker.store import encode, writes
+from broker.leader.history import MIGRATION
+from broker.model.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState, Placement
+from broker.state.leadership import Leadership
+from broker.state.metrics import BrokerMetrics
+from broker.state.store import encode, writes
 from sites import keys
 from sites.clock import SystemClock
 from sites.registry import Registry

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import aggregate, batch, solver
-from broker import placement as pl
-from broker.plan import (
+from broker.placement import place as pl
+from broker.plan import aggregate, batch, solver
+from broker.plan.problem import (
     PlanProblem,
     PlanStatus,
     candidates,
@@ -24,7 +24,7 @@ from broker.plan import (
     job_cost,
     load_problem,
 )
-from broker.solver import collector_paused, solve
+from broker.plan.solver import collector_paused, solve
 from tests.broker.test_batch import FED, NOW
 from tests.broker.test_batch import job as pending_job
 from tests.broker.test_plan import brute_force, instances

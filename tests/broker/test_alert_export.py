@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from broker.alert_export import METRICS, rules_yaml
-from broker.alert_rules import AlertSettings
-from broker.alerts import AlertMetrics
-from broker.metrics import BrokerMetrics
-from broker.settings import load_settings
-from broker.view import View
+from broker.leader.alert_export import METRICS, rules_yaml
+from broker.leader.alerts import AlertMetrics
+from broker.model.alert_rules import AlertSettings
+from broker.placement.settings import load_settings
+from broker.state.metrics import BrokerMetrics
+from broker.state.view import View
 from sites.catalog import Capacity
 from sites.snapshot import Snapshot
 from sites.status import LinkStatus, SiteStatus

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.alert_rules import (
+from broker.model.alert_rules import (
     AlertInputs,
     AlertSettings,
     Baseline,
@@ -21,7 +21,7 @@ from broker.alert_rules import (
     update_baselines,
     update_slo,
 )
-from broker.settings import load_settings
+from broker.placement.settings import load_settings
 from sites.catalog import Capacity
 from sites.errors import ConfigError
 from sites.snapshot import Snapshot

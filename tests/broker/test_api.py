@@ -14,13 +14,13 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from broker import site_list
-from broker.api import HTTP, OPERATIONS, make_app, openapi_document
-from broker.inference import Gateway
-from broker.openapi import spec_path
-from broker.router import Router
-from broker.service import Broker
-from broker.site_list import SiteInfo, SiteRows, site_info, site_row
+from broker.api import sites as site_list
+from broker.api.app import HTTP, OPERATIONS, make_app, openapi_document
+from broker.api.inference import Gateway
+from broker.api.openapi import spec_path
+from broker.api.sites import SiteInfo, SiteRows, site_info, site_row
+from broker.process import Broker
+from broker.state.router import Router
 from sites import keys
 from sites.etcd_server import EmbeddedEtcd
 from sites.snapshot import Snapshot
@@ -138,7 +138,7 @@ def test_a_site_row_is_its_views_entry() -> None:
 async def test_site_rows_follow_the_journals_and_render_only_what_changed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """GET /v1/sites' rows (broker.site_list.SiteRows) against a snapshot kept current as the
+    """GET /v1/sites' rows (broker.api.sites.SiteRows) against a snapshot kept current as the
     view keeps it: after each change, every page equals the rows rendered from scratch, and
     only the sites the change touched were rendered again."""
     monkeypatch.setattr(site_list, "SITES_REFRESH_S", 0.0)
@@ -374,7 +374,7 @@ def _stand_in() -> Broker:
     """Enough of a Broker for make_app to wire its routes (no etcd behind it)."""
     from types import SimpleNamespace
 
-    from broker.settings import BrokerSettings
+    from broker.placement.settings import BrokerSettings
     from sites.clock import SystemClock
 
     return cast(

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from broker.access import ACCESS
-from broker.auth import GRANTS, Permission, Role
+from broker.api.access import ACCESS
+from broker.state.auth import GRANTS, Permission, Role
 from sites.etcd_server import EmbeddedEtcd
 from tests.broker.apiserver import ApiBroker, Reply, start_api_broker
 from tests.conftest import Processes, run_cpn

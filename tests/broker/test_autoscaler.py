@@ -1,4 +1,4 @@
-"""The autoscaler's decisions (broker.autoscaler): pure, on injected time, no etcd needed."""
+"""The autoscaler's decisions (broker.model.autoscaler): pure, on injected time, no etcd needed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from broker.autoscaler import (
+from broker.model.autoscaler import (
     LEARNED_FOR,
     SKYSERVE_DECISION_INTERVAL_S,
     AutoscalerState,
@@ -23,7 +23,7 @@ from broker.autoscaler import (
     scaling_decision,
     skyserve_decide,
 )
-from broker.services import ScalingDecision, ServiceSpec
+from broker.model.services import ScalingDecision, ServiceSpec
 
 # two far-apart places, each with a client region and a region replicas may run in; "west"
 # clients have no region of their own and are nearest to "west-dc"

@@ -17,9 +17,9 @@ import aiohttp
 import pytest
 import yaml
 
-from broker.scaler import AutoscalerRecord
-from broker.services import ScalingDecision
-from broker.traffic import TrafficSummary
+from broker.leader.scaler import AutoscalerRecord
+from broker.model.services import ScalingDecision
+from broker.state.traffic import TrafficSummary
 from sites import keys
 from tests.broker.conftest import SITES, Federation
 from tests.conftest import AUTH

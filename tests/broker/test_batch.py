@@ -5,10 +5,10 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from broker import batch
-from broker import placement as pl
-from broker.jobs import JobSpec
-from broker.solver import solve
+from broker.model.jobs import JobSpec
+from broker.placement import place as pl
+from broker.plan import batch
+from broker.plan.solver import solve
 from sites.spec import Prices
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)

@@ -1,4 +1,4 @@
-"""broker.columns' filter against the site-by-site loop (feasibility.screen_loop).
+"""broker.placement.columns' filter against the site-by-site loop (feasibility.screen_loop).
 
 Random federations with ties in price, sites down, cordoned, with and without nodes, user
 RTTs, and random jobs with every filter's terms (models, memory floors, data, latency limits,
@@ -18,11 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import columns
-from broker.feasibility import request, screen, screen_loop
-from broker.jobs import JobSpec
-from broker.nodes import Node, NodesFree
-from broker.placement import (
+from broker.model.jobs import JobSpec
+from broker.model.tenants import TenancyFile
+from broker.placement import columns
+from broker.placement.feasibility import request, screen, screen_loop
+from broker.placement.nodes import Node, NodesFree
+from broker.placement.place import (
     Decision,
     Federation,
     GroupState,
@@ -33,8 +34,7 @@ from broker.placement import (
     charged,
     place,
 )
-from broker.tenancy import BudgetLeft, Quotas
-from broker.tenants import TenancyFile
+from broker.placement.tenancy import BudgetLeft, Quotas
 from sites.catalog import DeviceCatalog
 from sites.spec import Prices
 
@@ -272,7 +272,7 @@ def test_a_new_snapshot_of_changed_offers_keeps_the_columns_of_the_last() -> Non
 
 
 def test_a_successor_takes_the_ids_and_chains_the_columns_of_the_changed_offers_only() -> None:
-    # the view's next snapshot (broker.view.federation): same sites, same order
+    # the view's next snapshot (broker.state.view.federation): same sites, same order
     before, static, sites = two_offers_changed(6)
     after = before.successor(tuple(sites), [3, 77], before.user_rtt_ms)
     assert after._index.by_id is before._index.by_id

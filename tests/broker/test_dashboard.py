@@ -322,8 +322,8 @@ def test_without_a_token_the_page_asks_for_one_and_a_bad_one_is_refused(
 
 
 def test_service_demand_sums_fresh_replicas_by_service_and_client_region() -> None:
-    from broker.dashboard import service_demand
-    from broker.traffic import PairCounts, TrafficSummary
+    from broker.api.dashboard import service_demand
+    from broker.state.traffic import PairCounts, TrafficSummary
 
     def summary(instance: str, at: float, **counts: int) -> TrafficSummary:
         return TrafficSummary(

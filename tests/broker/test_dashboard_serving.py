@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from broker.dashboard import ASSETS, route_flows
-from broker.metrics import BrokerMetrics
+from broker.api.dashboard import ASSETS, route_flows
+from broker.state.metrics import BrokerMetrics
 from sites.registry import Registry
 from tests.broker.apiserver import start_api_broker
 from tests.conftest import Processes

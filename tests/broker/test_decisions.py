@@ -1,4 +1,4 @@
-"""The leader's decisions on hand-built views: no etcd, no clock (broker.decisions)."""
+"""The leader's decisions on hand-built views: no etcd, no clock (broker.leader.decisions)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
-from broker import decisions as dc
-from broker.jobs import Event, JobRecord, JobSpec, JobState, Placement
-from broker.plan import Assignment as PlanAssignment
-from broker.plan import PlanResult, PlanStatus
-from broker.settings import SchedulingSettings
-from broker.view import View
+from broker.leader import decisions as dc
+from broker.model.jobs import Event, JobRecord, JobSpec, JobState, Placement
+from broker.placement.settings import SchedulingSettings
+from broker.plan.problem import Assignment as PlanAssignment
+from broker.plan.problem import PlanResult, PlanStatus
+from broker.state.view import View
 from sites import keys
 from sites.assignments import Assignment, Report, RunState
 from sites.catalog import DeviceCatalog, normalize_inventory
@@ -313,7 +313,7 @@ def test_member_running_while_another_waits_is_restarted() -> None:
 def test_a_job_whose_spec_breaks_placement_fails_with_the_reason(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from broker import placement as pl
+    from broker.placement import place as pl
 
     real = pl.place
 

@@ -1,4 +1,4 @@
-"""The broker exception tree: every BrokerError subclass is drawn in broker/errors.py's
+"""The broker exception tree: every BrokerError subclass is drawn in broker/model/errors.py's
 docstring, and the tree holds no class that nothing raises."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import importlib
 import pkgutil
 
 import broker
-import broker.errors
-from broker.errors import BrokerError, InvalidRequest
+import broker.model.errors
+from broker.model.errors import BrokerError, InvalidRequest
 
 
 def _broker_error_classes() -> set[type[BaseException]]:
@@ -25,18 +25,18 @@ def _broker_error_classes() -> set[type[BaseException]]:
 
 
 def test_every_broker_error_is_drawn_in_the_tree() -> None:
-    tree = broker.errors.__doc__ or ""
+    tree = broker.model.errors.__doc__ or ""
     classes = _broker_error_classes()
     assert InvalidRequest in classes
     missing = sorted(c.__name__ for c in classes if c.__name__ not in tree)
-    assert not missing, f"not drawn in broker/errors.py's docstring: {missing}"
+    assert not missing, f"not drawn in broker/model/errors.py's docstring: {missing}"
 
 
 def test_the_tree_draws_only_classes_that_exist() -> None:
     names = {c.__name__ for c in _broker_error_classes()} | {"BrokerError"}
     drawn = {
         line.split("── ", 1)[1].split()[0]
-        for line in (broker.errors.__doc__ or "").splitlines()
+        for line in (broker.model.errors.__doc__ or "").splitlines()
         if "── " in line
     }
     assert drawn <= names, f"drawn but not defined: {sorted(drawn - names)}"

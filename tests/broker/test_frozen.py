@@ -1,4 +1,4 @@
-"""broker.frozen.maker: what it makes is the class's own, frozen instance."""
+"""broker.model.frozen.maker: what it makes is the class's own, frozen instance."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from broker.frozen import maker
-from broker.offers import SiteOffer
-from broker.placement import Decision
-from broker.pricing import Breakdown
+from broker.model.frozen import maker
+from broker.placement.offers import SiteOffer
+from broker.placement.place import Decision
+from broker.placement.pricing import Breakdown
 from sites.spec import Prices
 
 

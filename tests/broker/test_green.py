@@ -1,4 +1,5 @@
-"""The green objective: energy and carbon priced into a site's rates (broker.green), the same
+"""The green objective: energy and carbon priced into a site's rates (broker.placement.green), the
+same
 in the fast path, the batch pass and `cpn plan`'s problem format."""
 
 from __future__ import annotations
@@ -9,14 +10,15 @@ from typing import Any
 
 import pytest
 
-from broker import batch, pricing
-from broker import decisions as dc
-from broker.green import green_of, priced
-from broker.jobs import JobState
-from broker.offers import Federation, Green, SiteOffer
-from broker.placement import Decision, GroupState, TenantUsage, place
-from broker.plan import Assignment, PlanProblem, PlanResult, PlanStatus, job_cost, job_parts
-from broker.settings import SchedulingSettings
+from broker.leader import decisions as dc
+from broker.model.jobs import JobState
+from broker.placement import pricing
+from broker.placement.green import green_of, priced
+from broker.placement.offers import Federation, Green, SiteOffer
+from broker.placement.place import Decision, GroupState, TenantUsage, place
+from broker.placement.settings import SchedulingSettings
+from broker.plan import batch
+from broker.plan.problem import Assignment, PlanProblem, PlanResult, PlanStatus, job_cost, job_parts
 from tests.broker.test_decisions import CATALOG, NOW, job, snapshot, view
 from tests.broker.test_pricing import NOW as DT_NOW
 from tests.broker.test_pricing import _random_fed, _random_job

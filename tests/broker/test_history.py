@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from broker import history
-from broker.errors import Expired, IllegalTransition, InvalidRequest, NotFound
-from broker.history import MIGRATION, HistoryKeeper, JobQuery, list_page, parse_since
-from broker.jobs import JobRecord, JobState
-from broker.leadership import Leadership
-from broker.metrics import BrokerMetrics
-from broker.settings import HistorySettings
-from broker.store import Change, JobStore, JobSummary, decode, position, state_entries
+from broker.leader import history
+from broker.leader.history import MIGRATION, HistoryKeeper, JobQuery, list_page, parse_since
+from broker.model.errors import Expired, IllegalTransition, InvalidRequest, NotFound
+from broker.model.jobs import JobRecord, JobState
+from broker.placement.settings import HistorySettings
+from broker.state.leadership import Leadership
+from broker.state.metrics import BrokerMetrics
+from broker.state.store import Change, JobStore, JobSummary, decode, position, state_entries
 from sites import keys
 from sites.clock import SystemClock
 from sites.etcd_server import EmbeddedEtcd
@@ -152,8 +152,8 @@ async def test_a_new_write_is_indexed_with_its_record(registry: Registry) -> Non
     assert [r.id for r in page.items] == [record.id] and page.next is None
 
     def finish(r: JobRecord, _: int) -> object:
-        from broker.jobs import Event
-        from broker.store import Change
+        from broker.model.jobs import Event
+        from broker.state.store import Change
 
         return Change(
             r.with_event(Event(at=now, type="cancelled", message="x"), state=JobState.CANCELLED)
@@ -302,8 +302,8 @@ async def test_a_state_filter_reads_only_that_states_jobs(
 async def test_transitions_of_an_archived_job_are_refused(
     registry: Registry, leader: Leadership
 ) -> None:
-    from broker.operations import Operations
-    from broker.view import View
+    from broker.ops.operations import Operations
+    from broker.state.view import View
 
     now = time.time()
     records = history_data.finished_jobs(3, now=now - 30 * DAY, days=1)
@@ -467,8 +467,8 @@ async def test_a_broker_killed_mid_archive_leaves_nothing_half_moved(
 async def test_a_gang_is_forgotten_with_its_last_member(
     registry: Registry, leader: Leadership
 ) -> None:
-    from broker.jobs import Gang
-    from broker.operations import GangRecord
+    from broker.model.jobs import Gang
+    from broker.ops.operations import GangRecord
 
     now = time.time()
     old = history_data.finished_jobs(3, now=now - 30 * DAY, days=1)
@@ -494,7 +494,7 @@ async def test_a_gang_is_forgotten_with_its_last_member(
 async def test_audit_entries_older_than_their_retention_are_dropped(
     registry: Registry, leader: Leadership
 ) -> None:
-    from broker.audit import AuditEntry, AuditLog
+    from broker.state.audit import AuditEntry, AuditLog
 
     now = time.time()
     log = AuditLog(registry=registry)

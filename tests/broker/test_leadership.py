@@ -8,8 +8,8 @@ import signal
 import time
 from pathlib import Path
 
-from broker.leadership import Leadership
-from broker.metrics import BrokerMetrics
+from broker.state.leadership import Leadership
+from broker.state.metrics import BrokerMetrics
 from sites.clock import SystemClock
 from sites.etcd_server import EmbeddedEtcd
 from sites.registry import Registry

@@ -11,15 +11,15 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from broker.jobs import JobRecord, JobSpec, JobState
-from broker.metrics import (
+from broker.model.jobs import JobRecord, JobSpec, JobState
+from broker.state.metrics import (
     LATENCY_BUCKETS,
     BrokerMetrics,
     LoopHistogram,
     exposition,
     register_on_loop,
 )
-from broker.view import View
+from broker.state.view import View
 from sites.snapshot import Snapshot
 
 

@@ -1,4 +1,5 @@
-"""Nodes and islands inside a site (broker.nodes): the fit test, the choice, placement on them.
+"""Nodes and islands inside a site (broker.placement.nodes): the fit test, the choice, placement on
+them.
 
 Sites are built from specs (sites.spec.Topology) small enough to check by hand.
 """
@@ -11,9 +12,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from broker.jobs import JobSpec
-from broker.nodes import NodesFree, shape
-from broker.placement import (
+from broker.model.jobs import JobSpec
+from broker.placement.nodes import NodesFree, shape
+from broker.placement.place import (
     Federation,
     GroupState,
     SiteOffer,
@@ -278,8 +279,8 @@ def test_the_agent_gives_the_devices_of_the_chosen_nodes() -> None:
 
 
 def test_the_batch_pass_takes_its_plan_to_the_nodes_and_leaves_what_they_cannot_hold() -> None:
-    from broker import batch
-    from broker.solver import solve
+    from broker.plan import batch
+    from broker.plan.solver import solve
 
     # site totals: 9 free H100, 3 a node; the plan (totals only) may put the 8-GPU job there,
     # but its nodes cannot hold it: it is left to a later pass, the 3-GPU jobs go on nodes
@@ -306,16 +307,16 @@ def test_the_batch_pass_takes_its_plan_to_the_nodes_and_leaves_what_they_cannot_
 def test_the_index_and_the_full_scan_agree_on_random_node_sites(
     monkeypatch: pytest.MonkeyPatch, tier_min: int | None
 ) -> None:
-    """tier_min 1: every price list of a floor is a tier (broker.placement._Tier), whose
+    """tier_min 1: every price list of a floor is a tier (broker.placement.place._Tier), whose
     sites' nodes may choose another model than their free devices say."""
     import random
 
-    from broker import placement
+    from broker.placement import place as placement
 
     if tier_min is not None:
         monkeypatch.setattr(placement, "TIER_HEAP_MIN", tier_min)
 
-    from broker.nodes import Node
+    from broker.placement.nodes import Node
     from sites.spec import Prices
 
     rng = random.Random(17)

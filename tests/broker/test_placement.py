@@ -1,4 +1,4 @@
-"""broker.placement (online placement) and broker.regions (user regions, RTT estimates).
+"""broker.placement.place (online placement) and broker.model.regions (user regions, RTT estimates).
 
 Federations are built by hand, small enough to check every figure with a pencil.
 """
@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 
-from broker import placement
-from broker.errors import InvalidRequest
-from broker.jobs import JobSpec
-from broker.placement import (
+from broker.model.errors import InvalidRequest
+from broker.model.jobs import JobSpec
+from broker.model.regions import load_user_regions, user_rtt_ms
+from broker.model.tenants import TenancyFile
+from broker.placement import place as placement
+from broker.placement.place import (
     FILTERS,
     Decision,
     Federation,
@@ -33,9 +35,7 @@ from broker.placement import (
     place_gang,
     release,
 )
-from broker.regions import load_user_regions, user_rtt_ms
-from broker.tenancy import BudgetLeft, Quotas
-from broker.tenants import TenancyFile
+from broker.placement.tenancy import BudgetLeft, Quotas
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, site_files
 from sites.errors import ConfigError

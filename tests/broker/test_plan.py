@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from broker.errors import InvalidRequest
-from broker.plan import (
+from broker.model.errors import InvalidRequest
+from broker.plan.cli import main
+from broker.plan.problem import (
     Assignment,
     PlanInputError,
     PlanProblem,
@@ -27,8 +28,7 @@ from broker.plan import (
     job_cost,
     load_problem,
 )
-from broker.plan_cli import main
-from broker.solver import greedy, solve
+from broker.plan.solver import greedy, solve
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -623,7 +623,7 @@ def test_cli_usage_and_file_errors(
 def test_cli_as_a_process(tmp_path: Path) -> None:
     path = write(tmp_path, base())
     done = subprocess.run(
-        [sys.executable, "-m", "broker.plan_cli", str(path), "--time-limit", "5"],
+        [sys.executable, "-m", "broker.plan.cli", str(path), "--time-limit", "5"],
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from broker import highs, solver
-from broker.plan import (
+from broker.plan import highs, solver
+from broker.plan.problem import (
     GroupKind,
     PlanProblem,
     candidates,
@@ -20,7 +20,7 @@ from broker.plan import (
     job_cost,
     load_problem,
 )
-from broker.solver import greedy, solve
+from broker.plan.solver import greedy, solve
 from tests.broker.test_plan import brute_force, instances
 
 
@@ -31,7 +31,7 @@ def hard_small(bench: ModuleType, seed: int, **shape: Any) -> dict[str, Any]:
 
 
 def keyword_of_calls(monkeypatch: pytest.MonkeyPatch, name: str, keyword: str) -> list[Any]:
-    """broker.solver's `name`, wrapped for the test: the list it returns gets the `keyword`
+    """broker.plan.solver's `name`, wrapped for the test: the list it returns gets the `keyword`
     argument of every call (None when not given)."""
     seen: list[Any] = []
     original = getattr(solver, name)

@@ -1,9 +1,10 @@
-"""broker.pricing and broker.feasibility: one price and one filter for every consumer.
+"""broker.placement.pricing and broker.placement.feasibility: one price and one filter for every
+consumer.
 
 The fast path (placement), the batch pass (batch.decisions), `cpn plan` (plan.job_cost) and the
-simulator's baselines price an option through broker.pricing; the hot loop of
-broker.feasibility.screen writes the same arithmetic and the capacity part out inline, so these
-tests hold the written-out copies equal to the functions, to the last bit, on random cases.
+simulator's baselines price an option through broker.placement.pricing; the hot loop of
+broker.placement.feasibility.screen writes the same arithmetic and the capacity part out inline, so
+these tests hold the written-out copies equal to the functions, to the last bit, on random cases.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from broker import batch, feasibility, pricing
-from broker.feasibility import Feasible, Infeasible
-from broker.jobs import JobSpec
-from broker.placement import Decision, Federation, GroupState, TenantUsage, place
-from broker.plan import Assignment, PlanResult, PlanStatus, job_cost, job_parts
+from broker.model.jobs import JobSpec
+from broker.placement import feasibility, pricing
+from broker.placement.feasibility import Feasible, Infeasible
+from broker.placement.place import Decision, Federation, GroupState, TenantUsage, place
+from broker.plan import batch
+from broker.plan.problem import Assignment, PlanResult, PlanStatus, job_cost, job_parts
 from tests.broker.test_placement import MEM, job, offer, random_gpu
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

@@ -1,4 +1,5 @@
-"""The replica reconciler's decisions (broker.replicas.plan, broker.services.desired_replicas):
+"""The replica reconciler's decisions (broker.leader.replicas.plan,
+broker.model.services.desired_replicas):
 pure, so checked on values; the end-to-end test carries them out (test_services_e2e)."""
 
 from __future__ import annotations
@@ -6,9 +7,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from broker.jobs import JobRecord, JobSpec, JobState
-from broker.replicas import REPLACE_BACKOFF_S, plan
-from broker.services import (
+from broker.leader.replicas import REPLACE_BACKOFF_S, plan
+from broker.model.jobs import JobRecord, JobSpec, JobState
+from broker.model.services import (
     ANY_REGION,
     ReplicaEntry,
     ScalingDecision,
@@ -148,7 +149,7 @@ def test_a_new_generation_rolls_one_replica_at_a_time() -> None:
 
 
 def test_a_large_step_is_carried_out_over_several_passes() -> None:
-    from broker.replicas import CANCEL_BATCH, CREATE_BATCH
+    from broker.leader.replicas import CANCEL_BATCH, CREATE_BATCH
 
     big = spec(min_replicas=0, max_replicas=1000)
     step = plan(record(spec=big), decision(east=300), {}, lambda _: False, 1.0, ids())
@@ -162,7 +163,7 @@ def test_a_large_step_is_carried_out_over_several_passes() -> None:
 
 
 def test_a_replica_runs_where_its_client_region_may_be_served() -> None:
-    from broker.service_ops import allowed_regions, replica_spec
+    from broker.ops.services import allowed_regions, replica_spec
 
     served = {"east": frozenset({"cn-a", "cn-b"})}
     assert allowed_regions(spec(), "east", served) == ("cn-a", "cn-b")
@@ -213,7 +214,7 @@ def test_a_move_surges_past_max_replicas_and_a_plain_scale_down_does_not_wait() 
 
 
 def test_a_replacement_never_ready_is_given_up_and_the_old_one_kept() -> None:
-    from broker.replicas import hold_limit_s
+    from broker.leader.replicas import hold_limit_s
 
     quick = spec(readiness={"timeout_s": 5})
     rec = record(("a", "east", 1.0), spec=quick)

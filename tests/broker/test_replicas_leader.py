@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from broker.service import Broker
-from broker.services import ScalingDecision, ServiceSpec
-from broker.settings import BrokerSettings
+from broker.model.services import ScalingDecision, ServiceSpec
+from broker.placement.settings import BrokerSettings
+from broker.process import Broker
 from sites import keys
 from sites.catalog import DeviceCatalog
 from sites.registry import Registry

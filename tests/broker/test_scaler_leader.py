@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from broker.scaler import AutoscalerRecord, RegionRecord
-from broker.service import Broker
-from broker.services import ScalingDecision, ServiceSpec
-from broker.settings import BrokerSettings
-from broker.traffic import TrafficBook
+from broker.leader.scaler import AutoscalerRecord, RegionRecord
+from broker.model.services import ScalingDecision, ServiceSpec
+from broker.placement.settings import BrokerSettings
+from broker.process import Broker
+from broker.state.traffic import TrafficBook
 from sites import keys
 from sites.catalog import DeviceCatalog
 from sites.registry import Registry

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from broker.jobs import Event, JobRecord, JobSpec, JobState
-from broker.leadership import LeaderRecord
-from broker.store import encode
+from broker.model.jobs import Event, JobRecord, JobSpec, JobState
+from broker.state.leadership import LeaderRecord
+from broker.state.store import encode
 from sites import keys
 from sites.registry import Registry
 from tests.broker.conftest import SITES, Federation, assignments_of

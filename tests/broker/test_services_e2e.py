@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 import yaml
 
-from broker.services import ScalingDecision
+from broker.model.services import ScalingDecision
 from sites import keys
 from tests.broker.conftest import SITES, Federation
 from tests.conftest import AUTH, run_cpn

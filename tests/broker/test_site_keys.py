@@ -1,4 +1,5 @@
-"""broker.settings' site_keys: the keys the sites' model servers require, read when the broker
+"""broker.placement.settings' site_keys: the keys the sites' model servers require, read when the
+broker
 starts (the proxy's use of them: tests/routing/test_proxy.py; end to end:
 tests/routing/test_gateway_e2e.py)."""
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from broker.settings import InferenceSettings, load_settings, read_site_keys
+from broker.placement.settings import InferenceSettings, load_settings, read_site_keys
 from sites.errors import ConfigError
 from tests.conftest import CONFIGS, REPO, cpn_cmd
 

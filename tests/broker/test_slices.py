@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from broker.jobs import JobSpec
-from broker.placement import (
+from broker.model.jobs import JobSpec
+from broker.model.tenants import TenancyFile
+from broker.placement.place import (
     Federation,
     GroupState,
     SiteOffer,
@@ -21,8 +22,7 @@ from broker.placement import (
     apply,
     place,
 )
-from broker.tenancy import Quotas
-from broker.tenants import TenancyFile
+from broker.placement.tenancy import Quotas
 from sites.assignments import Assignment
 from sites.catalog import DeviceCatalog
 from sites.spec import SiteSpec

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from broker import decisions as dc
-from broker.jobs import JobSpec
-from broker.plan import PlanInputError
-from broker.service import Broker
-from broker.settings import BrokerSettings
+from broker.leader import decisions as dc
+from broker.model.jobs import JobSpec
+from broker.placement.settings import BrokerSettings
+from broker.plan.problem import PlanInputError
+from broker.process import Broker
 from sites import keys
 from sites.catalog import DeviceCatalog
 from sites.errors import RegistryUnavailable

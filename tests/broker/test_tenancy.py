@@ -1,5 +1,6 @@
 """Quotas over cohorts, fair share, budgets and preemption, decided on hand-built views: no
-etcd, no clock (broker.tenancy, broker.why, broker.preemption through broker.decisions)."""
+etcd, no clock (broker.placement.tenancy, broker.placement.why, broker.placement.preemption through
+broker.leader.decisions)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from broker import decisions as dc
-from broker.jobs import Event, JobRecord, JobSpec, JobState, Placement
-from broker.settings import SchedulingSettings
-from broker.tenancy import BudgetLeft, FairShare, Quotas
-from broker.tenants import TenancyFile
-from broker.view import View
+from broker.leader import decisions as dc
+from broker.model.jobs import Event, JobRecord, JobSpec, JobState, Placement
+from broker.model.tenants import TenancyFile
+from broker.placement.settings import SchedulingSettings
+from broker.placement.tenancy import BudgetLeft, FairShare, Quotas
+from broker.state.view import View
 from sites import keys
 from sites.assignments import Assignment
 from sites.spec import Oversubscription

@@ -1,6 +1,6 @@
 """The tenancy in etcd: seeded once from configs/tenants.yaml, changed by guarded writes,
 mirrored by every replica; the leader's fair-share history survives a change of leader. An
-in-process Broker on the real etcd (broker.tenant_store)."""
+in-process Broker on the real etcd (broker.state.tenant_store)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from broker import service
-from broker.errors import Conflict, InvalidRequest
-from broker.service import Broker
-from broker.settings import BrokerSettings
-from broker.tenants import TenancyFile, TenantPolicy
+from broker import process as service
+from broker.model.errors import Conflict, InvalidRequest
+from broker.model.tenants import TenancyFile, TenantPolicy
+from broker.placement.settings import BrokerSettings
+from broker.process import Broker
 from sites import keys
 from sites.catalog import DeviceCatalog
 from sites.registry import Registry

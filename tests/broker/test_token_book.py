@@ -1,4 +1,4 @@
-"""broker.auth.TokenBook's check of an Authorization header, and what it remembers of one.
+"""broker.state.auth.TokenBook's check of an Authorization header, and what it remembers of one.
 
 The book is fed the registry's events as its watch would (`_event`); the e2e tests in
 test_auth.py check expiry and revocation through real brokers."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.auth import CHECKED_TOKENS, Role, TokenBook, Unauthorized, new_token
+from broker.state.auth import CHECKED_TOKENS, Role, TokenBook, Unauthorized, new_token
 from sites import keys
 from sites.registry import Registry
 

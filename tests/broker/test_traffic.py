@@ -1,14 +1,14 @@
-"""The gateway's traffic counters and the leader's rates from them (broker.traffic), and the
-autoscaler's observations of replicas and RTT (broker.scaler): pure, no etcd."""
+"""The gateway's traffic counters and the leader's rates from them (broker.state.traffic), and the
+autoscaler's observations of replicas and RTT (broker.leader.scaler): pure, no etcd."""
 
 from __future__ import annotations
 
 import pytest
 
-from broker.autoscaler import AutoscalerState, RegionState, ReplicaObservation
-from broker.scaler import AutoscalerRecord, seed_state
-from broker.services import ScalingDecision
-from broker.traffic import (
+from broker.leader.scaler import AutoscalerRecord, seed_state
+from broker.model.autoscaler import AutoscalerState, RegionState, ReplicaObservation
+from broker.model.services import ScalingDecision
+from broker.state.traffic import (
     MAX_PAIRS,
     TTFB_BUCKETS_MS,
     Baseline,

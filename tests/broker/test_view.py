@@ -1,4 +1,5 @@
-"""The broker's view follows the registry one change at a time (broker.view), on the real etcd."""
+"""The broker's view follows the registry one change at a time (broker.state.view), on the real
+etcd."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from broker.jobs import Event, JobRecord, JobSpec, JobState
-from broker.store import encode
-from broker.view import View, ViewCache, federation
+from broker.model.jobs import Event, JobRecord, JobSpec, JobState
+from broker.state.store import encode
+from broker.state.view import View, ViewCache, federation
 from sites import keys
 from sites.assignments import Assignment
 from sites.catalog import DeviceCatalog, normalize_inventory

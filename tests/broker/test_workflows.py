@@ -1,5 +1,5 @@
 """Workflows without etcd: the DAG's checks, a step's release, hold and failure, and the
-leader's decisions on hand-built views (broker.workflows, broker.decisions)."""
+leader's decisions on hand-built views (broker.model.workflows, broker.leader.decisions)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from broker import decisions as dc
-from broker import workflows as wf
-from broker.errors import IllegalTransition, InvalidRequest
-from broker.jobs import JobRecord, JobState, Placement, StepInput, StepLink
-from broker.workflow_ops import view_of
+from broker.leader import decisions as dc
+from broker.model import workflows as wf
+from broker.model.errors import IllegalTransition, InvalidRequest
+from broker.model.jobs import JobRecord, JobState, Placement, StepInput, StepLink
+from broker.ops.workflows import view_of
 from sites.assignments import Report, RunState
 from sites.snapshot import Snapshot
 from tests.broker.test_decisions import NOW, ctx, job, kinds, snapshot, view

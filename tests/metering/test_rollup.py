@@ -9,10 +9,10 @@ from datetime import date
 
 import pytest
 
-from broker.history import HistoryKeeper
-from broker.leadership import Leadership
-from broker.metrics import BrokerMetrics
-from broker.settings import HistorySettings
+from broker.leader.history import HistoryKeeper
+from broker.placement.settings import HistorySettings
+from broker.state.leadership import Leadership
+from broker.state.metrics import BrokerMetrics
 from metering.ledger import Segment
 from metering.rollup import ROLLUP_SEGMENTS, Rollup, roll
 from metering.usage import UsageBook, day_number

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import router as router_module
-from broker.router import SYNC_INTERVAL_S, Router
+from broker.state import router as router_module
+from broker.state.router import SYNC_INTERVAL_S, Router
 from routing.candidates import CandidateIndex, candidates_from_snapshot
 from routing.clients import parse_clients
 from routing.errors import CandidateError

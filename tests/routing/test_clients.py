@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from broker.regions import load_user_regions
+from broker.model.regions import load_user_regions
 from routing.clients import load_clients, parse_clients
 from sites.catalog import DeviceCatalog
 from sites.config import load_sites, site_files

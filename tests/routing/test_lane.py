@@ -55,7 +55,7 @@ class Upstreams:
 
 
 class Gate:
-    """A guard as the broker's (broker.inference.LaneGuard): a token decides the tenant."""
+    """A guard as the broker's (broker.api.inference.LaneGuard): a token decides the tenant."""
 
     def __init__(self) -> None:
         self.answered: list[tuple[str, int]] = []

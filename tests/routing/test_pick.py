@@ -1,6 +1,6 @@
 """routing.policy.pick: the proxy's routing decision is route()'s, without the Ranking.
 
-The property test runs two gateways (broker.router.Router) with the same seed over the same
+The property test runs two gateways (broker.state.router.Router) with the same seed over the same
 random federations, settings and request sequences: one through Router.route (the reference,
 which the simulator calls too), one through Router.pick (the proxy's path). Each request must
 get the same site and upstreams in the same order, and both gateways must end with the same
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from broker.router import Router
+from broker.state.router import Router
 from routing.clients import Clients
 from routing.errors import InvalidParameter
 from routing.policy import Pick, RoutingSettings

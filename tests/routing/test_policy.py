@@ -1,7 +1,7 @@
 """routing.policy: the gateway's routing policy, and the gateway and simulator calling it alike.
 
 The property test feeds the same random snapshots, settings and loads to the gateway's path
-(broker.router.Router.route) and to the simulator's (simulations.inference.SliceRouter.route),
+(broker.state.router.Router.route) and to the simulator's (simulations.inference.SliceRouter.route),
 with the same seed, over sequences of requests (so the hysteresis state each keeps matters),
 and checks they choose alike.
 """
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from broker.router import Router, route_json
+from broker.state.router import Router, route_json
 from routing.candidates import candidates_from_snapshot
 from routing.clients import Clients, parse_clients
 from routing.errors import InvalidParameter, RoutingError
@@ -96,7 +96,7 @@ def test_bad_settings_name_the_field(doc: dict[str, Any], field: str) -> None:
 
 
 def test_settings_are_frozen_and_live_in_the_broker_settings() -> None:
-    from broker.settings import InferenceSettings
+    from broker.placement.settings import InferenceSettings
 
     with pytest.raises(ValidationError):
         DEFAULTS.near_best_ms = 1.0  # type: ignore[misc]

@@ -546,7 +546,8 @@ async def test_each_answered_request_is_observed_once_by_region_and_site(
 
 @dataclass
 class Sink:
-    """The autoscaler's counters as the proxy feeds them (broker.traffic.TrafficBook's calls)."""
+    """The autoscaler's counters as the proxy feeds them (broker.state.traffic.TrafficBook's
+    calls)."""
 
     requests: list[tuple[str, str]] = field(default_factory=list)
     first_bytes: list[tuple[str, str, float]] = field(default_factory=list)

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from broker.router import route_json
+from broker.state.router import route_json
 from routing.candidates import CandidateIndex, candidates_from_snapshot
 from routing.policy import RoutingSettings, route
 from routing.replica_choice import choose_replica

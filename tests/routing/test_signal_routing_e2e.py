@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from broker.router import Router, route_json
+from broker.state.router import Router, route_json
 from routing.clients import parse_clients
 from routing.health import OutlierDetector
 from routing.policy import RoutingSettings

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from broker.router import route_json
+from broker.state.router import route_json
 from routing.errors import InvalidParameter
 from routing.policy import Overflow, RoutingSettings, route
 from routing.prefix import MAX_SCAN, header_key, prefix_key

@@ -13,7 +13,7 @@ import numpy.typing as npt
 import pytest
 from pydantic import ValidationError
 
-from broker.jobs import DataLocation, GpuRequest, JobSpec
+from broker.model.jobs import DataLocation, GpuRequest, JobSpec
 from simulations.engine import Simulation, job_like, unique_rows
 from simulations.queueing import mmc_waiting_time_s
 from simulations.scenario import load_scenario

@@ -1,6 +1,7 @@
 """Tenancy in the simulator: configs/scenarios/fair-share.yaml (three tenants with weights 3, 2
 and 1, a cohort that borrows and reclaims, priority classes) under the broker's pass and the
-fifo baseline, and one pass of the simulator against broker.decisions on a hand-built view."""
+fifo baseline, and one pass of the simulator against broker.leader.decisions on a hand-built
+view."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from typing import Any
 
 import pytest
 
-from broker import decisions as dc
-from broker import placement as pl
-from broker import preemption
-from broker.jobs import JobRecord, JobSpec, JobState
-from broker.preemption import MAX_PREEMPTION_TRIES, Running, running_of
-from broker.tenancy import FairShare, held_by_tenant
-from broker.view import LIVE, View, federation, groups, held_rows, usage
-from broker.why import Fairness, own_order
+from broker.leader import decisions as dc
+from broker.model.jobs import JobRecord, JobSpec, JobState
+from broker.placement import place as pl
+from broker.placement import preemption
+from broker.placement.preemption import MAX_PREEMPTION_TRIES, Running, running_of
+from broker.placement.tenancy import FairShare, held_by_tenant
+from broker.placement.why import Fairness, own_order
+from broker.state.view import LIVE, View, federation, groups, held_rows, usage
 from simulations.cli import simulate_main
 from simulations.engine import Simulation
 from simulations.scenario import load_scenario

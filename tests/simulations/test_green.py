@@ -1,4 +1,5 @@
-"""The green objective in the simulator: the same priced rates as the broker (broker.green), so
+"""The green objective in the simulator: the same priced rates as the broker
+(broker.placement.green), so
 work moves to cleaner sites as carbon gets dear (configs/scenarios/green.yaml)."""
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import yaml
 
-from broker import placement as pl
-from broker.jobs import JobSpec
+from broker.model.jobs import JobSpec
+from broker.placement import place as pl
 from simulations.engine import Simulation
 from simulations.report import key_figures, summary_text
 from simulations.scenario import Scenario, build_federation, load_scenario

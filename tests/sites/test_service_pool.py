@@ -87,7 +87,7 @@ def test_the_snapshot_keeps_each_replica_and_the_sites_pool() -> None:
 
 def test_a_relist_of_one_prefix_forgets_only_its_endpoints() -> None:
     """The sites' own endpoints (keys.SERVICES) and the managed replicas' (keys.REPLICAS) are
-    two prefixes, each re-listed on its own (broker.view): a reset of one keeps the other."""
+    two prefixes, each re-listed on its own (broker.state.view): a reset of one keeps the other."""
     snap = Snapshot(revision=1)
     declared = replica("x").model_copy(update={"job": None})
     _put(snap, keys.service("llm", "a"), declared)

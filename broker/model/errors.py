@@ -1,0 +1,54 @@
+"""Exceptions raised by the broker package.
+
+BrokerError
+├── InvalidRequest (ValueError)   a client sent something wrong: 400, names the field
+│   ├── Conflict                  it contradicts what is already there (a full gang): 409
+│   └── PlanInputError            a `cpn plan` problem is invalid; field is its JSON path
+│                                 (broker.plan.problem)
+├── NotFound (LookupError)        no such job: 404
+├── IllegalTransition             the job's state does not allow it: 409
+├── StaleRecord                   a guarded transaction lost a race; retry with a fresh read
+├── Expired                       a list's continue token outlived its revision: 410
+├── Unauthorized                  no valid token (missing, malformed, expired, revoked): 401
+├── Forbidden                     the token's role may not, or names another tenant: 403
+└── PlacementError (ValueError)   a snapshot or decision placement cannot work with (a caller's
+                                  bug or a stale view; broker.placement.place)
+
+PlanInputError and PlacementError live beside the code that raises them, Unauthorized and
+Forbidden in broker.state.auth.
+"""
+
+from __future__ import annotations
+
+
+class BrokerError(Exception):
+    """Base of every error the broker raises on purpose."""
+
+
+class InvalidRequest(BrokerError, ValueError):
+    def __init__(self, message: str, *, field: str | None = None, code: str = "invalid") -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+        self.code = code
+
+
+class Conflict(InvalidRequest):
+    def __init__(self, message: str, *, field: str | None = None, code: str = "conflict") -> None:
+        super().__init__(message, field=field, code=code)
+
+
+class NotFound(BrokerError, LookupError):
+    pass
+
+
+class IllegalTransition(BrokerError):
+    pass
+
+
+class StaleRecord(BrokerError):
+    pass
+
+
+class Expired(BrokerError):
+    """A continue token whose revision etcd has compacted: list again from the first page."""

@@ -1,0 +1,455 @@
+"""Jobs: the tenant's spec, the lifecycle state machine and the stored record.
+
+    PENDING -> PLACED -> RUNNING -> SUCCEEDED | FAILED | CANCELLED
+    any live state -> SUSPENDED (by the user) -> PENDING (resumed)
+    PLACED | RUNNING -> PENDING (retry with backoff, or the site failed: re-queued elsewhere)
+
+The record lives at /cpn/v1/jobs/<id>; every transition is one etcd transaction guarded by the
+record's mod_revision (broker.state.store).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import shlex
+from datetime import UTC, datetime
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from broker.model.errors import IllegalTransition
+from sites.assignments import NodeShare, Serve
+from sites.catalog import mig_model, shared_model
+from sites.spec import MAX_TIME_SLICES
+
+NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+Name = Annotated[str, Field(pattern=NAME_RE)]
+MAX_EVENTS = 100
+ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# what `command` accepts: a shell string (split by shlex) or the argument list itself
+CommandInput = Annotated[str, Field(pattern=r"\S")] | Annotated[list[str], Field(min_length=1)]
+
+
+def split_command(value: object) -> object:
+    """A `command` field's input: a shell string is split (shlex; blank: no arguments), a list
+    becomes the tuple strict validation wants (JobSpec, broker.model.services.ServiceSpec)."""
+    if isinstance(value, str):
+        return tuple(shlex.split(value)) if value.strip() else ()
+    if isinstance(value, list):
+        return tuple(value)
+    return value
+
+
+def check_env(env: dict[str, str]) -> dict[str, str]:
+    """An `env` field: variable names only, and none of cpn's own (CPN_*)."""
+    for key in env:
+        if not re.fullmatch(ENV_NAME_RE, key):
+            raise ValueError(f"{key!r} is not a valid environment variable name")
+        if key.startswith("CPN_"):
+            raise ValueError(f"{key!r}: CPN_ variables are set by cpn")
+    return env
+
+
+class Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class TenantInput(Frozen):
+    """What a tenant sends: no NaN or infinity in any float (they would poison the costs).
+
+    The API validates these models in pydantic's strict mode (broker.api.bodies).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class GpuRequest(TenantInput):
+    """Accelerators: one model, a set of acceptable models, or any model with a memory floor.
+
+    A slice instead of whole devices (docs/catalog.md): `profile` asks for `count` MIG
+    instances of that profile (on the named models), `share` for a time-sliced share of one
+    device (at least that fraction of it: sites whose devices are cut into at most 1/share
+    slices). `per_node` asks for that many devices on each node it runs on, at sites that
+    declare their nodes (count a multiple of it); by default a job takes one node when one
+    node has the devices, else whole nodes."""
+
+    count: int = Field(default=0, ge=0, le=4096)
+    model: str | None = Field(default=None, description="exactly this model")
+    models: tuple[str, ...] | None = Field(default=None, description="any of these models")
+    min_mem_gb: float | None = Field(default=None, gt=0, description="per-device memory floor")
+    profile: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-z][0-9a-z.+-]{0,31}$",
+        description="a MIG profile of the named models (e.g. 3g.40gb): count instances of it",
+    )
+    share: float | None = Field(
+        default=None, gt=0, lt=1, description="a time-sliced share of one device (e.g. 0.25)"
+    )
+    per_node: int | None = Field(
+        default=None, ge=1, le=64, description="devices on each node, at sites with nodes"
+    )
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_of_named_models(cls, profile: str | None, info: ValidationInfo) -> str | None:
+        if profile is not None and info.data.get("model") is None and not info.data.get("models"):
+            raise ValueError("a profile needs model or models")
+        return profile
+
+    @field_validator("share")
+    @classmethod
+    def _share_of_one_device(cls, share: float | None, info: ValidationInfo) -> float | None:
+        if share is None:
+            return share
+        if info.data.get("model") is None and not info.data.get("models"):
+            raise ValueError("a share needs model or models")
+        if info.data.get("profile") is not None:
+            raise ValueError("give either profile or share, not both")
+        if info.data.get("count") not in (0, 1):  # 0: not given, a share is 1
+            raise ValueError("a share is of one device: count must be 1")
+        if share > 0.5:
+            raise ValueError("a share above 0.5 is a whole device: ask for count 1 instead")
+        return share
+
+    @field_validator("per_node")
+    @classmethod
+    def _whole_nodes(cls, per_node: int | None, info: ValidationInfo) -> int | None:
+        if per_node is None:
+            return per_node
+        if info.data.get("profile") is not None or info.data.get("share") is not None:
+            raise ValueError("per_node applies to whole devices, not to slices")
+        count = info.data.get("count", 0)
+        if isinstance(count, int) and count % per_node:
+            raise ValueError(f"count {count} is not a multiple of per_node {per_node}")
+        return per_node
+
+    @model_validator(mode="after")
+    def _one_way(self) -> GpuRequest:
+        if self.share is not None and self.count == 0:
+            # a share is one slice of one device: count 1 unless given. Set here, not in a
+            # "before" validator, which would make strict JSON validation refuse arrays
+            object.__setattr__(self, "count", 1)
+        if self.model is not None and self.models is not None:
+            raise ValueError("give either model or models, not both")
+        if self.models is not None and not self.models:
+            raise ValueError("models must not be empty")
+        if (
+            self.count > 0
+            and self.model is None
+            and self.models is None
+            and self.min_mem_gb is None
+        ):
+            raise ValueError("say which accelerators: model, models or min_mem_gb")
+        if self.count == 0 and (
+            self.model or self.models or self.min_mem_gb or self.profile or self.share
+        ):
+            raise ValueError("count must be >= 1 when accelerators are named")
+        return self
+
+    @property
+    def base_models(self) -> tuple[str, ...] | None:
+        """The device models named, whole or sliced; None when any model will do."""
+        if self.model is not None:
+            return (self.model,)
+        return self.models
+
+    @property
+    def acceptable(self) -> tuple[str, ...] | None:
+        """The (pseudo-)models placement may use, or None when any whole model meeting
+        min_mem_gb will do: a profile's MIG instances, or every slicing at least `share`."""
+        models = self.base_models
+        if models is None or (self.profile is None and self.share is None):
+            return models
+        if self.profile is not None:
+            return tuple(mig_model(m, self.profile) for m in models)
+        share = self.share or 1.0
+        most = min(MAX_TIME_SLICES, int(1.0 / share + 1e-9))
+        return tuple(shared_model(m, n) for m in models for n in range(2, most + 1))
+
+
+class DataLocation(TenantInput):
+    region: Name | None = None
+    site: Name | None = None
+    size_gb: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_place(self) -> DataLocation:
+        if (self.region is None) == (self.site is None):
+            raise ValueError("give exactly one of region or site")
+        return self
+
+
+class UserLocation(TenantInput):
+    region: Name
+    max_latency_ms: float | None = Field(default=None, gt=0)
+
+
+class Group(TenantInput):
+    name: Name
+    kind: Literal["spread", "colocate"]
+
+
+class Gang(TenantInput):
+    name: Name
+    size: int = Field(ge=2, le=1024, description="members; none is placed until all fit")
+
+
+class JobSpec(TenantInput):
+    name: Name
+    tenant: Name
+    priority: int = Field(
+        default=0, ge=0, le=1000, description="higher goes first among the tenant's own jobs"
+    )
+    priority_class: Name | None = Field(
+        default=None,
+        description="a class of configs/tenants.yaml (best-effort, batch, production, "
+        "critical...): sets priority and best_effort at submit",
+    )
+    best_effort: bool = Field(
+        default=False,
+        description="runs on spare and oversubscribed capacity; preempted first",
+    )
+    gpu: GpuRequest = GpuRequest()
+    cpu: int = Field(default=1, ge=0, le=100_000)
+    mem_gb: float = Field(default=1.0, ge=0, le=1_000_000)
+    duration_hours: float = Field(default=1.0, gt=0, le=24 * 365)
+    data: DataLocation | None = None
+    user: UserLocation | None = None
+    latency_weight: float = Field(default=0.0, ge=0, description="USD per ms of user RTT")
+    allowed_regions: tuple[Name, ...] | None = None
+    denied_regions: tuple[Name, ...] = ()
+    group: Group | None = None
+    gang: Gang | None = None
+    deadline: datetime | None = Field(default=None, description="ISO 8601; must finish by then")
+    budget_usd: float | None = Field(default=None, gt=0)
+    command: tuple[str, ...] = Field(min_length=1)
+    env: dict[str, str] = Field(
+        default_factory=dict, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_RE}}
+    )
+    checkpoint_path: str | None = None
+    checkpoint_interval_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="how often the job checkpoints: what a preemption loses is at most this",
+    )
+    max_retries: int = Field(default=3, ge=0, le=100)
+
+    @field_validator("command", mode="before", json_schema_input_type=CommandInput)
+    @classmethod
+    def _split_shell(cls, value: object) -> object:
+        return split_command(value)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        return check_env(env)
+
+    @field_validator("deadline")
+    @classmethod
+    def _aware(cls, deadline: datetime | None) -> datetime | None:
+        if deadline is not None and deadline.tzinfo is None:
+            return deadline.replace(tzinfo=UTC)
+        return deadline
+
+    @model_validator(mode="after")
+    def _consistent(self) -> JobSpec:
+        if self.allowed_regions is not None:
+            both = sorted(set(self.allowed_regions) & set(self.denied_regions))
+            if both:
+                raise ValueError(f"regions both allowed and denied: {', '.join(both)}")
+        if self.gpu.count == 0 and self.cpu == 0:
+            raise ValueError("a job needs at least one CPU core or one accelerator")
+        if self.latency_weight > 0 and self.user is None:
+            raise ValueError("latency_weight needs user.region")
+        return self
+
+
+def gang_of(spec: JobSpec) -> str | None:
+    """A gang is named per tenant: '<tenant>/<gang>' (None for a job in no gang)."""
+    gang = spec.gang
+    return None if gang is None else f"{spec.tenant}/{gang.name}"
+
+
+class JobState(enum.StrEnum):
+    PENDING = "PENDING"
+    PLACED = "PLACED"
+    RUNNING = "RUNNING"
+    SUSPENDED = "SUSPENDED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+    def check(self, new: JobState) -> None:
+        if new not in TRANSITIONS[self]:
+            raise IllegalTransition(f"a {self.value} job cannot become {new.value}")
+
+
+TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    JobState.PENDING: frozenset(
+        {JobState.PLACED, JobState.SUSPENDED, JobState.CANCELLED, JobState.FAILED}
+    ),
+    JobState.PLACED: frozenset(
+        {
+            JobState.RUNNING,
+            JobState.PENDING,
+            JobState.SUSPENDED,
+            JobState.CANCELLED,
+            JobState.FAILED,
+            JobState.SUCCEEDED,
+        }
+    ),  # fmt: skip
+    JobState.RUNNING: frozenset(
+        {
+            JobState.SUCCEEDED,
+            JobState.FAILED,
+            JobState.PENDING,
+            JobState.SUSPENDED,
+            JobState.CANCELLED,
+        }
+    ),  # fmt: skip
+    JobState.SUSPENDED: frozenset({JobState.PENDING, JobState.CANCELLED}),
+    JobState.SUCCEEDED: frozenset(),
+    JobState.FAILED: frozenset(),
+    JobState.CANCELLED: frozenset(),
+}
+
+
+class Event(Frozen):
+    at: float
+    type: str = Field(description="submitted, placed, running, retried, migrated, ...")
+    message: str
+    site: str | None = None
+    attempt: int | None = None
+
+
+class RunnerUp(Frozen):
+    site: str
+    cost_usd: float
+
+
+class Placement(Frozen):
+    """Where a run goes and the decision record behind it ("routing evidence")."""
+
+    site: str
+    region: str
+    model: str | None
+    gpus: int
+    cost_usd: float = Field(description="estimated cost of the run at list prices")
+    reason: str = Field(description="why this site: the cost breakdown and the runner-up")
+    compute_usd: float | None = Field(default=None, description="the cost's compute part")
+    egress_usd: float | None = Field(default=None, description="moving the job's data there")
+    latency_usd: float | None = Field(default=None, description="the user-latency penalty")
+    energy_usd: float | None = Field(
+        default=None, description="of compute_usd: its energy, when priced (broker.placement.green)"
+    )
+    carbon_usd: float | None = Field(
+        default=None, description="of compute_usd: its carbon, when priced"
+    )
+    co2_kg: float | None = Field(default=None, description="the run's estimated kg CO2")
+    feasible_sites: int | None = Field(
+        default=None, description="sites that passed every filter (0 or null: not counted)"
+    )
+    runner_up: RunnerUp | None = Field(
+        default=None, description="the best option on another site: what this one beat"
+    )
+    nodes: tuple[NodeShare, ...] = Field(
+        default=(), description="at a site that declares its nodes: the job's part of each"
+    )
+    island: str | None = Field(default=None, description="the fabric island those nodes share")
+
+
+OnFailure = Literal["fail", "hold"]
+"""What a workflow step's failure does to its dependents (docs/workflows.md)."""
+
+
+class StepInput(Frozen):
+    """A parent step's outputs, where they landed: the site that ran it."""
+
+    step: str
+    site: str
+    size_gb: float = Field(ge=0)
+
+
+class StepLink(Frozen):
+    """A job that is one step of a workflow (broker.model.workflows): its place in the DAG.
+
+    The scheduler places the job only while `waiting` is empty (broker.leader.decisions); a parent's
+    success removes it from `waiting` and adds its outputs to `inputs`, which become the job's
+    data location once the last parent succeeded.
+    """
+
+    workflow: str = Field(description="the workflow's id")
+    step: str = Field(description="the step's name in the workflow")
+    parents: tuple[str, ...] = Field(default=(), description="the parent steps' job ids")
+    waiting: tuple[str, ...] = Field(
+        default=(), description="parent job ids not SUCCEEDED yet: the job is not placed"
+    )
+    inputs: tuple[StepInput, ...] = Field(
+        default=(), description="outputs of the parents that succeeded"
+    )
+    outputs_gb: float = Field(default=0.0, ge=0, description="what this step leaves at its site")
+    on_failure: OnFailure = "fail"
+    own_data: DataLocation | None = Field(
+        default=None, description="the step's own data, as submitted (before its parents')"
+    )
+    held: str | None = Field(
+        default=None, description="why it is held: a parent failed (on_failure: hold)"
+    )
+
+
+class ReplicaOf(Frozen):
+    """A job that is a replica of a managed inference service (broker.model.services,
+    broker.leader.replicas):
+    what its assignment tells the agent (sites.assignments.Serve) and the client region it was
+    placed for."""
+
+    service: str
+    region: str = Field(description="the client region it is for ('*': none in particular)")
+    serve: Serve
+
+
+class JobRecord(Frozen):
+    id: str
+    spec: JobSpec
+    state: JobState
+    attempt: int = Field(default=0, description="runs started so far, 0 before the first")
+    retries: int = Field(default=0, description="re-runs after failures or site loss")
+    preemptions: int = Field(default=0, description="runs stopped to make room for other work")
+    placement: Placement | None = None
+    fence: int = Field(default=0, description="mod_revision at placement, echoed by reports")
+    not_before: float = Field(default=0.0, description="backoff: do not place before (unix s)")
+    unschedulable: str | None = Field(default=None, description="why it is pending, per site")
+    exit_code: int | None = None
+    created_at: float
+    updated_at: float
+    archived_at: float | None = Field(
+        default=None, description="when the finished job moved to the history (unix s)"
+    )
+    events: tuple[Event, ...] = ()
+    workflow: StepLink | None = Field(
+        default=None, description="the workflow step this job is (broker.model.workflows)"
+    )
+    replica: ReplicaOf | None = Field(
+        default=None, description="the managed service this job is a replica of"
+    )
+
+    def with_event(self, event: Event, **changes: object) -> JobRecord:
+        """A copy with `changes` applied and `event` appended (the log keeps MAX_EVENTS)."""
+        new_state = changes.get("state")
+        if isinstance(new_state, JobState) and new_state is not self.state:
+            self.state.check(new_state)
+        events = (*self.events, event)[-MAX_EVENTS:]
+        return self.model_copy(update={**changes, "events": events, "updated_at": event.at})

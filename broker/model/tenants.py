@@ -1,0 +1,210 @@
+"""Tenants, cohorts and priority classes: configs/tenants.yaml and `PUT /v1/tenants/NAME`.
+
+One model serves the file, the API body and the registry value (/cpn/v1/tenants/<name>):
+
+    tenants:
+      ai-lab:
+        weight: 2                    # fair-share weight (default 1)
+        cohort: research             # borrows from / lends to the cohort's other members
+        quota:                       # nominal quota over the whole federation
+          gpus: 64                   # accelerators of any model
+          gpu_models: {H100: 32, npu: 16}   # by model, or by class (gpu, npu: the catalog's kind)
+          fp16_tflops: 40000         # normalized FP16 TFLOPS (catalog figure x devices)
+          cpu: 2048                  # cores
+          mem_gb: 16384
+          jobs: 500                  # concurrent (PLACED or RUNNING) jobs
+        regions:                     # optional: at most this much in one region
+          cn-north: {gpus: 32}
+        borrowing_limit: {gpus: 32}  # at most this much above its quota (absent: the cohort's)
+        lending_limit: {gpus: 16}    # at most this much of its unused quota lent (absent: all)
+        budget:
+          usd_per_month: 50000       # per calendar month (UTC)
+          gpu_hours: 20000           # per rolling window
+          window: 7d
+    cohorts:
+      research: {parent: org, quota: {gpus: 16}}   # nestable; a cohort may own quota itself
+      org: {}
+    priority_classes:                # names a job's priority_class may use
+      best-effort: {value: 0, best_effort: true}
+      production: {value: 500}
+    fair_share: {half_life: 7d}
+
+A key not set is not limited; a tenant not listed is not limited at all (and has weight 1).
+The short form of earlier releases, `ai-lab: {gpus: 64}`, still reads as `quota: {gpus: 64}`.
+Semantics: broker.placement.tenancy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from broker.model.jobs import Name
+from sites.config import read_yaml, validate_mapping
+from sites.durations import Duration
+
+__all__ = [
+    "DEFAULT_CLASSES",
+    "Amounts",
+    "Budget",
+    "CohortPolicy",
+    "FairShareSettings",
+    "PriorityClass",
+    "TenancyFile",
+    "TenantPolicy",
+    "load_tenancy",
+]
+
+DIMENSIONS = ("gpus", "fp16_tflops", "cpu", "mem_gb", "jobs")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class Amounts(_Model):
+    """An amount of each resource; None (or absent) is not limited."""
+
+    gpus: int | None = Field(default=None, ge=0, description="accelerators of any model")
+    gpu_models: dict[str, int] = Field(
+        default_factory=dict,
+        description="accelerators by catalog model (H100) or class (gpu, npu)",
+    )
+    fp16_tflops: float | None = Field(default=None, ge=0, description="normalized FP16 TFLOPS")
+    cpu: int | None = Field(default=None, ge=0, description="CPU cores")
+    mem_gb: float | None = Field(default=None, ge=0, description="memory, GB")
+    jobs: int | None = Field(default=None, ge=0, description="concurrent jobs")
+
+    def flat(self, region: str | None = None) -> dict[str, float]:
+        """key -> amount for the set fields: 'gpus', 'gpus/H100', ...; 'gpus@cn-north' with a
+        region (broker.placement.tenancy's keys)."""
+        at = "" if region is None else f"@{region}"
+        out: dict[str, float] = {}
+        for name in DIMENSIONS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name + at] = float(value)
+        for model, count in self.gpu_models.items():
+            out[f"gpus/{model}{at}"] = float(count)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.flat())
+
+
+class Budget(_Model):
+    usd_per_month: float | None = Field(
+        default=None, gt=0, description="USD per calendar month (UTC)"
+    )
+    gpu_hours: float | None = Field(default=None, gt=0, description="GPU-hours per window")
+    window: Duration = Field(default=30 * 86400.0, gt=0, description="the gpu_hours window")
+
+
+class TenantPolicy(_Model):
+    quota: Amounts = Field(default_factory=Amounts, description="nominal, federation-wide")
+    regions: dict[Name, Amounts] = Field(default_factory=dict, description="per-region caps")
+    cohort: Name | None = None
+    weight: float = Field(default=1.0, gt=0, le=1000, description="fair-share weight")
+    borrowing_limit: Amounts | None = None
+    lending_limit: Amounts | None = None
+    budget: Budget | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, data: Any) -> Any:
+        # `{gpus: N}` (the first release's form) is `{quota: {gpus: N}}`
+        if isinstance(data, dict) and "gpus" in data and "quota" not in data:
+            data = dict(data)
+            data["quota"] = {"gpus": data.pop("gpus")}
+        return data
+
+    @model_validator(mode="after")
+    def _limits_need_a_cohort(self) -> TenantPolicy:
+        if self.cohort is None and (self.borrowing_limit or self.lending_limit):
+            raise ValueError("borrowing_limit and lending_limit need a cohort")
+        return self
+
+
+class CohortPolicy(_Model):
+    parent: Name | None = None
+    quota: Amounts = Field(default_factory=Amounts, description="the cohort's own pool")
+    borrowing_limit: Amounts | None = None
+    lending_limit: Amounts | None = None
+
+    @model_validator(mode="after")
+    def _limits_need_a_parent(self) -> CohortPolicy:
+        if self.parent is None and (self.borrowing_limit or self.lending_limit):
+            raise ValueError("borrowing_limit and lending_limit need a parent cohort")
+        return self
+
+
+class PriorityClass(_Model):
+    value: int = Field(ge=0, le=1000, description="the job's priority")
+    best_effort: bool = Field(
+        default=False,
+        description="runs on oversubscribed capacity, is preempted first, billed as such",
+    )
+    preempts: bool = Field(default=True, description="may preempt lower-priority work")
+    description: str = ""
+
+
+DEFAULT_CLASSES: dict[str, PriorityClass] = {
+    "best-effort": PriorityClass(
+        value=0, best_effort=True, preempts=False, description="spare capacity; preempted first"
+    ),
+    "batch": PriorityClass(value=100, description="the default for throughput work"),
+    "production": PriorityClass(value=500, description="preempts batch and best-effort work"),
+    "critical": PriorityClass(value=900, description="preempts everything below it"),
+}
+
+
+class FairShareSettings(_Model):
+    half_life: Duration = Field(
+        default=7 * 86400.0, gt=0, description="usage decays by half every half_life (Slurm's 7d)"
+    )
+
+
+class TenancyFile(_Model):
+    tenants: dict[Name, TenantPolicy] = Field(default_factory=dict)
+    cohorts: dict[Name, CohortPolicy] = Field(default_factory=dict)
+    priority_classes: dict[Name, PriorityClass] = Field(
+        default_factory=lambda: dict(DEFAULT_CLASSES)
+    )
+    fair_share: FairShareSettings = Field(default_factory=FairShareSettings)
+    preemption: bool = Field(default=True, description="False: no job is ever preempted")
+
+    @model_validator(mode="after")
+    def _references(self) -> TenancyFile:
+        both = sorted(set(self.tenants) & set(self.cohorts))
+        if both:
+            raise ValueError(f"names used by both a tenant and a cohort: {', '.join(both)}")
+        for name, tenant in self.tenants.items():
+            if tenant.cohort is not None and tenant.cohort not in self.cohorts:
+                raise ValueError(f"tenant {name}: unknown cohort {tenant.cohort!r}")
+        for name, cohort in self.cohorts.items():
+            if cohort.parent is not None and cohort.parent not in self.cohorts:
+                raise ValueError(f"cohort {name}: unknown parent {cohort.parent!r}")
+            seen = {name}
+            up = cohort.parent
+            while up is not None:
+                if up in seen:
+                    raise ValueError(f"cohort {name}: its parents form a cycle through {up!r}")
+                seen.add(up)
+                up = self.cohorts[up].parent
+        return self
+
+    def with_tenant(self, name: str, policy: TenantPolicy | None) -> TenancyFile:
+        """A copy with tenant `name` set (None: removed), validated again."""
+        tenants = {k: v for k, v in self.tenants.items() if k != name}
+        if policy is not None:
+            tenants[name] = policy
+        return TenancyFile.model_validate({**self.model_dump(), "tenants": tenants})
+
+
+def load_tenancy(path: Path) -> TenancyFile:
+    """configs/tenants.yaml; an absent file is no tenants (nobody limited)."""
+    if not path.exists():
+        return TenancyFile()
+    return validate_mapping(str(path), read_yaml(path) or {}, TenancyFile, "with tenants")

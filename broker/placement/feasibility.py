@@ -1,0 +1,582 @@
+"""Which sites of a snapshot can take a job, at what price, and why the others cannot: one place.
+
+The fast path (broker.placement.place), the batch pass's allowed sites (broker.plan.batch), the
+simulator's retry gating and its baselines (simulations.engine) all call this filter, so a
+tenancy, quota or carbon rule added here applies to every one of them. Prices come from
+broker.placement.pricing.
+
+Filters, in this order; a site is counted once, under the first one it fails (`FILTERS`):
+
+    down, cordoned, region (allowed_regions / denied_regions), latency (user RTT above
+    max_latency_ms; an unknown RTT counts as exceeding it, and when only latency_weight is set
+    an unknown RTT cannot be priced and fails here too), model (no acceptable model: the named
+    ones, with >= min_mem_gb per device; a model without a price there is not offered),
+    gpus (not enough free), cpu, mem, nodes (a site that declares its nodes has the devices,
+    cores and memory in all, but no node or set of nodes holds them: broker.placement.nodes; the
+    next cheapest acceptable model that fits on its nodes is tried first), budget (cost >
+    budget_usd), deadline
+    (now + duration > deadline), spread (the group already has a job there), colocate (the
+    group lives on another site), quota (the job, placed there with that model, would exceed
+    its tenant's quota: broker.placement.tenancy), tenant_budget (its estimated cost is more than
+    its tenant's monthly budget has left, or its GPU-hours more than the window has left).
+
+gpus, cpu, mem and nodes are the capacity part (`capacity`): at a site that passes them the job uses
+the cheapest acceptable model with enough free devices (ties: more free devices, then the name).
+A `Request` made with capacity=False (the batch pass, whose solver accounts capacity itself)
+skips them and prices the cheapest acceptable model whatever is free. deadline does not
+depend on the site; it is reported for every site that passes the filters before it.
+
+Use: `request(job, fed, ...)` works out everything that does not depend on the site, once;
+`screen(req, fed)` runs the filters over every site (the hot path: 1,000 sites per submit, so
+its loop reads locals only) and returns the feasible options with their prices and, per
+filter, the sites it stopped; `verdicts(...)` gives the same per site, with reasons in words.
+Pure: no I/O, no clock (`now` is passed in).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from broker.model.jobs import JobSpec
+from broker.placement import columns
+from broker.placement.offers import (
+    Federation,
+    GroupState,
+    SiteOffer,
+    TenantUsage,
+    breakdown_at,
+)
+from broker.placement.pricing import Breakdown
+from broker.placement.tenancy import Headroom
+
+__all__ = [
+    "FILTERS",
+    "Feasible",
+    "Infeasible",
+    "Option",
+    "Request",
+    "Screen",
+    "capacity",
+    "reason",
+    "request",
+    "screen",
+    "verdicts",
+]
+
+FILTERS: tuple[str, ...] = (
+    "down",
+    "cordoned",
+    "region",
+    "latency",
+    "model",
+    "gpus",
+    "cpu",
+    "mem",
+    "nodes",
+    "budget",
+    "deadline",
+    "spread",
+    "colocate",
+    "quota",
+    "tenant_budget",
+)
+(
+    DOWN,
+    CORDONED,
+    REGION,
+    LATENCY,
+    MODEL,
+    GPUS,
+    CPU,
+    MEM,
+    NODES,
+    BUDGET,
+    DEADLINE,
+    SPREAD,
+    COLOCATE,
+    QUOTA,
+    TENANT_BUDGET,
+) = range(len(FILTERS))
+FITS = -1  # capacity(): no capacity filter failed
+
+Offered = tuple[tuple[str, float], ...]  # (model, USD per device-hour) a site offers a request
+# A feasible option: (cost USD, -free devices (cores for a CPU-only job), site id, the site,
+# model, compute USD, egress USD, latency USD). Tuples order as placement ranks options (site
+# ids are unique, so a comparison never reaches the offer).
+Option = tuple[float, int, str, SiteOffer, str | None, float, float, float]
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A job's terms that do not depend on the site, worked out once per scan; valid for the
+    snapshot lineage it was made from (`offered` is aligned with its sites)."""
+
+    count: int  # devices of one model; 0 for a CPU-only job
+    per_node: int | None  # devices on each node, at sites with nodes; None: the default shape
+    cpu: int  # cores
+    mem_gb: float  # GB of memory
+    duration_hours: float  # hours the job runs
+    named: tuple[str, ...] | None  # acceptable models; None: any
+    min_mem_gb: float | None  # GB per device, the acceptable models' floor
+    allowed: frozenset[str] | None  # allowed regions; None: any
+    denied: frozenset[str]  # denied regions
+    rtts: Mapping[str, float] | None  # site id -> user RTT ms; None: RTT not needed
+    max_latency_ms: float  # inf when unlimited
+    latency_weight: float  # USD per ms of user RTT
+    free_region: str | None  # where moving the data costs nothing
+    egress_away_usd: float  # USD to move the data anywhere else
+    budget_usd: float  # inf when unlimited
+    late: bool  # now + duration is past the deadline
+    spread_taken: frozenset[str]  # site ids the job's spread group already uses
+    colocate_at: str | None  # the site the job's colocate group lives on
+    over_quota: bool  # the job's GPUs would put its tenant over its simple GPU quota
+    headroom: Headroom | None  # the tenant's quota over cohorts, per (model, region); None: none
+    tenant_left_usd: float  # what the tenant's monthly budget has left; inf when unlimited
+    over_gpu_hours: bool  # the job's GPU-hours exceed what the tenant's window has left
+    check_capacity: bool  # False: skip gpus, cpu and mem (the batch pass)
+    best_effort: bool = False  # may use an oversubscribed site's spare capacity
+
+
+def request(
+    job: JobSpec,
+    fed: Federation,
+    *,
+    now: datetime,
+    usage: TenantUsage,
+    groups: GroupState,
+    check_capacity: bool = True,
+) -> Request:
+    """The job's site-independent terms on `fed`'s lineage. A naive `now` is taken as UTC."""
+    gpu = job.gpu
+    user = job.user
+    weight = job.latency_weight
+    rtts: Mapping[str, float] | None = None
+    max_latency = math.inf
+    if user is not None and (user.max_latency_ms is not None or weight > 0):
+        rtts = fed.rtt_from(user.region)
+        if user.max_latency_ms is not None:
+            max_latency = user.max_latency_ms
+    free_region, egress_away = fed.egress_terms(job.data)
+    left = usage.budget(job.tenant)
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=UTC)
+    spread_taken: frozenset[str] = frozenset()
+    colocate_at: str | None = None
+    if job.group is not None:
+        if job.group.kind == "spread":
+            spread_taken = groups.spread_sites.get(job.group.name, frozenset())
+        else:
+            colocate_at = groups.site_of_colocate.get(job.group.name)
+    return Request(
+        count=gpu.count,
+        per_node=gpu.per_node,
+        cpu=job.cpu,
+        mem_gb=job.mem_gb,
+        duration_hours=job.duration_hours,
+        named=gpu.acceptable,
+        min_mem_gb=gpu.min_mem_gb,
+        allowed=None if job.allowed_regions is None else frozenset(job.allowed_regions),
+        denied=frozenset(job.denied_regions),
+        rtts=rtts,
+        max_latency_ms=max_latency,
+        latency_weight=weight,
+        free_region=free_region,
+        egress_away_usd=egress_away,
+        budget_usd=math.inf if job.budget_usd is None else job.budget_usd,
+        late=job.deadline is not None and now + timedelta(hours=job.duration_hours) > job.deadline,
+        spread_taken=spread_taken,
+        colocate_at=colocate_at,
+        over_quota=gpu.count > 0 and usage.exceeds(job.tenant, gpu.count),
+        headroom=usage.headroom(job.tenant),
+        tenant_left_usd=math.inf if left is None else left.usd,
+        over_gpu_hours=left is not None and gpu.count * job.duration_hours > left.gpu_hours + 1e-9,
+        check_capacity=check_capacity,
+        best_effort=job.best_effort,
+    )
+
+
+def capacity(
+    site: SiteOffer,
+    offered: Offered,
+    count: int,
+    cpu: int,
+    mem_gb: float,
+    per_node: int | None = None,
+) -> tuple[int, str | None, float, int]:
+    """The capacity part of the filter: (FITS or the failing filter's index (GPUS, CPU, MEM,
+    NODES), model, USD per device-hour, free devices of it, or free cores for a CPU-only job).
+
+    `offered` is the site's entry of `Federation.offered(acceptable, min_mem_gb)` (empty: the
+    model filter stops the site first); the model is the cheapest offered one with `count`
+    free devices, ties to more free devices, then the name. `screen` writes this out inline.
+    """
+    model: str | None = None
+    price = 0.0
+    free = site.free_cpu
+    if count:
+        free_gpus = site.free_gpus
+        for name, p in offered:
+            have = free_gpus[name]
+            # at one site the other cost terms are equal, so the cheapest model is the
+            # cheapest device
+            if have >= count and (model is None or (p, -have, name) < (price, -free, model)):
+                model, price, free = name, p, have
+        if model is None:
+            return GPUS, None, 0.0, 0
+    if site.free_cpu < cpu:
+        return CPU, model, price, free
+    if site.free_mem_gb < mem_gb:
+        return MEM, model, price, free
+    if site.nodes is not None:
+        fit = on_nodes(site, offered, count, per_node, cpu, mem_gb, model)
+        if fit is None:
+            return NODES, model, price, free
+        model, price, free = fit
+    return FITS, model, price, free
+
+
+def on_nodes(
+    site: SiteOffer,
+    offered: Offered,
+    count: int,
+    per_node: int | None,
+    cpu: int,
+    mem_gb: float,
+    model: str | None,
+) -> tuple[str | None, float, int] | None:
+    """The capacity part's choice at a site with nodes: `model` (the cheapest with enough
+    free in all) when its nodes hold the request, else the next cheapest acceptable model
+    whose nodes do; (model, USD per device-hour, free devices) or None."""
+    nodes = site.nodes
+    assert nodes is not None
+    if nodes.fits(model, count, per_node, cpu, mem_gb):
+        if model is None:
+            return None, 0.0, site.free_cpu
+        return model, site.prices.usd_per_gpu_hour.get(model, 0.0), site.free_gpus[model]
+    if not count:
+        return None
+    free_gpus = site.free_gpus
+    rest = sorted(
+        (p, -have, name)
+        for name, p in offered
+        if name != model and (have := free_gpus.get(name, 0)) >= count
+    )
+    for p, minus_free, name in rest:
+        if nodes.fits(name, count, per_node, cpu, mem_gb):
+            return name, p, -minus_free
+    return None
+
+
+def node_choice(
+    req: Request, site: SiteOffer, model: str | None, price: float, free: int
+) -> tuple[str | None, float, int] | None:
+    """The node filter at a site that declares its nodes, for a request whose capacity part
+    chose `model` (USD per device-hour `price`, `free` devices; None: a CPU-only job) on the
+    site's totals: the same (model, price, free) when its nodes hold it, else the next
+    cheapest acceptable model whose nodes do, else None (the site fails `nodes`)."""
+    nodes = site.nodes
+    assert nodes is not None
+    count, per_node, cpu, mem = req.count, req.per_node, req.cpu, req.mem_gb
+    if per_node is None and count <= nodes.size.get(model, 0):  # type: ignore[arg-type]
+        # one node: exact from the nodes' frontier (one entry at most sites)
+        floor_mem = mem - 1e-9
+        for have, node_cpu, node_mem in nodes.frontier.get(model, ()):
+            if have >= count and node_cpu >= cpu and node_mem >= floor_mem:
+                return model, price, free
+    else:  # several nodes: nodes.fits, whose answers are remembered on the nodes
+        answers = nodes.held.get((count, per_node, cpu, mem))
+        known = None if answers is None else answers.get(model)
+        if known is None:
+            known = nodes.fits(model, count, per_node, cpu, mem)
+        if known:
+            return model, price, free
+    if not count:
+        return None
+    # the cheapest model with the devices in all is scattered over the nodes: the next
+    # cheapest acceptable one whose nodes hold the request
+    named, floor = req.named, req.min_mem_gb
+    ranked = nodes.ranked((count, per_node, cpu, mem), site.free_gpus, site.prices.usd_per_gpu_hour)
+    for p, minus_free, other in ranked:
+        if named is not None and other not in named:
+            continue
+        if floor is not None and site.gpu_mem_gb.get(other, 0.0) < floor:
+            continue
+        return other, p, -minus_free
+    return None
+
+
+@dataclass(slots=True)
+class Screen:
+    """What `screen` found: feasible options in site order (`Option`), and per filter (FILTERS
+    order) the ids of the sites it stopped, in site order."""
+
+    options: list[Option]
+    failed: list[list[str]]
+    feasible: int = 0  # feasible sites (with cheapest=True, more than `options` holds)
+
+    def reasons(self) -> dict[str, list[str]]:
+        """filter name -> site ids stopped there, for the filters that stopped any."""
+        return {name: ids for name, ids in zip(FILTERS, self.failed, strict=True) if ids}
+
+
+def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool = False) -> Screen:
+    """Every site of `fed` through the filters (module docstring), each feasible one priced.
+
+    first=True stops at the first feasible site (the first-fit baseline); the sites after it
+    are then in neither list. cheapest=True (the fast path) keeps only the best option and the
+    runner-up, by (cost, more free devices, site id), best first: it counts the others in
+    `feasible` without building them.
+    """
+    if not first and not req.best_effort and len(fed.sites) >= columns.VECTOR_MIN_SITES:
+        static, dynamic = fed.columns()
+        return columns.screen(req, fed.sites, static, dynamic, cheapest=cheapest)
+    return screen_loop(req, fed, first=first, cheapest=cheapest)
+
+
+def screen_loop(
+    req: Request, fed: Federation, *, first: bool = False, cheapest: bool = False
+) -> Screen:
+    """`screen` site by site: what it runs below VECTOR_MIN_SITES sites, for the first-fit
+    baseline and for best-effort work (which may use an oversubscribed site's spare capacity);
+    broker.placement.columns runs the same filters a column at a time."""
+    # The hot path: everything site-independent is in `req`, and the loop reads locals only.
+    # So it writes out, rather than calls, two things kept once elsewhere: the capacity part
+    # (`capacity`) and broker.placement.pricing's arithmetic (hourly_usd, compute_usd, total_usd);
+    # a call per site would cost a third of a submit. tests/broker/test_pricing.py holds them equal.
+    count = req.count
+    named = req.named
+    floor = req.min_mem_gb
+    cpu = req.cpu
+    mem = req.mem_gb
+    duration = req.duration_hours
+    allowed = req.allowed
+    denied = req.denied
+    rtts = req.rtts
+    max_latency = req.max_latency_ms
+    weight = req.latency_weight
+    free_region = req.free_region
+    egress_away = req.egress_away_usd
+    budget = req.budget_usd
+    late = req.late
+    spread_taken = req.spread_taken
+    colocate_at = req.colocate_at
+    over_quota = req.over_quota
+    headroom = req.headroom
+    tenant_left = req.tenant_left_usd
+    over_gpu_hours = req.over_gpu_hours
+    check = req.check_capacity
+    best_effort = req.best_effort
+    # what must be free to pass the capacity part; nothing when it is skipped
+    need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
+
+    quota_seen: dict[tuple[str | None, str], bool] = {}
+    failed: list[list[str]] = [[] for _ in FILTERS]
+    options: list[Option] = []
+    feasible = 0
+    best_key: tuple[float, int, str] | None = None
+    second_key: tuple[float, int, str] | None = None
+    best: Option | None = None
+    second: Option | None = None
+    for site in fed.sites:
+        sid = site.id
+        if not site.up:
+            failed[DOWN].append(sid)
+            continue
+        if site.cordoned:
+            failed[CORDONED].append(sid)
+            continue
+        region = site.region
+        if (allowed is not None and region not in allowed) or region in denied:
+            failed[REGION].append(sid)
+            continue
+        rtt = 0.0
+        if rtts is not None:
+            measured = rtts.get(sid)
+            if measured is None or measured > max_latency:
+                failed[LATENCY].append(sid)
+                continue
+            rtt = measured
+        model: str | None = None
+        price = 0.0
+        spare = site.spare if best_effort else None
+        if spare is None:
+            free_gpus, free_cpu, free_mem = site.free_gpus, site.free_cpu, site.free_mem_gb
+        else:  # best-effort work on an oversubscribed site: its spare capacity
+            free_gpus, free_cpu, free_mem = spare.free_gpus, spare.free_cpu, spare.free_mem_gb
+        free = free_cpu
+        if count:
+            offered = False
+            prices = site.prices.usd_per_gpu_hour
+            for name in free_gpus if named is None else named:
+                p = prices.get(name)
+                have = free_gpus.get(name)
+                if p is None or have is None:
+                    continue
+                if floor is not None and site.gpu_mem_gb.get(name, 0.0) < floor:
+                    continue
+                offered = True
+                if have >= need and (model is None or (p, -have, name) < (price, -free, model)):
+                    model, price, free = name, p, have
+            if not offered:
+                failed[MODEL].append(sid)
+                continue
+            if model is None:
+                failed[GPUS].append(sid)
+                continue
+        if free_cpu < cpu_need:
+            failed[CPU].append(sid)
+            continue
+        if free_mem < mem_need:
+            failed[MEM].append(sid)
+            continue
+        if site.nodes is not None and check and spare is None:
+            fit = node_choice(req, site, model, price, free)
+            if fit is None:
+                failed[NODES].append(sid)
+                continue
+            model, price, free = fit
+        rates = site.prices
+        hourly = cpu * rates.usd_per_core_hour + mem * rates.usd_per_gb_mem_hour
+        if count:
+            hourly += count * price
+        compute = duration * hourly
+        egress = 0.0 if region == free_region else egress_away
+        latency = weight * rtt
+        cost = compute + egress + latency
+        if cost > budget:
+            failed[BUDGET].append(sid)
+            continue
+        if late:
+            failed[DEADLINE].append(sid)
+            continue
+        if sid in spread_taken:
+            failed[SPREAD].append(sid)
+            continue
+        if colocate_at is not None and sid != colocate_at:
+            failed[COLOCATE].append(sid)
+            continue
+        if headroom is not None:
+            # a scan meets a few (model, region) pairs at every site: each is asked once
+            pair = (model, region)
+            bad = quota_seen.get(pair)
+            if bad is None:
+                bad = quota_seen[pair] = headroom.over(count, model, cpu, mem, region) is not None
+            if bad:
+                failed[QUOTA].append(sid)
+                continue
+        if over_quota:
+            failed[QUOTA].append(sid)
+            continue
+        if over_gpu_hours or cost > tenant_left:
+            failed[TENANT_BUDGET].append(sid)
+            continue
+        feasible += 1
+        if cheapest:
+            key = (cost, -free, sid)
+            if best_key is None or key < best_key:
+                second_key, second = best_key, best
+                best_key, best = key, (cost, -free, sid, site, model, compute, egress, latency)
+            elif second_key is None or key < second_key:
+                second_key = key
+                second = (cost, -free, sid, site, model, compute, egress, latency)
+            continue
+        options.append((cost, -free, sid, site, model, compute, egress, latency))
+        if first:
+            break
+    if cheapest:
+        options = [o for o in (best, second) if o is not None]
+    return Screen(options, failed, feasible)
+
+
+# -- per site, in words ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Feasible:
+    """The site can take the job now: with `model` (None for a CPU-only job) at `cost`."""
+
+    site: str
+    model: str | None
+    cost: Breakdown  # USD, in parts; cost.total_usd is the option's price
+    free: int  # free devices of the model (cores for a CPU-only job), the first tie-break
+
+
+@dataclass(frozen=True, slots=True)
+class Infeasible:
+    """The site cannot take the job: `filter` (a FILTERS name) is the first one it fails."""
+
+    site: str
+    filter: str
+    reason: str  # the filter in words, with the job's own figures
+
+
+def verdicts(
+    job: JobSpec,
+    fed: Federation,
+    *,
+    now: datetime,
+    usage: TenantUsage,
+    groups: GroupState,
+    check_capacity: bool = True,
+) -> list[Feasible | Infeasible]:
+    """One verdict per site of `fed`, in site order: the filter's answer with its reasons."""
+    req = request(job, fed, now=now, usage=usage, groups=groups, check_capacity=check_capacity)
+    found = screen(req, fed)
+    by_site: dict[str, Feasible | Infeasible] = {}
+    for _, minus_free, sid, _, model, compute, egress, latency in found.options:
+        parts = breakdown_at(
+            fed.site(sid), job.duration_hours, job.gpu.count, model, job.cpu,
+            (compute, egress, latency),
+        )  # fmt: skip
+        by_site[sid] = Feasible(sid, model, parts, -minus_free)
+    for name, ids in zip(FILTERS, found.failed, strict=True):
+        if ids:
+            why = reason(job, name)
+            for sid in ids:
+                by_site[sid] = Infeasible(sid, name, why)
+    return [by_site[site.id] for site in fed.sites]
+
+
+def reason(job: JobSpec, name: str) -> str:
+    """A filter in words, with the job's own figures ('lack H100', 'over budget (9.00 USD)')."""
+    if name == "region":
+        return "region not allowed"
+    if name == "latency":
+        user = job.user
+        if user is not None and user.max_latency_ms is not None:
+            return f"exceed max_latency_ms ({user.max_latency_ms:g} ms)"
+        return f"have no RTT from {user.region if user else '?'} to price latency_weight"
+    if name == "model":
+        gpu = job.gpu
+        models = " or ".join(gpu.acceptable) if gpu.acceptable else "a model"
+        if gpu.share is not None and gpu.base_models:
+            most = len(gpu.acceptable or ()) // len(gpu.base_models) + 1
+            cut = "2" if most == 2 else f"2 to {most}"
+            models = " or ".join(gpu.base_models) + f" time-sliced into {cut} shares"
+        floor = f" with >= {gpu.min_mem_gb:g} GB" if gpu.min_mem_gb is not None else ""
+        return f"lack {models}{floor}"
+    if name == "gpus":
+        return "not enough free GPUs"
+    if name == "cpu":
+        return "not enough CPU"
+    if name == "mem":
+        return "not enough memory"
+    if name == "nodes":
+        return "have it free only scattered over nodes (no node set holds it)"
+    if name == "budget":
+        return f"over budget ({job.budget_usd:.2f} USD)"
+    if name == "deadline":
+        return "miss the deadline"
+    group = job.group.name if job.group else "?"
+    if name == "spread":
+        return f"already hold a job of spread group {group}"
+    if name == "colocate":
+        return f"are not where colocate group {group} runs"
+    if name == "quota":
+        return f"over tenant {job.tenant}'s quota"
+    if name == "tenant_budget":
+        return f"over what tenant {job.tenant}'s budget has left"
+    return name  # down, cordoned

@@ -1,0 +1,268 @@
+"""Broker settings: configs/broker.yaml (optional), validated, every field documented."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from broker.model.alert_rules import AlertSettings
+from routing.health import OutlierSettings
+from routing.policy import RoutingSettings
+from sites.config import read_yaml, validate_mapping
+from sites.durations import Duration
+from sites.errors import ConfigError, Problem
+
+
+class SiteKey(BaseModel):
+    """A key a site's model servers require (vLLM's `--api-key`, any OpenAI-compatible server's
+    bearer key): the gateway sends `Authorization: Bearer <key>` with every request it proxies
+    there, in place of the client's own header (docs/inference.md). The key is read when the
+    broker starts, from an environment variable or a file: never written in broker.yaml."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    site: str = Field(min_length=1, description="the site (configs/sites)")
+    service: str | None = Field(
+        default=None, min_length=1, description="one service at the site (none: every one)"
+    )
+    key_env: str | None = Field(
+        default=None, min_length=1, description="the environment variable that holds the key"
+    )
+    key_file: Path | None = Field(
+        default=None, description="the file that holds the key (surrounding whitespace dropped)"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SiteKey:
+        if (self.key_env is None) == (self.key_file is None):
+            raise ValueError("give the key's key_env or its key_file, one of the two")
+        return self
+
+    def read(self) -> str:
+        """The key; ValueError saying what is missing or wrong."""
+        if self.key_env is not None:
+            key = os.environ.get(self.key_env, "").strip()
+            if not key:
+                raise ValueError(f"the environment variable {self.key_env} is not set, or empty")
+        else:
+            assert self.key_file is not None
+            try:
+                key = self.key_file.read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                reason = getattr(exc, "strerror", None) or str(exc)
+                raise ValueError(f"cannot read {self.key_file}: {reason}") from None
+            if not key:
+                raise ValueError(f"{self.key_file} is empty")
+        if not (key.isascii() and key.isprintable()):
+            # a header value: a line break would end it and start another header
+            raise ValueError("the key must be printable ASCII, on one line")
+        return key
+
+
+class InferenceSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    connect_timeout_s: float = Field(default=2.0, gt=0)
+    response_timeout_s: float = Field(default=60.0, gt=0, description="to headers, then per chunk")
+    max_attempts: int = Field(default=3, ge=1, description="sites tried per request")
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=0)
+    tenant_rate_per_s: float = Field(default=1000.0, gt=0, description="per-tenant request rate")
+    tenant_burst: int = Field(default=2000, ge=1)
+    health_interval_s: float = Field(default=2.0, gt=0, description="active /healthz checks")
+    prefix_chars: int = Field(
+        default=256,
+        ge=0,
+        description="bytes of a request's prompt or messages that make its prefix key, for "
+        "prefix-cache affinity (0: off); a system prompt is typically longer",
+    )
+    site_keys: tuple[SiteKey, ...] = Field(
+        default=(),
+        description="keys the sites' model servers require, sent by the gateway in place of the "
+        "client's Authorization (read from the environment or a file when the broker starts)",
+    )
+    outlier: OutlierSettings = OutlierSettings()
+    routing: RoutingSettings = Field(
+        default=RoutingSettings(),
+        description="the routing policy (band, hysteresis, overflow, in-flight accounting, "
+        "scoring) the gateway and the simulator share; docs/routing.md",
+    )
+
+    @model_validator(mode="after")
+    def _one_key_each(self) -> InferenceSettings:
+        seen: set[tuple[str, str | None]] = set()
+        for k in self.site_keys:
+            if (k.site, k.service) in seen:
+                what = f"service {k.service!r} at " if k.service else ""
+                raise ValueError(f"site_keys: two keys for {what}site {k.site!r}")
+            seen.add((k.site, k.service))
+        return self
+
+
+def read_site_keys(settings: InferenceSettings, source: str) -> dict[tuple[str, str], str]:
+    """(site, service, or "*" for each) -> key, for routing.proxy.InferenceProxy's site_keys;
+    ConfigError naming `source` and each key that cannot be read. (A site is not checked
+    against the registry: it may join after the broker started, from any file.)"""
+    keys: dict[tuple[str, str], str] = {}
+    problems: list[Problem] = []
+    for i, entry in enumerate(settings.site_keys):
+        where = f"inference.site_keys[{i}]"
+        try:
+            keys[(entry.site, entry.service or "*")] = entry.read()
+        except ValueError as exc:
+            field = "key_env" if entry.key_env is not None else "key_file"
+            problems.append(Problem(source, f"{where}.{field}", str(exc)))
+    if problems:
+        raise ConfigError(problems)
+    return keys
+
+
+class SchedulingSettings(BaseModel):
+    """How the leader schedules jobs. One model, one set of defaults, shared by the broker
+    (configs/broker.yaml `scheduling:`) and the simulator (a scenario's `policy:` overrides
+    these fields; it does not redefine them), so a capacity plan runs the broker's rules.
+    Durations are seconds or strings such as '5m' (sites.durations)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    failover_grace_s: Duration = Field(
+        default=1.0,
+        ge=0,
+        description="a site must stay down this long before its jobs move: longer than one "
+        "missed agent heartbeat, shorter than a user would notice",
+    )
+    retry_base_s: Duration = Field(
+        default=2.0, ge=0, description="first retry backoff; it doubles per retry"
+    )
+    retry_max_s: Duration = Field(default=300.0, ge=0, description="backoff cap")
+    batch_interval_s: Duration = Field(
+        default=30.0,
+        gt=0,
+        description="period of the CP-SAT pass over jobs the fast path left waiting",
+    )
+    batch_time_limit_s: float = Field(
+        default=5.0, gt=0, le=600, description="seconds one batch pass may search"
+    )
+    batch_gap: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="a pass stops once its plan is within this relative gap of the LP bound "
+        "(before any clock-limited CP-SAT step, so it is reproducible); 0: search to the limit",
+    )
+    energy_priced: bool = Field(
+        default=False,
+        description="price each device's and core's energy (power x PUE x the site's "
+        "usd_per_kwh) into its hourly rate: the green objective (broker.placement.green)",
+    )
+    carbon_usd_per_tonne: float = Field(
+        default=0.0,
+        ge=0,
+        le=100_000,
+        description="price the carbon of that energy (x the site's grid_kgco2_per_kwh) at "
+        "this many USD per tonne CO2; 0: not priced",
+    )
+    node_packing: Literal["pack", "spread"] = Field(
+        default="pack",
+        description="at sites that declare their nodes: pack a job onto the fullest nodes "
+        "that hold it (whole nodes stay free for large jobs), or spread onto the emptiest",
+    )
+
+
+class HistorySettings(BaseModel):
+    """Job history: how long finished jobs stay hot, then in the archive; etcd upkeep."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    retention_s: Duration = Field(
+        default=7 * 86400.0,
+        ge=0,
+        description="a finished job stays in the hot prefix this long, then is archived",
+    )
+    archive_retention_s: Duration = Field(
+        default=180 * 86400.0,
+        ge=0,
+        description="archived jobs created longer ago than this are dropped (0: kept forever); "
+        "export them first (`cpn jobs --all --since ... -o jsonl`)",
+    )
+    interval_s: Duration = Field(
+        default=30.0, gt=0, description="how often the leader archives, expires and checks etcd"
+    )
+    compaction_retention_s: Duration = Field(
+        default=3600.0,
+        ge=0,
+        description="etcd keeps this much key history; the leader compacts older revisions "
+        "(0: leave compaction to etcd's own --auto-compaction)",
+    )
+    compaction_interval_s: Duration = Field(
+        default=300.0,
+        ge=0,
+        description="at most this often the leader compacts (each compaction walks etcd's "
+        "whole key index; the API server of Kubernetes compacts every 5 min too); 0: on "
+        "every history pass",
+    )
+    defrag_interval_s: Duration = Field(
+        default=86400.0,
+        ge=0,
+        description="at most this often, defragment each etcd member whose database is at "
+        "least defrag_min_free of free pages (0: never)",
+    )
+    defrag_min_free: float = Field(
+        default=0.25, gt=0, le=1, description="share of a member's database that must be free"
+    )
+    defrag_min_free_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=0, description="and at least this many free bytes"
+    )
+    audit_retention_s: Duration = Field(
+        default=90 * 86400.0, ge=0, description="audit entries are kept this long (0: forever)"
+    )
+    usage_rollup_after_s: Duration = Field(
+        default=2 * 86400.0,
+        ge=0,
+        description="usage segments of days that ended longer ago than this are summed into "
+        "rollups and moved to the history (metering.rollup; 0: never)",
+    )
+
+
+class AuthSettings(BaseModel):
+    """Who may call the API (broker.state.auth, docs/auth.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(
+        default=True,
+        description="require a bearer token on every endpoint but /healthz and /openapi.json; "
+        "false trusts every caller (a closed test bed only)",
+    )
+
+
+class BrokerSettings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    leader_ttl_s: int = Field(default=5, ge=2, description="leader lease; failover within it")
+    tick_s: float = Field(default=1.0, gt=0, description="reconcile at least this often")
+    min_pass_s: float = Field(
+        default=0.05,
+        ge=0,
+        le=10,
+        description="reconcile at most this often: the registry changes hundreds of times a "
+        "second in a large federation (every agent's heartbeat), and the changes that arrive "
+        "meanwhile are decided on together",
+    )
+    scheduling: SchedulingSettings = SchedulingSettings()
+    history: HistorySettings = HistorySettings()
+    auth: AuthSettings = AuthSettings()
+    inference: InferenceSettings = InferenceSettings()
+    alerts: AlertSettings = Field(
+        default=AlertSettings(),
+        description="alert rules, their thresholds and for-durations, webhooks (docs/alerts.md)",
+    )
+
+
+def load_settings(path: Path) -> BrokerSettings:
+    """configs/broker.yaml (optional): BrokerSettings fields; errors name file and field."""
+    if not path.exists():
+        return BrokerSettings()
+    return validate_mapping(str(path), read_yaml(path) or {}, BrokerSettings, "of broker settings")

@@ -1,0 +1,436 @@
+"""The broker replica: its view of the registry, the API's operations, and (in the leader) the
+scheduler, each in its own module:
+
+    broker.state.view        mirrors of the registry, decoded into a View; derivations (pure)
+    broker.ops.operations  submit, get, cancel, suspend, resume (any replica)
+    broker.state.leadership  leader election under a lease, the leader fence
+    broker.leader.decisions   decide(view, now) -> actions (pure)
+    broker.leader.actions     the actor: each action one guarded etcd transaction
+    broker.leader.history     job pages, archive and expiry, etcd compaction (the leader's upkeep)
+    broker.leader.replicas    managed services' replicas kept at their desired count (the leader's)
+    broker.state.traffic     the gateway's demand per service and client region, published (any)
+    broker.leader.scaler      the autoscaler loop: observations -> decide -> ScalingDecision
+    (leader)
+
+Every long-lived task runs under a sites.tasks.Supervisor: a crash is logged with its
+traceback, counted (cpn_broker_task_crashes_total), turns /healthz unhealthy, and the task is
+restarted with backoff; a crash of the scheduler also gives up leadership first, so another
+replica can lead while this one recovers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from broker.leader import decisions as dc
+from broker.leader.actions import Actor
+from broker.leader.alerts import AlertKeeper, alert_inputs
+from broker.leader.history import HistoryKeeper
+from broker.leader.replicas import ReplicaReconciler
+from broker.leader.scaler import Scaler
+from broker.model.errors import BrokerError
+from broker.model.jobs import JobRecord, JobSpec
+from broker.model.tenants import TenancyFile
+from broker.ops.budgets import NOTHING_BILLED, Billed, billed, budgets_left
+from broker.ops.operations import Operations
+from broker.ops.services import Services
+from broker.ops.workflows import Workflows
+from broker.placement.preemption import PREEMPT_RETRY_S
+from broker.placement.settings import BrokerSettings
+from broker.placement.tenancy import BudgetLeft, FairShare, held_by_tenant
+from broker.plan.solver import solve
+from broker.state.audit import AuditLog
+from broker.state.auth import TokenBook
+from broker.state.leadership import Leadership
+from broker.state.metrics import BrokerMetrics
+from broker.state.store import JobStore
+from broker.state.tenant_store import TenancyBook, gpu_quotas
+from broker.state.traffic import TrafficBook, TrafficPublisher
+from broker.state.view import View, ViewCache, federation, held_rows
+from metering.usage import UsageBook
+from sites import keys
+from sites.catalog import DeviceCatalog
+from sites.clock import Clock, SystemClock
+from sites.errors import RegistryError
+from sites.mirror import PrefixMirror
+from sites.registry import Registry
+from sites.tasks import Backoff, Crash, Supervisor, measure_loop_lag
+
+__all__ = ["Broker"]
+
+log = logging.getLogger(__name__)
+
+FAIR_SHARE_SAVE_S = 60.0
+BILLED_TTL_S = 10.0  # the ledger's part of the budgets left: a query, not once per pass
+RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
+
+
+class Broker:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        catalog: DeviceCatalog,
+        user_rtt_ms: Mapping[tuple[str, str], float] | None = None,
+        tenancy: TenancyFile | None = None,
+        settings: BrokerSettings | None = None,
+        clock: Clock | None = None,
+        url: str = "",
+        sovereignty: Mapping[str, frozenset[str]] | None = None,
+    ) -> None:
+        self.registry = registry
+        self.catalog = catalog
+        self.user_rtt_ms = dict(user_rtt_ms or {})
+        self.tenancy_seed = tenancy or TenancyFile()
+        self.tenancy = TenancyBook(registry=registry, catalog=catalog)
+        self._fair: FairShare | None = None  # the leader's decayed usage (broker.placement.tenancy)
+        self._fair_saved = 0.0
+        self._billed_cache: tuple[float, Billed | None] = (0.0, None)
+        self._preempt_failed: dict[str, float] = {}  # job -> when a preemption found nothing
+        self._finished: dict[str, JobRecord | None] = {}  # finished workflow parents, by id
+        self.settings = settings or BrokerSettings()
+        self.clock: Clock = clock or SystemClock()
+        self.url = url
+        self.instance = secrets.token_hex(6)
+        self.store = JobStore(registry=registry)
+        self.tokens = TokenBook(registry=registry)
+        self.audit = AuditLog(registry=registry)
+        self.metrics = BrokerMetrics()
+        self._kick = asyncio.Event()
+        self.views = ViewCache(
+            registry=registry, on_change=self._kick.set, metrics=self.metrics, clock=self.clock
+        )
+        self.metrics.watch_view(self.view)
+        self.leadership = Leadership(
+            registry=registry,
+            instance=self.instance,
+            url=url,
+            ttl_s=self.settings.leader_ttl_s,
+            clock=self.clock,
+            metrics=self.metrics,
+            on_elected=self._kick,
+        )
+        self.actor = Actor(registry=registry, leadership=self.leadership, metrics=self.metrics)
+        self.operations = Operations(
+            registry=registry,
+            store=self.store,
+            catalog_models=lambda: {m: d.mem_gb for m, d in catalog.devices.items()},
+            user_regions=frozenset(region for region, _ in self.user_rtt_ms),
+            clock=self.clock,
+            metrics=self.metrics,
+            view=self.view,
+            kick=self._kick,
+            catalog=catalog,
+            quotas=lambda: self.tenancy.quotas,
+        )
+        self.workflows = Workflows(
+            registry=registry, operations=self.operations, clock=self.clock, kick=self._kick
+        )
+        # managed inference services (docs/services.md): the API side in any replica, the
+        # replica reconciler in the leader
+        # sovereignty: client region -> the site regions that may serve it (configs/clients.yaml)
+        self.services = Services(
+            registry=registry,
+            operations=self.operations,
+            clock=self.clock,
+            view=self.view,
+            sovereignty=sovereignty,
+        )
+        self.replicas = ReplicaReconciler(
+            registry=registry,
+            operations=self.operations,
+            leadership=self.leadership,
+            clock=self.clock,
+            view=self.view,
+            kick=self._kick,
+            on_error=lambda service: self.metrics.service_errors.labels(service).inc(),
+            sovereignty=sovereignty,
+        )
+        # the autoscaler: every replica's gateway counts its traffic and publishes it; the
+        # leader decides from every replica's (docs/autoscaling.md, "The live loop")
+        self.traffic = TrafficBook()
+        self.traffic_publisher = TrafficPublisher(
+            registry=registry, book=self.traffic, instance=self.instance, clock=self.clock
+        )
+        self.scaler = Scaler(
+            registry=registry,
+            leadership=self.leadership,
+            clock=self.clock,
+            view=self.view,
+            user_rtt_ms=self.user_rtt_ms,
+            sovereignty=sovereignty,
+            stale_after_s=self.settings.inference.routing.scoring.signals_stale_after_s,
+            on_error=lambda service: self.metrics.service_errors.labels(service).inc(),
+        )
+        self.history = HistoryKeeper(
+            registry=registry,
+            leadership=self.leadership,
+            settings=self.settings.history,
+            clock=self.clock,
+            metrics=self.metrics,
+        )
+        # usage per tenant, site, model and day, from the ledger's segments (GET /v1/usage)
+        self.usage = UsageBook()
+        self.usage_mirror = PrefixMirror(
+            registry=registry,
+            prefix=keys.USAGE,  # segments and the rollups of closed days (metering.rollup)
+            on_reset=self.usage.reset,
+            on_event=lambda key, value, _rev: self.usage.apply(key, value),
+            keep_items=False,
+        )
+        self.metrics.watch_usage(self.usage)
+        self.alerts = AlertKeeper(
+            registry=registry,
+            leadership=self.leadership,
+            settings=self.settings.alerts,
+            clock=self.clock,
+            inputs=lambda: alert_inputs(
+                self.view(),
+                gpu_quotas(self.tenancy.file),
+                self.usage if self.usage_mirror.synced.is_set() else None,
+                self.clock.time(),
+            ),
+            metrics=self.metrics.registry,
+            external_url=url,
+        )
+        self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
+        self._down = dc.DownSince()
+        self._last_batch = 0.0
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.supervisor.spawn(
+            "loop lag", lambda: measure_loop_lag(self.metrics.loop_lag.observe), restart=RESTART
+        )
+        self.supervisor.spawn("view", self.views.mirror.run, restart=RESTART)
+        self.supervisor.spawn("tokens", self.tokens.mirror.run, restart=RESTART)
+        self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)
+        if await self.tenancy.seed(self.tenancy_seed):
+            log.info("tenancy seeded from the config's tenants.yaml")
+        self.supervisor.spawn("tenancy", self.tenancy.mirror.run, restart=RESTART)
+        await self.views.synced(30)
+        await asyncio.wait_for(self.tenancy.mirror.synced.wait(), 30)
+        await asyncio.wait_for(self.tokens.mirror.synced.wait(), 30)
+        self.supervisor.spawn("leader election", self.leadership.run, restart=RESTART)
+        self.supervisor.spawn("scheduler", self._schedule_loop, restart=RESTART)
+        self.supervisor.spawn("history", self.history.run, restart=RESTART)
+        self.supervisor.spawn("replicas", self.replicas.run, restart=RESTART)
+        self.supervisor.spawn("traffic", self.traffic_publisher.run, restart=RESTART)
+        self.supervisor.spawn("autoscaler", self.scaler.run, restart=RESTART)
+        self.supervisor.spawn("alerts", self.alerts.mirror.run, restart=RESTART)
+        if self.settings.alerts.enabled:
+            self.supervisor.spawn("alert rules", self.alerts.run_evaluation, restart=RESTART)
+            self.supervisor.spawn("alert delivery", self.alerts.run_delivery, restart=RESTART)
+
+    async def stop(self) -> None:
+        await self.supervisor.stop()
+        await self.leadership.close()
+
+    def _crashed(self, crash: Crash) -> None:
+        self.metrics.task_crashes.labels(crash.task).inc()
+        if crash.task == "scheduler" and self.leadership.is_leader:
+            log.warning("the scheduler crashed: giving up leadership while it restarts")
+            self.leadership.resign()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leadership.is_leader
+
+    def health(self) -> dict[str, Any]:
+        """For /healthz: the supervisor's status, with this replica's identity."""
+        status = self.supervisor.status()
+        self.metrics.healthy.set(1 if status["healthy"] else 0)
+        return {"instance": self.instance, "leader": self.is_leader, **status}
+
+    def view(self) -> View:
+        return self.views.view()
+
+    # -- operations (any replica) ---------------------------------------------------------------
+
+    def validate(self, spec: JobSpec) -> None:
+        self.operations.validate(self.operations.resolve(spec))
+
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        return await self.operations.submit(spec)
+
+    async def get(self, job_id: str) -> JobRecord:
+        return await self.operations.get(job_id)
+
+    async def cancel(self, job_id: str) -> JobRecord:
+        return await self.operations.cancel(job_id)
+
+    async def suspend(self, job_id: str) -> JobRecord:
+        return await self.operations.suspend(job_id)
+
+    async def resume(self, job_id: str) -> JobRecord:
+        return await self.operations.resume(job_id)
+
+    # -- the scheduler (leader only) ------------------------------------------------------------
+
+    async def _schedule_loop(self) -> None:
+        while True:
+            try:
+                # asyncio.timeout: 3.11's wait_for can swallow our cancellation at shutdown
+                async with asyncio.timeout(self.settings.tick_s):
+                    await self._kick.wait()
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            if not self.is_leader:
+                self._fair = None  # a new term starts from the registry's
+                continue
+            started = time.monotonic()
+            try:
+                await self.reconcile()
+            except RegistryError as exc:
+                log.warning("reconcile: %s", exc)
+                await asyncio.sleep(0.5)
+            # at most one pass per min_pass_s: what changed meanwhile is decided on together
+            await asyncio.sleep(max(0.0, self.settings.min_pass_s - (time.monotonic() - started)))
+
+    def context(self) -> dc.Context:
+        now = self.clock.time()
+        return dc.Context(
+            catalog=self.catalog,
+            settings=self.settings.scheduling,
+            user_rtt_ms=self.user_rtt_ms,
+            quotas=self.tenancy.quotas,
+            fair=self._fair,
+            budgets=self.budgets(),
+            written=tuple(self.actor.written.values()),
+            down_since=self._down.since,
+            preempt_skip=frozenset(
+                j for j, at in self._preempt_failed.items() if now - at < PREEMPT_RETRY_S
+            ),
+            finished={j: r for j, r in self._finished.items() if r is not None},
+        )
+
+    def budgets(self) -> Mapping[str, BudgetLeft]:
+        """What each budgeted tenant's budget has left now (broker.ops.budgets)."""
+        book = self.usage if self.usage_mirror.synced.is_set() else None
+        now = self.clock.time()
+        return budgets_left(self.tenancy.file, self._billed(book, now), self.view())
+
+    @property
+    def fair_share(self) -> FairShare | None:
+        """The leader's decayed usage, else the one the last leader saved."""
+        return self._fair or self.tenancy.fair
+
+    def _billed(self, book: UsageBook | None, now: float) -> Billed:
+        """What the ledger billed the budgeted tenants, kept BILLED_TTL_S."""
+        if book is None or not any(p.budget for p in self.tenancy.file.tenants.values()):
+            return NOTHING_BILLED
+        at, got = self._billed_cache
+        if got is None or now - at >= BILLED_TTL_S:
+            got = billed(self.tenancy.file, book, now)
+            self._billed_cache = (now, got)
+        return got
+
+    async def _advance_fair_share(self, view: View, now: float) -> None:
+        """The decayed usage, advanced to `now` on what the tenants hold; saved (fenced) once a
+        minute, so that the next leader goes on from it."""
+        half_life = self.tenancy.file.fair_share.half_life
+        fair = self._fair or self.tenancy.fair or FairShare(half_life)
+        if fair.half_life_s != half_life:
+            fair = FairShare(half_life, fair.at, fair.levels)
+        held = held_by_tenant(self.tenancy.quotas, held_rows(view, self.actor.written.values()))
+        self._fair = fair.advance(now, held)
+        if now - self._fair_saved >= FAIR_SHARE_SAVE_S:
+            self._fair_saved = now
+            await self.tenancy.save_fair(self._fair, self.leadership.guard())
+
+    async def reconcile(self) -> None:
+        """One pass: decide on the view, carry the actions out; a batch pass when it is due."""
+        now = self.clock.time()
+        view = self.view()
+        self.actor.forget_mirrored({job_id: r.attempt for job_id, (r, _) in view.jobs.items()})
+        self._down.update(view, now)
+        await self._advance_fair_share(view, now)
+        self._finished = await self.workflows.finished_parents(view, self._finished)
+        started = time.perf_counter()
+        ctx = self.context()
+        if view.derived.federation is None:
+            # the placement snapshot is built by the first pass, not by the first submit's
+            # (at a thousand sites that is 10 ms; later passes redo only what changed)
+            federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
+        decided = dc.decide(view, now, ctx)
+        self.metrics.decide_seconds.observe(time.perf_counter() - started)
+        for job_id in decided.preempt_failed:
+            self._preempt_failed[job_id] = now
+        self._preempt_failed = {
+            j: at for j, at in self._preempt_failed.items() if now - at < PREEMPT_RETRY_S
+        }
+        self.metrics.pending.set(decided.pending)
+        outcome = await self.actor.carry_out(decided.actions)
+        self._observe_placed(outcome.done, now, "fast")
+        if outcome.deposed:
+            return
+        if now - self._last_batch >= self.settings.scheduling.batch_interval_s:
+            self._last_batch = now
+            done = frozenset(job for action in outcome.done for job in action.job_ids)
+            await self._batch_pass(now, done)
+
+    async def _batch_pass(self, now: float, just_written: frozenset[str]) -> None:
+        """CP-SAT over every pending job the fast path left waiting (broker.plan.batch)."""
+        view = self.view()
+        jobs = dc.batch_jobs(view, now, just_written)
+        if not jobs:
+            return
+        try:
+            problem = dc.batch_problem(view, jobs, now, self.context())
+        except (BrokerError, ValueError) as exc:
+            # jobs' data the plan format refuses must not stop the scheduler: the fast path
+            # still serves them; the pass is skipped, loudly, and counted
+            log.error("batch pass skipped: %s", exc, exc_info=exc)
+            self.metrics.batch_errors.inc()
+            return
+        if not problem.jobs:
+            return
+        started = time.perf_counter()
+        sched = self.settings.scheduling
+        result = await asyncio.to_thread(
+            solve,
+            problem,
+            time_limit_s=sched.batch_time_limit_s,
+            gap_limit=sched.batch_gap or None,
+        )
+        took = time.perf_counter() - started
+        self.metrics.solver_seconds.labels(result.status.value).observe(took)
+        self.metrics.solver_gap.set(_gap(result.objective, result.bound))
+        self.metrics.solver_jobs.set(len(problem.jobs))
+        log.info(
+            "batch pass: %d pending jobs, %d placed (%s) in %.2fs",
+            len(problem.jobs),
+            len(result.assignments),
+            result.status.value,
+            took,
+        )
+        if not self.is_leader:
+            return
+        actions = dc.decide_batch(self.view(), jobs, problem, result, now, self.context())
+        outcome = await self.actor.carry_out(actions)
+        self._observe_placed(outcome.done, self.clock.time(), "batch")
+
+    def _observe_placed(self, done: list[dc.Action], now: float, path: str) -> None:
+        """cpn_broker_placement_latency_seconds: submit -> first placement, per job placed."""
+        for action in done:
+            if action.kind is not dc.ActionKind.place:
+                continue
+            for write in action.jobs:
+                record = write.record
+                if record.attempt <= 1 and record.retries == 0:  # its first placement only
+                    latency = max(0.0, now - record.created_at)
+                    self.metrics.placement_latency.labels(path).observe(latency)
+
+
+def _gap(objective: float, bound: float) -> float:
+    """The solver's relative gap, 0 when the bound meets the objective."""
+    if objective <= bound:
+        return 0.0
+    return (objective - bound) / max(abs(objective), 1e-9)
