@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 # compiler and the Python headers are installed when missing (root and apt-get); without them
 # the build says so and cpn runs those modules as Python (routing/native.py). CPN_COMPILE=0
 # skips it. A module edited since the build runs from source until the next build.
-$(NATIVE): $(STAMP) setup.py $(wildcard routing/*.py)
+$(NATIVE): $(STAMP) setup.py $(wildcard routing/*.py routing/*/*.py)
 	@[ "$$CPN_COMPILE" = 0 ] || .ci/install-compiler $(BIN)/python \
 		|| echo "make: no C compiler; the gateway's hot path runs as Python" >&2
 	$(BIN)/python setup.py --quiet build_ext --inplace > $(VENV)/native-build.log
@@ -76,4 +76,4 @@ bench: $(NATIVE)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
-	rm -f routing/*.so routing/native-build.json
+	rm -f routing/*.so routing/*/*.so routing/native-build.json

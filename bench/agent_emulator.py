@@ -1,14 +1,15 @@
 """N site agents in one process, cheaply: what etcd and the broker see is what N agents send.
 
 bench/registry_fanin.py's SimAgent runs a site's agent as the real one does, through
-sites.registry.Registry (aetcd, pydantic): at 1000 sites publishing every second that costs
+sites.registry.client.Registry (aetcd, pydantic): at 1000 sites publishing every second that costs
 about a core, so one process cannot keep 1000 leases alive on a 2-vCPU machine. This emulator
 sends, per site, the same etcd requests:
 
 - setup (once, through Registry as SimAgent.acquire): a lease of TTL ttl_s, the agent lock
   (keys.agent(site), an AgentRecord) taken with Registry.acquire_agent;
-- every interval, at a random phase, what sites.agent.Agent.publish_once sends: ONE Txn shaped
-  as Registry.publish builds it, of what changed (sites.drift), or none when nothing did.
+- every interval, at a random phase, what sites.agent.process.Agent.publish_once sends: ONE Txn
+shaped
+  as Registry.publish builds it, of what changed (sites.agent.drift), or none when nothing did.
   Compares value(keys.agent) == the encoded AgentRecord and version(keys.site_spec) > 0; puts
   the SiteStatus (with the lease) and LastSeen (no lease) when the status changed materially,
   the LinkStatus of each peer whose RTT moved beyond drift's tolerance of the one last written,
@@ -21,7 +22,8 @@ sends, per site, the same etcd requests:
   the endpoint's load is drawn each time;
 - a failed compare: LeaseLost, a new lease and the lock again (SimAgent._reacquire);
 - a LeaseKeepAlive per lease every keepalive_s on shared bidirectional streams, at most one in
-  flight per lease (as sites.registry does); an answer with TTL 0: the lease is gone, reacquire.
+  flight per lease (as sites.registry.client does); an answer with TTL 0: the lease is gone,
+  reacquire.
 
 What is cheaper (bench/emulated_site.py): each site's JSON documents are rendered once through
 pydantic with sentinel numbers and kept as %-format templates; a publish fills in figures
@@ -29,9 +31,9 @@ drawn as integers (pre-rendered strings) and assembles the Txn's protobuf bytes 
 setup a full publish and a partial one (no status, one link, the endpoint) of every site are
 rendered both ways and must match byte for byte (the JSON against pydantic's model_dump_json,
 the TxnRequest against aetcd's own message builders), and the rules deciding what is written
-must agree with sites.drift on real documents. One timer wheel (a slot every 10 ms) issues
+must agree with sites.agent.drift on real documents. One timer wheel (a slot every 10 ms) issues
 the due Txns concurrently (at most 256 in flight) instead of 2N sleeping tasks. The wire
-(bench/emulator_transport.py) is cleartext HTTP/2 by sites/h2grpc.py (default), or grpc.aio
+(bench/emulator_transport.py) is cleartext HTTP/2 by sites/registry/h2grpc.py (default), or grpc.aio
 (`--transport grpc`), which costs ~45 % of a core for the calls alone at 1000 Txns and 1000
 keepalives a second on the 2-vCPU bench machine.
 
@@ -72,10 +74,10 @@ from aetcd import rpc
 from emulated_site import EmulatedSite, Publish, SitePlan, varint
 from emulator_transport import REVOKE, GrpcTransport, H2Transport, Transport
 
-from sites.catalog import DeviceCatalog
-from sites.errors import RegistryError
-from sites.registry import Registry
-from sites.status import AgentRecord
+from sites.model.catalog import DeviceCatalog
+from sites.model.errors import RegistryError
+from sites.model.status import AgentRecord
+from sites.registry.client import Registry
 
 __all__ = ["AgentEmulator", "EmulatorConfig", "SitePlan"]
 
@@ -85,17 +87,21 @@ SETUP_CONCURRENCY = 64
 @dataclass(frozen=True)
 class EmulatorConfig:
     interval_s: float  # publish period of every site
-    ttl_s: int  # lease TTL (sites.agent: 3 intervals, at least MIN_TTL_S)
-    keepalive_s: float  # refresh period of every lease (sites.agent: ttl / 3)
+    ttl_s: int  # lease TTL (sites.agent.process: 3 intervals, at least MIN_TTL_S)
+    keepalive_s: float  # refresh period of every lease (sites.agent.process: ttl / 3)
     transport: str = "h2"  # h2 | grpc (emulator_transport)
     connections: int = 1  # TCP connections to etcd; more only spread the same calls
     keepalive_streams: int = 16  # LeaseKeepAlive streams shared by the leases (etcd answers
     # a stream's requests one at a time; grpc.aio needs many under load)
     max_in_flight: int = 256  # Txns in flight at once; more wait in a backlog (lag)
     slot_s: float = 0.01  # the wheel's tick: publish and keepalive times are quantized to it
-    timeout_s: float = 5.0  # a call's deadline, as Registry's (sites.registry.DEFAULT_TIMEOUT_S)
+    timeout_s: float = (
+        5.0  # a call's deadline, as Registry's (sites.registry.client.DEFAULT_TIMEOUT_S)
+    )
     churn: float = 0.1  # fraction of the sites whose allocation changes in an interval
-    refresh_s: float = 30.0  # everything is written at least this often (sites.agent refresh_s)
+    refresh_s: float = (
+        30.0  # everything is written at least this often (sites.agent.process refresh_s)
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.churn <= 1.0:
@@ -446,8 +452,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     import live_federation as live  # the agents' process is live_federation.py's
 
-    from sites.agent import MIN_TTL_S
-    from sites.etcd_server import EmbeddedEtcd
+    from sites.agent.process import MIN_TTL_S
+    from sites.emulation.etcd_server import EmbeddedEtcd
 
     row = tmp / f"{n}x{interval:g}"
     row.mkdir()

@@ -37,7 +37,7 @@ sys.path.append(str(ROOT / "bench"))  # last: bench/routing.py must not shadow r
 from job_history import rb, stats  # noqa: E402  (bench/routing.py's demo, loaded once)
 
 from broker.state.auth import Role, TokenBook, create_token, new_token  # noqa: E402
-from sites.registry import Registry  # noqa: E402
+from sites.registry.client import Registry  # noqa: E402
 
 log, pct, fmt, table = rb.log, rb.pct, rb.fmt, rb.table
 SERVICE = rb.LOOPBACK_SERVICE

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO))
 from simulations.autoscaling import ServiceSim  # noqa: E402
 from simulations.scenario import build_federation, load_scenario  # noqa: E402
 from simulations.service_demand import ScalerKind  # noqa: E402
-from sites.durations import parse_duration_s  # noqa: E402
+from sites.model.durations import parse_duration_s  # noqa: E402
 
 SCENARIO = REPO / "configs" / "scenarios" / "autoscaling.yaml"
 STATIC_RATIO = 0.6

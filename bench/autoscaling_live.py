@@ -2,7 +2,7 @@
 
 Prints figures; it is not a timed test. A real `cpn up` (etcd, the agents of --sites, the
 broker, the WAN emulation) runs one managed service whose replicas are the STAND-IN model
-server (routing/modelserver.py) started by the sites' executors; `cpn load`'s engine
+server (routing/standin/server.py) started by the sites' executors; `cpn load`'s engine
 (cpn.load.run_load) sends a compressed day whose curve (simulations.service_demand.DailyDemand,
 the simulator's) peaks at 20:00 local time in each client region, through the broker's gateway,
 streaming, so the time to first token is the first server-sent event as the client sees it.
@@ -57,8 +57,8 @@ sys.path.insert(0, str(REPO))
 from broker.model.regions import load_user_regions  # noqa: E402
 from cpn.load import LoadReport, LoadSettings, run_load  # noqa: E402
 from simulations.service_demand import utc_offset_h_of  # noqa: E402
-from sites.durations import parse_duration_s  # noqa: E402
-from sites.etcd_server import free_port  # noqa: E402
+from sites.emulation.etcd_server import free_port  # noqa: E402
+from sites.model.durations import parse_duration_s  # noqa: E402
 
 NAME = "chat-live"
 DAY_S = 86_400.0
@@ -80,7 +80,7 @@ def spec(day_s: float, *, static: bool, count: int) -> dict[str, Any]:
         "tenant": "ai-lab",
         "model": "qwen2.5-7b-instruct",
         "command": (
-            f"python -m routing.modelserver --listen {{host}}:{{port}} --name {NAME} "
+            f"python -m routing.standin.server --listen {{host}}:{{port}} --name {NAME} "
             "--median-ms 150 --p99-ms 450 --max-concurrency 4"
         ),
         "cpu": 1,

@@ -218,12 +218,13 @@ async def direct(mode: str, runs: int) -> dict[str, Any]:
     """The agent's part alone: LocalExecutor.start to the job's first instruction, in process
     (no broker, no etcd), with the same confinement as the federation's site."""
     sys.path.insert(0, str(ROOT))
-    from sites.assignments import Assignment
-    from sites.catalog import DeviceCatalog
-    from sites.clock import SystemClock
-    from sites.confinement import Confiner
-    from sites.executor import LocalExecutor, job_dir
-    from sites.spec import Confinement
+    from sites.executors.base import job_dir
+    from sites.executors.confinement import Confiner
+    from sites.executors.local import LocalExecutor
+    from sites.kits.clock import SystemClock
+    from sites.model.assignments import Assignment
+    from sites.model.catalog import DeviceCatalog
+    from sites.model.spec import Confinement
 
     tmp = Path(tempfile.mkdtemp(prefix=f"cpn-bench-direct-{mode}-"))
     work = tmp / "sites" / "bench"

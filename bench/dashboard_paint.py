@@ -43,10 +43,10 @@ from typing import Any
 import registry_fanin as fanin
 
 from broker.state.auth import Role, create_token, new_token
-from sites.catalog import DeviceCatalog
-from sites.etcd_server import EmbeddedEtcd, free_port
-from sites.registry import Registry
-from sites.spec import SiteSpec
+from sites.emulation.etcd_server import EmbeddedEtcd, free_port
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
+from sites.registry.client import Registry
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"

@@ -6,20 +6,21 @@ publish fills in figures drawn as integers (in units of the last decimal SimAgen
 pre-rendered as strings) and assembles Registry.publish's TxnRequest as protobuf bytes by
 hand.
 
-What a publish writes is what sites.agent.Agent.publish_once writes (sites.drift): each
+What a publish writes is what sites.agent.process.Agent.publish_once writes (sites.agent.drift):
+each
 interval the site measures; with probability `churn` its allocation changed (new usage
 figures, so its free capacity differs), otherwise it keeps the figures it had (its status
 differs only in seq and published_at: not written). The status (and last_seen) is written when
-sites.drift.status_changed says so against the status last written, each link when
+sites.agent.drift.status_changed says so against the status last written, each link when
 link_changed does against the link last written to that peer (the RTT floor is fixed, the
 median moves 0-2 ms above it), the endpoint of a serving site every time, and all of them
 every `refresh_s` (each site's first refresh at a random phase, so refreshes spread). A
 publish with nothing to write sends no Txn; `seq` counts the statuses written. Both rules are
-implemented on the integer figures and checked against sites.drift at setup.
+implemented on the integer figures and checked against sites.agent.drift at setup.
 
 `EmulatedSite.check()` renders a full publish and a partial one (no status, one link, the
 endpoint if serving) both ways, the JSON against pydantic's model_dump_json (what
-sites.registry._encode writes) and the TxnRequest against aetcd's own message builders in
+sites.registry.client._encode writes) and the TxnRequest against aetcd's own message builders in
 Registry.publish's shape, and raises EmulatorMismatch unless they are the same bytes.
 """
 
@@ -38,9 +39,7 @@ import registry_fanin as fanin
 from aetcd import rpc
 from pydantic import BaseModel
 
-from sites import keys
-from sites.catalog import Capacity, DeviceCatalog, normalize, normalize_inventory
-from sites.drift import (
+from sites.agent.drift import (
     HOST_CPU_PCT,
     HOST_LOAD_PER_CORE,
     HOST_MEM_REL,
@@ -48,8 +47,10 @@ from sites.drift import (
     rtt_tolerance,
     status_changed,
 )
-from sites.spec import SiteSpec
-from sites.status import (
+from sites.model import keys
+from sites.model.catalog import Capacity, DeviceCatalog, normalize, normalize_inventory
+from sites.model.spec import SiteSpec
+from sites.model.status import (
     AgentRecord,
     HostUsage,
     LastSeen,
@@ -175,7 +176,7 @@ class FreeTables:
             used = normalize(devices={}, cpu_cores=cores, mem_gb=0, storage_tb=0, catalog=catalog)
             free = cap.minus(used)
             self.cpu.append((str(free.cpu_cores), repr(free.cpu_fp64_tflops)))
-        # Capacity.minus: round(max(0, total - used), 6) (sites.catalog._round)
+        # Capacity.minus: round(max(0, total - used), 6) (sites.model.catalog._round)
         mem_n, sto_n = int(cap.mem_gb * 10), int(cap.storage_tb * 100)
         self.mem = [repr(round(max(0.0, cap.mem_gb - k / 10), 6)) for k in range(mem_n + 1)]
         self.storage = [
@@ -247,7 +248,8 @@ class Publish:
 
 
 def status_moved(old: Usage, new: Usage) -> bool:
-    """sites.drift.status_changed(old, new) for two statuses of a site that differ only in these
+    """sites.agent.drift.status_changed(old, new) for two statuses of a site that differ only in
+    these
     figures (and seq, published_at): capacity, free and storage differ exactly when a usage
     index does (FreeTables checks that each index gives other figures); the host by drift's
     tolerances, on the very floats the documents hold."""
@@ -261,7 +263,8 @@ def status_moved(old: Usage, new: Usage) -> bool:
 
 
 def rtt_moved(old_ms: float, tolerance: float, new_ms: float) -> bool:
-    """sites.drift's test of a link's median RTT (the floor, loss, method never change here)."""
+    """sites.agent.drift's test of a link's median RTT (the floor, loss, method never change
+    here)."""
     return abs(new_ms - old_ms) > tolerance
 
 
@@ -295,7 +298,7 @@ class EmulatedSite:
         # a link's RTT floor in us (SimAgent: uniform 2-60 ms, rounded to 3 decimals)
         self.links = [(peer, round(self.rng.uniform(2.0, 60.0) * 1000)) for peer in plan.peers]
         self.record: AgentRecord | None = None
-        self.seq = 0  # statuses written under this instance (sites.agent)
+        self.seq = 0  # statuses written under this instance (sites.agent.process)
         # what the agent measures and what the registry holds of it (Agent._written_*)
         self.usage: Usage | None = None
         self.written_status: Usage | None = None
@@ -342,7 +345,7 @@ class EmulatedSite:
         self.forget()  # a new lease holds none of our keys (Agent._reacquire)
         if record is None:
             return
-        value = record.model_dump_json().encode()  # sites.registry._encode
+        value = record.model_dump_json().encode()  # sites.registry.client._encode
         compares = (
             rpc.Compare(
                 result=rpc.Compare.EQUAL,
@@ -599,7 +602,7 @@ class EmulatedSite:
     def check(self) -> None:
         """A full publish and a partial one (no status, one link, the endpoint if serving),
         rendered both ways, must match byte for byte, and the rules deciding what a publish
-        writes must agree with sites.drift (raises EmulatorMismatch)."""
+        writes must agree with sites.agent.drift (raises EmulatorMismatch)."""
         if self.record is None:
             raise EmulatorMismatch(f"{self.id}: no agent record to check against")
         now = time.time()
@@ -625,7 +628,7 @@ class EmulatedSite:
         if len(values) != len(models) or len(values) != pub.puts:
             raise EmulatorMismatch(f"{self.id}: {what} renders {len(values)} documents")
         for value, model in zip(values, models, strict=True):
-            expected = model.model_dump_json().encode()  # sites.registry._encode
+            expected = model.model_dump_json().encode()  # sites.registry.client._encode
             if value != expected:
                 raise EmulatorMismatch(
                     f"{self.id}: {what}: {type(model).__name__} differs from pydantic's:\n"
@@ -637,7 +640,7 @@ class EmulatedSite:
             raise EmulatorMismatch(f"{self.id}: {what}: the TxnRequest differs from aetcd's")
 
     def _check_drift(self, now: float) -> None:
-        """status_moved and rtt_moved against sites.drift on the documents themselves: random
+        """status_moved and rtt_moved against sites.agent.drift on the documents themselves: random
         pairs and pairs at drift's tolerances (a step of exactly the tolerance, and one more).
         The status rule depends on the site's capacity alone: checked once per capacity."""
         if self.tables not in EmulatedSite._drift_checked:
@@ -668,7 +671,7 @@ class EmulatedSite:
             if status_moved(old, new) != expected:
                 raise EmulatorMismatch(
                     f"{self.id}: status {old} -> {new}: the emulator says changed="
-                    f"{not expected}, sites.drift.status_changed {expected}"
+                    f"{not expected}, sites.agent.drift.status_changed {expected}"
                 )
 
     def _check_link_drift(self, now: float) -> None:
@@ -686,7 +689,7 @@ class EmulatedSite:
                 if got != expected:
                     raise EmulatorMismatch(
                         f"{self.id}: link {i} median {w} -> {m} us: the emulator says changed="
-                        f"{got}, sites.drift.link_changed {expected}"
+                        f"{got}, sites.agent.drift.link_changed {expected}"
                     )
 
 

@@ -1,4 +1,4 @@
-"""How bench/agent_emulator.py reaches etcd: HTTP/2 by sites/h2grpc.py, or grpc.aio.
+"""How bench/agent_emulator.py reaches etcd: HTTP/2 by sites/registry/h2grpc.py, or grpc.aio.
 
 Both carry the same serialized etcd requests (Txn, LeaseKeepAlive on shared streams,
 LeaseRevoke); they differ in cost. On the 2-vCPU bench machine grpc.aio spends about 300 us of
@@ -11,9 +11,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from sites.endpoints import grpc_target, parse_endpoints, uses_tls
-from sites.errors import RegistryError
-from sites.h2grpc import Failure, H2Channel, header_block
+from sites.model.endpoints import grpc_target, parse_endpoints, uses_tls
+from sites.model.errors import RegistryError
+from sites.registry.h2grpc import Failure, H2Channel, header_block
 
 TXN = "/etcdserverpb.KV/Txn"
 KEEPALIVE = "/etcdserverpb.Lease/LeaseKeepAlive"
@@ -49,10 +49,10 @@ def _h2_kind(reason: str) -> str:
 
 
 class H2Transport:
-    """Calls over sites/h2grpc.py: `connections` HTTP/2 connections, Txns round robin,
+    """Calls over sites/registry/h2grpc.py: `connections` HTTP/2 connections, Txns round robin,
     keepalive stream i on connection i % connections."""
 
-    name = "h2 (sites/h2grpc.py)"
+    name = "h2 (sites/registry/h2grpc.py)"
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""The registry's two gRPC transports side by side: sites.h2grpc (the default) and grpc.aio
+"""The registry's two gRPC transports side by side: sites.registry.h2grpc (the default) and grpc.aio
 (CPN_ETCD_TRANSPORT=grpc), as the broker uses them under a live federation.
 
 Prints figures; it is not a timed test. It starts an embedded etcd (fsync off, on /dev/shm) and
@@ -37,8 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sites.etcd_server import EmbeddedEtcd  # noqa: E402
-from sites.registry import TRANSPORT_ENV, Guard, Registry  # noqa: E402
+from sites.emulation.etcd_server import EmbeddedEtcd  # noqa: E402
+from sites.registry.client import TRANSPORT_ENV, Guard, Registry  # noqa: E402
 
 TRANSPORTS = ("h2", "grpc")
 

@@ -50,9 +50,9 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sites import keys  # noqa: E402
-from sites.etcd_server import EmbeddedEtcd  # noqa: E402
-from sites.registry import Registry  # noqa: E402
+from sites.emulation.etcd_server import EmbeddedEtcd  # noqa: E402
+from sites.model import keys  # noqa: E402
+from sites.registry.client import Registry  # noqa: E402
 from tests.broker import history_data  # noqa: E402
 
 

@@ -38,9 +38,9 @@ from broker.placement.settings import HistorySettings  # noqa: E402
 from broker.state.leadership import Leadership  # noqa: E402
 from broker.state.metrics import BrokerMetrics  # noqa: E402
 from broker.state.store import JobStore  # noqa: E402
-from sites.clock import SystemClock  # noqa: E402
-from sites.etcd_server import EmbeddedEtcd  # noqa: E402
-from sites.registry import Registry  # noqa: E402
+from sites.emulation.etcd_server import EmbeddedEtcd  # noqa: E402
+from sites.kits.clock import SystemClock  # noqa: E402
+from sites.registry.client import Registry  # noqa: E402
 from tests.broker import history_data  # noqa: E402
 
 FAILED = frozenset({JobState.FAILED})

@@ -3,11 +3,11 @@
 Prints figures; it is not a timed test. For each N (100, 1000, 5000 by default) and each publish
 interval (1 s, 5 s) it starts, from scratch:
 
-- an embedded etcd (sites.etcd_server.EmbeddedEtcd) on /dev/shm, fsync off;
+- an embedded etcd (sites.emulation.etcd_server.EmbeddedEtcd) on /dev/shm, fsync off;
 - N synthetic sites' agents (lease, agent lock, a SiteStatus and 4 LinkStatus entries per
   publish, keepalives), all N in ONE process of their own (`live_federation.py agents ...`):
   bench/agent_emulator.py by default (the requests of registry_fanin's SimAgent, cheaply,
-  writing only what changed as sites.agent does: --churn, --refresh-s), SimAgent itself with
+  writing only what changed as sites.agent.process does: --churn, --refresh-s), SimAgent itself with
   `--emulator simagent` (everything every interval); K of the sites (--service-sites) also
   publish an endpoint of the inference service `bench-llm`;
 - a real broker, `cpn broker --etcd URL --listen 127.0.0.1:PORT --config-dir DIR`, whose
@@ -60,12 +60,12 @@ import psutil
 import registry_fanin as fanin
 import yaml
 
-from sites.agent import MIN_TTL_S
-from sites.catalog import DeviceCatalog
-from sites.etcd_server import EmbeddedEtcd, free_port
-from sites.registry import Registry
-from sites.spec import SiteSpec
-from sites.tasks import measure_loop_lag
+from sites.agent.process import MIN_TTL_S
+from sites.emulation.etcd_server import EmbeddedEtcd, free_port
+from sites.kits.tasks import measure_loop_lag
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
+from sites.registry.client import Registry
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -902,7 +902,8 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
     docs = federation_docs(n, interval, args.seed)
     cfg = row_dir / "configs"
     write_config(cfg, docs)
-    # as sites.agent does: a lease of 3 intervals (at least MIN_TTL_S), refreshed every third
+    # as sites.agent.process does: a lease of 3 intervals (at least MIN_TTL_S), refreshed every
+    # third
     ttl = args.ttl or max(MIN_TTL_S, math.ceil(3 * interval))
     keepalive = args.keepalive or ttl / 3
     log(f"\n== {n} sites publishing every {interval:g}s (lease {ttl}s, keepalive {keepalive:g}s)")
@@ -1283,7 +1284,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--job-life", type=float, default=2.0, help="a job is cancelled after, s")
     p.add_argument("--service-sites", type=int, default=8, help=f"sites serving {SERVICE}")
     p.add_argument(
-        "--ttl", type=int, default=0, help="agents' lease TTL, s (default: as sites.agent)"
+        "--ttl", type=int, default=0, help="agents' lease TTL, s (default: as sites.agent.process)"
     )
     p.add_argument(
         "--keepalive", type=float, default=0.0, help="keepalive period, s (default: ttl / 3)"
@@ -1307,13 +1308,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=AGENT_KINDS,
         default="emulator",
         help="emulator: bench/agent_emulator.py (the same requests, cheaply); simagent: "
-        "registry_fanin.SimAgent through sites.registry (about a core at 1000 publishes/s)",
+        "registry_fanin.SimAgent through sites.registry.client (about a core at 1000 publishes/s)",
     )
     p.add_argument(
         "--transport",
         choices=TRANSPORTS,
         default="h2",
-        help="the emulator's wire: h2 (sites/h2grpc.py) or grpc (grpc.aio, dearer)",
+        help="the emulator's wire: h2 (sites/registry/h2grpc.py) or grpc (grpc.aio, dearer)",
     )
     p.add_argument(
         "--agents-per-client", type=int, default=100, help="SimAgents per Registry client"
@@ -1428,7 +1429,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         + f"; {args.peers} links per publish; "
         f"{args.service_sites} sites serve {SERVICE}; lease ttl "
-        + (f"{args.ttl}s" if args.ttl else "3 intervals (as sites.agent)")
+        + (f"{args.ttl}s" if args.ttl else "3 intervals (as sites.agent.process)")
         + ", keepalive every "
         + (f"{args.keepalive:g}s" if args.keepalive else "ttl / 3"),
         "broker: `cpn broker` (default broker settings), a fresh one per row"

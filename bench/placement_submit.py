@@ -44,9 +44,9 @@ from broker.placement.place import (
     place,
 )
 from broker.placement.tenancy import BudgetLeft, Quotas
-from sites.catalog import DeviceCatalog
-from sites.latency import Endpoint, LatencyModel
-from sites.spec import Prices
+from sites.model.catalog import DeviceCatalog
+from sites.model.latency import Endpoint, LatencyModel
+from sites.model.spec import Prices
 
 TARGET_P99_MS = 5.0
 NOW = datetime(2025, 1, 6, 9, 0, tzinfo=UTC)

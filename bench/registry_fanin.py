@@ -48,13 +48,12 @@ from typing import Any, TypeVar
 import psutil
 from pydantic import BaseModel
 
-from sites import keys
-from sites.catalog import DeviceCatalog, normalize, normalize_inventory
-from sites.errors import LeaseLost, RegistryError
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
-from sites.spec import SiteSpec
-from sites.status import (
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog, normalize, normalize_inventory
+from sites.model.errors import LeaseLost, RegistryError
+from sites.model.spec import SiteSpec
+from sites.model.status import (
     AgentRecord,
     HostUsage,
     LinkStatus,
@@ -62,6 +61,7 @@ from sites.status import (
     SiteStatus,
     StorageUsage,
 )
+from sites.registry.client import Registry
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -960,8 +960,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--emulator",
         choices=("simagent", "emulator"),
         default="simagent",
-        help="simagent: SimAgents through sites.registry (what this bench measures by default); "
-        "emulator: bench/agent_emulator.py, the same requests at a fraction of the CPU",
+        help="simagent: SimAgents through sites.registry.client (what this bench measures by "
+        "default); emulator: bench/agent_emulator.py, the same requests at a fraction of the CPU",
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument(

@@ -431,7 +431,7 @@ class Demo:
                 continue
             if "cpn broker" in cmd:
                 roles["broker"].append(child)
-            elif "routing.modelserver" in cmd:
+            elif "routing.standin.server" in cmd:
                 roles["stand-in model servers"].append(child)
             elif "cpn agent" in cmd:
                 roles["agents"].append(child)

@@ -38,11 +38,11 @@ from broker.model.tenants import TenancyFile  # noqa: E402
 from broker.placement.settings import SchedulingSettings  # noqa: E402
 from broker.placement.tenancy import Quotas  # noqa: E402
 from broker.state.view import View  # noqa: E402
-from sites.assignments import Assignment  # noqa: E402
-from sites.catalog import DeviceCatalog, normalize_inventory  # noqa: E402
-from sites.config import load_sites, site_files  # noqa: E402
-from sites.snapshot import Snapshot  # noqa: E402
-from sites.status import AgentRecord, HostUsage, SiteStatus  # noqa: E402
+from sites.model.assignments import Assignment  # noqa: E402
+from sites.model.catalog import DeviceCatalog, normalize_inventory  # noqa: E402
+from sites.model.config import load_sites, site_files  # noqa: E402
+from sites.model.snapshot import Snapshot  # noqa: E402
+from sites.model.status import AgentRecord, HostUsage, SiteStatus  # noqa: E402
 
 CONFIGS = ROOT / "configs"
 NOW = 1_800_000_000.0

@@ -41,11 +41,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from metering.ledger import EndReason, Run, close, puts  # noqa: E402
-from sites import keys  # noqa: E402
-from sites.catalog import DeviceCatalog  # noqa: E402
-from sites.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
-from sites.registry import Registry  # noqa: E402
-from sites.spec import SiteSpec  # noqa: E402
+from sites.emulation.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
+from sites.model import keys  # noqa: E402
+from sites.model.catalog import DeviceCatalog  # noqa: E402
+from sites.model.spec import SiteSpec  # noqa: E402
+from sites.registry.client import Registry  # noqa: E402
 from tests.conftest import ADMIN_TOKEN, site_doc, write_admin_token  # noqa: E402
 
 MODELS = ("H100", "A100-80GB", "L40S", None)

@@ -23,11 +23,11 @@ from pathlib import Path
 from broker.model.jobs import Event, JobRecord, JobSpec, JobState
 from broker.state.store import encode
 from broker.state.view import ViewCache
-from sites import keys
-from sites.catalog import DeviceCatalog, normalize_inventory
-from sites.config import load_sites, site_files
-from sites.registry import Registry
-from sites.status import AgentRecord, HostUsage, LinkStatus, ServiceEndpoint, SiteStatus
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.config import load_sites, site_files
+from sites.model.status import AgentRecord, HostUsage, LinkStatus, ServiceEndpoint, SiteStatus
+from sites.registry.client import Registry
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -12,7 +12,7 @@ scheduler, each in its own module:
     broker.leader.scaler      the autoscaler loop: observations -> decide -> ScalingDecision
     (leader)
 
-Every long-lived task runs under a sites.tasks.Supervisor: a crash is logged with its
+Every long-lived task runs under a sites.kits.tasks.Supervisor: a crash is logged with its
 traceback, counted (cpn_broker_task_crashes_total), turns /healthz unhealthy, and the task is
 restarted with backoff; a crash of the scheduler also gives up leadership first, so another
 replica can lead while this one recovers.
@@ -51,15 +51,15 @@ from broker.state.metrics import BrokerMetrics
 from broker.state.store import JobStore
 from broker.state.tenant_store import TenancyBook, gpu_quotas
 from broker.state.traffic import TrafficBook, TrafficPublisher
-from broker.state.view import View, ViewCache, federation, held_rows
+from broker.state.view import View, ViewCache, ViewCollector, federation, held_rows
 from metering.usage import UsageBook
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.clock import Clock, SystemClock
-from sites.errors import RegistryError
-from sites.mirror import PrefixMirror
-from sites.registry import Registry
-from sites.tasks import Backoff, Crash, Supervisor, measure_loop_lag
+from sites.kits.clock import Clock, SystemClock
+from sites.kits.tasks import Backoff, Crash, Supervisor, measure_loop_lag
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.errors import RegistryError
+from sites.registry.client import Registry
+from sites.registry.mirror import PrefixMirror
 
 __all__ = ["Broker"]
 
@@ -105,7 +105,7 @@ class Broker:
         self.views = ViewCache(
             registry=registry, on_change=self._kick.set, metrics=self.metrics, clock=self.clock
         )
-        self.metrics.watch_view(self.view)
+        self.metrics.watch(ViewCollector(self.view))
         self.leadership = Leadership(
             registry=registry,
             instance=self.instance,

@@ -21,14 +21,14 @@ from broker.placement.settings import BrokerSettings, load_settings, read_site_k
 from broker.process import RESTART, Broker
 from broker.state.router import Router
 from routing import native
-from routing.clients import load_clients
-from routing.lane_site import LaneSite
-from sites.catalog import DeviceCatalog
-from sites.config import load_sites, site_files
-from sites.errors import ConfigError, Problem
-from sites.etcd_security import EtcdTls
-from sites.latency import LatencyModel
-from sites.registry import Registry
+from routing.decision.clients import load_clients
+from routing.gateway.lane_site import LaneSite
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_sites, site_files
+from sites.model.errors import ConfigError, Problem
+from sites.model.latency import LatencyModel
+from sites.registry.client import Registry
+from sites.registry.security import EtcdTls
 
 log = logging.getLogger(__name__)
 

@@ -23,20 +23,15 @@ from cpn.certs import DEFAULT_HOSTS, Pki, PkiError
 from cpn.client import ApiError, BrokerClient
 from cpn.config import ConfigFileError
 from cpn.state import read_up_state
-from sites.agent import Agent, AgentSettings
-from sites.catalog import CatalogError, DeviceCatalog
-from sites.clock import SystemClock
-from sites.collectors.probes import METHODS
-from sites.config import config_dir, load_site, load_sites
-from sites.errors import AgentConflict, ConfigError, NotJoined, RegistryError, SitesError
-from sites.etcd_security import (
-    CREDENTIALS_ENV,
-    EtcdTls,
-    auth_enabled,
-    load_credentials,
-    revoke_site,
-)
-from sites.registry import Registry, parse_endpoints
+from sites.agent.collectors.probes import METHODS
+from sites.agent.process import Agent, AgentSettings
+from sites.kits.clock import SystemClock
+from sites.model.catalog import CatalogError, DeviceCatalog
+from sites.model.config import config_dir, load_site, load_sites
+from sites.model.errors import AgentConflict, ConfigError, NotJoined, RegistryError, SitesError
+from sites.registry.admin import auth_enabled, revoke_site
+from sites.registry.client import Registry, parse_endpoints
+from sites.registry.security import CREDENTIALS_ENV, EtcdTls, load_credentials
 
 log = logging.getLogger("cpn")
 
@@ -223,7 +218,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def _load_job_file(path: str) -> Any:
-    from sites.config import read_yaml
+    from sites.model.config import read_yaml
 
     data = read_yaml(Path(path))
     if not isinstance(data, dict):
@@ -349,7 +344,7 @@ async def cmd_token_create(args: argparse.Namespace) -> int:
     $CPN_ETCD and no token configured): how the first admin token is made."""
     from broker.model.errors import InvalidRequest
     from broker.state.auth import Role, create_token, new_token
-    from sites.durations import parse_duration_s
+    from sites.model.durations import parse_duration_s
 
     try:
         ttl_s = parse_duration_s(args.ttl) if args.ttl else None

@@ -39,17 +39,18 @@ from cpn.client import ApiError, BrokerClient
 from cpn.config import ConfigFileError, remove_context, save_context
 from cpn.secure import bootstrap, init_pki, site_credentials
 from cpn.state import clear_up_state, state_dir, write_up_state
-from routing.clients import load_clients
-from sites import keys, wan
-from sites.catalog import DeviceCatalog
-from sites.config import load_sites, read_yaml, site_files
-from sites.errors import ConfigError, Problem, RegistryError
-from sites.etcd_security import BROKER_USER, ROOT_USER, EtcdTls, load_credentials
-from sites.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
-from sites.latency import Endpoint, LatencyModel
-from sites.registry import Registry
-from sites.spec import SiteSpec
-from sites.tasks import Supervisor
+from routing.decision.clients import load_clients
+from sites.emulation import wan
+from sites.emulation.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
+from sites.kits.tasks import Supervisor
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_sites, read_yaml, site_files
+from sites.model.errors import ConfigError, Problem, RegistryError
+from sites.model.latency import Endpoint, LatencyModel
+from sites.model.spec import SiteSpec
+from sites.registry.client import Registry
+from sites.registry.security import BROKER_USER, ROOT_USER, EtcdTls, load_credentials
 
 log = logging.getLogger(__name__)
 
@@ -365,7 +366,7 @@ class Launcher:
                 parts = urlsplit(svc.url)
                 timing = {"median_ms": 300, "p99_ms": 1000, **default, **models.get(svc.model, {})}
                 args = [
-                    sys.executable, "-m", "routing.modelserver",
+                    sys.executable, "-m", "routing.standin.server",
                     "--listen", f"{parts.hostname}:{parts.port}",
                     "--name", f"{plan.spec.id}/{svc.name}",
                     "--median-ms", str(timing["median_ms"]),
@@ -621,7 +622,7 @@ class Launcher:
             await asyncio.sleep(0.5)
 
     async def _supervise(self) -> None:
-        """Report children that exit, until cancelled (a supervised task: sites.tasks)."""
+        """Report children that exit, until cancelled (a supervised task: sites.kits.tasks)."""
         reported: set[str] = set()
         while True:
             if (

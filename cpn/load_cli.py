@@ -24,8 +24,8 @@ from cpn.client import BrokerClient, certificate_authority, connection
 from cpn.config import ConfigFileError
 from cpn.load import LoadError, LoadReport, LoadSettings, LoadWindow, run_load
 from simulations.service_demand import utc_offset_h_of
-from sites.durations import parse_duration_s
-from sites.errors import ConfigError
+from sites.model.durations import parse_duration_s
+from sites.model.errors import ConfigError
 
 __all__ = ["add_parsers", "report_table"]
 

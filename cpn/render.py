@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sites.catalog import DeviceCatalog, normalize_inventory
-from sites.layout import layout
-from sites.status import NodeUsage, SiteView
+from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.layout import layout
+from sites.model.status import NodeUsage, SiteView
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

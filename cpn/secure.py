@@ -17,19 +17,17 @@ from pathlib import Path
 
 from cpn.certs import DEFAULT_HOSTS, Pki
 from cpn.state import state_dir
-from sites.etcd_security import (
+from sites.emulation.etcd_server import ServerTls
+from sites.model.spec import SiteSpec
+from sites.registry.admin import auth_enabled, bootstrap_auth, grant_site
+from sites.registry.client import Registry
+from sites.registry.security import (
     BROKER_USER,
     ROOT_USER,
     EtcdCredentials,
     EtcdTls,
-    auth_enabled,
-    bootstrap_auth,
-    grant_site,
     write_credentials,
 )
-from sites.etcd_server import ServerTls
-from sites.registry import Registry
-from sites.spec import SiteSpec
 
 CERTS_ENV = "CPN_CERTS"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cpn.client import BrokerClient
-from sites.config import read_yaml
+from sites.model.config import read_yaml
 
 __all__ = ["add_parsers", "describe_service"]
 

@@ -1,6 +1,7 @@
 """`cpn up --slurm`: the demo federation plus one site, ``slurm-lab``, on a local Slurm.
 
-``slurm_demo(config_dir, run_dir)`` starts a single-machine Slurm (sites.slurm_cluster: munged,
+``slurm_demo(config_dir, run_dir)`` starts a single-machine Slurm (sites.emulation.slurm_cluster:
+munged,
 MariaDB, slurmdbd, slurmctld, slurmd on their own ports, 4 placeholder H100s as GRES), writes a
 copy of the config directory with the site's file added, and yields that copy for `cpn up` to
 run; on exit it stops the daemons. A job file to watch it with is written beside it.
@@ -24,8 +25,8 @@ import yaml
 
 from cpn.launcher import Launcher, LaunchSettings
 from cpn.state import state_dir
-from sites.errors import ConfigError, Problem
-from sites.slurm_cluster import LocalSlurm, SlurmStartError, missing
+from sites.emulation.slurm_cluster import LocalSlurm, SlurmStartError, missing
+from sites.model.errors import ConfigError, Problem
 
 SITE = "slurm-lab"
 REGION = "slurm-lab"

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sites.private import write_private as write_private  # the CLI's config file uses it
+from sites.kits.private import write_private as write_private  # the CLI's config file uses it
 
 
 def state_dir() -> Path:

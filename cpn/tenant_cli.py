@@ -21,7 +21,7 @@ import yaml
 
 from cpn import render
 from cpn.client import ApiError, BrokerClient
-from sites.config import read_yaml
+from sites.model.config import read_yaml
 
 __all__ = ["FlagError", "add_parsers", "merged_policy", "tenants_table"]
 

@@ -3,7 +3,7 @@
 The broker closes a segment in the very transaction that ends the run (the job record's
 guarded write, broker.state.store / broker.leader.actions), at
 /cpn/v1/usage/segments/<day>/<job>/<attempt>
-(sites.keys.usage_segment). A run ends once per (job, attempt): the transaction that ends it
+(sites.model.keys.usage_segment). A run ends once per (job, attempt): the transaction that ends it
 is guarded on the job record's revision, so a second writer (a retried action, a new leader)
 finds the run already over and writes nothing; and the key is the run's own, so even a
 repeated put replaces, never adds. docs/metering.md has the long form.
@@ -31,11 +31,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.spec import Power, SiteSpec
-from sites.spec import Prices as SitePrices
-from sites.status import PriceHistory
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import Power, SiteSpec
+from sites.model.spec import Prices as SitePrices
+from sites.model.status import PriceHistory
 
 __all__ = [
     "EndReason",

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from metering.ledger import Segment
+from metering.pieces import CPU_ONLY, pieces
 
 __all__ = ["ROLLUP_SEGMENTS", "Rollup", "RollupRow", "roll"]
 
@@ -48,8 +49,6 @@ class Rollup(BaseModel):
 
 def roll(segments: Sequence[tuple[str, Segment]], *, day: str, now: float) -> Rollup:
     """The rollup of `segments` (key, segment) of one day, in key order."""
-    from metering.usage import CPU_ONLY, pieces
-
     sums: dict[tuple[str, str, str, int], list[float]] = {}
     for _, segment in segments:
         group = (segment.tenant, segment.site, segment.model or CPU_ONLY)

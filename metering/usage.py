@@ -15,50 +15,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, date, datetime
+from datetime import UTC, datetime
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import ValidationError
 
 from metering.ledger import Segment
+from metering.pieces import CPU_ONLY, DAY_S, FIELDS, day_number, day_text, pieces
 from metering.rollup import Rollup
-from sites import keys
+from sites.model import keys
 
-__all__ = ["DIMENSIONS", "FIELDS", "UsageBook", "UsageRow", "day_number", "day_text"]
+__all__ = ["DIMENSIONS", "UsageBook", "UsageRow"]
 
 log = logging.getLogger(__name__)
 
 DIMENSIONS = ("tenant", "site", "model", "day")
-FIELDS = (
-    "seconds",
-    "gpu_s",
-    "cpu_core_s",
-    "mem_gb_s",
-    "gpu_usd",
-    "cpu_usd",
-    "mem_usd",
-    "egress_gb",
-    "egress_usd",
-    "total_usd",
-    "energy_kwh",
-    "co2_kg",
-    "segments",
-)
-_TIME_BOUND = FIELDS[:7] + ("energy_kwh", "co2_kg")  # shared out by the hours in each day
-_INDEX = {name: i for i, name in enumerate(FIELDS)}
-_DAY_S = 86_400
 _DENSE_GROUPS = 1 << 20  # up to this many possible groups, sum into all of them
-_EPOCH = date(1970, 1, 1)
-CPU_ONLY = "cpu"  # the model column of a run without accelerators
-
-
-def day_number(day: date) -> int:
-    return (day - _EPOCH).days
-
-
-def day_text(number: int) -> str:
-    return date.fromordinal(_EPOCH.toordinal() + number).isoformat()
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,35 +53,6 @@ class _Codes:
             got = self.codes[name] = len(self.names)
             self.names.append(name)
         return got
-
-
-def pieces(segment: Segment) -> list[tuple[int, npt.NDArray[np.float64]]]:
-    """(day number, figures) for each UTC day the segment overlaps (pure)."""
-    base = np.zeros(len(FIELDS))
-    for name in _TIME_BOUND:
-        base[_INDEX[name]] = float(getattr(segment, name))
-    first = int(segment.start // _DAY_S)
-    last = int(segment.end // _DAY_S)
-    out = []
-    for day in range(first, last + 1):
-        if segment.seconds > 0:
-            lo, hi = max(segment.start, day * _DAY_S), min(segment.end, (day + 1) * _DAY_S)
-            share = (hi - lo) / segment.seconds
-        else:
-            share = 1.0 if day == last else 0.0
-        figures = base * share
-        if day == last:
-            figures[_INDEX["egress_gb"]] = segment.egress_gb
-            figures[_INDEX["egress_usd"]] = segment.egress_usd
-            figures[_INDEX["segments"]] = 1.0
-        figures[_INDEX["total_usd"]] = (
-            figures[_INDEX["gpu_usd"]]
-            + figures[_INDEX["cpu_usd"]]
-            + figures[_INDEX["mem_usd"]]
-            + figures[_INDEX["egress_usd"]]
-        )
-        out.append((day, figures))
-    return out
 
 
 class UsageBook:
@@ -163,7 +107,7 @@ class UsageBook:
             [(r.tenant, r.site, r.model, r.day, np.asarray(r.figures)) for r in rollup.rows],
         )
         if rollup.rows:
-            start = float(min(r.day for r in rollup.rows) * _DAY_S)
+            start = float(min(r.day for r in rollup.rows) * DAY_S)
             if self.earliest is None or start < self.earliest:
                 self.earliest = start
 

@@ -43,19 +43,20 @@ log = logging.getLogger(__name__)
 
 # Modules (dotted, as imported) that setup.py compiles, as one group (one shared library, in
 # which they call each other natively). A module here must keep to what mypyc compiles: no
-# pydantic model (routing.settings holds the policy's), no subclass of a class from a C library
-# other than the builtins' exceptions (routing.lane_site holds the lane's aiohttp site), no
-# import cycle within the group (routing.choice, which selection imports and which names
-# selection's types, stays Python).
+# pydantic model (routing.decision.settings holds the policy's), no subclass of a class from a
+# C library other than the builtins' exceptions (routing.gateway.lane_site holds the lane's
+# aiohttp site), no import cycle within the group.
 MODULES: tuple[str, ...] = (
-    "routing.lane",
-    "routing.proxy",
-    "routing.upstream",
-    "routing.prefix",
-    "routing.ratelimit",
-    "routing.selection",
-    "routing.policy",
-    "routing.candidates",
+    "routing.gateway.lane",
+    "routing.gateway.proxy",
+    "routing.gateway.upstream",
+    "routing.gateway.prefix",
+    "routing.gateway.ratelimit",
+    "routing.decision.selection",
+    "routing.decision.policy",
+    "routing.decision.candidates",
+    "routing.decision.ranking",
+    "routing.decision.choice",
 )
 # mypyc's group: the modules' code is in one shared library, GROUP + "__mypyc", in this
 # package (a top-level one would be found only from the repository's root)

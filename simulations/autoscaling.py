@@ -9,7 +9,7 @@ For each service of a scenario's `services:` section (simulations.service_demand
 2. Routing: the ready replicas of a region run at its site (the first site of the region in
    the federation's file order, as a placement would pick one there) and count as one
    endpoint of max_concurrency x ready replicas; each client region's requests are cut into
-   slices and routed in turn with routing.policy.route (simulations.inference.SliceRouter),
+   slices and routed in turn with routing.decision.policy.route (simulations.inference.SliceRouter),
    seeing the load the earlier slices put on each site, with the federation's client -> site
    RTT (the broker's topology: simulations.inference.build_topology) and sovereignty.
 3. Serving: the gateway sends each request to the least loaded of the site's ready replicas
@@ -64,13 +64,13 @@ from broker.model.autoscaler import (
     skyserve_decide,
 )
 from broker.model.services import ServiceSpec
-from routing.selection import Candidate
+from routing.decision.ranking import Candidate
 from simulations.inference import SliceRouter, build_topology, service_profiles
 from simulations.queueing import erlang_c
 from simulations.scenario import Scenario, SimFederation
 from simulations.service_demand import AutoscaledService, ScalerKind, utc_offset_h_of
 from simulations.ttft import BINS, ServiceTime, quantile, step_p95
-from sites.status import ServiceEndpoint, SiteState
+from sites.model.status import ServiceEndpoint, SiteState
 
 __all__ = ["BANK", "SLICES", "ServiceSim", "run_services", "static_fleet"]
 

@@ -40,9 +40,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from simulations.report import overall_slo
 from simulations.runner import run_many
 from simulations.scenario import Edit, Scenario, build_federation, load_scenario
-from sites.config import read_yaml, validation_problems
-from sites.durations import Duration
-from sites.errors import ConfigError, Problem
+from sites.model.config import read_yaml, validation_problems
+from sites.model.durations import Duration
+from sites.model.errors import ConfigError, Problem
 
 __all__ = ["MenuItem", "PlanningFile", "Targets", "load_planning", "plan_capacity"]
 

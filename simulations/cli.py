@@ -27,8 +27,8 @@ from simulations.cluster import ClusterError
 from simulations.report import slug
 from simulations.runner import default_out, run_many
 from simulations.scenario import Scenario, load_scenario
-from sites.durations import parse_duration_s
-from sites.errors import ConfigError
+from sites.model.durations import parse_duration_s
+from sites.model.errors import ConfigError
 
 __all__ = ["plan_capacity_main", "simulate_main"]
 

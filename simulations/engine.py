@@ -45,7 +45,7 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from heapq import heapify, heappop, heappush
 from pathlib import Path
 from typing import Any
@@ -58,6 +58,7 @@ from broker.model.lifecycle import RetryPolicy, retry_backoff_s
 from broker.model.tenants import TenancyFile
 from broker.placement import feasibility as fz
 from broker.placement import place as pl
+from broker.placement import request as rq
 from broker.placement.green import green_of, priced
 from broker.placement.preemption import Preemption, Running, lost_s, victim_kind
 from broker.placement.settings import SchedulingSettings
@@ -69,19 +70,18 @@ from simulations.arrivals import Arrivals, generate
 from simulations.autoscaling import run_services
 from simulations.inference import InferenceSim
 from simulations.nodes import Fragmentation
-from simulations.phase import Phase
+from simulations.phase import EPOCH, Phase
 from simulations.results import collect
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
 from simulations.tenancy import PREEMPT_RETRY_S, Gate, Gates, TenancyPass, TenantBook
 from simulations.workflows import WorkflowReplay
 from simulations.workloads import WorkloadError
-from sites.assignments import NodeShare
-from sites.catalog import DeviceCatalog
-from sites.spec import SiteSpec
+from sites.model.assignments import NodeShare
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
 
 __all__ = ["EPOCH", "Phase", "Simulation"]
 
-EPOCH = datetime(2026, 1, 5, tzinfo=UTC)  # t = 0: a Monday 00:00 UTC
 
 # event kinds, in the order simultaneous events are handled
 _UP, _FINISH, _DOWN, _FAILOVER, _BATCH, _INFER, _WF_ARRIVE, _WF_FINISH = range(8)
@@ -146,7 +146,7 @@ class _Class:
         offered = fed.offered(self.acceptable, self.floor)[s] if self.gpus else ()
         if self.gpus and not offered:
             return False  # the model filter
-        return fz.capacity(offer, offered, self.gpus, self.cpu, self.mem)[0] == fz.FITS
+        return fz.capacity(offer, offered, self.gpus, self.cpu, self.mem)[0] == rq.FITS
 
 
 @dataclasses.dataclass(slots=True)
@@ -1223,7 +1223,7 @@ class Simulation:
             self.book.sample(held, capacity, active, borrowed)
 
 
-def _decision(spec: JobSpec, option: fz.Option) -> pl.Decision | None:
+def _decision(spec: JobSpec, option: rq.Option) -> pl.Decision | None:
     """A placement Decision for a baseline's choice, priced by the filter as the fast path is,
     on the nodes broker.placement.nodes chooses at a site with nodes (None: they cannot hold it)."""
     cost, _, _, offer, model, compute, egress, latency = option

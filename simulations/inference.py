@@ -3,8 +3,9 @@
 Every `inference_step_s` of virtual time, for each inference workload (a service and a request
 rate per client region with a daily curve, simulations.workloads.InferenceWorkload):
 
-1. Routing, with routing.policy.route, the gateway's policy, and the scenario's `routing`
-   settings (the broker's RoutingSettings, same defaults), on a routing.topology.Topology built
+1. Routing, with routing.decision.policy.route, the gateway's policy, and the scenario's `routing`
+   settings (the broker's RoutingSettings, same defaults), on a routing.decision.topology.Topology
+   built
    like the broker's (site-to-site links from the latency model, client regions attached as in
    clients.yaml, sovereignty from it). Each region's rate is cut into `SLICES` equal slices,
    and the slices of all regions are routed in turn, each one request to the policy, seeing
@@ -42,15 +43,16 @@ from typing import Any
 
 import numpy as np
 
-from routing.policy import Route, RoutingSettings, route
-from routing.selection import Candidate, Policy, RttSource
-from routing.topology import Topology
+from routing.decision.policy import Route, RoutingSettings, route
+from routing.decision.ranking import Candidate, RttSource
+from routing.decision.settings import Policy
+from routing.decision.topology import Topology
 from simulations.queueing import erlang_c
 from simulations.scenario import Scenario, SimFederation
 from simulations.workloads import InferenceWorkload
-from sites.config import read_yaml
-from sites.latency import Endpoint
-from sites.status import LinkStatus, ServiceEndpoint, SiteState
+from sites.model.config import read_yaml
+from sites.model.latency import Endpoint
+from sites.model.status import LinkStatus, ServiceEndpoint, SiteState
 
 __all__ = [
     "SAMPLES",
@@ -80,7 +82,7 @@ def service_profiles(path: Any) -> tuple[dict[str, tuple[float, float]], tuple[f
 
 
 class SliceRouter:
-    """The simulator's gateway: routing.policy.route, one slice as one request.
+    """The simulator's gateway: routing.decision.policy.route, one slice as one request.
 
     Keeps what broker.state.router.Router keeps (the hysteresis site per (service, client region),
     the rng), so with the same settings, topology, candidates and loads it makes the same

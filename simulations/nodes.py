@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from broker.model.jobs import JobSpec
 from broker.placement import place as pl
 from broker.placement.nodes import shape
-from sites.spec import SiteSpec
+from sites.model.spec import SiteSpec
 
 __all__ = ["Fragmentation", "Waiting", "generated_topology"]
 
@@ -36,7 +36,7 @@ __all__ = ["Fragmentation", "Waiting", "generated_topology"]
 def generated_topology(
     spec: SiteSpec, devices_per_node: int, island_nodes: int | None
 ) -> dict[str, Any] | None:
-    """A `topology` mapping for the site (sites.spec.Topology's fields), or None for a site
+    """A `topology` mapping for the site (sites.model.spec.Topology's fields), or None for a site
     without accelerators (it stays one pool)."""
     pools = [(pool.model, pool.count) for pool in spec.inventory.devices if pool.count]
     if not pools:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from datetime import UTC, datetime
 
 __all__ = ["Phase"]
 
@@ -15,3 +16,6 @@ class Phase(enum.IntEnum):
     RUNNING = 2
     DONE = 3  # completed
     FAILED = 4  # lost its site more often than max_retries allows
+
+
+EPOCH = datetime(2026, 1, 5, tzinfo=UTC)  # t = 0: a Monday 00:00 UTC

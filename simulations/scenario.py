@@ -24,7 +24,7 @@ seed, a placement policy, workloads and site failures, as one validated YAML fil
 
 `load_scenario(path)` validates everything (pydantic, then cross-checks against the federation:
 sites, models and services that edits, failures and workloads name must exist) and raises
-sites.errors.ConfigError whose problems name the file and the field
+sites.model.errors.ConfigError whose problems name the file and the field
 (``federation.edits[2].add_devices.count``). `build_federation(scenario)` loads the configs
 directory and applies the edits in order, returning a `SimFederation`; an edit that cannot apply
 (unknown site, a model without a price) is a ConfigError too. Nothing is written anywhere.
@@ -52,8 +52,8 @@ from broker.model.regions import load_user_regions, user_rtt_ms
 from broker.model.tenants import TenancyFile, load_tenancy
 from broker.model.workflows import WorkflowSpec
 from broker.placement.settings import SchedulingSettings
-from routing.clients import Clients, load_clients
-from routing.policy import RoutingSettings
+from routing.decision.clients import Clients, load_clients
+from routing.decision.policy import RoutingSettings
 from simulations.nodes import generated_topology
 from simulations.service_demand import AutoscaledService
 from simulations.workloads import (
@@ -62,12 +62,12 @@ from simulations.workloads import (
     TraceWorkload,
     Workload,
 )
-from sites.catalog import DeviceCatalog
-from sites.config import load_sites, read_yaml, site_files, validation_problems
-from sites.durations import Duration
-from sites.errors import ConfigError, Problem
-from sites.latency import Endpoint, LatencyModel
-from sites.spec import ExecutorKind, SiteSpec
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_sites, read_yaml, site_files, validation_problems
+from sites.model.durations import Duration
+from sites.model.errors import ConfigError, Problem
+from sites.model.latency import Endpoint, LatencyModel
+from sites.model.spec import ExecutorKind, SiteSpec
 
 __all__ = [
     "Failure",
@@ -559,7 +559,7 @@ def _apply(fed: SimFederation, edit: Edit, pairs: dict[tuple[str, str], float]) 
         fed.specs[spec.id] = _revalidate(spec, services=services)
     elif isinstance(body, SetTopology):
         for spec in _targets(fed, body.site):
-            # a Slurm site's nodes are Slurm's (sites.spec): the broker sees one pool there
+            # a Slurm site's nodes are Slurm's (sites.model.spec): the broker sees one pool there
             slurm = spec.executor.kind is ExecutorKind.slurm
             topology = generated_topology(spec, body.devices_per_node, body.island_nodes)
             if body.site != "*" and (slurm or topology is None):

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from broker.model.services import ServiceSpec
 from simulations.workloads import diurnal_factor
-from sites.durations import Duration
+from sites.model.durations import Duration
 
 __all__ = ["AutoscaledService", "DailyDemand", "ScalerKind", "utc_offset_h_of"]
 

@@ -14,17 +14,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.model.jobs import JobSpec, StepInput
 from broker.model.workflows import WorkflowSpec, check, data_location, step_job, topological
 from broker.placement import place as pl
+from simulations.phase import EPOCH
 
 if TYPE_CHECKING:
-    from simulations.engine import Simulation
     from simulations.scenario import WorkflowArrivals
 
-__all__ = ["WorkflowReplay"]
+__all__ = ["Simulation", "WorkflowReplay"]
+
+
+class Simulation(Protocol):
+    """What a workflow replay reads of the simulation that runs it (simulations.engine's)."""
+
+    fed: pl.Federation
+    groups: pl.GroupState
+    usage: pl.TenantUsage
+    now: float
+
+    def push_workflow_finish(self, t: float, step: int) -> None: ...
+
+    def workflow_capacity_returned(self, site: str | None) -> None: ...
 
 
 @dataclass
@@ -98,8 +111,6 @@ class WorkflowReplay:
 
     def retry(self, sim: Simulation) -> None:
         """Place every released step that fits now, oldest first."""
-        from simulations.engine import EPOCH
-
         waiting = []
         for i in self.ready:
             step = self.steps[i]

@@ -50,7 +50,7 @@ from pydantic import (
     model_validator,
 )
 
-from sites.durations import Duration
+from sites.model.durations import Duration
 
 __all__ = [
     "DEFAULT_PRESET",

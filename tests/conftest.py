@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sites import keys
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model import keys
+from sites.registry.client import Registry
 
 pytest_plugins = ["tests.tiers"]
 

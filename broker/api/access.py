@@ -45,10 +45,10 @@ from broker.state.auth import (
     new_token,
 )
 from broker.state.store import position
-from routing.proxy import TENANT_KEY
-from sites import keys
-from sites.durations import Duration
-from sites.registry import Guard
+from routing.gateway.proxy import TENANT_KEY
+from sites.model import keys
+from sites.model.durations import Duration
+from sites.registry.client import Guard
 
 __all__ = [
     "ACCESS",
@@ -200,7 +200,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         request[PRINCIPAL] = who
         if who.tenant is not None:
             # an inference token names its tenant: rate limits and policy key on it, not
-            # on whatever X-Cpn-Tenant the client sends (routing.proxy reads it here)
+            # on whatever X-Cpn-Tenant the client sends (routing.gateway.proxy reads it here)
             request[TENANT_KEY] = who.tenant
         return await handler(request)
     except Unauthorized as exc:

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.api.access import principal
 from broker.api.bodies import page_response, query_limit
 from broker.api.openapi import Operation, Param, Reply
-from broker.leader.alerts import AlertKeeper, AlertRecord, AlertState
-from broker.model.alert_rules import Rule
+from broker.leader.alerts import AlertKeeper
+from broker.model.alert_rules import AlertRecord, AlertState, Rule
 from broker.model.errors import InvalidRequest
 
 __all__ = ["AlertInfo", "AlertList", "alerts_operations"]
@@ -59,7 +59,7 @@ def _sort_key(record: AlertRecord) -> str:
 
 
 async def list_alerts(request: web.Request) -> web.Response:
-    from broker.api.app import BROKER  # broker.api.app registers this module's routes: import late
+    from broker.api.keys import BROKER
 
     keeper: AlertKeeper = request.app[BROKER].alerts
     query = request.query

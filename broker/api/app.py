@@ -39,6 +39,7 @@ from broker.api.access import (
 from broker.api.alerts import alerts_operations
 from broker.api.bodies import UNSUPPORTED_MEDIA, page_response, query_limit, read_model
 from broker.api.dashboard import dashboard_operations
+from broker.api.keys import BROKER, HTTP, ROUTER
 from broker.api.openapi import OPERATIONS, Operation, Param, Reply, document, register
 from broker.api.services import service_operations
 from broker.api.sites import SiteInfo, SiteRows
@@ -59,17 +60,14 @@ from broker.process import Broker
 from broker.state.auth import Forbidden
 from broker.state.metrics import LoopCounter, exposition
 from broker.state.router import Router, route_json
-from routing.prefix import header_key
-from sites import keys
-from sites.config import field_path
-from sites.errors import RegistryUnavailable
-from sites.status import AgentSecret
+from routing.gateway.prefix import header_key
+from sites.model import keys
+from sites.model.config import field_path
+from sites.model.errors import RegistryUnavailable
+from sites.model.status import AgentSecret
 
 log = logging.getLogger(__name__)
 
-BROKER = web.AppKey("broker", Broker)
-ROUTER = web.AppKey("router", Router)
-HTTP = web.AppKey("http", aiohttp.ClientSession)  # the broker's one client session (job logs)
 MAX_BODY = 1024 * 1024
 AGENT_CONNECT_TIMEOUT_S = 5.0  # a site's agent that does not accept in 5 s is unreachable
 FOLLOW = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
@@ -139,7 +137,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 def count_request(metric: LoopCounter, method: str, route: str, status: int) -> None:
     """One answered API request, on `metric` (cpn_broker_http_requests_total) by (method, route,
-    status); routing.lane's guard counts its requests here too (broker.api.inference)."""
+    status); routing.gateway.lane's guard counts its requests here too (broker.api.inference)."""
     metric.inc((method, route, _STATUS_TEXT.get(status) or str(status)))
 
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from broker.api.openapi import JSON, YAML
 from broker.model.errors import InvalidRequest
-from sites.config import field_path
+from sites.model.config import field_path
 
 __all__ = ["UNSUPPORTED_MEDIA", "read_model"]
 

@@ -25,8 +25,8 @@ from pydantic import BaseModel, Field
 from broker.api.openapi import Operation, Param, Reply
 from broker.state.metrics import BrokerMetrics
 from broker.state.traffic import TrafficSummary
-from sites import keys
-from sites.registry import Registry
+from sites.model import keys
+from sites.registry.client import Registry
 
 __all__ = [
     "ASSETS",
@@ -197,7 +197,7 @@ async def _traffic(registry: Registry) -> list[TrafficSummary]:
 
 
 async def routes_summary(request: web.Request) -> web.Response:
-    from broker.api.app import BROKER  # broker.api.app registers this module's routes: import late
+    from broker.api.keys import BROKER
 
     broker = request.app[BROKER]
     services, at, instances = service_demand(await _traffic(broker.registry), broker.clock.time())

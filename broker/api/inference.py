@@ -1,6 +1,6 @@
 """The broker's inference gateway: `ANY /v1/infer/{service}/{path}` through routing's proxy.
 
-Wires the router (topology + selection over the mirrored registry) to routing.proxy's
+Wires the router (topology + selection over the mirrored registry) to routing.gateway.proxy's
 InferenceProxy: the chosen site first, the rest of the ranking after it for retries; passive
 ejections feed back into selection; an active checker GETs every endpoint's /healthz.
 """
@@ -29,15 +29,15 @@ from broker.process import RESTART, Broker
 from broker.state.auth import Forbidden, Unauthorized
 from broker.state.metrics import LoopCounter
 from broker.state.router import Router
-from routing.candidates import site_replicas
-from routing.health import (
+from routing.decision.candidates import site_replicas
+from routing.gateway.health import (
     ActiveHealthChecker,
     HealthCheckSettings,
     OutlierDetector,
 )
-from routing.lane import Admission, Refusal
-from routing.prefix import PREFIX_HEADER
-from routing.proxy import (
+from routing.gateway.lane import Admission, Refusal
+from routing.gateway.prefix import PREFIX_HEADER
+from routing.gateway.proxy import (
     REGION_HEADER,
     SESSION_COOKIE,
     SESSION_HEADER,
@@ -48,8 +48,8 @@ from routing.proxy import (
     Upstream,
     upstream_key,
 )
-from routing.ratelimit import RateLimit, TenantLimiter
-from routing.upstream import UpstreamPool
+from routing.gateway.ratelimit import RateLimit, TenantLimiter
+from routing.gateway.upstream import UpstreamPool
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INFER_ROUTE = "/v1/infer/{service}/{path}"  # the route's canonical form, as metrics label it
@@ -192,12 +192,14 @@ class Gateway:
         register(app, infer_operation(handle))
 
     def guard(self, app: web.Application) -> LaneGuard:
-        """What the API's middlewares do for /v1/infer, for the inference lane (routing.lane)."""
+        """What the API's middlewares do for /v1/infer, for the inference lane
+        (routing.gateway.lane)."""
         return LaneGuard(app[AUTH], self.broker.metrics.http_requests)
 
 
 class LaneGuard:
-    """routing.lane's Guard in the broker: for `/v1/infer` on the lane it does what the audit,
+    """routing.gateway.lane's Guard in the broker: for `/v1/infer` on the lane it does what the
+    audit,
     errors and auth middlewares do on aiohttp's route (broker.api.access, broker.api.app): the
     caller's token and role (401/403 with the same bodies), the X-Request-Id on every
     answer, and the request counter by (method, route, status)."""

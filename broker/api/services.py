@@ -27,7 +27,7 @@ _NAME = Param("name", "path", "the service's name", {"type": "string", "pattern"
 
 
 def _services(request: web.Request) -> Services:
-    from broker.api.app import BROKER  # broker.api.app registers this module's routes: import late
+    from broker.api.keys import BROKER
 
     return request.app[BROKER].services
 

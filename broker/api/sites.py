@@ -21,10 +21,10 @@ from operator import itemgetter
 
 from pydantic import BaseModel, Field
 
-from sites.catalog import Capacity
-from sites.snapshot import JournalCursor, Snapshot
-from sites.spec import Coordinates, SiteSpec
-from sites.status import LinkStatus, SiteState, SiteStatus, SiteView
+from sites.model.catalog import Capacity
+from sites.model.snapshot import JournalCursor, Snapshot
+from sites.model.spec import Coordinates, SiteSpec
+from sites.model.status import LinkStatus, SiteState, SiteStatus, SiteView
 
 __all__ = [
     "JOURNAL_CHUNK",

@@ -28,7 +28,7 @@ from broker.model.errors import InvalidRequest, NotFound
 from broker.model.jobs import NAME_RE
 from broker.model.tenants import TenancyFile, TenantPolicy
 from broker.ops.tenant_status import TenantStatus, capacity, tenant_statuses
-from sites.errors import RegistryError, RegistryUnavailable
+from sites.model.errors import RegistryError, RegistryUnavailable
 
 if TYPE_CHECKING:
     from broker.process import Broker
@@ -82,7 +82,7 @@ class _Refs(BaseModel):
 
 
 def _broker(request: web.Request) -> Broker:
-    from broker.api.app import BROKER  # broker.api.app registers this module's routes: import late
+    from broker.api.keys import BROKER
 
     return request.app[BROKER]
 

@@ -21,8 +21,9 @@ from broker.api.openapi import Operation, Param, Reply
 from broker.model.errors import InvalidRequest
 from broker.model.jobs import NAME_RE
 from broker.state.auth import Forbidden
-from metering.usage import DIMENSIONS, FIELDS, UsageBook, day_number
-from sites.snapshot import Snapshot
+from metering.pieces import FIELDS, day_number
+from metering.usage import DIMENSIONS, UsageBook
+from sites.model.snapshot import Snapshot
 
 __all__ = ["UsageQuery", "UsageReport", "idle_costs", "parse_query", "usage_operations"]
 
@@ -174,7 +175,7 @@ def report(book: UsageBook, sites: Snapshot | None, query: UsageQuery, now: floa
 
 
 async def usage(request: web.Request) -> web.Response:
-    from broker.api.app import BROKER  # broker.api.app registers this module's routes: import late
+    from broker.api.keys import BROKER
 
     broker = request.app[BROKER]
     now = broker.clock.time()

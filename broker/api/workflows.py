@@ -39,7 +39,7 @@ class WorkflowList(BaseModel):
 
 
 def _workflows(request: web.Request) -> Workflows:
-    from broker.api.app import BROKER  # broker.api.app registers this module's routes: import late
+    from broker.api.keys import BROKER
 
     return request.app[BROKER].workflows
 

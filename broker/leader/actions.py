@@ -17,9 +17,9 @@ from broker.leader.decisions import Action, ActionKind
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from broker.state.store import writes
-from sites import keys
-from sites.assignments import Assignment
-from sites.registry import Guard, Registry
+from sites.model import keys
+from sites.model.assignments import Assignment
+from sites.registry.client import Guard, Registry
 
 __all__ = ["Actor", "Outcome"]
 

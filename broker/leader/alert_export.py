@@ -16,15 +16,15 @@ from typing import Any
 
 import yaml
 
-from broker.model.alert_rules import AlertSettings, Rule
+from broker.model.alert_rules import AlertSettings, Rule, alertname
 
 __all__ = ["METRICS", "alertname", "prometheus_rules", "rules_yaml"]
 
 METRICS = {
     "site_up": "cpn_broker_site_up",  # broker.state.metrics.ViewCollector
-    "link_loss": "cpn_link_loss_ratio",  # sites.agent_metrics.AgentMetrics
+    "link_loss": "cpn_link_loss_ratio",  # sites.agent.metrics.AgentMetrics
     "link_rtt": "cpn_link_rtt_seconds",
-    "used_accelerators": "cpn_site_used_accelerators",  # sites.agent_metrics.capacity_metrics
+    "used_accelerators": "cpn_site_used_accelerators",  # sites.agent.metrics.capacity_metrics
     "capacity_accelerators": "cpn_site_capacity_accelerators",
     "used_cpu_cores": "cpn_site_used_cpu_cores",
     "capacity_cpu_cores": "cpn_site_capacity_cpu_cores",
@@ -39,10 +39,6 @@ HEADER = """\
 # The same rules the leader broker evaluates; docs/alerts.md. Load it in Prometheus's
 # rule_files and route the alerts with Alertmanager.
 """
-
-
-def alertname(rule: Rule) -> str:
-    return "Cpn" + "".join(part.capitalize() for part in rule.value.split("_"))
 
 
 def _duration(seconds: float) -> str:

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import enum
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -36,17 +34,17 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from broker.leader import webhooks
-from broker.leader.alert_export import alertname
 from broker.model.alert_rules import (
     AlertInputs,
+    AlertRecord,
     AlertSettings,
+    AlertState,
     Baseline,
     Finding,
     PendingJob,
-    Rule,
     SloSamples,
     evaluate,
     update_baselines,
@@ -58,11 +56,11 @@ from broker.state.leadership import Leadership
 from broker.state.metrics import LoopCollector, register_on_loop
 from broker.state.view import View, usage
 from metering.usage import UsageBook
-from sites import keys
-from sites.clock import Clock
-from sites.errors import RegistryError
-from sites.mirror import PrefixMirror
-from sites.registry import Guard, Registry
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.model.errors import RegistryError
+from sites.registry.client import Guard, Registry
+from sites.registry.mirror import PrefixMirror
 
 __all__ = ["AlertKeeper", "AlertRecord", "AlertState", "Notification", "alert_inputs"]
 
@@ -73,48 +71,6 @@ MAX_CHANGES = 200
 MAX_DELIVERIES = 50
 """Most calls one delivery pass makes to one webhook (count)."""
 LABELS = ("rule", "severity", "subject", "site", "peer", "region", "tenant", "service", "resource")
-
-
-class AlertState(enum.StrEnum):
-    firing = "firing"
-    resolved = "resolved"
-
-
-class AlertRecord(BaseModel):
-    """/cpn/v1/alerts/<rule>/<subject...>: one alert, firing or resolved."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    rule: Rule
-    subject: tuple[str, ...]
-    state: AlertState
-    severity: str
-    labels: dict[str, str] = Field(description="what it is about: site, peer, tenant, ...")
-    summary: str
-    value: float = Field(description="the rule's figure when it last changed (a ratio, a count)")
-    starts_at: float = Field(description="unix s it fired")
-    ends_at: float | None = Field(default=None, description="unix s it resolved")
-
-    @property
-    def key(self) -> str:
-        return keys.alert(self.rule.value, self.subject)
-
-    @property
-    def fingerprint(self) -> str:
-        return hashlib.sha256(self.key.encode()).hexdigest()[:16]
-
-    @property
-    def alertname(self) -> str:
-        return alertname(self.rule)
-
-    @property
-    def tenant(self) -> str | None:
-        return self.labels.get("tenant")
-
-    def notification_id(self) -> str:
-        """The same for every delivery of this change: the receiver's idempotency key."""
-        at = self.starts_at if self.state is AlertState.firing else (self.ends_at or 0.0)
-        return f"{self.fingerprint}-{self.state.value}-{int(at * 1e6)}"
 
 
 class Notification(BaseModel):

@@ -69,11 +69,11 @@ from broker.placement.why import Fairness, own_order, why_pending
 from broker.plan import batch
 from broker.plan.problem import PlanProblem, PlanResult
 from broker.state.view import LIVE, View, federation, groups, held_rows, usage
-from sites import keys
-from sites.assignments import Assignment, Report, RunState
-from sites.catalog import DeviceCatalog
-from sites.registry import Guard
-from sites.snapshot import JournalCursor
+from sites.model import keys
+from sites.model.assignments import Assignment, Report, RunState
+from sites.model.catalog import DeviceCatalog
+from sites.model.snapshot import JournalCursor
+from sites.registry.client import Guard
 
 __all__ = [
     "Action",
@@ -172,7 +172,7 @@ def track_down(view: View, previous: Mapping[str, float], now: float) -> dict[st
 
 class DownSince:
     """site -> when the leader first saw it down, kept across passes: a pass looks again only
-    at the sites the view's site journal names (sites.snapshot.JournalCursor), every site only
+    at the sites the view's site journal names (sites.model.snapshot.JournalCursor), every site only
     when the journal cannot say. At 5,000 sites looking at every site on every pass was 15 %
     of the leader's CPU under a load of 10 passes a second."""
 

@@ -63,11 +63,11 @@ from broker.state.store import (
 )
 from metering.ledger import Segment, day_of
 from metering.rollup import ROLLUP_SEGMENTS, roll
-from sites import keys
-from sites.clock import Clock
-from sites.durations import parse_duration_s
-from sites.errors import PermissionDenied, RegistryError, RevisionCompacted
-from sites.registry import Guard, MemberStatus, Registry
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.model.durations import parse_duration_s
+from sites.model.errors import PermissionDenied, RegistryError, RevisionCompacted
+from sites.registry.client import Guard, MemberStatus, Registry
 
 __all__ = ["Expired", "HistoryKeeper", "JobPage", "JobQuery", "list_page"]
 

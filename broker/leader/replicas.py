@@ -15,7 +15,7 @@ max_replicas. A replacement not ready within hold_limit_s while one is held for 
 (cancelled, a failure: backed off) and the held one keeps serving (docs/services.md, "Moves").
 
 A cancelled replica's assignment is withdrawn; its agent drains it (the endpoint is marked
-draining, the run stops once its requests are done, sites.replicas). A replica whose site
+draining, the run stops once its requests are done, sites.agent.replicas). A replica whose site
 fails is moved by the job lifecycle's failover (broker.leader.decisions); one that failed for good
 is dropped from the record and replaced here, after a backoff that doubles with each failure
 in a row (REPLACE_BACKOFF_S, at most REPLACE_BACKOFF_MAX_S) so a command that cannot start
@@ -58,10 +58,10 @@ from broker.ops.services import (
 from broker.state.leadership import Leadership
 from broker.state.store import decode, writes
 from broker.state.view import View
-from sites import keys
-from sites.clock import Clock
-from sites.errors import RegistryError
-from sites.registry import Guard, Registry
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.model.errors import RegistryError
+from sites.registry.client import Guard, Registry
 
 __all__ = ["Plan", "ReplicaReconciler", "plan"]
 

@@ -9,7 +9,7 @@ Decide, then act. Every `tick_s` the leader reads every broker replica's gateway
   since the previous decision (broker.state.traffic.client_observations);
 - replicas: per region, the service's replicas placed there, how many are ready (routed to),
   and their model servers' signals from the endpoints the agents publish
-  (sites.status.ServiceEndpoint: queue, in flight, KV-cache use; signals older than the
+  (sites.model.status.ServiceEndpoint: queue, in flight, KV-cache use; signals older than the
   router's `signals_stale_after_s` are not fresh);
 - rtt_ms: client region -> region -> the nearest site's RTT (the broker's user_rtt_ms), only
   the regions the client region may be served from (configs/clients.yaml).
@@ -55,10 +55,10 @@ from broker.ops.services import endpoints_of, ready_endpoint, record_puts
 from broker.state.leadership import Leadership
 from broker.state.traffic import Baseline, TrafficSummary, client_observations
 from broker.state.view import View
-from sites import keys
-from sites.clock import Clock
-from sites.errors import RegistryError
-from sites.registry import Guard, Registry
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.model.errors import RegistryError
+from sites.registry.client import Guard, Registry
 
 __all__ = [
     "AutoscalerRecord",

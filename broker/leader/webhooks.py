@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from broker.model.alert_rules import Webhook
+from broker.model.alert_rules import AlertRecord, Webhook
 
 if TYPE_CHECKING:
-    from broker.leader.alerts import AlertRecord
+    from broker.model.alert_rules import AlertRecord
 
 __all__ = ["ZERO_TIME", "Delivery", "body", "post"]
 

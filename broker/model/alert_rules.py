@@ -23,6 +23,7 @@ The rules (docs/alerts.md has the long form):
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -31,8 +32,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from sites.durations import Duration
-from sites.snapshot import Snapshot
+from sites.model import keys
+from sites.model.durations import Duration
+from sites.model.snapshot import Snapshot
 
 __all__ = [
     "AlertInputs",
@@ -546,3 +548,49 @@ def slo(
                 f"{float(settings.short_window_s):.0f} s)",
                 long,
             )
+
+
+def alertname(rule: Rule) -> str:
+    return "Cpn" + "".join(part.capitalize() for part in rule.value.split("_"))
+
+
+class AlertState(enum.StrEnum):
+    firing = "firing"
+    resolved = "resolved"
+
+
+class AlertRecord(BaseModel):
+    """/cpn/v1/alerts/<rule>/<subject...>: one alert, firing or resolved."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rule: Rule
+    subject: tuple[str, ...]
+    state: AlertState
+    severity: str
+    labels: dict[str, str] = Field(description="what it is about: site, peer, tenant, ...")
+    summary: str
+    value: float = Field(description="the rule's figure when it last changed (a ratio, a count)")
+    starts_at: float = Field(description="unix s it fired")
+    ends_at: float | None = Field(default=None, description="unix s it resolved")
+
+    @property
+    def key(self) -> str:
+        return keys.alert(self.rule.value, self.subject)
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.key.encode()).hexdigest()[:16]
+
+    @property
+    def alertname(self) -> str:
+        return alertname(self.rule)
+
+    @property
+    def tenant(self) -> str | None:
+        return self.labels.get("tenant")
+
+    def notification_id(self) -> str:
+        """The same for every delivery of this change: the receiver's idempotency key."""
+        at = self.starts_at if self.state is AlertState.firing else (self.ends_at or 0.0)
+        return f"{self.fingerprint}-{self.state.value}-{int(at * 1e6)}"

@@ -26,9 +26,9 @@ from pydantic import (
 )
 
 from broker.model.errors import IllegalTransition
-from sites.assignments import NodeShare, Serve
-from sites.catalog import mig_model, shared_model
-from sites.spec import MAX_TIME_SLICES
+from sites.model.assignments import NodeShare, Serve
+from sites.model.catalog import mig_model, shared_model
+from sites.model.spec import MAX_TIME_SLICES
 
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 Name = Annotated[str, Field(pattern=NAME_RE)]
@@ -413,7 +413,7 @@ class StepLink(Frozen):
 class ReplicaOf(Frozen):
     """A job that is a replica of a managed inference service (broker.model.services,
     broker.leader.replicas):
-    what its assignment tells the agent (sites.assignments.Serve) and the client region it was
+    what its assignment tells the agent (sites.model.assignments.Serve) and the client region it was
     placed for."""
 
     service: str

@@ -6,11 +6,12 @@ configs/regions.yaml lists where tenants and inference clients sit::
       - {id: beijing, lat: 39.90, lon: 116.40}
       - {id: frankfurt, lat: 50.11, lon: 8.68, latency_zone: frankfurt}
 
-`load_user_regions(path)` validates the file (pydantic) and raises sites.errors.ConfigError whose
+`load_user_regions(path)` validates the file (pydantic) and raises sites.model.errors.ConfigError
+whose
 problems name the file and the field (``user_regions[3].lat``). `user_rtt_ms` gives the
 (user region, site id) -> RTT table that placement's Federation takes.
 
-The RTTs are an ESTIMATE: sites.latency.LatencyModel's measured zone matrix where both ends
+The RTTs are an ESTIMATE: sites.model.latency.LatencyModel's measured zone matrix where both ends
 have a zone in it, else its great-circle formula. Agents measure site-to-site paths only;
 until client-to-site latency is measured (ingress probes), this estimate is what placement
 and routing see for user regions.
@@ -24,10 +25,10 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sites.config import config_dir, read_yaml, validate_mapping
-from sites.errors import ConfigError, Problem
-from sites.latency import Endpoint, LatencyModel
-from sites.spec import Name, SiteSpec
+from sites.model.config import config_dir, read_yaml, validate_mapping
+from sites.model.errors import ConfigError, Problem
+from sites.model.latency import Endpoint, LatencyModel
+from sites.model.spec import Name, SiteSpec
 
 __all__ = ["UserRegion", "default_path", "load_user_regions", "user_rtt_ms"]
 

@@ -8,7 +8,7 @@ the site's executor, registered as endpoints once ready, drained before they sto
 (docs/services.md). The autoscaler (broker.model.autoscaler) decides how many replicas each region
 gets; the simulator runs the same autoscaler on virtual time.
 
-Stored (sites.keys):
+Stored (sites.model.keys):
 
     /cpn/v1/service-specs/<svc>  ServiceRecord    the spec, its replicas' job ids, the last
                                                   scaling events; written by the API (apply,

@@ -42,8 +42,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.model.jobs import Name
-from sites.config import read_yaml, validate_mapping
-from sites.durations import Duration
+from sites.model.config import read_yaml, validate_mapping
+from sites.model.durations import Duration
 
 __all__ = [
     "DEFAULT_CLASSES",

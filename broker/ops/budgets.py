@@ -26,7 +26,8 @@ from broker.model.jobs import JobState
 from broker.model.tenants import TenancyFile
 from broker.placement.tenancy import BudgetLeft
 from broker.state.view import LIVE, View
-from metering.usage import UsageBook, day_number
+from metering.pieces import day_number
+from metering.usage import UsageBook
 
 __all__ = ["NOTHING_BILLED", "Billed", "billed", "budgets_left", "month_spend"]
 

@@ -25,10 +25,10 @@ from broker.placement.tenancy import Quotas
 from broker.state.metrics import BrokerMetrics
 from broker.state.store import Change, JobStore, decode
 from broker.state.view import View, federation
-from sites import keys
-from sites.catalog import CatalogError, DeviceCatalog, mig_model
-from sites.clock import Clock
-from sites.registry import Guard, Registry
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.model.catalog import CatalogError, DeviceCatalog, mig_model
+from sites.registry.client import Guard, Registry
 
 __all__ = ["GangRecord", "Operations"]
 

@@ -30,12 +30,12 @@ from broker.model.services import (
 from broker.ops.operations import Operations
 from broker.state.store import decode
 from broker.state.view import View
-from sites import keys
-from sites.assignments import Serve
-from sites.clock import Clock
-from sites.registry import Guard, Registry
-from sites.service_pool import routable
-from sites.status import ServiceEndpoint
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.model.assignments import Serve
+from sites.model.service_pool import routable
+from sites.model.status import ServiceEndpoint
+from sites.registry.client import Guard, Registry
 
 __all__ = [
     "REPLICA_DURATION_HOURS",

@@ -30,8 +30,8 @@ from broker.model.tenants import TenantPolicy
 from broker.placement.tenancy import SHARE_DIMENSIONS, BudgetLeft, FairShare, Quotas, held_by_tenant
 from broker.placement.why import Fairness
 from broker.state.view import View, held_rows, live_assignments
-from sites.assignments import Assignment
-from sites.catalog import DeviceCatalog, normalize_inventory
+from sites.model.assignments import Assignment
+from sites.model.catalog import DeviceCatalog, normalize_inventory
 
 __all__ = ["BudgetStatus", "TenantStatus", "capacity", "nominal", "tenant_statuses"]
 

@@ -21,8 +21,8 @@ from broker.model.jobs import JobRecord, JobState
 from broker.state.view import LIVE, View
 from metering import ledger
 from metering.ledger import EndReason, Run
-from sites.assignments import Report
-from sites.catalog import DeviceCatalog
+from sites.model.assignments import Report
+from sites.model.catalog import DeviceCatalog
 
 __all__ = ["EndReason", "closing_puts", "run_of"]
 

@@ -33,9 +33,9 @@ from broker.model.workflows import (
 from broker.ops.operations import Operations
 from broker.state.store import decode, position, writes
 from broker.state.view import View
-from sites import keys
-from sites.clock import Clock
-from sites.registry import Guard, Registry
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.registry.client import Guard, Registry
 
 __all__ = ["StepView", "WorkflowSummary", "WorkflowView", "Workflows"]
 

@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from broker.placement import pricing
-from broker.placement.offers import Green
-from sites.catalog import DeviceCatalog
-from sites.spec import Prices, SiteSpec
+from broker.placement.site import Green
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import Prices, SiteSpec
 
 if TYPE_CHECKING:  # broker.placement.settings imports routing; scripts under bench/ shadow it
     from broker.placement.settings import SchedulingSettings

@@ -1,6 +1,6 @@
 """Nodes inside a site (资源拓扑感知): the fit test and the choice of nodes, one place.
 
-A site that declares its nodes (sites.spec.Topology) is not one pool: a job's devices must sit
+A site that declares its nodes (sites.model.spec.Topology) is not one pool: a job's devices must sit
 on nodes that have them free, and a multi-node job or a gang should stay inside one fabric
 island (NVLink domain, InfiniBand island). `NodesFree` is what a site's nodes have free now;
 `shape` turns a request into per-node demands; `fits` answers "can this site take it" (the
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
 
-from sites.assignments import NodeShare
-from sites.spec import SiteSpec
+from sites.model.assignments import NodeShare
+from sites.model.spec import SiteSpec
 
 __all__ = [
     "Chosen",

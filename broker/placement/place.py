@@ -49,20 +49,20 @@ from broker.model.frozen import maker
 from broker.model.jobs import JobSpec, Placement
 from broker.model.jobs import RunnerUp as JobRunnerUp
 from broker.placement import pricing
-from broker.placement.feasibility import FILTERS, Offered, capacity, reason, request, screen
+from broker.placement.feasibility import capacity, reason, request, screen
 from broker.placement.offers import (
     Federation,
     GroupState,
     PlacementError,
-    SiteOffer,
-    Spare,
     TenantUsage,
     breakdown_at,
     moved,
     release,
 )
 from broker.placement.pricing import Breakdown
-from sites.assignments import NodeShare
+from broker.placement.request import FILTERS, Offered
+from broker.placement.site import SiteOffer, Spare
+from sites.model.assignments import NodeShare
 
 if TYPE_CHECKING:
     from broker.placement.tenancy import Headroom

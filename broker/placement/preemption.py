@@ -40,9 +40,10 @@ from datetime import datetime
 
 from broker.model.jobs import JobRecord, JobSpec, gang_of
 from broker.placement import place as pl
-from broker.placement.offers import Federation, GroupState, SiteOffer, TenantUsage, release
+from broker.placement.offers import Federation, GroupState, TenantUsage, release
+from broker.placement.site import SiteOffer
 from broker.placement.tenancy import Usage
-from sites.assignments import NodeShare
+from sites.model.assignments import NodeShare
 
 __all__ = [
     "CAPACITY_FILTERS",

@@ -26,7 +26,7 @@ rates themselves, so no consumer changes its arithmetic and every path still agr
 added again).
 
 Pure: plain floats in, floats out. The functions take rates as numbers rather than a price
-model, because the broker's site prices (sites.spec.Prices) and the plan format's
+model, because the broker's site prices (sites.model.spec.Prices) and the plan format's
 (broker.plan.problem.Price) name the same rates differently.
 """
 

@@ -9,11 +9,11 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.model.alert_rules import AlertSettings
-from routing.health import OutlierSettings
-from routing.policy import RoutingSettings
-from sites.config import read_yaml, validate_mapping
-from sites.durations import Duration
-from sites.errors import ConfigError, Problem
+from routing.decision.policy import RoutingSettings
+from routing.gateway.health import OutlierSettings
+from sites.model.config import read_yaml, validate_mapping
+from sites.model.durations import Duration
+from sites.model.errors import ConfigError, Problem
 
 
 class SiteKey(BaseModel):
@@ -102,7 +102,8 @@ class InferenceSettings(BaseModel):
 
 
 def read_site_keys(settings: InferenceSettings, source: str) -> dict[tuple[str, str], str]:
-    """(site, service, or "*" for each) -> key, for routing.proxy.InferenceProxy's site_keys;
+    """(site, service, or "*" for each) -> key, for routing.gateway.proxy.InferenceProxy's
+    site_keys;
     ConfigError naming `source` and each key that cannot be read. (A site is not checked
     against the registry: it may join after the broker started, from any file.)"""
     keys: dict[tuple[str, str], str] = {}
@@ -123,7 +124,7 @@ class SchedulingSettings(BaseModel):
     """How the leader schedules jobs. One model, one set of defaults, shared by the broker
     (configs/broker.yaml `scheduling:`) and the simulator (a scenario's `policy:` overrides
     these fields; it does not redefine them), so a capacity plan runs the broker's rules.
-    Durations are seconds or strings such as '5m' (sites.durations)."""
+    Durations are seconds or strings such as '5m' (sites.model.durations)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

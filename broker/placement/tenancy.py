@@ -45,7 +45,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from broker.model.tenants import Amounts, TenancyFile, TenantPolicy
-from sites.catalog import SLICE_SEP, DeviceCatalog, split_model
+from sites.model.catalog import SLICE_SEP, DeviceCatalog, split_model
 
 __all__ = [
     "SHARE_DIMENSIONS",
@@ -86,7 +86,7 @@ class Quotas:
         self.kind = {m: d.kind.value for m, d in catalog.devices.items()}
         self.tflops = {m: float(d.fp16_tflops or 0.0) for m, d in catalog.devices.items()}
         self.catalog = catalog
-        # a slice (sites.catalog: "A100-80GB/3g.40gb", "H100/ts4") counts as its share of
+        # a slice (sites.model.catalog: "A100-80GB/3g.40gb", "H100/ts4") counts as its share of
         # one device of its model: (the model, the share); whole models are absent
         self._slices: dict[str, tuple[str, float]] = {}
         nodes: dict[str, _Node] = {}

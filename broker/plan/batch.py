@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from broker.model.jobs import JobSpec, gang_of
-from broker.placement import feasibility
+from broker.placement import feasibility, request
 from broker.placement import place as pl
 from broker.plan.problem import (
     Capacity,
@@ -193,12 +193,12 @@ def _allowed_sites(
 
 _SCREENED = tuple(
     f.name
-    for f in dataclasses.fields(feasibility.Request)
+    for f in dataclasses.fields(request.Request)
     if f.name not in ("rtts", "duration_hours", "check_capacity")
 )
 
 
-def _screen_key(req: feasibility.Request) -> tuple[object, ...]:
+def _screen_key(req: request.Request) -> tuple[object, ...]:
     """What the filter's answer depends on without its capacity part: every term of `req`
     but the duration, which only prices (and a price only matters against a budget), and the
     RTT table, one per user region and the same object for one snapshot (so its id)."""

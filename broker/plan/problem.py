@@ -46,7 +46,7 @@ from broker.model.errors import InvalidRequest
 from broker.model.frozen import maker
 from broker.placement import pricing
 from broker.placement.pricing import Breakdown
-from sites.config import field_path
+from sites.model.config import field_path
 
 MILLI = 1000  # cpu and mem_gb are compared in thousandths (millicores, MB): exact integers
 

@@ -22,9 +22,9 @@ from broker.model.errors import Expired
 from broker.state.newest import Cursor, untoken
 from broker.state.newest import token as make_token
 from broker.state.store import position
-from sites import keys
-from sites.errors import RegistryError, RevisionCompacted
-from sites.registry import Registry
+from sites.model import keys
+from sites.model.errors import RegistryError, RevisionCompacted
+from sites.registry.client import Registry
 
 __all__ = ["AuditEntry", "AuditLog", "AuditPage"]
 

@@ -38,9 +38,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from broker.model.audit_intent import audit_puts, committed
 from broker.model.errors import BrokerError, InvalidRequest, NotFound
 from broker.model.jobs import NAME_RE
-from sites import keys
-from sites.mirror import KeyValues, PrefixMirror
-from sites.registry import Guard, Registry
+from sites.model import keys
+from sites.registry.client import Guard, Registry
+from sites.registry.mirror import KeyValues, PrefixMirror
 
 __all__ = [
     "Forbidden",

@@ -16,10 +16,10 @@ import logging
 from pydantic import BaseModel, ConfigDict
 
 from broker.state.metrics import BrokerMetrics
-from sites import keys
-from sites.clock import Clock
-from sites.errors import LeaseLost, RegistryError
-from sites.registry import Guard, Registry
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.model.errors import LeaseLost, RegistryError
+from sites.registry.client import Guard, Registry
 
 __all__ = ["LeaderRecord", "Leadership"]
 

@@ -6,7 +6,8 @@ Labels are low-cardinality only: tenant, site, client region, state, kind; never
 
 Costs: a counter or histogram update is O(1) (label children cached where a request pays for
 them); what is derived from the whole view (jobs by tenant and state, sites up) is computed when
-Prometheus scrapes, by `ViewCollector`, so nothing is updated per request or per event for it.
+Prometheus scrapes, by `broker.state.view.ViewCollector`, so nothing is updated per request or per
+event for it.
 
 A scrape (`exposition`) runs the collectors that read the event loop's live structures (the
 view, the usage book, the alerts: `LoopCollector`s) on the loop, and formats the text, most of
@@ -23,13 +24,12 @@ import contextvars
 import itertools
 import math
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
-    GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
@@ -37,9 +37,6 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from metering.usage import UsageBook
-
-if TYPE_CHECKING:
-    from broker.state.view import View
 
 LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
 LATENCY_BUCKETS += (1.0, 2.5, 5.0, 10.0, 30.0)
@@ -135,7 +132,7 @@ class BrokerMetrics:
         self.loop_lag = Histogram(
             "cpn_broker_event_loop_lag_seconds",
             "How much later than asked the event loop woke a task that sleeps 50 ms at a time: "
-            "what a request waits for the loop before its handler runs (sites.tasks)",
+            "what a request waits for the loop before its handler runs (sites.kits.tasks)",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r,
         )
@@ -258,10 +255,10 @@ class BrokerMetrics:
         # clocks of two hosts may disagree by a little
         _child(self._lag_children, self.watch_lag, (kind,)).observe(max(0.0, seconds))
 
-    def watch_view(self, view: Callable[[], View]) -> None:
-        """Export what is derived from the view (jobs by tenant and state, sites up) at scrape
-        time."""
-        register_on_loop(self.registry, ViewCollector(view))
+    def watch(self, collector: LoopCollector) -> None:
+        """Export what `collector` derives at scrape time (the view's ViewCollector: jobs by
+        tenant and state, sites up)."""
+        register_on_loop(self.registry, collector)
 
     def watch_usage(self, book: UsageBook) -> None:
         """Export the ledger's totals by tenant and site (cpn_usage_*_total) at scrape time."""
@@ -368,41 +365,6 @@ class LoopHistogram(LoopCollector):
             cumulative = list(itertools.accumulate(row[:-1]))
             family.add_metric(key, list(zip(bounds, cumulative, strict=True)), row[-1])
         yield family
-
-
-class ViewCollector(LoopCollector):
-    """`cpn_broker_jobs{tenant,state}` and `cpn_broker_site_up{site,region}`, from the view when
-    Prometheus scrapes: one pass over the unfinished jobs and the sites per scrape, nothing per
-    event. Finished jobs are not in the view; they are counted by cpn_broker_jobs_finished_total.
-    """
-
-    def __init__(self, view: Callable[[], View]) -> None:
-        self._view = view
-
-    def families(self) -> Iterator[Metric]:
-        view = self._view()
-        counts: dict[tuple[str, str], int] = {}
-        for record, _ in view.jobs.values():
-            key = (record.spec.tenant, record.state.value)
-            counts[key] = counts.get(key, 0) + 1
-        jobs = GaugeMetricFamily(
-            "cpn_broker_jobs",
-            "Unfinished jobs in the registry by tenant and state (every replica sees them all: "
-            "aggregate replicas with max)",
-            labels=["tenant", "state"],
-        )
-        for (tenant, state), n in sorted(counts.items()):
-            jobs.add_metric([tenant, state], n)
-        yield jobs
-        up = GaugeMetricFamily(
-            "cpn_broker_site_up",
-            "1 if the site is registered and an agent holds its lease, else 0",
-            labels=["site", "region"],
-        )
-        sites = view.sites
-        for site, spec in sorted(sites.specs.items()):
-            up.add_metric([site, spec.region], 1 if view.site_up(site) else 0)
-        yield up
 
 
 KWH_J = 3.6e6

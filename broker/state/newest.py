@@ -17,8 +17,8 @@ from collections.abc import AsyncGenerator
 
 from broker.model.errors import InvalidRequest
 from broker.state.store import position
-from sites.paging import Page
-from sites.registry import Registry
+from sites.registry.client import Registry
+from sites.registry.paging import Page
 
 __all__ = ["WINDOW_US", "Cursor", "token", "untoken"]
 

@@ -1,9 +1,9 @@
-"""The broker's inference router: a thin shell over routing.policy.route.
+"""The broker's inference router: a thin shell over routing.decision.policy.route.
 
 The topology and the candidates are synced from the mirrored registry when it changed, at most
 every SYNC_INTERVAL_S (never per request: at 1,000 sites publishing every second the registry
 changes thousands of times a second, so a route sees it at most that much late). A route
-is routing.policy.route over the service's endpoints with the broker's RoutingSettings
+is routing.decision.policy.route over the service's endpoints with the broker's RoutingSettings
 (broker.yaml `inference.routing`); the shell keeps what the pure policy returns for it to keep
 (the hysteresis site per (service, client region)) and the rng. The proxy gets the chosen site
 first and the rest of the ranking after it, to retry on.
@@ -19,14 +19,22 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, TypeVar
 
 from broker.model.errors import InvalidRequest, NotFound
-from routing.candidates import CandidateIndex
-from routing.clients import Clients
+from routing.decision.candidates import CandidateIndex
+from routing.decision.clients import Clients
+from routing.decision.policy import (
+    Pick,
+    ReplicaCounted,
+    ReplicaUsable,
+    Route,
+    RoutingSettings,
+    pick,
+    route,
+)
+from routing.decision.settings import Policy
+from routing.decision.topology import Topology
 from routing.errors import InvalidParameter
-from routing.policy import Pick, ReplicaCounted, ReplicaUsable, Route, RoutingSettings, pick, route
-from routing.selection import Policy
-from routing.topology import Topology
-from sites.latency import Endpoint, LatencyModel
-from sites.snapshot import Snapshot
+from sites.model.latency import Endpoint, LatencyModel
+from sites.model.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from broker.state.metrics import BrokerMetrics
@@ -190,7 +198,7 @@ class Router:
         replica_in_flight: ReplicaCounted | None = None,
     ) -> Pick:
         """`route`'s decision for the proxy, without the ranking it explains itself by
-        (routing.policy.pick: the same site and upstreams, the same state moved)."""
+        (routing.decision.policy.pick: the same site and upstreams, the same state moved)."""
         return self._decide(
             pick, service, client_region, now, session_key, None, ejected_until, in_flight,
             prefix_key, replica_usable, replica_in_flight,
@@ -210,7 +218,8 @@ class Router:
         replica_usable: ReplicaUsable | None,
         replica_in_flight: ReplicaCounted | None,
     ) -> _D:
-        """`decide` (routing.policy's route or pick) with this router's candidates, topology,
+        """`decide` (routing.decision.policy's route or pick) with this router's candidates,
+        topology,
         policy and random generator; it keeps the hysteresis state and counts the decision."""
         index = self._candidates()
         if service not in index.services:

@@ -27,8 +27,8 @@ from pydantic import BaseModel, ConfigDict
 from broker.model.audit_intent import audit_puts, committed
 from broker.model.errors import InvalidRequest, NotFound, StaleRecord
 from broker.model.jobs import JobRecord, JobState
-from sites import keys
-from sites.registry import Guard, Registry
+from sites.model import keys
+from sites.registry.client import Guard, Registry
 
 log = logging.getLogger(__name__)
 

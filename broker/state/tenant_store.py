@@ -1,6 +1,6 @@
 """The federation's tenancy in etcd, mirrored by every replica (`TenancyBook`).
 
-Layout (sites.keys): /cpn/v1/tenancy/config holds cohorts, priority classes, fair_share and
+Layout (sites.model.keys): /cpn/v1/tenancy/config holds cohorts, priority classes, fair_share and
 preemption (a TenancyFile without tenants); /cpn/v1/tenancy/tenants/<name> one TenantPolicy
 each; /cpn/v1/tenancy/fair-share the leader's decayed usage per tenant (`FairShareRecord`).
 
@@ -24,10 +24,10 @@ from broker.model.audit_intent import audit_puts, committed
 from broker.model.errors import Conflict, InvalidRequest
 from broker.model.tenants import TenancyFile, TenantPolicy
 from broker.placement.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.mirror import KeyValues, PrefixMirror
-from sites.registry import Guard, Registry
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.registry.client import Guard, Registry
+from sites.registry.mirror import KeyValues, PrefixMirror
 
 __all__ = ["FairShareRecord", "TenancyBook", "gpu_quotas"]
 

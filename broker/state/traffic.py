@@ -1,6 +1,6 @@
 """What the gateway sees of each managed service's demand, for the leader's autoscaler.
 
-Every broker replica's gateway (routing.proxy) counts, per (service, client region), the
+Every broker replica's gateway (routing.gateway.proxy) counts, per (service, client region), the
 requests it took and their time to first byte (the first byte of the answer to the client: the
 first token of a stream, RTT included) in a fixed-bucket histogram: `TrafficBook`, a few ints per
 pair, nothing allocated per request. The counts are cumulative since the replica started, like
@@ -29,10 +29,10 @@ from pydantic import Field
 
 from broker.model.autoscaler import ClientObservation
 from broker.model.jobs import Frozen
-from sites import keys
-from sites.clock import Clock
-from sites.errors import RegistryError
-from sites.registry import Registry
+from sites.kits.clock import Clock
+from sites.model import keys
+from sites.model.errors import RegistryError
+from sites.registry.client import Registry
 
 __all__ = [
     "TTFB_BUCKETS_MS",
@@ -80,7 +80,7 @@ class TrafficSummary(Frozen):
 
 
 class TrafficBook:
-    """The gateway's counters (routing.proxy.TrafficSink): O(1) per request."""
+    """The gateway's counters (routing.gateway.proxy.TrafficSink): O(1) per request."""
 
     def __init__(self) -> None:
         # (service, region) -> [requests, bucket 0, ..., bucket n]

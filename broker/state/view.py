@@ -10,31 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from pydantic import ValidationError
 
 from broker.model.jobs import JobRecord, JobState
 from broker.placement import place as pl
 from broker.placement.green import green_of, priced
 from broker.placement.nodes import NodesFree, Packing
-from broker.placement.offers import Green, device_pools, node_pools, slice_prices, with_free
+from broker.placement.offers import with_free
+from broker.placement.site import Green, device_pools, node_pools, slice_prices
 from broker.placement.tenancy import BudgetLeft, Quotas, held_by_tenant
+from broker.state.metrics import BrokerMetrics, LoopCollector
 from broker.state.store import decode
-from sites import keys
-from sites.assignments import Assignment, Report
-from sites.catalog import Capacity, DeviceCatalog, normalize_inventory
-from sites.clock import Clock, SystemClock
-from sites.mirror import KeyValues, RootMirror
-from sites.registry import Registry
-from sites.snapshot import Snapshot
-from sites.spec import Oversubscription, Prices, SiteSpec
+from sites.kits.clock import Clock, SystemClock
+from sites.model import keys
+from sites.model.assignments import Assignment, Report
+from sites.model.catalog import Capacity, DeviceCatalog, normalize_inventory
+from sites.model.snapshot import Snapshot
+from sites.model.spec import Oversubscription, Prices, SiteSpec
+from sites.registry.client import Registry
+from sites.registry.mirror import KeyValues, RootMirror
 
 if TYPE_CHECKING:
     from broker.placement.settings import SchedulingSettings
-    from broker.state.metrics import BrokerMetrics
 
 __all__ = [
     "LIVE",
@@ -106,7 +108,8 @@ _SITE_PREFIXES = keys.SNAPSHOT
 
 
 class ViewCache:
-    """The mirror of the view's prefixes (one watch of the root: sites.mirror.RootMirror) and
+    """The mirror of the view's prefixes (one watch of the root: sites.registry.mirror.RootMirror)
+    and
     the one View it keeps current: each watch event is decoded and applied to the entry it
     changes (a site's status, a link, a job), never the whole registry again. The mirror keeps
     no raw copy of the values: the decoded entry is all that is held."""
@@ -507,7 +510,8 @@ class _OfferInputs:
     def _oversubscribed(
         self, offer: pl.SiteOffer, cap: Capacity, over: Oversubscription
     ) -> pl.SiteOffer:
-        """An oversubscribed site (sites.spec.Oversubscription, broker.placement.offers.Spare):
+        """An oversubscribed site (sites.model.spec.Oversubscription,
+        broker.placement.offers.Spare):
         other
         jobs get min(physical - theirs, physical x ratio - all), best-effort ones the latter."""
         be_cpu, be_mem, be_gpus = self.best_effort
@@ -601,3 +605,38 @@ def groups(view: View) -> pl.GroupState:
         site_of_colocate=colocate,
         spread_sites={k: frozenset(v) for k, v in spread.items()},
     )
+
+
+class ViewCollector(LoopCollector):
+    """`cpn_broker_jobs{tenant,state}` and `cpn_broker_site_up{site,region}`, from the view when
+    Prometheus scrapes: one pass over the unfinished jobs and the sites per scrape, nothing per
+    event. Finished jobs are not in the view; they are counted by cpn_broker_jobs_finished_total.
+    """
+
+    def __init__(self, view: Callable[[], View]) -> None:
+        self._view = view
+
+    def families(self) -> Iterator[Metric]:
+        view = self._view()
+        counts: dict[tuple[str, str], int] = {}
+        for record, _ in view.jobs.values():
+            key = (record.spec.tenant, record.state.value)
+            counts[key] = counts.get(key, 0) + 1
+        jobs = GaugeMetricFamily(
+            "cpn_broker_jobs",
+            "Unfinished jobs in the registry by tenant and state (every replica sees them all: "
+            "aggregate replicas with max)",
+            labels=["tenant", "state"],
+        )
+        for (tenant, state), n in sorted(counts.items()):
+            jobs.add_metric([tenant, state], n)
+        yield jobs
+        up = GaugeMetricFamily(
+            "cpn_broker_site_up",
+            "1 if the site is registered and an agent holds its lease, else 0",
+            labels=["site", "region"],
+        )
+        sites = view.sites
+        for site, spec in sorted(sites.specs.items()):
+            up.add_metric([site, spec.region], 1 if view.site_up(site) else 0)
+        yield up

@@ -1,4 +1,4 @@
-"""The stand-in model server (routing.modelserver), stopped ABRUPTLY: SIGTERM ends the process
+"""The stand-in model server (routing.standin.server), stopped ABRUPTLY: SIGTERM ends the process
 at once, dropping whatever it has in flight, as a server without a graceful shutdown does.
 
 The stand-in itself finishes its requests on SIGTERM (aiohttp's graceful shutdown), which
@@ -17,7 +17,7 @@ import sys
 
 from aiohttp import web
 
-from routing import modelserver
+from routing.standin import server as modelserver
 
 
 async def serve_abruptly(settings: modelserver.ModelServerSettings, host: str, port: int) -> None:

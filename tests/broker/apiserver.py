@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from sites.etcd_server import free_port
+from sites.emulation.etcd_server import free_port
 from tests.broker.conftest import BROKER_SETTINGS
 from tests.conftest import AUTH, CONFIGS, Processes
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sites import keys
-from sites.etcd_server import EmbeddedEtcd, free_port
-from sites.registry import Registry
+from sites.emulation.etcd_server import EmbeddedEtcd, free_port
+from sites.model import keys
+from sites.registry.client import Registry
 from tests.conftest import AUTH, CONFIGS, Processes, run_cpn, site_doc
 
 BROKER_SETTINGS = {

@@ -19,9 +19,9 @@ from broker.model.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState, P
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from broker.state.store import encode, writes
-from sites import keys
-from sites.clock import SystemClock
-from sites.registry import Registry
+from sites.kits.clock import SystemClock
+from sites.model import keys
+from sites.registry.client import Registry
 
 TENANTS = ("ai-lab", "vision", "speech", "search")
 SITES = ("east-a", "east-b", "west", "abroad")

@@ -15,10 +15,10 @@ from broker.leader.alerts import AlertMetrics
 from broker.model.alert_rules import AlertSettings
 from broker.placement.settings import load_settings
 from broker.state.metrics import BrokerMetrics
-from broker.state.view import View
-from sites.catalog import Capacity
-from sites.snapshot import Snapshot
-from sites.status import LinkStatus, SiteStatus
+from broker.state.view import View, ViewCollector
+from sites.model.catalog import Capacity
+from sites.model.snapshot import Snapshot
+from sites.model.status import LinkStatus, SiteStatus
 from tests.conftest import CONFIGS, REPO, run_cpn
 from tests.routing.helpers import spec
 
@@ -67,12 +67,12 @@ def test_promtool_accepts_the_rules(tmp_path: Path) -> None:
 
 
 def test_every_metric_the_rules_read_is_exported() -> None:
-    from sites.agent_metrics import AgentMetrics
+    from sites.agent.metrics import AgentMetrics
 
     snap = Snapshot(revision=1)
     snap.specs["a"] = spec("a", "east", 30, 120)
     broker = BrokerMetrics()
-    broker.watch_view(lambda: View(sites=snap))
+    broker.watch(ViewCollector(lambda: View(sites=snap)))
     agent = AgentMetrics("a")
     cap = Capacity(devices={"H100": 8}, cpu_cores=8, mem_gb=64)
     agent.observe_status(SiteStatus.model_construct(site="a", capacity=cap, free=cap, gpus=()))

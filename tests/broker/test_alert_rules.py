@@ -22,10 +22,10 @@ from broker.model.alert_rules import (
     update_slo,
 )
 from broker.placement.settings import load_settings
-from sites.catalog import Capacity
-from sites.errors import ConfigError
-from sites.snapshot import Snapshot
-from sites.status import AgentRecord, Cordon, LastSeen, SiteStatus
+from sites.model.catalog import Capacity
+from sites.model.errors import ConfigError
+from sites.model.snapshot import Snapshot
+from sites.model.status import AgentRecord, Cordon, LastSeen, SiteStatus
 from tests.routing.helpers import endpoint, link, spec
 
 NOW = 1_000_000.0

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from sites.etcd_server import free_port
+from sites.emulation.etcd_server import free_port
 from tests.broker import conftest as fed_conftest
 from tests.broker.conftest import BROKER_SETTINGS, Federation
 

@@ -15,16 +15,17 @@ from urllib.parse import urlsplit
 import pytest
 
 from broker.api import sites as site_list
-from broker.api.app import HTTP, OPERATIONS, make_app, openapi_document
+from broker.api.app import OPERATIONS, make_app, openapi_document
 from broker.api.inference import Gateway
+from broker.api.keys import HTTP
 from broker.api.openapi import spec_path
 from broker.api.sites import SiteInfo, SiteRows, site_info, site_row
 from broker.process import Broker
 from broker.state.router import Router
-from sites import keys
-from sites.etcd_server import EmbeddedEtcd
-from sites.snapshot import Snapshot
-from sites.status import Cordon, LastSeen
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model import keys
+from sites.model.snapshot import Snapshot
+from sites.model.status import Cordon, LastSeen
 from tests.broker.apiserver import ApiBroker, Reply, start_api_broker
 from tests.conftest import AUTH, Processes
 from tests.cpn.test_render import PUBLISHED, TOPOLOGY, site_spec, view
@@ -375,7 +376,7 @@ def _stand_in() -> Broker:
     from types import SimpleNamespace
 
     from broker.placement.settings import BrokerSettings
-    from sites.clock import SystemClock
+    from sites.kits.clock import SystemClock
 
     return cast(
         Broker,

@@ -15,7 +15,7 @@ import pytest
 
 from broker.api.access import ACCESS
 from broker.state.auth import GRANTS, Permission, Role
-from sites.etcd_server import EmbeddedEtcd
+from sites.emulation.etcd_server import EmbeddedEtcd
 from tests.broker.apiserver import ApiBroker, Reply, start_api_broker
 from tests.conftest import Processes, run_cpn
 
@@ -370,8 +370,8 @@ def test_every_change_is_audited_with_who_what_and_outcome(fed: Fed) -> None:
 async def test_a_changes_audit_entry_is_written_in_the_changes_own_transaction(fed: Fed) -> None:
     """Atomic: a broker killed after the change cannot have dropped its entry. The token's key
     and the entry share one etcd revision; so do a new job's record and its entry."""
-    from sites import keys
-    from sites.registry import Registry
+    from sites.model import keys
+    from sites.registry.client import Registry
 
     request_id = f"atomic-{time.monotonic_ns()}"
     created = fed.a.post_json("/v1/tokens", {"role": "viewer", "description": request_id})

@@ -20,7 +20,7 @@ import yaml
 from broker.leader.scaler import AutoscalerRecord
 from broker.model.services import ScalingDecision
 from broker.state.traffic import TrafficSummary
-from sites import keys
+from sites.model import keys
 from tests.broker.conftest import SITES, Federation
 from tests.conftest import AUTH
 
@@ -40,7 +40,7 @@ SERVICE = {
     "tenant": "t1",
     "model": "standin-7b",
     "command": [
-        sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:{port}",
+        sys.executable, "-m", "routing.standin.server", "--listen", "127.0.0.1:{port}",
         "--name", "auto", "--median-ms", "20", "--p99-ms", "40", "--max-concurrency", "16",
     ],
     "cpu": 1,

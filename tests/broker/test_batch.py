@@ -9,7 +9,7 @@ from broker.model.jobs import JobSpec
 from broker.placement import place as pl
 from broker.plan import batch
 from broker.plan.solver import solve
-from sites.spec import Prices
+from sites.model.spec import Prices
 
 NOW = datetime(2026, 11, 30, tzinfo=UTC)
 

@@ -20,7 +20,7 @@ import pytest
 
 from broker.model.jobs import JobSpec
 from broker.model.tenants import TenancyFile
-from broker.placement import columns
+from broker.placement import columns, vector
 from broker.placement.feasibility import request, screen, screen_loop
 from broker.placement.nodes import Node, NodesFree
 from broker.placement.place import (
@@ -35,8 +35,8 @@ from broker.placement.place import (
     place,
 )
 from broker.placement.tenancy import BudgetLeft, Quotas
-from sites.catalog import DeviceCatalog
-from sites.spec import Prices
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import Prices
 
 NOW = datetime(2026, 12, 1, 9, tzinfo=UTC)
 MODELS = {"H100": 80.0, "H20": 96.0, "A100-80GB": 80.0, "L40S": 48.0}
@@ -169,7 +169,7 @@ def test_columns_give_what_the_loop_gives(seed: int, tenancy: bool) -> None:
             static, dynamic = fed.columns()
             for cheapest in (True, False):
                 same(
-                    columns.screen(req, fed.sites, static, dynamic, cheapest=cheapest),
+                    vector.screen(req, fed.sites, static, dynamic, cheapest=cheapest),
                     screen_loop(req, fed, cheapest=cheapest),
                 )
         outcome = place(spec, fed, now=NOW, usage=usage, groups=groups)
@@ -195,7 +195,7 @@ def test_a_long_chain_of_changes_rebuilds_and_agrees() -> None:
         fed = apply(fed, outcome, one)
     req = request(spec, fed, now=NOW, usage=usage, groups=groups)
     static, dynamic = fed.columns()
-    same(columns.screen(req, fed.sites, static, dynamic, cheapest=False), screen_loop(req, fed))
+    same(vector.screen(req, fed.sites, static, dynamic, cheapest=False), screen_loop(req, fed))
 
 
 def test_screen_takes_the_columns_from_vector_min_sites() -> None:
@@ -206,10 +206,10 @@ def test_screen_takes_the_columns_from_vector_min_sites() -> None:
         {"name": "x", "tenant": "t", "command": ["true"], "gpu": {"count": 2, "model": "H100"}}
     )
     usage, groups = TenantUsage(), GroupState()
-    for fed, vector in ((small, False), (large, True)):
+    for fed, vectored in ((small, False), (large, True)):
         req = request(spec, fed, now=NOW, usage=usage, groups=groups)
         same(screen(req, fed, cheapest=True), screen_loop(req, fed, cheapest=True))
-        assert isinstance(fed._columns, columns.Dynamic) is vector  # built only when used
+        assert isinstance(fed._columns, columns.Dynamic) is vectored  # built only when used
 
 
 def equal(dynamic: columns.Dynamic, fed: Federation) -> None:

@@ -45,7 +45,7 @@ SERVICE = {
     "tenant": "t1",
     "model": "standin-7b",
     "command": [
-        sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:{port}",
+        sys.executable, "-m", "routing.standin.server", "--listen", "127.0.0.1:{port}",
         "--name", "assist", "--median-ms", "10", "--p99-ms", "20", "--max-concurrency", "8",
     ],
     "cpu": 1,

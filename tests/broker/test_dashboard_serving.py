@@ -12,7 +12,7 @@ import pytest
 
 from broker.api.dashboard import ASSETS, route_flows
 from broker.state.metrics import BrokerMetrics
-from sites.registry import Registry
+from sites.registry.client import Registry
 from tests.broker.apiserver import start_api_broker
 from tests.conftest import Processes
 

@@ -12,12 +12,12 @@ from broker.placement.settings import SchedulingSettings
 from broker.plan.problem import Assignment as PlanAssignment
 from broker.plan.problem import PlanResult, PlanStatus
 from broker.state.view import View
-from sites import keys
-from sites.assignments import Assignment, Report, RunState
-from sites.catalog import DeviceCatalog, normalize_inventory
-from sites.snapshot import Snapshot
-from sites.spec import SiteSpec
-from sites.status import AgentRecord, HostUsage, SiteStatus
+from sites.model import keys
+from sites.model.assignments import Assignment, Report, RunState
+from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.snapshot import Snapshot
+from sites.model.spec import SiteSpec
+from sites.model.status import AgentRecord, HostUsage, SiteStatus
 from tests.conftest import CONFIGS, site_doc
 
 NOW = 1_800_000_000.0

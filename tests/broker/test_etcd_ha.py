@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sites import keys
-from sites.errors import RegistryError
-from sites.etcd_server import EtcdCluster
-from sites.registry import Registry
+from sites.emulation.etcd_server import EtcdCluster
+from sites.model import keys
+from sites.model.errors import RegistryError
+from sites.registry.client import Registry
 from tests.broker.conftest import BROKER_SETTINGS, Federation, federation_site
 from tests.conftest import CONFIGS, Processes, run_cpn, write_admin_token
 
@@ -82,7 +82,7 @@ async def test_a_secure_cluster_survives_its_leader(tmp_path: Path) -> None:
     the members, auth on; the broker's user keeps writing through the raft leader's death."""
     from cpn.certs import Pki
     from cpn.secure import credentials_dir, init_pki, secure_etcd
-    from sites.etcd_security import EtcdTls, load_credentials
+    from sites.registry.security import EtcdTls, load_credentials
 
     pki = Pki(tmp_path / "pki")
     cluster = EtcdCluster(3, data_dir=tmp_path / "etcd", unsafe_no_fsync=True, tls=init_pki(pki))

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from broker.model.frozen import maker
-from broker.placement.offers import SiteOffer
 from broker.placement.place import Decision
 from broker.placement.pricing import Breakdown
-from sites.spec import Prices
+from broker.placement.site import SiteOffer
+from sites.model.spec import Prices
 
 
 @dataclass(frozen=True, slots=True)

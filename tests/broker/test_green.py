@@ -14,9 +14,10 @@ from broker.leader import decisions as dc
 from broker.model.jobs import JobState
 from broker.placement import pricing
 from broker.placement.green import green_of, priced
-from broker.placement.offers import Federation, Green, SiteOffer
+from broker.placement.offers import Federation
 from broker.placement.place import Decision, GroupState, TenantUsage, place
 from broker.placement.settings import SchedulingSettings
+from broker.placement.site import Green, SiteOffer
 from broker.plan import batch
 from broker.plan.problem import Assignment, PlanProblem, PlanResult, PlanStatus, job_cost, job_parts
 from tests.broker.test_decisions import CATALOG, NOW, job, snapshot, view

@@ -20,10 +20,10 @@ from broker.placement.settings import HistorySettings
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from broker.state.store import Change, JobStore, JobSummary, decode, position, state_entries
-from sites import keys
-from sites.clock import SystemClock
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.kits.clock import SystemClock
+from sites.model import keys
+from sites.registry.client import Registry
 from tests.broker import history_data
 from tests.broker.apiserver import start_api_broker
 from tests.conftest import Processes, run_cpn

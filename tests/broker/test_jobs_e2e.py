@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from sites import keys
-from sites.assignments import Assignment
-from sites.registry import Registry
+from sites.model import keys
+from sites.model.assignments import Assignment
+from sites.registry.client import Registry
 from tests.broker.conftest import SITES, Federation, assignments_of
 from tests.conftest import AUTH, run_cpn
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
-from sites.clock import SystemClock
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.kits.clock import SystemClock
+from sites.registry.client import Registry
 
 
 async def test_a_leader_cut_off_from_etcd_steps_down_within_its_ttl(tmp_path: Path) -> None:

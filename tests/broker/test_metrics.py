@@ -19,8 +19,8 @@ from broker.state.metrics import (
     exposition,
     register_on_loop,
 )
-from broker.state.view import View
-from sites.snapshot import Snapshot
+from broker.state.view import View, ViewCollector
+from sites.model.snapshot import Snapshot
 
 
 def samples(metrics: BrokerMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -74,7 +74,7 @@ def test_the_loop_histogram_exports_what_prometheus_clients_would() -> None:
 def test_jobs_by_tenant_and_state_come_from_the_view_at_scrape_time() -> None:
     view = View(sites=Snapshot(revision=0))
     metrics = BrokerMetrics()
-    metrics.watch_view(lambda: view)
+    metrics.watch(ViewCollector(lambda: view))
     for job_id, tenant, state in (
         ("j1", "t1", JobState.PENDING),
         ("j2", "t1", JobState.PENDING),
@@ -110,7 +110,7 @@ async def test_a_scrape_reads_the_view_on_the_loop_and_formats_on_a_thread() -> 
         return view
 
     metrics = BrokerMetrics()
-    metrics.watch_view(the_view)
+    metrics.watch(ViewCollector(the_view))
     metrics.route_decided("beijing", "east-a")
     metrics.registry.register(Spy())
     text = (await exposition(metrics.registry)).decode()

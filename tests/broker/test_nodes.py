@@ -1,7 +1,7 @@
 """Nodes and islands inside a site (broker.placement.nodes): the fit test, the choice, placement on
 them.
 
-Sites are built from specs (sites.spec.Topology) small enough to check by hand.
+Sites are built from specs (sites.model.spec.Topology) small enough to check by hand.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from broker.placement.place import (
     place_gang,
     release,
 )
-from sites.assignments import Assignment, NodeShare
-from sites.catalog import DeviceCatalog
-from sites.spec import SiteSpec
-from sites.workload import DoesNotFit, Run, allocate, declared_resources
+from sites.agent.workload import DoesNotFit, Run, allocate, declared_resources
+from sites.model.assignments import Assignment, NodeShare
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 CATALOG = DeviceCatalog.load()
@@ -317,7 +317,7 @@ def test_the_index_and_the_full_scan_agree_on_random_node_sites(
         monkeypatch.setattr(placement, "TIER_HEAP_MIN", tier_min)
 
     from broker.placement.nodes import Node
-    from sites.spec import Prices
+    from sites.model.spec import Prices
 
     rng = random.Random(17)
     models = ["H100", "A100-80GB", "L40S"]

@@ -17,7 +17,7 @@ from schemathesis.config import SchemathesisConfig
 from schemathesis.engine import Status, from_schema
 from schemathesis.engine.events import FatalError, NonFatalError, ScenarioFinished
 
-from sites.registry import Registry
+from sites.registry.client import Registry
 from tests.broker.apiserver import start_api_broker
 from tests.conftest import AUTH, Processes
 

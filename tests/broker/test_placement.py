@@ -36,11 +36,11 @@ from broker.placement.place import (
     release,
 )
 from broker.placement.tenancy import BudgetLeft, Quotas
-from sites.catalog import DeviceCatalog
-from sites.config import load_sites, site_files
-from sites.errors import ConfigError
-from sites.latency import Endpoint, LatencyModel
-from sites.spec import Prices
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_sites, site_files
+from sites.model.errors import ConfigError
+from sites.model.latency import Endpoint, LatencyModel
+from sites.model.spec import Prices
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

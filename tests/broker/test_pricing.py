@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from broker.model.jobs import JobSpec
-from broker.placement import feasibility, pricing
+from broker.placement import feasibility, pricing, request
 from broker.placement.feasibility import Feasible, Infeasible
 from broker.placement.place import Decision, Federation, GroupState, TenantUsage, place
 from broker.plan import batch
@@ -104,7 +104,7 @@ def test_screen_prices_and_fits_as_pricing_and_capacity_do() -> None:
                 ]
                 if isinstance(verdict, Infeasible) and verdict.filter in ("gpus", "cpu", "mem"):
                     bad = feasibility.capacity(site, offered, count, spec.cpu, spec.mem_gb)[0]
-                    assert feasibility.FILTERS[bad] == verdict.filter
+                    assert request.FILTERS[bad] == verdict.filter
                     continue
                 if not isinstance(verdict, Feasible):
                     continue
@@ -112,7 +112,7 @@ def test_screen_prices_and_fits_as_pricing_and_capacity_do() -> None:
                 bad, model, price, _ = feasibility.capacity(
                     site, offered, count, spec.cpu, spec.mem_gb
                 )
-                assert bad == feasibility.FITS and model == verdict.model
+                assert bad == request.FITS and model == verdict.model
                 rates = site.prices
                 hourly = pricing.hourly_usd(
                     spec.cpu,

@@ -14,9 +14,9 @@ import pytest
 from broker.model.services import ScalingDecision, ServiceSpec
 from broker.placement.settings import BrokerSettings
 from broker.process import Broker
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.registry import Registry
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.registry.client import Registry
 from tests.conftest import CONFIGS
 
 SETTINGS = BrokerSettings.model_validate({"leader_ttl_s": 2, "tick_s": 0.1})

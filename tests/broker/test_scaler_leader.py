@@ -18,10 +18,10 @@ from broker.model.services import ScalingDecision, ServiceSpec
 from broker.placement.settings import BrokerSettings
 from broker.process import Broker
 from broker.state.traffic import TrafficBook
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.registry import Registry
-from sites.spec import SiteSpec
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
+from sites.registry.client import Registry
 from tests.conftest import CONFIGS, site_doc
 
 SETTINGS = BrokerSettings.model_validate({"leader_ttl_s": 2, "tick_s": 0.1})

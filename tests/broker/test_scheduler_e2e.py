@@ -14,8 +14,8 @@ import pytest
 from broker.model.jobs import Event, JobRecord, JobSpec, JobState
 from broker.state.leadership import LeaderRecord
 from broker.state.store import encode
-from sites import keys
-from sites.registry import Registry
+from sites.model import keys
+from sites.registry.client import Registry
 from tests.broker.conftest import SITES, Federation, assignments_of
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)

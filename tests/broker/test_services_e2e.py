@@ -1,5 +1,5 @@
 """Managed inference services end to end (docs/services.md): real etcd, agent and broker
-processes, stand-in model servers (routing.modelserver, made to drop what they have in flight
+processes, stand-in model servers (routing.standin.server, made to drop what they have in flight
 on SIGTERM: tests/broker/abrupt_modelserver.py) as the replicas.
 
 One federation serves the whole lifecycle test (apply -> ready -> traffic -> a recorded
@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from broker.model.services import ScalingDecision
-from sites import keys
+from sites.model import keys
 from tests.broker.conftest import SITES, Federation
 from tests.conftest import AUTH, run_cpn
 

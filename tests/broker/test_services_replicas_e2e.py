@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from broker.model.services import ScalingDecision
-from sites import keys
+from sites.model import keys
 from tests.broker.conftest import SITES, Federation
 from tests.broker.test_services_e2e import (
     ABRUPT,

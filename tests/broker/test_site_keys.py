@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from broker.placement.settings import InferenceSettings, load_settings, read_site_keys
-from sites.errors import ConfigError
+from sites.model.errors import ConfigError
 from tests.conftest import CONFIGS, REPO, cpn_cmd
 
 

@@ -1,5 +1,5 @@
 """Fractional accelerators (issue 17 item 1) in placement, quotas and the agent: a MIG instance
-or a time slice of a device is a pseudo-model (sites.catalog), priced at its share of the
+or a time slice of a device is a pseudo-model (sites.model.catalog), priced at its share of the
 device, counted by its share in quotas, packed onto one device by the agent and never over it.
 """
 
@@ -23,10 +23,10 @@ from broker.placement.place import (
     place,
 )
 from broker.placement.tenancy import Quotas
-from sites.assignments import Assignment
-from sites.catalog import DeviceCatalog
-from sites.spec import SiteSpec
-from sites.workload import Run, allocate, declared_resources, sliced
+from sites.agent.workload import Run, allocate, declared_resources, sliced
+from sites.model.assignments import Assignment
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 CATALOG = DeviceCatalog.load()
@@ -167,10 +167,10 @@ def test_the_agent_packs_slices_onto_one_device_and_says_which() -> None:
 
 
 def test_mig_instances_found_by_nvml_reach_the_job_by_their_uuids() -> None:
-    from sites.executor import job_env
-    from sites.workload import SiteResources
+    from sites.agent.workload import SiteResources
+    from sites.executors.base import job_env
 
-    # what the agent builds in host mode from a GPU in MIG mode (sites.agent._resources)
+    # what the agent builds in host mode from a GPU in MIG mode (sites.agent.process._resources)
     uuids = ("MIG-aaaa", "MIG-bbbb")
     resources = SiteResources(
         devices={"A100-80GB/3g.40gb": (0, 1)},
@@ -192,7 +192,7 @@ def test_mig_instances_found_by_nvml_reach_the_job_by_their_uuids() -> None:
 
 
 def test_a_host_site_may_not_declare_time_slices() -> None:
-    from sites.config import check_spec
+    from sites.model.config import check_spec
 
     doc = site().model_dump(mode="json")
     doc["perception"] = {"mode": "host"}

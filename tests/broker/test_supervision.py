@@ -15,10 +15,10 @@ from broker.model.jobs import JobSpec
 from broker.placement.settings import BrokerSettings
 from broker.plan.problem import PlanInputError
 from broker.process import Broker
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.errors import RegistryUnavailable
-from sites.registry import Registry
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.errors import RegistryUnavailable
+from sites.registry.client import Registry
 from tests.conftest import CONFIGS
 
 SETTINGS = BrokerSettings.model_validate(

@@ -14,9 +14,9 @@ from broker.model.tenants import TenancyFile
 from broker.placement.settings import SchedulingSettings
 from broker.placement.tenancy import BudgetLeft, FairShare, Quotas
 from broker.state.view import View
-from sites import keys
-from sites.assignments import Assignment
-from sites.spec import Oversubscription
+from sites.model import keys
+from sites.model.assignments import Assignment
+from sites.model.spec import Oversubscription
 from tests.broker.test_decisions import CATALOG, NOW, snapshot
 
 

@@ -17,9 +17,9 @@ from broker.model.errors import Conflict, InvalidRequest
 from broker.model.tenants import TenancyFile, TenantPolicy
 from broker.placement.settings import BrokerSettings
 from broker.process import Broker
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.registry import Registry
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.registry.client import Registry
 from tests.conftest import CONFIGS
 
 SETTINGS = BrokerSettings.model_validate({"leader_ttl_s": 2, "tick_s": 0.1})

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import yaml
 
-from sites import keys
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model import keys
+from sites.registry.client import Registry
 from tests.broker.apiserver import ApiBroker, Reply, start_api_broker
 from tests.broker.conftest import SITES, Federation
 from tests.conftest import CONFIGS, Processes, write_admin_token

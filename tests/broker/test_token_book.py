@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from broker.state.auth import CHECKED_TOKENS, Role, TokenBook, Unauthorized, new_token
-from sites import keys
-from sites.registry import Registry
+from sites.model import keys
+from sites.registry.client import Registry
 
 
 def _book() -> TokenBook:

@@ -13,14 +13,14 @@ import pytest
 from broker.model.jobs import Event, JobRecord, JobSpec, JobState
 from broker.state.store import encode
 from broker.state.view import View, ViewCache, federation
-from sites import keys
-from sites.assignments import Assignment
-from sites.catalog import DeviceCatalog, normalize_inventory
-from sites.registry import Registry
-from sites.snapshot import Snapshot
-from sites.spec import SiteSpec
-from sites.status import AgentRecord, SiteStatus
-from sites.tasks import Supervisor
+from sites.kits.tasks import Supervisor
+from sites.model import keys
+from sites.model.assignments import Assignment
+from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.snapshot import Snapshot
+from sites.model.spec import SiteSpec
+from sites.model.status import AgentRecord, SiteStatus
+from sites.registry.client import Registry
 from tests.conftest import site_doc
 
 
@@ -140,7 +140,7 @@ def test_the_placement_snapshot_is_reused_while_what_it_reads_is_unchanged() -> 
 
 
 def status_bytes(site: str, seq: int, capacity: Any) -> bytes:
-    """A status as an agent publishes it (sites.status.SiteStatus), encoded."""
+    """A status as an agent publishes it (sites.model.status.SiteStatus), encoded."""
     return SiteStatus.model_validate(
         {"site": site, "instance": "i", "seq": seq, "published_at": time.time(),
          "interval_s": 1.0, "mode": "declared", "capacity": capacity.model_dump(),

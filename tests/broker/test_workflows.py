@@ -13,8 +13,8 @@ from broker.model import workflows as wf
 from broker.model.errors import IllegalTransition, InvalidRequest
 from broker.model.jobs import JobRecord, JobState, Placement, StepInput, StepLink
 from broker.ops.workflows import view_of
-from sites.assignments import Report, RunState
-from sites.snapshot import Snapshot
+from sites.model.assignments import Report, RunState
+from sites.model.snapshot import Snapshot
 from tests.broker.test_decisions import NOW, ctx, job, kinds, snapshot, view
 
 CMD = {"command": "true"}

@@ -46,7 +46,7 @@ SERVICE = {
     "tenant": "t1",
     "model": "standin-7b",
     "command": [
-        sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:{port}",
+        sys.executable, "-m", "routing.standin.server", "--listen", "127.0.0.1:{port}",
         "--name", "daily", "--median-ms", "15", "--p99-ms", "40", "--max-concurrency", "32",
     ],
     "cpu": 1,

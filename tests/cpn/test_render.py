@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from cpn import render
-from sites.catalog import DeviceCatalog, normalize_inventory
-from sites.spec import SiteSpec
-from sites.status import HostUsage, NodeUsage, SiteState, SiteStatus, SiteView
+from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.spec import SiteSpec
+from sites.model.status import HostUsage, NodeUsage, SiteState, SiteStatus, SiteView
 
 CATALOG = DeviceCatalog.load()
 

@@ -15,7 +15,7 @@ import yaml
 
 from cpn.cli import build_parser, main
 from cpn.tenant_cli import FlagError, merged_policy
-from sites.registry import Registry
+from sites.registry.client import Registry
 from tests.broker.apiserver import start_api_broker
 from tests.conftest import REPO, Processes, cpn_cmd
 

@@ -17,12 +17,12 @@ from typing import Any
 import psutil
 import pytest
 
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.config import load_site
-from sites.latency import LatencyModel
-from sites.registry import Registry
-from sites.status import SiteState
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_site
+from sites.model.latency import LatencyModel
+from sites.model.status import SiteState
+from sites.registry.client import Registry
 from tests.conftest import CONFIGS, REPO, cpn_cmd, run_cpn, wait_for
 from tests.sites.escape_battery import checks, escapes
 
@@ -293,8 +293,8 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
         assert any("credentials/cpn-broker.yaml" in a and "--tls-cert" in a for a in agents)
 
         # an agent's credentials cannot write another site's status
-        from sites.errors import PermissionDenied
-        from sites.etcd_security import load_credentials
+        from sites.model.errors import PermissionDenied
+        from sites.registry.security import load_credentials
 
         creds = load_credentials(pki / "credentials" / "wuhu.yaml")
         async with Registry.from_credentials(creds) as wuhu:
@@ -349,7 +349,7 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
 async def test_up_slurm_runs_a_job_through_a_local_slurm(tmp_path: Path) -> None:
     """`cpn up --slurm`: one more site, slurm-lab, on a single-machine Slurm that cpn up starts
     and stops; a job placed there runs as a Slurm job and its output comes back."""
-    from sites.slurm_cluster import missing
+    from sites.emulation.slurm_cluster import missing
 
     if missing() and os.geteuid() != 0:
         import pytest

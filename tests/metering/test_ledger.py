@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from metering.ledger import EndReason, Run, Segment, close, puts
-from metering.usage import FIELDS, UsageBook, pieces
-from sites.catalog import DeviceCatalog
-from sites.spec import SiteSpec
+from metering.pieces import FIELDS, pieces
+from metering.usage import UsageBook
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
 from tests.conftest import site_doc
 
 CATALOG = DeviceCatalog.load()

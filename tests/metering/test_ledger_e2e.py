@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from metering.ledger import Segment
-from sites import keys
-from sites.registry import Registry
+from sites.model import keys
+from sites.registry.client import Registry
 from tests.broker.conftest import Federation
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
@@ -164,7 +164,7 @@ async def test_a_run_killed_over_its_memory_is_billed_and_told_out_of_memory(
 ) -> None:
     """A job that allocates more than its mem_gb is killed by its cgroup, inside its sandbox:
     FAILED with the reason in its events, and its segment ends `out_of_memory`."""
-    from sites.cgroups import CgroupError, Cgroups
+    from sites.executors.cgroups import CgroupError, Cgroups
 
     try:
         Cgroups.detect("probe").check()

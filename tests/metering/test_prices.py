@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from metering.ledger import EndReason, Run, close, price_periods
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.registry import Registry
-from sites.spec import SiteSpec
-from sites.status import PriceHistory
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
+from sites.model.status import PriceHistory
+from sites.registry.client import Registry
 from tests.conftest import site_doc
 
 CATALOG = DeviceCatalog.load()

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from sites import keys
-from sites.etcd_server import free_port
+from sites.emulation.etcd_server import free_port
+from sites.model import keys
 from tests.broker.conftest import Federation
 from tests.conftest import ADMIN_TOKEN, AUTH
 

@@ -14,11 +14,12 @@ from broker.placement.settings import HistorySettings
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from metering.ledger import Segment
+from metering.pieces import day_number
 from metering.rollup import ROLLUP_SEGMENTS, Rollup, roll
-from metering.usage import UsageBook, day_number
-from sites import keys
-from sites.clock import SystemClock
-from sites.registry import Registry
+from metering.usage import UsageBook
+from sites.kits.clock import SystemClock
+from sites.model import keys
+from sites.registry.client import Registry
 from tests.broker import history_data
 from tests.metering.test_usage_api import at, segment
 

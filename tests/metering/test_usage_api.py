@@ -17,11 +17,11 @@ import pytest
 import yaml
 
 from metering.ledger import EndReason, Run, Segment, close, puts
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
-from sites.spec import SiteSpec
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
+from sites.registry.client import Registry
 from tests.broker.apiserver import ApiBroker, start_api_broker
 from tests.conftest import Processes, run_cpn, site_doc
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from routing.clients import Clients, parse_clients
-from sites.snapshot import Snapshot
-from sites.spec import SiteSpec
-from sites.status import AgentRecord, LinkStatus, ServiceEndpoint, SiteStatus
+from routing.decision.clients import Clients, parse_clients
+from sites.model.snapshot import Snapshot
+from sites.model.spec import SiteSpec
+from sites.model.status import AgentRecord, LinkStatus, ServiceEndpoint, SiteStatus
 
 
 def link(src: str, dst: str, rtt_ms: float | None, loss_pct: float = 0.0) -> LinkStatus:

@@ -1,4 +1,4 @@
-"""Stand-in model servers (routing.modelserver) as real subprocesses on loopback, for tests."""
+"""Stand-in model servers (routing.standin.server) as real subprocesses on loopback, for tests."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.conftest import REPO
 
 
 class StandIns:
-    """Starts `python -m routing.modelserver` processes; stop() ends each one it started."""
+    """Starts `python -m routing.standin.server` processes; stop() ends each one it started."""
 
     def __init__(self) -> None:
         self.procs: list[asyncio.subprocess.Process] = []
@@ -25,7 +25,7 @@ class StandIns:
             flags.setdefault(flag, value)
         argv = [x for kv in flags.items() for x in kv]
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:0",
+            sys.executable, "-m", "routing.standin.server", "--listen", "127.0.0.1:0",
             "--name", name, *argv,
             cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )  # fmt: skip

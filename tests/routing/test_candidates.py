@@ -1,4 +1,5 @@
-"""routing.candidates and the gateway's per-snapshot candidates: the same as building them per
+"""routing.decision.candidates and the gateway's per-snapshot candidates: the same as building them
+per
 request, followed when the registry changes, and never a wrong latency figure reused."""
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from hypothesis import strategies as st
 
 from broker.state import router as router_module
 from broker.state.router import SYNC_INTERVAL_S, Router
-from routing.candidates import CandidateIndex, candidates_from_snapshot
-from routing.clients import parse_clients
+from routing.decision.candidates import CandidateIndex, candidates_from_snapshot
+from routing.decision.clients import parse_clients
+from routing.decision.policy import RoutingSettings, route
+from routing.decision.ranking import Candidate, Exclusion
+from routing.decision.selection import CandidateSet, rank
+from routing.decision.settings import Policy
+from routing.decision.topology import Topology
 from routing.errors import CandidateError
-from routing.policy import RoutingSettings, route
-from routing.selection import Candidate, CandidateSet, Exclusion, Policy, rank
-from routing.topology import Topology
-from sites.latency import LatencyModel
-from sites.snapshot import Snapshot
-from sites.status import AgentRecord, Cordon, SiteStatus
+from sites.model.latency import LatencyModel
+from sites.model.snapshot import Snapshot
+from sites.model.status import AgentRecord, Cordon, SiteStatus
 from tests.routing.helpers import endpoint, link, one_site_federation, spec
 
 NOW = 1000.0

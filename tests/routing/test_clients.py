@@ -1,4 +1,5 @@
-"""routing.clients: the client-region config, its errors, and longest-prefix address lookup."""
+"""routing.decision.clients: the client-region config, its errors, and longest-prefix address
+lookup."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import yaml
 
 from broker.model.regions import load_user_regions
-from routing.clients import load_clients, parse_clients
-from sites.catalog import DeviceCatalog
-from sites.config import load_sites, site_files
-from sites.errors import ConfigError
-from sites.latency import Endpoint, LatencyModel
+from routing.decision.clients import load_clients, parse_clients
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_sites, site_files
+from sites.model.errors import ConfigError
+from sites.model.latency import Endpoint, LatencyModel
 from tests.conftest import CONFIGS
 from tests.routing.helpers import spec
 

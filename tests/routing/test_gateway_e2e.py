@@ -22,10 +22,10 @@ import psutil
 import pytest
 import yaml
 
-from routing.selection import hrw_weight
-from sites import keys
-from sites.etcd_server import EmbeddedEtcd, free_port
-from sites.registry import Registry
+from routing.decision.choice import hrw_weight
+from sites.emulation.etcd_server import EmbeddedEtcd, free_port
+from sites.model import keys
+from sites.registry.client import Registry
 from tests.conftest import AUTH, CONFIGS, REPO, cpn_cmd, write_admin_token
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
@@ -312,7 +312,7 @@ async def test_killed_site_gets_no_traffic_after_its_first_failure(
         assert status == 200 and headers["X-Cpn-Site"] != "yrd-demo-zone"
     # repaired (a new server on its port): it rejoins once healthy and its ejection has run out
     repaired = subprocess.Popen(
-        [sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:18100",
+        [sys.executable, "-m", "routing.standin.server", "--listen", "127.0.0.1:18100",
          "--name", "repaired", "--median-ms", "20", "--p99-ms", "40", "--max-concurrency", "32"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
     )  # fmt: skip

@@ -1,4 +1,4 @@
-"""routing.lane: the listener that reads /v1/infer itself, spoken to byte by byte.
+"""routing.gateway.lane: the listener that reads /v1/infer itself, spoken to byte by byte.
 
 A raw socket client on loopback sends exactly the bytes each case needs (pipelining, chunked
 bodies, Expect, HTTP/1.0, heads the lane leaves to aiohttp); the upstream is a real aiohttp
@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from routing import lane as lane_module
-from routing.health import OutlierDetector
-from routing.lane import MAX_HEAD, Admission, Refusal
-from routing.lane_site import LaneSite
-from routing.proxy import InferenceProxy, Upstream, add_routes
-from routing.ratelimit import RateLimit, TenantLimiter
+from routing.gateway import lane as lane_module
+from routing.gateway.health import OutlierDetector
+from routing.gateway.lane import MAX_HEAD, Admission, Refusal
+from routing.gateway.lane_site import LaneSite
+from routing.gateway.proxy import InferenceProxy, Upstream, add_routes
+from routing.gateway.ratelimit import RateLimit, TenantLimiter
 from tests.conftest import wait_for
 
 

@@ -1,4 +1,5 @@
-"""routing.modelserver: the stand-in model server (service times, queue, 429, SSE, stats, faults).
+"""routing.standin.server: the stand-in model server (service times, queue, 429, SSE, stats,
+faults).
 
 Real HTTP on loopback: in-process servers on 127.0.0.1:0, and one real subprocess.
 """
@@ -18,7 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from routing.modelserver import (
+from routing.standin.server import (
     SERVER,
     ModelServer,
     ModelServerSettings,
@@ -237,7 +238,7 @@ async def test_a_cancelled_waiter_gives_up_its_place() -> None:
 @pytest.mark.e2e
 async def test_runs_as_a_subprocess(http: aiohttp.ClientSession) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "routing.standin.server", "--listen", "127.0.0.1:0",
         "--name", "sub", "--median-ms", "10", "--p99-ms", "30", "--max-concurrency", "2",
         "--max-queue", "4", "--seed", "1",
         cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -263,7 +264,7 @@ async def test_runs_as_a_subprocess(http: aiohttp.ClientSession) -> None:
 @pytest.mark.e2e
 async def test_cli_rejects_bad_settings_with_exit_2() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "routing.modelserver", "--listen", "127.0.0.1:0",
+        sys.executable, "-m", "routing.standin.server", "--listen", "127.0.0.1:0",
         "--name", "x", "--median-ms", "100", "--p99-ms", "50", "--max-concurrency", "1",
         cwd=REPO, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -274,7 +275,7 @@ async def test_cli_rejects_bad_settings_with_exit_2() -> None:
 
 
 def test_an_api_key_named_but_unset_is_exit_2(monkeypatch: pytest.MonkeyPatch) -> None:
-    from routing import modelserver
+    from routing.standin import server as modelserver
 
     monkeypatch.delenv("CPN_TEST_NO_KEY", raising=False)
     argv = ["--listen", "127.0.0.1:0", "--name", "x", "--median-ms", "1", "--p99-ms", "2"]
@@ -301,7 +302,7 @@ async def test_an_api_key_guards_v1_only(
 def test_prefix_cache_flags_default_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     """`cpn up` passes the stand-ins only timing and size; a bench sets the prefix-cache model
     through CPN_STANDIN_PREFILL_MS and CPN_STANDIN_PREFIX_CACHE_ENTRIES."""
-    from routing import modelserver
+    from routing.standin import server as modelserver
 
     need = ["--listen", "127.0.0.1:0", "--name", "x", "--median-ms", "1", "--p99-ms", "2"]
     need += ["--max-concurrency", "1"]

@@ -17,9 +17,9 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from routing.kvcache import PrefixCache
-from routing.modelserver import SERVER, ModelServer, ModelServerSettings, make_app
-from sites.collectors.services import parse_signals
+from routing.standin.kvcache import PrefixCache
+from routing.standin.server import SERVER, ModelServer, ModelServerSettings, make_app
+from sites.agent.collectors.services import parse_signals
 
 MakeServer = Callable[..., Awaitable[tuple[str, ModelServer]]]
 

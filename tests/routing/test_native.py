@@ -22,7 +22,7 @@ from routing import native
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
-import json, routing, routing.native as n, routing.lane as lane, routing.proxy as p
+import json, routing, routing.native as n, routing.gateway.lane as lane, routing.gateway.proxy as p
 files = [lane.__file__, p.__file__]
 print(json.dumps({"state": n.state(), "compiled": n.compiled(), "files": files}))
 """
@@ -67,32 +67,33 @@ def test_this_checkout_runs_its_build_and_pure_python_on_request(tmp_path: Path)
     got = _probe(tmp_path, CPN_PURE_PYTHON="1")
     assert got["state"] == "CPN_PURE_PYTHON"
     assert got["compiled"] is False
-    assert got["files"] == [str(ROOT / "routing" / "lane.py"), str(ROOT / "routing" / "proxy.py")]
+    gateway = ROOT / "routing" / "gateway"
+    assert got["files"] == [str(gateway / "lane.py"), str(gateway / "proxy.py")]
 
 
 @needs_build
 def test_a_module_edited_or_missing_since_the_build_is_stale(tmp_path: Path) -> None:
     tree = _copy(tmp_path)
     assert native._check(tree) == "compiled"
-    source = tree / "routing" / "upstream.py"
+    source = tree / "routing" / "gateway" / "upstream.py"
     later = time.time() + 5
     os.utime(source, (later, later))
     assert native._check(tree) == "compiled"  # touched, not edited: what was compiled is there
     source.write_text(source.read_text() + "# edited\n")
-    assert native._check(tree) == "stale: routing.upstream edited since the build"
-    for ext in (tree / "routing").glob("prefix.*.so"):
+    assert native._check(tree) == "stale: routing.gateway.upstream edited since the build"
+    for ext in (tree / "routing" / "gateway").glob("prefix.*.so"):
         ext.unlink()
     assert native._check(tree) == (
-        "stale: routing.prefix not built, routing.upstream edited since the build"
+        "stale: routing.gateway.prefix not built, routing.gateway.upstream edited since the build"
     )
     for ext in (tree / "routing").glob("hotpath__mypyc.*.so"):
         ext.unlink()
     assert native._check(tree) == (
-        "stale: routing.prefix not built, routing.hotpath__mypyc (their shared library) not "
-        "built, routing.upstream edited since the build"
+        "stale: routing.gateway.prefix not built, routing.hotpath__mypyc (their shared library) "
+        "not built, routing.gateway.upstream edited since the build"
     )
     (tree / "routing" / native.BUILT).unlink()  # a build that did not finish writes none
-    assert "routing.lane edited since the build" in native._check(tree)
+    assert "routing.gateway.lane edited since the build" in native._check(tree)
 
 
 def test_stale_or_unbuilt_modules_load_from_source(tmp_path: Path) -> None:
@@ -106,7 +107,9 @@ def test_stale_or_unbuilt_modules_load_from_source(tmp_path: Path) -> None:
         assert spec is not None and spec.origin == str(
             tree.joinpath(*name.split(".")).with_suffix(".py")
         )
-    assert finder.find_spec("routing.choice", None) is None  # not compiled: the usual finders
+    assert (
+        finder.find_spec("routing.decision.explain", None) is None
+    )  # not compiled: the usual finders
     assert finder.find_spec("json", None) is None
 
 
@@ -122,7 +125,8 @@ def test_compiled_modules_keep_to_what_mypyc_compiles() -> None:
                 modules = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
                 modules += [alias.name for alias in node.names]
                 assert not any(m.split(".")[0] == "pydantic" for m in modules), (
-                    f"{source}:{node.lineno}: pydantic in a compiled module (routing.settings)"
+                    f"{source}:{node.lineno}: pydantic in a compiled module "
+                    "(routing.decision.settings)"
                 )
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 caught: dict[str, str] = {}

@@ -1,4 +1,4 @@
-"""routing.policy.pick: the proxy's routing decision is route()'s, without the Ranking.
+"""routing.decision.policy.pick: the proxy's routing decision is route()'s, without the Ranking.
 
 The property test runs two gateways (broker.state.router.Router) with the same seed over the same
 random federations, settings and request sequences: one through Router.route (the reference,
@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.state.router import Router
-from routing.clients import Clients
+from routing.decision.clients import Clients
+from routing.decision.policy import Pick, RoutingSettings
 from routing.errors import InvalidParameter
-from routing.policy import Pick, RoutingSettings
-from sites.latency import LatencyModel
-from sites.snapshot import Snapshot
+from sites.model.latency import LatencyModel
+from sites.model.snapshot import Snapshot
 from tests.routing.helpers import one_site_federation
 from tests.routing.test_policy import NOW, federations, routing_settings
 

@@ -1,4 +1,5 @@
-"""routing.policy: the gateway's routing policy, and the gateway and simulator calling it alike.
+"""routing.decision.policy: the gateway's routing policy, and the gateway and simulator calling it
+alike.
 
 The property test feeds the same random snapshots, settings and loads to the gateway's path
 (broker.state.router.Router.route) and to the simulator's (simulations.inference.SliceRouter.route),
@@ -17,23 +18,19 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from broker.state.router import Router, route_json
-from routing.candidates import candidates_from_snapshot
-from routing.clients import Clients, parse_clients
+from routing.decision.candidates import candidates_from_snapshot
+from routing.decision.choice import ChoiceMode
+from routing.decision.clients import Clients, parse_clients
+from routing.decision.policy import InFlight, Overflow, RoutingSettings, merge_in_flight, route
+from routing.decision.ranking import Candidate, Exclusion
+from routing.decision.settings import Policy, ScoringSettings
+from routing.decision.topology import Topology
 from routing.errors import InvalidParameter, RoutingError
-from routing.policy import InFlight, Overflow, RoutingSettings, merge_in_flight, route
-from routing.selection import (
-    Candidate,
-    ChoiceMode,
-    Exclusion,
-    Policy,
-    ScoringSettings,
-)
-from routing.topology import Topology
 from simulations.inference import SliceRouter
-from sites.latency import LatencyModel
-from sites.service_pool import pool
-from sites.snapshot import Snapshot
-from sites.status import AgentRecord, ServiceEndpoint, SiteStatus
+from sites.model.latency import LatencyModel
+from sites.model.service_pool import pool
+from sites.model.snapshot import Snapshot
+from sites.model.status import AgentRecord, ServiceEndpoint, SiteStatus
 from tests.routing.helpers import endpoint, link, spec
 
 NOW = 1000.0

@@ -1,4 +1,5 @@
-"""routing.proxy, routing.health, routing.ratelimit: the inference proxy end to end on loopback.
+"""routing.gateway.proxy, routing.gateway.health, routing.gateway.ratelimit: the inference proxy
+end to end on loopback.
 
 Upstreams are real HTTP servers on 127.0.0.1: the stand-in model server, and small purpose-built
 apps where a test needs an upstream that misbehaves in one exact way. FakeClock drives
@@ -19,16 +20,15 @@ import pytest
 from aiohttp import web
 from yarl import URL
 
-from routing.health import (
+from routing.gateway.health import (
     ActiveHealthChecker,
     HealthBook,
     HealthCheckSettings,
     OutlierDetector,
     OutlierSettings,
 )
-from routing.lane_site import LaneSite
-from routing.modelserver import ModelServerSettings, make_app
-from routing.proxy import (
+from routing.gateway.lane_site import LaneSite
+from routing.gateway.proxy import (
     Failure,
     InferenceProxy,
     UnknownService,
@@ -37,8 +37,9 @@ from routing.proxy import (
     may_retry,
     upstream_key,
 )
-from routing.ratelimit import RateLimit, TenantLimiter, TokenBucket
-from sites.tasks import Supervisor
+from routing.gateway.ratelimit import RateLimit, TenantLimiter, TokenBucket
+from routing.standin.server import ModelServerSettings, make_app
+from sites.kits.tasks import Supervisor
 from tests.conftest import wait_for
 
 Serve = Callable[[web.Application], Awaitable[str]]
@@ -149,7 +150,7 @@ ServeProxy = Callable[[web.Application, InferenceProxy], Awaitable[str]]
 @pytest.fixture(params=["aiohttp", "lane"])
 async def serve_proxy(request: pytest.FixtureRequest) -> AsyncIterator[ServeProxy]:
     """The proxy's app served as the broker serves it: through aiohttp's server alone, or
-    with routing.lane in front (every proxy test runs on both)."""
+    with routing.gateway.lane in front (every proxy test runs on both)."""
     runners: list[web.AppRunner] = []
 
     async def start(app: web.Application, proxy: InferenceProxy) -> str:

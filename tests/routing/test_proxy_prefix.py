@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from routing.health import OutlierDetector
-from routing.modelserver import ModelServerSettings, make_app
-from routing.prefix import PREFIX_HEADER, header_key, prefix_key
-from routing.proxy import InferenceProxy, Upstream, add_routes
+from routing.gateway.health import OutlierDetector
+from routing.gateway.prefix import PREFIX_HEADER, header_key, prefix_key
+from routing.gateway.proxy import InferenceProxy, Upstream, add_routes
+from routing.standin.server import ModelServerSettings, make_app
 
 SYSTEM = "You answer questions about the cluster's GPU quota, briefly and exactly. " * 5
 REGION = {"X-Cpn-Client-Region": "city"}

@@ -1,5 +1,5 @@
 """A site with several replicas of a service: ranked as one candidate (their pool), the request
-sent to one of them (routing.replica_choice through routing.policy.route)."""
+sent to one of them (routing.decision.replica_choice through routing.decision.policy.route)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from collections import Counter
 import pytest
 
 from broker.state.router import route_json
-from routing.candidates import CandidateIndex, candidates_from_snapshot
-from routing.policy import RoutingSettings, route
-from routing.replica_choice import choose_replica
-from routing.selection import ScoringSettings
-from routing.topology import Topology
-from sites import keys
-from sites.snapshot import Snapshot
-from sites.status import AgentRecord, ServiceEndpoint, SiteStatus
+from routing.decision.candidates import CandidateIndex, candidates_from_snapshot
+from routing.decision.policy import RoutingSettings, route
+from routing.decision.replica_choice import choose_replica
+from routing.decision.settings import ScoringSettings
+from routing.decision.topology import Topology
+from sites.model import keys
+from sites.model.snapshot import Snapshot
+from sites.model.status import AgentRecord, ServiceEndpoint, SiteStatus
 from tests.routing.helpers import endpoint, spec
 
 NOW = 1000.0

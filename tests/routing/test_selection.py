@@ -1,4 +1,5 @@
-"""routing.selection: scoring by hand numbers, exclusions, p2c, hysteresis, session affinity."""
+"""routing.decision.selection: scoring by hand numbers, exclusions, p2c, hysteresis, session
+affinity."""
 
 from __future__ import annotations
 
@@ -9,25 +10,16 @@ from typing import Any
 
 import pytest
 
-from routing.candidates import candidates_from_snapshot
+from routing.decision.candidates import candidates_from_snapshot
+from routing.decision.choice import Choice, ChoiceMode, choose
+from routing.decision.policy import RoutingSettings
+from routing.decision.ranking import Candidate, Exclusion, Ranking
+from routing.decision.selection import expected_service_ms, rank
+from routing.decision.settings import Policy, ScoringSettings, TenantPolicy
+from routing.decision.topology import Topology
 from routing.errors import CandidateError, InvalidParameter
-from routing.policy import RoutingSettings
-from routing.selection import (
-    Candidate,
-    Choice,
-    ChoiceMode,
-    Exclusion,
-    Policy,
-    Ranking,
-    ScoringSettings,
-    TenantPolicy,
-    choose,
-    expected_service_ms,
-    rank,
-)
-from routing.topology import Topology
-from sites.snapshot import Snapshot
-from sites.status import Cordon, SiteState
+from sites.model.snapshot import Snapshot
+from sites.model.status import Cordon, SiteState
 from tests.routing.helpers import endpoint, link, spec
 
 NOW = 1000.0

@@ -23,15 +23,16 @@ import pytest
 from aiohttp import web
 
 from broker.state.router import Router, route_json
-from routing.clients import parse_clients
-from routing.health import OutlierDetector
-from routing.policy import RoutingSettings
-from routing.prefix import prefix_key
-from routing.proxy import InferenceProxy, Upstream, add_routes
-from routing.selection import ScoringSettings, hrw_weight
-from sites.latency import LatencyModel
-from sites.registry import Registry
-from sites.status import ServiceEndpoint
+from routing.decision.choice import hrw_weight
+from routing.decision.clients import parse_clients
+from routing.decision.policy import RoutingSettings
+from routing.decision.settings import ScoringSettings
+from routing.gateway.health import OutlierDetector
+from routing.gateway.prefix import prefix_key
+from routing.gateway.proxy import InferenceProxy, Upstream, add_routes
+from sites.model.latency import LatencyModel
+from sites.model.status import ServiceEndpoint
+from sites.registry.client import Registry
 from tests.conftest import Processes, run_cpn, wait_for
 from tests.routing.standin import StandIns, standins  # noqa: F401 - the fixture
 

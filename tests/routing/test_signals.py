@@ -10,19 +10,15 @@ from typing import Any
 import pytest
 
 from broker.state.router import route_json
+from routing.decision.choice import ChoiceMode, choose
+from routing.decision.policy import Overflow, RoutingSettings, route
+from routing.decision.ranking import Candidate, Exclusion
+from routing.decision.selection import rank
+from routing.decision.settings import ScoringSettings
+from routing.decision.topology import Topology
 from routing.errors import InvalidParameter
-from routing.policy import Overflow, RoutingSettings, route
-from routing.prefix import MAX_SCAN, header_key, prefix_key
-from routing.selection import (
-    Candidate,
-    ChoiceMode,
-    Exclusion,
-    ScoringSettings,
-    choose,
-    rank,
-)
-from routing.topology import Topology
-from sites.status import ServiceEndpoint
+from routing.gateway.prefix import MAX_SCAN, header_key, prefix_key
+from sites.model.status import ServiceEndpoint
 from tests.routing.helpers import endpoint
 
 NOW = 1000.0

@@ -1,4 +1,5 @@
-"""routing.topology: shortest paths over measured links, incremental updates, cached lookups."""
+"""routing.decision.topology: shortest paths over measured links, incremental updates, cached
+lookups."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from routing.clients import Attach, ClientRegion, Clients
-from routing.topology import LinkWeights, Topology, link_weight
-from sites.errors import ConfigError
-from sites.latency import Endpoint, LatencyModel
-from sites.snapshot import Snapshot
+from routing.decision.clients import Attach, ClientRegion, Clients
+from routing.decision.topology import LinkWeights, Topology, link_weight
+from sites.model.errors import ConfigError
+from sites.model.latency import Endpoint, LatencyModel
+from sites.model.snapshot import Snapshot
 from tests.routing.helpers import link, spec
 
 
@@ -258,7 +259,7 @@ def test_sync_of_a_journaled_snapshot_applies_only_the_changed_links(
     """The broker's view keeps a link journal (Snapshot.link_journal): a sync applies the links
     changed since the last one, and a change of the sites syncs in full; the graph is the one a
     fresh topology builds from the same snapshot."""
-    from sites import keys
+    from sites.model import keys
 
     def put(snap: Snapshot, src: str, dst: str, rtt: float) -> None:
         snap.apply(keys.link(src, dst), link(src, dst, rtt).model_dump_json().encode())
@@ -304,7 +305,7 @@ def test_catch_up_applies_the_changed_links_a_slice_at_a_time() -> None:
     """Router.follow applies the journal in slices (Topology.catch_up), yielding between
     them: each slice applies at most its budget, the last says so, and the graph ends as a
     full sync leaves it; a change of the sites is left to sync()."""
-    from sites import keys
+    from sites.model import keys
 
     def put(snap: Snapshot, src: str, dst: str, rtt: float) -> None:
         snap.apply(keys.link(src, dst), link(src, dst, rtt).model_dump_json().encode())

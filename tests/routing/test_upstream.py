@@ -1,4 +1,4 @@
-"""routing.upstream: the proxy's own HTTP/1.1 client against scripted loopback servers.
+"""routing.gateway.upstream: the proxy's own HTTP/1.1 client against scripted loopback servers.
 
 Each server is a few lines of asyncio streams that answer in one exact way (keep-alive,
 chunked, read-until-close, a stall, a close as a reused connection is written to), so every
@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from routing.upstream import (
+from routing.gateway.upstream import (
     HIGH_WATER,
     UpstreamBroken,
     UpstreamConnectError,

@@ -16,7 +16,7 @@ from simulations.engine import Simulation
 from simulations.report import summary_text
 from simulations.scenario import build_federation, load_scenario
 from simulations.service_demand import ScalerKind
-from sites.errors import ConfigError
+from sites.model.errors import ConfigError
 from tests.conftest import cpn_cmd
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from simulations.cluster import ClusterError, run_on_cluster
-from sites.etcd_server import free_port
+from sites.emulation.etcd_server import free_port
 from tests.simulations.test_cli import cpn, small
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)

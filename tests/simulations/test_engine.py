@@ -17,7 +17,7 @@ from broker.model.jobs import DataLocation, GpuRequest, JobSpec
 from simulations.engine import Simulation, job_like, unique_rows
 from simulations.queueing import mmc_waiting_time_s
 from simulations.scenario import load_scenario
-from sites.errors import ConfigError
+from sites.model.errors import ConfigError
 
 
 def batch(name: str = "jobs", **overrides: Any) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from simulations.cli import simulate_main
 from simulations.engine import Simulation
 from simulations.scenario import load_scenario
 from simulations.tenancy import PREEMPT_RETRY_S, Gate, TenancyPass
-from sites.errors import ConfigError
+from sites.model.errors import ConfigError
 from tests.broker.test_decisions import CATALOG, NOW, snapshot
 from tests.broker.test_tenancy import ctx, gpus, on, pending, tenancy, world
 

@@ -11,7 +11,7 @@ import pytest
 
 from simulations.engine import Simulation
 from simulations.scenario import load_scenario
-from sites.errors import ConfigError
+from sites.model.errors import ConfigError
 
 # qwen2.5-7b-instruct in configs/standin.yaml: median 120 ms, p99 400 ms -> lognormal mean
 _SIGMA = math.log(400 / 120) / 2.3263478740408408

@@ -15,7 +15,7 @@ from broker.placement import place as pl
 from simulations.engine import Simulation
 from simulations.report import key_figures, summary_text
 from simulations.scenario import Scenario, build_federation, load_scenario
-from sites.errors import ConfigError
+from sites.model.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 FAIR_SHARE = REPO / "configs" / "scenarios" / "fair-share.yaml"

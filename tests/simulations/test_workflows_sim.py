@@ -9,7 +9,7 @@ import pytest
 
 from simulations.engine import Simulation
 from simulations.scenario import load_scenario
-from sites.errors import ConfigError
+from sites.model.errors import ConfigError
 
 SCENARIO = Path(__file__).resolve().parents[2] / "configs" / "scenarios" / "workflows.yaml"
 

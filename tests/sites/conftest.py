@@ -1,4 +1,5 @@
-"""A real single-machine Slurm for the session (sites.slurm_cluster), installed when missing.
+"""A real single-machine Slurm for the session (sites.emulation.slurm_cluster), installed when
+missing.
 
 The packages come from .ci/install-slurm (apt-get, as root), which `make test` runs first; run
 here as well, so `pytest tests/sites/test_slurm.py` works on a fresh machine. The tests skip
@@ -16,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from sites.registry import Registry
-from sites.slurm_cluster import LocalSlurm, missing
+from sites.emulation.slurm_cluster import LocalSlurm, missing
+from sites.registry.client import Registry
 from tests.conftest import REPO, Processes
 
 INSTALLER = REPO / ".ci" / "install-slurm"

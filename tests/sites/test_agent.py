@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from sites import keys
-from sites.etcd_server import EmbeddedEtcd, find_binary
-from sites.registry import Registry
-from sites.spec import SiteSpec
-from sites.status import (
+from sites.emulation.etcd_server import EmbeddedEtcd, find_binary
+from sites.model import keys
+from sites.model.spec import SiteSpec
+from sites.model.status import (
     AgentRecord,
     AgentSecret,
     LastSeen,
@@ -26,6 +25,7 @@ from sites.status import (
     SiteState,
     SiteStatus,
 )
+from sites.registry.client import Registry
 from tests.conftest import Processes, run_cpn, wait_for
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)

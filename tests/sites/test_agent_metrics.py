@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sites.agent_metrics import AgentMetrics
-from sites.catalog import Capacity, DeviceCatalog
-from sites.collectors.nvml import NvmlCollector
-from sites.status import GpuDevice, HostUsage, SiteStatus
+from sites.agent.collectors.nvml import NvmlCollector
+from sites.agent.metrics import AgentMetrics
+from sites.model.catalog import Capacity, DeviceCatalog
+from sites.model.status import GpuDevice, HostUsage, SiteStatus
 from tests.conftest import CONFIGS
 from tests.sites.test_collectors import fake_pynvml
 

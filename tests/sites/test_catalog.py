@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sites.catalog import (
+from sites.model.catalog import (
     Capacity,
     CatalogError,
     DeviceCatalog,
@@ -18,7 +18,7 @@ from sites.catalog import (
     normalize,
     normalize_inventory,
 )
-from sites.spec import SiteSpec
+from sites.model.spec import SiteSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 SITES_DIR = ROOT / "configs" / "sites"

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from sites.agent import Agent, AgentSettings
-from sites.catalog import DeviceCatalog
-from sites.collectors.host import host_usage, storage_usage
-from sites.collectors.nvml import NvmlCollector
-from sites.collectors.probes import choose_method, summarize
-from sites.registry import Registry
-from sites.spec import SiteSpec
+from sites.agent.collectors.host import host_usage, storage_usage
+from sites.agent.collectors.nvml import NvmlCollector
+from sites.agent.collectors.probes import choose_method, summarize
+from sites.agent.process import Agent, AgentSettings
+from sites.model.catalog import DeviceCatalog
+from sites.model.spec import SiteSpec
+from sites.registry.client import Registry
 from tests.conftest import CONFIGS, site_doc
 
 
@@ -31,7 +31,7 @@ def test_no_gpu_means_zero_gpus_and_a_log_line(
     catalog: DeviceCatalog, caplog: pytest.LogCaptureFixture
 ) -> None:
     """This machine has no NVIDIA driver: NVML fails to init, the collector reports none."""
-    caplog.set_level(logging.INFO, logger="sites.collectors.nvml")
+    caplog.set_level(logging.INFO, logger="sites.agent.collectors.nvml")
     collector = NvmlCollector(catalog=catalog)
     if collector.available:  # pragma: no cover - only on a GPU host
         pytest.skip("this host has a working NVML")
@@ -289,8 +289,8 @@ def test_probe_method_choice() -> None:
 async def test_probe_methods_measure_a_live_peer(method: str) -> None:
     from aiohttp import web
 
-    from sites.collectors import icmp
-    from sites.collectors.probes import Prober
+    from sites.agent.collectors import icmp
+    from sites.agent.collectors.probes import Prober
 
     if method == "icmp" and not icmp.available():
         pytest.skip("ICMP echo needs a raw socket (root or CAP_NET_RAW)")
@@ -328,7 +328,7 @@ async def test_probe_methods_measure_a_live_peer(method: str) -> None:
 
 
 def test_an_echo_request_is_checksummed_and_its_reply_recognized() -> None:
-    from sites.collectors import icmp
+    from sites.agent.collectors import icmp
 
     request = icmp.echo_request(0x1234, 7)
     assert request[0] == 8 and icmp._checksum(request) == 0  # a valid packet sums to zero
@@ -343,7 +343,7 @@ def test_an_echo_request_is_checksummed_and_its_reply_recognized() -> None:
 
 async def test_concurrent_echoes_each_get_their_own_reply() -> None:
     """Every raw ICMP socket sees every reply: each probe takes only its own (id, sequence)."""
-    from sites.collectors import icmp
+    from sites.agent.collectors import icmp
 
     if not icmp.available():
         pytest.skip("ICMP echo needs a raw socket (root or CAP_NET_RAW)")

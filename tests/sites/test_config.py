@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import yaml
 
-from sites.catalog import DeviceCatalog
-from sites.config import load_site, load_sites
-from sites.errors import ConfigError
-from sites.registry import Registry
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_site, load_sites
+from sites.model.errors import ConfigError
+from sites.registry.client import Registry
 from tests.conftest import CONFIGS, run_cpn, site_doc
 
 

@@ -25,15 +25,16 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from sites.accounts import AccountError, TenantAccounts
-from sites.assignments import Assignment, RunState, Serve
-from sites.catalog import DeviceCatalog
-from sites.clock import SystemClock
-from sites.confinement import Confiner, device_nodes
-from sites.errors import ConfigError
-from sites.executor import ExecutorError, LocalExecutor, RunHandle, job_dir
-from sites.registry import Registry
-from sites.spec import Accounts, Confinement
+from sites.executors.accounts import AccountError, TenantAccounts
+from sites.executors.base import ExecutorError, RunHandle, job_dir
+from sites.executors.confinement import Confiner, device_nodes
+from sites.executors.local import LocalExecutor
+from sites.kits.clock import SystemClock
+from sites.model.assignments import Assignment, RunState, Serve
+from sites.model.catalog import DeviceCatalog
+from sites.model.errors import ConfigError
+from sites.model.spec import Accounts, Confinement
+from sites.registry.client import Registry
 from tests.conftest import REPO, Processes, site_doc, wait_for
 from tests.sites.escape_battery import checks, escapes
 from tests.sites.test_executor import assign, cwd_of, wait_report
@@ -296,7 +297,9 @@ async def test_replicas_are_confined_but_keep_a_reachable_port(
 async def test_a_site_without_a_sandbox_refuses_or_runs_unsandboxed(
     confined: Callable[..., LocalExecutor], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("sites.confinement.find_bwrap", lambda: None)  # as if not installed
+    monkeypatch.setattr(
+        "sites.executors.confinement.find_bwrap", lambda: None
+    )  # as if not installed
     refusing = confined()
     line = refusing.confinement()
     assert line.startswith("refusing jobs") and "bwrap not found" in line
@@ -432,10 +435,10 @@ def _through_agent(site: str, job: str, command: list[str], **fields: Any) -> As
 NOT_ROOT_AGENT = """
 import asyncio, json, os, sys, time
 from pathlib import Path
-from sites.assignments import Assignment
-from sites.catalog import DeviceCatalog
-from sites.clock import SystemClock
-from sites.executor import LocalExecutor, job_dir
+from sites.model.assignments import Assignment
+from sites.model.catalog import DeviceCatalog
+from sites.kits.clock import SystemClock
+from sites.executors.local import LocalExecutor, job_dir
 
 root = Path(sys.argv[1])
 ex = LocalExecutor(work_dir=root / "sites" / "here", site="here", catalog=DeviceCatalog.load(),
@@ -498,7 +501,7 @@ def test_cgroup_v2_files_written_for_a_run(tmp_path: Path) -> None:
     """On a cgroup v2 host (a fake tree of plain files here: this machine is v1/hybrid): the
     site's group gets its controllers, a run's group its limits, and the OOM counter is read
     from memory.events."""
-    from sites.cgroups import Cgroups, Limits
+    from sites.executors.cgroups import Cgroups, Limits
 
     (tmp_path / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
     agent = tmp_path / "system.slice" / "agent.service"
@@ -534,7 +537,7 @@ async def test_the_python_launcher_where_setpriv_is_missing(
 ) -> None:
     """The launcher is sh + setpriv; without setpriv a few lines of Python do the same (the
     cgroup, the parent-death signal, and the account when there is no sandbox)."""
-    monkeypatch.setattr("sites.launcher.SETPRIV", None)
+    monkeypatch.setattr("sites.executors.launcher.SETPRIV", None)
     ex = confined(sandbox="none", when_unavailable="unsandboxed")
     ex.confinement()
     script = "id -u; cat /proc/self/cgroup | grep memory; grep CapEff /proc/self/status"

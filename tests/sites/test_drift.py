@@ -1,4 +1,5 @@
-"""An agent writes what changed: sites.drift's tolerances, and publish_once against a real etcd
+"""An agent writes what changed: sites.agent.drift's tolerances, and publish_once against a real
+etcd
 (the measurements are fixed figures set on the agent: this test is about what gets written)."""
 
 from __future__ import annotations
@@ -9,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from sites.agent import Agent, AgentSettings
-from sites.catalog import Capacity, DeviceCatalog
-from sites.drift import link_changed, status_changed
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
-from sites.spec import SiteSpec
-from sites.status import GpuDevice, HostUsage, LinkStatus, SiteStatus
+from sites.agent.drift import link_changed, status_changed
+from sites.agent.process import Agent, AgentSettings
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model.catalog import Capacity, DeviceCatalog
+from sites.model.spec import SiteSpec
+from sites.model.status import GpuDevice, HostUsage, LinkStatus, SiteStatus
+from sites.registry.client import Registry
 from tests.conftest import CONFIGS, site_doc
 from tests.routing.test_proxy import FakeClock  # time moves only when the test says
 

@@ -1,5 +1,5 @@
 """The sites exception tree: every error the package raises on purpose is a SitesError, keeps
-the built-in base its callers catch, and is drawn in sites/errors.py's docstring."""
+the built-in base its callers catch, and is drawn in sites/model/errors.py's docstring."""
 
 from __future__ import annotations
 
@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 
 import sites
-import sites.errors
-from sites.catalog import CatalogError, DeviceCatalog, InvalidCatalog, UnknownDevice, normalize
-from sites.errors import SitesError
-from sites.latency import LatencyConfigError, LatencyModel, load_matrix_csv
+import sites.model.errors
+from sites.model.catalog import (
+    CatalogError,
+    DeviceCatalog,
+    InvalidCatalog,
+    UnknownDevice,
+    normalize,
+)
+from sites.model.errors import SitesError
+from sites.model.latency import LatencyConfigError, LatencyModel, load_matrix_csv
 
 
 def test_catalog_errors_are_sites_errors_and_keep_their_builtin_bases(tmp_path: Path) -> None:
@@ -68,18 +74,18 @@ def _sites_error_classes() -> set[type[BaseException]]:
 
 
 def test_every_sites_error_is_drawn_in_the_tree() -> None:
-    tree = sites.errors.__doc__ or ""
+    tree = sites.model.errors.__doc__ or ""
     classes = _sites_error_classes()
     assert {CatalogError, InvalidCatalog, UnknownDevice, LatencyConfigError} <= classes
     missing = sorted(c.__name__ for c in classes if c.__name__ not in tree)
-    assert not missing, f"not drawn in sites/errors.py's docstring: {missing}"
+    assert not missing, f"not drawn in sites/model/errors.py's docstring: {missing}"
 
 
 def test_the_tree_draws_only_classes_that_exist() -> None:
     names = {c.__name__ for c in _sites_error_classes()}
     drawn = {
         line.split("── ", 1)[1].split()[0]
-        for line in (sites.errors.__doc__ or "").splitlines()
+        for line in (sites.model.errors.__doc__ or "").splitlines()
         if "── " in line
     }
     assert drawn and drawn <= names, f"drawn but not defined: {sorted(drawn - names)}"

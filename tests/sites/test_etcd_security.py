@@ -18,22 +18,22 @@ from aetcd import rpc  # noqa: I001 - the auth stub, to read a role back
 
 from cpn.certs import Pki
 from cpn.secure import credentials_dir, init_pki, secure_etcd, site_credentials
-from sites import keys
-from sites.catalog import DeviceCatalog
-from sites.config import load_site
-from sites.errors import ConfigError, PermissionDenied, RegistryError, RegistryUnavailable
-from sites.etcd_security import (
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_site
+from sites.model.errors import ConfigError, PermissionDenied, RegistryError, RegistryUnavailable
+from sites.model.spec import SiteSpec
+from sites.registry.admin import ensure_role
+from sites.registry.client import Registry
+from sites.registry.security import (
     BROKER_USER,
     ROOT_USER,
     EtcdTls,
-    ensure_role,
     load_credentials,
     role_permissions,
     site_grants,
 )
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
-from sites.spec import SiteSpec
 from tests.broker.apiserver import ApiBroker, start_api_broker
 from tests.conftest import Processes, run_cpn, wait_for, write_admin_token
 
@@ -174,7 +174,8 @@ async def test_a_site_writes_its_own_keys_and_no_one_elses(
 async def test_watches_and_transactions_go_over_tls_on_the_users_certificate(
     secure: SecureEtcd, root: Registry, spec_of: Callable[..., SiteSpec]
 ) -> None:
-    """sites.h2grpc's watch streams and transactions: TLS with ALPN h2, the client certificate
+    """sites.registry.h2grpc's watch streams and transactions: TLS with ALPN h2, the client
+    certificate
     as the etcd user; etcd's refusals (in the watch stream, in a Txn's trailers) are
     PermissionDenied."""
     spec = spec_of("sec-w")

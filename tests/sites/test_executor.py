@@ -19,20 +19,15 @@ import aiohttp
 import psutil
 import pytest
 
-from sites import keys
-from sites.assignments import Assignment, Report, RunState
-from sites.catalog import DeviceCatalog
-from sites.clock import SystemClock
-from sites.executor import (
-    LocalExecutor,
-    RunRecord,
-    command_argv,
-    job_dir,
-    job_env,
-)
-from sites.registry import Registry
-from sites.status import AgentSecret
-from sites.workload import DoesNotFit, Run, SiteResources, allocate
+from sites.agent.workload import DoesNotFit, Run, SiteResources, allocate
+from sites.executors.base import RunRecord, command_argv, job_dir, job_env
+from sites.executors.local import LocalExecutor
+from sites.kits.clock import SystemClock
+from sites.model import keys
+from sites.model.assignments import Assignment, Report, RunState
+from sites.model.catalog import DeviceCatalog
+from sites.model.status import AgentSecret
+from sites.registry.client import Registry
 from tests.conftest import Processes, wait_for
 from tests.sites.test_agent import join, start_agent
 
@@ -90,7 +85,7 @@ async def agent_url(registry: Registry, site: str) -> str:
 
 async def agent_http(registry: Registry, site: str) -> aiohttp.ClientSession:
     """A client of the agent's /jobs endpoints with its bearer, read from etcd as the broker
-    does (sites.status.AgentSecret)."""
+    does (sites.model.status.AgentSecret)."""
     got = await registry.get_raw(keys.agent_secret(site))
     assert got is not None, f"agent of {site} published no secret"
     bearer = AgentSecret.model_validate_json(got[0]).bearer
@@ -393,7 +388,7 @@ async def test_slurm_site_whose_controller_does_not_answer_runs_without_it(
 
     if shutil.which("sinfo") is None:
         pytest.skip("the Slurm client commands are not installed (make slurm)")
-    from sites.etcd_server import free_port
+    from sites.emulation.etcd_server import free_port
 
     conf = tmp_path / "slurm.conf"  # a cluster whose slurmctld is not running
     conf.write_text(
@@ -533,7 +528,7 @@ def test_allocate_takes_lowest_free_indices_and_counts_cores_and_memory() -> Non
 
 
 def test_best_effort_runs_share_devices_on_an_oversubscribed_site() -> None:
-    from sites.spec import Oversubscription
+    from sites.model.spec import Oversubscription
 
     resources = SiteResources(
         devices={"H100": (0, 1, 2, 3)},
@@ -575,8 +570,8 @@ def test_best_effort_runs_share_devices_on_an_oversubscribed_site() -> None:
 def test_a_run_meters_the_power_of_its_own_devices_while_it_runs() -> None:
     """Run.meter: NVML readings of the job's devices, power x time and utilization x time
     (the fake readings stand in for a GPU this machine does not have)."""
-    from sites.status import GpuDevice
-    from sites.workload import Run
+    from sites.agent.workload import Run
+    from sites.model.status import GpuDevice
 
     def gpu(index: int, watts: float | None, util: float, model: str = "H100") -> GpuDevice:
         return GpuDevice(index=index, model=model, name="fake", mem_gb=80, mem_used_gb=1,

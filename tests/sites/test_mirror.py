@@ -1,4 +1,4 @@
-"""A prefix mirror (sites.mirror) on a real etcd follows its prefix over the registry's own
+"""A prefix mirror (sites.registry.mirror) on a real etcd follows its prefix over the registry's own
 Watch stream, stops at once when cancelled (the CI hang of `mirror /cpn/v1/assignments/` in
 Broker.stop came from aetcd's watcher, no longer on this path), and a watch from a compacted
 revision is refused as such."""
@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from sites import keys
-from sites.errors import RevisionCompacted
-from sites.mirror import PrefixMirror, RootMirror
-from sites.registry import Registry
-from sites.tasks import Supervisor
+from sites.kits.tasks import Supervisor
+from sites.model import keys
+from sites.model.errors import RevisionCompacted
+from sites.registry.client import Registry
+from sites.registry.mirror import PrefixMirror, RootMirror
 
 PREFIX = keys.ROOT + "test-mirror/"
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from sites.catalog import (
+from sites.model.catalog import (
     SLICE_SEP,
     DeviceCatalog,
     DeviceSpec,
@@ -26,7 +26,7 @@ from sites.catalog import (
     shared_model,
     split_model,
 )
-from sites.spec import DevicePool, Inventory, Partitioning, SiteSpec
+from sites.model.spec import DevicePool, Inventory, Partitioning, SiteSpec
 from tests.conftest import CONFIGS, site_doc
 
 
@@ -342,7 +342,7 @@ def test_every_problem_is_listed(catalog: DeviceCatalog) -> None:
         {"model": "Unknown-GPU", "count": 1, "partitions": [{"devices": 1, "mig": {"1g.1gb": 1}}]},
     )  # fmt: skip
     fields = [p.field for p in partition_problems(inv, catalog)]
-    # the unknown model is reported on its own (UnknownDevice, sites.config), not here
+    # the unknown model is reported on its own (UnknownDevice, sites.model.config), not here
     assert fields == [
         "inventory.devices[0].partitions[0].mig",
         "inventory.devices[0].partitions[2].mig",

@@ -1,4 +1,4 @@
-"""The registry's own gRPC client (sites.h2grpc) on a real etcd, against grpc.aio
+"""The registry's own gRPC client (sites.registry.h2grpc) on a real etcd, against grpc.aio
 (CPN_ETCD_TRANSPORT=grpc) where both apply.
 
 Watches: what a transaction changes arrives together and in order, a reader that falls behind
@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-import sites.registry as registry_module
-from sites import keys
-from sites.errors import RegistryError, RegistryUnavailable, RevisionCompacted
-from sites.etcd_server import MAX_TXN_OPS, EmbeddedEtcd, free_port
-from sites.h2grpc import _integer, header_block
-from sites.registry import Guard, Registry
+import sites.registry.client as registry_module
+from sites.emulation.etcd_server import MAX_TXN_OPS, EmbeddedEtcd, free_port
+from sites.model import keys
+from sites.model.errors import RegistryError, RegistryUnavailable, RevisionCompacted
+from sites.registry.client import Guard, Registry
+from sites.registry.h2grpc import _integer, header_block
 
 PREFIX = keys.ROOT + "test-watch/"
 

@@ -1,4 +1,4 @@
-"""Lease keepalives on a real etcd (sites.registry._LeaseKeepAlive): they keep up when the
+"""Lease keepalives on a real etcd (sites.registry.client._LeaseKeepAlive): they keep up when the
 event loop lags, an expired lease does not hold up the others, and a stream that stops
 answering is reopened.
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from sites.errors import LeaseLost, RegistryUnavailable
-from sites.etcd_server import EmbeddedEtcd
-from sites.registry import Registry
+from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model.errors import LeaseLost, RegistryUnavailable
+from sites.registry.client import Registry
 
 
 @pytest.fixture

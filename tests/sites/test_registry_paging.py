@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 
-from sites import keys, paging
-from sites.errors import RegistryError, RevisionCompacted
-from sites.paging import GRPC_MESSAGE_LIMIT_BYTES, PAGE_BYTES, next_page_keys
-from sites.registry import Registry
-from sites.spec import SiteSpec
+from sites.model import keys
+from sites.model.errors import RegistryError, RevisionCompacted
+from sites.model.spec import SiteSpec
+from sites.registry import paging
+from sites.registry.client import Registry
+from sites.registry.paging import GRPC_MESSAGE_LIMIT_BYTES, PAGE_BYTES, next_page_keys
 from tests.conftest import site_doc
 
 PREFIX = keys.ROOT + "test-paging/"
@@ -161,7 +162,7 @@ async def test_big_values_shrink_the_page_to_the_byte_budget(
     for i in range(12):
         await registry.put_raw(f"{PREFIX}big/{i:02d}", _value(i, 512 * KB))
 
-    caplog.set_level(logging.DEBUG, logger="sites.registry")
+    caplog.set_level(logging.DEBUG, logger="sites.registry.client")
     pages = [page async for page in registry.iter_prefix(PREFIX)]
     sizes = [len(page.items) for page in pages]
     # the first page's 500 keys came back over gRPC's limit and were halved down to what fits

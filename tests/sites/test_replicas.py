@@ -1,4 +1,4 @@
-"""A replica at its site (sites.replicas): the port it is given, its states, its endpoint, and
+"""A replica at its site (sites.agent.replicas): the port it is given, its states, its endpoint, and
 its readiness and in-flight reads against a real stand-in model server on loopback."""
 
 from __future__ import annotations
@@ -11,10 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from routing.modelserver import ModelServerSettings, make_app
-from sites.assignments import Assignment, Serve
-from sites.collectors.services import ServiceLoad, ServiceMonitor
-from sites.replicas import (
+from routing.standin.server import ModelServerSettings, make_app
+from sites.agent.collectors.services import ServiceLoad, ServiceMonitor
+from sites.agent.replicas import (
     IllegalReplicaTransition,
     Replica,
     ReplicaState,
@@ -23,6 +22,7 @@ from sites.replicas import (
     probe_ready,
     with_port,
 )
+from sites.model.assignments import Assignment, Serve
 
 SERVE = Serve(service="chat", model="m", readiness_path="/healthz")
 

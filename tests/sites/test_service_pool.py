@@ -1,5 +1,6 @@
 """Several replicas of a service at one site: each its own endpoint key, one pooled endpoint per
-site for routing (sites.service_pool), the snapshot keeping both current (sites.snapshot)."""
+site for routing (sites.model.service_pool), the snapshot keeping both current
+(sites.model.snapshot)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from sites import keys
-from sites.service_pool import pool
-from sites.snapshot import Snapshot
-from sites.status import ServiceEndpoint
+from sites.model import keys
+from sites.model.service_pool import pool
+from sites.model.snapshot import Snapshot
+from sites.model.status import ServiceEndpoint
 
 
 def replica(job: str, site: str = "a", **fields: Any) -> ServiceEndpoint:

@@ -13,9 +13,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from sites.collectors.services import Histogram, ServiceMonitor, parse_signals
-from sites.registry import Registry
-from sites.spec import Service
+from sites.agent.collectors.services import Histogram, ServiceMonitor, parse_signals
+from sites.model.spec import Service
+from sites.registry.client import Registry
 from tests.conftest import Processes, run_cpn, wait_for
 from tests.routing.standin import StandIns, standins  # noqa: F401 - the fixture
 

@@ -1,7 +1,8 @@
 """The Slurm executor and perception against a real single-machine Slurm (tests/sites/conftest.py):
 real slurmctld, slurmd, slurmdbd and MariaDB, real etcd, real agent and broker processes.
 
-The node's GPUs are placeholders (GRES on empty files, sites/slurm_cluster.py): the fake is the
+The node's GPUs are placeholders (GRES on empty files, sites/emulation/slurm_cluster.py): the fake
+is the
 GPU, never Slurm. The tenants' Unix users are real users of this host (the node), made for the
 module and removed after it (``tenant_users``).
 """
@@ -22,13 +23,11 @@ from typing import Any
 import pytest
 import yaml
 
-from sites import keys
-from sites.accounts import Account
-from sites.assignments import Assignment, RunState
-from sites.collectors.slurm import capacity, parse_nodes
-from sites.executor import ExecutorError, RunExit
-from sites.registry import Registry
-from sites.slurm import (
+from sites.agent.collectors.slurm import capacity, parse_nodes
+from sites.emulation.slurm_cluster import LocalSlurm
+from sites.executors.accounts import Account
+from sites.executors.base import ExecutorError, RunExit
+from sites.executors.slurm import (
     SlurmJob,
     batch_script,
     job_usage,
@@ -37,8 +36,10 @@ from sites.slurm import (
     slurm_exit,
     time_limit_min,
 )
-from sites.slurm_cluster import LocalSlurm
-from sites.spec import SlurmSettings
+from sites.model import keys
+from sites.model.assignments import Assignment, RunState
+from sites.model.spec import SlurmSettings
+from sites.registry.client import Registry
 from tests.broker.conftest import BROKER_SETTINGS, Federation, federation_site
 from tests.conftest import CONFIGS, Processes, run_cpn
 from tests.sites.test_agent import join
@@ -229,7 +230,7 @@ def test_placed_job_runs_under_slurm_and_its_output_comes_back(
     # the usage ledger's segment of the run carries Slurm's own accounting (sacct)
     import asyncio
 
-    from sites import keys
+    from sites.model import keys
 
     async def segments() -> list[dict[str, Any]]:
         async with Registry.from_urls(fed.registry.url) as registry:  # this test's own loop
@@ -603,9 +604,9 @@ def wait_for_state(slurm: LocalSlurm, job: str, *states: str) -> dict[str, str]:
 
 
 def test_bad_gres_types_name_their_field(tmp_path: Path) -> None:
-    from sites.catalog import DeviceCatalog
-    from sites.config import parse_site
-    from sites.errors import ConfigError
+    from sites.model.catalog import DeviceCatalog
+    from sites.model.config import parse_site
+    from sites.model.errors import ConfigError
     from tests.conftest import site_doc
 
     doc = site_doc(SITE)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sites.slurm_cluster import LocalSlurm
+from sites.emulation.slurm_cluster import LocalSlurm
 from tests.broker.conftest import Federation
 from tests.conftest import run_cpn
 from tests.sites.test_slurm import (  # noqa: F401 - the fixtures

@@ -1,4 +1,5 @@
-"""Supervised tasks (sites.tasks): crashes are logged, kept, surfaced, and restarted or fatal."""
+"""Supervised tasks (sites.kits.tasks): crashes are logged, kept, surfaced, and restarted or
+fatal."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 
 import pytest
 
-from sites.tasks import Backoff, Crash, Supervisor, measure_loop_lag
+from sites.kits.tasks import Backoff, Crash, Supervisor, measure_loop_lag
 
 FAST = Backoff(initial_s=0.01, max_s=0.04, reset_after_s=60.0)
 

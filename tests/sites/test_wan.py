@@ -1,6 +1,7 @@
-"""The WAN emulator (a fake WAN, see sites/wan.py) and the latency model behind it.
+"""The WAN emulator (a fake WAN, see sites/emulation/wan.py) and the latency model behind it.
 
-Emulator scenarios run on the precise-timer loop (`sites.wan.run`), not on pytest-asyncio's
+Emulator scenarios run on the precise-timer loop (`sites.emulation.wan.run`), not on
+pytest-asyncio's
 loop, whose epoll selector rounds timers to whole milliseconds.
 """
 
@@ -16,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from sites.latency import (
+from sites.emulation.wan import WanEmulator, WanStats, new_event_loop
+from sites.emulation.wan import run as run_precise
+from sites.model.latency import (
     Endpoint,
     LatencyConfigError,
     LatencyModel,
@@ -24,8 +27,6 @@ from sites.latency import (
     load_matrix_csv,
     rtt_matrix,
 )
-from sites.wan import WanEmulator, WanStats, new_event_loop
-from sites.wan import run as run_precise
 
 NODE_A_IP = "127.0.1.2"  # the client's node
 NODE_B_IP = "127.0.1.1"  # the service's node
@@ -356,7 +357,7 @@ def test_failing_rtt_callable_refuses_only_that_connection(
         async with federation(rtt) as (_, front):
             return await _read_to_close(front)
 
-    with caplog.at_level("ERROR", logger="sites.wan"):
+    with caplog.at_level("ERROR", logger="sites.emulation.wan"):
         assert run_precise(scenario()) == b""
     assert "no RTT for a -> b" in caplog.text
 

@@ -1,0 +1,3 @@
+"""The perception agent: its process, collectors, drift, the workload reconcile loop and the
+replicas. Imported by cpn only.
+"""

@@ -1,0 +1,774 @@
+"""The perception agent: measures its site, publishes it under one lease, serves probes.
+
+Lifecycle: check the site is joined -> serve HTTP -> grant a lease (TTL ~ 3 intervals) -> take
+the site's agent lock under it -> start the workload (the jobs assigned to the site,
+sites.agent.workload) -> every interval measure, and publish in one transaction what changed
+(sites.agent.drift: the status, links and every service endpoint; all of it at least every
+`refresh_s`) -> on a graceful stop SIGTERM the jobs (reporting nothing) and revoke the lease
+(the site goes down at once, and the broker moves its jobs). When killed, the lease expires by
+itself and the site is down within the TTL; the jobs die with the agent (docs/executor.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import os
+import secrets
+import socket
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sites.agent.collectors.host import host_usage, storage_usage
+from sites.agent.collectors.nvml import NvmlCollector
+from sites.agent.collectors.probes import METHODS, Prober, ProbeResponder, choose_method
+from sites.agent.collectors.services import ServiceLoad, ServiceMonitor
+from sites.agent.collectors.slurm import SlurmCapacity, parse_nodes
+from sites.agent.collectors.slurm import capacity as slurm_capacity
+from sites.agent.drift import link_changed, status_changed
+from sites.agent.metrics import AgentMetrics
+from sites.agent.workload import (
+    STOP_GRACE_S,
+    SiteResources,
+    UnknownJob,
+    Workload,
+    declared_resources,
+)
+from sites.executors.base import Executor, UnavailableExecutor
+from sites.executors.factory import make_executor
+from sites.executors.slurm import SlurmExecutor
+from sites.kits.clock import Clock, SystemClock
+from sites.kits.tasks import Backoff, Crash, Supervisor
+from sites.model import keys
+from sites.model.catalog import Capacity, DeviceCatalog, mig_model, normalize
+from sites.model.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
+from sites.model.spec import REFRESH_S, SiteSpec
+from sites.model.status import (
+    AgentRecord,
+    AgentSecret,
+    GpuDevice,
+    LinkStatus,
+    ServiceEndpoint,
+    SiteStatus,
+)
+from sites.registry.client import Registry
+from sites.registry.mirror import PrefixMirror
+
+log = logging.getLogger(__name__)
+
+RESTART = Backoff(initial_s=0.5, max_s=10.0, reset_after_s=60.0)
+
+MIN_TTL_S = 2  # etcd rounds shorter leases up to its minimum TTL anyway
+
+
+class AgentSettings(BaseModel):
+    """Run-time settings of one agent; defaults come from the site file's `agent:` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    listen: str = Field(description="host:port to bind; port 0 picks a free one")
+    advertise: str | None = Field(
+        default=None, description="host:port peers use to reach us (the WAN front when emulated)"
+    )
+    probe_listen: str | None = Field(
+        default=None, description="host:port of the probe responder; default: listen host, port 0"
+    )
+    probe_advertise: str | None = Field(default=None, description="host:port peers probe")
+    interval_s: float = Field(gt=0)
+    refresh_s: float = Field(
+        default=REFRESH_S, ge=0, description="write the status and links at least this often"
+    )
+    probe_method: str = "auto"
+    probe_samples: int = Field(default=5, ge=1)
+    probe_timeout_s: float = Field(default=2.0, gt=0)
+    wan_emulated: bool = False
+    service_urls: dict[str, str] = Field(
+        default_factory=dict, description="service name -> URL to publish instead of the spec's"
+    )
+    job_stop_grace_s: float = Field(
+        default=STOP_GRACE_S,
+        ge=0,
+        description="seconds between SIGTERM and SIGKILL when a job is stopped; time to checkpoint",
+    )
+
+    @property
+    def ttl_s(self) -> int:
+        return max(MIN_TTL_S, math.ceil(3 * self.interval_s))
+
+    @classmethod
+    def from_spec(cls, spec: SiteSpec, **overrides: Any) -> AgentSettings:
+        base: dict[str, Any] = {
+            "listen": spec.agent.listen,
+            "interval_s": spec.agent.interval_s,
+            "refresh_s": spec.agent.refresh_s,
+            "probe_samples": spec.agent.probe_samples,
+            "probe_timeout_s": spec.agent.probe_timeout_s,
+        }
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    @field_validator("probe_method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        if method not in METHODS:
+            raise ValueError(f"must be one of {', '.join(METHODS)}")
+        return method
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        spec: SiteSpec,
+        catalog: DeviceCatalog,
+        registry: Registry,
+        settings: AgentSettings,
+        clock: Clock | None = None,
+    ) -> None:
+        self.spec = spec
+        self.catalog = catalog
+        self.registry = registry
+        self.settings = settings
+        self.clock: Clock = clock or SystemClock()
+        self.instance = uuid.uuid4().hex[:12]
+        # what /jobs and /jobs/{job}/log ask for: a job's output is its tenant's, and only the
+        # broker (which checks the caller's token and tenant) reads this site's key in etcd
+        self.bearer = secrets.token_urlsafe(32)
+        self.metrics = AgentMetrics(spec.id)
+        self.record: AgentRecord | None = None
+        self.url = ""
+        self.probe_url = ""
+        self._probe_server: asyncio.Server | None = None
+        self.seq = 0
+        self.last_publish_at: float | None = None
+        self.last_error: str | None = None
+        self.stopped = asyncio.Event()
+        self.stop_reason = ""
+        self.crashed = False  # a fatal task crash stopped the agent: its process exits non-zero
+        self._runner: web.AppRunner | None = None
+        self.supervisor = Supervisor(owner=f"agent {spec.id}", on_crash=self._crashed)
+        self._nvml: NvmlCollector | None = None
+        # what the registry holds of ours: the status and links as last written, and when
+        # everything was last written (monotonic); a publish writes only what moved from these
+        self._written_status: SiteStatus | None = None
+        self._written_links: dict[str, LinkStatus] = {}
+        self._refreshed_at: float | None = None
+        # the registry may no longer hold what we wrote (our lock or the site's spec is gone):
+        # the next publish writes everything, and so finds out (LeaseLost)
+        self._confirm = False
+        self._published_services: set[tuple[str, str | None]] = set()  # (service, job)
+        self.workload: Workload | None = None
+        self.executor: Executor = make_executor(spec, catalog=catalog, clock=self.clock)
+        self.slurm: SlurmCapacity | None = None  # the cluster as last read (Slurm sites)
+        self.confinement = ""  # how tenants' runs are confined here, decided at start
+        method = choose_method(settings.probe_method, emulated=settings.wan_emulated)
+        host = settings.listen.rsplit(":", 1)[0]
+        self.prober = Prober(
+            site=spec.id,
+            method=method,
+            samples=settings.probe_samples,
+            interval_s=settings.interval_s,
+            timeout_s=settings.probe_timeout_s,
+            # bind probes to our own address so the WAN emulation can tell who is calling
+            source=host if host not in ("0.0.0.0", "", "localhost") else None,
+            emulated=settings.wan_emulated,
+        )
+        self.services = ServiceMonitor(spec.services, clock=self.clock.time)
+        self._peers = PrefixMirror(registry=registry, prefix=keys.AGENTS, on_change=self._on_agents)
+        # the site's spec: gone (the site left), the next publish is sent (and finds it gone)
+        self._spec_key = PrefixMirror(
+            registry=registry, prefix=keys.site_spec(spec.id), on_change=self._on_spec
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if await self.registry.get_spec(self.spec.id) is None:
+            raise NotJoined(self.spec.id)
+        if isinstance(self.executor, SlurmExecutor):
+            why = await self.executor.unreachable()
+            if why is not None:  # as if Slurm were not installed: the site runs, no job starts
+                log.error("site %s: %s", self.spec.id, why)
+                self.executor = UnavailableExecutor("slurm", self.executor.work_dir, why)
+            else:
+                await self.executor.check(f"site {self.spec.id}")  # the site file against Slurm
+                await self.read_slurm()
+        if self.spec.perception.mode == "host":
+            self._nvml = NvmlCollector(catalog=self.catalog)
+        await self._serve()
+        try:
+            await self._acquire()
+        except BaseException:
+            await self._close_http()
+            raise
+        # how tenants' runs are confined here, in one line (a site that cannot confine says
+        # so), once the site is ours
+        self.confinement = await asyncio.to_thread(self.executor.confinement)
+        log.log(
+            logging.WARNING if self.confinement.startswith("refusing") else logging.INFO,
+            "site %s: confinement: %s", self.spec.id, self.confinement,
+        )  # fmt: skip
+        # only now, holding the site's lock: the workload kills what a dead predecessor left
+        self.workload = Workload(
+            registry=self.registry,
+            spec=self.spec,
+            catalog=self.catalog,
+            executor=self.executor,
+            clock=self.clock,
+            record=lambda: self.record,
+            resources=self._resources,
+            stop_grace_s=self.settings.job_stop_grace_s,
+            replica_host=self._replica_host(),
+            settle_s=2 * self.settings.interval_s,  # a publish, and the brokers' watch
+        )
+        # the workload holds the jobs and keepalive the lease: if either dies the agent stops
+        # (its lease expires and the broker moves the jobs); the measuring loops restart
+        workload = self.workload
+        self.supervisor.spawn("workload", workload.run)
+        self.supervisor.spawn("keepalive", self._keepalive_loop)
+        self.supervisor.spawn("publish", self._publish_loop, restart=RESTART)
+        self.supervisor.spawn("peers", self._peers.run, restart=RESTART)
+        self.supervisor.spawn("spec", self._spec_key.run, restart=RESTART)
+        self.supervisor.spawn("services", self._services_loop, restart=RESTART)
+        if isinstance(self.executor, SlurmExecutor):
+            self.supervisor.spawn("slurm", self._slurm_loop, restart=RESTART)
+        self.prober.set_self(self.probe_url)
+        log.info(
+            "agent of %s up: %s, lease ttl %ss, probes %s%s",
+            self.spec.id,
+            self.url,
+            self.settings.ttl_s,
+            self.prober.method,
+            " (WAN emulated)" if self.settings.wan_emulated else "",
+        )
+
+    async def stop(self, *, revoke: bool = True) -> None:
+        """Graceful stop: stop the jobs, cancel loops, revoke the lease so the site is down at once.
+
+        Jobs get SIGTERM (SIGKILL after the grace) while the lease still holds the site, so the
+        broker cannot start them elsewhere before they are gone; no report follows, since the
+        revoked lease is what tells the broker to move them.
+        """
+        if self.workload is not None:
+            await self.workload.stop()
+        await self.supervisor.stop()
+        await self.prober.close()
+        await self.services.close()
+        if revoke and self.record is not None:
+            try:
+                await self.registry.revoke(self.record.lease_id)
+            except RegistryError as exc:
+                log.warning("could not revoke lease (it will expire): %s", exc)
+        await self._close_http()
+        if self._nvml is not None:
+            self._nvml.close()
+        self.stopped.set()
+
+    def _crashed(self, crash: Crash) -> None:
+        """Counted; a task that is not restarted stops the agent (exit non-zero)."""
+        self.metrics.task_crashes.labels(self.spec.id, crash.task).inc()
+        if crash.restart_in_s is None:
+            self.crashed = True
+            self.stop_reason = self.stop_reason or f"{crash.task} crashed: {crash.error}"
+            self.stopped.set()
+
+    async def _acquire(self) -> None:
+        lease_id = await self.registry.grant_lease(self.settings.ttl_s)
+        record = AgentRecord(
+            site=self.spec.id,
+            instance=self.instance,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started_at=self.clock.time(),
+            url=self.url,
+            probe_url=self.probe_url,
+            lease_id=lease_id,
+            wan_emulated=self.settings.wan_emulated,
+        )
+        try:
+            await self.registry.acquire_agent(
+                record,
+                is_stale=_dead_on_this_host,
+                secret=AgentSecret(instance=self.instance, bearer=self.bearer),
+            )
+        except BaseException:
+            await self.registry.revoke(lease_id)
+            raise
+        self.record = record
+        self.metrics.lease_ttl.labels(self.spec.id).set(self.settings.ttl_s)
+
+    # -- loops ----------------------------------------------------------------------------------
+
+    async def _keepalive_loop(self) -> None:
+        while True:
+            await self.clock.sleep(self.settings.ttl_s / 3)
+            record = self.record
+            if record is None:
+                continue
+            try:
+                ttl = await self.registry.keepalive(record.lease_id)
+                self.metrics.lease_ttl.labels(self.spec.id).set(ttl)
+            except LeaseLost:
+                log.warning("lease of %s expired; taking the site again", self.spec.id)
+                await self._reacquire()
+            except RegistryUnavailable as exc:
+                log.warning("keepalive failed: %s", exc)
+
+    async def _reacquire(self) -> None:
+        self.record = None
+        self._forget_written()
+        self._published_services.clear()
+        await self._acquire()
+
+    async def _publish_loop(self) -> None:
+        next_at = self.clock.monotonic()
+        while True:
+            await self.publish_once()
+            next_at += self.settings.interval_s
+            await self.clock.sleep(max(0.0, next_at - self.clock.monotonic()))
+
+    def _forget_written(self) -> None:
+        """The registry holds nothing of ours (a new lease): the next publish writes it all."""
+        self._written_status = None
+        self._written_links = {}
+        self._refreshed_at = None
+        self._confirm = False
+
+    async def publish_once(self) -> None:
+        """Measure, and write what moved materially since it was last written (sites.agent.drift).
+
+        Every service endpoint is written each time (its load is what routing ranks by), the
+        status and links only when they changed or `refresh_s` has passed since everything was
+        last written. With nothing to write, no transaction is sent: the lease alone says the
+        site is up.
+        """
+        record = self.record
+        if record is None:
+            return
+        now = self.clock.time()
+        mono = self.clock.monotonic()
+        status = self.measure(now)
+        links = self.prober.links(now)
+        services = self.service_endpoints(now)
+        written, written_links = self._written_status, self._written_links
+        confirm, self._confirm = self._confirm, False  # asked for again while this one runs
+        refresh = (
+            confirm
+            or self._refreshed_at is None
+            or mono - self._refreshed_at >= self.settings.refresh_s
+        )
+        put_status = refresh or written is None or status_changed(written, status)
+        put_links = [
+            ln
+            for ln in links
+            if refresh or (old := written_links.get(ln.dst)) is None or link_changed(old, ln)
+        ]
+        link_dsts = {ln.dst for ln in links}
+        stale_links = written_links.keys() - link_dsts
+        svc_names = {(ep.service, ep.job) for ep in services}
+        stale_services = self._published_services - svc_names
+        self.metrics.observe_status(status)
+        self.metrics.observe_links(links)
+        if not (put_status or put_links or services or stale_links or stale_services):
+            self.metrics.publishes_skipped.labels(self.spec.id).inc()
+            self.last_publish_at = now  # what the registry holds is still true
+            self.last_error = None
+            return
+        started = self.clock.monotonic()
+        try:
+            await self.registry.publish(
+                record,
+                status=status if put_status else None,
+                links=put_links,
+                services=services,
+                stale_links=stale_links,
+                stale_services=stale_services,
+            )
+        except LeaseLost:
+            self.metrics.publish_errors.labels(self.spec.id, "lease").inc()
+            if await self.registry.get_spec(self.spec.id) is None:
+                self.stop_reason = f"site {self.spec.id} was removed from the federation"
+                log.info("%s; stopping", self.stop_reason)
+                self.stopped.set()
+                return
+            await self._reacquire()
+            return
+        except RegistryError as exc:
+            self._confirm |= confirm
+            self.last_error = str(exc)
+            self.metrics.publish_errors.labels(self.spec.id, "registry").inc()
+            log.warning("publish failed: %s", exc)
+            return
+        self.metrics.publish_seconds.labels(self.spec.id).observe(self.clock.monotonic() - started)
+        self.metrics.publishes.labels(self.spec.id).inc()
+        for gone in stale_links:
+            self.metrics.forget_peer(gone)
+        if put_status:
+            self._written_status = status
+            self.seq += 1
+        kept = {dst: ln for dst, ln in written_links.items() if dst in link_dsts}
+        kept.update((ln.dst, ln) for ln in put_links)
+        self._written_links = kept
+        if refresh:
+            self._refreshed_at = mono
+        self._published_services = svc_names
+        self.last_publish_at = now
+        self.last_error = None
+
+    async def _services_loop(self) -> None:
+        # twice per interval, so a published endpoint's load is at most half an interval old
+        while True:
+            await self.services.poll()
+            await self.clock.sleep(self.settings.interval_s / 2)
+
+    async def _slurm_loop(self) -> None:
+        # once per publish interval, just before the publish reads it
+        while True:
+            await self.clock.sleep(self.settings.interval_s)
+            await self.read_slurm()
+
+    async def read_slurm(self) -> None:
+        """Read the cluster's nodes (scontrol); on a failure keep the last view and log it."""
+        if not isinstance(self.executor, SlurmExecutor):
+            return
+        executor = self.executor
+        got = await executor.commands.run("scontrol", "show", "node", "-o")
+        if got.returncode != 0:
+            log.warning("site %s: scontrol show node: %s", self.spec.id, got.error)
+            return
+        seen = slurm_capacity(
+            parse_nodes(got.stdout),
+            models=executor.models(),
+            partition=self.spec.executor.partition,
+        )
+        if self.slurm is not None and seen.nodes_out != self.slurm.nodes_out:
+            log.info("site %s: Slurm nodes out of service: %s", self.spec.id,
+                     ", ".join(seen.nodes_out) or "none")  # fmt: skip
+        self.slurm = seen
+
+    def _on_agents(self, items: dict[str, bytes]) -> None:
+        peers: dict[str, str] = {}
+        for key, raw in items.items():
+            site = keys.split(key, keys.AGENTS)[0]
+            try:
+                record = json.loads(raw)
+                peers[site] = record.get("probe_url") or record["url"]
+            except (ValueError, KeyError, TypeError, AttributeError):
+                log.warning("ignoring malformed agent record at %s", key)
+                continue
+            if site == self.spec.id and self.record is not None:
+                self._confirm |= record.get("lease_id") != self.record.lease_id
+        if self.record is not None and keys.agent(self.spec.id) not in items:
+            self._confirm = True  # our lock is gone (the lease expired or was revoked)
+        peers.pop(self.spec.id, None)
+        self.prober.set_peers(peers)
+
+    def _on_spec(self, items: dict[str, bytes]) -> None:
+        if not items:
+            self._confirm = True  # the site left: the next publish finds out and stops
+
+    # -- measurement -------------------------------------------------------------------------
+
+    def measure(self, now: float) -> SiteStatus:
+        spec = self.spec
+        host = host_usage()
+        storage = storage_usage(spec.perception.storage_paths)
+        gpus: list[GpuDevice] = []
+        held = self.workload.held() if self.workload is not None else Capacity.zero()
+        if spec.perception.mode == "host":
+            gpus = self._nvml.collect() if self._nvml else []
+            if gpus and self.workload is not None:
+                self.workload.meter(gpus, now)  # each running job's GPU energy (the ledger's)
+            held_ix = self.workload.held_devices() if self.workload is not None else {}
+            devices: dict[str, int] = {}
+            busy: dict[str, int] = {}  # busy with a process or held by a job, counted once
+            for gpu in gpus:
+                if gpu.model is None:
+                    continue
+                taken = gpu.busy or gpu.index in held_ix.get(gpu.model, frozenset())
+                devices[gpu.model] = devices.get(gpu.model, 0) + 1
+                busy[gpu.model] = busy.get(gpu.model, 0) + int(taken)
+            capacity = normalize(
+                devices=devices,
+                cpu_cores=host.cpu_cores,
+                mem_gb=host.mem_gb,
+                storage_tb=sum(s.total_tb for s in storage),
+                catalog=self.catalog,
+            )
+            used = normalize(
+                devices=busy,
+                cpu_cores=min(held.cpu_cores, host.cpu_cores),
+                # measured use includes the jobs' own; their reservation is a floor
+                mem_gb=max(host.mem_used_gb, held.mem_gb),
+                storage_tb=sum(s.used_tb for s in storage),
+                catalog=self.catalog,
+            )
+        elif self.slurm is not None:
+            # the cluster itself says what it has and what is allocated (its other users' jobs
+            # too); cpn's own runs still queued in Slurm count as used (the larger of the two)
+            slurm = self.slurm
+            capacity = normalize(
+                devices=slurm.devices,
+                cpu_cores=slurm.cpu_cores,
+                mem_gb=slurm.mem_gb,
+                storage_tb=spec.inventory.storage_tb,
+                catalog=self.catalog,
+            )
+            used = normalize(
+                devices={
+                    m: max(n - slurm.devices_free.get(m, 0), held.devices.get(m, 0))
+                    for m, n in slurm.devices.items()
+                },
+                cpu_cores=max(slurm.cpu_cores - slurm.cpu_free, held.cpu_cores),
+                mem_gb=max(slurm.mem_gb - slurm.mem_free_gb, held.mem_gb),
+                storage_tb=0.0,
+                catalog=self.catalog,
+            )
+        else:
+            inv = spec.inventory
+            capacity = normalize(
+                devices={pool.model: pool.count for pool in inv.devices},
+                cpu_cores=inv.cpu_cores,
+                mem_gb=inv.mem_gb,
+                storage_tb=inv.storage_tb,
+                catalog=self.catalog,
+            )
+            used = held
+        return SiteStatus(
+            site=spec.id,
+            instance=self.instance,
+            seq=self.seq,
+            published_at=now,
+            interval_s=self.settings.interval_s,
+            mode=spec.perception.mode,
+            capacity=capacity,
+            free=capacity.minus(used),
+            gpus=tuple(gpus),
+            storage=tuple(storage),
+            host=host,
+            nodes=self.workload.node_usage() if self.workload is not None else (),
+            confinement=self.confinement,
+        )
+
+    def _resources(self) -> SiteResources:
+        """What jobs may be given: NVML's GPUs and this host in host mode, the usable nodes of a
+        Slurm cluster, else the inventory."""
+        if self.spec.perception.mode != "host":
+            if self.slurm is not None:
+                return SiteResources(
+                    devices={m: tuple(range(n)) for m, n in self.slurm.devices.items()},
+                    cpu_cores=self.slurm.cpu_cores,
+                    mem_gb=self.slurm.mem_gb,
+                )
+            return declared_resources(self.spec, self.catalog)
+        devices: dict[str, list[int]] = {}
+        # a GPU in MIG mode is its MIG instances, each a slot of its profile's pseudo-model
+        # (sites.model.catalog) whose id is the MIG UUID the job's CUDA_VISIBLE_DEVICES takes
+        slots: dict[str, list[tuple[int, str]]] = {}
+        for gpu in self._nvml.collect() if self._nvml else []:
+            if gpu.model is None:
+                continue
+            if gpu.mig_enabled:
+                for inst in gpu.mig:
+                    if inst.profile is not None:
+                        found = slots.setdefault(mig_model(gpu.model, inst.profile), [])
+                        found.append((gpu.index, inst.uuid))
+                continue
+            devices.setdefault(gpu.model, []).append(gpu.index)
+        host = host_usage()
+        return SiteResources(
+            devices={
+                **{model: tuple(ix) for model, ix in devices.items()},
+                **{model: tuple(range(len(found))) for model, found in slots.items()},
+            },
+            cpu_cores=host.cpu_cores,
+            mem_gb=host.mem_gb,
+            oversubscription=self.spec.oversubscription,
+            slots={model: tuple(found) for model, found in slots.items()},
+        )
+
+    def _replica_host(self) -> str:
+        """Where managed replicas listen (sites.agent.replicas): this agent's own address."""
+        host = self.settings.listen.rsplit(":", 1)[0]
+        return "127.0.0.1" if host in ("", "0.0.0.0", "localhost") else host
+
+    def service_endpoints(self, now: float) -> list[ServiceEndpoint]:
+        # the managed services' replicas ready or draining here (sites.agent.replicas), then the
+        # services the site file declares; a name both have is the file's (one key each)
+        declared = {svc.name for svc in self.spec.services}
+        replicas = self.workload.replica_endpoints(now) if self.workload is not None else []
+        endpoints = [ep for ep in replicas if ep.service not in declared]
+        for svc in self.spec.services:
+            load = self.services.loads.get(svc.name, ServiceLoad(healthy=False))
+            endpoints.append(
+                ServiceEndpoint(
+                    service=svc.name,
+                    site=self.spec.id,
+                    model=svc.model,
+                    url=self.settings.service_urls.get(svc.name, svc.url),
+                    max_concurrency=svc.max_concurrency,
+                    in_flight=load.in_flight,
+                    queue=load.queue,
+                    latency_ms=load.latency_ms,
+                    healthy=load.healthy,
+                    updated_at=now,
+                    **load.signal_fields(),
+                )
+            )
+        return endpoints
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _check_bearer(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """/jobs... only with this agent's bearer (sites.model.status.AgentSecret); the rest is open
+        (probes, health and metrics say nothing about any tenant's work)."""
+        if request.path.startswith("/jobs"):
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.bearer}".encode()):
+                return _error(401, "unauthorized", "this agent's jobs need its bearer", None)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def _serve(self) -> None:
+        app = web.Application(middlewares=[self._check_bearer])
+        app.router.add_get("/probe", self._probe)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/jobs", self._jobs)
+        app.router.add_get("/jobs/{job}/log", self._job_log)
+        # bounded: a client following a log must not hold up the agent's stop
+        self._runner = web.AppRunner(
+            app, access_log=None, handle_signals=False, shutdown_timeout=5.0
+        )
+        await self._runner.setup()
+        host, port = self.settings.listen.rsplit(":", 1)
+        site = web.TCPSite(self._runner, host, int(port), reuse_address=True)
+        await site.start()
+        bound = self._runner.addresses[0]
+        advertise = self.settings.advertise or f"{bound[0]}:{bound[1]}"
+        self.url = f"http://{advertise}"
+        probe_host, probe_port = (self.settings.probe_listen or f"{host}:0").rsplit(":", 1)
+        self._probe_server = await asyncio.get_running_loop().create_server(
+            ProbeResponder, probe_host, int(probe_port), reuse_address=True
+        )
+        pbound = self._probe_server.sockets[0].getsockname()
+        self.probe_url = f"http://{self.settings.probe_advertise or f'{pbound[0]}:{pbound[1]}'}"
+        self.bound = (str(bound[0]), int(bound[1]))
+
+    async def _close_http(self) -> None:
+        if self._probe_server is not None:
+            self._probe_server.close()
+            await self._probe_server.wait_closed()
+            self._probe_server = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _probe(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        now = self.clock.time()
+        stale = self.last_publish_at is None or now - self.last_publish_at > self.settings.ttl_s
+        health = self.supervisor.status()
+        body = {
+            "site": self.spec.id,
+            "instance": self.instance,
+            "status": "unhealthy" if not health["healthy"] else ("degraded" if stale else "ok"),
+            "tasks": health["tasks"],
+            "recent_crashes": health["recent_crashes"],
+            "lease_id": self.record.lease_id if self.record else None,
+            "url": self.url,
+            "probe_url": self.probe_url,
+            "seq": self.seq,
+            "last_publish_at": self.last_publish_at,
+            "last_error": self.last_error,
+            "probe_method": self.prober.method,
+            "wan_emulated": self.settings.wan_emulated,
+            "nvml": None if self._nvml is None else (self._nvml.available or self._nvml.reason),
+        }
+        bad = (stale and self.seq) or not health["healthy"]
+        return web.json_response(body, status=503 if bad else 200)
+
+    async def _metrics(self, _: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(self.metrics.registry),
+            headers={"Content-Type": CONTENT_TYPE_LATEST},
+        )
+
+    async def _jobs(self, _: web.Request) -> web.Response:
+        runs = self.workload.runs() if self.workload is not None else []
+        return web.json_response([run.to_json() for run in runs])
+
+    async def _job_log(self, request: web.Request) -> web.StreamResponse:
+        """The job's log as plain text from `offset`; `follow=1` tails it until the run ends."""
+        job = request.match_info["job"]
+        query = request.query
+        offset = _int_param(query, "offset", minimum=0) or 0
+        attempt = _int_param(query, "attempt", minimum=1)
+        follow = query.get("follow", "0").lower() in ("1", "true", "yes")
+        if self.workload is None:
+            return _error(503, "unavailable", "the agent is starting", None)
+        try:
+            job_log = self.workload.log(job, attempt)
+        except UnknownJob as exc:
+            return _error(404, "not_found", str(exc), "job")
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/plain; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Cpn-Attempt": str(job_log.attempt),
+            }
+        )
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            async for chunk in job_log.chunks(clock=self.clock, offset=offset, follow=follow):
+                await response.write(chunk)
+        except ConnectionResetError:
+            return response  # the client went away
+        await response.write_eof()
+        return response
+
+
+def _error(status: int, code: str, message: str, field: str | None) -> web.Response:
+    body = {"error": {"code": code, "message": message, "field": field}}
+    return web.json_response(body, status=status)
+
+
+def _int_param(query: Mapping[str, str], name: str, *, minimum: int) -> int | None:
+    """An optional integer query parameter; a bad one is a 400 naming it."""
+    raw = query.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = minimum - 1
+    if value < minimum:
+        message = f"{name} must be an integer >= {minimum}, got {raw!r}"
+        body = {"error": {"code": "invalid", "message": message, "field": name}}
+        raise web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
+    return value
+
+
+def _dead_on_this_host(record: AgentRecord) -> bool:
+    """True when the record names a process on this host that no longer exists."""
+    if record.host != socket.gethostname():
+        return False
+    try:
+        os.kill(record.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

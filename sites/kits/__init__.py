@@ -1,0 +1,1 @@
+"""Small runtime helpers any process uses: the clock, supervised tasks, private files."""
