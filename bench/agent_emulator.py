@@ -59,7 +59,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from collections import Counter, deque
@@ -69,8 +68,23 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import registry_fanin as fanin
 from aetcd import rpc
+from benchkit import (
+    AgentStats,
+    LineReader,
+    agents_summary,
+    bounded,
+    cpu_seconds,
+    embedded_etcd,
+    fmt_ms,
+    make_registry,
+    rate,
+    rss_mb,
+    scratch_dir,
+    start_process,
+    stop_process,
+)
+from benchkit import log as log_line
 from emulated_site import EmulatedSite, Publish, SitePlan, varint
 from emulator_transport import REVOKE, GrpcTransport, H2Transport, Transport
 
@@ -82,6 +96,7 @@ from sites.registry.client import Registry
 __all__ = ["AgentEmulator", "EmulatorConfig", "SitePlan"]
 
 SETUP_CONCURRENCY = 64
+AGENTS_PROCESS = Path(__file__).resolve().with_name("live_federation.py")  # its `agents ...`
 
 
 @dataclass(frozen=True)
@@ -111,12 +126,12 @@ class EmulatorConfig:
 
 
 def log(msg: str) -> None:
-    print(f"agent_emulator: {msg}", file=sys.stderr, flush=True)
+    log_line(f"agent_emulator: {msg}")
 
 
 class AgentEmulator:
     """N emulated agents: setup() takes every lease and lock, start() runs the wheel, stop()
-    revokes the leases. Figures go to a registry_fanin.AgentStats, as SimAgent's do; the
+    revokes the leases. Figures go to a benchkit.AgentStats, as SimAgent's do; the
     publishes with nothing to write (no Txn) are counted here (take_skipped, skipped)."""
 
     def __init__(
@@ -126,7 +141,7 @@ class AgentEmulator:
         etcd_url: str,
         cfg: EmulatorConfig,
         catalog: DeviceCatalog,
-        stats: fanin.AgentStats,
+        stats: AgentStats,
         crashed: Counter[str],
     ) -> None:
         self.cfg = cfg
@@ -139,7 +154,7 @@ class AgentEmulator:
         self.skipped = 0  # while stats.measuring
         self._tick_skipped = 0
         self._url = etcd_url
-        self._registries = [fanin.make_registry(etcd_url, local_subchannels=True) for _ in range(4)]
+        self._registries = [make_registry(etcd_url, local_subchannels=True) for _ in range(4)]
         if cfg.transport not in ("h2", "grpc"):
             raise ValueError(f"transport {cfg.transport!r}: expected h2 or grpc")
         self.transport: Transport = (H2Transport if cfg.transport == "h2" else GrpcTransport)(
@@ -184,7 +199,7 @@ class AgentEmulator:
             (lambda site=site, i=i: self._acquire(site, self._registries[i % 4]))
             for i, site in enumerate(self.sites)
         ]
-        await fanin.bounded(jobs, SETUP_CONCURRENCY)
+        await bounded(jobs, SETUP_CONCURRENCY)
         for site in self.sites:
             site.check()
         await self.transport.open()
@@ -224,7 +239,7 @@ class AgentEmulator:
         ]
         # the etcd goes away with the row; revoke what can be revoked quickly, no more
         with contextlib.suppress(RegistryError, TimeoutError):
-            await asyncio.wait_for(fanin.bounded(jobs, SETUP_CONCURRENCY), revoke_within_s)
+            await asyncio.wait_for(bounded(jobs, SETUP_CONCURRENCY), revoke_within_s)
         await self.transport.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*(r.close() for r in self._registries)), 5.0)
@@ -450,28 +465,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    import live_federation as live  # the agents' process is live_federation.py's
-
     from sites.agent.process import MIN_TTL_S
-    from sites.emulation.etcd_server import EmbeddedEtcd
 
     row = tmp / f"{n}x{interval:g}"
     row.mkdir()
     ttl = max(MIN_TTL_S, math.ceil(3 * interval))
-    etcd = EmbeddedEtcd(data_dir=row / "etcd", log_path=row / "etcd.log", unsafe_no_fsync=True)
+    etcd = embedded_etcd(row)
     agents = None
     try:
         url = etcd.start()
         etcd_pid = etcd.process.pid if etcd.process else None
-        argv = [sys.executable, str(Path(live.__file__).resolve()), "agents", "--etcd", url]
+        argv = [sys.executable, str(AGENTS_PROCESS), "agents", "--etcd", url]
         argv += ["--sites", str(n), "--interval", str(interval), "--ttl", str(ttl)]
         argv += ["--keepalive", str(ttl / 3), "--service-sites", str(args.service_sites)]
         argv += ["--seed", str(args.seed), "--emulator", args.emulator]
         argv += ["--transport", args.transport]
         argv += ["--churn", str(args.churn), "--refresh-s", str(args.refresh_s)]
-        agents = live.start_process("agents", argv, row / "agents.log", stdout_pipe=True)
+        agents = start_process("agents", argv, row / "agents.log", stdout_pipe=True)
         assert agents.popen.stdout is not None
-        reader = live.LineReader(agents.popen.stdout)
+        reader = LineReader(agents.popen.stdout)
         deadline = time.monotonic() + 60 + n / 20
         ready = None
         while ready is None:
@@ -483,7 +495,7 @@ def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) ->
         time.sleep(args.warmup)
         reader.take()
         pids = {"agents": agents.pid, "etcd": etcd_pid}
-        cpu0 = {name: fanin.cpu_seconds(pid) for name, pid in pids.items()}
+        cpu0 = {name: cpu_seconds(pid) for name, pid in pids.items()}
         t0 = time.monotonic()
         lines: list[dict[str, Any]] = []
         while time.monotonic() - t0 < args.duration:
@@ -499,11 +511,8 @@ def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) ->
                     flush=True,
                 )
         window = time.monotonic() - t0
-        cpu = {
-            name: fanin.rate(cpu0[name], fanin.cpu_seconds(pid), window)
-            for name, pid in pids.items()
-        }
-        summary = live.agents_summary(lines)
+        cpu = {name: rate(cpu0[name], cpu_seconds(pid), window) for name, pid in pids.items()}
+        summary = agents_summary(lines)
         return {
             "sites": n,
             "interval_s": interval,
@@ -514,18 +523,17 @@ def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) ->
             **summary,
             "agents_cpu_pct": None if cpu["agents"] is None else 100 * cpu["agents"],
             "etcd_cpu_pct": None if cpu["etcd"] is None else 100 * cpu["etcd"],
-            "agents_rss_mb": live.rss_mb(agents.pid),
+            "agents_rss_mb": rss_mb(agents.pid),
         }
     finally:
         if agents is not None:
-            live.stop_process(agents, timeout_s=30)
+            stop_process(agents, timeout_s=30)
         etcd.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    shm = Path("/dev/shm")
-    tmp = Path(tempfile.mkdtemp(prefix="cpn-emulator-", dir=shm if shm.is_dir() else None))
+    tmp = scratch_dir("cpn-emulator-")
     print(
         f"agents: `live_federation.py agents --emulator {args.emulator}"
         + (f" --transport {args.transport}`" if args.emulator == "emulator" else "`")
@@ -552,8 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['sites']} | {r['interval_s']:g}s | {r['publishes_per_s']:,.0f} + "
             f"{r['skipped_per_s']:,.0f} ({r['target_per_s']:,.0f}) | "
             f"{r['keepalives_per_s']:,.0f} | "
-            f"{fanin.fmt_ms(call['p50'])}/{fanin.fmt_ms(call['p99'])} | "
-            f"{fanin.fmt_ms(r['schedule_lag_p99_ms'])} | {sum(r['errors'].values())} "
+            f"{fmt_ms(call['p50'])}/{fmt_ms(call['p99'])} | "
+            f"{fmt_ms(r['schedule_lag_p99_ms'])} | {sum(r['errors'].values())} "
             f"{r['errors'] or ''} | {live_num(r['agents_cpu_pct'])} | "
             f"{live_num(r['etcd_cpu_pct'])} | {live_num(r['agents_rss_mb'])}"
         )

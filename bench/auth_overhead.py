@@ -1,7 +1,7 @@
 """What checking tokens costs on the hot paths: submit, route and a proxied inference request.
 
 Prints figures; it is not a timed test. Two set-ups, alternated round by round so that the
-machine's load falls on both alike: bench/routing.py's loopback demo (`cpn up
+machine's load falls on both alike: bench/inference_routing.py's loopback demo (`cpn up
 --no-wan-emulation --sites chongqing,shaoguan`, stand-ins at 0.5 ms) with `auth.enabled: true`
 (every request carries a tenant-user token, as an inference client's does) and the same with
 `auth.enabled: false`. Each round sends, one at a time from one client: POST /v1/jobs (a
@@ -32,14 +32,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "bench"))  # last: bench/routing.py must not shadow routing/
 
-from job_history import rb, stats  # noqa: E402  (bench/routing.py's demo, loaded once)
+import inference_routing as rb  # noqa: E402  (its loopback demo)
+from benchkit import latency_stats, num, table  # noqa: E402
+from benchkit import log_stamped as log  # noqa: E402
 
 from broker.state.auth import Role, TokenBook, create_token, new_token  # noqa: E402
 from sites.registry.client import Registry  # noqa: E402
 
-log, pct, fmt, table = rb.log, rb.pct, rb.fmt, rb.table
 SERVICE = rb.LOOPBACK_SERVICE
 TARGET_ADDED_MS = 0.2
 
@@ -147,7 +147,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
         for demo in demos:
             demo.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return {label: {k: stats(v) for k, v in kinds.items()} for label, kinds in samples.items()}
+    return {
+        label: {k: latency_stats(v) for k, v in kinds.items()} for label, kinds in samples.items()
+    }
 
 
 def main() -> None:
@@ -162,8 +164,8 @@ def main() -> None:
     for kind in ("infer", "route", "submit"):
         on, off = result["on"][kind], result["off"][kind]
         rows.append([
-            kind, f"{fmt(off['p50'], 3)} / {fmt(off['p99'], 2)}",
-            f"{fmt(on['p50'], 3)} / {fmt(on['p99'], 2)}", fmt(on["p50"] - off["p50"], 3),
+            kind, f"{num(off['p50'], 3)} / {num(off['p99'], 2)}",
+            f"{num(on['p50'], 3)} / {num(on['p99'], 2)}", num(on["p50"] - off["p50"], 3),
         ])  # fmt: skip
     print(table(["path", "auth off p50/p99 ms", "auth on p50/p99 ms", "added p50 ms"], rows))
     print(f"\nTokenBook.authenticate alone: {micro:.2f} us per call")

@@ -39,6 +39,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchkit import share  # noqa: E402
+
 from simulations.autoscaling import ServiceSim  # noqa: E402
 from simulations.scenario import build_federation, load_scenario  # noqa: E402
 from simulations.service_demand import ScalerKind  # noqa: E402
@@ -64,14 +66,6 @@ def one(path: str, horizon: float | None, kind: str, target: float | None) -> di
     res["wall_s"] = time.perf_counter() - started
     res["target_qps"] = scenario.services[0].spec.scaling.target_qps_per_replica
     return res
-
-
-def pct(x: float | None) -> str:
-    return "none" if x is None else f"{100 * x:.2f}%"
-
-
-def pct3(x: float | None) -> str:
-    return "none" if x is None else f"{100 * x:.3f}%"
 
 
 def ms(x: float | None) -> str:
@@ -120,7 +114,7 @@ def main() -> int:
             label = kind if t is None else f"{kind} target {t:g}"
             print(
                 f"  {label}: {res['replica_hours']:.1f} replica-hours, "
-                f"SLO {pct(res['slo_attainment'])}, {res['wall_s']:.0f} s",
+                f"SLO {share(res['slo_attainment'])}, {res['wall_s']:.0f} s",
                 file=sys.stderr,
             )
     cpn, sky, static = results[0], results[1], results[2]
@@ -137,7 +131,7 @@ def main() -> int:
         cells = []
         for r in (cpn, sky, static):
             region = r["regions"][client]
-            cells.append(f"{pct(region['slo_attainment'])} p95 {ms(region['p95_ms'])}")
+            cells.append(f"{share(region['slo_attainment'])} p95 {ms(region['p95_ms'])}")
         slo = cpn["regions"][client]["slo_ms"]
         print(f"{client:14} {ms(slo):>7}" + "".join(f" {c:>22}" for c in cells))
     print()
@@ -149,9 +143,10 @@ def main() -> int:
         )
         print(
             f"{name:9} replica-hours {r['replica_hours']:8.1f}  peak {r['peak_replicas']:3d}  "
-            f"SLO {pct(r['slo_attainment'])}  worst {pct(r['slo_worst'])} ({r['slo_worst_region']})"
+            f"SLO {share(r['slo_attainment'])}  worst {share(r['slo_worst'])} "
+            f"({r['slo_worst_region']})"
             f"  p95 within the SLO in {met} of {len(r['regions'])} regions, "
-            f"in {pct3(r['steps_met'])} of (region, step) pairs"
+            f"in {share(r['steps_met'], 3)} of (region, step) pairs"
         )
     print()
 
@@ -163,15 +158,15 @@ def main() -> int:
     )
     print("Targets at the scenario's settings:")
     print(
-        f"  vs static:   SLO {pct(cpn['slo_attainment'])} (worst {pct(cpn['slo_worst'])}) vs "
-        f"{pct(static['slo_attainment'])} (worst {pct(static['slo_worst'])}), "
+        f"  vs static:   SLO {share(cpn['slo_attainment'])} (worst {share(cpn['slo_worst'])}) vs "
+        f"{share(static['slo_attainment'])} (worst {share(static['slo_worst'])}), "
         f"replica-hours {ratio:.2f}x (target: SLO at least static's, <= {STATIC_RATIO}x): "
         f"{verdict(ok_static)}"
     )
     ok_steps = cpn["steps_met"] >= static["steps_met"] and ratio <= STATIC_RATIO
     print(
         f"  vs static, the p95 SLO as compliance (its share of (region, {STEP}) pairs met): "
-        f"{pct3(cpn['steps_met'])} vs {pct3(static['steps_met'])}, {ratio:.2f}x: "
+        f"{share(cpn['steps_met'], 3)} vs {share(static['steps_met'], 3)}, {ratio:.2f}x: "
         f"{verdict(ok_steps)}"
     )
     ok_sky = (
@@ -180,8 +175,8 @@ def main() -> int:
         and cpn["replica_hours"] <= sky["replica_hours"]
     )
     print(
-        f"  vs skyserve: SLO {pct(cpn['slo_attainment'])} (worst {pct(cpn['slo_worst'])}) vs "
-        f"{pct(sky['slo_attainment'])} (worst {pct(sky['slo_worst'])}), replica-hours "
+        f"  vs skyserve: SLO {share(cpn['slo_attainment'])} (worst {share(cpn['slo_worst'])}) vs "
+        f"{share(sky['slo_attainment'])} (worst {share(sky['slo_worst'])}), replica-hours "
         f"{cpn['replica_hours']:.1f} vs {sky['replica_hours']:.1f} (target: better SLO, no more "
         f"replica-hours): {verdict(ok_sky)}"
     )
@@ -195,9 +190,10 @@ def main() -> int:
     for r in sorted(sweep, key=lambda r: r["target_qps"]):
         print(
             f"  {r['target_qps']:7g} {r['replica_hours']:14.1f} "
-            f"{r['replica_hours'] / static['replica_hours']:9.2f} {pct3(r['slo_attainment']):>8} "
-            f"{pct3(r['slo_worst']) + ' ' + str(r['slo_worst_region']):>22} "
-            f"{pct3(r['steps_met']):>8}"
+            f"{r['replica_hours'] / static['replica_hours']:9.2f} "
+            f"{share(r['slo_attainment'], 3):>8} "
+            f"{share(r['slo_worst'], 3) + ' ' + str(r['slo_worst_region']):>22} "
+            f"{share(r['steps_met'], 3):>8}"
         )
     at_least_static = [
         r
@@ -210,22 +206,22 @@ def main() -> int:
         near = [r for r in sweep if r["replica_hours"] <= STATIC_RATIO * static["replica_hours"]]
         print(
             f"  no setting of the sweep reaches static's SLO attainment "
-            f"({pct3(static['slo_attainment'])}, worst {pct3(static['slo_worst'])})"
+            f"({share(static['slo_attainment'], 3)}, worst {share(static['slo_worst'], 3)})"
         )
         if near:
             best = max(near, key=lambda r: (r["slo_worst"], r["slo_attainment"]))
             print(
                 f"  closest within {STATIC_RATIO}x: target {best['target_qps']:g}, "
                 f"{best['replica_hours'] / static['replica_hours']:.2f}x, SLO "
-                f"{pct3(best['slo_attainment'])} (worst {pct3(best['slo_worst'])}): "
+                f"{share(best['slo_attainment'], 3)} (worst {share(best['slo_worst'], 3)}): "
                 f"{100 * (static['slo_attainment'] - best['slo_attainment']):.4f} points "
                 f"({100 * (static['slo_worst'] - best['slo_worst']):.4f} worst) short"
             )
     compliant = [r for r in sweep if r["steps_met"] >= static["steps_met"]]
     if compliant:
-        what = f"the p95 SLO met as often as static's ({pct3(static['steps_met'])} of pairs)"
+        what = f"the p95 SLO met as often as static's ({share(static['steps_met'], 3)} of pairs)"
         best = min(compliant, key=lambda r: r["replica_hours"])
-        extra = f"per-request SLO {pct3(best['slo_attainment'])}, "
+        extra = f"per-request SLO {share(best['slo_attainment'], 3)}, "
         print(cheapest(compliant, static, what, extra))
     within = [r for r in sweep if r["replica_hours"] <= sky["replica_hours"]]
     if within:
@@ -236,8 +232,8 @@ def main() -> int:
         print(
             f"  best SLO within skyserve's {sky['replica_hours']:.1f} replica-hours: target "
             f"{best['target_qps']:g}, {best['replica_hours']:.1f} h, SLO "
-            f"{pct(best['slo_attainment'])} (worst {pct(best['slo_worst'])}) vs "
-            f"{pct(sky['slo_attainment'])} (worst {pct(sky['slo_worst'])}): {verdict(better)}"
+            f"{share(best['slo_attainment'])} (worst {share(best['slo_worst'])}) vs "
+            f"{share(sky['slo_attainment'])} (worst {share(sky['slo_worst'])}): {verdict(better)}"
         )
     else:
         print("  no setting of the sweep stays within skyserve's replica-hours")
@@ -246,7 +242,7 @@ def main() -> int:
         best = min(meeting, key=lambda r: r["replica_hours"])
         print(
             f"  {GOAL:.0%} SLO in every region: {best['replica_hours']:.1f} replica-hours a day "
-            f"(target {best['target_qps']:g} req/s per replica, worst {pct(best['slo_worst'])} "
+            f"(target {best['target_qps']:g} req/s per replica, worst {share(best['slo_worst'])} "
             f"in {best['slo_worst_region']})"
         )
     else:

@@ -54,6 +54,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchkit import log_stamped as log  # noqa: E402
+from benchkit import share  # noqa: E402
+
 from broker.model.regions import load_user_regions  # noqa: E402
 from cpn.load import LoadReport, LoadSettings, run_load  # noqa: E402
 from simulations.service_demand import utc_offset_h_of  # noqa: E402
@@ -194,10 +197,6 @@ class Demo:
                 self.proc.wait(10)
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
 async def sample(demo: Demo, stop: asyncio.Event, out: list[tuple[float, dict[str, int]]]) -> None:
     """Every second: the replicas placed per client region (the reconciler's regions)."""
     started = time.monotonic()
@@ -273,10 +272,6 @@ def summary(report: LoadReport, samples: list[tuple[float, dict[str, int]]]) -> 
     }
 
 
-def pct(x: float | None) -> str:
-    return "none" if x is None else f"{100 * x:.2f}%"
-
-
 def ms(x: float | None) -> str:
     return "none" if x is None else f"{x:.0f}"
 
@@ -291,13 +286,13 @@ def print_results(res: dict[str, Any], day_s: float) -> None:
             v = r["regions"][client]
             print(
                 f"{client:14} {name:7} {v['sent']:6d} {v['errors']:6d} {ms(v['p50_ms']):>5} "
-                f"{ms(v['p95_ms']):>5} {ms(v['p99_ms']):>5} {pct(v['slo_attainment']):>8}"
+                f"{ms(v['p95_ms']):>5} {ms(v['p99_ms']):>5} {share(v['slo_attainment']):>8}"
             )
     print()
     for name, r in (("cpn", cpn), ("static", static)):
         print(
             f"{name:7} replica-hours {r['replica_hours']:7.1f}  peak {r['peak_replicas']}  "
-            f"SLO {pct(r['slo_attainment'])}  worst region {pct(r['slo_worst'])}"
+            f"SLO {share(r['slo_attainment'])}  worst region {share(r['slo_worst'])}"
         )
     print("\ncpn's replicas per client region by virtual UTC hour:")
     for region, counts in sorted(cpn["hourly_replicas"].items()):
@@ -322,7 +317,7 @@ def print_results(res: dict[str, Any], day_s: float) -> None:
     )
     print(
         f"\ntarget (SLO at least static's with at most 0.6x its replica-hours): SLO "
-        f"{pct(cpn['slo_attainment'])} vs {pct(static['slo_attainment'])}, replica-hours "
+        f"{share(cpn['slo_attainment'])} vs {share(static['slo_attainment'])}, replica-hours "
         f"{'none' if ratio is None else f'{ratio:.2f}x'}: {'met' if ok else 'NOT met'}"
     )
 

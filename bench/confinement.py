@@ -42,6 +42,7 @@ from typing import Any
 import aiohttp
 import psutil
 import yaml
+from benchkit import log, quantile
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = "wuhu"
@@ -50,10 +51,6 @@ MODES = {
     "sandbox": {},
     "unsandboxed": {"sandbox": "none", "when_unavailable": "unsandboxed"},
 }
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def config_dir(tmp: Path, confinement: dict[str, Any]) -> Path:
@@ -74,11 +71,6 @@ def config_dir(tmp: Path, confinement: dict[str, Any]) -> Path:
     doc["executor"] = executor
     (out / "sites" / f"{SITE}.yaml").write_text(yaml.safe_dump(doc))
     return out
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 async def run_mode(mode: str, jobs: int, rate: float) -> dict[str, Any]:
@@ -120,9 +112,9 @@ async def run_mode(mode: str, jobs: int, rate: float) -> dict[str, Any]:
             "mode": mode,
             "confinement": line,
             "jobs": jobs,
-            "p50_ms": percentile(latencies, 0.5),
-            "p90_ms": percentile(latencies, 0.9),
-            "p99_ms": percentile(latencies, 0.99),
+            "p50_ms": quantile(latencies, 0.5),
+            "p90_ms": quantile(latencies, 0.9),
+            "p99_ms": quantile(latencies, 0.99),
             "mean_ms": statistics.fmean(latencies),
             "agent_cpu_ms_per_job": 1000 * own / jobs,
             "children_cpu_ms_per_job": 1000 * children / jobs,
@@ -245,8 +237,8 @@ async def direct(mode: str, runs: int) -> dict[str, Any]:
             latencies.append(1000 * (float(log_file.read_text().split()[0]) - before))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"mode": mode, "p50_ms": percentile(latencies, 0.5),
-            "p99_ms": percentile(latencies, 0.99)}  # fmt: skip
+    return {"mode": mode, "p50_ms": quantile(latencies, 0.5),
+            "p99_ms": quantile(latencies, 0.99)}  # fmt: skip
 
 
 async def main() -> None:

@@ -20,7 +20,7 @@ of R; the last is the median of the polls the last browser saw.
     .venv/bin/python bench/dashboard_paint.py                 # 1,000 sites, 5 runs
     .venv/bin/python bench/dashboard_paint.py --sites 5000 --runs 3 --screenshot out.png
 
-See bench/README.md for figures.
+Figures: bench/README.md (the latest), bench/JOURNAL.md (earlier runs).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -41,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import registry_fanin as fanin
+from benchkit import AgentStats, cpn_argv, embedded_etcd, log, scratch_dir
 
 from broker.state.auth import Role, create_token, new_token
-from sites.emulation.etcd_server import EmbeddedEtcd, free_port
+from sites.emulation.etcd_server import free_port
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
 from sites.registry.client import Registry
@@ -62,10 +62,6 @@ REGIONS = {
     "ap-northeast": (35.6, 139.7),
 }
 DOWN_SHARE = 0.05  # sites joined without an agent: drawn as down
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def docs(n: int, seed: int) -> list[dict[str, Any]]:
@@ -89,7 +85,7 @@ async def populate(url: str, specs: list[SiteSpec], token_out: list[str]) -> Non
     status each (the bench takes less than that); write an admin token."""
     catalog = DeviceCatalog.load(CONFIGS / "devices.yaml")
     cfg = fanin.AgentConfig(interval_s=1.0, ttl_s=600, keepalive_s=60.0)
-    stats = fanin.AgentStats()
+    stats = AgentStats()
     async with Registry.from_urls(url) as registry:
         record, token = new_token(role=Role.admin, tenant=None, now=time.time(), created_by="bench")
         await create_token(registry, record)
@@ -220,9 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
         log("dashboard_paint: headless Chromium is missing: make chromium (.ci/install-chromium)")
         return 2
-    shm = Path("/dev/shm")
-    tmp = Path(tempfile.mkdtemp(prefix="cpn-paint-", dir=shm if shm.is_dir() else None))
-    etcd = EmbeddedEtcd(data_dir=tmp / "data", log_path=tmp / "etcd.log", unsafe_no_fsync=True)
+    tmp = scratch_dir("cpn-paint-")
+    etcd = embedded_etcd(tmp)
     proc: subprocess.Popen[bytes] | None = None
     try:
         url = etcd.start()
@@ -235,11 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(f"   joined and published in {time.monotonic() - t:.1f}s")
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        script = Path(sys.executable).parent / "cpn"
-        argv0 = [str(script)] if script.exists() else [sys.executable, "-m", "cpn"]
         with (tmp / "broker.log").open("wb") as out:
             proc = subprocess.Popen(
-                [*argv0, "broker", "--etcd", url, "--listen", f"127.0.0.1:{port}",
+                [*cpn_argv(), "broker", "--etcd", url, "--listen", f"127.0.0.1:{port}",
                  "--config-dir", str(broker_config(tmp))],
                 stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip

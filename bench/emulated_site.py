@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import aetcd.transactions
-import registry_fanin as fanin
 from aetcd import rpc
+from benchkit import agent_record, build
 from pydantic import BaseModel
 
 from sites.agent.drift import (
@@ -338,7 +338,7 @@ class EmulatedSite:
 
     def new_record(self, lease_id: int) -> AgentRecord:
         """As SimAgent.acquire writes it."""
-        return fanin.agent_record(self.id, self.instance, self.rng, lease_id)
+        return agent_record(self.id, self.instance, self.rng, lease_id)
 
     def set_record(self, record: AgentRecord | None) -> None:
         self.record = record
@@ -515,7 +515,7 @@ class EmulatedSite:
         load: float,
     ) -> SiteStatus:
         """SimAgent.measure's document for these figures."""
-        return fanin.build(
+        return build(
             SiteStatus,
             site=self.id,
             instance=self.instance,
@@ -526,7 +526,7 @@ class EmulatedSite:
             capacity=self.capacity,
             free=free,
             storage=(StorageUsage(path="/data", total_tb=50.0, used_tb=used_tb),),
-            host=fanin.build(
+            host=build(
                 HostUsage,
                 cpu_cores=HOST_CORES,
                 cpu_util_pct=util,
@@ -541,7 +541,7 @@ class EmulatedSite:
     ) -> LinkStatus:
         """SimAgent.links' document."""
         floor = base_us / 1000
-        return fanin.build(
+        return build(
             LinkStatus,
             src=self.id,
             dst=peer,

@@ -30,14 +30,14 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sites.emulation.etcd_server import EmbeddedEtcd  # noqa: E402
+from benchkit import embedded_etcd, scratch_dir  # noqa: E402
+
 from sites.registry.client import TRANSPORT_ENV, Guard, Registry  # noqa: E402
 
 TRANSPORTS = ("h2", "grpc")
@@ -115,9 +115,8 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2, help="h2 then grpc, this many times")
     p.add_argument("--txn-rate", type=float, default=20.0, help="commits per s")
     args = p.parse_args()
-    shm = Path("/dev/shm")
-    tmp = Path(tempfile.mkdtemp(prefix="cpn-transport-", dir=shm if shm.is_dir() else None))
-    etcd = EmbeddedEtcd(data_dir=tmp / "etcd", log_path=tmp / "etcd.log", unsafe_no_fsync=True)
+    tmp = scratch_dir("cpn-transport-")
+    etcd = embedded_etcd(tmp)
     agents: subprocess.Popen[bytes] | None = None
     rows: list[tuple[str, dict[str, float]]] = []
     try:

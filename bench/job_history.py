@@ -6,11 +6,12 @@ Prints figures; it is not a timed test. For each N (0, 10,000, 100,000 by defaul
    a federation that has run for a while holds them (tests/broker/history_data.py: finished
    over the last 30 days, four events each, indexed as today's broker writes them).
 2. **Hot phase.** A real `cpn up --etcd URL --no-wan-emulation --sites chongqing,shaoguan`
-   (bench/routing.py's loopback demo, stand-ins at 0.5 ms) with `history.retention_s: 400d`,
-   so all N stay in the hot prefix: the worst case. Measured, each sequentially from one
-   client: POST /v1/route (qwen-7b, rotating client regions), POST /v1/jobs (a one-core job),
-   GET /v1/jobs first pages (limit=100), deep pages (following `continue` ten times), a
-   filtered page (state=failed&tenant=vision), the broker's RSS and the etcd database size.
+   (bench/inference_routing.py's loopback demo, stand-ins at 0.5 ms) with
+   `history.retention_s: 400d`, so all N stay in the hot prefix: the worst case. Measured, each
+   sequentially from one client: POST /v1/route (qwen-7b, rotating client regions), POST
+   /v1/jobs (a one-core job), GET /v1/jobs first pages (limit=100), deep pages (following
+   `continue` ten times), a filtered page (state=failed&tenant=vision), the broker's RSS and the
+   etcd database size.
 3. **Archive phase** (N > 0). `cpn up` again with the default retention (7 days), the history
    pass every second, compaction to 2 s ago and defragmentation every 10 s: the bench waits
    for every job finished more than 7 days ago to be archived, then measures the same figures
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import shutil
@@ -50,24 +50,13 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sites.emulation.etcd_server import EmbeddedEtcd  # noqa: E402
+import inference_routing as rb  # noqa: E402  (its loopback demo)
+from benchkit import embedded_etcd, latency_stats, num, scratch_dir, table  # noqa: E402
+from benchkit import log_stamped as log  # noqa: E402
+
 from sites.model import keys  # noqa: E402
 from sites.registry.client import Registry  # noqa: E402
 from tests.broker import history_data  # noqa: E402
-
-
-def _bench_routing() -> Any:
-    """bench/routing.py as a module (its name would shadow the routing package)."""
-    spec = importlib.util.spec_from_file_location("bench_routing", ROOT / "bench" / "routing.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_routing"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-rb = _bench_routing()
-log, pct, fmt, table = rb.log, rb.pct, rb.fmt, rb.table
 
 SERVICE = rb.LOOPBACK_SERVICE
 RETENTION_DAYS = 7.0
@@ -87,10 +76,6 @@ async def timed(
     return (time.perf_counter() - t0) * 1000, data
 
 
-def stats(ms: list[float]) -> dict[str, float]:
-    return {"p50": pct(ms, 50), "p99": pct(ms, 99), "n": len(ms)}
-
-
 async def measure(demo: Any, regions: list[str], args: argparse.Namespace) -> dict[str, Any]:
     base = demo.broker
     out: dict[str, Any] = {}
@@ -101,14 +86,14 @@ async def measure(demo: Any, regions: list[str], args: argparse.Namespace) -> di
             (await timed(session, "POST", f"{base}/v1/route", _route(regions, i)))[0]
             for i in range(args.routes)
         ]
-        out["route_ms"] = stats(route)
+        out["route_ms"] = latency_stats(route)
         submit = []
         for i in range(args.submits):
             body = {"name": f"bench-{i}", "tenant": "bench", "command": ["true"], "mem_gb": 0.1}
             submit.append((await timed(session, "POST", f"{base}/v1/jobs", body))[0])
-        out["submit_ms"] = stats(submit)
+        out["submit_ms"] = latency_stats(submit)
         first = [(await timed(session, "GET", f"{base}/v1/jobs?limit=100"))[0] for _ in range(20)]
-        out["page_first_ms"] = stats(first)
+        out["page_first_ms"] = latency_stats(first)
         deep: list[float] = []
         token = None
         for _ in range(10):
@@ -118,17 +103,17 @@ async def measure(demo: Any, regions: list[str], args: argparse.Namespace) -> di
             token = page["continue"]
             if not token:
                 break
-        out["page_deep_ms"] = stats(deep)
+        out["page_deep_ms"] = latency_stats(deep)
         filtered = [
             (await timed(session, "GET", f"{base}/v1/jobs?limit=100&state=failed&tenant=vision"))[0]
             for _ in range(10)
         ]
-        out["page_filtered_ms"] = stats(filtered)
+        out["page_filtered_ms"] = latency_stats(filtered)
         archived = [
             (await timed(session, "GET", f"{base}/v1/jobs?limit=100&include=archived"))[0]
             for _ in range(10)
         ]
-        out["page_archived_ms"] = stats(archived)
+        out["page_archived_ms"] = latency_stats(archived)
     brokers = demo.processes().get("broker", [])
     out["broker_rss_mb"] = brokers[0].memory_info().rss / 2**20 if brokers else None
     return out
@@ -190,7 +175,7 @@ def write_settings(cfg: Path, history: dict[str, Any]) -> None:
 
 
 def new_demo(where: Path, history: dict[str, Any]) -> tuple[Any, Path]:
-    """bench/routing.py's loopback demo with these history settings, on fresh ports (not
+    """bench/inference_routing.py's loopback demo with these history settings, on fresh ports (not
     started): (demo, its config directory)."""
     cfg = rb.copy_configs(where, fast=True)
     write_settings(cfg, history)
@@ -203,10 +188,8 @@ def new_demo(where: Path, history: dict[str, Any]) -> tuple[Any, Path]:
 
 async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     result: dict[str, Any] = {"jobs": n}
-    data_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    etcd = EmbeddedEtcd(
-        data_dir=Path(tempfile.mkdtemp(prefix="jh-", dir=data_root)), unsafe_no_fsync=True
-    )
+    scratch = scratch_dir("jh-")
+    etcd = embedded_etcd(scratch)
     url = etcd.start()
     demo = None
     try:
@@ -280,7 +263,7 @@ async def run_one(n: int, args: argparse.Namespace, work: Path) -> dict[str, Any
         if demo is not None:
             demo.stop()
         etcd.stop()
-        shutil.rmtree(etcd.data_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return result
 
 
@@ -300,13 +283,13 @@ def report(results: list[dict[str, Any]]) -> str:
                 continue
 
             def pair(key: str, m: dict[str, Any] = m) -> str:
-                return f"{fmt(m[key]['p50'], 2)} / {fmt(m[key]['p99'], 2)}"
+                return f"{num(m[key]['p50'], 2)} / {num(m[key]['p99'], 2)}"
 
             rows.append([
                 f"{r['jobs']:,}", phase, pair("route_ms"), pair("submit_ms"),
-                pair("page_first_ms"), fmt(m["page_deep_ms"]["p99"], 1),
-                fmt(m["page_filtered_ms"]["p99"], 1), fmt(m["page_archived_ms"]["p99"], 1),
-                fmt(m["broker_rss_mb"], 0), f"{m['db_mb']:.1f} ({m['db_in_use_mb']:.1f})",
+                pair("page_first_ms"), num(m["page_deep_ms"]["p99"], 1),
+                num(m["page_filtered_ms"]["p99"], 1), num(m["page_archived_ms"]["p99"], 1),
+                num(m["broker_rss_mb"], 0), f"{m['db_mb']:.1f} ({m['db_in_use_mb']:.1f})",
                 compacted(m),
             ])  # fmt: skip
     lines = [table(headers, rows), ""]

@@ -25,12 +25,13 @@ import asyncio
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchkit import embedded_etcd, scratch_dir  # noqa: E402
 
 from broker.leader.history import HistoryKeeper, JobQuery, list_page  # noqa: E402
 from broker.model.jobs import JobState  # noqa: E402
@@ -38,7 +39,6 @@ from broker.placement.settings import HistorySettings  # noqa: E402
 from broker.state.leadership import Leadership  # noqa: E402
 from broker.state.metrics import BrokerMetrics  # noqa: E402
 from broker.state.store import JobStore  # noqa: E402
-from sites.emulation.etcd_server import EmbeddedEtcd  # noqa: E402
 from sites.kits.clock import SystemClock  # noqa: E402
 from sites.registry.client import Registry  # noqa: E402
 from tests.broker import history_data  # noqa: E402
@@ -99,10 +99,8 @@ async def archive(registry: Registry, leadership: Leadership) -> tuple[int, floa
 
 
 async def main(args: argparse.Namespace) -> None:
-    data = Path(
-        tempfile.mkdtemp(prefix="job-pages-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
-    )
-    etcd = EmbeddedEtcd(data_dir=data, unsafe_no_fsync=True)
+    data = scratch_dir("job-pages-")
+    etcd = embedded_etcd(data)
     etcd.start()
     try:
         async with Registry.from_urls(etcd.url) as registry:

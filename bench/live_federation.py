@@ -45,23 +45,45 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import agent_emulator as emulator
 import aiohttp
 import psutil
 import registry_fanin as fanin
 import yaml
+from benchkit import (
+    AgentStats,
+    LineReader,
+    Proc,
+    agents_summary,
+    bounded,
+    cpn_argv,
+    cpu_seconds,
+    embedded_etcd,
+    fmt_ms,
+    host_busy_seconds,
+    log,
+    make_registry,
+    num,
+    percentile,
+    rate,
+    rss_mb,
+    scratch_dir,
+    start_process,
+    stop_all,
+    stop_process,
+    table,
+)
 
 from sites.agent.process import MIN_TTL_S
-from sites.emulation.etcd_server import EmbeddedEtcd, free_port
+from sites.emulation.etcd_server import free_port
 from sites.kits.tasks import measure_loop_lag
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
@@ -83,13 +105,6 @@ JOB: dict[str, Any] = {
     "mem_gb": 1.0,
     "duration_hours": 1.0,
 }
-
-percentile = fanin.percentile
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
 
 # -- the federation: the same documents in the agents' process and in the broker's config -----
 
@@ -146,8 +161,8 @@ async def agents_main(args: argparse.Namespace) -> None:
         )
         for i, spec in enumerate(specs)
     ]
-    control = fanin.make_registry(args.etcd, local_subchannels=True)
-    stats = fanin.AgentStats(measuring=True)
+    control = make_registry(args.etcd, local_subchannels=True)
+    stats = AgentStats(measuring=True)
     crashed: Counter[str] = Counter()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -171,7 +186,7 @@ async def agents_main(args: argparse.Namespace) -> None:
     try:
         await control.connect()
         t = time.monotonic()
-        await fanin.bounded([functools.partial(control.join, s) for s in specs], 64)
+        await bounded([functools.partial(control.join, s) for s in specs], 64)
         await agents.setup()
         emit({"ready": True, "setup_s": round(time.monotonic() - t, 2), "agents": agents.name})
         agents.start(loop.time() + 0.2)
@@ -212,14 +227,12 @@ class SimAgents:
         plans: Sequence[emulator.SitePlan],
         args: argparse.Namespace,
         catalog: DeviceCatalog,
-        stats: fanin.AgentStats,
+        stats: AgentStats,
         crashed: Counter[str],
     ) -> None:
         n_clients = max(1, math.ceil(len(plans) / args.agents_per_client))
         self.name = f"registry_fanin.SimAgent, {args.agents_per_client} per Registry"
-        self.clients = [
-            fanin.make_registry(args.etcd, local_subchannels=True) for _ in range(n_clients)
-        ]
+        self.clients = [make_registry(args.etcd, local_subchannels=True) for _ in range(n_clients)]
         cfg = fanin.AgentConfig(
             interval_s=args.interval, ttl_s=args.ttl, keepalive_s=args.keepalive
         )
@@ -241,7 +254,7 @@ class SimAgents:
 
     async def setup(self) -> None:
         await asyncio.gather(*(c.connect() for c in self.clients))
-        await fanin.bounded([a.acquire for a in self.agents], 64)
+        await bounded([a.acquire for a in self.agents], 64)
 
     def start(self, t0: float) -> None:
         for agent in self.agents:
@@ -260,112 +273,12 @@ class SimAgents:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         # the etcd goes away with the row; revoke what can be revoked quickly, no more
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(fanin.bounded([a.revoke for a in self.agents], 64), 10.0)
+            await asyncio.wait_for(bounded([a.revoke for a in self.agents], 64), 10.0)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(asyncio.gather(*(c.close() for c in self.clients)), 5.0)
 
 
 # -- processes this bench started --------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-
-STARTED: list[Proc] = []  # stopped, by pid, in reverse order, on every exit path
-
-
-def start_process(
-    name: str, argv: list[str], log_path: Path, *, stdout_pipe: bool, stdin_pipe: bool = False
-) -> Proc:
-    with open(log_path, "ab") as logfile:
-        popen = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
-            stdout=subprocess.PIPE if stdout_pipe else logfile,
-            stderr=logfile,
-            cwd=ROOT,
-        )
-    proc = Proc(name, popen, log_path)
-    STARTED.append(proc)
-    return proc
-
-
-def stop_process(proc: Proc, timeout_s: float = 20.0) -> None:
-    """SIGTERM (the process cleans up), then SIGKILL after timeout_s; by pid, only ours."""
-    if proc.alive():
-        with contextlib.suppress(ProcessLookupError):
-            proc.popen.send_signal(signal.SIGTERM)
-        try:
-            proc.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            log(f"   {proc.name} (pid {proc.pid}) did not stop in {timeout_s:.0f}s: killed")
-            proc.popen.kill()
-            proc.popen.wait()
-    for stream in (proc.popen.stdin, proc.popen.stdout):
-        if stream is not None:
-            with contextlib.suppress(OSError):
-                stream.close()
-    if proc in STARTED:
-        STARTED.remove(proc)
-
-
-def stop_all() -> None:
-    for proc in reversed(list(STARTED)):
-        stop_process(proc)
-
-
-class LineReader:
-    """The agents' JSON lines, read by a thread (the event loop never blocks on the pipe)."""
-
-    def __init__(self, stream: IO[bytes]) -> None:
-        self.lines: list[dict[str, Any]] = []
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: IO[bytes]) -> None:
-        with contextlib.suppress(ValueError, OSError):
-            for raw in stream:
-                with contextlib.suppress(ValueError):
-                    obj = json.loads(raw)
-                    with self._lock:
-                        self.lines.append(obj)
-
-    def take(self) -> list[dict[str, Any]]:
-        with self._lock:
-            out, self.lines = self.lines, []
-        return out
-
-
-# -- figures -----------------------------------------------------------------------------------
-
-
-def cpu_seconds(pid: int | None) -> float | None:
-    return fanin.cpu_seconds(pid)
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        return psutil.Process(pid).memory_info().rss / 2**20
-    except psutil.Error:
-        return None
 
 
 AUTH: dict[str, str] = {}
@@ -451,16 +364,16 @@ class Sampler:
     def start(self) -> None:
         self.wall = time.monotonic()
         self.cpu = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
-        self.host = fanin.host_busy_seconds()
+        self.host = host_busy_seconds()
 
     def rates(self) -> dict[str, float | None]:
         """% of one core per process over the window (and the host's busy %)."""
         window = time.monotonic() - self.wall
         out: dict[str, float | None] = {}
         for name, pid in self.pids.items():
-            r = fanin.rate(self.cpu.get(name), cpu_seconds(pid), window)
+            r = rate(self.cpu.get(name), cpu_seconds(pid), window)
             out[name] = None if r is None else 100 * r
-        host = fanin.rate(self.host, fanin.host_busy_seconds(), window)
+        host = rate(self.host, host_busy_seconds(), window)
         out["host"] = None if host is None else 100 * host
         return out
 
@@ -873,29 +786,6 @@ def gc_pauses(log_text: str, since: float = 0.0, until: float = float("inf")) ->
     }
 
 
-def cpn_argv() -> list[str]:
-    script = Path(sys.executable).parent / "cpn"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "cpn"]
-
-
-def agents_summary(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    publish_ms = [x for line in lines for x in line.get("publish_ms", ())]
-    lag_ms = [x for line in lines for x in line.get("lag_ms", ())]
-    errors: Counter[str] = Counter()
-    for line in lines:
-        errors.update(line.get("errors", {}))
-        errors.update(line.get("crashed", {}))
-    seconds = len(lines) or 1
-    return {
-        "publishes_per_s": sum(line.get("publishes", 0) for line in lines) / seconds,
-        "skipped_per_s": sum(line.get("skipped", 0) for line in lines) / seconds,
-        "keepalives_per_s": sum(line.get("keepalives", 0) for line in lines) / seconds,
-        "publish_call_ms": {"p50": percentile(publish_ms, 50), "p99": percentile(publish_ms, 99)},
-        "schedule_lag_p99_ms": percentile(lag_ms, 99),
-        "errors": dict(errors),
-    }
-
-
 async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     row_dir = tmp / f"{n}x{interval:g}s"
     row_dir.mkdir()
@@ -907,9 +797,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
     ttl = args.ttl or max(MIN_TTL_S, math.ceil(3 * interval))
     keepalive = args.keepalive or ttl / 3
     log(f"\n== {n} sites publishing every {interval:g}s (lease {ttl}s, keepalive {keepalive:g}s)")
-    etcd = EmbeddedEtcd(
-        data_dir=row_dir / "etcd", log_path=row_dir / "etcd.log", unsafe_no_fsync=True
-    )
+    etcd = embedded_etcd(row_dir)
     agents: Proc | None = None
     broker: Proc | None = None
     operator: tuple[Proc, LineReader] | None = None
@@ -1022,23 +910,23 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
             "   load: submit p99 {} ms (the broker's own p99 {} ms), route p99 {} ms ({} ms), "
             "broker {:.0f}% of a core; controls: "
             "etcd Txn from here p50/p99 {}/{} ms, this process's loop lag p99/max {}/{} ms".format(
-                fanin.fmt_ms(percentile(load.submit.ms, 99)),
-                fanin.fmt_ms(load.submit.summary()["server_p99"]),
-                fanin.fmt_ms(percentile(load.route.ms, 99)),
-                fanin.fmt_ms(load.route.summary()["server_p99"]),
+                fmt_ms(percentile(load.submit.ms, 99)),
+                fmt_ms(load.submit.summary()["server_p99"]),
+                fmt_ms(percentile(load.route.ms, 99)),
+                fmt_ms(load.route.summary()["server_p99"]),
                 load_cpu["broker"] or 0,
-                fanin.fmt_ms(percentile(load.etcd_txn.ms, 50)),
-                fanin.fmt_ms(percentile(load.etcd_txn.ms, 99)),
-                fanin.fmt_ms(percentile(load.loop_lag.ms, 99)),
-                fanin.fmt_ms(max(load.loop_lag.ms, default=None)),
+                fmt_ms(percentile(load.etcd_txn.ms, 50)),
+                fmt_ms(percentile(load.etcd_txn.ms, 99)),
+                fmt_ms(percentile(load.loop_lag.ms, 99)),
+                fmt_ms(max(load.loop_lag.ms, default=None)),
             )
         )
         if lag.get("samples"):
             log(
                 "   the broker's event loop, sampled every 50 ms: lag p50 <= {} ms, p99 <= {} ms; "
                 "late > 5 / 10 / 20 ms: {:.1f} / {:.1f} / {:.1f} % of samples".format(
-                    fanin.fmt_ms(lag["p50_le_ms"]),
-                    fanin.fmt_ms(lag["p99_le_ms"]),
+                    fmt_ms(lag["p50_le_ms"]),
+                    fmt_ms(lag["p99_le_ms"]),
                     lag["over_5ms_pct"],
                     lag["over_10ms_pct"],
                     lag["over_20ms_pct"],
@@ -1049,8 +937,8 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
                 "   the leader's scheduler passes (decide): {} in the window, p50 <= {} ms, "
                 "p99 <= {} ms; over 10 / 25 / 50 ms: {:.1f} / {:.1f} / {:.1f} %".format(
                     passes["samples"],
-                    fanin.fmt_ms(passes["p50_le_ms"]),
-                    fanin.fmt_ms(passes["p99_le_ms"]),
+                    fmt_ms(passes["p50_le_ms"]),
+                    fmt_ms(passes["p99_le_ms"]),
                     passes["over_10ms_pct"],
                     passes["over_25ms_pct"],
                     passes["over_50ms_pct"],
@@ -1178,10 +1066,6 @@ def show_profile(path: Path) -> None:
 # -- report ------------------------------------------------------------------------------------
 
 
-def num(v: float | None, digits: int = 0) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
-
-
 COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
     ("sites", lambda r: str(r["sites"])),
     ("every", lambda r: f"{r['interval_s']:g}s"),
@@ -1209,16 +1093,9 @@ COLUMNS: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
 ]  # fmt: skip
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    head = [name for name, _ in COLUMNS]
+def figures_table(results: list[dict[str, Any]]) -> str:
     body = [[cell(r) for _, cell in COLUMNS] for r in results]
-    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-
-    def line(cells: list[str]) -> str:
-        return " | ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
-
-    sep = "-+-".join("-" * w for w in widths)
-    return "\n".join([line(head), sep, *(line(row) for row in body)])
+    return table([name for name, _ in COLUMNS], body, label_column=False)
 
 
 def notes(results: list[dict[str, Any]]) -> list[str]:
@@ -1262,7 +1139,7 @@ def target_line(results: list[dict[str, Any]]) -> str:
     return (
         f"target at {TARGET_SITES} sites publishing every {TARGET_INTERVAL_S:g}s: "
         f"submit p99 under {TARGET_SUBMIT_P99_MS:.0f} ms: {'MET' if submit_ok else 'NOT MET'} "
-        f"({fanin.fmt_ms(p99)} ms); broker under {TARGET_BROKER_CORES:g} core for the view "
+        f"({fmt_ms(p99)} ms); broker under {TARGET_BROKER_CORES:g} core for the view "
         f"(idle window): {'MET' if cpu_ok else 'NOT MET'} ({num(idle)} % of a core; "
         f"{num(r['load']['cpu_pct_of_one_core']['broker'])} % under the API load){caveat}"
     )
@@ -1413,9 +1290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # started with & by a non-interactive shell)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    shm = Path("/dev/shm")
-    parent = args.data_dir or (shm if shm.is_dir() else None)
-    tmp = Path(tempfile.mkdtemp(prefix="cpn-live-", dir=parent))
+    tmp = scratch_dir("cpn-live-", args.data_dir)
     header = [
         f"etcd: embedded, data on {tmp} (fsync off); a fresh one per row",
         "agents: "
@@ -1454,7 +1329,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     print()
     print("latencies in ms; CPU in % of one core; stale: GET /v1/sites' last_seen_ago_s")
-    print(table(results))
+    print(figures_table(results))
     print()
     for line in notes(results):
         print(line)

@@ -30,6 +30,8 @@ from collections import Counter
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from benchkit import quantile
+
 from broker.model.jobs import JobSpec
 from broker.model.tenants import TenancyFile
 from broker.placement.nodes import Node, NodesFree
@@ -243,10 +245,6 @@ def with_data_sites(jobs: list[JobSpec], fed: Federation, rng: random.Random) ->
     return out
 
 
-def percentile(sorted_ms: list[float], q: float) -> float:
-    return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))]
-
-
 def tenancy_usage(rng: random.Random) -> TenantUsage:
     """Quotas over cohorts (broker.placement.tenancy) for the first 16 tenants: two cohorts of
     eight,
@@ -322,17 +320,17 @@ def run(
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(15)
     place_ms.sort()
     total_ms.sort()
-    p99 = percentile(place_ms, 0.99)
+    p99 = quantile(place_ms, 0.99)
     mode = "quotas over cohorts and budgets" if tenancy else "GPU quotas"
     if n_nodes > 0:
         mode += f", {n_nodes} nodes a site (node packing)"
     elif n_nodes < 0:
         mode += f", the same totals as {-n_nodes} nodes a site, as one pool (no node fit)"
     print(
-        f"{n_sites:>5} sites, {n_jobs} jobs, {mode}: place p50 {percentile(place_ms, 0.5):.3f} ms, "
+        f"{n_sites:>5} sites, {n_jobs} jobs, {mode}: place p50 {quantile(place_ms, 0.5):.3f} ms, "
         f"p99 {p99:.3f} ms, max {place_ms[-1]:.3f} ms, mean {statistics.fmean(place_ms):.3f} ms"
-        f" | place+apply p50 {percentile(total_ms, 0.5):.3f} ms, "
-        f"p99 {percentile(total_ms, 0.99):.3f} ms | {n_jobs / wall:,.0f} jobs/s"
+        f" | place+apply p50 {quantile(total_ms, 0.5):.3f} ms, "
+        f"p99 {quantile(total_ms, 0.99):.3f} ms | {n_jobs / wall:,.0f} jobs/s"
     )
     print(f"      outcomes: {dict(outcomes.most_common())}")
     return p99

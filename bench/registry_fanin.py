@@ -32,21 +32,37 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
-import tempfile
 import time
 import traceback
 import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
+import agent_emulator
 import psutil
-from pydantic import BaseModel
+from benchkit import (
+    AgentStats,
+    agent_record,
+    bounded,
+    build,
+    cpu_seconds,
+    embedded_etcd,
+    fmt_ms,
+    host_busy_seconds,
+    log,
+    make_registry,
+    num,
+    percentile,
+    rate,
+    scratch_dir,
+    step,
+    table,
+)
 
 from sites.emulation.etcd_server import EmbeddedEtcd
 from sites.model import keys
@@ -62,9 +78,6 @@ from sites.model.status import (
     StorageUsage,
 )
 from sites.registry.client import Registry
-
-M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
 
 SITE_PREFIX = "fanin-"  # every key the bench writes is under .../<SITE_PREFIX>*
 TARGET_SITES = 1000
@@ -106,66 +119,6 @@ def site_ids(n: int) -> list[str]:
     return [f"{SITE_PREFIX}{n}-{i:05d}" for i in range(n)]
 
 
-# -- statistics --------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile; None for no samples."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100.0 * len(ordered)) - 1))
-    return ordered[rank]
-
-
-@dataclass
-class AgentStats:
-    """What the simulated agents did; window counters count only while `measuring`."""
-
-    measuring: bool = False
-    publish_ms: list[float] = field(default_factory=list)
-    lag_ms: list[float] = field(default_factory=list)
-    publishes: int = 0
-    puts: int = 0
-    keepalives: int = 0
-    status_bytes: int = 0
-    errors: Counter[str] = field(default_factory=Counter)
-    # since the last progress tick (all phases)
-    tick_publishes: int = 0
-    tick_keepalives: int = 0
-    tick_errors: int = 0
-    tick_publish_ms: list[float] = field(default_factory=list)
-
-    def published(self, call_ms: float, lag_ms: float, puts: int, size: int) -> None:
-        self.tick_publishes += 1
-        self.tick_publish_ms.append(call_ms)
-        if self.measuring:
-            self.publish_ms.append(call_ms)
-            self.lag_ms.append(lag_ms)
-            self.publishes += 1
-            self.puts += puts
-        self.status_bytes = max(self.status_bytes, size)
-
-    def kept_alive(self) -> None:
-        self.tick_keepalives += 1
-        if self.measuring:
-            self.keepalives += 1
-
-    def error(self, what: str) -> None:
-        self.tick_errors += 1
-        if self.measuring:
-            self.errors[what] += 1
-
-
-def build(model: type[M], **fields: Any) -> M:
-    """model(**fields) minus the fields the model does not (or no longer) declare.
-
-    The status models evolve; the bench keeps running when a field is renamed or dropped and
-    still fails loudly (ValidationError) when a new required field appears.
-    """
-    return model(**{k: v for k, v in fields.items() if k in model.model_fields})
-
-
 # -- the simulated agent -----------------------------------------------------------------------
 
 
@@ -174,19 +127,6 @@ class AgentConfig:
     interval_s: float
     ttl_s: int
     keepalive_s: float
-
-
-def agent_record(site: str, instance: str, rng: random.Random, lease_id: int) -> AgentRecord:
-    """The agent lock's record of a simulated site's agent (a made-up URL: never called)."""
-    return AgentRecord(
-        site=site,
-        instance=instance,
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        started_at=time.time(),
-        url=f"http://127.0.0.1:{20000 + rng.randrange(20000)}",
-        lease_id=lease_id,
-    )
 
 
 class SimAgent:
@@ -556,22 +496,6 @@ def find_listener_pid(url: str) -> int | None:
     return None
 
 
-def cpu_seconds(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        times = psutil.Process(pid).cpu_times()
-    except psutil.Error:
-        return None
-    return float(times.user + times.system)
-
-
-def host_busy_seconds() -> float:
-    t = psutil.cpu_times()
-    idle = t.idle + getattr(t, "iowait", 0.0)
-    return float(sum(t) - idle)
-
-
 @dataclass
 class Probe:
     """Counters read at the start and at the end of the measured window."""
@@ -597,12 +521,6 @@ class Probe:
         )
 
 
-def rate(before: float | None, after: float | None, seconds: float) -> float | None:
-    if before is None or after is None or seconds <= 0:
-        return None
-    return (after - before) / seconds
-
-
 # -- one run -----------------------------------------------------------------------------------
 
 
@@ -624,42 +542,9 @@ class Options:
     emulator: bool = False  # bench/agent_emulator.py instead of SimAgents
 
 
-async def step(aw: Awaitable[T], what: str, timeout_s: float = 30.0) -> T | None:
-    """One teardown step, bounded in time so a stuck call cannot keep the bench from exiting."""
-    try:
-        return await asyncio.wait_for(aw, timeout_s)
-    except TimeoutError:
-        log(f"   warning: {what} did not finish within {timeout_s:.0f}s; going on")
-        return None
-
-
-async def bounded(jobs: Sequence[Callable[[], Awaitable[Any]]], limit: int) -> None:
-    sem = asyncio.Semaphore(limit)
-
-    async def one(job: Callable[[], Awaitable[Any]]) -> None:
-        async with sem:
-            await job()
-
-    await asyncio.gather(*(one(job) for job in jobs))
-
-
-def make_registry(url: str, *, local_subchannels: bool) -> Registry:
-    reg = Registry.from_urls(url)
-    if local_subchannels:
-        # gRPC shares one TCP connection between channels to the same target by default; a
-        # private subchannel pool gives each client its own connection, as separate agent
-        # processes would have.
-        reg._client._options = {"grpc.use_local_subchannel_pool": 1}
-    return reg
-
-
 async def cleanup(reg: Registry) -> None:
     for prefix in (keys.SITES, keys.AGENTS, keys.LINKS):
         await reg.delete_prefix(prefix + SITE_PREFIX)
-
-
-def fmt_ms(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
 
 
 async def run_one(n: int, opts: Options, catalog: DeviceCatalog) -> dict[str, Any]:
@@ -692,8 +577,6 @@ async def run_one(n: int, opts: Options, catalog: DeviceCatalog) -> dict[str, An
     crashed: Counter[str] = Counter()
     emulator = None
     if opts.emulator:  # the same requests from the SimAgents' figures, cheaply
-        import agent_emulator
-
         plans = [
             agent_emulator.SitePlan(spec=a.spec, peers=tuple(a.peers), serves=None, seed=seed)
             for a, seed in zip(agents, seeds, strict=True)
@@ -865,10 +748,7 @@ async def run_one(n: int, opts: Options, catalog: DeviceCatalog) -> dict[str, An
 # -- report ------------------------------------------------------------------------------------
 
 
-def table(results: list[dict[str, Any]]) -> str:
-    def num(v: float | None, digits: int = 0) -> str:
-        return "-" if v is None else f"{v:,.{digits}f}"
-
+def figures_table(results: list[dict[str, Any]]) -> str:
     rows: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("visible p50 (ms)", lambda r: num(r["visible_ms"]["p50"], 1)),
         ("visible p90 (ms)", lambda r: num(r["visible_ms"]["p90"], 1)),
@@ -903,21 +783,7 @@ def table(results: list[dict[str, Any]]) -> str:
     )
     rows.append(("load avg 1m (start, end)", lambda r: "{:.1f}, {:.1f}".format(*r["load_1m"])))
     head = ["sites"] + [str(r["sites"]) for r in results]
-    body = [[label] + [cell(r) for r in results] for label, cell in rows]
-    widths = [max(len(row[i]) for row in [head, *body]) for i in range(len(head))]
-
-    def line(cells: list[str]) -> str:
-        return " | ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        )
-
-    sep = "-+-".join("-" * w for w in widths)
-    return "\n".join([line(head), sep, *(line(row) for row in body)])
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    return table(head, [[label] + [cell(r) for r in results] for label, cell in rows])
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -1028,12 +894,8 @@ def _run(
         etcd_pid = find_listener_pid(etcd_url)
         mode = f"existing etcd at {etcd_url} (fsync as that server is configured)"
     else:
-        shm = Path("/dev/shm")
-        parent = args.data_dir or (shm if shm.is_dir() else None)
-        tmp = Path(tempfile.mkdtemp(prefix="cpn-fanin-", dir=parent))
-        etcd = EmbeddedEtcd(
-            data_dir=tmp / "data", log_path=tmp / "etcd.log", unsafe_no_fsync=not args.fsync
-        )
+        tmp = scratch_dir("cpn-fanin-", args.data_dir)
+        etcd = embedded_etcd(tmp, fsync=args.fsync)
         try:
             etcd_url = etcd.start()
         except BaseException:
@@ -1084,7 +946,7 @@ def _run(
             shutil.rmtree(tmp, ignore_errors=True)
 
     print()
-    print(table(results))
+    print(figures_table(results))
     print()
     for r in results:
         if r["errors"]:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # first: bench/routing.py must not shadow the routing package
+sys.path.insert(0, str(ROOT))
 
 from broker.leader import decisions as dc  # noqa: E402
 from broker.model.jobs import Event, JobRecord, JobSpec, JobState, Placement  # noqa: E402

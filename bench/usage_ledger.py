@@ -28,7 +28,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -40,8 +39,10 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchkit import embedded_etcd, scratch_dir  # noqa: E402
+
 from metering.ledger import EndReason, Run, close, puts  # noqa: E402
-from sites.emulation.etcd_server import EmbeddedEtcd, free_port  # noqa: E402
+from sites.emulation.etcd_server import free_port  # noqa: E402
 from sites.model import keys  # noqa: E402
 from sites.model.catalog import DeviceCatalog  # noqa: E402
 from sites.model.spec import SiteSpec  # noqa: E402
@@ -179,9 +180,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    data_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    work = Path(tempfile.mkdtemp(prefix="usage-bench-", dir=data_root))
-    etcd = EmbeddedEtcd(data_dir=work / "etcd", unsafe_no_fsync=True)
+    work = scratch_dir("usage-bench-")
+    etcd = embedded_etcd(work)
     url = etcd.start()
     broker = None
     try:

@@ -41,7 +41,7 @@ Run: python -m routing.standin.server --listen HOST:PORT --name NAME --median-ms
      [--kv-cache-blocks B]
 --prefill-ms and --prefix-cache-entries default to $CPN_STANDIN_PREFILL_MS and
 $CPN_STANDIN_PREFIX_CACHE_ENTRIES when set (so a `cpn up` started with them models the prefix
-cache: bench/routing.py's prefix workload), else 0 and 1024.
+cache: bench/inference_routing.py's prefix workload), else 0 and 1024.
 It prints `listening on http://HOST:PORT` once it accepts connections (PORT 0 picks one).
 """
 
@@ -615,7 +615,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokens", type=int, default=8, help="events in a streamed answer")
     # the prefix-cache model's defaults may come from the environment: `cpn up` passes the
-    # stand-ins only their timing and size, and a benchmark (bench/routing.py) sets these
+    # stand-ins only their timing and size, and a benchmark (bench/inference_routing.py) sets these
     p.add_argument(
         "--prefill-ms",
         type=float,

@@ -85,10 +85,10 @@ Limits of the set-up, handled here:
   set-up still blocks scapy in the demo's processes unless `--scapy`: only the tcp-syn
   method, which no agent here uses, would load it.
 
-    .venv/bin/python bench/routing.py                      # about 4 minutes
-    .venv/bin/python bench/routing.py --quick              # smoke run, about 1.5 minutes
-    .venv/bin/python bench/routing.py --json /tmp/routing.json --profile /tmp/broker.prof
-    .venv/bin/python bench/routing.py --workload prefix --skip-loopback    # about 6 minutes
+    .venv/bin/python bench/inference_routing.py                      # about 4 minutes
+    .venv/bin/python bench/inference_routing.py --quick              # smoke run, about 1.5 minutes
+    .venv/bin/python bench/inference_routing.py --json /tmp/routing.json --profile /tmp/broker.prof
+    .venv/bin/python bench/inference_routing.py --workload prefix --skip-loopback  # ~6 minutes
 
 Targets: p99 end-to-end at most half of nginx round robin's on the cross-region mix; p99 TTFT
 at most half of nginx least_conn's on the prefix workload (issue 15); added
@@ -129,6 +129,8 @@ from typing import Any
 import aiohttp
 import psutil
 import yaml
+from benchkit import linear_percentile, num, table
+from benchkit import log_stamped as log
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("qwen-72b", "deepseek-v3", "llama-70b", "qwen-7b")
@@ -146,34 +148,6 @@ def uvloop_installed() -> bool:
     """Whether `cpn` (its CLI runs on uvloop when it can import it) finds uvloop."""
     r = subprocess.run([sys.executable, "-c", "import uvloop"], capture_output=True, cwd=ROOT)
     return r.returncode == 0
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def pct(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation; nan when empty."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
-
-
-def fmt(v: float, digits: int = 1) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.{digits}f}"
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
-
-    def line(r: list[str]) -> str:
-        cells = enumerate(zip(r, widths, strict=True))
-        return " | ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in cells)
-
-    return "\n".join([line(headers), "-+-".join("-" * w for w in widths), *map(line, rows)])
 
 
 def free_port(hosts: Iterable[str] = ("127.0.0.1",)) -> int:
@@ -215,7 +189,7 @@ def copy_configs(dest: Path, *, fast: bool, capacity_scale: float = 1.0) -> Path
         path.write_text(text)
     if fast:
         (cfg / "standin.yaml").write_text(
-            "# bench/routing.py: every stand-in fast, to measure the proxy itself\n"
+            "# bench/inference_routing.py: every stand-in fast, to measure the proxy itself\n"
             "models: {}\ndefault: {median_ms: 0.5, p99_ms: 1.0}\n"
         )
     return cfg
@@ -305,7 +279,7 @@ class Demo:
             for module in blocked:
                 (shim / module).mkdir(parents=True, exist_ok=True)
                 (shim / module / "__init__.py").write_text(
-                    'raise ImportError("blocked by bench/routing.py")\n'
+                    'raise ImportError("blocked by bench/inference_routing.py")\n'
                 )
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(shim), env.get("PYTHONPATH")]))
         return env
@@ -545,7 +519,7 @@ class CpuMeter:
 
 def cpu_table(cpu: dict[str, dict[str, float]]) -> str:
     roles = list(dict.fromkeys(r for m in cpu.values() for r in m))
-    rows = [[role, *(fmt(cpu[m].get(role, math.nan), 0) for m in cpu)] for role in roles]
+    rows = [[role, *(num(cpu[m].get(role, math.nan), 0) for m in cpu)] for role in roles]
     return table(["CPU, % of one core", *cpu], rows)
 
 
@@ -705,8 +679,8 @@ async def closed_loop(
         "concurrency": concurrency,
         "completed": count,
         "rps": count / duration_s,
-        "p50_ms": pct(lat, 50),
-        "p99_ms": pct(lat, 99),
+        "p50_ms": linear_percentile(lat, 50),
+        "p99_ms": linear_percentile(lat, 99),
         "errors": dict(errors),
     }
 
@@ -845,7 +819,8 @@ class Nginx(NginxProcess):
         region_map = "".join(f"    {region} {region};\n" for region in sorted(sources))
         temps = self.temp_paths()
         how = "least_conn" if self.least_conn else "round robin"
-        return f"""# bench/routing.py: nginx {how} over the same site fronts (bench-routing)
+        return f"""# bench/inference_routing.py: nginx {how} over the same site fronts
+# (bench-routing)
 worker_processes 1;
 pid {d}/nginx.pid;
 error_log {d}/error.log warn;
@@ -890,7 +865,8 @@ http {{
 # -- the loopback throughput's C tools: wrk, and nginx as fixed-answer model servers ----------
 
 
-WRK_SCRIPT = """-- bench/routing.py: each request names a client region and a tenant, in turn
+WRK_SCRIPT = """-- bench/inference_routing.py: each request names a client region and a tenant,
+-- in turn
 local heads = {}
 local i = 0
 init = function(args)
@@ -992,8 +968,9 @@ def _run_wrk(
     }
 
 
-PACED_SCRIPT = """-- bench/routing.py: one client region; each connection waits an exponential
--- think time (mean %(think_ms)s ms) after each answer: %(connections)d connections offer the rate
+PACED_SCRIPT = """-- bench/inference_routing.py: one client region; each connection waits an
+-- exponential think time (mean %(think_ms)s ms) after each answer: %(connections)d connections
+-- offer the rate
 local req
 init = function(args)
   math.randomseed(%(seed)d)
@@ -1049,7 +1026,7 @@ def added_latency_paced(
                 binary, urls[name], region, script_dir, rate=args.added_rate, duration_s=secs,
                 seed=args.seed + rnd,
             )  # fmt: skip
-            log(f"  {r['rps']:,.0f} req/s, p50 {fmt(r['p50_ms'], 3)} ms")
+            log(f"  {r['rps']:,.0f} req/s, p50 {num(r['p50_ms'], 3)} ms")
             rounds[-1][name] = r
     out: dict[str, Any] = {"region": region, "rounds": rounds}
     for q in (50, 90, 99):
@@ -1134,7 +1111,8 @@ class FixedBackends(NginxProcess):
 """
             )
         proc = self.launch(
-            f"""# bench/routing.py: fixed-answer backends in place of stand-ins (bench-routing)
+            f"""# bench/inference_routing.py: fixed-answer backends in place of stand-ins
+# (bench-routing)
 worker_processes 1;
 pid {self.workdir}/nginx.pid;
 error_log {self.workdir}/error.log warn;
@@ -1210,10 +1188,15 @@ def summarize(results: list[Result], info: dict[str, Any]) -> dict[str, Any]:
 
     def lat(rs: list[Result]) -> dict[str, float]:
         v = [r.latency_ms for r in rs]
-        out = {"n": len(v), "p50_ms": pct(v, 50), "p99_ms": pct(v, 99), "mean_ms": _mean(v)}
+        out = {
+            "n": len(v),
+            "p50_ms": linear_percentile(v, 50),
+            "p99_ms": linear_percentile(v, 99),
+            "mean_ms": _mean(v),
+        }
         t = [r.ttft_ms for r in rs if not math.isnan(r.ttft_ms)]
         if t:
-            out |= {f"ttft_p{q}_ms": pct(t, q) for q in (50, 95, 99)}
+            out |= {f"ttft_p{q}_ms": linear_percentile(t, q) for q in (50, 95, 99)}
         return out
 
     by_region = {reg: lat([r for r in ok if r.req.region == reg]) for reg in info["regions"]}
@@ -1237,7 +1220,7 @@ def summarize(results: list[Result], info: dict[str, Any]) -> dict[str, Any]:
         "in_region_share": len(in_region) / len(ok) if ok else math.nan,
         "disallowed_share": len(disallowed) / len(ok) if ok else math.nan,
         "sites": dict(sorted(sites.items())),
-        "generator_lag_p99_ms": pct([r.lag_ms for r in results], 99),
+        "generator_lag_p99_ms": linear_percentile([r.lag_ms for r in results], 99),
     }
 
 
@@ -1492,10 +1475,10 @@ async def run_wan(
                     for e in es
                 }
             log(
-                f"  {name}: p50 {fmt(summary['all']['p50_ms'])} ms, p99 "
-                f"{fmt(summary['all']['p99_ms'])} ms, "
+                f"  {name}: p50 {num(summary['all']['p50_ms'], 1)} ms, p99 "
+                f"{num(summary['all']['p99_ms'], 1)} ms, "
                 + (
-                    f"TTFT p99 {fmt(summary['all'].get('ttft_p99_ms', math.nan))} ms, hit rate "
+                    f"TTFT p99 {num(summary['all'].get('ttft_p99_ms', math.nan), 1)} ms, hit rate "
                     f"{100 * summary['prefix_hit_rate']:.0f} %, "
                     if prefix
                     else ""
@@ -1536,18 +1519,18 @@ def print_prefix(wan: dict[str, Any], nginx_note: str) -> None:
     keys = ("ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms")
     regions = list(next(iter(modes.values()))["by_region"])
     rows = [
-        [reg, *(fmt(modes[m]["by_region"][reg].get(k, math.nan)) for m in modes for k in keys)]
+        [reg, *(num(modes[m]["by_region"][reg].get(k, math.nan), 1) for m in modes for k in keys)]
         for reg in regions
     ]
-    rows.append(["ALL", *(fmt(modes[m]["all"].get(k, math.nan)) for m in modes for k in keys)])
+    rows.append(["ALL", *(num(modes[m]["all"].get(k, math.nan), 1) for m in modes for k in keys)])
     print(table(headers, rows))
     rows = [
         ["prefix hit rate", *(f"{100 * modes[m]['prefix_hit_rate']:.1f} %" for m in modes)],
-        ["end-to-end p99 (ms)", *(fmt(modes[m]["all"]["p99_ms"]) for m in modes)],
+        ["end-to-end p99 (ms)", *(num(modes[m]["all"]["p99_ms"], 1) for m in modes)],
         ["served in-region", *(f"{100 * modes[m]['in_region_share']:.1f} %" for m in modes)],
         ["against sovereignty", *(f"{100 * modes[m]['disallowed_share']:.1f} %" for m in modes)],
         ["errors (non-200)", *(str(sum(modes[m]["errors"].values())) for m in modes)],
-        ["generator lag p99 (ms)", *(fmt(modes[m]["generator_lag_p99_ms"]) for m in modes)],
+        ["generator lag p99 (ms)", *(num(modes[m]["generator_lag_p99_ms"], 1) for m in modes)],
     ]
     print(table(["", *modes], rows))
     for m in modes:
@@ -1571,15 +1554,18 @@ def print_wan(wan: dict[str, Any], nginx_note: str) -> None:
     headers = ["client region"] + [f"{m} {q}" for m in modes for q in ("p50", "p99")]
     regions = list(next(iter(modes.values()))["by_region"])
     rows = [
-        [reg, *(fmt(modes[m]["by_region"][reg][q]) for m in modes for q in ("p50_ms", "p99_ms"))]
+        [reg, *(num(modes[m]["by_region"][reg][q], 1) for m in modes for q in ("p50_ms", "p99_ms"))]
         for reg in regions
     ]
-    rows.append(["ALL", *(fmt(modes[m]["all"][q]) for m in modes for q in ("p50_ms", "p99_ms"))])
+    rows.append(["ALL", *(num(modes[m]["all"][q], 1) for m in modes for q in ("p50_ms", "p99_ms"))])
     print("end-to-end latency, ms")
     print(table(headers, rows))
     services = list(next(iter(modes.values()))["by_service"])
     rows = [
-        [svc, *(fmt(modes[m]["by_service"][svc][q]) for m in modes for q in ("p50_ms", "p99_ms"))]
+        [
+            svc,
+            *(num(modes[m]["by_service"][svc][q], 1) for m in modes for q in ("p50_ms", "p99_ms")),
+        ]
         for svc in services
     ]
     print("\nby service, ms")
@@ -1588,7 +1574,7 @@ def print_wan(wan: dict[str, Any], nginx_note: str) -> None:
         ["served in-region", *(f"{100 * modes[m]['in_region_share']:.1f} %" for m in modes)],
         ["against sovereignty", *(f"{100 * modes[m]['disallowed_share']:.1f} %" for m in modes)],
         ["errors (non-200)", *(str(sum(modes[m]["errors"].values())) for m in modes)],
-        ["generator lag p99 (ms)", *(fmt(modes[m]["generator_lag_p99_ms"]) for m in modes)],
+        ["generator lag p99 (ms)", *(num(modes[m]["generator_lag_p99_ms"], 1) for m in modes)],
         ["emulator fds max", *(str(wan["emulator_fds_max"].get(m, "-")) for m in modes)],
         ["cpn up alive at the end", *("NO" if modes[m].get("cpn_up_exited") else "yes"
                                       for m in modes)],
@@ -1605,7 +1591,7 @@ def print_wan(wan: dict[str, Any], nginx_note: str) -> None:
         [
             k,
             str(eps.get(k, {}).get("max_concurrency", "-")),
-            fmt(eps.get(k, {}).get("latency_ms") or math.nan, 0),
+            num(eps.get(k, {}).get("latency_ms") or math.nan, 0),
             *(str(modes[m]["sites"].get(k, 0)) for m in modes),
         ]
         for k in keys
@@ -1647,7 +1633,7 @@ async def added_latency(
             if name == "direct":
                 rounds.append({})
             ok = [r.latency_ms for r in res if r.status == 200]
-            rounds[-1][name] = {q: pct(ok, q) for q in (50, 90, 99)}
+            rounds[-1][name] = {q: linear_percentile(ok, q) for q in (50, 90, 99)}
             log(f"  achieved {len(res) / wall:,.0f} req/s")
     added: dict[str, Any] = {}
     for name, res in samples.items():
@@ -1655,10 +1641,10 @@ async def added_latency(
         added[name] = {
             "n": len(res),
             "errors": error_kinds(res),
-            "p50_ms": pct(ok, 50),
-            "p90_ms": pct(ok, 90),
-            "p99_ms": pct(ok, 99),
-            "generator_lag_p99_ms": pct([r.lag_ms for r in res], 99),
+            "p50_ms": linear_percentile(ok, 50),
+            "p90_ms": linear_percentile(ok, 90),
+            "p99_ms": linear_percentile(ok, 99),
+            "generator_lag_p99_ms": linear_percentile([r.lag_ms for r in res], 99),
         }
     # added = the median over rounds of (cpn - direct) in the same round: a stall of this
     # shared machine during one run then moves one round, not the figure
@@ -1750,7 +1736,7 @@ async def run_loopback(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     throughput[key] = r
                     cpu[key] = r["cpu"]
                     log(
-                        f"  {r['rps']:,.0f} req/s, p50 {fmt(r['p50_ms'], 2)} ms, "
+                        f"  {r['rps']:,.0f} req/s, p50 {num(r['p50_ms'], 2)} ms, "
                         f"errors {r['errors']}"
                     )
 
@@ -1901,7 +1887,7 @@ async def route_ms_sample(demo: Demo, regions: list[str]) -> dict[str, float]:
                 await r.read()
                 if "X-Cpn-Route-Ms" in r.headers:
                     vals.append(float(r.headers["X-Cpn-Route-Ms"]))
-    return {"p50_ms": pct(vals, 50), "p99_ms": pct(vals, 99)}
+    return {"p50_ms": linear_percentile(vals, 50), "p99_ms": linear_percentile(vals, 99)}
 
 
 def print_added(a: dict[str, Any], where: str) -> None:
@@ -1909,15 +1895,15 @@ def print_added(a: dict[str, Any], where: str) -> None:
         [
             name,
             f"{a[name]['n']:,}",
-            fmt(a[name]["p50_ms"], 2),
-            fmt(a[name]["p90_ms"], 2),
-            fmt(a[name]["p99_ms"], 2),
+            num(a[name]["p50_ms"], 2),
+            num(a[name]["p90_ms"], 2),
+            num(a[name]["p99_ms"], 2),
             str(sum(a[name]["errors"].values())),
-            fmt(a[name]["generator_lag_p99_ms"], 2),
+            num(a[name]["generator_lag_p99_ms"], 2),
         ]
         for name in ("direct", "cpn")
     ]
-    added = [fmt(a[f"added_p{q}_ms"], 2) for q in (50, 90, 99)]
+    added = [num(a[f"added_p{q}_ms"], 2) for q in (50, 90, 99)]
     rows.append(["added by cpn", "", *added, "", ""])
     print(
         f"latency at the added-latency rate, {where} (open loop, "
@@ -1948,23 +1934,23 @@ def print_loopback(lb: dict[str, Any]) -> None:
         )
         print(
             f"added latency, wrk paced ({PACED_CONNECTIONS} connections, exponential think "
-            f"time; client region {p['region']}), {where}: p50 {fmt(p['added_p50_ms'], 3)} ms, "
-            f"p90 {fmt(p['added_p90_ms'], 3)} ms, p99 {fmt(p['added_p99_ms'], 3)} ms "
+            f"time; client region {p['region']}), {where}: p50 {num(p['added_p50_ms'], 3)} ms, "
+            f"p90 {num(p['added_p90_ms'], 3)} ms, p99 {num(p['added_p99_ms'], 3)} ms "
             f"(p50 direct -> cpn per round: {rounds})"
         )
     print(
-        f"broker route choice (X-Cpn-Route-Ms, idle): p50 {fmt(lb['route_ms']['p50_ms'], 3)} ms, "
-        f"p99 {fmt(lb['route_ms']['p99_ms'], 3)} ms"
+        f"broker route choice (X-Cpn-Route-Ms, idle): p50 {num(lb['route_ms']['p50_ms'], 3)} ms, "
+        f"p99 {num(lb['route_ms']['p99_ms'], 3)} ms"
     )
     rows = [
         [
             k,
             f"{v['rps']:,.0f}",
-            fmt(v["p50_ms"], 2),
-            fmt(v["p99_ms"], 2),
-            fmt(v["cpu"].get("broker", math.nan), 0),
-            fmt(v["rps"] / (v["cpu"]["broker"] / 100), 0) if v["cpu"].get("broker") else "-",
-            fmt(v["cpu"]["broker"] / 100 / v["rps"] * 1e6, 0)
+            num(v["p50_ms"], 2),
+            num(v["p99_ms"], 2),
+            num(v["cpu"].get("broker", math.nan), 0),
+            num(v["rps"] / (v["cpu"]["broker"] / 100), 0) if v["cpu"].get("broker") else "-",
+            num(v["cpu"]["broker"] / 100 / v["rps"] * 1e6, 0)
             if v["cpu"].get("broker") and v["rps"]
             else "-",
             str(sum(v["errors"].values())),
@@ -2017,7 +2003,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
             (
                 "p99 end-to-end at most half of nginx round robin's (cross-region mix)",
                 c <= TARGET_P99_RATIO * n,
-                f"cpn {fmt(c)} ms vs nginx {fmt(n)} ms: {c / n:.2f}x",
+                f"cpn {num(c, 1)} ms vs nginx {num(n, 1)} ms: {c / n:.2f}x",
             )
         )
     elif wan:
@@ -2030,7 +2016,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
             (
                 "p99 TTFT at most half of nginx least_conn's (prefix workload, cross-region mix)",
                 c <= TARGET_P99_RATIO * n,
-                f"cpn {fmt(c)} ms vs least_conn {fmt(n)} ms: {c / n:.2f}x",
+                f"cpn {num(c, 1)} ms vs least_conn {num(n, 1)} ms: {c / n:.2f}x",
             )
         )
     elif pre:
@@ -2052,9 +2038,9 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                 f"added latency p50 under {TARGET_ADDED_P50_MS:g} ms at "
                 f"{results['settings']['added_rate']:g} req/s",
                 None if saturated else a < TARGET_ADDED_P50_MS,
-                f"{fmt(a, 2)} ms (p99 {fmt(measured['added_p99_ms'], 2)} ms), {where}"
+                f"{num(a, 2)} ms (p99 {num(measured['added_p99_ms'], 2)} ms), {where}"
                 + (
-                    f"; not measurable: direct p50 {fmt(direct_p50, 2)} ms, the machine is "
+                    f"; not measurable: direct p50 {num(direct_p50, 2)} ms, the machine is "
                     "saturated"
                     if saturated
                     else ""
@@ -2072,7 +2058,7 @@ def targets(results: dict[str, Any]) -> list[tuple[str, bool | None, str]]:
                     f"at least {TARGET_RPS:,.0f} req/s through one broker process",
                     best["rps"] >= TARGET_RPS,
                     f"{best['rps']:,.0f} req/s at {best['concurrency']} clients, broker at "
-                    f"{fmt(best['cpu'].get('broker', math.nan), 0)} % of a core",
+                    f"{num(best['cpu'].get('broker', math.nan), 0)} % of a core",
                 )
             )
         per_core = [
