@@ -2,7 +2,7 @@
 # The interpreter .venv is made from: the distribution's CPython when it is 3.11 or later and
 # can make a venv (Debian builds it with profile-guided and link-time optimization; a pyenv
 # build has neither by default, and cpn's processes spend 20-25 % more CPU on it: the
-# broker's proxy, bench/README.md "The interpreter"), else the first python3 on PATH.
+# broker's proxy, bench/JOURNAL.md 2026-12-06, "the proxy on wrk"), else the first python3 on PATH.
 # `make PYTHON=/path/to/python3` chooses; an existing .venv is kept (remove it to switch).
 PYTHON ?= $(shell /usr/bin/python3 -c 'import sys, ensurepip; sys.exit(sys.version_info < (3, 11))' \
 	2>/dev/null && echo /usr/bin/python3 || echo python3)

@@ -26,7 +26,7 @@ then, after the broker sees the sites up and a warm-up, measures two windows:
     .venv/bin/python bench/live_federation.py --sites 1000 --intervals 1 --profile /tmp/prof
 
 Progress goes to stderr, the table to stdout. Ctrl-C or SIGTERM stop every process this bench
-started (by pid) and remove its temp dir. See bench/README.md for what was measured.
+started (by pid) and remove its temp dir. Figures: bench/README.md (the latest), bench/JOURNAL.md.
 """
 
 from __future__ import annotations

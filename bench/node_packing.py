@@ -18,7 +18,7 @@ day 2 is left out; runs go two at a time. The demo workload's pool run is left o
 keeps the default to ~3 minutes on 2 cores.
 
     .venv/bin/python bench/node_packing.py              # five runs, ~3 min
-    .venv/bin/python bench/node_packing.py --all        # the table in bench/README.md, ~3.5 min
+    .venv/bin/python bench/node_packing.py --all        # bench/JOURNAL.md's table, ~3.5 min
     .venv/bin/python bench/node_packing.py --horizon 1d --workloads h20
 """
 

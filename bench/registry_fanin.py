@@ -14,7 +14,7 @@ publish-to-visible latency (receive time - SiteStatus.published_at, both time.ti
 `--emulator emulator` sends the same requests from bench/agent_emulator.py instead of SimAgents
 (about a quarter of the CPU: etcd and watcher figures at 1000 sites without an overloaded bench).
 
-See bench/README.md for what the figures mean and what was measured.
+bench/README.md says what the figures mean and has the latest; bench/JOURNAL.md, the earlier runs.
 """
 
 from __future__ import annotations

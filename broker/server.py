@@ -48,7 +48,7 @@ scanned them all for 16-27 ms and found no garbage, and full collections of 80-1
 every few seconds, pauses every request in flight waited out. That garbage is freed by
 reference counting; the cyclic collector still runs its young pass every 700 net allocations
 (under 8 ms), the middle one a hundred times and the full one a thousand times more rarely
-(bench/README.md, live_federation.py)."""
+(bench/JOURNAL.md, 2026-12-05, live_federation.py)."""
 
 
 def server_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
@@ -140,7 +140,7 @@ async def serve(
             )
         # what is alive now (modules, schemas, OR-Tools, the first view) lives as long as the
         # process: out of the collector's sight, a full collection at 1000 sites is 130 ms,
-        # not 340-470 (bench/README.md, live_federation.py)
+        # not 340-470 (bench/JOURNAL.md, 2026-12-01 and 2026-12-05, live_federation.py)
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
         sys.setswitchinterval(SWITCH_INTERVAL_S)

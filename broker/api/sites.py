@@ -4,7 +4,7 @@ A row is rendered (JSON) once per change of its site: its spec, status, cordon, 
 agent (`Snapshot.site_journal`) or one of its outgoing links (`Snapshot.link_journal`), at
 most once per SITES_REFRESH_S while the sites keep changing. A page splices each row's
 `last_seen_ago_s` in at answer time. At 5,000 sites every list used to render all 5,000 rows
-again (0.4-0.8 s of the event loop a list, in slices: bench/README.md, live_federation.py);
+again (0.4-0.8 s of the event loop a list, in slices: bench/JOURNAL.md, 2026-12-05);
 now it renders the sites that changed since the last list, and a page costs its own rows.
 The whole list is rendered again only when the set of sites changed or a prefix was listed
 again (`Snapshot.layout_version`), the snapshot was replaced, or a journal dropped entries
@@ -44,7 +44,7 @@ of the event loop, which every other request would wait behind."""
 SITES_CHUNK = 10
 """Rows are rendered this many at a time (about half a ms), yielding to the event loop
 between chunks: a thousand rows cost tens of ms, which no submit or route should wait behind
-whole (bench/README.md, live_federation.py)."""
+whole (bench/JOURNAL.md, 2026-12-05, live_federation.py)."""
 
 JOURNAL_CHUNK = 500
 """Journal entries read between two yields to the event loop (about a quarter of a ms)."""

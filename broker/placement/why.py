@@ -56,7 +56,7 @@ class Fairness:
         tflops = quotas.tflops
         # the up sites' free capacity from the snapshot's columns (broker.placement.columns, kept
         # per lineage, what the pass's screen reads anyway): a loop over every site's offer was
-        # 20 ms and more of each pass at 5,000 sites (bench/README.md, live_federation.py)
+        # 20 ms and more of each pass at 5,000 sites (bench/JOURNAL.md, 2026-12-06)
         static, dynamic = fed.columns()
         cols = dynamic.columns()
         up = cols.up

@@ -1,9 +1,9 @@
 """The inference lane: the broker's listener reads `/v1/infer/...` requests itself.
 
 aiohttp's server (its parser, a Request object, URL dispatch, the middleware chain, a
-Response object) was 15-20 % of the broker's CPU per proxied request (bench/README.md,
-routing.py). The lane is the listener's protocol: it reads each request head on a connection,
-and
+Response object) was 15-20 % of the broker's CPU per proxied request (bench/JOURNAL.md,
+2026-12-01, inference_routing.py). The lane is the listener's protocol: it reads each request
+head on a connection, and
 
 - a request for `/v1/infer/{service}/...` is parsed by httptools (llhttp), admitted by the
   `Guard` (the broker's tokens, request ids and request counters: broker.api.inference) and

@@ -7,7 +7,7 @@ stream about 180 us whatever it holds, so a broker following 1000 sites that pub
 second (one watch answer per publish) spent ~18 % of a core in grpc.aio's read alone, and the
 emulator's 1000 Txns plus 1000 lease keepalives a second ~45 %. Here a call is two frames
 appended to a buffer that is written once per event-loop turn, and answers are parsed straight
-off the socket: ~25 us a watch answer, protobuf parsing included (bench/README.md).
+off the socket: ~25 us a watch answer, protobuf parsing included (bench/JOURNAL.md, 2026-12-05).
 
 What it speaks: HTTP/2 with prior knowledge over TCP (h2c, RFC 9113 section 3.3) or over TLS
 with ALPN "h2", and gRPC's length-prefixed messages, pre-serialized by the caller; flow

@@ -94,7 +94,7 @@ APPLY_SLICE = 25
 """Events a RootMirror applies before it lets the event loop run other work (at the next
 transaction's start). A watch batch holds whatever came since the last read: at 1,000 sites
 publishing every second, a batch that waited behind other work held 300-600 events, and
-decoding them in one go stalled every request for 6-15 ms (bench/README.md,
+decoding them in one go stalled every request for 6-15 ms (bench/JOURNAL.md, 2026-12-06,
 live_federation.py --stall-log). With 25, and the registry's watch handing over
 WATCH_BATCH_EVENTS at a time, the broker's loop was late by more than 20 ms in 0.2-2.4 % of its
 50 ms samples (cpn_broker_event_loop_lag_seconds), depending on the host's load."""
@@ -107,7 +107,7 @@ class RootMirror:
     A prefix mirror per prefix meant a watch per prefix, and an agent's publish (its status,
     last_seen and links in one transaction) came as a watch response per prefix it touched:
     each response is a gRPC message read, the largest per-publish cost of a broker following a
-    thousand sites publishing every second (bench/README.md, live_federation.py). One watch of
+    thousand sites publishing every second (bench/JOURNAL.md, 2026-12-05). One watch of
     the root gets one response per transaction. Events under other prefixes of the root are
     skipped by their key's first segment (a dict lookup), before anything is decoded.
 
