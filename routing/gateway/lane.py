@@ -25,6 +25,10 @@ for `keepalive_s` is closed by one sweep every SWEEP_S, not a timer per request.
 After a chunked body the lane cannot tell where the next pipelined request starts without
 the parser's help: if one follows in the same read, the answer says `Connection: close`
 and the client sends it again on a new connection (RFC 9112 9.3.2).
+
+One module because the lane is one protocol object per connection (`_LaneConnection`) and
+the exchange it hands the proxy (`LaneExchange`) writes to that connection's transport and
+state: split, each half would reach into the other's internals.
 """
 
 from __future__ import annotations

@@ -43,6 +43,11 @@ Run: python -m routing.standin.server --listen HOST:PORT --name NAME --median-ms
 $CPN_STANDIN_PREFIX_CACHE_ENTRIES when set (so a `cpn up` started with them models the prefix
 cache: bench/inference_routing.py's prefix workload), else 0 and 1024.
 It prints `listening on http://HOST:PORT` once it accepts connections (PORT 0 picks one).
+
+One module because it is one small program started as `python -m routing.standin.server`
+(and under its old name, routing.modelserver) wherever a replica runs: the settings, the
+queue, the HTTP handlers and the command line read as one file, and nothing else imports its
+parts but the tests.
 """
 
 from __future__ import annotations

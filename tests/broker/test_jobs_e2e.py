@@ -6,6 +6,7 @@ import asyncio
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -134,7 +135,14 @@ async def test_concurrent_submits_never_overcommit(
     for t in threads:
         t.join()
     assert results.count(201) == 200
-    await asyncio.sleep(3)  # the leader places what fits
+
+    async def placed() -> int:
+        _, kvs = await registry.list_prefix(keys.ASSIGNMENTS)
+        return sum(Assignment.model_validate_json(raw).gpus for _, raw, _ in kvs)
+
+    deadline = time.monotonic() + 30  # the leader places what fits
+    while await placed() < sum(capacity.values()) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
     for _ in range(20):
         held: dict[str, int] = {}
         _, kvs = await registry.list_prefix(keys.ASSIGNMENTS)
