@@ -22,7 +22,7 @@ shaped
   the endpoint's load is drawn each time;
 - a failed compare: LeaseLost, a new lease and the lock again (SimAgent._reacquire);
 - a LeaseKeepAlive per lease every keepalive_s on shared bidirectional streams, at most one in
-  flight per lease (as sites.registry.client does); an answer with TTL 0: the lease is gone,
+  flight per lease (as sites.registry.leases does); an answer with TTL 0: the lease is gone,
   reacquire.
 
 What is cheaper (bench/emulated_site.py): each site's JSON documents are rendered once through
@@ -465,7 +465,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def measure_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from sites.agent.process import MIN_TTL_S
+    from sites.agent.settings import MIN_TTL_S
 
     row = tmp / f"{n}x{interval:g}"
     row.mkdir()

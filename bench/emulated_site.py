@@ -20,7 +20,7 @@ implemented on the integer figures and checked against sites.agent.drift at setu
 
 `EmulatedSite.check()` renders a full publish and a partial one (no status, one link, the
 endpoint if serving) both ways, the JSON against pydantic's model_dump_json (what
-sites.registry.client._encode writes) and the TxnRequest against aetcd's own message builders in
+sites.registry.lifecycle._encode writes) and the TxnRequest against aetcd's own message builders in
 Registry.publish's shape, and raises EmulatorMismatch unless they are the same bytes.
 """
 
@@ -48,7 +48,8 @@ from sites.agent.drift import (
     status_changed,
 )
 from sites.model import keys
-from sites.model.catalog import Capacity, DeviceCatalog, normalize, normalize_inventory
+from sites.model.capacity import Capacity, normalize, normalize_inventory
+from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
 from sites.model.status import (
     AgentRecord,
@@ -176,7 +177,7 @@ class FreeTables:
             used = normalize(devices={}, cpu_cores=cores, mem_gb=0, storage_tb=0, catalog=catalog)
             free = cap.minus(used)
             self.cpu.append((str(free.cpu_cores), repr(free.cpu_fp64_tflops)))
-        # Capacity.minus: round(max(0, total - used), 6) (sites.model.catalog._round)
+        # Capacity.minus: round(max(0, total - used), 6) (sites.model.catalog.round_figure)
         mem_n, sto_n = int(cap.mem_gb * 10), int(cap.storage_tb * 100)
         self.mem = [repr(round(max(0.0, cap.mem_gb - k / 10), 6)) for k in range(mem_n + 1)]
         self.storage = [
@@ -345,7 +346,7 @@ class EmulatedSite:
         self.forget()  # a new lease holds none of our keys (Agent._reacquire)
         if record is None:
             return
-        value = record.model_dump_json().encode()  # sites.registry.client._encode
+        value = record.model_dump_json().encode()  # sites.registry.lifecycle._encode
         compares = (
             rpc.Compare(
                 result=rpc.Compare.EQUAL,
@@ -628,7 +629,7 @@ class EmulatedSite:
         if len(values) != len(models) or len(values) != pub.puts:
             raise EmulatorMismatch(f"{self.id}: {what} renders {len(values)} documents")
         for value, model in zip(values, models, strict=True):
-            expected = model.model_dump_json().encode()  # sites.registry.client._encode
+            expected = model.model_dump_json().encode()  # sites.registry.lifecycle._encode
             if value != expected:
                 raise EmulatorMismatch(
                     f"{self.id}: {what}: {type(model).__name__} differs from pydantic's:\n"

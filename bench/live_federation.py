@@ -82,7 +82,7 @@ from benchkit import (
     table,
 )
 
-from sites.agent.process import MIN_TTL_S
+from sites.agent.settings import MIN_TTL_S
 from sites.emulation.etcd_server import free_port
 from sites.kits.tasks import measure_loop_lag
 from sites.model.catalog import DeviceCatalog

@@ -66,7 +66,8 @@ from benchkit import (
 
 from sites.emulation.etcd_server import EmbeddedEtcd
 from sites.model import keys
-from sites.model.catalog import DeviceCatalog, normalize, normalize_inventory
+from sites.model.capacity import normalize, normalize_inventory
+from sites.model.catalog import DeviceCatalog
 from sites.model.errors import LeaseLost, RegistryError
 from sites.model.spec import SiteSpec
 from sites.model.status import (

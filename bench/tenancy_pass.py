@@ -39,7 +39,8 @@ from broker.placement.settings import SchedulingSettings  # noqa: E402
 from broker.placement.tenancy import Quotas  # noqa: E402
 from broker.state.view import View  # noqa: E402
 from sites.model.assignments import Assignment  # noqa: E402
-from sites.model.catalog import DeviceCatalog, normalize_inventory  # noqa: E402
+from sites.model.capacity import normalize_inventory  # noqa: E402
+from sites.model.catalog import DeviceCatalog  # noqa: E402
 from sites.model.config import load_sites, site_files  # noqa: E402
 from sites.model.snapshot import Snapshot  # noqa: E402
 from sites.model.status import AgentRecord, HostUsage, SiteStatus  # noqa: E402

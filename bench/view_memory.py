@@ -24,7 +24,8 @@ from broker.model.jobs import Event, JobRecord, JobSpec, JobState
 from broker.state.store import encode
 from broker.state.view import ViewCache
 from sites.model import keys
-from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.capacity import normalize_inventory
+from sites.model.catalog import DeviceCatalog
 from sites.model.config import load_sites, site_files
 from sites.model.status import AgentRecord, HostUsage, LinkStatus, ServiceEndpoint, SiteStatus
 from sites.registry.client import Registry

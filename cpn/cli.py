@@ -24,7 +24,8 @@ from cpn.client import ApiError, BrokerClient
 from cpn.config import ConfigFileError
 from cpn.state import read_up_state
 from sites.agent.collectors.probes import METHODS
-from sites.agent.process import Agent, AgentSettings
+from sites.agent.process import Agent
+from sites.agent.settings import AgentSettings
 from sites.kits.clock import SystemClock
 from sites.model.catalog import CatalogError, DeviceCatalog
 from sites.model.config import config_dir, load_site, load_sites

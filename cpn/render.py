@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.capacity import normalize_inventory
+from sites.model.catalog import DeviceCatalog
 from sites.model.layout import layout
 from sites.model.status import NodeUsage, SiteView
 

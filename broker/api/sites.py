@@ -21,7 +21,7 @@ from operator import itemgetter
 
 from pydantic import BaseModel, Field
 
-from sites.model.catalog import Capacity
+from sites.model.capacity import Capacity
 from sites.model.snapshot import JournalCursor, Snapshot
 from sites.model.spec import Coordinates, SiteSpec
 from sites.model.status import LinkStatus, SiteState, SiteStatus, SiteView

@@ -31,7 +31,8 @@ from broker.placement.tenancy import SHARE_DIMENSIONS, BudgetLeft, FairShare, Qu
 from broker.placement.why import Fairness
 from broker.state.view import View, held_rows, live_assignments
 from sites.model.assignments import Assignment
-from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.capacity import normalize_inventory
+from sites.model.catalog import DeviceCatalog
 
 __all__ = ["BudgetStatus", "TenantStatus", "capacity", "nominal", "tenant_statuses"]
 

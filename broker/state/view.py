@@ -29,7 +29,8 @@ from broker.state.store import decode
 from sites.kits.clock import Clock, SystemClock
 from sites.model import keys
 from sites.model.assignments import Assignment, Report
-from sites.model.catalog import Capacity, DeviceCatalog, normalize_inventory
+from sites.model.capacity import Capacity, normalize_inventory
+from sites.model.catalog import DeviceCatalog
 from sites.model.snapshot import Snapshot
 from sites.model.spec import Oversubscription, Prices, SiteSpec
 from sites.registry.client import Registry

@@ -1,3 +1,4 @@
-"""The perception agent: its process, collectors, drift, the workload reconcile loop and the
-replicas. Imported by cpn only.
+"""The perception agent: its process (settings, HTTP server, what it perceives), collectors,
+drift, the workload reconcile loop, its runs and their resource fit, and the replicas it
+serves. Imported by cpn only.
 """

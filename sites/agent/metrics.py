@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sites.model.catalog import Capacity
+from sites.model.capacity import Capacity
 from sites.model.status import GpuDevice, LinkStatus, SiteStatus
 
 GB = 1e9  # catalog and inventory gigabytes

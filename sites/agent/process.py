@@ -1,56 +1,55 @@
 """The perception agent: measures its site, publishes it under one lease, serves probes.
 
-Lifecycle: check the site is joined -> serve HTTP -> grant a lease (TTL ~ 3 intervals) -> take
-the site's agent lock under it -> start the workload (the jobs assigned to the site,
-sites.agent.workload) -> every interval measure, and publish in one transaction what changed
-(sites.agent.drift: the status, links and every service endpoint; all of it at least every
-`refresh_s`) -> on a graceful stop SIGTERM the jobs (reporting nothing) and revoke the lease
-(the site goes down at once, and the broker moves its jobs). When killed, the lease expires by
-itself and the site is down within the TTL; the jobs die with the agent (docs/executor.md).
+Lifecycle: check the site is joined -> serve HTTP (sites.agent.server) -> grant a lease (TTL ~ 3
+intervals) -> take the site's agent lock under it -> start the workload (the jobs assigned to
+the site, sites.agent.workload) -> every interval measure (sites.agent.perception), and publish in
+one transaction what changed (sites.agent.drift: the status, links and every service endpoint;
+all of it at least every `refresh_s`) -> on a graceful stop SIGTERM the jobs (reporting nothing)
+and revoke the lease (the site goes down at once, and the broker moves its jobs). When killed,
+the lease expires by itself and the site is down within the TTL; the jobs die with the agent
+(docs/executor.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
-import math
 import os
 import secrets
 import socket
 import uuid
-from collections.abc import Mapping
 from typing import Any
-
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sites.agent.collectors.host import host_usage, storage_usage
 from sites.agent.collectors.nvml import NvmlCollector
-from sites.agent.collectors.probes import METHODS, Prober, ProbeResponder, choose_method
+from sites.agent.collectors.probes import Prober, choose_method
 from sites.agent.collectors.services import ServiceLoad, ServiceMonitor
 from sites.agent.collectors.slurm import SlurmCapacity, parse_nodes
 from sites.agent.collectors.slurm import capacity as slurm_capacity
 from sites.agent.drift import link_changed, status_changed
+from sites.agent.fit import SiteResources, declared_resources
 from sites.agent.metrics import AgentMetrics
-from sites.agent.workload import (
-    STOP_GRACE_S,
-    SiteResources,
-    UnknownJob,
-    Workload,
-    declared_resources,
+from sites.agent.perception import (
+    cluster_capacity,
+    cluster_resources,
+    declared_capacity,
+    host_capacity,
+    host_resources,
 )
+from sites.agent.server import AgentServer
+from sites.agent.settings import AgentSettings
+from sites.agent.workload import Workload
 from sites.executors.base import Executor, UnavailableExecutor
 from sites.executors.factory import make_executor
 from sites.executors.slurm import SlurmExecutor
 from sites.kits.clock import Clock, SystemClock
 from sites.kits.tasks import Backoff, Crash, Supervisor
 from sites.model import keys
-from sites.model.catalog import Capacity, DeviceCatalog, mig_model, normalize
+from sites.model.capacity import Capacity
+from sites.model.catalog import DeviceCatalog
 from sites.model.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
-from sites.model.spec import REFRESH_S, SiteSpec
+from sites.model.spec import SiteSpec
 from sites.model.status import (
     AgentRecord,
     AgentSecret,
@@ -65,62 +64,6 @@ from sites.registry.mirror import PrefixMirror
 log = logging.getLogger(__name__)
 
 RESTART = Backoff(initial_s=0.5, max_s=10.0, reset_after_s=60.0)
-
-MIN_TTL_S = 2  # etcd rounds shorter leases up to its minimum TTL anyway
-
-
-class AgentSettings(BaseModel):
-    """Run-time settings of one agent; defaults come from the site file's `agent:` section."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    listen: str = Field(description="host:port to bind; port 0 picks a free one")
-    advertise: str | None = Field(
-        default=None, description="host:port peers use to reach us (the WAN front when emulated)"
-    )
-    probe_listen: str | None = Field(
-        default=None, description="host:port of the probe responder; default: listen host, port 0"
-    )
-    probe_advertise: str | None = Field(default=None, description="host:port peers probe")
-    interval_s: float = Field(gt=0)
-    refresh_s: float = Field(
-        default=REFRESH_S, ge=0, description="write the status and links at least this often"
-    )
-    probe_method: str = "auto"
-    probe_samples: int = Field(default=5, ge=1)
-    probe_timeout_s: float = Field(default=2.0, gt=0)
-    wan_emulated: bool = False
-    service_urls: dict[str, str] = Field(
-        default_factory=dict, description="service name -> URL to publish instead of the spec's"
-    )
-    job_stop_grace_s: float = Field(
-        default=STOP_GRACE_S,
-        ge=0,
-        description="seconds between SIGTERM and SIGKILL when a job is stopped; time to checkpoint",
-    )
-
-    @property
-    def ttl_s(self) -> int:
-        return max(MIN_TTL_S, math.ceil(3 * self.interval_s))
-
-    @classmethod
-    def from_spec(cls, spec: SiteSpec, **overrides: Any) -> AgentSettings:
-        base: dict[str, Any] = {
-            "listen": spec.agent.listen,
-            "interval_s": spec.agent.interval_s,
-            "refresh_s": spec.agent.refresh_s,
-            "probe_samples": spec.agent.probe_samples,
-            "probe_timeout_s": spec.agent.probe_timeout_s,
-        }
-        base.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**base)
-
-    @field_validator("probe_method")
-    @classmethod
-    def _known_method(cls, method: str) -> str:
-        if method not in METHODS:
-            raise ValueError(f"must be one of {', '.join(METHODS)}")
-        return method
 
 
 class Agent:
@@ -146,14 +89,19 @@ class Agent:
         self.record: AgentRecord | None = None
         self.url = ""
         self.probe_url = ""
-        self._probe_server: asyncio.Server | None = None
+        self.server = AgentServer(
+            bearer=self.bearer,
+            clock=self.clock,
+            metrics=self.metrics.registry,
+            health=self.health,
+            workload=lambda: self.workload,
+        )
         self.seq = 0
         self.last_publish_at: float | None = None
         self.last_error: str | None = None
         self.stopped = asyncio.Event()
         self.stop_reason = ""
         self.crashed = False  # a fatal task crash stopped the agent: its process exits non-zero
-        self._runner: web.AppRunner | None = None
         self.supervisor = Supervisor(owner=f"agent {spec.id}", on_crash=self._crashed)
         self._nvml: NvmlCollector | None = None
         # what the registry holds of ours: the status and links as last written, and when
@@ -207,7 +155,7 @@ class Agent:
         try:
             await self._acquire()
         except BaseException:
-            await self._close_http()
+            await self.server.close()
             raise
         # how tenants' runs are confined here, in one line (a site that cannot confine says
         # so), once the site is ours
@@ -267,7 +215,7 @@ class Agent:
                 await self.registry.revoke(self.record.lease_id)
             except RegistryError as exc:
                 log.warning("could not revoke lease (it will expire): %s", exc)
-        await self._close_http()
+        await self.server.close()
         if self._nvml is not None:
             self._nvml.close()
         self.stopped.set()
@@ -487,61 +435,20 @@ class Agent:
             gpus = self._nvml.collect() if self._nvml else []
             if gpus and self.workload is not None:
                 self.workload.meter(gpus, now)  # each running job's GPU energy (the ledger's)
-            held_ix = self.workload.held_devices() if self.workload is not None else {}
-            devices: dict[str, int] = {}
-            busy: dict[str, int] = {}  # busy with a process or held by a job, counted once
-            for gpu in gpus:
-                if gpu.model is None:
-                    continue
-                taken = gpu.busy or gpu.index in held_ix.get(gpu.model, frozenset())
-                devices[gpu.model] = devices.get(gpu.model, 0) + 1
-                busy[gpu.model] = busy.get(gpu.model, 0) + int(taken)
-            capacity = normalize(
-                devices=devices,
-                cpu_cores=host.cpu_cores,
-                mem_gb=host.mem_gb,
-                storage_tb=sum(s.total_tb for s in storage),
-                catalog=self.catalog,
-            )
-            used = normalize(
-                devices=busy,
-                cpu_cores=min(held.cpu_cores, host.cpu_cores),
-                # measured use includes the jobs' own; their reservation is a floor
-                mem_gb=max(host.mem_used_gb, held.mem_gb),
-                storage_tb=sum(s.used_tb for s in storage),
+            capacity, used = host_capacity(
+                gpus=gpus,
+                host=host,
+                storage=storage,
+                held=held,
+                held_devices=self.workload.held_devices() if self.workload is not None else {},
                 catalog=self.catalog,
             )
         elif self.slurm is not None:
-            # the cluster itself says what it has and what is allocated (its other users' jobs
-            # too); cpn's own runs still queued in Slurm count as used (the larger of the two)
-            slurm = self.slurm
-            capacity = normalize(
-                devices=slurm.devices,
-                cpu_cores=slurm.cpu_cores,
-                mem_gb=slurm.mem_gb,
-                storage_tb=spec.inventory.storage_tb,
-                catalog=self.catalog,
-            )
-            used = normalize(
-                devices={
-                    m: max(n - slurm.devices_free.get(m, 0), held.devices.get(m, 0))
-                    for m, n in slurm.devices.items()
-                },
-                cpu_cores=max(slurm.cpu_cores - slurm.cpu_free, held.cpu_cores),
-                mem_gb=max(slurm.mem_gb - slurm.mem_free_gb, held.mem_gb),
-                storage_tb=0.0,
-                catalog=self.catalog,
+            capacity, used = cluster_capacity(
+                self.slurm, held=held, storage_tb=spec.inventory.storage_tb, catalog=self.catalog
             )
         else:
-            inv = spec.inventory
-            capacity = normalize(
-                devices={pool.model: pool.count for pool in inv.devices},
-                cpu_cores=inv.cpu_cores,
-                mem_gb=inv.mem_gb,
-                storage_tb=inv.storage_tb,
-                catalog=self.catalog,
-            )
-            used = held
+            capacity, used = declared_capacity(spec.inventory, held=held, catalog=self.catalog)
         return SiteStatus(
             site=spec.id,
             instance=self.instance,
@@ -560,40 +467,13 @@ class Agent:
 
     def _resources(self) -> SiteResources:
         """What jobs may be given: NVML's GPUs and this host in host mode, the usable nodes of a
-        Slurm cluster, else the inventory."""
+        Slurm cluster, else the inventory (sites.agent.perception)."""
         if self.spec.perception.mode != "host":
             if self.slurm is not None:
-                return SiteResources(
-                    devices={m: tuple(range(n)) for m, n in self.slurm.devices.items()},
-                    cpu_cores=self.slurm.cpu_cores,
-                    mem_gb=self.slurm.mem_gb,
-                )
+                return cluster_resources(self.slurm)
             return declared_resources(self.spec, self.catalog)
-        devices: dict[str, list[int]] = {}
-        # a GPU in MIG mode is its MIG instances, each a slot of its profile's pseudo-model
-        # (sites.model.catalog) whose id is the MIG UUID the job's CUDA_VISIBLE_DEVICES takes
-        slots: dict[str, list[tuple[int, str]]] = {}
-        for gpu in self._nvml.collect() if self._nvml else []:
-            if gpu.model is None:
-                continue
-            if gpu.mig_enabled:
-                for inst in gpu.mig:
-                    if inst.profile is not None:
-                        found = slots.setdefault(mig_model(gpu.model, inst.profile), [])
-                        found.append((gpu.index, inst.uuid))
-                continue
-            devices.setdefault(gpu.model, []).append(gpu.index)
-        host = host_usage()
-        return SiteResources(
-            devices={
-                **{model: tuple(ix) for model, ix in devices.items()},
-                **{model: tuple(range(len(found))) for model, found in slots.items()},
-            },
-            cpu_cores=host.cpu_cores,
-            mem_gb=host.mem_gb,
-            oversubscription=self.spec.oversubscription,
-            slots={model: tuple(found) for model, found in slots.items()},
-        )
+        gpus = self._nvml.collect() if self._nvml else []
+        return host_resources(gpus, host_usage(), self.spec.oversubscription)
 
     def _replica_host(self) -> str:
         """Where managed replicas listen (sites.agent.replicas): this agent's own address."""
@@ -625,58 +505,22 @@ class Agent:
             )
         return endpoints
 
-    # -- HTTP ---------------------------------------------------------------------------------
-
-    @web.middleware
-    async def _check_bearer(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """/jobs... only with this agent's bearer (sites.model.status.AgentSecret); the rest is open
-        (probes, health and metrics say nothing about any tenant's work)."""
-        if request.path.startswith("/jobs"):
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.bearer}".encode()):
-                return _error(401, "unauthorized", "this agent's jobs need its bearer", None)
-        response: web.StreamResponse = await handler(request)
-        return response
-
     async def _serve(self) -> None:
-        app = web.Application(middlewares=[self._check_bearer])
-        app.router.add_get("/probe", self._probe)
-        app.router.add_get("/healthz", self._healthz)
-        app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/jobs", self._jobs)
-        app.router.add_get("/jobs/{job}/log", self._job_log)
-        # bounded: a client following a log must not hold up the agent's stop
-        self._runner = web.AppRunner(
-            app, access_log=None, handle_signals=False, shutdown_timeout=5.0
+        """Start the HTTP server and the probe responder; what peers are told of them."""
+        settings = self.settings
+        await self.server.start(
+            listen=settings.listen,
+            advertise=settings.advertise,
+            probe_listen=settings.probe_listen,
+            probe_advertise=settings.probe_advertise,
         )
-        await self._runner.setup()
-        host, port = self.settings.listen.rsplit(":", 1)
-        site = web.TCPSite(self._runner, host, int(port), reuse_address=True)
-        await site.start()
-        bound = self._runner.addresses[0]
-        advertise = self.settings.advertise or f"{bound[0]}:{bound[1]}"
-        self.url = f"http://{advertise}"
-        probe_host, probe_port = (self.settings.probe_listen or f"{host}:0").rsplit(":", 1)
-        self._probe_server = await asyncio.get_running_loop().create_server(
-            ProbeResponder, probe_host, int(probe_port), reuse_address=True
-        )
-        pbound = self._probe_server.sockets[0].getsockname()
-        self.probe_url = f"http://{self.settings.probe_advertise or f'{pbound[0]}:{pbound[1]}'}"
-        self.bound = (str(bound[0]), int(bound[1]))
+        self.url, self.probe_url = self.server.url, self.server.probe_url
 
-    async def _close_http(self) -> None:
-        if self._probe_server is not None:
-            self._probe_server.close()
-            await self._probe_server.wait_closed()
-            self._probe_server = None
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+    # -- health -----------------------------------------------------------------------------
 
-    async def _probe(self, _: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    async def _healthz(self, _: web.Request) -> web.Response:
+    def health(self) -> tuple[dict[str, Any], bool]:
+        """/healthz's body, and whether the agent is healthy: its tasks run and, once it has
+        published, its last publish is within the lease's TTL."""
         now = self.clock.time()
         stale = self.last_publish_at is None or now - self.last_publish_at > self.settings.ttl_s
         health = self.supervisor.status()
@@ -697,68 +541,7 @@ class Agent:
             "nvml": None if self._nvml is None else (self._nvml.available or self._nvml.reason),
         }
         bad = (stale and self.seq) or not health["healthy"]
-        return web.json_response(body, status=503 if bad else 200)
-
-    async def _metrics(self, _: web.Request) -> web.Response:
-        return web.Response(
-            body=generate_latest(self.metrics.registry),
-            headers={"Content-Type": CONTENT_TYPE_LATEST},
-        )
-
-    async def _jobs(self, _: web.Request) -> web.Response:
-        runs = self.workload.runs() if self.workload is not None else []
-        return web.json_response([run.to_json() for run in runs])
-
-    async def _job_log(self, request: web.Request) -> web.StreamResponse:
-        """The job's log as plain text from `offset`; `follow=1` tails it until the run ends."""
-        job = request.match_info["job"]
-        query = request.query
-        offset = _int_param(query, "offset", minimum=0) or 0
-        attempt = _int_param(query, "attempt", minimum=1)
-        follow = query.get("follow", "0").lower() in ("1", "true", "yes")
-        if self.workload is None:
-            return _error(503, "unavailable", "the agent is starting", None)
-        try:
-            job_log = self.workload.log(job, attempt)
-        except UnknownJob as exc:
-            return _error(404, "not_found", str(exc), "job")
-        response = web.StreamResponse(
-            headers={
-                "Content-Type": "text/plain; charset=utf-8",
-                "Cache-Control": "no-cache",
-                "X-Cpn-Attempt": str(job_log.attempt),
-            }
-        )
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-        try:
-            async for chunk in job_log.chunks(clock=self.clock, offset=offset, follow=follow):
-                await response.write(chunk)
-        except ConnectionResetError:
-            return response  # the client went away
-        await response.write_eof()
-        return response
-
-
-def _error(status: int, code: str, message: str, field: str | None) -> web.Response:
-    body = {"error": {"code": code, "message": message, "field": field}}
-    return web.json_response(body, status=status)
-
-
-def _int_param(query: Mapping[str, str], name: str, *, minimum: int) -> int | None:
-    """An optional integer query parameter; a bad one is a 400 naming it."""
-    raw = query.get(name)
-    if raw is None:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        message = f"{name} must be an integer >= {minimum}, got {raw!r}"
-        body = {"error": {"code": "invalid", "message": message, "field": name}}
-        raise web.HTTPBadRequest(text=json.dumps(body), content_type="application/json")
-    return value
+        return body, not bad
 
 
 def _dead_on_this_host(record: AgentRecord) -> bool:

@@ -3,17 +3,17 @@
     starting --ready probe passes--> ready --assignment withdrawn--> draining --> stopped
     starting --withdrawn, or not ready within readiness_timeout_s--> stopped
 
-The workload (sites.agent.workload) gives the run a port ($CPN_PORT, `{port}` in its command),
-probes
-`GET http://<host>:<port><readiness_path>` until it answers 2xx, and from then on the agent
-publishes it as its own endpoint of the service at this site (`endpoint`; several replicas of one
-service may run at a site, each with its own port). When its assignment is
-withdrawn (scaled down, the service deleted, the job cancelled) it is drained before it
-stops: published as draining (routed as unhealthy, so no broker sends it more), then, after
-the brokers had time to see that (`settle_s`: two publish intervals), stopped once it has
-nothing in flight or queued (its /metrics or /stats, read as the agent reads any endpoint's
-load) or `drain_timeout_s` passed. A server that says nothing of its load gets the whole
-drain_timeout_s. SkyServe drains the same way: out of the load balancer first, then stopped.
+The workload (sites.agent.workload, through sites.agent.serving) gives the run a port
+($CPN_PORT, `{port}` in its command), probes `GET http://<host>:<port><readiness_path>` until it
+answers 2xx, and from then on the agent publishes it as its own endpoint of the service at this
+site (`endpoint`; several replicas of one service may run at a site, each with its own port).
+When its assignment is withdrawn (scaled down, the service deleted, the job cancelled) it is
+drained before it stops: published as draining (routed as unhealthy, so no broker sends it
+more), then, after the brokers had time to see that (`settle_s`: two publish intervals), stopped
+once it has nothing in flight or queued (its /metrics or /stats, read as the agent reads any
+endpoint's load) or `drain_timeout_s` passed. A server that says nothing of its load gets the
+whole drain_timeout_s. SkyServe drains the same way: out of the load balancer first, then
+stopped.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ TRANSITIONS: dict[ReplicaState, frozenset[ReplicaState]] = {
 
 @dataclass
 class Replica:
-    """One run's replica state (the run itself is sites.agent.workload.Run)."""
+    """One run's replica state (the run itself is sites.agent.runs.Run)."""
 
     job: str
     serve: Serve

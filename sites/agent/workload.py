@@ -1,7 +1,8 @@
 """The jobs placed on this site: follow the assignments, run them, report on them.
 
 The broker writes an Assignment at /cpn/v1/assignments/<site>/<job>; the Workload mirrors that
-prefix and converges on it: a new assignment is allocated devices and started, a withdrawn one
+prefix and converges on it: a new assignment is allocated devices (sites.agent.fit) and started
+as a Run (sites.agent.runs), a withdrawn one
 (key deleted, or replaced by another attempt/fence) is stopped. Each run reports `starting`
 (written before the process is launched), `running`, then a terminal state, at
 /cpn/v1/reports/<site>/<job>, every report fenced by the agent lock and retried with backoff
@@ -10,36 +11,43 @@ attempt+fence already has a report is not run again; one left `starting`/`runnin
 crashed predecessor (whose process died with it) is reported `failed` as lost, for the broker
 to retry. Long form: docs/executor.md.
 
-A run whose assignment carries `serve` is a managed service's replica (sites.agent.replicas): it is
-given a port, probed until ready, published as its own endpoint of the service here
-(`replica_endpoints`: several replicas of a service may run at one site), and drained before
-it is stopped when withdrawn.
+A run whose assignment carries `serve` is a managed service's replica (sites.agent.replicas,
+kept by sites.agent.serving): it is given a port, probed until ready, published as its own
+endpoint of the service here (`replica_endpoints`: several replicas of a service may run at one
+site), and drained before it is stopped when withdrawn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import signal
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from pydantic import ValidationError
 
-from sites.agent.collectors.services import ServiceMonitor
-from sites.agent.replicas import Replica, ReplicaState, free_port, in_flight, probe_ready, with_port
+from sites.agent.fit import (
+    DoesNotFit,
+    SiteResources,
+    allocate,
+    declared_resources,
+    held_capacity,
+    held_devices,
+    node_usage,
+    sliced,
+)
+from sites.agent.replicas import ReplicaState
+from sites.agent.runs import JobLog, Run, UnknownJob, exit_message
+from sites.agent.serving import Serving
 from sites.executors.base import JOB_ID_RE, Executor, ExecutorError, RunHandle, log_path
 from sites.kits.clock import Clock
 from sites.model import keys
 from sites.model.assignments import Assignment, Report, RunState
-from sites.model.catalog import Capacity, DeviceCatalog, normalize
-from sites.model.errors import RegistryError, SitesError
-from sites.model.layout import layout
-from sites.model.spec import Oversubscription, SiteSpec
+from sites.model.capacity import Capacity
+from sites.model.catalog import DeviceCatalog
+from sites.model.errors import RegistryError
+from sites.model.spec import SiteSpec
 from sites.model.status import AgentRecord, GpuDevice, NodeUsage, ServiceEndpoint
 from sites.registry.client import Registry
 from sites.registry.mirror import PrefixMirror
@@ -51,323 +59,6 @@ KEEP_FINISHED = 200  # finished runs listed by /jobs once their assignment is go
 RETRY_MIN_S = 0.2
 QUEUE_POLL_S = 1.0  # how often a run queued in the site's scheduler is looked at again
 RETRY_MAX_S = 5.0
-LOG_POLL_S = 0.2
-LOG_CHUNK = 64 * 1024
-DRAIN_POLL_S = 0.2  # how often a draining replica's in-flight count is read
-REPLICA_POLL_S = 0.5  # how often the published replicas' load is read
-
-
-class UnknownJob(SitesError, LookupError):
-    def __init__(self, job: str, attempt: int | None = None) -> None:
-        self.job = job
-        what = f"job {job!r}" + ("" if attempt is None else f" attempt {attempt}")
-        super().__init__(f"{what} has no run at this site")
-
-
-class DoesNotFit(SitesError):
-    """An assignment asks for more than the site has free (the broker should have prevented it)."""
-
-
-@dataclass(frozen=True)
-class SiteResources:
-    """What jobs can be given: device indices per model, cores and RAM."""
-
-    devices: Mapping[str, tuple[int, ...]]
-    cpu_cores: int
-    mem_gb: float
-    # the site's best-effort capacity above the physical (sites.model.spec.Oversubscription):
-    # best-effort runs share devices, cores and memory up to it; others never exceed the
-    # physical, whatever best-effort work holds
-    oversubscription: Oversubscription | None = None
-    # a site that declares its nodes (sites.model.spec.Topology): node -> model -> its device
-    # indices
-    nodes: Mapping[str, Mapping[str, tuple[int, ...]]] = field(default_factory=dict)
-    # a partitioned device's slices (sites.model.layout): model -> per index, (physical device, slot
-    # id); absent for whole devices, whose index is the device's
-    slots: Mapping[str, tuple[tuple[int, str], ...]] = field(default_factory=dict)
-
-
-def declared_resources(spec: SiteSpec, catalog: DeviceCatalog | None = None) -> SiteResources:
-    """The declared inventory as slots (sites.model.layout): positions 0..n-1 per (pseudo-)model, a
-    partitioned device's slices (with the catalog) under their own names, given to the
-    declared nodes in order (the first node has the lowest indices)."""
-    inv = spec.inventory
-    where = layout(spec, catalog)
-    return SiteResources(
-        devices={model: tuple(range(len(found))) for model, found in where.slots.items()},
-        cpu_cores=inv.cpu_cores,
-        mem_gb=inv.mem_gb,
-        oversubscription=spec.oversubscription,
-        nodes=where.nodes,
-        slots=where.slots,
-    )
-
-
-@dataclass(eq=False)
-class Run:
-    """One attempt of one job at this site, as this agent knows it."""
-
-    assignment: Assignment
-    devices: tuple[int, ...] = ()
-    log_path: Path | None = None
-    state: RunState = RunState.starting
-    handle: RunHandle | None = None
-    started_at: float | None = None
-    finished_at: float | None = None
-    exit_code: int | None = None
-    message: str = ""
-    reason: str | None = None  # why it ended, as a word (out_of_memory)
-    usage: dict[str, float] | None = None
-    # NVML-measured GPU energy and utilization of its devices while it runs (`meter`)
-    gpu_energy_j: float = 0.0
-    gpu_util_s: float = 0.0  # utilization (0..1, averaged over its devices) x seconds
-    metered_s: float = 0.0
-    metered_at: float | None = None
-    withdrawn: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    replica: Replica | None = None  # a managed service's replica (sites.agent.replicas)
-    unready: str | None = None  # why it was stopped: not ready in time
-    task: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    @property
-    def job(self) -> str:
-        return self.assignment.job
-
-    @property
-    def live(self) -> bool:
-        return not self.state.terminal
-
-    def same_attempt(self, assignment: Assignment) -> bool:
-        a = self.assignment
-        return (a.attempt, a.fence) == (assignment.attempt, assignment.fence)
-
-    def finish(self, state: RunState, now: float, exit_code: int | None, message: str) -> None:
-        self.state = state
-        self.finished_at = now
-        self.exit_code = exit_code
-        self.message = message
-
-    def meter(self, gpus: Sequence[GpuDevice], now: float) -> None:
-        """Add what NVML says its devices drew since the last reading: power x time, and
-        utilization x time (the agent calls this every publish interval). Only while it runs,
-        and only when every one of its devices reports its power."""
-        since, self.metered_at = self.metered_at, now
-        model = self.assignment.model
-        if self.state is not RunState.running or not self.devices or model is None:
-            return
-        mine = [g for g in gpus if g.model == model and g.index in self.devices]
-        if since is None or len(mine) != len(self.devices) or now <= since:
-            return
-        if any(g.power_w is None for g in mine):
-            return
-        dt = now - since
-        self.gpu_energy_j += sum(float(g.power_w or 0.0) for g in mine) * dt
-        self.gpu_util_s += sum(g.util_pct for g in mine) / 100.0 / len(mine) * dt
-        self.metered_s += dt
-
-    def metered(self) -> dict[str, float]:
-        """Report.usage's GPU figures from `meter`, {} when nothing was measured."""
-        if not self.metered_s:
-            return {}
-        return {
-            "gpu_energy_j": self.gpu_energy_j,
-            "gpu_util_ratio": self.gpu_util_s / self.metered_s,
-            "gpu_metered_s": self.metered_s,
-        }
-
-    def report(self, now: float) -> Report:
-        a = self.assignment
-        return Report(
-            job=a.job,
-            site=a.site,
-            attempt=a.attempt,
-            fence=a.fence,
-            state=self.state,
-            exit_code=self.exit_code,
-            message=self.message,
-            devices=self.devices,
-            started_at=self.started_at,
-            finished_at=self.finished_at,
-            log_path=None if self.log_path is None else str(self.log_path),
-            usage=self.usage,
-            reason=self.reason,
-            confinement=(self.handle.confinement or None) if self.handle is not None else None,
-            updated_at=now,
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        a = self.assignment
-        return {
-            "job": a.job,
-            "tenant": a.tenant,
-            "attempt": a.attempt,
-            "fence": a.fence,
-            "state": self.state.value,
-            "exit_code": self.exit_code,
-            "message": self.message,
-            "model": a.model,
-            "devices": list(self.devices),
-            "cpu": a.cpu,
-            "mem_gb": a.mem_gb,
-            "pid": None if self.handle is None else self.handle.pid,
-            "started_at": self.started_at,
-            "finished_at": self.finished_at,
-            "log_path": None if self.log_path is None else str(self.log_path),
-            "withdrawn": self.withdrawn.is_set(),
-            "replica": None if self.replica is None else self.replica.state.value,
-        }
-
-
-def allocate(
-    assignment: Assignment, resources: SiteResources, held: Iterable[Run]
-) -> tuple[int, ...]:
-    """Device indices for ``assignment`` next to the live runs ``held`` (pure); DoesNotFit.
-
-    On an oversubscribed site (resources.oversubscription) a best-effort run may share a
-    device with other runs, at most ceil(ratio) runs a device, least shared first, and the
-    cores and memory up to the physical x ratio; any other run counts only what other
-    non-best-effort runs hold against the physical. Elsewhere every run holds what it takes."""
-    live = [run for run in held if run.live]
-    a = assignment
-    over = resources.oversubscription
-    if over is not None and a.best_effort:
-        return _share(a, resources, over, live)
-    # the runs whose holdings count against this one: all of them, or on an oversubscribed
-    # site the non-best-effort ones (best-effort work lives above the physical)
-    holding = live if over is None else [run for run in live if not run.assignment.best_effort]
-    devices: tuple[int, ...] = ()
-    if a.gpus > 0:
-        if a.model is None:
-            raise DoesNotFit(f"asks for {a.gpus} accelerator(s) but names no model")
-        pool = resources.devices.get(a.model, ())
-        if not pool:
-            have = ", ".join(f"{len(ix)} x {m}" for m, ix in resources.devices.items()) or "none"
-            raise DoesNotFit(f"site has no {a.model} devices (it has: {have})")
-        taken = {i for run in holding if run.assignment.model == a.model for i in run.devices}
-        if a.nodes and resources.nodes:
-            devices = _on_nodes(a, a.model, resources, taken)
-        else:
-            free = [i for i in pool if i not in taken]
-            if len(free) < a.gpus:
-                raise DoesNotFit(
-                    f"needs {a.gpus} x {a.model}, only {len(free)} of {len(pool)} free"
-                )
-            devices = tuple(free[: a.gpus])
-    cpu_free = resources.cpu_cores - sum(run.assignment.cpu for run in holding)
-    if a.cpu > cpu_free:
-        raise DoesNotFit(f"needs {a.cpu} CPU cores, only {max(0, cpu_free)} free")
-    mem_free = resources.mem_gb - sum(run.assignment.mem_gb for run in holding)
-    if a.mem_gb > mem_free + 1e-9:
-        raise DoesNotFit(f"needs {a.mem_gb:g} GB of memory, only {max(0.0, mem_free):g} free")
-    return devices
-
-
-def sliced(
-    a: Assignment, devices: tuple[int, ...], resources: SiteResources, catalog: DeviceCatalog
-) -> tuple[Assignment, tuple[int, ...]]:
-    """What the executor is given for a run on slices of devices (sites.model.layout): the physical
-    devices they are on (the visibility variable lists those) and the slices themselves in
-    CPN_GPU_SLICES (MIG instance or time-slice ids) and CPN_GPU_SHARE (the share of a device
-    each is); a run on whole devices, the physical indices of its positions (a partitioned
-    pool's whole devices come after its partitioned ones)."""
-    found = resources.slots.get(a.model or "")
-    if not devices or found is None:
-        return a, devices
-    physical = tuple(sorted({found[i][0] for i in devices}))
-    if all(not found[i][1] for i in devices):  # whole devices: their own indices
-        return a, physical
-    env = {
-        **a.env,
-        "CPN_GPU_SLICES": ",".join(found[i][1] for i in devices),
-        "CPN_GPU_SHARE": f"{catalog.fraction(a.model or ''):.4g}",
-    }
-    return a.model_copy(update={"env": env}), physical
-
-
-def _on_nodes(
-    a: Assignment, model: str, resources: SiteResources, taken: set[int]
-) -> tuple[int, ...]:
-    """The devices of the nodes the broker chose (Assignment.nodes), share by share."""
-    devices: list[int] = []
-    for share in a.nodes:
-        node = resources.nodes.get(share.node)
-        if node is None:
-            raise DoesNotFit(f"the broker chose node {share.node!r}, which this site lacks")
-        free = [i for i in node.get(model, ()) if i not in taken]
-        if len(free) < share.gpus:
-            raise DoesNotFit(
-                f"needs {share.gpus} x {model} on node {share.node}, only {len(free)} free there"
-            )
-        devices.extend(free[: share.gpus])
-    if len(devices) != a.gpus:
-        raise DoesNotFit(f"its nodes hold {len(devices)} of the {a.gpus} x {model} it asks for")
-    return tuple(devices)
-
-
-def _share(
-    a: Assignment, resources: SiteResources, over: Oversubscription, live: Sequence[Run]
-) -> tuple[int, ...]:
-    """A best-effort run's devices, cores and memory on an oversubscribed site (allocate)."""
-    devices: tuple[int, ...] = ()
-    if a.gpus > 0:
-        if a.model is None:
-            raise DoesNotFit(f"asks for {a.gpus} accelerator(s) but names no model")
-        pool = resources.devices.get(a.model, ())
-        per_device = math.ceil(over.gpu_ratio(a.model))
-        holders = dict.fromkeys(pool, 0)
-        for run in live:
-            if run.assignment.model == a.model:
-                for i in run.devices:
-                    if i in holders:
-                        holders[i] += 1
-        open_ = sorted((n, i) for i, n in holders.items() if n < per_device)
-        if len(open_) < a.gpus:
-            raise DoesNotFit(
-                f"needs {a.gpus} x {a.model}, only {len(open_)} of {len(pool)} may take "
-                f"another best-effort run ({per_device} a device)"
-            )
-        devices = tuple(sorted(i for _, i in open_[: a.gpus]))
-    cpu_free = int(resources.cpu_cores * over.cpu) - sum(run.assignment.cpu for run in live)
-    if a.cpu > cpu_free:
-        raise DoesNotFit(f"needs {a.cpu} CPU cores, only {max(0, cpu_free)} free")
-    mem_free = resources.mem_gb * over.mem_gb - sum(run.assignment.mem_gb for run in live)
-    if a.mem_gb > mem_free + 1e-9:
-        raise DoesNotFit(f"needs {a.mem_gb:g} GB of memory, only {max(0.0, mem_free):g} free")
-    return devices
-
-
-@dataclass(frozen=True)
-class JobLog:
-    """One attempt's log file; ``run`` is set while this agent knows the attempt's run."""
-
-    job: str
-    attempt: int
-    path: Path
-    run: Run | None
-
-    @property
-    def live(self) -> bool:
-        return self.run is not None and self.run.live
-
-    async def chunks(
-        self, *, clock: Clock, offset: int = 0, follow: bool = False, poll_s: float = LOG_POLL_S
-    ) -> AsyncIterator[bytes]:
-        """The log from ``offset``; with ``follow``, keep tailing until the run has ended."""
-        while not self.path.exists():
-            if not (follow and self.live):
-                return
-            await clock.sleep(poll_s)
-        # local reads of a bounded chunk are fast enough for the loop; no thread needed
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            while True:
-                was_live = self.live  # sampled before reading: output precedes the exit
-                data = f.read(LOG_CHUNK)
-                if data:
-                    yield data
-                    continue
-                if not (follow and was_live):
-                    return
-                await clock.sleep(poll_s)
 
 
 class Workload:
@@ -408,11 +99,16 @@ class Workload:
         self._tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[Any] | None = None
         self._closing = asyncio.Event()
-        # replicas (sites.agent.replicas): where they listen, how long a draining one waits for the
-        # brokers to see it draining, and the published ones' load
-        self.replica_host = replica_host
-        self.settle_s = settle_s
-        self._replica_loads = ServiceMonitor((), by_url=True)
+        self._serving = Serving(
+            site=self.site,
+            runs=self._runs.values,
+            executor=executor,
+            clock=clock,
+            closing=self._closing,
+            host=replica_host,
+            settle_s=settle_s,
+            stop_grace_s=stop_grace_s,
+        )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -438,7 +134,7 @@ class Workload:
         async with asyncio.TaskGroup() as group:
             group.create_task(self._mirror.run(), name=f"workload {self.site} assignments")
             group.create_task(self._reconcile_loop(), name=f"workload {self.site} reconcile")
-            group.create_task(self._replica_loop(), name=f"workload {self.site} replicas")
+            group.create_task(self._serving.follow_loads(), name=f"workload {self.site} replicas")
 
     async def _list(self, prefix: str, what: str) -> list[tuple[str, bytes, int]]:
         """Everything under `prefix`, retried with backoff until etcd answers."""
@@ -501,11 +197,7 @@ class Workload:
         if main is not None and not main.done():
             main.cancel()
             await asyncio.gather(main, return_exceptions=True)
-        serving = [
-            run for run in self._runs.values()
-            if run.live and run.replica is not None and run.replica.state is ReplicaState.ready
-        ]  # fmt: skip
-        await asyncio.gather(*(self._drain(run, run.replica) for run in serving if run.replica))
+        await self._serving.drain_ready()
         live = [run for run in self._runs.values() if run.live and run.handle is not None]
         await asyncio.gather(
             *(self.executor.stop(run.handle, self.stop_grace_s) for run in live if run.handle)
@@ -520,7 +212,7 @@ class Workload:
         for run in self._runs.values():
             if run.live:
                 run.finish(RunState.stopped, now, run.exit_code, "the agent stopped")
-        await self._replica_loads.close()
+        await self._serving.close()
 
     # -- what the agent publishes and serves --------------------------------------------------
 
@@ -534,57 +226,16 @@ class Workload:
                 run.meter(gpus, now)
 
     def held_devices(self) -> dict[str, frozenset[int]]:
-        held: dict[str, set[int]] = {}
-        for run in self._runs.values():
-            if run.live and run.devices and run.assignment.model is not None:
-                held.setdefault(run.assignment.model, set()).update(run.devices)
-        return {model: frozenset(ix) for model, ix in held.items()}
+        """The device indices held by live runs, per model (sites.agent.fit.held_devices)."""
+        return held_devices(self._runs.values())
 
     def node_usage(self) -> tuple[NodeUsage, ...]:
         """What each declared node has free now (the agent publishes it; () without nodes)."""
-        nodes = self._resources().nodes
-        if not nodes:
-            return ()
-        held = self.held_devices()
-        cores: dict[str, int] = {}
-        mem: dict[str, float] = {}
-        for run in self._runs.values():
-            if not run.live:
-                continue
-            for share in run.assignment.nodes:
-                cores[share.node] = cores.get(share.node, 0) + share.cpu
-                mem[share.node] = mem.get(share.node, 0.0) + share.mem_gb
-        topology = self.spec.topology
-        sizes: dict[str, tuple[int, float, str | None]] = {}
-        if topology is not None:
-            for group in topology.nodes:
-                for i, name in enumerate(group.node_names()):
-                    sizes[name] = (group.cpu_cores, group.mem_gb, group.island_of(i))
-        out = []
-        for name, devices in nodes.items():
-            cpu, gb, island = sizes.get(name, (0, 0.0, None))
-            free = {m: len(set(ix) - held.get(m, frozenset())) for m, ix in devices.items()}
-            out.append(
-                NodeUsage(
-                    node=name,
-                    island=island,
-                    free_devices=free,
-                    free_cpu=max(0, cpu - cores.get(name, 0)),
-                    free_mem_gb=round(max(0.0, gb - mem.get(name, 0.0)), 6),
-                )
-            )
-        return tuple(out)
+        return node_usage(self._runs.values(), self._resources().nodes, self.spec.topology)
 
     def held(self) -> Capacity:
         """Capacity held by live runs: their devices per model, cores and memory."""
-        live = [run for run in self._runs.values() if run.live]
-        return normalize(
-            devices={model: len(ix) for model, ix in self.held_devices().items()},
-            cpu_cores=sum(run.assignment.cpu for run in live),
-            mem_gb=sum(run.assignment.mem_gb for run in live),
-            storage_tb=0.0,
-            catalog=self.catalog,
-        )
+        return held_capacity(self._runs.values(), self.catalog)
 
     def log(self, job: str, attempt: int | None = None) -> JobLog:
         """The log of ``job``'s attempt (default: the current run's, else the latest on disk)."""
@@ -768,10 +419,7 @@ class Workload:
             raise ExecutorError(f"job {a.job}: no log path")
         a, devices = sliced(a, run.devices, self._resources(), self.catalog)
         if a.serve is not None:
-            host = self.replica_host
-            port = a.serve.port or free_port(host)
-            run.replica = Replica(job=a.job, serve=a.serve, host=host, port=port)
-            a = with_port(a, host, port)
+            a, run.replica = self._serving.replica(a, a.serve)
         try:
             handle = await self.executor.start(a, devices, run.log_path)
         except ExecutorError as exc:
@@ -796,7 +444,7 @@ class Workload:
             await self._while_queued(run, handle)
         await self._write(run)
         if run.replica is not None and not (self._closing.is_set() or run.withdrawn.is_set()):
-            self._spawn(self._await_ready(run, handle), f"ready {a.job}")
+            self._spawn(self._serving.await_ready(run, handle), f"ready {a.job}")
         ended = await self.executor.wait(handle)
         if run.replica is not None:
             run.replica.move(ReplicaState.stopped)
@@ -812,7 +460,7 @@ class Workload:
         else:
             state = RunState.failed
             message = ended.message or (
-                "exit status unknown" if code is None else _exit_message(code)
+                "exit status unknown" if code is None else exit_message(code)
             )
         usage = {**run.metered(), **(ended.usage or {})}  # the scheduler's own figures win
         run.usage = usage or None
@@ -841,85 +489,14 @@ class Workload:
 
     async def _withdraw(self, run: Run) -> None:
         if run.replica is not None:
-            await self._drain(run, run.replica)
+            await self._serving.drain(run, run.replica)
         if run.handle is not None:
             await self.executor.stop(run.handle, self.stop_grace_s)
 
-    # -- replicas (sites.agent.replicas)
-    # --------------------------------------------------------------
-
-    async def _await_ready(self, run: Run, handle: RunHandle) -> None:
-        """Probe until the replica is ready; stop it when it is not within its timeout."""
-        replica = run.replica
-        if replica is None:
-            return
-        serve = replica.serve
-        await self.clock.sleep(serve.readiness_initial_delay_s)
-        deadline = self.clock.monotonic() + serve.readiness_timeout_s
-        async with aiohttp.ClientSession() as session:
-            while run.live and replica.state is ReplicaState.starting:
-                if run.withdrawn.is_set() or self._closing.is_set():
-                    return
-                if await probe_ready(session, replica):
-                    replica.move(ReplicaState.ready)
-                    log.info("job %s: replica of %s ready at %s", run.job, serve.service,
-                             replica.url)  # fmt: skip
-                    return
-                if self.clock.monotonic() >= deadline:
-                    run.unready = (
-                        f"not ready within {serve.readiness_timeout_s:g} s: "
-                        f"{serve.readiness_path} never answered 2xx"
-                    )
-                    log.warning("job %s: %s; stopping it", run.job, run.unready)
-                    await self.executor.stop(handle, self.stop_grace_s)
-                    return
-                await self.clock.sleep(serve.readiness_period_s)
-
-    async def _drain(self, run: Run, replica: Replica) -> None:
-        """Out of routing first, then wait for what it has in flight (module docstring of
-        sites.agent.replicas); a replica not ready yet serves nothing and stops at once."""
-        if replica.state is not ReplicaState.ready:
-            return
-        replica.move(ReplicaState.draining)
-        started = self.clock.monotonic()
-        deadline = started + max(replica.serve.drain_timeout_s, self.settle_s)
-        log.info("job %s: replica of %s draining", run.job, replica.serve.service)
-        await self.clock.sleep(self.settle_s)  # the brokers see it draining: nothing new comes
-        monitor = ServiceMonitor(())
-        try:
-            while run.live and self.clock.monotonic() < deadline:
-                left = await in_flight(monitor, replica)
-                if left == 0:
-                    break
-                await self.clock.sleep(DRAIN_POLL_S)
-        finally:
-            await monitor.close()
-        log.info("job %s: replica drained after %.1f s", run.job, self.clock.monotonic() - started)
-
-    def _published_replicas(self) -> list[Replica]:
-        """The replicas published here, ready or draining, by job: each has an endpoint of its
-        own (several replicas of one service may run at a site)."""
-        out = [
-            run.replica
-            for run in self._runs.values()
-            if run.live
-            and run.replica is not None
-            and run.replica.state in (ReplicaState.ready, ReplicaState.draining)
-        ]
-        return sorted(out, key=lambda r: (r.serve.service, r.job))
-
     def replica_endpoints(self, now: float) -> list[ServiceEndpoint]:
-        """The endpoints of the replicas ready or draining here, for the agent to publish: each
-        with its own address and its own model server's load (read by URL)."""
-        loads = self._replica_loads.loads
-        return [r.endpoint(self.site, loads.get(r.url), now) for r in self._published_replicas()]
-
-    async def _replica_loop(self) -> None:
-        while True:
-            published = self._published_replicas()
-            self._replica_loads.services = tuple(r.as_service() for r in published)
-            await self._replica_loads.poll()
-            await self.clock.sleep(REPLICA_POLL_S)
+        """The endpoints of the replicas ready or draining here, for the agent to publish
+        (sites.agent.serving)."""
+        return self._serving.endpoints(now)
 
     async def _write(self, run: Run) -> None:
         """Write the run's report; retried with backoff until it lands or the agent stops."""
@@ -966,12 +543,3 @@ class Workload:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s crashed", task.get_name(), exc_info=task.exception())
-
-
-def _exit_message(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with {code}"

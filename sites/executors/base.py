@@ -155,7 +155,7 @@ def job_env(
 
     CPN_DEVICES is ``MODEL:i,j,...`` (empty without devices). The vendor's visibility variable
     (CUDA_VISIBLE_DEVICES for NVIDIA, see VISIBLE_DEVICES_ENV) lists the indices, or for MIG
-    instances the agent found with NVML (CPN_GPU_SLICES of MIG-... UUIDs, sites.agent.workload's
+    instances the agent found with NVML (CPN_GPU_SLICES of MIG-... UUIDs, sites.agent.fit's
     `sliced`) those UUIDs; a job without accelerators gets CUDA_VISIBLE_DEVICES="" so it
     cannot use GPUs it does not hold.
     """

@@ -12,7 +12,8 @@ from sites.executors.base import (
 )
 from sites.executors.confinement import Confiner
 from sites.executors.local import LocalExecutor
-from sites.executors.slurm import SlurmCommands, SlurmExecutor
+from sites.executors.slurm import SlurmExecutor
+from sites.executors.slurm_commands import SlurmCommands
 from sites.kits.clock import Clock
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import ExecutorKind, SiteSpec

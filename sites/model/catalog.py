@@ -1,20 +1,16 @@
-"""Device catalog and normalized compute capacity.
+"""The device catalog: the published figures of each device model, and the slices of one.
 
-A site declares concrete hardware (``{"H100": 1024}``, 112 cores x nodes, RAM, storage). Each
-accelerator model is an entry of configs/devices.yaml with published DENSE peak figures. Its
-normalized capacity sums, over the accelerators, count x fp64/fp32/fp16 TFLOPS, INT8 TOPS and
-device memory (a figure the vendor does not publish is null and counts as 0). CPU cores
-are scaled by the per-core figures of the catalog's reference CPU entry (``cpu_reference``),
-giving ``cpu_fp64_tflops``; RAM and storage pass through. The concrete counts are kept next to
-the sums, so a job can ask for ``H100: 8`` or for "800 FP16 TFLOPS on >= 80 GB devices" alike.
+Each accelerator model is an entry of configs/devices.yaml with published DENSE peak figures
+(a figure the vendor does not publish is null); the reference CPU entry (``cpu_reference``)
+gives per-core figures. sites.model.capacity sums them into a site's normalized capacity.
 
 Fractional accelerators: a GPU entry may list its MIG profiles (``mig:``). A slice of a device
 is a pseudo-model named ``<model>/<part>``: ``A100-80GB/3g.40gb`` (a MIG instance) or
 ``A100-80GB/ts4`` (a quarter of a time-shared device). ``DeviceCatalog.get`` derives its figures
 and ``DeviceCatalog.fraction`` its share of the device. A site cuts devices in
 ``inventory.devices[].partitions``; ``check_partitions`` tests the layouts against the hardware's
-placement rules, ``expand`` gives the pools as placement sees them and ``device_slots`` the
-slot ids. Capacity sums count each physical device once. Long form: docs/catalog.md.
+placement rules (sites.model.mig), ``expand`` gives the pools as placement sees them and
+``device_slots`` the slot ids. Long form: docs/catalog.md.
 
 Exceptions (part of the sites tree, sites.model.errors)::
 
@@ -33,7 +29,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -48,11 +44,11 @@ from pydantic import (
 )
 
 from sites.model.errors import SitesError
-from sites.model.spec import MAX_TIME_SLICES, MIG_PROFILE_RE, DevicePool, Inventory
+from sites.model.mig import Figure, MigProfile, MigSpec, layout_problem
+from sites.model.spec import MAX_TIME_SLICES, DevicePool, Inventory
 
 __all__ = [
     "SLICE_SEP",
-    "Capacity",
     "CatalogError",
     "DeviceCatalog",
     "DeviceKind",
@@ -68,9 +64,8 @@ __all__ = [
     "expand",
     "mig_fit",
     "mig_model",
-    "normalize",
-    "normalize_inventory",
     "partition_problems",
+    "round_figure",
     "shared_model",
     "split_model",
 ]
@@ -78,9 +73,6 @@ __all__ = [
 CONFIG_DIR_ENV = "CPN_CONFIG_DIR"
 MODEL_RE = r"^[A-Za-z0-9][A-Za-z0-9.+_-]{0,62}$"
 
-# strict: a YAML string or boolean is a mistake, not a number to coerce.
-Figure = Annotated[float, Field(gt=0, strict=True)]
-Amount = Annotated[float, Field(ge=0)]
 
 SLICE_SEP = "/"
 _TIME_SLICES_RE = re.compile(r"ts([0-9]{1,3})")
@@ -141,59 +133,6 @@ class DeviceKind(enum.StrEnum):
     gpu = "gpu"
     npu = "npu"
     cpu = "cpu"
-
-
-class MigProfile(BaseModel):
-    """One MIG GPU-instance profile: its slices of the device and where it may start.
-
-    ``starts`` are the memory-slice indices NVML allows a GPU instance of this profile to begin
-    at (``nvidia-smi mig -lgipp``; nvmlGpuInstancePlacement_t.start); the instance occupies
-    memory slices [start, start + memory_slices) and compute slices
-    [start, start + compute_slices).
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    compute_slices: int = Field(ge=1, le=32, description="compute (GPC) slices it takes")
-    memory_slices: int = Field(ge=1, le=32, description="memory slices it takes")
-    mem_gb: Figure = Field(description="device memory of the instance, GB (the profile's name)")
-    max_instances: int = Field(ge=1, le=32, description="instances one device holds at most")
-    starts: tuple[Annotated[int, Field(ge=0, le=31)], ...] = Field(
-        min_length=1, description="allowed start slice indices"
-    )
-
-    @field_validator("starts")
-    @classmethod
-    def _sorted_unique(cls, starts: tuple[int, ...]) -> tuple[int, ...]:
-        if list(starts) != sorted(set(starts)):
-            raise ValueError("starts must be ascending and distinct")
-        return starts
-
-
-class MigSpec(BaseModel):
-    """A GPU's Multi-Instance GPU geometry: its slices and the profiles it can be cut into."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    compute_slices: int = Field(ge=1, le=32, description="compute slices of the whole device")
-    memory_slices: int = Field(ge=1, le=32, description="memory slices of the whole device")
-    profiles: dict[str, MigProfile] = Field(min_length=1, description="name -> profile")
-
-    @model_validator(mode="after")
-    def _profiles_fit(self) -> MigSpec:
-        for name, profile in self.profiles.items():
-            if not re.fullmatch(MIG_PROFILE_RE, name):
-                raise ValueError(f"profile name {name!r} must match {MIG_PROFILE_RE}")
-            for start in profile.starts:
-                if (
-                    start + profile.compute_slices > self.compute_slices
-                    or start + profile.memory_slices > self.memory_slices
-                ):
-                    raise ValueError(
-                        f"profile {name}: start {start} runs past the device's "
-                        f"{self.compute_slices} compute / {self.memory_slices} memory slices"
-                    )
-        return self
 
 
 class DeviceSpec(BaseModel):
@@ -428,8 +367,15 @@ class DeviceCatalog(BaseModel):
         when it fits. Exact: a backtracking search over the profiles' allowed starts."""
         key = (model, tuple(layout.items()))
         if key not in self._layouts:
-            self._layouts[key] = _mig_problem(model, self.get(model), layout, self)
+            self._layouts[key] = self._mig_problem(model, layout)
         return self._layouts[key]
+
+    def _mig_problem(self, model: str, layout: Mapping[str, int]) -> str | None:
+        mig = self.get(model).mig
+        if mig is None:
+            with_mig = ", ".join(m for m, s in self.devices.items() if s.mig is not None)
+            return f"{model} has no MIG profiles in the catalog (MIG models: {with_mig or 'none'})"
+        return layout_problem(model, mig, layout)
 
     def match_nvml(self, name: str) -> str | None:
         """Catalog model for an NVML device name, by the longest contained nvml_names entry."""
@@ -443,113 +389,6 @@ class DeviceCatalog(BaseModel):
                     if best is None or candidate < best:
                         best = candidate
         return None if best is None else best[1]
-
-
-class Capacity(BaseModel):
-    """A site's capacity, concrete (``devices``) and normalized (the sums).
-
-    Accelerator sums cover gpu/npu devices only; CPU compute is ``cpu_fp64_tflops``.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    devices: dict[str, Annotated[int, Field(ge=0)]] = Field(
-        default_factory=dict, description="device model -> count"
-    )
-    fp64_tflops: Amount = 0.0
-    fp32_tflops: Amount = 0.0
-    fp16_tflops: Amount = 0.0
-    int8_tops: Amount = 0.0
-    accel_mem_gb: Amount = 0.0
-    cpu_cores: int = Field(default=0, ge=0)
-    cpu_fp64_tflops: Amount = 0.0
-    mem_gb: Amount = 0.0
-    storage_tb: Amount = 0.0
-
-    @classmethod
-    def zero(cls) -> Capacity:
-        return cls()
-
-    def minus(self, used: Capacity) -> Capacity:
-        """What is left after ``used``, clamped at 0.
-
-        Models of self stay listed (0 when exhausted); models only in ``used`` are ignored.
-        """
-        devices = {m: max(0, n - used.devices.get(m, 0)) for m, n in self.devices.items()}
-        amounts = {
-            name: _round(max(0.0, getattr(self, name) - getattr(used, name)))
-            for name in _FLOAT_FIELDS
-        }
-        return Capacity(
-            devices=devices, cpu_cores=max(0, self.cpu_cores - used.cpu_cores), **amounts
-        )
-
-
-_FLOAT_FIELDS = (
-    "fp64_tflops",
-    "fp32_tflops",
-    "fp16_tflops",
-    "int8_tops",
-    "accel_mem_gb",
-    "cpu_fp64_tflops",
-    "mem_gb",
-    "storage_tb",
-)
-
-
-def normalize(
-    *,
-    devices: Mapping[str, int],
-    cpu_cores: int,
-    mem_gb: float,
-    storage_tb: float,
-    catalog: DeviceCatalog,
-) -> Capacity:
-    """Concrete inventory -> Capacity (pure). Unknown models raise UnknownDevice."""
-    if cpu_cores < 0 or mem_gb < 0 or storage_tb < 0:
-        raise ValueError("cpu_cores, mem_gb and storage_tb must be >= 0")
-    fp64 = fp32 = fp16 = int8 = accel_mem = 0.0
-    counts: dict[str, int] = {}
-    for model, count in devices.items():
-        spec = catalog.get(model)
-        if spec.kind is DeviceKind.cpu:
-            raise CatalogError(f"{model!r} is a cpu entry; declare CPUs as cpu_cores")
-        if count < 0:
-            raise ValueError(f"device count for {model!r} must be >= 0, got {count}")
-        counts[model] = count
-        fp64 += count * (spec.fp64_tflops or 0.0)
-        fp32 += count * (spec.fp32_tflops or 0.0)
-        fp16 += count * (spec.fp16_tflops or 0.0)
-        int8 += count * (spec.int8_tops or 0.0)
-        accel_mem += count * (spec.mem_gb or 0.0)
-    return Capacity(
-        devices=counts,
-        fp64_tflops=_round(fp64),
-        fp32_tflops=_round(fp32),
-        fp16_tflops=_round(fp16),
-        int8_tops=_round(int8),
-        accel_mem_gb=_round(accel_mem),
-        cpu_cores=cpu_cores,
-        cpu_fp64_tflops=_round(cpu_cores * (catalog.cpu.fp64_tflops or 0.0)),
-        mem_gb=float(mem_gb),
-        storage_tb=float(storage_tb),
-    )
-
-
-def normalize_inventory(inventory: Inventory, catalog: DeviceCatalog) -> Capacity:
-    """normalize() for a site's declared inventory (sites.model.spec.Inventory).
-
-    Each physical device counts once, under its model, partitioned or not; a partition layout
-    the hardware cannot hold raises InvalidPartition (check_partitions).
-    """
-    check_partitions(inventory, catalog)
-    return normalize(
-        devices={pool.model: pool.count for pool in inventory.devices},
-        cpu_cores=inventory.cpu_cores,
-        mem_gb=inventory.mem_gb,
-        storage_tb=inventory.storage_tb,
-        catalog=catalog,
-    )
 
 
 def split_model(name: str) -> tuple[str, str | None]:
@@ -681,7 +520,7 @@ def _scaled(
     source: str,
 ) -> DeviceSpec:
     def part(figure: float | None, share: float) -> float | None:
-        return None if figure is None else _round(figure * share)
+        return None if figure is None else round_figure(figure * share)
 
     return DeviceSpec(
         description=description,
@@ -691,7 +530,7 @@ def _scaled(
         fp32_tflops=part(base.fp32_tflops, fraction),
         fp16_tflops=part(base.fp16_tflops, fraction),
         int8_tops=part(base.int8_tops, fraction),
-        mem_gb=_round(mem_gb),
+        mem_gb=round_figure(mem_gb),
         mem_bw_gbps=part(base.mem_bw_gbps, mem_fraction),
         power_w=part(base.power_w, fraction),
         basis="derived",
@@ -711,79 +550,9 @@ def _no_profile(base_name: str, base: DeviceSpec, part: str) -> str:
     )
 
 
-def _mig_problem(
-    model: str, spec: DeviceSpec, layout: Mapping[str, int], catalog: DeviceCatalog
-) -> str | None:
-    """Why ``layout`` does not fit one device, or None.
-
-    NVIDIA's placement rules (MIG User Guide, "Concepts > Partitioning" and "Supported MIG
-    Profiles"; NVML nvmlDeviceGetGpuInstancePossiblePlacements): a GPU instance of a profile
-    starts only at that profile's allowed slice indices, occupies memory slices
-    [start, start + memory_slices), and may not overlap an occupied slice; a profile has a
-    maximum instance count per device. Compute slices [start, start + compute_slices) are kept
-    apart as well.
-    """
-    mig = spec.mig
-    if mig is None:
-        with_mig = ", ".join(m for m, s in catalog.devices.items() if s.mig is not None)
-        return f"{model} has no MIG profiles in the catalog (MIG models: {with_mig or 'none'})"
-    what = " + ".join(f"{profile} x {n}" for profile, n in layout.items())
-    unknown = [profile for profile in layout if profile not in mig.profiles]
-    if unknown:
-        return (
-            f"{model} has no MIG profile {unknown[0]!r} (its profiles: {', '.join(mig.profiles)})"
-        )
-    compute = sum(mig.profiles[p].compute_slices * n for p, n in layout.items())
-    if compute > mig.compute_slices:
-        return f"{what} does not fit one {model}: {compute} of {mig.compute_slices} compute slices"
-    memory = sum(mig.profiles[p].memory_slices * n for p, n in layout.items())
-    if memory > mig.memory_slices:
-        return f"{what} does not fit one {model}: {memory} of {mig.memory_slices} memory slices"
-    for profile, n in layout.items():
-        most = mig.profiles[profile].max_instances
-        if n > most:
-            return f"{what} does not fit one {model}: at most {most} {profile} on one device"
-    # largest first: they have the fewest starts, so the search fails (or succeeds) early
-    instances = sorted(
-        (name for name, n in layout.items() for _ in range(n)),
-        key=lambda name: (
-            -mig.profiles[name].memory_slices,
-            -mig.profiles[name].compute_slices,
-            name,
-        ),
-    )
-    if not _place(instances, mig, 0, 0, 0, -1):
-        return (
-            f"{what} does not fit one {model}: no non-overlapping allowed start slices for them "
-            "(NVIDIA MIG placement rules)"
-        )
-    return None
-
-
-def _place(
-    instances: list[str], mig: MigSpec, k: int, compute: int, memory: int, after: int
-) -> bool:
-    """Backtracking: can instances[k:] start at free allowed slices? ``compute`` and ``memory``
-    are bit masks of occupied slices; ``after`` the start of the previous identical instance
-    (identical instances are taken in ascending starts, so no arrangement is tried twice)."""
-    if k == len(instances):
-        return True
-    profile = mig.profiles[instances[k]]
-    same = k > 0 and instances[k - 1] == instances[k]
-    for start in profile.starts:
-        if same and start <= after:
-            continue
-        c = ((1 << profile.compute_slices) - 1) << start
-        m = ((1 << profile.memory_slices) - 1) << start
-        if c & compute or m & memory:
-            continue
-        if _place(instances, mig, k + 1, compute | c, memory | m, start):
-            return True
-    return False
-
-
-def _round(value: float) -> float:
-    # Sums of decimal figures pick up binary noise (0.1 + 0.2); 1e-6 TFLOPS is 1 MFLOPS.
+def round_figure(value: float) -> float:
+    """A figure or a sum of figures to 1e-6 (1 MFLOPS of a TFLOPS figure): sums of decimal
+    figures pick up binary noise (0.1 + 0.2)."""
     return round(value, 6)
 
 

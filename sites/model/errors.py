@@ -22,7 +22,8 @@
     ├── LatencyConfigError (ValueError) a latency matrix file is missing or malformed; names
     │                                   the file and line (sites.model.latency)
     ├── ExecutorError                   a run could not be started (sites.executors.local)
-    │   └── SlurmError                  a Slurm client command failed (sites.executors.slurm)
+    │   └── SlurmError                  a Slurm client command failed
+    │                                   (sites.executors.slurm_commands)
     ├── AccountError                    a tenant has no account at this site
     (sites.executors.accounts)
     ├── Refused                         the site refuses runs: no sandbox can be made here
@@ -31,14 +32,15 @@
     │                                   (sites.executors.cgroups)
     ├── EgressError                     a run's user-mode network could not be set up
     │                                   (sites.executors.netns)
-    ├── UnknownJob (LookupError)        a job with no run at this site (sites.agent.workload)
+    ├── UnknownJob (LookupError)        a job with no run at this site (sites.agent.runs)
     ├── DoesNotFit                      an assignment asks for more than the site has free
-    │                                   (sites.agent.workload)
+    │                                   (sites.agent.fit)
     └── IllegalReplicaTransition        a managed replica asked to move between states it
                                         cannot (sites.agent.replicas)
 
 The classes drawn with a module live beside the code that raises them, which callers import
-anyway. etcd and gRPC errors are translated where they enter (sites.registry.client) and chained.
+anyway. etcd and gRPC errors are translated where they enter (sites.registry.connection and the
+registry client's other parts) and chained.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The registry's contents at one revision, decoded: the federation as policy code sees it.
 
-Pure: no etcd client, no I/O. The registry adapter (sites.registry.client) fills a Snapshot from a
+Pure: no etcd client, no I/O. The registry adapter (sites.registry.reads) fills a Snapshot from a
 range read and keeps it current from watch events through `apply`; routing, placement and the
 simulator read it (or build one by hand) without importing the etcd client.
 """

@@ -6,7 +6,7 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sites.model.catalog import Capacity
+from sites.model.capacity import Capacity
 from sites.model.spec import Power, Prices, SiteSpec
 
 

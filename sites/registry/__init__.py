@@ -1,4 +1,5 @@
-"""The registry client: etcd through aetcd (lease keep-alive, paged reads, watches, the
-site-lifecycle transactions), its TLS and auth (security), its gRPC over HTTP/2 (h2grpc), and
-a live mirror of one prefix.
+"""The registry client: etcd through aetcd, one `Registry` handle (client) over its parts (the
+connection, leases and their keep-alive, paged reads, watches, guarded transactions, the
+site-lifecycle transactions, maintenance), its TLS and auth (security, admin), its gRPC over
+HTTP/2 (h2grpc), the paging policy, and a live mirror of one prefix.
 """

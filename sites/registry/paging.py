@@ -1,6 +1,6 @@
 """How the registry pages a range read so that no response nears gRPC's message limit.
 
-Pure policy, no I/O: sites.registry.client asks `next_page_keys` how many keys to request next and
+Pure policy, no I/O: sites.registry.reads asks `next_page_keys` how many keys to request next and
 carries the answer out against etcd. docs/registry.md ("Chunked reads") has the long form.
 
 Why a byte budget and not only a key count: etcd's Range has a key `limit` but no byte limit,

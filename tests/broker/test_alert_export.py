@@ -16,7 +16,7 @@ from broker.model.alert_rules import AlertSettings
 from broker.placement.settings import load_settings
 from broker.state.metrics import BrokerMetrics
 from broker.state.view import View, ViewCollector
-from sites.model.catalog import Capacity
+from sites.model.capacity import Capacity
 from sites.model.snapshot import Snapshot
 from sites.model.status import LinkStatus, SiteStatus
 from tests.conftest import CONFIGS, REPO, run_cpn

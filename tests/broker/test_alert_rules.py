@@ -22,7 +22,7 @@ from broker.model.alert_rules import (
     update_slo,
 )
 from broker.placement.settings import load_settings
-from sites.model.catalog import Capacity
+from sites.model.capacity import Capacity
 from sites.model.errors import ConfigError
 from sites.model.snapshot import Snapshot
 from sites.model.status import AgentRecord, Cordon, LastSeen, SiteStatus

@@ -14,7 +14,8 @@ from broker.plan.problem import PlanResult, PlanStatus
 from broker.state.view import View
 from sites.model import keys
 from sites.model.assignments import Assignment, Report, RunState
-from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.capacity import normalize_inventory
+from sites.model.catalog import DeviceCatalog
 from sites.model.snapshot import Snapshot
 from sites.model.spec import SiteSpec
 from sites.model.status import AgentRecord, HostUsage, SiteStatus

@@ -25,7 +25,8 @@ from broker.placement.place import (
     place_gang,
     release,
 )
-from sites.agent.workload import DoesNotFit, Run, allocate, declared_resources
+from sites.agent.fit import DoesNotFit, allocate, declared_resources
+from sites.agent.runs import Run
 from sites.model.assignments import Assignment, NodeShare
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec

@@ -23,7 +23,8 @@ from broker.placement.place import (
     place,
 )
 from broker.placement.tenancy import Quotas
-from sites.agent.workload import Run, allocate, declared_resources, sliced
+from sites.agent.fit import allocate, declared_resources, sliced
+from sites.agent.runs import Run
 from sites.model.assignments import Assignment
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
@@ -167,10 +168,10 @@ def test_the_agent_packs_slices_onto_one_device_and_says_which() -> None:
 
 
 def test_mig_instances_found_by_nvml_reach_the_job_by_their_uuids() -> None:
-    from sites.agent.workload import SiteResources
+    from sites.agent.fit import SiteResources
     from sites.executors.base import job_env
 
-    # what the agent builds in host mode from a GPU in MIG mode (sites.agent.process._resources)
+    # what the agent builds in host mode from a GPU in MIG mode (sites.agent.perception)
     uuids = ("MIG-aaaa", "MIG-bbbb")
     resources = SiteResources(
         devices={"A100-80GB/3g.40gb": (0, 1)},

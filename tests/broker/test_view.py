@@ -16,7 +16,8 @@ from broker.state.view import View, ViewCache, federation
 from sites.kits.tasks import Supervisor
 from sites.model import keys
 from sites.model.assignments import Assignment
-from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.capacity import normalize_inventory
+from sites.model.catalog import DeviceCatalog
 from sites.model.snapshot import Snapshot
 from sites.model.spec import SiteSpec
 from sites.model.status import AgentRecord, SiteStatus

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from cpn import render
-from sites.model.catalog import DeviceCatalog, normalize_inventory
+from sites.model.capacity import normalize_inventory
+from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
 from sites.model.status import HostUsage, NodeUsage, SiteState, SiteStatus, SiteView
 

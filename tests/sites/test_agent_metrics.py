@@ -13,7 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sites.agent.collectors.nvml import NvmlCollector
 from sites.agent.metrics import AgentMetrics
-from sites.model.catalog import Capacity, DeviceCatalog
+from sites.model.capacity import Capacity
+from sites.model.catalog import DeviceCatalog
 from sites.model.status import GpuDevice, HostUsage, SiteStatus
 from tests.conftest import CONFIGS
 from tests.sites.test_collectors import fake_pynvml

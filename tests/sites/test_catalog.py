@@ -7,16 +7,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sites.model.capacity import Capacity, normalize, normalize_inventory
 from sites.model.catalog import (
-    Capacity,
     CatalogError,
     DeviceCatalog,
     DeviceKind,
     InvalidCatalog,
     UnknownDevice,
     default_path,
-    normalize,
-    normalize_inventory,
 )
 from sites.model.spec import SiteSpec
 

@@ -15,7 +15,8 @@ import pytest
 from sites.agent.collectors.host import host_usage, storage_usage
 from sites.agent.collectors.nvml import NvmlCollector
 from sites.agent.collectors.probes import choose_method, summarize
-from sites.agent.process import Agent, AgentSettings
+from sites.agent.process import Agent
+from sites.agent.settings import AgentSettings
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
 from sites.registry.client import Registry

@@ -11,9 +11,11 @@ from typing import Any
 import pytest
 
 from sites.agent.drift import link_changed, status_changed
-from sites.agent.process import Agent, AgentSettings
+from sites.agent.process import Agent
+from sites.agent.settings import AgentSettings
 from sites.emulation.etcd_server import EmbeddedEtcd
-from sites.model.catalog import Capacity, DeviceCatalog
+from sites.model.capacity import Capacity
+from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
 from sites.model.status import GpuDevice, HostUsage, LinkStatus, SiteStatus
 from sites.registry.client import Registry

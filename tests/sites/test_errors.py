@@ -11,13 +11,8 @@ import pytest
 
 import sites
 import sites.model.errors
-from sites.model.catalog import (
-    CatalogError,
-    DeviceCatalog,
-    InvalidCatalog,
-    UnknownDevice,
-    normalize,
-)
+from sites.model.capacity import normalize
+from sites.model.catalog import CatalogError, DeviceCatalog, InvalidCatalog, UnknownDevice
 from sites.model.errors import SitesError
 from sites.model.latency import LatencyConfigError, LatencyModel, load_matrix_csv
 

@@ -19,7 +19,8 @@ import aiohttp
 import psutil
 import pytest
 
-from sites.agent.workload import DoesNotFit, Run, SiteResources, allocate
+from sites.agent.fit import DoesNotFit, SiteResources, allocate
+from sites.agent.runs import Run
 from sites.executors.base import RunRecord, command_argv, job_dir, job_env
 from sites.executors.local import LocalExecutor
 from sites.kits.clock import SystemClock
@@ -570,7 +571,7 @@ def test_best_effort_runs_share_devices_on_an_oversubscribed_site() -> None:
 def test_a_run_meters_the_power_of_its_own_devices_while_it_runs() -> None:
     """Run.meter: NVML readings of the job's devices, power x time and utilization x time
     (the fake readings stand in for a GPU this machine does not have)."""
-    from sites.agent.workload import Run
+    from sites.agent.runs import Run
     from sites.model.status import GpuDevice
 
     def gpu(index: int, watts: float | None, util: float, model: str = "H100") -> GpuDevice:

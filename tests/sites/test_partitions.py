@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from sites.model.capacity import normalize_inventory
 from sites.model.catalog import (
     SLICE_SEP,
     DeviceCatalog,
@@ -21,7 +22,6 @@ from sites.model.catalog import (
     device_slots,
     expand,
     mig_model,
-    normalize_inventory,
     partition_problems,
     shared_model,
     split_model,

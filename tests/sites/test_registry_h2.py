@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import sites.registry.client as registry_module
+import sites.registry.watch as watch_module
 from sites.emulation.etcd_server import MAX_TXN_OPS, EmbeddedEtcd, free_port
 from sites.model import keys
 from sites.model.errors import RegistryError, RegistryUnavailable, RevisionCompacted
@@ -102,7 +103,7 @@ async def test_answers_that_waited_are_handed_over_in_bounded_batches(
     """A reader busy elsewhere while 100 changes came gets them WATCH_BATCH_EVENTS at a time
     (whole answers each), not all in one list it must decode and apply in one go."""
     monkeypatch.delenv(registry_module.TRANSPORT_ENV, raising=False)
-    monkeypatch.setattr(registry_module, "WATCH_BATCH_EVENTS", 10)
+    monkeypatch.setattr(watch_module, "WATCH_BATCH_EVENTS", 10)
     start = await registry.revision() + 1
     sizes: list[int] = []
     seen: list[str] = []
@@ -129,7 +130,7 @@ async def test_a_reader_that_falls_behind_loses_nothing(
 ) -> None:
     """With a 64 KiB buffer, 2 MiB of changes written while the reader sleeps: the socket is
     paused and resumed many times over, and every change comes, once, in order."""
-    monkeypatch.setattr(registry_module, "WATCH_BUFFER_BYTES", 64 * 1024)
+    monkeypatch.setattr(watch_module, "WATCH_BUFFER_BYTES", 64 * 1024)
     start = await registry.revision() + 1
     value = b"x" * 4096
     seen: list[tuple[str, int]] = []
@@ -320,7 +321,7 @@ async def test_a_watch_on_a_peer_that_stops_answering_ends_after_its_ping_goes_u
     silent_peer: int, monkeypatch: pytest.MonkeyPatch, etcd: EmbeddedEtcd
 ) -> None:
     monkeypatch.delenv(registry_module.TRANSPORT_ENV, raising=False)
-    monkeypatch.setattr(registry_module, "WATCH_PING_S", 0.2)
+    monkeypatch.setattr(watch_module, "WATCH_PING_S", 0.2)
     async with Registry.from_urls(etcd.url) as registry:
         # the same client, its watch connection sent to the silent peer
         registry.endpoints = [("127.0.0.1", silent_peer)]

@@ -1,4 +1,4 @@
-"""Lease keepalives on a real etcd (sites.registry.client._LeaseKeepAlive): they keep up when the
+"""Lease keepalives on a real etcd (sites.registry.leases.Leases): they keep up when the
 event loop lags, an expired lease does not hold up the others, and a stream that stops
 answering is reopened.
 

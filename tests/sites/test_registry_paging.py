@@ -47,7 +47,7 @@ async def _compact_now(registry: Registry) -> int:
     got = await registry.get_raw(marker)
     assert got is not None
     revision = got[1]  # the marker's write is the newest revision
-    await registry._client.compact(revision, physical=True)
+    await registry._conn.client.compact(revision, physical=True)
     return revision
 
 
@@ -58,7 +58,8 @@ def _compact_before_call(
 
     Returns the list the wrapper appends every call's requested revision to (0: current).
     """
-    original: Callable[[Any, str], Awaitable[Any]] = registry._range_request
+    reads = registry._reads
+    original: Callable[[Any, str], Awaitable[Any]] = reads._range_request
     seen: list[int] = []
 
     async def wrapped(request: Any, what: str) -> Any:
@@ -67,7 +68,7 @@ def _compact_before_call(
             await _compact_now(registry)
         return await original(request, what)
 
-    monkeypatch.setattr(registry, "_range_request", wrapped)
+    monkeypatch.setattr(reads, "_range_request", wrapped)
     return seen
 
 
@@ -162,7 +163,7 @@ async def test_big_values_shrink_the_page_to_the_byte_budget(
     for i in range(12):
         await registry.put_raw(f"{PREFIX}big/{i:02d}", _value(i, 512 * KB))
 
-    caplog.set_level(logging.DEBUG, logger="sites.registry.client")
+    caplog.set_level(logging.DEBUG, logger="sites.registry.reads")
     pages = [page async for page in registry.iter_prefix(PREFIX)]
     sizes = [len(page.items) for page in pages]
     # the first page's 500 keys came back over gRPC's limit and were halved down to what fits

@@ -27,15 +27,8 @@ from sites.agent.collectors.slurm import capacity, parse_nodes
 from sites.emulation.slurm_cluster import LocalSlurm
 from sites.executors.accounts import Account
 from sites.executors.base import ExecutorError, RunExit
-from sites.executors.slurm import (
-    SlurmJob,
-    batch_script,
-    job_usage,
-    run_as,
-    sbatch_args,
-    slurm_exit,
-    time_limit_min,
-)
+from sites.executors.slurm_batch import batch_script, run_as, sbatch_args, time_limit_min
+from sites.executors.slurm_jobs import SlurmJob, job_usage, slurm_exit
 from sites.model import keys
 from sites.model.assignments import Assignment, RunState
 from sites.model.spec import SlurmSettings

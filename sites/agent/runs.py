@@ -1,0 +1,189 @@
+"""One attempt of a job at this site as the agent knows it (`Run`): its devices, its state and
+what it reports, its GPU metering, and its log (`JobLog`, what /jobs/{job}/log serves).
+The workload (sites.agent.workload) makes and follows them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sites.agent.replicas import Replica
+from sites.executors.base import RunHandle
+from sites.kits.clock import Clock
+from sites.model.assignments import Assignment, Report, RunState
+from sites.model.errors import SitesError
+from sites.model.status import GpuDevice
+
+LOG_POLL_S = 0.2
+LOG_CHUNK = 64 * 1024
+
+
+class UnknownJob(SitesError, LookupError):
+    def __init__(self, job: str, attempt: int | None = None) -> None:
+        self.job = job
+        what = f"job {job!r}" + ("" if attempt is None else f" attempt {attempt}")
+        super().__init__(f"{what} has no run at this site")
+
+
+@dataclass(eq=False)
+class Run:
+    """One attempt of one job at this site, as this agent knows it."""
+
+    assignment: Assignment
+    devices: tuple[int, ...] = ()
+    log_path: Path | None = None
+    state: RunState = RunState.starting
+    handle: RunHandle | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    exit_code: int | None = None
+    message: str = ""
+    reason: str | None = None  # why it ended, as a word (out_of_memory)
+    usage: dict[str, float] | None = None
+    # NVML-measured GPU energy and utilization of its devices while it runs (`meter`)
+    gpu_energy_j: float = 0.0
+    gpu_util_s: float = 0.0  # utilization (0..1, averaged over its devices) x seconds
+    metered_s: float = 0.0
+    metered_at: float | None = None
+    withdrawn: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    replica: Replica | None = None  # a managed service's replica (sites.agent.replicas)
+    unready: str | None = None  # why it was stopped: not ready in time
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    @property
+    def job(self) -> str:
+        return self.assignment.job
+
+    @property
+    def live(self) -> bool:
+        return not self.state.terminal
+
+    def same_attempt(self, assignment: Assignment) -> bool:
+        a = self.assignment
+        return (a.attempt, a.fence) == (assignment.attempt, assignment.fence)
+
+    def finish(self, state: RunState, now: float, exit_code: int | None, message: str) -> None:
+        self.state = state
+        self.finished_at = now
+        self.exit_code = exit_code
+        self.message = message
+
+    def meter(self, gpus: Sequence[GpuDevice], now: float) -> None:
+        """Add what NVML says its devices drew since the last reading: power x time, and
+        utilization x time (the agent calls this every publish interval). Only while it runs,
+        and only when every one of its devices reports its power."""
+        since, self.metered_at = self.metered_at, now
+        model = self.assignment.model
+        if self.state is not RunState.running or not self.devices or model is None:
+            return
+        mine = [g for g in gpus if g.model == model and g.index in self.devices]
+        if since is None or len(mine) != len(self.devices) or now <= since:
+            return
+        if any(g.power_w is None for g in mine):
+            return
+        dt = now - since
+        self.gpu_energy_j += sum(float(g.power_w or 0.0) for g in mine) * dt
+        self.gpu_util_s += sum(g.util_pct for g in mine) / 100.0 / len(mine) * dt
+        self.metered_s += dt
+
+    def metered(self) -> dict[str, float]:
+        """Report.usage's GPU figures from `meter`, {} when nothing was measured."""
+        if not self.metered_s:
+            return {}
+        return {
+            "gpu_energy_j": self.gpu_energy_j,
+            "gpu_util_ratio": self.gpu_util_s / self.metered_s,
+            "gpu_metered_s": self.metered_s,
+        }
+
+    def report(self, now: float) -> Report:
+        a = self.assignment
+        return Report(
+            job=a.job,
+            site=a.site,
+            attempt=a.attempt,
+            fence=a.fence,
+            state=self.state,
+            exit_code=self.exit_code,
+            message=self.message,
+            devices=self.devices,
+            started_at=self.started_at,
+            finished_at=self.finished_at,
+            log_path=None if self.log_path is None else str(self.log_path),
+            usage=self.usage,
+            reason=self.reason,
+            confinement=(self.handle.confinement or None) if self.handle is not None else None,
+            updated_at=now,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        a = self.assignment
+        return {
+            "job": a.job,
+            "tenant": a.tenant,
+            "attempt": a.attempt,
+            "fence": a.fence,
+            "state": self.state.value,
+            "exit_code": self.exit_code,
+            "message": self.message,
+            "model": a.model,
+            "devices": list(self.devices),
+            "cpu": a.cpu,
+            "mem_gb": a.mem_gb,
+            "pid": None if self.handle is None else self.handle.pid,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "log_path": None if self.log_path is None else str(self.log_path),
+            "withdrawn": self.withdrawn.is_set(),
+            "replica": None if self.replica is None else self.replica.state.value,
+        }
+
+
+@dataclass(frozen=True)
+class JobLog:
+    """One attempt's log file; ``run`` is set while this agent knows the attempt's run."""
+
+    job: str
+    attempt: int
+    path: Path
+    run: Run | None
+
+    @property
+    def live(self) -> bool:
+        return self.run is not None and self.run.live
+
+    async def chunks(
+        self, *, clock: Clock, offset: int = 0, follow: bool = False, poll_s: float = LOG_POLL_S
+    ) -> AsyncIterator[bytes]:
+        """The log from ``offset``; with ``follow``, keep tailing until the run has ended."""
+        while not self.path.exists():
+            if not (follow and self.live):
+                return
+            await clock.sleep(poll_s)
+        # local reads of a bounded chunk are fast enough for the loop; no thread needed
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            while True:
+                was_live = self.live  # sampled before reading: output precedes the exit
+                data = f.read(LOG_CHUNK)
+                if data:
+                    yield data
+                    continue
+                if not (follow and was_live):
+                    return
+                await clock.sleep(poll_s)
+
+
+def exit_message(code: int) -> str:
+    """How a process that exited with `code` (negative: killed by that signal) ended."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with {code}"

@@ -1,0 +1,71 @@
+"""An agent's run-time settings (`AgentSettings`): where it listens and what it advertises, how
+often it measures and publishes, how it probes its peers; defaults come from the site file's
+`agent:` section, `cpn agent`'s options override them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from sites.agent.collectors.probes import METHODS
+from sites.agent.workload import STOP_GRACE_S
+from sites.model.spec import REFRESH_S, SiteSpec
+
+MIN_TTL_S = 2  # etcd rounds shorter leases up to its minimum TTL anyway
+
+
+class AgentSettings(BaseModel):
+    """Run-time settings of one agent; defaults come from the site file's `agent:` section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    listen: str = Field(description="host:port to bind; port 0 picks a free one")
+    advertise: str | None = Field(
+        default=None, description="host:port peers use to reach us (the WAN front when emulated)"
+    )
+    probe_listen: str | None = Field(
+        default=None, description="host:port of the probe responder; default: listen host, port 0"
+    )
+    probe_advertise: str | None = Field(default=None, description="host:port peers probe")
+    interval_s: float = Field(gt=0)
+    refresh_s: float = Field(
+        default=REFRESH_S, ge=0, description="write the status and links at least this often"
+    )
+    probe_method: str = "auto"
+    probe_samples: int = Field(default=5, ge=1)
+    probe_timeout_s: float = Field(default=2.0, gt=0)
+    wan_emulated: bool = False
+    service_urls: dict[str, str] = Field(
+        default_factory=dict, description="service name -> URL to publish instead of the spec's"
+    )
+    job_stop_grace_s: float = Field(
+        default=STOP_GRACE_S,
+        ge=0,
+        description="seconds between SIGTERM and SIGKILL when a job is stopped; time to checkpoint",
+    )
+
+    @property
+    def ttl_s(self) -> int:
+        return max(MIN_TTL_S, math.ceil(3 * self.interval_s))
+
+    @classmethod
+    def from_spec(cls, spec: SiteSpec, **overrides: Any) -> AgentSettings:
+        base: dict[str, Any] = {
+            "listen": spec.agent.listen,
+            "interval_s": spec.agent.interval_s,
+            "refresh_s": spec.agent.refresh_s,
+            "probe_samples": spec.agent.probe_samples,
+            "probe_timeout_s": spec.agent.probe_timeout_s,
+        }
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**base)
+
+    @field_validator("probe_method")
+    @classmethod
+    def _known_method(cls, method: str) -> str:
+        if method not in METHODS:
+            raise ValueError(f"must be one of {', '.join(METHODS)}")
+        return method
