@@ -3,7 +3,7 @@
 bench/job_history.py measures the same things through a real `cpn up`, where the host's load
 and the broker's other work move every figure by tens of percent between phases. This one
 isolates what the job history itself costs: one process, an embedded etcd (on /dev/shm, fsync
-off), `broker.leader.history.list_page` and `JobStore.create` called directly.
+off), `broker.state.job_pages.list_page` and `JobStore.create` called directly.
 
 1. A submit's transaction (`JobStore.create` of a pending job: the record, its index entries
    and its audit entry) timed on the empty etcd.
@@ -33,9 +33,10 @@ sys.path.insert(0, str(ROOT))
 
 from benchkit import embedded_etcd, scratch_dir  # noqa: E402
 
-from broker.leader.history import HistoryKeeper, JobQuery, list_page  # noqa: E402
+from broker.leader.history import HistoryKeeper  # noqa: E402
 from broker.model.jobs import JobState  # noqa: E402
 from broker.placement.settings import HistorySettings  # noqa: E402
+from broker.state.job_pages import JobQuery, list_page  # noqa: E402
 from broker.state.leadership import Leadership  # noqa: E402
 from broker.state.metrics import BrokerMetrics  # noqa: E402
 from broker.state.store import JobStore  # noqa: E402

@@ -4,7 +4,7 @@ It is not a timed test. It generates 2,000 jobs over 100 sites in 20 regions (Ch
 "east data, west compute" regions plus Hong Kong and Singapore), seven GPU models at list-like
 prices, capacities sized so that demand is 70-110 % of supply per model, data locality, users
 with latency limits, and spread / colocate / gang groups. Then it solves with broker.plan.solver,
-verifies the plan with broker.plan.problem.evaluate, and prints wall time, status, objective, bound,
+verifies the plan with broker.plan.checker.evaluate, and prints wall time, status, objective, bound,
 gap, the greedy objective and placed/unplaced counts. `generate(..., shape=Shape(...))` bends
 the instance along the axes of bench/plan_family.py's family (the default is this instance).
 
@@ -26,8 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.plan.problem import PlanProblem, candidates, evaluate, feasible_options, load_problem
-from broker.plan.solver import greedy, solve
+from broker.plan.checker import evaluate
+from broker.plan.construct import greedy
+from broker.plan.options import candidates, feasible_options
+from broker.plan.problem import PlanProblem, load_problem
+from broker.plan.solver import solve
 
 # name: (lat, lon, price factor): western "compute" regions are cheaper, eastern hubs dearer
 REGIONS: dict[str, tuple[float, float, float]] = {

@@ -10,7 +10,7 @@ instance the issue describes (2,000 jobs, 100 sites, 12 regions, a quarter in gr
     .venv/bin/python bench/plan_family.py --reference --reference-s 180 --only hard
 
 The default mode solves each instance with broker.plan.solver.solve (the `cpn plan` path) under
---time-limit, checks the plan with broker.plan.problem.evaluate, solves it with greedy too, and
+--time-limit, checks the plan with broker.plan.checker.evaluate, solves it with greedy too, and
 prints objective, reported bound, the gap to the best known bound (objective - best) / objective
 beside the 1.5 % target, and the greedy objective (the plan must never be worse).
 
@@ -32,8 +32,11 @@ from typing import Any
 
 from placement_plan import Shape, generate
 
-from broker.plan.problem import PlanProblem, candidates, evaluate, load_problem
-from broker.plan.solver import greedy, solve
+from broker.plan.checker import evaluate
+from broker.plan.construct import greedy
+from broker.plan.options import candidates
+from broker.plan.problem import PlanProblem, load_problem
+from broker.plan.solver import solve
 
 REFERENCE = Path(__file__).with_name("plan_family_reference.json")
 TARGET_GAP = 0.015  # the plan within 1.5 % of the best known bound (issue 16)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from broker.model.jobs import Event, JobRecord, JobSpec, JobState
 from broker.state.store import encode
-from broker.state.view import ViewCache
+from broker.state.view_cache import ViewCache
 from sites.model import keys
 from sites.model.capacity import normalize_inventory
 from sites.model.catalog import DeviceCatalog

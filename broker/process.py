@@ -1,12 +1,14 @@
 """The broker replica: its view of the registry, the API's operations, and (in the leader) the
 scheduler, each in its own module:
 
-    broker.state.view        mirrors of the registry, decoded into a View; derivations (pure)
+    broker.state.view_cache  mirrors of the registry, decoded into a View (broker.state.view:
+                             the View and its derivations, pure)
     broker.ops.operations  submit, get, cancel, suspend, resume (any replica)
     broker.state.leadership  leader election under a lease, the leader fence
-    broker.leader.decisions   decide(view, now) -> actions (pure)
+    broker.leader.decisions   decide(view, now) -> actions (pure; its parts beside it)
     broker.leader.actions     the actor: each action one guarded etcd transaction
-    broker.leader.history     job pages, archive and expiry, etcd compaction (the leader's upkeep)
+    broker.state.job_pages   newest-first pages of jobs, hot and archived (any replica)
+    broker.leader.history     archive and expiry, etcd compaction (the leader's upkeep)
     broker.leader.replicas    managed services' replicas kept at their desired count (the leader's)
     broker.state.traffic     the gateway's demand per service and client region, published (any)
     broker.leader.scaler      the autoscaler loop: observations -> decide -> ScalingDecision
@@ -51,7 +53,8 @@ from broker.state.metrics import BrokerMetrics
 from broker.state.store import JobStore
 from broker.state.tenant_store import TenancyBook, gpu_quotas
 from broker.state.traffic import TrafficBook, TrafficPublisher
-from broker.state.view import View, ViewCache, ViewCollector, federation, held_rows
+from broker.state.view import View, federation, held_rows
+from broker.state.view_cache import ViewCache, ViewCollector
 from metering.usage import UsageBook
 from sites.kits.clock import Clock, SystemClock
 from sites.kits.tasks import Backoff, Crash, Supervisor, measure_loop_lag

@@ -46,7 +46,6 @@ from broker.api.sites import SiteInfo, SiteRows
 from broker.api.tenants import tenant_operations
 from broker.api.usage import usage_operations
 from broker.api.workflows import workflow_operations
-from broker.leader.history import DEFAULT_LIMIT, MAX_LIMIT, JobQuery, list_page, parse_since
 from broker.model.errors import (
     Conflict,
     Expired,
@@ -58,6 +57,7 @@ from broker.model.errors import (
 from broker.model.jobs import JobRecord, JobSpec, JobState
 from broker.process import Broker
 from broker.state.auth import Forbidden
+from broker.state.job_pages import DEFAULT_LIMIT, MAX_LIMIT, JobQuery, list_page, parse_since
 from broker.state.metrics import LoopCounter, exposition
 from broker.state.router import Router, route_json
 from routing.gateway.prefix import header_key

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from broker.leader.decisions import Action, ActionKind
+from broker.leader.pass_core import Action, ActionKind
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from broker.state.store import writes

@@ -21,7 +21,7 @@ from broker.model.alert_rules import AlertSettings, Rule, alertname
 __all__ = ["METRICS", "alertname", "prometheus_rules", "rules_yaml"]
 
 METRICS = {
-    "site_up": "cpn_broker_site_up",  # broker.state.metrics.ViewCollector
+    "site_up": "cpn_broker_site_up",  # broker.state.view_cache.ViewCollector
     "link_loss": "cpn_link_loss_ratio",  # sites.agent.metrics.AgentMetrics
     "link_rtt": "cpn_link_rtt_seconds",
     "used_accelerators": "cpn_site_used_accelerators",  # sites.agent.metrics.capacity_metrics

@@ -1,7 +1,7 @@
 """Which sites of a snapshot can take a job, at what price, and why the others cannot: one place.
 
 The fast path (broker.placement.place), the batch pass's allowed sites (broker.plan.batch), the
-simulator's retry gating and its baselines (simulations.engine) all call this filter, so a
+simulator's retry gating and its baselines (simulations.policies) all call this filter, so a
 tenancy, quota or carbon rule added here applies to every one of them. Prices come from
 broker.placement.pricing.
 

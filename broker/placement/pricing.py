@@ -1,9 +1,9 @@
 """The price of running a job at a site with a device model, and its parts: one place.
 
 Every consumer prices through here: the fast path (broker.placement.feasibility's scan, the
-placement
-index), the batch pass (broker.plan.batch.decisions), `cpn plan` (broker.plan.problem.job_cost) and
-the simulator's baselines. The formula (docs/placement.md):
+placement index: broker.placement.price_index), the batch pass (broker.plan.batch.decisions),
+`cpn plan` (broker.plan.options.job_cost) and the simulator's baselines. The formula
+(docs/placement.md):
 
     compute  = duration_hours * (cpu * usd_per_core_hour + mem_gb * usd_per_gb_mem_hour
                                  + gpus * usd_per_gpu_hour[model])

@@ -1,7 +1,7 @@
 """The plan problem's aggregated relaxation: like sites merged, like jobs bucketed by duration.
 
 A batch pass of the simulator (or a broker's pass over thousands of waiting jobs) has few job
-shapes (broker.plan.problem.Shape: jobs alike but for id, duration, penalty and group) and, in most
+shapes (broker.plan.options.Shape: jobs alike but for id, duration, penalty and group) and, in most
 federations, sites that are alike too. The full LP over every (job, option) pair does not
 finish in seconds at 4,000 jobs x 200 options (measured: a 784,000-option pass of
 bench/simulation.py at 100 sites had no useful bound after 60 s). This one is small:
@@ -33,7 +33,8 @@ import numpy as np
 import numpy.typing as npt
 
 from broker.plan.highs import solve_lp
-from broker.plan.problem import SCALE, Candidate, PlanProblem, Shape, region_terms, to_milli
+from broker.plan.options import SCALE, Candidate, Shape, option_table, region_terms
+from broker.plan.problem import PlanProblem, to_milli
 
 BUCKET_RATIO = 1.05  # a bucket's longest job is at most 5 % longer than its shortest
 PREFERENCES = 24  # options per job, by reduced cost, handed to the construction
@@ -54,7 +55,7 @@ def relax(problem: PlanProblem, time_limit_s: float, max_columns: int) -> Aggreg
     None when it would have more than `max_columns` columns (too little alike to be worth
     it), or when the LP does not finish within `time_limit_s`."""
     deadline = time.monotonic() + time_limit_s
-    table = problem.options
+    table = option_table(problem)
     shapes = [s for s in table.shapes if s.sites]
     klass = _site_classes(problem, shapes)
     n_sites = len(problem.sites)

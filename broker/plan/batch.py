@@ -20,7 +20,7 @@ own
   so placing beats leaving unplaced and the job earlier in the order wins contended capacity.
   Without an order it is 1e6 USD x (1 + priority).
 - `decisions(result, problem, jobs, fed)` turns the solver's assignments back into placement
-  Decisions with the cost broken down (broker.plan.problem.job_parts: the same parts, to the last
+  Decisions with the cost broken down (broker.plan.options.job_parts: the same parts, to the last
   bit, as the fast path gives the same option).
 """
 
@@ -35,6 +35,7 @@ from datetime import datetime, timedelta
 from broker.model.jobs import JobSpec, gang_of
 from broker.placement import feasibility, request
 from broker.placement import place as pl
+from broker.plan.options import job_parts, option_table
 from broker.plan.problem import (
     Capacity,
     DataRef,
@@ -46,7 +47,6 @@ from broker.plan.problem import (
     PlanResult,
     Price,
     Site,
-    job_parts,
 )
 
 PENALTY_USD = 1_000_000.0
@@ -227,8 +227,8 @@ def decisions(
     unplaced_gangs: set[str] = set()
     # per job: the cheapest option on another site than its own, as the job alone would pay it
     # (the plan may have passed it over for another job's sake), and how many sites could take
-    # it at all: the decision record's evidence (broker.plan.problem.OptionTable.runner_ups)
-    runner_ups = problem.options.runner_ups(
+    # it at all: the decision record's evidence (broker.plan.options.OptionTable.runner_ups)
+    runner_ups = option_table(problem).runner_ups(
         {plan_jobs[job_id][0]: a.site for job_id, a in result.assignments.items()}
     )
     for job_id, assignment in sorted(result.assignments.items()):

@@ -36,7 +36,8 @@ import numpy.typing as npt
 # (cpn plan's stdout is the plan) and installs callbacks the solves here do not use
 from highspy._core import _Highs as Highs
 
-from broker.plan.problem import Assignment, Candidate, GroupKind, PlanProblem, to_milli
+from broker.plan.options import Candidate
+from broker.plan.problem import Assignment, GroupKind, PlanProblem, to_milli
 
 SIFT_FIRST = 8  # options per job (the cheapest) in the first round of the LP's sifting
 SIFT_ADD = 4  # options per job (most negative reduced cost) added in a round

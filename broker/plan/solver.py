@@ -29,8 +29,9 @@ Search, each step starting from the cheapest valid plan so far (docs/placement.m
 `gap_limit`, `solve` returns after any step whose plan is within it of the best bound so far:
 0. The capacity-free plan (optimal when it fits), then the aggregated LP over alike sites and
    jobs (broker.plan.aggregate): a Lagrangian bound and plans from each job's preferred options.
-1. `greedy`: units (a job, a colocate group, a gang) by net value per unit of resource, each
-   job's cheapest option that still fits, then a move/insert pass. The fallback.
+1. `greedy` (broker.plan.construct, with the LP-guided plans of steps 0 and 2): units (a job,
+   a colocate group, a gang) by net value per unit of resource, each job's cheapest option that
+   still fits, then a move/insert pass. The fallback.
 2. The LP relaxation of the model (broker.plan.highs.relax: HiGHS's dual simplex, sifted from each
    job's cheapest options and greedy's): a bound, and a guide, as it is nearly integral for
    this assignment structure: whole LP placements first, options by LP value. On a large
@@ -45,10 +46,11 @@ Search, each step starting from the cheapest valid plan so far (docs/placement.m
    branch and cut on LP neighbourhoods, HIGHS_STEPS, from the best plan.
 
 Reported figures are in USD: the objective is recomputed from the chosen assignments
-(plan.evaluate); the bound is the best of CP-SAT's bound / SCALE, the LP's Lagrangian bound
-(broker.plan.highs: a true bound from whatever duals the LP had when it stopped, less a 1e-9
-relative slack) and the capacity-free sum_j min(p_j, min_o c[j,o]), never above the
-objective. SCALE = 10_000 counts costs to 0.0001 USD per job; plans closer than that may tie.
+(broker.plan.checker.evaluate); the bound is the best of CP-SAT's bound / SCALE, the LP's
+Lagrangian bound (broker.plan.highs: a true bound from whatever duals the LP had when it
+stopped, less a 1e-9 relative slack) and the capacity-free sum_j min(p_j, min_o c[j,o]), never
+above the objective. SCALE = 10_000 counts costs to 0.0001 USD per job; plans closer than that
+may tie.
 
 `time_limit_s` bounds the whole call, model building included (a compute budget in real time,
 not domain time, hence the monotonic clock reads). The solve runs in the calling thread.
@@ -64,28 +66,31 @@ import os
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
-import numpy as np
-import numpy.typing as npt
 from ortools.sat.python import cp_model
 
 from broker.plan import aggregate
+from broker.plan.checker import evaluate
+from broker.plan.construct import (
+    construct,
+    fits,
+    from_preferences,
+    lp_guided,
+    placement_units,
+    preference_orders,
+    to_assignments,
+)
 from broker.plan.highs import Relaxation, capacity, relax, solve_mip
+from broker.plan.options import SCALE, Candidate, candidates, option_table
 from broker.plan.problem import (
-    SCALE,
     Assignment,
-    Candidate,
     GroupKind,
-    Job,
     PlanInputError,
     PlanProblem,
     PlanResult,
     PlanStatus,
-    Shape,
-    candidates,
-    evaluate,
     to_milli,
 )
 
@@ -121,7 +126,7 @@ RANDOM_SEED = 0
 
 
 # ---------------------------------------------------------------------------------------------
-# constructive plans: greedy and LP-guided
+# the cyclic collector around a pass
 
 
 _paused = 0  # collector_paused() callers inside; the collector is off while any is
@@ -156,317 +161,8 @@ def collector_paused() -> Iterator[None]:
                 gc.enable()
 
 
-class _Ledger:
-    """Remaining capacity while a plan is built by hand."""
-
-    def __init__(self, problem: PlanProblem) -> None:
-        self.problem = problem
-        self.gpu: dict[tuple[str, str], int] = {}
-        self.cpu: dict[str, int] = {}
-        self.mem: dict[str, int] = {}
-        for site in problem.sites:
-            self.cpu[site.id] = to_milli(site.capacity.cpu)
-            self.mem[site.id] = to_milli(site.capacity.mem_gb)
-            for model, count in site.capacity.gpu.items():
-                self.gpu[(site.id, model)] = count
-
-    def fits(self, job: Job, c: Candidate) -> bool:
-        if c.model is not None and self.gpu.get((c.site, c.model), 0) < job.gpu.count:
-            return False
-        return self.cpu[c.site] >= to_milli(job.cpu) and self.mem[c.site] >= to_milli(job.mem_gb)
-
-    def take(self, job: Job, c: Candidate, sign: int = 1) -> None:
-        if c.model is not None:
-            self.gpu[(c.site, c.model)] -= sign * job.gpu.count
-        self.cpu[c.site] -= sign * to_milli(job.cpu)
-        self.mem[c.site] -= sign * to_milli(job.mem_gb)
-
-    def give(self, job: Job, c: Candidate) -> None:
-        self.take(job, c, -1)
-
-    def room(self, shape: Shape) -> npt.NDArray[np.bool_]:
-        """Per option of `shape`: whether one of its jobs fits there now."""
-        job = self.problem.jobs[shape.jobs[0]]
-        count, cpu, mem = job.gpu.count, to_milli(job.cpu), to_milli(job.mem_gb)
-        gpu, cpus, mems = self.gpu, self.cpu, self.mem
-        return np.fromiter(
-            (
-                cpus[s] >= cpu and mems[s] >= mem and (m is None or gpu.get((s, m), 0) >= count)
-                for s, m in zip(shape.sites, shape.models, strict=True)
-            ),
-            dtype=np.bool_,
-            count=len(shape.sites),
-        )
-
-
-Plan = dict[int, Candidate]  # job index -> chosen option
-
-
-def _fits(problem: PlanProblem, plan: Mapping[str, Assignment]) -> bool:
-    """Whether `plan` (valid options) stays within every site's capacity."""
-    ledger = _Ledger(problem)
-    gpu, cpu, mem = ledger.gpu, ledger.cpu, ledger.mem
-    for job in problem.jobs:
-        a = plan.get(job.id)
-        if a is None:
-            continue
-        if a.model is not None:
-            key = (a.site, a.model)
-            gpu[key] = gpu.get(key, 0) - job.gpu.count
-        cpu[a.site] -= to_milli(job.cpu)
-        mem[a.site] -= to_milli(job.mem_gb)
-    return all(v >= 0 for table in (gpu, cpu, mem) for v in table.values())
-
-
-def greedy(problem: PlanProblem) -> dict[str, Assignment]:
-    """A plan that respects every hard constraint, built unit by unit (module docstring)."""
-    cands = candidates(problem)
-    return _assignments(problem, _construct(problem, cands, _units(problem, cands)))
-
-
-def _assignments(problem: PlanProblem, plan: Plan) -> dict[str, Assignment]:
-    # the problem's own site ids and models: valid already, so not validated again
-    make = Assignment.model_construct
-    return {problem.jobs[j].id: make(site=c.site, model=c.model) for j, c in plan.items()}
-
-
-def _units(
-    problem: PlanProblem, cands: list[list[Candidate]], mass: Sequence[float] | None = None
-) -> list[list[int]]:
-    """Placement units (a job, a colocate group, a gang), most deserving first.
-
-    Without `mass`: by net value (penalty - cheapest cost) per unit of normalized resource
-    (GPUs, cores, GB over the federation's totals); net rather than bare penalty, so a job that
-    is dear everywhere does not crowd out one that saves more. With `mass` (per job, the share
-    the LP placed): whole LP placements first, then by mass, net value breaking ties.
-    """
-    totals = [0.0, 0.0, 0.0]
-    for site in problem.sites:
-        totals[0] += sum(site.capacity.gpu.values())
-        totals[1] += site.capacity.cpu
-        totals[2] += site.capacity.mem_gb
-
-    def density(j: int) -> float:
-        job = problem.jobs[j]
-        parts = (job.gpu.count, job.cpu, job.mem_gb)
-        size = sum(p / t for p, t in zip(parts, totals, strict=True) if t > 0) + 1e-9
-        value = job.unplaced_penalty - (cands[j][0].cost if cands[j] else job.unplaced_penalty)
-        return value / size
-
-    index = {job.id: j for j, job in enumerate(problem.jobs)}
-    units = [
-        [index[job.id] for job in jobs]
-        for kind, jobs in problem.groups.values()
-        if kind is not GroupKind.spread
-    ]
-    units += [
-        [j] for j in range(len(problem.jobs)) if _kind(problem, j) in (None, GroupKind.spread)
-    ]
-    dens = [density(j) for j in range(len(problem.jobs))]
-    for unit in units:
-        unit.sort(key=lambda j: -dens[j])
-
-    def key(unit: list[int]) -> tuple[float, float, int]:
-        avg = sum(dens[j] for j in unit) / len(unit)
-        if mass is None:
-            return (0.0, -avg, unit[0])
-        return (-sum(mass[j] for j in unit) / len(unit), -avg, unit[0])
-
-    return sorted(units, key=key)
-
-
-def _kind(problem: PlanProblem, j: int) -> GroupKind | None:
-    group = problem.jobs[j].group
-    return None if group is None else group.kind
-
-
-def _construct(
-    problem: PlanProblem,
-    prefs: list[list[Candidate]],
-    units: list[list[int]],
-    site_order: Mapping[str, list[str]] | None = None,
-    *,
-    ledger: _Ledger | None = None,
-) -> Plan:
-    """Place units in order; each job tries its options in `prefs` order.
-
-    A colocate group takes the first site in `site_order[group]` that places any of its jobs
-    if given, else the site with the least total cost (placed costs + penalties of the rest).
-    """
-    ledger = _Ledger(problem) if ledger is None else ledger
-    plan: Plan = {}
-    spread_sites: dict[str, set[str]] = defaultdict(set)
-    for unit in units:
-        group = problem.jobs[unit[0]].group
-        if group is not None and group.kind is GroupKind.colocate:
-            order = None if site_order is None else site_order.get(group.name)
-            _place_colocated(problem, prefs, unit, ledger, plan, order)
-        elif group is not None and group.kind is GroupKind.gang:
-            _place_gang(problem, prefs, unit, ledger, plan)
-        else:
-            j = unit[0]
-            used = spread_sites[group.name] if group is not None else None
-            for c in prefs[j]:
-                if (used is None or c.site not in used) and ledger.fits(problem.jobs[j], c):
-                    ledger.take(problem.jobs[j], c)
-                    plan[j] = c
-                    if used is not None:
-                        used.add(c.site)
-                    break
-    _improve(problem, prefs, ledger, plan)
-    return plan
-
-
-def _place_colocated(
-    problem: PlanProblem,
-    prefs: list[list[Candidate]],
-    unit: list[int],
-    ledger: _Ledger,
-    plan: Plan,
-    order: list[str] | None,
-) -> None:
-    all_sites = sorted({c.site for j in unit for c in prefs[j]})
-    best: tuple[float, dict[int, Candidate]] | None = None
-    for phase, sites in enumerate((order or [], all_sites)):
-        for site in sites:
-            picked: dict[int, Candidate] = {}
-            total = 0.0
-            for j in unit:
-                job = problem.jobs[j]
-                for c in prefs[j]:
-                    if c.site == site and ledger.fits(job, c):
-                        ledger.take(job, c)
-                        picked[j] = c
-                        total += c.cost
-                        break
-                else:
-                    total += job.unplaced_penalty
-            for j, c in picked.items():
-                ledger.give(problem.jobs[j], c)
-            if picked and (best is None or total < best[0]):
-                best = (total, picked)
-                if phase == 0:
-                    break
-        if best is not None:
-            break
-    if best is not None:
-        for j, c in best[1].items():
-            ledger.take(problem.jobs[j], c)
-            plan[j] = c
-
-
-def _place_gang(
-    problem: PlanProblem,
-    prefs: list[list[Candidate]],
-    unit: list[int],
-    ledger: _Ledger,
-    plan: Plan,
-) -> None:
-    picked: dict[int, Candidate] = {}
-    for j in unit:
-        job = problem.jobs[j]
-        for c in prefs[j]:
-            if ledger.fits(job, c):
-                ledger.take(job, c)
-                picked[j] = c
-                break
-    cost = sum(c.cost for c in picked.values())
-    penalty = sum(problem.jobs[j].unplaced_penalty for j in unit)
-    if len(picked) == len(unit) and cost < penalty:
-        plan.update(picked)
-        return
-    for j, c in picked.items():
-        ledger.give(problem.jobs[j], c)
-
-
-def _improve(
-    problem: PlanProblem, prefs: list[list[Candidate]], ledger: _Ledger, plan: Plan
-) -> None:
-    """Move ungrouped jobs to cheaper options with room; place unplaced ones that now fit."""
-    by_cost = [
-        [] if job.group is not None else sorted(row, key=lambda c: c.cost)
-        for job, row in zip(problem.jobs, prefs, strict=True)
-    ]
-    for _ in range(3):
-        changed = False
-        for j, job in enumerate(problem.jobs):
-            if job.group is not None:
-                continue
-            current = plan.get(j)
-            limit = current.cost if current is not None else job.unplaced_penalty
-            if current is not None:
-                ledger.give(job, current)
-            for c in by_cost[j]:
-                if c.cost >= limit:
-                    break
-                if ledger.fits(job, c):
-                    current, changed = c, True
-                    break
-            if current is not None:
-                ledger.take(job, current)
-                plan[j] = current
-        if not changed:
-            return
-
-
 # ---------------------------------------------------------------------------------------------
-# LP-guided construction (the LP itself: broker.plan.highs.relax, broker.plan.aggregate.relax)
-
-
-def _from_preferences(
-    problem: PlanProblem, prefs: list[list[Candidate]], key: Callable[[list[int]], float]
-) -> Plan:
-    """A plan from each job's preferred options (broker.plan.aggregate: the few of least reduced
-    cost), units in `key` order (the least first), then every option of the jobs left out, by
-    cost, for the improvement pass."""
-    ledger = _Ledger(problem)
-    units = sorted(_units(problem, prefs), key=key)
-    plan = _construct(problem, prefs, units, ledger=ledger)
-    # a job left out may still fit elsewhere than its preferred options: those with room
-    table = problem.options
-    room: dict[int, npt.NDArray[np.bool_]] = {}
-    rows = list(prefs)
-    for j, job in enumerate(problem.jobs):
-        if j in plan or job.group is not None:
-            continue
-        shape, _ = table.shape_of[j]
-        keep = room.get(id(shape))
-        if keep is None:
-            keep = room[id(shape)] = ledger.room(shape)
-        rows[j] = table.candidates(j, keep)
-    _improve(problem, rows, ledger, plan)
-    return plan
-
-
-def _preference_orders(prefs: list[list[Candidate]]) -> list[Callable[[list[int]], float]]:
-    """The unit orders `_from_preferences` tries (on bench/simulation.py's passes each was
-    the best on some; docs/placement.md): the dearest first (its preferred option's cost),
-    and the most regret first (how much more its second choice costs)."""
-
-    def dearest(unit: list[int]) -> float:
-        return -sum(prefs[j][0].cost for j in unit if prefs[j])
-
-    def regret(unit: list[int]) -> float:
-        return -sum(prefs[j][1].cost - prefs[j][0].cost for j in unit if len(prefs[j]) > 1)
-
-    return [dearest, regret]
-
-
-def _lp_guided(problem: PlanProblem, cands: list[list[Candidate]], relaxed: Relaxation) -> Plan:
-    prefs = [
-        [c for _, c in sorted(zip(values, row, strict=True), key=lambda vc: (-vc[0], vc[1].cost))]
-        for values, row in zip(relaxed.x, cands, strict=True)
-    ]
-    mass = [sum(values) for values in relaxed.x]
-    site_order = {
-        g: [s for s, v in sorted(row.items(), key=lambda sv: -sv[1]) if v > 1e-6]
-        for g, row in relaxed.y.items()
-    }
-    return _construct(problem, prefs, _units(problem, cands, mass), site_order)
-
-
-# ---------------------------------------------------------------------------------------------
-# CP-SAT
+# the search
 
 
 def solve(
@@ -498,24 +194,25 @@ def solve(
     best = _Incumbent(problem)
     # the capacity-free plan, every job on its cheapest option: when it fits, it is optimal
     # (it costs the capacity-free bound), and nothing else needs building
-    bound = problem.options.bound()
-    free = problem.options.cheapest()
-    if _fits(problem, free):  # else plan.evaluate would only say so, at ten times the cost
+    table = option_table(problem)
+    bound = table.bound()
+    free = table.cheapest()
+    if fits(problem, free):  # else evaluate would only say so, at ten times the cost
         best.offer_if_valid(free)
     if best.objective <= bound:
         return _result(problem, best, bound, proven=True)
     # alike jobs and sites: the aggregated LP's bound and plan (broker.plan.aggregate), before the
     # full model's options are even listed
-    columns = int(AGGREGATE_COLUMNS * problem.options.size())
+    columns = int(AGGREGATE_COLUMNS * table.size())
     agg = aggregate.relax(problem, AGGREGATE_SHARE * left(), columns)
     if agg is not None:
         bound = max(bound, agg.bound)
-        for key in _preference_orders(agg.prefs):
-            best.offer(_assignments(problem, _from_preferences(problem, agg.prefs, key)))
+        for key in preference_orders(agg.prefs):
+            best.offer(to_assignments(problem, from_preferences(problem, agg.prefs, key)))
             if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):
                 return _result(problem, best, bound, proven=best.objective <= bound)
     cands = candidates(problem)
-    best.offer(_assignments(problem, _construct(problem, cands, _units(problem, cands))))
+    best.offer(to_assignments(problem, construct(problem, cands, placement_units(problem, cands))))
     if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):
         return _result(problem, best, bound, proven=best.objective <= bound)
     total = sum(len(row) for row in cands)
@@ -524,7 +221,7 @@ def solve(
     relaxed = relax(problem, cands, share * left(), start=best.plan, stall=stall)
     if relaxed is not None:
         bound = max(bound, relaxed.bound)
-        best.offer(_assignments(problem, _lp_guided(problem, cands, relaxed)))
+        best.offer(to_assignments(problem, lp_guided(problem, cands, relaxed)))
     if hint is not None and not evaluate(problem, hint)[1]:
         best.offer(dict(hint))
     if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):

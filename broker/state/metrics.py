@@ -6,8 +6,8 @@ Labels are low-cardinality only: tenant, site, client region, state, kind; never
 
 Costs: a counter or histogram update is O(1) (label children cached where a request pays for
 them); what is derived from the whole view (jobs by tenant and state, sites up) is computed when
-Prometheus scrapes, by `broker.state.view.ViewCollector`, so nothing is updated per request or per
-event for it.
+Prometheus scrapes, by `broker.state.view_cache.ViewCollector`, so nothing is updated per
+request or per event for it.
 
 A scrape (`exposition`) runs the collectors that read the event loop's live structures (the
 view, the usage book, the alerts: `LoopCollector`s) on the loop, and formats the text, most of

@@ -10,8 +10,9 @@ record, its entry in the newest-first job index (a `JobSummary`, what a list pag
 and in its tenant's own copy of that index (a tenant's pages read only its entries), its
 entries in the live indexes (unfinished) or in its end state's indexes (finished, with the
 live ones deleted), and, once the job has finished, its place in the archive queue.
-broker.leader.history reads them. An archived job's record lives at /cpn/v1/history/jobs/<id>,
-zlib-compressed; `find` reads the hot record and falls back to the archived one.
+broker.state.job_pages and broker.leader.history read them. An archived job's record lives at
+/cpn/v1/history/jobs/<id>, zlib-compressed; `find` reads the hot record and falls back to the
+archived one.
 """
 
 from __future__ import annotations

@@ -14,16 +14,10 @@ import numpy as np
 import pytest
 
 from broker.placement import place as pl
-from broker.plan import aggregate, batch, solver
-from broker.plan.problem import (
-    PlanProblem,
-    PlanStatus,
-    candidates,
-    evaluate,
-    feasible_options,
-    job_cost,
-    load_problem,
-)
+from broker.plan import aggregate, batch, construct
+from broker.plan.checker import evaluate
+from broker.plan.options import candidates, feasible_options, job_cost, option_table
+from broker.plan.problem import PlanProblem, PlanStatus, load_problem
 from broker.plan.solver import collector_paused, solve
 from tests.broker.test_batch import FED, NOW
 from tests.broker.test_batch import job as pending_job
@@ -53,7 +47,7 @@ def test_table_rows_masks_cheapest_and_bound_match_the_reference(
     bench: ModuleType, seed: int
 ) -> None:
     prob = family(bench, seed, latency_share=0.4, residency_share=0.3)
-    table = prob.options
+    table = option_table(prob)
     full = candidates(prob)
     rng = random.Random(seed)
     free_plan = table.cheapest()
@@ -83,7 +77,7 @@ def test_table_rows_masks_cheapest_and_bound_match_the_reference(
 
 def test_runner_ups_at_once_equal_one_at_a_time_and_the_reference(bench: ModuleType) -> None:
     prob = family(bench, 4, latency_share=0.3)
-    table = prob.options
+    table = option_table(prob)
     rng = random.Random(4)
     chosen = {}
     for j in range(len(prob.jobs)):
@@ -162,9 +156,9 @@ def test_aggregate_plans_are_valid_and_bounded_on_contended_instances(
     assert agg is not None
     full = solve(prob, time_limit_s=8, workers=2)  # no gap limit: the full search
     assert agg.bound <= full.objective + 1e-6
-    for key in solver._preference_orders(agg.prefs):
-        plan = solver._from_preferences(prob, agg.prefs, key)
-        objective, violations = evaluate(prob, solver._assignments(prob, plan))
+    for key in construct.preference_orders(agg.prefs):
+        plan = construct.from_preferences(prob, agg.prefs, key)
+        objective, violations = evaluate(prob, construct.to_assignments(prob, plan))
         assert violations == []
         assert objective >= agg.bound - 1e-6
 

@@ -15,7 +15,8 @@ from broker.leader.alerts import AlertMetrics
 from broker.model.alert_rules import AlertSettings
 from broker.placement.settings import load_settings
 from broker.state.metrics import BrokerMetrics
-from broker.state.view import View, ViewCollector
+from broker.state.view import View
+from broker.state.view_cache import ViewCollector
 from sites.model.capacity import Capacity
 from sites.model.snapshot import Snapshot
 from sites.model.status import LinkStatus, SiteStatus

@@ -19,7 +19,8 @@ from broker.placement.place import Decision, GroupState, TenantUsage, place
 from broker.placement.settings import SchedulingSettings
 from broker.placement.site import Green, SiteOffer
 from broker.plan import batch
-from broker.plan.problem import Assignment, PlanProblem, PlanResult, PlanStatus, job_cost, job_parts
+from broker.plan.options import job_cost, job_parts
+from broker.plan.problem import Assignment, PlanProblem, PlanResult, PlanStatus
 from tests.broker.test_decisions import CATALOG, NOW, job, snapshot, view
 from tests.broker.test_pricing import NOW as DT_NOW
 from tests.broker.test_pricing import _random_fed, _random_job

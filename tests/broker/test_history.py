@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from broker.leader import history
-from broker.leader.history import MIGRATION, HistoryKeeper, JobQuery, list_page, parse_since
+from broker.leader.history import MIGRATION, HistoryKeeper
 from broker.model.errors import Expired, IllegalTransition, InvalidRequest, NotFound
 from broker.model.jobs import JobRecord, JobState
 from broker.placement.settings import HistorySettings
+from broker.state import job_pages
+from broker.state.job_pages import JobQuery, list_page, parse_since
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from broker.state.store import Change, JobStore, JobSummary, decode, position, state_entries
@@ -239,7 +240,7 @@ async def test_a_state_filter_reads_only_that_states_jobs(
     """A filter by state and tenant that matches 1 job in 40 still fills its pages: it reads
     the state's own index, not the tenant's every job (a page scans at most SCAN_LIMIT
     entries, here 100, so a scan of the tenant's index would return a page of 2 or 3)."""
-    monkeypatch.setattr(history, "SCAN_LIMIT", 100)
+    monkeypatch.setattr(job_pages, "SCAN_LIMIT", 100)
     now = time.time()
     records = history_data.finished_jobs(3000, now=now, days=30)
     records += history_data.pending_jobs(40, now=now)

@@ -19,7 +19,8 @@ from broker.state.metrics import (
     exposition,
     register_on_loop,
 )
-from broker.state.view import View, ViewCollector
+from broker.state.view import View
+from broker.state.view_cache import ViewCollector
 from sites.model.snapshot import Snapshot
 
 

@@ -308,14 +308,14 @@ def test_the_batch_pass_takes_its_plan_to_the_nodes_and_leaves_what_they_cannot_
 def test_the_index_and_the_full_scan_agree_on_random_node_sites(
     monkeypatch: pytest.MonkeyPatch, tier_min: int | None
 ) -> None:
-    """tier_min 1: every price list of a floor is a tier (broker.placement.place._Tier), whose
+    """tier_min 1: every price list of a floor is a tier (broker.placement.price_index._Tier), whose
     sites' nodes may choose another model than their free devices say."""
     import random
 
-    from broker.placement import place as placement
+    from broker.placement import price_index
 
     if tier_min is not None:
-        monkeypatch.setattr(placement, "TIER_HEAP_MIN", tier_min)
+        monkeypatch.setattr(price_index, "TIER_HEAP_MIN", tier_min)
 
     from broker.placement.nodes import Node
     from sites.model.spec import Prices

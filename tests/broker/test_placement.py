@@ -19,7 +19,7 @@ from broker.model.errors import InvalidRequest
 from broker.model.jobs import JobSpec
 from broker.model.regions import load_user_regions, user_rtt_ms
 from broker.model.tenants import TenancyFile
-from broker.placement import place as placement
+from broker.placement import price_index
 from broker.placement.place import (
     FILTERS,
     Decision,
@@ -839,7 +839,7 @@ def tree_usage(rng: random.Random, models: list[str], regions: list[str]) -> Ten
     return TenantUsage(tree=Quotas(file, CATALOG).empty(), budgets=budgets)
 
 
-@pytest.mark.parametrize("tier_min", [placement.TIER_HEAP_MIN, 1])
+@pytest.mark.parametrize("tier_min", [price_index.TIER_HEAP_MIN, 1])
 def test_indexed_place_on_tiers_of_like_sites_equals_the_full_scan(
     monkeypatch: pytest.MonkeyPatch, tier_min: int
 ) -> None:
@@ -847,7 +847,7 @@ def test_indexed_place_on_tiers_of_like_sites_equals_the_full_scan(
     index answers from heaps kept by replaying the lineage's log: after placements, releases,
     sites going down and up and cordoned, the same decision as the full scan; and on a branch
     of the lineage (the log is no longer one snapshot's history) too."""
-    monkeypatch.setattr(placement, "TIER_HEAP_MIN", tier_min)
+    monkeypatch.setattr(price_index, "TIER_HEAP_MIN", tier_min)
     rng = random.Random(23)
     models = ["H100", "L40S", "A100-80GB"]
     compared = placed_count = released = 0

@@ -16,19 +16,19 @@ from typing import Any
 import pytest
 
 from broker.model.errors import InvalidRequest
+from broker.plan.checker import evaluate
 from broker.plan.cli import main
+from broker.plan.construct import greedy
+from broker.plan.options import feasible_options, job_cost
 from broker.plan.problem import (
     Assignment,
     PlanInputError,
     PlanProblem,
     PlanResult,
     PlanStatus,
-    evaluate,
-    feasible_options,
-    job_cost,
     load_problem,
 )
-from broker.plan.solver import greedy, solve
+from broker.plan.solver import solve
 
 REPO = Path(__file__).resolve().parents[2]
 

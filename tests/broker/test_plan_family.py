@@ -11,16 +11,11 @@ import numpy as np
 import pytest
 
 from broker.plan import highs, solver
-from broker.plan.problem import (
-    GroupKind,
-    PlanProblem,
-    candidates,
-    evaluate,
-    feasible_options,
-    job_cost,
-    load_problem,
-)
-from broker.plan.solver import greedy, solve
+from broker.plan.checker import evaluate
+from broker.plan.construct import greedy
+from broker.plan.options import candidates, feasible_options, job_cost
+from broker.plan.problem import GroupKind, PlanProblem, load_problem
+from broker.plan.solver import solve
 from tests.broker.test_plan import brute_force, instances
 
 

@@ -20,7 +20,8 @@ from broker.placement import feasibility, pricing, request
 from broker.placement.feasibility import Feasible, Infeasible
 from broker.placement.place import Decision, Federation, GroupState, TenantUsage, place
 from broker.plan import batch
-from broker.plan.problem import Assignment, PlanResult, PlanStatus, job_cost, job_parts
+from broker.plan.options import job_cost, job_parts
+from broker.plan.problem import Assignment, PlanResult, PlanStatus
 from tests.broker.test_placement import MEM, job, offer, random_gpu
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

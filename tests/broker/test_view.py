@@ -12,7 +12,8 @@ import pytest
 
 from broker.model.jobs import Event, JobRecord, JobSpec, JobState
 from broker.state.store import encode
-from broker.state.view import View, ViewCache, federation
+from broker.state.view import View, federation
+from broker.state.view_cache import ViewCache
 from sites.kits.tasks import Supervisor
 from sites.model import keys
 from sites.model.assignments import Assignment

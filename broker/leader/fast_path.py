@@ -1,0 +1,116 @@
+"""A scheduling pass's placement (broker.leader.decisions): the fast path, then the gangs.
+
+In fair-share order (broker.placement.tenancy: the tenant with the lowest weighted dominant
+share first; a tenant's own jobs by priority, then age): broker.placement.place.place per job,
+the snapshot and the tenants' usage updated after each placement. A job that cannot be placed
+for want of capacity may preempt (broker.leader.preempting); else it waits with the reason
+(unschedulable, with its quota, budget or fair-share reason: broker.placement.why). A job whose
+own spec makes placement raise is FAILED. The gangs follow, on the snapshot left
+(broker.leader.gang_placing).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from broker.leader.gang_placing import place_gangs
+from broker.leader.pass_core import Pass, place_action
+from broker.leader.preempting import Preemptor
+from broker.model import workflows as wf
+from broker.model.errors import BrokerError
+from broker.model.jobs import JobRecord, JobSpec, JobState
+from broker.placement import place as pl
+from broker.placement.tenancy import held_by_tenant
+from broker.placement.why import Fairness, own_order, why_pending
+from broker.state.view import federation, groups, held_rows, usage
+
+__all__ = ["place"]
+
+_NO_CAPACITY = frozenset({"down", "cordoned", "model", "gpus", "cpu", "mem"})
+
+
+def place(p: Pass) -> None:
+    """Every PENDING job past its backoff, not touched in this pass and not a workflow step
+    still waiting, in fair-share order; then the gangs (module docstring)."""
+    view, ctx, now = p.view, p.ctx, p.now
+    pending = [
+        (record, rev)
+        for record, rev in view.jobs.values()
+        if record.state is JobState.PENDING
+        and record.not_before <= now
+        and record.id not in p.touched
+        and not wf.blocked(record)  # a workflow step whose parents have not all succeeded
+    ]
+    if not pending:
+        return
+    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
+    rows = held_rows(view, ctx.written)
+    held = held_by_tenant(p.quotas, rows)
+    used = usage(view, ctx.quotas, ctx.written, ctx.budgets, rows, held)
+    grouped = groups(view)
+    when = datetime.fromtimestamp(now, UTC)
+    fair = Fairness.of(p.quotas, ctx.fair, held, fed)
+    preemptor = Preemptor(p)
+    queues: dict[str, list[tuple[JobRecord, int]]] = {}
+    for record, rev in pending:
+        if record.spec.gang is None:
+            queues.setdefault(record.spec.tenant, []).append((record, rev))
+    for queue in queues.values():
+        queue.sort(key=_own_order)
+    taken = 0  # jobs placed so far this pass: what a job waiting for capacity waited behind
+    # shapes that found no free capacity anywhere: capacity only shrinks within a pass
+    # (until a preemption gives some back), so a later job of the same shape fails the same
+    # way without another scan of every site
+    full: dict[tuple[object, ...], pl.Unschedulable] = {}
+    for record, rev in fair.order(queues):
+        spec = record.spec
+        shape = _shape(spec)
+        try:
+            known = full.get(shape) if shape is not None else None
+            decision = known or pl.place(spec, fed, now=when, usage=used, groups=grouped)
+            if isinstance(decision, pl.Decision):
+                fed = pl.apply(fed, decision, spec)
+            elif shape is not None and decision.reasons.keys() <= _NO_CAPACITY:
+                full[shape] = decision
+        except (BrokerError, ValueError) as exc:
+            p.fail_spec(record, rev, f"cannot be placed: {exc}")
+            continue
+        if isinstance(decision, pl.Unschedulable):
+            chosen = preemptor.seek(record, decision, fed, used, grouped, when)
+            if chosen is None:
+                p.unschedulable(record, rev, why_pending(spec, decision, fed, used, fair, taken))
+                continue
+            fed, used = preemptor.commit(record, rev, chosen, fed, used)
+            full.clear()  # the victims gave capacity back
+            for v in chosen.victims:
+                fair.hold(
+                    v.tenant,
+                    p.quotas.demand(v.gpus, v.model, v.cpu, v.mem_gb, v.region),
+                    sign=-1.0,
+                )
+            decision = chosen.decision
+        else:
+            p.emit(place_action([(record, rev, decision)], now))
+        used = pl.charged(used, spec, decision)
+        fair.hold(
+            spec.tenant,
+            p.quotas.demand(decision.gpus, decision.model, spec.cpu, spec.mem_gb, decision.region),
+        )
+        grouped = grouped.with_placed(spec.group, decision.site)
+        taken += 1
+    place_gangs(p, fed, used, grouped, when)
+
+
+def _shape(spec: JobSpec) -> tuple[object, ...] | None:
+    """What decides a job's fit when its cost is its compute alone (broker.placement.place.
+    compute_only): None for other jobs."""
+    if not pl.compute_only(spec):
+        return None
+    gpu = spec.gpu
+    return gpu.count, gpu.acceptable, gpu.min_mem_gb, spec.cpu, spec.mem_gb, spec.best_effort
+
+
+def _own_order(entry: tuple[JobRecord, int]) -> tuple[int, float, str]:
+    """A tenant's own queue (broker.placement.why.own_order)."""
+    record = entry[0]
+    return own_order(record.spec.priority, record.created_at, record.id)

@@ -1,0 +1,215 @@
+"""A scheduling pass's first part (broker.leader.decisions): the sites' reports of runs, and
+what a run that ended does to its job and its gang.
+
+Reports of the current run (fence and attempt match, job PLACED or RUNNING): `running` makes
+it RUNNING; `starting` keeps it PLACED, and a reason from the site's own scheduler (Slurm
+PENDING: "queued at S: pending in Slurm: Resources") becomes an event and what the job waits
+for; SUCCEEDED (a workflow step's children released in the same transaction:
+broker.leader.workflow_steps); a failed or stopped run is retried with backoff (PENDING) or
+FAILED when no retries are left. A terminal report of a run that no longer matters is deleted.
+
+`retry_or_fail` and `stop_with_gang` are also failover's (broker.leader.failover): when one
+gang member is re-queued the others are too, and when one fails for good the others fail with
+it, so no member runs alone.
+"""
+
+from __future__ import annotations
+
+from broker.leader.pass_core import Action, ActionKind, JobWrite, Pass, run_keys
+from broker.leader.workflow_steps import WorkflowSteps
+from broker.model.jobs import Event, JobRecord, JobState
+from broker.model.lifecycle import retry_backoff_s
+from broker.ops.gangs import gang_key
+from broker.ops.usage_segments import EndReason
+from broker.state.view import LIVE
+from sites.model import keys
+from sites.model.assignments import Report, RunState
+from sites.registry.client import Guard
+
+__all__ = ["reports", "retry_or_fail", "stop_with_gang"]
+
+
+def reports(p: Pass, steps: WorkflowSteps) -> None:
+    """Every report of the view, in key order (module docstring)."""
+    view = p.view
+    for (site, job_id), (report, report_rev) in sorted(view.reports.items()):
+        entry = view.jobs.get(job_id)
+        record = entry[0] if entry else None
+        current = (
+            record is not None
+            and record.placement is not None
+            and record.placement.site == site
+            and record.attempt == report.attempt
+            and record.fence == report.fence
+            and record.state in LIVE
+        )
+        if not current or entry is None or record is None:  # (the last two for mypy)
+            assignment = view.assignments.get((site, job_id))
+            if (assignment is None or assignment.fence != report.fence) and (report.state.terminal):
+                p.actions.append(
+                    Action(
+                        ActionKind.drop_report,
+                        (),
+                        f"report of {job_id} on {site}: the run no longer matters",
+                        deletes=(keys.report(site, job_id),),
+                        guards=(Guard(keys.report(site, job_id), mod_revision=report_rev),),
+                    )
+                )
+            continue
+        if job_id in p.touched:
+            continue
+        _report(p, steps, record, entry[1], report, report_rev)
+
+
+def _report(
+    p: Pass, steps: WorkflowSteps, record: JobRecord, rev: int, report: Report, report_rev: int
+) -> None:
+    site, now = report.site, p.now
+    if report.state is RunState.starting:
+        # being started, or queued in the site's own scheduler (Slurm PENDING): placed,
+        # not running yet; each reason the scheduler gives, once, as an event and as what
+        # the job waits for
+        waiting = f"queued at {site}: {report.message}" if report.message else None
+        if record.state is JobState.PLACED and waiting and record.unschedulable != waiting:
+            ev = Event(at=now, type="queued", message=waiting, site=site)
+            new = record.with_event(ev, unschedulable=waiting)
+            p.emit(Action(ActionKind.advance, (JobWrite(new, rev),), waiting))
+        return
+    if report.state is RunState.running:
+        if record.state is JobState.RUNNING:
+            return
+        confined = f" ({report.confinement})" if report.confinement else ""
+        ev = Event(
+            at=now,
+            type="running",
+            message=f"running on {site}{confined}",
+            site=site,
+            attempt=record.attempt,
+        )
+        new = record.with_event(ev, state=JobState.RUNNING, unschedulable=None)
+        p.emit(Action(ActionKind.advance, (JobWrite(new, rev),), ev.message))
+        return
+    guard = (Guard(keys.report(site, record.id), mod_revision=report_rev),)
+    if report.state is RunState.succeeded:
+        ev = Event(
+            at=now,
+            type="succeeded",
+            message=f"exit 0 on {site}",
+            site=site,
+            attempt=record.attempt,
+        )
+        new = record.with_event(ev, state=JobState.SUCCEEDED, exit_code=0)
+        write = JobWrite(
+            new,
+            rev,
+            puts=p.closed(record, EndReason.succeeded),
+            deletes=run_keys(record),
+            guards=guard,
+        )
+        # a workflow step's children are released in the same transaction
+        released = steps.released_by(new)
+        p.emit(Action(ActionKind.advance, (write, *released), ev.message))
+        return
+    why = (
+        f"exit {report.exit_code} on {site}"
+        if report.state is RunState.failed
+        else (f"stopped on {site}")
+    )
+    if report.message:
+        why += f": {report.message}"
+    new = retry_or_fail(p, record, why, site, exit_code=report.exit_code)
+    ended = EndReason.failed if report.state is RunState.failed else EndReason.stopped
+    if report.reason == EndReason.out_of_memory:
+        ended = EndReason.out_of_memory
+    stop_with_gang(p, record, rev, new, run_keys(record), guard, why, ended=ended)
+
+
+def retry_or_fail(
+    p: Pass,
+    record: JobRecord,
+    why: str,
+    site: str,
+    *,
+    exit_code: int | None = None,
+    kind: str = "retried",
+) -> JobRecord:
+    """The record after its run ended for `why`: PENDING for a retry after its backoff (none
+    for a lost site, kind "migrated"), or FAILED when no retries are left."""
+    now = p.now
+    backoff = retry_backoff_s(record.retries, record.spec.max_retries, p.ctx.retry)
+    if backoff is None:
+        ev = Event(
+            at=now,
+            type="failed",
+            message=f"{why}; no retries left ({record.spec.max_retries})",
+            site=site,
+            attempt=record.attempt,
+        )
+        return record.with_event(ev, state=JobState.FAILED, exit_code=exit_code)
+    resume = f", resuming from {record.spec.checkpoint_path}" if record.spec.checkpoint_path else ""
+    if kind == "migrated":
+        backoff = 0.0  # a lost site is no reason to wait
+    ev = Event(
+        at=now,
+        type=kind,
+        message=f"{why}; retry {record.retries + 1}/{record.spec.max_retries} in "
+        f"{backoff:.0f}s{resume}",
+        site=site,
+        attempt=record.attempt,
+    )
+    return record.with_event(
+        ev,
+        state=JobState.PENDING,
+        retries=record.retries + 1,
+        not_before=now + backoff,
+        exit_code=exit_code,
+    )
+
+
+def stop_with_gang(
+    p: Pass,
+    record: JobRecord,
+    rev: int,
+    new: JobRecord,
+    deletes: tuple[str, ...],
+    guards: tuple[Guard, ...],
+    why: str,
+    *,
+    ended: EndReason,
+    lost_site: bool = False,
+) -> None:
+    """The job's run ended (retry, failure, lost site): write it, and its gang with it."""
+    closed = p.closed(record, ended)
+    writes = [JobWrite(new, rev, puts=closed, deletes=deletes, guards=guards)]
+    key = gang_key(record)
+    for other, other_rev in p.gangs.get(key, []) if key else []:
+        if other.id == record.id or other.id in p.touched:
+            continue
+        if new.state is JobState.FAILED and other.state in (JobState.PENDING, *LIVE):
+            ev = Event(
+                at=p.now,
+                type="failed",
+                message=f"gang member {record.id} failed: {why}",
+                attempt=other.attempt,
+            )
+            changed = other.with_event(ev, state=JobState.FAILED)
+        elif other.state in LIVE:
+            ev = Event(
+                at=p.now,
+                type="requeued",
+                message=f"gang member {record.id} stopped ({why}); the gang restarts whole",
+                attempt=other.attempt,
+            )
+            changed = other.with_event(
+                ev, state=JobState.PENDING, not_before=new.not_before, placement=None
+            )
+        else:
+            continue  # pending or suspended: it waits for the gang anyway
+        closed = p.closed(other, EndReason.withdrawn)
+        writes.append(JobWrite(changed, other_rev, puts=closed, deletes=run_keys(other)))
+    kind = ActionKind.requeue
+    if new.state is JobState.FAILED:
+        kind = ActionKind.fail
+    elif lost_site:
+        kind = ActionKind.migrate
+    p.emit(Action(kind, tuple(writes), new.events[-1].message))
