@@ -7,9 +7,9 @@ Once the broker answers, it applies the demo's managed inference service
 (configs/services/example.yaml, or --service FILE; --no-service: none) through the broker's
 API, as `cpn service apply` would, and prints a line each time its ready replicas change.
 
-Address plan with the WAN emulation: site number N (1-based, in id order) owns 127.0.1.N; its
-agent listens there and its probes leave from there; peers reach it through the emulator's front
-127.0.2.N on the same port, which delays each direction by rtt/2 (docs/wan-emulation.md).
+The address plan with the WAN emulation (site number N owns 127.0.1.N, peers reach it through
+the emulator's front 127.0.2.N) is cpn.wan_demo's; the demo service is cpn.service_demo's;
+`cpn up --slurm` is cpn.slurm_demo's.
 """
 
 from __future__ import annotations
@@ -19,27 +19,21 @@ import logging
 import os
 import signal
 import socket
-import ssl
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
-import aiohttp
-import yaml
-
-from broker.model.regions import load_user_regions
 from broker.state.auth import Role, create_token, new_token
-from cpn import render
+from cpn import render, wan_demo
 from cpn.certs import Pki
 from cpn.client import ApiError, BrokerClient
 from cpn.config import ConfigFileError, remove_context, save_context
 from cpn.secure import bootstrap, init_pki, site_credentials
+from cpn.service_demo import follow, service_name
 from cpn.state import clear_up_state, state_dir, write_up_state
-from routing.decision.clients import load_clients
 from sites.emulation import wan
 from sites.emulation.etcd_server import EmbeddedEtcd, EtcdCluster, free_port
 from sites.kits.tasks import Supervisor
@@ -47,7 +41,6 @@ from sites.model import keys
 from sites.model.catalog import DeviceCatalog
 from sites.model.config import load_sites, read_yaml, site_files
 from sites.model.errors import ConfigError, Problem, RegistryError
-from sites.model.latency import Endpoint, LatencyModel
 from sites.model.spec import SiteSpec
 from sites.registry.client import Registry
 from sites.registry.security import BROKER_USER, ROOT_USER, EtcdTls, load_credentials
@@ -90,21 +83,6 @@ class SitePlan:
     credentials: Path | None = None  # the site's etcd credential file (--secure)
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
-
-
-CLIENT = "client:"  # emulator node names of client regions
-
-
-def node_ip(n: int) -> str:
-    return f"127.0.1.{n}"
-
-
-def front_ip(n: int) -> str:
-    return f"127.0.2.{n}"
-
-
-def endpoint_of(spec: SiteSpec) -> Endpoint:
-    return Endpoint(lat=spec.coordinates.lat, lon=spec.coordinates.lon, zone=spec.latency_zone)
 
 
 CONTEXT = "up"  # the CLI config entry `cpn up` writes (cpn.config)
@@ -287,72 +265,13 @@ class Launcher:
         return self.etcd.start()
 
     async def _start_wan(self) -> None:
-        latency = LatencyModel.from_dir(self.settings.config_dir / "latency")
-        endpoints = {p.spec.id: endpoint_of(p.spec) for p in self.plans}
-
-        def rtt(src: str, dst: str) -> float:
-            return latency.rtt_ms(endpoints[src], endpoints[dst])
-
-        ips = {node_ip(n): p.spec.id for n, p in enumerate(self.plans, start=1)}
-        client_rtt, sources = self._client_rtts(latency, rtt)
-        # client regions get their own node names: "frankfurt" is both a site and a client region
-        ips.update({ip: CLIENT + region for region, ip in sources.items()})
-
-        def path_rtt(src: str, dst: str) -> float:
-            if src.startswith(CLIENT):  # a client region reaches a site through its ingress
-                return client_rtt[src.removeprefix(CLIENT)].get(dst, 0.0)
-            return rtt(src, dst)
-
-        self.emulator = wan.WanEmulator(node_of_ip=ips, rtt_ms=path_rtt)
-        for n, plan in enumerate(self.plans, start=1):
-            port = free_port(node_ip(n))
-            plan.listen = f"{node_ip(n)}:{port}"
-            host, fport = await self.emulator.add_route(
-                front=(front_ip(n), port), backend=(node_ip(n), port), node=plan.spec.id
-            )
-            plan.advertise = f"{host}:{fport}"
-            pport = free_port(node_ip(n))
-            plan.probe_listen = f"{node_ip(n)}:{pport}"
-            phost, pfport = await self.emulator.add_route(
-                front=(front_ip(n), pport), backend=(node_ip(n), pport), node=plan.spec.id
-            )
-            plan.probe_advertise = f"{phost}:{pfport}"
-            for svc in plan.spec.services:
-                parts = urlsplit(svc.url)
-                backend = (parts.hostname or "127.0.0.1", parts.port or 80)
-                fhost, fport = await self.emulator.add_route(
-                    front=(front_ip(n), backend[1]), backend=backend, node=plan.spec.id
-                )
-                plan.service_urls[svc.name] = urlunsplit(parts._replace(netloc=f"{fhost}:{fport}"))
-
-    def _client_rtts(
-        self, latency: LatencyModel, rtt: Callable[[str, str], float]
-    ) -> tuple[dict[str, dict[str, float]], dict[str, str]]:
-        """Client region -> site -> RTT (the best ingress site's access RTT plus its WAN RTT),
-        and client region -> the loopback address it sends from (its 127.0.3.n/32 in
-        configs/clients.yaml), as the broker's proxy does on its behalf when the WAN is emulated.
-        """
-        path = self.settings.config_dir / "clients.yaml"
-        if not path.exists():
-            return {}, {}
-        regions = load_user_regions(self.settings.config_dir / "regions.yaml")
-        specs = {p.spec.id: p.spec for p in self.plans}
-        clients = load_clients(path, user_regions=regions)
-        out: dict[str, dict[str, float]] = {}
-        for region in clients.regions:
-            attach = {
-                site: ms
-                for site, ms in clients.attach_rtt_ms(region, specs, regions, latency).items()
-                if site in specs
-            }
-            out[region] = {
-                site: min(
-                    (ms + (0.0 if a == site else rtt(a, site)) for a, ms in attach.items()),
-                    default=0.0,
-                )
-                for site in specs
-            }
-        return out, clients.loopback_sources()
+        specs = [p.spec for p in self.plans]
+        self.emulator = wan_demo.emulator(self.settings.config_dir, specs)
+        routes = await wan_demo.route(self.emulator, specs)
+        for plan, r in zip(self.plans, routes, strict=True):
+            plan.listen, plan.advertise = r.listen, r.advertise
+            plan.probe_listen, plan.probe_advertise = r.probe_listen, r.probe_advertise
+            plan.service_urls.update(r.service_urls)
 
     def _start_model_servers(self) -> None:
         """The STAND-IN model servers behind the demo's services (configs/standin.yaml)."""
@@ -523,103 +442,15 @@ class Launcher:
         """The demo service's name, read before anything starts (a file that is not a
         mapping with a name is a ConfigError: exit 2)."""
         path = self.settings.service_path()
-        if path is None:
-            return None
-        doc = read_yaml(path)  # ConfigFileError: exit 2 with one line
-        name = doc.get("name") if isinstance(doc, dict) else None
-        if not isinstance(name, str) or not name:
-            raise ConfigError([Problem(str(path), "name", "a service file needs a name")])
-        return name
-
-    def _service_text(self, path: Path) -> str:
-        """The file as sent. With --sites, a service that names no `regions` of its own may
-        run in the regions of the sites that run: the broker refuses a replica whose allowed
-        regions (a client region's sovereignty list) name a region no running site is in."""
-        text = path.read_text()
-        doc = read_yaml(path)
-        if not self.settings.only or not isinstance(doc, dict) or "regions" in doc:
-            return text
-        doc["regions"] = sorted({p.spec.region for p in self.plans})
-        return str(yaml.safe_dump(doc, sort_keys=False))
+        return None if path is None else service_name(path)
 
     async def _demo_service(self, path: Path) -> None:
-        """Apply the demo's service once the broker takes it (PUT /v1/services/<name>, retried
-        while the broker starts), then report its ready replicas as they change, until
-        cancelled (a supervised task). A file the broker refuses is reported, not fatal: the
-        rest of the demo runs on."""
-        name = self.service_name
-        text = self._service_text(path)
-        context: ssl.SSLContext | bool = True
-        if self.settings.secure:
-            context = ssl.create_default_context(cafile=str(self.pki.ca_path))
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        url = f"{self.broker_url}/v1/services/{name}"
-        async with aiohttp.ClientSession(
-            headers=headers,
-            connector=aiohttp.TCPConnector(ssl=context),
-            timeout=aiohttp.ClientTimeout(total=10),
-        ) as http:
-            if not await self._apply_service(http, url, path, text):
-                await asyncio.Event().wait()  # nothing to follow; cancelled with the demo
-            shown: tuple[int, int] | None = None
-            while True:
-                await asyncio.sleep(2.0)
-                try:
-                    async with http.get(url) as resp:
-                        view = await resp.json() if resp.status == 200 else None
-                except (aiohttp.ClientError, TimeoutError, ValueError):
-                    continue  # the broker restarting: the supervisor reports that
-                if view is None:
-                    continue
-                counts = (
-                    sum(r["ready"] for r in view["regions"]),
-                    sum(r["desired"] for r in view["regions"]),
-                )
-                if counts != shown:
-                    shown = counts
-                    print(
-                        f"cpn up: service {name}: {counts[0]}/{counts[1]} replicas ready",
-                        flush=True,
-                    )
-
-    async def _apply_service(
-        self, http: aiohttp.ClientSession, url: str, path: Path, text: str
-    ) -> bool:
-        """PUT the service file until the broker takes it (True) or refuses it (False)."""
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                async with http.put(
-                    url, data=text.encode(), headers={"Content-Type": "application/yaml"}
-                ) as resp:
-                    body = await resp.json(content_type=None)
-                    if resp.status in (200, 201):
-                        print(
-                            f"cpn up: service {body['name']} applied from {path}; its replicas "
-                            "follow (cpn services)",
-                            flush=True,
-                        )
-                        return True
-                    if 400 <= resp.status < 500:
-                        err = body.get("error", {}) if isinstance(body, dict) else {}
-                        print(
-                            f"cpn up: the broker refused service file {path}: "
-                            f"{err.get('message', resp.status)} (field {err.get('field')})",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        return False
-            except (aiohttp.ClientError, TimeoutError, ValueError):
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                print(
-                    f"cpn up: service file {path} not applied: the broker did not take it "
-                    "within 120 s",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return False
-            await asyncio.sleep(0.5)
+        """Apply the demo's service once the broker takes it, then report its ready replicas
+        as they change (cpn.service_demo), until cancelled (a supervised task)."""
+        assert self.service_name is not None
+        ca = self.pki.ca_path if self.settings.secure else None
+        regions = sorted({p.spec.region for p in self.plans}) if self.settings.only else None
+        await follow(self.broker_url, self.token, ca, self.service_name, path, regions)
 
     async def _supervise(self) -> None:
         """Report children that exit, until cancelled (a supervised task: sites.kits.tasks)."""

@@ -21,7 +21,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from simulations import plots, report
+from simulations import pages, report
 from simulations.capacity import load_planning, plan_capacity
 from simulations.cluster import ClusterError
 from simulations.report import slug
@@ -155,7 +155,7 @@ def _simulate(args: argparse.Namespace) -> int:
     console = Console()
     if len(results) == 1:
         out = Path(args.out) if args.out else default_out(scenarios[0].name)
-        index = plots.write_report(results[0], out)
+        index = pages.write_report(results[0], out)
         if args.json:
             print(json.dumps(results[0], sort_keys=True))
         else:
@@ -169,7 +169,7 @@ def _simulate(args: argparse.Namespace) -> int:
             sweep[0],
             [v if isinstance(v, int | float | str) else str(v) for v in sweep[1]],
         )
-    index = plots.write_comparison(results, out, sweep=sweep_arg)
+    index = pages.write_comparison(results, out, sweep=sweep_arg)
     if args.json:
         print(json.dumps(results, sort_keys=True))
     else:

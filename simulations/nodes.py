@@ -72,7 +72,7 @@ def generated_topology(
 
 
 class Waiting(Protocol):
-    """A class of waiting jobs (simulations.engine's): its request and the sites its last try
+    """A class of waiting jobs (simulations.jobs.JobClass): its request and the sites its last try
     found it may never use (region, sovereignty, model, budget)."""
 
     @property

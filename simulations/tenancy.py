@@ -2,7 +2,7 @@
 and
 what lets the simulator skip tries whose outcome it already knows.
 
-`TenancyPass.run` is the fast path of `broker.leader.decisions._Pass.place` on the simulator's
+`TenancyPass.run` is the fast path of `broker.leader.fast_path.place` on the simulator's
 state,
 calling the same policy code: waiting jobs in `broker.placement.why.Fairness.order` (the tenant
 with the
@@ -12,9 +12,9 @@ by `broker.placement.place.place` under quotas over cohorts (`TenantUsage.tree`)
 `broker.placement.preemption.plan`
 decides, with the broker's tries: a try only for a job with a possible victim
 (`broker.placement.preemption.possible`), at most MAX_PREEMPTION_TRIES a pass, and a job whose
-search found nothing skipped for PREEMPT_RETRY_S (`preempt_skip`, `preempt_failed`: the engine keeps
-them on virtual time as broker.process does). With `fairness=None` it is the fifo baseline: the
-queue in arrival order, no fair share, no preemption.
+search found nothing skipped for PREEMPT_RETRY_S (`preempt_skip`, `preempt_failed`:
+simulations.passes keeps them on virtual time as broker.process does). With `fairness=None` it
+is the fifo baseline: the queue in arrival order, no fair share, no preemption.
 
 Gates. Waiting jobs with the same request (a class: tenant, shape, priority, best-effort) get
 the same answer from placement and from preemption, so the simulator remembers, per class,
@@ -100,7 +100,7 @@ class Gate:
 
 
 class Waiting(Protocol):
-    """A class of waiting jobs (simulations.engine._Class)."""
+    """A class of waiting jobs (simulations.jobs.JobClass)."""
 
     @property
     def tenant(self) -> str: ...
@@ -172,7 +172,7 @@ class Gates:
 
 
 class Host(Protocol[Item_contra]):
-    """What a pass needs of the simulation (simulations.engine.Simulation is one)."""
+    """What a pass needs of the simulation (simulations.passes.TenancyPasses is one)."""
 
     def waiting(self, item: Item_contra) -> Waiting: ...
     def spec(self, item: Item_contra) -> JobSpec: ...
@@ -397,7 +397,7 @@ class TenancyPass:
 
     def _running(self, host: Host[Item]) -> Runs:
         """The live runs as victim units, built once a pass
-        (broker.leader.decisions._Pass._running)."""
+        (broker.leader.preempting.Preemptor.running)."""
         if self._live is None:
             self._live = Runs(host.running())
         return self._live
@@ -439,8 +439,8 @@ class TenancyPass:
     def _preempt(
         self, host: Host[Item], spec: JobSpec, chosen: Preemption, fairness: Fairness | None
     ) -> None:
-        """The victims back to waiting and the preemptor's capacity taken (broker.leader.decisions.
-        _Pass._preempt on the snapshot)."""
+        """The victims back to waiting and the preemptor's capacity taken (broker.leader.preempting.
+        Preemptor.commit on the snapshot)."""
         fed, used = give_back(self.fed, self.usage, chosen.victims)  # node shares too
         self._running(host).without(chosen.victims)
         for v in chosen.victims:

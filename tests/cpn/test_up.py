@@ -33,7 +33,7 @@ SITES = ("yrd-demo-zone", "wuhu", "tianfu", "frankfurt", "tokyo")
 
 
 def expected_rtts() -> dict[tuple[str, str], float]:
-    from cpn.launcher import endpoint_of
+    from cpn.wan_demo import endpoint_of
 
     catalog = DeviceCatalog.load(CONFIGS / "devices.yaml")
     specs = {s: load_site(CONFIGS / "sites" / f"{s}.yaml", catalog) for s in SITES}

@@ -14,7 +14,8 @@ import pytest
 from pydantic import ValidationError
 
 from broker.model.jobs import DataLocation, GpuRequest, JobSpec
-from simulations.engine import Simulation, job_like, unique_rows
+from simulations.engine import Simulation
+from simulations.jobs import job_like, unique_rows
 from simulations.queueing import mmc_waiting_time_s
 from simulations.scenario import load_scenario
 from sites.model.errors import ConfigError

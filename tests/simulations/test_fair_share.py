@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from broker.leader import decisions as dc
+from broker.leader import preempting
 from broker.model.jobs import JobRecord, JobSpec, JobState
 from broker.placement import place as pl
 from broker.placement import preemption
@@ -346,4 +347,4 @@ def test_tries_go_to_jobs_with_a_possible_victim_and_failures_wait_as_in_the_bro
 
 def test_the_simulator_waits_out_a_failed_preemption_as_the_broker() -> None:
     assert PREEMPT_RETRY_S is preemption.PREEMPT_RETRY_S  # one constant, imported by both
-    assert MAX_PREEMPTION_TRIES == dc.MAX_PREEMPTION_TRIES  # one constant, imported by both
+    assert MAX_PREEMPTION_TRIES == preempting.MAX_PREEMPTION_TRIES  # one constant, imported by both

@@ -67,8 +67,8 @@ def scenario(
 class Checked(Simulation):
     """A simulation that checks every node of a site each time a job starts there."""
 
-    def _begin(self, j: int, spec: JobSpec, decision: pl.Decision) -> None:
-        super()._begin(j, spec, decision)
+    def begin(self, j: int, spec: JobSpec, decision: pl.Decision) -> None:
+        super().begin(j, spec, decision)
         nodes = self.fed.site(decision.site).nodes
         assert nodes is not None
         assert decision.nodes, "a job at a site with nodes takes node shares"

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from simulations import plots, report
-from simulations.plots import write_comparison, write_report
+from simulations import figures, plots, report
+from simulations.pages import write_comparison, write_report
 from simulations.report import (
     ReportError,
     compare_text,
@@ -252,7 +252,7 @@ def test_format_money_and_percent() -> None:
     assert format_percent(1.0) == "100.0%"
     assert format_percent(None) == "none"
     # request counts in the narrow inference column
-    shorts = [report._short(v) for v in (9999, 10_000, 48_400, 999_499, 999_500, 57_024_000)]
+    shorts = [figures._short(v) for v in (9999, 10_000, 48_400, 999_499, 999_500, 57_024_000)]
     assert shorts == ["9,999", "10k", "48k", "999k", "1.0M", "57.0M"]
 
 

@@ -1,0 +1,172 @@
+"""`cpn token create|list|revoke`, `cpn audit`, `cpn whoami`: API tokens, the audit log of
+what was done with them, and the token in use (docs/auth.md).
+
+`cpn token create --etcd` writes the token straight into etcd: how the first admin token is
+made, before any token can ask the broker for one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from cpn import render
+from cpn.cli_base import BrokerArg, CliParser, UsageError, registry_of
+from cpn.client import ApiError, BrokerClient
+from sites.kits.clock import SystemClock
+
+__all__ = [
+    "add_parsers",
+    "add_whoami",
+    "cmd_audit",
+    "cmd_token_create",
+    "cmd_token_list",
+    "cmd_token_revoke",
+    "cmd_whoami",
+]
+
+
+async def cmd_token_create(args: argparse.Namespace) -> int:
+    """Through the broker (with a token that may), or straight into etcd with --etcd (or
+    $CPN_ETCD and no token configured): how the first admin token is made."""
+    from broker.model.errors import InvalidRequest
+    from broker.state.auth import Role, create_token, new_token
+    from sites.model.durations import parse_duration_s
+
+    try:
+        ttl_s = parse_duration_s(args.ttl) if args.ttl else None
+        role = Role(args.role)
+    except ValueError as exc:
+        raise UsageError(f"--ttl/--role: {exc}") from None
+    direct = args.etcd or (os.environ.get("CPN_ETCD") and not _have_token(args.broker))
+    if direct:
+        try:
+            record, token = new_token(
+                role=role,
+                tenant=args.tenant,
+                now=SystemClock().time(),
+                created_by="etcd",
+                ttl_s=ttl_s,
+                description=args.description,
+            )
+        except InvalidRequest as exc:
+            raise UsageError(f"--{exc.field or 'tenant'}: {exc.message}") from None
+        async with registry_of(args) as registry:
+            await create_token(registry, record)
+        created: dict[str, Any] = {"token": token, **record.public()}
+    else:
+        body: dict[str, Any] = {"role": role.value, "description": args.description}
+        if args.tenant:
+            body["tenant"] = args.tenant
+        if ttl_s:
+            body["ttl_s"] = ttl_s
+        async with BrokerClient.to(args.broker) as client:
+            created = await client.call("POST", "/v1/tokens", body)
+    if args.output == "json":
+        print(json.dumps(created, indent=2))
+    elif args.output == "token":
+        print(created["token"])
+    else:
+        scope = f" of tenant {created['tenant']}" if created.get("tenant") else ""
+        print(f"token {created['id']} ({created['role']}{scope}); it is shown only once:")
+        print(created["token"])
+    return 0
+
+
+def _have_token(explicit: str | None) -> bool:
+    from cpn.client import connection
+
+    try:
+        return connection(explicit)[1] is not None
+    except ApiError:
+        return False
+
+
+async def cmd_token_list(args: argparse.Namespace) -> int:
+    async with BrokerClient.to(args.broker) as client:
+        tokens = await client.call("GET", "/v1/tokens")
+    if args.output == "json":
+        print(json.dumps(tokens, indent=2))
+    else:
+        print(render.tokens_table(tokens, now=SystemClock().time()))
+    return 0
+
+
+async def cmd_token_revoke(args: argparse.Namespace) -> int:
+    async with BrokerClient.to(args.broker) as client:
+        record = await client.call("DELETE", f"/v1/tokens/{args.id}")
+    print(f"token {record['id']} revoked")
+    return 0
+
+
+async def cmd_audit(args: argparse.Namespace) -> int:
+    params = {"tenant": args.tenant} if args.tenant else {}
+    if args.limit < 1:
+        raise UsageError("--limit must be at least 1")
+    rows: list[dict[str, Any]] = []
+    async with BrokerClient.to(args.broker) as client:
+        async for items in client.pages("/v1/audit", params, limit=args.limit):
+            rows += items
+    if args.output == "json":
+        print(json.dumps(rows, indent=2))
+    else:
+        print(render.audit_table(rows))
+    return 0
+
+
+async def cmd_whoami(args: argparse.Namespace) -> int:
+    async with BrokerClient.to(args.broker) as client:
+        me = await client.call("GET", "/v1/whoami")
+    if args.output == "json":
+        print(json.dumps(me, indent=2))
+    elif not me["auth"]:
+        print("this broker does not check tokens (auth.enabled: false)")
+    else:
+        scope = f" of tenant {me['tenant']}" if me.get("tenant") else ""
+        print(f"token {me['token_id']}: {me['role']}{scope}")
+    return 0
+
+
+def add_parsers(add: Callable[..., argparse.ArgumentParser], broker_arg: BrokerArg) -> None:
+    """`cpn token ...` and `cpn audit`, added with cpn.cli's `add` and `broker_arg`."""
+    token = add("token", help="create, list or revoke API tokens (docs/auth.md)")
+    token_sub = token.add_subparsers(dest="token_command", required=True, parser_class=CliParser)
+    create = token_sub.add_parser("create", help="a new token; printed once")
+    create.add_argument(
+        "--role",
+        required=True,
+        choices=("admin", "operator", "tenant-admin", "tenant-user", "viewer"),
+    )
+    create.add_argument("--tenant", help="the tenant (tenant-admin, tenant-user, viewer)")
+    create.add_argument("--ttl", metavar="DURATION", help="lifetime, e.g. 30d or 12h")
+    create.add_argument("--description", default="", help="what it is for")
+    create.add_argument(
+        "--etcd",
+        metavar="URL[,URL...]",
+        help="write it straight into etcd (bootstrap: the first admin token)",
+    )
+    broker_arg(create, ("table", "json", "token"))
+    create.set_defaults(func=cmd_token_create)
+    tlist = token_sub.add_parser("list", help="the tokens you may see (never their secrets)")
+    broker_arg(tlist)
+    tlist.set_defaults(func=cmd_token_list)
+    trevoke = token_sub.add_parser("revoke", help="revoke a token on every broker replica")
+    trevoke.add_argument("id", metavar="ID")
+    broker_arg(trevoke)
+    trevoke.set_defaults(func=cmd_token_revoke)
+
+    audit = add("audit", help="the audit log, newest first")
+    audit.add_argument("--tenant", help="only this tenant's entries")
+    audit.add_argument("--limit", type=int, default=100, metavar="N")
+    broker_arg(audit)
+    audit.set_defaults(func=cmd_audit)
+
+
+def add_whoami(add: Callable[..., argparse.ArgumentParser], broker_arg: BrokerArg) -> None:
+    """`cpn whoami`: added last, where `cpn --help` lists it."""
+    whoami = add("whoami", help="the token in use: its id, role and tenant")
+    broker_arg(whoami)
+    whoami.set_defaults(func=cmd_whoami)

@@ -1,0 +1,117 @@
+"""`cpn usage [chargeback]`, `cpn alerts [rules]`: what the federation used, cost and emitted
+(GET /v1/usage; a month's chargeback CSV and PNG by metering.chargeback; docs/metering.md),
+and the alerts firing and resolved lately (GET /v1/alerts; the rules as a Prometheus file;
+docs/alerts.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cpn import render
+from cpn.cli_base import BrokerArg, UsageError
+from cpn.client import BrokerClient
+from sites.kits.clock import SystemClock
+from sites.model.config import config_dir
+
+__all__ = ["add_parsers", "cmd_alerts", "cmd_usage"]
+
+
+async def cmd_usage(args: argparse.Namespace) -> int:
+    """`cpn usage`: the ledger summed (GET /v1/usage); `cpn usage chargeback`: a month's
+    chargeback CSV and PNG (metering.chargeback)."""
+    from metering import chargeback
+
+    params = {k: v for k, v in (("tenant", args.tenant), ("site", args.site)) if v}
+    if args.usage_command == "chargeback":
+        if args.month is None:
+            raise UsageError("cpn usage chargeback needs --month YYYY-MM")
+        first, last = chargeback.month_range(args.month)
+        params.update({"from": first.isoformat(), "to": last.isoformat()})
+        params["by"] = "tenant,site,model"
+    else:
+        params.update({k: v for k, v in (("from", args.from_), ("to", args.to)) if v})
+        if args.by:
+            params["by"] = args.by
+    async with BrokerClient.to(args.broker) as client:
+        report = await client.call("GET", "/v1/usage", **params)
+    if args.usage_command == "chargeback":
+        for path in chargeback.chargeback(report, args.month, Path(args.out)):
+            print(path)
+    elif args.output == "json":
+        print(json.dumps(report, indent=2))
+    elif args.output == "csv":
+        print(chargeback.to_csv(report), end="")
+    else:
+        print(chargeback.to_table(report))
+    return 0
+
+
+async def cmd_alerts(args: argparse.Namespace) -> int:
+    """`cpn alerts`: firing and recently resolved alerts (GET /v1/alerts); `cpn alerts rules`:
+    the same rules as a Prometheus alerting-rules file, from configs/broker.yaml."""
+    if args.alerts_command == "rules":
+        from broker.leader.alert_export import rules_yaml
+        from broker.placement.settings import load_settings
+
+        where = Path(args.config_dir) if args.config_dir else config_dir()
+        print(rules_yaml(load_settings(where / "broker.yaml").alerts), end="")
+        return 0
+    params = {"state": args.state} if args.state else {}
+    rows: list[dict[str, Any]] = []
+    async with BrokerClient.to(args.broker) as client:
+        async for items in client.pages("/v1/alerts", params, limit=None):
+            rows += items
+    if args.output == "json":
+        print(json.dumps(rows, indent=2))
+        return 0
+    now = SystemClock().time()
+    print(
+        render.table(
+            ("STATE", "ALERT", "SEVERITY", "SUBJECT", "SINCE", "SUMMARY"),
+            [
+                (
+                    r["state"],
+                    r["alertname"],
+                    r["severity"],
+                    "/".join(r["subject"]),
+                    render.ago(now - (r["ends_at"] or r["starts_at"])),
+                    r["summary"],
+                )
+                for r in rows
+            ],
+        )
+    )
+    return 0
+
+
+def add_parsers(add: Callable[..., argparse.ArgumentParser], broker_arg: BrokerArg) -> None:
+    """`cpn usage` and `cpn alerts`, added with cpn.cli's `add` and `broker_arg`."""
+    usage = add("usage", help="usage, cost, energy and carbon (docs/metering.md)")
+    usage.add_argument("--tenant", help="only this tenant (a tenant's token: its own)")
+    usage.add_argument("--site", help="only this site")
+    usage.add_argument("--from", dest="from_", metavar="DATE", help="first UTC day, YYYY-MM-DD")
+    usage.add_argument("--to", metavar="DATE", help="last UTC day, YYYY-MM-DD (inclusive)")
+    usage.add_argument(
+        "--by", metavar="DIM[,DIM]", help="group by tenant, site, model, day (default tenant)"
+    )
+    usage.add_argument("--month", metavar="YYYY-MM", help="chargeback: the month")
+    usage.add_argument("--out", default=".", metavar="DIR", help="chargeback: where to write")
+    usage.add_argument(
+        "usage_command", nargs="?", choices=("chargeback",), help="chargeback: a month's CSV+PNG"
+    )
+    broker_arg(usage, ("table", "csv", "json"))
+    usage.set_defaults(func=cmd_usage)
+
+    alerts = add("alerts", help="alerts firing and resolved lately (docs/alerts.md)")
+    alerts.add_argument("--state", choices=("firing", "resolved"), help="only these")
+    alerts.add_argument("--config-dir", metavar="DIR", help="rules: the configs/ directory")
+    alerts.add_argument(
+        "alerts_command", nargs="?", choices=("rules",), help="rules: a Prometheus rules file"
+    )
+    broker_arg(alerts)
+    alerts.set_defaults(func=cmd_alerts)
