@@ -269,7 +269,7 @@ def pick(
     replica_in_flight: ReplicaCounted | None = None,
 ) -> Pick:
     """`route(...)`'s decision without its Ranking: the same site, upstreams and state, and
-    the same draws from `rng` (tests/routing/test_pick.py holds it to route() on random
+    the same draws from `rng` (tests/routing/decision/test_pick.py holds it to route() on random
     federations). The gateway calls it per request: it scores each candidate into a tuple,
     where route() builds a merged Candidate, a Score and a Scored per candidate and a Ranking
     (a quarter of the broker's CPU per proxied request). A tenant policy, a site with several

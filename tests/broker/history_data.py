@@ -1,6 +1,6 @@
 """Job records as a federation that has run for a while holds them, written straight to etcd.
 
-Used by tests/broker/test_history.py and bench/job_history.py. `old=True` writes what a
+Used by tests/broker/leader/test_history.py and bench/job_history.py. `old=True` writes what a
 broker from before the job index wrote (the record alone), so the first leader's migration
 has to index them; `old=False` writes them as today's broker does (broker.state.store.writes).
 """

@@ -76,7 +76,7 @@ def cpn(broker: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 @dataclass
 class Cli:
-    """`cpn` in this process (as tests/broker/test_plan.py runs `cpn plan`): a second each
+    """`cpn` in this process (as tests/broker/plan/test_plan.py runs `cpn plan`): a second each
     saved on the interpreter's start and imports."""
 
     capsys: pytest.CaptureFixture[str]

@@ -146,9 +146,9 @@ def test_the_sources_still_pass_as_python() -> None:
     """Where no compiler is, the same modules run as Python: the lane's, the proxy's and the
     routing decision's tests on them (this suite runs them compiled)."""
     tests = [
-        "tests/routing/test_lane.py",
-        "tests/routing/test_proxy.py",
-        "tests/routing/test_pick.py",
+        "tests/routing/gateway/test_lane.py",
+        "tests/routing/gateway/test_proxy.py",
+        "tests/routing/decision/test_pick.py",
     ]
     environ = {**os.environ, native.PURE_ENV: "1"}
     run = subprocess.run(

@@ -26,8 +26,8 @@ from simulations.engine import Simulation
 from simulations.scenario import load_scenario
 from simulations.tenancy import PREEMPT_RETRY_S, Gate, TenancyPass
 from sites.model.errors import ConfigError
-from tests.broker.test_decisions import CATALOG, NOW, snapshot
-from tests.broker.test_tenancy import ctx, gpus, on, pending, tenancy, world
+from tests.broker.leader.test_decisions import CATALOG, NOW, snapshot
+from tests.broker.placement.test_tenancy import ctx, gpus, on, pending, tenancy, world
 
 REPO = Path(__file__).resolve().parents[2]
 SCENARIO = REPO / "configs" / "scenarios" / "fair-share.yaml"

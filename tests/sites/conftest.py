@@ -2,7 +2,8 @@
 missing.
 
 The packages come from .ci/install-slurm (apt-get, as root), which `make test` runs first; run
-here as well, so `pytest tests/sites/test_slurm.py` works on a fresh machine. The tests skip
+here as well, so `pytest tests/sites/executors/test_slurm.py` works on a fresh machine. The tests
+skip
 only when Slurm is absent and cannot be installed (not root, no apt-get).
 """
 
@@ -66,7 +67,8 @@ def local_slurm(slurm: LocalSlurm) -> Iterator[LocalSlurm]:
     slurm.run("scontrol", "update", f"nodename={slurm.node}", "state=resume", check=False)
 
 
-# -- agents with a work dir of the test's (tests/sites/test_executor.py, test_confinement.py) --
+# -- agents with a work dir of the test's (tests/sites/executors/test_executor.py,
+# test_confinement.py) --
 
 
 @pytest.fixture
@@ -81,7 +83,7 @@ def make_site(
     registry: Registry, processes: Processes, site_file: Callable[..., Path], work: Path
 ) -> Callable[..., Any]:
     """Join a site (its executor's work dir: ``work``) and start its agent process."""
-    from tests.sites.test_agent import join, start_agent
+    from tests.sites.agent.test_agent import join, start_agent
 
     async def make(site: str, **overrides: Any) -> subprocess.Popen[bytes]:
         overrides.setdefault("executor", {"work_dir": str(work)})

@@ -19,8 +19,8 @@ from routing.decision.policy import Pick, RoutingSettings
 from routing.errors import InvalidParameter
 from sites.model.latency import LatencyModel
 from sites.model.snapshot import Snapshot
+from tests.routing.decision.test_policy import NOW, federations, routing_settings
 from tests.routing.helpers import one_site_federation
-from tests.routing.test_policy import NOW, federations, routing_settings
 
 Fed = tuple[Snapshot, Clients, dict[str, dict[str, float]]]
 

@@ -17,7 +17,7 @@ from broker.state.view import View
 from sites.model import keys
 from sites.model.assignments import Assignment
 from sites.model.spec import Oversubscription
-from tests.broker.test_decisions import CATALOG, NOW, snapshot
+from tests.broker.leader.test_decisions import CATALOG, NOW, snapshot
 
 
 def tenancy(**doc: Any) -> Quotas:

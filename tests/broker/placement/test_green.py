@@ -21,9 +21,9 @@ from broker.placement.site import Green, SiteOffer
 from broker.plan import batch
 from broker.plan.options import job_cost, job_parts
 from broker.plan.problem import Assignment, PlanProblem, PlanResult, PlanStatus
-from tests.broker.test_decisions import CATALOG, NOW, job, snapshot, view
-from tests.broker.test_pricing import NOW as DT_NOW
-from tests.broker.test_pricing import _random_fed, _random_job
+from tests.broker.leader.test_decisions import CATALOG, NOW, job, snapshot, view
+from tests.broker.placement.test_pricing import NOW as DT_NOW
+from tests.broker.placement.test_pricing import _random_fed, _random_job
 
 GREEN = SchedulingSettings(energy_priced=True, carbon_usd_per_tonne=100.0)
 

@@ -20,7 +20,7 @@ from sites.model.spec import SiteSpec
 from sites.model.status import GpuDevice, HostUsage, LinkStatus, SiteStatus
 from sites.registry.client import Registry
 from tests.conftest import CONFIGS, site_doc
-from tests.routing.test_proxy import FakeClock  # time moves only when the test says
+from tests.routing.gateway.test_proxy import FakeClock  # time moves only when the test says
 
 REFRESH_S = 60.0
 

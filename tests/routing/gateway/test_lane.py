@@ -3,7 +3,7 @@
 A raw socket client on loopback sends exactly the bytes each case needs (pipelining, chunked
 bodies, Expect, HTTP/1.0, heads the lane leaves to aiohttp); the upstream is a real aiohttp
 server, and the API side a real aiohttp application behind the same listener. Every other
-proxy behaviour runs through the lane in tests/routing/test_proxy.py ([lane] cases).
+proxy behaviour runs through the lane in tests/routing/gateway/test_proxy.py ([lane] cases).
 """
 
 from __future__ import annotations

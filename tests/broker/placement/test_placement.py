@@ -42,7 +42,7 @@ from sites.model.errors import ConfigError
 from sites.model.latency import Endpoint, LatencyModel
 from sites.model.spec import Prices
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 CHINA_HUB_USER_REGIONS = (
     "beijing",

@@ -19,9 +19,9 @@ from broker.plan.checker import evaluate
 from broker.plan.options import candidates, feasible_options, job_cost, option_table
 from broker.plan.problem import PlanProblem, PlanStatus, load_problem
 from broker.plan.solver import collector_paused, solve
-from tests.broker.test_batch import FED, NOW
-from tests.broker.test_batch import job as pending_job
-from tests.broker.test_plan import brute_force, instances
+from tests.broker.plan.test_batch import FED, NOW
+from tests.broker.plan.test_batch import job as pending_job
+from tests.broker.plan.test_plan import brute_force, instances
 
 
 def family(bench: ModuleType, seed: int, **shape: Any) -> PlanProblem:

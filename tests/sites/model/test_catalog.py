@@ -18,7 +18,7 @@ from sites.model.catalog import (
 )
 from sites.model.spec import SiteSpec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SITES_DIR = ROOT / "configs" / "sites"
 SITE_FILES = sorted(SITES_DIR.glob("*.yaml"))
 REQUIRED_MODELS = ("H100", "H200", "H20", "A100-80GB", "L40S", "Ascend-910B", "MI300X")

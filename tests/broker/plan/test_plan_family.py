@@ -16,7 +16,7 @@ from broker.plan.construct import greedy
 from broker.plan.options import candidates, feasible_options, job_cost
 from broker.plan.problem import GroupKind, PlanProblem, load_problem
 from broker.plan.solver import solve
-from tests.broker.test_plan import brute_force, instances
+from tests.broker.plan.test_plan import brute_force, instances
 
 
 def hard_small(bench: ModuleType, seed: int, **shape: Any) -> dict[str, Any]:

@@ -33,7 +33,7 @@ NODE_B_IP = "127.0.1.1"  # the service's node
 FRONT_B_IP = "127.0.2.1"
 NODES = {NODE_A_IP: "a", NODE_B_IP: "b"}
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # --- a tiny backend -------------------------------------------------------------------------

@@ -35,8 +35,8 @@ from sites.model.spec import SlurmSettings
 from sites.registry.client import Registry
 from tests.broker.conftest import BROKER_SETTINGS, Federation, federation_site
 from tests.conftest import CONFIGS, Processes, run_cpn
-from tests.sites.test_agent import join
-from tests.sites.test_executor import assign, assignment, get_report, wait_report
+from tests.sites.agent.test_agent import join
+from tests.sites.executors.test_executor import assign, assignment, get_report, wait_report
 
 # setup may install the packages (.ci/install-slurm) and starts five daemons
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

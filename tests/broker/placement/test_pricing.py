@@ -22,7 +22,7 @@ from broker.placement.place import Decision, Federation, GroupState, TenantUsage
 from broker.plan import batch
 from broker.plan.options import job_cost, job_parts
 from broker.plan.problem import Assignment, PlanResult, PlanStatus
-from tests.broker.test_placement import MEM, job, offer, random_gpu
+from tests.broker.placement.test_placement import MEM, job, offer, random_gpu
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 

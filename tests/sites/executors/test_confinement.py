@@ -37,7 +37,7 @@ from sites.model.spec import Accounts, Confinement
 from sites.registry.client import Registry
 from tests.conftest import REPO, Processes, site_doc, wait_for
 from tests.sites.escape_battery import checks, escapes
-from tests.sites.test_executor import assign, cwd_of, wait_report
+from tests.sites.executors.test_executor import assign, cwd_of, wait_report
 
 BATTERY = REPO / "tests" / "sites" / "escape_battery.py"
 

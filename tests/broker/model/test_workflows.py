@@ -15,7 +15,7 @@ from broker.model.jobs import JobRecord, JobState, Placement, StepInput, StepLin
 from broker.ops.workflows import view_of
 from sites.model.assignments import Report, RunState
 from sites.model.snapshot import Snapshot
-from tests.broker.test_decisions import NOW, ctx, job, kinds, snapshot, view
+from tests.broker.leader.test_decisions import NOW, ctx, job, kinds, snapshot, view
 
 CMD = {"command": "true"}
 

@@ -1,6 +1,6 @@
 """broker.placement.settings' site_keys: the keys the sites' model servers require, read when the
 broker
-starts (the proxy's use of them: tests/routing/test_proxy.py; end to end:
+starts (the proxy's use of them: tests/routing/gateway/test_proxy.py; end to end:
 tests/routing/test_gateway_e2e.py)."""
 
 from __future__ import annotations

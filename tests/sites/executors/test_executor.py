@@ -30,7 +30,7 @@ from sites.model.catalog import DeviceCatalog
 from sites.model.status import AgentSecret
 from sites.registry.client import Registry
 from tests.conftest import Processes, wait_for
-from tests.sites.test_agent import join, start_agent
+from tests.sites.agent.test_agent import join, start_agent
 
 PY = sys.executable
 

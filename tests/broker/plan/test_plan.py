@@ -30,7 +30,7 @@ from broker.plan.problem import (
 )
 from broker.plan.solver import solve
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from sites.model.capacity import Capacity
 from sites.model.catalog import DeviceCatalog
 from sites.model.status import GpuDevice, HostUsage, SiteStatus
 from tests.conftest import CONFIGS
-from tests.sites.test_collectors import fake_pynvml
+from tests.sites.agent.test_collectors import fake_pynvml
 
 GIB = 1024**3
 

@@ -1,6 +1,6 @@
 """Who a job at a Slurm site runs as, what it sees of the agent, and how Slurm confines it,
 attacked from the job's side: real Slurm (tests/sites/conftest.py), real agent and broker, the
-tenants' real Unix users (tests/sites/test_slurm.py ``tenant_users``).
+tenants' real Unix users (tests/sites/executors/test_slurm.py ``tenant_users``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from sites.emulation.slurm_cluster import LocalSlurm
 from tests.broker.conftest import Federation
 from tests.conftest import run_cpn
-from tests.sites.test_slurm import (  # noqa: F401 - the fixtures
+from tests.sites.executors.test_slurm import (  # noqa: F401 - the fixtures
     SITE,
     TENANT_USERS,
     site_work,

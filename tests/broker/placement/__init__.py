@@ -1,0 +1,1 @@
+"""Tests of broker.placement: one file per module (the unit tier, and e2e where marked)."""

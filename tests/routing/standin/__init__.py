@@ -1,0 +1,1 @@
+"""Tests of routing.standin: one file per module (the unit tier, and e2e where marked)."""
