@@ -46,7 +46,7 @@ test-fast: native
 sandbox:
 	@.ci/install-sandbox || echo "make: bubblewrap could not be installed; agents will refuse jobs" >&2
 
-# A real single-machine Slurm for tests/sites/test_slurm.py and `cpn up --slurm`: the Debian
+# A real single-machine Slurm for tests/sites/executors/test_slurm.py and `cpn up --slurm`: the Debian
 # packages, installed when missing (root and apt-get); nothing is started here.
 slurm:
 	@.ci/install-slurm || echo "make: Slurm could not be installed; the Slurm tests will skip" >&2
@@ -56,7 +56,7 @@ slurm:
 prometheus:
 	@.ci/install-prometheus || echo "make: Prometheus could not be installed; its tests will skip" >&2
 
-# Headless Chromium and chromedriver for tests/broker/test_dashboard.py and
+# Headless Chromium and chromedriver for tests/broker/api/test_dashboard.py and
 # bench/dashboard_paint.py: the Debian packages chromium and chromium-driver, when missing.
 chromium:
 	@.ci/install-chromium || echo "make: Chromium could not be installed; the dashboard test will skip" >&2

@@ -86,7 +86,7 @@ class SliceRouter:
 
     Keeps what broker.state.router.Router keeps (the hysteresis site per (service, client region),
     the rng), so with the same settings, topology, candidates and loads it makes the same
-    choices (tests/routing/test_policy.py holds them equal).
+    choices (tests/routing/decision/test_policy.py holds them equal).
     """
 
     def __init__(

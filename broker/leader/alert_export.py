@@ -5,7 +5,7 @@ broker evaluates (broker.model.alert_rules), in PromQL over the metrics the brok
 export. Rules whose inputs are exported as metrics (site up, link loss and RTT, per-site
 capacity and use) are native PromQL; the rest (quota, budget, pending jobs, service SLOs) read
 the leader's own verdict, `cpn_alerts_firing`, which every replica exports. The metric names
-are in METRICS, the one place; tests/broker/test_alert_export.py checks each against what the
+are in METRICS, the one place; tests/broker/leader/test_alert_export.py checks each against what the
 broker's and an agent's registries really export, and `promtool check rules` the output.
 configs/prometheus-rules.yaml is this file at the default settings (`cpn alerts rules`).
 """

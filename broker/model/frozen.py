@@ -7,7 +7,7 @@ taken or given back, the placement decision, its cost breakdown: a simulated job
 use `maker(cls)` instead: a plain slots twin of `cls`, with the same fields, defaults and
 slots, initialises the instance and then its `__class__` becomes `cls`. CPython allows that
 assignment between classes of one layout; what comes out is an ordinary `cls`, equal, hashed,
-printed and frozen as one made by `cls(...)` is (tests/broker/test_frozen.py).
+printed and frozen as one made by `cls(...)` is (tests/broker/model/test_frozen.py).
 """
 
 from __future__ import annotations

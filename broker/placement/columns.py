@@ -8,7 +8,7 @@ and the quota over cohorts (one call per (model, region) pair, as the loop does)
 Python, for the sites still standing when they come. `feasibility.screen` calls `screen` for
 federations of VECTOR_MIN_SITES sites or more (below that the loop is cheaper than numpy's
 fixed cost per operation); the two give the same options, failed lists and counts
-(tests/broker/test_columns.py holds them equal on random federations).
+(tests/broker/placement/test_columns.py holds them equal on random federations).
 
 Columns come in two parts. `Static`: what a snapshot lineage never changes (ids, regions,
 prices, device memory; broker.placement.offers' `_Index` keeps it). `Dynamic`: free capacity and

@@ -207,7 +207,8 @@ def screen_loop(
     # The hot path: everything site-independent is in `req`, and the loop reads locals only.
     # So it writes out, rather than calls, two things kept once elsewhere: the capacity part
     # (`capacity`) and broker.placement.pricing's arithmetic (hourly_usd, compute_usd, total_usd);
-    # a call per site would cost a third of a submit. tests/broker/test_pricing.py holds them equal.
+    # a call per site would cost a third of a submit. tests/broker/placement/test_pricing.py holds
+    # them equal.
     count = req.count
     named = req.named
     floor = req.min_mem_gb
