@@ -34,12 +34,17 @@ native: $(NATIVE)
 up: $(NATIVE) sandbox
 	$(BIN)/cpn up
 
+# Tests run in TEST_WORKERS processes (pytest-xdist), a test file to a worker (--dist loadfile:
+# a module's fixtures are made once); most e2e tests wait on processes more than they compute,
+# so two workers halve the suite's time on two cores. TEST_WORKERS=0 runs them in one process.
+TEST_WORKERS ?= 2
+
 test: lint native sandbox slurm prometheus chromium
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The unit tier: every test not marked e2e (tests/tiers.py), no agent, broker or cpn process.
 test-fast: native
-	$(BIN)/pytest -m "not e2e"
+	$(BIN)/pytest -m "not e2e" -n $(TEST_WORKERS) --dist loadfile
 
 # bubblewrap and slirp4netns, which confine tenants' runs (docs/security.md): the Debian
 # packages, installed when missing (root and apt-get). Without them agents refuse jobs.
