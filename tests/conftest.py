@@ -18,7 +18,8 @@ from sites.emulation.etcd_server import EmbeddedEtcd
 from sites.model import keys
 from sites.registry.client import Registry
 
-pytest_plugins = ["tests.tiers"]
+# fixtures shared across packages: the stand-in model servers (routing and the agent's signals)
+pytest_plugins = ["tests.tiers", "tests.routing.standins"]
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = REPO / "configs"

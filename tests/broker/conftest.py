@@ -19,10 +19,25 @@ from typing import Any
 import pytest
 import yaml
 
+from broker.model.jobs import JobSpec
 from sites.emulation.etcd_server import EmbeddedEtcd, free_port
 from sites.model import keys
 from sites.registry.client import Registry
 from tests.conftest import AUTH, CONFIGS, Processes, run_cpn, site_doc
+
+
+def job_spec(**fields: Any) -> JobSpec:
+    """A job for tenant acme, 8 H100s running `true`, with `fields` over it (the unit tests' job
+    factory: name, gpu, cpu, mem_gb, regions, ...)."""
+    doc: dict[str, Any] = {
+        "name": "j",
+        "tenant": "acme",
+        "command": ["true"],
+        "gpu": {"count": 8, "model": "H100"},
+    }
+    doc.update(fields)
+    return JobSpec.model_validate(doc)
+
 
 BROKER_SETTINGS = {
     "leader_ttl_s": 2,

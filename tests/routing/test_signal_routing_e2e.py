@@ -34,7 +34,7 @@ from sites.model.latency import LatencyModel
 from sites.model.status import ServiceEndpoint
 from sites.registry.client import Registry
 from tests.conftest import Processes, run_cpn, wait_for
-from tests.routing.standins import StandIns, standins  # noqa: F401 - the fixture
+from tests.routing.standins import StandIns
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 

@@ -30,6 +30,7 @@ from sites.agent.runs import Run
 from sites.model.assignments import Assignment, NodeShare
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
+from tests.broker.conftest import job_spec
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 CATALOG = DeviceCatalog.load()
@@ -59,16 +60,7 @@ def spec(site: str, groups: list[dict[str, Any]], *, price: float = 2.0) -> Site
 
 
 def job(name: str = "train", **fields: Any) -> JobSpec:
-    doc: dict[str, Any] = {
-        "name": name,
-        "tenant": "acme",
-        "command": ["true"],
-        "gpu": {"count": 8, "model": "H100"},
-        "cpu": 16,
-        "mem_gb": 64,
-    }
-    doc.update(fields)
-    return JobSpec.model_validate(doc)
+    return job_spec(**{"name": name, "cpu": 16, "mem_gb": 64, **fields})
 
 
 def node_group(name: str, count: int, gpus: int = 8, **more: Any) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from sites.model.config import load_sites, site_files
 from sites.model.errors import ConfigError
 from sites.model.latency import Endpoint, LatencyModel
 from sites.model.spec import Prices
+from tests.broker.conftest import job_spec
 
 REPO = Path(__file__).resolve().parents[3]
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -105,15 +106,7 @@ def random_gpu(rng: random.Random, models: list[str]) -> dict[str, Any]:
     return gpu
 
 
-def job(**fields: Any) -> JobSpec:
-    doc: dict[str, Any] = {
-        "name": "j",
-        "tenant": "acme",
-        "command": ["true"],
-        "gpu": {"count": 8, "model": "H100"},
-    }
-    doc.update(fields)
-    return JobSpec.model_validate(doc)
+job = job_spec
 
 
 def run(

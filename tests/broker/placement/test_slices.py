@@ -28,6 +28,7 @@ from sites.agent.runs import Run
 from sites.model.assignments import Assignment
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
+from tests.broker.conftest import job_spec
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 CATALOG = DeviceCatalog.load()
@@ -57,16 +58,7 @@ def site(partitions: list[dict[str, Any]] = PARTITIONS, count: int = 3) -> SiteS
 
 
 def job(name: str = "nb", **gpu: Any) -> JobSpec:
-    return JobSpec.model_validate(
-        {
-            "name": name,
-            "tenant": "acme",
-            "command": ["true"],
-            "gpu": {"model": "A100-80GB", **gpu},
-            "cpu": 1,
-            "mem_gb": 4,
-        }
-    )
+    return job_spec(name=name, gpu={"model": "A100-80GB", **gpu}, cpu=1, mem_gb=4)
 
 
 def test_a_slice_request_names_the_pseudo_models_it_accepts() -> None:

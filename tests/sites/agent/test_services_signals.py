@@ -17,7 +17,7 @@ from sites.agent.collectors.services import Histogram, ServiceMonitor, parse_sig
 from sites.model.spec import Service
 from sites.registry.client import Registry
 from tests.conftest import Processes, run_cpn, wait_for
-from tests.routing.standins import StandIns, standins  # noqa: F401 - the fixture
+from tests.routing.standins import StandIns
 
 # SGLang cannot run here: this is a FAKE SGLang /metrics, with the names and types SGLang exports
 SGLANG_FAKE = """\
