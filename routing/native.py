@@ -1,8 +1,8 @@
 """The gateway's hot path, compiled: which modules mypyc builds, and whether they are loaded.
 
 What a proxied request runs (the inference lane, the proxy, the upstream client, the prefix
-key, the rate limiter, and the routing decision: candidates, selection, policy) is plain, fully
-typed Python. setup.py compiles it with mypyc into C extension modules beside the sources
+key, the rate limiter, and the routing decision: candidates, the ranked types, selection,
+choice, policy) is plain, fully typed Python. setup.py compiles it with mypyc into C extension modules beside the sources
 (`make` runs `setup.py build_ext --inplace`): the same code, with less of the broker's CPU per
 proxied request (bench/JOURNAL.md, 2026-12-06, "the compiled hot path").
 
