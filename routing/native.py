@@ -3,8 +3,9 @@
 What a proxied request runs (the inference lane, the proxy, the upstream client, the prefix
 key, the rate limiter, and the routing decision: candidates, the ranked types, selection,
 choice, policy) is plain, fully typed Python. setup.py compiles it with mypyc into C extension
-modules beside the sources (`make` runs `setup.py build_ext --inplace`): the same code, with less of the broker's CPU per
-proxied request (bench/JOURNAL.md, 2026-12-06, "the compiled hot path").
+modules beside the sources (`make` runs `setup.py build_ext --inplace`): the same code, with
+less of the broker's CPU per proxied request (bench/JOURNAL.md, 2026-12-06, "the compiled hot
+path").
 
 Python loads an extension module before the source of the same name. An extension built from an
 older source would run code that is no longer in the tree, so the build writes the digest of
