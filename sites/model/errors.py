@@ -25,7 +25,7 @@
     │   └── SlurmError                  a Slurm client command failed
     │                                   (sites.executors.slurm_commands)
     ├── AccountError                    a tenant has no account at this site
-    (sites.executors.accounts)
+    │                                   (sites.executors.accounts)
     ├── Refused                         the site refuses runs: no sandbox can be made here
     │                                   (sites.executors.confinement)
     ├── CgroupError                     a run's cgroup could not be made or limited

@@ -53,7 +53,7 @@
                                                                client region (broker.state.traffic)
 
 <day> is the UTC date a run ended (YYYY-MM-DD), so a day's or a month's segments are one range.
-<inv> is the job's creation time inverted (broker.leader.history.inverted_time), so etcd's key order
+<inv> is the job's creation time inverted (broker.state.store.position), so etcd's key order
 is newest first; <ts> is a finish time in microseconds, so the oldest finished comes first.
 """
 
@@ -161,7 +161,7 @@ def job(job_id: str) -> str:
 
 
 def job_index(position: str, job_id: str) -> str:
-    """A hot job's entry in the newest-first index; `position` from broker.leader.history."""
+    """A hot job's entry in the newest-first index; `position` from broker.state.store."""
     return f"{JOB_INDEX}{position}/{job_id}"
 
 
