@@ -34,9 +34,11 @@ native: $(NATIVE)
 up: $(NATIVE) sandbox
 	$(BIN)/cpn up
 
-# Tests run in TEST_WORKERS processes (pytest-xdist), a test file to a worker (--dist loadfile:
-# a module's fixtures are made once); most e2e tests wait on processes more than they compute,
-# so two workers halve the suite's time on two cores. TEST_WORKERS=0 runs them in one process.
+# Tests run in TEST_WORKERS processes (pytest-xdist, --dist loadfile): a test file to a worker (a
+# module's fixtures are made once), and the tests that start a whole federation one at a time
+# (tests/tiers.py: two federations side by side starve each other's leases on two cores). Most
+# e2e tests wait on processes more than they compute, so two workers halve the suite's time.
+# TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
 test: lint native sandbox slurm prometheus chromium

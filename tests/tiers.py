@@ -11,9 +11,11 @@ at its teardown, naming the program, so the fast tier stays fast as tests are ad
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -81,3 +83,34 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
             f"@pytest.mark.{E2E} (tests/tiers.py)",
             pytrace=False,
         )
+
+
+# A whole federation (etcd, a broker, four agents, their jobs and stand-ins) is a dozen
+# processes whose leases, failovers and drains run on real time. Two of them side by side on
+# two cores starve each other's lease keep-alives and connects. So under xdist (`make test`)
+# a test that starts one holds a lock all workers of the run share, from the first such test
+# of its file to the last (a module-scoped federation lives that long): one federation at a
+# time, while the other worker goes on with tests that start none.
+FEDERATION_FIXTURES = frozenset({"make_federation", "demo"})
+FEDERATION_FILES = frozenset({"tests/cpn/test_up.py", "tests/cpn/test_load.py"})
+_federation_lock: Any = None
+
+
+def _starts_federation(item: pytest.Item) -> bool:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    return bool(fixtures & FEDERATION_FIXTURES) or item.nodeid.split("::")[0] in FEDERATION_FILES
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    global _federation_lock
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set by xdist for every worker of a run
+    if run and _federation_lock is None and _starts_federation(item):
+        _federation_lock = open(os.path.join(tempfile.gettempdir(), f"cpn-tests-{run}.lock"), "w")
+        fcntl.flock(_federation_lock, fcntl.LOCK_EX)
+    yield
+    same_file = nextitem is not None and nextitem.path == item.path
+    if _federation_lock is not None and not (same_file and _starts_federation(nextitem)):
+        fcntl.flock(_federation_lock, fcntl.LOCK_UN)
+        _federation_lock.close()
+        _federation_lock = None

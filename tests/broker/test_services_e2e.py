@@ -114,13 +114,18 @@ async def decide(fed: Federation, replicas: dict[str, int]) -> None:
 
 
 async def infer(http: aiohttp.ClientSession, fed: Federation) -> tuple[int, str]:
+    status, site, _ = await answer(http, fed)
+    return status, site
+
+
+async def answer(http: aiohttp.ClientSession, fed: Federation) -> tuple[int, str, bytes]:
+    """A completion's status, the site that served it, and its body."""
     async with http.post(
         fed.broker_url + "/v1/infer/chat/v1/completions",
         json={"prompt": "hi"},
         headers={"X-Cpn-Client-Region": "user-east"},
     ) as resp:
-        await resp.read()
-        return resp.status, resp.headers.get("X-Cpn-Site", "")
+        return resp.status, resp.headers.get("X-Cpn-Site", ""), await resp.read()
 
 
 async def stream(
@@ -203,8 +208,8 @@ async def test_a_service_scales_drains_and_replaces_its_replicas(
         draining = [r for r in view["replicas"] if r["state"] == "draining"]
         assert [r["site"] for r in draining] == [second["site"]]
         # while it drains, new requests go to the replica that stays
-        status, site = await infer(http, fed)
-        assert (status, site) == (200, first["site"])
+        status, site, body = await answer(http, fed)
+        assert (status, site) == (200, first["site"]), body
         done = await asyncio.gather(*streams)
         for status, site, body in done:
             assert status == 200, body

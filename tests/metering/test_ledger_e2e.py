@@ -93,7 +93,7 @@ async def test_segments_add_up_through_retry_failover_and_migration(
 
     # the failover: one segment, as long as the run
     long_segs = await segments(registry, long["id"])
-    assert set(long_segs) == {1}
+    assert set(long_segs) == {1}, fed.job(long["id"])["events"]
     (start, end) = held(long_log)[1]
     seg = long_segs[1]
     assert seg.reason == "succeeded"
@@ -122,7 +122,7 @@ async def test_segments_add_up_through_retry_failover_and_migration(
     moved = fed.wait_state(move["id"], "SUCCEEDED", "FAILED", timeout=60)
     assert moved["state"] == "SUCCEEDED", moved["events"]
     move_segs = await segments(registry, move["id"])
-    assert set(move_segs) == {1, 2}, move_segs
+    assert set(move_segs) == {1, 2}, (move_segs, fed.job(move["id"])["events"])
     lost, rerun = move_segs[1], move_segs[2]
     assert (lost.site, lost.reason, lost.model, lost.gpus) == (first, "site_lost", "H100", 4)
     started = held(move_log)[1][0]
