@@ -94,6 +94,7 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 FEDERATION_FIXTURES = frozenset({"make_federation", "demo"})
 FEDERATION_FILES = frozenset({"tests/cpn/test_up.py", "tests/cpn/test_load.py"})
 _federation_lock: Any = None
+_last_federation: dict[Any, str] = {}  # a test file -> the node id of its last such test
 
 
 def _starts_federation(item: pytest.Item) -> bool:
@@ -101,7 +102,16 @@ def _starts_federation(item: pytest.Item) -> bool:
     return bool(fixtures & FEDERATION_FIXTURES) or item.nodeid.split("::")[0] in FEDERATION_FILES
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(trylast=True)  # after deselection (-m, -k)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    _last_federation.clear()
+    for item in items:
+        if _starts_federation(item):
+            _last_federation[item.path] = item.nodeid
+
+
+# tryfirst: the outermost wrapper, so waiting for the lock is not counted by pytest-timeout
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     global _federation_lock
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")  # set by xdist for every worker of a run
@@ -109,8 +119,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _federation_lock = open(os.path.join(tempfile.gettempdir(), f"cpn-tests-{run}.lock"), "w")
         fcntl.flock(_federation_lock, fcntl.LOCK_EX)
     yield
-    same_file = nextitem is not None and nextitem.path == item.path
-    if _federation_lock is not None and not (same_file and _starts_federation(nextitem)):
+    last = _last_federation.get(item.path) == item.nodeid
+    if _federation_lock is not None and (last or nextitem is None or nextitem.path != item.path):
         fcntl.flock(_federation_lock, fcntl.LOCK_UN)
         _federation_lock.close()
         _federation_lock = None
