@@ -92,7 +92,16 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 # of its file to the last (a module-scoped federation lives that long): one federation at a
 # time, while the other worker goes on with tests that start none.
 FEDERATION_FIXTURES = frozenset({"make_federation", "demo"})
-FEDERATION_FILES = frozenset({"tests/cpn/test_up.py", "tests/cpn/test_load.py"})
+# cpn up starts federations; the Slurm tests drive this machine's one Slurm, whose daemons
+# `cpn up --slurm` (in test_up.py) restarts: they take turns under the same lock
+FEDERATION_FILES = frozenset(
+    {
+        "tests/cpn/test_up.py",
+        "tests/cpn/test_load.py",
+        "tests/sites/executors/test_slurm.py",
+        "tests/sites/executors/test_slurm_identity.py",
+    }
+)
 _federation_lock: Any = None
 _last_federation: dict[Any, str] = {}  # a test file -> the node id of its last such test
 
