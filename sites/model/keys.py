@@ -301,6 +301,26 @@ def archived_segment(segment_key: str) -> str:
     return USAGE_HISTORY + segment_key.removeprefix(USAGE_SEGMENTS)
 
 
+USAGE_TOKENS = USAGE + "tokens/"
+
+
+def usage_tokens(day: str, tenant: str, writer: str) -> str:
+    """/cpn/v1/usage/tokens/<day>/<tenant>/<writer>: one broker replica's inference tokens for
+    one tenant on one UTC day (metering.tokens.TokenDay), summed by (model, site, client
+    region); only that replica writes it, each flush guarded on its mod_revision."""
+    return f"{USAGE_TOKENS}{day}/{tenant}/{writer}"
+
+
+INFERENCE_LIMITS = ROOT + "inference-limits/"
+
+
+def inference_limit(tenant: str, writer: str) -> str:
+    """/cpn/v1/inference-limits/<tenant>/<writer>: what one broker replica admitted and charged
+    for a tenant lately (its requests and tokens per recent second, its month's tokens and
+    USD): every replica reads all of them, so a limit holds across replicas together."""
+    return f"{INFERENCE_LIMITS}{tenant}/{writer}"
+
+
 ALERTS = ROOT + "alerts/"
 ALERTS_OUTBOX = ROOT + "alerts-outbox/"
 

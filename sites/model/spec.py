@@ -146,6 +146,17 @@ class Inventory(Frozen):
         return pools
 
 
+class TokenPrice(Frozen):
+    """An inference model's list price at a site, USD per million tokens."""
+
+    input: NonNegative = Field(description="USD per million prompt tokens")
+    output: NonNegative = Field(description="USD per million completion tokens")
+    cached_input: NonNegative | None = Field(
+        default=None,
+        description="USD per million prompt tokens served from the prefix cache (absent: input)",
+    )
+
+
 class Prices(Frozen):
     """List prices in USD. A device model without a price here cannot be placed on."""
 
@@ -153,6 +164,16 @@ class Prices(Frozen):
     usd_per_core_hour: NonNegative = 0.0
     usd_per_gb_mem_hour: NonNegative = 0.0
     usd_per_gb_egress: NonNegative = 0.0
+    usd_per_million_tokens: dict[str, TokenPrice] = Field(
+        default_factory=dict,
+        description="inference prices by served model name (as a service declares it), '*' for "
+        "every model not named; a model with neither is metered at no cost",
+    )
+
+    def token_price(self, model: str) -> TokenPrice | None:
+        """The price of `model`'s tokens here: its own, else '*', else None (free)."""
+        table = self.usd_per_million_tokens
+        return table.get(model) or table.get("*")
 
 
 class Power(Frozen):
