@@ -14,55 +14,49 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import numpy as np
 import numpy.typing as npt
 from pydantic import ValidationError
 
+from metering.grouping import Codes, UsageRow, group_sums
 from metering.ledger import Segment
 from metering.pieces import CPU_ONLY, DAY_S, FIELDS, day_number, day_text, pieces
 from metering.rollup import Rollup
+from metering.token_book import TOKEN_DIMENSIONS, TOKEN_FIELDS, TokenBook
 from sites.model import keys
 
-__all__ = ["DIMENSIONS", "UsageBook", "UsageRow"]
+__all__ = [
+    "DIMENSIONS",
+    "JOB_CLIENT_REGION",
+    "REPORT_DIMENSIONS",
+    "REPORT_FIELDS",
+    "UsageBook",
+    "UsageRow",
+    "report",
+]
 
 log = logging.getLogger(__name__)
 
-DIMENSIONS = ("tenant", "site", "model", "day")
-_DENSE_GROUPS = 1 << 20  # up to this many possible groups, sum into all of them
-
-
-@dataclass(frozen=True, slots=True)
-class UsageRow:
-    """One group of a query: its dimension values and the summed figures."""
-
-    group: dict[str, str]
-    figures: dict[str, float]
-
-
-class _Codes:
-    def __init__(self) -> None:
-        self.codes: dict[str, int] = {}
-        self.names: list[str] = []
-
-    def code(self, name: str) -> int:
-        got = self.codes.get(name)
-        if got is None:
-            got = self.codes[name] = len(self.names)
-            self.names.append(name)
-        return got
+DIMENSIONS = ("tenant", "site", "model", "day")  # of the jobs' rows (`query`)
+# of a report (`report`): jobs' and inference tokens' rows together; `model` is what was
+# billed: a job's accelerator model ('cpu': none), a request's served inference model
+REPORT_DIMENSIONS = TOKEN_DIMENSIONS
+JOB_CLIENT_REGION = ""  # a job's rows have no client region
+# jobs' figures (total_usd: the jobs' cost), the tokens', then charge_usd: both costs
+REPORT_FIELDS = (*FIELDS, *TOKEN_FIELDS, "charge_usd")
 
 
 class UsageBook:
     """Segments as rows of numpy columns; `apply` per watch event, `query` per API call."""
 
     def __init__(self, capacity: int = 1024) -> None:
+        self.tokens = TokenBook()  # the inference tokens' day records under the same prefix
         self._clear(capacity)
 
     def _clear(self, capacity: int) -> None:
-        self._dims = {name: _Codes() for name in ("tenant", "site", "model")}
+        self._dims = {name: Codes() for name in ("tenant", "site", "model")}
         self._rows: dict[str, list[int]] = {}  # segment key -> its row numbers
         self._free: list[int] = []
         self._size = 0
@@ -77,11 +71,16 @@ class UsageBook:
     def reset(self, kvs: Iterable[tuple[str, bytes, int]]) -> None:
         """Everything under the prefix again (a re-list): the book is rebuilt from it."""
         self._clear(max(1024, len(self._day)))
+        self.tokens.on_reset(())
         for key, value, _ in kvs:
             self.apply(key, value)
 
     def apply(self, key: str, value: bytes | None) -> None:
-        """A segment or a rollup (metering.rollup) put under `key`, or deleted (value None)."""
+        """A segment, a rollup (metering.rollup) or a token day (metering.token_book) put
+        under `key`, or deleted (value None)."""
+        if key.startswith(keys.USAGE_TOKENS):
+            self.tokens.apply(key, value)
+            return
         for row in self._rows.pop(key, []):
             self._values[:, row] = 0.0
             self._free.append(row)
@@ -167,41 +166,57 @@ class UsageBook:
             last_day - first_day + 1 if dim == "day" else max(1, len(self._dims[dim].names))
             for dim in by
         ]
-        composite = np.zeros(len(chosen), dtype=np.int64)
-        for column, size in zip(columns, sizes, strict=True):
-            composite = composite * size + column
-        space = int(np.prod(sizes, dtype=np.float64))
-        if space <= _DENSE_GROUPS:  # count into every possible group: no sort
-            rows_per_group = np.bincount(composite, minlength=space)
-            groups = np.flatnonzero(rows_per_group)
-            inverse = composite
-            width = space
-        else:
-            groups, inverse = np.unique(composite, return_inverse=True)
-            width = len(groups)
-        dense = [
-            np.bincount(inverse, weights=self._values[i, :n][chosen], minlength=width)
-            for i in range(len(FIELDS))
-        ]
-        sums = np.stack(dense, axis=1)
-        if space <= _DENSE_GROUPS:
-            sums = sums[groups]
+        groups, sums = group_sums(columns, sizes, self._values[:, :n][:, chosen])
         out = []
-        for g, group_code in enumerate(groups.tolist()):
-            parts: dict[str, str] = {}
-            rest = int(group_code)
-            for dim, size in reversed(list(zip(by, sizes, strict=True))):
-                rest, code = divmod(rest, size)
-                parts[dim] = (
-                    day_text(first_day + code) if dim == "day" else (self._dims[dim].names[code])
-                )
-            figures = dict(zip(FIELDS, sums[g].tolist(), strict=True))
+        for codes, row_sums in zip(groups, sums.tolist(), strict=True):
+            parts = {
+                dim: day_text(first_day + code) if dim == "day" else self._dims[dim].names[code]
+                for dim, code in zip(by, codes, strict=True)
+            }
+            figures = dict(zip(FIELDS, row_sums, strict=True))
             if figures["segments"] == 0 and not any(figures.values()):
                 continue  # only rows of replaced segments
-            out.append(UsageRow(group={d: parts[d] for d in by}, figures=figures))
+            out.append(UsageRow(group=parts, figures=figures))
         out.sort(key=lambda r: tuple(r.group.values()))
         return out
 
 
 def today(now: float) -> int:
     return day_number(datetime.fromtimestamp(now, UTC).date())
+
+
+def _combine(
+    jobs: Sequence[UsageRow], tokens: Sequence[UsageRow], by: Sequence[str]
+) -> list[UsageRow]:
+    merged: dict[tuple[str, ...], dict[str, float]] = {}
+    for rows in (jobs, tokens):
+        for row in rows:
+            group = tuple(row.group.get(d, JOB_CLIENT_REGION) for d in by)
+            figures = merged.setdefault(group, dict.fromkeys(REPORT_FIELDS, 0.0))
+            for name, value in row.figures.items():
+                figures[name] += value
+    out = []
+    for group, figures in sorted(merged.items()):
+        figures["charge_usd"] = figures["total_usd"] + figures["inference_usd"]
+        out.append(UsageRow(group=dict(zip(by, group, strict=True)), figures=figures))
+    return out
+
+
+def report(
+    book: UsageBook,
+    *,
+    first_day: int,
+    last_day: int,
+    tenant: str | None = None,
+    site: str | None = None,
+    by: Sequence[str] = ("tenant",),
+) -> list[UsageRow]:
+    """Jobs' and inference tokens' figures (REPORT_FIELDS) per group of `by`
+    (REPORT_DIMENSIONS), days first..last: a group's job figures and token figures side by
+    side; by client_region, the jobs' rows are under JOB_CLIENT_REGION."""
+    job_by = tuple(d for d in by if d != "client_region") or ("tenant",)
+    jobs = book.query(first_day=first_day, last_day=last_day, tenant=tenant, site=site, by=job_by)
+    tokens = book.tokens.query(
+        first_day=first_day, last_day=last_day, tenant=tenant, site=site, by=by
+    )
+    return _combine(jobs, tokens, by)

@@ -1,9 +1,10 @@
-"""GET /v1/usage: the ledger summed per tenant, site, model or day, with idle capacity cost.
+"""GET /v1/usage: the ledger summed per tenant, site, model, client region or day: the jobs'
+figures and the inference tokens' side by side, with idle capacity cost.
 
-Answered from the replica's in-memory UsageBook (metering.usage), kept by a watch on the
-segments: no etcd read per call. A tenant-scoped token sees its own tenant only (asking for
-another is 403, field tenant); idle cost, which is about whole sites, is shown to tokens
-without a tenant only.
+Answered from the replica's in-memory UsageBook (metering.usage) and its TokenBook
+(metering.token_book), kept by a watch on /cpn/v1/usage/: no etcd read per call. A
+tenant-scoped token sees its own tenant only (asking for another is 403, field tenant); idle
+cost, which is about whole sites, is shown to tokens without a tenant only.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from broker.api.openapi import Operation, Param, Reply
 from broker.model.errors import InvalidRequest
 from broker.model.jobs import NAME_RE
 from broker.state.auth import Forbidden
-from metering.pieces import FIELDS, day_number
-from metering.usage import DIMENSIONS, UsageBook
+from metering.pieces import day_number
+from metering.usage import REPORT_DIMENSIONS as DIMENSIONS
+from metering.usage import REPORT_FIELDS, UsageBook
+from metering.usage import report as usage_report
 from sites.model.snapshot import Snapshot
 
 __all__ = ["UsageQuery", "UsageReport", "idle_costs", "parse_query", "usage_operations"]
@@ -66,9 +69,14 @@ class UsageReport(BaseModel):
     tenant: str | None
     site: str | None
     by: list[str]
-    fields: list[str] = Field(description="the figures of every item, in base units")
+    fields: list[str] = Field(
+        description="the figures of every item, in base units: the jobs' (total_usd: their "
+        "cost), the inference tokens' (inference_requests, prompt_tokens, completion_tokens, "
+        "cached_tokens: a part of prompt_tokens, counted_requests, inference_usd), and "
+        "charge_usd = total_usd + inference_usd"
+    )
     items: list[dict[str, Any]] = Field(description="one per group: its dimensions, figures")
-    total: dict[str, float]
+    total: dict[str, float] = Field(description="every figure summed over the items")
     idle: list[IdleCost] | None = Field(
         description="per site; null for a tenant's token (it is about the whole site)"
     )
@@ -150,14 +158,15 @@ def idle_costs(book: UsageBook, sites: Snapshot, query: UsageQuery, now: float) 
 
 
 def report(book: UsageBook, sites: Snapshot | None, query: UsageQuery, now: float) -> UsageReport:
-    rows = book.query(
+    rows = usage_report(
+        book,
         first_day=day_number(query.first),
         last_day=day_number(query.last),
         tenant=query.tenant,
         site=query.site,
         by=query.by,
     )
-    total = dict.fromkeys(FIELDS, 0.0)
+    total = dict.fromkeys(REPORT_FIELDS, 0.0)
     for row in rows:
         for name, value in row.figures.items():
             total[name] += value
@@ -167,7 +176,7 @@ def report(book: UsageBook, sites: Snapshot | None, query: UsageQuery, now: floa
         tenant=query.tenant,
         site=query.site,
         by=list(query.by),
-        fields=list(FIELDS),
+        fields=list(REPORT_FIELDS),
         items=[{**row.group, **row.figures} for row in rows],
         total=total,
         idle=None if sites is None else idle_costs(book, sites, query, now),
@@ -202,15 +211,16 @@ async def usage(request: web.Request) -> web.Response:
 def usage_operations() -> list[Operation]:
     return [
         Operation(
-            "GET", "/v1/usage", usage, "Usage, cost, energy and carbon per tenant, site, "
-            "model or day (the ledger)", "usage",
+            "GET", "/v1/usage", usage, "Usage, cost, energy, carbon and inference tokens per "
+            "tenant, site, model, client region or day (the ledger)", "usage",
             params=(
                 Param("tenant", "query", "only this tenant (a tenant's token: its own)"),
                 Param("site", "query", "only this site"),
                 Param("from", "query", "first UTC day, YYYY-MM-DD (default: 30 days to `to`)"),
                 Param("to", "query", "last UTC day, YYYY-MM-DD, inclusive (default: today)"),
-                Param("by", "query", "group by one or more of tenant, site, model, day "
-                      "(comma-separated; default tenant)"),
+                Param("by", "query", "group by one or more of tenant, site, model, "
+                      "client_region, day (comma-separated; default tenant); model: a job's "
+                      "accelerator model, an inference request's served model"),
             ),
             replies={200: Reply("the figures per group, their total, idle cost", UsageReport)},
             errors=(400, 401, 403, 503),

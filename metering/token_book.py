@@ -1,0 +1,204 @@
+"""Inference tokens per tenant, site, model, client region and day, kept in memory from the
+token ledger's day records (metering.tokens.TokenDay at /cpn/v1/usage/tokens/<day>/<tenant>/
+<writer>, one per broker replica that served the tenant that day).
+
+Every broker replica holds one `TokenBook` (inside its UsageBook, fed by the same mirror of
+/cpn/v1/usage/): a TokenDay becomes one row per (model, site, client region) it sums, decoded
+once into numpy columns; put again under its key (each flush rewrites it), its rows are
+replaced, so a key is counted once whatever the watch delivers. `query` is a few vector passes
+(metering.grouping), no etcd read; `month_to_date` is a dictionary lookup, kept up to date as
+records arrive. Memory: days x tenants x writers x rows (model, site, client region) of each,
+~100 bytes a row; TokenDays are already a day's sums, so nothing is rolled up (docs/metering.md,
+"Inference tokens").
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from datetime import UTC, date, datetime
+
+import numpy as np
+from pydantic import ValidationError
+
+from metering.grouping import Codes, UsageRow, group_sums
+from metering.pieces import day_number, day_text
+from metering.tokens import TokenDay, split_row_key
+from sites.model import keys
+
+__all__ = ["TOKEN_DIMENSIONS", "TOKEN_FIELDS", "TokenBook"]
+
+log = logging.getLogger(__name__)
+
+TOKEN_DIMENSIONS = ("tenant", "site", "model", "client_region", "day")
+# the figures of a token row, as GET /v1/usage names them (TokenRow's fields, prefixed where a
+# job figure could be mistaken for them)
+TOKEN_FIELDS = (
+    "inference_requests",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "counted_requests",
+    "inference_usd",
+)
+_ROW_FIELDS = (  # TokenRow's, in TOKEN_FIELDS' order
+    *("requests", "prompt_tokens", "completion_tokens", "cached_tokens"),
+    *("counted_requests", "usd"),
+)
+_NAMED = ("tenant", "site", "model", "client_region")
+
+
+class TokenBook:
+    """TokenDays as rows of numpy columns: `on_event` per watch event, `query` per API call."""
+
+    def __init__(self, capacity: int = 256) -> None:
+        self._clear(capacity)
+
+    def _clear(self, capacity: int) -> None:
+        self._dims = {name: Codes() for name in _NAMED}
+        self._rows: dict[str, list[int]] = {}  # TokenDay key -> its row numbers
+        self._free: list[int] = []
+        self._size = 0
+        self._day = np.zeros(capacity, dtype=np.int64)
+        self._cols = {name: np.zeros(capacity, dtype=np.int64) for name in _NAMED}
+        self._values = np.zeros((len(TOKEN_FIELDS), capacity))
+        # (tenant, 'YYYY-MM') -> [tokens, usd]; key -> (tenant, month, tokens, usd) it added
+        self._months: dict[tuple[str, str], list[float]] = {}
+        self._key_month: dict[str, tuple[str, str, float, float]] = {}
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    # -- fed by a PrefixMirror (on_reset, on_event) ---------------------------------------------
+
+    def on_reset(self, kvs: Iterable[tuple[str, bytes, int]]) -> None:
+        """Everything under the prefix again (a re-list): the book is rebuilt from the
+        TokenDay keys among `kvs` (others are skipped)."""
+        self._clear(max(256, len(self._day)))
+        for key, value, _ in kvs:
+            self.apply(key, value)
+
+    def on_event(self, key: str, value: bytes | None, rev: int = 0) -> None:  # noqa: ARG002
+        self.apply(key, value)
+
+    def apply(self, key: str, value: bytes | None) -> None:
+        """A TokenDay put under `key`, or deleted (value None); other keys are skipped."""
+        if not key.startswith(keys.USAGE_TOKENS):
+            return
+        if value is None:
+            self.drop(key)
+            return
+        try:
+            record = TokenDay.model_validate_json(value)
+            number = day_number(date.fromisoformat(record.day))
+        except (ValidationError, ValueError):
+            log.warning("ignoring a malformed token day at %s", key)
+            self.drop(key)
+            return
+        self.add(key, record, number)
+
+    def drop(self, key: str) -> None:
+        for row in self._rows.pop(key, []):
+            self._values[:, row] = 0.0
+            self._free.append(row)
+        old = self._key_month.pop(key, None)
+        if old is not None:
+            tenant, month, tokens, usd = old
+            sums = self._months[(tenant, month)]
+            sums[0] -= tokens
+            sums[1] -= usd
+
+    def add(self, key: str, record: TokenDay, number: int) -> None:
+        """`record` (of UTC day `number`) under `key`, replacing what the key held."""
+        self.drop(key)
+        rows = []
+        tokens = usd = 0.0
+        tenant = self._dims["tenant"].code(record.tenant)
+        for name, sums in record.rows.items():
+            try:
+                model, site, region = split_row_key(name)
+            except ValueError:
+                log.warning("ignoring token row %r of %s: not model|site|region", name, key)
+                continue
+            row = self._free.pop() if self._free else self._grow()
+            self._day[row] = number
+            self._cols["tenant"][row] = tenant
+            self._cols["site"][row] = self._dims["site"].code(site)
+            self._cols["model"][row] = self._dims["model"].code(model)
+            self._cols["client_region"][row] = self._dims["client_region"].code(region)
+            self._values[:, row] = [float(getattr(sums, f)) for f in _ROW_FIELDS]
+            rows.append(row)
+            tokens += sums.prompt_tokens + sums.completion_tokens
+            usd += sums.usd
+        self._rows[key] = rows
+        month = record.day[:7]
+        self._key_month[key] = (record.tenant, month, tokens, usd)
+        total = self._months.setdefault((record.tenant, month), [0.0, 0.0])
+        total[0] += tokens
+        total[1] += usd
+
+    def _grow(self) -> int:
+        row = self._size
+        if row == len(self._day):
+            capacity = 2 * len(self._day)
+            self._day = np.resize(self._day, capacity)
+            self._cols = {k: np.resize(v, capacity) for k, v in self._cols.items()}
+            values = np.zeros((len(TOKEN_FIELDS), capacity))
+            values[:, :row] = self._values[:, :row]
+            self._values = values
+        self._size += 1
+        return row
+
+    # -- read -----------------------------------------------------------------------------------
+
+    def month_to_date(self, tenant: str, now: float) -> tuple[int, float]:
+        """(prompt + completion tokens, USD) of `tenant` in the UTC month of `now`, every
+        replica's records together: O(1)."""
+        month = datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
+        got = self._months.get((tenant, month))
+        if got is None:
+            return 0, 0.0
+        return int(round(got[0])), max(0.0, got[1])
+
+    def query(
+        self,
+        *,
+        first_day: int,
+        last_day: int,
+        tenant: str | None = None,
+        site: str | None = None,
+        by: Sequence[str] = ("tenant",),
+    ) -> list[UsageRow]:
+        """TOKEN_FIELDS summed per group of `by` (TOKEN_DIMENSIONS), days first..last."""
+        n = self._size
+        day = self._day[:n]
+        mask = (day >= first_day) & (day <= last_day)
+        for name, wanted in (("tenant", tenant), ("site", site)):
+            if wanted is not None:
+                code = self._dims[name].codes.get(wanted)
+                if code is None:
+                    return []
+                mask &= self._cols[name][:n] == code
+        chosen = np.flatnonzero(mask)
+        if not len(chosen):
+            return []
+        columns = [
+            (day[chosen] - first_day) if dim == "day" else self._cols[dim][:n][chosen] for dim in by
+        ]
+        sizes = [
+            last_day - first_day + 1 if dim == "day" else max(1, len(self._dims[dim].names))
+            for dim in by
+        ]
+        groups, sums = group_sums(columns, sizes, self._values[:, :n][:, chosen])
+        out = []
+        for codes, row_sums in zip(groups, sums.tolist(), strict=True):
+            figures = dict(zip(TOKEN_FIELDS, row_sums, strict=True))
+            if not any(figures.values()):
+                continue  # only rows freed by a replaced record
+            group = {
+                dim: day_text(first_day + code) if dim == "day" else self._dims[dim].names[code]
+                for dim, code in zip(by, codes, strict=True)
+            }
+            out.append(UsageRow(group=group, figures=figures))
+        out.sort(key=lambda r: tuple(r.group.values()))
+        return out
