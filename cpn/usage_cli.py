@@ -32,7 +32,7 @@ async def cmd_usage(args: argparse.Namespace) -> int:
             raise UsageError("cpn usage chargeback needs --month YYYY-MM")
         first, last = chargeback.month_range(args.month)
         params.update({"from": first.isoformat(), "to": last.isoformat()})
-        params["by"] = "tenant,site,model"
+        params["by"] = chargeback.CHARGEBACK_BY
     else:
         params.update({k: v for k, v in (("from", args.from_), ("to", args.to)) if v})
         if args.by:
@@ -91,13 +91,16 @@ async def cmd_alerts(args: argparse.Namespace) -> int:
 
 def add_parsers(add: Callable[..., argparse.ArgumentParser], broker_arg: BrokerArg) -> None:
     """`cpn usage` and `cpn alerts`, added with cpn.cli's `add` and `broker_arg`."""
-    usage = add("usage", help="usage, cost, energy and carbon (docs/metering.md)")
+    usage = add("usage", help="usage, cost, energy, carbon and inference tokens (docs/metering.md)")
     usage.add_argument("--tenant", help="only this tenant (a tenant's token: its own)")
     usage.add_argument("--site", help="only this site")
     usage.add_argument("--from", dest="from_", metavar="DATE", help="first UTC day, YYYY-MM-DD")
     usage.add_argument("--to", metavar="DATE", help="last UTC day, YYYY-MM-DD (inclusive)")
     usage.add_argument(
-        "--by", metavar="DIM[,DIM]", help="group by tenant, site, model, day (default tenant)"
+        "--by",
+        metavar="DIM[,DIM]",
+        help="group by tenant, site, model, client_region, day (default tenant); model: a "
+        "job's accelerator, an inference request's model (token columns shown when any)",
     )
     usage.add_argument("--month", metavar="YYYY-MM", help="chargeback: the month")
     usage.add_argument("--out", default=".", metavar="DIR", help="chargeback: where to write")

@@ -1,6 +1,12 @@
 """Usage reports as a person or a finance system reads them: a table, CSV, and the monthly
-chargeback (a CSV per tenant, site and model, the idle capacity cost per site apart, and a PNG
-chart of both). Input: the JSON of GET /v1/usage (broker.api.usage.UsageReport).
+chargeback (a CSV per tenant, site, model, client region and day, the idle capacity cost per
+site apart, and a PNG chart of both). Input: the JSON of GET /v1/usage
+(broker.api.usage.UsageReport).
+
+A row carries the jobs' figures and the inference tokens' side by side (`model` is a job's
+accelerator model or a request's inference model; a job's client region is empty); the CSV
+always has every column, the table shows the token columns when the window has any inference
+request.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-__all__ = ["COLUMNS", "chargeback", "month_range", "to_csv", "to_table"]
+__all__ = ["CHARGEBACK_BY", "COLUMNS", "chargeback", "month_range", "to_csv", "to_table"]
 
 # (column, field, divisor): hours for a person, the ledger keeps seconds
 COLUMNS: tuple[tuple[str, str, float], ...] = (
@@ -30,8 +36,32 @@ COLUMNS: tuple[tuple[str, str, float], ...] = (
     ("energy_kwh", "energy_kwh", 1.0),
     ("co2_kg", "co2_kg", 1.0),
     ("segments", "segments", 1.0),
+    # inference tokens (metering.token_book); cached_tokens is a part of prompt_tokens
+    ("prompt_tokens", "prompt_tokens", 1.0),
+    ("completion_tokens", "completion_tokens", 1.0),
+    ("cached_tokens", "cached_tokens", 1.0),
+    ("inference_requests", "inference_requests", 1.0),
+    ("counted_requests", "counted_requests", 1.0),
+    ("inference_usd", "inference_usd", 1.0),
+    # what the tenant is charged: total_usd (jobs) + inference_usd
+    ("charge_usd", "charge_usd", 1.0),
 )
+_COUNTS = frozenset(
+    {"segments", "prompt_tokens", "completion_tokens", "cached_tokens"}
+    | {"inference_requests", "counted_requests"}
+)
+# CHARGEBACK_BY: the monthly chargeback's rows
+CHARGEBACK_BY = "tenant,site,model,client_region,day"
 _TABLE = ("gpu_hours", "cpu_core_hours", "egress_gb", "total_usd", "energy_kwh", "co2_kg")
+# (header, column) of the token columns, shown when the window has inference requests
+_TOKEN_TABLE = (
+    ("prompt", "prompt_tokens"),
+    ("completion", "completion_tokens"),
+    ("cached", "cached_tokens"),
+    ("requests", "inference_requests"),
+    ("inference_usd", "inference_usd"),
+    ("charge_usd", "charge_usd"),
+)
 _MONTH_RE = re.compile(r"^(\d{4})-(\d{2})$")
 
 
@@ -48,7 +78,7 @@ def _row(item: Mapping[str, Any], by: Sequence[str]) -> dict[str, Any]:
     out: dict[str, Any] = {dim: item[dim] for dim in by}
     for column, name, divisor in COLUMNS:
         value = float(item.get(name, 0.0)) / divisor
-        out[column] = int(value) if column == "segments" else round(value, 6)
+        out[column] = int(round(value)) if column in _COUNTS else round(value, 6)
     return out
 
 
@@ -69,15 +99,24 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+def _cell(row: Mapping[str, Any], column: str) -> str:
+    value = row[column]
+    return str(value) if column in _COUNTS else f"{value:.2f}"
+
+
 def to_table(report: Mapping[str, Any]) -> str:
     by = list(report["by"])
+    total = _row(report["total"], [])
+    columns = list(_TABLE)
     header = [*by, *_TABLE]
+    if total["inference_requests"]:
+        columns += [c for _, c in _TOKEN_TABLE]
+        header += [h for h, _ in _TOKEN_TABLE]
     rows = []
     for item in report["items"]:
         row = _row(item, by)
-        rows.append([str(row[d]) for d in by] + [f"{row[c]:.2f}" for c in _TABLE])
-    total = _row(report["total"], [])
-    rows.append(["TOTAL", *([""] * (len(by) - 1)), *(f"{total[c]:.2f}" for c in _TABLE)])
+        rows.append([str(row[d]) or "-" for d in by] + [_cell(row, c) for c in columns])
+    rows.append(["TOTAL", *([""] * (len(by) - 1)), *(_cell(total, c) for c in columns)])
     text = f"usage {report['from']} .. {report['to']}"
     if report.get("tenant"):
         text += f", tenant {report['tenant']}"
@@ -101,9 +140,11 @@ def to_table(report: Mapping[str, Any]) -> str:
 
 
 def chargeback(report: Mapping[str, Any], month: str, out_dir: Path) -> list[Path]:
-    """Write chargeback-<month>.csv (per tenant, site, model), idle-<month>.csv (per site) and
-    chargeback-<month>.png (cost per tenant stacked by site; idle cost per site) in out_dir.
-    `report` is GET /v1/usage by=tenant,site,model over the month."""
+    """Write chargeback-<month>.csv (per tenant, site, model, client region and day: jobs and
+    inference tokens), idle-<month>.csv (per site) and chargeback-<month>.png (what each
+    tenant is charged, jobs and tokens, stacked by site; idle cost per site) in out_dir.
+    `report` is GET /v1/usage by=CHARGEBACK_BY (or any grouping with tenant and site) over
+    the month."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display on a server
@@ -129,7 +170,9 @@ def chargeback(report: Mapping[str, Any], month: str, out_dir: Path) -> list[Pat
     cost: dict[str, dict[str, float]] = {}
     for item in report["items"]:
         per_site = cost.setdefault(item["tenant"], {})
-        per_site[item["site"]] = per_site.get(item["site"], 0.0) + float(item["total_usd"])
+        per_site[item["site"]] = per_site.get(item["site"], 0.0) + float(
+            item.get("charge_usd", item["total_usd"])
+        )
     tenants = sorted(cost)
     sites = sorted({s for per in cost.values() for s in per})
     fig, axes = plt.subplots(1, 2 if idle else 1, figsize=(12 if idle else 7, 4.5), squeeze=False)
@@ -140,7 +183,7 @@ def chargeback(report: Mapping[str, Any], month: str, out_dir: Path) -> list[Pat
         ax.barh(tenants, values, left=left, label=site)
         left = [a + b for a, b in zip(left, values, strict=True)]
     ax.set_xlabel("USD")
-    ax.set_title(f"chargeback {month}: cost per tenant, by site")
+    ax.set_title(f"chargeback {month}: jobs and tokens per tenant, by site")
     if sites:
         ax.legend(fontsize="small")
     if not tenants:

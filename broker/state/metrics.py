@@ -36,6 +36,7 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from metering.tokens import TokenUse
 from metering.usage import UsageBook
 
 LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
@@ -237,6 +238,9 @@ class BrokerMetrics:
             LATENCY_BUCKETS,
         )
         register_on_loop(r, self.proxy_seconds)
+        # inference tokens this replica settled (docs/metering.md, "Inference tokens")
+        self.inference = InferenceCounters()
+        register_on_loop(r, self.inference)
         self._lag_children: dict[tuple[str, ...], Histogram] = {}
         self._http_children: dict[tuple[str, ...], Histogram] = {}
 
@@ -247,6 +251,11 @@ class BrokerMetrics:
 
     def proxied(self, client_region: str, site: str, seconds: float) -> None:
         self.proxy_seconds.observe((client_region, site), seconds)
+
+    def inference_tokens(self, use: TokenUse) -> None:
+        """A settled inference request's tokens: cpn_inference_tokens_total{tenant,model,site,
+        kind} and cpn_inference_requests_total{tenant,model,site}; on the event loop."""
+        self.inference.add(use)
 
     def request_timed(self, method: str, route: str, seconds: float) -> None:
         _child(self._http_children, self.http_seconds, (method, route)).observe(seconds)
@@ -402,3 +411,45 @@ class UsageCollector(LoopCollector):
                     [row.group["tenant"], row.group["site"]], row.figures[field] * factor
                 )
             yield family
+
+
+class InferenceCounters(LoopCollector):
+    """The inference tokens and requests this replica settled, per (tenant, model, site): one
+    dict lookup and four additions per request, only on the event loop (no lock, as
+    LoopCounter). `kind` is prompt, completion or cached; cached tokens are a part of the
+    prompt tokens (the prompt tokens the model server took from its prefix cache), so
+    prompt + completion is the total. Per replica: sum them across replicas."""
+
+    def __init__(self) -> None:
+        # (tenant, model, site) -> [prompt, completion, cached, requests]
+        self.sums: dict[tuple[str, str, str], list[int]] = {}
+
+    def add(self, use: TokenUse) -> None:
+        key = (use.tenant, use.model, use.site)
+        row = self.sums.get(key)
+        if row is None:
+            row = self.sums[key] = [0, 0, 0, 0]
+        row[0] += use.prompt_tokens
+        row[1] += use.completion_tokens
+        row[2] += use.cached_tokens
+        row[3] += 1
+
+    def families(self) -> Iterator[Metric]:
+        tokens = CounterMetricFamily(
+            "cpn_inference_tokens",
+            "Inference tokens this broker replica settled, by kind (prompt, completion, "
+            "cached: a part of prompt)",
+            labels=["tenant", "model", "site", "kind"],
+        )
+        requests = CounterMetricFamily(
+            "cpn_inference_requests",
+            "Inference requests this broker replica settled",
+            labels=["tenant", "model", "site"],
+        )
+        for key, (prompt, completion, cached, n) in list(self.sums.items()):
+            tokens.add_metric([*key, "prompt"], prompt)
+            tokens.add_metric([*key, "completion"], completion)
+            tokens.add_metric([*key, "cached"], cached)
+            requests.add_metric(list(key), n)
+        yield tokens
+        yield requests
