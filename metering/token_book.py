@@ -62,9 +62,11 @@ class TokenBook:
         self._day = np.zeros(capacity, dtype=np.int64)
         self._cols = {name: np.zeros(capacity, dtype=np.int64) for name in _NAMED}
         self._values = np.zeros((len(TOKEN_FIELDS), capacity))
-        # (tenant, 'YYYY-MM') -> [tokens, usd]; key -> (tenant, month, tokens, usd) it added
-        self._months: dict[tuple[str, str], list[float]] = {}
-        self._key_month: dict[str, tuple[str, str, float, float]] = {}
+        # (tenant, 'YYYY-MM') -> {key: (tokens, usd)} of its records, and their sum: summed
+        # again when one changes (a month has days x writers records), never drifting
+        self._months: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
+        self._month_sums: dict[tuple[str, str], tuple[int, float]] = {}
+        self._key_month: dict[str, tuple[str, str]] = {}
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -101,18 +103,28 @@ class TokenBook:
         for row in self._rows.pop(key, []):
             self._values[:, row] = 0.0
             self._free.append(row)
-        old = self._key_month.pop(key, None)
-        if old is not None:
-            tenant, month, tokens, usd = old
-            sums = self._months[(tenant, month)]
-            sums[0] -= tokens
-            sums[1] -= usd
+        month = self._key_month.pop(key, None)
+        if month is not None:
+            records = self._months[month]
+            del records[key]
+            self._sum_month(month)
+
+    def _sum_month(self, month: tuple[str, str]) -> None:
+        records = self._months.get(month)
+        if not records:
+            self._months.pop(month, None)
+            self._month_sums.pop(month, None)
+            return
+        self._month_sums[month] = (
+            sum(t for t, _ in records.values()),
+            sum(u for _, u in records.values()),
+        )
 
     def add(self, key: str, record: TokenDay, number: int) -> None:
         """`record` (of UTC day `number`) under `key`, replacing what the key held."""
         self.drop(key)
         rows = []
-        tokens = usd = 0.0
+        tokens, usd = 0, 0.0
         tenant = self._dims["tenant"].code(record.tenant)
         for name, sums in record.rows.items():
             try:
@@ -131,11 +143,10 @@ class TokenBook:
             tokens += sums.prompt_tokens + sums.completion_tokens
             usd += sums.usd
         self._rows[key] = rows
-        month = record.day[:7]
-        self._key_month[key] = (record.tenant, month, tokens, usd)
-        total = self._months.setdefault((record.tenant, month), [0.0, 0.0])
-        total[0] += tokens
-        total[1] += usd
+        month = (record.tenant, record.day[:7])
+        self._key_month[key] = month
+        self._months.setdefault(month, {})[key] = (tokens, usd)
+        self._sum_month(month)
 
     def _grow(self) -> int:
         row = self._size
@@ -155,10 +166,7 @@ class TokenBook:
         """(prompt + completion tokens, USD) of `tenant` in the UTC month of `now`, every
         replica's records together: O(1)."""
         month = datetime.fromtimestamp(now, UTC).strftime("%Y-%m")
-        got = self._months.get((tenant, month))
-        if got is None:
-            return 0, 0.0
-        return int(round(got[0])), max(0.0, got[1])
+        return self._month_sums.get((tenant, month), (0, 0.0))
 
     def query(
         self,
