@@ -1,0 +1,657 @@
+"""The token ledger: a broker replica's inference tokens, written ahead to a local file and
+settled into etcd exactly once (docs/metering.md, "Inference tokens: settlement").
+
+The gateway opens a `Ticket` before a stream's first byte reaches its client, reports the
+tokens delivered so far per chunk (`Ticket.progress`) and settles it at the end; a whole answer
+is settled at once (`TokenLedger.settle`). Each lives in a slot of a file mapped MAP_SHARED in
+the replica's state_dir: a write to it is a store into the page cache, which outlives the
+process, so a broker killed mid-stream (SIGKILL included) leaves every open stream's prompt and
+delivered tokens behind. `run` recovers them when the broker starts again (an open slot is
+settled with what reached the client, `counted=True`) and then flushes every `flush_s`.
+
+A flush sums the queued uses per (UTC day, tenant) into that replica's TokenDay keys
+(sites.model.keys.usage_tokens), read just before, in one etcd transaction guarded on their
+mod_revisions, with TokenDay.seq set to the flush's number. A slot records the first flush it
+went into and is freed only after that flush committed. The replica is the only writer of its
+keys, and every flush that commits on a key carries every use of that key still pending, so
+`day.seq >= slot's flush` says the slot's use is in (a retried flush, or one replayed after a
+crash between commit and free, adds nothing); below it, it is not, and goes into the next.
+
+The file (`token-ledger.bin`, locked with flock so two processes never share one):
+
+    header (128 B): magic b"CPNTOKL1", version u32, slot size u32, slots u32, pad u32,
+                    flush seq i64 (the last flush number used), writer (64 B, NUL-padded)
+    slot (768 B):   state u8 (0 free, 1 open, 2 settled), flags u8 (1 counted, 2 has a token),
+                    pad, opened_at f64, delivered i64 (progress writes only this), prompt i64,
+                    final prompt i64, final completion i64, cached i64, at f64, usd f64,
+                    flush seq i64 (0: in no flush yet), then NUL-padded UTF-8 strings:
+                    request id 64, tenant 64, token id 64, requested 128, service 64,
+                    model 128, site 64, client region 64 (bytes)
+
+A request id longer than its field is cut (it names the settlement in logs only); any other
+name longer than its field, or holding a NUL, is kept in memory only, without a slot, as is a
+use settled while every slot is taken: such a use is flushed like the rest but not recovered
+after a kill (logged once per process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import logging
+import math
+import mmap
+import os
+import re
+import secrets
+import socket
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from broker.model.errors import BrokerError, StaleRecord
+from metering.tokens import TokenDay, TokenRow, TokenUse, cost_usd, row_key, token_day
+from sites.kits.clock import Clock, SystemClock
+from sites.model import keys
+from sites.model.errors import RegistryError
+from sites.model.spec import TokenPrice
+from sites.registry.client import Guard, Registry
+
+__all__ = [
+    "FILE_NAME",
+    "MAX_TOKENS",
+    "SLOT_SIZE",
+    "Ticket",
+    "TokenLedger",
+    "TokenLedgerError",
+]
+
+log = logging.getLogger(__name__)
+
+FILE_NAME = "token-ledger.bin"
+WRITER_FILE = "token-ledger.writer"
+WRITER_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")  # a key segment (sites.model.spec NAME_RE)
+MAX_TOKENS = 1 << 40  # a count above this is clamped: no request has a trillion tokens
+KEYS_PER_TXN = 32  # TokenDay keys per transaction: far below etcd's ops and bytes limits
+MAX_ATTEMPTS = 5  # guarded commits lost in one flush before it gives up until the next
+MAX_BACKOFF_S = 5.0  # a billing ledger catches up soon after etcd is back
+
+_MAGIC = b"CPNTOKL1"
+_VERSION = 1
+_HEADER = struct.Struct("<8sIIIIq64s")
+_HEADER_SIZE = 128
+_SEQ_AT = 24  # the header's flush seq
+_SEQ = struct.Struct("<q")
+
+FREE, OPEN, SETTLED = 0, 1, 2
+_COUNTED, _HAS_TOKEN = 1, 2
+# the strings of a slot: (field, bytes)
+_STRINGS = (
+    ("request_id", 64),
+    ("tenant", 64),
+    ("token_id", 64),
+    ("requested", 128),
+    ("service", 64),
+    ("model", 128),
+    ("site", 64),
+    ("client_region", 64),
+)
+_SLOT = struct.Struct("<BB6xdqqqqqddq" + "".join(f"{n}s" for _, n in _STRINGS))
+SLOT_SIZE = 768
+_DELIVERED_AT = 16
+_FINAL = struct.Struct("<qqqddq")  # final prompt, completion, cached, at, usd, flush seq
+_FINAL_AT = 32
+_MARK_AT = 72
+if _SLOT.size > SLOT_SIZE or _HEADER.size > _HEADER_SIZE:  # pragma: no cover - a layout edit
+    raise RuntimeError("the token ledger's slot or header outgrew its size")
+
+Price = Callable[[str, str, float], TokenPrice | None]
+
+
+class TokenLedgerError(BrokerError):
+    """The ledger's file cannot be used (another process holds it, another writer's, not a
+    ledger), or a TokenDay key in etcd does not decode."""
+
+
+def _count(value: object) -> int:
+    """A token count as given by a server or a client: clamped to [0, MAX_TOKENS], 0 if it is
+    not a number."""
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and math.isfinite(value):
+        n = int(value)
+    else:
+        return 0
+    return min(max(n, 0), MAX_TOKENS)
+
+
+def _encode(text: str, size: int) -> bytes | None:
+    data = text.encode("utf-8", "surrogatepass")
+    return None if len(data) > size or b"\0" in data else data
+
+
+def _cut(text: str, size: int) -> bytes:
+    data = text.encode("utf-8", "surrogatepass").replace(b"\0", b"")[:size]
+    return data.decode("utf-8", "ignore").encode()
+
+
+def _decode(data: bytes) -> str:
+    return data.rstrip(b"\0").decode("utf-8", "replace")
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A settled use waiting for a flush."""
+
+    use: TokenUse
+    usd: float
+    slot: int  # -1: none (memory only)
+    mark: int  # the first flush it went into; 0: none yet
+
+
+class Ticket:
+    """One streamed request's tokens, from before its first byte to its end."""
+
+    __slots__ = ("_delivered", "_ledger", "_offset", "_opened", "_settled", "slot")
+
+    def __init__(self, ledger: TokenLedger, slot: int, opened: TokenUse) -> None:
+        self._ledger = ledger
+        self.slot = slot  # -1: kept in memory only (no slot free, or a name too long)
+        self._offset = ledger.slot_offset(slot) + _DELIVERED_AT if slot >= 0 else -1
+        self._opened = opened  # the identity, with prompt tokens and zero completion
+        self._delivered = 0
+        self._settled: TokenUse | None = None
+
+    def progress(self, completion_tokens: int) -> None:
+        """Tokens that reached the client so far: one store into the mapped slot."""
+        if self._settled is not None:
+            return
+        self._delivered = n = _count(completion_tokens)
+        mm = self._ledger.mapped
+        if self._offset >= 0 and mm is not None:
+            _SEQ.pack_into(mm, self._offset, n)
+
+    def settle(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool
+    ) -> TokenUse:
+        """The stream ended: its usage (the server's last chunk, or counted by the gateway).
+        A second call returns the first settlement."""
+        if self._settled is not None:
+            return self._settled
+        prompt = _count(prompt_tokens)
+        use = _replace_counts(
+            self._opened,
+            prompt=prompt,
+            completion=_count(completion_tokens),
+            cached=min(_count(cached_tokens), prompt),
+            at=self._ledger.now(),
+            counted=counted,
+        )
+        self._settled = use
+        self._ledger.settle_slot(self.slot, use)
+        return use
+
+    def abandon(self) -> None:
+        """Nothing reached the client: bill nothing."""
+        if self._settled is not None:
+            return
+        self._settled = self._opened
+        self._ledger.free_slot(self.slot)
+
+
+def _replace_counts(
+    use: TokenUse, *, prompt: int, completion: int, cached: int, at: float, counted: bool
+) -> TokenUse:
+    return TokenUse(
+        request_id=use.request_id,
+        tenant=use.tenant,
+        token_id=use.token_id,
+        model=use.model,
+        requested=use.requested,
+        service=use.service,
+        site=use.site,
+        client_region=use.client_region,
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        cached_tokens=cached,
+        at=at,
+        counted=counted,
+    )
+
+
+class TokenLedger:
+    """A broker replica's write-ahead token ledger and its flushes into etcd."""
+
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        writer: str,
+        state_dir: Path,
+        price: Price,
+        clock: Clock | None = None,
+        flush_s: float = 0.5,
+        slots: int = 65536,
+    ) -> None:
+        if not WRITER_RE.match(writer):
+            raise TokenLedgerError(f"writer {writer!r} is not a key segment ({WRITER_RE.pattern})")
+        if slots < 1:
+            raise TokenLedgerError(f"slots must be at least 1, got {slots}")
+        self.registry = registry
+        self.writer = writer
+        self.price = price
+        self.clock: Clock = clock or SystemClock()
+        self.flush_s = flush_s
+        self.path = Path(state_dir) / FILE_NAME
+        self._queue: list[_Pending] = []
+        self._in_flight = 0
+        self._flush_lock = asyncio.Lock()
+        self._warned_memory = False
+        self._after_commit: Callable[[], None] | None = None  # tests: a crash before the free
+        self._fd = -1
+        self.mapped: mmap.mmap | None = None
+        mm, self.slots, self._seq = self._map(slots)
+        states = mm[_HEADER_SIZE : _HEADER_SIZE + self.slots * SLOT_SIZE : SLOT_SIZE]
+        # low slots first, so the pages a quiet broker touches stay few
+        self._free: list[int] = [i for i in range(self.slots - 1, -1, -1) if states[i] == FREE]
+        self._unrecovered: list[int] = [i for i in range(self.slots) if states[i] != FREE]
+
+    # -- the file ----------------------------------------------------------------------------
+
+    def _map(self, slots: int) -> tuple[mmap.mmap, int, int]:
+        """Open (or make) the file, lock it, map it; (the map, its slots, its flush seq)."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError as exc:
+                raise TokenLedgerError(f"{self.path} is held by another process") from exc
+            size = os.fstat(fd).st_size
+            if size == 0:
+                os.ftruncate(fd, _HEADER_SIZE + slots * SLOT_SIZE)  # sparse: pages on use
+                mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                header = (_MAGIC, _VERSION, SLOT_SIZE, slots, 0, 0, self.writer.encode())
+                _HEADER.pack_into(mm, 0, *header)
+                seq = 0
+            else:
+                if size < _HEADER_SIZE:
+                    raise TokenLedgerError(f"{self.path} is not a token ledger (too short)")
+                mm = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                magic, version, slot_size, slots, _, seq, writer = _HEADER.unpack_from(mm, 0)
+                if magic != _MAGIC or version != _VERSION or slot_size != SLOT_SIZE:
+                    mm.close()
+                    raise TokenLedgerError(f"{self.path} is not a version {_VERSION} ledger")
+                if _decode(writer) != self.writer:
+                    mm.close()
+                    raise TokenLedgerError(
+                        f"{self.path} holds writer {_decode(writer)!r}'s tokens, not "
+                        f"{self.writer!r}'s: pass TokenLedger.writer_id(state_dir)"
+                    )
+                if size < _HEADER_SIZE + slots * SLOT_SIZE:
+                    mm.close()
+                    raise TokenLedgerError(f"{self.path} is shorter than its {slots} slots")
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd, self.mapped = fd, mm
+        return mm, slots, seq
+
+    @classmethod
+    def writer_id(cls, state_dir: Path) -> str:
+        """This state_dir's writer: made once (host name and random), kept in the directory, so
+        a restarted broker writes, and recovers, its own TokenDay keys."""
+        path = Path(state_dir) / WRITER_FILE
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            pass
+        else:
+            if not WRITER_RE.match(text):
+                raise TokenLedgerError(f"{path} holds {text!r}, not a writer id")
+            return text
+        host = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-")[:40]
+        made = f"{host or 'broker'}-{secrets.token_hex(4)}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(made + "\n")
+        try:
+            os.link(tmp, path)  # atomic, and never replaces one another process just made
+        except FileExistsError:
+            return cls.writer_id(state_dir)
+        finally:
+            tmp.unlink()
+        return made
+
+    def slot_offset(self, slot: int) -> int:
+        return _HEADER_SIZE + slot * SLOT_SIZE
+
+    def now(self) -> float:
+        return self.clock.time()
+
+    def _warn_memory(self, why: str) -> None:
+        if not self._warned_memory:
+            self._warned_memory = True
+            log.warning("token ledger: %s; such uses are kept in memory only", why)
+
+    def _claim(self, use: TokenUse, state: int, delivered: int, usd: float) -> int:
+        """A slot holding `use` in `state` (its fields written before the state byte), or -1."""
+        mm = self.mapped
+        if mm is None:
+            self._warn_memory("settled after close")
+            return -1
+        texts = []
+        for name, size in _STRINGS:
+            value = getattr(use, name)
+            if name == "request_id":
+                texts.append(_cut(value, size))
+                continue
+            data = _encode(value or "", size)
+            if data is None:
+                self._warn_memory(f"{name} {value!r} is longer than {size} bytes or holds NUL")
+                return -1
+            texts.append(data)
+        if not self._free:
+            self._warn_memory(f"all {self.slots} slots are taken")
+            return -1
+        slot = self._free.pop()
+        flags = (_COUNTED if use.counted else 0) | (_HAS_TOKEN if use.token_id else 0)
+        off = self.slot_offset(slot)
+        _SLOT.pack_into(
+            mm,
+            off,
+            FREE,
+            flags,
+            use.at,
+            delivered,
+            use.prompt_tokens,
+            use.prompt_tokens,
+            use.completion_tokens,
+            use.cached_tokens,
+            use.at,
+            usd,
+            0,
+            *texts,
+        )
+        mm[off] = state
+        return slot
+
+    # -- the gateway's calls -----------------------------------------------------------------
+
+    def open(
+        self,
+        *,
+        request_id: str,
+        tenant: str,
+        token_id: str | None,
+        requested: str,
+        service: str,
+        model: str,
+        site: str,
+        client_region: str,
+        prompt_tokens: int,
+    ) -> Ticket:
+        """Write a stream ahead, before its first byte reaches the client."""
+        opened = TokenUse(
+            request_id=request_id,
+            tenant=tenant,
+            token_id=token_id,
+            model=model,
+            requested=requested,
+            service=service,
+            site=site,
+            client_region=client_region,
+            prompt_tokens=_count(prompt_tokens),
+            completion_tokens=0,
+            cached_tokens=0,
+            at=self.now(),
+        )
+        return Ticket(self, self._claim(opened, OPEN, 0, 0.0), opened)
+
+    def settle(self, use: TokenUse) -> float:
+        """A whole answer's use: written ahead and queued; its USD. Counts are clamped."""
+        prompt = _count(use.prompt_tokens)
+        at = use.at if isinstance(use.at, float | int) and math.isfinite(use.at) else self.now()
+        use = _replace_counts(
+            use,
+            prompt=prompt,
+            completion=_count(use.completion_tokens),
+            cached=min(_count(use.cached_tokens), prompt),
+            at=float(at),
+            counted=bool(use.counted),
+        )
+        usd = self._usd(use)
+        slot = self._claim(use, SETTLED, use.completion_tokens, usd)
+        self._queue.append(_Pending(use, usd, slot, 0))
+        return usd
+
+    def settle_slot(self, slot: int, use: TokenUse) -> float:
+        """A ticket's end: its final numbers into its slot, then queued (Ticket.settle)."""
+        usd = self._usd(use)
+        mm = self.mapped
+        if slot >= 0 and mm is not None:
+            off = self.slot_offset(slot)
+            final = (use.prompt_tokens, use.completion_tokens, use.cached_tokens, use.at, usd, 0)
+            _FINAL.pack_into(mm, off + _FINAL_AT, *final)
+            mm[off + 1] = (_COUNTED if use.counted else 0) | mm[off + 1] & _HAS_TOKEN
+            mm[off] = SETTLED
+        self._queue.append(_Pending(use, usd, slot if mm is not None else -1, 0))
+        return usd
+
+    def free_slot(self, slot: int) -> None:
+        mm = self.mapped
+        if slot >= 0 and mm is not None:
+            mm[self.slot_offset(slot)] = FREE
+            self._free.append(slot)
+
+    def _usd(self, use: TokenUse) -> float:
+        try:
+            usd = cost_usd(use, self.price(use.site, use.model, use.at))
+        except Exception:  # a price lookup's bug must not cost the settlement itself
+            log.exception("token ledger: no price for %s at %s", use.model, use.site)
+            return 0.0
+        return usd if math.isfinite(usd) and usd > 0 else 0.0
+
+    def pending(self) -> int:
+        """Settled uses not yet in etcd (recovered ones included)."""
+        return len(self._queue) + self._in_flight + len(self._unrecovered)
+
+    # -- recovery ----------------------------------------------------------------------------
+
+    def recover(self) -> int:
+        """Queue what a previous process left in the file: a settled slot as it was, an open
+        one settled with its prompt and delivered tokens (`counted=True`). Returns how many."""
+        mm = self.mapped
+        todo, self._unrecovered = self._unrecovered, []
+        if mm is None:
+            return 0
+        for slot in todo:
+            off = self.slot_offset(slot)
+            fields = _SLOT.unpack_from(mm, off)
+            state, flags, opened_at, delivered, prompt = fields[:5]
+            final_prompt, final_completion, cached, at, usd, mark = fields[5:11]
+            strings = zip(_STRINGS, fields[11:], strict=True)
+            text = {name: _decode(raw) for (name, _), raw in strings}
+            if state == OPEN:
+                use = TokenUse(
+                    request_id=text["request_id"],
+                    tenant=text["tenant"],
+                    token_id=text["token_id"] if flags & _HAS_TOKEN else None,
+                    model=text["model"],
+                    requested=text["requested"],
+                    service=text["service"],
+                    site=text["site"],
+                    client_region=text["client_region"],
+                    prompt_tokens=_count(prompt),
+                    completion_tokens=_count(delivered),
+                    cached_tokens=0,
+                    at=opened_at,
+                    counted=True,
+                )
+                usd = self._usd(use)
+                final = (use.prompt_tokens, use.completion_tokens, 0, use.at, usd, 0)
+                _FINAL.pack_into(mm, off + _FINAL_AT, *final)
+                mm[off + 1] = _COUNTED | (flags & _HAS_TOKEN)
+                mm[off] = SETTLED
+                mark = 0
+            elif state == SETTLED:
+                use = TokenUse(
+                    request_id=text["request_id"],
+                    tenant=text["tenant"],
+                    token_id=text["token_id"] if flags & _HAS_TOKEN else None,
+                    model=text["model"],
+                    requested=text["requested"],
+                    service=text["service"],
+                    site=text["site"],
+                    client_region=text["client_region"],
+                    prompt_tokens=_count(final_prompt),
+                    completion_tokens=_count(final_completion),
+                    cached_tokens=_count(cached),
+                    at=at,
+                    counted=bool(flags & _COUNTED),
+                )
+            else:  # a torn or foreign byte: nothing to bill
+                log.warning("token ledger: slot %d in unknown state %d freed", slot, state)
+                self.free_slot(slot)
+                continue
+            self._queue.append(_Pending(use, usd, slot, max(mark, 0)))
+        if todo:
+            log.info("token ledger: recovered %d uses from %s", len(todo), self.path)
+        return len(todo)
+
+    # -- flushes -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Recover the file, then flush every flush_s; an etcd outage keeps the uses and backs
+        off (logged once per outage). Supervise it: a bug here surfaces, it is not swallowed."""
+        self.recover()
+        delay = 0.0
+        outage = False
+        while True:
+            await self.clock.sleep(delay)
+            try:
+                await self.flush()
+            except (RegistryError, StaleRecord, TokenLedgerError) as exc:
+                if not outage:
+                    log.warning("token ledger: flush failed, retrying with backoff: %s", exc)
+                    outage = True
+                delay = min(max(delay * 2, self.flush_s), MAX_BACKOFF_S)
+                continue
+            if outage:
+                log.info("token ledger: flushing again (%d pending)", self.pending())
+                outage = False
+            delay = self.flush_s
+
+    async def close(self) -> None:
+        """A last flush (what fails stays in the file for the next start), then unmap."""
+        try:
+            await self.flush()
+        except (RegistryError, StaleRecord, TokenLedgerError) as exc:
+            log.warning("token ledger: last flush failed, kept in %s: %s", self.path, exc)
+        finally:
+            mm, self.mapped = self.mapped, None
+            if mm is not None:
+                mm.flush()
+                mm.close()
+            if self._fd >= 0:
+                os.close(self._fd)  # releases the lock
+                self._fd = -1
+
+    async def flush(self) -> int:
+        """Write everything queued into etcd; how many uses it settled (or found settled).
+        Raises RegistryError (etcd away) with the uses kept for the next flush."""
+        async with self._flush_lock:
+            if not self._queue:
+                return 0
+            batch, self._queue = self._queue, []
+            self._in_flight = len(batch)
+            groups: dict[str, list[_Pending]] = {}
+            for item in batch:
+                use = item.use
+                key = keys.usage_tokens(token_day(use.at), use.tenant, self.writer)
+                groups.setdefault(key, []).append(item)
+            done = 0
+            try:
+                names = list(groups)
+                for i in range(0, len(names), KEYS_PER_TXN):
+                    chunk = names[i : i + KEYS_PER_TXN]
+                    done += await self._commit(chunk, groups)
+                    for key in chunk:
+                        del groups[key]
+            finally:
+                self._queue[:0] = [item for items in groups.values() for item in items]
+                self._in_flight = 0
+            return done
+
+    async def _commit(self, names: Sequence[str], groups: dict[str, list[_Pending]]) -> int:
+        """One transaction for `names`' uses: read the keys, drop what is in already, add the
+        rest under a new flush seq, commit guarded; again on a lost race."""
+        done = 0
+        for _ in range(MAX_ATTEMPTS):
+            got = await self.registry.get_many(names)
+            days: dict[str, tuple[TokenDay, int]] = {}
+            for key in names:
+                day = self._day(key, got.get(key), groups[key][0].use)
+                revision = got[key][1] if key in got else 0
+                live = []
+                for item in groups[key]:
+                    if 0 < item.mark <= day.seq:
+                        self._free_item(item)  # an earlier flush of it committed
+                        done += 1
+                    else:
+                        live.append(item)
+                groups[key] = live
+                if live:
+                    days[key] = (day, revision)
+            if not days:
+                return done
+            seq = max(self._seq, *(day.seq for day, _ in days.values())) + 1
+            self._set_seq(seq)
+            puts: dict[str, bytes] = {}
+            for key, (day, _) in days.items():
+                for item in groups[key]:
+                    if item.mark == 0:
+                        self._mark(item, seq)
+                    use = item.use
+                    row = day.rows.setdefault(
+                        row_key(use.model, use.site, use.client_region), TokenRow()
+                    )
+                    row.add(use, item.usd)
+                day.seq = seq
+                puts[key] = day.model_dump_json().encode()
+            guards = [Guard(key, mod_revision=rev) for key, (_, rev) in days.items()]
+            if await self.registry.commit(guards=guards, puts=puts):
+                if self._after_commit is not None:
+                    self._after_commit()
+                for key in days:
+                    for item in groups[key]:
+                        self._free_item(item)
+                        done += 1
+                    groups[key] = []
+                return done
+        raise StaleRecord(f"token ledger: {len(names)} TokenDay keys changed under every try")
+
+    def _day(self, key: str, raw: tuple[bytes, int] | None, use: TokenUse) -> TokenDay:
+        if raw is None:
+            return TokenDay(day=token_day(use.at), tenant=use.tenant, writer=self.writer)
+        try:
+            return TokenDay.model_validate_json(raw[0])
+        except ValidationError as exc:
+            raise TokenLedgerError(f"{key} does not hold a TokenDay: {exc}") from exc
+
+    def _set_seq(self, seq: int) -> None:
+        self._seq = seq
+        if self.mapped is not None:
+            _SEQ.pack_into(self.mapped, _SEQ_AT, seq)
+
+    def _mark(self, item: _Pending, seq: int) -> None:
+        item.mark = seq
+        if item.slot >= 0 and self.mapped is not None:
+            _SEQ.pack_into(self.mapped, self.slot_offset(item.slot) + _MARK_AT, seq)
+
+    def _free_item(self, item: _Pending) -> None:
+        slot, item.slot = item.slot, -1
+        self.free_slot(slot)
