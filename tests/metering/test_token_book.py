@@ -48,7 +48,9 @@ def key(day: str, tenant: str, writer: str) -> str:
     return keys.usage_tokens(day, tenant, writer)
 
 
-def by_group(book: TokenBook, *by: str, first: int = DEC3, last: int = DEC3) -> dict:
+def by_group(
+    book: TokenBook, *by: str, first: int = DEC3, last: int = DEC3
+) -> dict[tuple[str, ...], dict[str, float]]:
     return {
         tuple(r.group.values()): r.figures
         for r in book.query(first_day=first, last_day=last, by=by)
@@ -74,7 +76,7 @@ def test_replicas_are_summed_and_a_rewritten_record_replaces_its_rows() -> None:
     assert got[("ai", "qwen")]["inference_usd"] == pytest.approx(0.5)
     assert set(by_group(book, "client_region")) == {("east",), ("west",)}
     now = at("2026-12-20T00:00:00")
-    assert book.month_to_date("ai", now) == (500 + 200 + 15, pytest.approx(0.51))
+    assert book.month_to_date("ai", now) == pytest.approx((500 + 200 + 15, 0.51))
 
     # b1 flushes again (its sums grew): replaced, not added
     book.on_event(key("2026-12-03", "ai", "b1"), record("2026-12-03", "ai", "b1",
@@ -84,7 +86,7 @@ def test_replicas_are_summed_and_a_rewritten_record_replaces_its_rows() -> None:
     # b2's record deleted (the history's retention): its rows are gone
     book.on_event(key("2026-12-03", "ai", "b2"), None, 10)
     assert set(by_group(book, "model")) == {("qwen",)}
-    assert book.month_to_date("ai", now) == (560, pytest.approx(0.4))
+    assert book.month_to_date("ai", now) == pytest.approx((560, 0.4))
     assert book.month_to_date("ai", at("2027-01-02T00:00:00")) == (0, 0.0)
     assert book.month_to_date("nobody", now) == (0, 0.0)
     # a malformed record is skipped, and takes the key's old rows with it
