@@ -3,15 +3,14 @@
 KvCache: each running request holds ceil((prompt_tokens + max_tokens) / block_tokens) blocks of
 a fixed capacity from admission to its last token; usage = held / capacity, capped at 1 (the
 stand-in's concurrency limit, not the cache, decides admission: it reports saturation, as
-vllm:gpu_cache_usage_perc does, for the router to read).
+vllm:kv_cache_usage_perc does, for the router to read).
 
 PrefixCache: an LRU of prefix keys (a hash of the prompt's first `chars` characters, see
 prompt_text). A request whose key is present was preceded by one with the same prefix, whose
 KV blocks a real server would still hold: its prefill is discounted. Keys go in once a prefill
 is done, and the oldest go out past `entries`.
 
-Tokens are estimated as ceil(characters / CHARS_PER_TOKEN), about what BPE tokenizers give for
-English text.
+Token counts come from routing.standin.tokens (no tokenizer runs).
 """
 
 from __future__ import annotations
@@ -21,50 +20,33 @@ import hashlib
 import math
 from typing import Any
 
-__all__ = ["CHARS_PER_TOKEN", "KvCache", "PrefixCache", "PromptError", "prompt_text", "tokens_of"]
-
-CHARS_PER_TOKEN = 4
-
-
-class PromptError(ValueError):
-    """The body's prompt or messages have the wrong shape; `field` names it."""
-
-    def __init__(self, message: str, *, field: str) -> None:
-        super().__init__(message)
-        self.field = field
+__all__ = ["KvCache", "PrefixCache", "prompt_text"]
 
 
 def prompt_text(body: dict[str, Any], *, chat: bool) -> str:
-    """The prompt as one string: chat `messages` (role: content per line), else `prompt`
-    (a string, or a list of strings or token ids); "" when absent. PromptError on a bad shape."""
-    if chat and "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list):
-            raise PromptError("messages must be a list of objects", field="messages")
-        parts = []
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict):
-                raise PromptError(f"messages[{i}] must be an object", field=f"messages[{i}]")
-            content = msg.get("content", "")
-            if not isinstance(content, str | list):
-                raise PromptError(
-                    f"messages[{i}].content must be a string or a list",
-                    field=f"messages[{i}].content",
-                )
-            parts.append(f"{msg.get('role', '')}: {content}")
-        return "\n".join(parts)
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(
-        isinstance(p, str | int) and not isinstance(p, bool) for p in prompt
-    ):
-        return " ".join(str(p) for p in prompt)
-    raise PromptError("prompt must be a string or a list of strings or token ids", field="prompt")
+    """The prompt as one string, for the prefix key: chat `messages` (role: content per line),
+    else `prompt` (token ids as decimal numbers); "" when absent. The body was validated
+    (routing.standin.tokens counted it)."""
+    if chat:
+        return "\n".join(
+            f"{msg.get('role', '')}: {_text(msg.get('content'))}"
+            for msg in body.get("messages", [])
+        )
+    return _text(body.get("prompt", ""))
 
 
-def tokens_of(text: str) -> int:
-    return math.ceil(len(text) / CHARS_PER_TOKEN)
+def _text(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return " ".join(_text(v) for v in value)
+    if isinstance(value, dict):
+        text = value.get("text")
+        if isinstance(text, str):
+            return text  # a content part
+    return str(value)
 
 
 class KvCache:

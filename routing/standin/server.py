@@ -1,26 +1,43 @@
 """A STAND-IN model server for tests and the demo. It runs no model.
 
-It answers OpenAI-like requests after a service time drawn from a declared distribution, so the
-router has something with realistic latency, a concurrency limit and a queue to route to. Every
-response carries `X-Cpn-Standin: 1` so nobody mistakes it for a real inference server.
+It answers OpenAI requests as vLLM's OpenAI server does, after a service time drawn from a
+declared distribution, so the router has something with realistic latency, a concurrency
+limit and a queue to route to, and the gateway real `usage` to meter. Every response carries
+`X-Cpn-Standin: 1` so nobody mistakes it for a real inference server.
 
     POST /v1/completions, POST /v1/chat/completions
-        JSON object in; after the service time, a small JSON completion out. With
-        `"stream": true` it sends server-sent events instead: `max_tokens` (default `tokens`)
-        `data: {...}` events spaced by service_time / tokens, then `data: [DONE]`.
+        JSON object in; after the service time, a completion of `max_tokens` (default
+        `tokens`) tokens out, with `usage` (prompt tokens counted from the input by
+        routing.standin.tokens, `prompt_tokens_details.cached_tokens` on a prefix-cache hit).
+        With `"stream": true`: server-sent events, one per token, spaced by
+        service_time / tokens, then `data: [DONE]`; with `stream_options.include_usage` every
+        chunk has `"usage": null` and a last chunk `"choices": []` carries the usage
+        (`continuous_usage_stats`: every chunk carries the usage so far, as vLLM).
+    POST /v1/embeddings   deterministic unit vectors (routing.standin.embeddings)
+    GET /v1/models, GET /v1/models/{id}
+                          vLLM's model cards: the model and its LoRA adapters
+                          (routing.standin.models, which also says which `model` a request
+                          may name: an unknown one is a 404 once --served-model-name is given)
     GET /healthz          200 while healthy (the fault switch applies here too)
     GET /stats            {in_flight, queue, served, errors, rejected, p50_ms, p99_ms,
                            mean_ms, service_rate_per_s, max_concurrency, max_queue,
                            kv_cache_usage, prefix_queries, prefix_hits, ...}
-    GET /metrics          Prometheus text with vLLM's names and types, labelled model_name:
+    GET /metrics          Prometheus text with vLLM V1's names and types, labelled
+                          model_name and engine:
                           vllm:num_requests_running, vllm:num_requests_waiting (gauges),
-                          vllm:gpu_cache_usage_perc (gauge, 0..1),
+                          vllm:kv_cache_usage_perc (gauge, 0..1),
                           vllm:time_to_first_token_seconds (histogram, vLLM's buckets),
                           vllm:prefix_cache_queries_total, vllm:prefix_cache_hits_total
-                          (counters, prompt tokens)
+                          (counters, prompt tokens looked up and found),
+                          vllm:prompt_tokens_total, vllm:generation_tokens_total (counters);
+                          with adapters, vllm:lora_requests_info{max_lora,
+                          running_lora_adapters, waiting_lora_adapters} (gauge, unix s)
     POST /admin/fail      {"mode": "500" | "hang" | "slow" | "blind" | "ok"}: a fault switch for
                           tests; "blind" answers 503 to /metrics and /stats only (a server too
                           busy to report, whose signals then go stale), inference still works
+
+Errors on /v1/ are vLLM's `{"error": {"message", "type", "param", "code"}}` (code: the HTTP
+status; routing.standin.errors), with cpn's `field` beside `param`.
 
 Service time: lognormal with the declared median and p99 (p99 == median gives a constant),
 drawn from a seeded generator. Concurrency: at most `max_concurrency` requests are served at
@@ -31,23 +48,23 @@ answers ages out; service_rate_per_s = max_concurrency / mean service time.
 
 Time to first token: the queue wait, then a prefill of `prefill_ms` (times 1 - prefix_hit_discount
 when the prompt's prefix was recently served: routing.standin.kvcache.PrefixCache), then the first
-of
-`max_tokens` tokens spaced by service_time / max_tokens. A running request holds KV blocks for
+of `max_tokens` tokens spaced by service_time / max_tokens. A running request holds KV blocks for
 its prompt and output tokens (routing.standin.kvcache.KvCache); /metrics reports the cache's usage.
 
 Run: python -m routing.standin.server --listen HOST:PORT --name NAME --median-ms X --p99-ms Y
      --max-concurrency N [--max-queue M] [--seed S] [--tokens T] [--prefill-ms P]
      [--prefix-hit-discount D] [--prefix-chars C] [--prefix-cache-entries E]
-     [--kv-cache-blocks B]
+     [--kv-cache-blocks B] [--served-model-name MODEL] [--lora-modules NAME[=PATH] ...]
+     [--max-loras L] [--max-model-len LEN] [--embedding-dim D] [--api-key-env VAR]
 --prefill-ms and --prefix-cache-entries default to $CPN_STANDIN_PREFILL_MS and
 $CPN_STANDIN_PREFIX_CACHE_ENTRIES when set (so a `cpn up` started with them models the prefix
 cache: bench/inference_routing.py's prefix workload), else 0 and 1024.
 It prints `listening on http://HOST:PORT` once it accepts connections (PORT 0 picks one).
 
-One module because it is one small program started as `python -m routing.standin.server`
-(and under its old name, routing.modelserver) wherever a replica runs: the settings, the
-queue, the HTTP handlers and the command line read as one file, and nothing else imports its
-parts but the tests.
+One module for the program's settings, queue, HTTP handlers and command line, started as
+`python -m routing.standin.server` (and under its old name, routing.modelserver) wherever a
+replica runs; what the OpenAI surface computes (token counts, model cards, embeddings, error
+bodies) is in the modules beside it.
 """
 
 from __future__ import annotations
@@ -76,7 +93,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from routing.standin.kvcache import KvCache, PrefixCache, PromptError, prompt_text, tokens_of
+from routing.standin.embeddings import EmbeddingRequest
+from routing.standin.errors import ApiError, error_body
+from routing.standin.kvcache import KvCache, PrefixCache, prompt_text
+from routing.standin.models import Catalog, LoraAdapter, parse_lora
+from routing.standin.tokens import cached_tokens, chat_tokens, prompt_tokens, text_tokens, usage
 
 __all__ = [
     "FAULT_MODES",
@@ -124,6 +145,23 @@ class ModelServerSettings(BaseModel):
         4096, ge=1, description="KV-cache capacity in blocks; usage = held / this"
     )
     kv_block_tokens: int = Field(16, ge=1, description="tokens per KV block (vLLM's default)")
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="the model requests name, as vLLM's --served-model-name: another name is a "
+        "404; None: the model is `name`, and a request may name any model (the stand-in "
+        "answered every name before models were routed by name)",
+    )
+    lora_adapters: tuple[LoraAdapter, ...] = Field(
+        (), description="LoRA adapters served beside the model (vLLM's --lora-modules)"
+    )
+    max_loras: int = Field(
+        1, ge=1, description="vllm:lora_requests_info's max_lora label (vLLM's --max-loras)"
+    )
+    max_model_len: int = Field(
+        32768, ge=1, description="context length in tokens: prompt + max_tokens beyond it is a 400"
+    )
+    embedding_dim: int = Field(384, ge=1, le=8192, description="length of /v1/embeddings vectors")
     api_key: str | None = Field(
         None,
         min_length=1,
@@ -137,6 +175,18 @@ class ModelServerSettings(BaseModel):
         if self.p99_ms < self.median_ms:
             raise ValueError(f"p99_ms ({self.p99_ms:g}) must be >= median_ms ({self.median_ms:g})")
         return self
+
+    @model_validator(mode="after")
+    def _adapters_distinct(self) -> ModelServerSettings:
+        names = [a.name for a in self.lora_adapters]
+        if len(set(names)) != len(names) or self.model in names:
+            raise ValueError("lora_adapters: each name once, and none the served model's")
+        return self
+
+    @property
+    def model(self) -> str:
+        """The served model's name: what responses and metrics say."""
+        return self.served_model_name or self.name
 
 
 class ServiceTime:
@@ -220,7 +270,16 @@ class ModelServer:
         self.prefixes = PrefixCache(
             chars=settings.prefix_chars, entries=settings.prefix_cache_entries
         )
-        self.metrics = _Metrics(settings.name)
+        self.catalog = Catalog(
+            model=settings.model,
+            adapters=settings.lora_adapters,
+            max_model_len=settings.max_model_len,
+            strict=settings.served_model_name is not None,
+        )
+        # requests per adapter, running and waiting for a slot (vllm:lora_requests_info)
+        self.lora_running: collections.Counter[str] = collections.Counter()
+        self.lora_waiting: collections.Counter[str] = collections.Counter()
+        self.metrics = _Metrics(settings.model, lora=bool(settings.lora_adapters))
 
     def set_mode(self, mode: str) -> None:
         self.mode = mode
@@ -235,7 +294,10 @@ class ModelServer:
             await self._recovered.wait()
         if self.mode == "500":
             self.errors += 1
-            return _error(500, "injected_fault", f"{self.settings.name}: fault switch is on")
+            return web.json_response(
+                error_body(500, f"{self.settings.name}: fault switch is on (injected_fault)"),
+                status=500,
+            )
         return None
 
     def retry_after_s(self) -> int:
@@ -292,39 +354,70 @@ class ModelServer:
         m.running.set(self.slots.in_flight)
         m.waiting.set(len(self.slots.waiters))
         m.kv_usage.set(self.kv.usage)
+        if m.lora_info is not None:
+            # one label set, the adapters as of now, valued at the time (vLLM sets it so)
+            m.lora_info.clear()
+            m.lora_info.labels(
+                max_lora=str(self.settings.max_loras),
+                waiting_lora_adapters=_names(self.lora_waiting),
+                running_lora_adapters=_names(self.lora_running),
+            ).set(time.time())
         return generate_latest(m.registry)
 
 
-class _Metrics:
-    """The vLLM-named series of one server, in a registry of its own (tests run several)."""
+def _names(counts: collections.Counter[str]) -> str:
+    return ",".join(sorted(name for name, n in counts.items() if n > 0))
 
-    def __init__(self, model: str) -> None:
+
+class _Metrics:
+    """The vLLM-named series of one server, in a registry of its own (tests run several).
+    Names, types, help and labels as vLLM V1's PrometheusStatLogger (vllm/v1/metrics/
+    loggers.py): every series labelled model_name and engine (one engine, "0")."""
+
+    def __init__(self, model: str, *, lora: bool) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r, label = self.registry, ("model_name",)
+        r, label, values = self.registry, ("model_name", "engine"), (model, "0")
         self.running = Gauge(
-            "vllm:num_requests_running", "Number of requests currently running on GPU.",
+            "vllm:num_requests_running", "Number of requests in model execution batches.",
             label, registry=r,
-        ).labels(model)  # fmt: skip
+        ).labels(*values)  # fmt: skip
         self.waiting = Gauge(
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
             label, registry=r,
-        ).labels(model)  # fmt: skip
+        ).labels(*values)  # fmt: skip
         self.kv_usage = Gauge(
-            "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
             label, registry=r,
-        ).labels(model)  # fmt: skip
+        ).labels(*values)  # fmt: skip
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
             label, registry=r, buckets=TTFT_BUCKETS_S,
-        ).labels(model)  # fmt: skip
+        ).labels(*values)  # fmt: skip
         self.prefix_queries = Counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
             "tokens.", label, registry=r,
-        ).labels(model)  # fmt: skip
+        ).labels(*values)  # fmt: skip
         self.prefix_hits = Counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
             label, registry=r,
-        ).labels(model)  # fmt: skip
+        ).labels(*values)  # fmt: skip
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=r,
+        ).labels(*values)  # fmt: skip
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", label, registry=r,
+        ).labels(*values)  # fmt: skip
+        # as vLLM: only a server with LoRA enabled has it; no model_name label
+        self.lora_info = (
+            Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+                registry=r,
+            )  # fmt: skip
+            if lora
+            else None
+        )
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:
@@ -335,80 +428,149 @@ def _quantile(ordered: list[float], q: float) -> float | None:
 
 
 def _error(status: int, code: str, message: str, field: str | None = None) -> web.Response:
+    """cpn's error shape, for the stand-in's own paths (/admin, /stats, /metrics)."""
     return web.json_response(
         {"error": {"code": code, "message": message, "field": field}}, status=status
     )
 
 
+def _api_error(exc: ApiError) -> web.Response:
+    """vLLM's error shape, for the OpenAI paths (routing.standin.errors)."""
+    return web.json_response(exc.body(), status=exc.status)
+
+
 SERVER = web.AppKey("modelserver", ModelServer)
 
 
-async def _read_json(request: web.Request) -> dict[str, Any] | web.Response:
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object; ApiError (400, 413) naming `body` when it is not one."""
+    too_large = ApiError(f"request body over {MAX_BODY} bytes", param="body", status=413)
     if request.content_length is not None and request.content_length > MAX_BODY:
-        return _error(413, "too_large", f"request body over {MAX_BODY} bytes", "body")
+        raise too_large
     try:
         body = json.loads(await request.read() or b"{}")
     except web.HTTPRequestEntityTooLarge:
-        return _error(413, "too_large", f"request body over {MAX_BODY} bytes", "body")
+        raise too_large from None
     except (ValueError, UnicodeDecodeError) as exc:
-        return _error(400, "invalid_json", f"request body is not JSON: {exc}", "body")
+        raise ApiError(f"request body is not JSON: {exc}", param="body") from None
     if not isinstance(body, dict):
-        return _error(400, "invalid", "request body must be a JSON object", "body")
+        raise ApiError("request body must be a JSON object", param="body")
     return body
 
 
-def _token_count(body: dict[str, Any], default: int) -> int | web.Response:
-    value = body.get("max_tokens", default)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STREAM_TOKENS:
-        return _error(
-            400, "invalid", f"max_tokens must be an integer in 1..{MAX_STREAM_TOKENS}", "max_tokens"
-        )
+def _flag(value: object, param: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(f"{param} must be true or false", param=param)
     return value
+
+
+class _Request:
+    """A completion request, validated: what to generate, for which model, how to answer."""
+
+    def __init__(self, server: ModelServer, body: dict[str, Any], *, chat: bool) -> None:
+        settings = server.settings
+        self.stream = _flag(body.get("stream", False), "stream")
+        self.max_tokens = self._max_tokens(body, settings.tokens, chat=chat)
+        options = body.get("stream_options")
+        if options is not None and not self.stream:
+            raise ApiError(
+                "Stream options can only be defined when `stream=True`.", param="stream_options"
+            )
+        if options is not None and not isinstance(options, dict):
+            raise ApiError("stream_options must be an object", param="stream_options")
+        options = options or {}
+        self.include_usage = _flag(options.get("include_usage"), "stream_options.include_usage")
+        self.continuous_usage = self.include_usage and _flag(
+            options.get("continuous_usage_stats"), "stream_options.continuous_usage_stats"
+        )
+        self.adapter = server.catalog.resolve(body.get("model"))
+        self.model = self.adapter or settings.model
+        if chat:
+            self.prompt_tokens = chat_tokens(body.get("messages", []))
+        else:
+            self.prompt_tokens = prompt_tokens(body.get("prompt", ""))
+        requested = self.prompt_tokens + self.max_tokens
+        if requested > settings.max_model_len:
+            where = "messages" if chat else "prompt"
+            raise ApiError(
+                f"This model's maximum context length is {settings.max_model_len} tokens. "
+                f"However, you requested {requested} tokens ({self.prompt_tokens} in the "
+                f"{where}, {self.max_tokens} in the completion). Please reduce the length of "
+                f"the {where} or completion.",
+                param=where,
+            )
+        self.prompt = prompt_text(body, chat=chat)
+
+    @staticmethod
+    def _max_tokens(body: dict[str, Any], default: int, *, chat: bool) -> int:
+        # chat's max_completion_tokens is OpenAI's newer name for it; vLLM takes either
+        param = (
+            "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        )
+        value = body.get(param)
+        if value is None:
+            return default
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 1 <= value <= MAX_STREAM_TOKENS
+        ):
+            raise ApiError(f"{param} must be an integer in 1..{MAX_STREAM_TOKENS}", param=param)
+        return value
+
+
+def _busy(server: ModelServer) -> web.Response:
+    server.rejected += 1
+    busy = web.json_response(
+        error_body(
+            429,
+            f"{server.settings.name}: {server.settings.max_concurrency} in flight and "
+            f"{server.settings.max_queue} queued (queue_full)",
+            type="RateLimitError",
+        ),
+        status=429,
+    )
+    busy.headers["Retry-After"] = str(server.retry_after_s())
+    return busy
 
 
 async def _infer(request: web.Request, chat: bool) -> web.StreamResponse:
     server = request.app[SERVER]
-    body = await _read_json(request)
-    if isinstance(body, web.Response):
-        return body
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        return _error(400, "invalid", "stream must be true or false", "stream")
-    tokens = _token_count(body, server.settings.tokens)
-    if isinstance(tokens, web.Response):
-        return tokens
     try:
-        prompt = prompt_text(body, chat=chat)
-    except PromptError as exc:
-        return _error(400, "invalid", str(exc), exc.field)
+        req = _Request(server, await _read_json(request), chat=chat)
+    except ApiError as exc:
+        return _api_error(exc)
     arrived = time.monotonic()
     fault = await server.fault()
     if fault is not None:
         return fault
+    adapter = req.adapter
+    if adapter is not None:
+        server.lora_waiting[adapter] += 1
     try:
         await server.slots.acquire()
     except QueueFull:
-        server.rejected += 1
-        busy = _error(
-            429,
-            "queue_full",
-            f"{server.settings.name}: {server.settings.max_concurrency} in flight and "
-            f"{server.settings.max_queue} queued",
-        )
-        busy.headers["Retry-After"] = str(server.retry_after_s())
-        return busy
-    prompt_tokens = tokens_of(prompt)
-    blocks = server.kv.hold(prompt_tokens + tokens)
+        return _busy(server)
+    finally:
+        if adapter is not None:
+            server.lora_waiting[adapter] -= 1
+    if adapter is not None:
+        server.lora_running[adapter] += 1
+    tokens = req.max_tokens
+    blocks = server.kv.hold(req.prompt_tokens + tokens)
     try:
         service_ms = server.service_time.draw() * (SLOW_FACTOR if server.mode == "slow" else 1)
-        rid = f"cmpl-{server.settings.name}-{server.next_id()}"
-        run = _Run(server, prompt, prompt_tokens, tokens, service_ms, arrived)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{server.settings.name}-{server.next_id()}"
+        run = _Run(server, req, service_ms, arrived)
         response: web.StreamResponse
-        if stream:
+        if req.stream:
             response = await _stream(request, run, rid, chat)
         else:
             await run.first_token()
             await asyncio.sleep(run.per_token_s * (tokens - 1))
+            server.metrics.generation_tokens.inc(tokens)
             response = web.json_response(_completion(run, rid, chat))
         server.record(service_ms)
         server.served += 1
@@ -416,41 +578,46 @@ async def _infer(request: web.Request, chat: bool) -> web.StreamResponse:
     finally:
         server.kv.release(blocks)
         server.slots.release()
+        if adapter is not None:
+            server.lora_running[adapter] -= 1
 
 
 class _Run:
     """One admitted request: its prefill (discounted on a prefix hit) and token pacing."""
 
     def __init__(
-        self,
-        server: ModelServer,
-        prompt: str,
-        prompt_tokens: int,
-        tokens: int,
-        service_ms: float,
-        arrived: float,
+        self, server: ModelServer, req: _Request, service_ms: float, arrived: float
     ) -> None:
         settings = server.settings
         self.server = server
-        self.prompt_tokens = prompt_tokens
-        self.tokens = tokens
+        self.req = req
+        self.model = req.model
+        self.prompt_tokens = req.prompt_tokens
+        self.tokens = req.max_tokens
         self.service_ms = service_ms
         self.arrived = arrived
-        self.per_token_s = service_ms / tokens / 1000
-        self.key = server.prefixes.key(prompt)
+        self.per_token_s = service_ms / self.tokens / 1000
+        self.key = server.prefixes.key(req.prompt)
         self.hit = server.prefixes.lookup(self.key)
         discount = settings.prefix_hit_discount if self.hit else 0.0
         self.prefill_ms = settings.prefill_ms * (1 - discount)
         self.ttft_ms: float | None = None
-        cached = min(prompt_tokens, tokens_of(prompt[: settings.prefix_chars])) if self.hit else 0
-        server.metrics.prefix_queries.inc(prompt_tokens)
-        server.metrics.prefix_hits.inc(cached)
+        prefix = text_tokens(req.prompt[: settings.prefix_chars])
+        self.cached = (
+            cached_tokens(prefix, self.prompt_tokens, settings.kv_block_tokens) if self.hit else 0
+        )
+        server.metrics.prefix_queries.inc(self.prompt_tokens)
+        server.metrics.prefix_hits.inc(self.cached)
+
+    def usage(self, completion: int) -> dict[str, Any]:
+        return usage(self.prompt_tokens, completion, self.cached)
 
     async def first_token(self) -> None:
         """Sleep through the prefill and the first token; record the time to first token (from
         arrival, queueing included, as vLLM measures it)."""
         await asyncio.sleep(self.prefill_ms / 1000 + self.per_token_s)
         self.server.prefixes.store(self.key)
+        self.server.metrics.prompt_tokens.inc(self.prompt_tokens)
         ttft_s = time.monotonic() - self.arrived
         self.ttft_ms = ttft_s * 1000
         self.server.metrics.ttft.observe(ttft_s)
@@ -460,21 +627,18 @@ def _completion(run: _Run, rid: str, chat: bool) -> dict[str, Any]:
     server, tokens = run.server, run.tokens
     text = " ".join(f"tok{i}" for i in range(tokens))
     choice: dict[str, Any] = (
-        {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+        {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+         "finish_reason": "stop"}
         if chat
-        else {"index": 0, "text": text, "finish_reason": "stop"}
-    )
+        else {"index": 0, "text": text, "logprobs": None, "finish_reason": "stop"}
+    )  # fmt: skip
     return {
         "id": rid,
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": server.settings.name,
+        "model": run.model,
         "choices": [choice],
-        "usage": {
-            "prompt_tokens": run.prompt_tokens,
-            "completion_tokens": tokens,
-            "total_tokens": run.prompt_tokens + tokens,
-        },
+        "usage": run.usage(tokens),
         "cpn": {
             "standin": True,
             "server": server.settings.name,
@@ -487,32 +651,49 @@ def _completion(run: _Run, rid: str, chat: bool) -> dict[str, Any]:
 
 
 async def _stream(request: web.Request, run: _Run, rid: str, chat: bool) -> web.StreamResponse:
-    server, tokens = run.server, run.tokens
+    """One event per token; with include_usage, `usage` null in each (or the usage so far,
+    with continuous_usage_stats) and a last event with no choices and the usage."""
+    server, tokens, req = run.server, run.tokens, run.req
     response = web.StreamResponse(
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    kind = "chat.completion.chunk" if chat else "text_completion"
+    head = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": run.model,
+    }
     try:
         for i in range(tokens):
             if i == 0:
                 await run.first_token()
             else:
                 await asyncio.sleep(run.per_token_s)
+            finish = "stop" if i == tokens - 1 else None
             choice: dict[str, Any] = (
-                {"index": 0, "delta": {"content": f"tok{i} "}}
+                {"index": 0, "delta": {"role": "assistant", "content": f"tok{i} "}
+                 if i == 0 else {"content": f"tok{i} "}, "logprobs": None,
+                 "finish_reason": finish}
                 if chat
-                else {"index": 0, "text": f"tok{i} "}
-            )
-            if i == tokens - 1:
-                choice["finish_reason"] = "stop"
-            event = {"id": rid, "object": kind, "model": server.settings.name, "choices": [choice]}
-            await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                else {"index": 0, "text": f"tok{i} ", "logprobs": None, "finish_reason": finish}
+            )  # fmt: skip
+            event: dict[str, Any] = {**head, "choices": [choice]}
+            if req.include_usage:
+                event["usage"] = run.usage(i + 1) if req.continuous_usage else None
+            server.metrics.generation_tokens.inc()
+            await response.write(_sse(event))
+        if req.include_usage:
+            await response.write(_sse({**head, "choices": [], "usage": run.usage(tokens)}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionError:
         pass  # the client left; aiohttp closes the connection
     return response
+
+
+def _sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -521,6 +702,47 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _infer(request, chat=True)
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    """POST /v1/embeddings (routing.standin.embeddings): one forward pass's time in a slot."""
+    server = request.app[SERVER]
+    settings = server.settings
+    try:
+        body = await _read_json(request)
+        adapter = server.catalog.resolve(body.get("model"))
+        req = EmbeddingRequest(
+            body, embedding_dim=settings.embedding_dim, max_model_len=settings.max_model_len
+        )
+    except ApiError as exc:
+        return _api_error(exc)
+    fault = await server.fault()
+    if fault is not None:
+        return fault
+    try:
+        await server.slots.acquire()
+    except QueueFull:
+        return _busy(server)
+    try:
+        slow = SLOW_FACTOR if server.mode == "slow" else 1
+        await asyncio.sleep(server.service_time.draw() * slow / settings.tokens / 1000)
+        server.metrics.prompt_tokens.inc(sum(req.tokens))
+        server.served += 1
+        return web.json_response(req.response(adapter or settings.model))
+    finally:
+        server.slots.release()
+
+
+async def list_models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": request.app[SERVER].catalog.cards()})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    try:
+        card = request.app[SERVER].catalog.card(request.match_info["model"])
+    except ApiError as exc:
+        return _api_error(exc)
+    return web.json_response(card)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -548,9 +770,10 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def admin_fail(request: web.Request) -> web.Response:
     server = request.app[SERVER]
-    body = await _read_json(request)
-    if isinstance(body, web.Response):
-        return body
+    try:
+        body = await _read_json(request)
+    except ApiError as exc:
+        return _error(exc.status, "invalid_json", exc.message, exc.param)
     mode = body.get("mode")
     if mode not in FAULT_MODES:
         return _error(400, "invalid", f"mode must be one of {', '.join(FAULT_MODES)}", "mode")
@@ -576,6 +799,9 @@ def make_app(settings: ModelServerSettings) -> web.Application:
     app.on_shutdown.append(_release_hung)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/embeddings", embeddings)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model:.+}", get_model)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/stats", stats)
     app.router.add_get("/metrics", metrics)
@@ -636,6 +862,24 @@ def _parser() -> argparse.ArgumentParser:
         help="prefix keys kept, LRU (default: $CPN_STANDIN_PREFIX_CACHE_ENTRIES, else 1024)",
     )
     p.add_argument("--kv-cache-blocks", type=int, default=4096)
+    # vLLM's own flags for what /v1/models lists and a request's `model` may name
+    p.add_argument(
+        "--served-model-name",
+        metavar="MODEL",
+        help="the model requests name; another is a 404 (default: --name, any name accepted)",
+    )
+    p.add_argument(
+        "--lora-modules",
+        "--lora",
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="NAME[=PATH]",
+        help="LoRA adapters served beside the model (repeatable)",
+    )
+    p.add_argument("--max-loras", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=32768)
+    p.add_argument("--embedding-dim", type=int, default=384)
     p.add_argument(
         "--api-key-env",
         metavar="NAME",
@@ -687,6 +931,11 @@ def main(argv: list[str] | None = None) -> int:
             prefix_chars=args.prefix_chars,
             prefix_cache_entries=args.prefix_cache_entries,
             kv_cache_blocks=args.kv_cache_blocks,
+            served_model_name=args.served_model_name,
+            lora_adapters=tuple(parse_lora(spec) for spec in args.lora_modules),
+            max_loras=args.max_loras,
+            max_model_len=args.max_model_len,
+            embedding_dim=args.embedding_dim,
             api_key=api_key,
         )
     except ValidationError as exc:

@@ -75,23 +75,24 @@ async def test_metrics_carry_vllms_names_types_and_model_label(
     types = {name: fams[name].type for name in fams if name.startswith("vllm:")}
     assert types["vllm:num_requests_running"] == "gauge"
     assert types["vllm:num_requests_waiting"] == "gauge"
-    assert types["vllm:gpu_cache_usage_perc"] == "gauge"
+    assert types["vllm:kv_cache_usage_perc"] == "gauge"
+    assert "vllm:gpu_cache_usage_perc" not in types  # deprecated, gone as in vLLM V1
     assert types["vllm:time_to_first_token_seconds"] == "histogram"
     assert types["vllm:prefix_cache_queries"] == "counter"
 
     def value(name: str) -> float:
         (sample,) = fams[name].samples
-        assert sample.labels == {"model_name": "qwen-7b"}
+        assert sample.labels == {"model_name": "qwen-7b", "engine": "0"}
         return float(sample.value)
 
     assert value("vllm:num_requests_running") == 2
     assert value("vllm:num_requests_waiting") == 1
     # two running requests, each ceil((400 / 4 + 16) / 16) = 8 blocks of 4096
-    assert value("vllm:gpu_cache_usage_perc") == pytest.approx(16 / 4096)
+    assert value("vllm:kv_cache_usage_perc") == pytest.approx(16 / 4096)
     await asyncio.gather(*busy)
     fams = await families(http, url)
     assert value("vllm:num_requests_running") == 0
-    assert value("vllm:gpu_cache_usage_perc") == 0
+    assert value("vllm:kv_cache_usage_perc") == 0
     counts = {s.name: s.value for s in fams["vllm:time_to_first_token_seconds"].samples}
     assert counts["vllm:time_to_first_token_seconds_count"] == 3
     # the third waited for a slot: TTFT is measured from arrival, queueing included
@@ -119,7 +120,7 @@ async def test_kv_cache_saturates_at_its_capacity(
     ]  # 5 blocks each: 15 held of 10
     await asyncio.sleep(0.08)
     assert server.kv.held == 15
-    (sample,) = (await families(http, url))["vllm:gpu_cache_usage_perc"].samples
+    (sample,) = (await families(http, url))["vllm:kv_cache_usage_perc"].samples
     assert sample.value == 1.0
     async with http.get(url + "/stats") as resp:
         assert (await resp.json())["kv_cache_usage"] == 1.0
