@@ -8,6 +8,7 @@ import logging
 import signal
 import ssl
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -74,6 +75,7 @@ async def serve(
     settings: BrokerSettings | None = None,
     ready: asyncio.Event | None = None,
     wan_emulated: bool = False,
+    state_dir: Path | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or cancellation). HTTPS when `tls_cert` and `tls_key` are
     given; `etcd_tls` is the broker's etcd credentials on a secure etcd."""
@@ -128,6 +130,8 @@ async def serve(
             settings=broker.settings.inference,
             client_source_ips=sources,
             site_keys=site_keys,
+            # in-process (tests, tools) without one: a fresh directory, nothing to recover
+            state_dir=state_dir or Path(tempfile.mkdtemp(prefix=f"cpn-broker-{port}-")),
         )
         gateway.install(app)
 

@@ -354,6 +354,7 @@ class Launcher:
             *self._etcd_args(url, self.credentials.get(BROKER_USER)),
             "--listen", listen,
             "--config-dir", str(self.settings.config_dir),
+            "--state-dir", str(self.run_dir / "broker-state"),
         ]  # fmt: skip
         if self.settings.secure:
             args += ["--tls-cert", str(self.pki.directory / "broker.pem")]

@@ -71,8 +71,21 @@ async def cmd_broker(args: argparse.Namespace) -> int:
         listen=args.listen,
         config_dir=Path(args.config_dir) if args.config_dir else config_dir(),
         wan_emulated=args.wan_emulated,
+        state_dir=broker_state_dir(args.state_dir, args.listen),
     )
     return 0
+
+
+def broker_state_dir(given: str | None, listen: str) -> Path:
+    """Where a broker keeps its state (the token ledger's write-ahead file and the replica's
+    id): --state-dir, else $CPN_STATE_DIR, else ~/.local/state/cpn/broker-<port>."""
+    if given:
+        return Path(given)
+    if os.environ.get("CPN_STATE_DIR"):
+        return Path(os.environ["CPN_STATE_DIR"])
+    port = listen.rsplit(":", 1)[-1]
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "cpn" / f"broker-{port}"
 
 
 def add_parsers(
@@ -99,6 +112,12 @@ def add_parsers(
     broker.add_argument("--config-dir", metavar="DIR", help="configs/ directory")
     broker.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate")
     broker.add_argument("--tls-key", metavar="FILE", help="the certificate's private key")
+    broker.add_argument(
+        "--state-dir",
+        metavar="DIR",
+        help="the replica's own state: the token ledger's write-ahead file and its id "
+        "(default: $CPN_STATE_DIR, else ~/.local/state/cpn/broker-PORT)",
+    )
     broker.add_argument(
         "--wan-emulated",
         action="store_true",

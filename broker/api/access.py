@@ -45,7 +45,7 @@ from broker.state.auth import (
     new_token,
 )
 from broker.state.store import position
-from routing.gateway.proxy import TENANT_KEY
+from routing.gateway.proxy import REQUEST_ID_KEY, TENANT_KEY, TOKEN_KEY
 from sites.model import keys
 from sites.model.durations import Duration
 from sites.registry.client import Guard
@@ -89,6 +89,12 @@ ACCESS: dict[tuple[str, str], Permission] = {
     ("GET", "/v1/sites"): P.sites_read,
     ("POST", "/v1/route"): P.route,
     ("*", "/v1/infer/{service}/{path}"): P.route,
+    # the OpenAI surface (broker.api.openai): inference, as the proxy above
+    ("POST", "/v1/chat/completions"): P.route,
+    ("POST", "/v1/completions"): P.route,
+    ("POST", "/v1/embeddings"): P.route,
+    ("GET", "/v1/models"): P.route,
+    ("GET", "/v1/models/{model}"): P.route,
     ("POST", "/v1/tokens"): P.tokens,
     ("GET", "/v1/tokens"): P.tokens,
     ("DELETE", "/v1/tokens/{token}"): P.tokens,
@@ -115,7 +121,15 @@ PRINCIPAL = "cpn.principal"
 REQUEST_ID = "X-Request-Id"
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _CHANGES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-_NOT_CHANGES = frozenset({"/v1/route", "/v1/infer/{service}/{path}"})
+_NOT_CHANGES = frozenset(
+    {
+        "/v1/route",
+        "/v1/infer/{service}/{path}",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+    }
+)
 
 
 @dataclass
@@ -198,6 +212,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             return await handler(request)
         who = authorize(access, permission, request.headers.get("Authorization"))
         request[PRINCIPAL] = who
+        request[TOKEN_KEY] = who.token_id  # per-token inference limits
         if who.tenant is not None:
             # an inference token names its tenant: rate limits and policy key on it, not
             # on whatever X-Cpn-Tenant the client sends (routing.gateway.proxy reads it here)
@@ -218,6 +233,7 @@ def audit_middleware_for(
     @web.middleware
     async def audit_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
         request_id = new_request_id(request.headers.get(REQUEST_ID, ""))
+        request[REQUEST_ID_KEY] = request_id  # what an inference request's tokens settle by
         key = _route_key(request)
         if request.method not in _CHANGES or key is None or key[1] in _NOT_CHANGES:
             response = await errors(request, handler)

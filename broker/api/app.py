@@ -12,6 +12,7 @@ registry is unreachable; a 500 is a bug.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -60,6 +61,7 @@ from broker.state.auth import Forbidden
 from broker.state.job_pages import DEFAULT_LIMIT, MAX_LIMIT, JobQuery, list_page, parse_since
 from broker.state.metrics import LoopCounter, exposition
 from broker.state.router import Router, route_json
+from routing.gateway.openai import error_body as openai_error_body
 from routing.gateway.prefix import header_key
 from sites.model import keys
 from sites.model.config import field_path
@@ -125,6 +127,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         response = error(410, "expired", str(exc), "continue")
     except RegistryUnavailable as exc:
         response = error(503, "registry_unavailable", str(exc))
+    if response.status >= 400 and is_openai_path(request.path):
+        response = openai_shaped(response)
     count_request(broker.metrics.http_requests, request.method, route, response.status)
     took = time.perf_counter() - started
     broker.metrics.request_timed(request.method, route, took)
@@ -133,6 +137,38 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         # waited on the network, the event loop or its own process
         response.headers["Server-Timing"] = f"app;dur={took * 1000:.2f}"
     return response
+
+
+OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+
+
+def is_openai_path(path: str) -> bool:
+    """The OpenAI surface's paths (broker.api.openai): their errors in OpenAI's shape."""
+    return path in OPENAI_PATHS or path == "/v1/models" or path.startswith("/v1/models/")
+
+
+def openai_shaped(response: web.StreamResponse) -> web.StreamResponse:
+    """A cpn error answer `{"error": {"code", "message", "field"}}` in OpenAI's shape
+    `{"error": {"message", "type", "param", "code"}}`, its status and headers kept; any other
+    answer as it is."""
+    if not isinstance(response, web.Response) or response.body is None or response.prepared:
+        return response
+    try:
+        error = json.loads(bytes(response.body))["error"]  # type: ignore[arg-type]
+        code, message, field = error["code"], error["message"], error.get("field")
+    except (ValueError, KeyError, TypeError):
+        return response
+    if "type" in error:
+        return response  # shaped already (the proxy's own refusals)
+    shaped = web.Response(
+        body=openai_error_body(response.status, code, message, field),
+        status=response.status,
+        content_type="application/json",
+    )
+    for name, value in response.headers.items():
+        if name.lower() not in ("content-type", "content-length"):
+            shaped.headers[name] = value
+    return shaped
 
 
 def count_request(metric: LoopCounter, method: str, route: str, status: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
 
 import aiohttp
 from aiohttp import web
@@ -22,13 +23,19 @@ from broker.api.access import (
     new_request_id,
 )
 from broker.api.app import count_request
+from broker.api.openai import openai_operations
 from broker.api.openapi import JSON, Operation, Param, Reply, register
 from broker.model.errors import InvalidRequest, NotFound
+from broker.model.tenants import InferencePolicy
 from broker.placement.settings import InferenceSettings
 from broker.process import RESTART, Broker
 from broker.state.auth import Forbidden, Unauthorized
-from broker.state.metrics import LoopCounter
+from broker.state.inference_limits import InferenceLimits
+from broker.state.metrics import BrokerMetrics, LoopCounter
+from broker.state.models import ModelCatalog
 from broker.state.router import Router
+from broker.state.token_ledger import Ticket, TokenLedger
+from metering.tokens import TokenUse, cost_usd
 from routing.decision.candidates import site_replicas
 from routing.gateway.health import (
     ActiveHealthChecker,
@@ -42,7 +49,9 @@ from routing.gateway.proxy import (
     SESSION_COOKIE,
     SESSION_HEADER,
     TENANT_HEADER,
+    Extra,
     InferenceProxy,
+    Targets,
     UnknownRegion,
     UnknownService,
     Upstream,
@@ -50,14 +59,130 @@ from routing.gateway.proxy import (
 )
 from routing.gateway.ratelimit import RateLimit, TenantLimiter
 from routing.gateway.upstream import UpstreamPool
+from sites.kits.clock import Clock
+from sites.model.snapshot import Snapshot
+from sites.model.spec import TokenPrice
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INFER_ROUTE = "/v1/infer/{service}/{path}"  # the route's canonical form, as metrics label it
 
 
+class Picked(list[Upstream]):
+    """Gateway.pick's upstreams; `overflow`: every allowed site is full and the first of them
+    was taken anyway (the proxy's queue and alias spill look at it)."""
+
+    overflow = False
+
+
+class _Settling:
+    """A ledger ticket that, once settled, also charges the limits and counts the metrics."""
+
+    __slots__ = ("accountant", "ticket")
+
+    def __init__(self, accountant: TokenAccountant, ticket: Ticket) -> None:
+        self.accountant = accountant
+        self.ticket = ticket
+
+    def progress(self, completion_tokens: int) -> None:
+        self.ticket.progress(completion_tokens)
+
+    def settle(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool
+    ) -> None:
+        use = self.ticket.settle(prompt_tokens, completion_tokens, cached_tokens, counted=counted)
+        self.accountant.charged(use)
+
+
+class TokenAccountant:
+    """routing.gateway.proxy's Accountant in the broker: the replica's limits
+    (broker.state.inference_limits) before a request, its token ledger
+    (broker.state.token_ledger) and metrics after."""
+
+    def __init__(
+        self,
+        *,
+        ledger: TokenLedger,
+        limits: InferenceLimits | None,
+        metrics: BrokerMetrics,
+        snapshot: Callable[[], Snapshot],
+        clock: Clock,
+    ) -> None:
+        self.ledger = ledger
+        self.limits = limits
+        self.metrics = metrics
+        self.snapshot = snapshot
+        self.clock = clock
+
+    def admit(self, tenant: str, token_id: str | None) -> tuple[int, str, str, str, Extra] | None:
+        limits = self.limits
+        if limits is None:
+            return None
+        refusal = limits.admit(tenant, token_id, self.clock.time())
+        if refusal is None:
+            return None
+        retry = refusal.retry_after_header
+        headers: Extra = (
+            (("Retry-After", retry),)
+            if refusal.should_retry and retry is not None
+            else (("x-should-retry", "false"),)
+        )
+        return refusal.status, refusal.code, refusal.message, refusal.field, headers
+
+    def open(
+        self,
+        request_id: str,
+        tenant: str,
+        token_id: str | None,
+        requested: str,
+        service: str,
+        site: str,
+        region: str,
+        prompt_tokens: int,
+    ) -> _Settling:
+        ep = self.snapshot().services.get((service, site))
+        model = ep.model if ep is not None else service
+        ticket = self.ledger.open(
+            request_id=request_id or new_request_id(""),
+            tenant=tenant,
+            token_id=token_id,
+            requested=requested,
+            service=service,
+            model=model,
+            site=site,
+            client_region=region,
+            prompt_tokens=prompt_tokens,
+        )
+        return _Settling(self, ticket)
+
+    def charged(self, use: TokenUse) -> None:
+        if self.limits is not None:
+            usd = cost_usd(use, self.ledger.price(use.site, use.model, use.at))
+            self.limits.charge(
+                use.tenant, use.token_id, tokens=use.total_tokens, usd=usd, now=use.at
+            )
+        self.metrics.inference_tokens(use)
+
+
+def token_price(snapshot: Callable[[], Snapshot]) -> Callable[[str, str, float], TokenPrice | None]:
+    """(site, model, unix s) -> the site's token price for the model in force then: from its
+    price history (sites.model.status.PriceHistory), else its spec."""
+
+    def price(site: str, model: str, at: float) -> TokenPrice | None:
+        snap = snapshot()
+        history = snap.price_history.get(site)
+        if history is not None:
+            for change in reversed(history.changes):
+                if change.since <= at:
+                    return change.prices.token_price(model)
+        spec = snap.specs.get(site)
+        return spec.prices.token_price(model) if spec is not None else None
+
+    return price
+
+
 class Gateway:
-    """Owns the proxy (and its upstream connections) and the health checker; `install(app)`
-    adds the route."""
+    """Owns the proxy (and its upstream connections), the health checker, the model catalog,
+    and with metering on the token ledger and limits; `install(app)` adds the routes."""
 
     def __init__(
         self,
@@ -67,8 +192,11 @@ class Gateway:
         settings: InferenceSettings | None = None,
         client_source_ips: dict[str, str] | None = None,
         site_keys: Mapping[tuple[str, str], str] | None = None,
+        state_dir: Path | None = None,
     ) -> None:
-        """`site_keys`: the keys of broker.placement.settings.read_site_keys, for the proxy."""
+        """`site_keys`: the keys of broker.placement.settings.read_site_keys, for the proxy.
+        `state_dir`: where the token ledger writes ahead (its file, and the replica's id that
+        keeps its records its own across restarts); required with metering on."""
         self.broker = broker
         self.router = router
         self.settings = settings or InferenceSettings()
@@ -79,6 +207,34 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None  # the health checks'
         self.checker: ActiveHealthChecker | None = None
         self.proxy: InferenceProxy | None = None
+        self.catalog = ModelCatalog(
+            snapshot=lambda: router.snapshot,
+            job_tenant=self._job_tenant,
+            aliases=self.settings.aliases,
+        )
+        self.state_dir = state_dir
+        self.scoped = False  # auth on: a tenant sees its own managed services only
+        self.ledger: TokenLedger | None = None
+        self.limits: InferenceLimits | None = None
+        self.accountant: TokenAccountant | None = None
+
+    def _job_tenant(self, job: str) -> str | None:
+        found = self.broker.view().jobs.get(job)
+        return found[0].spec.tenant if found is not None else None
+
+    def _default_priority(self, tenant: str) -> int:
+        policy = self.broker.tenancy.file.tenants.get(tenant)
+        inference = policy.inference if policy is not None else None
+        return inference.priority if inference is not None else 0
+
+    def _inference_policy(self, tenant: str) -> InferencePolicy | None:
+        policy = self.broker.tenancy.file.tenants.get(tenant)
+        return policy.inference if policy is not None else None
+
+    def resolve(self, model: str, tenant: str) -> Targets | None:
+        """The proxy's resolve_model: with auth off every model is everyone's."""
+        scoped = tenant if self.scoped else None
+        return self.catalog.resolve(model, scoped)
 
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -127,9 +283,12 @@ class Gateway:
             raise UnknownService(str(exc)) from None
         source = self.client_source_ips.get(region)
         several = chosen.replica_urls
-        return [
+        picked = Picked(
             Upstream(site, url, source, replica=site in several) for site, url in chosen.upstreams
-        ]
+        )
+        if chosen.overflow:
+            picked.overflow = True
+        return picked
 
     def _health_targets(self) -> dict[str, str]:
         """Health-check key -> URL: each endpoint of a service at a site, or each replica of a
@@ -157,6 +316,9 @@ class Gateway:
             # supervised with the broker's own tasks: a crash shows in /healthz, then restarts
             self.broker.supervisor.spawn("health checker", self.checker.run, restart=RESTART)
             rate = RateLimit(rate_per_s=settings.tenant_rate_per_s, burst=settings.tenant_burst)
+            self.scoped = app[AUTH].enabled
+            if settings.metering:
+                await self._start_metering()
             self.proxy = InferenceProxy(
                 pick=self.pick,
                 health=self.health,
@@ -176,11 +338,17 @@ class Gateway:
                 # a client's Authorization is its cpn token, checked here: never the site's
                 drop_credentials=app[AUTH].enabled,
                 site_keys=self.site_keys,  # a site's own key, where it needs one
+                resolve_model=self.resolve,
+                accountant=self.accountant,
+                default_priority=self._default_priority,
+                pass_priority=frozenset(settings.pass_priority),
+                queue_timeout_s=settings.queue.timeout_s,
             )
             yield
             await self.broker.supervisor.cancel("health checker")
             await self.proxy.close()
             await self._session.close()
+            await self._stop_metering()
 
         app.cleanup_ctx.append(lifetime)
 
@@ -190,6 +358,47 @@ class Gateway:
             return await self.proxy.handle(request)
 
         register(app, infer_operation(handle))
+        for operation in openai_operations(handle, self.catalog, self.broker.clock):
+            register(app, operation)
+
+    async def _start_metering(self) -> None:
+        broker = self.broker
+        state_dir = self.state_dir
+        if state_dir is None:
+            raise RuntimeError("the token ledger needs a state directory (cpn broker --state-dir)")
+        state_dir.mkdir(parents=True, exist_ok=True)
+        writer = TokenLedger.writer_id(state_dir)
+        self.ledger = TokenLedger(
+            registry=broker.registry,
+            writer=writer,
+            state_dir=state_dir,
+            price=token_price(lambda: self.router.snapshot),
+            clock=broker.clock,
+        )
+        self.limits = InferenceLimits(
+            registry=broker.registry,
+            writer=writer,
+            policy=self._inference_policy,
+            token_limits=broker.tokens.limits,
+            clock=broker.clock,
+        )
+        self.accountant = TokenAccountant(
+            ledger=self.ledger,
+            limits=self.limits,
+            metrics=broker.metrics,
+            snapshot=lambda: self.router.snapshot,
+            clock=broker.clock,
+        )
+        # supervised: a crash shows in /healthz, then restarts; the ledger recovers what a
+        # killed broker had written ahead before it flushes anything new
+        broker.supervisor.spawn("token ledger", self.ledger.run, restart=RESTART)
+        broker.supervisor.spawn("inference limits", self.limits.run, restart=RESTART)
+
+    async def _stop_metering(self) -> None:
+        for name in ("token ledger", "inference limits"):
+            await self.broker.supervisor.cancel(name)
+        if self.ledger is not None:
+            await self.ledger.close()
 
     def guard(self, app: web.Application) -> LaneGuard:
         """What the API's middlewares do for /v1/infer, for the inference lane
@@ -214,7 +423,7 @@ class LaneGuard:
         ids = ((REQUEST_ID, new_request_id(given.decode("latin-1") if given else "")),)
         access = self.access
         if not access.enabled:
-            return Admission(None, ids)
+            return Admission(None, ids, None, ids[0][1])
         authorization = headers.get(b"authorization")
         try:
             who = authorize(
@@ -227,7 +436,7 @@ class LaneGuard:
             return Refusal(401, "unauthorized", str(exc), "Authorization", (*ids, challenge))
         except Forbidden as exc:
             return Refusal(403, "forbidden", str(exc), exc.field, ids)
-        return Admission(who.tenant, ids)
+        return Admission(who.tenant, ids, who.token_id, ids[0][1])
 
     def done(self, method: str, status: int) -> None:
         if status:

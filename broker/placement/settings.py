@@ -62,6 +62,87 @@ class SiteKey(BaseModel):
         return key
 
 
+MODEL_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$"
+"""A model name a client may send: a served model's (qwen2.5-72b-instruct, org/name), a
+service's or an alias's."""
+
+
+class AliasTarget(BaseModel):
+    """One target of an alias: a service or a model, with its weight within its rank."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    target: str = Field(pattern=MODEL_NAME_RE, description="a service, or a served model")
+    weight: float = Field(default=1.0, gt=0, le=1e6, description="its share within the rank")
+
+
+def _rank_of(value: object) -> object:
+    """A rank as written: a name, a {name: weight} mapping, or a list of names or targets."""
+    if isinstance(value, str):
+        return [{"target": value}]
+    if isinstance(value, dict) and "target" not in value:
+        return [{"target": name, "weight": weight} for name, weight in value.items()]
+    if isinstance(value, dict):
+        return [value]
+    if isinstance(value, list):
+        return [{"target": item} if isinstance(item, str) else item for item in value]
+    return value
+
+
+class Alias(BaseModel):
+    """A model name clients send that cpn serves with other models (docs/openai.md):
+
+        aliases:
+          chat:                          # what clients send as `model`
+            - {qwen-72b: 3, llama-70b: 1}   # first rank: 3 of 4 requests to qwen-72b
+            - deepseek-v3                   # when every site of the first rank is saturated
+                                            # or down
+
+    A target is a service (managed or a site's) or a served model (every service serving it).
+    Each rank is tried in order; within one, targets are drawn by weight."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    ranks: tuple[tuple[AliasTarget, ...], ...] = Field(min_length=1, max_length=16)
+    description: str = Field(default="", max_length=200)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_form(cls, data: object) -> object:
+        if isinstance(data, list):
+            return {"ranks": [_rank_of(rank) for rank in data]}
+        if isinstance(data, dict) and isinstance(data.get("ranks"), list):
+            return {**data, "ranks": [_rank_of(rank) for rank in data["ranks"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _sane(self) -> Alias:
+        seen: set[str] = set()
+        for i, rank in enumerate(self.ranks):
+            if not rank:
+                raise ValueError(f"ranks[{i}] is empty: name a target")
+            for target in rank:
+                if target.target in seen:
+                    raise ValueError(f"ranks[{i}]: {target.target!r} is named twice")
+                seen.add(target.target)
+        return self
+
+
+class QueueSettings(BaseModel):
+    """The gateway's line for requests that find every site of their model saturated."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    timeout_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=600,
+        description="how long a request of priority >= 0 waits in the gateway for room before "
+        "it goes to the least loaded full site anyway (0: no waiting); a request of priority < "
+        "0 (sheddable) is refused at once instead",
+    )
+
+
 class InferenceSettings(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -84,11 +165,43 @@ class InferenceSettings(BaseModel):
         "client's Authorization (read from the environment or a file when the broker starts)",
     )
     outlier: OutlierSettings = OutlierSettings()
+    aliases: dict[str, Alias] = Field(
+        default_factory=dict,
+        description="model names clients send, each served by ranked targets (docs/openai.md)",
+    )
+    pass_priority: tuple[str, ...] = Field(
+        default=(),
+        description="services whose model server runs priority scheduling: the gateway sends a "
+        "request's priority as its `priority` (negated: vLLM serves lower values first); "
+        "elsewhere a body's `priority` is removed",
+    )
+    queue: QueueSettings = QueueSettings()
+    metering: bool = Field(
+        default=True,
+        description="bill and limit inference tokens (the OpenAI paths, and /v1/infer to them); "
+        "false: the gateway only routes",
+    )
     routing: RoutingSettings = Field(
         default=RoutingSettings(),
         description="the routing policy (band, hysteresis, overflow, in-flight accounting, "
         "scoring) the gateway and the simulator share; docs/routing.md",
     )
+
+    @model_validator(mode="after")
+    def _aliases_name_targets(self) -> InferenceSettings:
+        import re
+
+        for name, alias in self.aliases.items():
+            if not re.match(MODEL_NAME_RE, name):
+                raise ValueError(f"aliases: {name!r} is not a model name ({MODEL_NAME_RE})")
+            for rank in alias.ranks:
+                for target in rank:
+                    if target.target in self.aliases:
+                        raise ValueError(
+                            f"aliases.{name}: target {target.target!r} is an alias; name "
+                            "services or models (an alias of aliases would hide what serves)"
+                        )
+        return self
 
     @model_validator(mode="after")
     def _one_key_each(self) -> InferenceSettings:

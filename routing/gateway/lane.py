@@ -45,10 +45,12 @@ from typing import NamedTuple, Protocol, cast
 
 import httptools
 
+from routing.gateway.openai import error_body as openai_error_body
 from routing.gateway.prefix import PREFIX_HEADER
 from routing.gateway.proxy import (
     DEFAULT_TENANT,
     IDEMPOTENT_METHODS,
+    PRIORITY_HEADER,
     REGION_HEADER,
     SESSION_COOKIE,
     SESSION_HEADER,
@@ -73,6 +75,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 PREFIX = b"/v1/infer/"
+OPENAI_TARGETS = frozenset({b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"})
+"""The OpenAI surface's POST paths, served by the lane too (the body names the model)."""
 MAX_HEAD = 64 * 1024
 HIGH_WATER = 64 * 1024
 KEEPALIVE_S = 75.0  # aiohttp's keepalive_timeout
@@ -82,6 +86,7 @@ _REGION = REGION_HEADER.lower().encode()
 _TENANT = TENANT_HEADER.lower().encode()
 _SESSION = SESSION_HEADER.lower().encode()
 _PREFIX_KEY = PREFIX_HEADER.lower().encode()
+_PRIORITY = PRIORITY_HEADER.lower().encode()
 _COOKIE_NAME = SESSION_COOKIE + "="
 _NO_BODY_STATUS = frozenset({204, 304})
 _JSON = b"Content-Type: application/json; charset=utf-8\r\n"
@@ -89,11 +94,13 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class Admission(NamedTuple):
-    """The guard lets a request in: its tenant (None: the request's own X-Cpn-Tenant) and
-    headers for its answer (X-Request-Id)."""
+    """The guard lets a request in: its tenant (None: the request's own X-Cpn-Tenant),
+    headers for its answer (X-Request-Id), the caller's token id and the request's id."""
 
     tenant: str | None
     headers: Extra
+    token_id: str | None = None
+    request_id: str = ""
 
 
 class Refusal(NamedTuple):
@@ -161,6 +168,10 @@ class LaneExchange:
         "extra",
         "http11",
         "keep_alive",
+        "openai",
+        "token_id",
+        "request_id",
+        "priority_header",
     )
 
     def __init__(self, conn: _LaneConnection, method: str, target: bytes, service: str) -> None:
@@ -168,7 +179,11 @@ class LaneExchange:
         self.method = method
         self.path = target.partition(b"?")[0].decode("utf-8", "surrogateescape")
         self.service = service
-        self.tail = target[len(PREFIX) + len(service) + 1 :]
+        self.openai = not service  # an OpenAI path at the root: the body names the model
+        self.tail = target[len(PREFIX) + len(service) + 1 :] if service else target[1:]
+        self.token_id: str | None = None
+        self.request_id = ""
+        self.priority_header: str | None = None
         self.region_hint = ""
         self.remote = conn.remote
         self.tenant = DEFAULT_TENANT
@@ -225,6 +240,9 @@ class LaneExchange:
         prefix = headers.get(_PREFIX_KEY)
         if prefix is not None:
             self.prefix_header = prefix.decode("latin-1")
+        priority = headers.get(_PRIORITY)
+        if priority is not None:
+            self.priority_header = priority.decode("latin-1")
         if b"idempotency-key" in headers:
             self.idempotent = True
         self.http11 = parser.get_http_version() == "1.1"
@@ -264,7 +282,10 @@ class LaneExchange:
     def refuse(
         self, status: int, code: str, message: str, field: str | None, headers: Extra = ()
     ) -> None:
-        body = error_body(code, message, field)
+        if self.openai:
+            body = openai_error_body(status, code, message, field)
+        else:
+            body = error_body(code, message, field)
         head = self._head(status, http.HTTPStatus(status).phrase, _JSON, headers)
         head.append(_date_line())
         head.append(b"Content-Length: %d\r\n\r\n" % len(body))
@@ -361,6 +382,8 @@ def _lane_target(line: bytes) -> tuple[str, bytes, str] | None:
     if len(parts) != 3:
         return None
     method, target, _ = parts
+    if method == b"POST" and target.partition(b"?")[0] in OPENAI_TARGETS:
+        return "POST", target, ""
     if not target.startswith(PREFIX) or method == b"CONNECT" or b"/." in target:
         return None
     service, slash, _ = target[len(PREFIX) :].partition(b"/")
@@ -378,7 +401,10 @@ def _maybe_lane(buf: bytes) -> bool:
     if space < 0:
         return len(buf) < 24
     target = buf[space + 1 : space + 1 + len(PREFIX)]
-    return PREFIX.startswith(target)
+    if PREFIX.startswith(target):
+        return True
+    rest = buf[space + 1 :]
+    return any(path.startswith(rest[: len(path)]) for path in OPENAI_TARGETS)
 
 
 class _LaneConnection(asyncio.Protocol):
@@ -605,6 +631,8 @@ class _LaneConnection(asyncio.Protocol):
             else:
                 if admitted is not None:
                     exchange.extra = admitted.headers
+                    exchange.token_id = admitted.token_id
+                    exchange.request_id = admitted.request_id
                     if admitted.tenant is not None:
                         exchange.tenant = admitted.tenant
                 proxy = lane.proxy()

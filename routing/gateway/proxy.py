@@ -50,10 +50,14 @@ header helpers are called per request and only from here.
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import enum
 import functools
+import itertools
 import json
 import logging
+import random
 from collections.abc import (
     Awaitable,
     Callable,
@@ -71,6 +75,16 @@ from aiohttp import web
 
 from routing.errors import ProxyError, UnknownRegion, UnknownService
 from routing.gateway.health import OutlierDetector
+from routing.gateway.openai import (
+    BadRequest,
+    Meter,
+    OpenAIRequest,
+    body_for,
+    openai_kind,
+    prompt_estimate,
+    read_request,
+)
+from routing.gateway.openai import error_body as openai_error_body
 from routing.gateway.prefix import PREFIX_HEADER, header_key, prefix_key
 from routing.gateway.ratelimit import TenantLimiter
 from routing.gateway.upstream import (
@@ -94,6 +108,9 @@ __all__ = [
     "UnknownService",
     "Upstream",
     "Exchange",
+    "Accountant",
+    "Ticket",
+    "Targets",
     "add_routes",
     "error_body",
     "forward_block",
@@ -107,10 +124,17 @@ log = logging.getLogger(__name__)
 
 REGION_HEADER = "X-Cpn-Client-Region"
 TENANT_HEADER = "X-Cpn-Tenant"
+TOKEN_KEY = "cpn.caller_token"
+"""Where an authenticating middleware leaves the caller's token id (per-token limits)."""
+REQUEST_ID_KEY = "cpn.request_id"
+"""Where a middleware leaves the request's id (X-Request-Id), the id its tokens settle by."""
 TENANT_KEY = "cpn.caller_tenant"
 """Where an authenticating middleware leaves the caller's tenant on the request (it wins over
 the X-Cpn-Tenant header: an inference token names its tenant)."""
 SESSION_HEADER = "X-Cpn-Session"
+PRIORITY_HEADER = "X-Cpn-Priority"
+SERVICE_HEADER = "X-Cpn-Service"
+"""On an answer: the service that served it (an alias's or a model's target)."""
 SESSION_COOKIE = "cpn-session"
 DEFAULT_TENANT = "anonymous"
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
@@ -199,6 +223,46 @@ class TrafficSink(Protocol):
         """The answer's first byte went to the client `seconds` after the request arrived."""
 
 
+Targets = Sequence[Sequence[tuple[str, float]]]
+"""What a model name resolves to: ranks, best first, each of (service, weight); the next rank
+serves when every site of every service in the ranks before it is saturated or down."""
+
+ResolveModel = Callable[[str, str], "Targets | None"]
+"""(model as the body names it, tenant) -> its targets; None: no such model for that tenant."""
+
+
+class Ticket(Protocol):
+    """One metered answer (broker.state.token_ledger's write-ahead ticket)."""
+
+    def progress(self, completion_tokens: int) -> None:
+        """Tokens of the answer that reached the client so far (per streamed chunk)."""
+
+    def settle(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool
+    ) -> None:
+        """The answer ended: bill it (`counted`: the server reported no usage)."""
+
+
+class Accountant(Protocol):
+    """Token accounting and limits for the OpenAI paths (broker.api.inference's)."""
+
+    def admit(self, tenant: str, token_id: str | None) -> tuple[int, str, str, str, Extra] | None:
+        """None to go on, else (status, code, message, field, headers) to refuse with."""
+
+    def open(
+        self,
+        request_id: str,
+        tenant: str,
+        token_id: str | None,
+        requested: str,
+        service: str,
+        site: str,
+        region: str,
+        prompt_tokens: int,
+    ) -> Ticket:
+        """Before the answer's first byte goes to the client (write-ahead)."""
+
+
 class HealthView(Protocol):
     """What the proxy asks of the active health checker
     (routing.gateway.health.ActiveHealthChecker)."""
@@ -252,6 +316,10 @@ class Exchange(Protocol):
     session_key: str | None  # header X-Cpn-Session, else cookie cpn-session
     prefix_header: str | None  # header X-Cpn-Prefix-Key as sent
     idempotent: bool  # an idempotent method, or an Idempotency-Key header
+    openai: bool  # an OpenAI path at the root (service ""): errors in OpenAI's shape
+    token_id: str | None  # the caller's API token, when the gateway authenticates
+    request_id: str  # X-Request-Id, as the answer carries it ("" when none)
+    priority_header: str | None  # header X-Cpn-Priority as sent
 
     def forward_headers(self, drop: frozenset[bytes] = frozenset()) -> bytes:
         """The request's headers for the upstream hop (see `forward_block`), less `drop`."""
@@ -340,6 +408,60 @@ class _Ejections(Mapping[str, float]):
         return sum(1 for _ in self)
 
 
+_QUEUE_POLL_S = 0.05
+"""How often the first request in line looks for room when no request of ours ended: room
+also frees at sites through other gateways and their own clients."""
+
+
+class _Waiter:
+    __slots__ = ("key", "woken")
+
+    def __init__(self, key: tuple[int, int]) -> None:
+        self.key = key
+        self.woken = asyncio.Event()
+
+    async def wait(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.woken.wait(), timeout_s)
+        except TimeoutError:
+            pass
+        self.woken.clear()
+
+
+class _Line:
+    """Requests waiting for room for one model: higher priority first, then arrival."""
+
+    __slots__ = ("waiters",)
+
+    def __init__(self) -> None:
+        self.waiters: list[_Waiter] = []
+
+    def __len__(self) -> int:
+        return len(self.waiters)
+
+    def join(self, priority: int, arrival: int) -> _Waiter:
+        waiter = _Waiter((-priority, arrival))
+        keys = [w.key for w in self.waiters]
+        self.waiters.insert(bisect.bisect(keys, waiter.key), waiter)
+        return waiter
+
+    def first(self) -> _Waiter | None:
+        return self.waiters[0] if self.waiters else None
+
+    def leave(self, waiter: _Waiter) -> None:
+        was_first = self.first() is waiter
+        try:
+            self.waiters.remove(waiter)
+        except ValueError:
+            return
+        if was_first:
+            self.wake_first()  # the next in line looks for room at once
+
+    def wake_first(self) -> None:
+        if self.waiters:
+            self.waiters[0].woken.set()
+
+
 class _Attempt(NamedTuple):
     upstream: Upstream
     response: UpstreamResponse | None
@@ -373,6 +495,12 @@ class InferenceProxy:
         traffic: TrafficSink | None = None,
         drop_credentials: bool = False,
         site_keys: Mapping[tuple[str, str], str] | None = None,
+        resolve_model: ResolveModel | None = None,
+        accountant: Accountant | None = None,
+        default_priority: Callable[[str], int] | None = None,
+        pass_priority: Container[str] = frozenset(),
+        queue_timeout_s: float = 0.0,
+        rng: random.Random | None = None,
     ) -> None:
         """`pool` carries the upstream requests (a new one when None; `close()` closes it).
         `session` is not used for them: it is accepted for callers that still pass one.
@@ -383,7 +511,15 @@ class InferenceProxy:
         see it).
         `site_keys`: (site, service, or "*" for every service there) -> the key that site's
         model servers require, sent as `Authorization: Bearer <key>` in place of the client's
-        header (broker.placement.settings.SiteKey)."""
+        header (broker.placement.settings.SiteKey).
+        `resolve_model`: the OpenAI paths' model -> targets (None: those paths answer 404).
+        `accountant`: token limits before, and token accounting after, an OpenAI path's
+        answer (also `/v1/infer/{service}/v1/chat/completions` and the like).
+        `default_priority`: tenant -> its requests' priority when they name none.
+        `pass_priority`: services whose model server takes cpn's priority (as vLLM's `priority`,
+        negated: vLLM serves lower values first); elsewhere a body's `priority` is removed.
+        `queue_timeout_s`: how long a request with priority >= 0 waits in the gateway while
+        every site of its targets is saturated (0: it goes to the overflow choice at once)."""
         if connect_timeout_s <= 0 or response_timeout_s <= 0:
             raise ValueError("connect_timeout_s and response_timeout_s must be > 0")
         if max_attempts < 1:
@@ -415,6 +551,15 @@ class InferenceProxy:
         self.traffic = traffic
         self.not_forwarded = _CREDENTIALS if drop_credentials else frozenset()
         self._not_forwarded_keyed = self.not_forwarded | _CREDENTIALS  # to a site with its key
+        self.resolve_model = resolve_model
+        self.accountant = accountant
+        self.default_priority = default_priority
+        self.pass_priority = pass_priority
+        self.queue_timeout_s = queue_timeout_s
+        self._rng = rng or random.Random()
+        # requested model -> its requests waiting for room (_choose)
+        self._lines: dict[str, _Line] = {}
+        self._arrivals = itertools.count()
         self._key_lines = {
             where: b"Authorization: Bearer %s\r\n" % key.encode("ascii")
             for where, key in (site_keys or {}).items()
@@ -451,7 +596,8 @@ class InferenceProxy:
 
     async def _serve(self, ex: Exchange) -> None:
         arrived = self.clock.monotonic()
-        if has_dot_segment(ex.tail):
+        service = ex.service
+        if service and has_dot_segment(ex.tail):
             raise _Refusal(
                 400,
                 "invalid_path",
@@ -459,7 +605,6 @@ class InferenceProxy:
                 f"/v1/infer/{ex.service}/: send it resolved",
                 "path",
             )
-        service = ex.service
         region = self._client_region(ex)
         tenant = ex.tenant
         if self.limiter is not None:
@@ -473,11 +618,41 @@ class InferenceProxy:
                     TENANT_HEADER,
                     (("Retry-After", decision.retry_after_header),),
                 )
+        kind = openai_kind(ex.tail)
+        accountant = self.accountant if kind is not None else None
+        if accountant is not None:
+            refused = accountant.admit(tenant, ex.token_id)
+            if refused is not None:
+                raise _Refusal(*refused)
         body = await ex.read_body(self.max_body_bytes)
         if body is None:
             raise _Refusal(
                 413, "too_large", f"request body over {self.max_body_bytes} bytes", "body"
             )
+        request: OpenAIRequest | None = None
+        if kind is not None:
+            try:
+                request = read_request(body, kind)
+            except BadRequest as bad:
+                if not service:
+                    raise _Refusal(400, "invalid_request", bad.message, bad.param) from None
+                # the passthrough sends what it is given; its answer is metered as it comes
+        priority = self._priority(ex, tenant)
+        targets: Targets
+        if service:
+            targets = (((service, 1.0),),)
+        else:
+            if request is None:
+                raise RuntimeError("unreachable: the OpenAI paths read their body")
+            resolve = self.resolve_model
+            found = resolve(request.model, tenant) if resolve is not None else None
+            if not found:
+                raise _Refusal(
+                    404, "model_not_found",
+                    f"the model {request.model!r} does not exist or you do not have access to it",
+                    "model",
+                )  # fmt: skip
+            targets = found
         session_key = ex.session_key or None
         prefix = None
         if self.prefix_chars > 0:
@@ -485,15 +660,10 @@ class InferenceProxy:
             prefix = header_key(given) if given is not None else prefix_key(body, self.prefix_chars)
 
         started = self.clock.monotonic()
-        try:
-            if prefix is None:
-                candidates = await self.pick(service, region, session_key)
-            else:
-                candidates = await self.pick(service, region, session_key, prefix_key=prefix)
-        except UnknownRegion as exc:
-            raise _Refusal(400, "unknown_region", str(exc), REGION_HEADER) from None
-        except UnknownService as missing:  # a name of its own: mypyc types `exc` once
-            raise _Refusal(404, "unknown_service", str(missing), "service") from None
+        service, candidates = await self._choose(
+            targets, region, session_key, prefix, priority,
+            request.model if request is not None else service,
+        )  # fmt: skip
         route_ms = f"{(self.clock.monotonic() - started) * 1000:.3f}"
 
         if not candidates:
@@ -511,9 +681,131 @@ class InferenceProxy:
             )  # fmt: skip
         if self.traffic is not None and region is not None:
             self.traffic.request(service, region)
-        site = await self._forward(ex, service, candidates, body, route_ms, region, arrived)
+        metered: _Metered | None = None
+        if request is not None:
+            server_priority = -priority if service in self.pass_priority else None
+            body = body_for(request, body, server_priority=server_priority)
+        if accountant is not None:
+            metered = _Metered(
+                accountant, request, ex, tenant, service, region or "none",
+                request.model if request is not None else service,
+            )  # fmt: skip
+        site = await self._forward(
+            ex, service, candidates, body, route_ms, region, arrived, metered
+        )
         if self.observe is not None and site is not None:
             self.observe(region or "none", site, self.clock.monotonic() - arrived)
+
+    def _priority(self, ex: Exchange, tenant: str) -> int:
+        given = ex.priority_header
+        if given is not None:
+            try:
+                return int(given.strip())
+            except ValueError:
+                raise _Refusal(
+                    400, "invalid_priority",
+                    f"{PRIORITY_HEADER} must be an integer (negative: sheddable), got {given!r}",
+                    PRIORITY_HEADER,
+                ) from None  # fmt: skip
+        if self.default_priority is not None:
+            return self.default_priority(tenant)
+        return 0
+
+    async def _pick(
+        self,
+        service: str,
+        region: str | None,
+        session_key: str | None,
+        prefix: str | None,
+        several: bool,
+    ) -> Sequence[Upstream]:
+        try:
+            if prefix is None:
+                return await self.pick(service, region, session_key)
+            return await self.pick(service, region, session_key, prefix_key=prefix)
+        except UnknownRegion as exc:
+            raise _Refusal(400, "unknown_region", str(exc), REGION_HEADER) from None
+        except UnknownService as missing:  # a name of its own: mypyc types `exc` once
+            if several:
+                return ()  # one target of several has no site now: the others may serve
+            raise _Refusal(404, "unknown_service", str(missing), "service") from None
+
+    async def _choose(
+        self,
+        targets: Targets,
+        region: str | None,
+        session_key: str | None,
+        prefix: str | None,
+        priority: int,
+        requested: str,
+    ) -> tuple[str, Sequence[Upstream]]:
+        """The service and upstreams that serve: the first target, in rank order (weighted
+        within a rank), with a site that is neither saturated nor down. When all are, a
+        sheddable request (priority < 0) is refused; others wait in line for room (higher
+        priority first, then arrival) up to queue_timeout_s, then take the first saturated
+        target's overflow choice (the site's own queue)."""
+        several = sum(len(rank) for rank in targets) > 1
+        line: _Line | None = None
+        waiter: _Waiter | None = None
+        waited_since = 0.0
+        try:
+            while True:
+                if waiter is None or line is None or line.first() is waiter:
+                    first: tuple[str, Sequence[Upstream]] | None = None
+                    for rank in targets:
+                        for name in self._weighted(rank):
+                            candidates = await self._pick(
+                                name, region, session_key, prefix, several
+                            )
+                            if candidates and not getattr(candidates, "overflow", False):
+                                return name, candidates
+                            if first is None or (candidates and not first[1]):
+                                first = (name, candidates)
+                    if first is None:
+                        raise RuntimeError("unreachable: a model has at least one target")
+                    if not first[1]:
+                        return first  # down everywhere: nothing to wait for
+                    if priority < 0:
+                        raise _Refusal(
+                            503, "shed",
+                            f"every site for {requested!r} is saturated; a request of priority "
+                            f"{priority} (sheddable) is refused first",
+                            PRIORITY_HEADER, (("Retry-After", "1"),),
+                        )  # fmt: skip
+                    if self.queue_timeout_s <= 0:
+                        return first
+                    overflow = first
+                now = self.clock.monotonic()
+                if waiter is None:
+                    line = self._lines.get(requested)
+                    if line is None:
+                        line = self._lines[requested] = _Line()
+                    waiter = line.join(priority, next(self._arrivals))
+                    waited_since = now
+                left = self.queue_timeout_s - (now - waited_since)
+                if left <= 0:
+                    return overflow  # waited long enough: the site's own queue takes it
+                await waiter.wait(min(left, _QUEUE_POLL_S))
+        finally:
+            if waiter is not None and line is not None:
+                line.leave(waiter)
+                if not line:
+                    self._lines.pop(requested, None)
+
+    def _weighted(self, rank: Sequence[tuple[str, float]]) -> list[str]:
+        """A rank's services in a weighted random order, without replacement (Efraimidis and
+        Spirakis: each keyed by u ** (1 / weight), largest first)."""
+        if len(rank) == 1:
+            return [rank[0][0]]
+        rng = self._rng
+        keyed = [(rng.random() ** (1.0 / weight), name) for name, weight in rank if weight > 0]
+        keyed.sort(reverse=True)
+        return [name for _, name in keyed]
+
+    def _room(self) -> None:
+        """A request ended: the first in each line looks for room."""
+        for line in self._lines.values():
+            line.wake_first()
 
     def _client_region(self, ex: Exchange) -> str | None:
         region = ex.region_hint
@@ -542,9 +834,10 @@ class InferenceProxy:
         route_ms: str,
         region: str | None = None,
         arrived: float = 0.0,
+        metered: _Metered | None = None,
     ) -> str | None:
         """Try the candidates and relay the answer; the site that answered (None if none was
-        usable)."""
+        usable). `metered`: the answer's tokens are billed (an OpenAI path's)."""
         now = self.clock.time()
         usable: list[Upstream] = []
         for candidate in candidates:  # the first max_attempts usable ones, checking no more
@@ -598,6 +891,7 @@ class InferenceProxy:
             ("X-Cpn-Site", site),
             ("X-Cpn-Attempts", str(attempts)),
             ("X-Cpn-Route-Ms", route_ms),
+            (SERVICE_HEADER, service),
         )
         if attempt.failure is Failure.key_refused and attempt.response is not None:
             # the site's refusal of the broker's key is no answer to relay to the client,
@@ -611,7 +905,7 @@ class InferenceProxy:
             return site
         try:
             await self._relay(
-                ex, service, attempt.upstream, attempt.response, extra, region, arrived
+                ex, service, attempt.upstream, attempt.response, extra, region, arrived, metered
             )
         finally:
             self._finished(service, attempt.upstream)
@@ -639,6 +933,8 @@ class InferenceProxy:
     def _finished(self, service: str, upstream: Upstream) -> None:
         if upstream.replica:
             _count(self._active_replicas, (service, upstream.site, upstream.base_url), -1)
+        if self._lines:
+            self._room()
         active = self._active.get(service)
         if active is None:
             return
@@ -715,12 +1011,14 @@ class InferenceProxy:
         extra: Extra,
         region: str | None = None,
         arrived: float = 0.0,
+        metered: _Metered | None = None,
     ) -> None:
         """Stream `response` to the client chunk by chunk; the client's first byte ends retries.
 
         A body that already arrived whole with the headers (a Content-Length answer of one
         segment, the common short completion) goes out with its headers in one write: the same
-        bytes to the client, where streaming would send headers and body as two."""
+        bytes to the client, where streaming would send headers and body as two. A metered
+        answer (2xx) is billed: its usage read as it passes (routing.gateway.openai.Meter)."""
         try:
             status, reason = response.status, response.reason
             whole = (
@@ -729,41 +1027,129 @@ class InferenceProxy:
                 else response.whole_body()
             )
             traffic = self.traffic if region is not None else None
-            if whole is not None:
+            meter: Meter | None = None
+            ticket: Ticket | None = None
+            if metered is not None and 200 <= status < 300:
+                meter = Meter(strip=metered.strip)
+                ticket = metered.open(upstream.site)
+            if whole is not None and (metered is None or meter is None or not metered.stream):
                 sent = await ex.answer(status, reason, response.headers, extra, whole)
                 if sent and traffic is not None and region is not None:
                     traffic.first_byte(service, region, self.clock.monotonic() - arrived)
+                if ticket is not None and meter is not None and metered is not None:
+                    if sent:
+                        meter.whole(whole)
+                    metered.settle(ticket, meter, sent)
                 return
-            if not await ex.start(status, reason, response.headers, extra, response.content_length):
-                return  # the client left before the answer
-            while True:
-                try:
-                    chunk = await response.read_any()
-                except (UpstreamBroken, TimeoutError, OSError) as exc:
-                    # Bytes already went out: no retry; cut the client's stream so it sees the
-                    # break instead of a body that looks complete.
-                    key = upstream_key(service, upstream)
-                    self.health.report(key, False, self.clock.time())
-                    log.warning(
-                        "%s %s: upstream %s broke mid-stream (%s: %s); cutting the client off",
-                        ex.method, ex.path, upstream.site, type(exc).__name__, exc,
-                    )  # fmt: skip
-                    ex.cut()
-                    return
-                if not chunk:
-                    break
-                if not await ex.send(chunk):
-                    return  # the client left; the finally drops the upstream connection
-                if traffic is not None and region is not None:
-                    # the first token of a stream: what the SLO is about
-                    traffic.first_byte(service, region, self.clock.monotonic() - arrived)
-                    traffic = None
-            await ex.finish()
+            length = response.content_length
+            if meter is not None and meter.strip:
+                length = None  # what is taken out changes the length
+            try:
+                if not await ex.start(status, reason, response.headers, extra, length):
+                    return  # the client left before the answer
+                if whole is not None:
+                    chunks: list[bytes] = [whole]
+                else:
+                    chunks = []
+                while True:
+                    if chunks:
+                        chunk = chunks.pop()
+                    else:
+                        try:
+                            chunk = await response.read_any()
+                        except (UpstreamBroken, TimeoutError, OSError) as exc:
+                            # Bytes already went out: no retry; cut the client's stream so it
+                            # sees the break instead of a body that looks complete.
+                            key = upstream_key(service, upstream)
+                            self.health.report(key, False, self.clock.time())
+                            log.warning(
+                                "%s %s: upstream %s broke mid-stream (%s: %s); cutting the "
+                                "client off",
+                                ex.method, ex.path, upstream.site, type(exc).__name__, exc,
+                            )  # fmt: skip
+                            ex.cut()
+                            return
+                        if not chunk:
+                            if meter is not None:
+                                rest = meter.end()
+                                if rest and not await ex.send(rest):
+                                    return
+                            break
+                    if meter is not None:
+                        chunk = meter.feed(chunk)
+                        if not chunk:
+                            continue
+                    if not await ex.send(chunk):
+                        return  # the client left; the finally drops the upstream connection
+                    if ticket is not None and meter is not None:
+                        ticket.progress(meter.chunks)
+                    if traffic is not None and region is not None:
+                        # the first token of a stream: what the SLO is about
+                        traffic.first_byte(service, region, self.clock.monotonic() - arrived)
+                        traffic = None
+                await ex.finish()
+            finally:
+                if ticket is not None and meter is not None and metered is not None:
+                    metered.settle(ticket, meter, True)
         finally:
             if response.at_eof():
                 response.release()
             else:
                 response.close()
+
+
+class _Metered:
+    """An OpenAI path's request, to bill its answer: who asked, for what, from where."""
+
+    __slots__ = ("accountant", "request", "ex", "tenant", "service", "region", "requested")
+
+    def __init__(
+        self,
+        accountant: Accountant,
+        request: OpenAIRequest | None,
+        ex: Exchange,
+        tenant: str,
+        service: str,
+        region: str,
+        requested: str,
+    ) -> None:
+        self.accountant = accountant
+        self.request = request
+        self.ex = ex
+        self.tenant = tenant
+        self.service = service
+        self.region = region
+        self.requested = requested
+
+    @property
+    def stream(self) -> bool:
+        return self.request is not None and self.request.stream
+
+    @property
+    def strip(self) -> bool:
+        return self.request is not None and self.request.strip_usage
+
+    def open(self, site: str) -> Ticket:
+        request = self.request
+        prompt = prompt_estimate(request) if request is not None else 0
+        ex = self.ex
+        return self.accountant.open(
+            ex.request_id, self.tenant, ex.token_id, self.requested, self.service, site,
+            self.region, prompt,
+        )  # fmt: skip
+
+    def settle(self, ticket: Ticket, meter: Meter, delivered: bool) -> None:
+        """Bill the answer once: the server's usage, else what the gateway counted reached
+        the client (nothing, for an answer that never reached it)."""
+        usage = meter.usage
+        if usage is not None and delivered:
+            ticket.settle(
+                usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, counted=False
+            )
+            return
+        request = self.request
+        prompt = prompt_estimate(request) if request is not None and delivered else 0
+        ticket.settle(prompt, meter.chunks, 0, counted=True)
 
 
 class _WebExchange:
@@ -783,6 +1169,10 @@ class _WebExchange:
         "session_key",
         "prefix_header",
         "idempotent",
+        "openai",
+        "token_id",
+        "request_id",
+        "priority_header",
     )
 
     def __init__(self, request: web.Request) -> None:
@@ -791,8 +1181,17 @@ class _WebExchange:
         self.response: web.StreamResponse | None = None
         self.method = request.method
         self.path = request.path
-        self.service = request.match_info["service"]
-        self.tail = path_tail(request.raw_path).encode("utf-8", "surrogateescape")
+        service = request.match_info.get("service")
+        self.openai = service is None  # an OpenAI path at the root: the body names the model
+        if service is None:
+            self.service = ""
+            self.tail = request.raw_path.lstrip("/").encode("utf-8", "surrogateescape")
+        else:
+            self.service = service
+            self.tail = path_tail(request.raw_path).encode("utf-8", "surrogateescape")
+        self.token_id: str | None = request.get(TOKEN_KEY)
+        self.request_id: str = request.get(REQUEST_ID_KEY) or ""
+        self.priority_header = headers.get(PRIORITY_HEADER)
         self.region_hint = headers.get(REGION_HEADER, "").strip()
         self.remote = request.remote
         self.tenant = (
@@ -834,6 +1233,14 @@ class _WebExchange:
     def refuse(
         self, status: int, code: str, message: str, field: str | None, headers: Extra = ()
     ) -> None:
+        if self.openai:
+            self.response = web.Response(
+                body=openai_error_body(status, code, message, field),
+                status=status,
+                content_type="application/json",
+                headers=dict(headers) or None,
+            )
+            return
         body = {"error": {"code": code, "message": message, "field": field}}
         self.response = web.json_response(body, status=status, headers=dict(headers) or None)
 

@@ -106,7 +106,8 @@ def start_api_broker(
         context = ssl.create_default_context(cafile=str(tls[2]))
     proc = processes.start(
         "broker", *(etcd_args or ("--etcd", etcd_url)), "--listen", f"127.0.0.1:{port}",
-        "--config-dir", str(cfg), *extra, name=name,
+        "--config-dir", str(cfg), "--state-dir", str(root / f"{name}-state"), *extra,
+        name=name,
     )  # fmt: skip
     scheme = "https" if tls else "http"
     broker = ApiBroker(f"{scheme}://127.0.0.1:{port}", context=context)

@@ -149,7 +149,8 @@ class Federation:
         name = f"broker-{len(self.processes.procs)}"
         self.broker = self.processes.start(
             "broker", "--etcd", self.registry.url, "--listen", f"127.0.0.1:{port}",
-            "--config-dir", str(self.config_dir), name=name,
+            "--config-dir", str(self.config_dir),
+            "--state-dir", str(self.config_dir.parent / f"{name}-state"), name=name,
         )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -1,0 +1,280 @@
+"""The OpenAI surface's per-request work in the gateway: the body's model, the error shape,
+and the tokens an answer used. Pure: bytes in, bytes and numbers out.
+
+Three things, each on the request's path (docs/openai.md is the long form):
+
+- `read_request(body, kind)`: the JSON body's `model` (what the request is routed by), whether
+  it streams, and the body to send on. A stream that did not ask for usage is sent with
+  `stream_options.include_usage: true`, so the model server reports the tokens it used (the
+  gateway bills them), and the answer's `Meter` takes that extra usage back out. A body's
+  `priority` (vLLM's own field) is removed unless the service opted in (`pass_priority`):
+  vLLM refuses it unless it runs priority scheduling, and its sense is the reverse of cpn's.
+- `error_body(...)`: OpenAI's `{"error": {"message", "type", "param", "code"}}`.
+- `Meter`: reads `usage` from a JSON answer, or from a stream's events as they pass
+  (server-sent events, `data: {...}` separated by a blank line), and counts the stream's
+  chunks that carry choices (about one token each: what reached the client, billed if the
+  stream never ends with its usage). For a stream whose usage the gateway asked for on the
+  client's behalf (`strip=True`) it forwards what the client asked for, no more: the
+  `"usage":null` of each chunk and the last usage chunk (`"choices":[]`) are removed.
+  Events are forwarded whole: a read that ends inside one keeps its start until the rest
+  arrives.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import NamedTuple
+
+__all__ = [
+    "KINDS",
+    "BadRequest",
+    "Meter",
+    "OpenAIRequest",
+    "Usage",
+    "error_body",
+    "error_type",
+    "openai_kind",
+    "prompt_estimate",
+    "read_request",
+]
+
+KINDS: dict[bytes, str] = {
+    b"v1/chat/completions": "chat",
+    b"v1/completions": "completions",
+    b"v1/embeddings": "embeddings",
+}
+"""The model server paths (as the tail after the gateway's prefix) whose answers carry usage."""
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_QUOTA_CODES = frozenset({"budget_exhausted", "insufficient_quota"})
+
+
+def openai_kind(tail: bytes) -> str | None:
+    """The kind of a model server path ("v1/chat/completions", with or without a query), or
+    None for one that carries no usage."""
+    if b"?" in tail:
+        tail = tail.partition(b"?")[0]
+    return KINDS.get(tail.rstrip(b"/"))
+
+
+def error_type(status: int, code: str) -> str:
+    """OpenAI's `type` for an error: insufficient_quota for a spent budget, else by status."""
+    if code in _QUOTA_CODES:
+        return "insufficient_quota"
+    found = _TYPES.get(status)
+    if found is not None:
+        return found
+    return "server_error" if status >= 500 else "invalid_request_error"
+
+
+def error_body(status: int, code: str, message: str, param: str | None) -> bytes:
+    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
+    return json.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": error_type(status, code),
+                "param": param,
+                "code": code,
+            }
+        }
+    ).encode()
+
+
+class BadRequest(Exception):
+    """A body the gateway cannot route: 400, naming the field (`param`)."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class OpenAIRequest(NamedTuple):
+    model: str
+    stream: bool
+    strip_usage: bool  # the gateway asked for the stream's usage: take it out of the answer
+    priority: int | None  # the body's own `priority` (vLLM's field), if it had one
+    doc: dict[str, object]  # the parsed body, to rewrite (`body_for`)
+    changed: bool  # doc differs from the body as sent
+
+
+def read_request(body: bytes, kind: str) -> OpenAIRequest:
+    """The routing facts of an OpenAI request body; BadRequest when it has none."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the body is not JSON: {exc}", None) from None
+    if not isinstance(doc, dict):
+        raise BadRequest("the body must be a JSON object", None)
+    model = doc.get("model")
+    if not isinstance(model, str) or not model.strip():
+        raise BadRequest("say which model: a non-empty string in the body's `model`", "model")
+    stream = doc.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise BadRequest("`stream` must be true or false", "stream")
+    changed = strip = False
+    if stream and kind != "embeddings":
+        options = doc.get("stream_options")
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            raise BadRequest("`stream_options` must be an object", "stream_options")
+        if options.get("include_usage") is not True:
+            doc["stream_options"] = {**options, "include_usage": True}
+            changed = strip = True
+    priority = doc.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise BadRequest("`priority` must be an integer", "priority")
+    return OpenAIRequest(model, bool(stream), strip, priority, doc, changed)
+
+
+def body_for(request: OpenAIRequest, original: bytes, *, server_priority: int | None) -> bytes:
+    """The body sent to the model server: as sent, unless the gateway added include_usage, or
+    `priority` must go (`server_priority` None) or be set to `server_priority`."""
+    doc = request.doc
+    changed = request.changed
+    if server_priority is None:
+        if "priority" in doc:
+            del doc["priority"]
+            changed = True
+    elif doc.get("priority") != server_priority:
+        doc["priority"] = server_priority
+        changed = True
+    if not changed:
+        return original
+    return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def prompt_estimate(request: OpenAIRequest) -> int:
+    """About how many tokens the prompt has (4 bytes a token, as tokenizers average on English
+    text and code), for a stream cut before its usage arrived: billed as `counted`."""
+    doc = request.doc
+    size = 0
+    for key in ("messages", "prompt", "input"):
+        value = doc.get(key)
+        if value is not None:
+            size += len(json.dumps(value, ensure_ascii=False).encode())
+    return max(1, size // 4)
+
+
+class Usage(NamedTuple):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def _usage_of(value: object) -> Usage | None:
+    if not isinstance(value, dict):
+        return None
+    prompt = value.get("prompt_tokens")
+    completion = value.get("completion_tokens", 0)
+    if completion is None:
+        completion = 0
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    cached = 0
+    details = value.get("prompt_tokens_details")
+    if isinstance(details, dict):
+        got = details.get("cached_tokens")
+        if isinstance(got, int):
+            cached = got
+    return Usage(max(prompt, 0), max(completion, 0), min(max(cached, 0), max(prompt, 0)))
+
+
+_EVENT_END = b"\n\n"
+_USAGE_NULLS = (b',"usage":null', b', "usage": null', b'"usage":null,', b'"usage": null, ')
+_DONE = b"data: [DONE]"
+
+
+class Meter:
+    """The usage of one answer, read as it passes (see the module docstring)."""
+
+    __slots__ = ("strip", "usage", "chunks", "_rest")
+
+    def __init__(self, *, strip: bool) -> None:
+        self.strip = strip
+        self.usage: Usage | None = None
+        self.chunks = 0  # stream events with choices that went to the client
+        self._rest = b""
+
+    def whole(self, body: bytes) -> None:
+        """A JSON answer's usage, if it has one."""
+        if b'"usage"' not in body:
+            return
+        try:
+            doc = json.loads(body)
+        except (ValueError, UnicodeDecodeError):
+            return
+        if isinstance(doc, dict):
+            self.usage = _usage_of(doc.get("usage"))
+
+    def feed(self, chunk: bytes) -> bytes:
+        """A piece of a stream as read: what to send the client now (maybe b"")."""
+        data = self._rest + chunk if self._rest else chunk
+        end = data.rfind(_EVENT_END)
+        if end < 0:
+            self._rest = data
+            return b""
+        cut = end + len(_EVENT_END)
+        self._rest = data[cut:]
+        return self._events(data[:cut])
+
+    def end(self) -> bytes:
+        """The stream ended: what is left of it (an event without its blank line)."""
+        rest, self._rest = self._rest, b""
+        if not rest:
+            return b""
+        return self._events(rest)
+
+    def _events(self, block: bytes) -> bytes:
+        """Whole events: count them, take their usage, and strip what the client did not ask
+        for."""
+        has_usage = b'"usage":{' in block or b'"usage": {' in block
+        if not has_usage and not self.strip:
+            self.chunks += block.count(b"data: {")
+            return block
+        out = []
+        for event in block.split(_EVENT_END):
+            if not event:
+                continue
+            if has_usage and (b'"usage":{' in event or b'"usage": {' in event):
+                payload = event.partition(b"data:")[2].strip()
+                try:
+                    doc = json.loads(payload)
+                except (ValueError, UnicodeDecodeError):
+                    doc = None
+                if isinstance(doc, dict):
+                    usage = _usage_of(doc.get("usage"))
+                    if usage is not None:
+                        self.usage = usage
+                    if doc.get("choices") == []:  # the usage chunk itself
+                        if not self.strip:
+                            out.append(event)
+                        continue
+                    if self.strip:
+                        doc.pop("usage", None)
+                        event = b"data: " + json.dumps(doc, separators=(",", ":")).encode()
+            elif self.strip:
+                for null in _USAGE_NULLS:
+                    if null in event:
+                        event = event.replace(null, b"", 1)
+                        break
+            if event.startswith((b"data: {", b"data:{")):
+                self.chunks += 1
+            out.append(event)
+        if not out:
+            return b""
+        return _EVENT_END.join(out) + _EVENT_END
