@@ -85,7 +85,7 @@ class Dashboard {
     this.sites = new Map();
     this.paused = false;
     this.busy = new Set();
-    this.visible = new Set(["map-panel", "alerts-panel", "util-panel", "jobs-panel", "traffic-panel", "usage-panel", "services-panel"]);
+    this.visible = new Set(["map-panel", "alerts-panel", "util-panel", "jobs-panel", "traffic-panel", "usage-panel", "tokens-panel", "services-panel"]);
     this.lastTraffic = null;
     this.firstSites = true;
     this.sitesMs = [];
@@ -126,6 +126,7 @@ class Dashboard {
       ["traffic-panel", () => this.refreshTraffic()],
       ["services-panel", () => this.services.refresh(api, el, $("services-count"))],
       ["usage-panel", () => this.refreshUsage()],
+      ["tokens-panel", () => this.refreshTokens()],
     ];
     for (const [panel, run] of jobs) {
       // the sites feed the header and the utilization table too: polled while either shows
@@ -324,20 +325,41 @@ class Dashboard {
 
   async refreshUsage() {
     const report = await api("/v1/usage?by=tenant");
-    const items = [...report.items].sort((a, b) => b.total_usd - a.total_usd);
+    // cost: what the tenant is charged, jobs (total_usd) and inference tokens together
+    const cost = (i) => i.charge_usd ?? i.total_usd;
+    const items = [...report.items].sort((a, b) => cost(b) - cost(a));
     const rows = items.map((i) => el("tr", { "data-tenant": i.tenant },
-      el("td", {}, i.tenant), el("td", {}, `$${num(i.total_usd, 2)}`),
+      el("td", {}, i.tenant), el("td", {}, `$${num(cost(i), 2)}`),
       el("td", {}, num(i.gpu_s / 3600, 1)), el("td", {}, `${num(i.energy_kwh, 1)} kWh`),
       el("td", {}, `${num(i.co2_kg, 1)} kg`)));
     const t = report.total || {};
     if (items.length) {
-      rows.push(el("tr", { class: "muted" }, el("td", {}, "total"), el("td", {}, `$${num(t.total_usd, 2)}`),
+      rows.push(el("tr", { class: "muted" }, el("td", {}, "total"), el("td", {}, `$${num(cost(t), 2)}`),
         el("td", {}, num((t.gpu_s || 0) / 3600, 1)), el("td", {}, `${num(t.energy_kwh, 1)} kWh`),
         el("td", {}, `${num(t.co2_kg, 1)} kg`)));
     } else {
       rows.push(el("tr", {}, el("td", { colspan: "5", class: "muted" }, "no metered runs in the window")));
     }
     $("usage").tBodies[0].replaceChildren(...rows);
+  }
+
+  async refreshTokens() {
+    // the inference tokens per tenant and served model, last 30 days (docs/metering.md);
+    // by model, a job's accelerator rows come too: only rows with requests are drawn
+    const report = await api("/v1/usage?by=tenant,model");
+    const items = report.items.filter((i) => i.inference_requests > 0)
+      .sort((a, b) => b.inference_usd - a.inference_usd || b.prompt_tokens - a.prompt_tokens);
+    const cells = (i) => [el("td", {}, num(i.inference_requests)), el("td", {}, num(i.prompt_tokens)),
+      el("td", {}, num(i.completion_tokens)), el("td", {}, num(i.cached_tokens)),
+      el("td", {}, `$${num(i.inference_usd, 2)}`)];
+    const rows = items.map((i) => el("tr", { "data-tenant": i.tenant, "data-model": i.model },
+      el("td", {}, i.tenant), el("td", {}, i.model), ...cells(i)));
+    if (items.length) {
+      rows.push(el("tr", { class: "muted" }, el("td", {}, "total"), el("td", {}), ...cells(report.total)));
+    } else {
+      rows.push(el("tr", {}, el("td", { colspan: "7", class: "muted" }, "no inference tokens in the window")));
+    }
+    $("tokens").tBodies[0].replaceChildren(...rows);
   }
 
   drawSummary() {
