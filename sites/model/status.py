@@ -170,6 +170,9 @@ class LinkStatus(Frozen):
     measured_at: float
 
 
+MAX_ADAPTERS = 64  # adapter names per endpoint: a registry value stays small
+
+
 class ServiceEndpoint(Frozen):
     service: str
     site: str
@@ -187,7 +190,7 @@ class ServiceEndpoint(Frozen):
         default=None,
         ge=0,
         le=1,
-        description="fraction of the server's KV cache in use (vllm:gpu_cache_usage_perc, "
+        description="fraction of the server's KV cache in use (vllm:kv_cache_usage_perc, "
         "sglang:token_usage); None: the server does not say",
     )
     ttft_ms: float | None = Field(
@@ -205,6 +208,26 @@ class ServiceEndpoint(Frozen):
         default=None,
         description="unix s the agent last read them; a failed read keeps the old ones and "
         "their time, so routing sees how old they are",
+    )
+    prefix_cache_hit_rate: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="prompt tokens found in the server's prefix cache over those looked up, "
+        "since the previous scrape (vllm:prefix_cache_hits / vllm:prefix_cache_queries); None: "
+        "no lookups since, or the server does not say",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="the model's context length in tokens, from the server's /v1/models; None: "
+        "unknown",
+    )
+    adapters: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters the server serves beside `model` (each a model whose parent "
+        "is `model`), from /v1/models and vllm:lora_requests_info; a request may name one",
     )
     job: str | None = Field(
         default=None, description="the replica job serving it, for a managed service"

@@ -201,8 +201,10 @@ async def test_the_agent_publishes_the_signals_into_etcd(
     standins: StandIns,  # noqa: F811
 ) -> None:
     url = await standins.start(
-        "qwen", "--median-ms", "2500", "--p99-ms", "2500", "--max-concurrency", "2"
-    )
+        "qwen", "--median-ms", "2500", "--p99-ms", "2500", "--max-concurrency", "2",
+        "--served-model-name", "qwen", "--lora-modules", "sql=/lora/sql",
+        "--max-model-len", "8192",
+    )  # fmt: skip
     service = {"name": "chat", "model": "qwen", "url": url, "max_concurrency": 2}
     file = site_file("scraped", services=[service])
     assert run_cpn("site", "join", str(file), etcd_url=registry.url).returncode == 0
@@ -222,6 +224,8 @@ async def test_the_agent_publishes_the_signals_into_etcd(
 
     idle = await wait_for(published((0, 0)), timeout=20)  # the agent is up and scraping
     assert idle.kv_cache_usage == 0.0
+    # from the stand-in's /v1/models: its context length and adapters (parent: `model`)
+    assert (idle.max_model_len, idle.adapters) == (8192, ("sql",))
     tasks = await load(url, 3)  # two run for 2.5 s, one waits
     ep = await wait_for(published((2, 1)), timeout=10)
     assert ep.kv_cache_usage is not None and ep.kv_cache_usage > 0
