@@ -372,7 +372,7 @@ class Gateway:
             registry=broker.registry,
             writer=writer,
             state_dir=state_dir,
-            price=token_price(lambda: self.router.snapshot),
+            price=token_price(lambda: broker.view().sites),
             clock=broker.clock,
         )
         self.limits = InferenceLimits(
@@ -391,8 +391,15 @@ class Gateway:
         )
         # supervised: a crash shows in /healthz, then restarts; the ledger recovers what a
         # killed broker had written ahead before it flushes anything new
-        broker.supervisor.spawn("token ledger", self.ledger.run, restart=RESTART)
+        broker.supervisor.spawn("token ledger", self._run_ledger, restart=RESTART)
         broker.supervisor.spawn("inference limits", self.limits.run, restart=RESTART)
+
+    async def _run_ledger(self) -> None:
+        """The ledger's loop once the registry was read: what it recovers is priced at the
+        sites' prices, which come with the view."""
+        await self.broker.views.mirror.synced.wait()
+        if self.ledger is not None:
+            await self.ledger.run()
 
     async def _stop_metering(self) -> None:
         for name in ("token ledger", "inference limits"):
