@@ -1,0 +1,146 @@
+"""routing.gateway.openai: the body's routing facts, OpenAI's error shape, and usage read from
+answers as they pass (whole and streamed, split anywhere)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from routing.gateway.openai import (
+    BadRequest,
+    Meter,
+    Usage,
+    body_for,
+    error_body,
+    openai_kind,
+    prompt_estimate,
+    read_request,
+)
+
+
+def _chunk(content: str | None, usage: object = "absent") -> bytes:
+    doc: dict[str, object] = {"id": "c1", "object": "chat.completion.chunk"}
+    doc["choices"] = [] if content is None else [{"index": 0, "delta": {"content": content}}]
+    if usage != "absent":
+        doc["usage"] = usage
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode() + b"\n\n"
+
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+         "prompt_tokens_details": {"cached_tokens": 4}}  # fmt: skip
+
+
+def _stream_with_usage() -> bytes:
+    body = b"".join(_chunk(word, None) for word in ("a", "b", "c"))
+    return body + _chunk(None, USAGE) + b"data: [DONE]\n\n"
+
+
+def test_kinds_of_paths() -> None:
+    assert openai_kind(b"v1/chat/completions") == "chat"
+    assert openai_kind(b"v1/completions?x=1") == "completions"
+    assert openai_kind(b"v1/embeddings/") == "embeddings"
+    assert openai_kind(b"v1/models") is None and openai_kind(b"generate") is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b"{}", "model"),
+        (b'{"model": ""}', "model"),
+        (b'{"model": 3}', "model"),
+        (b'{"model": "m", "stream": "yes"}', "stream"),
+        (b'{"model": "m", "stream": true, "stream_options": 1}', "stream_options"),
+        (b'{"model": "m", "priority": "high"}', "priority"),
+        (b'{"model": "m", "priority": true}', "priority"),
+    ],
+)
+def test_a_body_that_cannot_be_routed_names_its_field(body: bytes, param: str | None) -> None:
+    with pytest.raises(BadRequest) as caught:
+        read_request(body, "chat")
+    assert caught.value.param == param
+
+
+def test_include_usage_is_asked_for_a_stream_that_did_not() -> None:
+    raw = b'{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    request = read_request(raw, "chat")
+    assert request.stream and request.strip_usage
+    sent = json.loads(body_for(request, raw, server_priority=None))
+    assert sent["stream_options"] == {"include_usage": True}
+    asked = b'{"model":"m","stream":true,"stream_options":{"include_usage":true}}'
+    request = read_request(asked, "chat")
+    assert not request.strip_usage
+    assert body_for(request, asked, server_priority=None) is asked  # untouched bytes
+    plain = b'{"model":"m"}'
+    assert body_for(read_request(plain, "chat"), plain, server_priority=None) is plain
+
+
+def test_priority_is_removed_or_set_for_the_server() -> None:
+    raw = b'{"model":"m","priority":5}'
+    assert "priority" not in json.loads(
+        body_for(read_request(raw, "chat"), raw, server_priority=None)
+    )
+    sent = json.loads(body_for(read_request(raw, "chat"), raw, server_priority=-3))
+    assert sent["priority"] == -3
+
+
+def test_prompt_estimate_grows_with_the_prompt() -> None:
+    short = read_request(b'{"model":"m","prompt":"hi"}', "completions")
+    long = read_request(json.dumps({"model": "m", "prompt": "word " * 400}).encode(), "completions")
+    assert 1 <= prompt_estimate(short) < prompt_estimate(long)
+
+
+def test_error_body_is_openais_shape() -> None:
+    error = json.loads(error_body(404, "model_not_found", "no such model", "model"))["error"]
+    assert error == {"message": "no such model", "type": "invalid_request_error",
+                     "param": "model", "code": "model_not_found"}  # fmt: skip
+    assert json.loads(error_body(429, "budget_exhausted", "x", None))["error"]["type"] == (
+        "insufficient_quota"
+    )
+    assert json.loads(error_body(429, "rate_limited", "x", None))["error"]["type"] == (
+        "rate_limit_error"
+    )
+    assert json.loads(error_body(502, "upstream_error", "x", None))["error"]["type"] == (
+        "server_error"
+    )
+
+
+def test_usage_of_a_whole_answer() -> None:
+    meter = Meter(strip=False)
+    meter.whole(json.dumps({"choices": [], "usage": USAGE}).encode())
+    assert meter.usage == Usage(7, 3, 4)
+    nothing = Meter(strip=False)
+    nothing.whole(b"not json")
+    assert nothing.usage is None
+
+
+@pytest.mark.parametrize("cut", [1, 5, 17, 64, 1000])
+def test_a_stream_the_client_asked_usage_for_passes_unchanged(cut: int) -> None:
+    stream = _stream_with_usage()
+    meter = Meter(strip=False)
+    out = b"".join(meter.feed(stream[i : i + cut]) for i in range(0, len(stream), cut))
+    out += meter.end()
+    assert out == stream
+    assert meter.usage == Usage(7, 3, 4) and meter.chunks == 3
+
+
+@pytest.mark.parametrize("cut", [1, 3, 40, 1000])
+def test_usage_the_gateway_asked_for_is_taken_back_out(cut: int) -> None:
+    stream = _stream_with_usage()
+    meter = Meter(strip=True)
+    out = b"".join(meter.feed(stream[i : i + cut]) for i in range(0, len(stream), cut))
+    out += meter.end()
+    events = [e for e in out.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    docs = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
+    assert [d["choices"][0]["delta"]["content"] for d in docs] == ["a", "b", "c"]
+    assert all("usage" not in d for d in docs)
+    assert meter.usage == Usage(7, 3, 4) and meter.chunks == 3
+
+
+def test_a_stream_cut_short_counts_what_went_out() -> None:
+    meter = Meter(strip=True)
+    sent = meter.feed(_chunk("a", None) + _chunk("b", None)[:10])
+    assert sent.count(b"data: ") == 1 and meter.chunks == 1 and meter.usage is None
