@@ -417,3 +417,73 @@ def test_the_429_forms(demo: Demo) -> None:
             return
         time.sleep(0.3)
     raise AssertionError("no 429 for a tenant whose budget is spent")
+
+
+def _second_broker(demo: Demo, etcd_url: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    log = open(demo.root / "broker-2.log", "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        cpn_cmd("broker", "--etcd", etcd_url, "--listen", f"127.0.0.1:{port}",
+                "--config-dir", str(demo.cfg), "--state-dir", str(demo.root / "broker-2")),
+        stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+    )  # fmt: skip
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError((demo.root / "broker-2.log").read_text())
+        try:
+            with Http(url, {"Authorization": f"Bearer {ADMIN_TOKEN}", **REGION}) as http:
+                if http.get("/v1/models/qwen-72b").status_code == 200:
+                    return proc, url
+        except OSError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("the second broker never served the models")
+
+
+def test_a_tokens_per_minute_limit_holds_across_two_replicas(
+    demo: Demo, etcd: EmbeddedEtcd
+) -> None:
+    limit = 12_000
+    tenant = "openai-tpm"
+    demo.put_tenant(tenant, {"inference": {"tokens_per_minute": limit}})
+    token = demo.tenant_token(tenant)
+    proc, second = _second_broker(demo, etcd.url)
+    try:
+        clients = [demo.client(token), demo.client(token, second)]
+        admitted = [0, 0]
+        refused = [0, 0]
+        message = [{"role": "user", "content": "write a long story about the sea " * 4}]
+
+        def drive(i: int) -> None:
+            client = clients[i]
+            deadline = time.monotonic() + 40
+            while time.monotonic() < deadline and refused[i] < 5:
+                try:
+                    done = client.chat.completions.create(
+                        model="qwen-72b", messages=message, max_tokens=64
+                    )
+                except openai.RateLimitError:
+                    refused[i] += 1
+                    time.sleep(0.05)
+                    continue
+                assert done.usage is not None
+                admitted[i] += done.usage.total_tokens
+
+        # the policy reached both replicas: a first request through each
+        time.sleep(1.0)
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(drive, range(2)))
+        total = sum(admitted)
+        assert all(admitted), admitted  # both replicas served the tenant
+        assert all(refused), refused  # and both refused it once the limit was reached
+        assert limit * 0.95 <= total <= limit * 1.05, (total, admitted)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
