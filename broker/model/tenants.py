@@ -21,6 +21,13 @@ One model serves the file, the API body and the registry value (/cpn/v1/tenants/
           usd_per_month: 50000       # per calendar month (UTC)
           gpu_hours: 20000           # per rolling window
           window: 7d
+        inference:                   # the OpenAI gateway's limits, over every broker replica
+          requests_per_minute: 600   # in any sliding 60 s
+          tokens_per_minute: 200000  # prompt + completion, in any sliding 60 s
+          budget:
+            usd_per_month: 2000      # per calendar month (UTC)
+            tokens_per_month: 500000000
+          priority: 0                # default request priority: higher first, negative sheddable
     cohorts:
       research: {parent: org, quota: {gpus: 16}}   # nestable; a cohort may own quota itself
       org: {}
@@ -31,7 +38,8 @@ One model serves the file, the API body and the registry value (/cpn/v1/tenants/
 
 A key not set is not limited; a tenant not listed is not limited at all (and has weight 1).
 The short form of earlier releases, `ai-lab: {gpus: 64}`, still reads as `quota: {gpus: 64}`.
-Semantics: broker.placement.tenancy.
+Semantics: broker.placement.tenancy; of `inference`, broker.state.inference_limits (a token may
+carry limits of its own too: TokenLimits, on broker.state.auth.TokenRecord).
 """
 
 from __future__ import annotations
@@ -51,9 +59,12 @@ __all__ = [
     "Budget",
     "CohortPolicy",
     "FairShareSettings",
+    "InferenceBudget",
+    "InferencePolicy",
     "PriorityClass",
     "TenancyFile",
     "TenantPolicy",
+    "TokenLimits",
     "load_tenancy",
 ]
 
@@ -102,6 +113,59 @@ class Budget(_Model):
     window: Duration = Field(default=30 * 86400.0, gt=0, description="the gpu_hours window")
 
 
+class InferenceBudget(_Model):
+    """What a tenant's (or a token's) inference may spend per calendar month (UTC)."""
+
+    usd_per_month: float | None = Field(
+        default=None, gt=0, description="USD of inference per calendar month (UTC)"
+    )
+    tokens_per_month: int | None = Field(
+        default=None, ge=1, description="prompt + completion tokens per calendar month (UTC)"
+    )
+
+
+class TokenLimits(_Model):
+    """Inference rate limits and budget, held by all broker replicas together
+    (broker.state.inference_limits); None (or absent) is not limited. On a tenant's policy
+    (its `inference`) and, optionally, on an API token (it applies on top of its tenant's)."""
+
+    requests_per_minute: int | None = Field(
+        default=None, ge=1, description="requests admitted in any sliding 60 s"
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        description="prompt + completion tokens in any sliding 60 s (charged after the response)",
+    )
+    budget: InferenceBudget | None = None
+
+    @property
+    def limited(self) -> bool:
+        budget = self.budget
+        return (
+            self.requests_per_minute is not None
+            or self.tokens_per_minute is not None
+            or (
+                budget is not None
+                and (budget.usd_per_month, budget.tokens_per_month) != (None,) * 2
+            )
+        )
+
+
+PRIORITY_RANGE = 1000
+
+
+class InferencePolicy(TokenLimits):
+    """A tenant's `inference` section: its limits and its requests' default priority."""
+
+    priority: int = Field(
+        default=0,
+        ge=-PRIORITY_RANGE,
+        le=PRIORITY_RANGE,
+        description="default request priority: higher first; negative is shed first when busy",
+    )
+
+
 class TenantPolicy(_Model):
     quota: Amounts = Field(default_factory=Amounts, description="nominal, federation-wide")
     regions: dict[Name, Amounts] = Field(default_factory=dict, description="per-region caps")
@@ -110,6 +174,9 @@ class TenantPolicy(_Model):
     borrowing_limit: Amounts | None = None
     lending_limit: Amounts | None = None
     budget: Budget | None = None
+    inference: InferencePolicy | None = Field(
+        default=None, description="inference limits, budget and default priority (none: unlimited)"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from broker.model.audit_intent import audit_puts, committed
 from broker.model.errors import BrokerError, InvalidRequest, NotFound
 from broker.model.jobs import NAME_RE
+from broker.model.tenants import TokenLimits
 from sites.model import keys
 from sites.registry.client import Guard, Registry
 from sites.registry.mirror import KeyValues, PrefixMirror
@@ -164,6 +165,10 @@ class TokenRecord(BaseModel):
     created_by: str = Field(description="the id of the token that created it, or 'etcd'")
     expires_at: float | None = None
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="of the secret part")
+    limits: TokenLimits | None = Field(
+        default=None,
+        description="inference limits of this token, on top of its tenant's (docs/auth.md)",
+    )
 
     @model_validator(mode="after")
     def _tenant(self) -> TokenRecord:
@@ -225,6 +230,7 @@ def new_token(
     created_by: str,
     ttl_s: float | None = None,
     description: str = "",
+    limits: TokenLimits | None = None,
 ) -> tuple[TokenRecord, str]:
     """A fresh (record, token): the token is shown once and never stored."""
     token_id = secrets.token_hex(8)
@@ -239,6 +245,7 @@ def new_token(
             created_by=created_by,
             expires_at=now + ttl_s if ttl_s else None,
             sha256=_digest(secret),
+            limits=limits if limits is not None and limits.limited else None,
         )
     except ValidationError as exc:
         first = exc.errors()[0]
@@ -322,6 +329,11 @@ class TokenBook:
             self._checked.clear()
         self._checked[authorization] = record
         return _principal(record.id, record.role, record.tenant)
+
+    def limits(self, token_id: str) -> TokenLimits | None:
+        """A token's own inference limits (broker.state.inference_limits' `token_limits`)."""
+        record = self.tokens.get(token_id)
+        return None if record is None else record.limits
 
     def visible(self, principal: Principal) -> list[TokenRecord]:
         """Every token for a principal without a tenant; else its tenant's only."""
