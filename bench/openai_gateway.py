@@ -1,0 +1,198 @@
+"""The OpenAI surface's cost in the broker: CPU per proxied request with token accounting and
+limits on vs off, streamed and not (issue 42's target: at most +10 %).
+
+    .venv/bin/python bench/openai_gateway.py [--requests 3000] [--concurrency 16]
+
+Each setting gets its own `cpn up` (one site, yrd-demo-zone, its stand-ins answering in about
+1 ms) on an embedded etcd; the load is aiohttp clients on loopback sending
+POST /v1/chat/completions (the lane serves it) with the model in the body. With metering on,
+the tenant has requests-per-minute and tokens-per-minute limits far above the load (admission
+runs, nothing is refused) and every answer's usage goes into the token ledger; off is
+`inference.metering: false`. Broker CPU = the broker process's user+system seconds over the
+load / requests. The two-replica limit figure is tests/routing/test_openai_e2e.py's
+(`test_a_tokens_per_minute_limit_holds_across_two_replicas`), whose admitted tokens this
+prints when run with -s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import psutil
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.benchkit import (  # noqa: E402
+    cpu_seconds,
+    embedded_etcd,
+    log,
+    scratch_dir,
+    table,
+)
+from sites.emulation.etcd_server import free_port  # noqa: E402
+
+REGION = {"X-Cpn-Client-Region": "shanghai", "X-Cpn-Tenant": "bench"}
+
+
+def _configs(where: Path, metering: bool) -> Path:
+    cfg = where / "configs"
+    shutil.copytree(ROOT / "configs", cfg)
+    (cfg / "standin.yaml").write_text(
+        yaml.safe_dump({"default": {"median_ms": 1, "p99_ms": 2}, "models": {}})
+    )
+    broker = {
+        "auth": {"enabled": False},
+        "inference": {"metering": metering, "tenant_rate_per_s": 1e6, "tenant_burst": 1000000},
+    }
+    (cfg / "broker.yaml").write_text(yaml.safe_dump(broker))
+    tenants = yaml.safe_load((cfg / "tenants.yaml").read_text()) or {}
+    tenants.setdefault("tenants", {})["bench"] = {
+        "inference": {"requests_per_minute": 10_000_000, "tokens_per_minute": 1_000_000_000}
+    }
+    (cfg / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+    return cfg
+
+
+def _broker_pid(up: subprocess.Popen[bytes]) -> int | None:
+    for child in psutil.Process(up.pid).children(recursive=True):
+        try:
+            if "broker" in child.cmdline()[2:4] or " broker " in " ".join(child.cmdline()):
+                return child.pid
+        except psutil.Error:
+            continue
+    return None
+
+
+async def _ready(url: str) -> None:
+    deadline = time.monotonic() + 90
+    async with aiohttp.ClientSession(headers=REGION) as http:
+        while time.monotonic() < deadline:
+            try:
+                async with http.post(
+                    url + "/v1/chat/completions",
+                    json={"model": "qwen-72b", "messages": [{"role": "user", "content": "hi"}]},
+                ) as answer:
+                    if answer.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.3)
+    raise SystemExit("the federation never served qwen-72b")
+
+
+async def _load(url: str, requests: int, concurrency: int, stream: bool) -> tuple[float, int]:
+    body = json.dumps(
+        {
+            "model": "qwen-72b",
+            "messages": [{"role": "user", "content": "say something short about the sea"}],
+            "max_tokens": 16,
+            "stream": stream,
+        }
+    ).encode()
+    headers = {**REGION, "Content-Type": "application/json"}
+    left = requests
+    failed = 0
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, headers=headers) as http:
+
+        async def worker() -> None:
+            nonlocal left, failed
+            while left > 0:
+                left -= 1
+                async with http.post(url + "/v1/chat/completions", data=body) as answer:
+                    await answer.read()
+                    if answer.status != 200:
+                        failed += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return time.perf_counter() - started, failed
+
+
+def run_one(metering: bool, args: argparse.Namespace) -> dict[str, float]:
+    where = scratch_dir("cpn-bench-openai-")
+    etcd = embedded_etcd(where)
+    etcd.start()
+    cfg = _configs(where, metering)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logfile = open(where / "up.log", "wb")  # noqa: SIM115
+    up = subprocess.Popen(
+        [sys.executable, "-m", "cpn", "up", "--etcd", etcd.url, "--config-dir", str(cfg),
+         "--sites", "yrd-demo-zone", "--interval", "1", "--broker-listen", f"127.0.0.1:{port}"],
+        stdout=logfile, stderr=subprocess.STDOUT, cwd=ROOT,
+        env={**os.environ, "CPN_STATE_DIR": str(where / "state")},
+    )  # fmt: skip
+    logfile.close()
+    out: dict[str, float] = {}
+    try:
+        asyncio.run(_ready(url))
+        pid = _broker_pid(up)
+        for stream in (False, True):
+            asyncio.run(_load(url, min(500, args.requests), args.concurrency, stream))  # warm
+            before = cpu_seconds(pid) or 0.0
+            seconds, failed = asyncio.run(_load(url, args.requests, args.concurrency, stream))
+            after = cpu_seconds(pid) or 0.0
+            kind = "stream" if stream else "whole"
+            out[f"{kind}_us"] = (after - before) / args.requests * 1e6
+            out[f"{kind}_rps"] = args.requests / seconds
+            out[f"{kind}_failed"] = failed
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+        etcd.stop()
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(where, ignore_errors=True)
+        else:
+            log(f"kept {where}")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    args = parser.parse_args()
+    results = {}
+    for metering in (False, True):
+        log(f"metering {'on' if metering else 'off'}: {args.requests} requests x 2 (whole, stream)")
+        results[metering] = run_one(metering, args)
+    rows = []
+    for kind in ("whole", "stream"):
+        off, on = results[False][f"{kind}_us"], results[True][f"{kind}_us"]
+        rows.append(
+            [
+                kind,
+                f"{off:.0f}",
+                f"{on:.0f}",
+                f"{(on / off - 1) * 100:+.1f} %",
+                f"{results[False][f'{kind}_rps']:.0f} / {results[True][f'{kind}_rps']:.0f}",
+                f"{results[False][f'{kind}_failed']:.0f} / {results[True][f'{kind}_failed']:.0f}",
+            ]
+        )
+    print(
+        table(
+            ["answer", "CPU us/req off", "on", "change", "req/s off / on", "failed off / on"],
+            rows,
+        )
+    )
+    print("target: at most +10 % broker CPU per request with accounting and limits on")
+
+
+if __name__ == "__main__":
+    main()
