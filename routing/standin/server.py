@@ -63,8 +63,9 @@ It prints `listening on http://HOST:PORT` once it accepts connections (PORT 0 pi
 
 One module for the program's settings, queue, HTTP handlers and command line, started as
 `python -m routing.standin.server` (and under its old name, routing.modelserver) wherever a
-replica runs; what the OpenAI surface computes (token counts, model cards, embeddings, error
-bodies) is in the modules beside it.
+replica runs (853 lines: the handlers share the server's state and read as one); what the
+OpenAI surface computes (tokens, models, embeddings, errors), the service times and slots
+(queueing) and the metric series (metrics) are in the modules beside it.
 """
 
 from __future__ import annotations
@@ -79,7 +80,6 @@ import itertools
 import json
 import math
 import os
-import random
 import signal
 import statistics
 import sys
@@ -89,14 +89,16 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from routing.standin.embeddings import EmbeddingRequest
 from routing.standin.errors import ApiError, error_body
 from routing.standin.kvcache import KvCache, PrefixCache, prompt_text
+from routing.standin.metrics import VllmMetrics
 from routing.standin.models import Catalog, LoraAdapter, parse_lora
+from routing.standin.queueing import QueueFull, ServiceTime, Slots
 from routing.standin.tokens import cached_tokens, chat_tokens, prompt_tokens, text_tokens, usage
 
 __all__ = [
@@ -114,10 +116,6 @@ WINDOW_S = 10.0  # /stats covers the service times of the last 10 s
 SLOW_FACTOR = 50  # "slow": every service time x 50, so requests pile up (an overloaded site)
 MAX_BODY = 1024 * 1024
 MAX_STREAM_TOKENS = 4096
-_Z99 = statistics.NormalDist().inv_cdf(0.99)
-# vLLM's own buckets for vllm:time_to_first_token_seconds (vllm/engine/metrics.py)
-TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                  5.0, 7.5, 10.0)  # fmt: skip
 
 
 class ModelServerSettings(BaseModel):
@@ -189,60 +187,6 @@ class ModelServerSettings(BaseModel):
         return self.served_model_name or self.name
 
 
-class ServiceTime:
-    """Lognormal service times in ms with a given median and p99, from a seeded generator."""
-
-    def __init__(self, *, median_ms: float, p99_ms: float, seed: int) -> None:
-        if not 0 < median_ms <= p99_ms:
-            raise ValueError("need 0 < median_ms <= p99_ms")
-        self.mu = math.log(median_ms)
-        self.sigma = math.log(p99_ms / median_ms) / _Z99
-        self.mean_ms = math.exp(self.mu + self.sigma**2 / 2)
-        self._rng = random.Random(seed)
-
-    def draw(self) -> float:
-        return self._rng.lognormvariate(self.mu, self.sigma)
-
-
-class QueueFull(Exception):
-    """Every slot is busy and the queue is full."""
-
-
-class _Slots:
-    """max_concurrency slots with a bounded FIFO queue of waiters."""
-
-    def __init__(self, capacity: int, max_queue: int) -> None:
-        self.capacity = capacity
-        self.max_queue = max_queue
-        self.in_flight = 0
-        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-    async def acquire(self) -> None:
-        if self.in_flight < self.capacity and not self.waiters:
-            self.in_flight += 1
-            return
-        if len(self.waiters) >= self.max_queue:
-            raise QueueFull
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(fut)
-        try:
-            await fut
-        except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():
-                self.release()  # the slot was handed over as we were cancelled: pass it on
-            else:
-                self.waiters.remove(fut)
-            raise
-
-    def release(self) -> None:
-        while self.waiters:
-            fut = self.waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)  # the slot passes to the waiter; in_flight is unchanged
-                return
-        self.in_flight -= 1
-
-
 class ModelServer:
     """The stand-in's state: slots, the fault switch, recent service times, counters."""
 
@@ -251,7 +195,7 @@ class ModelServer:
         self.service_time = ServiceTime(
             median_ms=settings.median_ms, p99_ms=settings.p99_ms, seed=settings.seed
         )
-        self.slots = _Slots(settings.max_concurrency, settings.max_queue)
+        self.slots = Slots(settings.max_concurrency, settings.max_queue)
         self.mode = "ok"
         self._recovered = asyncio.Event()
         self._recovered.set()
@@ -279,7 +223,7 @@ class ModelServer:
         # requests per adapter, running and waiting for a slot (vllm:lora_requests_info)
         self.lora_running: collections.Counter[str] = collections.Counter()
         self.lora_waiting: collections.Counter[str] = collections.Counter()
-        self.metrics = _Metrics(settings.model, lora=bool(settings.lora_adapters))
+        self.metrics = VllmMetrics(settings.model, lora=bool(settings.lora_adapters))
 
     def set_mode(self, mode: str) -> None:
         self.mode = mode
@@ -367,57 +311,6 @@ class ModelServer:
 
 def _names(counts: collections.Counter[str]) -> str:
     return ",".join(sorted(name for name, n in counts.items() if n > 0))
-
-
-class _Metrics:
-    """The vLLM-named series of one server, in a registry of its own (tests run several).
-    Names, types, help and labels as vLLM V1's PrometheusStatLogger (vllm/v1/metrics/
-    loggers.py): every series labelled model_name and engine (one engine, "0")."""
-
-    def __init__(self, model: str, *, lora: bool) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
-        r, label, values = self.registry, ("model_name", "engine"), (model, "0")
-        self.running = Gauge(
-            "vllm:num_requests_running", "Number of requests in model execution batches.",
-            label, registry=r,
-        ).labels(*values)  # fmt: skip
-        self.waiting = Gauge(
-            "vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-            label, registry=r,
-        ).labels(*values)  # fmt: skip
-        self.kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-            label, registry=r,
-        ).labels(*values)  # fmt: skip
-        self.ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            label, registry=r, buckets=TTFT_BUCKETS_S,
-        ).labels(*values)  # fmt: skip
-        self.prefix_queries = Counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried "
-            "tokens.", label, registry=r,
-        ).labels(*values)  # fmt: skip
-        self.prefix_hits = Counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-            label, registry=r,
-        ).labels(*values)  # fmt: skip
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", label, registry=r,
-        ).labels(*values)  # fmt: skip
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", label, registry=r,
-        ).labels(*values)  # fmt: skip
-        # as vLLM: only a server with LoRA enabled has it; no model_name label
-        self.lora_info = (
-            Gauge(
-                "vllm:lora_requests_info",
-                "Running stats on lora requests.",
-                ("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
-                registry=r,
-            )  # fmt: skip
-            if lora
-            else None
-        )
 
 
 def _quantile(ordered: list[float], q: float) -> float | None:

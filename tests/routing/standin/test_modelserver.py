@@ -24,7 +24,7 @@ from routing.standin.server import (
     ModelServer,
     ModelServerSettings,
     ServiceTime,
-    _Slots,
+    Slots,
     make_app,
 )
 from tests.conftest import REPO
@@ -224,7 +224,7 @@ async def test_bad_input_is_a_400_naming_the_field(
 
 
 async def test_a_cancelled_waiter_gives_up_its_place() -> None:
-    slots = _Slots(capacity=1, max_queue=2)
+    slots = Slots(capacity=1, max_queue=2)
     await slots.acquire()
     first = asyncio.create_task(slots.acquire())
     second = asyncio.create_task(slots.acquire())
