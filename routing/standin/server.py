@@ -63,7 +63,7 @@ It prints `listening on http://HOST:PORT` once it accepts connections (PORT 0 pi
 
 One module for the program's settings, queue, HTTP handlers and command line, started as
 `python -m routing.standin.server` (and under its old name, routing.modelserver) wherever a
-replica runs (853 lines: the handlers share the server's state and read as one); what the
+replica runs (past 600 lines: the handlers share the server's state and read as one); what the
 OpenAI surface computes (tokens, models, embeddings, errors), the service times and slots
 (queueing) and the metric series (metrics) are in the modules beside it.
 """
