@@ -23,7 +23,7 @@ from cpn import render
 from cpn.client import ApiError, BrokerClient
 from sites.model.config import read_yaml
 
-__all__ = ["FlagError", "add_parsers", "merged_policy", "tenants_table"]
+__all__ = ["FlagError", "add_parsers", "inference_line", "merged_policy", "tenants_table"]
 
 AMOUNT_KEYS = ("gpus", "fp16_tflops", "cpu", "mem_gb", "jobs")
 _WHOLE = frozenset({"gpus", "cpu", "jobs"})  # whole numbers; fp16_tflops and mem_gb are not
@@ -135,6 +135,7 @@ def merged_policy(base: Mapping[str, Any], args: argparse.Namespace) -> dict[str
         policy["weight"] = weight
     _limit(policy, "borrowing_limit", args.borrowing_limit_gpus, "--borrowing-limit-gpus")
     _limit(policy, "lending_limit", args.lending_limit_gpus, "--lending-limit-gpus")
+    _inference_flags(policy, args)
     if any(v is not None for v in (args.usd_per_month, args.gpu_hours, args.window)):
         budget = dict(policy.get("budget") or {})
         if args.usd_per_month is not None:
@@ -148,9 +149,39 @@ def merged_policy(base: Mapping[str, Any], args: argparse.Namespace) -> dict[str
     return policy
 
 
+INFERENCE_FLAGS = (
+    # (flag, dest, where in `inference`, whole number)
+    ("--rpm", "rpm", ("requests_per_minute",), True),
+    ("--tpm", "tpm", ("tokens_per_minute",), True),
+    ("--inference-usd-per-month", "inference_usd", ("budget", "usd_per_month"), False),
+    ("--inference-tokens-per-month", "inference_tokens", ("budget", "tokens_per_month"), True),
+    ("--priority", "priority", ("priority",), True),
+)
+
+
+def _inference_flags(policy: dict[str, Any], args: argparse.Namespace) -> None:
+    """The `inference` section with --rpm, --tpm, --inference-*-per-month, --priority applied;
+    a section left with nothing set is removed."""
+    given = [(f, d, path, whole) for f, d, path, whole in INFERENCE_FLAGS if getattr(args, d)]
+    if not given:
+        return
+    inference = copy.deepcopy(dict(policy.get("inference") or {}))
+    for flag, dest, path, whole in given:
+        value = _number(flag, getattr(args, dest), whole)
+        if len(path) == 1:
+            _set(inference, path[0], value)
+        else:
+            budget = dict(inference.get("budget") or {})
+            _set(budget, path[1], value)
+            inference["budget"] = budget if any(v is not None for v in budget.values()) else None
+    kept = {k: v for k, v in inference.items() if v is not None}
+    policy["inference"] = kept or None
+
+
 def _flags_given(args: argparse.Namespace) -> bool:
     names = (*AMOUNT_KEYS, "gpu_model", "region", "cohort", "weight", "borrowing_limit_gpus",
-             "lending_limit_gpus", "usd_per_month", "gpu_hours", "window")  # fmt: skip
+             "lending_limit_gpus", "usd_per_month", "gpu_hours", "window",
+             *(dest for _, dest, _, _ in INFERENCE_FLAGS))  # fmt: skip
     return any(getattr(args, name) is not None for name in names)
 
 
@@ -189,7 +220,40 @@ def _gpus(status: Mapping[str, Any]) -> str:
 
 
 TENANT_HEADERS = ("TENANT", "WEIGHT", "COHORT", "GPUS USED/QUOTA", "BORROWED", "LENT", "SHARE",
-                  "BUDGET LEFT", "PENDING")  # fmt: skip
+                  "BUDGET LEFT", "PENDING", "INFERENCE")  # fmt: skip
+
+
+def _short(value: float) -> str:
+    """12,500 -> 12.5k; 2,000,000 -> 2M (a table's compact figure)."""
+    for size, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= size:
+            return f"{value / size:.3g}{unit}"
+    return _num(value)
+
+
+def _figure(used: Mapping[str, Any], unit: str, money: bool = False) -> str | None:
+    """'used/limit unit' (the limit alone where the broker does not count); None: no limit."""
+    if used.get("limit") is None:
+        return None
+    fmt = (lambda v: f"${_num(v)}") if money else _short
+    limit = fmt(used["limit"])
+    return f"{limit}{unit}" if used.get("used") is None else f"{fmt(used['used'])}/{limit}{unit}"
+
+
+def inference_line(inference: Mapping[str, Any] | None) -> str:
+    """A tenant's inference limits in one cell: '12/600 rpm, 45k/200k tpm, $12.5/$2,000 mo'."""
+    if not inference:
+        return "-"
+    parts = [
+        _figure(inference["requests_per_minute"], " rpm"),
+        _figure(inference["tokens_per_minute"], " tpm"),
+        _figure(inference["tokens_this_month"], " tok/mo"),
+        _figure(inference["usd_this_month"], "/mo", money=True),
+    ]
+    shown = [p for p in parts if p is not None]
+    if inference.get("priority"):
+        shown.append(f"prio {inference['priority']}")
+    return ", ".join(shown) or "not limited"
 
 
 def tenants_table(items: list[dict[str, Any]]) -> str:
@@ -204,6 +268,7 @@ def tenants_table(items: list[dict[str, Any]]) -> str:
             f"{t['share']:.3f}",
             _budget(t["budget"]),
             str(t["pending"]),
+            inference_line(t.get("inference")),
         ]
         for t in items
     ]
@@ -225,10 +290,50 @@ def describe_tenant(t: Mapping[str, Any]) -> str:
         f"Budget left: {_budget(t['budget'])}",
         f"Pending:     {t['pending']} job(s)",
     ]
+    lines += _inference_lines(t.get("inference"))
     if t.get("policy"):
         text = yaml.safe_dump(_without_nulls(t["policy"]), sort_keys=False).rstrip()
         lines += ["Policy:", *("  " + line for line in text.splitlines())]
     return "\n".join(lines)
+
+
+TOKEN_FIGURES = (
+    ("requests_per_minute", "rpm"),
+    ("tokens_per_minute", "tpm"),
+    ("tokens_this_month", "tokens/month"),
+    ("usd_this_month", "USD/month"),
+)
+
+
+def _inference_lines(inference: Mapping[str, Any] | None) -> list[str]:
+    """`cpn tenant show`'s inference part: each limit, what all replicas used of it."""
+    if not inference:
+        return ["Inference:   not limited"]
+    out = [f"Inference:   priority {inference['priority']}, month {inference['month']} (UTC)"]
+    rows = (
+        ("requests/min", inference["requests_per_minute"], False),
+        ("tokens/min", inference["tokens_per_minute"], False),
+        ("tokens/month", inference["tokens_this_month"], False),
+        ("USD/month", inference["usd_this_month"], True),
+    )
+    for label, used, money in rows:
+        out.append(f"  {label + ':':<14}{_used(used, money)}")
+    for token_id, figures in (inference.get("tokens") or {}).items():
+        limited = [
+            f"{label} {_used(figures[key], key == 'usd_this_month')}"
+            for key, label in TOKEN_FIGURES
+            if figures[key]["limit"] is not None
+        ]
+        out.append(f"  token {token_id}: {', '.join(limited) or 'not limited'}")
+    return out
+
+
+def _used(used: Mapping[str, Any], money: bool) -> str:
+    fmt = (lambda v: f"${_num(v)}") if money else _num
+    limit = "not limited" if used["limit"] is None else f"limit {fmt(used['limit'])}"
+    if used["used"] is None:
+        return limit
+    return f"{fmt(used['used'])} used, {limit}"
 
 
 def _named(values: Mapping[str, float]) -> str:
@@ -383,6 +488,18 @@ def add_parsers(
     budget.add_argument("--usd-per-month", metavar="USD", help="per calendar month (UTC)")
     budget.add_argument("--gpu-hours", metavar="H", help="per window")
     budget.add_argument("--window", metavar="DURATION", help="the GPU-hours window, e.g. 7d")
+    infer = set_.add_argument_group("inference (all broker replicas together; 'none' removes)")
+    infer.add_argument("--rpm", metavar="N", help="requests per minute")
+    infer.add_argument("--tpm", metavar="N", help="tokens (prompt + completion) per minute")
+    infer.add_argument(
+        "--inference-usd-per-month", dest="inference_usd", metavar="USD", help="per month (UTC)"
+    )
+    infer.add_argument(
+        "--inference-tokens-per-month", dest="inference_tokens", metavar="N", help="per month"
+    )
+    infer.add_argument(
+        "--priority", metavar="P", help="requests' default priority, -1000..1000 (<0 sheddable)"
+    )
     broker_arg(set_)
     set_.set_defaults(func=cmd_tenant_set)
 

@@ -2,7 +2,8 @@
 what was done with them, and the token in use (docs/auth.md).
 
 `cpn token create --etcd` writes the token straight into etcd: how the first admin token is
-made, before any token can ask the broker for one.
+made, before any token can ask the broker for one. `--rpm`, `--tpm`, `--usd-per-month` and
+`--tokens-per-month` give the token inference limits of its own, on top of its tenant's.
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import argparse
 import json
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpn import render
 from cpn.cli_base import BrokerArg, CliParser, UsageError, registry_of
 from cpn.client import ApiError, BrokerClient
 from sites.kits.clock import SystemClock
+
+if TYPE_CHECKING:
+    from broker.model.tenants import TokenLimits
 
 __all__ = [
     "add_parsers",
@@ -26,6 +30,7 @@ __all__ = [
     "cmd_token_list",
     "cmd_token_revoke",
     "cmd_whoami",
+    "token_limits",
 ]
 
 
@@ -41,6 +46,7 @@ async def cmd_token_create(args: argparse.Namespace) -> int:
         role = Role(args.role)
     except ValueError as exc:
         raise UsageError(f"--ttl/--role: {exc}") from None
+    limits = token_limits(args)
     direct = args.etcd or (os.environ.get("CPN_ETCD") and not _have_token(args.broker))
     if direct:
         try:
@@ -51,6 +57,7 @@ async def cmd_token_create(args: argparse.Namespace) -> int:
                 created_by="etcd",
                 ttl_s=ttl_s,
                 description=args.description,
+                limits=limits,
             )
         except InvalidRequest as exc:
             raise UsageError(f"--{exc.field or 'tenant'}: {exc.message}") from None
@@ -63,6 +70,8 @@ async def cmd_token_create(args: argparse.Namespace) -> int:
             body["tenant"] = args.tenant
         if ttl_s:
             body["ttl_s"] = ttl_s
+        if limits is not None:
+            body["limits"] = limits.model_dump(mode="json", exclude_none=True)
         async with BrokerClient.to(args.broker) as client:
             created = await client.call("POST", "/v1/tokens", body)
     if args.output == "json":
@@ -74,6 +83,43 @@ async def cmd_token_create(args: argparse.Namespace) -> int:
         print(f"token {created['id']} ({created['role']}{scope}); it is shown only once:")
         print(created["token"])
     return 0
+
+
+LIMIT_FLAGS = (
+    # (flag, dest, where in TokenLimits)
+    ("--rpm", "rpm", ("requests_per_minute",)),
+    ("--tpm", "tpm", ("tokens_per_minute",)),
+    ("--usd-per-month", "usd_per_month", ("budget", "usd_per_month")),
+    ("--tokens-per-month", "tokens_per_month", ("budget", "tokens_per_month")),
+)
+
+
+def token_limits(args: argparse.Namespace) -> TokenLimits | None:
+    """The token's own inference limits from its flags; None where no flag is given. A bad
+    value is a UsageError (exit 2) naming its flag."""
+    from pydantic import ValidationError
+
+    from broker.model.tenants import TokenLimits
+
+    body: dict[str, Any] = {}
+    flags: dict[tuple[str, ...], str] = {}
+    for flag, dest, path in LIMIT_FLAGS:
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        flags[path] = flag
+        if len(path) == 1:
+            body[path[0]] = value
+        else:
+            body.setdefault("budget", {})[path[1]] = value
+    if not body:
+        return None
+    try:
+        return TokenLimits.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        flag = flags.get(tuple(str(p) for p in first["loc"]), "--rpm/--tpm")
+        raise UsageError(f"{flag}: {first['msg']}") from None
 
 
 def _have_token(explicit: str | None) -> bool:
@@ -143,6 +189,11 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser], broker_arg: BrokerA
     create.add_argument("--tenant", help="the tenant (tenant-admin, tenant-user, viewer)")
     create.add_argument("--ttl", metavar="DURATION", help="lifetime, e.g. 30d or 12h")
     create.add_argument("--description", default="", help="what it is for")
+    limits = create.add_argument_group("inference limits of this token, on top of its tenant's")
+    limits.add_argument("--rpm", metavar="N", help="requests per minute")
+    limits.add_argument("--tpm", metavar="N", help="tokens (prompt + completion) per minute")
+    limits.add_argument("--usd-per-month", metavar="USD", help="inference USD per month (UTC)")
+    limits.add_argument("--tokens-per-month", metavar="N", help="tokens per month (UTC)")
     create.add_argument(
         "--etcd",
         metavar="URL[,URL...]",

@@ -7,6 +7,11 @@ guarded transaction that carries its audit entry; the handler then waits (at mos
 MIRROR_WAIT_S) until this replica's mirror shows the write, so that the next call here, a GET
 or a `cpn tenant set`'s next PUT, sees it. A tenant's token reads its own tenant only (another
 is 404, the list and the file hold only its own); only admin and operator tokens write.
+
+A tenant with an `inference` section shows it as `inference` (broker.state.inference_counts.
+InferenceStanding): its limits, and what all replicas used of them where the app holds the
+replica's InferenceLimits under INFERENCE_LIMITS (`app[INFERENCE_LIMITS] = limits`, set by the
+process that runs it); without one, the limits only (`used` null).
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from broker.model.errors import InvalidRequest, NotFound
 from broker.model.jobs import NAME_RE
 from broker.model.tenants import TenancyFile, TenantPolicy
 from broker.ops.tenant_status import TenantStatus, capacity, tenant_statuses
+from broker.state.inference_counts import InferenceStanding, month_of
+from broker.state.inference_limits import InferenceLimits
 from sites.model.errors import RegistryError, RegistryUnavailable
 
 if TYPE_CHECKING:
     from broker.process import Broker
 
-__all__ = ["TenantDetail", "TenantList", "tenant_operations"]
+__all__ = ["INFERENCE_LIMITS", "TenantDetail", "TenantList", "TenantRow", "tenant_operations"]
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +50,27 @@ CAPACITY_REFRESH_S = 1.0
 sites change: they publish every interval, and a list must not cost O(sites) each time."""
 
 
+INFERENCE_LIMITS = web.AppKey("inference_limits", InferenceLimits)
+"""This replica's InferenceLimits, where it runs one: the `used` of each tenant's inference."""
+
+
+class TenantRow(TenantStatus):
+    """One tenant in GET /v1/tenants: its standing, and its inference limits and use."""
+
+    inference: InferenceStanding | None = Field(
+        default=None, description="its inference limits and use; null: no inference section"
+    )
+
+
 class TenantList(BaseModel):
     """GET /v1/tenants: every tenant configured, holding or awaiting work, by name."""
 
     model_config = ConfigDict(frozen=True)
 
-    items: list[TenantStatus]
+    items: list[TenantRow]
 
 
-class TenantDetail(TenantStatus):
+class TenantDetail(TenantRow):
     """GET /v1/tenants/{tenant}: its standing and its policy (null: none, not limited)."""
 
     policy: TenantPolicy | None
@@ -81,10 +100,14 @@ class _Refs(BaseModel):
     cohorts: dict[str, _Ref] = Field(default_factory=dict)
 
 
-def _broker(request: web.Request) -> Broker:
+def _broker_of(app: web.Application) -> Broker:
     from broker.api.keys import BROKER
 
-    return request.app[BROKER]
+    return app[BROKER]
+
+
+def _broker(request: web.Request) -> Broker:
+    return _broker_of(request.app)
 
 
 def _name(request: web.Request) -> str:
@@ -167,6 +190,25 @@ class _TenantsApi:
     def __init__(self) -> None:
         self._capacity = _Capacity()
 
+    def rows(self, app: web.Application, only: Collection[str] | None = None) -> list[TenantRow]:
+        """statuses() with each tenant's inference standing."""
+        broker = _broker_of(app)
+        limits = app.get(INFERENCE_LIMITS)
+        tenants = broker.tenancy.file.tenants
+        now = broker.clock.time()
+        out = []
+        for status in self.statuses(broker, only):
+            policy = tenants.get(status.tenant)
+            inference = None if policy is None else policy.inference
+            standing = None
+            if inference is not None:
+                if limits is None:
+                    standing = InferenceStanding.of(inference, month_of(now))
+                else:
+                    standing = InferenceStanding.model_validate(limits.standing(status.tenant, now))
+            out.append(TenantRow.model_validate({**dict(status), "inference": standing}))
+        return out
+
     def statuses(self, broker: Broker, only: Collection[str] | None = None) -> list[TenantStatus]:
         view = broker.view()
         written = tuple(broker.actor.written.values())
@@ -188,23 +230,23 @@ class _TenantsApi:
             only=only,
         )
 
-    def detail(self, broker: Broker, name: str) -> TenantDetail:
-        found = self.statuses(broker, only=(name,))
+    def detail(self, app: web.Application, name: str) -> TenantDetail:
+        found = self.rows(app, only=(name,))
         if not found:
             raise NotFound(f"no tenant {name!r}: none configured, none holding or awaiting work")
-        policy = broker.tenancy.file.tenants.get(name)
+        policy = _broker_of(app).tenancy.file.tenants.get(name)
         return TenantDetail.model_validate({**dict(found[0]), "policy": policy})
 
     async def list_tenants(self, request: web.Request) -> web.Response:
         who = principal(request)
         only = None if who.tenant is None else (who.tenant,)
-        items = self.statuses(_broker(request), only)
+        items = self.rows(request.app, only)
         return web.json_response(TenantList(items=items).model_dump(mode="json"))
 
     async def get_tenant(self, request: web.Request) -> web.Response:
         name = _name(request)
         principal(request).only_own(name, f"tenant {name!r}")
-        return web.json_response(self.detail(_broker(request), name).model_dump(mode="json"))
+        return web.json_response(self.detail(request.app, name).model_dump(mode="json"))
 
     async def put_tenant(self, request: web.Request) -> web.Response:
         broker = _broker(request)
@@ -222,7 +264,7 @@ class _TenantsApi:
             )
         created = await book.put_tenant(name, policy)
         await _seen(lambda: book.file.tenants.get(name) == policy, f"tenant {name}")
-        answer = self.detail(broker, name).model_dump(mode="json")
+        answer = self.detail(request.app, name).model_dump(mode="json")
         return web.json_response(answer, status=201 if created else 200)
 
     async def delete_tenant(self, request: web.Request) -> web.Response:

@@ -14,7 +14,9 @@ import pytest
 import yaml
 
 from cpn.cli import build_parser, main
-from cpn.tenant_cli import FlagError, merged_policy
+from cpn.cli_base import UsageError
+from cpn.tenant_cli import FlagError, inference_line, merged_policy
+from cpn.token_cli import token_limits
 from sites.registry.client import Registry
 from tests.broker.apiserver import start_api_broker
 from tests.conftest import REPO, Processes, cpn_cmd
@@ -74,6 +76,62 @@ def cpn(broker: str, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_set_changes_the_inference_section() -> None:
+    base = {"quota": {"gpus": 1}, "inference": {"requests_per_minute": 10, "priority": 3}}
+    got = merged_policy(base, set_args("--tpm", "5000", "--inference-usd-per-month", "20"))
+    assert got["inference"] == {
+        "requests_per_minute": 10,
+        "priority": 3,
+        "tokens_per_minute": 5000,
+        "budget": {"usd_per_month": 20.0},
+    }
+    gone = merged_policy(got, set_args("--rpm", "none", "--tpm", "none", "--priority", "none",
+                                       "--inference-usd-per-month", "none"))  # fmt: skip
+    assert gone["inference"] is None
+    made = merged_policy({}, set_args("--priority", "-5", "--inference-tokens-per-month", "9"))
+    assert made["inference"] == {"priority": -5, "budget": {"tokens_per_month": 9}}
+    with pytest.raises(FlagError, match="--rpm: expected a whole number"):
+        merged_policy({}, set_args("--rpm", "1.5"))
+
+
+def test_the_inference_cell() -> None:
+    limits_only = {
+        "priority": -5,
+        "month": "2026-12",
+        "requests_per_minute": {"used": None, "limit": 600},
+        "tokens_per_minute": {"used": None, "limit": 200_000},
+        "tokens_this_month": {"used": None, "limit": None},
+        "usd_this_month": {"used": None, "limit": 2000.0},
+        "tokens": {},
+    }
+    assert inference_line(limits_only) == "600 rpm, 200k tpm, $2,000/mo, prio -5"
+    counted = {
+        **limits_only,
+        "priority": 0,
+        "requests_per_minute": {"used": 12, "limit": 600},
+        "tokens_per_minute": {"used": 45_500, "limit": 200_000},
+        "usd_this_month": {"used": 12.5, "limit": 2000.0},
+    }
+    assert inference_line(counted) == "12/600 rpm, 45.5k/200k tpm, $12.50/$2,000/mo"
+    assert inference_line(None) == "-"
+
+
+def test_token_limit_flags() -> None:
+    def parse(*argv: str) -> Any:
+        args = build_parser().parse_args(["token", "create", "--role", "tenant-user", *argv])
+        return token_limits(args)
+
+    assert parse() is None
+    got = parse("--rpm", "10", "--tokens-per-month", "1000")
+    assert got.requests_per_minute == 10 and got.budget.tokens_per_month == 1000
+    for argv, flag in (
+        ((("--tpm", "0"),), "--tpm"),
+        ((("--usd-per-month", "x"),), "--usd-per-month"),
+    ):
+        with pytest.raises(UsageError, match=f"^{flag}: "):
+            parse(*argv[0])
+
+
 @dataclass
 class Cli:
     """`cpn` in this process (as tests/broker/plan/test_plan.py runs `cpn plan`): a second each
@@ -121,6 +179,24 @@ def test_the_tenant_commands_against_a_broker(
     assert any(r.startswith("startup ") and "$20,000/20,000" in r for r in rows), rows
     described = run("tenant", "show", "t-cli")
     assert "Policy:" in described.stdout and "usd_per_month: 100" in described.stdout
+    assert "Inference:   not limited" in described.stdout
+    # inference limits: set by flags, shown by both commands
+    limited = run("tenant", "set", "t-cli", "--rpm", "100", "--tpm", "5000", "--priority", "-5")
+    assert limited.returncode == 0, limited.stderr
+    shown = json.loads(run("tenant", "show", "t-cli", "-o", "json").stdout)
+    assert shown["policy"]["inference"]["requests_per_minute"] == 100
+    assert shown["inference"]["priority"] == -5
+    assert shown["inference"]["tokens_per_minute"]["limit"] == 5000
+    described = run("tenant", "show", "t-cli")
+    assert "Inference:   priority -5" in described.stdout, described.stdout
+    assert "requests/min: " in described.stdout and "limit 100" in described.stdout
+    rows = cpn(api.url, "tenants").stdout.splitlines()
+    row = next(r for r in rows if r.startswith("t-cli "))
+    # "100 rpm": the limit alone; "0/100 rpm" where the broker counts (InferenceLimits wired)
+    assert "100 rpm, " in row and "5k tpm, prio -5" in row, row
+    assert any(r.startswith("startup ") and "2M tpm, $5,000/mo" in r for r in rows), rows
+    refused = run("tenant", "set", "t-cli", "--priority", "2000")
+    assert refused.returncode == 2 and "(field: inference.priority)" in refused.stderr, refused
 
     # a user error exits 2 with one line: a bad flag, a field the broker refuses, no tenant
     failed = cpn(api.url, "tenant", "set", "t-cli", "--cohort", "nope")
