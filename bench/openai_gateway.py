@@ -142,9 +142,21 @@ def run_one(metering: bool, args: argparse.Namespace) -> dict[str, float]:
         pid = _broker_pid(up)
         for stream in (False, True):
             asyncio.run(_load(url, min(500, args.requests), args.concurrency, stream))  # warm
+            spy = None
+            if args.profile and pid is not None:
+                where = f"{args.profile}-{'on' if metering else 'off'}-{int(stream)}.txt"
+                spy = subprocess.Popen(
+                    [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
+                     "--format", "raw", "--output", where, "--rate", "1000", "--nonblocking"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                time.sleep(1.0)
             before = cpu_seconds(pid) or 0.0
             seconds, failed = asyncio.run(_load(url, args.requests, args.concurrency, stream))
             after = cpu_seconds(pid) or 0.0
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
             kind = "stream" if stream else "whole"
             out[f"{kind}_us"] = (after - before) / args.requests * 1e6
             out[f"{kind}_rps"] = args.requests / seconds
@@ -167,12 +179,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--profile", metavar="PREFIX", help="py-spy the broker under load into PREFIX-*.txt"
+    )
+    parser.add_argument("--only", choices=("on", "off"), help="run one setting")
     args = parser.parse_args()
     results = {}
     for metering in (False, True):
+        if args.only and args.only != ("on" if metering else "off"):
+            continue
         log(f"metering {'on' if metering else 'off'}: {args.requests} requests x 2 (whole, stream)")
         results[metering] = run_one(metering, args)
     rows = []
+    if len(results) < 2:
+        print(json.dumps(results, indent=1))
+        return
     for kind in ("whole", "stream"):
         off, on = results[False][f"{kind}_us"], results[True][f"{kind}_us"]
         rows.append(

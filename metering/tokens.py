@@ -74,9 +74,19 @@ def cost_usd(use: TokenUse, price: TokenPrice | None) -> float:
     ) / _MILLION
 
 
+_DAYS: dict[int, str] = {}
+
+
 def token_day(at: float) -> str:
-    """The UTC date (YYYY-MM-DD) a request ending at unix `at` is billed on."""
-    return datetime.fromtimestamp(at, UTC).strftime("%Y-%m-%d")
+    """The UTC date (YYYY-MM-DD) a request ending at unix `at` is billed on (the last few days'
+    names kept: a flush asks once per request)."""
+    number = int(at // 86400)
+    day = _DAYS.get(number)
+    if day is None:
+        if len(_DAYS) > 64:
+            _DAYS.clear()
+        day = _DAYS[number] = datetime.fromtimestamp(number * 86400, UTC).strftime("%Y-%m-%d")
+    return day
 
 
 def row_key(model: str, site: str, client_region: str) -> str:

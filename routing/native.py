@@ -53,6 +53,7 @@ MODULES: tuple[str, ...] = (
     "routing.gateway.upstream",
     "routing.gateway.prefix",
     "routing.gateway.ratelimit",
+    "routing.gateway.openai",
     "routing.decision.selection",
     "routing.decision.policy",
     "routing.decision.candidates",

@@ -31,6 +31,7 @@ from broker.api.openapi import OPERATIONS, Many, Operation, Param, Reply, spec_p
 from broker.model import audit_intent
 from broker.model.audit_intent import AuditIntent, audit_puts, committed
 from broker.model.jobs import NAME_RE
+from broker.model.tenants import TokenLimits
 from broker.state.audit import MAX_LIMIT, AuditEntry, AuditLog
 from broker.state.auth import (
     ANONYMOUS,
@@ -373,6 +374,10 @@ class TokenRequest(BaseModel):
         default=None, description="lifetime: seconds or '30d', '12h'; none: until revoked"
     )
     description: str = Field(default="", max_length=200)
+    limits: TokenLimits | None = Field(
+        default=None,
+        description="the token's own inference limits, on top of its tenant's (docs/auth.md)",
+    )
 
 
 class TokenCreated(BaseModel):
@@ -421,6 +426,7 @@ async def create(request: web.Request) -> web.Response:
         created_by=who.token_id,
         ttl_s=body.ttl_s,
         description=body.description,
+        limits=body.limits,
     )
     await create_token(access.tokens.registry, record)
     access.tokens.tokens[record.id] = record  # usable here at once; elsewhere by the watch

@@ -24,6 +24,7 @@ from broker.api.access import (
 )
 from broker.api.app import count_request
 from broker.api.openai import openai_operations
+from broker.api.tenants import INFERENCE_LIMITS
 from broker.api.openapi import JSON, Operation, Param, Reply, register
 from broker.model.errors import InvalidRequest, NotFound
 from broker.model.tenants import InferencePolicy
@@ -154,6 +155,39 @@ class TokenAccountant:
         )
         return _Settling(self, ticket)
 
+    def settle(
+        self,
+        request_id: str,
+        tenant: str,
+        token_id: str | None,
+        requested: str,
+        service: str,
+        site: str,
+        region: str,
+        usage: tuple[int, int, int],
+        counted: bool,
+    ) -> None:
+        ep = self.snapshot().services.get((service, site))
+        use = TokenUse(
+            request_id=request_id or new_request_id(""),
+            tenant=tenant,
+            token_id=token_id,
+            model=ep.model if ep is not None else service,
+            requested=requested,
+            service=service,
+            site=site,
+            client_region=region,
+            prompt_tokens=usage[0],
+            completion_tokens=usage[1],
+            cached_tokens=usage[2],
+            at=self.clock.time(),
+            counted=counted,
+        )
+        usd = self.ledger.settle(use)
+        if self.limits is not None:
+            self.limits.charge(tenant, token_id, tokens=use.total_tokens, usd=usd, now=use.at)
+        self.metrics.inference_tokens(use)
+
     def charged(self, use: TokenUse) -> None:
         if self.limits is not None:
             usd = cost_usd(use, self.ledger.price(use.site, use.model, use.at))
@@ -214,6 +248,7 @@ class Gateway:
         )
         self.state_dir = state_dir
         self.scoped = False  # auth on: a tenant sees its own managed services only
+        self.app: web.Application | None = None
         self.ledger: TokenLedger | None = None
         self.limits: InferenceLimits | None = None
         self.accountant: TokenAccountant | None = None
@@ -317,6 +352,7 @@ class Gateway:
             self.broker.supervisor.spawn("health checker", self.checker.run, restart=RESTART)
             rate = RateLimit(rate_per_s=settings.tenant_rate_per_s, burst=settings.tenant_burst)
             self.scoped = app[AUTH].enabled
+            self.app = app
             if settings.metering:
                 await self._start_metering()
             self.proxy = InferenceProxy(
@@ -391,6 +427,8 @@ class Gateway:
         )
         # supervised: a crash shows in /healthz, then restarts; the ledger recovers what a
         # killed broker had written ahead before it flushes anything new
+        if self.app is not None:  # cpn tenants: what all replicas used of the limits
+            self.app[INFERENCE_LIMITS] = self.limits
         broker.supervisor.spawn("token ledger", self._run_ledger, restart=RESTART)
         broker.supervisor.spawn("inference limits", self.limits.run, restart=RESTART)
 

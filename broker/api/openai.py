@@ -98,6 +98,7 @@ def openai_operations(proxy: Handler, catalog: ModelCatalog, clock: Clock) -> li
             body_types=(JSON,),
             replies={"default": _ANSWER},
             errors=(400, 401, 403, 404, 413, 429, 502, 503, 504),
+            error_schema="OpenAIError",
         )  # fmt: skip
         for path, summary, name in posts
     ]
@@ -110,6 +111,7 @@ def openai_operations(proxy: Handler, catalog: ModelCatalog, clock: Clock) -> li
             "openai_models",
             replies={200: Reply("OpenAI's model list, with vLLM's card fields")},
             errors=(401, 403),
+            error_schema="OpenAIError",
         )  # fmt: skip
     )
     operations.append(
@@ -122,6 +124,7 @@ def openai_operations(proxy: Handler, catalog: ModelCatalog, clock: Clock) -> li
             params=(Param("model", "path", "a model, service, adapter or alias name"),),
             replies={200: Reply("OpenAI's model object, with vLLM's card fields")},
             errors=(401, 403, 404),
+            error_schema="OpenAIError",
         )  # fmt: skip
     )
     return operations

@@ -63,6 +63,29 @@ ERROR_SCHEMA: dict[str, Any] = {
     "required": ["error"],
     "additionalProperties": False,
 }
+OPENAI_ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "description": "an error on the OpenAI surface (docs/openai.md), in OpenAI's shape",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string", "description": "for a person"},
+                "type": {"type": "string", "description": "e.g. invalid_request_error"},
+                "param": {
+                    "type": ["string", "null"],
+                    "description": "the body field, parameter or header at fault, if one is",
+                },
+                "code": {
+                    "type": ["string", "null"],
+                    "description": "machine-readable, e.g. model_not_found",
+                },
+            },
+            "required": ["message", "type", "param", "code"],
+        }
+    },
+    "required": ["error"],
+}
 ERROR_REASONS = {
     400: "invalid or malformed request (field names what)",
     404: "no such resource",
@@ -128,6 +151,7 @@ class Operation:
     body_required: bool = True
     replies: Mapping[int | str, Reply] = field(default_factory=dict)  # status or "default"
     errors: tuple[int, ...] = ()
+    error_schema: str = "Error"  # "OpenAIError": the OpenAI surface's shape
 
     @property
     def methods(self) -> tuple[str, ...]:
@@ -175,7 +199,7 @@ def document(operations: Iterable[Operation], *, title: str, version: str) -> di
         if name.endswith("-Input")
     }
     refs = {key: _renamed(value, renames) for key, value in refs.items()}
-    schemas: dict[str, Any] = {"Error": ERROR_SCHEMA}
+    schemas: dict[str, Any] = {"Error": ERROR_SCHEMA, "OpenAIError": OPENAI_ERROR_SCHEMA}
     for name, schema in defs.get("$defs", {}).items():
         schemas[name.removesuffix("-Input")] = _renamed(schema, renames)
 
@@ -257,7 +281,7 @@ def _responses(
                 for name, text in reply.headers.items()
             }
         out[str(status)] = entry
-    error = {"$ref": "#/components/schemas/Error"}
+    error = {"$ref": f"#/components/schemas/{op.error_schema}"}
     for status in op.errors:
         out[str(status)] = {
             "description": ERROR_REASONS.get(status, "error"),

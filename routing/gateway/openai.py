@@ -107,6 +107,7 @@ class OpenAIRequest(NamedTuple):
     priority: int | None  # the body's own `priority` (vLLM's field), if it had one
     doc: dict[str, object]  # the parsed body, to rewrite (`body_for`)
     changed: bool  # doc differs from the body as sent
+    size: int  # the body's bytes as sent
 
 
 def read_request(body: bytes, kind: str) -> OpenAIRequest:
@@ -138,7 +139,7 @@ def read_request(body: bytes, kind: str) -> OpenAIRequest:
     priority = doc.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise BadRequest("`priority` must be an integer", "priority")
-    return OpenAIRequest(model, bool(stream), strip, priority, doc, changed)
+    return OpenAIRequest(model, bool(stream), strip, priority, doc, changed, len(body))
 
 
 def body_for(request: OpenAIRequest, original: bytes, *, server_priority: int | None) -> bytes:
@@ -159,15 +160,10 @@ def body_for(request: OpenAIRequest, original: bytes, *, server_priority: int | 
 
 
 def prompt_estimate(request: OpenAIRequest) -> int:
-    """About how many tokens the prompt has (4 bytes a token, as tokenizers average on English
-    text and code), for a stream cut before its usage arrived: billed as `counted`."""
-    doc = request.doc
-    size = 0
-    for key in ("messages", "prompt", "input"):
-        value = doc.get(key)
-        if value is not None:
-            size += len(json.dumps(value, ensure_ascii=False).encode())
-    return max(1, size // 4)
+    """About how many tokens the prompt has, for a stream cut before its usage arrived (billed
+    as `counted`): the body's bytes at 4 a token, as tokenizers average on English text and
+    code (the body's few other fields are counted too: an estimate, a little high)."""
+    return max(1, request.size // 4)
 
 
 class Usage(NamedTuple):
@@ -196,7 +192,23 @@ def _usage_of(value: object) -> Usage | None:
 
 _EVENT_END = b"\n\n"
 _USAGE_NULLS = (b',"usage":null', b', "usage": null', b'"usage":null,', b'"usage": null, ')
-_DONE = b"data: [DONE]"
+_USAGE_KEYS = (b'"usage":{', b'"usage": {')
+_DECODER = json.JSONDecoder()
+
+
+def _usage_at(data: bytes) -> Usage | None:
+    """The usage object in a JSON text, parsed alone (the rest of the answer is not): None
+    when there is none."""
+    for key in _USAGE_KEYS:
+        at = data.find(key)
+        if at >= 0:
+            try:
+                text = data[at + len(key) - 1 :].decode("utf-8")
+                value, _ = _DECODER.raw_decode(text)
+            except (ValueError, UnicodeDecodeError):
+                return None
+            return _usage_of(value)
+    return None
 
 
 class Meter:
@@ -212,14 +224,9 @@ class Meter:
 
     def whole(self, body: bytes) -> None:
         """A JSON answer's usage, if it has one."""
-        if b'"usage"' not in body:
-            return
-        try:
-            doc = json.loads(body)
-        except (ValueError, UnicodeDecodeError):
-            return
-        if isinstance(doc, dict):
-            self.usage = _usage_of(doc.get("usage"))
+        found = _usage_at(body)
+        if found is not None:
+            self.usage = found
 
     def feed(self, chunk: bytes) -> bytes:
         """A piece of a stream as read: what to send the client now (maybe b"")."""
@@ -241,40 +248,43 @@ class Meter:
 
     def _events(self, block: bytes) -> bytes:
         """Whole events: count them, take their usage, and strip what the client did not ask
-        for."""
+        for. Bytes operations over the whole block; only the usage event is parsed."""
+        self.chunks += block.count(b"data: {") + block.count(b"data:{")
         has_usage = b'"usage":{' in block or b'"usage": {' in block
-        if not has_usage and not self.strip:
-            self.chunks += block.count(b"data: {")
+        if self.strip:
+            for null in _USAGE_NULLS:
+                if null in block:
+                    block = block.replace(null, b"")
+        if not has_usage:
             return block
         out = []
         for event in block.split(_EVENT_END):
             if not event:
                 continue
-            if has_usage and (b'"usage":{' in event or b'"usage": {' in event):
-                payload = event.partition(b"data:")[2].strip()
-                try:
-                    doc = json.loads(payload)
-                except (ValueError, UnicodeDecodeError):
-                    doc = None
-                if isinstance(doc, dict):
-                    usage = _usage_of(doc.get("usage"))
-                    if usage is not None:
-                        self.usage = usage
-                    if doc.get("choices") == []:  # the usage chunk itself
-                        if not self.strip:
-                            out.append(event)
-                        continue
+            if b'"usage":{' in event or b'"usage": {' in event:
+                usage = _usage_at(event)
+                if usage is not None:
+                    self.usage = usage
+                if b'"choices":[]' in event or b'"choices": []' in event:
+                    self.chunks -= 1  # the usage chunk carries no choice
                     if self.strip:
-                        doc.pop("usage", None)
-                        event = b"data: " + json.dumps(doc, separators=(",", ":")).encode()
-            elif self.strip:
-                for null in _USAGE_NULLS:
-                    if null in event:
-                        event = event.replace(null, b"", 1)
-                        break
-            if event.startswith((b"data: {", b"data:{")):
-                self.chunks += 1
+                        continue
+                elif self.strip:
+                    event = _without_usage(event)
             out.append(event)
         if not out:
             return b""
         return _EVENT_END.join(out) + _EVENT_END
+
+
+def _without_usage(event: bytes) -> bytes:
+    """A stream event with its (non-null) usage removed, re-encoded."""
+    payload = event.partition(b"data:")[2].strip()
+    try:
+        doc = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return event
+    if not isinstance(doc, dict):
+        return event
+    doc.pop("usage", None)
+    return b"data: " + json.dumps(doc, separators=(",", ":")).encode()

@@ -246,6 +246,20 @@ class Ticket(Protocol):
 class Accountant(Protocol):
     """Token accounting and limits for the OpenAI paths (broker.api.inference's)."""
 
+    def settle(
+        self,
+        request_id: str,
+        tenant: str,
+        token_id: str | None,
+        requested: str,
+        service: str,
+        site: str,
+        region: str,
+        usage: tuple[int, int, int],
+        counted: bool,
+    ) -> None:
+        """A whole answer that reached the client: (prompt, completion, cached) tokens."""
+
     def admit(self, tenant: str, token_id: str | None) -> tuple[int, str, str, str, Extra] | None:
         """None to go on, else (status, code, message, field, headers) to refuse with."""
 
@@ -1031,16 +1045,16 @@ class InferenceProxy:
             ticket: Ticket | None = None
             if metered is not None and 200 <= status < 300:
                 meter = Meter(strip=metered.strip)
-                ticket = metered.open(upstream.site)
             if whole is not None and (metered is None or meter is None or not metered.stream):
                 sent = await ex.answer(status, reason, response.headers, extra, whole)
                 if sent and traffic is not None and region is not None:
                     traffic.first_byte(service, region, self.clock.monotonic() - arrived)
-                if ticket is not None and meter is not None and metered is not None:
-                    if sent:
-                        meter.whole(whole)
-                    metered.settle(ticket, meter, sent)
+                if meter is not None and metered is not None:
+                    meter.whole(whole)  # billed whether or not the client stayed for it
+                    metered.settle_whole(upstream.site, meter)
                 return
+            if meter is not None and metered is not None:
+                ticket = metered.open(upstream.site)  # written ahead of the first byte
             length = response.content_length
             if meter is not None and meter.strip:
                 length = None  # what is taken out changes the length
@@ -1136,6 +1150,24 @@ class _Metered:
         return self.accountant.open(
             ex.request_id, self.tenant, ex.token_id, self.requested, self.service, site,
             self.region, prompt,
+        )  # fmt: skip
+
+    def settle_whole(self, site: str, meter: Meter) -> None:
+        """A whole answer: the server's usage, else the prompt estimated (counted)."""
+        usage = meter.usage
+        ex = self.ex
+        if usage is not None:
+            counts, counted = (
+                (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
+                False,
+            )
+        else:
+            request = self.request
+            counts = (prompt_estimate(request) if request is not None else 0, 0, 0)
+            counted = True
+        self.accountant.settle(
+            ex.request_id, self.tenant, ex.token_id, self.requested, self.service, site,
+            self.region, counts, counted,
         )  # fmt: skip
 
     def settle(self, ticket: Ticket, meter: Meter, delivered: bool) -> None:

@@ -182,6 +182,19 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
     infer = call(api, "POST", "/v1/infer/qwen-72b/v1/completions", {"prompt": "x"})
     tested.add(("*", "/v1/infer/{service}/{path}"))
     assert (infer.status == 403) == (not allowed(who, Permission.route)), (who, infer)
+    # the OpenAI surface: inference, as the proxy; its refusals in OpenAI's shape
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+        openai = call(api, "POST", path, {"model": "no-such-model", "prompt": "x"})
+        tested.add(("POST", path))
+        if allowed(who, Permission.route):
+            assert openai.status in (400, 404), (who, path, openai)  # past auth
+        else:
+            assert openai.status == 403, (who, path, openai)
+            assert openai.json()["error"]["type"] == "permission_error", openai
+    for path, route in (("/v1/models", "/v1/models"), ("/v1/models/x", "/v1/models/{model}")):
+        models = call(api, "GET", path)
+        tested.add(("GET", route))
+        assert (models.status == 403) == (not allowed(who, Permission.route)), (who, models)
     tokens = check("GET", "/v1/tokens", "/v1/tokens")
     if tokens.status == 200:
         listing = json.loads(tokens.body)
