@@ -24,8 +24,8 @@ from broker.api.access import (
 )
 from broker.api.app import count_request
 from broker.api.openai import openai_operations
-from broker.api.tenants import INFERENCE_LIMITS
 from broker.api.openapi import JSON, Operation, Param, Reply, register
+from broker.api.tenants import INFERENCE_LIMITS
 from broker.model.errors import InvalidRequest, NotFound
 from broker.model.tenants import InferencePolicy
 from broker.placement.settings import InferenceSettings
