@@ -11,11 +11,13 @@ BrokerError
 ├── Expired                       a list's continue token outlived its revision: 410
 ├── Unauthorized                  no valid token (missing, malformed, expired, revoked): 401
 ├── Forbidden                     the token's role may not, or names another tenant: 403
+├── TokenLedgerError              the token ledger's file or writer is not this replica's own
+│                                 (broker.state.token_ledger)
 └── PlacementError (ValueError)   a snapshot or decision placement cannot work with (a caller's
                                   bug or a stale view; broker.placement.place)
 
-PlanInputError and PlacementError live beside the code that raises them, Unauthorized and
-Forbidden in broker.state.auth.
+PlanInputError, PlacementError and TokenLedgerError live beside the code that raises them,
+Unauthorized and Forbidden in broker.state.auth.
 """
 
 from __future__ import annotations

@@ -194,7 +194,8 @@ def test_the_tenant_commands_against_a_broker(
     row = next(r for r in rows if r.startswith("t-cli "))
     # "100 rpm": the limit alone; "0/100 rpm" where the broker counts (InferenceLimits wired)
     assert "100 rpm, " in row and "5k tpm, prio -5" in row, row
-    assert any(r.startswith("startup ") and "2M tpm, $5,000/mo" in r for r in rows), rows
+    startup = next(r for r in rows if r.startswith("startup "))
+    assert "2M tpm, " in startup and "$5,000/mo" in startup, startup
     refused = run("tenant", "set", "t-cli", "--priority", "2000")
     assert refused.returncode == 2 and "(field: inference.priority)" in refused.stderr, refused
 
