@@ -61,6 +61,7 @@ from routing.gateway.proxy import (
 from routing.gateway.ratelimit import RateLimit, TenantLimiter
 from routing.gateway.upstream import UpstreamPool
 from sites.kits.clock import Clock
+from sites.model.errors import ConfigError, Problem
 from sites.model.snapshot import Snapshot
 from sites.model.spec import TokenPrice
 
@@ -241,6 +242,11 @@ class Gateway:
         self._session: aiohttp.ClientSession | None = None  # the health checks'
         self.checker: ActiveHealthChecker | None = None
         self.proxy: InferenceProxy | None = None
+        region = self.settings.client_region
+        if region is not None and region not in router.clients:
+            raise ConfigError(
+                [Problem("broker.yaml", "inference.client_region", f"no client region {region!r}")]
+            )
         self.catalog = ModelCatalog(
             snapshot=lambda: router.snapshot,
             job_tenant=self._job_tenant,
@@ -375,6 +381,8 @@ class Gateway:
                 drop_credentials=app[AUTH].enabled,
                 site_keys=self.site_keys,  # a site's own key, where it needs one
                 resolve_model=self.resolve,
+                served_name=self.catalog.served_name,
+                default_region=settings.client_region,
                 accountant=self.accountant,
                 default_priority=self._default_priority,
                 pass_priority=frozenset(settings.pass_priority),

@@ -176,6 +176,13 @@ class InferenceSettings(BaseModel):
         "elsewhere a body's `priority` is removed",
     )
     queue: QueueSettings = QueueSettings()
+    client_region: str | None = Field(
+        default=None,
+        min_length=1,
+        description="the client region this replica stands in (a broker runs near its clients): "
+        "an OpenAI request that names none (X-Cpn-Client-Region) and comes from no address of "
+        "configs/clients.yaml is from here; none: such a request is a 400",
+    )
     metering: bool = Field(
         default=True,
         description="bill and limit inference tokens (the OpenAI paths, and /v1/infer to them); "

@@ -153,6 +153,15 @@ class ModelCatalog:
                 ranks.append(tuple(out))
         return tuple(ranks) or None
 
+    def served_name(self, service: str, requested: str) -> str | None:
+        """The name `service`'s model server serves a request by, when `requested` (an alias, a
+        service's name) is not one it knows; None: `requested` is its model or an adapter."""
+        catalog = self._catalog()
+        model = catalog.model_of.get(service)
+        if model is None or requested == model or requested in catalog.by_adapter:
+            return None
+        return model
+
     def cards(self, tenant: str | None) -> list[ModelCard]:
         """What `tenant` may use, by id: services, served models, adapters and aliases."""
         catalog = self._catalog()

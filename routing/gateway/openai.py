@@ -142,11 +142,22 @@ def read_request(body: bytes, kind: str) -> OpenAIRequest:
     return OpenAIRequest(model, bool(stream), strip, priority, doc, changed, len(body))
 
 
-def body_for(request: OpenAIRequest, original: bytes, *, server_priority: int | None) -> bytes:
-    """The body sent to the model server: as sent, unless the gateway added include_usage, or
-    `priority` must go (`server_priority` None) or be set to `server_priority`."""
+def body_for(
+    request: OpenAIRequest,
+    original: bytes,
+    *,
+    server_priority: int | None,
+    model: str | None = None,
+) -> bytes:
+    """The body sent to the model server: as sent, unless the gateway added include_usage,
+    `priority` must go (`server_priority` None) or be set to `server_priority`, or the model
+    must be named as the server serves it (`model`: an alias or a service name was sent; a
+    model server refuses a name it does not serve)."""
     doc = request.doc
     changed = request.changed
+    if model is not None and doc.get("model") != model:
+        doc["model"] = model
+        changed = True
     if server_priority is None:
         if "priority" in doc:
             del doc["priority"]

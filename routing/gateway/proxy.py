@@ -230,6 +230,10 @@ serves when every site of every service in the ranks before it is saturated or d
 ResolveModel = Callable[[str, str], "Targets | None"]
 """(model as the body names it, tenant) -> its targets; None: no such model for that tenant."""
 
+ServedName = Callable[[str, str], "str | None"]
+"""(service chosen, model as the body names it) -> the name its model server serves it by, when
+the body's differs (an alias's, a service's); None: send the body's."""
+
 
 class Ticket(Protocol):
     """One metered answer (broker.state.token_ledger's write-ahead ticket)."""
@@ -510,6 +514,8 @@ class InferenceProxy:
         drop_credentials: bool = False,
         site_keys: Mapping[tuple[str, str], str] | None = None,
         resolve_model: ResolveModel | None = None,
+        served_name: ServedName | None = None,
+        default_region: str | None = None,
         accountant: Accountant | None = None,
         default_priority: Callable[[str], int] | None = None,
         pass_priority: Container[str] = frozenset(),
@@ -527,6 +533,9 @@ class InferenceProxy:
         model servers require, sent as `Authorization: Bearer <key>` in place of the client's
         header (broker.placement.settings.SiteKey).
         `resolve_model`: the OpenAI paths' model -> targets (None: those paths answer 404).
+        `served_name`: the model name to send the chosen service's server (OpenAI paths).
+        `default_region`: the client region of an OpenAI path's request that names none and
+        comes from no known address (the broker's own region; None: 400 as /v1/infer).
         `accountant`: token limits before, and token accounting after, an OpenAI path's
         answer (also `/v1/infer/{service}/v1/chat/completions` and the like).
         `default_priority`: tenant -> its requests' priority when they name none.
@@ -566,6 +575,8 @@ class InferenceProxy:
         self.not_forwarded = _CREDENTIALS if drop_credentials else frozenset()
         self._not_forwarded_keyed = self.not_forwarded | _CREDENTIALS  # to a site with its key
         self.resolve_model = resolve_model
+        self.served_name = served_name
+        self.default_region = default_region
         self.accountant = accountant
         self.default_priority = default_priority
         self.pass_priority = pass_priority
@@ -698,7 +709,10 @@ class InferenceProxy:
         metered: _Metered | None = None
         if request is not None:
             server_priority = -priority if service in self.pass_priority else None
-            body = body_for(request, body, server_priority=server_priority)
+            served = None
+            if ex.openai and self.served_name is not None:
+                served = self.served_name(service, request.model)
+            body = body_for(request, body, server_priority=server_priority, model=served)
         if accountant is not None:
             metered = _Metered(
                 accountant, request, ex, tenant, service, region or "none",
@@ -825,6 +839,8 @@ class InferenceProxy:
         region = ex.region_hint
         if not region and self.resolve_region is not None and ex.remote:
             region = self.resolve_region(ex.remote) or ""
+        if not region and ex.openai and self.default_region:
+            region = self.default_region
         if not region:
             if not self.require_region:
                 return None

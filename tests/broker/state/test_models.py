@@ -93,3 +93,11 @@ def test_the_alias_short_forms() -> None:
     assert [[(t.target, t.weight) for t in rank] for rank in alias.ranks] == [
         [("a", 2.0), ("b", 1.0)], [("c", 1.0)], [("d", 1.0), ("e", 3.0)],
     ]  # fmt: skip
+
+
+def test_the_name_a_server_serves_by() -> None:
+    catalog = _catalog({"chat": ["qwen-72b"]})
+    assert catalog.served_name("qwen-72b", "chat") == "qwen2.5-72b-instruct"
+    assert catalog.served_name("qwen-72b", "qwen-72b") == "qwen2.5-72b-instruct"
+    assert catalog.served_name("qwen-72b", "qwen2.5-72b-instruct") is None
+    assert catalog.served_name("gone", "chat") is None

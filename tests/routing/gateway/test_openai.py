@@ -144,3 +144,13 @@ def test_a_stream_cut_short_counts_what_went_out() -> None:
     meter = Meter(strip=True)
     sent = meter.feed(_chunk("a", None) + _chunk("b", None)[:10])
     assert sent.count(b"data: ") == 1 and meter.chunks == 1 and meter.usage is None
+
+
+def test_the_model_is_renamed_as_its_server_serves_it() -> None:
+    raw = b'{"model":"chat","messages":[]}'
+    request = read_request(raw, "chat")
+    sent = json.loads(body_for(request, raw, server_priority=None, model="qwen2.5-7b-instruct"))
+    assert sent["model"] == "qwen2.5-7b-instruct"
+    same = b'{"model":"qwen2.5-7b-instruct"}'
+    kept = body_for(read_request(same, "chat"), same, server_priority=None, model=None)
+    assert kept is same
