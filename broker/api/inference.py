@@ -63,7 +63,8 @@ from routing.gateway.upstream import UpstreamPool
 from sites.kits.clock import Clock
 from sites.model.errors import ConfigError, Problem
 from sites.model.snapshot import Snapshot
-from sites.model.spec import TokenPrice
+from sites.model.spec import SiteSpec, TokenPrice
+from sites.model.status import PriceHistory
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INFER_ROUTE = "/v1/infer/{service}/{path}"  # the route's canonical form, as metrics label it
@@ -79,14 +80,12 @@ class Picked(list[Upstream]):
 class _Settling:
     """A ledger ticket that, once settled, also charges the limits and counts the metrics."""
 
-    __slots__ = ("accountant", "ticket")
+    __slots__ = ("accountant", "progress", "ticket")
 
     def __init__(self, accountant: TokenAccountant, ticket: Ticket) -> None:
         self.accountant = accountant
         self.ticket = ticket
-
-    def progress(self, completion_tokens: int) -> None:
-        self.ticket.progress(completion_tokens)
+        self.progress = ticket.progress  # per streamed chunk: the ticket's own, no frame here
 
     def settle(
         self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool
@@ -202,17 +201,36 @@ def token_price(snapshot: Callable[[], Snapshot]) -> Callable[[str, str, float],
     """(site, model, unix s) -> the site's token price for the model in force then: from its
     price history (sites.model.status.PriceHistory), else its spec."""
 
+    # (site, model) -> (the history and spec it was read from, since when, the price): the
+    # price of the latest change, for requests that end after it (all, but a recovered one)
+    latest: dict[tuple[str, str], tuple[object, object, float, TokenPrice | None]] = {}
+
     def price(site: str, model: str, at: float) -> TokenPrice | None:
         snap = snapshot()
         history = snap.price_history.get(site)
-        if history is not None:
-            for change in reversed(history.changes):
-                if change.since <= at:
-                    return change.prices.token_price(model)
         spec = snap.specs.get(site)
-        return spec.prices.token_price(model) if spec is not None else None
+        kept = latest.get((site, model))
+        if kept is not None and kept[0] is history and kept[1] is spec and at >= kept[2]:
+            return kept[3]
+        found = _price_then(history, spec, model, at)
+        if history is None or not history.changes or at >= history.changes[-1].since:
+            if len(latest) >= 4096:
+                latest.clear()
+            since = history.changes[-1].since if history is not None and history.changes else 0.0
+            latest[(site, model)] = (history, spec, since, found)
+        return found
 
     return price
+
+
+def _price_then(
+    history: PriceHistory | None, spec: SiteSpec | None, model: str, at: float
+) -> TokenPrice | None:
+    if history is not None:
+        for change in reversed(history.changes):
+            if change.since <= at:
+                return change.prices.token_price(model)
+    return spec.prices.token_price(model) if spec is not None else None
 
 
 class Gateway:

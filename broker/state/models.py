@@ -32,6 +32,7 @@ from sites.model.snapshot import Snapshot
 __all__ = ["REBUILD_S", "ModelCard", "ModelCatalog"]
 
 REBUILD_S = 0.25
+_RESOLVED_MAX = 10_000  # answers kept between rebuilds (models x tenants asking)
 Targets = tuple[tuple[tuple[str, float], ...], ...]
 
 
@@ -90,6 +91,8 @@ class ModelCatalog:
         self._built: _Catalog = _Catalog()
         self._from: tuple[int, int] = (-1, -1)  # (id of the snapshot, its version)
         self._at = -REBUILD_S
+        # (model, tenant) -> resolve's answer, for the catalog as built last
+        self._resolved: dict[tuple[str, str | None], Targets | None] = {}
 
     def _catalog(self) -> _Catalog:
         snapshot = self._snapshot()
@@ -98,6 +101,7 @@ class ModelCatalog:
         if source != self._from and (self._from[0] != id(snapshot) or now - self._at >= REBUILD_S):
             self._built = self._build(snapshot)
             self._from, self._at = source, now
+            self._resolved = {}
         return self._built
 
     def _build(self, snapshot: Snapshot) -> _Catalog:
@@ -135,6 +139,16 @@ class ModelCatalog:
         """`model`'s targets for `tenant` (None: every tenant's, as an operator or with auth
         off); None when the name is nothing the tenant may use."""
         catalog = self._catalog()
+        key = (model, tenant)
+        resolved = self._resolved
+        if key in resolved:
+            return resolved[key]
+        if len(resolved) >= _RESOLVED_MAX:
+            resolved.clear()
+        found = resolved[key] = self._resolve(catalog, model, tenant)
+        return found
+
+    def _resolve(self, catalog: _Catalog, model: str, tenant: str | None) -> Targets | None:
         direct = self._services(catalog, model, tenant)
         if direct:
             weight = 1.0 / len(direct)

@@ -128,9 +128,24 @@ def _count(value: object) -> int:
     return min(max(n, 0), MAX_TOKENS)
 
 
+_ENCODED: dict[tuple[str, int], bytes | None] = {}
+_ENCODED_MAX = 4096
+
+
 def _encode(text: str, size: int) -> bytes | None:
-    data = text.encode("utf-8", "surrogatepass")
-    return None if len(data) > size or b"\0" in data else data
+    """`text` as a slot holds it, None when it does not fit; kept, as the names (tenants,
+    models, sites, regions) repeat from request to request."""
+    key = (text, size)
+    found = _ENCODED.get(key, b"")
+    if found != b"" or key in _ENCODED:
+        return found
+    data: bytes | None = text.encode("utf-8", "surrogatepass")
+    if data is not None and (len(data) > size or b"\0" in data):
+        data = None
+    if len(_ENCODED) >= _ENCODED_MAX:
+        _ENCODED.clear()
+    _ENCODED[key] = data
+    return data
 
 
 def _cut(text: str, size: int) -> bytes:
@@ -200,6 +215,37 @@ class Ticket:
             return
         self._settled = self._opened
         self._ledger.free_slot(self.slot)
+
+
+def _sane(use: TokenUse) -> bool:
+    """Whether a use's counts and time are already what the ledger would clamp them to (the
+    gateway's are): the common case skips the copy."""
+    prompt, completion, cached = use.prompt_tokens, use.completion_tokens, use.cached_tokens
+    return (
+        type(prompt) is int
+        and type(completion) is int
+        and type(cached) is int
+        and 0 <= prompt <= MAX_TOKENS
+        and 0 <= completion <= MAX_TOKENS
+        and 0 <= cached <= prompt
+        and type(use.at) is float
+        and math.isfinite(use.at)
+        and type(use.counted) is bool
+    )
+
+
+def _clamped(use: TokenUse, now: float) -> TokenUse:
+    """`use` with its counts clamped and a bad time replaced by `now`."""
+    prompt = _count(use.prompt_tokens)
+    at = use.at if isinstance(use.at, float | int) and math.isfinite(use.at) else now
+    return _replace_counts(
+        use,
+        prompt=prompt,
+        completion=_count(use.completion_tokens),
+        cached=min(_count(use.cached_tokens), prompt),
+        at=float(at),
+        counted=bool(use.counted),
+    )
 
 
 def _replace_counts(
@@ -413,16 +459,8 @@ class TokenLedger:
 
     def settle(self, use: TokenUse) -> float:
         """A whole answer's use: written ahead and queued; its USD. Counts are clamped."""
-        prompt = _count(use.prompt_tokens)
-        at = use.at if isinstance(use.at, float | int) and math.isfinite(use.at) else self.now()
-        use = _replace_counts(
-            use,
-            prompt=prompt,
-            completion=_count(use.completion_tokens),
-            cached=min(_count(use.cached_tokens), prompt),
-            at=float(at),
-            counted=bool(use.counted),
-        )
+        if not _sane(use):
+            use = _clamped(use, self.now())
         usd = self._usd(use)
         slot = self._claim(use, SETTLED, use.completion_tokens, usd)
         self._queue.append(_Pending(use, usd, slot, 0))
@@ -612,14 +650,32 @@ class TokenLedger:
             self._set_seq(seq)
             puts: dict[str, bytes] = {}
             for key, (day, _) in days.items():
+                # sums per row in plain numbers first: one model update per row, not per use
+                sums: dict[str, list[float]] = {}
                 for item in groups[key]:
                     if item.mark == 0:
                         self._mark(item, seq)
                     use = item.use
-                    row = day.rows.setdefault(
-                        row_key(use.model, use.site, use.client_region), TokenRow()
-                    )
-                    row.add(use, item.usd)
+                    name = row_key(use.model, use.site, use.client_region)
+                    tally = sums.get(name)
+                    if tally is None:
+                        tally = sums[name] = [0, 0, 0, 0, 0, 0.0]
+                    tally[0] += 1
+                    tally[1] += use.prompt_tokens
+                    tally[2] += use.completion_tokens
+                    tally[3] += use.cached_tokens
+                    tally[4] += 1 if use.counted else 0
+                    tally[5] += item.usd
+                for name, (n, prompt, completion, cached, counted, usd) in sums.items():
+                    row = day.rows.get(name)
+                    if row is None:
+                        row = day.rows[name] = TokenRow()
+                    row.requests += int(n)
+                    row.prompt_tokens += int(prompt)
+                    row.completion_tokens += int(completion)
+                    row.cached_tokens += int(cached)
+                    row.counted_requests += int(counted)
+                    row.usd += usd
                 day.seq = seq
                 puts[key] = day.model_dump_json().encode()
             guards = [Guard(key, mod_revision=rev) for key, (_, rev) in days.items()]
