@@ -1102,6 +1102,8 @@ class InferenceProxy:
                         if not chunk:
                             if meter is not None:
                                 rest = meter.end()
+                                if ticket is not None:
+                                    ticket.progress(meter.chunks)
                                 if rest and not await ex.send(rest):
                                     return
                             break
@@ -1109,10 +1111,12 @@ class InferenceProxy:
                         chunk = meter.feed(chunk)
                         if not chunk:
                             continue
+                        if ticket is not None:
+                            # written ahead of the bytes: a kill between the two bills a chunk
+                            # the client may miss, never one it got unbilled
+                            ticket.progress(meter.chunks)
                     if not await ex.send(chunk):
                         return  # the client left; the finally drops the upstream connection
-                    if ticket is not None and meter is not None:
-                        ticket.progress(meter.chunks)
                     if traffic is not None and region is not None:
                         # the first token of a stream: what the SLO is about
                         traffic.first_byte(service, region, self.clock.monotonic() - arrived)

@@ -5,6 +5,7 @@ body; a second broker replica for the limits that must hold across replicas."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import shutil
@@ -421,7 +422,7 @@ def test_the_429_forms(demo: Demo) -> None:
 
 def _second_broker(demo: Demo, etcd_url: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    log = open(demo.root / "broker-2.log", "wb")  # noqa: SIM115
+    log = open(demo.root / "broker-2.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
         cpn_cmd("broker", "--etcd", etcd_url, "--listen", f"127.0.0.1:{port}",
                 "--config-dir", str(demo.cfg), "--state-dir", str(demo.root / "broker-2")),
@@ -487,3 +488,61 @@ def test_a_tokens_per_minute_limit_holds_across_two_replicas(
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_a_broker_killed_mid_stream_bills_what_its_client_received(
+    demo: Demo, etcd: EmbeddedEtcd
+) -> None:
+    tenant = "openai-killed"
+    demo.put_tenant(tenant, {"weight": 1})
+    token = demo.tenant_token(tenant)
+    proc, second = _second_broker(demo, etcd.url)
+    received = 0
+    try:
+        body = json.dumps(
+            {"model": "qwen-7b", "max_tokens": 16, "stream": True,  # ~90 ms a token
+             "messages": [{"role": "user", "content": "a slow story"}]}
+        ).encode()  # fmt: skip
+        request = urllib.request.Request(
+            second + "/v1/chat/completions", data=body, method="POST",
+            headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json",
+                     **REGION},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            while received < 3:
+                line = answer.readline()
+                if line.startswith(b"data: {"):
+                    received += 1
+            proc.kill()  # SIGKILL: no flush, no goodbye
+            proc.wait(10)
+            try:  # what the broker had written before it died still arrives
+                while line := answer.readline():
+                    received += line.startswith(b"data: {")
+            except (OSError, ValueError, http.client.HTTPException):
+                pass
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert 3 <= received < 16
+    # the same replica back on its state directory settles what it had written ahead
+    again, _ = _second_broker(demo, etcd.url)
+    try:
+        deadline = time.monotonic() + 20
+        report: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            report = _usage_rows(demo, tenant)
+            if report["total"].get("inference_requests"):
+                break
+            time.sleep(0.3)
+        total = report["total"]
+        assert total["inference_requests"] == 1 and total["counted_requests"] == 1, total
+        # billed from the chunks that went out: never fewer than the client received
+        assert received <= total["completion_tokens"] <= received + 1, (received, total)
+        assert total["prompt_tokens"] > 0
+    finally:
+        again.send_signal(signal.SIGINT)
+        try:
+            again.wait(20)
+        except subprocess.TimeoutExpired:
+            again.kill()
