@@ -149,6 +149,8 @@ class Inventory(Frozen):
 class TokenPrice(Frozen):
     """An inference model's list price at a site, USD per million tokens."""
 
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
     input: NonNegative = Field(description="USD per million prompt tokens")
     output: NonNegative = Field(description="USD per million completion tokens")
     cached_input: NonNegative | None = Field(
