@@ -123,6 +123,38 @@ async def _load(url: str, requests: int, concurrency: int, stream: bool) -> tupl
         return time.perf_counter() - started, failed
 
 
+async def _tpm_two_replicas(urls: list[str], limit: int) -> tuple[int, list[int], list[int]]:
+    """A tenant with a tokens-per-minute `limit`, its requests alternated over two broker
+    replicas until each refused a few: (tokens admitted, per replica, refusals per replica)."""
+    tenant = {"X-Cpn-Client-Region": "shanghai", "X-Cpn-Tenant": "bench-tpm"}
+    body = {
+        "model": "qwen2.5-72b-instruct",
+        "messages": [{"role": "user", "content": "write a long story about the sea " * 4}],
+        "max_tokens": 64,
+    }
+    admitted, refused = [0, 0], [0, 0]
+    async with aiohttp.ClientSession(headers=tenant) as http:
+        put = await http.put(
+            urls[0] + "/v1/tenants/bench-tpm", json={"inference": {"tokens_per_minute": limit}}
+        )
+        put.release()
+        await asyncio.sleep(1.5)  # the policy reaches both replicas
+
+        async def drive(i: int) -> None:
+            deadline = time.monotonic() + 50
+            while time.monotonic() < deadline and refused[i] < 5:
+                async with http.post(urls[i] + "/v1/chat/completions", json=body) as answer:
+                    got = await answer.json()
+                    if answer.status == 429:
+                        refused[i] += 1
+                        await asyncio.sleep(0.05)
+                    elif answer.status == 200:
+                        admitted[i] += int(got["usage"]["total_tokens"])
+
+        await asyncio.gather(drive(0), drive(1))
+    return sum(admitted), admitted, refused
+
+
 def run_one(metering: bool, args: argparse.Namespace) -> dict[str, float]:
     where = scratch_dir("cpn-bench-openai-")
     etcd = embedded_etcd(where)
@@ -146,10 +178,10 @@ def run_one(metering: bool, args: argparse.Namespace) -> dict[str, float]:
             asyncio.run(_load(url, min(500, args.requests), args.concurrency, stream))  # warm
             spy = None
             if args.profile and pid is not None:
-                where = f"{args.profile}-{'on' if metering else 'off'}-{int(stream)}.txt"
+                spy_file = f"{args.profile}-{'on' if metering else 'off'}-{int(stream)}.txt"
                 spy = subprocess.Popen(
                     [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
-                     "--format", "raw", "--output", where, "--rate", "1000", "--nonblocking"],
+                     "--format", "raw", "--output", spy_file, "--rate", "1000", "--nonblocking"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip
                 time.sleep(1.0)
@@ -163,6 +195,30 @@ def run_one(metering: bool, args: argparse.Namespace) -> dict[str, float]:
             out[f"{kind}_us"] = (after - before) / args.requests * 1e6
             out[f"{kind}_rps"] = args.requests / seconds
             out[f"{kind}_failed"] = failed
+        if metering and args.tpm_limit:
+            port2 = free_port()
+            with open(where / "broker-2.log", "wb") as log2:
+                second = subprocess.Popen(
+                    [sys.executable, "-m", "cpn", "broker", "--etcd", etcd.url,
+                     "--listen", f"127.0.0.1:{port2}", "--config-dir", str(cfg),
+                     "--state-dir", str(where / "broker-2")],
+                    stdout=log2, stderr=subprocess.STDOUT, cwd=ROOT,
+                )  # fmt: skip
+            try:
+                asyncio.run(_ready(f"http://127.0.0.1:{port2}"))
+                total, each, refused = asyncio.run(
+                    _tpm_two_replicas([url, f"http://127.0.0.1:{port2}"], args.tpm_limit)
+                )
+                out["tpm_admitted"] = total
+                log(f"   two replicas, tokens_per_minute {args.tpm_limit}: admitted {total} "
+                    f"({each[0]} + {each[1]}), {total / args.tpm_limit * 100 - 100:+.1f} % of "
+                    f"the limit; refusals {refused}")  # fmt: skip
+            finally:
+                second.send_signal(signal.SIGINT)
+                try:
+                    second.wait(20)
+                except subprocess.TimeoutExpired:
+                    second.kill()
     finally:
         up.send_signal(signal.SIGINT)
         try:
@@ -182,6 +238,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="off/on pairs, alternated")
+    parser.add_argument(
+        "--tpm-limit", type=int, default=12_000,
+        help="the two-replica tokens-per-minute check's limit (0: skip it)",
+    )  # fmt: skip
     parser.add_argument(
         "--profile", metavar="PREFIX", help="py-spy the broker under load into PREFIX-*.txt"
     )
@@ -223,6 +283,13 @@ def main() -> None:
         )
     )
     print("target: at most +10 % broker CPU per request with accounting and limits on")
+    admitted = [r["tpm_admitted"] for r in runs[True] if "tpm_admitted" in r]
+    if admitted:
+        print(
+            f"two replicas, tokens_per_minute {args.tpm_limit}: admitted "
+            + ", ".join(f"{a:.0f} ({a / args.tpm_limit * 100 - 100:+.1f} %)" for a in admitted)
+            + " (target: within 5 %)"
+        )
 
 
 if __name__ == "__main__":

@@ -176,8 +176,10 @@ class InferenceLimits:
             if refusal is not None:
                 return refusal
         scope.own.add(second, 1, 0)
+        scope.counted(1, 0)
         if key_scope is not None:
             key_scope.own.add(second, 1, 0)
+            key_scope.counted(1, 0)
         self._dirty.add(tenant)
         return None
 
@@ -198,6 +200,7 @@ class InferenceLimits:
             scopes.append(self._token_scope(tenant, token_id))
         for s in scopes:
             s.own.add(second, 0, tokens)
+            s.counted(0, tokens)
             s.charge(month, tokens, usd)
         self._dirty.add(tenant)
 
@@ -282,12 +285,13 @@ class InferenceLimits:
                     self._token_scope(tenant, token_id).restore(got, month)
             return
         self._revisions[key] = 0 if value is None else rev
-        self._scope(tenant).apply_other(old, new)
+        at = new.at if new is not None else 0.0
+        self._scope(tenant).apply_other(old, new, writer, at)
         tokens_old = {} if old is None else old.by_token
         tokens_new = {} if new is None else new.by_token
         for token_id in tokens_old.keys() | tokens_new.keys():
             self._token_scope(tenant, token_id).apply_other(
-                tokens_old.get(token_id), tokens_new.get(token_id)
+                tokens_old.get(token_id), tokens_new.get(token_id), writer, at
             )
 
     # -- writes ---------------------------------------------------------------------------------
@@ -329,6 +333,10 @@ class InferenceLimits:
                 self._failed(taken, puts)
                 return False
             self.seq = seq
+            for tenant in taken:  # what others had not seen of these is published now
+                self._scope(tenant).published()
+                for token_id in self._tenant_tokens.get(tenant, ()):
+                    self._token_scope(tenant, token_id).published()
             return True
 
     def _failed(self, tenants: list[str], puts: dict[str, bytes]) -> None:
