@@ -9,7 +9,11 @@ process, so a broker killed mid-stream (SIGKILL included) leaves every open stre
 delivered tokens behind. `run` recovers them when the broker starts again (an open slot is
 settled with what reached the client, `counted=True`) and then flushes every `flush_s`.
 
-A flush sums the queued uses per (UTC day, tenant) into that replica's TokenDay keys
+A settled use goes into its row: the sums of one (UTC day, tenant, model, site, client region)
+since the last flush, in one slot (state 3) claimed by the row's first use. A stream's own slot
+is freed once its numbers are in the row; a whole answer never has one. So between two
+flushes the file holds a slot per row and per open stream, and a flush costs per row, not per
+request. A flush sums the queued rows per (UTC day, tenant) into that replica's TokenDay keys
 (sites.model.keys.usage_tokens), read just before, in one etcd transaction guarded on their
 mod_revisions, with TokenDay.seq set to the flush's number. A slot records the first flush it
 went into and is freed only after that flush committed. The replica is the only writer of its
@@ -21,8 +25,9 @@ The file (`token-ledger.bin`, locked with flock so two processes never share one
 
     header (128 B): magic b"CPNTOKL1", version u32, slot size u32, slots u32, pad u32,
                     flush seq i64 (the last flush number used), writer (64 B, NUL-padded)
-    slot (768 B):   state u8 (0 free, 1 open, 2 settled), flags u8 (1 counted, 2 has a token),
-                    pad, opened_at f64, delivered i64 (progress writes only this), prompt i64,
+    slot (768 B):   state u8 (0 free, 1 open, 2 settled, 3 a row), flags u8 (1 counted, 2 has
+                    a token), pad, opened_at f64, delivered i64 (progress writes only this; a
+                    row's requests), prompt i64 (a row's counted requests),
                     final prompt i64, final completion i64, cached i64, at f64, usd f64,
                     flush seq i64 (0: in no flush yet), then NUL-padded UTF-8 strings:
                     request id 64, tenant 64, token id 64, requested 128, service 64,
@@ -86,7 +91,8 @@ _HEADER_SIZE = 128
 _SEQ_AT = 24  # the header's flush seq
 _SEQ = struct.Struct("<q")
 
-FREE, OPEN, SETTLED = 0, 1, 2
+FREE, OPEN, SETTLED, ROW = 0, 1, 2, 3
+_ROW_COUNTS = struct.Struct("<qq")  # a row's requests and counted requests, at _DELIVERED_AT
 _COUNTED, _HAS_TOKEN = 1, 2
 # the strings of a slot: (field, bytes)
 _STRINGS = (
@@ -159,12 +165,26 @@ def _decode(data: bytes) -> str:
 
 @dataclass(slots=True)
 class _Pending:
-    """A settled use waiting for a flush."""
+    """Settled uses waiting for a flush: one (a recovered slot), or the sums of a row's
+    (`TokenLedger._add`: one per day, tenant, model, site and client region between flushes);
+    `use` names them (its counts are the first use's, not the sums)."""
 
     use: TokenUse
     usd: float
     slot: int  # -1: none (memory only)
     mark: int  # the first flush it went into; 0: none yet
+    requests: int = 1
+    counted: int = 0  # requests whose tokens the gateway counted
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+
+    @classmethod
+    def one(cls, use: TokenUse, usd: float, slot: int, mark: int) -> _Pending:
+        return cls(
+            use, usd, slot, mark, 1, int(use.counted), use.prompt_tokens,
+            use.completion_tokens, use.cached_tokens,
+        )  # fmt: skip
 
 
 class Ticket:
@@ -293,6 +313,8 @@ class TokenLedger:
         self.flush_s = flush_s
         self.path = Path(state_dir) / FILE_NAME
         self._queue: list[_Pending] = []
+        # (day, tenant, model, site, client region) -> the row's sums since the last flush
+        self._rows: dict[tuple[str, str, str, str, str], _Pending] = {}
         self._in_flight = 0
         self._flush_lock = asyncio.Lock()
         self._warned_memory = False
@@ -462,21 +484,41 @@ class TokenLedger:
         if not _sane(use):
             use = _clamped(use, self.now())
         usd = self._usd(use)
-        slot = self._claim(use, SETTLED, use.completion_tokens, usd)
-        self._queue.append(_Pending(use, usd, slot, 0))
+        self._add(use, usd)
         return usd
 
-    def settle_slot(self, slot: int, use: TokenUse) -> float:
-        """A ticket's end: its final numbers into its slot, then queued (Ticket.settle)."""
-        usd = self._usd(use)
+    def _add(self, use: TokenUse, usd: float) -> None:
+        """Add a settled use to its row's sums, in the row's slot (claimed with the row's
+        first use): between two flushes one slot and one queued item per day, tenant, model,
+        site and client region, however many requests."""
+        day = token_day(use.at)
+        key = (day, use.tenant, use.model, use.site, use.client_region)
+        item = self._rows.get(key)
+        if item is None:
+            slot = self._claim(use, ROW, 0, 0.0)
+            item = _Pending(use, 0.0, slot, 0, 0)
+            self._rows[key] = item
+            self._queue.append(item)
+        item.requests += 1
+        item.counted += 1 if use.counted else 0
+        item.prompt += use.prompt_tokens
+        item.completion += use.completion_tokens
+        item.cached += use.cached_tokens
+        item.usd += usd
         mm = self.mapped
-        if slot >= 0 and mm is not None:
-            off = self.slot_offset(slot)
-            final = (use.prompt_tokens, use.completion_tokens, use.cached_tokens, use.at, usd, 0)
+        if item.slot >= 0 and mm is not None:
+            off = self.slot_offset(item.slot)
+            _ROW_COUNTS.pack_into(mm, off + _DELIVERED_AT, item.requests, item.counted)
+            final = (item.prompt, item.completion, item.cached, use.at, item.usd, item.mark)
             _FINAL.pack_into(mm, off + _FINAL_AT, *final)
-            mm[off + 1] = (_COUNTED if use.counted else 0) | mm[off + 1] & _HAS_TOKEN
-            mm[off] = SETTLED
-        self._queue.append(_Pending(use, usd, slot if mm is not None else -1, 0))
+
+    def settle_slot(self, slot: int, use: TokenUse) -> float:
+        """A ticket's end: its numbers into its row (Ticket.settle), then its slot freed (a
+        kill between the two, a few instructions, would bill the stream twice, never lose
+        it)."""
+        usd = self._usd(use)
+        self._add(use, usd)
+        self.free_slot(slot)
         return usd
 
     def free_slot(self, slot: int) -> None:
@@ -495,7 +537,15 @@ class TokenLedger:
 
     def pending(self) -> int:
         """Settled uses not yet in etcd (recovered ones included)."""
-        return len(self._queue) + self._in_flight + len(self._unrecovered)
+        waiting = sum(item.requests for item in self._queue) + self._in_flight
+        mm = self.mapped
+        for slot in self._unrecovered:  # a row's slot holds many
+            off = self.slot_offset(slot)
+            if mm is not None and mm[off] == ROW:
+                waiting += _count(_SEQ.unpack_from(mm, off + _DELIVERED_AT)[0])
+            else:
+                waiting += 1
+        return waiting
 
     # -- recovery ----------------------------------------------------------------------------
 
@@ -506,6 +556,7 @@ class TokenLedger:
         todo, self._unrecovered = self._unrecovered, []
         if mm is None:
             return 0
+        queued = len(self._queue)
         for slot in todo:
             off = self.slot_offset(slot)
             fields = _SLOT.unpack_from(mm, off)
@@ -551,14 +602,38 @@ class TokenLedger:
                     at=at,
                     counted=bool(flags & _COUNTED),
                 )
+            elif state == ROW:  # a row's sums: `delivered` is its requests, `prompt` the counted
+                use = TokenUse(
+                    request_id="",
+                    tenant=text["tenant"],
+                    token_id=None,
+                    model=text["model"],
+                    requested=text["requested"],
+                    service=text["service"],
+                    site=text["site"],
+                    client_region=text["client_region"],
+                    prompt_tokens=_count(final_prompt),
+                    completion_tokens=_count(final_completion),
+                    cached_tokens=_count(cached),
+                    at=at,
+                    counted=False,
+                )
+                self._queue.append(
+                    _Pending(
+                        use, usd, slot, max(mark, 0), _count(delivered), _count(prompt),
+                        use.prompt_tokens, use.completion_tokens, use.cached_tokens,
+                    )
+                )  # fmt: skip
+                continue
             else:  # a torn or foreign byte: nothing to bill
                 log.warning("token ledger: slot %d in unknown state %d freed", slot, state)
                 self.free_slot(slot)
                 continue
-            self._queue.append(_Pending(use, usd, slot, max(mark, 0)))
+            self._queue.append(_Pending.one(use, usd, slot, max(mark, 0)))
+        recovered = sum(item.requests for item in self._queue[queued:])
         if todo:
-            log.info("token ledger: recovered %d uses from %s", len(todo), self.path)
-        return len(todo)
+            log.info("token ledger: recovered %d uses from %s", recovered, self.path)
+        return recovered
 
     # -- flushes -----------------------------------------------------------------------------
 
@@ -605,7 +680,8 @@ class TokenLedger:
             if not self._queue:
                 return 0
             batch, self._queue = self._queue, []
-            self._in_flight = len(batch)
+            self._rows = {}  # what settles from now on goes into new rows, for the next flush
+            self._in_flight = sum(item.requests for item in batch)
             groups: dict[str, list[_Pending]] = {}
             for item in batch:
                 use = item.use
@@ -638,7 +714,7 @@ class TokenLedger:
                 for item in groups[key]:
                     if 0 < item.mark <= day.seq:
                         self._free_item(item)  # an earlier flush of it committed
-                        done += 1
+                        done += item.requests
                     else:
                         live.append(item)
                 groups[key] = live
@@ -660,11 +736,11 @@ class TokenLedger:
                     tally = sums.get(name)
                     if tally is None:
                         tally = sums[name] = [0, 0, 0, 0, 0, 0.0]
-                    tally[0] += 1
-                    tally[1] += use.prompt_tokens
-                    tally[2] += use.completion_tokens
-                    tally[3] += use.cached_tokens
-                    tally[4] += 1 if use.counted else 0
+                    tally[0] += item.requests
+                    tally[1] += item.prompt
+                    tally[2] += item.completion
+                    tally[3] += item.cached
+                    tally[4] += item.counted
                     tally[5] += item.usd
                 for name, (n, prompt, completion, cached, counted, usd) in sums.items():
                     row = day.rows.get(name)
@@ -685,7 +761,7 @@ class TokenLedger:
                 for key in days:
                     for item in groups[key]:
                         self._free_item(item)
-                        done += 1
+                        done += item.requests
                     groups[key] = []
                 return done
         raise StaleRecord(f"token ledger: {len(names)} TokenDay keys changed under every try")
