@@ -208,10 +208,13 @@ class Scope:
     tokens: int = 0
     usd: float = 0.0
     other_months: dict[str, list[float]] = field(default_factory=dict)  # month -> [tokens, usd]
-    # requests and tokens this replica counted since it last published them: what each busy
-    # other replica is taken to have counted that this one has not seen yet (`window`)
+    # other writer busy lately -> (its record's time, its requests and tokens per second over
+    # the last PEER_BUSY_S seconds of that record): what it counted unseen since (`estimate`)
+    peers: dict[str, tuple[float, float, float]] = field(default_factory=dict)
+    # requests and tokens this replica counted since it last published: under load the
+    # replicas' flushes and watches run late together, and at even shares of the traffic a
+    # peer counted about this much unseen too (`estimate` takes the larger guess)
     unpublished: list[int] = field(default_factory=lambda: [0, 0])
-    peers: dict[str, float] = field(default_factory=dict)  # other writer -> its last busy flush
 
     def window(self, second: int) -> tuple[int, int]:
         """Requests and tokens in the window: this replica's own and the others' as published."""
@@ -219,17 +222,21 @@ class Scope:
         self.others.advance(second)
         return (self.own.requests + self.others.requests, self.own.tokens + self.others.tokens)
 
-    def estimate(self, second: int) -> tuple[int, int]:
-        """`window`, plus, for each other replica busy in the last PEER_BUSY_S, as much again
-        as this one counted since it last published: the others' flushes reach here a flush
-        interval and a watch late, and at equal shares of the traffic they counted about as
-        much meanwhile; without it two replicas each fill what the other filled unseen (at a
-        fast model server's rate, 10-25 % over a tokens-per-minute limit, bench/JOURNAL.md)."""
-        requests, tokens = self.window(second)
+    def estimate(self, now: float) -> tuple[int, int]:
+        """`window`, plus what each other replica busy lately counted since its last record,
+        which reaches here a flush interval and a watch late: the larger of its rate over that
+        record's last PEER_BUSY_S seconds times the record's age, and what this replica counted
+        since it last published (under load both replicas' flushes run late). Without it two
+        replicas each fill what the other filled unseen (at a fast model server's rate, 10-25 %
+        over a tokens-per-minute limit: bench/openai_gateway.py)."""
+        requests, tokens = self.window(int(now))
         if self.peers:
-            busy = sum(1 for at in self.peers.values() if at >= second - PEER_BUSY_S)
-            requests += busy * self.unpublished[0]
-            tokens += busy * self.unpublished[1]
+            mine_requests, mine_tokens = self.unpublished
+            for at, request_rate, token_rate in self.peers.values():
+                age = now - at
+                if 0 <= age <= PEER_BUSY_S:
+                    requests += max(math.ceil(request_rate * age), mine_requests)
+                    tokens += max(math.ceil(token_rate * age), mine_tokens)
         return requests, tokens
 
     def counted(self, requests: int, tokens: int) -> None:
@@ -290,8 +297,15 @@ class Scope:
         `writer` busy at `at` (its record written then with counts in its last seconds) is a
         peer the window estimates unseen counts for."""
         if writer:
-            if new is not None and new.buckets and new.buckets[-1][0] >= int(at) - PEER_BUSY_S:
-                self.peers[writer] = float(int(at))
+            since = int(at) - PEER_BUSY_S
+            recent = [] if new is None else [(r, t) for s, r, t in new.buckets if s >= since]
+            if recent:
+                span = at - since  # the seconds those buckets cover, to the record's time
+                self.peers[writer] = (
+                    at,
+                    sum(r for r, _ in recent) / span,
+                    sum(t for _, t in recent) / span,
+                )
             else:
                 self.peers.pop(writer, None)
         if old is not None:
@@ -375,9 +389,11 @@ def over_rate(
     rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
     if rpm is None and tpm is None:
         return None
-    requests, tokens = scope.estimate(second)
+    requests, tokens = scope.estimate(now)
+    seen = scope.window(second)
+    unseen = (requests - seen[0], tokens - seen[1])  # the others' estimated since their records
     if rpm is not None and requests >= rpm:
-        wait = scope.retry_after(now, rpm, 0)
+        wait = scope.retry_after(now, max(1, rpm - unseen[0]), 0)
         return Refusal(
             429,
             "rate_limited",
@@ -388,7 +404,7 @@ def over_rate(
             True,
         )
     if tpm is not None and tokens >= tpm:
-        wait = scope.retry_after(now, tpm, 1)
+        wait = scope.retry_after(now, max(1, tpm - unseen[1]), 1)
         return Refusal(
             429,
             "tokens_per_minute",

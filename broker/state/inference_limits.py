@@ -29,10 +29,11 @@ requests in flight when the window reached it (admitted, not yet charged), plus 
 other replicas admitted or charged since their last flush reached this one: per replica at most
 flush_s + the watch's latency (a few ms) of its traffic. (b) is estimated rather than ignored
 (inference_counts.Scope.estimate): each other replica busy in the last seconds is taken to have
-counted as much as this one did since its own last flush, which at even shares of the traffic
-is about what it did. Measured with two broker processes behind a model server answering in
-~1 ms (bench/openai_gateway.py: ~300 requests a second, 12,000 tokens per minute): 10-25 %
-over the limit without the estimate, 2-4 % with it.
+counted, since its last record, the larger of its recent rate times the record's age and what
+this replica counted since its own last flush (under load both replicas' flushes run late
+together). Measured with two broker processes behind a model server answering in ~1 ms
+(bench/openai_gateway.py: ~300 requests a second, 12,000 tokens per minute): 10-25 % over the
+limit without the estimate, 1-3 % with it.
 
 Writes. Each replica writes only its own keys: at most one transaction per flush_s, only when a
 count changed, holding the changed tenants' records (at most MAX_PUTS keys, the rest the next
@@ -337,7 +338,7 @@ class InferenceLimits:
                 self._failed(taken, puts)
                 return False
             self.seq = seq
-            for tenant in taken:  # what others had not seen of these is published now
+            for tenant in taken:  # what the others had not seen of these is published now
                 self._scope(tenant).published()
                 for token_id in self._tenant_tokens.get(tenant, ()):
                     self._token_scope(tenant, token_id).published()
