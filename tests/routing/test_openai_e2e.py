@@ -110,17 +110,20 @@ class Demo:
         self.up = up
         self.root = root
         self.cfg = cfg
+        self.clients: list[openai.OpenAI] = []  # closed with the module's federation
 
     def http(self, token: str = ADMIN_TOKEN) -> Http:
         return Http(self.url, {"Authorization": f"Bearer {token}", **REGION})
 
     def client(self, token: str = ADMIN_TOKEN, url: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(
+        client = openai.OpenAI(
             base_url=(url or self.url) + "/v1",
             api_key=token,
             default_headers=REGION,
             max_retries=0,
         )
+        self.clients.append(client)
+        return client
 
     def tenant_token(self, tenant: str) -> str:
         with self.http() as http:
@@ -174,6 +177,8 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         _wait_models(demo)
         yield demo
     finally:
+        for client in demo.clients:
+            client.close()
         up.send_signal(signal.SIGINT)
         up.wait(30)
         asyncio.run(_clear(etcd.url))
