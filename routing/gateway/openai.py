@@ -263,9 +263,10 @@ class Meter:
         self.chunks += block.count(b"data: {") + block.count(b"data:{")
         has_usage = b'"usage":{' in block or b'"usage": {' in block
         if self.strip:
-            for null in _USAGE_NULLS:
+            for null in _USAGE_NULLS:  # a server writes its JSON one way: the first found
                 if null in block:
                     block = block.replace(null, b"")
+                    break
         if not has_usage:
             return block
         out = []
