@@ -35,7 +35,7 @@ from broker.state.inference_limits import InferenceLimits
 from broker.state.metrics import BrokerMetrics, LoopCounter
 from broker.state.models import ModelCatalog
 from broker.state.router import Router
-from broker.state.token_ledger import Ticket, TokenLedger
+from broker.state.token_ledger import Ticket, TokenLedger, TokenLedgerError
 from metering.tokens import TokenUse, cost_usd
 from routing.decision.candidates import site_replicas
 from routing.gateway.health import (
@@ -366,6 +366,10 @@ class Gateway:
         settings = self.settings
 
         async def lifetime(app: web.Application) -> AsyncIterator[None]:
+            self.scoped = app[AUTH].enabled
+            self.app = app
+            if settings.metering:  # first: a state directory it cannot use stops the start
+                await self._start_metering()
             self._session = self._new_session()
             self.checker = ActiveHealthChecker(
                 targets=self._health_targets,
@@ -375,10 +379,6 @@ class Gateway:
             # supervised with the broker's own tasks: a crash shows in /healthz, then restarts
             self.broker.supervisor.spawn("health checker", self.checker.run, restart=RESTART)
             rate = RateLimit(rate_per_s=settings.tenant_rate_per_s, burst=settings.tenant_burst)
-            self.scoped = app[AUTH].enabled
-            self.app = app
-            if settings.metering:
-                await self._start_metering()
             self.proxy = InferenceProxy(
                 pick=self.pick,
                 health=self.health,
@@ -428,15 +428,19 @@ class Gateway:
         state_dir = self.state_dir
         if state_dir is None:
             raise RuntimeError("the token ledger needs a state directory (cpn broker --state-dir)")
-        state_dir.mkdir(parents=True, exist_ok=True)
-        writer = TokenLedger.writer_id(state_dir)
-        self.ledger = TokenLedger(
-            registry=broker.registry,
-            writer=writer,
-            state_dir=state_dir,
-            price=token_price(lambda: broker.view().sites),
-            clock=broker.clock,
-        )
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            writer = TokenLedger.writer_id(state_dir)
+            self.ledger = TokenLedger(
+                registry=broker.registry,
+                writer=writer,
+                state_dir=state_dir,
+                price=token_price(lambda: broker.view().sites),
+                clock=broker.clock,
+            )
+        except (TokenLedgerError, OSError) as exc:  # another broker's, or not writable
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigError([Problem(str(state_dir), "--state-dir", reason)]) from None
         self.limits = InferenceLimits(
             registry=broker.registry,
             writer=writer,
