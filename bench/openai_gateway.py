@@ -198,6 +198,13 @@ def run_one(metering: bool, args: argparse.Namespace) -> dict[str, float]:
         for stream in (False, True):
             asyncio.run(_load(url, min(500, args.requests), args.concurrency, stream))  # warm
             spy = None
+            if args.perf and pid is not None:
+                spy = subprocess.Popen(
+                    ["perf", "record", "-F", "1999", "-p", str(pid), "-o",
+                     f"{args.perf}-{'on' if metering else 'off'}-{int(stream)}.data"],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )  # fmt: skip
+                time.sleep(1.0)
             if args.profile and pid is not None:
                 spy_file = f"{args.profile}-{'on' if metering else 'off'}-{int(stream)}.txt"
                 spy = subprocess.Popen(
@@ -271,6 +278,7 @@ def main() -> None:
         "--profile", metavar="PREFIX", help="py-spy the broker under load into PREFIX-*.txt"
     )
     parser.add_argument("--only", choices=("on", "off"), help="run one setting")
+    parser.add_argument("--perf", metavar="PREFIX", help="perf record the broker under load")
     args = parser.parse_args()
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     for n in range(args.rounds):
