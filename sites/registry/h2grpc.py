@@ -213,7 +213,11 @@ class H2Channel(asyncio.Protocol):
                 if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
                     transport.close()
                     raise ConnectionError(f"{authority} did not agree to HTTP/2 over TLS")
-            await channel.ready()  # the server's SETTINGS: it speaks HTTP/2
+            try:
+                await channel.ready()  # the server's SETTINGS: it speaks HTTP/2
+            except BaseException:  # timed out or cancelled (a mirror stopped while it connects)
+                transport.close()
+                raise
         return channel
 
     def ready(self) -> asyncio.Future[None]:

@@ -24,7 +24,7 @@ from sites.emulation.etcd_server import MAX_TXN_OPS, EmbeddedEtcd, free_port
 from sites.model import keys
 from sites.model.errors import RegistryError, RegistryUnavailable, RevisionCompacted
 from sites.registry.client import Guard, Registry
-from sites.registry.h2grpc import _integer, header_block
+from sites.registry.h2grpc import H2Channel, _integer, header_block
 
 PREFIX = keys.ROOT + "test-watch/"
 
@@ -356,3 +356,32 @@ def test_hpack_integers_and_long_header_values() -> None:
     )
     assert block.startswith(b"\x83\x87")  # :method POST, :scheme https
     assert block.endswith(b"\x00\x05token" + b"\x7f\xad\x01" + token.encode())
+
+
+@pytest.mark.parametrize("how", ["timeout", "cancel"])
+async def test_a_connect_given_up_before_settings_closes_its_socket(how: str) -> None:
+    """A server that accepts and never speaks HTTP/2: the channel's open gives up (its
+    timeout, or a mirror cancelled while it connects) and closes what it opened."""
+    closed = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client closes
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        if how == "timeout":
+            with pytest.raises(TimeoutError):
+                await H2Channel.open("127.0.0.1", port, timeout_s=0.2)
+        else:
+            opening = asyncio.create_task(H2Channel.open("127.0.0.1", port, timeout_s=30))
+            await asyncio.sleep(0.2)
+            opening.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await opening
+        await asyncio.wait_for(closed.wait(), 5)
+    finally:
+        server.close()
+        await server.wait_closed()
