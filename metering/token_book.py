@@ -18,11 +18,10 @@ import logging
 from collections.abc import Iterable, Sequence
 from datetime import UTC, date, datetime
 
-import numpy as np
 from pydantic import ValidationError
 
-from metering.grouping import Codes, UsageRow, group_sums
-from metering.pieces import day_number, day_text
+from metering.grouping import Table, UsageRow
+from metering.pieces import day_number
 from metering.tokens import TokenDay, split_row_key
 from sites.model import keys
 
@@ -55,13 +54,7 @@ class TokenBook:
         self._clear(capacity)
 
     def _clear(self, capacity: int) -> None:
-        self._dims = {name: Codes() for name in _NAMED}
-        self._rows: dict[str, list[int]] = {}  # TokenDay key -> its row numbers
-        self._free: list[int] = []
-        self._size = 0
-        self._day = np.zeros(capacity, dtype=np.int64)
-        self._cols = {name: np.zeros(capacity, dtype=np.int64) for name in _NAMED}
-        self._values = np.zeros((len(TOKEN_FIELDS), capacity))
+        self._table = Table(_NAMED, TOKEN_FIELDS, capacity)  # a row per TokenDay row
         # (tenant, 'YYYY-MM') -> {key: (tokens, usd)} of its records, and their sum: summed
         # again when one changes (a month has days x writers records), never drifting
         self._months: dict[tuple[str, str], dict[str, tuple[int, float]]] = {}
@@ -69,14 +62,14 @@ class TokenBook:
         self._key_month: dict[str, tuple[str, str]] = {}
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._table)
 
     # -- fed by a PrefixMirror (on_reset, on_event) ---------------------------------------------
 
     def on_reset(self, kvs: Iterable[tuple[str, bytes, int]]) -> None:
         """Everything under the prefix again (a re-list): the book is rebuilt from the
         TokenDay keys among `kvs` (others are skipped)."""
-        self._clear(max(256, len(self._day)))
+        self._clear(max(256, self._table.capacity))
         for key, value, _ in kvs:
             self.apply(key, value)
 
@@ -100,9 +93,7 @@ class TokenBook:
         self.add(key, record, number)
 
     def drop(self, key: str) -> None:
-        for row in self._rows.pop(key, []):
-            self._values[:, row] = 0.0
-            self._free.append(row)
+        self._table.drop(key)
         month = self._key_month.pop(key, None)
         if month is not None:
             records = self._months[month]
@@ -125,40 +116,21 @@ class TokenBook:
         self.drop(key)
         rows = []
         tokens, usd = 0, 0.0
-        tenant = self._dims["tenant"].code(record.tenant)
         for name, sums in record.rows.items():
             try:
                 model, site, region = split_row_key(name)
             except ValueError:
                 log.warning("ignoring token row %r of %s: not model|site|region", name, key)
                 continue
-            row = self._free.pop() if self._free else self._grow()
-            self._day[row] = number
-            self._cols["tenant"][row] = tenant
-            self._cols["site"][row] = self._dims["site"].code(site)
-            self._cols["model"][row] = self._dims["model"].code(model)
-            self._cols["client_region"][row] = self._dims["client_region"].code(region)
-            self._values[:, row] = [float(getattr(sums, f)) for f in _ROW_FIELDS]
-            rows.append(row)
+            names = (record.tenant, site, model, region)
+            rows.append((number, names, [float(getattr(sums, f)) for f in _ROW_FIELDS]))
             tokens += sums.prompt_tokens + sums.completion_tokens
             usd += sums.usd
-        self._rows[key] = rows
+        self._table.put(key, rows)
         month = (record.tenant, record.day[:7])
         self._key_month[key] = month
         self._months.setdefault(month, {})[key] = (tokens, usd)
         self._sum_month(month)
-
-    def _grow(self) -> int:
-        row = self._size
-        if row == len(self._day):
-            capacity = 2 * len(self._day)
-            self._day = np.resize(self._day, capacity)
-            self._cols = {k: np.resize(v, capacity) for k, v in self._cols.items()}
-            values = np.zeros((len(TOKEN_FIELDS), capacity))
-            values[:, :row] = self._values[:, :row]
-            self._values = values
-        self._size += 1
-        return row
 
     # -- read -----------------------------------------------------------------------------------
 
@@ -178,35 +150,6 @@ class TokenBook:
         by: Sequence[str] = ("tenant",),
     ) -> list[UsageRow]:
         """TOKEN_FIELDS summed per group of `by` (TOKEN_DIMENSIONS), days first..last."""
-        n = self._size
-        day = self._day[:n]
-        mask = (day >= first_day) & (day <= last_day)
-        for name, wanted in (("tenant", tenant), ("site", site)):
-            if wanted is not None:
-                code = self._dims[name].codes.get(wanted)
-                if code is None:
-                    return []
-                mask &= self._cols[name][:n] == code
-        chosen = np.flatnonzero(mask)
-        if not len(chosen):
-            return []
-        columns = [
-            (day[chosen] - first_day) if dim == "day" else self._cols[dim][:n][chosen] for dim in by
-        ]
-        sizes = [
-            last_day - first_day + 1 if dim == "day" else max(1, len(self._dims[dim].names))
-            for dim in by
-        ]
-        groups, sums = group_sums(columns, sizes, self._values[:, :n][:, chosen])
-        out = []
-        for codes, row_sums in zip(groups, sums.tolist(), strict=True):
-            figures = dict(zip(TOKEN_FIELDS, row_sums, strict=True))
-            if not any(figures.values()):
-                continue  # only rows freed by a replaced record
-            group = {
-                dim: day_text(first_day + code) if dim == "day" else self._dims[dim].names[code]
-                for dim, code in zip(by, codes, strict=True)
-            }
-            out.append(UsageRow(group=group, figures=figures))
-        out.sort(key=lambda r: tuple(r.group.values()))
-        return out
+        return self._table.query(
+            first_day=first_day, last_day=last_day, tenant=tenant, site=site, by=by
+        )

@@ -16,13 +16,11 @@ import logging
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
 
-import numpy as np
-import numpy.typing as npt
 from pydantic import ValidationError
 
-from metering.grouping import Codes, UsageRow, group_sums
+from metering.grouping import Table, UsageRow
 from metering.ledger import Segment
-from metering.pieces import CPU_ONLY, DAY_S, FIELDS, day_number, day_text, pieces
+from metering.pieces import CPU_ONLY, DAY_S, FIELDS, day_number, pieces
 from metering.rollup import Rollup
 from metering.token_book import TOKEN_DIMENSIONS, TOKEN_FIELDS, TokenBook
 from sites.model import keys
@@ -56,21 +54,16 @@ class UsageBook:
         self._clear(capacity)
 
     def _clear(self, capacity: int) -> None:
-        self._dims = {name: Codes() for name in ("tenant", "site", "model")}
-        self._rows: dict[str, list[int]] = {}  # segment key -> its row numbers
-        self._free: list[int] = []
-        self._size = 0
-        self._day = np.zeros(capacity, dtype=np.int64)
-        self._cols = {name: np.zeros(capacity, dtype=np.int64) for name in self._dims}
-        self._values = np.zeros((len(FIELDS), capacity))  # a figure's column is contiguous
+        # a row per segment (or rollup row) and day, under the segment's or rollup's key
+        self._table = Table(("tenant", "site", "model"), FIELDS, capacity)
         self.earliest: float | None = None  # the first segment's start, unix s
 
     def __len__(self) -> int:
-        return len(self._rows)
+        return len(self._table)
 
     def reset(self, kvs: Iterable[tuple[str, bytes, int]]) -> None:
         """Everything under the prefix again (a re-list): the book is rebuilt from it."""
-        self._clear(max(1024, len(self._day)))
+        self._clear(max(1024, self._table.capacity))
         self.tokens.on_reset(())
         for key, value, _ in kvs:
             self.apply(key, value)
@@ -81,9 +74,7 @@ class UsageBook:
         if key.startswith(keys.USAGE_TOKENS):
             self.tokens.apply(key, value)
             return
-        for row in self._rows.pop(key, []):
-            self._values[:, row] = 0.0
-            self._free.append(row)
+        self._table.drop(key)
         if value is None:
             return
         try:
@@ -96,46 +87,16 @@ class UsageBook:
 
     def add(self, key: str, segment: Segment) -> None:
         group = (segment.tenant, segment.site, segment.model or CPU_ONLY)
-        self._put(key, [(*group, day, figures) for day, figures in pieces(segment)])
+        self._table.put(key, [(day, group, figures) for day, figures in pieces(segment)])
         if self.earliest is None or segment.start < self.earliest:
             self.earliest = segment.start
 
     def add_rollup(self, key: str, rollup: Rollup) -> None:
-        self._put(
-            key,
-            [(r.tenant, r.site, r.model, r.day, np.asarray(r.figures)) for r in rollup.rows],
-        )
+        self._table.put(key, [(r.day, (r.tenant, r.site, r.model), r.figures) for r in rollup.rows])
         if rollup.rows:
             start = float(min(r.day for r in rollup.rows) * DAY_S)
             if self.earliest is None or start < self.earliest:
                 self.earliest = start
-
-    def _put(
-        self, key: str, groups: Sequence[tuple[str, str, str, int, npt.NDArray[np.float64]]]
-    ) -> None:
-        """`groups`: (tenant, site, model, day number, figures), one row each under `key`."""
-        rows = []
-        for tenant, site, model, day, figures in groups:
-            row = self._free.pop() if self._free else self._grow()
-            self._day[row] = day
-            self._cols["tenant"][row] = self._dims["tenant"].code(tenant)
-            self._cols["site"][row] = self._dims["site"].code(site)
-            self._cols["model"][row] = self._dims["model"].code(model)
-            self._values[:, row] = figures
-            rows.append(row)
-        self._rows[key] = rows
-
-    def _grow(self) -> int:
-        row = self._size
-        if row == len(self._day):
-            capacity = 2 * len(self._day)
-            self._day = np.resize(self._day, capacity)
-            self._cols = {k: np.resize(v, capacity) for k, v in self._cols.items()}
-            values = np.zeros((len(FIELDS), capacity))
-            values[:, :row] = self._values[:, :row]
-            self._values = values
-        self._size += 1
-        return row
 
     def query(
         self,
@@ -147,38 +108,9 @@ class UsageBook:
         by: Sequence[str] = ("tenant",),
     ) -> list[UsageRow]:
         """The figures summed per group of `by` (DIMENSIONS), for days first..last inclusive."""
-        n = self._size
-        day = self._day[:n]
-        mask = (day >= first_day) & (day <= last_day)
-        for name, wanted in (("tenant", tenant), ("site", site)):
-            if wanted is not None:
-                code = self._dims[name].codes.get(wanted)
-                if code is None:
-                    return []
-                mask &= self._cols[name][:n] == code
-        chosen = np.flatnonzero(mask)
-        if not len(chosen):
-            return []
-        columns = [
-            (day[chosen] - first_day) if dim == "day" else self._cols[dim][:n][chosen] for dim in by
-        ]
-        sizes = [
-            last_day - first_day + 1 if dim == "day" else max(1, len(self._dims[dim].names))
-            for dim in by
-        ]
-        groups, sums = group_sums(columns, sizes, self._values[:, :n][:, chosen])
-        out = []
-        for codes, row_sums in zip(groups, sums.tolist(), strict=True):
-            parts = {
-                dim: day_text(first_day + code) if dim == "day" else self._dims[dim].names[code]
-                for dim, code in zip(by, codes, strict=True)
-            }
-            figures = dict(zip(FIELDS, row_sums, strict=True))
-            if figures["segments"] == 0 and not any(figures.values()):
-                continue  # only rows of replaced segments
-            out.append(UsageRow(group=parts, figures=figures))
-        out.sort(key=lambda r: tuple(r.group.values()))
-        return out
+        return self._table.query(
+            first_day=first_day, last_day=last_day, tenant=tenant, site=site, by=by
+        )
 
 
 def today(now: float) -> int:
