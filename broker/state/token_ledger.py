@@ -564,72 +564,47 @@ class TokenLedger:
             final_prompt, final_completion, cached, at, usd, mark = fields[5:11]
             strings = zip(_STRINGS, fields[11:], strict=True)
             text = {name: _decode(raw) for (name, _), raw in strings}
-            if state == OPEN:
-                use = TokenUse(
-                    request_id=text["request_id"],
-                    tenant=text["tenant"],
-                    token_id=text["token_id"] if flags & _HAS_TOKEN else None,
-                    model=text["model"],
-                    requested=text["requested"],
-                    service=text["service"],
-                    site=text["site"],
-                    client_region=text["client_region"],
-                    prompt_tokens=_count(prompt),
-                    completion_tokens=_count(delivered),
-                    cached_tokens=0,
-                    at=opened_at,
-                    counted=True,
-                )
+            if state not in (OPEN, SETTLED, ROW):  # a torn or foreign byte: nothing to bill
+                log.warning("token ledger: slot %d in unknown state %d freed", slot, state)
+                self.free_slot(slot)
+                continue
+            if state == OPEN:  # what reached the client before the kill
+                counts, when, counted = (_count(prompt), _count(delivered), 0), opened_at, True
+            else:
+                counts = (_count(final_prompt), _count(final_completion), _count(cached))
+                when, counted = at, state == SETTLED and bool(flags & _COUNTED)
+            single = state != ROW  # a row's names are its first use's; it holds many
+            use = TokenUse(
+                request_id=text["request_id"] if single else "",
+                tenant=text["tenant"],
+                token_id=text["token_id"] if single and flags & _HAS_TOKEN else None,
+                model=text["model"],
+                requested=text["requested"],
+                service=text["service"],
+                site=text["site"],
+                client_region=text["client_region"],
+                prompt_tokens=counts[0],
+                completion_tokens=counts[1],
+                cached_tokens=counts[2],
+                at=when,
+                counted=counted,
+            )
+            if state == OPEN:  # settled in place, so a second recovery finds it settled
                 usd = self._usd(use)
                 final = (use.prompt_tokens, use.completion_tokens, 0, use.at, usd, 0)
                 _FINAL.pack_into(mm, off + _FINAL_AT, *final)
                 mm[off + 1] = _COUNTED | (flags & _HAS_TOKEN)
                 mm[off] = SETTLED
                 mark = 0
-            elif state == SETTLED:
-                use = TokenUse(
-                    request_id=text["request_id"],
-                    tenant=text["tenant"],
-                    token_id=text["token_id"] if flags & _HAS_TOKEN else None,
-                    model=text["model"],
-                    requested=text["requested"],
-                    service=text["service"],
-                    site=text["site"],
-                    client_region=text["client_region"],
-                    prompt_tokens=_count(final_prompt),
-                    completion_tokens=_count(final_completion),
-                    cached_tokens=_count(cached),
-                    at=at,
-                    counted=bool(flags & _COUNTED),
-                )
-            elif state == ROW:  # a row's sums: `delivered` is its requests, `prompt` the counted
-                use = TokenUse(
-                    request_id="",
-                    tenant=text["tenant"],
-                    token_id=None,
-                    model=text["model"],
-                    requested=text["requested"],
-                    service=text["service"],
-                    site=text["site"],
-                    client_region=text["client_region"],
-                    prompt_tokens=_count(final_prompt),
-                    completion_tokens=_count(final_completion),
-                    cached_tokens=_count(cached),
-                    at=at,
-                    counted=False,
-                )
+            if state == ROW:  # a row's sums: `delivered` is its requests, `prompt` the counted
                 self._queue.append(
                     _Pending(
                         use, usd, slot, max(mark, 0), _count(delivered), _count(prompt),
                         use.prompt_tokens, use.completion_tokens, use.cached_tokens,
                     )
                 )  # fmt: skip
-                continue
-            else:  # a torn or foreign byte: nothing to bill
-                log.warning("token ledger: slot %d in unknown state %d freed", slot, state)
-                self.free_slot(slot)
-                continue
-            self._queue.append(_Pending.one(use, usd, slot, max(mark, 0)))
+            else:
+                self._queue.append(_Pending.one(use, usd, slot, max(mark, 0)))
         recovered = sum(item.requests for item in self._queue[queued:])
         if todo:
             log.info("token ledger: recovered %d uses from %s", recovered, self.path)
