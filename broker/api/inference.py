@@ -36,7 +36,7 @@ from broker.state.metrics import BrokerMetrics, LoopCounter
 from broker.state.models import ModelCatalog
 from broker.state.router import Router
 from broker.state.token_ledger import Ticket, TokenLedger, TokenLedgerError
-from metering.tokens import TokenUse, cost_usd
+from metering.tokens import TokenUse
 from routing.decision.candidates import site_replicas
 from routing.gateway.health import (
     ActiveHealthChecker,
@@ -90,8 +90,9 @@ class _Settling:
     def settle(
         self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool
     ) -> None:
-        use = self.ticket.settle(prompt_tokens, completion_tokens, cached_tokens, counted=counted)
-        self.accountant.charged(use)
+        ticket = self.ticket
+        use = ticket.settle(prompt_tokens, completion_tokens, cached_tokens, counted=counted)
+        self.accountant.charged(use, ticket.usd)
 
 
 class TokenAccountant:
@@ -140,15 +141,13 @@ class TokenAccountant:
         region: str,
         prompt_tokens: int,
     ) -> _Settling:
-        ep = self.snapshot().services.get((service, site))
-        model = ep.model if ep is not None else service
         ticket = self.ledger.open(
             request_id=request_id or new_request_id(""),
             tenant=tenant,
             token_id=token_id,
             requested=requested,
             service=service,
-            model=model,
+            model=self._served_model(service, site),
             site=site,
             client_region=region,
             prompt_tokens=prompt_tokens,
@@ -167,12 +166,11 @@ class TokenAccountant:
         usage: tuple[int, int, int],
         counted: bool,
     ) -> None:
-        ep = self.snapshot().services.get((service, site))
         use = TokenUse(
             request_id=request_id or new_request_id(""),
             tenant=tenant,
             token_id=token_id,
-            model=ep.model if ep is not None else service,
+            model=self._served_model(service, site),
             requested=requested,
             service=service,
             site=site,
@@ -183,14 +181,16 @@ class TokenAccountant:
             at=self.clock.time(),
             counted=counted,
         )
-        usd = self.ledger.settle(use)
-        if self.limits is not None:
-            self.limits.charge(tenant, token_id, tokens=use.total_tokens, usd=usd, now=use.at)
-        self.metrics.inference_tokens(use)
+        self.charged(use, self.ledger.settle(use))
 
-    def charged(self, use: TokenUse) -> None:
+    def _served_model(self, service: str, site: str) -> str:
+        """The model `service` serves at `site` (its endpoint's), what prices are keyed by."""
+        ep = self.snapshot().services.get((service, site))
+        return ep.model if ep is not None else service
+
+    def charged(self, use: TokenUse, usd: float) -> None:
+        """A settled use (costing `usd`, as the ledger priced it) on the limits and metrics."""
         if self.limits is not None:
-            usd = cost_usd(use, self.ledger.price(use.site, use.model, use.at))
             self.limits.charge(
                 use.tenant, use.token_id, tokens=use.total_tokens, usd=usd, now=use.at
             )

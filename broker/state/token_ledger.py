@@ -190,7 +190,7 @@ class _Pending:
 class Ticket:
     """One streamed request's tokens, from before its first byte to its end."""
 
-    __slots__ = ("_delivered", "_ledger", "_offset", "_opened", "_settled", "slot")
+    __slots__ = ("_delivered", "_ledger", "_offset", "_opened", "_settled", "slot", "usd")
 
     def __init__(self, ledger: TokenLedger, slot: int, opened: TokenUse) -> None:
         self._ledger = ledger
@@ -199,6 +199,7 @@ class Ticket:
         self._opened = opened  # the identity, with prompt tokens and zero completion
         self._delivered = 0
         self._settled: TokenUse | None = None
+        self.usd = 0.0  # what its settlement cost
 
     def progress(self, completion_tokens: int) -> None:
         """Tokens that reached the client so far: one store into the mapped slot."""
@@ -226,7 +227,7 @@ class Ticket:
             counted=counted,
         )
         self._settled = use
-        self._ledger.settle_slot(self.slot, use)
+        self.usd = self._ledger.settle_slot(self.slot, use)
         return use
 
     def abandon(self) -> None:
