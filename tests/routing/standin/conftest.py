@@ -26,9 +26,11 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 @pytest.fixture
-async def make_server() -> AsyncIterator[MakeServer]:
-    """make(**settings) -> (base URL, the server's state); each is cleaned up after the test."""
+async def make_server(request: pytest.FixtureRequest) -> AsyncIterator[MakeServer]:
+    """make(**settings) -> (base URL, the server's state); each is cleaned up after the test.
+    A test module's STANDIN_DEFAULTS, if it has one, overrides these defaults."""
     runners: list[web.AppRunner] = []
+    defaults = getattr(request.module, "STANDIN_DEFAULTS", {})
 
     async def make(**fields: Any) -> tuple[str, ModelServer]:
         values: dict[str, Any] = {
@@ -36,6 +38,7 @@ async def make_server() -> AsyncIterator[MakeServer]:
             "median_ms": 20,
             "p99_ms": 20,
             "max_concurrency": 4,
+            **defaults,
             **fields,
         }
         app = make_app(ModelServerSettings(**values))

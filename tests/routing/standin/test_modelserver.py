@@ -12,55 +12,20 @@ import signal
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from routing.standin.server import (
-    SERVER,
     ModelServer,
     ModelServerSettings,
     ServiceTime,
     Slots,
-    make_app,
 )
 from tests.conftest import REPO
 
 MakeServer = Callable[..., Awaitable[tuple[str, ModelServer]]]
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture
-async def make_server() -> AsyncIterator[MakeServer]:
-    runners: list[web.AppRunner] = []
-
-    async def make(**fields: Any) -> tuple[str, ModelServer]:
-        values: dict[str, Any] = {
-            "name": "m1",
-            "median_ms": 20,
-            "p99_ms": 20,
-            "max_concurrency": 4,
-            **fields,
-        }
-        app = make_app(ModelServerSettings(**values))
-        runner = web.AppRunner(app, shutdown_timeout=1)
-        await runner.setup()
-        runners.append(runner)
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        port = runner.addresses[0][1]
-        return f"http://127.0.0.1:{port}", app[SERVER]
-
-    yield make
-    for runner in runners:
-        await runner.cleanup()
 
 
 def test_service_time_has_the_declared_median_and_p99() -> None:

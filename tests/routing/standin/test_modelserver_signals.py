@@ -9,49 +9,22 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from routing.standin.kvcache import PrefixCache
-from routing.standin.server import SERVER, ModelServer, ModelServerSettings, make_app
+from routing.standin.server import ModelServer
 from sites.agent.collectors.services import parse_signals
 
 MakeServer = Callable[..., Awaitable[tuple[str, ModelServer]]]
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession() as session:
-        yield session
-
-
-@pytest.fixture
-async def make_server() -> AsyncIterator[MakeServer]:
-    runners: list[web.AppRunner] = []
-
-    async def make(**fields: Any) -> tuple[str, ModelServer]:
-        values: dict[str, Any] = {
-            "name": "qwen-7b",
-            "median_ms": 20,
-            "p99_ms": 20,
-            "max_concurrency": 2,
-            **fields,
-        }
-        app = make_app(ModelServerSettings(**values))
-        runner = web.AppRunner(app, shutdown_timeout=1)
-        await runner.setup()
-        runners.append(runner)
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{runner.addresses[0][1]}", app[SERVER]
-
-    yield make
-    for runner in runners:
-        await runner.cleanup()
+STANDIN_DEFAULTS = {"name": "qwen-7b", "max_concurrency": 2}
+"""This module's stand-ins (conftest's make_server)."""
 
 
 async def families(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
