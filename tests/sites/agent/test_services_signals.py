@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
@@ -18,6 +18,7 @@ from sites.model.spec import Service
 from sites.registry.client import Registry
 from tests.conftest import Processes, run_cpn, wait_for
 from tests.routing.standins import StandIns
+from tests.sites.agent.conftest import Serve
 
 # SGLang cannot run here: this is a FAKE SGLang /metrics, with the names and types SGLang exports
 SGLANG_FAKE = """\
@@ -38,24 +39,6 @@ sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="llama"} 4.0
 sglang:time_to_first_token_seconds_count{model_name="llama"} 4.0
 sglang:time_to_first_token_seconds_sum{model_name="llama"} 0.8
 """
-
-Serve = Callable[[web.Application], Awaitable[str]]
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Serve]:
-    runners: list[web.AppRunner] = []
-
-    async def start(app: web.Application) -> str:
-        runner = web.AppRunner(app, shutdown_timeout=1)
-        await runner.setup()
-        runners.append(runner)
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 def svc(url: str, name: str = "chat") -> Service:

@@ -9,7 +9,6 @@ an exposition the stand-in does not write.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -20,6 +19,7 @@ from routing.standin.server import ModelServerSettings, make_app
 from sites.agent.collectors.services import ServiceMonitor, parse_models, parse_signals
 from sites.model.spec import Service
 from sites.model.status import ServiceEndpoint
+from tests.sites.agent.conftest import Serve
 
 # vLLM V1's exposition (names, types and labels as vllm/v1/metrics/loggers.py writes them)
 V1 = """\
@@ -113,25 +113,6 @@ def test_parse_models_reads_the_context_length_and_the_adapters() -> None:
     assert len(parse_models(many)[1]) == 64  # bounded, as ServiceEndpoint.adapters
     with pytest.raises(ValueError):
         parse_models({"error": "nope"})
-
-
-Serve = Callable[[web.Application], Awaitable[str]]
-
-
-@pytest.fixture
-async def serve() -> AsyncIterator[Serve]:
-    runners: list[web.AppRunner] = []
-
-    async def start(app: web.Application) -> str:
-        runner = web.AppRunner(app, shutdown_timeout=1)
-        await runner.setup()
-        runners.append(runner)
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 class FakeVllm:
