@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from metering.ledger import puts
 from metering.tokens import TokenDay, TokenRow, TokenUse, cost_usd, row_key
@@ -23,9 +22,9 @@ from sites.emulation.etcd_server import EmbeddedEtcd
 from sites.model import keys
 from sites.model.spec import TokenPrice
 from sites.registry.client import Registry
-from tests.broker.apiserver import ApiBroker, start_api_broker
-from tests.conftest import Processes, run_cpn, site_doc
-from tests.metering.test_usage_api import Api, segment
+from tests.broker.apiserver import ApiBroker
+from tests.conftest import run_cpn
+from tests.metering.test_usage_api import Api, segment, usage_broker
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
@@ -109,21 +108,10 @@ def api(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     root = tmp_path_factory.mktemp("tokens")
     asyncio.run(_clean(etcd.url))
     asyncio.run(_write(etcd.url, {**RECORDS, **puts(JOB)}))
-    site = root / "s1.yaml"
-    site.write_text(yaml.safe_dump(site_doc("s1")))
-    joined = run_cpn("site", "join", str(site), etcd_url=etcd.url)
-    assert joined.returncode == 0, joined.stderr
-    procs = Processes(root)
     try:
-        broker = start_api_broker(etcd.url, procs, root / "b")
-        tokens = {}
-        for tenant in ("ai-lab", "vision"):
-            reply = broker.post_json("/v1/tokens", {"role": "tenant-user", "tenant": tenant})
-            assert reply.status == 201, reply
-            tokens[tenant] = str(reply.json()["token"])
-        yield TokenApi(broker, tokens, etcd.url)
+        with usage_broker(etcd.url, root) as (broker, tokens):
+            yield TokenApi(broker, tokens, etcd.url)
     finally:
-        procs.stop_all()
         asyncio.run(_clean(etcd.url))
 
 

@@ -5,6 +5,7 @@ the monthly chargeback (CSV and PNG)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import csv
 import io
 import json
@@ -74,6 +75,26 @@ class Api:
         return reply.status, json.loads(reply.body)
 
 
+@contextlib.contextmanager
+def usage_broker(etcd_url: str, root: Path) -> Iterator[tuple[ApiBroker, dict[str, str]]]:
+    """Site s1 joined, an API broker, and a tenant-user token each for ai-lab and vision."""
+    site = root / "s1.yaml"
+    site.write_text(yaml.safe_dump(site_doc("s1")))
+    joined = run_cpn("site", "join", str(site), etcd_url=etcd_url)
+    assert joined.returncode == 0, joined.stderr
+    procs = Processes(root)
+    try:
+        broker = start_api_broker(etcd_url, procs, root / "b")
+        tokens = {}
+        for tenant in ("ai-lab", "vision"):
+            reply = broker.post_json("/v1/tokens", {"role": "tenant-user", "tenant": tenant})
+            assert reply.status == 201, reply
+            tokens[tenant] = str(reply.json()["token"])
+        yield broker, tokens
+    finally:
+        procs.stop_all()
+
+
 @pytest.fixture(scope="module")
 def api(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Api]:
     root = tmp_path_factory.mktemp("usage")
@@ -89,21 +110,10 @@ def api(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             await registry.close()
 
     asyncio.run(write())
-    site = root / "s1.yaml"
-    site.write_text(yaml.safe_dump(site_doc("s1")))
-    joined = run_cpn("site", "join", str(site), etcd_url=etcd.url)
-    assert joined.returncode == 0, joined.stderr
-    procs = Processes(root)
     try:
-        broker = start_api_broker(etcd.url, procs, root / "b")
-        tokens = {}
-        for tenant in ("ai-lab", "vision"):
-            reply = broker.post_json("/v1/tokens", {"role": "tenant-user", "tenant": tenant})
-            assert reply.status == 201, reply
-            tokens[tenant] = str(reply.json()["token"])
-        yield Api(broker, tokens)
+        with usage_broker(etcd.url, root) as (broker, tokens):
+            yield Api(broker, tokens)
     finally:
-        procs.stop_all()
 
         async def clean() -> None:
             registry = Registry.from_urls(etcd.url)
