@@ -55,6 +55,14 @@ async def write_admin_token(registry: Registry) -> None:
     await registry.put_raw(keys.token(ADMIN_TOKEN[4:20]), admin_token_record())
 
 
+async def clear_registry(url: str) -> None:
+    """Everything cpn keeps at `url` gone, but the tests' admin token, which every request of
+    a test that runs its own federation carries."""
+    async with Registry.from_urls(url) as reg:
+        await reg.delete_prefix(keys.ROOT)
+        await write_admin_token(reg)
+
+
 TASK_GRACE_S = 2.0
 
 

@@ -24,9 +24,7 @@ import yaml
 
 from routing.decision.choice import hrw_weight
 from sites.emulation.etcd_server import EmbeddedEtcd, free_port
-from sites.model import keys
-from sites.registry.client import Registry
-from tests.conftest import AUTH, CONFIGS, REPO, cpn_cmd, write_admin_token
+from tests.conftest import AUTH, CONFIGS, REPO, clear_registry, cpn_cmd
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
@@ -74,7 +72,7 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     (cfg / "broker.yaml").write_text(yaml.safe_dump({"inference": inference}))
     state = tmp_path_factory.mktemp("state")
     port = free_port()
-    asyncio.run(_clear(etcd.url))
+    asyncio.run(clear_registry(etcd.url))
     log = open(state / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(
         cpn_cmd("up", "--etcd", etcd.url, "--config-dir", str(cfg), "--sites", ",".join(SITES),
@@ -90,13 +88,7 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     finally:
         up.send_signal(signal.SIGINT)
         up.wait(30)
-        asyncio.run(_clear(etcd.url))
-
-
-async def _clear(url: str) -> None:
-    async with Registry.from_urls(url) as reg:
-        await reg.delete_prefix(keys.ROOT)
-        await write_admin_token(reg)  # the tests' token, which every request here carries
+        asyncio.run(clear_registry(etcd.url))
 
 
 async def _wait_routable(demo: Demo) -> None:

@@ -25,9 +25,7 @@ import pytest
 import yaml
 
 from sites.emulation.etcd_server import EmbeddedEtcd, free_port
-from sites.model import keys
-from sites.registry.client import Registry
-from tests.conftest import ADMIN_TOKEN, CONFIGS, REPO, cpn_cmd, write_admin_token
+from tests.conftest import ADMIN_TOKEN, CONFIGS, REPO, clear_registry, cpn_cmd
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
@@ -163,7 +161,7 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     }
     (cfg / "broker.yaml").write_text(yaml.safe_dump({"inference": inference}))
     port = free_port()
-    asyncio.run(_clear(etcd.url))
+    asyncio.run(clear_registry(etcd.url))
     log = open(root / "up.log", "wb")  # noqa: SIM115
     up = subprocess.Popen(
         cpn_cmd("up", "--etcd", etcd.url, "--config-dir", str(cfg), "--sites", ",".join(SITES),
@@ -181,13 +179,7 @@ def demo(etcd: EmbeddedEtcd, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             client.close()
         up.send_signal(signal.SIGINT)
         up.wait(30)
-        asyncio.run(_clear(etcd.url))
-
-
-async def _clear(url: str) -> None:
-    async with Registry.from_urls(url) as reg:
-        await reg.delete_prefix(keys.ROOT)
-        await write_admin_token(reg)
+        asyncio.run(clear_registry(etcd.url))
 
 
 def _wait_models(demo: Demo) -> None:
