@@ -50,6 +50,7 @@ from routing.gateway.proxy import (
     SESSION_COOKIE,
     SESSION_HEADER,
     TENANT_HEADER,
+    Billed,
     Extra,
     InferenceProxy,
     Targets,
@@ -130,51 +131,30 @@ class TokenAccountant:
         )
         return refusal.status, refusal.code, refusal.message, refusal.field, headers
 
-    def open(
-        self,
-        request_id: str,
-        tenant: str,
-        token_id: str | None,
-        requested: str,
-        service: str,
-        site: str,
-        region: str,
-        prompt_tokens: int,
-    ) -> _Settling:
+    def open(self, billed: Billed, prompt_tokens: int) -> _Settling:
         ticket = self.ledger.open(
-            request_id=request_id or new_request_id(""),
-            tenant=tenant,
-            token_id=token_id,
-            requested=requested,
-            service=service,
-            model=self._served_model(service, site),
-            site=site,
-            client_region=region,
+            request_id=billed.request_id or new_request_id(""),
+            tenant=billed.tenant,
+            token_id=billed.token_id,
+            requested=billed.requested,
+            service=billed.service,
+            model=self._served_model(billed.service, billed.site),
+            site=billed.site,
+            client_region=billed.region,
             prompt_tokens=prompt_tokens,
         )
         return _Settling(self, ticket)
 
-    def settle(
-        self,
-        request_id: str,
-        tenant: str,
-        token_id: str | None,
-        requested: str,
-        service: str,
-        site: str,
-        region: str,
-        usage: tuple[int, int, int],
-        counted: bool,
-    ) -> None:
+    def settle(self, billed: Billed, usage: tuple[int, int, int], counted: bool) -> None:
         use = TokenUse(
-            request_id=request_id or new_request_id(""),
-            tenant=tenant,
-            token_id=token_id,
-            model=self._served_model(service, site),
-            requested=requested,
-            service=service,
-            site=site,
-            client_region=region,
+            request_id=billed.request_id or new_request_id(""),
+            tenant=billed.tenant,
+            token_id=billed.token_id,
+            model=self._served_model(billed.service, billed.site),
+            requested=billed.requested,
+            service=billed.service,
+            site=billed.site,
+            client_region=billed.region,
             prompt_tokens=usage[0],
             completion_tokens=usage[1],
             cached_tokens=usage[2],

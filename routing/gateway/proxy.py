@@ -109,6 +109,7 @@ __all__ = [
     "Upstream",
     "Exchange",
     "Accountant",
+    "Billed",
     "Ticket",
     "Targets",
     "add_routes",
@@ -247,38 +248,29 @@ class Ticket(Protocol):
         """The answer ended: bill it (`counted`: the server reported no usage)."""
 
 
+class Billed(NamedTuple):
+    """Whom a metered answer is billed to, and what served it."""
+
+    request_id: str  # X-Request-Id ("": none)
+    tenant: str
+    token_id: str | None  # the caller's API token (per-token limits)
+    requested: str  # the model the client named: a model, a service or an alias
+    service: str
+    site: str
+    region: str  # the client region
+
+
 class Accountant(Protocol):
     """Token accounting and limits for the OpenAI paths (broker.api.inference's)."""
-
-    def settle(
-        self,
-        request_id: str,
-        tenant: str,
-        token_id: str | None,
-        requested: str,
-        service: str,
-        site: str,
-        region: str,
-        usage: tuple[int, int, int],
-        counted: bool,
-    ) -> None:
-        """A whole answer that reached the client: (prompt, completion, cached) tokens."""
 
     def admit(self, tenant: str, token_id: str | None) -> tuple[int, str, str, str, Extra] | None:
         """None to go on, else (status, code, message, field, headers) to refuse with."""
 
-    def open(
-        self,
-        request_id: str,
-        tenant: str,
-        token_id: str | None,
-        requested: str,
-        service: str,
-        site: str,
-        region: str,
-        prompt_tokens: int,
-    ) -> Ticket:
+    def open(self, billed: Billed, prompt_tokens: int) -> Ticket:
         """Before the answer's first byte goes to the client (write-ahead)."""
+
+    def settle(self, billed: Billed, usage: tuple[int, int, int], counted: bool) -> None:
+        """A whole answer that reached the client: (prompt, completion, cached) tokens."""
 
 
 class HealthView(Protocol):
@@ -1163,19 +1155,21 @@ class _Metered:
     def strip(self) -> bool:
         return self.request is not None and self.request.strip_usage
 
+    def billed(self, site: str) -> Billed:
+        ex = self.ex
+        return Billed(
+            ex.request_id, self.tenant, ex.token_id, self.requested, self.service, site,
+            self.region,
+        )  # fmt: skip
+
     def open(self, site: str) -> Ticket:
         request = self.request
         prompt = prompt_estimate(request) if request is not None else 0
-        ex = self.ex
-        return self.accountant.open(
-            ex.request_id, self.tenant, ex.token_id, self.requested, self.service, site,
-            self.region, prompt,
-        )  # fmt: skip
+        return self.accountant.open(self.billed(site), prompt)
 
     def settle_whole(self, site: str, meter: Meter) -> None:
         """A whole answer: the server's usage, else the prompt estimated (counted)."""
         usage = meter.usage
-        ex = self.ex
         if usage is not None:
             counts, counted = (
                 (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens),
@@ -1185,10 +1179,7 @@ class _Metered:
             request = self.request
             counts = (prompt_estimate(request) if request is not None else 0, 0, 0)
             counted = True
-        self.accountant.settle(
-            ex.request_id, self.tenant, ex.token_id, self.requested, self.service, site,
-            self.region, counts, counted,
-        )  # fmt: skip
+        self.accountant.settle(self.billed(site), counts, counted)
 
     def settle(self, ticket: Ticket, meter: Meter, delivered: bool) -> None:
         """Bill the answer once: the server's usage, else what the gateway counted reached

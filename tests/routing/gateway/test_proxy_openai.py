@@ -120,7 +120,7 @@ async def test_the_line_serves_higher_priority_first_and_sheds_the_sheddable(
     assert [body["tag"] for body in upstreams.bodies] == [0, 9, 1]
     assert {body["model"] for body in upstreams.bodies} == {"served-model"}
     assert len(billing.settled) == 3
-    assert all(args[7] == (5, 2, 0) and args[8] is False for args in billing.settled)
+    assert all(args[1] == (5, 2, 0) and args[2] is False for args in billing.settled)
 
 
 async def test_an_unknown_model_and_a_bad_body_answer_in_openais_shape(
