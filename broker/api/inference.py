@@ -400,7 +400,7 @@ class Gateway:
             return await self.proxy.handle(request)
 
         register(app, infer_operation(handle))
-        for operation in openai_operations(handle, self.catalog, self.broker.clock):
+        for operation in openai_operations(handle, self.catalog):
             register(app, operation)
 
     async def _start_metering(self) -> None:

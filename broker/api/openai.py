@@ -23,7 +23,7 @@ from aiohttp import web
 from broker.api.access import principal
 from broker.api.openapi import JSON, Operation, Param, Reply
 from broker.state.models import ModelCatalog
-from sites.kits.clock import Clock
+from routing.gateway.openai import error_body, unknown_model
 
 __all__ = ["openai_operations"]
 
@@ -47,15 +47,11 @@ def _model(catalog: ModelCatalog) -> Handler:
         name = request.match_info["model"]
         found = catalog.card(name, principal(request).tenant)
         if found is None:
-            body = {
-                "error": {
-                    "message": f"the model {name!r} does not exist or you do not have access to it",
-                    "type": "invalid_request_error",
-                    "param": "model",
-                    "code": "model_not_found",
-                }
-            }
-            return web.json_response(body, status=404)
+            return web.Response(
+                body=error_body(404, "model_not_found", unknown_model(name), "model"),
+                status=404,
+                content_type="application/json",
+            )
         return web.json_response(found.json(_STARTED))
 
     return get_model
@@ -78,9 +74,8 @@ _HEADERS = (
 )
 
 
-def openai_operations(proxy: Handler, catalog: ModelCatalog, clock: Clock) -> list[Operation]:
+def openai_operations(proxy: Handler, catalog: ModelCatalog) -> list[Operation]:
     """The routes; `proxy` serves the POSTs (the gateway's proxy handler)."""
-    del clock  # the catalog keeps its own time
     posts = [
         ("/v1/chat/completions", "Create a chat completion (OpenAI)", "openai_chat"),
         ("/v1/completions", "Create a completion (OpenAI)", "openai_completions"),

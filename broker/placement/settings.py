@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -196,8 +197,6 @@ class InferenceSettings(BaseModel):
 
     @model_validator(mode="after")
     def _aliases_name_targets(self) -> InferenceSettings:
-        import re
-
         for name, alias in self.aliases.items():
             if not re.match(MODEL_NAME_RE, name):
                 raise ValueError(f"aliases: {name!r} is not a model name ({MODEL_NAME_RE})")

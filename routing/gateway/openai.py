@@ -36,6 +36,7 @@ __all__ = [
     "openai_kind",
     "prompt_estimate",
     "read_request",
+    "unknown_model",
 ]
 
 KINDS: dict[bytes, str] = {
@@ -89,6 +90,11 @@ def error_body(status: int, code: str, message: str, param: str | None) -> bytes
             }
         }
     ).encode()
+
+
+def unknown_model(model: str) -> str:
+    """The message of OpenAI's 404 `model_not_found` for `model` (the proxy's and /v1/models')."""
+    return f"the model {model!r} does not exist or you do not have access to it"
 
 
 class BadRequest(Exception):

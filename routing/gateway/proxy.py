@@ -83,6 +83,7 @@ from routing.gateway.openai import (
     openai_kind,
     prompt_estimate,
     read_request,
+    unknown_model,
 )
 from routing.gateway.openai import error_body as openai_error_body
 from routing.gateway.prefix import PREFIX_HEADER, header_key, prefix_key
@@ -666,7 +667,7 @@ class InferenceProxy:
             if not found:
                 raise _Refusal(
                     404, "model_not_found",
-                    f"the model {request.model!r} does not exist or you do not have access to it",
+                    unknown_model(request.model),
                     "model",
                 )  # fmt: skip
             targets = found
