@@ -121,9 +121,13 @@ class Simulation:
         federation: SimFederation | None = None,
         arrivals: Arrivals | None = None,
         reference: bool = False,
+        rebuild: bool = False,
     ) -> None:
-        # reference: no retry gating (every waiting job is tried on every change), for tests
+        # reference: no retry gating (every waiting job is tried on every change), for tests;
+        # rebuild: the victims of preemption rebuilt from every live run at each pass, not
+        # kept up to date (simulations.victims), for tests: the results are the same
         self.reference = reference
+        self.rebuild = rebuild
         self.scenario = scenario
         self.fedinfo = federation or build_federation(scenario)
         self.horizon = float(scenario.horizon)
@@ -401,8 +405,6 @@ class Simulation:
         """A job starts on `decision`; its capacity and quota are taken already."""
         s = self.pos[decision.site]
         gpus = decision.gpus
-        if self.passes is not None:
-            self.passes.hold(j, decision.model, decision.region, 1)
         if self.state[j] == Phase.WAITING:
             self.pending -= 1
             self.wait_total += self.now - self.wait_since.pop(j)
@@ -438,6 +440,8 @@ class Simulation:
         )
         self.runs[j] = run
         self.on_site[s].add(j)
+        if self.passes is not None:
+            self.passes.hold(j, run, 1)
         # a job that checkpointed goes on from its last checkpoint (the broker's resume)
         self._push(self.now + duration - self.saved.get(j, 0.0), _FINISH, j, run.attempt)
 
@@ -492,7 +496,7 @@ class Simulation:
         del self.runs[j]
         self.on_site[run.site].discard(j)
         if self.passes is not None:
-            self.passes.hold(j, run.model, run.region, -1)
+            self.passes.hold(j, run, -1)
         return cls
 
     def keep_checkpoint(self, j: int, run: JobRun) -> float:
@@ -522,7 +526,11 @@ class Simulation:
             update={"policy": policy, "workloads": tuple(sc.batch_workloads), "services": ()}
         )
         run = Simulation(
-            other, federation=self.fedinfo, arrivals=self.arrivals, reference=self.reference
+            other,
+            federation=self.fedinfo,
+            arrivals=self.arrivals,
+            reference=self.reference,
+            rebuild=self.rebuild,
         )
         later = None if progress is None else (lambda f: progress(0.5 + f / 2))
         res = run.run(later)

@@ -26,12 +26,13 @@ from typing import Protocol
 from broker.model.jobs import JobSpec
 from broker.model.tenants import TenancyFile
 from broker.placement import place as pl
-from broker.placement.preemption import Preemption, Running, lost_s, victim_kind
+from broker.placement.preemption import Preemption, Running, Runs, Victims, lost_s, victim_kind
 from broker.placement.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
 from broker.placement.why import Fairness, own_order
 from simulations.jobs import JobClass, JobRun
 from simulations.phase import EPOCH
 from simulations.tenancy import PREEMPT_RETRY_S, Gates, TenancyPass, TenantBook
+from simulations.victims import LiveRuns, PassRuns
 
 __all__ = ["Engine", "TenancyPasses"]
 
@@ -49,6 +50,8 @@ class Engine(Protocol):
     def now(self) -> float: ...
     @property
     def reference(self) -> bool: ...  # tests: no gates, every waiting job tried
+    @property
+    def rebuild(self) -> bool: ...  # tests: victims rebuilt at each pass, no LiveRuns
     @property
     def pending(self) -> int: ...  # jobs waiting
     @property
@@ -100,6 +103,10 @@ class TenancyPasses:
         self._pass_due = False
         self._requeued: list[int] = []
         self.pass_count = 0
+        # the live runs as preemption weighs them, kept as they start and stop (rebuild: none,
+        # rebuilt from sim.runs at each pass as before)
+        self.live: LiveRuns | None = None if engine.rebuild else LiveRuns()
+        self._view: PassRuns | None = None  # the pass's (live)
 
     # -- the engine's queue ------------------------------------------------------------------
 
@@ -150,12 +157,19 @@ class TenancyPasses:
 
     # -- what tenants hold -------------------------------------------------------------------
 
-    def hold(self, j: int, model: str | None, region: str, sign: int) -> None:
-        """Job j starts (sign 1) or stops (-1) holding: what tenants hold, for fair share
-        (broker.placement.tenancy.held_by_tenant's figures) and for preemption's necessary
-        conditions (the priorities and best-effort work running)."""
+    def hold(self, j: int, run: JobRun, sign: int) -> None:
+        """Job j's `run` starts (sign 1) or stops (-1): what tenants hold, for fair share
+        (broker.placement.tenancy.held_by_tenant's figures), for preemption's necessary
+        conditions (the priorities and best-effort work running) and its victims (`live`)."""
         cls = self.waiting(j)
-        demand = self.quotas.demand(cls.gpus, model, cls.cpu, cls.mem, region)
+        live = self.live
+        if live is not None:
+            if sign > 0:
+                live.add(j, self._running(j, run, cls, 0.0), run.start, self.engine.checkpoint_s[j])
+            else:
+                live.remove(j, self.engine.site_ids[run.site])
+        model = run.model
+        demand = self.quotas.demand(cls.gpus, model, cls.cpu, cls.mem, run.region)
         mine = self.held.setdefault(cls.tenant, dict.fromkeys(SHARE_DIMENSIONS, 0.0))
         for d in SHARE_DIMENSIONS:
             mine[d] += sign * demand.get(d, 0.0)
@@ -251,11 +265,16 @@ class TenancyPasses:
         self._pass_due = False
         self._in_pass = set()
         self._passing = True
+        if self.live is not None:
+            self._view = self.live.open(sim.now)  # from here, starts wait for the pass's end
         try:
             counts = [(c, c.waiting) for c in self.gates.classes.values()]
             step.run(self, self.queues, fairness, counts)
         finally:
             self._passing = False
+            if self.live is not None:
+                self.live.close()
+                self._view = None
         sim.fed, sim.usage, sim.groups = step.fed, step.usage, step.groups
         for j in step.preempt_failed:
             self.preempt_failed[j] = sim.now
@@ -287,35 +306,39 @@ class TenancyPasses:
     def spec(self, item: int) -> JobSpec:
         return self.engine.spec_of(item, self.waiting(item))
 
-    def running(self) -> list[Running]:
-        """The live jobs as broker.placement.preemption weighs them (not those placed in this
-        pass)."""
+    def victims(self) -> Victims:
+        """The live jobs as broker.placement.preemption weighs them, not those placed in this
+        pass: the index's view (simulations.victims), or (rebuild) built from every one."""
         sim = self.engine
+        if self._view is not None:
+            return self._view
         now = sim.now
-        out = []
-        for j, run in sim.runs.items():
-            if j in self._in_pass:
-                continue
-            cls = self.waiting(j)
-            out.append(
-                Running(
-                    id=f"j{j}",
-                    tenant=cls.tenant,
-                    site=sim.site_ids[run.site],
-                    region=run.region,
-                    model=run.model,
-                    gpus=cls.gpus,
-                    cpu=cls.cpu,
-                    mem_gb=cls.mem,
-                    priority=cls.priority,
-                    best_effort=cls.spec.best_effort,
-                    lost_s=lost_s(now - run.start, sim.checkpoint_s[j]),
-                    cost_usd=run.cost_usd,
-                    hours=sim.hours[j],
-                    nodes=run.nodes,
-                )
-            )
-        return out
+        return Runs(
+            [
+                self._running(j, run, self.waiting(j), lost_s(now - run.start, sim.checkpoint_s[j]))
+                for j, run in sim.runs.items()
+                if j not in self._in_pass
+            ]
+        )
+
+    def _running(self, j: int, run: JobRun, cls: JobClass, lost: float) -> Running:
+        sim = self.engine
+        return Running(
+            id=f"j{j}",
+            tenant=cls.tenant,
+            site=sim.site_ids[run.site],
+            region=run.region,
+            model=run.model,
+            gpus=cls.gpus,
+            cpu=cls.cpu,
+            mem_gb=cls.mem,
+            priority=cls.priority,
+            best_effort=cls.spec.best_effort,
+            lost_s=lost,
+            cost_usd=run.cost_usd,
+            hours=sim.hours[j],
+            nodes=run.nodes,
+        )
 
     def started(self, item: int, spec: JobSpec, decision: pl.Decision) -> None:
         self._in_pass.add(item)

@@ -56,7 +56,7 @@ from broker.placement.preemption import (
     PREEMPT_RETRY_S,
     Preemption,
     Running,
-    Runs,
+    Victims,
     give_back,
     plan,
     possible,
@@ -176,7 +176,7 @@ class Host(Protocol[Item_contra]):
 
     def waiting(self, item: Item_contra) -> Waiting: ...
     def spec(self, item: Item_contra) -> JobSpec: ...
-    def running(self) -> list[Running]: ...  # live at the pass's start, not placed in it
+    def victims(self) -> Victims: ...  # the runs live at the pass's start, not placed in it
     def victims_possible(
         self, spec: JobSpec, may_preempt: bool, usage: pl.TenantUsage
     ) -> (
@@ -218,7 +218,7 @@ class TenancyPass:
         self.placed = 0
         self.preemptions: list[tuple[JobSpec, Preemption]] = []
         self.preempt_failed: list[Any] = []  # items, as the host gave them
-        self._live: Runs | None = None
+        self._live: Victims | None = None
         self._tries = 0
         self._sites_taken: set[str] = set()
 
@@ -395,11 +395,11 @@ class TenancyPass:
         self._take(host, item, spec, chosen.decision, fairness, applied=True)
         return True  # the victims' capacity opened gates
 
-    def _running(self, host: Host[Item]) -> Runs:
-        """The live runs as victim units, built once a pass
+    def _running(self, host: Host[Item]) -> Victims:
+        """The live runs as victim units, asked of the host once a pass
         (broker.leader.preempting.Preemptor.running)."""
         if self._live is None:
-            self._live = Runs(host.running())
+            self._live = host.victims()
         return self._live
 
     def _take(

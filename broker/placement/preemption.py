@@ -37,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Protocol
 
 from broker.model.jobs import JobRecord, JobSpec, gang_of
 from broker.placement import place as pl
@@ -55,6 +56,7 @@ __all__ = [
     "Running",
     "Runs",
     "Unit",
+    "Victims",
     "lost_s",
     "plan",
     "possible",
@@ -198,6 +200,25 @@ class Unit:
         return self.priority, self.lost_s, self.cost_usd, gpus, tuple(m.id for m in self.members)
 
 
+class Victims(Protocol):
+    """The live runs by site as victim units: what `plan` and `possible` read (`Runs`, built
+    from a list once a pass, or an index kept up to date as runs start and stop, as the
+    simulator keeps one: simulations.victims)."""
+
+    def floor_at(self, site: str) -> tuple[int, bool] | None:
+        """A bound over the site's runs: (the lowest priority, whether best-effort work runs
+        there); None: nothing runs there."""
+        ...
+
+    def at(self, site: str) -> list[Unit]:
+        """The site's victim units, cheapest first (`Unit.order`)."""
+        ...
+
+    def without(self, gone: Iterable[Running]) -> None:
+        """Forget runs preempted meanwhile (and the units they were in)."""
+        ...
+
+
 class Runs:
     """The live runs by site, as victim units (cheapest first: lower priority, less work lost,
     cheaper, fewer devices), each site's built when first asked for; a gang with members at
@@ -224,6 +245,9 @@ class Runs:
             for key in [k for k in gangs if len(spans[k]) > 1]:
                 del gangs[key]  # members at other sites: preempting it would stop work there
         self._units: dict[str, list[Unit]] = {}
+
+    def floor_at(self, site: str) -> tuple[int, bool] | None:
+        return self.floor.get(site)
 
     def at(self, site: str) -> list[Unit]:
         """The site's victim units, cheapest first."""
@@ -272,7 +296,7 @@ def plan(
     now: datetime,
     usage: TenantUsage,
     groups: GroupState,
-    running: Runs | Sequence[Running],
+    running: Victims | Sequence[Running],
     sites: Sequence[str],
     may_preempt: bool = True,
 ) -> Preemption | None:
@@ -281,7 +305,7 @@ def plan(
     `Runs` index built once for many calls."""
     if job.gang is not None:
         return None  # a gang is placed whole on free capacity only (never at several sites)
-    runs = running if isinstance(running, Runs) else Runs(running)
+    runs = Runs(running) if isinstance(running, Sequence) else running
     rights = _Rights.of(job, usage, may_preempt)
     borrowing: dict[str, bool] = {}
     # every candidate site with a lower bound of the victims it needs (by capacity alone) and
@@ -316,7 +340,7 @@ def plan(
 
 def possible(
     job: JobSpec,
-    running: Runs,
+    running: Victims,
     sites: Sequence[str],
     usage: TenantUsage,
     may_preempt: bool = True,
@@ -358,8 +382,8 @@ class _Rights:
             reclaiming=within and not job.best_effort,
         )
 
-    def may_at(self, runs: Runs, site_id: str, job: JobSpec) -> bool:
-        floor = runs.floor.get(site_id)
+    def may_at(self, runs: Victims, site_id: str, job: JobSpec) -> bool:
+        floor = runs.floor_at(site_id)
         if floor is None:
             return False
         lowest, has_best_effort = floor

@@ -211,7 +211,7 @@ class _Host:
         self.view = view
         self.classes: dict[str, _Class] = {}
         self.done: list[tuple[str, str, tuple[str, ...]]] = []
-        self.victims: dict[str, list[str]] = {}
+        self.evicted_by: dict[str, list[str]] = {}
 
     def waiting(self, item: str) -> _Class:
         return self.classes.setdefault(item, _Class(self.view.jobs[item][0]))
@@ -219,7 +219,10 @@ class _Host:
     def spec(self, item: str) -> JobSpec:
         return self.view.jobs[item][0].spec
 
-    def running(self) -> list[Running]:
+    def victims(self) -> preemption.Runs:
+        return preemption.Runs(self._running())
+
+    def _running(self) -> list[Running]:
         out = []
         for record, _ in self.view.jobs.values():
             placement = record.placement
@@ -235,11 +238,11 @@ class _Host:
         return True  # reference passes do not ask
 
     def started(self, item: str, spec: JobSpec, decision: pl.Decision) -> None:
-        gone = tuple(sorted(self.victims.pop(spec.name, [])))
+        gone = tuple(sorted(self.evicted_by.pop(spec.name, [])))
         self.done.append((item, decision.site, gone))
 
     def evicted(self, victim: Running, by: JobSpec) -> None:
-        self.victims.setdefault(by.name, []).append(victim.id)
+        self.evicted_by.setdefault(by.name, []).append(victim.id)
 
 
 def _broker_pass(decided: dc.Decided) -> list[tuple[str, str, tuple[str, ...]]]:
