@@ -23,7 +23,7 @@ shipped scenarios and random ones both ways and compares the results byte for by
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from broker.placement.preemption import Running, Unit, lost_s
 
@@ -53,7 +53,7 @@ class _Entry:
         and a pass that made a Preemption of them is over before the next refresh."""
         lost = lost_s(now - self.start, self.checkpoint_s)
         _set(self.running, "lost_s", lost)
-        _set(self.unit, "lost_s", float(sum((lost,))))
+        _set(self.unit, "lost_s", 0 + lost)  # float(sum(...)) of one float, as Unit.of
 
     def order(self) -> tuple[int, float, float, int, tuple[str, ...]]:
         """`Unit.order` of its unit."""
@@ -69,6 +69,7 @@ class LiveRuns:
         self._sites: dict[str, dict[int, _Entry]] = {}
         self._priorities: dict[str, dict[int, int]] = {}  # site -> priority -> runs
         self._best_effort: dict[str, int] = {}  # site -> best-effort runs
+        self._tenants: dict[str, dict[str, int]] = {}  # site -> tenant -> runs
         self._order: dict[str, list[_Entry]] = {}  # site -> its entries, cheapest first at...
         self._at: dict[str, float] = {}  # ... this instant (absent: to be built again)
         self.version: dict[str, int] = {}  # site -> changes to its runs
@@ -91,6 +92,8 @@ class LiveRuns:
         counts[running.priority] = counts.get(running.priority, 0) + 1
         if running.best_effort:
             self._best_effort[site] = self._best_effort.get(site, 0) + 1
+        tenants = self._tenants.setdefault(site, {})
+        tenants[running.tenant] = tenants.get(running.tenant, 0) + 1
 
     def remove(self, j: int, site: str) -> None:
         """Run j stopped (finished, failed, moved or preempted); no-op for one not indexed."""
@@ -109,8 +112,12 @@ class LiveRuns:
             del counts[running.priority]
         if running.best_effort:
             self._best_effort[site] -= 1
+        tenants = self._tenants[site]
+        tenants[running.tenant] -= 1
+        if not tenants[running.tenant]:
+            del tenants[running.tenant]
         if not entries:
-            del self._sites[site], self._priorities[site]
+            del self._sites[site], self._priorities[site], self._tenants[site]
             self._best_effort.pop(site, None)
 
     def _touch(self, site: str) -> None:
@@ -124,6 +131,9 @@ class LiveRuns:
         if not counts:
             return None
         return min(counts), self._best_effort.get(site, 0) > 0
+
+    def tenants_at(self, site: str) -> Collection[str]:
+        return self._tenants.get(site, {}).keys()
 
     def units(self, site: str, now: float) -> list[Unit]:
         """The site's victim units at `now`, cheapest first: a new list each time."""
@@ -175,6 +185,9 @@ class PassRuns:
         if site in self._floors:
             return self._floors[site]
         return self._index.floor_at(site)
+
+    def tenants_at(self, site: str) -> Collection[str]:
+        return self._index.tenants_at(site)
 
     def at(self, site: str) -> list[Unit]:
         version = self._index.version.get(site, 0)

@@ -34,7 +34,7 @@ victims back to PENDING (each keeps its history and restarts from its checkpoint
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
@@ -214,6 +214,10 @@ class Victims(Protocol):
         """The site's victim units, cheapest first (`Unit.order`)."""
         ...
 
+    def tenants_at(self, site: str) -> Collection[str]:
+        """The tenants of the site's runs (more is allowed: a bound, as the floor)."""
+        ...
+
     def without(self, gone: Iterable[Running]) -> None:
         """Forget runs preempted meanwhile (and the units they were in)."""
         ...
@@ -224,7 +228,7 @@ class Runs:
     cheaper, fewer devices), each site's built when first asked for; a gang with members at
     several sites is no unit anywhere. One per pass."""
 
-    __slots__ = ("_alone", "_gangs", "_units", "floor")
+    __slots__ = ("_alone", "_gangs", "_tenants", "_units", "floor")
 
     def __init__(self, running: Iterable[Running]) -> None:
         self._alone: dict[str, list[Running]] = {}
@@ -233,7 +237,9 @@ class Runs:
         # per site: the lowest priority and whether best-effort work runs there (a bound over
         # its runs), to pass over a site at once when nothing there may be preempted
         self.floor: dict[str, tuple[int, bool]] = {}
+        self._tenants: dict[str, set[str]] = {}
         for r in running:
+            self._tenants.setdefault(r.site, set()).add(r.tenant)
             if r.gang is None:
                 self._alone.setdefault(r.site, []).append(r)
             else:
@@ -248,6 +254,9 @@ class Runs:
 
     def floor_at(self, site: str) -> tuple[int, bool] | None:
         return self.floor.get(site)
+
+    def tenants_at(self, site: str) -> Collection[str]:
+        return self._tenants.get(site, ())
 
     def at(self, site: str) -> list[Unit]:
         """The site's victim units, cheapest first."""
@@ -316,6 +325,8 @@ def plan(
     for pos, site_id in enumerate(sites):
         if not rights.may_at(runs, site_id, job):
             continue  # nothing at this site may be preempted for this job
+        if not _some_unit(job, runs, site_id, usage, rights, borrowing):
+            continue  # the same answer as _units' below, without the site's units
         here = runs.at(site_id)
         units = _units(job, here, usage, rights, borrowing)
         if not units:
@@ -428,21 +439,59 @@ def _units(
     my_root = _root(tree, job.tenant) if rights.reclaiming else None
     by_priority = rights.by_priority
     own_only = rights.own_only
-    mine = frozenset((job.tenant,))
+    best_effort_victims = rights.best_effort_victims
+    tenant = job.tenant
+    priority = job.priority
+    mine = frozenset((tenant,))
+    # per set of tenants (most units have one): may it be reclaimed from by `job`?
+    reclaim: dict[frozenset[str], bool] = {}
     kinds: tuple[list[Unit], list[Unit], list[Unit]] = ([], [], [])
     for u in here:
-        if u.best_effort and rights.best_effort_victims:
+        if u.best_effort and best_effort_victims:
             kinds[0].append(u)
-        elif (
-            my_root is not None
-            and tree is not None
-            and job.tenant not in u.tenants
-            and all(_reclaimable(tree, t, my_root, borrowing) for t in u.tenants)
-        ):
-            kinds[1].append(u)
-        elif by_priority and u.priority < job.priority and (not own_only or u.tenants == mine):
+            continue
+        if my_root is not None and tree is not None:
+            tenants = u.tenants
+            ok = reclaim.get(tenants)
+            if ok is None:
+                ok = reclaim[tenants] = tenant not in tenants and all(
+                    _reclaimable(tree, t, my_root, borrowing) for t in tenants
+                )
+            if ok:
+                kinds[1].append(u)
+                continue
+        if by_priority and u.priority < priority and (not own_only or u.tenants == mine):
             kinds[2].append(u)
     return kinds[0] + kinds[1] + kinds[2]
+
+
+def _some_unit(
+    job: JobSpec,
+    runs: Victims,
+    site_id: str,
+    usage: TenantUsage,
+    rights: _Rights,
+    borrowing: dict[str, bool],
+) -> bool:
+    """False only where `_units` finds no unit at the site: no best-effort work runs there
+    (that `job` may take), none of a lower priority, and none of a tenant it may reclaim from.
+    Most sites of a pass that may reclaim have no borrower: their units are then not built."""
+    floor = runs.floor_at(site_id)
+    if floor is None:
+        return False
+    lowest, has_best_effort = floor
+    if has_best_effort and rights.best_effort_victims:
+        return True
+    if rights.by_priority and lowest < job.priority:
+        return True
+    tree = usage.tree
+    my_root = _root(tree, job.tenant) if rights.reclaiming else None
+    if my_root is None or tree is None:
+        return False
+    return any(
+        t != job.tenant and _reclaimable(tree, t, my_root, borrowing)
+        for t in runs.tenants_at(site_id)
+    )
 
 
 def _cheapest(job: JobSpec, fed: Federation, sites: Sequence[str]) -> list[str]:
