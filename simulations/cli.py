@@ -1,7 +1,8 @@
 """`cpn simulate` and `cpn plan-capacity` (docs/simulation.md).
 
     cpn simulate SCENARIO.yaml [SCENARIO.yaml ...] [--out DIR] [--workers N | --cluster ADDR]
-                 [--sweep FIELD=V1,V2,...] [--seed N] [--horizon 7d] [--no-progress] [--json]
+                 [--sweep FIELD=V1,V2,... | --seeds 1,2,3 | --seeds 1-5] [--seed N]
+                 [--horizon 7d] [--no-progress] [--json]
     cpn plan-capacity PLANNING.yaml [--out FILE] [--workers N | --cluster ADDR] [--no-progress]
 
 Exit 0 when the run finished, 2 with one line per problem for bad input (a scenario or
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +23,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from simulations import pages, report
+from simulations import pages, report, spread
 from simulations.capacity import load_planning, plan_capacity
 from simulations.cluster import ClusterError
 from simulations.report import slug
@@ -50,6 +52,27 @@ def _workers(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
+
+
+def _seeds(text: str) -> list[int]:
+    """Seeds as 1,2,3 or 1-5 or both (1-3,7): distinct integers >= 0, at least two, in order."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part, re.ASCII)
+        if match is None:
+            raise argparse.ArgumentTypeError(
+                f"expected seeds such as 1,2,3 or 1-5 (integers >= 0), got {text!r}"
+            )
+        low, high = int(match[1]), int(match[2] or match[1])
+        if high < low:
+            raise argparse.ArgumentTypeError(f"the range {part.strip()!r} is empty")
+        seeds += range(low, high + 1)
+    repeated = sorted({s for s in seeds if seeds.count(s) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"seed {repeated[0]} is given twice")
+    if len(seeds) < 2:
+        raise argparse.ArgumentTypeError("give at least two seeds (one seed is --seed)")
+    return seeds
 
 
 def _parallel(p: argparse.ArgumentParser) -> None:
@@ -95,6 +118,12 @@ def _simulate_parser() -> argparse.ArgumentParser:
         "(e.g. policy.kind=fast-path,random or federation.edits.0.add_devices.count=64,128)",
     )
     p.add_argument("--seed", type=int, help="override the scenarios' seed")
+    p.add_argument(
+        "--seeds",
+        type=_seeds,
+        help="1,2,3 or 1-5: run one scenario once per seed and print each figure's spread "
+        "over them (docs/simulation.md)",
+    )
     p.add_argument("--horizon", help="override the scenarios' horizon (e.g. 2d)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the results JSON, not a table")
@@ -129,6 +158,8 @@ def simulate_main(argv: list[str]) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
+    if args.seeds is not None:
+        return _simulate_seeds(args, overrides)
     scenarios: list[Scenario] = []
     files: list[str | None] = []
     sweep: tuple[str, list[Any]] | None = None
@@ -175,6 +206,38 @@ def _simulate(args: argparse.Namespace) -> int:
     else:
         console.print(report.compare_table(results))
         console.print(f"report: {index}")
+    return 0
+
+
+def _simulate_seeds(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    """One scenario once per seed: each run's report as a comparison's, seeds.json, the spread."""
+    for option in ("seed", "sweep"):
+        if getattr(args, option) is not None:
+            raise _UsageError(f"--seeds: not with --{option}")
+    if len(args.scenarios) != 1:
+        raise _UsageError("--seeds takes exactly one scenario file")
+    scenario = load_scenario(args.scenarios[0], overrides)
+    runs = [
+        scenario.model_copy(update={"seed": s, "name": f"{scenario.name} seed {s}"})
+        for s in args.seeds
+    ]
+    results = run_many(
+        runs,
+        files=[args.scenarios[0]] * len(runs),
+        workers=args.workers,
+        progress=not args.no_progress,
+        cluster=args.cluster,
+    )
+    out = Path(args.out) if args.out else default_out(f"{scenario.name} seeds")
+    index = pages.write_comparison(results, out)
+    document = spread.over_seeds(results, scenario=scenario.name)
+    (out / "seeds.json").write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    if args.json:
+        print(json.dumps(document, sort_keys=True))
+    else:
+        Console().print(report.seeds_table(document))
+        print(f"report: {index}")  # print: a long path is not wrapped
+        print(f"seeds: {out / 'seeds.json'}")
     return 0
 
 

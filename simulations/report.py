@@ -78,6 +78,7 @@ __all__ = [
     "key_figures",
     "overall_gpu_utilization",
     "overall_slo",
+    "seeds_table",
     "slug",
     "summary",
     "summary_text",
@@ -506,3 +507,50 @@ def compare_table(results_list: Sequence[Results]) -> Table:
 def compare_text(results_list: Sequence[Results], width: int = 120) -> str:
     """`compare_table` rendered as plain text."""
     return _render(compare_table(results_list), width)
+
+
+# -- over several seeds (simulations.spread) ----------------------------------------------------
+
+
+def _amount(value: float) -> str:
+    """A count, or a mean of counts: 1,373 and 0 whole, 0.67 and 27.4 not."""
+    return f"{value:,.0f}" if value.is_integer() else _number(value)
+
+
+_SPREAD_ROWS: tuple[tuple[str, str, _Fmt], ...] = (
+    ("queue_delay_p50_s", "queue delay p50", format_duration),
+    ("queue_delay_p95_s", "queue delay p95", format_duration),
+    ("jobs_completed", "jobs completed", _amount),
+    ("jobs_unplaced", "jobs waiting at the end", _amount),
+    ("cost_usd", "cost", format_money),
+    ("gpu_utilization", "GPU utilization", format_percent),
+    ("inference_slo_worst", "SLO worst region", _percent2),
+)
+
+
+def seeds_table(document: Mapping[str, Any]) -> Table:
+    """simulations.spread.over_seeds's document as a table: per figure the mean ± the 95 %
+    half-width, the standard deviation and the range; a figure no seed has is left out."""
+    seeds = [str(s) for s in document.get("seeds") or ()]
+    name = document.get("scenario") or "unnamed"
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=Text(f"{name}: over {len(seeds)} seeds ({', '.join(seeds)})"),
+        caption="±: the 95 % confidence interval of the mean (Student's t)",
+    )
+    for name in ("", "mean ± 95 %", "stdev", "min – max"):
+        table.add_column(name, justify="right" if name else "left")
+    spreads = _map(document.get("spread"))
+    for key, label, fmt in _SPREAD_ROWS:
+        s = _map(spreads.get(key))
+        mean, n = _f(s, "mean"), _int(s, "n")
+        if mean is None:
+            continue
+        half = _f(s, "half_width")
+        table.add_row(
+            label + (f" ({n} seeds)" if n != len(seeds) else ""),
+            f"{fmt(mean)} ± {_or_none(half, fmt)}",
+            _or_none(_f(s, "stdev"), fmt),
+            f"{_or_none(_f(s, 'low'), fmt)} – {_or_none(_f(s, 'high'), fmt)}",
+        )
+    return table
