@@ -105,6 +105,10 @@ def _run(
     except ClusterError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # the worker processes are stopped already (simulations.pool.SimPool), nothing written
+        print(f"{prog}: interrupted; no results written", file=sys.stderr)
+        return 130
 
 
 def _simulate_parser() -> argparse.ArgumentParser:

@@ -73,6 +73,7 @@ from simulations.inference import InferenceSim
 from simulations.jobs import JobClass, JobClasses, JobRun, job_like
 from simulations.ledger import Ledger
 from simulations.nodes import Fragmentation
+from simulations.parts import Part
 from simulations.passes import TenancyPasses
 from simulations.phase import EPOCH, Phase
 from simulations.policies import Baselines, BatchPasses, FastPath
@@ -122,12 +123,16 @@ class Simulation:
         arrivals: Arrivals | None = None,
         reference: bool = False,
         rebuild: bool = False,
+        part: Part = Part.all,
     ) -> None:
         # reference: no retry gating (every waiting job is tried on every change), for tests;
         # rebuild: the victims of preemption rebuilt from every live run at each pass, not
         # kept up to date (simulations.victims), for tests: the results are the same
         self.reference = reference
         self.rebuild = rebuild
+        # part: the whole run, or one of its independent parts (simulations.parts): the batch
+        # jobs, the inference demand, the autoscaled services
+        self.part = part
         self.scenario = scenario
         self.fedinfo = federation or build_federation(scenario)
         self.horizon = float(scenario.horizon)
@@ -197,7 +202,9 @@ class Simulation:
         self.hours = [min(d / 3600.0, 24 * 365) for d in self.arrivals.duration_s.tolist()]
         self.tenant_of = self.arrivals.tenant.tolist()
         self.infer = (
-            InferenceSim(scenario, self.fedinfo, self.rng) if scenario.inference_workloads else None
+            InferenceSim(scenario, self.fedinfo, self.rng)
+            if scenario.inference_workloads and part in (Part.all, Part.inference)
+            else None
         )
         # preemption and checkpoints: work kept by a job's checkpoints (seconds of its run)
         self.checkpoint_s = self.arrivals.checkpoint_s.tolist()
@@ -238,9 +245,19 @@ class Simulation:
 
     # -- running ---------------------------------------------------------------------------
 
-    def run(self, progress: Callable[[float], None] | None = None) -> dict[str, Any]:
+    def run(
+        self,
+        progress: Callable[[float], None] | None = None,
+        check: Callable[[Simulation], str | None] | None = None,
+    ) -> dict[str, Any]:
+        """The results mapping (simulations.results). `progress(fraction of virtual time)` and
+        `check(self)` are called every 1/200 of the arrivals; when `check` says why (its
+        verdict is known: simulations.capacity), the run stops there and the results, of the
+        virtual time run so far, say so in `stopped`."""
         started = time.perf_counter()
         sc = self.scenario
+        if self.part is Part.services:
+            return {"services": run_services(sc, self.fedinfo) if sc.services else None}
         times = self.sampled.t
         samples = len(times)
         for i, failure in enumerate(sc.failures):
@@ -251,10 +268,12 @@ class Simulation:
             self._push(self.policy.batch_interval_s, _BATCH, 0, 0)
         if self.infer is not None:
             self._push(0.0, _INFER, 0, 0)
-        for t_wf, index in self.workflows.arrivals() if self.workflows else ():
+        batch = self.part is not Part.inference
+        stopped: str | None = None
+        for t_wf, index in self.workflows.arrivals() if self.workflows and batch else ():
             self._push(t_wf, _WF_ARRIVE, index, 0)
         at = self.at
-        n = len(at)
+        n = len(at) if batch else 0
         i = 0
         next_sample = 0
         heap = self.heap
@@ -283,17 +302,26 @@ class Simulation:
                 else:
                     self._arrive(i)
                     i += 1
-                    if progress is not None and i % tick == 0:
-                        progress(t / horizon * share)
-            while next_sample < samples:
+                    if i % tick == 0:
+                        if progress is not None:
+                            progress(t / horizon * share)
+                        if check is not None:
+                            stopped = check(self)
+                            if stopped is not None:
+                                break
+            while next_sample < samples and stopped is None:
                 self._advance(times[next_sample])
                 self._sample()
                 next_sample += 1
+        if stopped is not None:
+            results = collect(self, time.perf_counter() - started)
+            results["stopped"] = {"at_s": self.now, "why": stopped}
+            return results
         self._advance(horizon)
         for j in list(self.runs):
             self.charge(j, horizon)
         self.wait_total += math.fsum(horizon - since for since in self.wait_since.values())
-        baseline = self.policy.baseline
+        baseline = self.policy.baseline if batch else None
         if baseline is None or self.book is None:
             if progress is not None:
                 progress(1.0)
@@ -546,7 +574,7 @@ class Simulation:
     def _with_workflows(self, results: dict[str, Any]) -> dict[str, Any]:
         if self.workflows is not None:
             results["workflows"] = self.workflows.results()
-        if self.scenario.services:
+        if self.scenario.services and self.part is Part.all:
             # autoscaled services run on their own steps (simulations.autoscaling): their
             # replicas do not compete with the batch jobs for devices, as inference does not
             results["services"] = run_services(self.scenario, self.fedinfo)

@@ -1,9 +1,11 @@
 """Running scenarios: one in this process, several in parallel processes, with progress bars.
 
-`run_many(scenarios, workers=N)` runs each scenario in its own process (spawned, so nothing of
-this process's state leaks in), or with `cluster=ADDRESS` as a task of a Dask cluster
-(simulations.cluster), and returns the results in input order; progress comes back over
-a queue and is drawn as one bar per scenario on stderr. A scenario that raises stops the whole
+`run_many(scenarios, workers=N)` runs each scenario as its independent parts (the batch jobs,
+the inference demand, the autoscaled services: simulations.parts), each in a process of a
+simulations.pool.SimPool (spawned, so nothing of this process's state leaks in), merges the
+parts, and returns the results in input order; with `cluster=ADDRESS` each scenario is a task of
+a Dask cluster (simulations.cluster). Progress comes back over a queue and is drawn as one bar
+per scenario on stderr. A scenario that raises stops the whole
 run with that error (the others are cancelled): results of a partly failed comparison are not
 comparable.
 """
@@ -11,19 +13,16 @@ comparable.
 from __future__ import annotations
 
 import contextlib
-import functools
-import multiprocessing as mp
 import os
-import queue as queue_mod
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from simulations.engine import Simulation
+from simulations.parts import Part, merge, split
+from simulations.pool import SimPool, Task
 from simulations.report import slug
 from simulations.scenario import Scenario
 
@@ -53,16 +52,6 @@ def _progress(
         yield lambda i, fraction: bar.update(tasks[i], completed=fraction)
 
 
-def _worker(scenario: Scenario, index: int, file: str | None, updates: Any) -> dict[str, Any]:
-    def report(fraction: float) -> None:
-        with contextlib.suppress(Exception):  # progress is best effort
-            updates.put((index, fraction))
-
-    results = Simulation(scenario).run(report if updates is not None else None)
-    results["scenario"]["file"] = file
-    return results
-
-
 def run_many(
     scenarios: Sequence[Scenario],
     *,
@@ -71,8 +60,9 @@ def run_many(
     progress: bool = False,
     cluster: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the scenarios in parallel processes, or as tasks of the Dask cluster at `cluster`
-    (simulations.cluster); results in input order."""
+    """Run the scenarios, each as its independent parts (simulations.parts) in parallel
+    processes, or as tasks of the Dask cluster at `cluster` (simulations.cluster); results in
+    input order."""
     if not scenarios:
         return []
     paths = list(files) if files is not None else [None] * len(scenarios)
@@ -81,39 +71,32 @@ def run_many(
 
         with _progress([s.name for s in scenarios], progress) as update:
             return run_on_cluster(scenarios, paths, cluster, update)
-    count = workers or min(len(scenarios), os.cpu_count() or 1)
-    if count <= 1 or len(scenarios) == 1:
-        with _progress([s.name for s in scenarios], progress) as update:
-            out = []
-            for i, (scenario, path) in enumerate(zip(scenarios, paths, strict=True)):
-                results = Simulation(scenario).run(functools.partial(update, i))
-                results["scenario"]["file"] = path
-                out.append(results)
-            return out
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as manager, ProcessPoolExecutor(count, mp_context=ctx) as pool:
-        updates = manager.Queue() if progress else None
-        futures = [
-            pool.submit(_worker, scenario, i, path, updates)
-            for i, (scenario, path) in enumerate(zip(scenarios, paths, strict=True))
-        ]
-        with _progress([s.name for s in scenarios], progress) as update:
-            pending = set(futures)
-            while pending:
-                done, pending = wait(pending, timeout=0.2, return_when=FIRST_EXCEPTION)
-                for future in done:
-                    if future.exception() is not None:
-                        for other in pending:
-                            other.cancel()
-                        raise future.exception()  # type: ignore[misc]
-                    update(futures.index(future), 1.0)
-                while updates is not None:
-                    try:
-                        index, fraction = updates.get_nowait()
-                    except queue_mod.Empty:
-                        break
-                    update(index, fraction)
-        return [f.result() for f in futures]
+    tasks = [
+        Task(key=i, scenario=scenario, part=part, file=path)
+        for i, (scenario, path) in enumerate(zip(scenarios, paths, strict=True))
+        for part in split(scenario)
+    ]
+    count = workers or min(len(tasks), os.cpu_count() or 1)
+    with _progress([s.name for s in scenarios], progress) as update:
+
+        def on_progress(key: int, fraction: float) -> None:
+            update(key, fraction)
+
+        def on_done(task: Task, _results: dict[str, Any]) -> None:
+            if task.part in (Part.all, Part.batch):
+                update(task.key, 1.0)
+
+        with SimPool(min(count, len(tasks)), on_progress=on_progress) as pool:
+            results = pool.run(tasks, on_done)
+    by_scenario: list[dict[Part, dict[str, Any]]] = [{} for _ in scenarios]
+    for task, got in zip(tasks, results, strict=True):
+        by_scenario[task.key][task.part] = got
+    out = []
+    for parts, path in zip(by_scenario, paths, strict=True):
+        merged = merge(parts)
+        merged["scenario"]["file"] = path
+        out.append(merged)
+    return out
 
 
 def default_out(name: str) -> Path:

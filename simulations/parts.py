@@ -1,0 +1,74 @@
+"""A simulation's independent parts, run apart and merged into the results of the whole run.
+
+A scenario's batch jobs, its inference demand and its autoscaled services do not touch each
+other's state in the simulator: inference capacity is the sites' `services`, not the devices
+the batch jobs hold (simulations.inference), and autoscaled services run on their own steps
+(simulations.autoscaling). What they share is virtual time, the site failures (each part replays
+them) and, for the two baselines that draw random numbers (`random`, `fifo-first-fit`), the
+engine's random stream, which the inference routing draws from too: those scenarios are not
+split. Run apart, in parallel processes, the parts give the whole run's results byte for byte
+(tests/simulations/test_parts.py compares them on every shipped scenario and on random ones),
+in the time of the longest part; `cpn plan-capacity` also reuses the part a candidate does not
+change (a device purchase leaves the inference part as it was, a service purchase the batch
+part).
+
+    Part.batch      the batch jobs, workflows and the tenancy baseline: everything but below
+    Part.inference  the inference workloads' routing and serving (results `inference`)
+    Part.services   the autoscaled services (results `services`)
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from simulations.scenario import PolicyKind, Scenario
+
+__all__ = ["Part", "merge", "split"]
+
+
+class Part(enum.StrEnum):
+    all = "all"
+    batch = "batch"
+    inference = "inference"
+    services = "services"
+
+
+# baselines that draw from the engine's random stream, which inference routing also draws from
+_SHARED_RANDOM = frozenset({PolicyKind.random, PolicyKind.fifo_first_fit})
+
+
+def split(scenario: Scenario) -> tuple[Part, ...]:
+    """The parts to run the scenario as: (Part.all,) when it has one part only, or when its
+    policy shares the random stream with inference routing (module docstring)."""
+    parts = [Part.batch]
+    if scenario.inference_workloads and scenario.policy.kind not in _SHARED_RANDOM:
+        parts.append(Part.inference)
+    if scenario.services:
+        parts.append(Part.services)
+    if len(parts) == 1 or (scenario.inference_workloads and Part.inference not in parts):
+        return (Part.all,)
+    return tuple(parts)
+
+
+def merge(results: Mapping[Part, dict[str, Any]]) -> dict[str, Any]:
+    """The whole run's results from its parts' (`split`'s): the batch part's, with the
+    inference part's `inference` and the services part's `services`; `run` adds the parts'
+    events and says what each part took (`parts_wall_s`)."""
+    if Part.all in results:
+        return results[Part.all]
+    out = dict(results[Part.batch])
+    run = dict(out["run"])
+    walls = {Part.batch.value: run["wall_s"]}
+    inference = results.get(Part.inference)
+    if inference is not None:
+        out["inference"] = inference["inference"]
+        run["events"] += inference["run"]["events"]
+        walls[Part.inference.value] = inference["run"]["wall_s"]
+    services = results.get(Part.services)
+    if services is not None:
+        out["services"] = services["services"]
+    run["parts_wall_s"] = walls
+    out["run"] = run
+    return out
