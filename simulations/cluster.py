@@ -56,14 +56,9 @@ def _run(scenario: Scenario, file: str | None) -> dict[str, Any]:
     return results
 
 
-def run_on_cluster(
-    scenarios: Sequence[Scenario],
-    files: Sequence[str | None],
-    address: str,
-    update: Callable[[int, float], None],
-) -> list[dict[str, Any]]:
-    """Run each scenario as one task on the Dask cluster at `address`; results in input order.
-    `update(i, 1.0)` as each one finishes."""
+def connect(address: str) -> tuple[Any, Any]:
+    """(the distributed module, a Client of the scheduler at `address`); ClusterError when
+    Dask is not installed or no scheduler answers within the connect timeout."""
     try:
         import distributed
     except ImportError:
@@ -74,6 +69,18 @@ def run_on_cluster(
         client = dask.Client(address, timeout=timeout)  # as_completed needs it default
     except (OSError, TimeoutError) as exc:
         raise ClusterError(f"no Dask scheduler answers at {address}: {exc}") from None
+    return dask, client
+
+
+def run_on_cluster(
+    scenarios: Sequence[Scenario],
+    files: Sequence[str | None],
+    address: str,
+    update: Callable[[int, float], None],
+) -> list[dict[str, Any]]:
+    """Run each scenario as one task on the Dask cluster at `address`; results in input order.
+    `update(i, 1.0)` as each one finishes."""
+    dask, client = connect(address)
     run = secrets.token_hex(4)
     try:
         futures = [

@@ -25,10 +25,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import secrets
 import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.pool import AsyncResult, Pool
+from multiprocessing.pool import Pool
 from typing import Any
 
 from simulations.engine import Simulation
@@ -83,6 +85,22 @@ def run_task(task: Task) -> dict[str, Any]:
     return results
 
 
+class _DaskTask:
+    """A task on a Dask cluster, with the ready()/get() of a local AsyncResult."""
+
+    def __init__(self, future: Any) -> None:
+        self.future = future
+
+    def ready(self) -> bool:
+        return bool(self.future.done())
+
+    def get(self) -> dict[str, Any]:
+        if self.future.status == "error":
+            raise self.future.exception()
+        results: dict[str, Any] = self.future.result()
+        return results
+
+
 class SimPool:
     """Processes that run `Task`s (module docstring); a context manager."""
 
@@ -90,15 +108,23 @@ class SimPool:
         self,
         workers: int | None = None,
         *,
+        cluster: str | None = None,
         on_progress: Callable[[int, float], None] | None = None,
     ) -> None:
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.on_progress = on_progress
         self._pool: Pool | None = None
         self._updates: Any = None
+        self._client: Any = None  # a Dask cluster's (cluster=ADDRESS)
         self.shared: Any = None
         self.ran = 0  # tasks run
-        if self.workers > 1:
+        self._run_id = secrets.token_hex(4)
+        if cluster is not None:
+            from simulations.cluster import connect
+
+            self._client = connect(cluster)[1]
+            self.shared = [0.0] * SHARED_SLOTS  # the workers see none of it
+        elif self.workers > 1:
             ctx = mp.get_context("spawn")
             self._updates = ctx.Queue()
             self.shared = ctx.Array("d", SHARED_SLOTS, lock=False)
@@ -119,9 +145,12 @@ class SimPool:
         for i, v in enumerate(values[:SHARED_SLOTS]):
             self.shared[i] = v
 
-    def submit(self, task: Task) -> AsyncResult[dict[str, Any]] | dict[str, Any]:
-        """Start `task`: a handle for `wait` (or, in-process, its results at once)."""
+    def submit(self, task: Task) -> Any:
+        """Start `task`: a handle for `run` (or, in-process, its results at once)."""
         self.ran += 1
+        if self._client is not None:
+            key = f"cpn-simulate-{self._run_id}-{self.ran}"
+            return _DaskTask(self._client.submit(run_task, task, key=key, pure=False))
         if self._pool is None:
             on = self.on_progress
             task_key = task.key
@@ -139,6 +168,7 @@ class SimPool:
     def poll(self, timeout: float = 0.2) -> None:
         """Wait up to `timeout` for progress and hand it to on_progress."""
         if self._updates is None:
+            time.sleep(timeout)  # a cluster's tasks: no progress but their end
             return
         try:
             key, fraction = self._updates.get(timeout=timeout)
@@ -161,6 +191,14 @@ class SimPool:
     ) -> list[dict[str, Any]]:
         """Run `tasks`, results in their order; `on_done(task, results)` as each ends (in
         the order they end). A task that raises stops the others and raises here."""
+        if self._pool is None and self._client is None:  # in this process, one by one
+            done = []
+            for task in tasks:
+                got = self.submit(task)
+                if on_done is not None:
+                    on_done(task, got)
+                done.append(got)
+            return done
         handles = [self.submit(t) for t in tasks]
         out: list[dict[str, Any] | None] = [None] * len(tasks)
         left = set(range(len(tasks)))
@@ -182,6 +220,9 @@ class SimPool:
 
     def close(self, kill: bool = False) -> None:
         """Stop the workers (kill: at once, e.g. on Ctrl-C) and release the queue."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
         pool, self._pool = self._pool, None
         if pool is not None:
             if kill:
