@@ -110,7 +110,10 @@ class SimPool:
         *,
         cluster: str | None = None,
         on_progress: Callable[[int, float], None] | None = None,
+        spawn: bool = False,
     ) -> None:
+        """`workers` processes (default: one per CPU; 1: none, the tasks run in this process,
+        unless `spawn`)."""
         self.workers = max(1, workers or os.cpu_count() or 1)
         self.on_progress = on_progress
         self._pool: Pool | None = None
@@ -124,7 +127,7 @@ class SimPool:
 
             self._client = connect(cluster)[1]
             self.shared = [0.0] * SHARED_SLOTS  # the workers see none of it
-        elif self.workers > 1:
+        elif self.workers > 1 or spawn:
             ctx = mp.get_context("spawn")
             self._updates = ctx.Queue()
             self.shared = ctx.Array("d", SHARED_SLOTS, lock=False)
@@ -152,18 +155,20 @@ class SimPool:
             key = f"cpn-simulate-{self._run_id}-{self.ran}"
             return _DaskTask(self._client.submit(run_task, task, key=key, pure=False))
         if self._pool is None:
-            on = self.on_progress
-            task_key = task.key
-
-            def report(fraction: float) -> None:
-                if on is not None:
-                    on(task_key, fraction)
-
-            results = Simulation(task.scenario, part=task.part).run(report, task.check)
-            if "scenario" in results:
-                results["scenario"]["file"] = task.file
-            return results
+            return self._here(task)
         return self._pool.apply_async(run_task, (task,))
+
+    def _here(self, task: Task) -> dict[str, Any]:
+        on = self.on_progress
+
+        def report(fraction: float) -> None:
+            if on is not None:
+                on(task.key, fraction)
+
+        results = Simulation(task.scenario, part=task.part).run(report, task.check)
+        if "scenario" in results:
+            results["scenario"]["file"] = task.file
+        return results
 
     def poll(self, timeout: float = 0.2) -> None:
         """Wait up to `timeout` for progress and hand it to on_progress."""
@@ -188,9 +193,13 @@ class SimPool:
         self,
         tasks: Sequence[Task],
         on_done: Callable[[Task, dict[str, Any]], None] | None = None,
+        *,
+        here: int | None = None,
     ) -> list[dict[str, Any]]:
         """Run `tasks`, results in their order; `on_done(task, results)` as each ends (in
-        the order they end). A task that raises stops the others and raises here."""
+        the order they end). A task that raises stops the others and raises here. `here`: the
+        index of a task to run in this process while the workers run the others (one
+        scenario's longest part: no worker to spawn and no results to send back for it)."""
         if self._pool is None and self._client is None:  # in this process, one by one
             done = []
             for task in tasks:
@@ -199,7 +208,9 @@ class SimPool:
                     on_done(task, got)
                 done.append(got)
             return done
-        handles = [self.submit(t) for t in tasks]
+        handles: list[Any] = [None if i == here else self.submit(t) for i, t in enumerate(tasks)]
+        if here is not None:
+            handles[here] = self._here(tasks[here])
         out: list[dict[str, Any] | None] = [None] * len(tasks)
         left = set(range(len(tasks)))
         while left:

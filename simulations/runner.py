@@ -86,8 +86,11 @@ def run_many(
             if task.part in (Part.all, Part.batch):
                 update(task.key, 1.0)
 
-        with SimPool(min(count, len(tasks)), on_progress=on_progress) as pool:
-            results = pool.run(tasks, on_done)
+        # one scenario: its batch part (the longest) runs here while workers run the others
+        here = 0 if len(scenarios) == 1 and len(tasks) > 1 and count > 1 else None
+        workers = min(count, len(tasks)) - (1 if here is not None else 0)
+        with SimPool(workers, on_progress=on_progress, spawn=here is not None) as pool:
+            results = pool.run(tasks, on_done, here=here)
     by_scenario: list[dict[Part, dict[str, Any]]] = [{} for _ in scenarios]
     for task, got in zip(tasks, results, strict=True):
         by_scenario[task.key][task.part] = got
