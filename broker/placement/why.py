@@ -18,6 +18,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import numpy as np
+
 from broker.model.jobs import JobSpec
 from broker.placement import place as pl
 from broker.placement.tenancy import SHARE_DIMENSIONS, BudgetLeft, FairShare, Quotas
@@ -60,9 +62,9 @@ class Fairness:
         static, dynamic = fed.columns()
         cols = dynamic.columns()
         up = cols.up
-        for m, model in enumerate(static.models):
-            free = cols.free[m][up]
-            count = int(free[free >= 0].sum())  # -1: the site does not list the model
+        free = cols.free[:, up]
+        counts = np.where(free >= 0, free, 0).sum(axis=1).tolist()  # -1: not listed there
+        for model, count in zip(static.models, counts, strict=False):
             capacity["gpus"] += count
             capacity["fp16_tflops"] += count * tflops.get(model, 0.0)
         capacity["cpu"] += int(cols.free_cpu[up].sum())
