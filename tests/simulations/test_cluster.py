@@ -15,6 +15,7 @@ import pytest
 from simulations.cluster import ClusterError, run_on_cluster
 from sites.emulation.etcd_server import free_port
 from tests.simulations.test_cli import cpn, small
+from tests.simulations.test_engine import batch
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
@@ -100,3 +101,38 @@ def test_cluster_errors_are_one_line(
     assert done.stderr.count("\n") == 1 and "no Dask scheduler answers" in done.stderr
     both = cpn("simulate", str(path), "--cluster", gone, "--workers", "2", cwd=tmp_path)
     assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
+def test_plan_capacity_on_a_dask_cluster_chooses_as_the_local_search(
+    make_configs: Callable[..., Path],
+    write_scenario: Callable[..., Path],
+    tmp_path: Path,
+    cluster: str,
+) -> None:
+    small(
+        make_configs,
+        write_scenario,
+        horizon="2d",
+        failures=[],
+        workloads=[batch(arrivals={"process": "poisson", "rate_per_hour": 20})],
+    )
+    plan = {
+        "scenario": "small.yaml",
+        "target": {"queue_delay_p95_s": "15m"},
+        "menu": [
+            {"site": "west", "model": "H100", "step": 8, "max_steps": 4, "usd_per_device": 40000},
+            {"site": "east", "model": "H100", "step": 8, "max_steps": 4, "usd_per_device": 30000},
+        ],
+    }
+    planning = write_scenario(plan, "plan.yaml")
+    answers = []
+    for where in (("--cluster", cluster), ("--workers", "2")):
+        done = cpn(
+            "plan-capacity", str(planning), "--no-progress", "--out", f"{where[0][2:]}.json",
+            *where, cwd=tmp_path,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        answers.append(json.loads((tmp_path / f"{where[0][2:]}.json").read_text()))
+    remote, local = answers
+    for key in ("met", "purchases", "total_cost_usd", "baseline", "final", "rounds"):
+        assert remote[key] == local[key], key
