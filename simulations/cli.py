@@ -282,7 +282,18 @@ def _plan_capacity(args: argparse.Namespace) -> int:
 
 def _answer_table(answer: dict[str, Any]) -> Table:
     verdict = "targets met" if answer["met"] else "targets NOT met with this menu"
-    table = Table(title=f"{answer['scenario']}: {verdict}, {answer['evaluations']} simulations")
+    stopped = answer.get("stopped_early") or 0
+    runs = f"{answer['evaluations']} simulations" + (
+        f" ({stopped} stopped once their verdict was certain)" if stopped else ""
+    )
+    caption = [answer["noise"]] if answer.get("noise") else []
+    caption += [
+        f"round {i + 1}: {r['noise']}" for i, r in enumerate(answer["rounds"]) if r.get("noise")
+    ]
+    table = Table(
+        title=f"{answer['scenario']}: {verdict}, {runs}",
+        caption="\n".join(caption) or None,
+    )
     table.add_column("purchase")
     table.add_column("added", justify="right")
     table.add_column("cost", justify="right")
