@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.conftest import cpn_cmd
 from tests.simulations.test_engine import batch, h100_site
@@ -116,11 +117,9 @@ def test_bad_input_exits_2_with_one_line_each(
     assert workers.stderr.count("\n") == 1
 
 
-def test_plan_capacity_finds_the_cheapest_purchase(
-    make_configs: Callable[..., Path], write_scenario: Callable[..., Path], tmp_path: Path
-) -> None:
-    # 16 + 16 GPUs, offered about 40 GPUs of work: jobs queue for hours; 16 more GPUs at east
-    # fix it, and buying them at the dearer west would cost more
+def small_plan(make_configs: Callable[..., Path], write_scenario: Callable[..., Path]) -> Path:
+    """16 + 16 GPUs offered about 40 GPUs of work: jobs queue for hours; 16 more GPUs at east
+    fix it, and buying them at the dearer west would cost more. The planning file's path."""
     small(
         make_configs,
         write_scenario,
@@ -136,7 +135,14 @@ def test_plan_capacity_finds_the_cheapest_purchase(
             {"site": "east", "model": "H100", "step": 8, "max_steps": 4, "usd_per_device": 30000},
         ],
     }
-    planning = write_scenario(plan, "plan.yaml")
+    return write_scenario(plan, "plan.yaml")
+
+
+def test_plan_capacity_finds_the_cheapest_purchase(
+    make_configs: Callable[..., Path], write_scenario: Callable[..., Path], tmp_path: Path
+) -> None:
+    planning = small_plan(make_configs, write_scenario)
+    plan = yaml.safe_load(planning.read_text())
     done = cpn(
         "plan-capacity",
         str(planning),

@@ -14,8 +14,7 @@ import pytest
 
 from simulations.cluster import ClusterError, run_on_cluster
 from sites.emulation.etcd_server import free_port
-from tests.simulations.test_cli import cpn, small
-from tests.simulations.test_engine import batch
+from tests.simulations.test_cli import cpn, small, small_plan
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
@@ -109,22 +108,7 @@ def test_plan_capacity_on_a_dask_cluster_chooses_as_the_local_search(
     tmp_path: Path,
     cluster: str,
 ) -> None:
-    small(
-        make_configs,
-        write_scenario,
-        horizon="2d",
-        failures=[],
-        workloads=[batch(arrivals={"process": "poisson", "rate_per_hour": 20})],
-    )
-    plan = {
-        "scenario": "small.yaml",
-        "target": {"queue_delay_p95_s": "15m"},
-        "menu": [
-            {"site": "west", "model": "H100", "step": 8, "max_steps": 4, "usd_per_device": 40000},
-            {"site": "east", "model": "H100", "step": 8, "max_steps": 4, "usd_per_device": 30000},
-        ],
-    }
-    planning = write_scenario(plan, "plan.yaml")
+    planning = small_plan(make_configs, write_scenario)
     answers = []
     for where in (("--cluster", cluster), ("--workers", "2")):
         done = cpn(
