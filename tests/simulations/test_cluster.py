@@ -118,5 +118,9 @@ def test_plan_capacity_on_a_dask_cluster_chooses_as_the_local_search(
         assert done.returncode == 0, done.stderr
         answers.append(json.loads((tmp_path / f"{where[0][2:]}.json").read_text()))
     remote, local = answers
-    for key in ("met", "purchases", "total_cost_usd", "baseline", "final", "rounds"):
+    for key in ("met", "purchases", "total_cost_usd", "baseline", "final"):
         assert remote[key] == local[key], key
+    # which runs stopped early (and so which ran to the end to be a runner-up) depends on
+    # which ended first, and Dask's workers see no bar
+    for a, b in zip(remote["rounds"], local["rounds"], strict=True):
+        assert (a["bought"], a["shortfall"]) == (b["bought"], b["shortfall"])
