@@ -25,7 +25,31 @@ Search (a heuristic, not a proof of optimality): greedy, then pruning.
 - Then each bought item is tried one step lower; a lower candidate that still meets the targets
   is kept (the largest saving first), until none is.
 It stops with `met: false` when no step reduces the shortfall or the rounds run out, and reports
-the best plan found. Every simulation is counted in `evaluations`.
+the best plan found. Every simulation (each part of a candidate on a seed) is counted in
+`evaluations`.
+
+Reuse. A candidate on a seed runs as the scenario's independent parts (simulations.parts: the
+batch jobs, the inference demand, the autoscaled services), and a part is simulated once for
+every candidate that does not change it: a device purchase leaves the inference part as it was,
+a service purchase the batch part. The baseline's and the current plan's parts so serve each
+round's candidates that differ from them in the other kind of item. All the runs of a search go
+to one pool of worker processes (simulations.pool.SimPool), or to a Dask cluster.
+
+Stopping early. A candidate's batch run stops as soon as its verdict is certain and cannot
+change the search's choice (`Bound`): when a cheaper candidate of the round meets the targets;
+or when it certainly misses them (its p95 queueing delay is already above the target for any
+jobs still to start: `Bound.lower`) and another candidate meets them, or its best possible gain
+per dollar is below one already known this round (or not above 0), or the search is pruning
+(where only the verdict counts). A run is never stopped because it will meet the targets: the
+jobs still to come could all wait, so that is certain only at the horizon. The search's choices
+are so the same as with every run to the horizon (`plan_capacity(plain=True)`;
+tests/simulations/test_capacity_search.py). The baseline always runs whole: its figures are
+reported.
+
+Noise. With several seeds, each round says when its choice beat the runner-up only within the
+noise (the 95 % intervals of their shortfall over the seeds overlap: simulations.spread), and
+the answer says when the final plan meets (or misses) a target only within the noise (the
+interval of the figure's mean spans the target).
 """
 
 from __future__ import annotations
@@ -353,9 +377,10 @@ class _Search:
         self.services = [i for i, item in enumerate(self.menu) if item.service is not None]
         # (part, the steps it depends on, seed) -> its results; a stopped run's are kept too
         self.runs: dict[tuple[Part, tuple[int, ...], int], dict[str, Any]] = {}
-        self.evaluations = 0  # simulations run (parts of one candidate and seed count once)
+        self.evaluations = 0  # simulations run: each part of a candidate on a seed counts
         self.stopped = 0  # of which stopped early
         self.round_id = 0
+        self._tasks = 0  # tasks submitted: each one's key
         self.scenarios: dict[tuple[int, ...], dict[int, Scenario]] = {}
 
     def cost(self, steps: Sequence[int]) -> float:
@@ -422,7 +447,8 @@ class _Search:
                             miss_now=miss_now,
                             delta_cost=max(1e-9, self.cost(c) - now_cost),
                         )
-                    task_key = len(queued) + 1000 * round_id
+                    self._tasks += 1
+                    task_key = self._tasks
                     queued[key] = task_key
                     owners[task_key] = [c]
                     todo.append(
@@ -507,8 +533,9 @@ class _Search:
 
 @dataclass(frozen=True)
 class Verdict:
-    """A candidate's figures (the worst seed's), shortfall, shortfall per seed, and why its runs
-    stopped early (None: they ran to the horizon; the figures are then only a lower bound)."""
+    """A candidate's figures (the worst seed's), shortfall, shortfall and figures per seed, and
+    why one of its runs stopped early (None: all ran to the horizon; else the figures are those
+    of a part of the horizon and mean nothing: the candidate is not chosen)."""
 
     figures: dict[str, float | None]
     shortfall: float
@@ -691,7 +718,11 @@ def _runner_up(
     """The option the chosen one beat (that ran to the end): the next cheapest meeting one, or
     the next best gain; None when no other option ran to the end."""
     if meeting:
-        others = sorted((cost(o), o) for o in options if o != chosen and not verdicts[o].stopped)
+        others = sorted(
+            (cost(o), o)
+            for o in options
+            if o != chosen and not verdicts[o].stopped and verdicts[o].shortfall == 0
+        )
         return others[0][1] if others else None
     ranked = sorted((g for g in gains if g[1] != chosen), reverse=True)
     return ranked[0][1] if ranked else None
@@ -721,24 +752,23 @@ def _round(
 
 
 def _final_noise(now: Verdict, target: Targets, seeds: int) -> str | None:
-    """What the seeds say of the final plan's margin: None when every target holds beyond the
-    95 % interval of its figure's mean over the seeds (simulations.spread)."""
+    """What the seeds say of the final plan's margin: None when no target lies within the 95 %
+    interval of its figure's mean over the seeds (simulations.spread)."""
     if seeds < 2:
         return "one seed: no estimate of the noise (give the planning file several seeds)"
     close = []
     checks = (
-        ("queue_delay_p95_s", target.queue_delay_p95_s, 1.0),
-        ("inference_slo", target.inference_slo, -1.0),  # at least: the lower end counts
-        ("unplaced", None if target.unplaced_max is None else float(target.unplaced_max), 1.0),
+        ("queue_delay_p95_s", target.queue_delay_p95_s),
+        ("inference_slo", target.inference_slo),
+        ("unplaced", None if target.unplaced_max is None else float(target.unplaced_max)),
     )
-    for name, limit, side in checks:
+    for name, limit in checks:
         if limit is None:
             continue
         s = spread([f.get(name) for f in now.seed_figures])
         if s is None or s.half_width is None:
             continue
-        edge = s.mean + side * s.half_width
-        if (side > 0 and edge > limit) or (side < 0 and edge < limit):
+        if s.mean - s.half_width <= limit <= s.mean + s.half_width:  # the interval spans it
             close.append(f"{name} {s.describe()} against {limit:g}")
     if not close:
         return None

@@ -190,6 +190,7 @@ class Simulation:
         self.seq = 0
         self.now = 0.0
         self.events = 0
+        self.inference_steps = 0  # of the events
         self.completed = 0
         self.placed = 0
         # integrals and ledgers
@@ -257,7 +258,8 @@ class Simulation:
         started = time.perf_counter()
         sc = self.scenario
         if self.part is Part.services:
-            return {"services": run_services(sc, self.fedinfo) if sc.services else None}
+            services = run_services(sc, self.fedinfo) if sc.services else None
+            return {"services": services, "run": {"wall_s": time.perf_counter() - started}}
         times = self.sampled.t
         samples = len(times)
         for i, failure in enumerate(sc.failures):
@@ -365,6 +367,7 @@ class Simulation:
             self.workflows.finish(self, a)
         elif kind == _INFER:
             if self.infer is not None:
+                self.inference_steps += 1
                 self.infer.step(self.now, [o.up for o in self.fed.sites])
                 self._push(self.now + self.scenario.inference_step_s, _INFER, 0, 0)
 

@@ -54,8 +54,9 @@ def split(scenario: Scenario) -> tuple[Part, ...]:
 
 def merge(results: Mapping[Part, dict[str, Any]]) -> dict[str, Any]:
     """The whole run's results from its parts' (`split`'s): the batch part's, with the
-    inference part's `inference` and the services part's `services`; `run` adds the parts'
-    events and says what each part took (`parts_wall_s`)."""
+    inference part's `inference` and the services part's `services`; `run` counts the
+    inference part's steps among the events (its site failures are the batch part's too) and
+    says what each part took (`parts_wall_s`)."""
     if Part.all in results:
         return results[Part.all]
     out = dict(results[Part.batch])
@@ -64,11 +65,13 @@ def merge(results: Mapping[Part, dict[str, Any]]) -> dict[str, Any]:
     inference = results.get(Part.inference)
     if inference is not None:
         out["inference"] = inference["inference"]
-        run["events"] += inference["run"]["events"]
+        run["events"] += inference["run"]["inference_steps"]
+        run["inference_steps"] = inference["run"]["inference_steps"]
         walls[Part.inference.value] = inference["run"]["wall_s"]
     services = results.get(Part.services)
     if services is not None:
         out["services"] = services["services"]
+        walls[Part.services.value] = services["run"]["wall_s"]
     run["parts_wall_s"] = walls
     out["run"] = run
     return out

@@ -241,6 +241,9 @@ class SimPool:
             else:
                 pool.close()
             pool.join()
+        global _shared
+        if _shared is self.shared:
+            _shared = None
         updates, self._updates = self._updates, None
         if updates is not None:
             updates.close()

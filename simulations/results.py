@@ -114,6 +114,8 @@ class Run(Protocol):
     @property
     def events(self) -> int: ...
     @property
+    def inference_steps(self) -> int: ...
+    @property
     def batch_passes(self) -> int: ...
     @property
     def batch_limited(self) -> int: ...
@@ -235,6 +237,7 @@ def collect(sim: Run, wall_s: float) -> dict[str, Any]:
             "wall_s": wall_s,
             "jobs_per_s": arrived / wall_s if wall_s > 0 else math.inf,
             "events": sim.events,
+            "inference_steps": sim.inference_steps,
             "batch_passes": sim.batch_passes,
             "batch_passes_time_limited": sim.batch_limited,
             "batch_gap_max": sim.batch_gap_max,

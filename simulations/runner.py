@@ -28,6 +28,8 @@ from simulations.scenario import Scenario
 
 __all__ = ["default_out", "run_many"]
 
+_PARTS = tuple(Part)  # a task's key: its scenario's index x len(_PARTS) + its part's
+
 
 def _bar(console: Console | None) -> Progress:
     return Progress(
@@ -72,7 +74,7 @@ def run_many(
         with _progress([s.name for s in scenarios], progress) as update:
             return run_on_cluster(scenarios, paths, cluster, update)
     tasks = [
-        Task(key=i, scenario=scenario, part=part, file=path)
+        Task(key=len(_PARTS) * i + _PARTS.index(part), scenario=scenario, part=part, file=path)
         for i, (scenario, path) in enumerate(zip(scenarios, paths, strict=True))
         for part in split(scenario)
     ]
@@ -80,20 +82,21 @@ def run_many(
     with _progress([s.name for s in scenarios], progress) as update:
 
         def on_progress(key: int, fraction: float) -> None:
-            update(key, fraction)
+            scenario, part = divmod(key, len(_PARTS))
+            if _PARTS[part] in (Part.all, Part.batch):  # the bar follows the longest part
+                update(scenario, fraction)
 
         def on_done(task: Task, _results: dict[str, Any]) -> None:
-            if task.part in (Part.all, Part.batch):
-                update(task.key, 1.0)
+            on_progress(task.key, 1.0)
 
         # one scenario: its batch part (the longest) runs here while workers run the others
         here = 0 if len(scenarios) == 1 and len(tasks) > 1 and count > 1 else None
-        workers = min(count, len(tasks)) - (1 if here is not None else 0)
-        with SimPool(workers, on_progress=on_progress, spawn=here is not None) as pool:
+        processes = min(count, len(tasks)) - (1 if here is not None else 0)
+        with SimPool(processes, on_progress=on_progress, spawn=here is not None) as pool:
             results = pool.run(tasks, on_done, here=here)
     by_scenario: list[dict[Part, dict[str, Any]]] = [{} for _ in scenarios]
     for task, got in zip(tasks, results, strict=True):
-        by_scenario[task.key][task.part] = got
+        by_scenario[task.key // len(_PARTS)][task.part] = got
     out = []
     for parts, path in zip(by_scenario, paths, strict=True):
         merged = merge(parts)
