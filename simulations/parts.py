@@ -25,7 +25,12 @@ from typing import Any
 
 from simulations.scenario import PolicyKind, Scenario
 
-__all__ = ["Part", "merge", "split"]
+__all__ = ["Part", "merge", "split", "worth_a_process"]
+
+# a part is worth a process of its own when it takes seconds: about this many jobs, or steps
+# of the inference demand (a worker's spawn and imports cost about a second)
+_JOBS_WORTH = 2_000
+_STEPS_WORTH = 500
 
 
 class Part(enum.StrEnum):
@@ -50,6 +55,13 @@ def split(scenario: Scenario) -> tuple[Part, ...]:
     if len(parts) == 1 or (scenario.inference_workloads and Part.inference not in parts):
         return (Part.all,)
     return tuple(parts)
+
+
+def worth_a_process(scenario: Scenario, jobs: int) -> bool:
+    """Is running the scenario's inference part in a process of its own, beside its batch part
+    of `jobs` jobs, worth a worker's start? (Both must take seconds.)"""
+    steps = scenario.horizon / scenario.inference_step_s * len(scenario.inference_workloads)
+    return jobs >= _JOBS_WORTH and steps >= _STEPS_WORTH
 
 
 def merge(results: Mapping[Part, dict[str, Any]]) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from simulations.parts import Part, merge, split
+from simulations.arrivals import generate
+from simulations.parts import Part, merge, split, worth_a_process
 from simulations.pool import SimPool, Task
 from simulations.report import slug
 from simulations.scenario import Scenario
@@ -76,7 +77,7 @@ def run_many(
     tasks = [
         Task(key=len(_PARTS) * i + _PARTS.index(part), scenario=scenario, part=part, file=path)
         for i, (scenario, path) in enumerate(zip(scenarios, paths, strict=True))
-        for part in split(scenario)
+        for part in _parts(scenario, single=len(scenarios) == 1)
     ]
     count = workers or min(len(tasks), os.cpu_count() or 1)
     with _progress([s.name for s in scenarios], progress) as update:
@@ -103,6 +104,24 @@ def run_many(
         merged["scenario"]["file"] = path
         out.append(merged)
     return out
+
+
+def _parts(scenario: Scenario, *, single: bool) -> tuple[Part, ...]:
+    """The parts to run a scenario as (simulations.parts.split); one scenario alone is run
+    whole in this process when its parts are too small to be worth a worker's start."""
+    parts = split(scenario)
+    if single and parts == (Part.batch, Part.inference):
+        jobs = len(
+            generate(
+                scenario.batch_workloads,
+                horizon_s=float(scenario.horizon),
+                seed=scenario.seed,
+                base_dir=Path(scenario.base_dir),
+            )
+        )
+        if not worth_a_process(scenario, jobs):
+            return (Part.all,)
+    return parts
 
 
 def default_out(name: str) -> Path:

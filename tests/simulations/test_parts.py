@@ -43,7 +43,7 @@ def _short(name: str, hours: float) -> Any:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_scenario_run_as_its_parts_gives_the_whole_runs_results(name: str) -> None:
-    scenario = _short(name, 3 if name == "autoscaling.yaml" else 12)
+    scenario = _short(name, 2 if name == "autoscaling.yaml" else 10)
     parts = split(scenario)
     whole = Simulation(scenario).run()
     merged = merge({part: Simulation(scenario, part=part).run() for part in parts})
@@ -114,12 +114,18 @@ def test_a_baseline_drawing_random_numbers_is_not_split(tmp_path: Path) -> None:
 
 
 def test_run_many_runs_the_parts_in_processes_and_merges_them(tmp_path: Path) -> None:
-    path = tmp_path / "random.yaml"
-    path.write_text(yaml.safe_dump(random_scenario(2)))
-    scenario = load_scenario(path)
-    whole = Simulation(scenario).run()
-    (merged,) = run_many([scenario], files=[str(path)], workers=2)
-    assert merged["scenario"]["file"] == str(path)
-    merged["scenario"]["file"] = None
-    assert _same(whole, merged)
-    assert set(merged["run"]["parts_wall_s"]) == {"batch", "inference"}
+    paths, scenarios = [], []
+    for seed in (2, 3):
+        path = tmp_path / f"random-{seed}.yaml"
+        path.write_text(yaml.safe_dump(random_scenario(seed)))
+        paths.append(str(path))
+        scenarios.append(load_scenario(path))
+    results = run_many(scenarios, files=paths, workers=2)
+    for scenario, path, merged in zip(scenarios, paths, results, strict=True):
+        assert merged["scenario"]["file"] == path
+        merged["scenario"]["file"] = None
+        assert _same(Simulation(scenario).run(), merged)
+        assert set(merged["run"]["parts_wall_s"]) == {"batch", "inference"}
+    # one small scenario alone runs whole here: its parts are not worth a worker's start
+    (alone,) = run_many(scenarios[:1], workers=2)
+    assert "parts_wall_s" not in alone["run"]

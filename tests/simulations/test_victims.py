@@ -38,7 +38,7 @@ def both_ways(scenario: Any) -> tuple[str, str]:
 def test_every_shipped_scenario_decides_the_same_with_the_index_kept(name: str) -> None:
     path = SCENARIOS / name
     doc = yaml.safe_load(path.read_text())
-    horizon = 14 * 3600.0
+    horizon = 10 * 3600.0
     over: dict[str, Any] = {"horizon": horizon, "services": []}
     if doc.get("failures"):  # the first site failure, moved into the shorter run
         site = doc["failures"][0]["site"]
@@ -112,7 +112,7 @@ def random_scenario(seed: int) -> Any:
 
 # seeds whose scenarios preempt for each reason and lose a site or not, in seconds each (seed 3
 # is a congested one where preemption's own search is slow both ways: minutes for the suite)
-@pytest.mark.parametrize("seed", [0, 1, 2, 4, 5, 8, 9])
+@pytest.mark.parametrize("seed", [0, 1, 2, 5, 9])
 def test_random_scenarios_decide_the_same_with_the_index_kept(tmp_path: Path, seed: int) -> None:
     path = tmp_path / "random.yaml"
     path.write_text(yaml.safe_dump(random_scenario(seed)))
