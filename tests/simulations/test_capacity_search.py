@@ -67,7 +67,7 @@ def test_the_search_chooses_what_simulating_every_candidate_whole_chooses(
 def test_parallel_workers_and_several_seeds_choose_the_same_and_report_the_noise(
     tmp_path: Path,
 ) -> None:
-    path = planning(tmp_path, {"queue_delay_p95_s": "30m", "inference_slo": 0.99}, [1, 2], 10)
+    path = planning(tmp_path, {"queue_delay_p95_s": "30m", "inference_slo": 0.99}, [1, 2], 8)
     plan, scenario, _ = load_planning(path)
     fast = plan_capacity(plan, scenario, workers=2)
     plain = plan_capacity(plan, scenario, workers=1, plain=True)
