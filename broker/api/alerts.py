@@ -64,12 +64,13 @@ async def list_alerts(request: web.Request) -> web.Response:
     keeper: AlertKeeper = request.app[BROKER].alerts
     query = request.query
     limit = query_limit(query, default=DEFAULT_LIMIT, maximum=MAX_LIMIT)
-    state = query.get("state") or None
+    # given empty is as wrong as any other value that is not one of them (the OpenAPI enum)
+    state = query.get("state")
     if state is not None and state not in AlertState.__members__:
         raise InvalidRequest(
             f"state must be one of {', '.join(AlertState)}, got {state!r}", field="state"
         )
-    rule = query.get("rule") or None
+    rule = query.get("rule")
     if rule is not None and rule not in Rule.__members__:
         raise InvalidRequest(f"rule must be one of {', '.join(Rule)}, got {rule!r}", field="rule")
     who = principal(request)
