@@ -38,7 +38,7 @@ def both_ways(scenario: Any) -> tuple[str, str]:
 def test_every_shipped_scenario_decides_the_same_with_the_index_kept(name: str) -> None:
     path = SCENARIOS / name
     doc = yaml.safe_load(path.read_text())
-    horizon = 10 * 3600.0
+    horizon = 8 * 3600.0
     over: dict[str, Any] = {"horizon": horizon, "services": []}
     if doc.get("failures"):  # the first site failure, moved into the shorter run
         site = doc["failures"][0]["site"]
