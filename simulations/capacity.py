@@ -381,7 +381,6 @@ class _Search:
         self.stopped = 0  # of which stopped early
         self.round_id = 0
         self._tasks = 0  # tasks submitted: each one's key
-        self.scenarios: dict[tuple[int, ...], dict[int, Scenario]] = {}
 
     def cost(self, steps: Sequence[int]) -> float:
         return math.fsum(item.step_usd * n for item, n in zip(self.menu, steps, strict=True))
@@ -576,8 +575,6 @@ class _SearchBar:
     def round(self, phase: str, tasks: int) -> None:
         self._fractions = {}
         if self._bar is not None:
-            if self._task is not None:
-                self._bar.update(self._task, visible=True)
             self._task = self._bar.add_task(phase, total=max(1, tasks))
 
     def progress(self, key: int, fraction: float) -> None:

@@ -29,7 +29,7 @@ import secrets
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.pool import Pool
 from typing import Any
 
@@ -54,7 +54,6 @@ class Task:
     part: Part = Part.all
     check: Callable[[Simulation], str | None] | None = None
     file: str | None = None
-    label: str = field(default="")
 
 
 def shared_figures() -> Sequence[float] | None:
@@ -69,8 +68,15 @@ def _init(updates: Any, shared: Any) -> None:
     _updates, _shared = updates, shared
 
 
+def _simulate(task: Task, report: Callable[[float], None]) -> dict[str, Any]:
+    results = Simulation(task.scenario, part=task.part).run(report, task.check)
+    if "scenario" in results:
+        results["scenario"]["file"] = task.file
+    return results
+
+
 def run_task(task: Task) -> dict[str, Any]:
-    """Run one task where this is called (a worker, a Dask worker, this process)."""
+    """Run one task in a worker (a pool's or a Dask cluster's): progress over the queue."""
 
     def report(fraction: float) -> None:
         if _updates is not None:
@@ -79,10 +85,7 @@ def run_task(task: Task) -> dict[str, Any]:
             except (queue_mod.Full, OSError, ValueError):
                 pass  # progress is best effort
 
-    results = Simulation(task.scenario, part=task.part).run(report, task.check)
-    if "scenario" in results:
-        results["scenario"]["file"] = task.file
-    return results
+    return _simulate(task, report)
 
 
 class _DaskTask:
@@ -125,7 +128,7 @@ class SimPool:
         if cluster is not None:
             from simulations.cluster import connect
 
-            self._client = connect(cluster)[1]
+            self._client = connect(cluster)
             self.shared = [0.0] * SHARED_SLOTS  # the workers see none of it
         elif self.workers > 1 or spawn:
             ctx = mp.get_context("spawn")
@@ -165,10 +168,7 @@ class SimPool:
             if on is not None:
                 on(task.key, fraction)
 
-        results = Simulation(task.scenario, part=task.part).run(report, task.check)
-        if "scenario" in results:
-            results["scenario"]["file"] = task.file
-        return results
+        return _simulate(task, report)
 
     def poll(self, timeout: float = 0.2) -> None:
         """Wait up to `timeout` for progress and hand it to on_progress."""

@@ -3,8 +3,8 @@
 `run_many(scenarios, workers=N)` runs each scenario as its independent parts (the batch jobs,
 the inference demand, the autoscaled services: simulations.parts), each in a process of a
 simulations.pool.SimPool (spawned, so nothing of this process's state leaks in), merges the
-parts, and returns the results in input order; with `cluster=ADDRESS` each scenario is a task of
-a Dask cluster (simulations.cluster). Progress comes back over a queue and is drawn as one bar
+parts, and returns the results in input order; with `cluster=ADDRESS` the parts are tasks of a
+Dask cluster (simulations.cluster) instead. Progress comes back over a queue and is drawn as one bar
 per scenario on stderr. A scenario that raises stops the whole
 run with that error (the others are cancelled): results of a partly failed comparison are not
 comparable.
@@ -69,11 +69,6 @@ def run_many(
     if not scenarios:
         return []
     paths = list(files) if files is not None else [None] * len(scenarios)
-    if cluster is not None:
-        from simulations.cluster import run_on_cluster
-
-        with _progress([s.name for s in scenarios], progress) as update:
-            return run_on_cluster(scenarios, paths, cluster, update)
     tasks = [
         Task(key=len(_PARTS) * i + _PARTS.index(part), scenario=scenario, part=part, file=path)
         for i, (scenario, path) in enumerate(zip(scenarios, paths, strict=True))
@@ -91,9 +86,12 @@ def run_many(
             on_progress(task.key, 1.0)
 
         # one scenario: its batch part (the longest) runs here while workers run the others
-        here = 0 if len(scenarios) == 1 and len(tasks) > 1 and count > 1 else None
+        local = cluster is None and len(scenarios) == 1 and len(tasks) > 1 and count > 1
+        here = 0 if local else None
         processes = min(count, len(tasks)) - (1 if here is not None else 0)
-        with SimPool(processes, on_progress=on_progress, spawn=here is not None) as pool:
+        with SimPool(
+            processes, cluster=cluster, on_progress=on_progress, spawn=here is not None
+        ) as pool:
             results = pool.run(tasks, on_done, here=here)
     by_scenario: list[dict[Part, dict[str, Any]]] = [{} for _ in scenarios]
     for task, got in zip(tasks, results, strict=True):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from simulations.cluster import ClusterError, run_on_cluster
+from simulations.cluster import ClusterError, connect
 from sites.emulation.etcd_server import free_port
 from tests.simulations.test_cli import cpn, small, small_plan
 
@@ -93,7 +93,7 @@ def test_cluster_errors_are_one_line(
     gone = f"tcp://127.0.0.1:{free_port()}"
     monkeypatch.setenv("CPN_CLUSTER_CONNECT_TIMEOUT_S", "nine")
     with pytest.raises(ClusterError, match="CPN_CLUSTER_CONNECT_TIMEOUT_S must be a number"):
-        run_on_cluster([], [], gone, lambda i, f: None)
+        connect(gone)
     monkeypatch.setenv("CPN_CLUSTER_CONNECT_TIMEOUT_S", "1.5")  # not the default 10 s
     done = cpn("simulate", str(path), "--cluster", gone, "--no-progress", cwd=tmp_path)
     assert done.returncode == 1
