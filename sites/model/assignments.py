@@ -14,6 +14,16 @@ import enum
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sites.model.data import (
+    CheckpointMark,
+    CheckpointPlan,
+    Egress,
+    OutputMade,
+    OutputSpec,
+    StageInput,
+    StagingProgress,
+)
+
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -69,10 +79,20 @@ class Assignment(Frozen):
     )
     assigned_at: float
     serve: Serve | None = Field(default=None, description="a managed service's replica")
+    inputs: tuple[StageInput, ...] = Field(
+        default=(), description="dataset versions staged before the run and mounted read-only"
+    )
+    outputs: tuple[OutputSpec, ...] = Field(
+        default=(), description="work dir paths saved as new dataset versions on success"
+    )
+    checkpoint: CheckpointPlan | None = Field(
+        default=None, description="checkpoints synced to a durable replica, and restored first"
+    )
 
 
 class RunState(enum.StrEnum):
     starting = "starting"
+    staging = "staging"  # pulling inputs or a checkpoint before the run starts
     running = "running"
     succeeded = "succeeded"
     failed = "failed"
@@ -106,4 +126,13 @@ class Report(Frozen):
     confinement: str | None = Field(
         default=None, description="how the site confines the run: sandbox, account, limits"
     )
+    staging: StagingProgress | None = Field(default=None, description="while staging")
+    checkpoint: CheckpointMark | None = Field(
+        default=None, description="the last complete checkpoint synced (or restored from)"
+    )
+    restored: CheckpointMark | None = Field(
+        default=None, description="the checkpoint this run resumed from"
+    )
+    outputs: tuple[OutputMade, ...] = Field(default=(), description="saved on success")
+    egress: tuple[Egress, ...] = Field(default=(), description="bytes pulled from other sites")
     updated_at: float

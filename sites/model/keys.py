@@ -48,6 +48,18 @@
                                                                (broker.model.services)
 /cpn/v1/autoscaler/<svc>         AutoscalerRecord              leader's autoscaler: its delays in
                                                                progress (broker.leader.scaler)
+/cpn/v1/datasets/<tenant>/<name>/meta          DatasetMeta     broker: owner, shares, the latest
+                                                               version (broker.model.datasets)
+/cpn/v1/datasets/<tenant>/<name>/v/<version>   DatasetVersion  broker: digest, size, files count,
+                                                               made by (a put or a job)
+/cpn/v1/data-manifests/<digest>  zlib(Manifest)                broker, with the first version
+                                                               naming it (read one at a time)
+/cpn/v1/data-replicas/<site>/<digest>  ReplicaRecord           agent of the site: it holds the
+                                                               manifest complete (not leased:
+                                                               a store outlives its agent)
+/cpn/v1/data-orders/<site>/<digest>    ReplicationOrder        broker: `cpn data replicate`; the
+                                                               site's agent pulls, then writes
+                                                               its replica record
 /cpn/v1/traffic/<instance>       TrafficSummary   (lease)      every broker replica: its gateway's
                                                                requests and TTFB per service and
                                                                client region (broker.state.traffic)
@@ -83,6 +95,10 @@ TENANCY_CONFIG = TENANCY + "config"  # cohorts, priority classes, fair_share, pr
 TENANCY_TENANTS = TENANCY + "tenants/"
 FAIR_SHARE = TENANCY + "fair-share"  # decayed usage per tenant, written by the leader
 AUDIT = ROOT + "audit/"
+DATASETS = ROOT + "datasets/"
+DATA_MANIFESTS = ROOT + "data-manifests/"
+DATA_REPLICAS = ROOT + "data-replicas/"
+DATA_ORDERS = ROOT + "data-orders/"
 
 
 def site_spec(site: str) -> str:
@@ -384,3 +400,36 @@ def tenant_services(tenant: str) -> str:
 
 def tenant_service(tenant: str, name: str) -> str:
     return f"{tenant_services(tenant)}{name}"
+
+
+def dataset_meta(tenant: str, name: str) -> str:
+    return f"{DATASETS}{tenant}/{name}/meta"
+
+
+def dataset_versions(tenant: str, name: str) -> str:
+    """The prefix of a dataset's versions, oldest first (zero-padded)."""
+    return f"{DATASETS}{tenant}/{name}/v/"
+
+
+def dataset_version(tenant: str, name: str, version: int) -> str:
+    return f"{dataset_versions(tenant, name)}{version:08d}"
+
+
+def data_manifest(digest: str) -> str:
+    return f"{DATA_MANIFESTS}{digest}"
+
+
+def data_replicas(site: str) -> str:
+    return f"{DATA_REPLICAS}{site}/"
+
+
+def data_replica(site: str, digest: str) -> str:
+    return f"{DATA_REPLICAS}{site}/{digest}"
+
+
+def data_orders(site: str) -> str:
+    return f"{DATA_ORDERS}{site}/"
+
+
+def data_order(site: str, digest: str) -> str:
+    return f"{DATA_ORDERS}{site}/{digest}"

@@ -35,6 +35,12 @@ class AgentSecret(Frozen):
 
     instance: str
     bearer: str = Field(min_length=32)
+    data_key: str | None = Field(
+        default=None,
+        min_length=32,
+        description="signs the grants its data store accepts (sites.model.data); kept across "
+        "restarts in the agent's state, so a transfer resumes after the agent comes back",
+    )
 
 
 class PriceChange(Frozen):
@@ -167,6 +173,10 @@ class LinkStatus(Frozen):
     host_overhead_ms: float = Field(
         default=0.0, description="round trip to our own responder, subtracted from every sample"
     )
+    bandwidth_mbps: float | None = Field(
+        default=None, ge=0, description="achievable throughput src <- dst, last bounded probe"
+    )
+    bandwidth_at: float | None = Field(default=None, description="when it was measured")
     measured_at: float
 
 

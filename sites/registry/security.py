@@ -256,6 +256,8 @@ def site_grants(spec: SiteSpec) -> list[Grant]:
         Grant(READWRITE, f"{keys.LINKS}{site}/", prefix=True),
         Grant(READWRITE, keys.reports(site), prefix=True),
         Grant(READ, keys.assignments(site), prefix=True),
+        Grant(READWRITE, keys.data_replicas(site), prefix=True),  # what its data store holds
+        Grant(READ, keys.data_orders(site), prefix=True),  # replications the broker asks of it
     ]
     grants += [Grant(READWRITE, keys.service(s.name, site)) for s in spec.services]
     # the managed replicas the broker places here, whatever service they are of
