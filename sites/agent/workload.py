@@ -23,7 +23,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -52,6 +52,9 @@ from sites.model.status import AgentRecord, GpuDevice, NodeUsage, ServiceEndpoin
 from sites.registry.client import Registry
 from sites.registry.mirror import PrefixMirror
 
+if TYPE_CHECKING:
+    from sites.agent.data.plane import DataPlane
+
 log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
@@ -78,8 +81,10 @@ class Workload:
         retry_max_s: float = RETRY_MAX_S,
         replica_host: str = "127.0.0.1",
         settle_s: float = 1.0,
+        data: DataPlane | None = None,
     ) -> None:
         self.registry = registry
+        self.data = data  # stages inputs and checkpoints, saves outputs (sites.agent.data)
         self.spec = spec
         self.site = spec.id
         self.catalog = catalog
