@@ -28,6 +28,7 @@ from pydantic import (
 from broker.model.errors import IllegalTransition
 from sites.model.assignments import NodeShare, Serve
 from sites.model.catalog import mig_model, shared_model
+from sites.model.data import CHECKPOINT_DIR, DATASET_NAME_RE, clean_path
 from sites.model.spec import MAX_TIME_SLICES
 
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
@@ -187,6 +188,90 @@ class DataLocation(TenantInput):
         return self
 
 
+MAX_INPUTS = 16
+MAX_OUTPUTS = 8
+
+
+def _mount_path(path: str) -> str:
+    """An input's `path`: absolute (where the sandbox mounts it) or relative to the work dir;
+    never '..', never over the system or the work dir itself."""
+    if path.startswith("/"):
+        rest = path.rstrip("/")[1:]
+        if not rest:
+            raise ValueError("may not be /")
+        clean_path(rest, "path")
+        top = "/" + rest.split("/", 1)[0]
+        if top in RESERVED_TOPS:
+            raise ValueError(f"{path!r} would hide {top}: mount under /data, /mnt or /inputs")
+        return "/" + rest
+    return clean_path(path.rstrip("/"), "path")
+
+
+RESERVED_TOPS = frozenset(
+    {
+        "/bin",
+        "/boot",
+        "/dev",
+        "/etc",
+        "/lib",
+        "/lib32",
+        "/lib64",
+        "/libx32",
+        "/proc",
+        "/run",
+        "/sbin",
+        "/sys",
+        "/tmp",
+        "/usr",
+        "/var",
+    }  # fmt: skip
+)
+
+
+class InputSpec(TenantInput):
+    """A dataset version the job reads, mounted read-only at `path`. `dataset` is `name@version`,
+    `name` (its latest at submit) or `owner/name@version` shared with the tenant; the broker
+    pins it at submit: `dataset` becomes `owner/name@version`, `digest` and `bytes` are filled
+    (any value given is replaced)."""
+
+    dataset: str = Field(min_length=1, max_length=160)
+    path: str = Field(min_length=1, max_length=512)
+    digest: str | None = Field(default=None, description="set by the broker at submit")
+    bytes: int = Field(default=0, ge=0, description="set by the broker at submit")
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        return _mount_path(value)
+
+
+class OutputDecl(TenantInput):
+    """A path of the work dir saved as a new version of the tenant's dataset `dataset` when the
+    job succeeds."""
+
+    path: str = Field(min_length=1, max_length=512)
+    dataset: str = Field(pattern=DATASET_NAME_RE.pattern)
+
+    @field_validator("path")
+    @classmethod
+    def _path(cls, value: str) -> str:
+        return clean_path(value.rstrip("/") or value, "path")
+
+
+class CheckpointStore(TenantInput):
+    """Where a job's checkpoints are kept (a site, or the best site of a region) besides the
+    site it runs on; by default the nearest other live site."""
+
+    region: Name | None = None
+    site: Name | None = None
+
+    @model_validator(mode="after")
+    def _one_place(self) -> CheckpointStore:
+        if (self.region is None) == (self.site is None):
+            raise ValueError("give exactly one of region or site")
+        return self
+
+
 class UserLocation(TenantInput):
     region: Name
     max_latency_ms: float | None = Field(default=None, gt=0)
@@ -234,12 +319,24 @@ class JobSpec(TenantInput):
     env: dict[str, str] = Field(
         default_factory=dict, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_RE}}
     )
-    checkpoint_path: str | None = None
+    checkpoint_path: str | None = Field(
+        default=None,
+        description="relative: a directory of the work dir (CPN_CHECKPOINT_PATH) synced to a "
+        "durable replica at another site and restored wherever the job runs next; absolute: a "
+        "path the site provides (a shared file system), not carried",
+    )
     checkpoint_interval_s: float | None = Field(
         default=None,
         gt=0,
-        description="how often the job checkpoints: what a preemption loses is at most this",
+        description="how often the job checkpoints: what a preemption loses is at most this; "
+        "a relative checkpoint_path is synced this often (default 300 s)",
     )
+    checkpoint_store: CheckpointStore | None = Field(
+        default=None, description="where carried checkpoints are kept; default: the nearest "
+        "other live site"
+    )  # fmt: skip
+    inputs: tuple[InputSpec, ...] = Field(default=(), max_length=MAX_INPUTS)
+    outputs: tuple[OutputDecl, ...] = Field(default=(), max_length=MAX_OUTPUTS)
     max_retries: int = Field(default=3, ge=0, le=100)
 
     @field_validator("command", mode="before", json_schema_input_type=CommandInput)
@@ -269,7 +366,23 @@ class JobSpec(TenantInput):
             raise ValueError("a job needs at least one CPU core or one accelerator")
         if self.latency_weight > 0 and self.user is None:
             raise ValueError("latency_weight needs user.region")
+        mounts = [i.path for i in self.inputs]
+        for i, path in enumerate(mounts):
+            for j, other in enumerate(mounts[:i]):
+                if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
+                    raise ValueError(f"inputs[{i}].path {path!r} overlaps inputs[{j}].path")
+        if self.checkpoint_path is not None and not self.checkpoint_path.startswith("/"):
+            clean_path(self.checkpoint_path.rstrip("/"), "checkpoint_path")
         return self
+
+    @property
+    def carried_checkpoint(self) -> str | None:
+        """The checkpoint directory (relative to the work dir) cpn syncs and restores, or None:
+        no checkpoints, or at a path the site provides."""
+        path = self.checkpoint_path
+        if path is None:
+            return CHECKPOINT_DIR if self.checkpoint_interval_s is not None else None
+        return None if path.startswith("/") else path.rstrip("/")
 
 
 def gang_of(spec: JobSpec) -> str | None:

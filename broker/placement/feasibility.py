@@ -49,6 +49,7 @@ from broker.placement.request import (
     COLOCATE,
     CORDONED,
     CPU,
+    DATA,
     DEADLINE,
     DOWN,
     FILTERS,
@@ -70,6 +71,7 @@ from broker.placement.request import (
     on_nodes,
 )
 from broker.placement.site import SiteOffer
+from broker.placement.staging import StageTerms
 
 __all__ = [
     "FILTERS",
@@ -94,8 +96,10 @@ def request(
     usage: TenantUsage,
     groups: GroupState,
     check_capacity: bool = True,
+    stage: StageTerms | None = None,
 ) -> Request:
-    """The job's site-independent terms on `fed`'s lineage. A naive `now` is taken as UTC."""
+    """The job's site-independent terms on `fed`'s lineage. A naive `now` is taken as UTC.
+    `stage`: what bringing its inputs to each site costs (broker.placement.staging)."""
     gpu = job.gpu
     user = job.user
     weight = job.latency_weight
@@ -106,6 +110,8 @@ def request(
         if user.max_latency_ms is not None:
             max_latency = user.max_latency_ms
     free_region, egress_away = fed.egress_terms(job.data)
+    if stage is None and job.inputs and fed.data is not None:
+        stage = fed.data.terms(job, fed)
     left = usage.budget(job.tenant)
     if now.tzinfo is None:
         now = now.replace(tzinfo=UTC)
@@ -141,6 +147,10 @@ def request(
         over_gpu_hours=left is not None and gpu.count * job.duration_hours > left.gpu_hours + 1e-9,
         check_capacity=check_capacity,
         best_effort=job.best_effort,
+        stage=stage,
+        slack_hours=math.inf
+        if job.deadline is None
+        else (job.deadline - now).total_seconds() / 3600 - job.duration_hours,
     )
 
 
@@ -192,7 +202,9 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     runner-up, by (cost, more free devices, site id), best first: it counts the others in
     `feasible` without building them.
     """
-    if not first and not req.best_effort and len(fed.sites) >= columns.VECTOR_MIN_SITES:
+    # a job with inputs is priced per site by where its data is: the loop (staging's terms)
+    vector_ok = req.stage is None and not req.best_effort
+    if vector_ok and not first and len(fed.sites) >= columns.VECTOR_MIN_SITES:
         static, dynamic = fed.columns()
         return vector.screen(req, fed.sites, static, dynamic, cheapest=cheapest)
     return screen_loop(req, fed, first=first, cheapest=cheapest)
@@ -232,6 +244,8 @@ def screen_loop(
     over_gpu_hours = req.over_gpu_hours
     check = req.check_capacity
     best_effort = req.best_effort
+    stage = req.stage
+    slack = req.slack_hours
     # what must be free to pass the capacity part; nothing when it is skipped
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
 
@@ -254,6 +268,9 @@ def screen_loop(
         region = site.region
         if (allowed is not None and region not in allowed) or region in denied:
             failed[REGION].append(sid)
+            continue
+        if stage is not None and stage.missing:
+            failed[DATA].append(sid)
             continue
         rtt = 0.0
         if rtts is not None:
@@ -307,12 +324,17 @@ def screen_loop(
             hourly += count * price
         compute = duration * hourly
         egress = 0.0 if region == free_region else egress_away
+        stage_hours = 0.0
+        if stage is not None:
+            stage_usd, stage_hours = stage.usd_hours(sid)
+            # moving the inputs: their egress, and the allocation held idle while they arrive
+            egress += stage_usd + stage_hours * hourly
         latency = weight * rtt
         cost = compute + egress + latency
         if cost > budget:
             failed[BUDGET].append(sid)
             continue
-        if late:
+        if late or stage_hours > slack:
             failed[DEADLINE].append(sid)
             continue
         if sid in spread_taken:
@@ -407,6 +429,8 @@ def reason(job: JobSpec, name: str) -> str:
     """A filter in words, with the job's own figures ('lack H100', 'over budget (9.00 USD)')."""
     if name == "region":
         return "region not allowed"
+    if name == "data":
+        return "cannot get its inputs: no live site holds a complete replica"
     if name == "latency":
         user = job.user
         if user is not None and user.max_latency_ms is not None:

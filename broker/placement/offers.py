@@ -24,6 +24,7 @@ from broker.placement.columns import MAX_CHAIN, Dynamic, Static
 from broker.placement.nodes import NodesFree
 from broker.placement.pricing import Breakdown, egress_usd
 from broker.placement.site import Green, SiteOffer, Spare
+from broker.placement.staging import DataView
 from broker.placement.tenancy import BudgetLeft, Headroom, Usage
 from sites.model.assignments import NodeShare
 
@@ -105,6 +106,9 @@ class Federation:
 
     sites: tuple[SiteOffer, ...]
     user_rtt_ms: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    # where datasets are and how fast paths are (broker.placement.staging); None: not known,
+    # inputs are not priced
+    data: DataView | None = None
     _index: _Index = field(init=False, repr=False, compare=False)
     # broker.placement.columns' free capacity and state: built on first use, or the offers changed
     # since a snapshot that has them (with_offer); None: to be built from the sites
@@ -278,6 +282,7 @@ class Federation:
         new = object.__new__(Federation)
         object.__setattr__(new, "sites", sites)
         object.__setattr__(new, "user_rtt_ms", user_rtt_ms)
+        object.__setattr__(new, "data", self.data)
         object.__setattr__(new, "_index", _Index(sites, by_id=self._index.by_id))
         object.__setattr__(new, "_columns", None)
         object.__setattr__(new, "_seq", 0)
@@ -320,6 +325,7 @@ class Federation:
         sites[pos] = offer
         object.__setattr__(new, "sites", tuple(sites))
         object.__setattr__(new, "user_rtt_ms", self.user_rtt_ms)
+        object.__setattr__(new, "data", self.data)
         index = self._index
         object.__setattr__(new, "_index", index)
         log = index.log

@@ -361,6 +361,7 @@ def _place(
         + ("none" if runner_up is None else f"{runner_up.site} {runner_up.cost_usd:.2f}")
     )
     shares, island, where = _nodes_for(job, site, model, islands)
+    where += _staging_words(job, fed, site.id)
     return Decision(
         job=job.name,
         site=site.id,
@@ -375,6 +376,32 @@ def _place(
         nodes=shares,
         island=island,
     )
+
+
+def _staging_words(job: JobSpec, fed: Federation, site: str) -> str:
+    """What the choice means for the job's inputs: held there, or moved from where."""
+    if not job.inputs or fed.data is None:
+        return ""
+    terms = fed.data.terms(job, fed)
+    if terms is None:
+        return ""
+    usd, hours = terms.usd_hours(site)
+    source = terms.source(site)
+    if source is None:
+        return "; inputs held here (no staging)"
+    return (
+        f"; inputs staged from {source}: egress {usd:.2f} USD, about {_duration(hours)} "
+        "(priced as the allocation held idle meanwhile)"
+    )
+
+
+def _duration(hours: float) -> str:
+    seconds = hours * 3600
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{hours:.1f} h"
 
 
 def nodes_at(

@@ -41,8 +41,9 @@ __all__ = [
 
 def compute_only(job: JobSpec) -> bool:
     """Is the job's cost its compute term alone, with no site-specific filter but capacity
-    (no data, user, regions, group, budget or deadline)? Then its shape alone decides where
-    it fits: this index, and broker.leader.fast_path's memo of shapes that found no room."""
+    (no data or inputs, user, regions, group, budget or deadline)? Then its shape alone
+    decides where it fits: this index, and broker.leader.fast_path's memo of shapes that found
+    no room."""
     return (
         job.data is None
         and job.user is None
@@ -51,6 +52,7 @@ def compute_only(job: JobSpec) -> bool:
         and job.group is None
         and job.budget_usd is None
         and job.deadline is None
+        and not job.inputs
     )
 
 

@@ -7,16 +7,19 @@ broker.placement.vector's over the column index (broker.placement.columns).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from broker.placement.site import SiteOffer
+from broker.placement.staging import StageTerms
 from broker.placement.tenancy import Headroom
 
 FILTERS: tuple[str, ...] = (
     "down",
     "cordoned",
     "region",
+    "data",
     "latency",
     "model",
     "gpus",
@@ -36,6 +39,7 @@ FILTERS: tuple[str, ...] = (
     DOWN,
     CORDONED,
     REGION,
+    DATA,
     LATENCY,
     MODEL,
     GPUS,
@@ -92,6 +96,8 @@ class Request:
     over_gpu_hours: bool  # the job's GPU-hours exceed what the tenant's window has left
     check_capacity: bool  # False: skip gpus, cpu and mem (the batch pass)
     best_effort: bool = False  # may use an oversubscribed site's spare capacity
+    stage: StageTerms | None = None  # bringing the job's inputs to each site; None: no inputs
+    slack_hours: float = math.inf  # hours between now + duration and the deadline
 
 
 def on_nodes(
