@@ -83,6 +83,19 @@ class _KeepOpenOnEof(_Echo):
             _KeepOpenOnEof.lost.set()
 
 
+class _Source(_Echo):
+    """Answers each line `N` with N bytes (a bulk download), 64 KiB per write."""
+
+    PATTERN = bytes(range(256)) * 256
+
+    def data_received(self, data: bytes) -> None:
+        for line in data.split(b"\n"):
+            if line.strip():
+                n = int(line)
+                for offset in range(0, n, len(self.PATTERN)):
+                    self.transport.write(self.PATTERN[: min(len(self.PATTERN), n - offset)])  # type: ignore[attr-defined]
+
+
 def _symmetric(rtt: float) -> Callable[[str, str], float]:
     return lambda src, dst: 0.0 if src == dst else rtt
 
@@ -93,6 +106,7 @@ async def federation(
     *,
     backend: type[_Echo] = _Echo,
     max_queued_bytes: int | None = None,
+    bandwidth_mbps: Callable[[str, str], float | None] | None = None,
 ) -> AsyncIterator[tuple[WanEmulator, tuple[str, int]]]:
     """A backend on node b's IP and an emulator route to it from node b's front."""
     loop = asyncio.get_running_loop()
@@ -100,7 +114,7 @@ async def federation(
     server = await loop.create_server(lambda: backend(transports), NODE_B_IP, 0)
     rtt = rtt_ms if callable(rtt_ms) else _symmetric(rtt_ms)
     extra = {} if max_queued_bytes is None else {"max_queued_bytes": max_queued_bytes}
-    wan = WanEmulator(node_of_ip=NODES, rtt_ms=rtt, **extra)
+    wan = WanEmulator(node_of_ip=NODES, rtt_ms=rtt, bandwidth_mbps=bandwidth_mbps, **extra)
     front = await wan.add_route(
         front=(FRONT_B_IP, 0), backend=server.sockets[0].getsockname()[:2], node="b"
     )
@@ -524,3 +538,147 @@ def test_csv_without_header(tmp_path: Path) -> None:
 def test_model_rejects_negative_matrix_values() -> None:
     with pytest.raises(ValueError, match="greater than or equal to 0"):
         LatencyModel(matrix={"x": {"y": -1.0}})
+
+
+# --- bandwidth ------------------------------------------------------------------------------
+
+
+def _rate(mbps: float) -> Callable[[str, str], float | None]:
+    return lambda src, dst: None if src == dst else mbps
+
+
+async def _download(front: tuple[str, int], n: int) -> tuple[float, int]:
+    """Seconds from asking node b for `n` bytes to holding them all, and the bytes."""
+    reader, writer = await _connect(front, NODE_A_IP)
+    try:
+        start = time.perf_counter()
+        writer.write(f"{n}\n".encode())
+        data = await asyncio.wait_for(reader.readexactly(n), 30)
+        return time.perf_counter() - start, len(data)
+    finally:
+        await _close(writer)
+
+
+def test_shaped_download_takes_its_size_over_the_rate() -> None:
+    n = 2 * 1024 * 1024  # 2 MiB at 16 Mbit/s: 1.05 s, plus the 10 ms RTT
+
+    async def scenario() -> tuple[float, int, WanStats]:
+        async with federation(10.0, backend=_Source, bandwidth_mbps=_rate(16.0)) as (wan, front):
+            elapsed, got = await _download(front, n)
+            return elapsed, got, wan.stats()
+
+    elapsed, got, stats = run_precise(scenario())
+    expected = n * 8 / 16e6
+    print(f"2 MiB at 16 Mbit/s: {elapsed:.3f} s, expected {expected:.3f} s")
+    assert got == n
+    assert 0.95 * expected <= elapsed <= 1.5 * expected, elapsed
+    down = stats["links"]["b->a"]
+    assert down["mbps"] == 16.0 and down["bytes"] == n
+    assert stats["links"]["a->b"]["bytes"] == len(f"{n}\n")
+
+
+def test_shaped_upload_and_echo_are_shaped_each_way() -> None:
+    payload = random.Random(3).randbytes(1024 * 1024)  # 1 MiB up and back at 16 Mbit/s
+
+    async def scenario() -> tuple[bytes, float]:
+        async with federation(10.0, bandwidth_mbps=_rate(16.0)) as (_, front):
+            reader, writer = await _connect(front, NODE_A_IP)
+            start = time.perf_counter()
+            writer.write(payload)
+            received = await asyncio.wait_for(reader.readexactly(len(payload)), 30)
+            elapsed = time.perf_counter() - start
+            await _close(writer)
+            return received, elapsed
+
+    received, elapsed = run_precise(scenario())
+    one_way = len(payload) * 8 / 16e6  # the two directions overlap: ~one way, not two
+    assert received == payload
+    assert 0.95 * one_way <= elapsed <= 1.6 * one_way, elapsed
+
+
+def test_connections_on_one_path_share_its_bandwidth() -> None:
+    n = 1024 * 1024
+
+    async def scenario() -> tuple[float, list[tuple[float, int]]]:
+        async with federation(5.0, backend=_Source, bandwidth_mbps=_rate(16.0)) as (_, front):
+            start = time.perf_counter()
+            results = await asyncio.gather(_download(front, n), _download(front, n))
+            return time.perf_counter() - start, list(results)
+
+    elapsed, results = run_precise(scenario())
+    together = 2 * n * 8 / 16e6  # 1.05 s: the link's, not each connection's
+    assert [got for _, got in results] == [n, n]
+    assert 0.95 * together <= elapsed <= 1.5 * together, elapsed
+    # round robin: both finish near the end, neither waits for the other to be done
+    assert min(t for t, _ in results) >= 0.8 * together, results
+
+
+def test_delay_is_exact_on_an_idle_shaped_path() -> None:
+    async def scenario() -> list[float]:
+        async with federation(20.0, bandwidth_mbps=_rate(35.0)) as (_, front):
+            return await _round_trips(front, NODE_A_IP, 10)
+
+    samples = run_precise(scenario())
+    median = statistics.median(samples)
+    assert min(samples) >= 0.95 * 20.0, samples
+    assert median - 20.0 <= 2.0, samples
+
+
+def test_a_slow_reader_holds_the_source_back() -> None:
+    """A client that stops reading: the emulator stops reading the backend at its queue cap
+    instead of buffering the whole transfer, and delivers every byte once reading resumes."""
+    n = 8 * 1024 * 1024
+    cap = 256 * 1024
+
+    async def scenario() -> tuple[int, int, int]:
+        async with federation(
+            5.0, backend=_Source, max_queued_bytes=cap, bandwidth_mbps=_rate(400.0)
+        ) as (wan, front):
+            reader, writer = await _connect(front, NODE_A_IP)
+            writer.transport.pause_reading()  # type: ignore[attr-defined]
+            writer.write(f"{n}\n".encode())
+            await asyncio.sleep(0.5)  # 8 MiB at 400 Mbit/s would take 0.17 s
+            (conn,) = wan.connections
+            queued = conn.down._queued
+            relayed = wan.stats()["routes"][f"{front[0]}:{front[1]}"]["bytes_to_client"]
+            writer.transport.resume_reading()  # type: ignore[attr-defined]
+            data = await asyncio.wait_for(reader.readexactly(n), 30)
+            await _close(writer)
+            return queued, relayed, len(data)
+
+    queued, relayed, got = run_precise(scenario())
+    assert queued <= cap + 256 * 1024, queued  # the cap, plus at most one read
+    assert relayed < n // 2, relayed  # the kernel's buffers hold some; not the transfer
+    assert got == n
+
+
+def test_unshaped_paths_and_unknown_sources_are_not_shaped() -> None:
+    n = 4 * 1024 * 1024
+
+    async def scenario() -> tuple[float, WanStats]:
+        # the rate callable gives None for a->b: that path is not shaped
+        async with federation(5.0, backend=_Source, bandwidth_mbps=lambda s, d: None) as (
+            wan,
+            front,
+        ):
+            elapsed, _ = await _download(front, n)
+            return elapsed, wan.stats()
+
+    elapsed, stats = run_precise(scenario())
+    assert elapsed < 1.0  # 4 MiB at 1 Mbit/s would be 33 s
+    assert stats["links"] == {}
+
+
+def test_failing_bandwidth_callable_refuses_only_that_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def mbps(src: str, dst: str) -> float:
+        raise KeyError(src)
+
+    async def scenario() -> bytes:
+        async with federation(5.0, bandwidth_mbps=mbps) as (_, front):
+            return await _read_to_close(front)
+
+    with caplog.at_level("ERROR", logger="sites.emulation.wan"):
+        assert run_precise(scenario()) == b""
+    assert "no bandwidth for a <-> b" in caplog.text
