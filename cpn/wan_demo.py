@@ -2,7 +2,9 @@
 
 Site number N (1-based, in id order) owns 127.0.1.N; its agent listens there and its probes
 leave from there; peers reach it through the emulator's front 127.0.2.N on the same port, which
-delays each direction by rtt/2. So do its services' model servers. A client region sends from
+delays each direction by rtt/2 and shapes it to the path's bandwidth (configs/latency/
+bandwidth.yaml: the distance class's figure scaled for loopback, or a per-path override). So
+do its services' model servers. A client region sends from
 its own loopback address (configs/clients.yaml) and reaches a site through its best ingress
 site: the access RTT there plus the WAN RTT on.
 
@@ -21,10 +23,23 @@ from broker.model.regions import load_user_regions
 from routing.decision.clients import load_clients
 from sites.emulation import wan
 from sites.emulation.etcd_server import free_port
+from sites.model.bandwidth import BandwidthModel
 from sites.model.latency import Endpoint, LatencyModel
 from sites.model.spec import SiteSpec
 
-__all__ = ["CLIENT", "SiteRoutes", "emulator", "endpoint_of", "front_ip", "node_ip", "route"]
+__all__ = [
+    "BANDWIDTH_FILE",
+    "CLIENT",
+    "SiteRoutes",
+    "bandwidth_model",
+    "emulator",
+    "endpoint_of",
+    "front_ip",
+    "node_ip",
+    "route",
+]
+
+BANDWIDTH_FILE = "latency/bandwidth.yaml"  # under the config dir
 
 CLIENT = "client:"  # emulator node names of client regions
 
@@ -53,10 +68,26 @@ class SiteRoutes:
     service_urls: dict[str, str] = field(default_factory=dict)
 
 
+def bandwidth_model(config_dir: Path) -> BandwidthModel:
+    """The demo's bandwidth table (configs/latency/bandwidth.yaml; the defaults without it)."""
+    return BandwidthModel.from_file(config_dir / BANDWIDTH_FILE)
+
+
 def emulator(config_dir: Path, specs: Sequence[SiteSpec]) -> wan.WanEmulator:
-    """The emulator of the sites' WAN (configs/latency) and of the client regions' paths."""
+    """The emulator of the sites' WAN (configs/latency) and of the client regions' paths.
+
+    Site-to-site paths are shaped to the bandwidth table's figure; a client region's paths
+    carry inference requests and are not shaped."""
     latency = LatencyModel.from_dir(config_dir / "latency")
+    bandwidth = bandwidth_model(config_dir)
+    by_id = {spec.id: spec for spec in specs}
     endpoints = {spec.id: endpoint_of(spec) for spec in specs}
+
+    def mbps(src: str, dst: str) -> float | None:
+        a, b = by_id.get(src), by_id.get(dst)
+        if a is None or b is None:  # a client region
+            return None
+        return bandwidth.mbps(a, b, emulated=True)
 
     def rtt(src: str, dst: str) -> float:
         return latency.rtt_ms(endpoints[src], endpoints[dst])
@@ -71,7 +102,7 @@ def emulator(config_dir: Path, specs: Sequence[SiteSpec]) -> wan.WanEmulator:
             return client_rtt[src.removeprefix(CLIENT)].get(dst, 0.0)
         return rtt(src, dst)
 
-    return wan.WanEmulator(node_of_ip=ips, rtt_ms=path_rtt)
+    return wan.WanEmulator(node_of_ip=ips, rtt_ms=path_rtt, bandwidth_mbps=mbps)
 
 
 async def route(emulator: wan.WanEmulator, specs: Sequence[SiteSpec]) -> list[SiteRoutes]:

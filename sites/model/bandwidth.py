@@ -131,7 +131,7 @@ class BandwidthModel(BaseModel):
 
     def class_mbps(self, cls: DistanceClass, *, emulated: bool) -> float:
         mbps = self.classes[cls]
-        return mbps * self.emulation_scale if emulated else mbps
+        return round(mbps * self.emulation_scale, 3) if emulated else mbps
 
     def mbps(self, a: SiteSpec, b: SiteSpec, *, emulated: bool) -> float | None:
         """Mbit/s of data from site `a` to site `b`; None for a site to itself (no transfer)."""
