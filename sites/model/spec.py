@@ -363,6 +363,10 @@ class Perception(Frozen):
 
 
 REFRESH_S = 30.0  # an agent writes its status and links at least this often (sites.agent.drift)
+BANDWIDTH_INTERVAL_S = 300.0  # a peer's throughput is measured at most this often
+BANDWIDTH_PROBE_BYTES = 4 * 1024 * 1024  # what one bandwidth probe downloads
+MAX_BANDWIDTH_PROBE_BYTES = 64 * 1024 * 1024  # the most a probe responder sends for one request
+BANDWIDTH_PROBE_TIMEOUT_S = 10.0
 
 
 class Agent(Frozen):
@@ -385,6 +389,25 @@ class Agent(Frozen):
         default=5, ge=1, le=100, description="RTT samples per peer per interval"
     )
     probe_timeout_s: float = Field(default=2.0, gt=0, le=30)
+    bandwidth_interval_s: float = Field(
+        default=BANDWIDTH_INTERVAL_S,
+        ge=0,
+        le=86_400,
+        description="each peer's achievable throughput is measured at most this often, one "
+        "peer at a time, spread over the interval (docs/agent.md); 0: never",
+    )
+    bandwidth_probe_bytes: int = Field(
+        default=BANDWIDTH_PROBE_BYTES,
+        ge=64 * 1024,
+        le=MAX_BANDWIDTH_PROBE_BYTES,
+        description="bytes one bandwidth probe downloads from a peer",
+    )
+    bandwidth_probe_timeout_s: float = Field(
+        default=BANDWIDTH_PROBE_TIMEOUT_S,
+        gt=0,
+        le=300,
+        description="a bandwidth probe still running after this is abandoned (no figure)",
+    )
 
 
 class Oversubscription(Frozen):
