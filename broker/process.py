@@ -13,6 +13,9 @@ scheduler, each in its own module:
     broker.state.traffic     the gateway's demand per service and client region, published (any)
     broker.leader.scaler      the autoscaler loop: observations -> decide -> ScalingDecision
     (leader)
+    broker.state.data_index  datasets' replicas, agents' data keys, replication orders (any)
+    broker.ops.datasets      datasets' operations (any); its OrderKeeper clears done
+                             replication orders and bills their egress (leader)
 
 Every long-lived task runs under a sites.kits.tasks.Supervisor: a crash is logged with its
 traceback, counted (cpn_broker_task_crashes_total), turns /healthz unhealthy, and the task is
@@ -39,6 +42,7 @@ from broker.model.errors import BrokerError
 from broker.model.jobs import JobRecord, JobSpec
 from broker.model.tenants import TenancyFile
 from broker.ops.budgets import NOTHING_BILLED, Billed, billed, budgets_left
+from broker.ops.datasets import Datasets, OrderKeeper
 from broker.ops.operations import Operations
 from broker.ops.services import Services
 from broker.ops.workflows import Workflows
@@ -48,6 +52,7 @@ from broker.placement.tenancy import BudgetLeft, FairShare, held_by_tenant
 from broker.plan.solver import solve
 from broker.state.audit import AuditLog
 from broker.state.auth import TokenBook
+from broker.state.data_index import DataIndex
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from broker.state.store import JobStore
@@ -187,6 +192,21 @@ class Broker:
             keep_items=False,
         )
         self.metrics.watch_usage(self.usage)
+        # datasets (docs/data.md): where their bytes are and the agents' data keys, mirrored
+        # (broker.state.data_index); the API's operations; the leader clears done replications
+        self.data = DataIndex(
+            registry=registry, clock=self.clock, agents=lambda: self.view().sites.agents
+        )
+        self.datasets = Datasets(
+            registry=registry, index=self.data, clock=self.clock, view=self.view
+        )
+        self.data_orders = OrderKeeper(
+            registry=registry,
+            index=self.data,
+            clock=self.clock,
+            is_leader=lambda: self.is_leader,
+            specs=lambda: self.view().sites.specs,
+        )
         self.alerts = AlertKeeper(
             registry=registry,
             leadership=self.leadership,
@@ -214,6 +234,7 @@ class Broker:
         self.supervisor.spawn("view", self.views.mirror.run, restart=RESTART)
         self.supervisor.spawn("tokens", self.tokens.mirror.run, restart=RESTART)
         self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)
+        self.supervisor.spawn("data index", self.data.run, restart=RESTART)
         if await self.tenancy.seed(self.tenancy_seed):
             log.info("tenancy seeded from the config's tenants.yaml")
         self.supervisor.spawn("tenancy", self.tenancy.mirror.run, restart=RESTART)
@@ -226,6 +247,7 @@ class Broker:
         self.supervisor.spawn("replicas", self.replicas.run, restart=RESTART)
         self.supervisor.spawn("traffic", self.traffic_publisher.run, restart=RESTART)
         self.supervisor.spawn("autoscaler", self.scaler.run, restart=RESTART)
+        self.supervisor.spawn("data orders", self.data_orders.run, restart=RESTART)
         self.supervisor.spawn("alerts", self.alerts.mirror.run, restart=RESTART)
         if self.settings.alerts.enabled:
             self.supervisor.spawn("alert rules", self.alerts.run_evaluation, restart=RESTART)

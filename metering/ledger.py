@@ -20,6 +20,13 @@ repeated put replaces, never adds. docs/metering.md has the long form.
                 job's own devices x its time, the CPUs from the catalog) or "catalog" (catalog
                 power_w x utilization, measured or 1.0), x the site's PUE
     co2_kg      energy_kwh x the site's grid intensity (power.grid_kgco2_per_kwh)
+
+A segment of kind "egress" bills data moved between sites and nothing else (`egress_segment`):
+the bytes a run pulled for its inputs or checkpoint (its report's `egress`), or a replication
+pulled for a dataset (the replica record's), each source's bytes at that source's
+usd_per_gb_egress when it is in another region than the site that pulled, free within one.
+Its key is its own (the run's with ".egress" after the job, or the replication's), so it is
+billed once, beside the run's segment, and summed into the same egress_gb and egress_usd.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ __all__ = [
     "Segment",
     "close",
     "day_of",
+    "egress_segment",
     "segment_key",
 ]
 
@@ -143,6 +151,9 @@ class Segment(BaseModel):
     energy_method: Literal["measured", "gpu-measured", "catalog"]
     co2_kg: float
     recorded_at: float
+    kind: Literal["run", "egress"] = Field(
+        default="run", description="run: a run's use; egress: data moved for it, billed alone"
+    )
 
     @property
     def day(self) -> str:
@@ -291,6 +302,70 @@ def close(
         energy_method=method,
         co2_kg=energy_kwh * prices.grid_kgco2_per_kwh,
         recorded_at=now,
+    )
+
+
+_GB = 1e9
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """Bytes pulled from `source` (in `source_region`) into a site in another or the same region,
+    at the source's `usd_per_gb` (sites.model.data.Egress with its site's terms)."""
+
+    source: str
+    bytes: int
+    same_region: bool
+    usd_per_gb: float
+
+
+def egress_segment(
+    *,
+    job: str,
+    attempt: int,
+    tenant: str,
+    site: str,
+    moved: list[Moved],
+    at: float,
+    now: float,
+) -> Segment | None:
+    """The egress segment of what `site` pulled for `tenant` (None when nothing moved): data
+    from another region at its source's rate, free within one."""
+    if not moved or not any(m.bytes for m in moved):
+        return None
+    gb = sum(m.bytes for m in moved if not m.same_region) / _GB
+    usd = sum(m.bytes / _GB * m.usd_per_gb for m in moved if not m.same_region)
+    rates = {m.usd_per_gb for m in moved if not m.same_region}
+    return Segment(
+        job=job,
+        tenant=tenant,
+        attempt=attempt,
+        fence=0,
+        site=site,
+        model=None,
+        gpus=0,
+        cpu=0,
+        mem_gb=0.0,
+        start=at,
+        end=at,
+        reason=EndReason.succeeded,
+        seconds=0.0,
+        gpu_s=0.0,
+        cpu_core_s=0.0,
+        mem_gb_s=0.0,
+        measured={f"bytes_from:{m.source}": float(m.bytes) for m in moved},
+        prices=Prices(usd_per_gb_egress=rates.pop() if len(rates) == 1 else 0.0),
+        gpu_usd=0.0,
+        cpu_usd=0.0,
+        mem_usd=0.0,
+        egress_gb=gb,
+        egress_usd=usd,
+        total_usd=usd,
+        energy_kwh=0.0,
+        energy_method="catalog",
+        co2_kg=0.0,
+        recorded_at=now,
+        kind="egress",
     )
 
 

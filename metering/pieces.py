@@ -41,6 +41,14 @@ _EPOCH = date(1970, 1, 1)
 
 
 CPU_ONLY = "cpu"  # the model column of a run without accelerators
+EGRESS = "egress"  # the model column of an egress segment (data moved, metering.ledger)
+
+
+def billed_model(segment: Segment) -> str:
+    """The model column a segment is summed under: its accelerator, 'cpu' or 'egress'."""
+    if segment.kind == "egress":
+        return EGRESS
+    return segment.model or CPU_ONLY
 
 
 def day_number(day: date) -> int:
@@ -69,7 +77,7 @@ def pieces(segment: Segment) -> list[tuple[int, npt.NDArray[np.float64]]]:
         if day == last:
             figures[_INDEX["egress_gb"]] = segment.egress_gb
             figures[_INDEX["egress_usd"]] = segment.egress_usd
-            figures[_INDEX["segments"]] = 1.0
+            figures[_INDEX["segments"]] = 1.0 if segment.kind == "run" else 0.0
         figures[_INDEX["total_usd"]] = (
             figures[_INDEX["gpu_usd"]]
             + figures[_INDEX["cpu_usd"]]

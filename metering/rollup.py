@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel, ConfigDict, Field
 
 from metering.ledger import Segment
-from metering.pieces import CPU_ONLY, pieces
+from metering.pieces import billed_model, pieces
 
 __all__ = ["ROLLUP_SEGMENTS", "Rollup", "RollupRow", "roll"]
 
@@ -51,7 +51,7 @@ def roll(segments: Sequence[tuple[str, Segment]], *, day: str, now: float) -> Ro
     """The rollup of `segments` (key, segment) of one day, in key order."""
     sums: dict[tuple[str, str, str, int], list[float]] = {}
     for _, segment in segments:
-        group = (segment.tenant, segment.site, segment.model or CPU_ONLY)
+        group = (segment.tenant, segment.site, billed_model(segment))
         for number, figures in pieces(segment):
             row = sums.setdefault((*group, number), [0.0] * len(figures))
             for i, value in enumerate(figures.tolist()):

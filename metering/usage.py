@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from metering.grouping import Table, UsageRow
 from metering.ledger import Segment
-from metering.pieces import CPU_ONLY, DAY_S, FIELDS, day_number, pieces
+from metering.pieces import DAY_S, FIELDS, billed_model, day_number, pieces
 from metering.rollup import Rollup
 from metering.token_book import TOKEN_DIMENSIONS, TOKEN_FIELDS, TokenBook
 from sites.model import keys
@@ -86,7 +86,7 @@ class UsageBook:
             log.warning("ignoring a malformed usage record at %s", key)
 
     def add(self, key: str, segment: Segment) -> None:
-        group = (segment.tenant, segment.site, segment.model or CPU_ONLY)
+        group = (segment.tenant, segment.site, billed_model(segment))
         self._table.put(key, [(day, group, figures) for day, figures in pieces(segment)])
         if self.earliest is None or segment.start < self.earliest:
             self.earliest = segment.start

@@ -13,18 +13,31 @@ When a run ends and what it is billed from:
     site_lost                   the site's last_seen: the last time it said it was alive, so
                                 the ledger bills what is known to have run, never the
                                 failover grace in which nobody knew
+
+Data moved between sites is billed apart (`egress_puts`, `bill_egress`): one egress segment
+per run (its report's `egress`, under the run's key with '.egress' after the job id) or per
+replication (broker.ops.datasets), each source's bytes at its own site's usd_per_gb_egress
+(broker.placement.pricing.egress_usd) when it lies in another region than the site that
+pulled, free within a region.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from broker.model.jobs import JobRecord, JobState
+from broker.placement.pricing import egress_usd
 from broker.state.view import LIVE, View
 from metering import ledger
 from metering.ledger import EndReason, Run
+from sites.model import keys
 from sites.model.assignments import Report
 from sites.model.catalog import DeviceCatalog
+from sites.model.data import Egress
+from sites.model.spec import SiteSpec
+from sites.registry.client import Guard, Registry
 
-__all__ = ["EndReason", "closing_puts", "run_of"]
+__all__ = ["EndReason", "bill_egress", "closing_puts", "egress_key", "egress_puts", "run_of"]
 
 _FROM_REPORT = (
     EndReason.succeeded,
@@ -119,3 +132,70 @@ def closing_puts(
         history=view.sites.price_history.get(site),
     )
     return ledger.puts(segment)
+
+
+def egress_key(job: str, attempt: int, at: float) -> str:
+    """The usage key of what `job`'s run `attempt` moved: the run's own segment key with
+    '.egress' after the job id, on the UTC day of `at`."""
+    return ledger.segment_key(ledger.day_of(at), f"{job}.egress", attempt)
+
+
+def egress_puts(
+    *,
+    job: str,
+    attempt: int,
+    tenant: str,
+    site: str,
+    egress: Sequence[Egress],
+    specs: Mapping[str, SiteSpec],
+    at: float,
+    now: float,
+) -> dict[str, bytes]:
+    """The egress segment of what `site` pulled for run `attempt` of `job` (or a replication:
+    `job` names it), billed to `tenant`: each Egress(source, bytes) at the source site's
+    usd_per_gb_egress when the source's region is not `site`'s, free within a region.
+
+    `at` must be a time fixed for the run (its assignment's assigned_at, a replica record's
+    `at`): it names the key's day, so every call for one run writes ONE key, and a replay puts
+    the same value again (a report's egress is the run's total so far: a later, larger one
+    replaces the earlier). {} when nothing moved. Pure: put it in the caller's transaction."""
+    here = specs.get(site)
+    moved = []
+    for item in egress:
+        source = specs.get(item.source)
+        same = here is not None and source is not None and source.region == here.region
+        rate = source.prices.usd_per_gb_egress if source is not None else 0.0
+        # egress_usd prices one GB at the rate: the ledger multiplies by the GB moved
+        moved.append(ledger.Moved(item.source, item.bytes, same, egress_usd(1.0, rate)))
+    segment = ledger.egress_segment(
+        job=job, attempt=attempt, tenant=tenant, site=site, moved=moved, at=at, now=now
+    )
+    if segment is None:
+        return {}
+    return {egress_key(job, attempt, at): segment.model_dump_json(exclude_none=True).encode()}
+
+
+async def bill_egress(
+    registry: Registry,
+    *,
+    job: str,
+    attempt: int,
+    tenant: str,
+    site: str,
+    egress: Sequence[Egress],
+    specs: Mapping[str, SiteSpec],
+    at: float,
+    now: float,
+) -> bool:
+    """`egress_puts` in a transaction of its own, unless the day's segments were rolled up
+    with it already (then it was billed: a replay bills nothing). True if written."""
+    puts = egress_puts(
+        job=job, attempt=attempt, tenant=tenant, site=site, egress=egress, specs=specs,
+        at=at, now=now,
+    )  # fmt: skip
+    if not puts:
+        return False
+    (key,) = puts
+    return await registry.commit(
+        guards=[Guard(keys.archived_segment(key), mod_revision=0)], puts=puts
+    )

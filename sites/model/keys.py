@@ -52,6 +52,11 @@
                                                                version (broker.model.datasets)
 /cpn/v1/datasets/<tenant>/<name>/v/<version>   DatasetVersion  broker: digest, size, files count,
                                                                made by (a put or a job)
+/cpn/v1/index/datasets/<tenant>/<name>             ""          broker: every dataset, by owner
+/cpn/v1/index/tenants/<t>/datasets/<owner>/<name>  ""          broker: the datasets tenant t owns
+                                                               or is shared (`cpn data ls`)
+/cpn/v1/data-refs/<digest>/<tenant>/<name>/<version>  ""       broker, with each version: who
+                                                               still names a manifest
 /cpn/v1/data-manifests/<digest>  zlib(Manifest)                broker, with the first version
                                                                naming it (read one at a time)
 /cpn/v1/data-replicas/<site>/<digest>  ReplicaRecord           agent of the site: it holds the
@@ -99,6 +104,8 @@ DATASETS = ROOT + "datasets/"
 DATA_MANIFESTS = ROOT + "data-manifests/"
 DATA_REPLICAS = ROOT + "data-replicas/"
 DATA_ORDERS = ROOT + "data-orders/"
+DATASET_INDEX = ROOT + "index/datasets/"
+DATA_REFS = ROOT + "data-refs/"
 
 
 def site_spec(site: str) -> str:
@@ -433,3 +440,26 @@ def data_orders(site: str) -> str:
 
 def data_order(site: str, digest: str) -> str:
     return f"{DATA_ORDERS}{site}/{digest}"
+
+
+def dataset_index(tenant: str, name: str) -> str:
+    """A dataset's entry in the index of every dataset (an admin's `cpn data ls`)."""
+    return f"{DATASET_INDEX}{tenant}/{name}"
+
+
+def tenant_datasets(tenant: str) -> str:
+    """The prefix of the datasets `tenant` owns or is shared: its list reads only those."""
+    return f"{TENANT_INDEX}{tenant}/datasets/"
+
+
+def tenant_dataset(tenant: str, owner: str, name: str) -> str:
+    return f"{tenant_datasets(tenant)}{owner}/{name}"
+
+
+def data_refs(digest: str) -> str:
+    """The prefix of the versions naming a manifest: none left, its replicas may go."""
+    return f"{DATA_REFS}{digest}/"
+
+
+def data_ref(digest: str, tenant: str, name: str, version: int) -> str:
+    return f"{data_refs(digest)}{tenant}/{name}/{version:08d}"
