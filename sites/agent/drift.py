@@ -14,8 +14,10 @@ free capacity, per-node free, devices, their busy flag and MIG layout, storage p
 changes exactly; telemetry (host CPU and memory, load, a GPU's use, power, temperature, storage
 used) changes by more than a tolerance. For a link: reachability, method or emulation exactly;
 the RTT or its median by more than LINK_RTT_REL of the last one written (and LINK_RTT_ABS_MS);
-loss by LINK_LOSS_PCT points. The tolerances compare with the value last written, not the last
-measured, so a slow drift is published once it adds up.
+loss by LINK_LOSS_PCT points; the measured bandwidth appearing, or moving by more than
+LINK_BANDWIDTH_REL of the last written (a bulk probe's figure wobbles by several % from one
+probe to the next; its time alone is not news). The tolerances compare with the value last
+written, not the last measured, so a slow drift is published once it adds up.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "HOST_CPU_PCT",
     "HOST_LOAD_PER_CORE",
     "HOST_MEM_REL",
+    "LINK_BANDWIDTH_REL",
     "LINK_LOSS_PCT",
     "LINK_RTT_ABS_MS",
     "LINK_RTT_REL",
@@ -45,6 +48,7 @@ STORAGE_REL = 0.01  # of the path's size
 LINK_RTT_REL = 0.10  # of the last RTT written ...
 LINK_RTT_ABS_MS = 1.0  # ... and at least this much
 LINK_LOSS_PCT = 1.0  # points of loss
+LINK_BANDWIDTH_REL = 0.20  # of the last bandwidth written
 
 
 def status_changed(old: SiteStatus, new: SiteStatus) -> bool:
@@ -72,6 +76,10 @@ def link_changed(old: LinkStatus, new: LinkStatus) -> bool:
     if (old.src, old.dst, old.method, old.emulated) != (new.src, new.dst, new.method, new.emulated):
         return True
     if _rtt_moved(old.rtt_ms, new.rtt_ms) or _rtt_moved(old.rtt_median_ms, new.rtt_median_ms):
+        return True
+    if _moved(
+        old.bandwidth_mbps, new.bandwidth_mbps, LINK_BANDWIDTH_REL * (old.bandwidth_mbps or 0)
+    ):
         return True
     return abs(old.loss_pct - new.loss_pct) >= LINK_LOSS_PCT
 

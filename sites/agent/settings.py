@@ -12,7 +12,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sites.agent.collectors.probes import METHODS
 from sites.agent.workload import STOP_GRACE_S
-from sites.model.spec import REFRESH_S, SiteSpec
+from sites.model.spec import (
+    BANDWIDTH_INTERVAL_S,
+    BANDWIDTH_PROBE_BYTES,
+    BANDWIDTH_PROBE_TIMEOUT_S,
+    MAX_BANDWIDTH_PROBE_BYTES,
+    REFRESH_S,
+    SiteSpec,
+)
 
 MIN_TTL_S = 2  # etcd rounds shorter leases up to its minimum TTL anyway
 
@@ -37,6 +44,18 @@ class AgentSettings(BaseModel):
     probe_method: str = "auto"
     probe_samples: int = Field(default=5, ge=1)
     probe_timeout_s: float = Field(default=2.0, gt=0)
+    bandwidth_interval_s: float = Field(
+        default=BANDWIDTH_INTERVAL_S,
+        ge=0,
+        description="each peer's throughput measured at most this often (s); 0: never",
+    )
+    bandwidth_probe_bytes: int = Field(
+        default=BANDWIDTH_PROBE_BYTES,
+        ge=64 * 1024,
+        le=MAX_BANDWIDTH_PROBE_BYTES,
+        description="bytes one bandwidth probe downloads",
+    )
+    bandwidth_probe_timeout_s: float = Field(default=BANDWIDTH_PROBE_TIMEOUT_S, gt=0)
     wan_emulated: bool = False
     service_urls: dict[str, str] = Field(
         default_factory=dict, description="service name -> URL to publish instead of the spec's"
@@ -59,6 +78,9 @@ class AgentSettings(BaseModel):
             "refresh_s": spec.agent.refresh_s,
             "probe_samples": spec.agent.probe_samples,
             "probe_timeout_s": spec.agent.probe_timeout_s,
+            "bandwidth_interval_s": spec.agent.bandwidth_interval_s,
+            "bandwidth_probe_bytes": spec.agent.bandwidth_probe_bytes,
+            "bandwidth_probe_timeout_s": spec.agent.bandwidth_probe_timeout_s,
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
