@@ -27,6 +27,7 @@ from sites.agent.collectors.probes import Prober, choose_method
 from sites.agent.collectors.services import ServiceLoad, ServiceMonitor
 from sites.agent.collectors.slurm import SlurmCapacity, parse_nodes
 from sites.agent.collectors.slurm import capacity as slurm_capacity
+from sites.agent.data.plane import DataPlane
 from sites.agent.drift import link_changed, status_changed
 from sites.agent.fit import SiteResources, declared_resources
 from sites.agent.metrics import AgentMetrics
@@ -86,6 +87,8 @@ class Agent:
         # broker (which checks the caller's token and tenant) reads this site's key in etcd
         self.bearer = secrets.token_urlsafe(32)
         self.metrics = AgentMetrics(spec.id)
+        # the site's data store: opened at start (its key goes in our AgentSecret)
+        self.data = DataPlane(spec=spec, registry=registry, clock=self.clock)
         self.record: AgentRecord | None = None
         self.url = ""
         self.probe_url = ""
@@ -95,6 +98,7 @@ class Agent:
             metrics=self.metrics.registry,
             health=self.health,
             workload=lambda: self.workload,
+            data=self.data,
         )
         self.seq = 0
         self.last_publish_at: float | None = None
@@ -151,6 +155,7 @@ class Agent:
                 await self.read_slurm()
         if self.spec.perception.mode == "host":
             self._nvml = NvmlCollector(catalog=self.catalog)
+        await self.data.open()  # before serving: its routes and its key
         await self._serve()
         try:
             await self._acquire()
@@ -176,6 +181,7 @@ class Agent:
             stop_grace_s=self.settings.job_stop_grace_s,
             replica_host=self._replica_host(),
             settle_s=2 * self.settings.interval_s,  # a publish, and the brokers' watch
+            data=self.data,
         )
         # the workload holds the jobs and keepalive the lease: if either dies the agent stops
         # (its lease expires and the broker moves the jobs); the measuring loops restart
@@ -188,6 +194,8 @@ class Agent:
         self.supervisor.spawn("services", self._services_loop, restart=RESTART)
         if isinstance(self.executor, SlurmExecutor):
             self.supervisor.spawn("slurm", self._slurm_loop, restart=RESTART)
+        for name, loop in self.data.loops():
+            self.supervisor.spawn(name, loop, restart=RESTART)
         self.prober.set_self(self.probe_url)
         log.info(
             "agent of %s up: %s, lease ttl %ss, probes %s%s",
@@ -216,6 +224,7 @@ class Agent:
             except RegistryError as exc:
                 log.warning("could not revoke lease (it will expire): %s", exc)
         await self.server.close()
+        await self.data.close()
         if self._nvml is not None:
             self._nvml.close()
         self.stopped.set()
@@ -245,7 +254,9 @@ class Agent:
             await self.registry.acquire_agent(
                 record,
                 is_stale=_dead_on_this_host,
-                secret=AgentSecret(instance=self.instance, bearer=self.bearer),
+                secret=AgentSecret(
+                    instance=self.instance, bearer=self.bearer, data_key=self.data.key
+                ),
             )
         except BaseException:
             await self.registry.revoke(lease_id)

@@ -1,7 +1,8 @@
 """The agent's HTTP server: /probe and /healthz, /metrics (Prometheus), and, behind the agent's
-bearer (sites.model.status.AgentSecret), /jobs and /jobs/{job}/log for the broker; beside it
-the probe responder peers measure their links to (sites.agent.collectors.probes). docs/agent.md
-lists the endpoints.
+bearer (sites.model.status.AgentSecret), /jobs and /jobs/{job}/log for the broker; the site's
+data store under /data/, each request with a grant of its own (sites.agent.data.serve); beside
+it the probe responder peers measure their links to (sites.agent.collectors.probes).
+docs/agent.md lists the endpoints.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sites.agent.collectors.probes import ProbeResponder
+from sites.agent.data.plane import DataPlane
 from sites.agent.runs import UnknownJob
 from sites.agent.workload import Workload
 from sites.kits.clock import Clock
@@ -32,12 +34,14 @@ class AgentServer:
         metrics: CollectorRegistry,
         health: Callable[[], tuple[dict[str, Any], bool]],
         workload: Callable[[], Workload | None],
+        data: DataPlane | None = None,
     ) -> None:
         self.bearer = bearer
         self.clock = clock
         self._metrics_registry = metrics
         self._health = health  # /healthz's body, and whether it is healthy (else 503)
         self._workload = workload  # None until the agent holds its site
+        self._data = data  # its routes check grants, not the bearer (sites.agent.data.serve)
         self.url = ""
         self.probe_url = ""
         self.bound: tuple[str, int] | None = None  # (host, port) the HTTP server listens on
@@ -47,7 +51,8 @@ class AgentServer:
     @web.middleware
     async def _check_bearer(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """/jobs... only with this agent's bearer (sites.model.status.AgentSecret); the rest is open
-        (probes, health and metrics say nothing about any tenant's work)."""
+        (probes, health and metrics say nothing about any tenant's work; /data/ checks a grant
+        on each request)."""
         if request.path.startswith("/jobs"):
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.bearer}".encode()):
@@ -72,6 +77,8 @@ class AgentServer:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/jobs", self._jobs)
         app.router.add_get("/jobs/{job}/log", self._job_log)
+        if self._data is not None:
+            self._data.add_routes(app.router)
         # bounded: a client following a log must not hold up the agent's stop
         self._runner = web.AppRunner(
             app, access_log=None, handle_signals=False, shutdown_timeout=5.0

@@ -410,6 +410,42 @@ class Agent(Frozen):
     )
 
 
+class DataSettings(Frozen):
+    """The site's data store (sites.agent.data): datasets, staged inputs and checkpoints that
+    its agent keeps by content and serves to its peers; docs/agent.md."""
+
+    store: str | None = Field(
+        default=None,
+        description="directory of the store; default: <executor work dir>/data-store",
+    )
+    cache_gb: float = Field(
+        default=100.0,
+        gt=0,
+        description="what the store may hold before least recently used, unpinned, unused "
+        "objects are evicted (GB, 10^9 bytes)",
+    )
+    link_mbps: float | None = Field(
+        default=None,
+        gt=0,
+        description="bandwidth one transfer link (pulls from one peer site) may use, Mbit/s; "
+        "None: unlimited",
+    )
+    link_limits_mbps: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict, description="per peer site, over `link_mbps` (Mbit/s)"
+    )
+    parallel_files: int = Field(
+        default=4, ge=1, le=64, description="files pulled at once by one staging"
+    )
+
+    @field_validator("link_limits_mbps")
+    @classmethod
+    def _sites(cls, limits: dict[str, float]) -> dict[str, float]:
+        for site in limits:
+            if not re.fullmatch(SITE_ID_RE, site):
+                raise ValueError(f"{site!r} is not a site id")
+        return limits
+
+
 class Oversubscription(Frozen):
     """共享超分: best-effort capacity above the physical, as a ratio per resource (1: none).
     Best-effort jobs may fill capacity x ratio; other jobs never more than the physical, and
@@ -515,6 +551,7 @@ class SiteSpec(Frozen):
     executor: Executor = Executor()
     perception: Perception = Perception()
     agent: Agent = Agent()
+    data: DataSettings = DataSettings()
     oversubscription: Oversubscription | None = None
     topology: Topology | None = Field(
         default=None, description="nodes and islands; without it the site is one pool"

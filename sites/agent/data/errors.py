@@ -1,0 +1,56 @@
+"""Errors of the site's data plane, each with the HTTP status its routes answer it with.
+
+    SitesError
+    └── DataError                       status 500 (a bug if it reaches a client)
+        ├── BadInput (ValueError)       400 a path, sha256, digest or body that is malformed
+        ├── NotHeld (LookupError)       404 no complete object, file or checkpoint here
+        ├── Conflict                    409 what a commit names is missing or does not match
+        ├── TooLarge                    413 a body over what the store may hold
+        ├── StagingError                no source could serve what a staging needed (one line)
+        └── PeerError                   another site's store failed a push (one line)
+
+Each carries `field`: the input that was wrong (a path, 'sha256', 'seq'), or None.
+"""
+
+from __future__ import annotations
+
+from sites.model.errors import SitesError
+
+
+class DataError(SitesError):
+    status = 500
+    code = "internal"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class BadInput(DataError, ValueError):
+    status = 400
+    code = "invalid"
+
+
+class NotHeld(DataError, LookupError):
+    status = 404
+    code = "not_found"
+
+
+class Conflict(DataError):
+    status = 409
+    code = "conflict"
+
+
+class TooLarge(DataError):
+    status = 413
+    code = "too_large"
+
+
+class StagingError(DataError):
+    code = "staging_failed"
+
+
+class PeerError(DataError):
+    """Another site's store could not be reached, or refused a push (one line, naming it)."""
+
+    code = "peer_failed"
