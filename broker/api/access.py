@@ -87,6 +87,18 @@ ACCESS: dict[tuple[str, str], Permission] = {
     ("GET", "/v1/services"): P.jobs_read,
     ("GET", "/v1/services/{name}"): P.jobs_read,
     ("DELETE", "/v1/services/{name}"): P.jobs_act,
+    # datasets (broker.api.datasets): read with the jobs' read, changed with their submit; a
+    # tenant's token only its own (a tenant it is shared with reads, never changes)
+    ("GET", "/v1/datasets"): P.jobs_read,
+    ("GET", "/v1/datasets/{owner}/{name}"): P.jobs_read,
+    ("DELETE", "/v1/datasets/{owner}/{name}"): P.jobs_submit,
+    ("DELETE", "/v1/datasets/{owner}/{name}/versions/{version}"): P.jobs_submit,
+    ("POST", "/v1/datasets/{owner}/{name}/uploads"): P.jobs_submit,
+    ("PUT", "/v1/datasets/{owner}/{name}/uploads/{upload}/files/{path}"): P.jobs_submit,
+    ("POST", "/v1/datasets/{owner}/{name}/uploads/{upload}/commit"): P.jobs_submit,
+    ("POST", "/v1/datasets/{owner}/{name}/replicate"): P.jobs_submit,
+    ("PUT", "/v1/datasets/{owner}/{name}/shares"): P.jobs_submit,
+    ("GET", "/v1/datasets/{owner}/{name}/versions/{version}/files/{path}"): P.jobs_read,
     ("GET", "/v1/sites"): P.sites_read,
     ("POST", "/v1/route"): P.route,
     ("*", "/v1/infer/{service}/{path}"): P.route,

@@ -40,6 +40,7 @@ from broker.api.access import (
 from broker.api.alerts import alerts_operations
 from broker.api.bodies import UNSUPPORTED_MEDIA, page_response, query_limit, read_model
 from broker.api.dashboard import dashboard_operations
+from broker.api.datasets import dataset_operations
 from broker.api.keys import BROKER, HTTP, ROUTER
 from broker.api.openapi import OPERATIONS, Operation, Param, Reply, document, register
 from broker.api.services import service_operations
@@ -117,8 +118,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             else {"exists": 409, UNSUPPORTED_MEDIA: 415}.get(exc.code, 400)
         )
         response = error(status, exc.code, exc.message, exc.field)
-    except NotFound as exc:
-        response = error(404, "not_found", str(exc))
+    except NotFound as exc:  # a dataset's names the field that named it (broker.model.datasets)
+        response = error(404, "not_found", str(exc), getattr(exc, "field", None))
     except IllegalTransition as exc:
         response = error(409, "illegal_transition", str(exc))
     except StaleRecord as exc:
@@ -599,6 +600,7 @@ def make_app(broker: Broker, router: Router | None = None) -> web.Application:
         *tenant_operations(),
         *alerts_operations(),
         *dashboard_operations(),
+        *dataset_operations(),
     ]
     for op in operations:
         register(app, op)

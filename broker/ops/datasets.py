@@ -328,7 +328,7 @@ class Datasets:
             raise DataPlaneError(
                 502, "site_unreachable", f"cannot reach the agent of {target.site}: {exc}"
             ) from None
-        if status != 200:
+        if status not in (200, 201):
             code, message, field = _agent_error(body, status)
             if status in (400, 404, 409, 422):
                 raise DataPlaneError(409, code, message, _manifest_field(field))
