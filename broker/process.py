@@ -29,12 +29,16 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from typing import Any
+
+import aiohttp
 
 from broker.leader import decisions as dc
 from broker.leader.actions import Actor
 from broker.leader.alerts import AlertKeeper, alert_inputs
+from broker.leader.data_outbox import DataOutboxLoop, run_outbox
+from broker.leader.data_terms import DataTerms
 from broker.leader.history import HistoryKeeper
 from broker.leader.replicas import ReplicaReconciler
 from broker.leader.scaler import Scaler
@@ -64,6 +68,7 @@ from metering.usage import UsageBook
 from sites.kits.clock import Clock, SystemClock
 from sites.kits.tasks import Backoff, Crash, Supervisor, measure_loop_lag
 from sites.model import keys
+from sites.model.bandwidth import path_bandwidth_mbps
 from sites.model.catalog import DeviceCatalog
 from sites.model.errors import RegistryError
 from sites.registry.client import Registry
@@ -72,6 +77,8 @@ from sites.registry.mirror import PrefixMirror
 __all__ = ["Broker"]
 
 log = logging.getLogger(__name__)
+
+FALLBACK_MBPS = 1000.0  # a path with neither a measurement nor both sites' specs
 
 FAIR_SHARE_SAVE_S = 60.0
 BILLED_TTL_S = 10.0  # the ledger's part of the budgets left: a query, not once per pass
@@ -200,6 +207,10 @@ class Broker:
         self.datasets = Datasets(
             registry=registry, index=self.data, clock=self.clock, view=self.view
         )
+        self.data_terms = DataTerms(
+            self.data, sites=lambda: self.view().sites, bandwidth=self._bandwidth
+        )
+        self.operations.datasets = self.datasets
         self.data_orders = OrderKeeper(
             registry=registry,
             index=self.data,
@@ -221,6 +232,7 @@ class Broker:
             metrics=self.metrics.registry,
             external_url=url,
         )
+        self._http: aiohttp.ClientSession | None = None
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
         self._down = dc.DownSince()
         self._last_batch = 0.0
@@ -248,6 +260,12 @@ class Broker:
         self.supervisor.spawn("traffic", self.traffic_publisher.run, restart=RESTART)
         self.supervisor.spawn("autoscaler", self.scaler.run, restart=RESTART)
         self.supervisor.spawn("data orders", self.data_orders.run, restart=RESTART)
+        self._http = aiohttp.ClientSession()
+        outbox = DataOutboxLoop(
+            registry=self.registry, datasets=self.datasets, index=self.data, http=self._http
+        )
+        self.supervisor.spawn("data outbox", lambda: self._lead(run_outbox(outbox)),
+                              restart=RESTART)  # fmt: skip
         self.supervisor.spawn("alerts", self.alerts.mirror.run, restart=RESTART)
         if self.settings.alerts.enabled:
             self.supervisor.spawn("alert rules", self.alerts.run_evaluation, restart=RESTART)
@@ -256,6 +274,29 @@ class Broker:
     async def stop(self) -> None:
         await self.supervisor.stop()
         await self.leadership.close()
+        if self._http is not None:
+            await self._http.close()
+
+    async def _lead(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run `work` only while this replica leads (checked every second)."""
+        task: asyncio.Task[None] | None = None
+        try:
+            while True:
+                if self.is_leader and task is None:
+                    task = asyncio.ensure_future(work)
+                if task is not None and task.done():
+                    task.result()  # its crash is the supervisor's to see
+                await asyncio.sleep(1.0)
+        finally:
+            if task is not None:
+                task.cancel()
+            else:
+                work.close()
+
+    def _bandwidth(self, src: str, dst: str) -> float:
+        """Mbit/s from src to dst: measured, else the distance class's (sites.model.bandwidth)."""
+        got = path_bandwidth_mbps(self.view().sites, src, dst)
+        return FALLBACK_MBPS if got is None else got
 
     def _crashed(self, crash: Crash) -> None:
         self.metrics.task_crashes.labels(crash.task).inc()
@@ -330,6 +371,7 @@ class Broker:
             budgets=self.budgets(),
             written=tuple(self.actor.written.values()),
             down_since=self._down.since,
+            data=self.data_terms,
             preempt_skip=frozenset(
                 j for j, at in self._preempt_failed.items() if now - at < PREEMPT_RETRY_S
             ),
@@ -383,7 +425,7 @@ class Broker:
         if view.derived.federation is None:
             # the placement snapshot is built by the first pass, not by the first submit's
             # (at a thousand sites that is 10 ms; later passes redo only what changed)
-            federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
+            federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings, ctx.data_view)
         decided = dc.decide(view, now, ctx)
         self.metrics.decide_seconds.observe(time.perf_counter() - started)
         for job_id in decided.preempt_failed:

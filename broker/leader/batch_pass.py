@@ -57,7 +57,7 @@ def batch_jobs(
 def batch_problem(
     view: View, jobs: Sequence[batch.Pending], now: float, ctx: Context
 ) -> PlanProblem:
-    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
+    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings, ctx.data_view)
     when = datetime.fromtimestamp(now, UTC)
     quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
     rows = held_rows(view, ctx.written)
@@ -95,7 +95,7 @@ def decide_batch(
 ) -> list[Action]:
     """Place actions for the solver's assignments that still apply to `view` (the view after
     the solve: a job that changed meanwhile is left out); a gang only with all its members."""
-    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
+    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings, ctx.data_view)
     # what is committed together: a job alone, or a gang (by its key)
     units: dict[str, list[tuple[JobRecord, int, pl.Decision]]] = {}
     for pending, decision in batch.decisions(result, problem, jobs, fed):
@@ -117,5 +117,5 @@ def decide_batch(
         except pl.PlacementError:
             continue  # capacity taken meanwhile; the next pass sees it
         fed = taken
-        actions.append(place_action(group, now))
+        actions.append(place_action(group, now, ctx.data))
     return actions

@@ -43,7 +43,7 @@ def place(p: Pass) -> None:
     ]
     if not pending:
         return
-    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings)
+    fed = federation(view, ctx.catalog, ctx.user_rtt_ms, ctx.written, ctx.settings, ctx.data_view)
     rows = held_rows(view, ctx.written)
     held = held_by_tenant(p.quotas, rows)
     used = usage(view, ctx.quotas, ctx.written, ctx.budgets, rows, held)
@@ -90,7 +90,7 @@ def place(p: Pass) -> None:
                 )
             decision = chosen.decision
         else:
-            p.emit(place_action([(record, rev, decision)], now))
+            p.emit(place_action([(record, rev, decision)], now, p.ctx.data))
         used = pl.charged(used, spec, decision)
         fair.hold(
             spec.tenant,

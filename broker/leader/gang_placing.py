@@ -49,7 +49,7 @@ def place_gangs(
                 p.unschedulable(record, rev, f"gang {name}: {result.message}")
             continue
         placed = [(r, rev, d) for (r, rev), d in zip(ready, result, strict=True)]
-        p.emit(place_action(placed, p.now))
+        p.emit(place_action(placed, p.now, p.ctx.data))
         for record, _, decision in placed:
             used = pl.charged(used, record.spec, decision)
             grouped = grouped.with_placed(record.spec.group, decision.site)

@@ -19,6 +19,7 @@ import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from broker.leader.data_terms import DataFields, DataTerms
 from broker.model.jobs import TRANSITIONS, Event, JobRecord, JobState
 from broker.model.lifecycle import RetryPolicy
 from broker.model.tenants import TenancyFile
@@ -26,6 +27,7 @@ from broker.ops.gangs import gangs
 from broker.ops.usage_segments import EndReason, closing_puts
 from broker.placement import place as pl
 from broker.placement.settings import SchedulingSettings
+from broker.placement.staging import DataView
 from broker.placement.tenancy import BudgetLeft, FairShare, Quotas
 from broker.state.view import LIVE, View
 from sites.model import keys
@@ -99,12 +101,17 @@ class Context:
     budgets: Mapping[str, BudgetLeft] = field(default_factory=dict)  # tenants with a budget
     written: tuple[Assignment, ...] = ()  # assignments committed, not yet in the view
     down_since: Mapping[str, float] = field(default_factory=dict)  # site -> first seen down
+    data: DataTerms | None = None  # the data part of assignments (broker.leader.data_terms)
     # jobs whose preemption found nothing lately (Decided.preempt_failed, kept by the leader a
     # while): skipped, so that the same few cannot take every pass's tries
     preempt_skip: frozenset[str] = frozenset()
     # finished parents of waiting workflow steps (the view keeps no finished job): read once
     # each by the leader (broker.ops.workflows.Workflows.finished_parents)
     finished: Mapping[str, JobRecord] = field(default_factory=dict)
+
+    @property
+    def data_view(self) -> DataView | None:
+        return None if self.data is None else self.data.view
 
     @property
     def retry(self) -> RetryPolicy:
@@ -173,13 +180,19 @@ def run_keys(record: JobRecord) -> tuple[str, ...]:
     return keys.assignment(site, record.id), keys.report(site, record.id)
 
 
-def place_action(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: float) -> Action:
-    """One place action: every (record, revision, decision) in one transaction."""
+def place_action(
+    placed: Sequence[tuple[JobRecord, int, pl.Decision]],
+    now: float,
+    data: DataTerms | None = None,
+) -> Action:
+    """One place action: every (record, revision, decision) in one transaction; `data` adds
+    the inputs' sources, the outputs and the checkpoint store (broker.leader.data_terms)."""
     writes = []
     assignments = []
     for record, rev, decision in placed:
         spec = record.spec
         attempt = record.attempt + 1
+        extra = data.fields(record, decision.site) if data is not None else DataFields()
         assignment = Assignment(
             job=record.id,
             site=decision.site,
@@ -193,10 +206,15 @@ def place_action(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: floa
             nodes=decision.nodes,
             cpu=spec.cpu,
             mem_gb=spec.mem_gb,
-            checkpoint_path=spec.checkpoint_path,
+            # a carried checkpoint's path is the agent's to make (CPN_CHECKPOINT_PATH)
+            checkpoint_path=None if extra.checkpoint is not None else spec.checkpoint_path,
             best_effort=spec.best_effort,
             resume=(record.retries > 0 or record.preemptions > 0)
-            and spec.checkpoint_path is not None,
+            and spec.checkpoint_path is not None
+            and extra.checkpoint is None,
+            inputs=extra.inputs,
+            outputs=extra.outputs,
+            checkpoint=extra.checkpoint,
             duration_s=spec.duration_hours * 3600,
             assigned_at=now,
             serve=record.replica.serve if record.replica is not None else None,
@@ -216,6 +234,8 @@ def place_action(placed: Sequence[tuple[JobRecord, int, pl.Decision]], now: floa
             fence=rev,
             placement=where.model_copy(update={"cost_usd": round(where.cost_usd, 6)}),
             unschedulable=None,
+            checkpoint_site=extra.checkpoint_site or record.checkpoint_site,
+            staging=None,
         )
         akey = keys.assignment(decision.site, record.id)
         writes.append(

@@ -134,7 +134,7 @@ class Preemptor:
             closed = self.p.closed(old, EndReason.preempted)
             writes.append(JobWrite(new, old_rev, puts=closed, deletes=run_keys(old)))
         fed, used = give_back(fed, used, chosen.victims)
-        placed = place_action([(record, rev, chosen.decision)], now)
+        placed = place_action([(record, rev, chosen.decision)], now, self.p.ctx.data)
         message = f"{record.id} on {chosen.site}: {chosen.reason()}"
         self.p.emit(
             Action(

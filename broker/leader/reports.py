@@ -15,15 +15,19 @@ it, so no member runs alone.
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 from broker.leader.pass_core import Action, ActionKind, JobWrite, Pass, run_keys
 from broker.leader.workflow_steps import WorkflowSteps
+from broker.model.data_outbox import DataOutbox
 from broker.model.jobs import Event, JobRecord, JobState
 from broker.model.lifecycle import retry_backoff_s
 from broker.ops.gangs import gang_key
-from broker.ops.usage_segments import EndReason
+from broker.ops.usage_segments import EndReason, egress_puts
 from broker.state.view import LIVE
 from sites.model import keys
 from sites.model.assignments import Report, RunState
+from sites.model.data import CheckpointMark
 from sites.registry.client import Guard
 
 __all__ = ["reports", "retry_or_fail", "stop_with_gang"]
@@ -65,6 +69,18 @@ def _report(
     p: Pass, steps: WorkflowSteps, record: JobRecord, rev: int, report: Report, report_rev: int
 ) -> None:
     site, now = report.site, p.now
+    if report.state is RunState.staging:
+        _staging(p, record, rev, report)
+        return
+    if report.checkpoint is not None and report.checkpoint != record.checkpoint:
+        if report.state is RunState.running and record.state is JobState.RUNNING:
+            mark = report.checkpoint
+            ev = Event(
+                at=now, type="checkpoint", message=f"{_mark(mark)} kept at {mark.site}", site=site
+            )
+            new = record.with_event(ev, checkpoint=mark)
+            p.emit(Action(ActionKind.advance, (JobWrite(new, rev),), ev.message))
+            return
     if report.state is RunState.starting:
         # being started, or queued in the site's own scheduler (Slurm PENDING): placed,
         # not running yet; each reason the scheduler gives, once, as an event and as what
@@ -79,14 +95,25 @@ def _report(
         if record.state is JobState.RUNNING:
             return
         confined = f" ({report.confinement})" if report.confinement else ""
+        resumed = ""
+        if report.restored is not None:
+            resumed = f", resumed from {_mark(report.restored)} (from {report.restored.site})"
+        elif record.attempt > 1 and record.spec.carried_checkpoint is not None:
+            resumed = ", from the start: no checkpoint was kept"
         ev = Event(
             at=now,
             type="running",
-            message=f"running on {site}{confined}",
+            message=f"running on {site}{confined}{resumed}",
             site=site,
             attempt=record.attempt,
         )
-        new = record.with_event(ev, state=JobState.RUNNING, unschedulable=None)
+        new = record.with_event(
+            ev,
+            state=JobState.RUNNING,
+            unschedulable=None,
+            staging=None,
+            checkpoint=report.restored or record.checkpoint,
+        )
         p.emit(Action(ActionKind.advance, (JobWrite(new, rev),), ev.message))
         return
     guard = (Guard(keys.report(site, record.id), mod_revision=report_rev),)
@@ -98,11 +125,11 @@ def _report(
             site=site,
             attempt=record.attempt,
         )
-        new = record.with_event(ev, state=JobState.SUCCEEDED, exit_code=0)
+        new = record.with_event(ev, state=JobState.SUCCEEDED, exit_code=0, staging=None)
         write = JobWrite(
             new,
             rev,
-            puts=p.closed(record, EndReason.succeeded),
+            puts={**p.closed(record, EndReason.succeeded), **_data_puts(p, record, report)},
             deletes=run_keys(record),
             guards=guard,
         )
@@ -121,7 +148,69 @@ def _report(
     ended = EndReason.failed if report.state is RunState.failed else EndReason.stopped
     if report.reason == EndReason.out_of_memory:
         ended = EndReason.out_of_memory
-    stop_with_gang(p, record, rev, new, run_keys(record), guard, why, ended=ended)
+    stop_with_gang(
+        p, record, rev, new, run_keys(record), guard, why, ended=ended,
+        puts=_data_puts(p, record, report),
+    )  # fmt: skip
+
+
+def _staging(p: Pass, record: JobRecord, rev: int, report: Report) -> None:
+    """The run pulls its inputs or checkpoint: once per attempt an event and the record's
+    `staging` (the live progress is the report's: GET /v1/jobs/{job} reads it)."""
+    progress = report.staging
+    if progress is None or record.staging is not None or record.state is not JobState.PLACED:
+        return
+    size = progress.bytes_total / 1e9
+    source = f" from {progress.source}" if progress.source else ""
+    what = f" ({progress.what})" if progress.what else ""
+    message = f"staging {size:.3g} GB{what}{source} to {report.site}"
+    ev = Event(at=p.now, type="staging", message=message, site=report.site)
+    new = record.with_event(ev, staging=progress)
+    p.emit(Action(ActionKind.advance, (JobWrite(new, rev),), message))
+
+
+def _mark(mark: CheckpointMark) -> str:
+    step = f", step {mark.step}" if mark.step is not None else ""
+    when = datetime.fromtimestamp(mark.at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    return f"checkpoint {mark.seq} ({when}{step}, {mark.bytes / 1e6:.3g} MB)"
+
+
+def _data_puts(p: Pass, record: JobRecord, report: Report) -> dict[str, bytes]:
+    """With the write that ends a run: its egress segment (what it pulled from other sites,
+    billed to the tenant: broker.ops.usage_segments), and its outputs for the leader's outbox
+    loop to register as dataset versions (broker.model.data_outbox)."""
+    puts: dict[str, bytes] = {}
+    if report.egress:
+        assignment = p.view.assignments.get((report.site, record.id))
+        at = assignment.assigned_at if assignment is not None else p.now
+        puts.update(
+            egress_puts(
+                job=record.id,
+                attempt=report.attempt,
+                tenant=record.spec.tenant,
+                site=report.site,
+                egress=report.egress,
+                specs=p.view.sites.specs,
+                at=at,
+                now=p.now,
+            )  # fmt: skip
+        )
+    outputs = report.outputs if report.state is RunState.succeeded else ()
+    if not outputs:
+        return puts
+    now = p.now
+    box = DataOutbox(
+        job=record.id,
+        tenant=record.spec.tenant,
+        attempt=report.attempt,
+        site=report.site,
+        succeeded=report.state is RunState.succeeded,
+        outputs=outputs,
+        egress=report.egress,
+        at=now,
+    )
+    puts[keys.data_outbox(record.id, report.attempt)] = box.model_dump_json().encode()
+    return puts
 
 
 def retry_or_fail(
@@ -177,9 +266,11 @@ def stop_with_gang(
     *,
     ended: EndReason,
     lost_site: bool = False,
+    puts: dict[str, bytes] | None = None,
 ) -> None:
-    """The job's run ended (retry, failure, lost site): write it, and its gang with it."""
-    closed = p.closed(record, ended)
+    """The job's run ended (retry, failure, lost site): write it (with `puts`), and its gang
+    with it."""
+    closed = {**p.closed(record, ended), **(puts or {})}
     writes = [JobWrite(new, rev, puts=closed, deletes=deletes, guards=guards)]
     key = gang_key(record)
     for other, other_rev in p.gangs.get(key, []) if key else []:

@@ -28,7 +28,13 @@ from pydantic import (
 from broker.model.errors import IllegalTransition
 from sites.model.assignments import NodeShare, Serve
 from sites.model.catalog import mig_model, shared_model
-from sites.model.data import CHECKPOINT_DIR, DATASET_NAME_RE, clean_path
+from sites.model.data import (
+    CHECKPOINT_DIR,
+    DATASET_NAME_RE,
+    CheckpointMark,
+    StagingProgress,
+    clean_path,
+)
 from sites.model.spec import MAX_TIME_SLICES
 
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
@@ -557,6 +563,15 @@ class JobRecord(Frozen):
     )
     replica: ReplicaOf | None = Field(
         default=None, description="the managed service this job is a replica of"
+    )
+    checkpoint_site: str | None = Field(
+        default=None, description="the durable replica of its carried checkpoints (docs/data.md)"
+    )
+    checkpoint: CheckpointMark | None = Field(
+        default=None, description="its last complete checkpoint there"
+    )
+    staging: StagingProgress | None = Field(
+        default=None, description="while its inputs or checkpoint are pulled to its site"
     )
 
     def with_event(self, event: Event, **changes: object) -> JobRecord:

@@ -72,7 +72,9 @@ class StepSpec(JobSpec):
     after: tuple[Name, ...] = Field(
         default=(), max_length=MAX_STEPS, description="steps that must succeed before this one"
     )
-    outputs: tuple[Output, ...] = Field(default=(), max_length=64)
+    # a step's outputs are what it leaves at its site for its children (priced by size), not a
+    # job's dataset outputs (broker.model.jobs.OutputDecl), which a step does not take
+    outputs: tuple[Output, ...] = Field(default=(), max_length=64)  # type: ignore[assignment]
     on_failure: OnFailure | None = Field(
         default=None, description="overrides the workflow's on_failure for this step's parents"
     )

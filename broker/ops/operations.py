@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from broker.model.errors import Conflict, IllegalTransition, InvalidRequest, NotFound, StaleRecord
 from broker.model.jobs import Event, GpuRequest, JobRecord, JobSpec, JobState
+from broker.ops.datasets import Datasets
 from broker.ops.gangs import SHAPE
 from broker.ops.usage_segments import EndReason, closing_puts
 from broker.placement.place import price_floors
@@ -77,6 +78,7 @@ class Operations:
         self._catalog = catalog or DeviceCatalog.load()  # the ledger's catalog power figures
         self._regions_cache: frozenset[str] = frozenset()
         self._regions_at = (0, -1)
+        self.datasets: Datasets | None = None  # pins a job's inputs at submit (set by the broker)
 
     def validate(self, spec: JobSpec) -> None:
         """Checks that need the catalog, the clock or the federation; each names its field."""
@@ -218,8 +220,31 @@ class Operations:
         self._never_fits(spec)
         return spec
 
+    async def resolve_inputs(self, spec: JobSpec) -> JobSpec:
+        """The spec with each input pinned: `owner/name@version`, its digest and size (a
+        dataset the tenant may not read is 404 naming inputs[i].dataset, as one not there)."""
+        if not spec.inputs:
+            return spec
+        if self.datasets is None:
+            raise InvalidRequest("this broker keeps no datasets", field="inputs")
+        pinned = []
+        for i, item in enumerate(spec.inputs):
+            version = await self.datasets.resolve(
+                tenant=spec.tenant, ref=item.dataset, field=f"inputs[{i}].dataset"
+            )
+            pinned.append(
+                item.model_copy(
+                    update={
+                        "dataset": f"{version.tenant}/{version.name}@{version.version}",
+                        "digest": version.digest,
+                        "bytes": version.bytes,
+                    }
+                )
+            )
+        return spec.model_copy(update={"inputs": tuple(pinned)})
+
     async def submit(self, spec: JobSpec) -> JobRecord:
-        spec = self.admit(spec)
+        spec = self.admit(await self.resolve_inputs(spec))
         now = self.clock.time()
         record = JobRecord(
             id=f"{spec.name}-{secrets.token_hex(3)}",

@@ -21,6 +21,7 @@ from broker.placement.green import green_of, priced
 from broker.placement.nodes import NodesFree, Packing
 from broker.placement.offers import with_free
 from broker.placement.site import Green, device_pools, node_pools, slice_prices
+from broker.placement.staging import DataView
 from broker.placement.tenancy import BudgetLeft, Quotas, held_by_tenant
 from sites.model.assignments import Assignment, Report
 from sites.model.capacity import Capacity, normalize_inventory
@@ -103,6 +104,7 @@ def federation(
     user_rtt_ms: Mapping[tuple[str, str], float],
     written: Iterable[Assignment] = (),
     settings: SchedulingSettings | None = None,
+    data: DataView | None = None,
 ) -> pl.Federation:
     """The placement snapshot: every site's capacity less what live assignments hold.
 
@@ -140,19 +142,21 @@ def federation(
                 if offer is not offers[pos]:
                     replaced.append(pos)
                 offers[pos] = offer
-        if not replaced and previous.user_rtt_ms is user_rtt_ms:
+        if not replaced and previous.user_rtt_ms is user_rtt_ms and previous.data is data:
             return previous  # what changed made the same offers: no look at every site
         # the same sites in the same order: ids and columns carried over, not derived again
         d.federation = previous.successor(tuple(offers), replaced, user_rtt_ms)
+        object.__setattr__(d.federation, "data", data)
         return d.federation
     if (
         previous is not None
         and previous.user_rtt_ms is user_rtt_ms
+        and previous.data is data
         and len(previous.sites) == len(offers)
         and all(a is b for a, b in zip(previous.sites, offers, strict=True))
     ):
         return previous
-    fed = d.federation = pl.Federation(sites=tuple(offers), user_rtt_ms=user_rtt_ms)
+    fed = d.federation = pl.Federation(sites=tuple(offers), user_rtt_ms=user_rtt_ms, data=data)
     if previous is not None:
         fed.keep_columns(previous)  # broker.placement.columns: only the changed offers are redone
     return fed

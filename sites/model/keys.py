@@ -62,6 +62,9 @@
 /cpn/v1/data-replicas/<site>/<digest>  ReplicaRecord           agent of the site: it holds the
                                                                manifest complete (not leased:
                                                                a store outlives its agent)
+/cpn/v1/data-outbox/<job>/<attempt>    DataOutbox              leader, with a run's end: its outputs
+                                                               to register and its egress to bill
+                                                               (broker.leader.data_outbox)
 /cpn/v1/data-orders/<site>/<digest>    ReplicationOrder        broker: `cpn data replicate`; the
                                                                site's agent pulls, then writes
                                                                its replica record
@@ -104,6 +107,7 @@ DATASETS = ROOT + "datasets/"
 DATA_MANIFESTS = ROOT + "data-manifests/"
 DATA_REPLICAS = ROOT + "data-replicas/"
 DATA_ORDERS = ROOT + "data-orders/"
+DATA_OUTBOX = ROOT + "data-outbox/"
 DATASET_INDEX = ROOT + "index/datasets/"
 DATA_REFS = ROOT + "data-refs/"
 
@@ -463,3 +467,7 @@ def data_refs(digest: str) -> str:
 
 def data_ref(digest: str, tenant: str, name: str, version: int) -> str:
     return f"{data_refs(digest)}{tenant}/{name}/{version:08d}"
+
+
+def data_outbox(job: str, attempt: int) -> str:
+    return f"{DATA_OUTBOX}{job}/{attempt:06d}"
