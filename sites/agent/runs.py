@@ -16,6 +16,7 @@ from sites.agent.replicas import Replica
 from sites.executors.base import RunHandle
 from sites.kits.clock import Clock
 from sites.model.assignments import Assignment, Report, RunState
+from sites.model.data import CheckpointMark, Egress, OutputMade, StagingProgress
 from sites.model.errors import SitesError
 from sites.model.status import GpuDevice
 
@@ -54,10 +55,21 @@ class Run:
     replica: Replica | None = None  # a managed service's replica (sites.agent.replicas)
     unready: str | None = None  # why it was stopped: not ready in time
     task: asyncio.Task[None] | None = field(default=None, repr=False)
+    # data that follows the work (sites.agent.data): progress while staging, the checkpoint it
+    # resumed from and the last one synced, what it saved, what it pulled from other sites
+    staging: StagingProgress | None = None
+    restored: CheckpointMark | None = None
+    checkpoint: CheckpointMark | None = None
+    outputs: tuple[OutputMade, ...] = ()
+    egress: dict[str, int] = field(default_factory=dict)  # source site -> bytes
 
     @property
     def job(self) -> str:
         return self.assignment.job
+
+    def pulled(self, egress: Sequence[Egress]) -> None:
+        for item in egress:
+            self.egress[item.source] = self.egress.get(item.source, 0) + item.bytes
 
     @property
     def live(self) -> bool:
@@ -118,6 +130,11 @@ class Run:
             usage=self.usage,
             reason=self.reason,
             confinement=(self.handle.confinement or None) if self.handle is not None else None,
+            staging=self.staging if self.state is RunState.staging else None,
+            checkpoint=self.checkpoint,
+            restored=self.restored,
+            outputs=self.outputs,
+            egress=tuple(Egress(source=s, bytes=b) for s, b in sorted(self.egress.items()) if b),
             updated_at=now,
         )
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
+from sites.agent.data.errors import DataError
 from sites.agent.fit import (
     DoesNotFit,
     SiteResources,
@@ -40,12 +41,20 @@ from sites.agent.fit import (
 from sites.agent.replicas import ReplicaState
 from sites.agent.runs import JobLog, Run, UnknownJob, exit_message
 from sites.agent.serving import Serving
-from sites.executors.base import JOB_ID_RE, Executor, ExecutorError, RunHandle, log_path
+from sites.executors.base import (
+    JOB_ID_RE,
+    Executor,
+    ExecutorError,
+    RunHandle,
+    job_dir,
+    log_path,
+)
 from sites.kits.clock import Clock
 from sites.model import keys
 from sites.model.assignments import Assignment, Report, RunState
 from sites.model.capacity import Capacity
 from sites.model.catalog import DeviceCatalog
+from sites.model.data import StagingProgress
 from sites.model.errors import RegistryError
 from sites.model.spec import SiteSpec
 from sites.model.status import AgentRecord, GpuDevice, NodeUsage, ServiceEndpoint
@@ -396,6 +405,8 @@ class Workload:
     async def _execute(self, run: Run) -> None:
         try:
             await self._run(run)
+            if self.data is not None:
+                self.data.release(run.job)
         except Exception as exc:
             # a bug here must not leave the run holding its devices, nor go unreported
             log.exception("job %s attempt %d: agent error", run.job, run.assignment.attempt)
@@ -425,6 +436,11 @@ class Workload:
         a, devices = sliced(a, run.devices, self._resources(), self.catalog)
         if a.serve is not None:
             a, run.replica = self._serving.replica(a, a.serve)
+        if a.inputs or a.checkpoint is not None:
+            staged = await self._stage(run, a)
+            if staged is None:
+                return  # failed or withdrawn while staging: reported
+            a = staged
         try:
             handle = await self.executor.start(a, devices, run.log_path)
         except ExecutorError as exc:
@@ -435,7 +451,121 @@ class Workload:
         run.handle = handle
         run.started_at = handle.started_at
         run.state = RunState.running
+        if a.checkpoint is not None and a.checkpoint.store is not None and self.data is not None:
+            self._spawn(self._checkpoints(run, a), f"checkpoints {a.job}")
         await self._follow(run, handle)
+
+    # -- data that follows the work (sites.agent.data, docs/data.md) ------------------------------
+
+    def _work(self, job: str) -> Path:
+        return job_dir(self.executor.work_dir, job) / "work"
+
+    async def _stage(self, run: Run, a: Assignment) -> Assignment | None:
+        """Pull the run's inputs and its last checkpoint (reporting `staging` with progress);
+        the assignment to start, with the inputs' trees and the checkpoint's path, or None when
+        staging failed or the run was withdrawn meanwhile (reported)."""
+        data = self.data
+        if data is None:
+            run.finish(RunState.failed, self.clock.time(), None,
+                       f"not run: site {self.site} has no data store for its inputs or "
+                       "checkpoints")  # fmt: skip
+            await self._write(run)
+            return None
+        run.state = RunState.staging
+        changed = asyncio.Event()
+
+        def progress(p: StagingProgress) -> None:
+            run.staging = p
+            changed.set()
+
+        writer = self._spawn(self._staging_reports(run, changed), f"staging {a.job}")
+        ckpt = a.checkpoint
+        try:
+            inputs, egress = await data.stage_inputs(a, progress)
+            run.pulled(egress)
+            update: dict[str, object] = {"inputs": inputs}
+            if ckpt is not None:
+                work = self._work(a.job)
+                target = work / ckpt.path
+                target.mkdir(parents=True, exist_ok=True)
+                if ckpt.restore and ckpt.store is not None:
+                    mark, egress = await data.restore_checkpoint(a, target, progress)
+                    run.pulled(egress)
+                    run.restored = run.checkpoint = mark
+                    update["resume"] = mark is not None
+                update["checkpoint_path"] = str(target)
+        except (DataError, OSError) as exc:  # fails this run, not the agent
+            log.warning("job %s attempt %d: staging failed: %s", a.job, a.attempt, exc)
+            run.finish(RunState.failed, self.clock.time(), None, f"staging failed: {exc}")
+            data.release(a.job)
+            await self._write(run)
+            return None
+        finally:
+            writer.cancel()
+        run.staging = None
+        if run.withdrawn.is_set() or self._closing.is_set():
+            data.release(a.job)
+            run.finish(RunState.stopped, self.clock.time(), None, "withdrawn while staging")
+            await self._write(run)
+            return None
+        run.state = RunState.starting
+        return a.model_copy(update=update)
+
+    async def _staging_reports(self, run: Run, changed: asyncio.Event) -> None:
+        """While staging: the run's progress in its report, at most once a second."""
+        await self._write(run)
+        while True:
+            await changed.wait()
+            changed.clear()
+            await self._write(run)
+            await self.clock.sleep(1.0)
+
+    async def _checkpoints(self, run: Run, a: Assignment) -> None:
+        """Sync the run's checkpoint directory to its durable replica every interval while it
+        runs; each complete one goes into the run's report."""
+        data, ckpt = self.data, a.checkpoint
+        assert data is not None and ckpt is not None
+        target = self._work(a.job) / ckpt.path
+        n = 0
+        while run.state is RunState.running and not run.withdrawn.is_set():
+            await self.clock.sleep(ckpt.interval_s)
+            if run.state is not RunState.running or run.withdrawn.is_set():
+                return
+            n += 1
+            await self._sync(run, a, target, n)
+
+    async def _sync(self, run: Run, a: Assignment, target: Path, n: int) -> None:
+        data = self.data
+        assert data is not None
+        seq = a.attempt * 1_000_000 + n  # later attempts sort after earlier ones
+        try:
+            mark = await data.sync_checkpoint(a, target, seq)
+        except (DataError, OSError) as exc:
+            log.warning("job %s: checkpoint not synced: %s", a.job, exc)
+            return
+        if mark is not None:
+            run.checkpoint = mark
+            if run.state is RunState.running:
+                await self._write(run)
+
+    async def _save_outputs(self, run: Run) -> str | None:
+        """Save a succeeded run's outputs; the reason it could not, or None."""
+        a = run.assignment
+        if not a.outputs:
+            return None
+        if self.data is None:
+            return f"site {self.site} has no data store for its outputs"
+        made = []
+        for spec in a.outputs:
+            src = self._work(a.job) / spec.path
+            if not src.exists():
+                return f"output {spec.path} was not written"
+            try:
+                made.append(await self.data.save_output(a, spec, src))
+            except (DataError, OSError) as exc:
+                return f"output {spec.path} not saved: {exc}"
+        run.outputs = tuple(made)
+        return None
 
     async def _follow(self, run: Run, handle: RunHandle) -> None:
         """Report the run running (after its wait in the site's own queue), wait for its end,
@@ -462,6 +592,9 @@ class Workload:
             state, message = RunState.failed, run.unready
         elif ended.ok:
             state, message = RunState.succeeded, ""
+            unsaved = await self._save_outputs(run)
+            if unsaved is not None:
+                state, message = RunState.failed, unsaved
         else:
             state = RunState.failed
             message = ended.message or (

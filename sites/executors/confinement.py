@@ -222,6 +222,9 @@ class Confiner:
             raise Refused(self.refusal)
         account = self.accounts.for_tenant(assignment.tenant)  # AccountError: none here
         own_work_dir(cwd, account, root=self.root)
+        mounts = input_mounts(assignment, cwd)
+        if self.bwrap is None:
+            link_inputs(mounts, cwd)
         env = allowed_env(account, home=cwd, path=self.path,
                           lang=os.environ.get("LANG", "C.UTF-8"))  # fmt: skip
         env["TMPDIR"] = "/tmp" if self.bwrap else str(cwd)
@@ -254,6 +257,7 @@ class Confiner:
                 devices=nodes,
                 network=network.value,
                 hostname=self.site,
+                mounts=mounts,
             )
             run_argv = bwrap_argv(self.bwrap, plan, argv)
             how = "bwrap sandbox"
@@ -283,7 +287,8 @@ def allowed_env(account: Account, *, home: Path, path: str, lang: str) -> dict[s
 
 
 def own_work_dir(cwd: Path, account: Account, *, root: bool) -> None:
-    """The run's work dir: the tenant's, mode 0700; its job dir (logs, run.json) the agent's."""
+    """The run's work dir: the tenant's, mode 0700; its job dir (logs, run.json) the agent's.
+    What the agent put there (a restored checkpoint: sites.agent.data) becomes the tenant's."""
     cwd.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(cwd.parent, 0o711)  # others may pass through to their own dir, not list it
     cwd.mkdir(exist_ok=True)
@@ -291,7 +296,40 @@ def own_work_dir(cwd: Path, account: Account, *, root: bool) -> None:
         st = cwd.stat()
         if (st.st_uid, st.st_gid) != (account.uid, account.gid):
             os.chown(cwd, account.uid, account.gid)
+        me = os.geteuid()
+        for path in cwd.rglob("*"):
+            st = path.lstat()
+            if st.st_uid == me and me != account.uid:
+                os.lchown(path, account.uid, account.gid)
     os.chmod(cwd, 0o700)
+
+
+def input_mounts(assignment: Assignment, cwd: Path) -> tuple[tuple[str, str], ...]:
+    """(staged tree, where the job sees it) per staged input: an absolute path as it is, a
+    relative one under the work dir."""
+    out = []
+    for item in assignment.inputs:
+        if item.local is None:
+            raise Refused(f"input {item.dataset} was not staged")
+        dst = item.path if item.path.startswith("/") else str(cwd / item.path)
+        out.append((item.local, dst))
+    return tuple(out)
+
+
+def link_inputs(mounts: Sequence[tuple[str, str]], cwd: Path) -> None:
+    """Without a sandbox: each input as a symlink at its path under the work dir (its tree is
+    read-only); an absolute path needs the sandbox (Refused)."""
+    for src, dst in mounts:
+        target = Path(dst)
+        if not target.is_relative_to(cwd):
+            raise Refused(f"an input at {dst} needs the sandbox here: give it a relative path")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink() or target.exists():
+            if target.is_symlink() or target.is_file():
+                target.unlink()
+            else:
+                raise Refused(f"{dst} exists in the work dir: an input cannot be placed there")
+        target.symlink_to(src, target_is_directory=True)
 
 
 def _agent_secrets(work_dir: Path) -> list[str]:

@@ -53,6 +53,7 @@ class SandboxPlan:
     devices: tuple[tuple[str, str], ...] = ()  # (host node, path in the sandbox)
     network: str = "full"  # full | egress | none
     hostname: str = "cpn"
+    mounts: tuple[tuple[str, str], ...] = ()  # (host tree, path in the sandbox), read-only
 
 
 def find_bwrap() -> str | None:
@@ -148,6 +149,10 @@ def bwrap_argv(bwrap: str, plan: SandboxPlan, command: Sequence[str]) -> list[st
     work = str(plan.work)
     argv += _parents(work, made, bound, masked)
     argv += ["--bind", work, work]
+    for src, dst in plan.mounts:  # the job's inputs, over the work dir's paths or their own
+        if not _under(dst, (work,)):
+            argv += _parents(dst, made, bound, masked)
+        argv += ["--ro-bind", src, dst]
     for src, dst in plan.devices:
         argv += ["--dev-bind", src, dst]
     argv += ["--chdir", work]

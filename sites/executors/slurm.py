@@ -45,7 +45,7 @@ from sites.executors.base import (
     write_record,
 )
 from sites.executors.base import log_path as attempt_log_path
-from sites.executors.confinement import allowed_env
+from sites.executors.confinement import Refused, allowed_env, input_mounts, link_inputs
 from sites.executors.slurm_batch import (
     ACCOUNTS_FIELD,
     batch_script,
@@ -187,6 +187,8 @@ class SlurmExecutor:
         script = jdir / f"attempt-{a.attempt}.sbatch"
         try:
             job_files(cwd, log_path, user)
+            # Slurm confines with its own means: inputs are symlinks under the work dir
+            link_inputs(input_mounts(a, cwd), cwd)
             script.write_text(
                 batch_script(
                     a,
@@ -196,6 +198,8 @@ class SlurmExecutor:
             )
             script.chmod(0o700)  # sbatch reads it as root and hands Slurm a copy
             blocked = unreachable_dir(cwd, user)
+        except Refused as exc:
+            raise ExecutorError(str(exc)) from exc
         except OSError as exc:
             raise ExecutorError(
                 f"cannot make the files of job {a.job} in {jdir}: {exc.strerror or exc}"
