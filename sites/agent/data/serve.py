@@ -67,6 +67,20 @@ def _guarded(handler: Handler) -> Handler:
     return run
 
 
+class _HeldFile(web.FileResponse):
+    """A file response that lets its object go once sent (or refused)."""
+
+    def __init__(self, path: Path, *, release: Callable[[], object], **kw: Any) -> None:
+        super().__init__(path, **kw)
+        self._release = release
+
+    async def prepare(self, request: web.BaseRequest) -> Any:
+        try:
+            return await super().prepare(request)
+        finally:
+            self._release()
+
+
 class DataRoutes:
     """The /data/ routes of one store (module docstring). `committed(digest)` is awaited once
     an object became complete here through them (replica record, eviction)."""
@@ -154,15 +168,11 @@ class DataRoutes:
         _, _, sha = self.store.file(digest, path)
         holder = f"serve:{secrets.token_hex(6)}"
         self.store.acquire(digest, holder)  # not evicted while it is sent
-        try:
-            response = web.FileResponse(
-                self.store.blobs / sha,
-                headers={SHA_HEADER: sha, "Content-Type": "application/octet-stream"},
-            )
-            await response.prepare(request)
-            return response
-        finally:
-            self.store.release(holder)
+        return _HeldFile(
+            self.store.blobs / sha,
+            release=lambda: self.store.release(holder),
+            headers={SHA_HEADER: sha, "Content-Type": "application/octet-stream"},
+        )
 
     async def latest_checkpoint(self, request: web.Request) -> web.Response:
         claims = self._claims(request)
