@@ -53,7 +53,8 @@ class Arrivals:
     """Jobs of all batch and trace workloads, one row per job, stably sorted by `at_s`.
 
     The arrays are read-only. Codes index the tuples: `model` -1 = any model, `data_region`
-    -1 = no data location, `priority_class` -1 = none; `workload` indexes `workloads` (the
+    -1 = no data location, `priority_class` -1 = none, `dataset` (the one the job reads,
+    simulations.datasets) -1 = none; `workload` indexes `workloads` (the
     generated workloads, in order). `checkpoint_s` 0 = the job never checkpoints.
     """
 
@@ -71,11 +72,13 @@ class Arrivals:
     best_effort: npt.NDArray[np.bool_]
     priority_class: I16
     checkpoint_s: F64
+    dataset: I16
     models: tuple[str, ...]
     tenants: tuple[str, ...]
     regions: tuple[str, ...]
     workloads: tuple[str, ...]
     priority_classes: tuple[str, ...] = ()
+    datasets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = {
@@ -114,9 +117,12 @@ class _Part:
     priority_class: I64
     priority_classes: tuple[str, ...]
     checkpoint_s: F64
+    dataset: I64
+    datasets: tuple[str, ...]
 
 
-_STREAMS = ("arrivals", "gpus", "duration", "model", "tenant", "region")
+# new streams go last: a stream's seed is its position, so the others draw as before
+_STREAMS = ("arrivals", "gpus", "duration", "model", "tenant", "region", "inputs")
 
 
 def _rngs(seed: int, name: str) -> dict[str, np.random.Generator]:
@@ -224,6 +230,7 @@ def _batch_part(w: BatchWorkload, horizon_s: float, seed: int) -> _Part:
         region = _pick(list(w.data_regions.values()), n, rngs["region"])
         regions = tuple(w.data_regions)
     cpu, mem = _resources(w, gpus, None, None)
+    dataset, datasets = _inputs(w, n, rngs["inputs"])
     return _Part(
         at_s=at,
         gpus=gpus,
@@ -242,7 +249,20 @@ def _batch_part(w: BatchWorkload, horizon_s: float, seed: int) -> _Part:
         priority_class=np.full(n, -1 if w.priority_class is None else 0, dtype=np.int64),
         priority_classes=() if w.priority_class is None else (w.priority_class,),
         checkpoint_s=np.full(n, w.checkpoint_interval_s or 0.0),
+        dataset=dataset,
+        datasets=datasets,
     )
+
+
+def _inputs(w: BatchWorkload, n: int, rng: np.random.Generator) -> tuple[I64, tuple[str, ...]]:
+    """Each job's dataset (-1: none): a share of the jobs read one, drawn by weight."""
+    if w.inputs is None:
+        return np.full(n, -1, dtype=np.int64), ()
+    names = tuple(w.inputs)
+    dataset = _pick(list(w.inputs.values()), n, rng)
+    if w.inputs_share < 1.0:
+        dataset = np.where(rng.random(n) < w.inputs_share, dataset, -1)
+    return dataset, names
 
 
 def _trace_part(w: TraceWorkload, trace: Trace, horizon_s: float) -> _Part:
@@ -284,6 +304,8 @@ def _trace_part(w: TraceWorkload, trace: Trace, horizon_s: float) -> _Part:
         priority_class=np.full(len(rows), -1, dtype=np.int64),
         priority_classes=(),
         checkpoint_s=np.zeros(len(rows)),
+        dataset=np.full(len(rows), -1, dtype=np.int64),
+        datasets=(),
     )
 
 
@@ -345,6 +367,7 @@ def generate(
     tenant, tenants = _merge_codes(parts, lambda p: p.tenant, lambda p: p.tenants)
     region, regions = _merge_codes(parts, lambda p: p.data_region, lambda p: p.regions)
     pclass, pclasses = _merge_codes(parts, lambda p: p.priority_class, lambda p: p.priority_classes)
+    dataset, datasets = _merge_codes(parts, lambda p: p.dataset, lambda p: p.datasets)
     at = np.concatenate([p.at_s for p in parts]) if parts else np.empty(0)
     order = np.argsort(at, kind="stable")
 
@@ -372,9 +395,11 @@ def generate(
         best_effort=column([p.best_effort for p in parts], np.bool_),
         priority_class=column(pclass, np.int16),
         checkpoint_s=column([p.checkpoint_s for p in parts], np.float64),
+        dataset=column(dataset, np.int16),
         models=models,
         tenants=tenants,
         regions=regions,
         workloads=tuple(names),
         priority_classes=pclasses,
+        datasets=datasets,
     )

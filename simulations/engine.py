@@ -13,6 +13,8 @@ Virtual time is seconds from the scenario's start (t = 0 is 00:00 UTC of day 0).
     inference    the routing step every inference_step_s
     sample       the utilization and queue series, every sample_s, and the devices free but
                  stranded for the waiting shapes at sites with nodes (simulations.nodes)
+    staged       a job's inputs reached its site (simulations.staging): the copies join the
+                 site's cache
 
 Policies and what happens on each event (docs/simulation.md):
 
@@ -28,6 +30,12 @@ Policies and what happens on each event (docs/simulation.md):
   cannot express go through the fast path at the pass, as in the broker.
 - fifo-first-fit / random: baselines with a strict FIFO queue (the head blocks the others);
   the head goes to the first site in file order that fits / a uniformly random one.
+
+Data (a scenario with `datasets`, simulations.staging): the placement's Federation has the
+scenario's DataView, so placement prices a job's inputs per site; a job placed away from its data
+starts when placed, holding its allocation, and works from when its inputs arrive (the
+StageTerms placement priced); its egress is added to its cost. `policy.data_placement` swaps
+the site choice for a baseline's (simulations.data_placement).
 
 Accounting: a job holds its devices, cores and memory from start to finish; cost is the
 placement's compute and egress cost pro rata of the time it ran (an interrupted attempt is
@@ -57,7 +65,7 @@ from heapq import heappop, heappush
 from pathlib import Path
 from typing import Any, Protocol
 
-from broker.model.jobs import JobSpec
+from broker.model.jobs import InputSpec, JobSpec
 from broker.model.lifecycle import RetryPolicy
 from broker.model.tenants import TenancyFile
 from broker.placement import place as pl
@@ -68,6 +76,8 @@ from broker.placement.tenancy import Quotas
 from broker.plan.solver import collector_paused
 from simulations.arrivals import Arrivals, generate
 from simulations.autoscaling import run_services
+from simulations.data_placement import Place, placer
+from simulations.datasets import digest_of
 from simulations.failures import Failures
 from simulations.inference import InferenceSim
 from simulations.jobs import JobClass, JobClasses, JobRun, job_like
@@ -80,6 +90,7 @@ from simulations.policies import Baselines, BatchPasses, FastPath
 from simulations.results import collect
 from simulations.scenario import PolicyKind, Scenario, SimFederation, build_federation
 from simulations.series import Series
+from simulations.staging import DataPlane
 from simulations.tenancy import TenantBook
 from simulations.workflows import WorkflowReplay
 from sites.model.catalog import DeviceCatalog
@@ -89,7 +100,7 @@ __all__ = ["EPOCH", "Phase", "Simulation"]
 
 
 # event kinds, in the order simultaneous events are handled
-_UP, _FINISH, _DOWN, _FAILOVER, _BATCH, _INFER, _WF_ARRIVE, _WF_FINISH = range(8)
+_UP, _FINISH, _DOWN, _FAILOVER, _BATCH, _INFER, _WF_ARRIVE, _WF_FINISH, _STAGED = range(9)
 
 
 class _Queue(Protocol):
@@ -149,7 +160,21 @@ class Simulation:
         self.pos = {s: i for i, s in enumerate(self.site_ids)}
         catalog = self.fedinfo.catalog
         offers = tuple(_offer(spec, catalog, self.policy) for spec in specs.values())
-        self.fed = pl.Federation(offers, self.fedinfo.user_rtt_ms)
+        # datasets (simulations.staging): placement sees where they are; None: no inputs
+        self.data: DataPlane | None = None
+        self.staged: list[tuple[str, tuple[str, ...]]] = []  # transfers under way (_STAGED)
+        if scenario.datasets:
+            self.data = DataPlane(
+                scenario.datasets,
+                scenario.what_if,
+                specs,
+                cache_gb=scenario.staging.cache_gb,
+                configs_dir=scenario.configs_dir,
+            )
+            self.fed = pl.Federation(offers, self.fedinfo.user_rtt_ms, data=self.data.view())
+        else:
+            self.fed = pl.Federation(offers, self.fedinfo.user_rtt_ms)
+        self.place: Place = placer(self.policy.data_placement)
         self.full = list(offers)  # every site's offer with nothing running
         has_nodes = any(o.nodes is not None for o in offers)
         self.fragmentation = Fragmentation(self.fed) if has_nodes else None
@@ -173,7 +198,9 @@ class Simulation:
             # GPUs held per tenant: mutated in place, and read by place() (synchronously)
             # through the one TenantUsage that wraps it; no tenancy, no quotas
             self.usage = pl.TenantUsage(self.used)
-        self.classes = JobClasses(self.arrivals, tenancy, self.policy.max_retries)
+        self.classes = JobClasses(
+            self.arrivals, tenancy, self.policy.max_retries, _inputs(scenario)
+        )
         self.groups = pl.GroupState()
         n = len(self.arrivals)
         self.state = bytearray(n)  # Phase per job
@@ -350,10 +377,17 @@ class Simulation:
             if run is None or run.attempt != b:
                 return  # a stale completion: the job moved
             self._finish(a, run)
+        elif kind == _STAGED:
+            if self.data is not None:
+                self.data.arrived(*self.staged[a])
         elif kind == _DOWN:
+            if self.data is not None:
+                self.data.set_up(self.site_ids[a], False)
             entry = self.failures.down(a)
             self._push(self.now + self.policy.failover_grace_s, _FAILOVER, a, entry)
         elif kind == _UP:
+            if self.data is not None:
+                self.data.set_up(self.site_ids[a], True)
             self.failures.up(a)
         elif kind == _FAILOVER:
             self.failures.failover(a, b)
@@ -450,6 +484,10 @@ class Simulation:
         self.attempts[j] += 1
         duration = spec.duration_hours * 3600.0
         watts = self.ledger.watts(gpus, decision.model, spec.cpu)
+        stage_s = 0.0
+        egress_usd = decision.breakdown.egress_usd
+        if self.data is not None and spec.inputs:
+            stage_s, egress_usd = self._stage(j, spec, decision, first=self.attempts[j] == 1)
         run = JobRun(
             site=s,
             model=decision.model,
@@ -463,18 +501,42 @@ class Simulation:
                 - decision.breakdown.carbon_usd
             )
             / duration,
-            egress_usd=decision.breakdown.egress_usd,
+            egress_usd=egress_usd,
             watts=watts,
             region=decision.region,
             cost_usd=decision.cost_usd,
             nodes=decision.nodes,
+            stage_s=stage_s,
         )
         self.runs[j] = run
         self.on_site[s].add(j)
         if self.passes is not None:
             self.passes.hold(j, run, 1)
         # a job that checkpointed goes on from its last checkpoint (the broker's resume)
-        self._push(self.now + duration - self.saved.get(j, 0.0), _FINISH, j, run.attempt)
+        end = self.now + duration - self.saved.get(j, 0.0)
+        if stage_s:
+            end = self.now + stage_s + duration - self.saved.get(j, 0.0)
+        self._push(end, _FINISH, j, run.attempt)
+
+    def _stage(
+        self, j: int, spec: JobSpec, decision: pl.Decision, *, first: bool
+    ) -> tuple[float, float]:
+        """Job j's inputs brought to the decision's site (simulations.staging): seconds until
+        they are there, and the run's egress: the job's data location's (as the screen prices
+        it) plus the inputs'. The placement's breakdown is not read back: it holds the idle
+        allocation's price too, which the run pays as compute while it waits."""
+        data = self.data
+        if data is None:
+            return 0.0, decision.breakdown.egress_usd
+        staged = data.stage(j, spec, decision.site, self.fed, self.now, first=first)
+        if staged.moved:
+            self.staged.append((decision.site, staged.moved))
+            self._push(self.now + staged.seconds, _STAGED, len(self.staged) - 1, 0)
+            if data.cache_bytes > 0:
+                data.transferring(decision.site, staged.moved, self.now + staged.seconds)
+        free_region, away = self.fed.egress_terms(spec.data)
+        located = 0.0 if decision.region == free_region else away
+        return staged.seconds, located + staged.usd
 
     def _finish(self, j: int, run: JobRun) -> None:
         self.charge(j, self.now)
@@ -526,6 +588,8 @@ class Simulation:
             raise RuntimeError(f"job {j} runs without a class")
         del self.runs[j]
         self.on_site[run.site].discard(j)
+        if self.data is not None and cls.spec.inputs:
+            self.data.ended(cls.spec, self.site_ids[run.site])
         if self.passes is not None:
             self.passes.hold(j, run, -1)
         return cls
@@ -533,6 +597,8 @@ class Simulation:
     def keep_checkpoint(self, j: int, run: JobRun) -> float:
         """The run stops now: what its checkpoints kept is kept; returns the work lost."""
         ran = self.now - run.start
+        if run.stage_s:
+            ran = max(0.0, ran - run.stage_s)  # no work before its inputs arrived
         lost = lost_s(ran, self.checkpoint_s[j])
         if ran > lost:
             self.saved[j] = self.saved.get(j, 0.0) + ran - lost
@@ -575,6 +641,13 @@ class Simulation:
         return out
 
     def _with_workflows(self, results: dict[str, Any]) -> dict[str, Any]:
+        if self.data is not None and self.part is not Part.inference:
+            results["data"] = self.data.results(
+                placement=self.policy.data_placement.value,
+                first_start=self.first_start,
+                at=self.at,
+                cost_usd=results["cost"]["total_usd"],
+            )
         if self.workflows is not None:
             results["workflows"] = self.workflows.results()
         if self.scenario.services and self.part is Part.all:
@@ -604,6 +677,19 @@ class Simulation:
     @property
     def batch_gap_max(self) -> float:
         return self.batch.gap_max if self.batch is not None else 0.0
+
+
+def _inputs(scenario: Scenario) -> dict[str, InputSpec]:
+    """Per dataset, the input a job reading it declares, as the broker pins it at submit."""
+    return {
+        ds.name: InputSpec(
+            dataset=ds.name,
+            path=f"/data/{ds.name}",
+            digest=digest_of(ds.name, ds.bytes),
+            bytes=ds.bytes,
+        )
+        for ds in scenario.datasets
+    }
 
 
 def _offer(spec: SiteSpec, catalog: DeviceCatalog, policy: SchedulingSettings) -> pl.SiteOffer:

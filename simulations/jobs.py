@@ -2,9 +2,10 @@
 equal requests, placed with a JobSpec copied from its class's template, and run as a JobRun.
 
 A class (JobClass) is every job with the same request: shape (devices, model, cores, memory),
-tenant, data region and size, priority, priority class and best-effort. Its jobs are equivalent
-for feasibility, so the fast path tries only a class's oldest job (simulations.policies) and a
-tenancy pass keeps one gate per class (simulations.tenancy). JobClasses finds every job's class
+tenant, data region and size, priority, priority class, best-effort and the dataset it reads
+(simulations.datasets). Its jobs are equivalent for feasibility, so the fast path tries only a
+class's oldest job (simulations.policies) and a tenancy pass keeps one gate per class
+(simulations.tenancy). JobClasses finds every job's class
 in one vectorised pass (`unique_rows`) and makes a class, with its template, when its first job
 arrives; `job_like` copies the template for one job.
 """
@@ -13,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from broker.model.jobs import DataLocation, GpuRequest, JobSpec
+from broker.model.jobs import DataLocation, GpuRequest, InputSpec, JobSpec
 from broker.model.tenants import TenancyFile
 from broker.placement import feasibility as fz
 from broker.placement import place as pl
@@ -103,12 +104,13 @@ class JobRun:
     model: str | None
     start: float
     attempt: int
-    compute_rate: float  # USD per second while it runs
+    compute_rate: float  # USD per second while it runs (its allocation held: staging too)
     egress_usd: float
     watts: float  # devices + cores at TDP, before PUE
     region: str = ""
     cost_usd: float = 0.0  # the placement's estimate (preemption weighs it)
     nodes: tuple[NodeShare, ...] = ()  # at a site that declares its nodes: its part of each
+    stage_s: float = 0.0  # from `start`, its inputs arrive: its work begins then
 
 
 def job_like(spec: JobSpec, name: str, duration_hours: float) -> JobSpec:
@@ -158,8 +160,15 @@ class JobClasses:
     """Every job's class (`of`), its priority and best-effort flag with its priority class
     applied, and the classes made so far (`templates`, by key)."""
 
-    def __init__(self, arrivals: Arrivals, tenancy: TenancyFile, max_retries: int) -> None:
+    def __init__(
+        self,
+        arrivals: Arrivals,
+        tenancy: TenancyFile,
+        max_retries: int,
+        inputs: Mapping[str, InputSpec] | None = None,
+    ) -> None:
         self.arrivals = arrivals
+        self.inputs = inputs or {}  # dataset name -> the input a job reading it declares
         self.max_retries = max_retries
         self.priority, self.best_effort = self._resolve(tenancy)
         self.templates: dict[tuple[Any, ...], JobClass] = {}
@@ -209,12 +218,13 @@ class JobClasses:
             size,
             self.best_effort,
             arr.priority_class,
+            arr.dataset,
         )
-        types = (int, int, int, int, int, float, int, float, int, int)
+        types = (int, int, int, int, int, float, int, float, int, int, int)
         return unique_rows([np.asarray(c) for c in columns], types)
 
     def _template(self, key: tuple[Any, ...]) -> JobSpec:
-        gpus, model, tenant, region, cpu, mem, priority, size, best_effort, pclass = key
+        gpus, model, tenant, region, cpu, mem, priority, size, best_effort, pclass, dataset = key
         arr = self.arrivals
         if not gpus:
             gpu = GpuRequest()
@@ -237,4 +247,5 @@ class JobClasses:
             max_retries=self.max_retries,
             best_effort=bool(best_effort),
             priority_class=arr.priority_classes[pclass] if pclass >= 0 else None,
+            inputs=(self.inputs[arr.datasets[dataset]],) if dataset >= 0 else (),
         )

@@ -29,6 +29,7 @@ from broker.placement import place as pl
 from broker.placement.preemption import Preemption, Running, Runs, Victims, lost_s, victim_kind
 from broker.placement.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
 from broker.placement.why import Fairness, own_order
+from simulations.data_placement import Place
 from simulations.jobs import JobClass, JobRun
 from simulations.phase import EPOCH
 from simulations.tenancy import PREEMPT_RETRY_S, Gates, TenancyPass, TenantBook
@@ -45,6 +46,7 @@ class Engine(Protocol):
     fed: pl.Federation
     usage: pl.TenantUsage
     groups: pl.GroupState
+    place: Place  # broker.placement.place.place, or a data baseline's (simulations.data_placement)
 
     @property
     def now(self) -> float: ...
@@ -261,6 +263,7 @@ class TenancyPasses:
             now=when,
             reference=sim.reference,
             preempt_skip=self._preempt_skip() if self.fair else frozenset(),
+            place=sim.place,
         )
         self._pass_due = False
         self._in_pass = set()

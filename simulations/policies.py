@@ -23,9 +23,9 @@ from typing import Any, Protocol
 from broker.model.jobs import JobSpec
 from broker.placement import feasibility as fz
 from broker.placement import place as pl
-from broker.placement import request as rq
 from broker.plan import batch as bt
 from broker.plan.solver import collector_paused, solve
+from simulations.data_placement import Place, baseline_decision
 from simulations.jobs import JobClass
 from simulations.phase import EPOCH
 from simulations.scenario import PolicySettings
@@ -39,6 +39,7 @@ class Engine(Protocol):
     fed: pl.Federation
     usage: pl.TenantUsage
     groups: pl.GroupState
+    place: Place  # broker.placement.place.place, or a data baseline's (simulations.data_placement)
 
     @property
     def now(self) -> float: ...
@@ -87,7 +88,7 @@ class FastPath:
         sim = self.engine
         spec = sim.spec_of(j, cls)
         when = EPOCH + timedelta(seconds=sim.now)
-        outcome = pl.place(
+        outcome = sim.place(
             spec, sim.fed, now=when, usage=sim.usage, groups=sim.groups, explain=False
         )
         if isinstance(outcome, pl.Unschedulable):
@@ -193,7 +194,7 @@ class Baselines(FifoQueue):
             return False
         found = options.options
         option = found[0] if len(found) == 1 else self.rng.choice(found)
-        decision = _decision(spec, option)
+        decision = baseline_decision(spec, option, "baseline")
         if decision is None:
             return False
         sim.start(j, spec, decision)
@@ -212,30 +213,6 @@ class Baselines(FifoQueue):
                 return
             fifo.popleft()
             s = None  # capacity went down elsewhere: check the next head everywhere
-
-
-def _decision(spec: JobSpec, option: rq.Option) -> pl.Decision | None:
-    """A placement Decision for a baseline's choice, priced by the filter as the fast path is,
-    on the nodes broker.placement.nodes chooses at a site with nodes (None: they cannot hold it)."""
-    cost, _, _, offer, model, compute, egress, latency = option
-    on_nodes = pl.nodes_at(spec, offer, model)
-    if on_nodes is None:
-        return None
-    shares, island, _ = on_nodes
-    return pl.Decision(
-        job=spec.name,
-        site=offer.id,
-        region=offer.region,
-        model=model,
-        gpus=spec.gpu.count,
-        cost_usd=cost,
-        breakdown=pl.Breakdown(compute, egress, latency),
-        runner_up=None,
-        feasible=1,
-        reason="baseline",
-        nodes=shares,
-        island=island,
-    )
 
 
 # -- batch ---------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ from broker.model.tenants import TenancyFile
 from broker.model.workflows import WorkflowSpec
 from broker.placement.settings import SchedulingSettings
 from routing.decision.policy import RoutingSettings
+from simulations.datasets import Dataset, StagingSettings, WhatIf
+from simulations.datasets import check as check_datasets
 from simulations.federation import Edit, FederationRef, SimFederation, load_federation
 from simulations.service_demand import AutoscaledService
 from simulations.workloads import (
@@ -65,6 +67,7 @@ from sites.model.durations import Duration
 from sites.model.errors import ConfigError, Problem
 
 __all__ = [
+    "DataPlacement",
     "Edit",
     "Failure",
     "PolicyKind",
@@ -92,6 +95,15 @@ class PolicyKind(enum.StrEnum):
     # share, no preemption
 
 
+class DataPlacement(enum.StrEnum):
+    """Where a job that reads a dataset goes (simulations.data_placement); the queue is the
+    policy's either way."""
+
+    cpn = "cpn"  # the broker's placement: egress and staging time priced per site
+    at_data = "at-data"  # baseline: only sites holding its inputs; it waits for one
+    cheapest_compute = "cheapest-compute"  # baseline: inputs ignored, then staged wherever
+
+
 class PolicySettings(SchedulingSettings):
     """A scenario's `policy:`: the broker's scheduling settings (broker.placement.settings.
     SchedulingSettings: fields, units and defaults are documented there, once), which a
@@ -110,6 +122,11 @@ class PolicySettings(SchedulingSettings):
         default=None,
         description="also run the same jobs under this policy (fifo: arrival order, no fair "
         "share, no preemption) and report its tenant figures beside (results tenancy.baseline)",
+    )
+    data_placement: DataPlacement = Field(
+        default=DataPlacement.cpn,
+        description="jobs with inputs: cpn (the broker's placement), or a baseline: at-data, "
+        "cheapest-compute (simulations.data_placement); fast-path and fifo only",
     )
 
 
@@ -160,6 +177,16 @@ class Scenario(_Frozen):
     failures: tuple[Failure, ...] = ()
     workflows: tuple[WorkflowArrivals, ...] = Field(
         default=(), description="workflow arrivals: DAGs whose steps run as their parents finish"
+    )
+    datasets: tuple[Dataset, ...] = Field(
+        default=(),
+        description="datasets the workloads' jobs read and their replicas (simulations.datasets)",
+    )
+    staging: StagingSettings = Field(
+        default=StagingSettings(), description="staging inputs: the per-site cache"
+    )
+    what_if: WhatIf = Field(
+        default=WhatIf(), description="replicas added to the datasets' (simulations.datasets)"
     )
     sample_s: Duration | None = Field(
         default=None, gt=0, description="series sampling period; default horizon / 480"
@@ -285,6 +312,24 @@ def _cross_check(scenario: Scenario, fed: SimFederation, source: str) -> list[Pr
                         Problem(source, f"{at}.model", f"{model!r} is not in the device catalog")
                     )
     problems += _classes_check(scenario, fed, source)
+    inputs = [
+        (i, list(w.inputs))
+        for i, w in enumerate(scenario.workloads)
+        if isinstance(w, BatchWorkload) and w.inputs
+    ]
+    problems += check_datasets(scenario.datasets, scenario.what_if, inputs, fed.specs, source)
+    placing = scenario.policy.data_placement
+    if placing is not DataPlacement.cpn and scenario.policy.kind not in (
+        PolicyKind.fast_path,
+        PolicyKind.fifo,
+    ):
+        problems.append(
+            Problem(
+                source,
+                "policy.data_placement",
+                f"{placing} needs policy.kind fast-path or fifo, not {scenario.policy.kind}",
+            )
+        )
     site_regions = {spec.region for spec in fed.specs.values()}
     for i, svc in enumerate(scenario.services):
         at = f"services[{i}]"

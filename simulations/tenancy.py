@@ -63,6 +63,7 @@ from broker.placement.preemption import (
 )
 from broker.placement.tenancy import Quotas
 from broker.placement.why import Fairness
+from simulations.data_placement import Place
 
 __all__ = [
     "PREEMPT_RETRY_S",
@@ -205,7 +206,9 @@ class TenancyPass:
         now: datetime,
         reference: bool = False,
         preempt_skip: Container[object] = frozenset(),
+        place: Place = pl.place,
     ) -> None:
+        self.place = place  # or a data baseline's (simulations.data_placement)
         self.fed = fed
         self.usage = usage
         self.groups = groups
@@ -350,7 +353,7 @@ class TenancyPass:
         gate = cls.gate
         spec = host.spec(item)
         if gate.place:
-            outcome = pl.place(
+            outcome = self.place(
                 spec, self.fed, now=self.now, usage=self.usage, groups=self.groups, explain=False
             )
             if isinstance(outcome, pl.Decision):

@@ -346,6 +346,14 @@ class BatchWorkload(_Model):
         None, description="region of the job's data -> weight; None: jobs have no data"
     )
     data_size_gb: float = Field(0.0, ge=0, description="input data per job (needs data_regions)")
+    inputs: dict[str, float] | None = Field(
+        None,
+        description="dataset of the scenario's `datasets` -> weight: each job reads one, drawn "
+        "by weight (a list: equal weights); None: the jobs read no dataset",
+    )
+    inputs_share: float = Field(
+        1.0, gt=0, le=1, description="share of the jobs that read a dataset (needs inputs)"
+    )
     cpu_per_gpu: int = Field(8, ge=0, description="CPU cores per GPU a GPU job asks for")
     mem_gb_per_gpu: float = Field(64.0, ge=0, description="RAM per GPU a GPU job asks for")
     cpu_only_cores: int = Field(4, ge=1, description="CPU cores of a job with 0 GPUs")
@@ -399,6 +407,20 @@ class BatchWorkload(_Model):
         _check_weights(tenants, "tenant")
         return tenants
 
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs_list(cls, inputs: Any) -> Any:
+        if isinstance(inputs, list | tuple):
+            return dict.fromkeys(inputs, 1.0)
+        return inputs
+
+    @field_validator("inputs")
+    @classmethod
+    def _inputs(cls, inputs: dict[str, float] | None) -> dict[str, float] | None:
+        if inputs is not None:
+            _check_weights(inputs, "dataset")
+        return inputs
+
     @field_validator("data_regions")
     @classmethod
     def _regions(cls, regions: dict[str, float] | None) -> dict[str, float] | None:
@@ -412,6 +434,8 @@ class BatchWorkload(_Model):
             raise ValueError(f"end_s ({self.end_s}) must be after start_s ({self.start_s})")
         if self.data_size_gb > 0 and self.data_regions is None:
             raise ValueError("data_size_gb needs data_regions (where the data lives)")
+        if self.inputs_share != 1.0 and self.inputs is None:
+            raise ValueError("inputs_share needs inputs (the datasets the jobs read)")
         return self
 
 

@@ -1,0 +1,132 @@
+"""Where a job that reads datasets goes: the broker's placement, or one of two baselines
+(scenario `policy.data_placement`, simulations.scenario.DataPlacement). The queue is the
+policy's in every case (the fast path, the tenancy passes); only the site choice differs.
+
+    cpn               broker.placement.place.place: per site, the inputs' egress and the
+                      allocation held idle while they arrive are priced in (broker.placement.
+                      staging), the cheapest feasible site wins
+    at-data           only sites holding every input complete (the cheapest of them by the
+                      broker's prices); when none can take the job now, it waits
+    cheapest-compute  the inputs ignored: the cheapest compute by the broker's prices, then the
+                      inputs are staged there whatever it costs (egress, transfer time)
+
+Either way the engine stages what the chosen site lacks (simulations.staging). A job without
+inputs is placed by broker.placement.place.place under every choice.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Protocol
+
+from broker.model.jobs import JobSpec
+from broker.placement import feasibility as fz
+from broker.placement import place as pl
+from broker.placement.request import FILTERS, Option
+from simulations.scenario import DataPlacement
+
+__all__ = ["Place", "baseline_decision", "placer"]
+
+
+class Place(Protocol):
+    """broker.placement.place.place's signature."""
+
+    def __call__(
+        self,
+        job: JobSpec,
+        fed: pl.Federation,
+        *,
+        now: datetime,
+        usage: pl.TenantUsage,
+        groups: pl.GroupState,
+        explain: bool = True,
+    ) -> pl.Decision | pl.Unschedulable: ...
+
+
+def placer(kind: DataPlacement) -> Place:
+    """The placement function of `kind`."""
+    if kind is DataPlacement.at_data:
+        return at_data
+    if kind is DataPlacement.cheapest_compute:
+        return cheapest_compute
+    return pl.place
+
+
+def at_data(
+    job: JobSpec,
+    fed: pl.Federation,
+    *,
+    now: datetime,
+    usage: pl.TenantUsage,
+    groups: pl.GroupState,
+    explain: bool = True,
+) -> pl.Decision | pl.Unschedulable:
+    """The cheapest feasible site among those holding every input; else it waits."""
+    terms = None if fed.data is None or job.gang is not None else fed.data.terms(job, fed)
+    if terms is None:
+        return pl.place(job, fed, now=now, usage=usage, groups=groups, explain=explain)
+    req = fz.request(job, fed, now=now, usage=usage, groups=groups, stage=terms)
+    found = fz.screen(req, fed)
+    # a site absent from terms.at holds every input (broker.placement.staging.StageTerms)
+    held = [o for o in found.options if o[2] not in terms.at]
+    if not held:
+        reasons = {name: list(ids) for name, ids in zip(FILTERS, found.failed, strict=True) if ids}
+        away = [o[2] for o in found.options]
+        if away:
+            reasons.setdefault("data", []).extend(away)
+        return pl.Unschedulable(
+            reasons=reasons,
+            message=f"at-data: no site holding the inputs of {job.name} can take it now",
+        )
+    best = min(held, key=lambda o: (o[0], o[1], o[2]))
+    decision = baseline_decision(job, best, "at-data: cheapest site holding its inputs")
+    if decision is None:
+        return pl.Unschedulable(reasons={"nodes": [best[2]]}, message="at-data: no node fits")
+    return decision
+
+
+def cheapest_compute(
+    job: JobSpec,
+    fed: pl.Federation,
+    *,
+    now: datetime,
+    usage: pl.TenantUsage,
+    groups: pl.GroupState,
+    explain: bool = True,
+) -> pl.Decision | pl.Unschedulable:
+    """The broker's choice for the job as if it read nothing; it stages its inputs there. A job
+    whose input no live site holds waits (there is nothing to stage from)."""
+    terms = None if fed.data is None else fed.data.terms(job, fed)
+    if terms is None:
+        return pl.place(job, fed, now=now, usage=usage, groups=groups, explain=explain)
+    if terms.missing:
+        return pl.Unschedulable(
+            reasons={"data": [s.id for s in fed.sites]},
+            message=f"cannot get its inputs ({', '.join(terms.missing)}): no live replica",
+        )
+    blind = job.model_copy(update={"inputs": ()})
+    return pl.place(blind, fed, now=now, usage=usage, groups=groups, explain=explain)
+
+
+def baseline_decision(spec: JobSpec, option: Option, reason: str) -> pl.Decision | None:
+    """A placement Decision for a baseline's choice, priced by the filter as the fast path is,
+    on the nodes broker.placement.nodes chooses at a site with nodes (None: they cannot hold it)."""
+    cost, _, _, offer, model, compute, egress, latency = option
+    on_nodes = pl.nodes_at(spec, offer, model)
+    if on_nodes is None:
+        return None
+    shares, island, _ = on_nodes
+    return pl.Decision(
+        job=spec.name,
+        site=offer.id,
+        region=offer.region,
+        model=model,
+        gpus=spec.gpu.count,
+        cost_usd=cost,
+        breakdown=pl.Breakdown(compute, egress, latency),
+        runner_up=None,
+        feasible=1,
+        reason=reason,
+        nodes=shares,
+        island=island,
+    )
