@@ -23,6 +23,7 @@ from typing import Any
 
 from cpn import (
     certs_cli,
+    data_cli,
     job_cli,
     load_cli,
     serve_cli,
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     certs_cli.add_parsers(sub.add_parser)
     serve_cli.add_parsers(sub.add_parser, etcd_arg)
     job_cli.add_parsers(sub.add_parser, broker_arg)
+    data_cli.add_parsers(sub.add_parser, broker_arg)
     token_cli.add_parsers(sub.add_parser, broker_arg)
     usage_cli.add_parsers(sub.add_parser, broker_arg)
     tenant_cli.add_parsers(sub.add_parser, broker_arg)

@@ -84,6 +84,11 @@ class BrokerClient:
         url, token = connection(explicit)
         return cls(url, token, ca=certificate_authority(url))
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The session (token, TLS) for what a command streams itself (cpn.data_cli's files)."""
+        return self._session
+
     async def __aenter__(self) -> BrokerClient:
         return self
 

@@ -98,6 +98,7 @@ ACCESS: dict[tuple[str, str], Permission] = {
     ("POST", "/v1/datasets/{owner}/{name}/uploads/{upload}/commit"): P.jobs_submit,
     ("POST", "/v1/datasets/{owner}/{name}/replicate"): P.jobs_submit,
     ("PUT", "/v1/datasets/{owner}/{name}/shares"): P.jobs_submit,
+    ("GET", "/v1/datasets/{owner}/{name}/versions/{version}/manifest"): P.jobs_read,
     ("GET", "/v1/datasets/{owner}/{name}/versions/{version}/files/{path}"): P.jobs_read,
     ("GET", "/v1/sites"): P.sites_read,
     ("POST", "/v1/route"): P.route,

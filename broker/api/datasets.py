@@ -37,7 +37,7 @@ from broker.model.datasets import (
 from broker.model.errors import InvalidRequest
 from broker.model.jobs import NAME_RE
 from broker.ops.datasets import DataPlaneError, Datasets, parse_upload
-from sites.model.data import DATASET_NAME_RE, clean_path
+from sites.model.data import DATASET_NAME_RE, Manifest, clean_path
 
 __all__ = ["dataset_operations"]
 
@@ -239,6 +239,14 @@ async def share(request: web.Request) -> web.Response:
     return _json(await _ops(request).share(owner, name, body, tenant=_tenant(request)))
 
 
+async def manifest(request: web.Request) -> web.Response:
+    owner, name = _named(request)
+    ref = f"{owner}/{name}@{_version(request)}"
+    ops = _ops(request)
+    found = await ops.resolve(tenant=_tenant(request), ref=ref, field="name")
+    return _json(await ops.manifest(found.digest))
+
+
 async def download(request: web.Request) -> web.StreamResponse:
     """One file of a version, streamed from the first holder that answers (Range passed)."""
     owner, name = _named(request)
@@ -367,6 +375,12 @@ def dataset_operations() -> list[Operation]:
             "PUT", BASE + "/shares", share, "Share with tenants, or stop", "share_dataset",
             params=(OWNER, NAME), body=ShareRequest, body_types=ONLY_JSON, replies=meta,
             errors=(400, 404, 409, 413, 415, 503),
+        ),
+        Operation(
+            "GET", BASE + "/versions/{version}/manifest", manifest,
+            "A version's files: path, size, sha256", "dataset_manifest",
+            params=(OWNER, NAME, VERSION), replies={200: Reply("the manifest", Manifest)},
+            errors=(400, 404, 503),
         ),
         Operation(
             "GET", BASE + "/versions/{version}/files/{path:.*}", download,
