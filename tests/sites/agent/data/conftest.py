@@ -86,10 +86,17 @@ class Peer:
         await site.start()
         self.port = self.runner.addresses[0][1]
 
-    async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
-            self.runner = None
+    async def stop(self, *, kill: bool = False) -> None:
+        """Stop serving; `kill`: as a killed process does, its connections reset at once
+        (what was in flight is lost)."""
+        if self.runner is None:
+            return
+        if kill and self.runner.server is not None:
+            for handler in self.runner.server.connections:
+                if handler.transport is not None:
+                    handler.transport.abort()
+        await self.runner.cleanup()
+        self.runner = None
 
 
 MakePeer = Callable[..., Awaitable[Peer]]
