@@ -2,7 +2,8 @@
 
     cpn simulate SCENARIO.yaml [SCENARIO.yaml ...] [--out DIR] [--workers N | --cluster ADDR]
                  [--sweep FIELD=V1,V2,... | --seeds 1,2,3 | --seeds 1-5] [--seed N]
-                 [--horizon 7d] [--no-progress] [--json]
+                 [--horizon 7d] [--replicate DATASET=SITE_OR_REGION ...] [--no-progress]
+                 [--json]
     cpn plan-capacity PLANNING.yaml [--out FILE] [--workers N | --cluster ADDR] [--no-progress]
 
 Exit 0 when the run finished, 2 with one line per problem for bad input (a scenario or
@@ -129,9 +130,36 @@ def _simulate_parser() -> argparse.ArgumentParser:
         "over them (docs/simulation.md)",
     )
     p.add_argument("--horizon", help="override the scenarios' horizon (e.g. 2d)")
+    p.add_argument(
+        "--replicate",
+        action="append",
+        metavar="DATASET=SITE_OR_REGION",
+        help="the what-if of one more replica (repeatable): run the scenario as it is and with "
+        "the replicas added, side by side (egress, staging, queueing; docs/simulation.md)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--json", action="store_true", help="print the results JSON, not a table")
     return p
+
+
+def _replicas(texts: list[str]) -> list[dict[str, str]]:
+    out = []
+    for text in texts:
+        dataset, sep, to = text.partition("=")
+        if not sep or not dataset.strip() or not to.strip():
+            raise _UsageError(f"--replicate {text!r}: expected DATASET=SITE_OR_REGION")
+        out.append({"dataset": dataset.strip(), "to": to.strip()})
+    return out
+
+
+def _what_if(path: str, texts: list[str], overrides: dict[str, Any]) -> list[Scenario]:
+    """The scenario as it is and with the replicas of --replicate added to its what-if."""
+    base = load_scenario(path, overrides)
+    added = _replicas(texts)
+    kept = [r.model_dump() for r in base.what_if.replicate]
+    more = load_scenario(path, {**overrides, "what_if.replicate": kept + added})
+    label = ", ".join(f"{r['dataset']} at {r['to']}" for r in added)
+    return [base, more.model_copy(update={"name": f"{base.name} + {label}"})]
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,7 +195,12 @@ def _simulate(args: argparse.Namespace) -> int:
     scenarios: list[Scenario] = []
     files: list[str | None] = []
     sweep: tuple[str, list[Any]] | None = None
-    if args.sweep:
+    if args.replicate:
+        if args.sweep or len(args.scenarios) != 1:
+            raise _UsageError("--replicate takes exactly one scenario file, and no --sweep")
+        scenarios = _what_if(args.scenarios[0], args.replicate, overrides)
+        files = [args.scenarios[0]] * 2
+    elif args.sweep:
         if len(args.scenarios) != 1:
             raise _UsageError("--sweep takes exactly one scenario file")
         sweep = _sweep(args.sweep)
@@ -215,7 +248,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _simulate_seeds(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     """One scenario once per seed: each run's report as a comparison's, seeds.json, the spread."""
-    for option in ("seed", "sweep"):
+    for option in ("seed", "sweep", "replicate"):
         if getattr(args, option) is not None:
             raise _UsageError(f"--seeds: not with --{option}")
     if len(args.scenarios) != 1:

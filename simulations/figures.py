@@ -255,6 +255,15 @@ def key_figures(results: Results) -> dict[str, float | str | None]:
     }
     figures["slo_worst"], figures["slo_worst_region"] = _worst(results, "slo_attainment", min)
     figures["p99_worst_ms"], figures["p99_worst_region"] = _worst(results, "p99_ms", max)
+    # datasets (simulations.staging): what staging moved and what waiting for data cost in time
+    data = results.get("data")
+    if isinstance(data, Mapping):
+        figures["egress_usd"] = _f(data, "egress_usd")
+        figures["egress_gb"] = _f(data, "egress_gb")
+        figures["staging_mean_s"] = _f(data, "staging_s", "mean")
+        figures["queueing_mean_s"] = _f(data, "queueing_s", "mean")
+        figures["time_to_start_mean_s"] = _f(data, "time_to_start_s", "mean")
+        figures["time_to_start_p95_s"] = _f(data, "time_to_start_s", "p95")
     # autoscaled services (simulations.autoscaling), summed over the services: what a sweep of
     # their settings trades, replica-hours against the worst client region's SLO attainment
     services = [_map(v) for v in _map(results.get("services")).values()]

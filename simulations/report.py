@@ -307,11 +307,63 @@ def _sections(results: Results, top: int = TOP) -> list[_Section]:
         *_fragmentation(results, top),
         *_tenancy(results),
         _footprint(results),
+        *_data(results),
     ]
     if results.get("inference") is not None:
         sections.append(_inference(results))
     sections += _services(results)
     return [*sections, _failures_section(results)]
+
+
+def _data(results: Results) -> list[_Section]:
+    """Datasets (simulations.staging): what staging moved and cost, time to start split into
+    queueing and staging, and per dataset; none for a scenario without datasets."""
+    data = _map(results.get("data"))
+    if not data:
+        return []
+    runs = _int(data, "runs_with_inputs")
+    rows: list[tuple[str, ...]] = [
+        ("placement", str(data.get("placement") or "cpn")),
+        *(("what-if", str(w)) for w in data.get("what_if") or ()),
+        (
+            "runs with inputs",
+            f"{runs:,}: {_int(data, 'runs_at_data'):,} at their data "
+            f"({_int(data, 'cache_hits'):,} from a cache), {_int(data, 'runs_staged'):,} staged, "
+            f"{_int(data, 'runs_shared'):,} sharing a transfer",
+        ),
+        (
+            "egress",
+            f"{format_money(_f(data, 'egress_usd'))} for {_f(data, 'egress_gb') or 0.0:,.0f} GB "
+            f"across regions ({_f(data, 'moved_gb') or 0.0:,.0f} GB moved); compute and the "
+            f"rest {format_money(_f(data, 'compute_usd'))}",
+        ),
+        ("time to start", _mean_stats(data.get("time_to_start_s"))),
+        ("  queueing", _mean_stats(data.get("queueing_s"))),
+        ("  staging", _mean_stats(data.get("staging_s"))),
+    ]
+    if (cache := _f(data, "cache_gb")) is not None:
+        rows.append(
+            ("cache", f"{cache:,.0f} GB per site, {_int(data, 'cache_evictions'):,} evictions")
+        )
+    per = [
+        (
+            str(name),
+            f"{_f(d, 'size_gb') or 0.0:,.0f}",
+            ", ".join(str(s) for s in d.get("replicas") or ()),
+            f"{_int(d, 'runs'):,}",
+            f"{_int(d, 'staged'):,}",
+            f"{_f(d, 'egress_gb') or 0.0:,.0f}",
+            format_money(_f(d, "egress_usd")),
+        )
+        for name, d in _map(data.get("datasets")).items()
+    ]
+    header = ("dataset", "GB", "replicas", "runs", "staged", "egress GB", "egress")
+    return [_Section("Data", rows), _Section("Datasets", per, header)]
+
+
+def _mean_stats(stats: Any) -> str:
+    mean = _f(stats, "mean")
+    return NONE if mean is None else f"mean {format_duration(mean)} · {_stats(stats)}"
 
 
 def _percent2(fraction: float | None) -> str:
@@ -433,6 +485,13 @@ _ROWS = (
     _Row("slo_attainment", "SLO attainment", format_percent, "high"),
     _Row("slo_worst", "SLO worst region", format_percent, "high", "slo_worst_region"),
     _Row("p99_worst_ms", "p99 worst region", _ms, "low", "p99_worst_region"),
+    # datasets (simulations.staging): the what-if of a replica reads these side by side
+    _Row("egress_usd", "egress (staging)", format_money, "low", optional=True),
+    _Row("egress_gb", "egress GB", lambda v: f"{v:,.0f}", "low", optional=True),
+    _Row("queueing_mean_s", "queueing mean", format_duration, "low", optional=True),
+    _Row("staging_mean_s", "staging mean", format_duration, "low", optional=True),
+    _Row("time_to_start_mean_s", "time to start mean", format_duration, "low", optional=True),
+    _Row("time_to_start_p95_s", "time to start p95", format_duration, "low", optional=True),
     _Row("replica_hours", "replica-hours", lambda v: f"{v:,.1f}", "low", optional=True),
     _Row(
         "service_slo_worst",
