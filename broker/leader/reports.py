@@ -96,10 +96,14 @@ def _report(
             return
         confined = f" ({report.confinement})" if report.confinement else ""
         resumed = ""
+        if report.egress:  # what it staged (a transfer too short for a staging report to show)
+            moved = sum(e.bytes for e in report.egress) / 1e9
+            sources = ", ".join(e.source for e in report.egress)
+            resumed += f", after staging {moved:.3g} GB from {sources}"
         if report.restored is not None:
-            resumed = f", resumed from {_mark(report.restored)} (from {report.restored.site})"
+            resumed += f", resumed from {_mark(report.restored)} (from {report.restored.site})"
         elif record.attempt > 1 and record.spec.carried_checkpoint is not None:
-            resumed = ", from the start: no checkpoint was kept"
+            resumed += ", from the start: no checkpoint was kept"
         ev = Event(
             at=now,
             type="running",

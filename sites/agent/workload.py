@@ -478,6 +478,13 @@ class Workload:
             run.staging = p
             changed.set()
 
+        first = next((i for i in a.inputs if i.sources), None)
+        run.staging = StagingProgress(
+            bytes_done=0,
+            bytes_total=sum(i.bytes for i in a.inputs if i.sources),
+            source=first.sources[0].site if first is not None else None,
+            what=first.dataset if first is not None else "checkpoint",
+        )
         writer = self._spawn(self._staging_reports(run, changed), f"staging {a.job}")
         ckpt = a.checkpoint
         try:

@@ -1,0 +1,219 @@
+"""Data that follows the work, end to end: real etcd, agent processes with their data stores, a
+broker process, HTTP on loopback (docs/data.md).
+
+- a dataset kept at a site the job may not run at is staged to where it runs and read there
+  byte for byte; a second job finds it held (no second transfer); the egress is billed;
+- the job's outputs become a new version of the tenant's dataset;
+- a job whose site is killed mid-run resumes at another site from its last checkpoint (the
+  job's own log says from which step).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.broker.conftest import Federation
+from tests.conftest import run_cpn
+
+pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
+
+# three east sites (sovereignty keeps the jobs there) and one abroad holding the data
+SITES: dict[str, dict[str, Any]] = {
+    "east-a": {"region": "east", "coordinates": {"lat": 31.2, "lon": 121.4}, "price": 3.0},
+    "east-b": {"region": "east", "coordinates": {"lat": 31.3, "lon": 120.6}, "price": 2.0},
+    "east-c": {"region": "east", "coordinates": {"lat": 30.3, "lon": 120.2}, "price": 2.5},
+    "abroad": {
+        "region": "eu",
+        "country": "DE",
+        "coordinates": {"lat": 50.1, "lon": 8.7},
+        "price": 1.0,
+        "count": 8,
+    },
+}
+
+
+def _dataset(root: Path) -> dict[str, str]:
+    """A small tree with a nested file and a 3 MB one; path -> sha256."""
+    (root / "shards").mkdir(parents=True)
+    files = {
+        "README": b"corpus for the e2e test\n",
+        "shards/a.bin": bytes(range(256)) * 4096,
+        "shards/b.bin": hashlib.sha256(b"seed").digest() * 100_000,
+    }
+    out = {}
+    for rel, body in files.items():
+        (root / rel).write_bytes(body)
+        out[rel] = hashlib.sha256(body).hexdigest()
+    return out
+
+
+def _log(fed: Federation, job: str) -> str:
+    return fed.get(f"/v1/jobs/{job}/logs")[1]
+
+
+def _events(record: dict[str, Any]) -> list[str]:
+    return [f"{e['type']}: {e['message']}" for e in record["events"]]
+
+
+def test_inputs_follow_the_job_and_outputs_become_a_version(
+    make_federation: Callable[..., Federation], tmp_path: Path
+) -> None:
+    fed = make_federation(SITES)
+    want = _dataset(tmp_path / "corpus")
+    want_sizes = [p.stat().st_size for p in (tmp_path / "corpus").rglob("*") if p.is_file()]
+    put = run_cpn(
+        "data", "put", "t1/corpus", str(tmp_path / "corpus"), "--site", "abroad",
+        "--broker", fed.broker_url,
+    )  # fmt: skip
+    assert put.returncode == 0, put.stderr
+
+    # sovereignty: the job may run in the east only, so the data comes to it
+    check = (
+        "(cd /data/corpus && sha256sum README shards/a.bin shards/b.bin) && mkdir -p out && "
+        "cat /data/corpus/shards/*.bin | sha256sum > out/joined.sha && "
+        "if touch /data/corpus/x 2>/dev/null; then echo WRITABLE; fi"
+    )
+    first = fed.submit(
+        name="reader",
+        cpu=1,
+        mem_gb=1,
+        allowed_regions=["east"],
+        inputs=[{"dataset": "corpus", "path": "/data/corpus"}],
+        outputs=[{"path": "out", "dataset": "joined"}],
+        command=["sh", "-c", check],
+    )
+    assert first["spec"]["inputs"][0]["dataset"] == "t1/corpus@1"  # pinned at submit
+    done = fed.wait_state(first["id"], "SUCCEEDED", "FAILED", timeout=60)
+    assert done["state"] == "SUCCEEDED", _events(done)
+    site = done["placement"]["site"]
+    assert site.startswith("east-")
+    assert "inputs staged from abroad" in done["placement"]["reason"], done["placement"]
+    staged = [e for e in _events(done) if "staging" in e and "from abroad" in e]
+    assert staged, _events(done)
+    text = _log(fed, first["id"])
+    for rel, digest in want.items():
+        assert f"{digest}  {rel}" in text, text  # the same bytes, read-only at /data/corpus
+    assert "WRITABLE" not in text
+
+    # the output is a new dataset version of the tenant's, registered by the leader's outbox
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, described = fed.request("GET", "/v1/datasets/t1/joined")
+        if status == 200 and described.get("versions"):
+            break
+        time.sleep(0.2)
+    assert status == 200, described
+    version = described["versions"][0]
+    assert version["made_by"] == f"job {first['id']}" and version["files"] == 1
+
+    # the egress of the staging is billed to the tenant
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, usage = fed.request("GET", "/v1/usage?by=tenant")
+        if status == 200 and any(row.get("egress_gb", 0) > 0 for row in usage["items"]):
+            break
+        time.sleep(0.2)
+    assert status == 200, usage
+    row = next(r for r in usage["items"] if r.get("egress_gb", 0) > 0)
+    assert row["egress_gb"] == pytest.approx(sum(want_sizes) / 1e9, rel=0.01), usage
+    assert row["egress_usd"] > 0, usage
+
+    # a second reader finds the data held in the east: placed there, nothing staged
+    second = fed.submit(
+        name="again",
+        cpu=1,
+        mem_gb=1,
+        allowed_regions=["east"],
+        inputs=[{"dataset": "t1/corpus@1", "path": "in"}],
+        command=["sh", "-c", "sha256sum in/README"],
+    )
+    again = fed.wait_state(second["id"], "SUCCEEDED", "FAILED", timeout=60)
+    assert again["state"] == "SUCCEEDED", _events(again)
+    assert "inputs held here" in again["placement"]["reason"], again["placement"]
+    assert not any(e.startswith("staging") for e in _events(again))
+    assert f"{want['README']}  in/README" in _log(fed, second["id"])
+
+
+def test_bad_inputs_name_their_field(make_federation: Callable[..., Federation]) -> None:
+    fed = make_federation(SITES)
+    status, body = fed.request(
+        "POST",
+        "/v1/jobs",
+        {
+            "name": "nothing",
+            "tenant": "t1",
+            "command": ["true"],
+            "inputs": [{"dataset": "nope@1", "path": "/data/x"}],
+        },  # fmt: skip
+    )
+    assert status == 404 and body["error"]["field"] == "inputs[0].dataset", body
+    status, body = fed.request(
+        "POST",
+        "/v1/jobs",
+        {
+            "name": "bad",
+            "tenant": "t1",
+            "command": ["true"],
+            "inputs": [{"dataset": "x@1", "path": "/etc/passwd"}],
+        },  # fmt: skip
+    )
+    assert status == 400 and "inputs" in json.dumps(body["error"]), body
+
+
+# the job: resumes from its checkpoint's step when told to, writes a step file each tick
+TRAIN = r"""
+ck="$CPN_CHECKPOINT_PATH"; step=0
+if [ "$CPN_RESUME" = 1 ] && [ -f "$ck/step" ]; then step=$(cat "$ck/step"); fi
+echo "start at step $step on $CPN_SITE"
+while [ "$step" -lt 40 ]; do
+  step=$((step + 1)); echo "$step" > "$ck/step.tmp" && mv "$ck/step.tmp" "$ck/step"
+  head -c 65536 /dev/zero > "$ck/weights.bin"
+  sleep 0.25
+done
+echo "finished at step $step"
+"""
+
+
+def test_a_moved_job_resumes_from_its_last_checkpoint(
+    make_federation: Callable[..., Federation],
+) -> None:
+    fed = make_federation(SITES)
+    record = fed.submit(
+        name="train",
+        cpu=1,
+        mem_gb=1,
+        allowed_regions=["east"],
+        checkpoint_interval_s=1,
+        max_retries=3,
+        command=["sh", "-c", TRAIN],
+    )
+    deadline = time.monotonic() + 60
+    mark: dict[str, Any] | None = None
+    while time.monotonic() < deadline:
+        now = fed.job(record["id"])
+        mark = now.get("checkpoint")
+        if now["state"] == "RUNNING" and mark and (mark.get("step") or 0) >= 4:
+            break
+        time.sleep(0.2)
+    assert mark is not None and mark["step"] >= 4, now
+    first_site = now["placement"]["site"]
+    store = now["checkpoint_site"]
+    assert store and store != first_site
+    fed.kill(fed.agents[first_site])  # the site dies with the job's process
+
+    done = fed.wait_state(record["id"], "SUCCEEDED", "FAILED", timeout=90)
+    assert done["state"] == "SUCCEEDED", _events(done)
+    assert done["placement"]["site"] != first_site
+    resumed = [e for e in _events(done) if "resumed from checkpoint" in e]
+    assert resumed, _events(done)
+    text = _log(fed, record["id"])
+    started = [line for line in text.splitlines() if line.startswith("start at step")]
+    assert started and int(started[-1].split()[3]) >= 4, text  # not from step 0
+    assert "finished at step 40" in text
