@@ -14,8 +14,8 @@ scheduler, each in its own module:
     broker.leader.scaler      the autoscaler loop: observations -> decide -> ScalingDecision
     (leader)
     broker.state.data_index  datasets' replicas, agents' data keys, replication orders (any)
-    broker.ops.datasets      datasets' operations (any); its OrderKeeper clears done
-                             replication orders and bills their egress (leader)
+    broker.ops.datasets      datasets' operations (any)
+    broker.ops.data_orders   clears done replication orders, bills their egress (leader)
 
 Every long-lived task runs under a sites.kits.tasks.Supervisor: a crash is logged with its
 traceback, counted (cpn_broker_task_crashes_total), turns /healthz unhealthy, and the task is
@@ -46,7 +46,8 @@ from broker.model.errors import BrokerError
 from broker.model.jobs import JobRecord, JobSpec
 from broker.model.tenants import TenancyFile
 from broker.ops.budgets import NOTHING_BILLED, Billed, billed, budgets_left
-from broker.ops.datasets import Datasets, OrderKeeper
+from broker.ops.data_orders import OrderKeeper
+from broker.ops.datasets import Datasets
 from broker.ops.operations import Operations
 from broker.ops.services import Services
 from broker.ops.workflows import Workflows

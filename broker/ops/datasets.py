@@ -1,5 +1,7 @@
 """Datasets' operations (any replica): put (begin, files, commit), list, describe, remove,
-replicate, share, resolve; and the leader's order keeper. docs/data.md has the long form.
+replicate, share, resolve. docs/data.md has the long form; the leader's clearing of done
+replication orders is broker.ops.data_orders. Over 600 lines: every write of the dataset keys
+(put, remove, share, replicate) is here, so that they guard the same keys the same way.
 
 Every change is ONE etcd transaction guarded on the mod_revision of what it read (the
 dataset's meta first), carrying the call's audit entry (broker.model.audit_intent); a lost race
@@ -17,13 +19,12 @@ shared with may read and use it, never write, share or remove it (Forbidden).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
 import secrets
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -47,20 +48,17 @@ from broker.model.datasets import (
 )
 from broker.model.errors import BrokerError, Conflict, InvalidRequest, NotFound
 from broker.model.jobs import NAME_RE
-from broker.ops.usage_segments import egress_puts
 from broker.state.auth import Forbidden
 from broker.state.data_index import DataIndex
 from broker.state.view import View
 from sites.kits.clock import Clock
 from sites.model import keys
 from sites.model.data import Manifest, ReplicationOrder, Source, parse_ref
-from sites.model.spec import SiteSpec
 from sites.registry.client import Guard, Registry
 
 __all__ = [
     "DataPlaneError",
     "Datasets",
-    "OrderKeeper",
     "parse_upload",
 ]
 
@@ -295,6 +293,8 @@ class Datasets:
     def upload_target(self, owner: str, upload: str) -> Source:
         """The agent that takes `upload`'s files, with a write grant for it."""
         site = parse_upload(upload)
+        if site not in self.view().sites.specs:
+            raise DatasetNotFound(f"no upload {upload}: no site {site}", field="upload")
         got = self.index.source(
             site, sub="broker", scope=f"upload:{owner}/{upload}", op="write", ttl_s=UPLOAD_TTL_S
         )
@@ -562,8 +562,8 @@ class Datasets:
         self, owner: str, name: str, body: ReplicateRequest, *, tenant: str | None
     ) -> ReplicationStarted:
         """A pull order at a site (or the region's best: a holder, else the cheapest to pull
-        to), with read grants on the current holders; the leader's OrderKeeper deletes it once
-        the site's replica record is there."""
+        to), with read grants on the current holders; the leader's OrderKeeper
+        (broker.ops.data_orders) deletes it once the site's replica record is there."""
         found = await self.writable(owner, name, tenant=tenant)
         if found is None:
             raise DatasetNotFound(f"no dataset {owner}/{name}", field="name")
@@ -651,75 +651,3 @@ def _manifest_field(field: str | None) -> str:
     if not field:
         return "manifest"
     return field if field.startswith("manifest") else f"manifest.{field}"
-
-
-# -- the leader's order keeper ------------------------------------------------------------------
-
-
-class OrderKeeper:
-    """Deletes each replication order once it is carried out (a pull: the site's replica
-    record is there; a drop: it is gone), in one transaction guarded on the order's revision
-    that also bills a pull's egress to the dataset's owner (its replica record's `egress`).
-    Runs in every replica, acts in the leader only; looks at what the DataIndex saw change,
-    and at every order once a `sweep_s`."""
-
-    def __init__(
-        self,
-        *,
-        registry: Registry,
-        index: DataIndex,
-        clock: Clock,
-        is_leader: Callable[[], bool],
-        specs: Callable[[], Mapping[str, SiteSpec]],
-        sweep_s: float = 30.0,
-    ) -> None:
-        self.registry = registry
-        self.index = index
-        self.clock = clock
-        self.is_leader = is_leader
-        self.specs = specs
-        self.sweep_s = sweep_s
-
-    async def run(self) -> None:
-        while True:
-            try:
-                async with asyncio.timeout(self.sweep_s):
-                    await self.index.changed.wait()
-                touched = self.index.take_touched()
-            except TimeoutError:
-                touched = set(self.index.orders())
-            if self.is_leader():
-                await self.keep(touched)
-
-    async def keep(self, touched: set[tuple[str, str]]) -> int:
-        """Clear the orders of `touched` that are done; how many were cleared."""
-        cleared = 0
-        for site, digest in sorted(touched):
-            got = self.index.order(site, digest)
-            if got is None:
-                continue
-            order, revision = got
-            record = self.index.replica(site, digest)
-            if order.action == "pull" and record is None:
-                continue
-            if order.action == "drop" and record is not None:
-                continue
-            key = keys.data_order(site, digest)
-            puts: dict[str, bytes] = {}
-            if order.action == "pull" and record is not None and record.egress:
-                owner = order.dataset.partition("/")[0]
-                puts = egress_puts(
-                    job=f"replication.{site}.{digest[:16]}",
-                    attempt=int(order.ordered_at),
-                    tenant=owner,
-                    site=site,
-                    egress=record.egress,
-                    specs=self.specs(),
-                    at=record.at,
-                    now=self.clock.time(),
-                )
-            if await self.registry.commit(
-                guards=[Guard(key, mod_revision=revision)], puts=puts, deletes=[key]
-            ):
-                cleared += 1
-        return cleared

@@ -21,7 +21,7 @@ import pytest
 from aiohttp import web
 
 from broker.api.app import make_app
-from broker.ops.datasets import OrderKeeper
+from broker.ops.data_orders import OrderKeeper
 from broker.placement.settings import BrokerSettings
 from broker.process import Broker
 from metering.ledger import Segment
