@@ -239,7 +239,7 @@ def job_rows(records: Sequence[dict[str, Any]], *, now: float) -> list[list[str]
         rows.append([
             r["id"],
             r["spec"]["tenant"],
-            r["state"],
+            phase(r),
             placement.get("site", "-"),
             gpus_wanted(r["spec"]["gpu"], placement.get("model")),
             str(r["attempt"]),
@@ -247,6 +247,24 @@ def job_rows(records: Sequence[dict[str, Any]], *, now: float) -> list[list[str]
             (r.get("unschedulable") or "")[:70] if r["state"] == "PENDING" else "",
         ])  # fmt: skip
     return rows
+
+
+def phase(r: dict[str, Any]) -> str:
+    """The job's state, or STAGING while its placed run pulls its inputs or checkpoint."""
+    return "STAGING" if r["state"] == "PLACED" and r.get("staging") else r["state"]
+
+
+def staging_line(progress: dict[str, Any]) -> str:
+    """'1.2 of 4.0 GB (30 %) from abroad at 85.3 MB/s, about 38 s left'."""
+    done, total = progress["bytes_done"], progress["bytes_total"]
+    pct = f" ({100 * done / total:.0f} %)" if total else ""
+    source = f" from {progress['source']}" if progress.get("source") else ""
+    rate = progress.get("rate_bps") or 0.0
+    speed = f" at {rate / 1e6:.1f} MB/s" if rate else ""
+    eta = progress.get("eta_s")
+    left = f", about {eta:.0f} s left" if eta is not None else ""
+    what = f"{progress['what']}: " if progress.get("what") else ""
+    return f"{what}{done / 1e9:.3g} of {total / 1e9:.3g} GB{pct}{source}{speed}{left}"
 
 
 def placement_nodes(placement: dict[str, Any], *, most: int = 8) -> str:
@@ -277,7 +295,7 @@ def describe_job(r: dict[str, Any]) -> str:
         f"Name:        {r['id']}",
         f"Tenant:      {spec['tenant']}",
         f"Priority:    {spec['priority']}",
-        f"State:       {r['state']} (attempt {r['attempt']}, "
+        f"State:       {phase(r)} (attempt {r['attempt']}, "
         f"retries {r['retries']}/{spec['max_retries']})",
     ]
     if placement:
@@ -294,6 +312,22 @@ def describe_job(r: dict[str, Any]) -> str:
         lines.append(f"Why:         {placement['reason']}")
     if r.get("unschedulable") and r["state"] == "PENDING":
         lines.append(f"Waiting:     {r['unschedulable']}")
+    if r.get("staging") and r["state"] == "PLACED":
+        lines.append(f"Staging:     {staging_line(r['staging'])}")
+    for i, item in enumerate(spec.get("inputs") or []):
+        head = "Inputs:     " if i == 0 else "            "
+        lines.append(f"{head} {item['dataset']} at {item['path']} ({item['bytes'] / 1e9:.3g} GB)")
+    for i, item in enumerate(spec.get("outputs") or []):
+        head = "Outputs:    " if i == 0 else "            "
+        lines.append(f"{head} {item['path']} -> dataset {item['dataset']}")
+    mark = r.get("checkpoint")
+    if mark:
+        step = f", step {mark['step']}" if mark.get("step") is not None else ""
+        when = _time.strftime("%H:%M:%S", _time.localtime(mark["at"]))
+        lines.append(
+            f"Checkpoint:  {mark['seq']} at {when}{step}, kept at {mark['site']} "
+            f"({mark['bytes'] / 1e6:.3g} MB)"
+        )
     link = r.get("workflow")
     if link:
         lines.append(f"Workflow:    {link['workflow']}, step {link['step']}")

@@ -62,10 +62,12 @@ from broker.state.auth import Forbidden
 from broker.state.job_pages import DEFAULT_LIMIT, MAX_LIMIT, JobQuery, list_page, parse_since
 from broker.state.metrics import LoopCounter, exposition
 from broker.state.router import Router, route_json
+from broker.state.view import View
 from routing.gateway.openai import error_body as openai_error_body
 from routing.gateway.prefix import header_key
 from sites.model import keys
 from sites.model.config import field_path
+from sites.model.data import StagingProgress
 from sites.model.errors import RegistryUnavailable
 from sites.model.status import AgentSecret
 
@@ -331,7 +333,26 @@ async def visible_job(request: web.Request) -> JobRecord:
 
 
 async def get_job(request: web.Request) -> web.Response:
-    return web.json_response(job_json(await visible_job(request)))
+    record = await visible_job(request)
+    body = job_json(record)
+    live = _live_staging(request.app[BROKER].view(), record)
+    if live is not None and isinstance(body, dict):
+        body["staging"] = live.model_dump(mode="json")  # the run's latest progress
+    return web.json_response(body)
+
+
+def _live_staging(view: View, record: JobRecord) -> StagingProgress | None:
+    """The progress its site last reported, while its placed run stages (the record keeps the
+    first report only: progress is not worth a write to etcd a second)."""
+    if record.state is not JobState.PLACED or record.placement is None:
+        return None
+    got = view.reports.get((record.placement.site, record.id))
+    if got is None:
+        return None
+    report = got[0]
+    if report.attempt != record.attempt or report.staging is None:
+        return None
+    return report.staging
 
 
 def _action(name: str) -> Handler:

@@ -163,3 +163,37 @@ def test_site_json_carries_the_published_nodes() -> None:
                                "free_cpu": 100, "free_mem_gb": 2000.0}  # fmt: skip
     assert render.site_json(view(site_spec(None), ()), now=101.0)["nodes"] is None
     assert render.site_json(view(spec, None), now=101.0)["nodes"] is None
+
+
+def test_a_staging_job_shows_its_phase_progress_inputs_and_checkpoint() -> None:
+    placement = {
+        "site": "east-b", "region": "east", "model": None, "gpus": 0, "cost_usd": 1.0,
+        "reason": "cheapest of 2 feasible sites: ...; inputs staged from abroad: egress 0.40 USD",
+    }  # fmt: skip
+    spec = {
+        "tenant": "t1", "priority": 0, "max_retries": 3, "command": ["train"],
+        "gpu": {"count": 0}, "name": "train",
+        "inputs": [{"dataset": "t1/corpus@2", "path": "/data/c", "bytes": 4_000_000_000}],
+        "outputs": [{"path": "out", "dataset": "model"}],
+    }  # fmt: skip
+    record = {
+        "id": "train-x1", "state": "PLACED", "attempt": 2, "retries": 1, "created_at": 0.0,
+        "placement": placement, "spec": spec,
+        "staging": {"bytes_done": 1_000_000_000, "bytes_total": 4_000_000_000,
+                    "rate_bps": 85_300_000.0, "eta_s": 35.2, "source": "abroad",
+                    "what": "t1/corpus@2"},
+        "checkpoint": {"seq": 2000003, "at": 0.0, "step": 120, "site": "east-c",
+                       "digest": "d" * 64, "bytes": 65536},
+    }  # fmt: skip
+    text = render.describe_job(record)
+    assert "State:       STAGING (attempt 2, retries 1/3)" in text
+    assert (
+        "Staging:     t1/corpus@2: 1 of 4 GB (25 %) from abroad at 85.3 MB/s, about 35 s left"
+        in text
+    )
+    assert "Inputs:      t1/corpus@2 at /data/c (4 GB)" in text
+    assert "Outputs:     out -> dataset model" in text
+    assert "step 120, kept at east-c" in text
+    assert render.job_rows([record], now=10.0)[0][2] == "STAGING"
+    # once it runs, its state again
+    assert render.job_rows([{**record, "state": "RUNNING"}], now=10.0)[0][2] == "RUNNING"

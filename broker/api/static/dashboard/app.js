@@ -248,6 +248,12 @@ class Dashboard {
   }
 
   async refreshJobs() {
+    // a placed run pulling its inputs or checkpoint (the first progress its site reported)
+    const phase = (j) => {
+      if (j.state !== "PLACED" || !j.staging) return j.state;
+      const p = j.staging;
+      return p.bytes_total ? `STAGING ${Math.round((100 * p.bytes_done) / p.bytes_total)} %` : "STAGING";
+    };
     const page = await api(`/v1/jobs?state=PENDING,PLACED,RUNNING&limit=${JOBS_LIMIT}`);
     const now = Date.now() / 1000;
     const counts = { PENDING: 0, PLACED: 0, RUNNING: 0 };
@@ -260,7 +266,7 @@ class Dashboard {
       const why = j.state === "PENDING" ? (j.unschedulable || last || "waiting for the next placement pass") : last;
       return el("tr", { "data-job": j.id, "data-state": j.state },
         el("td", { title: j.spec.name }, j.id),
-        el("td", {}, j.spec.tenant), el("td", {}, j.state), el("td", {}, j.spec.gpu.count || "-"),
+        el("td", {}, j.spec.tenant), el("td", {}, phase(j)), el("td", {}, j.spec.gpu.count || "-"),
         el("td", {}, j.placement ? j.placement.site : "-"), el("td", {}, ago(now - j.created_at)),
         el("td", { class: "why" }, why));
     });
