@@ -71,6 +71,8 @@ KEEP_FINISHED = 200  # finished runs listed by /jobs once their assignment is go
 RETRY_MIN_S = 0.2
 QUEUE_POLL_S = 1.0  # how often a run queued in the site's scheduler is looked at again
 RETRY_MAX_S = 5.0
+LAST_CHECKPOINT_S = 60.0  # a withdrawn run's last checkpoint sync, at most
+LAST_SEQ = 999_999  # its number within the attempt: after every periodic one
 
 
 class Workload:
@@ -555,6 +557,20 @@ class Workload:
             if run.state is RunState.running:
                 await self._write(run)
 
+    async def _last_checkpoint(self, run: Run) -> None:
+        """One more sync after a withdrawn run exited (bounded: the move waits for it)."""
+        a = run.assignment
+        ckpt = a.checkpoint
+        if ckpt is None or ckpt.store is None or self.data is None:
+            return
+        target = self._work(a.job) / ckpt.path
+        try:
+            async with asyncio.timeout(LAST_CHECKPOINT_S):
+                await self._sync(run, a, target, LAST_SEQ)
+        except TimeoutError:
+            log.warning("job %s: its last checkpoint did not sync in %.0fs", a.job,
+                        LAST_CHECKPOINT_S)  # fmt: skip
+
     async def _save_outputs(self, run: Run) -> str | None:
         """Save a succeeded run's outputs; the reason it could not, or None."""
         a = run.assignment
@@ -595,6 +611,8 @@ class Workload:
         code = ended.code
         if run.withdrawn.is_set():
             state, message = RunState.stopped, "stopped: the assignment was withdrawn"
+            # preempted or moved: what it saved in its grace is what the next run resumes from
+            await self._last_checkpoint(run)
         elif run.unready is not None:
             state, message = RunState.failed, run.unready
         elif ended.ok:

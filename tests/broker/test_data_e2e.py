@@ -217,3 +217,36 @@ def test_a_moved_job_resumes_from_its_last_checkpoint(
     started = [line for line in text.splitlines() if line.startswith("start at step")]
     assert started and int(started[-1].split()[3]) >= 4, text  # not from step 0
     assert "finished at step 40" in text
+
+
+def test_a_suspended_job_keeps_what_it_saved_in_its_grace(
+    make_federation: Callable[..., Federation],
+) -> None:
+    """No periodic sync within the test (interval 1 h): the checkpoint the resumed run starts
+    from is the one the agent synced after the stopped run exited."""
+    fed = make_federation(SITES)
+    record = fed.submit(
+        name="pausable",
+        cpu=1,
+        mem_gb=1,
+        allowed_regions=["east"],
+        checkpoint_interval_s=3600,
+        command=["sh", "-c", TRAIN.replace('mv "$ck/step.tmp" "$ck/step"',
+                                           'mv "$ck/step.tmp" "$ck/step"; echo "at $step"')],
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if "at 6" in _log(fed, record["id"]):
+            break
+        time.sleep(0.2)
+    status, _ = fed.request("POST", f"/v1/jobs/{record['id']}/suspend")
+    assert status == 200
+    fed.wait_state(record["id"], "SUSPENDED", timeout=30)
+    time.sleep(1.0)  # the stopped run's last sync
+    status, _ = fed.request("POST", f"/v1/jobs/{record['id']}/resume")
+    assert status == 200
+    done = fed.wait_state(record["id"], "SUCCEEDED", "FAILED", timeout=90)
+    assert done["state"] == "SUCCEEDED", _events(done)
+    text = _log(fed, record["id"])
+    started = [line for line in text.splitlines() if line.startswith("start at step")]
+    assert started and int(started[-1].split()[3]) >= 6, text
