@@ -21,6 +21,9 @@ seed, a placement policy, workloads and site failures, as one validated YAML fil
     workloads: [...]                 # simulations.workloads (docs/simulation-workloads.md)
     failures:
       - {site: wuhu, down_at: 2d, up_at: 2d6h}
+    datasets: [{name: corpus, size_gb: 1500, replicas: [zhangjiakou]}]   # simulations.datasets
+    staging: {cache_gb: 2000}        # per-site cache of staged copies
+    what_if: {replicate: [{dataset: corpus, to: ningxia}]}
 
 `load_scenario(path)` validates everything (pydantic, then cross-checks against the federation:
 sites, models and services that edits, failures and workloads name must exist) and raises

@@ -257,6 +257,7 @@ class DataPlane:
             "egress_gb": self.egress_gb,
             "egress_usd": self.egress_usd,
             "compute_usd": cost_usd - self.egress_usd,
+            "jobs_started": len(first_start),
             "time_to_start_s": stats(to_start),
             "queueing_s": stats(queue),
             "staging_s": stats(stage),
