@@ -626,6 +626,14 @@ class Datasets:
         """The holders that can serve `version` now, with read grants: the home first, then by
         site id (the handler tries them in turn)."""
         sources = list(self.index.sources(version.digest, sub="broker", ttl_s=READ_TTL_S))
+        if not any(s.site == version.home for s in sources):
+            # just put there: its replica record may not have reached this replica's watch
+            home = self.index.source(
+                version.home, sub="broker", scope=f"obj:{version.digest}", op="read",
+                ttl_s=READ_TTL_S,
+            )  # fmt: skip
+            if home is not None:
+                sources.append(home)
         sources.sort(key=lambda s: (s.site != version.home, s.site))
         return sources
 
