@@ -48,10 +48,11 @@ class Need:
     label: str  # owner/name@version, for messages
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class StageTerms:
     """Per site id: (USD of egress, hours of transfer, the source of the largest input moved).
-    Sites absent from `at` hold every input (free, no wait)."""
+    Sites absent from `at` hold every input (free, no wait). Compared and hashed by identity:
+    one object per (inputs, holders) and snapshot lineage (stage_terms caches it)."""
 
     at: Mapping[str, tuple[float, float, str | None]]
     missing: tuple[str, ...]  # inputs no live site holds complete: the job cannot start

@@ -106,9 +106,20 @@ def to_problem(
         if not allowed:
             continue
         origin = _data_origin(spec)
-        if origin is not None:
+        data = None
+        if origin is not None and spec.data is not None:
             free_region, per_gb = fed.egress_rate(spec.data)
             egress[origin] = {s.id: 0.0 if s.region == free_region else per_gb for s in sites}
+            data = DataRef(region=origin, size_gb=spec.data.size_gb)
+        staged = _staging(spec, fed, sites)
+        if staged is not None:  # its inputs: priced per site as the fast path prices them
+            if data is not None:  # both: one origin per job, the two costs added
+                assert origin is not None
+                base = egress[origin]
+                staged = {s: usd + base.get(s, 0.0) * data.size_gb for s, usd in staged.items()}
+            origin = f"inputs@{pending.id}"
+            egress[origin] = staged
+            data = DataRef(region=origin, size_gb=1.0)
         user = spec.user
         if user is not None:
             rtt.setdefault(user.region, {}).update(fed.rtt_from(user.region))
@@ -143,9 +154,7 @@ def to_problem(
                 cpu=spec.cpu,
                 mem_gb=spec.mem_gb,
                 duration_hours=spec.duration_hours,
-                data=None
-                if origin is None or spec.data is None
-                else DataRef(region=origin, size_gb=spec.data.size_gb),
+                data=data,
                 user_region=None if user is None else user.region,
                 max_latency_ms=None if user is None else user.max_latency_ms,
                 latency_weight=spec.latency_weight,
@@ -161,6 +170,37 @@ def to_problem(
     return PlanProblem(
         sites=tuple(plan_sites), rtt_ms=rtt_ms, egress_per_gb=egress, jobs=tuple(plan_jobs)
     )
+
+
+def _staging(
+    spec: JobSpec, fed: pl.Federation, sites: Sequence[pl.SiteOffer]
+) -> dict[str, float] | None:
+    """USD per site of bringing the job's inputs there (broker.placement.staging: the egress,
+    and the transfer hours at the site's cheapest hourly rate for the job); None without
+    inputs or a data view."""
+    if not spec.inputs or fed.data is None:
+        return None
+    terms = fed.data.terms(spec, fed)
+    if terms is None:
+        return None
+    out = {}
+    for site in sites:
+        usd, hours = terms.usd_hours(site.id)
+        if hours:
+            rates = site.prices
+            gpu = min(
+                (p for m, p in rates.usd_per_gpu_hour.items()
+                 if spec.gpu.acceptable is None or m in spec.gpu.acceptable),
+                default=0.0,
+            )  # fmt: skip
+            hourly = (
+                spec.cpu * rates.usd_per_core_hour
+                + spec.mem_gb * rates.usd_per_gb_mem_hour
+                + spec.gpu.count * gpu
+            )
+            usd += hours * hourly
+        out[site.id] = usd
+    return out
 
 
 def _penalty(spec: JobSpec, order: Mapping[str, int] | None, n: int, job_id: str) -> float:

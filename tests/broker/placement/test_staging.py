@@ -1,0 +1,94 @@
+"""Placement of jobs with inputs (broker.placement.staging): the fast path and the batch plan
+price moving a dataset the same way, a deadline counts the transfer, no holder is 'data'."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from broker.model.jobs import JobSpec
+from broker.placement import place as pl
+from broker.placement.staging import DataView, transfer_hours
+from broker.plan import batch
+from broker.plan.solver import solve
+from sites.model.spec import Prices
+
+NOW = datetime(2026, 11, 30, tzinfo=UTC)
+DIGEST = "d" * 64
+GB = 1_000_000_000
+
+
+def offer(site: str, region: str, price: float) -> pl.SiteOffer:
+    return pl.SiteOffer(
+        id=site, region=region, country="CN", up=True, cordoned=False,
+        free_gpus={"H100": 8}, free_cpu=256, free_mem_gb=4096, gpu_mem_gb={"H100": 80.0},
+        prices=Prices(usd_per_gpu_hour={"H100": price}, usd_per_gb_egress=0.05),
+    )  # fmt: skip
+
+
+def federation(holders: dict[str, frozenset[str]], mbps: float = 1000.0) -> pl.Federation:
+    """'far' holds the data (dear GPUs, another region); 'near' is cheap; 'twin' is in far's
+    region, a bit cheaper than far."""
+    view = DataView(holders=lambda d: holders.get(d, frozenset()), bandwidth=lambda s, d: mbps)
+    return pl.Federation(
+        sites=(offer("far", "eu", 3.0), offer("near", "east", 2.0), offer("twin", "eu", 2.9)),
+        data=view,
+    )
+
+
+def spec(size: int, **more: Any) -> JobSpec:
+    doc: dict[str, Any] = {
+        "name": "j", "tenant": "t", "command": ["true"], "gpu": {"model": "H100", "count": 8},
+        "duration_hours": 1.0,
+        "inputs": [{"dataset": "t/d@1", "path": "/data/d", "digest": DIGEST, "bytes": size}],
+    }  # fmt: skip
+    doc.update(more)
+    return JobSpec.model_validate(doc)
+
+
+def place(job: JobSpec, fed: pl.Federation) -> pl.Decision | pl.Unschedulable:
+    return pl.place(job, fed, now=NOW, usage=pl.TenantUsage(), groups=pl.GroupState({}, {}))
+
+
+def test_a_large_dataset_keeps_the_job_at_its_data_a_small_one_moves() -> None:
+    fed = federation({DIGEST: frozenset({"far"})})
+    # 2 TB: 100 USD of egress and ~4.4 h of transfer outweigh 8 USD of cheaper GPUs
+    big = place(spec(2000 * GB), fed)
+    assert isinstance(big, pl.Decision) and big.site == "far"
+    assert "inputs held here" in big.reason
+    # 1 GB: 0.05 USD and seconds: the cheap site wins and says where the data comes from
+    small = place(spec(1 * GB), fed)
+    assert isinstance(small, pl.Decision) and small.site == "near"
+    assert "inputs staged from far: egress 0.05 USD" in small.reason
+    # within the data's region moving is free but not instant: twin (2.9) still beats far (3.0)
+    fed_same = federation({DIGEST: frozenset({"far"})}, mbps=100_000.0)
+    twin = place(spec(50 * GB, denied_regions=["east"]), fed_same)
+    assert isinstance(twin, pl.Decision) and twin.site == "twin"
+
+
+def test_the_deadline_counts_the_transfer() -> None:
+    fed = federation({DIGEST: frozenset({"far"})}, mbps=100.0)
+    hours = transfer_hours(200 * GB, 100.0)  # 4.4 h at 100 Mbit/s
+    deadline = NOW + timedelta(hours=1.0 + hours / 2)
+    got = place(spec(200 * GB, deadline=deadline.isoformat(), allowed_regions=["east"]), fed)
+    assert isinstance(got, pl.Unschedulable)
+    assert "deadline" in got.reasons
+    # at the data, the same deadline is met
+    ok = place(spec(200 * GB, deadline=deadline.isoformat()), fed)
+    assert isinstance(ok, pl.Decision) and ok.site == "far"
+
+
+def test_an_input_no_live_site_holds_is_the_data_filter() -> None:
+    got = place(spec(GB), federation({}))
+    assert isinstance(got, pl.Unschedulable)
+    assert set(got.reasons) == {"data"}
+    assert "no live site holds a complete replica" in got.message
+
+
+def test_the_batch_plan_prices_inputs_as_the_fast_path() -> None:
+    fed = federation({DIGEST: frozenset({"far"})})
+    jobs = [batch.Pending("big-x", spec(2000 * GB)), batch.Pending("small-x", spec(GB))]
+    problem = batch.to_problem(jobs, fed, now=NOW, groups=pl.GroupState({}, {}))
+    result = solve(problem, time_limit_s=5)
+    where = {job_id: a.site for job_id, a in result.assignments.items()}
+    assert where == {"big-x": "far", "small-x": "near"}
