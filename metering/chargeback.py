@@ -52,7 +52,15 @@ _COUNTS = frozenset(
 )
 # CHARGEBACK_BY: the monthly chargeback's rows
 CHARGEBACK_BY = "tenant,site,model,client_region,day"
-_TABLE = ("gpu_hours", "cpu_core_hours", "egress_gb", "total_usd", "energy_kwh", "co2_kg")
+_TABLE = (
+    "gpu_hours",
+    "cpu_core_hours",
+    "egress_gb",
+    "egress_usd",
+    "total_usd",
+    "energy_kwh",
+    "co2_kg",
+)
 # (header, column) of the token columns, shown when the window has inference requests
 _TOKEN_TABLE = (
     ("prompt", "prompt_tokens"),
