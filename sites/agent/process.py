@@ -155,10 +155,11 @@ class Agent:
                 await self.read_slurm()
         if self.spec.perception.mode == "host":
             self._nvml = NvmlCollector(catalog=self.catalog)
-        await self.data.open()  # before serving: its routes and its key
+        await self.data.read_key()  # published with the lock (AgentSecret)
         await self._serve()
         try:
             await self._acquire()
+            await self.data.open()  # the store is swept only by the agent that holds the site
         except BaseException:
             await self.server.close()
             raise

@@ -31,7 +31,7 @@ from sites.agent.data.links import LinkLimits
 from sites.agent.data.orders import OrderFollower
 from sites.agent.data.records import ReplicaBook
 from sites.agent.data.secret import data_key
-from sites.agent.data.serve import DataRoutes
+from sites.agent.data.serve import DataRoutes, add_routes
 from sites.agent.data.snapshot import Stat, snapshot
 from sites.agent.data.store import DataStore
 from sites.agent.data.transfer import Progress, Stager
@@ -103,15 +103,24 @@ class DataPlane:
         self.root = root or store_root(spec)
         self._retry_window_s = retry_window_s
         self._parts: _Parts | None = None
+        self._key: str | None = None
         self._synced: dict[str, _Synced] = {}
 
     # -- lifecycle --------------------------------------------------------------------------
 
+    async def read_key(self) -> str:
+        """The data key (made once, kept in the store's root): for the agent's AgentSecret,
+        read before the agent takes its site; the store itself opens only after (`open`)."""
+        if self._key is None:
+            self._key = await asyncio.to_thread(data_key, self.root)
+        return self._key
+
     async def open(self) -> None:
-        """Sweep and load the store, read (or make) the data key."""
+        """Sweep and load the store, read (or make) the data key. Only the agent that holds
+        the site may: the sweep deletes what an open store has in progress."""
         if self._parts is not None:
             return
-        key = await asyncio.to_thread(data_key, self.root)
+        key = await self.read_key()
         store = await asyncio.to_thread(DataStore, self.root, int(self.settings.cache_gb * GB))
         limits = LinkLimits(
             default_mbps=self.settings.link_mbps,
@@ -149,8 +158,8 @@ class DataPlane:
 
     @property
     def key(self) -> str | None:
-        """The data key, for the agent's AgentSecret (None until opened)."""
-        return self._parts.key if self._parts is not None else None
+        """The data key, for the agent's AgentSecret (None until read)."""
+        return self._key
 
     @property
     def store(self) -> DataStore:
@@ -161,7 +170,8 @@ class DataPlane:
         return self.parts.stager
 
     def add_routes(self, router: web.UrlDispatcher) -> None:
-        self.parts.routes.add_to(router)
+        """The /data/ routes on the agent's server (503 until the store is open)."""
+        add_routes(router, lambda: self._parts.routes if self._parts is not None else None)
 
     def loops(self) -> list[tuple[str, Factory]]:
         """The long-lived tasks the agent runs under its supervisor (restarted on a crash)."""

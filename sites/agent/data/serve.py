@@ -67,6 +67,36 @@ def _guarded(handler: Handler) -> Handler:
     return run
 
 
+ROUTES = (
+    ("GET", "/data/manifests/{digest}", "get_manifest"),
+    ("GET", "/data/objects/{digest}/{path:.*}", "get_file"),
+    ("PUT", "/data/uploads/{id}/files/{path:.*}", "put_upload_file"),
+    ("POST", "/data/uploads/{id}/commit", "commit_upload"),
+    ("POST", "/data/blobs/missing", "missing_blobs"),
+    ("PUT", "/data/blobs/{sha}", "put_blob"),
+    ("GET", "/data/checkpoints/{tenant}/{job}/latest", "latest_checkpoint"),
+    ("PUT", "/data/checkpoints/{tenant}/{job}/{seq}", "put_checkpoint"),
+)
+
+
+def add_routes(router: web.UrlDispatcher, resolve: Callable[[], DataRoutes | None]) -> None:
+    """The /data/ routes, answered by `resolve()` (503 while it is None: the store opens once
+    the agent holds its site)."""
+    for method, path, name in ROUTES:
+
+        async def handler(request: web.Request, name: str = name) -> web.StreamResponse:
+            routes = resolve()
+            if routes is None:
+                return error(503, "unavailable", "the data store is not open yet", None)
+            answer: Handler = getattr(routes, name)
+            return await _guarded(answer)(request)
+
+        if method == "GET":
+            router.add_get(path, handler, allow_head=True)
+        else:
+            router.add_route(method, path, handler)
+
+
 class _HeldFile(web.FileResponse):
     """A file response that lets its object go once sent (or refused)."""
 
@@ -101,15 +131,7 @@ class DataRoutes:
         self._committed = committed
 
     def add_to(self, router: web.UrlDispatcher) -> None:
-        r = router
-        r.add_get("/data/manifests/{digest}", _guarded(self.get_manifest))
-        r.add_get("/data/objects/{digest}/{path:.*}", _guarded(self.get_file), allow_head=True)
-        r.add_put("/data/uploads/{id}/files/{path:.*}", _guarded(self.put_upload_file))
-        r.add_post("/data/uploads/{id}/commit", _guarded(self.commit_upload))
-        r.add_post("/data/blobs/missing", _guarded(self.missing_blobs))
-        r.add_put("/data/blobs/{sha}", _guarded(self.put_blob))
-        r.add_get("/data/checkpoints/{tenant}/{job}/latest", _guarded(self.latest_checkpoint))
-        r.add_put("/data/checkpoints/{tenant}/{job}/{seq}", _guarded(self.put_checkpoint))
+        add_routes(router, lambda: self)
 
     # -- grants ---------------------------------------------------------------------------
 

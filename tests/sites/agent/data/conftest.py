@@ -44,7 +44,7 @@ def put_blobs(store: DataStore, files: dict[str, bytes]) -> Manifest:
 
 
 def grant(key: str, site: str, scope: str, op: str = "read", exp_s: float = 600) -> str:
-    claims = Claims(site=site, sub="tests", scope=scope, op=op, exp=time.time() + exp_s)  # type: ignore[arg-type]
+    claims = Claims(site=site, sub="tests", scope=scope, op=op, exp=time.time() + exp_s)
     return mint(key, claims)
 
 
@@ -56,8 +56,8 @@ class Peer:
     store: DataStore
     key: str
     port: int = 0
-    served: int = 0  # bytes of files sent
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path)
+    ranges: list[tuple[str, str | None]] = field(default_factory=list)  # (path, Range header)
     runner: web.AppRunner | None = None
 
     @property
@@ -71,9 +71,8 @@ class Peer:
         @web.middleware
         async def count(request: web.Request, handler: Any) -> web.StreamResponse:
             self.requests.append((request.method, request.path))
+            self.ranges.append((request.path, request.headers.get("Range")))
             response: web.StreamResponse = await handler(request)
-            if request.path.startswith("/data/objects/") and response.body_length:
-                self.served += response.body_length
             return response
 
         app = web.Application(middlewares=[count])

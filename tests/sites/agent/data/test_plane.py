@@ -136,15 +136,13 @@ async def test_checkpoint_not_taken_while_a_file_changes(
     src = tmp_path / "ckpt"
     src.mkdir()
     (src / "w").write_bytes(b"w" * 10)
-    import sites.agent.data.snapshot as snapshot_mod
-
-    real = snapshot_mod.os.fstat
+    real = os.fstat
 
     def growing(fd: int) -> os.stat_result:  # the job writes on while the agent reads
         st = real(fd)
         return os.stat_result((*st[:6], st.st_size + 1, *st[7:]))
 
-    monkeypatch.setattr(snapshot_mod.os, "fstat", growing)
+    monkeypatch.setattr(os, "fstat", growing)
     assert await plane.sync_checkpoint(a, src, 1) is None
     monkeypatch.undo()
     mark = await plane.sync_checkpoint(a, src, 1)
