@@ -413,6 +413,34 @@ class Datasets:
                 return version
         raise Conflict(f"dataset {owner}/{name} changed too often; try again", field="name")
 
+    async def fetch_manifest(
+        self, site: str, digest: str, *, http: aiohttp.ClientSession
+    ) -> Manifest:
+        """The manifest `digest` from `site`'s agent (a job's output made there: register it
+        with `register(..., once=True)`); DataPlaneError when the site cannot give it."""
+        source = self.index.source(
+            site, sub="broker", scope=f"obj:{digest}", op="read", ttl_s=READ_TTL_S
+        )
+        if source is None:
+            raise DataPlaneError(503, "site_down", f"site {site} has no data store up now")
+        url = f"{source.url}/data/manifests/{digest}"
+        try:
+            async with http.get(url, headers={"X-Cpn-Grant": source.grant}) as answer:
+                body = await answer.read()
+                status = answer.status
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise DataPlaneError(502, "site_unreachable", f"cannot reach {site}: {exc}") from None
+        if status != 200:
+            code, message, _ = _agent_error(body, status)
+            raise DataPlaneError(502, code, f"{site}: {message}")
+        try:
+            manifest = Manifest.model_validate_json(body)
+        except ValidationError as exc:
+            raise DataPlaneError(502, "site_error", f"{site}: a bad manifest: {exc}") from None
+        if manifest.digest != digest:
+            raise DataPlaneError(502, "site_error", f"{site}: manifest {digest} does not match")
+        return manifest
+
     # -- remove ---------------------------------------------------------------------------------
 
     async def remove(

@@ -438,3 +438,20 @@ async def test_a_jobs_egress_is_billed_once(fed: Fed, registry: Registry) -> Non
     # east-b is in east-a's region: free; west's half GB at west's rate
     assert segment.egress_gb == pytest.approx(0.5)
     assert segment.egress_usd == pytest.approx(0.5 * 0.08)
+
+
+async def test_a_jobs_output_is_registered_once_from_its_sites_manifest(fed: Fed) -> None:
+    status, made = await put(fed, "scratch", site="west")
+    assert status == 201, made
+    ops = fed.broker.datasets
+    manifest = await ops.fetch_manifest("west", made["digest"], http=fed.http)
+    assert manifest.digest == made["digest"]
+    first = await ops.register(
+        "acme", "outputs", manifest, made_by="job j1", home="west", once=True
+    )
+    again = await ops.register(
+        "acme", "outputs", manifest, made_by="job j1", home="west", once=True
+    )
+    assert (first.version, again.version) == (1, 1)
+    _, info = await fed.call("GET", "/v1/datasets/acme/outputs")
+    assert [v["made_by"] for v in info["versions"]] == ["job j1"]
