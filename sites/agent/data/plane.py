@@ -242,8 +242,8 @@ class DataPlane:
 
     def release(self, job: str) -> None:
         """What `stage_inputs` held for `job` may be evicted again."""
-        if self._parts is not None:
-            self._parts.store.release(_holder(job))
+        if self._parts is not None and self._parts.store.release(_holder(job)):
+            self._parts.book.changed()  # a dropped object went with its last user
 
     # -- checkpoints --------------------------------------------------------------------------
 
