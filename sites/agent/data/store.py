@@ -19,6 +19,10 @@ a checkpoint entry, the index) appears by an atomic rename after its content was
 process killed at any moment leaves either the old state or the new one, plus debris that
 `DataStore(...)` sweeps on open: trees without a manifest, temporary files, stale uploads.
 
+Why one module of ~800 lines: blobs, objects, uploads, checkpoints and the LRU are one state
+on disk under one lock (a checkpoint's entry protects its object from eviction, an upload's
+commit adopts blobs and commits an object); split apart, each part would reach into the others'.
+
 Thread safety: the event loop calls the quick methods; hashing, copying and materializing run
 in threads (asyncio.to_thread) and take the lock only to publish what they made, so the loop is
 never held behind a long operation.
