@@ -482,7 +482,7 @@ def job_operations() -> list[Operation]:
         Operation(
             "POST", "/v1/jobs", submit, "Submit a job", "submit_job",
             body=JobSpec, replies={201: Reply("submitted: the new job record", JobRecord)},
-            errors=(400, 409, 413, 415, 503),
+            errors=(400, 404, 409, 413, 415, 503),  # 404: an input dataset it cannot read
         ),
         Operation(
             "GET", "/v1/jobs", list_jobs, "List jobs, newest first, a page at a time",

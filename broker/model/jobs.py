@@ -470,6 +470,11 @@ class Placement(Frozen):
     reason: str = Field(description="why this site: the cost breakdown and the runner-up")
     compute_usd: float | None = Field(default=None, description="the cost's compute part")
     egress_usd: float | None = Field(default=None, description="moving the job's data there")
+    staging_usd: float | None = Field(
+        default=None,
+        description="of egress_usd, the estimate of moving its inputs (their egress and the "
+        "allocation idle meanwhile): the ledger bills the bytes the run pulls instead",
+    )
     latency_usd: float | None = Field(default=None, description="the user-latency penalty")
     energy_usd: float | None = Field(
         default=None, description="of compute_usd: its energy, when priced (broker.placement.green)"

@@ -76,7 +76,8 @@ def run_of(record: JobRecord, report: Report | None) -> Run | None:
     if started is None and record.state is JobState.RUNNING:
         started = record.updated_at  # a record that ran without either: its last change
     spec = record.spec
-    egress_usd = placement.egress_usd or 0.0
+    # the data's estimated egress; moving inputs is billed from what the run pulled (egress_puts)
+    egress_usd = max(0.0, (placement.egress_usd or 0.0) - (placement.staging_usd or 0.0))
     data_gb = spec.data.size_gb if spec.data is not None else 0.0
     return Run(
         job=record.id,

@@ -78,6 +78,7 @@ __all__ = [
     "charged",
     "compute_only",
     "nodes_at",
+    "staging_usd",
     "place",
     "place_gang",
     "price_floors",
@@ -107,6 +108,9 @@ class Decision:
     reason: str
     nodes: tuple[NodeShare, ...] = ()  # at a site that declares its nodes: the job's parts
     island: str | None = None  # the island the nodes share (None: none declared, or spans)
+    # of breakdown.egress_usd, what moving the job's inputs adds (staging_usd): billed from the
+    # bytes the run actually pulls, not from this estimate
+    staging_usd: float = 0.0
 
     def placement(self) -> Placement:
         """The record's placement (broker.model.jobs.Placement)."""
@@ -124,6 +128,7 @@ class Decision:
             carbon_usd=self.breakdown.carbon_usd or None,
             co2_kg=self.breakdown.co2_kg or None,
             feasible_sites=self.feasible or None,
+            staging_usd=round(self.staging_usd, 6) or None,
             nodes=self.nodes,
             island=self.island,
             runner_up=(
@@ -362,6 +367,7 @@ def _place(
     )
     shares, island, where = _nodes_for(job, site, model, islands)
     where += _staging_words(job, fed, site.id)
+    staged = staging_usd(job, fed, site.id, compute)
     return Decision(
         job=job.name,
         site=site.id,
@@ -375,7 +381,20 @@ def _place(
         reason=reason_text + where,
         nodes=shares,
         island=island,
+        staging_usd=staged,
     )
+
+
+def staging_usd(job: JobSpec, fed: Federation, site: str, compute: float) -> float:
+    """The part of an option's egress at `site` that is moving the job's inputs: their egress
+    and the transfer hours at the option's hourly rate (broker.placement.staging)."""
+    if not job.inputs or fed.data is None:
+        return 0.0
+    terms = fed.data.terms(job, fed)
+    if terms is None:
+        return 0.0
+    usd, hours = terms.usd_hours(site)
+    return usd + hours * compute / job.duration_hours
 
 
 def _staging_words(job: JobSpec, fed: Federation, site: str) -> str:

@@ -314,6 +314,10 @@ def decisions(
                     ),
                     nodes=shares,
                     island=island,
+                    staging_usd=min(
+                        parts.egress_usd,
+                        pl.staging_usd(spec, fed, offer.id, parts.compute_usd),
+                    ),
                 ),
             )
         )

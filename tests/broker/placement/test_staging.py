@@ -6,6 +6,8 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import pytest
+
 from broker.model.jobs import JobSpec
 from broker.placement import place as pl
 from broker.placement.staging import DataView, transfer_hours
@@ -60,6 +62,12 @@ def test_a_large_dataset_keeps_the_job_at_its_data_a_small_one_moves() -> None:
     small = place(spec(1 * GB), fed)
     assert isinstance(small, pl.Decision) and small.site == "near"
     assert "inputs staged from far: egress 0.05 USD" in small.reason
+    # the estimate is kept apart: the ledger bills the bytes the run pulls, not it
+    idle = transfer_hours(GB, 1000.0) * small.breakdown.compute_usd
+    assert small.staging_usd == pytest.approx(0.05 + idle)
+    assert small.placement().staging_usd == pytest.approx(0.05 + idle, abs=1e-6)
+    assert small.breakdown.egress_usd == pytest.approx(small.staging_usd)
+    assert big.staging_usd == 0.0 and big.placement().staging_usd is None
     # within the data's region moving is free but not instant: twin (2.9) still beats far (3.0)
     fed_same = federation({DIGEST: frozenset({"far"})}, mbps=100_000.0)
     twin = place(spec(50 * GB, denied_regions=["east"]), fed_same)
@@ -92,3 +100,7 @@ def test_the_batch_plan_prices_inputs_as_the_fast_path() -> None:
     result = solve(problem, time_limit_s=5)
     where = {job_id: a.site for job_id, a in result.assignments.items()}
     assert where == {"big-x": "far", "small-x": "near"}
+    decided = {p.id: d for p, d in batch.decisions(result, problem, jobs, fed)}
+    assert decided["big-x"].staging_usd == 0.0
+    assert decided["small-x"].staging_usd == pytest.approx(decided["small-x"].breakdown.egress_usd)
+    assert decided["small-x"].staging_usd > 0.05
