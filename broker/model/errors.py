@@ -6,11 +6,15 @@ BrokerError
 │   └── PlanInputError            a `cpn plan` problem is invalid; field is its JSON path
 │                                 (broker.plan.problem)
 ├── NotFound (LookupError)        no such job: 404
+│   └── DatasetNotFound           no such dataset or version, or one the caller may not read
+│                                 (the two read the same; broker.model.datasets)
 ├── IllegalTransition             the job's state does not allow it: 409
 ├── StaleRecord                   a guarded transaction lost a race; retry with a fresh read
 ├── Expired                       a list's continue token outlived its revision: 410
 ├── Unauthorized                  no valid token (missing, malformed, expired, revoked): 401
 ├── Forbidden                     the token's role may not, or names another tenant: 403
+├── DataPlaneError                a site's data store refused or could not be reached: its
+│                                 status (409, 502, 503; broker.ops.datasets)
 ├── TokenLedgerError              the token ledger's file or writer is not this replica's own
 │                                 (broker.state.token_ledger)
 └── PlacementError (ValueError)   a snapshot or decision placement cannot work with (a caller's

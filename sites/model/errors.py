@@ -35,6 +35,14 @@
     ├── UnknownJob (LookupError)        a job with no run at this site (sites.agent.runs)
     ├── DoesNotFit                      an assignment asks for more than the site has free
     │                                   (sites.agent.fit)
+    ├── DataError                       the site's data plane (sites.agent.data.errors); each
+    │   │                               carries the HTTP status its /data routes answer
+    │   ├── BadInput (ValueError)       a path, sha256, digest or body that is malformed: 400
+    │   ├── NotHeld (LookupError)       no complete object, file or checkpoint here: 404
+    │   ├── Conflict                    a commit names what is missing or does not match: 409
+    │   ├── TooLarge                    a body over what the store may hold: 413
+    │   ├── StagingError                no source could serve what a staging needed
+    │   └── PeerError                   another site's data store refused or was unreachable
     └── IllegalReplicaTransition        a managed replica asked to move between states it
                                         cannot (sites.agent.replicas)
 
