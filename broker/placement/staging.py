@@ -136,13 +136,15 @@ def _build(
         for need, live in zip(needs, sources, strict=True):
             if need.bytes <= 0 or any(h == site.id for h, _, _ in live):
                 continue
-            best: tuple[float, float, str] | None = None
-            for h, region, rate in live:
-                cost = 0.0 if region == site.region else egress_usd(need.bytes / GB, rate)
-                took = transfer_hours(need.bytes, bandwidth(h, site.id))
-                if best is None or (cost, took) < (best[0], best[1]):
-                    best = (cost, took, h)
-            assert best is not None
+            # live is not empty: an input without a live holder made the job `missing` above
+            best = min(
+                (
+                    0.0 if region == site.region else egress_usd(need.bytes / GB, rate),
+                    transfer_hours(need.bytes, bandwidth(h, site.id)),
+                    h,
+                )
+                for h, region, rate in live
+            )
             usd += best[0]
             hours += best[1]
             if need.bytes > biggest:

@@ -114,8 +114,7 @@ def to_problem(
         staged = _staging(spec, fed, sites)
         if staged is not None:  # its inputs: priced per site as the fast path prices them
             if data is not None:  # both: one origin per job, the two costs added
-                assert origin is not None
-                base = egress[origin]
+                base = egress[data.region]
                 staged = {s: usd + base.get(s, 0.0) * data.size_gb for s, usd in staged.items()}
             origin = f"inputs@{pending.id}"
             egress[origin] = staged

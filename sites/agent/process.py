@@ -132,6 +132,9 @@ class Agent:
             # bind probes to our own address so the WAN emulation can tell who is calling
             source=host if host not in ("0.0.0.0", "", "localhost") else None,
             emulated=settings.wan_emulated,
+            bandwidth_interval_s=settings.bandwidth_interval_s,
+            bandwidth_probe_bytes=settings.bandwidth_probe_bytes,
+            bandwidth_probe_timeout_s=settings.bandwidth_probe_timeout_s,
         )
         self.services = ServiceMonitor(spec.services, clock=self.clock.time)
         self._peers = PrefixMirror(registry=registry, prefix=keys.AGENTS, on_change=self._on_agents)

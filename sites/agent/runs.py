@@ -62,6 +62,7 @@ class Run:
     checkpoint: CheckpointMark | None = None
     outputs: tuple[OutputMade, ...] = ()
     egress: dict[str, int] = field(default_factory=dict)  # source site -> bytes
+    syncs: int = 0  # checkpoint syncs tried: numbers them within the attempt
 
     @property
     def job(self) -> str:

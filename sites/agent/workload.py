@@ -72,7 +72,7 @@ RETRY_MIN_S = 0.2
 QUEUE_POLL_S = 1.0  # how often a run queued in the site's scheduler is looked at again
 RETRY_MAX_S = 5.0
 LAST_CHECKPOINT_S = 60.0  # a withdrawn run's last checkpoint sync, at most
-LAST_SEQ = 999_999  # its number within the attempt: after every periodic one
+SEQ_PER_ATTEMPT = 1_000_000_000  # checkpoint numbers: attempt x this + the sync's number
 
 
 class Workload:
@@ -533,20 +533,21 @@ class Workload:
         """Sync the run's checkpoint directory to its durable replica every interval while it
         runs; each complete one goes into the run's report."""
         data, ckpt = self.data, a.checkpoint
-        assert data is not None and ckpt is not None
+        if data is None or ckpt is None:  # (the caller checked; for mypy)
+            return
         target = self._work(a.job) / ckpt.path
-        n = 0
         while run.state is RunState.running and not run.withdrawn.is_set():
             await self.clock.sleep(ckpt.interval_s)
             if run.state is not RunState.running or run.withdrawn.is_set():
                 return
-            n += 1
-            await self._sync(run, a, target, n)
+            await self._sync(run, a, target)
 
-    async def _sync(self, run: Run, a: Assignment, target: Path, n: int) -> None:
+    async def _sync(self, run: Run, a: Assignment, target: Path) -> None:
         data = self.data
-        assert data is not None
-        seq = a.attempt * 1_000_000 + n  # later attempts sort after earlier ones
+        if data is None:
+            return
+        run.syncs += 1
+        seq = a.attempt * SEQ_PER_ATTEMPT + run.syncs  # later attempts sort after earlier ones
         try:
             mark = await data.sync_checkpoint(a, target, seq)
         except (DataError, OSError) as exc:
@@ -566,7 +567,7 @@ class Workload:
         target = self._work(a.job) / ckpt.path
         try:
             async with asyncio.timeout(LAST_CHECKPOINT_S):
-                await self._sync(run, a, target, LAST_SEQ)
+                await self._sync(run, a, target)
         except TimeoutError:
             log.warning("job %s: its last checkpoint did not sync in %.0fs", a.job,
                         LAST_CHECKPOINT_S)  # fmt: skip
