@@ -19,8 +19,9 @@ busy share (wire time / stage time: what was left idle).
 Then, on the national link at 40 ms: (a) a cached stage (the same digest again: 0 bytes),
 (b) two concurrent stages of one digest on a fresh store (single flight: bytes once over the
 wire), (c) a per-link limit at half the emulated rate (the token bucket, not the link, sets
-the pace), and (d) the Stager as the agent builds it today: its connections leave from
-whatever address the kernel picks (127.0.0.1), which maps to no node of the emulation.
+the pace), and (d) a Stager without the agent's address (local_host None): its connections
+leave from 127.0.0.1, which maps to no node of the emulation, so nothing shapes them (the
+agent binds its stager since the bench found this).
 
     .venv/bin/python bench/data_staging.py               # 12 links x ~4 s: about 1.5 minutes
     .venv/bin/python bench/data_staging.py --quick       # 4 links x ~1.5 s
@@ -47,7 +48,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from benchkit import log, num, scratch_dir, table
 
@@ -78,35 +78,6 @@ STORE_LIMIT = 1 << 40
 KEY = "bench-data-key-0123456789abcdef0123456789"
 CLOCK = SystemClock()
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class BoundStager(Stager):
-    """The agent's Stager with its connections bound to the destination node's address.
-
-    The emulator tells who calls by the source address (docs/wan-emulation.md); the agent's
-    Stager opens its session without one (the kernel picks 127.0.0.1, no node), so the bench
-    binds it here, the one thing it changes. Row (d) measures the Stager as it is."""
-
-    def __init__(self, *, local_ip: str, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.local_ip = local_ip
-        self._bound: aiohttp.ClientSession | None = None
-
-    def session(self) -> aiohttp.ClientSession:
-        if self._bound is None or self._bound.closed:
-            timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=30)
-            self._bound = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(local_addr=(self.local_ip, 0)),
-                timeout=timeout,
-                auto_decompress=False,
-            )
-        return self._bound
-
-    async def close(self) -> None:
-        await super().close()
-        if self._bound is not None:
-            await self._bound.close()
-            self._bound = None
 
 
 @dataclass
@@ -249,7 +220,9 @@ class Bench:
             "limits": limits,
             "parallel_files": self.parallel_files,
         }
-        return BoundStager(local_ip=DST_IP, **common) if bound else Stager(**common)
+        # bound: as the agent runs it (DataPlane passes its listen address); unbound: a
+        # stager the emulation cannot tell apart, passed through unshaped (row d)
+        return Stager(local_host=DST_IP if bound else None, **common)
 
     async def stage(
         self, name: str, stager: Stager, m: Manifest, mbps: float, rtt_ms: float, **extra: Any
@@ -369,7 +342,7 @@ async def run_extras(
         f"({limited.achieved_mbps / limit:.0%} of it)"
     )
 
-    # (d) the Stager as the agent builds it: no source address
+    # (d) a stager without the agent's address: what the emulation cannot shape
     m = await asyncio.to_thread(put, bench.src, dataset_files(total, rng, bench.order))
     await bench.open_path(mbps, rtt_ms)
     stager = bench.stager(bound=False)
@@ -446,7 +419,7 @@ def report(results: list[Result], extras: dict[str, Any], parallel_files: int, o
     )
     u = extras["unbound"]
     print(
-        f"(d) the Stager as the agent builds it (no source address): {u['achieved_mbps']:.1f} "
+        f"(d) a Stager without the agent's address: {u['achieved_mbps']:.1f} "
         f"Mbit/s on a {u['mbps']:g} Mbit/s path ({u['ratio']:.0%}); the shaped link carried "
         f"{u['link_bytes']} bytes, {u['unknown_source_connections']} connections came from "
         "no node (relayed unshaped, undelayed)"

@@ -88,7 +88,14 @@ class Agent:
         self.bearer = secrets.token_urlsafe(32)
         self.metrics = AgentMetrics(spec.id)
         # the site's data store: opened at start (its key goes in our AgentSecret)
-        self.data = DataPlane(spec=spec, registry=registry, clock=self.clock)
+        listen_host = settings.listen.rsplit(":", 1)[0]
+        self.data = DataPlane(
+            spec=spec,
+            registry=registry,
+            clock=self.clock,
+            # bound like the probes: the WAN emulation shapes the path by who is calling
+            local_host=listen_host if listen_host not in ("0.0.0.0", "", "localhost") else None,
+        )
         self.record: AgentRecord | None = None
         self.url = ""
         self.probe_url = ""

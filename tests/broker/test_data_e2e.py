@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import urllib.error
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,13 @@ def _dataset(root: Path) -> dict[str, str]:
 
 
 def _log(fed: Federation, job: str) -> str:
-    return fed.get(f"/v1/jobs/{job}/logs")[1]
+    """The job's current run's log; "" while it has none yet (400 no_logs)."""
+    try:
+        return fed.get(f"/v1/jobs/{job}/logs")[1]
+    except urllib.error.HTTPError as exc:
+        if exc.code == 400:
+            return ""
+        raise
 
 
 def _events(record: dict[str, Any]) -> list[str]:

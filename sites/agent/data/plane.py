@@ -94,6 +94,7 @@ class DataPlane:
         clock: Clock,
         root: Path | None = None,
         retry_window_s: float | None = None,
+        local_host: str | None = None,
     ) -> None:
         self.spec = spec
         self.site = spec.id
@@ -102,6 +103,7 @@ class DataPlane:
         self.clock = clock
         self.root = root or store_root(spec)
         self._retry_window_s = retry_window_s
+        self._local_host = local_host  # where its transfers leave from (the agent's address)
         self._parts: _Parts | None = None
         self._key: str | None = None
         self._synced: dict[str, _Synced] = {}
@@ -130,7 +132,7 @@ class DataPlane:
         extra = {} if self._retry_window_s is None else {"retry_window_s": self._retry_window_s}
         stager = Stager(
             store=store, clock=self.clock, limits=limits,
-            parallel_files=self.settings.parallel_files, **extra,
+            parallel_files=self.settings.parallel_files, local_host=self._local_host, **extra,
         )  # fmt: skip
         book = ReplicaBook(registry=self.registry, site=self.site, store=store)
         routes = DataRoutes(

@@ -87,7 +87,8 @@ class Stager:
         store: DataStore,
         clock: Clock,
         limits: LinkLimits,
-        parallel_files: int = 4,
+        parallel_files: int = 16,
+        local_host: str | None = None,
         retry_window_s: float = RETRY_WINDOW_S,
         backoff_initial_s: float = BACKOFF_INITIAL_S,
         backoff_max_s: float = BACKOFF_MAX_S,
@@ -97,6 +98,9 @@ class Stager:
         self.clock = clock
         self.limits = limits
         self.parallel_files = parallel_files
+        # connections leave from the agent's own address, so the WAN emulation (and a real
+        # network's policy) sees which site is pulling, as the agent's probes do
+        self.local_host = local_host
         self.retry_window_s = retry_window_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -108,7 +112,12 @@ class Stager:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=30)
-            self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+            connector = aiohttp.TCPConnector(
+                local_addr=None if self.local_host is None else (self.local_host, 0)
+            )
+            self._session = aiohttp.ClientSession(
+                timeout=timeout, auto_decompress=False, connector=connector
+            )
         return self._session
 
     async def close(self) -> None:
@@ -187,7 +196,12 @@ class Stager:
                 every_s=self.report_every_s,
             )
             flight.meter = meter
-            missing = [f for sha, f in files.items() if not self.store.has_blob(sha)]
+            # largest first: the big files keep the link full while the small ones, a round
+            # trip each, share what is left (the gate is first come, first served)
+            missing = sorted(
+                (f for sha, f in files.items() if not self.store.has_blob(sha)),
+                key=lambda f: (-f.size, f.path),
+            )
             meter.add(meter.total - sum(f.size for f in missing), wire=False)
             self._report(flight, force=True)
             gate = asyncio.Semaphore(self.parallel_files)
