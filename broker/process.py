@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import ssl
 import time
 from collections.abc import Coroutine, Mapping
 from typing import Any
@@ -86,6 +87,12 @@ BILLED_TTL_S = 10.0  # the ledger's part of the budgets left: a query, not once 
 RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
 
 
+def agent_connector(agent_ssl: ssl.SSLContext | None) -> aiohttp.TCPConnector:
+    """A connector for a session to the agents: https:// ones verified with `agent_ssl` (the
+    federation's CA), else with the system's CAs."""
+    return aiohttp.TCPConnector(ssl=agent_ssl if agent_ssl is not None else True)
+
+
 class Broker:
     def __init__(
         self,
@@ -98,6 +105,7 @@ class Broker:
         clock: Clock | None = None,
         url: str = "",
         sovereignty: Mapping[str, frozenset[str]] | None = None,
+        agent_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.registry = registry
         self.catalog = catalog
@@ -233,6 +241,9 @@ class Broker:
             metrics=self.metrics.registry,
             external_url=url,
         )
+        # what the agents' https:// endpoints are verified against (the federation's CA);
+        # None: the system's CAs. Every session this broker opens to an agent uses it.
+        self.agent_ssl = agent_ssl
         self._http: aiohttp.ClientSession | None = None
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
         self._down = dc.DownSince()
@@ -261,7 +272,7 @@ class Broker:
         self.supervisor.spawn("traffic", self.traffic_publisher.run, restart=RESTART)
         self.supervisor.spawn("autoscaler", self.scaler.run, restart=RESTART)
         self.supervisor.spawn("data orders", self.data_orders.run, restart=RESTART)
-        self._http = aiohttp.ClientSession()
+        self._http = aiohttp.ClientSession(connector=agent_connector(self.agent_ssl))
         outbox = DataOutboxLoop(
             registry=self.registry, datasets=self.datasets, index=self.data, http=self._http
         )

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import logging
 import signal
-import ssl
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -24,9 +23,9 @@ from broker.state.router import Router
 from routing import native
 from routing.decision.clients import load_clients
 from routing.gateway.lane_site import LaneSite
+from sites.kits.tls import client_context, server_context
 from sites.model.catalog import DeviceCatalog
 from sites.model.config import load_sites, site_files
-from sites.model.errors import ConfigError, Problem
 from sites.model.latency import LatencyModel
 from sites.registry.client import Registry
 from sites.registry.security import EtcdTls
@@ -52,24 +51,13 @@ reference counting; the cyclic collector still runs its young pass every 700 net
 (bench/JOURNAL.md, 2026-12-05, live_federation.py)."""
 
 
-def server_ssl_context(cert: Path, key: Path) -> ssl.SSLContext:
-    """TLS 1.2 or later with the given certificate; ConfigError naming the file if unusable."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        context.load_cert_chain(cert, key)
-    except (OSError, ssl.SSLError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise ConfigError([Problem(f"{cert} / {key}", "", f"cannot load: {reason}")]) from None
-    return context
-
-
 async def serve(
     *,
     etcd: str,
     etcd_tls: EtcdTls | None = None,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
+    agent_ca: Path | None = None,
     listen: str,
     config_dir: Path,
     settings: BrokerSettings | None = None,
@@ -78,7 +66,8 @@ async def serve(
     state_dir: Path | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or cancellation). HTTPS when `tls_cert` and `tls_key` are
-    given; `etcd_tls` is the broker's etcd credentials on a secure etcd."""
+    given; `etcd_tls` is the broker's etcd credentials on a secure etcd; `agent_ca` the CA the
+    agents' certificates are checked against (https:// agents; default: the system's CAs)."""
     catalog = DeviceCatalog.load(config_dir / "devices.yaml")
     regions = load_user_regions(config_dir / "regions.yaml")
     specs = load_sites(site_files(config_dir / "sites"), catalog)
@@ -90,7 +79,8 @@ async def serve(
     host, port = listen.rsplit(":", 1)
     ssl_context = None
     if tls_cert is not None and tls_key is not None:
-        ssl_context = server_ssl_context(tls_cert, tls_key)
+        ssl_context = server_context(tls_cert, tls_key)
+    agent_ssl = client_context(agent_ca)
     scheme = "https" if ssl_context else "http"
     clients = None
     if (config_dir / "clients.yaml").exists():
@@ -104,6 +94,7 @@ async def serve(
         tenancy=tenancy,
         settings=settings,
         url=f"{scheme}://{listen}",
+        agent_ssl=agent_ssl,
         # managed services' replicas for a client region run where it may be served
         sovereignty=clients.sovereignty() if clients is not None else None,
     )

@@ -4,6 +4,7 @@
     pki/ca.pem ca-key.pem              the CA (cpn.certs)
     pki/etcd.pem etcd-key.pem          etcd's server certificate (also its peer certificate)
     pki/broker.pem broker-key.pem      the broker API's server certificate
+    pki/agent-<site>.pem, -key.pem     each site's agent's server certificate (its endpoint)
     pki/credentials/root.yaml          the operator's etcd credentials (user root)
     pki/credentials/cpn-broker.yaml    the broker's (user cpn-broker)
     pki/credentials/<site>.yaml        each site's agent's (user site-<site>), by `cpn site join`
@@ -15,7 +16,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from cpn.certs import DEFAULT_HOSTS, Pki
+from cpn.certs import DEFAULT_HOSTS, Issued, Pki
 from cpn.state import state_dir
 from sites.emulation.etcd_server import ServerTls
 from sites.model.spec import SiteSpec
@@ -103,3 +104,20 @@ async def site_credentials(registry: Registry, pki: Pki, spec: SiteSpec) -> Path
         return None
     user = await grant_site(registry, spec)
     return credentials_for(pki, user, registry.url, name=spec.id)
+
+
+WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
+
+def agent_certificate(pki: Pki, site: str, addresses: Sequence[str | None]) -> Issued:
+    """The server certificate of `site`'s agent endpoint, agent-<site>.pem: its SANs are the
+    hosts of `addresses` (host:port: where it listens, where peers reach it, e.g. the WAN
+    emulation's front) and loopback; a wildcard listen address names no host."""
+    hosts = [*DEFAULT_HOSTS]
+    for address in addresses:
+        if address is None:
+            continue
+        host = address.rsplit(":", 1)[0].strip("[]")
+        if host not in WILDCARD_HOSTS and host not in hosts:
+            hosts.append(host)
+    return pki.issue(f"agent-{site}", hosts=hosts, server=True, client=False)

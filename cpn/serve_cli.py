@@ -32,6 +32,8 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         if not sep or not url:
             raise UsageError(f"--service-url {item!r}: expected NAME=URL")
         service_urls[name] = url
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise UsageError("--tls-cert and --tls-key go together")
     settings = AgentSettings.from_spec(
         spec,
         listen=args.listen,
@@ -42,6 +44,9 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         probe_method=args.probe_method,
         wan_emulated=args.wan_emulated,
         service_urls=service_urls,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_ca=args.tls_ca,
     )
     async with registry_of(args) as registry:
         agent = Agent(spec=spec, catalog=catalog, registry=registry, settings=settings)
@@ -68,6 +73,7 @@ async def cmd_broker(args: argparse.Namespace) -> int:
         etcd_tls=etcd_tls,
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
+        agent_ca=Path(args.agent_ca) if args.agent_ca else None,
         listen=args.listen,
         config_dir=Path(args.config_dir) if args.config_dir else config_dir(),
         wan_emulated=args.wan_emulated,
@@ -104,6 +110,13 @@ def add_parsers(
     agent.add_argument("--probe-method", choices=METHODS, default="auto")
     agent.add_argument("--wan-emulated", action="store_true", help="label links as emulated")
     agent.add_argument("--service-url", action="append", metavar="NAME=URL")
+    agent.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    agent.add_argument("--tls-key", metavar="FILE", help="the certificate's private key")
+    agent.add_argument(
+        "--tls-ca",
+        metavar="FILE",
+        help="verify peers' https:// endpoints against this CA (the federation's)",
+    )
     agent.set_defaults(func=cmd_agent)
 
     broker = add("broker", help="run a broker replica (API, placement, failover)")
@@ -112,6 +125,11 @@ def add_parsers(
     broker.add_argument("--config-dir", metavar="DIR", help="configs/ directory")
     broker.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate")
     broker.add_argument("--tls-key", metavar="FILE", help="the certificate's private key")
+    broker.add_argument(
+        "--agent-ca",
+        metavar="FILE",
+        help="verify the agents' https:// endpoints against this CA (the federation's)",
+    )
     broker.add_argument(
         "--state-dir",
         metavar="DIR",

@@ -57,7 +57,7 @@ from broker.model.errors import (
     StaleRecord,
 )
 from broker.model.jobs import JobRecord, JobSpec, JobState
-from broker.process import Broker
+from broker.process import Broker, agent_connector
 from broker.state.auth import Forbidden
 from broker.state.job_pages import DEFAULT_LIMIT, MAX_LIMIT, JobQuery, list_page, parse_since
 from broker.state.metrics import LoopCounter, exposition
@@ -591,7 +591,10 @@ async def _check_access(app: web.Application) -> None:
 
 async def _http_session(app: web.Application) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=AGENT_CONNECT_TIMEOUT_S)
-    app[HTTP] = session = aiohttp.ClientSession(timeout=timeout)
+    # to the agents (job logs, datasets' files): https:// ones verified with the broker's
+    # agent CA
+    connector = agent_connector(app[BROKER].agent_ssl)
+    app[HTTP] = session = aiohttp.ClientSession(timeout=timeout, connector=connector)
     yield
     await session.close()
 

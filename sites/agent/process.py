@@ -46,6 +46,7 @@ from sites.executors.factory import make_executor
 from sites.executors.slurm import SlurmExecutor
 from sites.kits.clock import Clock, SystemClock
 from sites.kits.tasks import Backoff, Crash, Supervisor
+from sites.kits.tls import client_context, server_context
 from sites.model import keys
 from sites.model.capacity import Capacity
 from sites.model.catalog import DeviceCatalog
@@ -95,6 +96,8 @@ class Agent:
             clock=self.clock,
             # bound like the probes: the WAN emulation shapes the path by who is calling
             local_host=listen_host if listen_host not in ("0.0.0.0", "", "localhost") else None,
+            # peers' https:// endpoints verified against the federation's CA (--tls-ca)
+            client_ssl=None if settings.tls_ca is None else client_context(settings.tls_ca),
         )
         self.record: AgentRecord | None = None
         self.url = ""
@@ -535,6 +538,11 @@ class Agent:
             advertise=settings.advertise,
             probe_listen=settings.probe_listen,
             probe_advertise=settings.probe_advertise,
+            ssl_context=(
+                None
+                if settings.tls_cert is None or settings.tls_key is None
+                else server_context(settings.tls_cert, settings.tls_key)
+            ),
         )
         self.url, self.probe_url = self.server.url, self.server.probe_url
 

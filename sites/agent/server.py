@@ -1,7 +1,8 @@
 """The agent's HTTP server: /probe and /healthz, /metrics (Prometheus), and, behind the agent's
 bearer (sites.model.status.AgentSecret), /jobs and /jobs/{job}/log for the broker; the site's
 data store under /data/, each request with a grant of its own (sites.agent.data.serve); beside
-it the probe responder peers measure their links to (sites.agent.collectors.probes).
+it the probe responder peers measure their links to (sites.agent.collectors.probes). HTTPS when
+given a certificate (`cpn agent --tls-cert`; the probe responder stays plain: timing bytes only).
 docs/agent.md lists the endpoints.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import ssl
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -67,10 +69,12 @@ class AgentServer:
         advertise: str | None,
         probe_listen: str | None,
         probe_advertise: str | None,
+        ssl_context: ssl.SSLContext | None = None,
     ) -> None:
-        """Serve HTTP on `listen` (host:port; port 0 picks one) and probes on `probe_listen`
-        (default: the same host, port 0); `url` and `probe_url` are what peers are told
-        (`advertise`, `probe_advertise`: the WAN front when emulated)."""
+        """Serve HTTP on `listen` (host:port; port 0 picks one), HTTPS with `ssl_context`, and
+        probes on `probe_listen` (default: the same host, port 0); `url` and `probe_url` are
+        what peers are told (`advertise`, `probe_advertise`: the WAN front when emulated). The
+        probe responder stays plain TCP: it carries no tenant's data, only timing bytes."""
         app = web.Application(middlewares=[self._check_bearer])
         app.router.add_get("/probe", self._probe)
         app.router.add_get("/healthz", self._healthz)
@@ -85,10 +89,13 @@ class AgentServer:
         )
         await self._runner.setup()
         host, port = listen.rsplit(":", 1)
-        site = web.TCPSite(self._runner, host, int(port), reuse_address=True)
+        site = web.TCPSite(
+            self._runner, host, int(port), reuse_address=True, ssl_context=ssl_context
+        )
         await site.start()
         bound = self._runner.addresses[0]
-        self.url = f"http://{advertise or f'{bound[0]}:{bound[1]}'}"
+        scheme = "https" if ssl_context is not None else "http"
+        self.url = f"{scheme}://{advertise or f'{bound[0]}:{bound[1]}'}"
         probe_host, probe_port = (probe_listen or f"{host}:0").rsplit(":", 1)
         self._probe_server = await asyncio.get_running_loop().create_server(
             ProbeResponder, probe_host, int(probe_port), reuse_address=True

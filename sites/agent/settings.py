@@ -6,9 +6,10 @@ often it measures and publishes, how it probes its peers; defaults come from the
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from sites.agent.collectors.probes import METHODS
 from sites.agent.workload import STOP_GRACE_S
@@ -66,6 +67,18 @@ class AgentSettings(BaseModel):
         description="seconds between SIGTERM and SIGKILL when a job is stopped; time to checkpoint",
     )
 
+    tls_cert: Path | None = Field(
+        default=None,
+        description="serve HTTPS with this certificate (PEM; its SANs name the listen and "
+        "advertised hosts) and advertise https://; default: plain HTTP",
+    )
+    tls_key: Path | None = Field(default=None, description="tls_cert's private key (PEM)")
+    tls_ca: Path | None = Field(
+        default=None,
+        description="the CA (PEM) that peers' https:// endpoints are verified against: the "
+        "federation's; default: the system's CAs",
+    )
+
     @property
     def ttl_s(self) -> int:
         return max(MIN_TTL_S, math.ceil(3 * self.interval_s))
@@ -84,6 +97,12 @@ class AgentSettings(BaseModel):
         }
         base.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**base)
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> AgentSettings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self
 
     @field_validator("probe_method")
     @classmethod

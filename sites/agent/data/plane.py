@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import shutil
+import ssl
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,7 @@ class DataPlane:
         root: Path | None = None,
         retry_window_s: float | None = None,
         local_host: str | None = None,
+        client_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.spec = spec
         self.site = spec.id
@@ -104,6 +106,7 @@ class DataPlane:
         self.root = root or store_root(spec)
         self._retry_window_s = retry_window_s
         self._local_host = local_host  # where its transfers leave from (the agent's address)
+        self._client_ssl = client_ssl  # what peers' https:// endpoints are verified against
         self._parts: _Parts | None = None
         self._key: str | None = None
         self._synced: dict[str, _Synced] = {}
@@ -132,7 +135,8 @@ class DataPlane:
         extra = {} if self._retry_window_s is None else {"retry_window_s": self._retry_window_s}
         stager = Stager(
             store=store, clock=self.clock, limits=limits,
-            parallel_files=self.settings.parallel_files, local_host=self._local_host, **extra,
+            parallel_files=self.settings.parallel_files, local_host=self._local_host,
+            ssl_context=self._client_ssl, **extra,
         )  # fmt: skip
         book = ReplicaBook(registry=self.registry, site=self.site, store=store)
         routes = DataRoutes(

@@ -26,6 +26,7 @@ import asyncio
 import hashlib
 import logging
 import os
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,7 @@ class Stager:
         limits: LinkLimits,
         parallel_files: int = 16,
         local_host: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         retry_window_s: float = RETRY_WINDOW_S,
         backoff_initial_s: float = BACKOFF_INITIAL_S,
         backoff_max_s: float = BACKOFF_MAX_S,
@@ -101,6 +103,9 @@ class Stager:
         # connections leave from the agent's own address, so the WAN emulation (and a real
         # network's policy) sees which site is pulling, as the agent's probes do
         self.local_host = local_host
+        # peers' https:// endpoints are verified against it (the federation's CA, `cpn agent
+        # --tls-ca`); None: the system's CAs
+        self.ssl_context = ssl_context
         self.retry_window_s = retry_window_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -113,7 +118,8 @@ class Stager:
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=30)
             connector = aiohttp.TCPConnector(
-                local_addr=None if self.local_host is None else (self.local_host, 0)
+                local_addr=None if self.local_host is None else (self.local_host, 0),
+                ssl=self.ssl_context if self.ssl_context is not None else True,
             )
             self._session = aiohttp.ClientSession(
                 timeout=timeout, auto_decompress=False, connector=connector

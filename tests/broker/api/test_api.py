@@ -380,7 +380,9 @@ def _stand_in() -> Broker:
 
     return cast(
         Broker,
-        SimpleNamespace(tokens=None, audit=None, settings=BrokerSettings(), clock=SystemClock()),
+        SimpleNamespace(
+            tokens=None, audit=None, settings=BrokerSettings(), clock=SystemClock(), agent_ssl=None
+        ),
     )
 
 
