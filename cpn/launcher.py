@@ -28,10 +28,10 @@ from urllib.parse import urlsplit
 
 from broker.state.auth import Role, create_token, new_token
 from cpn import render, wan_demo
-from cpn.certs import Pki
+from cpn.certs import Issued, Pki
 from cpn.client import ApiError, BrokerClient
 from cpn.config import ConfigFileError, remove_context, save_context
-from cpn.secure import bootstrap, init_pki, site_credentials
+from cpn.secure import agent_certificate, bootstrap, init_pki, site_credentials
 from cpn.service_demo import follow, service_name
 from cpn.state import clear_up_state, state_dir, write_up_state
 from sites.emulation import wan
@@ -57,7 +57,7 @@ class LaunchSettings:
     only: tuple[str, ...] = ()
     broker_listen: str = "127.0.0.1:8080"
     etcd_members: int = 1
-    secure: bool = False  # etcd with TLS and auth, per-site etcd users, the broker on HTTPS
+    secure: bool = False  # etcd with TLS and auth, per-site etcd users, HTTPS broker and agents
     demo_service: bool = True  # apply a managed service once the broker answers
     service_file: Path | None = None  # default: configs/services/example.yaml, when there
 
@@ -81,6 +81,7 @@ class SitePlan:
     probe_advertise: str | None = None
     service_urls: dict[str, str] = field(default_factory=dict)
     credentials: Path | None = None  # the site's etcd credential file (--secure)
+    tls: Issued | None = None  # the agent endpoint's server certificate (--secure)
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
 
@@ -178,6 +179,11 @@ class Launcher:
             else:
                 for plan in self.plans:
                     plan.listen = f"127.0.0.1:{free_port()}"
+            if self.settings.secure:  # each agent's endpoint on HTTPS, named as peers reach it
+                for plan in self.plans:
+                    plan.tls = agent_certificate(
+                        self.pki, plan.spec.id, [plan.listen, plan.advertise]
+                    )
             self._start_model_servers()
             self._start_agents(url)
             self._start_broker(url)
@@ -320,6 +326,10 @@ class Launcher:
                 args += ["--probe-advertise", plan.probe_advertise]
             for name, svc_url in plan.service_urls.items():
                 args += ["--service-url", f"{name}={svc_url}"]
+            if plan.tls is not None:
+                args += ["--tls-cert", str(plan.tls.cert_path), "--tls-key", str(plan.tls.key_path)]
+            if self.settings.secure:  # peers' endpoints are verified against the run's CA
+                args += ["--tls-ca", str(self.pki.ca_path)]
             plan.log_path = self.run_dir / f"agent-{plan.spec.id}.log"
             # the jobs the demo's agents run find cpn's own Python first on PATH, so that a
             # job's `python` (a managed service's stand-in model server) is the one with
@@ -359,6 +369,7 @@ class Launcher:
         if self.settings.secure:
             args += ["--tls-cert", str(self.pki.directory / "broker.pem")]
             args += ["--tls-key", str(self.pki.directory / "broker-key.pem")]
+            args += ["--agent-ca", str(self.pki.ca_path)]
         if self.emulator is not None:
             args.append("--wan-emulated")
         with open(self.broker_log, "ab") as logfile:

@@ -74,7 +74,7 @@ def add_parsers(
     up.add_argument(
         "--secure",
         action="store_true",
-        help="etcd with TLS and auth, an etcd user per site, the broker on HTTPS",
+        help="etcd with TLS and auth, an etcd user per site, the broker and the agents on HTTPS",
     )
     up.add_argument(
         "--slurm", action="store_true", help="add site slurm-lab on a local Slurm (docs/slurm.md)"
