@@ -97,9 +97,7 @@ def _report(
         confined = f" ({report.confinement})" if report.confinement else ""
         resumed = ""
         if report.egress:  # what it staged (a transfer too short for a staging report to show)
-            moved = sum(e.bytes for e in report.egress) / 1e9
-            sources = ", ".join(e.source for e in report.egress)
-            resumed += f", after staging {moved:.3g} GB from {sources}"
+            resumed += f", after {_staged(report)}"
         if report.restored is not None:
             resumed += f", resumed from {_mark(report.restored)} (from {report.restored.site})"
         elif record.attempt > 1 and record.spec.carried_checkpoint is not None:
@@ -122,10 +120,11 @@ def _report(
         return
     guard = (Guard(keys.report(site, record.id), mod_revision=report_rev),)
     if report.state is RunState.succeeded:
+        staged = f" ({_staged(report)})" if report.egress else ""
         ev = Event(
             at=now,
             type="succeeded",
-            message=f"exit 0 on {site}",
+            message=f"exit 0 on {site}{staged}",
             site=site,
             attempt=record.attempt,
         )
@@ -171,6 +170,12 @@ def _staging(p: Pass, record: JobRecord, rev: int, report: Report) -> None:
     ev = Event(at=p.now, type="staging", message=message, site=report.site)
     new = record.with_event(ev, staging=progress)
     p.emit(Action(ActionKind.advance, (JobWrite(new, rev),), message))
+
+
+def _staged(report: Report) -> str:
+    """'staging 4.25 GB from abroad, west': what the run pulled from other sites."""
+    moved = sum(e.bytes for e in report.egress) / 1e9
+    return f"staging {moved:.3g} GB from {', '.join(e.source for e in report.egress)}"
 
 
 def _mark(mark: CheckpointMark) -> str:

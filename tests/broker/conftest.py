@@ -100,10 +100,14 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
     doc["agent"] = {"interval_s": 0.5}
     if "refresh_s" in spec:  # how often the agent writes everything (agent.refresh_s)
         doc["agent"]["refresh_s"] = spec["refresh_s"]
+    if "bandwidth_interval_s" in spec:  # 0: no bulk probe (paths at their distance class's)
+        doc["agent"]["bandwidth_interval_s"] = spec["bandwidth_interval_s"]
     if "oversubscription" in spec:
         doc["oversubscription"] = spec["oversubscription"]
     if "topology" in spec:
         doc["topology"] = spec["topology"]
+    if "data" in spec:  # the site's data store settings (docs/agent.md: link limits, cache)
+        doc["data"] = spec["data"]
     if "shared" in spec:  # a scratch dir every site's runs may write (a shared file system)
         doc["executor"] = {"confinement": {"rw_paths": [str(spec["shared"])]}}
     return doc

@@ -257,3 +257,90 @@ def test_a_suspended_job_keeps_what_it_saved_in_its_grace(
     text = _log(fed, record["id"])
     started = [line for line in text.splitlines() if line.startswith("start at step")]
     assert started and int(started[-1].split()[3]) >= 6, text
+
+
+# a slow path from abroad to the east (a link limit at the pulling sites), a replica site west;
+# no bulk probes (loopback figures would order the replicas at random): every path is its
+# distance class's, so west (same country) is tried before abroad
+LIMITED = {"link_limits_mbps": {"abroad": 24}}
+SLOW: dict[str, dict[str, Any]] = {
+    "east-a": {**SITES["east-a"], "data": LIMITED, "bandwidth_interval_s": 0},
+    "east-b": {**SITES["east-b"], "data": LIMITED, "bandwidth_interval_s": 0},
+    "west": {"region": "west", "coordinates": {"lat": 37.5, "lon": 105.2}, "price": 5.0,
+             "bandwidth_interval_s": 0},
+    "abroad": {**SITES["abroad"], "bandwidth_interval_s": 0},
+}  # fmt: skip
+
+
+def _wait_replica(fed: Federation, name: str, site: str) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        status, body = fed.request("GET", f"/v1/datasets/t1/{name}")
+        if status == 200 and site in body["versions"][0]["replicas"]:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{name} never held at {site}")
+
+
+def test_staging_resumes_after_the_source_restarts_and_skips_a_corrupt_replica(
+    make_federation: Callable[..., Federation], tmp_path: Path
+) -> None:
+    fed = make_federation(SLOW)
+    big = tmp_path / "big"
+    big.mkdir()
+    body = hashlib.sha256(b"big").digest() * 375_000  # 12 MB: ~4 s at 24 Mbit/s
+    (big / "weights.bin").write_bytes(body)
+    put = run_cpn("data", "put", "t1/big", str(big), "--site", "abroad", "--broker", fed.broker_url)
+    assert put.returncode == 0, put.stderr
+
+    job = fed.submit(
+        name="slow", cpu=1, mem_gb=1, allowed_regions=["east"],
+        inputs=[{"dataset": "big", "path": "in"}], command=["sha256sum", "in/weights.bin"],
+    )  # fmt: skip
+    deadline = time.monotonic() + 30
+    seen = 0
+    while time.monotonic() < deadline:
+        staging = fed.job(job["id"]).get("staging") or {}
+        seen = staging.get("bytes_done", 0)
+        if seen > 2_000_000:
+            break
+        time.sleep(0.1)
+    assert 2_000_000 < seen < len(body), seen  # caught mid-transfer
+    fed.kill(fed.agents["abroad"])  # the source dies mid-transfer ...
+    time.sleep(1.0)
+    fed.start_agent("abroad")  # ... and comes back with the same data key
+    done = fed.wait_state(job["id"], "SUCCEEDED", "FAILED", timeout=60)
+    assert done["state"] == "SUCCEEDED", _events(done)
+    assert f"{hashlib.sha256(body).hexdigest()}  in/weights.bin" in _log(fed, job["id"])
+    moved = [e for e in _events(done) if "staging" in e and " GB from " in e]
+    assert moved, _events(done)
+    # resumed, not started over: what crossed the wire is the file about once
+    gb = float(moved[-1].split("staging ")[1].split(" GB")[0])
+    assert gb * 1e9 < len(body) * 1.2, moved
+
+    # a replica west with one corrupt byte: staging tries it first (the faster path), detects
+    # the bad sha256 and takes the file from abroad
+    small = tmp_path / "small"
+    small.mkdir()
+    data = bytes(range(256)) * 2048
+    (small / "part.bin").write_bytes(data)
+    assert run_cpn("data", "put", "t1/small", str(small), "--site", "abroad",
+                   "--broker", fed.broker_url).returncode == 0  # fmt: skip
+    replicate = run_cpn("data", "replicate", "t1/small", "--to", "west", "--broker", fed.broker_url)
+    assert replicate.returncode == 0, replicate.stderr
+    _wait_replica(fed, "small", "west")
+    blob = fed.config_dir / "state/sites/west/data-store/blobs" / hashlib.sha256(data).hexdigest()
+    blob.chmod(0o644)
+    with blob.open("r+b") as f:
+        f.seek(1000)
+        f.write(b"\xff")
+    reader = fed.submit(
+        name="careful", cpu=1, mem_gb=1, allowed_regions=["east"],
+        inputs=[{"dataset": "small", "path": "in"}], command=["sha256sum", "in/part.bin"],
+    )  # fmt: skip
+    done = fed.wait_state(reader["id"], "SUCCEEDED", "FAILED", timeout=60)
+    assert done["state"] == "SUCCEEDED", _events(done)
+    assert f"{hashlib.sha256(data).hexdigest()}  in/part.bin" in _log(fed, reader["id"])
+    # the run pulled from both: west's corrupt file was refused and fetched again from abroad
+    staged = [e for e in _events(done) if "staging" in e and " from " in e]
+    assert staged and "abroad" in staged[-1] and "west" in staged[-1], _events(done)
