@@ -433,6 +433,12 @@ class DataSettings(Frozen):
     link_limits_mbps: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict, description="per peer site, over `link_mbps` (Mbit/s)"
     )
+    checkpoint_retention_days: float = Field(
+        default=14.0,
+        gt=0,
+        description="a job's checkpoints kept here are deleted once none was added for this "
+        "long (its job finished, or was suspended that long)",
+    )
     parallel_files: int = Field(
         default=16,
         ge=1,

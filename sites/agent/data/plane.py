@@ -199,6 +199,11 @@ class DataPlane:
         """Stale uploads swept, the cache kept under its limit, the index written."""
         store = self.store
         await asyncio.to_thread(store.sweep_incoming, max_age_s=3600.0)
+        retention = self.settings.checkpoint_retention_days * 86400
+        expired = await asyncio.to_thread(store.expire_checkpoints, max_age_s=retention)
+        if expired:
+            log.info("site %s: checkpoints of %d finished jobs expired", self.site, len(expired))
+            self.parts.book.changed()
         await self._evict()
         await asyncio.to_thread(store.flush)
 

@@ -583,6 +583,30 @@ class DataStore:
                     self.drop(old.digest)
         return mark
 
+    def expire_checkpoints(self, *, max_age_s: float) -> list[str]:
+        """Delete the checkpoints of every job none was added for in `max_age_s` (a finished
+        job's, by its last one's time): entries first, then their objects unless pinned or
+        named by another job's checkpoint. The jobs ('tenant/job') whose checkpoints went."""
+        now = self.clock()
+        gone: list[str] = []
+        dropped: set[str] = set()
+        for d in sorted(p for p in self.checkpoints.glob("*/*") if p.is_dir()):
+            entries = sorted(d.glob("*.json"))
+            if entries and now - max(_mtime(e) for e in entries) < max_age_s:
+                continue
+            marks = [m for m in (_read_mark(e) for e in entries) if m is not None]
+            for e in entries:
+                e.unlink(missing_ok=True)
+            _remove(d)
+            dropped.update(m.digest for m in marks)
+            gone.append(f"{d.parent.name}/{d.name}")
+        for digest in sorted(dropped):
+            entry = self._entries.get(digest)
+            if entry is not None and entry.kind == "ckpt" and not entry.pinned:
+                if not self._in_checkpoints(digest):
+                    self.drop(digest)
+        return gone
+
     def checkpoint_digests(self, tenant: str, job: str) -> set[str]:
         return {m.digest for m in self.marks(tenant, job)}
 

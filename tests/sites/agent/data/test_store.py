@@ -117,3 +117,30 @@ def test_checkpoints_keep_the_newest_three(tmp_path: Path) -> None:
     assert not store.has(digests[0]) and store.has(digests[2])
     # kept checkpoints are never evicted by the cache
     assert store.evict_to(0) == []
+
+
+def test_a_finished_jobs_checkpoints_expire_a_live_ones_stay(tmp_path: Path) -> None:
+    now = [1_000_000.0]
+    store = DataStore(tmp_path / "s", 100_000, clock=lambda: now[0])
+
+    def checkpoint(job: str, seq: int, body: bytes) -> str:
+        m = manifest_of({"w": body})
+        tmp = store.temp()
+        tmp.write_bytes(body)
+        store.adopt(m.files[0].sha256, tmp)
+        store.put_checkpoint("acme", job, seq, m, at=now[0], step=seq, site="s")
+        return m.digest
+
+    old = checkpoint("done-1", 1, b"old" * 10)
+    shared = checkpoint("done-1", 2, b"both" * 10)
+    live = checkpoint("live-1", 1, b"both" * 10)  # the same bytes: one object, two jobs
+    assert shared == live
+    entries = store.checkpoints / "acme" / "done-1"
+    day = 86400.0
+    for e in entries.glob("*.json"):  # done-1's last checkpoint was 15 days ago
+        os.utime(e, (now[0] - 15 * day, now[0] - 15 * day))
+    assert store.expire_checkpoints(max_age_s=14 * day) == ["acme/done-1"]
+    assert store.marks("acme", "done-1") == [] and not entries.exists()
+    assert not store.has(old)  # its own object went
+    assert store.has(live) and store.latest("acme", "live-1") is not None  # live-1's stays
+    assert store.expire_checkpoints(max_age_s=14 * day) == []
