@@ -290,7 +290,10 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
         }
         for site in sites:
             assert any(f"credentials/{site}.yaml" in a for a in agents), agents
+            # its endpoint on HTTPS with its own certificate; peers checked against the CA
+            assert any(f"agent-{site}.pem" in a and "--tls-ca" in a for a in agents), agents
         assert any("credentials/cpn-broker.yaml" in a and "--tls-cert" in a for a in agents)
+        assert any("--agent-ca" in a for a in agents)  # the broker verifies the agents
 
         # an agent's credentials cannot write another site's status
         from sites.model.errors import PermissionDenied
