@@ -7,6 +7,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,20 @@ async def make_plane(tmp_path: Path) -> AsyncIterator[MakePlane]:
         await plane.close()
 
 
+@dataclass(frozen=True)
+class HttpsAgent:
+    server: AgentServer
+    digest: str  # the object of FILES it holds
+    key: str  # its data key, as its AgentSecret holds it
+
+    def source(self) -> Source:
+        scope = f"obj:{self.digest}"
+        return Source(site="site-a", url=self.server.url, grant=grant(self.key, "site-a", scope))
+
+
 @pytest.fixture
-async def https_agent(pki: Pki, make_plane: MakePlane) -> AsyncIterator[tuple[AgentServer, str]]:
-    """Site a's agent server on HTTPS with its store holding FILES: (server, the object's
-    digest)."""
+async def https_agent(pki: Pki, make_plane: MakePlane) -> AsyncIterator[HttpsAgent]:
+    """Site a's agent server on HTTPS, its store holding FILES."""
     plane = await make_plane("site-a")
     digest = put_blobs(plane.store, FILES).digest
     server = AgentServer(
@@ -79,25 +90,20 @@ async def https_agent(pki: Pki, make_plane: MakePlane) -> AsyncIterator[tuple[Ag
         listen="127.0.0.1:0", advertise=None, probe_listen=None, probe_advertise=None,
         ssl_context=server_context(cert.cert_path, cert.key_path),
     )  # fmt: skip
-    yield server, digest
+    assert plane.key is not None
+    yield HttpsAgent(server, digest, plane.key)
     await server.close()
 
 
-def source(server: AgentServer, digest: str) -> Source:
-    key = server._data.key  # noqa: SLF001 - the site's data key, as its AgentSecret holds it
-    assert key is not None
-    return Source(site="site-a", url=server.url, grant=grant(key, "site-a", f"obj:{digest}"))
-
-
 async def test_a_peer_that_trusts_the_federations_ca_stages_over_https(
-    pki: Pki, https_agent: tuple[AgentServer, str], make_plane: MakePlane
+    pki: Pki, https_agent: HttpsAgent, make_plane: MakePlane
 ) -> None:
-    server, digest = https_agent
+    server, digest = https_agent.server, https_agent.digest
     assert server.url.startswith("https://127.0.0.1:")
     assert server.probe_url.startswith("http://")  # timing bytes only: stays plain
     plane = await make_plane("site-x", client_ssl=client_context(pki.ca_path))
     inp = StageInput(dataset="acme/d@1", digest=digest, bytes=sum(map(len, FILES.values())),
-                     path="/data/d", sources=(source(server, digest),))  # fmt: skip
+                     path="/data/d", sources=(https_agent.source(),))  # fmt: skip
     job = Assignment(job="j", site="site-x", tenant="acme", attempt=1, fence=1,
                      command=("true",), assigned_at=time.time(), inputs=(inp,))  # fmt: skip
     staged, egress = await plane.stage_inputs(job, lambda _: None)
@@ -117,9 +123,9 @@ async def stager(tmp_path: Path, name: str, ssl_context: Any) -> Stager:
 
 @pytest.mark.parametrize("trust", ["system CAs", "another CA"])
 async def test_a_client_without_the_federations_ca_is_refused(
-    trust: str, https_agent: tuple[AgentServer, str], tmp_path: Path
+    trust: str, https_agent: HttpsAgent, tmp_path: Path
 ) -> None:
-    server, digest = https_agent
+    server, digest = https_agent.server, https_agent.digest
     context = None
     if trust == "another CA":
         other = Pki(tmp_path / "other-pki")
@@ -128,7 +134,7 @@ async def test_a_client_without_the_federations_ca_is_refused(
     pulling = await stager(tmp_path, "pull", context)
     try:
         with pytest.raises(StagingError, match="certificate verify failed"):
-            await pulling.stage(digest, [source(server, digest)], lambda _: None)
+            await pulling.stage(digest, [https_agent.source()], lambda _: None)
         assert not pulling.store.has(digest)
     finally:
         await pulling.close()
@@ -139,8 +145,8 @@ async def test_a_client_without_the_federations_ca_is_refused(
             await http.get(f"{server.url}/data/manifests/{digest}")
 
 
-async def test_no_plain_http_on_the_https_endpoint(https_agent: tuple[AgentServer, str]) -> None:
-    server, digest = https_agent
+async def test_no_plain_http_on_the_https_endpoint(https_agent: HttpsAgent) -> None:
+    server, digest = https_agent.server, https_agent.digest
     plain = server.url.replace("https://", "http://")
     async with aiohttp.ClientSession() as http:
         with pytest.raises(aiohttp.ClientError):
