@@ -429,11 +429,13 @@ class Agent:
 
     def _on_agents(self, items: dict[str, bytes]) -> None:
         peers: dict[str, str] = {}
+        urls: dict[str, str] = {}
         for key, raw in items.items():
             site = keys.split(key, keys.AGENTS)[0]
             try:
                 record = json.loads(raw)
                 peers[site] = record.get("probe_url") or record["url"]
+                urls[site] = str(record["url"]).rstrip("/")
             except (ValueError, KeyError, TypeError, AttributeError):
                 log.warning("ignoring malformed agent record at %s", key)
                 continue
@@ -443,6 +445,7 @@ class Agent:
             self._confirm = True  # our lock is gone (the lease expired or was revoked)
         peers.pop(self.spec.id, None)
         self.prober.set_peers(peers)
+        self.data.peer_urls = urls  # a peer that restarted elsewhere is found again by staging
 
     def _on_spec(self, items: dict[str, bytes]) -> None:
         if not items:

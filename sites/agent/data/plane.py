@@ -106,6 +106,9 @@ class DataPlane:
         self.root = root or store_root(spec)
         self._retry_window_s = retry_window_s
         self._local_host = local_host  # where its transfers leave from (the agent's address)
+        # the live agents' advertised URLs (the agent's mirror of /cpn/v1/agents/): a source
+        # whose agent restarted at another address is reached there (its grant still holds)
+        self.peer_urls: dict[str, str] = {}
         self._client_ssl = client_ssl  # what peers' https:// endpoints are verified against
         self._parts: _Parts | None = None
         self._key: str | None = None
@@ -136,7 +139,8 @@ class DataPlane:
         stager = Stager(
             store=store, clock=self.clock, limits=limits,
             parallel_files=self.settings.parallel_files, local_host=self._local_host,
-            ssl_context=self._client_ssl, **extra,
+            ssl_context=self._client_ssl, resolve=lambda site: self.peer_urls.get(site),
+            **extra,
         )  # fmt: skip
         book = ReplicaBook(registry=self.registry, site=self.site, store=store)
         routes = DataRoutes(

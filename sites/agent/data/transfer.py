@@ -91,6 +91,7 @@ class Stager:
         parallel_files: int = 16,
         local_host: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        resolve: Callable[[str], str | None] | None = None,
         retry_window_s: float = RETRY_WINDOW_S,
         backoff_initial_s: float = BACKOFF_INITIAL_S,
         backoff_max_s: float = BACKOFF_MAX_S,
@@ -106,6 +107,9 @@ class Stager:
         # peers' https:// endpoints are verified against it (the federation's CA, `cpn agent
         # --tls-ca`); None: the system's CAs
         self.ssl_context = ssl_context
+        # site -> its agent's URL now: a source that cannot be reached is tried at its new
+        # address when its agent came back elsewhere (the grant is signed with its kept key)
+        self.resolve = resolve
         self.retry_window_s = retry_window_s
         self.backoff_initial_s = backoff_initial_s
         self.backoff_max_s = backoff_max_s
@@ -264,6 +268,7 @@ class Stager:
         down_since: dict[int, float] = {}
         dropped: set[int] = set()
         delay = self.backoff_initial_s
+        sources = list(sources)
         while True:
             for i, src in enumerate(sources):
                 if i in dropped:
@@ -280,6 +285,12 @@ class Stager:
                         delay = self.backoff_initial_s
                     since = down_since.setdefault(i, now)
                     reasons[src.site] = str(exc)
+                    moved_to = self.resolve(src.site) if self.resolve is not None else None
+                    if moved_to and moved_to != src.url:
+                        log.info("source %s is now at %s", src.site, moved_to)
+                        sources[i] = src.model_copy(update={"url": moved_to})
+                        down_since.pop(i, None)
+                        continue
                     if now - since >= self.retry_window_s:
                         dropped.add(i)
                         reasons[src.site] = f"{exc} (for {now - since:.0f}s)"

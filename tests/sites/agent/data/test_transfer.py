@@ -236,3 +236,21 @@ async def test_link_limit_holds_the_transfer_near_its_rate(
     # 500 kB at 8 Mbit/s (1 MB/s) is 0.5 s: loose bounds, behaviour not timing
     assert 0.3 < elapsed < 3.0
     assert max(rates) < 1_000_000 * 1.6
+
+
+async def test_a_source_that_came_back_at_another_address_is_found_there(
+    make_peer: MakePeer, here: object
+) -> None:
+    """The grant names the site, not its address: an agent restarted on another port (its data
+    key kept) is reached at the URL its live agent record gives (`resolve`), at once."""
+    peer = await make_peer("site-a")
+    m = put_blobs(peer.store, BIG)
+    _, stager = here(retry_window_s=2.0)  # type: ignore[operator]
+    moved = peer.source(f"obj:{m.digest}")
+    stale = moved.model_copy(update={"url": "http://127.0.0.1:9"})  # nothing listens there
+    stager.resolve = {"site-a": peer.url}.get
+    started = time.monotonic()
+    tree, egress = await stager.stage(m.digest, [stale], lambda p: None)
+    assert read_tree(tree) == BIG
+    assert time.monotonic() - started < 2.0  # not after the retry window
+    assert egress and egress[0].source == "site-a"
