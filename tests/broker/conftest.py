@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +24,10 @@ import yaml
 from broker.model.jobs import JobSpec
 from sites.emulation.etcd_server import EmbeddedEtcd, free_port
 from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_sites
 from sites.registry.client import Registry
-from tests.conftest import AUTH, CONFIGS, Processes, run_cpn, site_doc
+from tests.conftest import AUTH, CONFIGS, Processes, site_doc
 
 
 def job_spec(**fields: Any) -> JobSpec:
@@ -111,6 +115,30 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
     if "shared" in spec:  # a scratch dir every site's runs may write (a shared file system)
         doc["executor"] = {"confinement": {"rw_paths": [str(spec["shared"])]}}
     return doc
+
+
+def join_sites(url: str, files: list[Path], catalog: Path) -> None:
+    """Join the site files to the etcd at `url`, as `cpn site join` does, on a loop and a
+    connection of its own (a test's event loop may be running in this thread)."""
+    failed: list[BaseException] = []
+
+    async def join() -> None:
+        specs = load_sites(files, DeviceCatalog.load(catalog))
+        async with Registry.from_urls(url) as registry:
+            for spec in specs:
+                await registry.join(spec)
+
+    def run() -> None:
+        try:
+            asyncio.run(join())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=run, name="join sites")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
 
 
 def shared_dir(tmp_path: Path) -> Path:
@@ -242,15 +270,9 @@ def make_federation(
             (cfg / "sites" / f"{site_id}.yaml").write_text(
                 yaml.safe_dump(federation_site(site_id, {"shared": shared, **spec}))
             )
-        result = run_cpn(
-            "site",
-            "join",
-            *map(str, sorted((cfg / "sites").glob("*.yaml"))),
-            "--catalog",
-            str(cfg / "devices.yaml"),
-            etcd_url=registry.url,
-        )
-        assert result.returncode == 0, result.stderr
+        # what `cpn site join` does (tests/cpn test the command), here without a process: a
+        # federation per test, each joined in 0.05 s instead of a CLI start's 2
+        join_sites(registry.url, sorted((cfg / "sites").glob("*.yaml")), cfg / "devices.yaml")
         fed = Federation(registry=registry, processes=processes, config_dir=cfg)
         if agents:
             for site_id in chosen:
