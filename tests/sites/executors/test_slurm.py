@@ -33,7 +33,7 @@ from sites.model import keys
 from sites.model.assignments import Assignment, RunState
 from sites.model.spec import SlurmSettings
 from sites.registry.client import Registry
-from tests.broker.conftest import BROKER_SETTINGS, Federation, federation_site
+from tests.broker.conftest import BROKER_SETTINGS, Federation, federation_site, join_sites
 from tests.conftest import CONFIGS, Processes, run_cpn
 from tests.sites.agent.test_agent import join
 from tests.sites.executors.test_executor import assign, assignment, get_report, wait_report
@@ -163,9 +163,7 @@ def slurm_federation(
         (cfg / "broker.yaml").write_text(yaml.safe_dump(settings))
         doc = slurm_site(local_slurm, site_work, **executor)
         (cfg / "sites" / f"{SITE}.yaml").write_text(yaml.safe_dump(doc))
-        joined = run_cpn("site", "join", str(cfg / "sites" / f"{SITE}.yaml"), "--catalog",
-                         str(cfg / "devices.yaml"), etcd_url=registry.url)  # fmt: skip
-        assert joined.returncode == 0, joined.stderr
+        join_sites(registry.url, [cfg / "sites" / f"{SITE}.yaml"], cfg / "devices.yaml")
         fed = Federation(registry=registry, processes=processes, config_dir=cfg)
         fed.start_agent(SITE)
         fed.start_broker()
