@@ -2,7 +2,8 @@
 its outputs, and where its checkpoints go (docs/data.md).
 
 - Inputs: per input not held complete at the chosen site, up to MAX_SOURCES holders, the
-  fastest path first (measured bandwidth, else the distance class's), each with a read grant
+  quickest first (its size over the path's measured bandwidth, else the distance class's, plus
+  the measured round trip), each with a read grant
   for that digest made out to the chosen site; none when the site holds it (a cache hit).
 - Checkpoints (a job whose checkpoint_path is relative, or that only sets
   checkpoint_interval_s): a durable replica at another site, chosen once and kept in the job
@@ -21,14 +22,15 @@ not placed there (placement's "data" filter sees the same replica records).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from broker.model.jobs import JobRecord
-from broker.placement.staging import DataView
+from broker.placement.staging import DataView, transfer_hours
 from broker.state.data_index import DataIndex
 from sites.model.data import CheckpointPlan, OutputSpec, Source, StageInput
 from sites.model.snapshot import Snapshot
+from sites.model.status import LinkStatus
 
 MAX_SOURCES = 3
 GRANT_TTL_S = 24 * 3600.0  # inputs: staging is retried within a day, else re-placed
@@ -77,7 +79,8 @@ class DataTerms:
         holders = self.index.holders(digest)
         sources: tuple[Source, ...] = ()
         if site not in holders:
-            ranked = sorted(holders, key=lambda h: (-self._bandwidth(h, site), h))
+            links = self._sites().links
+            ranked = sorted(holders, key=lambda h: (self._eta(h, site, item.bytes, links), h))
             found = []
             for h in ranked:
                 got = self.index.source(
@@ -91,6 +94,15 @@ class DataTerms:
         return StageInput(
             dataset=item.dataset, digest=digest, bytes=item.bytes, path=item.path, sources=sources
         )
+
+    def _eta(
+        self, holder: str, site: str, size: int, links: Mapping[tuple[str, str], LinkStatus]
+    ) -> float:
+        """Hours to pull `size` bytes from `holder` to `site`: the path's bandwidth and the
+        round trip the site measured to it (the reverse link's when it has none)."""
+        link = links.get((site, holder)) or links.get((holder, site))
+        rtt = link.rtt_ms if link is not None and link.rtt_ms is not None else 0.0
+        return transfer_hours(size, self._bandwidth(holder, site), rtt)
 
     def _checkpoint(self, record: JobRecord, site: str) -> tuple[CheckpointPlan | None, str | None]:
         spec = record.spec
