@@ -101,7 +101,12 @@ def _report(
         if report.restored is not None:
             resumed += f", resumed from {_mark(report.restored)} (from {report.restored.site})"
         elif record.attempt > 1 and record.spec.carried_checkpoint is not None:
-            resumed += ", from the start: no checkpoint was kept"
+            kept = record.checkpoint_site
+            resumed += (
+                f", from the start: no checkpoint of it could be restored from {kept}"
+                if kept
+                else ", from the start: no checkpoint was kept (no other site stores data)"
+            )
         ev = Event(
             at=now,
             type="running",
