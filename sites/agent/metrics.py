@@ -10,7 +10,7 @@ exports no GPU series at all (absent, not zero, not an error).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
@@ -97,6 +97,27 @@ class AgentMetrics:
         )
         self.status = StatusCollector(site)
         r.register(self.status)
+        # data that follows the work (sites.agent.data): what runs staged, from where
+        self.data_pulled = Counter(
+            "cpn_agent_data_pulled_bytes_total",
+            "Bytes runs staged from other sites' data stores (inputs, checkpoints)",
+            labels + ["source"],
+            registry=r,
+        )
+        self.stagings = Counter(
+            "cpn_agent_stagings_total",
+            "Runs' stagings by result: held (nothing to pull), pulled, failed",
+            labels + ["result"],
+            registry=r,
+        )
+        self.checkpoints_synced = Counter(
+            "cpn_agent_checkpoints_synced_total",
+            "Checkpoints synced to their durable replica at another site",
+            labels,
+            registry=r,
+        )
+        self.data_store = DataStoreCollector(site)
+        r.register(self.data_store)
 
     def observe_status(self, status: SiteStatus) -> None:
         self.status.status = status
@@ -133,6 +154,35 @@ class StatusCollector(Collector):
             return
         yield from capacity_metrics(self.site, status.capacity, status.free)
         yield from gpu_metrics(self.site, status.gpus)
+
+
+class DataStoreCollector(Collector):
+    """The site's data store at scrape time: its bytes and complete objects (`held` is set
+    once the store is open: the agent's DataPlane, which this module cannot import)."""
+
+    def __init__(self, site: str) -> None:
+        self.site = site
+        self.held: Callable[[], tuple[int, int]] | None = None  # (bytes, objects)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        if self.held is None:
+            return
+        size, objects = self.held()
+        g = GaugeMetricFamily(
+            "cpn_agent_data_store_bytes", "Bytes the site's data store holds", labels=["site"]
+        )
+        g.add_metric([self.site], float(size))
+        yield g
+        n = GaugeMetricFamily(
+            "cpn_agent_data_store_objects",
+            "Complete dataset versions and checkpoints the site's data store holds",
+            labels=["site"],
+        )
+        n.add_metric([self.site], float(objects))
+        yield n
 
 
 def capacity_metrics(site: str, capacity: Capacity, free: Capacity) -> Iterator[Metric]:

@@ -173,6 +173,8 @@ class Agent:
         try:
             await self._acquire()
             await self.data.open()  # the store is swept only by the agent that holds the site
+            store = self.data.store
+            self.metrics.data_store.held = lambda: (store.bytes_held(), len(store.digests()))
         except BaseException:
             await self.server.close()
             raise
@@ -196,6 +198,7 @@ class Agent:
             replica_host=self._replica_host(),
             settle_s=2 * self.settings.interval_s,  # a publish, and the brokers' watch
             data=self.data,
+            metrics=self.metrics,
         )
         # the workload holds the jobs and keepalive the lease: if either dies the agent stops
         # (its lease expires and the broker moves the jobs); the measuring loops restart

@@ -38,6 +38,7 @@ from sites.agent.fit import (
     node_usage,
     sliced,
 )
+from sites.agent.metrics import AgentMetrics
 from sites.agent.replicas import ReplicaState
 from sites.agent.runs import JobLog, Run, UnknownJob, exit_message
 from sites.agent.serving import Serving
@@ -93,9 +94,11 @@ class Workload:
         replica_host: str = "127.0.0.1",
         settle_s: float = 1.0,
         data: DataPlane | None = None,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.registry = registry
         self.data = data  # stages inputs and checkpoints, saves outputs (sites.agent.data)
+        self._metrics = metrics
         self.spec = spec
         self.site = spec.id
         self.catalog = catalog
@@ -504,6 +507,7 @@ class Workload:
                     update["resume"] = mark is not None
                 update["checkpoint_path"] = str(target)
         except (DataError, OSError) as exc:  # fails this run, not the agent
+            self._count("stagings", result="failed")
             log.warning("job %s attempt %d: staging failed: %s", a.job, a.attempt, exc)
             run.finish(RunState.failed, self.clock.time(), None, f"staging failed: {exc}")
             data.release(a.job)
@@ -512,6 +516,10 @@ class Workload:
         finally:
             writer.cancel()
         run.staging = None
+        self._count("stagings", result="pulled" if run.egress else "held")
+        if self._metrics is not None:
+            for source, size in run.egress.items():
+                self._metrics.data_pulled.labels(self.site, source).inc(size)
         if run.withdrawn.is_set() or self._closing.is_set():
             data.release(a.job)
             run.finish(RunState.stopped, self.clock.time(), None, "withdrawn while staging")
@@ -555,6 +563,7 @@ class Workload:
             return
         if mark is not None:
             run.checkpoint = mark
+            self._count("checkpoints_synced")
             if run.state is RunState.running:
                 await self._write(run)
 
@@ -571,6 +580,10 @@ class Workload:
         except TimeoutError:
             log.warning("job %s: its last checkpoint did not sync in %.0fs", a.job,
                         LAST_CHECKPOINT_S)  # fmt: skip
+
+    def _count(self, name: str, **labels: str) -> None:
+        if self._metrics is not None:
+            getattr(self._metrics, name).labels(self.site, *labels.values()).inc()
 
     async def _save_outputs(self, run: Run) -> str | None:
         """Save a succeeded run's outputs; the reason it could not, or None."""

@@ -11,16 +11,19 @@ broker process, HTTP on loopback (docs/data.md).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sites.registry.client import Registry
 from tests.broker.conftest import Federation
 from tests.conftest import run_cpn
 
@@ -63,6 +66,19 @@ def _log(fed: Federation, job: str) -> str:
         if exc.code == 400:
             return ""
         raise
+
+
+def _agent_metrics(fed: Federation, site: str) -> str:
+    """The site agent's /metrics (its URL from its agent record in etcd)."""
+
+    async def url() -> str:
+        async with Registry.from_urls(fed.registry.url) as registry:
+            agent = (await registry.snapshot()).view(site).agent
+            assert agent is not None
+            return agent.url
+
+    with urllib.request.urlopen(asyncio.run(url()) + "/metrics", timeout=10) as resp:
+        return str(resp.read().decode())
 
 
 def _events(record: dict[str, Any]) -> list[str]:
@@ -132,6 +148,13 @@ def test_inputs_follow_the_job_and_outputs_become_a_version(
     for rel, digest in want.items():
         assert f"{digest}  {rel}" in text, text  # the same bytes, read-only at /data/corpus
     assert "WRITABLE" not in text
+
+    # the site's agent counts what it staged and what its store holds
+    metrics = _agent_metrics(fed, site)
+    pulled = f'cpn_agent_data_pulled_bytes_total{{site="{site}",source="abroad"}}'
+    assert pulled in metrics and f'cpn_agent_stagings_total{{result="pulled",site="{site}"}}' \
+        in metrics, metrics  # fmt: skip
+    assert f'cpn_agent_data_store_objects{{site="{site}"}}' in metrics
 
     # the output is a new dataset version of the tenant's, registered by the leader's outbox
     deadline = time.monotonic() + 30
