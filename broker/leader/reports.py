@@ -168,10 +168,14 @@ def _staging(p: Pass, record: JobRecord, rev: int, report: Report) -> None:
     progress = report.staging
     if progress is None or record.staging is not None or record.state is not JobState.PLACED:
         return
-    size = progress.bytes_total / 1e9
-    source = f" from {progress.source}" if progress.source else ""
+    origin = progress.source
+    if origin is None:  # its first report comes before a source is picked: the first asked
+        assignment = p.view.assignments.get((report.site, record.id))
+        first = next((i for i in assignment.inputs if i.sources), None) if assignment else None
+        origin = first.sources[0].site if first is not None else None
+    source = f" from {origin}" if origin else ""
     what = f" ({progress.what})" if progress.what else ""
-    message = f"staging {size:.3g} GB{what}{source} to {report.site}"
+    message = f"staging {_size(progress.bytes_total)}{what}{source} to {report.site}"
     ev = Event(at=p.now, type="staging", message=message, site=report.site)
     new = record.with_event(ev, staging=progress)
     p.emit(Action(ActionKind.advance, (JobWrite(new, rev),), message))
@@ -179,14 +183,23 @@ def _staging(p: Pass, record: JobRecord, rev: int, report: Report) -> None:
 
 def _staged(report: Report) -> str:
     """'staging 4.25 GB from abroad, west': what the run pulled from other sites."""
-    moved = sum(e.bytes for e in report.egress) / 1e9
-    return f"staging {moved:.3g} GB from {', '.join(e.source for e in report.egress)}"
+    moved = sum(e.bytes for e in report.egress)
+    return f"staging {_size(moved)} from {', '.join(e.source for e in report.egress)}"
 
 
 def _mark(mark: CheckpointMark) -> str:
     step = f", step {mark.step}" if mark.step is not None else ""
     when = datetime.fromtimestamp(mark.at, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    return f"checkpoint {mark.seq} ({when}{step}, {mark.bytes / 1e6:.3g} MB)"
+    return f"checkpoint {mark.seq} ({when}{step}, {_size(mark.bytes)})"
+
+
+def _size(n: float) -> str:
+    """Bytes in words: '512 B', '2.3 MB', '4.25 GB' (powers of 1000)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1000
+    return f"{n:,.0f} PB"
 
 
 def _data_puts(p: Pass, record: JobRecord, report: Report) -> dict[str, bytes]:
