@@ -27,19 +27,12 @@ import aiohttp
 from cpn import render
 from cpn.cli_base import BrokerArg, CliParser, UsageError
 from cpn.client import ApiError, BrokerClient
+from cpn.render import size
 from sites.model.data import MAX_FILES, clean_path, parse_ref
 
 __all__ = ["add_parsers", "cmd_data"]
 
 CHUNK = 1024 * 1024
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 class Progress:
@@ -55,12 +48,12 @@ class Progress:
         now = time.monotonic()
         if self._tty and now - self._shown >= 0.2:
             self._shown = now
-            line = f"\r{self.what} {_size(self.done)} / {_size(self.total)}"
+            line = f"\r{self.what} {size(self.done)} / {size(self.total)}"
             print(line, end="", file=sys.stderr)
 
     def end(self) -> None:
         if self._tty:
-            print(f"\r{self.what} {_size(self.done)} / {_size(self.total)}", file=sys.stderr)
+            print(f"\r{self.what} {size(self.done)} / {size(self.total)}", file=sys.stderr)
 
 
 def _walk(root: Path) -> list[tuple[str, Path]]:
@@ -176,7 +169,7 @@ async def cmd_put(args: argparse.Namespace, client: BrokerClient) -> int:
     if args.output == "json":
         print(json.dumps(made, indent=2))
     else:
-        print(f"{made['tenant']}/{made['name']}@{made['version']}  {_size(made['bytes'])} in "
+        print(f"{made['tenant']}/{made['name']}@{made['version']}  {size(made['bytes'])} in "
               f"{made['files']} files at {made['home']}")  # fmt: skip
     return 0
 
@@ -228,7 +221,7 @@ async def cmd_describe(args: argparse.Namespace, client: BrokerClient) -> int:
             [
                 (
                     str(v["version"]),
-                    _size(v["bytes"]),
+                    size(v["bytes"]),
                     str(v["files"]),
                     ",".join(v["replicas"]) or "-",
                     render.ago(now - v["created_at"]),

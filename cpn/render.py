@@ -254,6 +254,15 @@ def phase(r: dict[str, Any]) -> str:
     return "STAGING" if r["state"] == "PLACED" and r.get("staging") else r["state"]
 
 
+def size(n: float) -> str:
+    """Bytes in words, powers of 1000: '512 B', '30.0 MB', '4.2 GB'."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
 def staging_line(progress: dict[str, Any]) -> str:
     """'1.2 of 4.0 GB (30 %) from abroad at 85.3 MB/s, about 38 s left'."""
     done, total = progress["bytes_done"], progress["bytes_total"]
@@ -264,7 +273,7 @@ def staging_line(progress: dict[str, Any]) -> str:
     eta = progress.get("eta_s")
     left = f", about {eta:.0f} s left" if eta is not None else ""
     what = f"{progress['what']}: " if progress.get("what") else ""
-    return f"{what}{done / 1e9:.3g} of {total / 1e9:.3g} GB{pct}{source}{speed}{left}"
+    return f"{what}{size(done)} of {size(total)}{pct}{source}{speed}{left}"
 
 
 def placement_nodes(placement: dict[str, Any], *, most: int = 8) -> str:
@@ -316,7 +325,7 @@ def describe_job(r: dict[str, Any]) -> str:
         lines.append(f"Staging:     {staging_line(r['staging'])}")
     for i, item in enumerate(spec.get("inputs") or []):
         head = "Inputs:     " if i == 0 else "            "
-        lines.append(f"{head} {item['dataset']} at {item['path']} ({item['bytes'] / 1e9:.3g} GB)")
+        lines.append(f"{head} {item['dataset']} at {item['path']} ({size(item['bytes'])})")
     for i, item in enumerate(spec.get("outputs") or []):
         head = "Outputs:    " if i == 0 else "            "
         lines.append(f"{head} {item['path']} -> dataset {item['dataset']}")
@@ -326,7 +335,7 @@ def describe_job(r: dict[str, Any]) -> str:
         when = _time.strftime("%H:%M:%S", _time.localtime(mark["at"]))
         lines.append(
             f"Checkpoint:  {mark['seq']} at {when}{step}, kept at {mark['site']} "
-            f"({mark['bytes'] / 1e6:.3g} MB)"
+            f"({size(mark['bytes'])})"
         )
     link = r.get("workflow")
     if link:
