@@ -218,14 +218,7 @@ class VersionInfo(Frozen):
     replicas: list[str] = Field(description="sites holding it complete, now")
 
 
-class DatasetInfo(Frozen):
+class DatasetInfo(DatasetSummary):
     """GET /v1/datasets/{owner}/{name}: the dataset and its versions, newest first."""
 
-    tenant: str
-    name: str
-    latest: int
-    shared_with: tuple[str, ...]
-    description: str
-    created_at: float
-    updated_at: float
     versions: list[VersionInfo]
