@@ -188,8 +188,8 @@ def test_a_staging_job_shows_its_phase_progress_inputs_and_checkpoint() -> None:
     text = render.describe_job(record)
     assert "State:       STAGING (attempt 2, retries 1/3)" in text
     assert (
-        "Staging:     t1/corpus@2: 1.0 GB of 4.0 GB (25 %) from abroad at 85.3 MB/s, about 35 s left"
-        in text
+        "Staging:     t1/corpus@2: 1.0 GB of 4.0 GB (25 %) from abroad at 85.3 MB/s, "
+        "about 35 s left" in text
     )
     assert "Inputs:      t1/corpus@2 at /data/c (4.0 GB)" in text
     assert "Outputs:     out -> dataset model" in text
