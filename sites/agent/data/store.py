@@ -30,6 +30,7 @@ never held behind a long operation.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import hashlib
@@ -143,6 +144,7 @@ class DataStore:
         self._lock = threading.RLock()
         self._entries: dict[str, Entry] = {}
         self._manifests: dict[str, Manifest] = {}
+        self._ckpt_refs: collections.Counter[str] = collections.Counter()
         self._refs: dict[str, int] = {}  # blob sha -> complete objects using it
         self._blob_bytes: dict[str, int] = {}  # every blob on disk -> its size
         self._held = _Held()
@@ -187,6 +189,11 @@ class DataStore:
                 p.unlink(missing_ok=True)  # its tree is gone
         self.sweep_incoming(max_age_s=INCOMING_TTL_S)
         self._sweep_checkpoints()
+        # digest -> how many checkpoint entries name it: what the cache keeps and a dropped
+        # checkpoint may delete, without reading every job's entries on each sync
+        self._ckpt_refs = collections.Counter(
+            m.digest for p in self.checkpoints.glob("*/*/*.json") if (m := _read_mark(p))
+        )
         self._dirty = True
         self.flush()
 
@@ -571,12 +578,14 @@ class DataStore:
             d = self._job_dir(tenant, job)
             d.mkdir(parents=True, exist_ok=True)
             _write_atomic(d / f"{seq:010d}.json", mark.model_dump_json().encode())
+            self._ckpt_refs[mark.digest] += 1
         finally:
             self.release(holder)
         kept = [*marks, mark][-CHECKPOINTS_KEPT:]
         keep = {m.digest for m in kept}
         for old in [*marks, mark][:-CHECKPOINTS_KEPT]:
             (d / f"{old.seq:010d}.json").unlink(missing_ok=True)
+            self._ckpt_refs[old.digest] -= 1
             if old.digest not in keep and not self._in_checkpoints(old.digest):
                 entry = self._entries.get(old.digest)
                 if entry is not None and entry.kind == "ckpt" and not entry.pinned:
@@ -597,6 +606,8 @@ class DataStore:
             marks = [m for m in (_read_mark(e) for e in entries) if m is not None]
             for e in entries:
                 e.unlink(missing_ok=True)
+            for m in marks:
+                self._ckpt_refs[m.digest] -= 1
             _remove(d)
             dropped.update(m.digest for m in marks)
             gone.append(f"{d.parent.name}/{d.name}")
@@ -611,11 +622,7 @@ class DataStore:
         return {m.digest for m in self.marks(tenant, job)}
 
     def _in_checkpoints(self, digest: str) -> bool:
-        for p in self.checkpoints.glob("*/*/*.json"):
-            mark = _read_mark(p)
-            if mark is not None and mark.digest == digest:
-                return True
-        return False
+        return self._ckpt_refs[digest] > 0
 
     # -- use, pins, eviction ---------------------------------------------------------------
 
@@ -722,11 +729,7 @@ class DataStore:
         return evicted
 
     def _protected(self) -> set[str]:
-        kept = {
-            m.digest
-            for p in self.checkpoints.glob("*/*/*.json")
-            if (m := _read_mark(p)) is not None
-        }
+        kept = {d for d, n in self._ckpt_refs.items() if n > 0}
         pinned = {d for d, e in self._entries.items() if e.pinned}
         return kept | pinned | {d for d, users in self._held.users.items() if users}
 
