@@ -37,9 +37,10 @@ cannot honour (stale: unknown site, capacity gone) or a snapshot has duplicate s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from broker.model.errors import InvalidRequest
 from broker.model.frozen import maker
@@ -79,6 +80,9 @@ __all__ = [
     "compute_only",
     "nodes_at",
     "staging_usd",
+    "wait_for_holder",
+    "Wait",
+    "Ends",
     "place",
     "place_gang",
     "price_floors",
@@ -254,6 +258,83 @@ def _one_island(jobs: Sequence[JobSpec], placed: list[Decision], fed: Federation
                 reason=f"{head}; {chosen.describe(d.model)} with the rest of its gang",
             )
     return placed
+
+
+# site -> its running work: (end, unix s, inf when unknown; device model or None; devices;
+# cores), in any order
+Ends = Callable[[str], Sequence[tuple[float, str | None, int, int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Wait for `site`, which holds the job's inputs, rather than stage them elsewhere now."""
+
+    site: str
+    hours: float  # until enough of its running work ends (their estimates)
+    cost_usd: float  # its option there plus the wait, priced as staging's time is
+    reason: str
+
+
+def wait_for_holder(
+    job: JobSpec,
+    fed: Federation,
+    decision: Decision,
+    *,
+    now: datetime,
+    usage: TenantUsage,
+    groups: GroupState,
+    ends: Ends,
+) -> Wait | None:
+    """Whether `job` should wait for a site holding all its inputs rather than take `decision`,
+    which stages them (decision.staging_usd > 0).
+
+    Each holder that passes every filter but capacity is priced as its option there (no
+    staging) plus the hours until enough of its running work ends by their estimates (the
+    earliest end at which the job's devices, or cores, are free) at the option's hourly compute
+    rate: the value of time staging is priced with (broker.placement.staging), so a wait and a
+    transfer of equal length weigh the same. The cheapest such wait wins over staging when it
+    costs less than `decision`. Work without an estimate never ends for this, so a holder full
+    of it is never waited for. Pure: `ends` is what runs at a site (the view's assignments in
+    the broker, the running jobs in the simulator)."""
+    if not job.inputs or fed.data is None or decision.staging_usd <= 0:
+        return None
+    terms = fed.data.terms(job, fed)
+    if terms is None or terms.missing:
+        return None
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=UTC)
+    req = request(job, fed, now=now, usage=usage, groups=groups, check_capacity=False)
+    at = now.timestamp()
+    count = job.gpu.count
+    best: Wait | None = None
+    for cost, _, sid, site, model, compute, _, _ in screen(req, fed).options:
+        if sid in terms.at:  # it lacks an input: not a holder
+            continue
+        free = site.free_gpus.get(model, 0) if count and model else site.free_cpu
+        need = count if count else job.cpu
+        if free >= need:
+            continue  # room now: placement weighed it already
+        hours = math.inf
+        for end, m, devices, cores in sorted(ends(sid)):
+            if count and m != model:
+                continue
+            free += devices if count else cores
+            if free >= need:
+                hours = max(0.0, end - at) / 3600
+                break
+        if not math.isfinite(hours):
+            continue
+        total = cost + hours * compute / job.duration_hours
+        if best is None or total < best.cost_usd:
+            best = Wait(sid, hours, total, "")
+    if best is None or best.cost_usd >= decision.cost_usd:
+        return None
+    reason = (
+        f"waits for {best.site}, which holds its inputs (room in about "
+        f"{_duration(best.hours)}: {best.cost_usd:.2f} USD with the wait), rather than staging "
+        f"them to {decision.site} now ({decision.cost_usd:.2f} USD)"
+    )
+    return dataclasses.replace(best, reason=reason)
 
 
 def charged(usage: TenantUsage, job: JobSpec, decision: Decision) -> TenantUsage:

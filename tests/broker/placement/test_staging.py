@@ -3,6 +3,8 @@ price moving a dataset the same way, a deadline counts the transfer, no holder i
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -104,3 +106,43 @@ def test_the_batch_plan_prices_inputs_as_the_fast_path() -> None:
     assert decided["big-x"].staging_usd == 0.0
     assert decided["small-x"].staging_usd == pytest.approx(decided["small-x"].breakdown.egress_usd)
     assert decided["small-x"].staging_usd > 0.05
+
+
+def test_waiting_for_a_busy_holder_is_weighed_against_staging() -> None:
+    view = DataView(
+        holders=lambda d: frozenset({"far"}) if d == DIGEST else frozenset(),
+        bandwidth=lambda s, d: 1000.0,
+    )
+    busy = dataclasses.replace(offer("far", "eu", 3.0), free_gpus={"H100": 0})
+    fed = pl.Federation(sites=(busy, offer("near", "east", 2.0)), data=view)
+    job = spec(2000 * GB)
+    staged = place(job, fed)
+    assert isinstance(staged, pl.Decision) and staged.site == "near"  # far is full now
+    assert staged.staging_usd > 100  # 100 USD of egress and ~4.4 h of transfer
+    soon = NOW.timestamp() + 600
+
+    def wait(ends: list[tuple[float, str | None, int, int]]) -> pl.Wait | None:
+        return pl.wait_for_holder(
+            job, fed, staged, now=NOW, usage=pl.TenantUsage(), groups=pl.GroupState({}, {}),
+            ends=lambda site: ends if site == "far" else [],
+        )  # fmt: skip
+
+    # far frees its 8 H100 in 10 minutes: 24 USD there + 10 min at its 24 USD/h beats staging
+    waited = wait([(soon, "H100", 8, 0)])
+    assert waited is not None and waited.site == "far"
+    assert waited.hours == pytest.approx(1 / 6) and waited.cost_usd == pytest.approx(28.0)
+    assert waited.reason.startswith("waits for far, which holds its inputs (room in about 10 min")
+    # in 20 hours: the wait costs more than moving the data now
+    assert wait([(NOW.timestamp() + 20 * 3600, "H100", 8, 0)]) is None
+    # what ends must be of the model, and enough of it; work without an estimate never ends
+    assert wait([(soon, "A100-80GB", 8, 0)]) is None
+    assert wait([(soon, "H100", 4, 0)]) is None
+    assert wait([(math.inf, "H100", 8, 0)]) is None
+    assert wait([(soon, "H100", 4, 0), (soon + 600, "H100", 4, 0)]) is not None
+    # a decision that stages nothing is never second-guessed
+    held = place(spec(2000 * GB), federation({DIGEST: frozenset({"far"})}))
+    assert isinstance(held, pl.Decision) and held.staging_usd == 0
+    assert pl.wait_for_holder(
+        spec(2000 * GB), federation({DIGEST: frozenset({"far"})}), held, now=NOW,
+        usage=pl.TenantUsage(), groups=pl.GroupState({}, {}), ends=lambda site: [],
+    ) is None  # fmt: skip
