@@ -11,6 +11,7 @@ own spec makes placement raise is FAILED. The gangs follow, on the snapshot left
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime
 
 from broker.leader.gang_placing import place_gangs
@@ -62,12 +63,21 @@ def place(p: Pass) -> None:
     # (until a preemption gives some back), so a later job of the same shape fails the same
     # way without another scan of every site
     full: dict[tuple[object, ...], pl.Unschedulable] = {}
+    ends = _Ends(p)
     for record, rev in fair.order(queues):
         spec = record.spec
         shape = _shape(spec)
         try:
             known = full.get(shape) if shape is not None else None
             decision = known or pl.place(spec, fed, now=when, usage=used, groups=grouped)
+            if isinstance(decision, pl.Decision) and decision.staging_usd > 0:
+                # a busy site holding its inputs may be worth the wait (wait_for_holder)
+                wait = pl.wait_for_holder(
+                    spec, fed, decision, now=when, usage=used, groups=grouped, ends=ends
+                )
+                if wait is not None:
+                    p.unschedulable(record, rev, wait.reason)
+                    continue
             if isinstance(decision, pl.Decision):
                 fed = pl.apply(fed, decision, spec)
             elif shape is not None and decision.reasons.keys() <= _NO_CAPACITY:
@@ -99,6 +109,28 @@ def place(p: Pass) -> None:
         grouped = grouped.with_placed(spec.group, decision.site)
         taken += 1
     place_gangs(p, fed, used, grouped, when)
+
+
+class _Ends:
+    """What runs at each site and when it is estimated to end (its assignment's time plus the
+    job's duration estimate; unknown: never), from the view's assignments and those written
+    this pass, indexed once per pass on first use: wait_for_holder's `ends`."""
+
+    def __init__(self, p: Pass) -> None:
+        self._p = p
+        self._by_site: dict[str, list[tuple[float, str | None, int, int]]] | None = None
+
+    def __call__(self, site: str) -> list[tuple[float, str | None, int, int]]:
+        if self._by_site is None:
+            by_site: dict[str, list[tuple[float, str | None, int, int]]] = {}
+            live = {**self._p.view.assignments}
+            for a in self._p.ctx.written:
+                live[(a.site, a.job)] = a
+            for a in live.values():
+                end = a.assigned_at + a.duration_s if a.duration_s else math.inf
+                by_site.setdefault(a.site, []).append((end, a.model, a.gpus, a.cpu))
+            self._by_site = by_site
+        return self._by_site.get(site, [])
 
 
 def _shape(spec: JobSpec) -> tuple[object, ...] | None:

@@ -7,8 +7,10 @@ from typing import Any
 import pytest
 
 from broker.leader import decisions as dc
+from broker.leader.data_terms import DataFields
 from broker.model.jobs import Event, JobRecord, JobSpec, JobState, Placement
 from broker.placement.settings import SchedulingSettings
+from broker.placement.staging import DataView
 from broker.plan.problem import Assignment as PlanAssignment
 from broker.plan.problem import PlanResult, PlanStatus
 from broker.state.view import View
@@ -360,3 +362,45 @@ def test_batch_decisions_commit_a_gang_only_whole() -> None:
     )
     (action,) = dc.decide_batch(v, jobs, problem, whole, NOW, ctx())
     assert action.job_ids == ("m1", "m2")
+
+
+class _Holders:
+    """The data part of a context with fixed replicas (broker.leader.data_terms.DataTerms'
+    interface): `view` for placement, no grants (the assignment's data part stays empty)."""
+
+    def __init__(self, holders: dict[str, frozenset[str]]) -> None:
+        self.view = DataView(
+            holders=lambda d: holders.get(d, frozenset()), bandwidth=lambda s, d: 1000.0
+        )
+
+    def fields(self, record: JobRecord, site: str) -> DataFields:
+        return DataFields()
+
+
+def test_a_job_waits_for_its_busy_data_holder_when_the_wait_is_worth_it() -> None:
+    digest = "d" * 64
+    inputs = [{"dataset": "t1/d@1", "path": "/data/d", "digest": digest, "bytes": 2 * 10**12}]
+    data = _Holders({digest: frozenset({"b"})})
+
+    def busy_until(end: float) -> Assignment:
+        return Assignment(
+            job="other", site="b", tenant="t1", attempt=1, fence=1, command=("x",),
+            model="H100", gpus=16, assigned_at=NOW - 3600, duration_s=end - (NOW - 3600),
+        )  # fmt: skip
+
+    # b holds the 2 TB and frees its GPUs in 10 minutes: the job waits for it rather than
+    # spend hours moving the data to a
+    the_job = job("j1", gpu=gpu(16), inputs=inputs)
+    decided = dc.decide(
+        view(snapshot("a", "b"), the_job), NOW, ctx(data=data, written=(busy_until(NOW + 600),))
+    )  # type: ignore[arg-type]
+    assert kinds(decided) == [("unschedulable", ("j1",))]
+    reason = decided.actions[0].jobs[0].record.unschedulable or ""
+    assert reason.startswith("waits for b, which holds its inputs (room in about 10 min"), reason
+    # b is busy for a day: the data moves to a now
+    decided = dc.decide(
+        view(snapshot("a", "b"), the_job), NOW, ctx(data=data, written=(busy_until(NOW + 86400),))
+    )  # type: ignore[arg-type]
+    assert kinds(decided) == [("place", ("j1",))]
+    placed = decided.actions[0].jobs[0].record.placement
+    assert placed is not None and placed.site == "a" and "inputs staged from b" in placed.reason
