@@ -4,7 +4,11 @@ policy's in every case (the fast path, the tenancy passes); only the site choice
 
     cpn               broker.placement.place.place: per site, the inputs' egress and the
                       allocation held idle while they arrive are priced in (broker.placement.
-                      staging), the cheapest feasible site wins
+                      staging), the cheapest feasible site wins; when that site stages inputs,
+                      broker.placement.place.wait_for_holder may answer a Wait instead: a busy
+                      site holding them frees up soon enough to be worth it (the broker's fast
+                      path, broker.leader.fast_path), and the job waits as an unplaceable one
+                      does, tried again when capacity returns
     at-data           only sites holding every input complete (the cheapest of them by the
                       broker's prices); when none can take the job now, it waits
     cheapest-compute  the inputs ignored: the cheapest compute by the broker's prices, then the
@@ -12,6 +16,10 @@ policy's in every case (the fast path, the tenancy passes); only the site choice
 
 Either way the engine stages what the chosen site lacks (simulations.staging). A job without
 inputs is placed by broker.placement.place.place under every choice.
+
+The running work a Wait weighs (`ends`) is the engine's, each run ending at its start plus its
+duration estimate, as the broker sees its assignments: the simulator knows the true ends (staging
+and resumed work move them) but the broker cannot.
 """
 
 from __future__ import annotations
@@ -25,11 +33,14 @@ from broker.placement import place as pl
 from broker.placement.request import FILTERS, Option
 from simulations.scenario import DataPlacement
 
-__all__ = ["Place", "baseline_decision", "placer"]
+__all__ = ["Outcome", "Place", "baseline_decision", "placer"]
+
+# a placement's answer: a site, no site, or (cpn with datasets) wait for a site holding the data
+Outcome = pl.Decision | pl.Unschedulable | pl.Wait
 
 
 class Place(Protocol):
-    """broker.placement.place.place's signature."""
+    """broker.placement.place.place's signature; cpn's may answer a Wait too."""
 
     def __call__(
         self,
@@ -40,16 +51,49 @@ class Place(Protocol):
         usage: pl.TenantUsage,
         groups: pl.GroupState,
         explain: bool = True,
-    ) -> pl.Decision | pl.Unschedulable: ...
+    ) -> Outcome: ...
 
 
-def placer(kind: DataPlacement) -> Place:
-    """The placement function of `kind`."""
+def placer(kind: DataPlacement, ends: pl.Ends | None = None) -> Place:
+    """The placement function of `kind`; for cpn with `ends` (a run with datasets: what runs
+    at each site, broker.placement.place.Ends), one that may wait for a site holding the data."""
     if kind is DataPlacement.at_data:
         return at_data
     if kind is DataPlacement.cheapest_compute:
         return cheapest_compute
-    return pl.place
+    if ends is None:
+        return pl.place
+    return WaitingPlace(ends)
+
+
+class WaitingPlace:
+    """cpn with datasets: broker.placement.place.place, then, for a decision that stages inputs,
+    broker.placement.place.wait_for_holder on what runs (`ends`), as the broker's fast path
+    asks it."""
+
+    __slots__ = ("ends",)
+
+    def __init__(self, ends: pl.Ends) -> None:
+        self.ends = ends
+
+    def __call__(
+        self,
+        job: JobSpec,
+        fed: pl.Federation,
+        *,
+        now: datetime,
+        usage: pl.TenantUsage,
+        groups: pl.GroupState,
+        explain: bool = True,
+    ) -> Outcome:
+        outcome = pl.place(job, fed, now=now, usage=usage, groups=groups, explain=explain)
+        if isinstance(outcome, pl.Decision) and outcome.staging_usd > 0:
+            wait = pl.wait_for_holder(
+                job, fed, outcome, now=now, usage=usage, groups=groups, ends=self.ends
+            )
+            if wait is not None:
+                return wait
+        return outcome
 
 
 def at_data(

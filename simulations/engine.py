@@ -34,8 +34,10 @@ Policies and what happens on each event (docs/simulation.md):
 Data (a scenario with `datasets`, simulations.staging): the placement's Federation has the
 scenario's DataView, so placement prices a job's inputs per site; a job placed away from its data
 starts when placed, holding its allocation, and works from when its inputs arrive (the
-StageTerms placement priced); its egress is added to its cost. `policy.data_placement` swaps
-the site choice for a baseline's (simulations.data_placement).
+StageTerms placement priced); its egress is added to its cost. Under cpn a job whose chosen
+site would stage its inputs may wait instead for a busy site holding them (broker.placement.
+place.wait_for_holder, on the runs' estimated ends: `Simulation.ends`). `policy.data_placement`
+swaps the site choice for a baseline's (simulations.data_placement).
 
 Accounting: a job holds its devices, cores and memory from start to finish; cost is the
 placement's compute and egress cost pro rata of the time it ran (an interrupted attempt is
@@ -98,6 +100,8 @@ from sites.model.spec import SiteSpec
 
 __all__ = ["EPOCH", "Phase", "Simulation"]
 
+
+_EPOCH_S = EPOCH.timestamp()
 
 # event kinds, in the order simultaneous events are handled
 _UP, _FINISH, _DOWN, _FAILOVER, _BATCH, _INFER, _WF_ARRIVE, _WF_FINISH, _STAGED = range(9)
@@ -174,7 +178,10 @@ class Simulation:
             self.fed = pl.Federation(offers, self.fedinfo.user_rtt_ms, data=self.data.view())
         else:
             self.fed = pl.Federation(offers, self.fedinfo.user_rtt_ms)
-        self.place: Place = placer(self.policy.data_placement)
+        # cpn with datasets may wait for a busy site holding a job's inputs: the running work
+        # it weighs is read through a weak proxy (no cycle: the class docstring)
+        ends = _Ends(weakref.proxy(self)) if self.data is not None else None
+        self.place: Place = placer(self.policy.data_placement, ends)
         self.full = list(offers)  # every site's offer with nothing running
         has_nodes = any(o.nodes is not None for o in offers)
         self.fragmentation = Fragmentation(self.fed) if has_nodes else None
@@ -518,6 +525,21 @@ class Simulation:
             end = self.now + stage_s + duration - self.saved.get(j, 0.0)
         self._push(end, _FINISH, j, run.attempt)
 
+    def ends(self, site: str) -> list[tuple[float, str | None, int, int]]:
+        """What runs at `site`, each run as (its estimated end, model, devices, cores): its
+        start plus its duration estimate, as the broker sees an assignment (broker.leader.
+        fast_path), not the true end the simulator knows (staging and resumed work move it)."""
+        epoch = _EPOCH_S  # virtual time 0 in unix seconds: `now` is passed as EPOCH + now
+        out: list[tuple[float, str | None, int, int]] = []
+        for j in self.on_site[self.pos[site]]:
+            run = self.runs[j]
+            cls = self.job_class[j]
+            if cls is not None:
+                gpus = cls.gpus if run.model is not None else 0
+                end = epoch + run.start + self.hours[j] * 3600.0
+                out.append((end, run.model, gpus, cls.cpu))
+        return out
+
     def _stage(
         self, j: int, spec: JobSpec, decision: pl.Decision, *, first: bool
     ) -> tuple[float, float]:
@@ -677,6 +699,18 @@ class Simulation:
     @property
     def batch_gap_max(self) -> float:
         return self.batch.gap_max if self.batch is not None else 0.0
+
+
+class _Ends:
+    """broker.placement.place.Ends over a simulation held weakly (Simulation.ends)."""
+
+    __slots__ = ("sim",)
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def __call__(self, site: str) -> list[tuple[float, str | None, int, int]]:
+        return self.sim.ends(site)
 
 
 def _inputs(scenario: Scenario) -> dict[str, InputSpec]:

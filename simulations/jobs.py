@@ -84,6 +84,14 @@ class JobClass:
         self.reason = max(reasons, key=lambda r: len(reasons[r])) if reasons else "none"
         self.message = outcome.message
 
+    def waited(self, wait: pl.Wait) -> None:
+        """A job of the class chose to wait for a busy site holding its inputs (simulations.
+        data_placement): it had a site, so no quota or static verdict is learnt. Another job of
+        the class, longer or shorter, may weigh the wait otherwise."""
+        self.quota_blocked = False
+        self.reason = "data"
+        self.message = wait.reason
+
     def fits(self, fed: pl.Federation, s: int) -> bool:
         """Could site `s` take the class's request now? The filter's static verdicts from the
         last try (`ineligible`), then its capacity part (broker.placement.feasibility.capacity)."""

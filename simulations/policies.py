@@ -58,16 +58,19 @@ class Engine(Protocol):
 class FastPath:
     """The broker's behaviour: an arrival placed at once by broker.placement.place.place; what
     cannot be placed waits in its class's queue, and the classes that could now fit are
-    retried in the broker's order whenever capacity returns."""
+    retried in the broker's order whenever capacity returns. A job that chose to wait for a
+    busy site holding its inputs (a Wait, simulations.data_placement) is weighed by its own
+    duration, so its class is `holding`: each of its jobs is tried, at every retry."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.classes: dict[tuple[Any, ...], JobClass] = {}  # the classes with jobs waiting
+        self.holding: dict[tuple[Any, ...], JobClass] = {}  # of those, some wait for their data
 
     def arrive(self, j: int, cls: JobClass) -> None:
         sim = self.engine
-        if cls.queue and not sim.reference:  # older equivalent jobs wait: so must it
-            sim.wait(j, cls)
+        if cls.queue and not sim.reference and cls.key not in self.holding:
+            sim.wait(j, cls)  # older equivalent jobs wait: so must it
             return
         if not self.try_place(j, cls):
             sim.wait(j, cls)
@@ -93,6 +96,11 @@ class FastPath:
         )
         if isinstance(outcome, pl.Unschedulable):
             cls.blocked(outcome)
+            self.holding.pop(cls.key, None)  # its other jobs find no site either
+            return False
+        if isinstance(outcome, pl.Wait):
+            cls.waited(outcome)
+            self.holding[cls.key] = cls
             return False
         sim.start(j, spec, outcome)
         return True
@@ -108,9 +116,10 @@ class FastPath:
         fed = self.engine.fed
         usage = self.engine.usage
         heap = [
-            (-c.priority, c.queue[0], c)
+            (-c.priority, c.queue[0], 0, c)
             for c in self.classes.values()
             if s is None
+            or c.key in self.holding
             # blocked by its quota: only its tenant's releases can help, once under quota
             or (
                 (c.tenant == tenant and not usage.exceeds(c.tenant, c.gpus))
@@ -119,18 +128,23 @@ class FastPath:
             )
         ]
         heapify(heap)
-        # a merge of the classes' queues: the head of the class whose oldest job comes first
-        # in the broker's order is tried next; a class whose head fails drops out (its other
-        # jobs would fail the same way, and placements only take capacity away)
+        # a merge of the classes' queues: the job (at position i of its class's queue) that
+        # comes first in the broker's order is tried next; a class whose job finds no site
+        # drops out (its other jobs would fail the same way, and placements only take capacity
+        # away); past a job that waits for its data, the class's next job is tried
         while heap:
-            _, j, cls = heappop(heap)
-            if not self.try_place(j, cls):
-                continue
-            cls.queue.popleft()
-            if cls.queue:
-                heappush(heap, (-cls.priority, cls.queue[0], cls))
+            _, j, i, cls = heappop(heap)
+            if self.try_place(j, cls):
+                del cls.queue[i]
+            elif cls.key in self.holding:
+                i += 1
             else:
+                continue
+            if i < len(cls.queue):
+                heappush(heap, (-cls.priority, cls.queue[i], i, cls))
+            elif not cls.queue:
                 del self.classes[cls.key]
+                self.holding.pop(cls.key, None)
 
     def _retry_every_job(self) -> None:
         """Reference mode (tests): every waiting job tried, in order, as the broker does."""
@@ -140,6 +154,7 @@ class FastPath:
                 cls.queue.remove(j)
         for key in [k for k, c in self.classes.items() if not c.queue]:
             del self.classes[key]
+            self.holding.pop(key, None)
 
 
 # -- one queue in arrival order ------------------------------------------------------------

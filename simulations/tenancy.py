@@ -31,6 +31,10 @@ what its last try found (`Gate`) and tries again only what an event may have cha
   as it adds victim capacity, or more, except within its own pass: a pass weighs only the jobs
   that ran before it, so the sites where a pass placed jobs are opened after it.
 
+A job that chose to wait for a busy site holding its inputs (a Wait, simulations.
+data_placement) is not a failure: its class's gate stays open, so each of its jobs is tried at
+every pass, as the broker tries every pending job, since the wait weighs the job's duration.
+
 A known failure still counts as the broker's try would (when the job is not skipped and
 `possible` holds), and the job then waits PREEMPT_RETRY_S, so that the same jobs get to
 preempt; a gated pass so goes on past the last job that needs a try while tries are left and
@@ -111,6 +115,7 @@ class Waiting(Protocol):
     def waiting(self) -> int: ...  # its jobs waiting
     def fits(self, fed: pl.Federation, s: int) -> bool: ...
     def blocked(self, outcome: pl.Unschedulable) -> None: ...
+    def waited(self, wait: pl.Wait) -> None: ...
 
 
 class Gates:
@@ -358,6 +363,12 @@ class TenancyPass:
             )
             if isinstance(outcome, pl.Decision):
                 return self._take(host, item, spec, outcome, fairness)
+            if isinstance(outcome, pl.Wait):
+                # it waits for a site holding its data, and preempts nothing for it (the
+                # broker's fast path); the gate stays open: the wait shrinks as time passes and
+                # the class's other jobs, of other durations, weigh it for themselves
+                cls.waited(outcome)
+                return False
             gate.place = False
             cls.blocked(outcome)
             reasons = outcome.reasons
