@@ -64,6 +64,7 @@ def place(p: Pass) -> None:
     # way without another scan of every site
     full: dict[tuple[object, ...], pl.Unschedulable] = {}
     ends = _Ends(p)
+    waiting: dict[tuple[str, str | None], int] = {}  # what waiters took of a holder's future
     for record, rev in fair.order(queues):
         spec = record.spec
         shape = _shape(spec)
@@ -73,9 +74,12 @@ def place(p: Pass) -> None:
             if isinstance(decision, pl.Decision) and decision.staging_usd > 0:
                 # a busy site holding its inputs may be worth the wait (wait_for_holder)
                 wait = pl.wait_for_holder(
-                    spec, fed, decision, now=when, usage=used, groups=grouped, ends=ends
-                )
+                    spec, fed, decision, now=when, usage=used, groups=grouped, ends=ends,
+                    queued=lambda site, model: waiting.get((site, model), 0),
+                )  # fmt: skip
                 if wait is not None:
+                    key = (wait.site, wait.model)
+                    waiting[key] = waiting.get(key, 0) + wait.amount
                     p.unschedulable(record, rev, wait.reason)
                     continue
             if isinstance(decision, pl.Decision):

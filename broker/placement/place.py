@@ -83,6 +83,7 @@ __all__ = [
     "wait_for_holder",
     "Wait",
     "Ends",
+    "Queued",
     "place",
     "place_gang",
     "price_floors",
@@ -265,6 +266,15 @@ def _one_island(jobs: Sequence[JobSpec], placed: list[Decision], fed: Federation
 Ends = Callable[[str], Sequence[tuple[float, str | None, int, int]]]
 
 
+# (site, device model or None) -> devices (cores for None) that jobs deciding earlier in this
+# pass chose to wait for there: the first to free go to them
+Queued = Callable[[str, str | None], int]
+
+
+def _nobody(site: str, model: str | None) -> int:  # noqa: ARG001 - a Queued with none
+    return 0
+
+
 @dataclass(frozen=True, slots=True)
 class Wait:
     """Wait for `site`, which holds the job's inputs, rather than stage them elsewhere now."""
@@ -273,6 +283,8 @@ class Wait:
     hours: float  # until enough of its running work ends (their estimates)
     cost_usd: float  # its option there plus the wait, priced as staging's time is
     reason: str
+    model: str | None = None  # what it waits for there: `amount` devices of it (None: cores)
+    amount: int = 0
 
 
 def wait_for_holder(
@@ -284,6 +296,7 @@ def wait_for_holder(
     usage: TenantUsage,
     groups: GroupState,
     ends: Ends,
+    queued: Queued = _nobody,
 ) -> Wait | None:
     """Whether `job` should wait for a site holding all its inputs rather than take `decision`,
     which stages them (decision.staging_usd > 0).
@@ -294,8 +307,10 @@ def wait_for_holder(
     rate: the value of time staging is priced with (broker.placement.staging), so a wait and a
     transfer of equal length weigh the same. The cheapest such wait wins over staging when it
     costs less than `decision`. Work without an estimate never ends for this, so a holder full
-    of it is never waited for. Pure: `ends` is what runs at a site (the view's assignments in
-    the broker, the running jobs in the simulator)."""
+    of it is never waited for. What ends goes first to the jobs that chose earlier in the pass
+    to wait there (`queued`; the caller adds each Wait's `amount`), so a queue of waiters sees
+    its real wait, not each the same first freed devices. Pure: `ends` is what runs at a site
+    (the view's assignments in the broker, the running jobs in the simulator)."""
     if not job.inputs or fed.data is None or decision.staging_usd <= 0:
         return None
     terms = fed.data.terms(job, fed)
@@ -310,10 +325,12 @@ def wait_for_holder(
     for cost, _, sid, site, model, compute, _, _ in screen(req, fed).options:
         if sid in terms.at:  # it lacks an input: not a holder
             continue
+        key = model if count else None
         free = site.free_gpus.get(model, 0) if count and model else site.free_cpu
         need = count if count else job.cpu
         if free >= need:
             continue  # room now: placement weighed it already
+        free -= queued(sid, key)
         hours = math.inf
         for end, m, devices, cores in sorted(ends(sid)):
             if count and m != model:
@@ -326,7 +343,7 @@ def wait_for_holder(
             continue
         total = cost + hours * compute / job.duration_hours
         if best is None or total < best.cost_usd:
-            best = Wait(sid, hours, total, "")
+            best = Wait(sid, hours, total, "", key, need)
     if best is None or best.cost_usd >= decision.cost_usd:
         return None
     reason = (

@@ -397,6 +397,13 @@ def test_a_job_waits_for_its_busy_data_holder_when_the_wait_is_worth_it() -> Non
     assert kinds(decided) == [("unschedulable", ("j1",))]
     reason = decided.actions[0].jobs[0].record.unschedulable or ""
     assert reason.startswith("waits for b, which holds its inputs (room in about 10 min"), reason
+    # two such jobs: the first waits for what b frees in 10 minutes, the second (b's next
+    # room a day away) moves its data to a now
+    second = job("j2", 11, gpu=gpu(16), inputs=inputs)
+    busy = (busy_until(NOW + 600), busy_until(NOW + 86400).model_copy(update={"job": "o2"}))
+    snap = snapshot("a", "b", gpus=32)
+    decided = dc.decide(view(snap, the_job, second), NOW, ctx(data=data, written=busy))  # type: ignore[arg-type]
+    assert sorted(kinds(decided)) == [("place", ("j2",)), ("unschedulable", ("j1",))]
     # b is busy for a day: the data moves to a now
     decided = dc.decide(
         view(snapshot("a", "b"), the_job), NOW, ctx(data=data, written=(busy_until(NOW + 86400),))

@@ -139,6 +139,17 @@ def test_waiting_for_a_busy_holder_is_weighed_against_staging() -> None:
     assert wait([(soon, "H100", 4, 0)]) is None
     assert wait([(math.inf, "H100", 8, 0)]) is None
     assert wait([(soon, "H100", 4, 0), (soon + 600, "H100", 4, 0)]) is not None
+    # a queue: what frees in 10 min went to the job that chose to wait before this one, and
+    # the next 8 H100 free only in 20 h: this one moves the data
+    queue = [(soon, "H100", 8, 0), (NOW.timestamp() + 20 * 3600, "H100", 8, 0)]
+    first = wait(queue)
+    assert first is not None and (first.model, first.amount) == ("H100", 8)
+    second = pl.wait_for_holder(
+        job, fed, staged, now=NOW, usage=pl.TenantUsage(), groups=pl.GroupState({}, {}),
+        ends=lambda site: queue if site == "far" else [],
+        queued=lambda site, model: 8 if (site, model) == ("far", "H100") else 0,
+    )  # fmt: skip
+    assert second is None
     # a decision that stages nothing is never second-guessed
     held = place(spec(2000 * GB), federation({DIGEST: frozenset({"far"})}))
     assert isinstance(held, pl.Decision) and held.staging_usd == 0
