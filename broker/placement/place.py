@@ -348,8 +348,7 @@ def wait_for_holder(
         return None
     reason = (
         f"waits for {best.site}, which holds its inputs (room in about "
-        f"{_duration(best.hours)}: {best.cost_usd:.2f} USD with the wait), rather than staging "
-        f"them to {decision.site} now ({decision.cost_usd:.2f} USD)"
+        f"{_coarse(best.hours)}), rather than staging them to {decision.site} now"
     )
     return dataclasses.replace(best, reason=reason)
 
@@ -510,6 +509,17 @@ def _staging_words(job: JobSpec, fed: Federation, site: str) -> str:
         f"; inputs staged from {source}: egress {usd:.2f} USD, about {_duration(hours)} "
         "(priced as the allocation held idle meanwhile)"
     )
+
+
+def _coarse(hours: float) -> str:
+    """A wait in words that changes rarely (the reason is written when it changes): whole
+    minutes under two hours, whole hours beyond."""
+    minutes = math.ceil(hours * 60)
+    if minutes <= 1:
+        return "a minute"
+    if minutes < 120:
+        return f"{minutes} min"
+    return f"{math.ceil(hours)} h"
 
 
 def _duration(hours: float) -> str:
