@@ -9,6 +9,8 @@ differing (scenario policy.data_placement, simulations.data_placement):
 
     cpn               the broker's placement (broker.placement.place): egress and the allocation
                       held idle while the inputs arrive priced per site (broker.placement.staging)
+                      and, when that stages, perhaps a wait for a busy site holding them
+                      (broker.placement.place.wait_for_holder, the pass's queue counted)
     at-data           only sites holding the inputs; the job waits for one
     cheapest-compute  the inputs ignored: the cheapest compute, then staged there
 

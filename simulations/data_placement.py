@@ -19,11 +19,15 @@ inputs is placed by broker.placement.place.place under every choice.
 
 The running work a Wait weighs (`ends`) is the engine's, each run ending at its start plus its
 duration estimate, as the broker sees its assignments: the simulator knows the true ends (staging
-and resumed work move them) but the broker cannot.
+and resumed work move them) but the broker cannot. What a holder frees goes first to the jobs
+that chose earlier in the pass to wait there (wait_for_holder's `queued`): WaitingPlace keeps
+the pass's claims as the broker's fast path keeps `waiting`, and the queues start a pass with
+`new_pass` (simulations.policies, simulations.passes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import datetime
 from typing import Protocol
 
@@ -33,10 +37,13 @@ from broker.placement import place as pl
 from broker.placement.request import FILTERS, Option
 from simulations.scenario import DataPlacement
 
-__all__ = ["Outcome", "Place", "baseline_decision", "placer"]
+__all__ = ["Claim", "Outcome", "Place", "baseline_decision", "new_pass", "placer"]
 
 # a placement's answer: a site, no site, or (cpn with datasets) wait for a site holding the data
 Outcome = pl.Decision | pl.Unschedulable | pl.Wait
+
+# (site, device model or None): a holder's devices (cores for None) that waiters claimed
+Claim = tuple[str, str | None]
 
 
 class Place(Protocol):
@@ -66,15 +73,24 @@ def placer(kind: DataPlacement, ends: pl.Ends | None = None) -> Place:
     return WaitingPlace(ends)
 
 
+def new_pass(place: Place, seed: Mapping[Claim, int] | None = None) -> None:
+    """A scheduling pass starts: `place` forgets the claims of the last one, then holds `seed`
+    (what jobs ahead in the broker's order, not tried in this pass, wait for). Nothing for a
+    placement that never waits."""
+    if isinstance(place, WaitingPlace):
+        place.claims = dict(seed) if seed else {}
+
+
 class WaitingPlace:
     """cpn with datasets: broker.placement.place.place, then, for a decision that stages inputs,
-    broker.placement.place.wait_for_holder on what runs (`ends`), as the broker's fast path
-    asks it."""
+    broker.placement.place.wait_for_holder on what runs (`ends`) and what the pass's earlier
+    waiters claimed (`claims`, reset by `new_pass`), as the broker's fast path asks it."""
 
-    __slots__ = ("ends",)
+    __slots__ = ("claims", "ends")
 
     def __init__(self, ends: pl.Ends) -> None:
         self.ends = ends
+        self.claims: dict[Claim, int] = {}  # this pass's, as the fast path's `waiting`
 
     def __call__(
         self,
@@ -88,10 +104,20 @@ class WaitingPlace:
     ) -> Outcome:
         outcome = pl.place(job, fed, now=now, usage=usage, groups=groups, explain=explain)
         if isinstance(outcome, pl.Decision) and outcome.staging_usd > 0:
+            claims = self.claims
             wait = pl.wait_for_holder(
-                job, fed, outcome, now=now, usage=usage, groups=groups, ends=self.ends
+                job,
+                fed,
+                outcome,
+                now=now,
+                usage=usage,
+                groups=groups,
+                ends=self.ends,
+                queued=lambda site, model: claims.get((site, model), 0),
             )
             if wait is not None:
+                key = (wait.site, wait.model)
+                claims[key] = claims.get(key, 0) + wait.amount
                 return wait
         return outcome
 

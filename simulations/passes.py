@@ -29,7 +29,7 @@ from broker.placement import place as pl
 from broker.placement.preemption import Preemption, Running, Runs, Victims, lost_s, victim_kind
 from broker.placement.tenancy import SHARE_DIMENSIONS, FairShare, Quotas
 from broker.placement.why import Fairness, own_order
-from simulations.data_placement import Place
+from simulations.data_placement import Place, new_pass
 from simulations.jobs import JobClass, JobRun
 from simulations.phase import EPOCH
 from simulations.tenancy import PREEMPT_RETRY_S, Gates, TenancyPass, TenantBook
@@ -268,6 +268,7 @@ class TenancyPasses:
         self._pass_due = False
         self._in_pass = set()
         self._passing = True
+        new_pass(sim.place)  # the claims on data holders are the pass's (broker's `waiting`)
         if self.live is not None:
             self._view = self.live.open(sim.now)  # from here, starts wait for the pass's end
         try:

@@ -25,7 +25,7 @@ from broker.placement import feasibility as fz
 from broker.placement import place as pl
 from broker.plan import batch as bt
 from broker.plan.solver import collector_paused, solve
-from simulations.data_placement import Place, baseline_decision
+from simulations.data_placement import Claim, Place, baseline_decision, new_pass
 from simulations.jobs import JobClass
 from simulations.phase import EPOCH
 from simulations.scenario import PolicySettings
@@ -60,18 +60,26 @@ class FastPath:
     cannot be placed waits in its class's queue, and the classes that could now fit are
     retried in the broker's order whenever capacity returns. A job that chose to wait for a
     busy site holding its inputs (a Wait, simulations.data_placement) is weighed by its own
-    duration, so its class is `holding`: each of its jobs is tried, at every retry."""
+    duration, so its class is `holding`: each of its jobs is tried, at every retry.
+
+    A retry is the broker's pass: the claims on holders start empty (data_placement.new_pass)
+    and each job that waits adds its own, so the jobs after it see the queue. An arrival is
+    tried alone, after the waiting jobs the broker's pass would weigh first (those of its
+    priority or higher, all older): their last claims (`claims`) seed its pass."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.classes: dict[tuple[Any, ...], JobClass] = {}  # the classes with jobs waiting
         self.holding: dict[tuple[Any, ...], JobClass] = {}  # of those, some wait for their data
+        self.claims: dict[int, tuple[int, pl.Wait]] = {}  # waiting job -> (priority, its Wait)
 
     def arrive(self, j: int, cls: JobClass) -> None:
         sim = self.engine
         if cls.queue and not sim.reference and cls.key not in self.holding:
             sim.wait(j, cls)  # older equivalent jobs wait: so must it
             return
+        if self.claims:
+            new_pass(sim.place, self._claims_ahead(cls.priority))
         if not self.try_place(j, cls):
             sim.wait(j, cls)
             self.classes[cls.key] = cls
@@ -87,6 +95,15 @@ class FastPath:
     def waiting_classes(self) -> list[JobClass]:
         return [c for c in self.classes.values() if c.queue]
 
+    def _claims_ahead(self, priority: int) -> dict[Claim, int]:
+        """What the waiting jobs of `priority` or higher last claimed, per holder."""
+        out: dict[Claim, int] = {}
+        for p, wait in self.claims.values():
+            if p >= priority:
+                key = (wait.site, wait.model)
+                out[key] = out.get(key, 0) + wait.amount
+        return out
+
     def try_place(self, j: int, cls: JobClass) -> bool:
         sim = self.engine
         spec = sim.spec_of(j, cls)
@@ -96,12 +113,16 @@ class FastPath:
         )
         if isinstance(outcome, pl.Unschedulable):
             cls.blocked(outcome)
-            self.holding.pop(cls.key, None)  # its other jobs find no site either
+            if self.holding.pop(cls.key, None) is not None:  # its other jobs find no site either
+                for k in (j, *cls.queue):
+                    self.claims.pop(k, None)
             return False
         if isinstance(outcome, pl.Wait):
             cls.waited(outcome)
             self.holding[cls.key] = cls
+            self.claims[j] = (cls.priority, outcome)
             return False
+        self.claims.pop(j, None)
         sim.start(j, spec, outcome)
         return True
 
@@ -110,6 +131,7 @@ class FastPath:
         broker's order (priority, then arrival), trying only the classes that could now fit."""
         if not self.classes:
             return
+        new_pass(self.engine.place)
         if self.engine.reference:
             self._retry_every_job()
             return
