@@ -86,11 +86,13 @@ class WaitingPlace:
     broker.placement.place.wait_for_holder on what runs (`ends`) and what the pass's earlier
     waiters claimed (`claims`, reset by `new_pass`), as the broker's fast path asks it."""
 
-    __slots__ = ("claims", "ends")
+    __slots__ = ("claims", "ends", "since")
 
     def __init__(self, ends: pl.Ends) -> None:
         self.ends = ends
         self.claims: dict[Claim, int] = {}  # this pass's, as the fast path's `waiting`
+        # job -> when it began waiting for a holder (the broker reads it from its events)
+        self.since: dict[str, float] = {}  # by job name: unique in a simulation ("j<index>")
 
     def __call__(
         self,
@@ -103,8 +105,11 @@ class WaitingPlace:
         explain: bool = True,
     ) -> Outcome:
         outcome = pl.place(job, fed, now=now, usage=usage, groups=groups, explain=explain)
+        key_job = job.name
         if isinstance(outcome, pl.Decision) and outcome.staging_usd > 0:
             claims = self.claims
+            at = now.timestamp()
+            since = self.since.get(key_job)
             wait = pl.wait_for_holder(
                 job,
                 fed,
@@ -114,11 +119,15 @@ class WaitingPlace:
                 groups=groups,
                 ends=self.ends,
                 queued=lambda site, model: claims.get((site, model), 0),
+                waited_hours=0.0 if since is None else max(0.0, at - since) / 3600,
             )
             if wait is not None:
                 key = (wait.site, wait.model)
                 claims[key] = claims.get(key, 0) + wait.amount
+                self.since.setdefault(key_job, at)
                 return wait
+        if isinstance(outcome, pl.Decision):
+            self.since.pop(key_job, None)
         return outcome
 
 

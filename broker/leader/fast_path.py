@@ -76,6 +76,7 @@ def place(p: Pass) -> None:
                 wait = pl.wait_for_holder(
                     spec, fed, decision, now=when, usage=used, groups=grouped, ends=ends,
                     queued=lambda site, model: waiting.get((site, model), 0),
+                    waited_hours=_waited_hours(record, now),
                 )  # fmt: skip
                 if wait is not None:
                     key = (wait.site, wait.model)
@@ -113,6 +114,20 @@ def place(p: Pass) -> None:
         grouped = grouped.with_placed(spec.group, decision.site)
         taken += 1
     place_gangs(p, fed, used, grouped, when)
+
+
+WAITS = "waits for "  # the start of wait_for_holder's reasons
+
+
+def _waited_hours(record: JobRecord, now: float) -> float:
+    """How long the job has been waiting for a data holder: since the first of the reasons
+    saying so that end its events (0 when the last reason is another)."""
+    since = None
+    for event in reversed(record.events):
+        if event.type != "unschedulable" or not event.message.startswith(WAITS):
+            break
+        since = event.at
+    return 0.0 if since is None else max(0.0, now - since) / 3600
 
 
 class _Ends:

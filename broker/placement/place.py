@@ -297,6 +297,7 @@ def wait_for_holder(
     groups: GroupState,
     ends: Ends,
     queued: Queued = _nobody,
+    waited_hours: float = 0.0,
 ) -> Wait | None:
     """Whether `job` should wait for a site holding all its inputs rather than take `decision`,
     which stages them (decision.staging_usd > 0).
@@ -306,8 +307,13 @@ def wait_for_holder(
     earliest end at which the job's devices, or cores, are free) at the option's hourly compute
     rate: the value of time staging is priced with (broker.placement.staging), so a wait and a
     transfer of equal length weigh the same. The cheapest such wait wins over staging when it
-    costs less than `decision`. Work without an estimate never ends for this, so a holder full
-    of it is never waited for. What ends goes first to the jobs that chose earlier in the pass
+    costs less than `decision`, and only a holder that frees before the inputs could arrive
+    at the decision's site is waited for: a wait never starts a job later than staging would
+    (bench/data_placement.py: valuing time alone let waits of hours beat quick transfers, and
+    cost x time lost on two of six weeks), counting what the job has waited so far
+    (`waited_hours`): estimates that prove optimistic never make it wait longer in all. Work
+    without an estimate never ends for this, so a holder full of it is never waited for. What
+    ends goes first to the jobs that chose earlier in the pass
     to wait there (`queued`; the caller adds each Wait's `amount`), so a queue of waiters sees
     its real wait, not each the same first freed devices. Pure: `ends` is what runs at a site
     (the view's assignments in the broker, the running jobs in the simulator)."""
@@ -316,6 +322,7 @@ def wait_for_holder(
     terms = fed.data.terms(job, fed)
     if terms is None or terms.missing:
         return None
+    staging_hours = terms.usd_hours(decision.site)[1]
     if now.tzinfo is None:
         now = now.replace(tzinfo=UTC)
     req = request(job, fed, now=now, usage=usage, groups=groups, check_capacity=False)
@@ -339,8 +346,8 @@ def wait_for_holder(
             if free >= need:
                 hours = max(0.0, end - at) / 3600
                 break
-        if not math.isfinite(hours):
-            continue
+        if waited_hours + hours > staging_hours:
+            continue  # it would start later than the data could have arrived elsewhere
         total = cost + hours * compute / job.duration_hours
         if best is None or total < best.cost_usd:
             best = Wait(sid, hours, total, "", key, need)

@@ -134,6 +134,10 @@ def test_waiting_for_a_busy_holder_is_weighed_against_staging() -> None:
     assert waited.reason.startswith("waits for far, which holds its inputs (room in about 10 min")
     # in 20 hours: the wait costs more than moving the data now
     assert wait([(NOW.timestamp() + 20 * 3600, "H100", 8, 0)]) is None
+    # in 5 hours: cheaper priced at far's rate (24 + 5 x 24 < staging's), but the 2 TB would
+    # arrive at near in 4.4 h: a wait never starts the job later than staging would
+    assert wait([(NOW.timestamp() + 5 * 3600, "H100", 8, 0)]) is None
+    assert wait([(NOW.timestamp() + 4 * 3600, "H100", 8, 0)]) is not None
     # what ends must be of the model, and enough of it; work without an estimate never ends
     assert wait([(soon, "A100-80GB", 8, 0)]) is None
     assert wait([(soon, "H100", 4, 0)]) is None
