@@ -138,6 +138,12 @@ def test_waiting_for_a_busy_holder_is_weighed_against_staging() -> None:
     # arrive at near in 4.4 h: a wait never starts the job later than staging would
     assert wait([(NOW.timestamp() + 5 * 3600, "H100", 8, 0)]) is None
     assert wait([(NOW.timestamp() + 4 * 3600, "H100", 8, 0)]) is not None
+    # a job that has waited 4.3 h already does not wait another 10 min: the data would have
+    # been there by then
+    assert pl.wait_for_holder(
+        job, fed, staged, now=NOW, usage=pl.TenantUsage(), groups=pl.GroupState({}, {}),
+        ends=lambda site: [(soon, "H100", 8, 0)] if site == "far" else [], waited_hours=4.3,
+    ) is None  # fmt: skip
     # what ends must be of the model, and enough of it; work without an estimate never ends
     assert wait([(soon, "A100-80GB", 8, 0)]) is None
     assert wait([(soon, "H100", 4, 0)]) is None
