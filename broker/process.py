@@ -38,7 +38,7 @@ import aiohttp
 from broker.leader import decisions as dc
 from broker.leader.actions import Actor
 from broker.leader.alerts import AlertKeeper, alert_inputs
-from broker.leader.data_outbox import DataOutboxLoop, run_outbox
+from broker.leader.data_outbox import MANIFEST_TIMEOUT_S, DataOutboxLoop, run_outbox
 from broker.leader.data_terms import DataTerms
 from broker.leader.history import HistoryKeeper
 from broker.leader.replicas import ReplicaReconciler
@@ -272,10 +272,11 @@ class Broker:
         self.supervisor.spawn("traffic", self.traffic_publisher.run, restart=RESTART)
         self.supervisor.spawn("autoscaler", self.scaler.run, restart=RESTART)
         self.supervisor.spawn("data orders", self.data_orders.run, restart=RESTART)
-        self._http = aiohttp.ClientSession(connector=agent_connector(self.agent_ssl))
-        outbox = DataOutboxLoop(
-            registry=self.registry, datasets=self.datasets, index=self.data, http=self._http
+        self._http = aiohttp.ClientSession(
+            connector=agent_connector(self.agent_ssl),
+            timeout=aiohttp.ClientTimeout(total=MANIFEST_TIMEOUT_S),
         )
+        outbox = DataOutboxLoop(registry=self.registry, datasets=self.datasets, http=self._http)
         self.supervisor.spawn("data outbox", lambda: self._lead(run_outbox(outbox)),
                               restart=RESTART)  # fmt: skip
         self.supervisor.spawn("alerts", self.alerts.mirror.run, restart=RESTART)

@@ -3,11 +3,11 @@
 The write that marks a run SUCCEEDED puts a DataOutbox at /cpn/v1/data-outbox/<job>/<attempt>
 (broker.leader.reports) naming what the run saved (OutputMade: digest, size, the sites holding
 it). This loop reads the outbox a page at a time, fetches each output's manifest from a site
-holding it (a read grant minted with that agent's data key), registers it as the next version
-of the tenant's dataset (broker.ops.datasets.Datasets.register with once=True: a replay after a
-crash finds the version it made and makes no second one) and deletes the entry. An entry that
-cannot be carried out now (its site down) stays for the next round; one that never can (a
-malformed record) is logged and dropped, so no tenant's input stops the loop.
+holding it (Datasets.fetch_manifest: a read grant minted with that agent's data key),
+registers it as the next version of the tenant's dataset (Datasets.register with once=True: a
+replay after a crash finds the version it made and makes no second one) and deletes the entry.
+An entry that cannot be carried out now (its site down) stays for the next round; one that
+never can (a malformed record) is logged and dropped, so no tenant's input stops the loop.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from pydantic import ValidationError
 
 from broker.model.data_outbox import DataOutbox
 from broker.model.errors import BrokerError
-from broker.ops.datasets import Datasets
-from broker.state.data_index import DataIndex
+from broker.ops.datasets import DataPlaneError, Datasets
 from sites.model import keys
 from sites.model.data import Manifest, OutputMade
 from sites.model.errors import RegistryError
@@ -30,7 +29,7 @@ from sites.registry.client import Guard, Registry
 log = logging.getLogger(__name__)
 
 PAGE = 100
-MANIFEST_TIMEOUT_S = 30.0
+MANIFEST_TIMEOUT_S = 30.0  # the outbox's session: one manifest read from a site, at most
 
 
 class OutboxUnavailable(Exception):
@@ -43,12 +42,10 @@ class DataOutboxLoop:
         *,
         registry: Registry,
         datasets: Datasets,
-        index: DataIndex,
         http: aiohttp.ClientSession,
     ) -> None:
         self.registry = registry
         self.datasets = datasets
-        self.index = index
         self.http = http
 
     async def round(self) -> int:
@@ -88,26 +85,12 @@ class DataOutboxLoop:
         )
 
     async def _manifest(self, made: OutputMade) -> Manifest:
+        """The output's manifest from the first of its sites that gives it."""
         for site in made.sites:
-            source = self.index.source(
-                site, sub="broker", scope=f"obj:{made.digest}", op="read", ttl_s=300
-            )
-            if source is None:
-                continue
-            url = f"{source.url}/data/manifests/{made.digest}"
             try:
-                async with self.http.get(
-                    url,
-                    headers={"X-Cpn-Grant": source.grant},
-                    timeout=aiohttp.ClientTimeout(total=MANIFEST_TIMEOUT_S),
-                ) as got:
-                    if got.status != 200:
-                        continue
-                    manifest = Manifest.model_validate_json(await got.read())
-            except (aiohttp.ClientError, TimeoutError, ValidationError):
+                return await self.datasets.fetch_manifest(site, made.digest, http=self.http)
+            except DataPlaneError:
                 continue
-            if manifest.digest == made.digest:
-                return manifest
         raise OutboxUnavailable(f"no site of {', '.join(made.sites)} serves {made.digest[:12]}")
 
 
