@@ -377,9 +377,14 @@ class JobSpec(TenantInput):
             for j, other in enumerate(mounts[:i]):
                 if path == other or path.startswith(other + "/") or other.startswith(path + "/"):
                     raise ValueError(f"inputs[{i}].path {path!r} overlaps inputs[{j}].path")
-        if self.checkpoint_path is not None and not self.checkpoint_path.startswith("/"):
-            clean_path(self.checkpoint_path.rstrip("/"), "checkpoint_path")
         return self
+
+    @field_validator("checkpoint_path")
+    @classmethod
+    def _checkpoint_path(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith("/"):
+            clean_path(value.rstrip("/"), "checkpoint_path")
+        return value
 
     @property
     def carried_checkpoint(self) -> str | None:

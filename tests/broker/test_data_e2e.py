@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import time
 import urllib.error
 import urllib.request
@@ -111,7 +110,18 @@ def test_inputs_follow_the_job_and_outputs_become_a_version(
             "inputs": [{"dataset": "x@1", "path": "/etc/passwd"}],
         },  # fmt: skip
     )
-    assert status == 400 and "inputs" in json.dumps(body["error"]), body
+    assert status == 400 and body["error"]["field"] == "inputs[0].path", body
+    for bad, field in (
+        ({"inputs": [{"dataset": "x@1", "path": "../up"}]}, "inputs[0].path"),
+        ({"outputs": [{"path": "out", "dataset": "Bad Name"}]}, "outputs[0].dataset"),
+        ({"outputs": [{"path": "/abs", "dataset": "ok"}]}, "outputs[0].path"),
+        ({"checkpoint_path": "../ckpt"}, "checkpoint_path"),
+        ({"checkpoint_store": {"site": "a", "region": "b"}}, "checkpoint_store"),
+    ):
+        status, body = fed.request(
+            "POST", "/v1/jobs", {"name": "bad", "tenant": "t1", "command": ["true"], **bad}
+        )
+        assert (status, body["error"]["code"], body["error"]["field"]) == (400, "invalid", field)
 
     want = _dataset(tmp_path / "corpus")
     want_sizes = [p.stat().st_size for p in (tmp_path / "corpus").rglob("*") if p.is_file()]
