@@ -196,13 +196,22 @@ def test_inputs_follow_the_job_and_outputs_become_a_version(
         mem_gb=1,
         allowed_regions=["east"],
         inputs=[{"dataset": "t1/corpus@1", "path": "in"}],
-        command=["sh", "-c", "sha256sum in/README"],
+        # from the tenant's side: the site's data store (every tenant's blobs, the data key)
+        # is not there in its sandbox, only the input it was given
+        command=[
+            "sh",
+            "-c",
+            "sha256sum in/README; for s in "
+            + " ".join(str(fed.config_dir / f"state/sites/{s}/data-store") for s in SITES)
+            + '; do cat "$s/.data-key" && echo LEAKED; ls "$s/blobs" && echo LEAKED; done; true',
+        ],
     )
     again = fed.wait_state(second["id"], "SUCCEEDED", "FAILED", timeout=60)
     assert again["state"] == "SUCCEEDED", _events(again)
     assert "inputs held here" in again["placement"]["reason"], again["placement"]
     assert not any(e.startswith("staging") for e in _events(again))
-    assert f"{want['README']}  in/README" in _log(fed, second["id"])
+    text = _log(fed, second["id"])
+    assert f"{want['README']}  in/README" in text and "LEAKED" not in text, text
 
 
 # the job: resumes from its checkpoint's step when told to, writes a step file each tick
