@@ -266,14 +266,17 @@ class LocalExecutor:
         """SIGTERM the group, SIGKILL it after ``grace_s``; returns once it is gone."""
         pgid = int(handle.ref)
         run = self._runs.get(handle.ref)
+        signalled: set[int] | None = None
         if run is not None and run.sandboxed:
             # SIGTERM to the run's own processes: bubblewrap's (outer and the namespace's init)
-            # would die of it and take the run down at once, with no grace
-            if not _signal_sandboxed(pgid, signal.SIGTERM) and not _group_members(pgid):
+            # would die of it and take the run down at once, with no grace. A payload bubblewrap
+            # has not forked yet is signalled when it appears, while the grace runs.
+            signalled = set()
+            if not _signal_sandboxed(pgid, signal.SIGTERM, signalled) and not _group_members(pgid):
                 return
         elif not _signal_group(pgid, signal.SIGTERM):
             return
-        if await self._wait_gone(pgid, grace_s):
+        if await self._wait_gone(pgid, grace_s, signalled):
             return
         log.warning("job %s (pgid %d) outlived its %.1fs grace; killing it", handle.job, pgid,
                     grace_s)  # fmt: skip
@@ -283,11 +286,17 @@ class LocalExecutor:
         if not await self._wait_gone(pgid, KILL_WAIT_S):
             log.error("job %s (pgid %d) survived SIGKILL for %.0fs", handle.job, pgid, KILL_WAIT_S)
 
-    async def _wait_gone(self, pgid: int, timeout_s: float) -> bool:
+    async def _wait_gone(
+        self, pgid: int, timeout_s: float, signalled: set[int] | None = None
+    ) -> bool:
+        """Wait until the group is gone; with ``signalled``, SIGTERM each sandboxed process
+        that appears meanwhile (those already signalled are in the set)."""
         deadline = self._clock.monotonic() + timeout_s
         while _group_members(pgid):
             if self._clock.monotonic() >= deadline:
                 return False
+            if signalled is not None:
+                _signal_sandboxed(pgid, signal.SIGTERM, signalled)
             await self._clock.sleep(POLL_S)
         return True
 
@@ -335,8 +344,11 @@ class LocalExecutor:
 # -- process helpers ---------------------------------------------------------------------------
 
 
-def _signal_sandboxed(pgid: int, sig: signal.Signals) -> bool:
-    """Signal the processes a sandbox runs, not bubblewrap's own two; False when none."""
+def _signal_sandboxed(pgid: int, sig: signal.Signals, done: set[int] | None = None) -> bool:
+    """Signal the processes a sandbox runs, not bubblewrap's own two; False when none.
+
+    With ``done``, the pids already signalled are skipped and those signalled now are added.
+    """
     try:
         outer = psutil.Process(pgid)
         inner = outer.children()
@@ -346,6 +358,10 @@ def _signal_sandboxed(pgid: int, sig: signal.Signals) -> bool:
         return False
     sent = False
     for p in targets:
+        if done is not None:
+            if p.pid in done:
+                continue
+            done.add(p.pid)
         try:
             os.kill(p.pid, sig)
             sent = True

@@ -160,6 +160,26 @@ async def test_escape_battery_from_inside_a_job(
 
 @pytest.mark.e2e
 @needs_root_and_bwrap
+async def test_a_run_stopped_as_it_starts_gets_its_sigterm_not_the_kill(
+    confined: Callable[..., LocalExecutor],
+) -> None:
+    """A stop that comes before bubblewrap has forked the payload (the launcher still a shell,
+    or the sandbox still being built) reaches the payload once it appears, within the grace,
+    instead of waiting the whole grace for a SIGKILL."""
+    ex = confined()
+    for i in range(5):
+        a = assignment(f"early-{i}", ["sleep", "60"])
+        handle = await ex.start(a, (), job_dir(ex.work_dir, a.job) / "attempt-1.log")
+        await asyncio.sleep(i * 0.01)
+        began = time.monotonic()
+        await ex.stop(handle, 20.0)
+        ended = await asyncio.wait_for(ex.wait(handle), 10)
+        assert time.monotonic() - began < 10, i
+        assert ended.code == -signal.SIGTERM, (i, ended)
+
+
+@pytest.mark.e2e
+@needs_root_and_bwrap
 async def test_a_run_over_its_memory_is_killed_and_reported_out_of_memory(
     confined: Callable[..., LocalExecutor],
 ) -> None:
