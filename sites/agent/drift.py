@@ -14,7 +14,10 @@ free capacity, per-node free, devices, their busy flag and MIG layout, storage p
 changes exactly; telemetry (host CPU and memory, load, a GPU's use, power, temperature, storage
 used) changes by more than a tolerance. For a link: reachability, method or emulation exactly;
 the RTT or its median by more than LINK_RTT_REL of the last one written (and LINK_RTT_ABS_MS);
-loss by LINK_LOSS_PCT points; the measured bandwidth appearing, or moving by more than
+loss by LINK_LOSS_PCT points; the probe window holding more samples than when last written
+(a window still filling is provisional: a far peer's first intervals take fewer samples, and a
+reader waiting for a full window would otherwise wait for the refresh); the measured bandwidth
+appearing, or moving by more than
 LINK_BANDWIDTH_REL of the last written (a bulk probe's figure wobbles by several % from one
 probe to the next; its time alone is not news). The tolerances compare with the value last
 written, not the last measured, so a slow drift is published once it adds up.
@@ -81,7 +84,11 @@ def link_changed(old: LinkStatus, new: LinkStatus) -> bool:
         old.bandwidth_mbps, new.bandwidth_mbps, LINK_BANDWIDTH_REL * (old.bandwidth_mbps or 0)
     ):
         return True
-    return abs(old.loss_pct - new.loss_pct) >= LINK_LOSS_PCT
+    if abs(old.loss_pct - new.loss_pct) >= LINK_LOSS_PCT:
+        return True
+    # a window still filling when it was written: its figures were provisional (a long path's
+    # first intervals hold fewer samples), so each fuller window is news until it is full
+    return new.samples > old.samples
 
 
 def rtt_tolerance(old_ms: float | None) -> float:

@@ -80,6 +80,10 @@ def test_a_link_changes_by_reachability_and_rtt_beyond_a_tolerance() -> None:
     assert link_changed(old, link("b", 20.0, loss=20.0))
     # measured against the value last written: a slow drift is published once it adds up
     assert link_changed(old, link("b", 22.5)) and not link_changed(link("b", 21.0), link("b", 22.5))
+    # a window still filling: each fuller one is written, a full one no more
+    partial = old.model_copy(update={"samples": 3})
+    assert link_changed(partial, old)
+    assert not link_changed(old, partial) and not link_changed(old, link("b", 20.5))
 
 
 class Measured:
