@@ -35,9 +35,10 @@ up: $(NATIVE) sandbox
 	$(BIN)/cpn up
 
 # Tests run in TEST_WORKERS processes (pytest-xdist, --dist loadfile): a test file to a worker (a
-# module's fixtures are made once), and the tests that start a whole federation one at a time
-# (tests/tiers.py: two federations side by side starve each other's leases on two cores). Most
-# e2e tests wait on processes more than they compute, so two workers halve the suite's time.
+# module's fixtures are made once), and the files that start a whole federation one unit, on one
+# worker, first (tests/tiers.py: two federations side by side starve each other's leases on two
+# cores), while the other worker takes the rest, longest first. Most e2e tests wait on
+# processes more than they compute, so two workers halve the suite's time.
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -92,31 +93,104 @@ def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
 # of its file to the last (a module-scoped federation lives that long): one federation at a
 # time, while the other worker goes on with tests that start none.
 FEDERATION_FIXTURES = frozenset({"make_federation", "demo"})
-# cpn up starts federations; the Slurm tests drive this machine's one Slurm, whose daemons
-# `cpn up --slurm` (in test_up.py) restarts: they take turns under the same lock
+# Every file with a test that starts a federation: those using the fixtures above (a test
+# collected in a file not listed fails the run, naming it), `cpn up`'s and the Slurm tests (they
+# drive this machine's one Slurm, whose daemons `cpn up --slurm` restarts). The scheduler below
+# reads this list: it decides from node ids alone, before any fixture is known.
 FEDERATION_FILES = frozenset(
     {
-        "tests/cpn/test_up.py",
+        "tests/broker/api/test_dashboard.py",
+        "tests/broker/api/test_tenants_api.py",
+        "tests/broker/leader/test_alerts.py",
+        "tests/broker/test_agent_tls_e2e.py",
+        "tests/broker/test_autoscaling_e2e.py",
+        "tests/broker/test_data_e2e.py",
+        "tests/broker/test_jobs_e2e.py",
+        "tests/broker/test_nodes_e2e.py",
+        "tests/broker/test_preemption_e2e.py",
+        "tests/broker/test_scheduler_e2e.py",
+        "tests/broker/test_services_e2e.py",
+        "tests/broker/test_services_replicas_e2e.py",
+        "tests/broker/test_workflows_e2e.py",
         "tests/cpn/test_load.py",
+        "tests/cpn/test_up.py",
+        "tests/metering/test_ledger_e2e.py",
+        "tests/metering/test_prometheus.py",
+        "tests/routing/test_gateway_e2e.py",
+        "tests/routing/test_openai_e2e.py",
         "tests/sites/executors/test_slurm.py",
         "tests/sites/executors/test_slurm_identity.py",
     }
 )
+FEDERATIONS = "federations"  # the scheduler's one unit for them all
 _federation_lock: Any = None
 _last_federation: dict[Any, str] = {}  # a test file -> the node id of its last such test
 
 
+def _file(nodeid: str) -> str:
+    return nodeid.split("::")[0]
+
+
 def _starts_federation(item: pytest.Item) -> bool:
-    fixtures = set(getattr(item, "fixturenames", ()))
-    return bool(fixtures & FEDERATION_FIXTURES) or item.nodeid.split("::")[0] in FEDERATION_FILES
+    return _file(item.nodeid) in FEDERATION_FILES
 
 
 @pytest.hookimpl(trylast=True)  # after deselection (-m, -k)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unlisted = sorted(
+        {
+            _file(item.nodeid)
+            for item in items
+            if set(getattr(item, "fixturenames", ())) & FEDERATION_FIXTURES
+            and not _starts_federation(item)
+        }
+    )
+    if unlisted:
+        raise pytest.UsageError(
+            f"{', '.join(unlisted)} start federations: list them in FEDERATION_FILES "
+            "(tests/tiers.py)"
+        )
     _last_federation.clear()
     for item in items:
         if _starts_federation(item):
             _last_federation[item.path] = item.nodeid
+    # longest first (FederationsFirst, below): the federations, then files by
+    # their e2e tests (unit tests take milliseconds); a file keeps its own order
+    weight: dict[str, float] = {}
+    for item in items:
+        unit = _unit(item.nodeid)
+        cost = 8.0 if item.get_closest_marker(E2E) is not None else 0.05
+        weight[unit] = weight.get(unit, 0.0) + cost
+    weight[FEDERATIONS] = math.inf
+    rank = {unit: i for i, unit in enumerate(sorted(weight, key=lambda u: -weight[u]))}
+    items.sort(key=lambda item: rank[_unit(item.nodeid)])
+
+
+def _unit(nodeid: str) -> str:
+    path = _file(nodeid)
+    return FEDERATIONS if path in FEDERATION_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile` (`make test`) as FederationsFirst schedules it."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FederationsFirst(LoadScopeScheduling):
+        """Each test file is one work unit, as with `loadfile`, except the files that start
+        federations, which are one unit together: one worker runs them in turn while the other
+        takes every other file. The units go out in the collection's order, which puts the
+        federations first and the other files longest first (pytest_collection_modifyitems),
+        so the short ones fill the end. Plain `loadfile` let both workers hold a federation
+        file, one waiting on the lock, with its tests' time unused."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False  # the collection's order, not by count
+    return FederationsFirst(config, log)
 
 
 # tryfirst: the outermost wrapper, so waiting for the lock is not counted by pytest-timeout

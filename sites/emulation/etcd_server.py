@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,9 +54,34 @@ def find_binary(name: str = "etcd") -> Path:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a listener started next, taken below the kernel's
+    ephemeral range when it can be: a port from that range may become an outgoing connection's
+    source port before the listener binds it (a loaded machine opens thousands), and then the
+    listener fails with "Address already in use". One below the range is never handed out so."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = random.randrange(max(1024, low - PORT_SPAN), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+PORT_SPAN = 12000  # free_port's ports: this many below the ephemeral range
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default: 32768)."""
+    try:
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        return max(2048, int(text.split()[0]))
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_healthy(
