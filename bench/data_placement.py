@@ -116,6 +116,22 @@ FAMILY = (
         (("a", 1000, ("jing-jin-ji",), 1), ("b", 1000, ("yangtze-delta",), 1)),
         cache_gb=0,
     ),
+    # hot data whose copies do not stay: the cache is smaller than the dataset
+    Instance(
+        "hot-no-room",
+        7,
+        26,
+        (("a", 2500, ("jing-jin-ji",), 6), ("b", 500, ("yangtze-delta",), 1)),
+        cache_gb=1000,
+    ),
+    # two hot datasets far apart, a busier week, a cache for one copy of each
+    Instance(
+        "two-hot",
+        8,
+        30,
+        (("a", 1200, ("jing-jin-ji",), 4), ("b", 1800, ("greater-bay-area",), 4)),
+        cache_gb=3200,
+    ),
 )
 
 

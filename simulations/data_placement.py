@@ -27,7 +27,7 @@ the pass's claims as the broker's fast path keeps `waiting`, and the queues star
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Protocol
 
@@ -61,16 +61,23 @@ class Place(Protocol):
     ) -> Outcome: ...
 
 
-def placer(kind: DataPlacement, ends: pl.Ends | None = None) -> Place:
+# (job, digest) -> how many other jobs waiting to be placed read it
+Readers = Callable[[JobSpec, str], int]
+
+
+def placer(
+    kind: DataPlacement, ends: pl.Ends | None = None, readers: Readers | None = None
+) -> Place:
     """The placement function of `kind`; for cpn with `ends` (a run with datasets: what runs
-    at each site, broker.placement.place.Ends), one that may wait for a site holding the data."""
+    at each site, broker.placement.place.Ends), one that may wait for a site holding the data,
+    weighing the copy a staging leaves for the other waiting jobs that read it (`readers`)."""
     if kind is DataPlacement.at_data:
         return at_data
     if kind is DataPlacement.cheapest_compute:
         return cheapest_compute
     if ends is None:
         return pl.place
-    return WaitingPlace(ends)
+    return WaitingPlace(ends, readers)
 
 
 def new_pass(place: Place, seed: Mapping[Claim, int] | None = None) -> None:
@@ -86,10 +93,11 @@ class WaitingPlace:
     broker.placement.place.wait_for_holder on what runs (`ends`) and what the pass's earlier
     waiters claimed (`claims`, reset by `new_pass`), as the broker's fast path asks it."""
 
-    __slots__ = ("claims", "ends", "since")
+    __slots__ = ("claims", "ends", "readers", "since")
 
-    def __init__(self, ends: pl.Ends) -> None:
+    def __init__(self, ends: pl.Ends, readers: Readers | None = None) -> None:
         self.ends = ends
+        self.readers = readers
         self.claims: dict[Claim, int] = {}  # this pass's, as the fast path's `waiting`
         # job -> when it began waiting for a holder (the broker reads it from its events)
         self.since: dict[str, float] = {}  # by job name: unique in a simulation ("j<index>")
@@ -120,6 +128,7 @@ class WaitingPlace:
                 ends=self.ends,
                 queued=lambda site, model: claims.get((site, model), 0),
                 waited_hours=0.0 if since is None else max(0.0, at - since) / 3600,
+                readers=_readers_of(self.readers, job),
             )
             if wait is not None:
                 key = (wait.site, wait.model)
@@ -129,6 +138,13 @@ class WaitingPlace:
         if isinstance(outcome, pl.Decision):
             self.since.pop(key_job, None)
         return outcome
+
+
+def _readers_of(readers: Readers | None, job: JobSpec) -> pl.Readers:
+    """`readers` for `job` (none: nobody else reads)."""
+    if readers is None:
+        return pl.no_readers
+    return lambda digest: readers(job, digest)
 
 
 def at_data(

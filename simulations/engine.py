@@ -181,7 +181,10 @@ class Simulation:
         # cpn with datasets may wait for a busy site holding a job's inputs: the running work
         # it weighs is read through a weak proxy (no cycle: the class docstring)
         ends = _Ends(weakref.proxy(self)) if self.data is not None else None
-        self.place: Place = placer(self.policy.data_placement, ends)
+        # digest -> the live jobs (waiting or running) reading it (wait_for_holder's `readers`)
+        self.reading: dict[str, int] = {}
+        readers = _Readers(weakref.proxy(self)) if self.data is not None else None
+        self.place: Place = placer(self.policy.data_placement, ends, readers)
         self.full = list(offers)  # every site's offer with nothing running
         has_nodes = any(o.nodes is not None for o in offers)
         self.fragmentation = Fragmentation(self.fed) if has_nodes else None
@@ -459,10 +462,27 @@ class Simulation:
 
     def _waiting(self, j: int, cls: JobClass) -> None:
         self.state[j] = Phase.WAITING
+        self._read(cls.spec, 1)
         self.pending += 1
         self.wait_since[j] = self.now
         if self.valued:
             self.waiting_n[cls.tenant] = self.waiting_n.get(cls.tenant, 0) + 1
+
+    def _read(self, spec: JobSpec, sign: int) -> None:
+        """A job reading `spec`'s inputs became live (1: waiting, or placed on arrival) or its
+        run ended (-1)."""
+        if self.data is None:
+            return
+        for item in spec.inputs:
+            if item.digest:
+                self.reading[item.digest] = self.reading.get(item.digest, 0) + sign
+
+    def readers(self, job: JobSpec, digest: str) -> int:
+        """How many live jobs (waiting or running) other than `job` read `digest`, as the
+        broker's pass counts its jobs (simulations.data_placement.WaitingPlace)."""
+        n = self.reading.get(digest, 0)
+        j = int(job.name[1:])  # "j<index>": Simulation.spec_of
+        return n - 1 if self.state[j] == Phase.WAITING else n
 
     def start(self, j: int, spec: JobSpec, decision: pl.Decision) -> None:
         """Job j starts on `decision`: its capacity and quota taken, then `begin`."""
@@ -477,6 +497,8 @@ class Simulation:
         """A job starts on `decision`; its capacity and quota are taken already."""
         s = self.pos[decision.site]
         gpus = decision.gpus
+        if self.state[j] != Phase.WAITING:
+            self._read(spec, 1)  # placed on arrival: a reader from now
         if self.state[j] == Phase.WAITING:
             self.pending -= 1
             self.wait_total += self.now - self.wait_since.pop(j)
@@ -609,6 +631,7 @@ class Simulation:
         if cls is None:
             raise RuntimeError(f"job {j} runs without a class")
         del self.runs[j]
+        self._read(cls.spec, -1)
         self.on_site[run.site].discard(j)
         if self.data is not None and cls.spec.inputs:
             self.data.ended(cls.spec, self.site_ids[run.site])
@@ -711,6 +734,18 @@ class _Ends:
 
     def __call__(self, site: str) -> list[tuple[float, str | None, int, int]]:
         return self.sim.ends(site)
+
+
+class _Readers:
+    """simulations.data_placement.Readers over a simulation held weakly (Simulation.readers)."""
+
+    __slots__ = ("sim",)
+
+    def __init__(self, sim: Simulation) -> None:
+        self.sim = sim
+
+    def __call__(self, job: JobSpec, digest: str) -> int:
+        return self.sim.readers(job, digest)
 
 
 def _inputs(scenario: Scenario) -> dict[str, InputSpec]:

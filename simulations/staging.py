@@ -99,7 +99,11 @@ class DataPlane:
     # -- what placement sees (broker.placement.staging.DataView) --------------------------------
 
     def view(self) -> DataView:
-        return DataView(holders=self.holders, bandwidth=self.bandwidth)
+        return DataView(holders=self.holders, bandwidth=self.bandwidth, keeps=self.keeps)
+
+    def keeps(self, site: str) -> float:  # noqa: ARG002 - every site's cache is the same
+        """The bytes a site keeps of what staging brought (the scenario's staging.cache_gb)."""
+        return self.cache_bytes
 
     def holders(self, digest: str) -> frozenset[str]:
         """The live sites holding a complete copy of `digest`."""

@@ -22,6 +22,7 @@ not placed there (placement's "data" filter sees the same replica records).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -57,7 +58,14 @@ class DataTerms:
         self.index = index
         self._sites = sites
         self._bandwidth = bandwidth
-        self.view = DataView(holders=index.holders, bandwidth=bandwidth)  # for placement
+        self.view = DataView(  # for placement
+            holders=index.holders, bandwidth=bandwidth, keeps=self._keeps
+        )
+
+    def _keeps(self, site: str) -> float:
+        """The bytes `site`'s data store keeps (its spec's data.cache_gb)."""
+        spec = self._sites().specs.get(site)
+        return math.inf if spec is None else spec.data.cache_gb * 1e9
 
     def fields(self, record: JobRecord, site: str) -> DataFields:
         spec = record.spec

@@ -12,6 +12,7 @@ own spec makes placement raise is FAILED. The gangs follow, on the snapshot left
 from __future__ import annotations
 
 import math
+from collections import Counter
 from datetime import UTC, datetime
 
 from broker.leader.gang_placing import place_gangs
@@ -65,6 +66,7 @@ def place(p: Pass) -> None:
     full: dict[tuple[object, ...], pl.Unschedulable] = {}
     ends = _Ends(p)
     waiting: dict[tuple[str, str | None], int] = {}  # what waiters took of a holder's future
+    reading = _Readers(p)  # a staged copy serves the other readers (wait_for_holder)
     for record, rev in fair.order(queues):
         spec = record.spec
         shape = _shape(spec)
@@ -77,6 +79,7 @@ def place(p: Pass) -> None:
                     spec, fed, decision, now=when, usage=used, groups=grouped, ends=ends,
                     queued=lambda site, model: waiting.get((site, model), 0),
                     waited_hours=_waited_hours(record, now),
+                    readers=lambda digest: reading(digest) - 1,  # others: less this job
                 )  # fmt: skip
                 if wait is not None:
                     key = (wait.site, wait.model)
@@ -150,6 +153,27 @@ class _Ends:
                 by_site.setdefault(a.site, []).append((end, a.model, a.gpus, a.cpu))
             self._by_site = by_site
         return self._by_site.get(site, [])
+
+
+class _Readers:
+    """digest -> the live jobs (pending, placed, running or suspended) reading it: the demand a
+    copy at one more site serves, wait_for_holder's `readers` (plus the job asking), counted
+    once per pass on first use (only a pass with a job that stages its inputs pays it)."""
+
+    def __init__(self, p: Pass) -> None:
+        self._p = p
+        self._counts: Counter[str] | None = None
+
+    def __call__(self, digest: str) -> int:
+        if self._counts is None:
+            self._counts = Counter(
+                i.digest
+                for record, _ in self._p.view.jobs.values()
+                if record.spec.inputs and not record.state.terminal
+                for i in record.spec.inputs
+                if i.digest
+            )
+        return self._counts[digest]
 
 
 def _shape(spec: JobSpec) -> tuple[object, ...] | None:

@@ -80,6 +80,8 @@ __all__ = [
     "compute_only",
     "nodes_at",
     "staging_usd",
+    "Readers",
+    "no_readers",
     "wait_for_holder",
     "Wait",
     "Ends",
@@ -275,6 +277,14 @@ def _nobody(site: str, model: str | None) -> int:  # noqa: ARG001 - a Queued wit
     return 0
 
 
+# digest -> how many other jobs waiting to be placed read it (wait_for_holder's `readers`)
+Readers = Callable[[str], int]
+
+
+def no_readers(digest: str) -> int:  # noqa: ARG001 - a Readers with none
+    return 0
+
+
 @dataclass(frozen=True, slots=True)
 class Wait:
     """Wait for `site`, which holds the job's inputs, rather than stage them elsewhere now."""
@@ -298,6 +308,7 @@ def wait_for_holder(
     ends: Ends,
     queued: Queued = _nobody,
     waited_hours: float = 0.0,
+    readers: Readers = no_readers,
 ) -> Wait | None:
     """Whether `job` should wait for a site holding all its inputs rather than take `decision`,
     which stages them (decision.staging_usd > 0).
@@ -315,14 +326,24 @@ def wait_for_holder(
     without an estimate never ends for this, so a holder full of it is never waited for. What
     ends goes first to the jobs that chose earlier in the pass
     to wait there (`queued`; the caller adds each Wait's `amount`), so a queue of waiters sees
-    its real wait, not each the same first freed devices. Pure: `ends` is what runs at a site
-    (the view's assignments in the broker, the running jobs in the simulator)."""
+    its real wait, not each the same first freed devices.
+
+    Staging leaves a copy of the inputs in the decision's site's store, which the other live
+    jobs reading them (`readers`: waiting or running, the demand a copy at one more site
+    serves) then find there, while a wait builds nothing: the staging's price and its transfer
+    time are both taken at this job's share (DataView.copy_share, 1 / (1 + the other readers)
+    by bytes, 1 when the store cannot keep the copy), so hot data gains a copy where cold data
+    waits for its holder (bench/data_placement.py: a hot 2.5 TB dataset's readers waited for
+    its busy holders, each wait cheap, and started later on average than staging it once more
+    would have made them). Pure: `ends` is what runs at a site (the view's assignments in the
+    broker, the running jobs in the simulator)."""
     if not job.inputs or fed.data is None or decision.staging_usd <= 0:
         return None
     terms = fed.data.terms(job, fed)
     if terms is None or terms.missing:
         return None
-    staging_hours = terms.usd_hours(decision.site)[1]
+    share = fed.data.copy_share(job, decision.site, readers)  # of the staging, this job's
+    staging_hours = terms.usd_hours(decision.site)[1] * share
     if now.tzinfo is None:
         now = now.replace(tzinfo=UTC)
     req = request(job, fed, now=now, usage=usage, groups=groups, check_capacity=False)
@@ -351,7 +372,7 @@ def wait_for_holder(
         total = cost + hours * compute / job.duration_hours
         if best is None or total < best.cost_usd:
             best = Wait(sid, hours, total, "", key, need)
-    if best is None or best.cost_usd >= decision.cost_usd:
+    if best is None or best.cost_usd >= decision.cost_usd - decision.staging_usd * (1 - share):
         return None
     reason = (
         f"waits for {best.site}, which holds its inputs (room in about "

@@ -66,14 +66,36 @@ class StageTerms:
         return None if got is None else got[2]
 
 
+def _unbounded(site: str) -> float:  # noqa: ARG001 - a `keeps` without a limit
+    return math.inf
+
+
 @dataclass(frozen=True, slots=True)
 class DataView:
     """What a snapshot knows of the federation's data (Federation.data): which sites hold a
-    manifest complete (digest -> site ids, live: the broker's mirror of the replica records)
-    and the bandwidth of a path."""
+    manifest complete (digest -> site ids, live: the broker's mirror of the replica records),
+    the bandwidth of a path, and the bytes a site's data store keeps before it evicts (its
+    `data.cache_gb`)."""
 
     holders: Callable[[str], frozenset[str]]
     bandwidth: Bandwidth
+    keeps: Callable[[str], float] = _unbounded
+
+    def copy_share(self, job: JobSpec, site: str, readers: Callable[[str], int]) -> float:
+        """The part of staging `job`'s inputs to `site` that `job` bears when the copies it
+        leaves in the site's store serve the other jobs waiting to read them (`readers`:
+        digest -> how many): per input moved, 1 / (1 + its other readers), weighted by bytes;
+        1 when nobody else reads them, or when what is moved is more than the store keeps
+        (the copies would not stay)."""
+        moved = shared = 0.0
+        for item in job.inputs:
+            if item.digest is None or not item.bytes or site in self.holders(item.digest):
+                continue
+            moved += item.bytes
+            shared += item.bytes / (1 + max(0, readers(item.digest)))
+        if moved <= 0 or moved > self.keeps(site):
+            return 1.0
+        return shared / moved
 
     def terms(self, job: JobSpec, fed: Federation) -> StageTerms | None:
         """The job's StageTerms on `fed`; None without resolved inputs."""

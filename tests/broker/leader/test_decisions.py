@@ -411,3 +411,32 @@ def test_a_job_waits_for_its_busy_data_holder_when_the_wait_is_worth_it() -> Non
     assert kinds(decided) == [("place", ("j1",))]
     placed = decided.actions[0].jobs[0].record.placement
     assert placed is not None and placed.site == "a" and "inputs staged from b" in placed.reason
+
+
+def test_hot_data_gains_a_copy_rather_than_a_queue_at_its_holder() -> None:
+    """Five other live jobs read the 2 TB that b holds: a copy staged at a serves them too, so
+    this job bears a sixth of the transfer (0.7 of 4.4 h) and does not wait an hour for b; with
+    no other reader it waits (wait_for_holder's `readers`, counted by the fast path)."""
+    digest = "d" * 64
+    inputs = [{"dataset": "t1/d@1", "path": "/data/d", "digest": digest, "bytes": 2 * 10**12}]
+    data = _Holders({digest: frozenset({"b"})})
+    busy = Assignment(
+        job="other", site="b", tenant="t1", attempt=1, fence=1, command=("x",),
+        model="H100", gpus=16, assigned_at=NOW - 3600, duration_s=2 * 3600,
+    )  # fmt: skip
+    the_job = job("j1", gpu=gpu(16), inputs=inputs)
+    alone = dc.decide(view(snapshot("a", "b"), the_job), NOW, ctx(data=data, written=(busy,)))  # type: ignore[arg-type]
+    assert kinds(alone) == [("unschedulable", ("j1",))]
+    readers = [(running(job(f"r{i}", gpu=gpu(1), inputs=inputs)[0], "b"), 10) for i in range(5)]
+    # a finished reader is no demand: with only finished ones it still waits
+    done = [(r.model_copy(update={"state": JobState.SUCCEEDED}), rev) for r, rev in readers]
+    decided = dc.decide(
+        view(snapshot("a", "b"), the_job, *done), NOW, ctx(data=data, written=(busy,))
+    )  # type: ignore[arg-type]
+    assert kinds(decided) == [("unschedulable", ("j1",))]
+    decided = dc.decide(
+        view(snapshot("a", "b"), the_job, *readers), NOW, ctx(data=data, written=(busy,))
+    )  # type: ignore[arg-type]
+    assert kinds(decided) == [("place", ("j1",))]
+    placed = decided.actions[0].jobs[0].record.placement
+    assert placed is not None and placed.site == "a" and "inputs staged from b" in placed.reason

@@ -167,3 +167,43 @@ def test_waiting_for_a_busy_holder_is_weighed_against_staging() -> None:
         spec(2000 * GB), federation({DIGEST: frozenset({"far"})}), held, now=NOW,
         usage=pl.TenantUsage(), groups=pl.GroupState({}, {}), ends=lambda site: [],
     ) is None  # fmt: skip
+
+
+def test_a_staged_copy_serves_the_other_readers_so_hot_data_is_staged_not_waited_for() -> None:
+    def fed_keeping(keeps: float) -> pl.Federation:
+        view = DataView(
+            holders=lambda d: frozenset({"far"}) if d == DIGEST else frozenset(),
+            bandwidth=lambda s, d: 1000.0,
+            keeps=lambda site: keeps,
+        )
+        busy = dataclasses.replace(offer("far", "eu", 3.0), free_gpus={"H100": 0})
+        return pl.Federation(sites=(busy, offer("near", "east", 2.0)), data=view)
+
+    job = spec(2000 * GB)
+    fed = fed_keeping(math.inf)
+    staged = place(job, fed)
+    assert isinstance(staged, pl.Decision) and staged.site == "near" and staged.staging_usd > 100
+    # far frees its H100 in an hour: alone, the job waits (24 + 24 USD against staging's ~150)
+    in_an_hour = [(NOW.timestamp() + 3600, "H100", 8, 0)]
+
+    def wait(fed: pl.Federation, others: int) -> pl.Wait | None:
+        return pl.wait_for_holder(
+            job, fed, staged, now=NOW, usage=pl.TenantUsage(), groups=pl.GroupState({}, {}),
+            ends=lambda site: in_an_hour if site == "far" else [],
+            readers=lambda digest: others if digest == DIGEST else 0,
+        )  # fmt: skip
+
+    assert wait(fed, 0) is not None
+    # the share of the staging each reader bears: by bytes, 1 / (1 + the others)
+    view = fed.data
+    assert view is not None
+    assert view.copy_share(job, "near", lambda d: 4) == pytest.approx(0.2)
+    assert view.copy_share(job, "far", lambda d: 4) == 1.0  # held there: nothing moved
+    # four other live jobs read it: the copy at near serves them, and a wait of an hour is
+    # longer than this job's fifth of the 4.4 h transfer: it stages
+    assert wait(fed, 4) is None
+    assert wait(fed, 2) is not None  # a third of it (1.5 h) is longer than the wait
+    # ... and when near's store cannot keep 2 TB, the copy would not stay for them: it waits
+    small = fed_keeping(1000 * GB)
+    assert small.data is not None and small.data.copy_share(job, "near", lambda d: 4) == 1.0
+    assert wait(small, 4) is not None
