@@ -29,24 +29,27 @@ def _dask(*args: str, log: Path) -> subprocess.Popen[bytes]:
         )  # fmt: skip
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[str]:
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One cluster for the module's tests (each compares its runs on it with local runs)."""
+    root = tmp_path_factory.mktemp("cluster")
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
     scheduler = _dask(
         "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
-        log=tmp_path / "scheduler.log",
+        log=root / "scheduler.log",
     )  # fmt: skip
     workers = _dask(
         "worker", address, "--nworkers", "2", "--nthreads", "1", "--no-dashboard",
-        "--local-directory", str(tmp_path / "dask"), log=tmp_path / "worker.log",
+        "--local-directory", str(root / "dask"), log=root / "worker.log",
     )  # fmt: skip
     try:
         yield address
     finally:
+        # the workers first, then the scheduler: a worker that sees its scheduler close while
+        # it closes itself can hang until its nanny kills it, 8 s later
         for proc in (workers, scheduler):
             proc.send_signal(signal.SIGTERM)
-        for proc in (workers, scheduler):
             try:
                 proc.wait(20)
             except subprocess.TimeoutExpired:
