@@ -429,6 +429,8 @@ def reason(job: JobSpec, name: str) -> str:
     """A filter in words, with the job's own figures ('lack H100', 'over budget (9.00 USD)')."""
     if name == "region":
         return "region not allowed"
+    if name == "cordoned":
+        return "cordoned or refusing jobs (cpn sites)"
     if name == "data":
         return "cannot get its inputs: no live site holds a complete replica"
     if name == "latency":

@@ -229,7 +229,9 @@ def _offer(
         spec=sites.specs[site_id],
         capacity=None if status is None else status.capacity,
         up=sites.alive(site_id),
-        cordoned=site_id in sites.cordons,
+        # a site whose executor refuses every job (no Slurm to reach, no way to confine a run)
+        # takes none, as if cordoned: placed there, a job would fail and be placed there again
+        cordoned=site_id in sites.cordons or (status is not None and status.refusal is not None),
         held_cpu=h.cpu,
         held_mem_gb=h.mem_gb,
         held_gpus=h.gpus,

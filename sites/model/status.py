@@ -138,6 +138,9 @@ class NodeUsage(Frozen):
     free_mem_gb: float = Field(ge=0)
 
 
+REFUSING = "refusing jobs"  # how an executor's confinement line says it runs nothing
+
+
 class SiteStatus(Frozen):
     site: str
     instance: str
@@ -156,6 +159,13 @@ class SiteStatus(Frozen):
     confinement: str = Field(
         default="", description="how the site confines tenants' runs (sites.executors.confinement)"
     )
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the site runs no job, when its executor says so (its confinement line starts
+        `refusing jobs`: a scheduler it cannot reach, tenants' runs it cannot confine); None
+        when it runs jobs. Placement treats such a site as cordoned (broker.state.view)."""
+        return self.confinement if self.confinement.startswith(REFUSING) else None
 
 
 class LinkStatus(Frozen):

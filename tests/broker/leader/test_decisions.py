@@ -440,3 +440,22 @@ def test_hot_data_gains_a_copy_rather_than_a_queue_at_its_holder() -> None:
     assert kinds(decided) == [("place", ("j1",))]
     placed = decided.actions[0].jobs[0].record.placement
     assert placed is not None and placed.site == "a" and "inputs staged from b" in placed.reason
+
+
+def test_a_site_whose_executor_refuses_jobs_is_not_placed_on() -> None:
+    """qingyang after `make test` (Slurm's client installed, no slurm.conf): the agent runs and
+    says `refusing jobs: ...` in its status; placing there would fail the job and place it
+    there again, so placement passes the site by as if it were cordoned."""
+    snap = snapshot("a", "b")  # a is the cheaper
+    refusing = "refusing jobs: slurm executor: no Slurm configuration at /etc/slurm/slurm.conf"
+    snap.statuses["a"] = snap.statuses["a"].model_copy(update={"confinement": refusing})
+    assert snap.statuses["a"].refusal == refusing and snap.statuses["b"].refusal is None
+    decided = dc.decide(view(snap, job("j1", gpu=gpu(1))), NOW, ctx())
+    assert kinds(decided) == [("place", ("j1",))]
+    placed = decided.actions[0].jobs[0].record.placement
+    assert placed is not None and placed.site == "b"
+    only = snapshot("a")
+    only.statuses["a"] = only.statuses["a"].model_copy(update={"confinement": refusing})
+    decided = dc.decide(view(only, job("j2", gpu=gpu(1))), NOW, ctx())
+    assert kinds(decided) == [("unschedulable", ("j2",))]
+    assert "cordoned" in (decided.actions[0].jobs[0].record.unschedulable or "")

@@ -271,7 +271,8 @@ def test_cordoned() -> None:
     fed = Federation(sites=(offer("a", cordoned=True), offer("b")))
     assert placed(run(job(), fed)).site == "b"
     r = refused(run(job(), Federation(sites=fed.sites[:1])))
-    assert (r.reasons, r.message) == ({"cordoned": ["a"]}, "0/1 sites: 1 cordoned")
+    message = "0/1 sites: 1 cordoned or refusing jobs (cpn sites)"
+    assert (r.reasons, r.message) == ({"cordoned": ["a"]}, message)
 
 
 def test_region_allowed_and_denied() -> None:

@@ -210,7 +210,7 @@ def test_each_filter_gives_its_name_and_reason_per_site() -> None:
     got = {v.site: v for v in _verdicts(spec, fed)}
     expect = {
         "down": ("down", "down"),
-        "cordoned": ("cordoned", "cordoned"),
+        "cordoned": ("cordoned", "cordoned or refusing jobs (cpn sites)"),
         "denied": ("region", "region not allowed"),
         "far": ("latency", "exceed max_latency_ms (10 ms)"),
         "l40s": ("model", "lack H100"),

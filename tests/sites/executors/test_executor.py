@@ -384,7 +384,8 @@ async def test_slurm_site_whose_controller_does_not_answer_runs_without_it(
     tmp_path: Path,
 ) -> None:
     """The client commands installed (`make test` installs them), but no cluster: the agent
-    runs as if Slurm were absent (the demo's Slurm site after `make test`), it does not exit."""
+    runs as if Slurm were absent (the demo's Slurm site after `make test`), it does not exit,
+    and its status says it refuses jobs, so that no broker places one there."""
     import shutil
 
     if shutil.which("sinfo") is None:
@@ -409,6 +410,13 @@ async def test_slurm_site_whose_controller_does_not_answer_runs_without_it(
             "--probe-method", "http", name=f"agent-{site}",
         )  # fmt: skip
         await wait_for(lambda s=site, p=proc: _agent_up(registry, s, p.pid), timeout=40)
+
+        # its status says so: placement passes it by (broker.state.view), `cpn sites` shows it
+        async def refusal(s: str = site) -> str | None:
+            status = (await registry.snapshot()).statuses.get(s)
+            return None if status is None else status.refusal
+
+        assert reason in await wait_for(refusal, timeout=10)
         await assign(registry, assignment(site, "sim", ["true"]))
         report = await wait_report(registry, site, "sim", RunState.failed)
         assert report.message.startswith(reason), report.message
