@@ -11,6 +11,7 @@ own spec makes placement raise is FAILED. The gangs follow, on the snapshot left
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from datetime import UTC, datetime
@@ -73,6 +74,8 @@ def place(p: Pass) -> None:
         try:
             known = full.get(shape) if shape is not None else None
             decision = known or pl.place(spec, fed, now=when, usage=used, groups=grouped)
+            if record.failed_to_start_at and isinstance(decision, pl.Decision):
+                decision = _elsewhere(record, decision, fed, when, used, grouped)
             if isinstance(decision, pl.Decision) and decision.staging_usd > 0:
                 # a busy site holding its inputs may be worth the wait (wait_for_holder)
                 wait = pl.wait_for_holder(
@@ -120,6 +123,32 @@ def place(p: Pass) -> None:
 
 
 WAITS = "waits for "  # the start of wait_for_holder's reasons
+
+
+def _elsewhere(
+    record: JobRecord,
+    decision: pl.Decision,
+    fed: pl.Federation,
+    when: datetime,
+    used: pl.TenantUsage,
+    grouped: pl.GroupState,
+) -> pl.Decision:
+    """`decision`, or, when its site is one where an attempt of the job failed before it
+    started (a site whose executor refused it), the best placement on the other sites, if one
+    fits: a retry goes elsewhere rather than to the same refusal."""
+    avoid = set(record.failed_to_start_at)
+    if decision.site not in avoid:
+        return decision
+    by_id = {site.id: site for site in fed.sites if site.id in avoid}
+    for site in by_id.values():
+        fed = fed.with_offer(dataclasses.replace(site, cordoned=True))
+    other = pl.place(record.spec, fed, now=when, usage=used, groups=grouped)
+    if not isinstance(other, pl.Decision):
+        return decision  # nowhere else fits: the same site again, after the retry's backoff
+    return dataclasses.replace(
+        other,
+        reason=f"{other.reason}; not {decision.site}, where an attempt failed before it started",
+    )
 
 
 def _waited_hours(record: JobRecord, now: float) -> float:

@@ -20,7 +20,7 @@ from datetime import UTC, datetime
 from broker.leader.pass_core import Action, ActionKind, JobWrite, Pass, run_keys
 from broker.leader.workflow_steps import WorkflowSteps
 from broker.model.data_outbox import DataOutbox
-from broker.model.jobs import Event, JobRecord, JobState
+from broker.model.jobs import MAX_START_FAILED_SITES, Event, JobRecord, JobState
 from broker.model.lifecycle import retry_backoff_s
 from broker.ops.gangs import gang_key
 from broker.ops.usage_segments import EndReason, egress_puts
@@ -153,6 +153,12 @@ def _report(
     if report.message:
         why += f": {report.message}"
     new = retry_or_fail(p, record, why, site, exit_code=report.exit_code)
+    if report.state is RunState.failed and report.started_at is None:
+        # it never started there (the site's executor refused it): the retry goes elsewhere
+        # when another site fits (broker.leader.fast_path)
+        before = tuple(s for s in new.failed_to_start_at if s != site)
+        marked = (*before, site)[-MAX_START_FAILED_SITES:]
+        new = new.model_copy(update={"failed_to_start_at": marked})
     ended = EndReason.failed if report.state is RunState.failed else EndReason.stopped
     if report.reason == EndReason.out_of_memory:
         ended = EndReason.out_of_memory

@@ -550,6 +550,9 @@ class ReplicaOf(Frozen):
     serve: Serve
 
 
+MAX_START_FAILED_SITES = 8  # JobRecord.failed_to_start_at keeps the latest this many
+
+
 class JobRecord(Frozen):
     id: str
     spec: JobSpec
@@ -582,6 +585,12 @@ class JobRecord(Frozen):
     )
     staging: StagingProgress | None = Field(
         default=None, description="while its inputs or checkpoint are pulled to its site"
+    )
+    failed_to_start_at: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_START_FAILED_SITES,
+        description="the sites where one of its attempts failed before it started, the latest "
+        "last: its retries go elsewhere when another site fits (broker.leader.fast_path)",
     )
 
     def with_event(self, event: Event, **changes: object) -> JobRecord:

@@ -459,3 +459,31 @@ def test_a_site_whose_executor_refuses_jobs_is_not_placed_on() -> None:
     decided = dc.decide(view(only, job("j2", gpu=gpu(1))), NOW, ctx())
     assert kinds(decided) == [("unschedulable", ("j2",))]
     assert "cordoned" in (decided.actions[0].jobs[0].record.unschedulable or "")
+
+
+def test_a_retry_goes_elsewhere_than_where_its_attempt_failed_before_starting() -> None:
+    """An attempt that failed before it started (the site's executor refused it: no Slurm, a
+    run that does not fit) marks the site on the record; the retry is placed on another site
+    that fits, and on the same one again only when none does."""
+    record, rev = job("j1", gpu=gpu(), max_retries=3)
+    refused = Report(
+        job="j1", site="a", attempt=1, fence=5, state=RunState.failed, updated_at=NOW,
+        message="slurm executor: no Slurm configuration at /etc/slurm/slurm.conf",
+    )  # fmt: skip
+    v = view(snapshot("a", "b"), (running(record, "a"), rev), reports={("a", "j1"): (refused, 4)})
+    new = dc.decide(v, NOW, ctx()).actions[0].jobs[0].record
+    assert new.state is JobState.PENDING and new.failed_to_start_at == ("a",)
+    # a run that started and then failed marks nothing
+    ran = refused.model_copy(update={"started_at": NOW - 60, "exit_code": 1})
+    v = view(snapshot("a", "b"), (running(record, "a"), rev), reports={("a", "j1"): (ran, 4)})
+    assert dc.decide(v, NOW, ctx()).actions[0].jobs[0].record.failed_to_start_at == ()
+    # the retry: a is the cheaper, but b is chosen, and the reason says why
+    retry = new.model_copy(update={"not_before": 0.0})
+    decided = dc.decide(view(snapshot("a", "b"), (retry, 12)), NOW, ctx())
+    placed = decided.actions[0].jobs[0].record.placement
+    assert placed is not None and placed.site == "b"
+    assert placed.reason.endswith("not a, where an attempt failed before it started")
+    # with a alone, a again (after the retry's backoff)
+    decided = dc.decide(view(snapshot("a"), (retry, 12)), NOW, ctx())
+    placed = decided.actions[0].jobs[0].record.placement
+    assert placed is not None and placed.site == "a"
