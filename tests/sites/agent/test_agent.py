@@ -14,6 +14,8 @@ import pytest
 
 from sites.emulation.etcd_server import EmbeddedEtcd, find_binary
 from sites.model import keys
+from sites.model.catalog import DeviceCatalog
+from sites.model.config import load_sites
 from sites.model.spec import SiteSpec
 from sites.model.status import (
     AgentRecord,
@@ -54,8 +56,10 @@ async def start_agent(
 
 
 async def join(registry: Registry, *files: Path) -> None:
-    result = run_cpn("site", "join", *map(str, files), etcd_url=registry.url)
-    assert result.returncode == 0, result.stderr
+    """What `cpn site join` does on an etcd without auth (tests/sites/model/test_config.py runs
+    the command), in 0.01 s instead of a CLI start's 1 to 2."""
+    for spec in load_sites(list(files), DeviceCatalog.load(None)):
+        await registry.join(spec)
 
 
 async def test_killed_agent_goes_down_within_ttl(
