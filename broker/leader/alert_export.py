@@ -3,7 +3,8 @@
 `prometheus_rules(settings)` writes the same rules, thresholds and for-durations as the
 broker evaluates (broker.model.alert_rules), in PromQL over the metrics the broker and the agents
 export. Rules whose inputs are exported as metrics (site up, link loss and RTT, per-site
-capacity and use) are native PromQL; the rest (quota, budget, pending jobs, service SLOs) read
+capacity and use) are native PromQL; the rest (a site refusing jobs, quota, budget, pending
+jobs, service SLOs) read
 the leader's own verdict, `cpn_alerts_firing`, which every replica exports. The metric names
 are in METRICS, the one place; tests/broker/leader/test_alert_export.py checks each against what the
 broker's and an agent's registries really export, and `promtool check rules` the output.
@@ -121,6 +122,8 @@ def prometheus_rules(settings: AlertSettings) -> dict[str, Any]:
                 )
             )
     verdicts = (
+        (Rule.site_refusing, s.site_refusing.enabled,
+         "site {{ $labels.site }} takes no job: its executor refuses them"),
         (Rule.quota_high, s.quota.enabled, "tenant {{ $labels.tenant }} near its GPU quota"),
         (Rule.budget_exceeded, s.budget.enabled and bool(s.budget.monthly_usd),
          "tenant {{ $labels.tenant }} over its monthly budget"),

@@ -10,6 +10,8 @@ in sites + links + endpoints + unfinished jobs, nothing else (docs/alerts.md has
 The rules (docs/alerts.md has the long form):
 
     site_down         a joined, uncordoned site whose agent holds no lease
+    site_refusing     a live, uncordoned site whose executor refuses every job (its status:
+                      no Slurm to reach, no way to confine runs); placement passes it by
     link_loss         a probed link losing more than loss_ratio of its probes
     link_rtt          a link's RTT over rtt_factor x its baseline (and rtt_min_excess_ms more)
     utilization_high  a site's accelerators, cores or memory in use over a threshold
@@ -53,6 +55,7 @@ __all__ = [
 
 class Rule(enum.StrEnum):
     site_down = "site_down"
+    site_refusing = "site_refusing"
     link_loss = "link_loss"
     link_rtt = "link_rtt"
     utilization_high = "utilization_high"
@@ -75,6 +78,14 @@ class SiteDownRule(_Frozen):
         default=60.0, ge=0, description="down this long before it fires: longer than a restart"
     )
     severity: Severity = "critical"
+
+
+class SiteRefusingRule(_Frozen):
+    enabled: bool = True
+    for_s: Duration = Field(
+        default=60.0, ge=0, description="refusing this long before it fires (an agent's start)"
+    )
+    severity: Severity = "warning"
 
 
 class LinkRule(_Frozen):
@@ -223,6 +234,7 @@ class AlertSettings(_Frozen):
     webhooks: tuple[Webhook, ...] = ()
     delivery: DeliverySettings = DeliverySettings()
     site_down: SiteDownRule = SiteDownRule()
+    site_refusing: SiteRefusingRule = SiteRefusingRule()
     link: LinkRule = LinkRule()
     utilization: UtilizationRule = UtilizationRule()
     quota: QuotaRule = QuotaRule()
@@ -248,6 +260,7 @@ class AlertSettings(_Frozen):
     def rule(self, rule: Rule) -> RuleSettings:
         table: dict[Rule, RuleSettings] = {
             Rule.site_down: self.site_down,
+            Rule.site_refusing: self.site_refusing,
             Rule.link_loss: self.link,
             Rule.link_rtt: self.link,
             Rule.utilization_high: self.utilization,
@@ -260,7 +273,14 @@ class AlertSettings(_Frozen):
 
 
 RuleSettings = (
-    SiteDownRule | LinkRule | UtilizationRule | QuotaRule | BudgetRule | PendingRule | SloRule
+    SiteDownRule
+    | SiteRefusingRule
+    | LinkRule
+    | UtilizationRule
+    | QuotaRule
+    | BudgetRule
+    | PendingRule
+    | SloRule
 )
 
 
@@ -386,6 +406,8 @@ def evaluate(
     found: list[Finding] = []
     if settings.site_down.enabled:
         found += site_down(inputs.sites)
+    if settings.site_refusing.enabled:
+        found += site_refusing(inputs.sites)
     if settings.link.enabled:
         found += links(inputs.sites, settings.link, baselines or {}, inputs.now)
     if settings.utilization.enabled:
@@ -417,6 +439,22 @@ def site_down(sites: Snapshot) -> Iterable[Finding]:
             (site,),
             {"site": site, "region": spec.region},
             f"site {site} ({spec.region}) is down: no agent holds its lease ({when})",
+            1.0,
+        )
+
+
+def site_refusing(sites: Snapshot) -> Iterable[Finding]:
+    for site, status in sites.statuses.items():
+        refusal = status.refusal
+        if refusal is None or site in sites.cordons or not sites.alive(site):
+            continue
+        spec = sites.specs.get(site)
+        region = spec.region if spec is not None else ""
+        yield Finding(
+            Rule.site_refusing,
+            (site,),
+            {"site": site, "region": region},
+            f"site {site} ({region}) takes no job: {refusal}",
             1.0,
         )
 

@@ -65,6 +65,22 @@ def test_site_down_fires_for_a_joined_uncordoned_site_without_its_agent() -> Non
     assert rules(AlertInputs(now=NOW, sites=snap), off) == set()
 
 
+def test_site_refusing_fires_for_a_live_uncordoned_site_that_takes_no_job() -> None:
+    snap = snapshot("a", "b", "c", down=("d",))
+    why = "refusing jobs: slurm executor: no Slurm configuration at /etc/slurm/slurm.conf"
+    for site in ("b", "c"):
+        snap.statuses[site] = snap.statuses[site].model_copy(update={"confinement": why})
+    snap.cordons["c"] = Cordon(since=0.0)  # drained by its operator: it says nothing more
+    found = evaluate(AlertInputs(now=NOW, sites=snap), ON)
+    assert set(found) == {"site_down/d", "site_refusing/b"}
+    assert found["site_refusing/b"].summary == f"site b (east) takes no job: {why}"
+    assert ON.severity(Rule.site_refusing) == "warning" and ON.for_s(Rule.site_refusing) == 60
+    off = ON.model_copy(
+        update={"site_refusing": ON.site_refusing.model_copy(update={"enabled": False})}
+    )
+    assert rules(AlertInputs(now=NOW, sites=snap), off) == {"site_down/d"}
+
+
 def test_link_loss_and_rtt_over_its_baseline() -> None:
     snap = snapshot("a", "b")
     snap.links[("a", "b")] = link("a", "b", 10.0, loss_pct=20.0)
