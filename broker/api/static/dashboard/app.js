@@ -239,8 +239,13 @@ class Dashboard {
     const rows = shown.map((s) => {
       const u = usage(s);
       const cell = (k, unit) => el("td", {}, u ? bar(u[k][0], u[k][1], unit ? `${num(u[k][0])}/${num(u[k][1])} ${unit}` : undefined) : "-");
+      // a site whose executor refuses every job (its confinement line says so) takes none
+      const refusing = s.state === "up" && (s.confinement || "").startsWith("refusing jobs");
+      const state = refusing
+        ? el("td", { class: "cordoned", title: s.confinement }, "refusing jobs")
+        : el("td", { class: s.state }, s.state);
       return el("tr", { "data-site": s.id, "data-state": s.state },
-        el("td", {}, s.id), el("td", {}, s.region), el("td", { class: s.state }, s.state),
+        el("td", {}, s.id), el("td", {}, s.region), state,
         cell("gpu"), cell("cpu"), cell("mem", "GB"), cell("accel", "GB"),
         el("td", {}, ago(s.last_seen_ago_s)));
     });
