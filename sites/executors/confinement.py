@@ -141,6 +141,10 @@ class Confiner:
         """Decide what this host allows; returns the one line the agent logs."""
         self.checked = True
         s = self.settings
+        unwritable = self._work_dir_unwritable()
+        if unwritable is not None:
+            self.refusal = unwritable
+            return self.summary
         if s.sandbox is not SandboxKind.none:
             why = self._probe_bwrap()
             if why is None:
@@ -174,6 +178,20 @@ class Confiner:
         else:
             self.limits_note = "NO limits (limits: false)"
         return self.summary
+
+    def _work_dir_unwritable(self) -> str | None:
+        """Why no run could be given a directory here (the work dir not creatable or not
+        writable: a full or read-only disk, a wrong owner), None when one can."""
+        jobs = self.work_dir / "jobs"
+        probe = jobs / f".probe-{os.getpid()}"
+        try:
+            jobs.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            why = exc.strerror or str(exc)
+            return f"work dir {self.work_dir} is not writable ({why}); this site refuses jobs"
+        return None
 
     def _probe_bwrap(self) -> str | None:
         bwrap = find_bwrap()

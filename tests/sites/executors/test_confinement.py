@@ -335,6 +335,21 @@ async def test_a_site_without_a_sandbox_refuses_or_runs_unsandboxed(
     assert ended.ok and int(uid) not in (0, os.getuid()) and home.endswith("/work"), out
 
 
+@pytest.mark.e2e  # the good site's check probes bwrap
+async def test_a_work_dir_no_run_can_use_makes_the_site_refuse_jobs(tmp_path: Path) -> None:
+    """A broken work dir (here a file where its directory should be; a read-only or full disk
+    alike) would fail every run at start: the site says it refuses jobs instead, and placement
+    passes it by (sites.model.status.SiteStatus.refusal)."""
+    (tmp_path / "sites").write_text("not a directory")
+    broken = make_executor(tmp_path)
+    line = broken.confinement()
+    assert line.startswith("refusing jobs: work dir ") and "not writable" in line, line
+    with pytest.raises(ExecutorError, match="refuses jobs"):
+        await broken.start(assignment("w", ["/bin/true"]), (), tmp_path / "w.log")
+    fine = make_executor(tmp_path / "ok")
+    assert not fine.confinement().startswith("refusing"), fine.confinement()
+
+
 # -- identity ----------------------------------------------------------------------------------
 
 
