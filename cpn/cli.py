@@ -18,22 +18,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from cpn import (
-    certs_cli,
-    data_cli,
-    job_cli,
-    load_cli,
-    serve_cli,
-    service_cli,
-    site_cli,
-    tenant_cli,
-    token_cli,
-    up_cli,
-    usage_cli,
-)
 from cpn.certs import PkiError
 from cpn.cli_base import CliParser, UsageError, broker_arg, etcd_arg
 from cpn.client import ApiError
@@ -70,23 +57,48 @@ def cmd_plan(args: argparse.Namespace) -> int:
 # -- parser --------------------------------------------------------------------------------
 
 
-def build_parser() -> argparse.ArgumentParser:
+# The command groups, in the order `cpn --help` lists them: (module in cpn, its function that
+# adds the group's parsers, what that function takes besides add_parser).
+GROUPS: tuple[tuple[str, str, tuple[Callable[..., Any], ...]], ...] = (
+    ("up_cli", "add_parsers", (etcd_arg,)),
+    ("site_cli", "add_parsers", (etcd_arg,)),
+    ("certs_cli", "add_parsers", ()),
+    ("serve_cli", "add_parsers", (etcd_arg,)),
+    ("job_cli", "add_parsers", (broker_arg,)),
+    ("data_cli", "add_parsers", (broker_arg,)),
+    ("token_cli", "add_parsers", (broker_arg,)),
+    ("usage_cli", "add_parsers", (broker_arg,)),
+    ("tenant_cli", "add_parsers", (broker_arg,)),
+    ("service_cli", "add_parsers", (broker_arg,)),
+    ("load_cli", "add_parsers", (broker_arg,)),
+    ("token_cli", "add_whoami", (broker_arg,)),
+)
+# command (or alias) -> its group's module: a command's run imports its group alone (every
+# group's imports together took about a second of each `cpn` process's start).
+# tests/cpn/test_cli.py keeps it equal to what the groups define.
+COMMANDS: dict[str, str] = {
+    "up": "up_cli", "sites": "site_cli", "site": "site_cli", "certs": "certs_cli",
+    "etcd": "certs_cli", "agent": "serve_cli", "broker": "serve_cli", "submit": "job_cli",
+    "jobs": "job_cli", "describe": "job_cli", "workflow": "job_cli", "cancel": "job_cli",
+    "suspend": "job_cli", "resume": "job_cli", "logs": "job_cli", "data": "data_cli",
+    "token": "token_cli", "audit": "token_cli", "usage": "usage_cli", "alerts": "usage_cli",
+    "tenants": "tenant_cli", "tenant": "tenant_cli", "services": "service_cli",
+    "service": "service_cli", "load": "load_cli", "whoami": "token_cli",
+}  # fmt: skip
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; with a known `command`, only its group's parsers (its module alone
+    imported)."""
     parser = CliParser(prog="cpn", description="cross-region computing-power network")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
-    # in the order `cpn --help` lists them
-    up_cli.add_parsers(sub.add_parser, etcd_arg)
-    site_cli.add_parsers(sub.add_parser, etcd_arg)
-    certs_cli.add_parsers(sub.add_parser)
-    serve_cli.add_parsers(sub.add_parser, etcd_arg)
-    job_cli.add_parsers(sub.add_parser, broker_arg)
-    data_cli.add_parsers(sub.add_parser, broker_arg)
-    token_cli.add_parsers(sub.add_parser, broker_arg)
-    usage_cli.add_parsers(sub.add_parser, broker_arg)
-    tenant_cli.add_parsers(sub.add_parser, broker_arg)
-    service_cli.add_parsers(sub.add_parser, broker_arg)
-    load_cli.add_parsers(sub.add_parser, broker_arg)
-    token_cli.add_whoami(sub.add_parser, broker_arg)
+    only = COMMANDS.get(command) if command is not None else None
+    for module, adder, extra in GROUPS:
+        if only is None or module == only:
+            getattr(importlib.import_module(f"cpn.{module}"), adder)(sub.add_parser, *extra)
+    if only is not None:
+        return parser
 
     plan = sub.add_parser(
         "plan", help="solve a placement problem offline (docs/placement.md)", add_help=False
@@ -124,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         command = getattr(importlib.import_module(module), name)
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
         return int(command(argv[1:]))
-    args = build_parser().parse_args(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING - 10 * min(args.verbose, 2) if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
