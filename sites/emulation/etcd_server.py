@@ -350,16 +350,24 @@ class EtcdCluster:
         return None
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """The followers, then the leader: a leader told to stop while its followers stop too
+        tries to hand its leadership over and gives up only after about 7 s; stopped last,
+        alone, it exits at once (about 1 s in all)."""
+        leader = self.leader()
         running, self.processes = self.processes, [None] * len(self.names)
-        for proc in running:
-            if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in running:
-            if proc is not None:
-                try:
-                    proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        last = [running[leader]] if leader is not None else []
+        first = [p for i, p in enumerate(running) if i != leader]
+        for group in (first, last):
+            for proc in group:
+                if proc is not None and proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in group:
+                if proc is not None:
+                    try:
+                        proc.wait(timeout_s)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
         if self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
