@@ -3,10 +3,11 @@
 Every endpoint is one `Operation`: its aiohttp method and path, its handler, and what the
 document says about it (parameters, body, replies). `register(app, op)` adds the route and
 records the operation in `app[OPERATIONS]`, and `/openapi.json` is `document(app[OPERATIONS])`,
-so a route cannot be served without its spec. Body and reply schemas come from the pydantic
-models (`models_json_schema`, every `$defs` entry lifted into `components.schemas`); a body
-model is described in validation mode (what the broker accepts), a reply model in
-serialization mode (what it sends).
+so a route cannot be served without its spec, and what the spec says of its query parameters
+holds: each is one value (a repeated one is a 400 naming it). Body and reply schemas come from
+the pydantic models (`models_json_schema`, every `$defs` entry lifted into
+`components.schemas`); a body model is described in validation mode (what the broker
+accepts), a reply model in serialization mode (what it sends).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode, models_json_schema
 
+from broker.model.errors import InvalidRequest
+
 __all__ = [
     "ANY_METHODS",
     "ERROR_SCHEMA",
@@ -32,6 +35,7 @@ __all__ = [
     "Reply",
     "document",
     "register",
+    "single_query_values",
     "spec_path",
 ]
 
@@ -164,8 +168,27 @@ OPERATIONS = web.AppKey("operations", list[Operation])
 
 def register(app: web.Application, op: Operation) -> None:
     """Serve `op` on `app` and list it in the app's OpenAPI document."""
-    app.router.add_route(op.method, op.path, op.handler)
+    app.router.add_route(op.method, op.path, single_query_values(op))
     app.setdefault(OPERATIONS, []).append(op)
+
+
+def single_query_values(op: Operation) -> Handler:
+    """`op`'s handler, refusing a query parameter given twice: the document says one value
+    (no parameter is an array), and which of two a handler read would be an accident."""
+    names = tuple(p.name for p in op.params if p.where == "query")
+    handler = op.handler
+    if not names:
+        return handler
+
+    async def checked(request: web.Request) -> web.StreamResponse:
+        query = request.query
+        if len(query) > 1:
+            for name in names:
+                if len(query.getall(name, ())) > 1:
+                    raise InvalidRequest(f"{name} is given more than once", field=name)
+        return await handler(request)
+
+    return checked
 
 
 def spec_path(path: str) -> str:
