@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from broker.api.bodies import page_response, query_limit, read_model
 from broker.api.openapi import OPERATIONS, Many, Operation, Param, Reply, spec_path
@@ -376,13 +376,38 @@ def secured(doc: dict[str, Any], operations: list[Operation]) -> dict[str, Any]:
 # -- tokens and audit endpoints ----------------------------------------------------------------
 
 
+def _role_and_tenant() -> dict[str, Any]:
+    """A token request's role decides whether it names a tenant (TokenRecord's own check)."""
+    roles = {
+        "without": [r.value for r in Role if r.tenantless],
+        "with": [r.value for r in Role if r.needs_tenant],
+        "either": [r.value for r in Role if not r.tenantless and not r.needs_tenant],
+    }
+    return {
+        "anyOf": [
+            {"properties": {"role": {"enum": roles["without"]}, "tenant": {"type": "null"}}},
+            {
+                "properties": {"role": {"enum": roles["with"]}, "tenant": {"type": "string"}},
+                "required": ["tenant"],
+            },
+            {"properties": {"role": {"enum": roles["either"]}}},
+        ]
+    }
+
+
 class TokenRequest(BaseModel):
     """The body of POST /v1/tokens."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", json_schema_extra=_role_and_tenant())
 
     role: Role
-    tenant: str | None = Field(default=None, pattern=NAME_RE)
+    tenant: str | None = Field(
+        default=None,
+        pattern=NAME_RE,
+        validate_default=True,
+        description="required for tenant-admin and tenant-user tokens; none for admin and "
+        "operator ones",
+    )
     ttl_s: Duration | None = Field(
         default=None, description="lifetime: seconds or '30d', '12h'; none: until revoked"
     )
@@ -391,6 +416,18 @@ class TokenRequest(BaseModel):
         default=None,
         description="the token's own inference limits, on top of its tenant's (docs/auth.md)",
     )
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, tenant: str | None, info: ValidationInfo) -> str | None:
+        # a field validator, not a model one, so that the error names tenant
+        role = info.data.get("role")
+        if isinstance(role, Role):
+            if role.needs_tenant and tenant is None:
+                raise ValueError(f"a {role.value} token names its tenant")
+            if role.tenantless and tenant is not None:
+                raise ValueError(f"an {role.value} token is not a tenant's")
+        return tenant
 
 
 class TokenCreated(BaseModel):

@@ -83,6 +83,11 @@ class Role(enum.StrEnum):
     def needs_tenant(self) -> bool:
         return self in (Role.tenant_admin, Role.tenant_user)
 
+    @property
+    def tenantless(self) -> bool:
+        """Whether a token of this role may not name a tenant (the federation's own)."""
+        return self in (Role.admin, Role.operator)
+
 
 class Permission(enum.StrEnum):
     public = "public"  # no token needed (/healthz, /openapi.json)
@@ -174,7 +179,7 @@ class TokenRecord(BaseModel):
     def _tenant(self) -> TokenRecord:
         if self.role.needs_tenant and self.tenant is None:
             raise ValueError(f"a {self.role.value} token names its tenant")
-        if self.role in (Role.admin, Role.operator) and self.tenant is not None:
+        if self.role.tenantless and self.tenant is not None:
             raise ValueError(f"an {self.role.value} token is not a tenant's")
         return self
 

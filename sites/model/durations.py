@@ -10,9 +10,9 @@ import math
 import re
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, Field
 
-__all__ = ["Duration", "parse_duration_s"]
+__all__ = ["DURATION_PATTERN", "Duration", "parse_duration_s"]
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
 _UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
@@ -37,4 +37,8 @@ def parse_duration_s(value: Any) -> float:
     return seconds
 
 
-Duration = Annotated[float, BeforeValidator(parse_duration_s)]
+DURATION_PATTERN = r"^\s*([0-9]+(\.[0-9]+)? *[dhmsDHMS] *)+\s*$"
+"""What parse_duration_s reads from a string, for JSON Schema (a space inside a number, which it
+also reads, left out)."""
+DurationInput = Annotated[float, Field(ge=0)] | Annotated[str, Field(pattern=DURATION_PATTERN)]
+Duration = Annotated[float, BeforeValidator(parse_duration_s, json_schema_input_type=DurationInput)]
