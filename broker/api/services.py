@@ -24,6 +24,11 @@ __all__ = ["service_operations"]
 DEFAULT_LIMIT = 100
 MAX_LIMIT = 1000
 _NAME = Param("name", "path", "the service's name", {"type": "string", "pattern": NAME_RE})
+# JSON Schema has no way to tie a body field to a path parameter: the document says it in words
+_APPLY_NAME = Param(
+    "name", "path", "the service's name: the body's `name` must be the same (else a 400 naming "
+    "`name`)", {"type": "string", "pattern": NAME_RE},
+)  # fmt: skip
 
 
 def _services(request: web.Request) -> Services:
@@ -91,7 +96,7 @@ def service_operations() -> list[Operation]:
         Operation(
             "PUT", "/v1/services/{name}", apply,
             "Create or update a managed inference service from its spec", "apply_service",
-            params=(_NAME,), body=ServiceSpec,
+            params=(_APPLY_NAME,), body=ServiceSpec,
             replies={
                 200: Reply("updated (or unchanged)", ServiceView),
                 201: Reply("created: its replicas follow", ServiceView),

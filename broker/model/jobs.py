@@ -24,6 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 
 from broker.model.errors import IllegalTransition
 from sites.model.assignments import NodeShare, Serve
@@ -41,6 +42,9 @@ NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 Name = Annotated[str, Field(pattern=NAME_RE)]
 MAX_EVENTS = 100
 ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
+RESERVED_ENV = "CPN_"  # cpn sets these itself
+ENV_NAMES_SCHEMA: JsonDict = {"pattern": ENV_NAME_RE, "not": {"pattern": f"^{RESERVED_ENV}"}}
+"""What check_env allows as a name, for JSON Schema's propertyNames."""
 # what `command` accepts: a shell string (split by shlex) or the argument list itself
 CommandInput = Annotated[str, Field(pattern=r"\S")] | Annotated[list[str], Field(min_length=1)]
 
@@ -60,7 +64,7 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
     for key in env:
         if not re.fullmatch(ENV_NAME_RE, key):
             raise ValueError(f"{key!r} is not a valid environment variable name")
-        if key.startswith("CPN_"):
+        if key.startswith(RESERVED_ENV):
             raise ValueError(f"{key!r}: CPN_ variables are set by cpn")
     return env
 
@@ -323,7 +327,7 @@ class JobSpec(TenantInput):
     budget_usd: float | None = Field(default=None, gt=0)
     command: tuple[str, ...] = Field(min_length=1)
     env: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_RE}}
+        default_factory=dict, json_schema_extra={"propertyNames": ENV_NAMES_SCHEMA}
     )
     checkpoint_path: str | None = Field(
         default=None,

@@ -37,7 +37,7 @@ from typing import Annotated
 from pydantic import Field, ValidationInfo, field_validator
 
 from broker.model.jobs import (
-    ENV_NAME_RE,
+    ENV_NAMES_SCHEMA,
     CommandInput,
     Frozen,
     GpuRequest,
@@ -137,7 +137,7 @@ class ServiceSpec(TenantInput):
         description="the model server; it must listen on $CPN_PORT (also given as {port})",
     )
     env: dict[str, str] = Field(
-        default_factory=dict, json_schema_extra={"propertyNames": {"pattern": ENV_NAME_RE}}
+        default_factory=dict, json_schema_extra={"propertyNames": ENV_NAMES_SCHEMA}
     )
     port: int | None = Field(
         default=None, ge=1, le=65_535, description="a fixed port; default: the agent picks one"
