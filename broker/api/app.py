@@ -22,6 +22,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.config import JsonDict
 
 from broker.api.access import (
     AUTH,
@@ -65,6 +66,7 @@ from broker.state.router import Router, route_json
 from broker.state.view import View
 from routing.gateway.openai import error_body as openai_error_body
 from routing.gateway.prefix import header_key
+from routing.gateway.proxy import REGION_HEADER
 from sites.model import keys
 from sites.model.config import field_path
 from sites.model.data import StagingProgress
@@ -183,17 +185,36 @@ def count_request(metric: LoopCounter, method: str, route: str, status: int) -> 
 _STATUS_TEXT = {status: str(status) for status in range(100, 600)}
 
 
-class RouteRequest(BaseModel):
-    """The body of POST /v1/route."""
+# where the client is: a client region, or an address (a client_region given null is absent)
+_WHERE: JsonDict = {
+    "anyOf": [
+        {"required": [name], "properties": {name: {"type": "string"}}}
+        for name in ("client_region", "client_address")
+    ]
+}
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+
+class RouteRequest(BaseModel):
+    """The body of POST /v1/route. The document adds the client regions the router knows as
+    client_region's enum (client_regions_documented)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", json_schema_extra=_WHERE)
 
     service: str = Field(min_length=1, description="the inference service, e.g. qwen-72b")
     client_region: str | None = Field(
         default=None, description="the client region (configs/clients.yaml); or client_address"
     )
     client_address: str | None = Field(
-        default=None, description="the client's IP address, mapped to a region by its CIDRs"
+        default=None,
+        description="the client's IP address, mapped to a region by its CIDRs "
+        "(configs/clients.yaml); an address no region covers is a 400",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string", "format": "ipv4"},
+                {"type": "string", "format": "ipv6"},
+                {"type": "null"},
+            ]
+        },
     )
     session_key: str | None = Field(
         default=None, description="keeps a session on one site (rendezvous hashing)"
@@ -297,7 +318,7 @@ def job_query(query: Mapping[str, str], now: float) -> JobQuery:
             states.add(JobState[name.upper()])
     limit = query_limit(query, default=DEFAULT_LIMIT, maximum=MAX_LIMIT)
     include = query.get("include")
-    if include not in (None, "", "archived"):
+    if include not in (None, "archived"):  # given empty is as wrong as any other value
         raise InvalidRequest(f"include must be 'archived', got {include!r}", field="include")
     since = query.get("since")
     return JobQuery(
@@ -373,9 +394,8 @@ async def job_logs(request: web.Request) -> web.StreamResponse:
     broker = request.app[BROKER]
     record = await visible_job(request)
     if record.placement is None:
-        raise InvalidRequest(
-            f"job {record.id} has not run yet ({record.state.value})", code="no_logs"
-        )
+        # the request is well formed: the job's state is what refuses it
+        raise Conflict(f"job {record.id} has not run yet ({record.state.value})", code="no_logs")
     site = record.placement.site
     agent = broker.view().sites.agents.get(site)
     if agent is None:
@@ -468,7 +488,24 @@ def openapi_document(app: web.Application) -> dict[str, object]:
     """The OpenAPI 3.1 document of every route `app` serves."""
     operations: list[Operation] = app[OPERATIONS]
     doc = document(operations, title="cpn broker", version="1")
+    router = app.get(ROUTER)
+    if router is not None:
+        client_regions_documented(doc, sorted(router.clients.regions))
     return secured(doc, operations)
+
+
+def client_regions_documented(doc: dict[str, Any], regions: list[str]) -> None:
+    """The client regions the router checks against (configs/clients.yaml) as the enum of
+    /v1/route's client_region and of /v1/infer's X-Cpn-Client-Region header, in `doc`."""
+    schemas = doc["components"]["schemas"]
+    if "RouteRequest" in schemas:
+        region = schemas["RouteRequest"]["properties"]["client_region"]
+        region["anyOf"] = [{"type": "string", "enum": regions}, {"type": "null"}]
+    for item in doc["paths"].values():
+        for entry in item.values():
+            for param in entry.get("parameters", ()):
+                if param["in"] == "header" and param["name"] == REGION_HEADER:
+                    param["schema"] = {"type": "string", "enum": regions}
 
 
 JOB = Param("job", "path", "the job id")
@@ -526,7 +563,7 @@ def job_operations() -> list[Operation]:
                 ),
             ),
             replies={200: Reply("the output", {"type": "string"}, "text/plain")},
-            errors=(400, 404, 502, 503),
+            errors=(400, 404, 409, 502, 503),  # 409: the job has not run yet
         ),
     ]  # fmt: skip
     for action, does in (

@@ -46,6 +46,7 @@ from routing.gateway.health import (
 from routing.gateway.lane import Admission, Refusal
 from routing.gateway.prefix import PREFIX_HEADER
 from routing.gateway.proxy import (
+    PRIORITY_HEADER,
     REGION_HEADER,
     SESSION_COOKIE,
     SESSION_HEADER,
@@ -69,6 +70,8 @@ from sites.model.status import PriceHistory
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INFER_ROUTE = "/v1/infer/{service}/{path}"  # the route's canonical form, as metrics label it
+NO_DOT_SEGMENT = r"^(?!([\s\S]*/)?\.{1,2}(/|(?![\s\S])))"
+"""The proxy's path: no '.' or '..' segment (routing.gateway.proxy.has_dot_segment)."""
 
 
 class Picked(list[Upstream]):
@@ -505,15 +508,33 @@ def infer_operation(handle: Handler) -> Operation:
         "Proxy an inference request to the best site for the client", "infer",
         params=(
             Param("service", "path", "the inference service, e.g. qwen-72b"),
-            Param("path", "path", "the path at the site's model server, e.g. v1/completions"),
-            Param(REGION_HEADER, "header", "the client region; else the peer address's CIDR"),
+            Param(
+                "path", "path",
+                "the path at the site's model server, e.g. v1/completions; no '.' or '..' "
+                "segment (the site would resolve it outside the service)",
+                {"type": "string", "pattern": NO_DOT_SEGMENT},
+            ),
+            Param(
+                REGION_HEADER, "header",
+                "the client region (the document lists the broker's); else the peer address's "
+                "CIDR",
+            ),
             Param(TENANT_HEADER, "header", "the tenant whose rate limit applies (anonymous)"),
             Param(SESSION_HEADER, "header", "keeps a session on one site"),
             Param(SESSION_COOKIE, "cookie", "the session key, when the header is absent"),
             Param(PREFIX_HEADER, "header", "prefix affinity's key (else from the prompt)"),
+            Param(
+                PRIORITY_HEADER, "header",
+                "the request's priority, higher first; negative is shed first when every site "
+                "is saturated (default: its tenant's)",
+                {"type": "integer"},
+            ),
             Param("Idempotency-Key", "header", "makes a POST safe to retry on another site"),
         ),
-        body={"description": "passed through to the site as sent"},
+        body={
+            "description": "passed through to the site as sent, at most inference."
+            "max_body_bytes (broker.yaml; else a 413)"
+        },
         body_types=(JSON, "text/plain"),
         body_required=False,
         replies={

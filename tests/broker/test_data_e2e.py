@@ -58,11 +58,11 @@ def _dataset(root: Path) -> dict[str, str]:
 
 
 def _log(fed: Federation, job: str) -> str:
-    """The job's current run's log; "" while it has none yet (400 no_logs)."""
+    """The job's current run's log; "" while it has none yet (409 no_logs)."""
     try:
         return fed.get(f"/v1/jobs/{job}/logs")[1]
     except urllib.error.HTTPError as exc:
-        if exc.code == 400:
+        if exc.code == 409:
             return ""
         raise
 

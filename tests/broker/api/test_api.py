@@ -388,7 +388,11 @@ def _stand_in() -> Broker:
 
 def _app_as_served() -> Any:
     """The app as broker.server wires it, on stand-ins: only the routes matter here."""
-    broker, router = _stand_in(), cast(Router, object())
+    from types import SimpleNamespace
+
+    # the document lists the router's client regions (none here)
+    router = cast(Router, SimpleNamespace(clients=SimpleNamespace(regions={})))
+    broker = _stand_in()
     app = make_app(broker, router)
     Gateway(broker=broker, router=router).install(app)
     return app
