@@ -123,7 +123,7 @@ def test_every_endpoint_for_every_role(fed: Fed, who: str) -> None:
     got = check("GET", "/v1/jobs/{job}", f"/v1/jobs/{job}")
     assert got.status == (200 if own(who) else 404), (who, got)
     logs = check("GET", "/v1/jobs/{job}/logs", f"/v1/jobs/{job}/logs")
-    assert logs.status == (400 if own(who) else 404), (who, logs)  # 400: it has not run
+    assert logs.status == (409 if own(who) else 404), (who, logs)  # 409: it has not run
     for action in ("suspend", "resume", "cancel"):
         spec = f"/v1/jobs/{{job}}/{action}"
         reply = check("POST", spec, f"/v1/jobs/{job}/{action}")
