@@ -74,8 +74,8 @@ GROUPS: tuple[tuple[str, str, tuple[Callable[..., Any], ...]], ...] = (
     ("token_cli", "add_whoami", (broker_arg,)),
 )
 # command (or alias) -> its group's module: a command's run imports its group alone (every
-# group's imports together took about a second of each `cpn` process's start).
-# tests/cpn/test_cli.py keeps it equal to what the groups define.
+# group's imports together took about half a second of each `cpn` process's start).
+# tests/cpn/test_cli_commands.py keeps it equal to what the groups define.
 COMMANDS: dict[str, str] = {
     "up": "up_cli", "sites": "site_cli", "site": "site_cli", "certs": "certs_cli",
     "etcd": "certs_cli", "agent": "serve_cli", "broker": "serve_cli", "submit": "job_cli",

@@ -61,7 +61,7 @@ class Place(Protocol):
     ) -> Outcome: ...
 
 
-# (job, digest) -> how many other jobs waiting to be placed read it
+# (job, digest) -> how many other live jobs (waiting or running) read it
 Readers = Callable[[JobSpec, str], int]
 
 
@@ -70,7 +70,7 @@ def placer(
 ) -> Place:
     """The placement function of `kind`; for cpn with `ends` (a run with datasets: what runs
     at each site, broker.placement.place.Ends), one that may wait for a site holding the data,
-    weighing the copy a staging leaves for the other waiting jobs that read it (`readers`)."""
+    weighing the copy a staging leaves for the other live jobs that read it (`readers`)."""
     if kind is DataPlacement.at_data:
         return at_data
     if kind is DataPlacement.cheapest_compute:

@@ -132,7 +132,7 @@ def _file(nodeid: str) -> str:
 
 
 def _starts_federation(item: pytest.Item) -> bool:
-    return _file(item.nodeid) in FEDERATION_FILES
+    return _unit(item.nodeid) == FEDERATIONS
 
 
 @pytest.hookimpl(trylast=True)  # after deselection (-m, -k)

@@ -139,9 +139,9 @@ def _elsewhere(
     avoid = set(record.failed_to_start_at)
     if decision.site not in avoid:
         return decision
-    by_id = {site.id: site for site in fed.sites if site.id in avoid}
-    for site in by_id.values():
-        fed = fed.with_offer(dataclasses.replace(site, cordoned=True))
+    for site in fed.sites:  # the tuple of the snapshot passed in: with_offer makes new ones
+        if site.id in avoid:
+            fed = fed.with_offer(dataclasses.replace(site, cordoned=True))
     other = pl.place(record.spec, fed, now=when, usage=used, groups=grouped)
     if not isinstance(other, pl.Decision):
         return decision  # nowhere else fits: the same site again, after the retry's backoff

@@ -277,7 +277,7 @@ def _nobody(site: str, model: str | None) -> int:  # noqa: ARG001 - a Queued wit
     return 0
 
 
-# digest -> how many other jobs waiting to be placed read it (wait_for_holder's `readers`)
+# digest -> how many other live jobs (waiting or running) read it (wait_for_holder's `readers`)
 Readers = Callable[[str], int]
 
 
@@ -324,9 +324,9 @@ def wait_for_holder(
     cost x time lost on two of six weeks), counting what the job has waited so far
     (`waited_hours`): estimates that prove optimistic never make it wait longer in all. Work
     without an estimate never ends for this, so a holder full of it is never waited for. What
-    ends goes first to the jobs that chose earlier in the pass
-    to wait there (`queued`; the caller adds each Wait's `amount`), so a queue of waiters sees
-    its real wait, not each the same first freed devices.
+    ends goes first to the jobs that chose earlier in the pass to wait there (`queued`; the
+    caller adds each Wait's `amount`), so a queue of waiters sees its real wait, not each the
+    same first freed devices.
 
     Staging leaves a copy of the inputs in the decision's site's store, which the other live
     jobs reading them (`readers`: waiting or running, the demand a copy at one more site

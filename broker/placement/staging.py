@@ -83,7 +83,7 @@ class DataView:
 
     def copy_share(self, job: JobSpec, site: str, readers: Callable[[str], int]) -> float:
         """The part of staging `job`'s inputs to `site` that `job` bears when the copies it
-        leaves in the site's store serve the other jobs waiting to read them (`readers`:
+        leaves in the site's store serve the other live jobs reading them (`readers`:
         digest -> how many): per input moved, 1 / (1 + its other readers), weighted by bytes;
         1 when nobody else reads them, or when what is moved is more than the store keeps
         (the copies would not stay)."""
