@@ -200,6 +200,17 @@ class Processes:
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text(errors="replace")
 
+    def warnings(self, last: int = 40) -> dict[str, list[str]]:
+        """log name -> its last `last` lines that are not INFO or DEBUG, for a failure report."""
+        found: dict[str, list[str]] = {}
+        for path in sorted(self.log_dir.glob("*.log")):
+            quiet = (" INFO ", " DEBUG ")
+            lines = [ln for ln in path.read_text(errors="replace").splitlines()
+                     if ln.strip() and not any(q in ln for q in quiet)]  # fmt: skip
+            if lines:
+                found[path.stem] = lines[-last:]
+        return found
+
     def stop_all(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -214,6 +225,20 @@ class Processes:
                 time.sleep(0.5)
                 proc.kill()
                 proc.wait()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """A failed test that started processes shows what they warned of (a flake in CI leaves
+    nothing else behind: its tmp_path goes with the runner)."""
+    report = yield
+    procs = getattr(item, "funcargs", {}).get("processes")
+    if report.failed and call.when == "call" and isinstance(procs, Processes):
+        for name, lines in procs.warnings().items():
+            report.sections.append(
+                (f"{name}: warnings and errors (last {len(lines)})", "\n".join(lines))
+            )
+    return report
 
 
 @pytest.fixture

@@ -59,6 +59,11 @@ def held(marker: Path) -> dict[int, list[float]]:
     return out
 
 
+def events(fed: Federation, job: str) -> str:
+    """The job's events one per line (an assertion message pytest does not cut short)."""
+    return "\n".join(f"{e['at']:.2f} {e['type']} {e['message']}" for e in fed.job(job)["events"])
+
+
 async def segments(registry: Registry, job: str) -> dict[int, Segment]:
     _, kvs = await registry.list_prefix(keys.USAGE_SEGMENTS)
     found = [Segment.model_validate_json(v) for _, v, _ in kvs]
@@ -93,7 +98,7 @@ async def test_segments_add_up_through_retry_failover_and_migration(
 
     # the failover: one segment, as long as the run
     long_segs = await segments(registry, long["id"])
-    assert set(long_segs) == {1}, fed.job(long["id"])["events"]
+    assert set(long_segs) == {1}, events(fed, long["id"])
     (start, end) = held(long_log)[1]
     seg = long_segs[1]
     assert seg.reason == "succeeded"
@@ -122,7 +127,7 @@ async def test_segments_add_up_through_retry_failover_and_migration(
     moved = fed.wait_state(move["id"], "SUCCEEDED", "FAILED", timeout=60)
     assert moved["state"] == "SUCCEEDED", moved["events"]
     move_segs = await segments(registry, move["id"])
-    assert set(move_segs) == {1, 2}, (move_segs, fed.job(move["id"])["events"])
+    assert set(move_segs) == {1, 2}, events(fed, move["id"])
     lost, rerun = move_segs[1], move_segs[2]
     assert (lost.site, lost.reason, lost.model, lost.gpus) == (first, "site_lost", "H100", 4)
     started = held(move_log)[1][0]
