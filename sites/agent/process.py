@@ -284,6 +284,7 @@ class Agent:
     # -- loops ----------------------------------------------------------------------------------
 
     async def _keepalive_loop(self) -> None:
+        kept_at = self.clock.monotonic()
         while True:
             await self.clock.sleep(self.settings.ttl_s / 3)
             record = self.record
@@ -292,9 +293,17 @@ class Agent:
             try:
                 ttl = await self.registry.keepalive(record.lease_id)
                 self.metrics.lease_ttl.labels(self.spec.id).set(ttl)
+                kept_at = self.clock.monotonic()
             except LeaseLost:
-                log.warning("lease of %s expired; taking the site again", self.spec.id)
+                log.warning(
+                    "lease of %s expired (last kept alive %.1f s ago, TTL %d s); taking the "
+                    "site again",
+                    self.spec.id,
+                    self.clock.monotonic() - kept_at,
+                    self.settings.ttl_s,
+                )
                 await self._reacquire()
+                kept_at = self.clock.monotonic()
             except RegistryUnavailable as exc:
                 log.warning("keepalive failed: %s", exc)
 
