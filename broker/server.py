@@ -23,7 +23,7 @@ from broker.state.router import Router
 from routing import native
 from routing.decision.clients import load_clients
 from routing.gateway.lane_site import LaneSite
-from sites.kits.tls import client_context, server_context
+from sites.kits.tls import PeerTrust, ReloadingServer
 from sites.model.catalog import DeviceCatalog
 from sites.model.config import load_sites, site_files
 from sites.model.latency import LatencyModel
@@ -58,6 +58,7 @@ async def serve(
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
     agent_ca: Path | None = None,
+    agent_crl: Path | None = None,
     listen: str,
     config_dir: Path,
     settings: BrokerSettings | None = None,
@@ -67,7 +68,9 @@ async def serve(
 ) -> None:
     """Serve until SIGINT/SIGTERM (or cancellation). HTTPS when `tls_cert` and `tls_key` are
     given; `etcd_tls` is the broker's etcd credentials on a secure etcd; `agent_ca` the CA the
-    agents' certificates are checked against (https:// agents; default: the system's CAs)."""
+    agents' certificates are checked against (https:// agents; default: the system's CAs) and
+    `agent_crl` its revocation list; the certificate files and the CRL are re-read as they
+    change (sites.kits.tls), so rotating them needs no restart."""
     catalog = DeviceCatalog.load(config_dir / "devices.yaml")
     regions = load_user_regions(config_dir / "regions.yaml")
     specs = load_sites(site_files(config_dir / "sites"), catalog)
@@ -79,8 +82,9 @@ async def serve(
     host, port = listen.rsplit(":", 1)
     ssl_context = None
     if tls_cert is not None and tls_key is not None:
-        ssl_context = server_context(tls_cert, tls_key)
-    agent_ssl = client_context(agent_ca)
+        ssl_context = ReloadingServer(tls_cert, tls_key).context
+    agent_trust = PeerTrust(agent_ca, agent_crl)
+    agent_ssl = agent_trust.context
     scheme = "https" if ssl_context else "http"
     clients = None
     if (config_dir / "clients.yaml").exists():
@@ -128,6 +132,8 @@ async def serve(
 
     async def lifetime(_: web.Application) -> AsyncIterator[None]:
         await broker.start()
+        if agent_crl is not None:
+            broker.supervisor.spawn("crl", agent_trust.follow, restart=RESTART)
         if router is not None:  # a route finds the topology built and current
             router.sync(broker.view().sites)
             broker.supervisor.spawn(

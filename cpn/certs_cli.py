@@ -1,16 +1,27 @@
-"""`cpn certs init|issue`, `cpn etcd secure`: a development CA with its certificates
-(cpn.certs), and auth turned on in an etcd that serves TLS (cpn.secure); docs/auth.md.
+"""`cpn certs init|issue|ls|rotate|revoke`, `cpn etcd secure`: a development CA with its
+certificates (cpn.certs), their renewal and revocation (cpn.rotation), and auth turned on in an
+etcd that serves TLS (cpn.secure); docs/auth.md, docs/security.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import json
 from collections.abc import Callable
 
-from cpn.certs import DEFAULT_HOSTS
-from cpn.cli_base import CliParser, etcd_url, pki_of
+from cpn.certs import DEFAULT_HOSTS, RENEW_WITHIN_DAYS
+from cpn.cli_base import CliParser, UsageError, etcd_url, pki_of
 
-__all__ = ["add_parsers", "cmd_certs_init", "cmd_certs_issue", "cmd_etcd_secure"]
+__all__ = [
+    "add_parsers",
+    "cmd_certs_init",
+    "cmd_certs_issue",
+    "cmd_certs_ls",
+    "cmd_certs_revoke",
+    "cmd_certs_rotate",
+    "cmd_etcd_secure",
+]
 
 
 def cmd_certs_init(args: argparse.Namespace) -> int:
@@ -21,7 +32,7 @@ def cmd_certs_init(args: argparse.Namespace) -> int:
     tls = init_pki(pki, args.host)
     print(f"{'created' if created else 'kept'} the CA {pki.ca_path}")
     print(f"etcd: --cert-file {tls.cert_file} --key-file {tls.key_file} ", end="")
-    print(f"--trusted-ca-file {tls.ca_file} --client-cert-auth")
+    print(f"--trusted-ca-file {tls.ca_file} --client-cert-auth --client-crl-file {tls.crl_file}")
     print(f"broker: --tls-cert {pki.directory / 'broker.pem'} --tls-key ", end="")
     print(f"{pki.directory / 'broker-key.pem'}")
     return 0
@@ -31,6 +42,94 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
     pki = pki_of(args)
     issued = pki.issue(args.name, hosts=args.host or DEFAULT_HOSTS, server=args.server)
     print(f"{issued.cert_path} {issued.key_path}")
+    return 0
+
+
+def _within(args: argparse.Namespace) -> dt.timedelta:
+    if args.within < 0:
+        raise UsageError(f"--within: {args.within} days; expected 0 or more")
+    return dt.timedelta(days=args.within)
+
+
+def _day(when: dt.datetime) -> str:
+    return when.strftime("%Y-%m-%d %H:%M")
+
+
+def cmd_certs_ls(args: argparse.Namespace) -> int:
+    from cpn.rotation import held
+
+    pki = pki_of(args)
+    now = dt.datetime.now(dt.UTC)
+    within = _within(args)
+    revoked = set(pki.revoked())
+    certs = held(pki)
+    rows = [
+        {
+            "name": c.name,
+            "common_name": c.common_name,
+            "serial": f"{c.serial:x}",
+            "not_after": c.not_after.isoformat(),
+            "days_left": (c.not_after - now).days,
+            "state": c.state(now, revoked, within),
+        }
+        for c in certs
+    ]
+    crl = pki.crl()
+    crl_next = None if crl is None or crl.next_update_utc is None else crl.next_update_utc
+    if args.output == "json":
+        doc = {
+            "certificates": rows,
+            "crl": None
+            if crl is None
+            else {"next_update": crl_next and crl_next.isoformat(), "revoked": len(revoked)},
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+    print(f"{'NAME':<28} {'COMMON NAME':<24} {'NOT AFTER':<17} {'DAYS':>5}  STATE")
+    for c, row in zip(certs, rows, strict=True):
+        print(
+            f"{c.name:<28} {c.common_name:<24} {_day(c.not_after):<17} "
+            f"{row['days_left']:>5}  {row['state']}"
+        )
+    if crl is None:
+        print("no CRL: nothing revoked (`cpn certs rotate` writes one)")
+    else:
+        nxt = "-" if crl_next is None else _day(crl_next)
+        print(f"CRL {pki.crl_path}: {len(revoked)} revoked, next update {nxt}")
+    return 0
+
+
+def cmd_certs_rotate(args: argparse.Namespace) -> int:
+    from cpn.rotation import rotate
+
+    pki = pki_of(args)
+    report = rotate(pki, now=dt.datetime.now(dt.UTC), within=_within(args), dry_run=args.dry_run)
+    for old, new in report.renewed:
+        if new is None:
+            print(f"would renew {old.name} (expires {_day(old.not_after)})")
+        else:
+            print(f"renewed {old.name}: until {_day(new.not_after)} (was {_day(old.not_after)})")
+    if not report.renewed:
+        print(f"nothing expires within {args.within} days")
+    if report.crl_signed:
+        print(f"{'would sign' if args.dry_run else 'signed'} the CRL again: {pki.crl_path}")
+    if report.ca_due:
+        print(
+            f"warning: the CA expires {_day(report.ca_expires)}: rotation does not renew it "
+            "(docs/security.md: replacing the CA)"
+        )
+    return 0
+
+
+def cmd_certs_revoke(args: argparse.Namespace) -> int:
+    from cpn.rotation import revoke
+
+    pki = pki_of(args)
+    for old, new in revoke(pki, args.name, reissue=args.reissue):
+        print(f"revoked {old.name} (serial {old.serial:x})")
+        if new is not None:
+            print(f"  issued {new.name} anew (serial {new.serial:x}, until {_day(new.not_after)})")
+    print(f"CRL: {pki.crl_path}")
     return 0
 
 
@@ -58,6 +157,32 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
         p.add_argument("--host", action="append", metavar="HOST", help="a SAN (repeatable)")
     init.set_defaults(func=cmd_certs_init)
     issue.set_defaults(func=cmd_certs_issue)
+    ls = certs_sub.add_parser("ls", help="the certificates, their expiry and the CRL")
+    rotate = certs_sub.add_parser(
+        "rotate", help="renew the certificates that expire within --within days, in place"
+    )
+    rotate.add_argument("--dry-run", action="store_true", help="say what would be renewed")
+    for p in (ls, rotate):
+        p.add_argument(
+            "--within",
+            type=int,
+            default=RENEW_WITHIN_DAYS,
+            metavar="DAYS",
+            help=f"the renewal window (default {RENEW_WITHIN_DAYS})",
+        )
+    ls.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    revoke = certs_sub.add_parser(
+        "revoke", help="add certificates to the CRL: refused at their next handshake"
+    )
+    revoke.add_argument("name", nargs="+", help="as `cpn certs ls` names them")
+    revoke.add_argument(
+        "--reissue", action="store_true", help="and give each a new certificate in its place"
+    )
+    for p in (ls, rotate, revoke):
+        p.add_argument("--certs", "--dir", dest="certs", metavar="DIR", help="default: cpn up's")
+    ls.set_defaults(func=cmd_certs_ls)
+    rotate.set_defaults(func=cmd_certs_rotate)
+    revoke.set_defaults(func=cmd_certs_revoke)
 
     etcd = add("etcd", help="etcd administration")
     etcd_sub = etcd.add_subparsers(dest="etcd_command", required=True, parser_class=CliParser)

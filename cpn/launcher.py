@@ -329,7 +329,7 @@ class Launcher:
             if plan.tls is not None:
                 args += ["--tls-cert", str(plan.tls.cert_path), "--tls-key", str(plan.tls.key_path)]
             if self.settings.secure:  # peers' endpoints are verified against the run's CA
-                args += ["--tls-ca", str(self.pki.ca_path)]
+                args += ["--tls-ca", str(self.pki.ca_path), "--tls-crl", str(self.pki.crl_path)]
             plan.log_path = self.run_dir / f"agent-{plan.spec.id}.log"
             # the jobs the demo's agents run find cpn's own Python first on PATH, so that a
             # job's `python` (a managed service's stand-in model server) is the one with
@@ -369,7 +369,7 @@ class Launcher:
         if self.settings.secure:
             args += ["--tls-cert", str(self.pki.directory / "broker.pem")]
             args += ["--tls-key", str(self.pki.directory / "broker-key.pem")]
-            args += ["--agent-ca", str(self.pki.ca_path)]
+            args += ["--agent-ca", str(self.pki.ca_path), "--agent-crl", str(self.pki.crl_path)]
         if self.emulator is not None:
             args.append("--wan-emulated")
         with open(self.broker_log, "ab") as logfile:

@@ -2,6 +2,7 @@
 (`cpn certs`, `cpn etcd secure`, `cpn site join` on a secure etcd, `cpn up --secure`).
 
     pki/ca.pem ca-key.pem              the CA (cpn.certs)
+    pki/crl.pem                        what it revoked (etcd: --client-crl-file; cpn.rotation)
     pki/etcd.pem etcd-key.pem          etcd's server certificate (also its peer certificate)
     pki/broker.pem broker-key.pem      the broker API's server certificate
     pki/agent-<site>.pem, -key.pem     each site's agent's server certificate (its endpoint)
@@ -51,10 +52,13 @@ def init_pki(pki: Pki, hosts: Sequence[str] | None = None) -> ServerTls:
     for name, client in (("etcd", True), ("broker", False)):
         if hosts or not (pki.directory / f"{name}.pem").exists():
             pki.issue(name, hosts=hosts or DEFAULT_HOSTS, server=True, client=client)
+    if not pki.crl_path.exists():  # etcd refuses every client while its CRL file is missing
+        pki.write_crl()
     return ServerTls(
         cert_file=pki.directory / "etcd.pem",
         key_file=pki.directory / "etcd-key.pem",
         ca_file=pki.ca_path,
+        crl_file=pki.crl_path,
     )
 
 

@@ -47,6 +47,7 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         tls_ca=args.tls_ca,
+        tls_crl=args.tls_crl,
     )
     async with registry_of(args) as registry:
         agent = Agent(spec=spec, catalog=catalog, registry=registry, settings=settings)
@@ -74,6 +75,7 @@ async def cmd_broker(args: argparse.Namespace) -> int:
         tls_cert=Path(args.tls_cert) if args.tls_cert else None,
         tls_key=Path(args.tls_key) if args.tls_key else None,
         agent_ca=Path(args.agent_ca) if args.agent_ca else None,
+        agent_crl=Path(args.agent_crl) if args.agent_crl else None,
         listen=args.listen,
         config_dir=Path(args.config_dir) if args.config_dir else config_dir(),
         wan_emulated=args.wan_emulated,
@@ -117,6 +119,11 @@ def add_parsers(
         metavar="FILE",
         help="verify peers' https:// endpoints against this CA (the federation's)",
     )
+    agent.add_argument(
+        "--tls-crl",
+        metavar="FILE",
+        help="refuse peers whose certificates this CRL lists (re-read as it changes)",
+    )
     agent.set_defaults(func=cmd_agent)
 
     broker = add("broker", help="run a broker replica (API, placement, failover)")
@@ -129,6 +136,11 @@ def add_parsers(
         "--agent-ca",
         metavar="FILE",
         help="verify the agents' https:// endpoints against this CA (the federation's)",
+    )
+    broker.add_argument(
+        "--agent-crl",
+        metavar="FILE",
+        help="refuse agents whose certificates this CRL lists (re-read as it changes)",
     )
     broker.add_argument(
         "--state-dir",

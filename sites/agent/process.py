@@ -46,7 +46,7 @@ from sites.executors.factory import make_executor
 from sites.executors.slurm import SlurmExecutor
 from sites.kits.clock import Clock, SystemClock
 from sites.kits.tasks import Backoff, Crash, Supervisor
-from sites.kits.tls import client_context, server_context
+from sites.kits.tls import PeerTrust, ReloadingServer
 from sites.model import keys
 from sites.model.capacity import Capacity
 from sites.model.catalog import DeviceCatalog
@@ -90,14 +90,20 @@ class Agent:
         self.metrics = AgentMetrics(spec.id)
         # the site's data store: opened at start (its key goes in our AgentSecret)
         listen_host = settings.listen.rsplit(":", 1)[0]
+        # peers' https:// endpoints verified against the federation's CA (--tls-ca) and, as it
+        # changes, its revocation list (--tls-crl)
+        self.peer_trust = (
+            None
+            if settings.tls_ca is None and settings.tls_crl is None
+            else PeerTrust(settings.tls_ca, settings.tls_crl)
+        )
         self.data = DataPlane(
             spec=spec,
             registry=registry,
             clock=self.clock,
             # bound like the probes: the WAN emulation shapes the path by who is calling
             local_host=listen_host if listen_host not in ("0.0.0.0", "", "localhost") else None,
-            # peers' https:// endpoints verified against the federation's CA (--tls-ca)
-            client_ssl=None if settings.tls_ca is None else client_context(settings.tls_ca),
+            client_ssl=None if self.peer_trust is None else self.peer_trust.context,
         )
         self.record: AgentRecord | None = None
         self.url = ""
@@ -213,6 +219,8 @@ class Agent:
             self.supervisor.spawn("slurm", self._slurm_loop, restart=RESTART)
         for name, loop in self.data.loops():
             self.supervisor.spawn(name, loop, restart=RESTART)
+        if self.peer_trust is not None and self.peer_trust.crl is not None:
+            self.supervisor.spawn("crl", self.peer_trust.follow, restart=RESTART)
         self.prober.set_self(self.probe_url)
         log.info(
             "agent of %s up: %s, lease ttl %ss, probes %s%s",
@@ -556,7 +564,8 @@ class Agent:
             ssl_context=(
                 None
                 if settings.tls_cert is None or settings.tls_key is None
-                else server_context(settings.tls_cert, settings.tls_key)
+                # re-read when `cpn certs rotate` renews them (sites.kits.tls)
+                else ReloadingServer(settings.tls_cert, settings.tls_key).context
             ),
         )
         self.url, self.probe_url = self.server.url, self.server.probe_url

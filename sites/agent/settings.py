@@ -78,6 +78,11 @@ class AgentSettings(BaseModel):
         description="the CA (PEM) that peers' https:// endpoints are verified against: the "
         "federation's; default: the system's CAs",
     )
+    tls_crl: Path | None = Field(
+        default=None,
+        description="the CA's revocation list (PEM): a peer whose certificate it lists is "
+        "refused; re-read within a second of changing (cpn certs revoke)",
+    )
 
     @property
     def ttl_s(self) -> int:

@@ -113,10 +113,13 @@ class ServerTls:
     cert_file: Path
     key_file: Path
     ca_file: Path
+    crl_file: Path | None = None
+    """The CA's revocation list: etcd re-reads it at every client's handshake and refuses a
+    certificate it lists (cpn.certs; the file must exist before etcd starts)."""
 
     def args(self) -> list[str]:
         """etcd's flags for clients (`--cert-file` ...) and peers (`--peer-cert-file` ...)."""
-        out = []
+        out = [] if self.crl_file is None else ["--client-crl-file", str(self.crl_file)]
         for side in ("", "peer-"):
             out += [
                 f"--{side}cert-file", str(self.cert_file),

@@ -1,15 +1,30 @@
 """TLS contexts from PEM files: a server's (its certificate and key) and a client's (the CA it
 trusts), for the agents' endpoints and the broker's API (docs/auth.md). A file that does not
-load is a ConfigError naming it, raised where the process starts, not at the first request."""
+load is a ConfigError naming it, raised where the process starts, not at the first request.
+
+Certificates rotate under running processes (docs/security.md): a server re-reads its
+certificate when the files change (ReloadingServer), a client its CA's revocation list
+(PeerTrust), so a renewed certificate is served and a revoked one refused at the next
+handshake, with no restart.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import ssl
 from pathlib import Path
 
 from sites.model.errors import ConfigError, Problem
 
+__all__ = ["CRL_POLL_S", "PeerTrust", "ReloadingServer", "client_context", "server_context"]
+
+log = logging.getLogger(__name__)
+
 MIN_VERSION = ssl.TLSVersion.TLSv1_2
+CRL_POLL_S = 1.0
+"""How often a client looks whether its CRL file changed (one stat): how late a revocation
+can be for it."""
 
 
 def _why(exc: OSError | ssl.SSLError) -> str:
@@ -36,3 +51,99 @@ def client_context(ca: Path | None) -> ssl.SSLContext:
         raise ConfigError([Problem(str(ca), "", f"cannot load the CA: {_why(exc)}")]) from None
     context.minimum_version = MIN_VERSION
     return context
+
+
+Stamp = tuple[tuple[int, int, int], ...]
+
+
+def _stamp(*paths: Path) -> Stamp | None:
+    """What tells a replaced file (inode, mtime, size; an atomic write is a new inode), or None
+    while one of them cannot be read."""
+    try:
+        return tuple((s.st_ino, s.st_mtime_ns, s.st_size) for s in (p.stat() for p in paths))
+    except OSError:
+        return None
+
+
+class ReloadingServer:
+    """A server's TLS context that serves the certificate its files hold now, with no restart.
+
+    `context` is what the server listens with; at each handshake (its SNI callback, called
+    with or without a server name) it looks whether `cert` or `key` was replaced (two stat
+    calls) and, if so, loads them into a fresh context that this handshake and the next ones
+    use; connections already open keep the one they began with. A pair that does not load (a
+    key already new, its certificate not yet, or a broken file) leaves the last good context
+    serving, logged once per change of the files (cpn.rotation writes the key, then the
+    certificate)."""
+
+    def __init__(self, cert: Path, key: Path) -> None:
+        self.cert, self.key = cert, key
+        self._stamp = _stamp(cert, key)
+        self._current = server_context(cert, key)  # a ConfigError at start, naming the files
+        self.context = server_context(cert, key)
+        self.context.sni_callback = self._on_hello
+        self.reloads = 0
+        self.last_error: str | None = None
+
+    def refresh(self) -> bool:
+        """Load the files again if they changed since the last look; True when it did."""
+        stamp = _stamp(self.cert, self.key)
+        if stamp is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp  # a pair that fails is tried again once the files change again
+        try:
+            self._current = server_context(self.cert, self.key)
+        except ConfigError as exc:
+            self.last_error = str(exc.problems[0])
+            log.warning("keeping the certificate served so far: %s", self.last_error)
+            return False
+        self.reloads += 1
+        self.last_error = None
+        log.info("serving the renewed certificate %s", self.cert)
+        return True
+
+    def _on_hello(
+        self, ssl_object: ssl.SSLObject | ssl.SSLSocket, _name: str | None, _: ssl.SSLContext
+    ) -> None:
+        self.refresh()
+        ssl_object.context = self._current
+
+
+class PeerTrust:
+    """A client's TLS context (client_context's) that also refuses the certificates `crl` (a PEM
+    CRL of the CA) revokes, once that file exists: `refresh()` adds it again when it changed.
+
+    The CRL is added to the context's trust store in place (an aiohttp connector holds the
+    context), and OpenSSL checks a leaf against the newest of its CA's CRLs (the latest
+    last_update, which cpn.certs makes later at each signing). Until a CRL has loaded nothing
+    is checked against one: a CRL check with no CRL would refuse every peer."""
+
+    def __init__(self, ca: Path | None, crl: Path | None) -> None:
+        self.context = client_context(ca)
+        self.crl = crl
+        self._stamp: Stamp | None = None
+        self.loads = 0
+        self.refresh()
+
+    def refresh(self) -> bool:
+        """Add the CRL to the trust store if its file changed since the last look."""
+        if self.crl is None:
+            return False
+        stamp = _stamp(self.crl)
+        if stamp is None or stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        try:
+            self.context.load_verify_locations(cafile=str(self.crl))
+        except (OSError, ssl.SSLError) as exc:
+            log.warning("%s: the CRL does not load, the last one stays: %s", self.crl, _why(exc))
+            return False
+        self.context.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
+        self.loads += 1
+        return True
+
+    async def follow(self, interval_s: float = CRL_POLL_S) -> None:
+        """refresh() every `interval_s` seconds, forever (a supervised task's body)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            self.refresh()
