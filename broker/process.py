@@ -257,6 +257,7 @@ class Broker:
         )
         self.supervisor.spawn("view", self.views.mirror.run, restart=RESTART)
         self.supervisor.spawn("tokens", self.tokens.mirror.run, restart=RESTART)
+        self.supervisor.spawn("token use", self.tokens.follow_use, restart=RESTART)
         self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)
         self.supervisor.spawn("data index", self.data.run, restart=RESTART)
         if await self.tenancy.seed(self.tenancy_seed):

@@ -365,12 +365,13 @@ def tokens_table(tokens: Sequence[dict[str, Any]], *, now: float) -> str:
             t.get("tenant") or "-",
             ago(now - t["created_at"]),
             "never" if t.get("expires_at") is None else f"in {ago(t['expires_at'] - now)}",
+            "never" if t.get("last_used_at") is None else ago(now - t["last_used_at"]),
             t.get("created_by", ""),
             t.get("description", ""),
         ]
         for t in tokens
     ]
-    headers = ["ID", "ROLE", "TENANT", "AGE", "EXPIRES", "CREATED BY", "DESCRIPTION"]
+    headers = ["ID", "ROLE", "TENANT", "AGE", "EXPIRES", "LAST USED", "CREATED BY", "DESCRIPTION"]
     return table(headers, rows) if rows else "no tokens"
 
 

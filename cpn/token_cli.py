@@ -1,5 +1,7 @@
 """`cpn token create|list|revoke`, `cpn audit`, `cpn whoami`: API tokens, the audit log of
-what was done with them, and the token in use (docs/auth.md).
+what was done with them, and the token in use (docs/auth.md). `cpn token list --stale 90d`
+lists the tokens no request has carried for 90 days (the broker records each token's last use
+to the minute).
 
 `cpn token create --etcd` writes the token straight into etcd: how the first admin token is
 made, before any token can ask the broker for one. `--rpm`, `--tpm`, `--usd-per-month` and
@@ -30,6 +32,7 @@ __all__ = [
     "cmd_token_list",
     "cmd_token_revoke",
     "cmd_whoami",
+    "stale_tokens",
     "token_limits",
 ]
 
@@ -131,9 +134,28 @@ def _have_token(explicit: str | None) -> bool:
         return False
 
 
+def stale_tokens(
+    tokens: list[dict[str, Any]], *, now: float, older_than_s: float
+) -> list[dict[str, Any]]:
+    """The tokens not used for `older_than_s` seconds: last used before then, or never used
+    and created before then."""
+    cutoff = now - older_than_s
+    return [t for t in tokens if (t.get("last_used_at") or t["created_at"]) <= cutoff]
+
+
 async def cmd_token_list(args: argparse.Namespace) -> int:
+    from sites.model.durations import parse_duration_s
+
+    older_than_s = None
+    if args.stale is not None:
+        try:
+            older_than_s = parse_duration_s(args.stale)
+        except ValueError as exc:
+            raise UsageError(f"--stale: {exc}") from None
     async with BrokerClient.to(args.broker) as client:
         tokens = await client.call("GET", "/v1/tokens")
+    if older_than_s is not None:
+        tokens = stale_tokens(tokens, now=SystemClock().time(), older_than_s=older_than_s)
     if args.output == "json":
         print(json.dumps(tokens, indent=2))
     else:
@@ -202,6 +224,11 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser], broker_arg: BrokerA
     broker_arg(create, ("table", "json", "token"))
     create.set_defaults(func=cmd_token_create)
     tlist = token_sub.add_parser("list", help="the tokens you may see (never their secrets)")
+    tlist.add_argument(
+        "--stale",
+        metavar="DURATION",
+        help="only those unused for DURATION (e.g. 90d): last used, or created, before then",
+    )
     broker_arg(tlist)
     tlist.set_defaults(func=cmd_token_list)
     trevoke = token_sub.add_parser("revoke", help="revoke a token on every broker replica")

@@ -453,6 +453,9 @@ class TokenInfo(BaseModel):
     created_at: float
     created_by: str
     expires_at: float | None
+    last_used_at: float | None = Field(
+        default=None, description="when a request last carried it, to the minute; null: never"
+    )
 
 
 class WhoAmI(BaseModel):

@@ -17,6 +17,9 @@ Roles (docs/auth.md has the table with every endpoint):
     viewer        read only: its tenant's jobs and quota (or every tenant's without one), sites,
                   metrics
 
+A token's last use is recorded (`last_used_at`, to the minute: TokenBook.record_use) so that
+stale tokens can be found and revoked (`cpn token list --stale 90d`).
+
 Another tenant's job, logs or token answers 404, so its existence does not leak. The first
 admin token is written straight to etcd by whoever has etcd access (`cpn token create --etcd`),
 as a cluster's bootstrap is.
@@ -24,6 +27,7 @@ as a cluster's bootstrap is.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import functools
 import hashlib
@@ -174,6 +178,10 @@ class TokenRecord(BaseModel):
         default=None,
         description="inference limits of this token, on top of its tenant's (docs/auth.md)",
     )
+    last_used_at: float | None = Field(
+        default=None,
+        description="when a request last carried it (to within USE_RESOLUTION_S); None: never",
+    )
 
     @model_validator(mode="after")
     def _tenant(self) -> TokenRecord:
@@ -273,6 +281,11 @@ async def create_token(registry: Registry, record: TokenRecord) -> None:
 CHECKED_TOKENS = 4096
 """Authorization headers TokenBook remembers as checked (all forgotten when full)."""
 
+USE_RESOLUTION_S = 60.0
+"""How fresh a token's recorded last use is: a replica writes a token's last_used_at at most
+once a minute, and not when the record (another replica's write) is already that recent, so
+a token in constant use costs etcd about one write a minute, not one per request."""
+
 
 class TokenBook:
     """Every replica's copy of the tokens, kept by a watch: authenticate() does no I/O."""
@@ -285,6 +298,9 @@ class TokenBook:
         # of the check. Valid while that record is still the one held (a revoked or replaced
         # token's record is not); expiry is checked every time.
         self._checked: dict[str, TokenRecord] = {}
+        # token id -> its latest use on this replica, not yet written (record_use)
+        self._used: dict[str, float] = {}
+        self._revisions: dict[str, int] = {}  # token id -> its key's mod_revision
         self.mirror = PrefixMirror(
             registry=registry,
             prefix=keys.TOKENS,
@@ -295,16 +311,19 @@ class TokenBook:
 
     def _reset(self, kvs: KeyValues) -> None:
         self.tokens = {}
+        self._revisions = {}
         for key, value, rev in kvs:
             self._event(key, value, rev)
 
-    def _event(self, key: str, value: bytes | None, _: int) -> None:
+    def _event(self, key: str, value: bytes | None, revision: int) -> None:
         token_id = key[len(keys.TOKENS) :]
         if value is None:
             self.tokens.pop(token_id, None)
+            self._revisions.pop(token_id, None)
             return
         try:
             self.tokens[token_id] = TokenRecord.model_validate_json(value)
+            self._revisions[token_id] = revision
         except ValidationError as exc:
             self.tokens.pop(token_id, None)
             log.warning("ignoring unreadable token record %s: %s", key, exc)
@@ -315,6 +334,7 @@ class TokenBook:
         if checked is not None and self.tokens.get(checked.id) is checked:
             if checked.expires_at is not None and checked.expires_at <= now:
                 raise Unauthorized("expired token")
+            self._used[checked.id] = now
             return _principal(checked.id, checked.role, checked.tenant)
         if not authorization:
             raise Unauthorized("no token: send Authorization: Bearer <token>")
@@ -333,7 +353,50 @@ class TokenBook:
         if len(self._checked) >= CHECKED_TOKENS:
             self._checked.clear()
         self._checked[authorization] = record
+        self._used[record.id] = now
         return _principal(record.id, record.role, record.tenant)
+
+    def uses_due(self) -> dict[str, float]:
+        """{token id: last use} of the tokens used here since the last record_use whose
+        record's last_used_at is USE_RESOLUTION_S older or more (or unset)."""
+        due = {}
+        for token_id, at in self._used.items():
+            record = self.tokens.get(token_id)
+            if record is None:
+                continue  # revoked meanwhile: nothing to record
+            if record.last_used_at is None or at - record.last_used_at >= USE_RESOLUTION_S:
+                due[token_id] = at
+        return due
+
+    async def record_use(self) -> int:
+        """Write the due last uses (uses_due), each guarded by its record's revision: a token
+        revoked or changed meanwhile is not written back (its next use counts again); the
+        number written."""
+        due, self._used = self.uses_due(), {}
+        written = 0
+        try:
+            for token_id, at in due.items():
+                record, revision = self.tokens.get(token_id), self._revisions.get(token_id)
+                if record is None or revision is None:
+                    continue
+                key = keys.token(token_id)
+                updated = record.model_copy(update={"last_used_at": at})
+                if await self.registry.commit(
+                    guards=[Guard(key, mod_revision=revision)],
+                    puts={key: updated.model_dump_json().encode()},
+                ):
+                    written += 1
+        except BaseException:  # etcd away, or cancelled: the uses wait for the next turn
+            for token_id, at in due.items():
+                self._used[token_id] = max(at, self._used.get(token_id, at))
+            raise
+        return written
+
+    async def follow_use(self, interval_s: float = USE_RESOLUTION_S) -> None:
+        """record_use() every `interval_s` seconds, forever (a supervised task's body)."""
+        while True:
+            await asyncio.sleep(interval_s)
+            await self.record_use()
 
     def limits(self, token_id: str) -> TokenLimits | None:
         """A token's own inference limits (broker.state.inference_limits' `token_limits`)."""

@@ -455,6 +455,13 @@ def test_the_cli_bootstraps_a_token_from_etcd_and_uses_its_config(
     assert user.returncode == 0, user.stderr
     listed = run_cpn("token", "list")
     assert listed.returncode == 0 and json.loads(user.stdout)["id"] in listed.stdout
+    assert "LAST USED" in listed.stdout
+    stale = run_cpn("token", "list", "--stale", "1d", "-o", "json")  # not the new ones
+    assert stale.returncode == 0, stale.stderr
+    stale_ids = {t["id"] for t in json.loads(stale.stdout)}
+    assert not stale_ids & {json.loads(user.stdout)["id"], json.loads(made.stdout)["id"]}
+    bad_stale = run_cpn("token", "list", "--stale", "soon")
+    assert bad_stale.returncode == 2 and bad_stale.stderr.startswith("cpn: error: --stale:")
     revoked = run_cpn("token", "revoke", json.loads(user.stdout)["id"])
     assert revoked.returncode == 0, revoked.stderr
     audit = run_cpn("audit", "--limit", "5")
