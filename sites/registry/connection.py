@@ -5,6 +5,9 @@ of its own (sites.registry.h2grpc), and the translation of their errors into the
 Every other part of the registry reaches etcd through one EtcdConnection: `call` runs one aetcd
 call, `kv` one call of etcd's KV service, `h2_channel` opens a connection for a watch
 (sites.registry.watch) or for transactions (sites.registry.transactions).
+
+Credentials read from a file are read again when it changes (`renew_tls`, `cpn certs rotate`):
+the connections opened after that present the renewed certificate, those already open go on.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import asyncio
 import logging
 import os
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aetcd.exceptions
@@ -21,13 +26,14 @@ from aetcd import rpc
 
 from sites.model.endpoints import grpc_target
 from sites.model.errors import (
+    ConfigError,
     PermissionDenied,
     RegistryError,
     RegistryUnavailable,
     RevisionCompacted,
 )
 from sites.registry.h2grpc import H2Channel, header_block
-from sites.registry.security import EtcdTls, make_client
+from sites.registry.security import EtcdTls, TlsClient, load_credentials, make_client
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +47,20 @@ to rule that client out)."""
 def over_grpc() -> bool:
     """True when TRANSPORT_ENV asks for grpc.aio (read at each call: tests switch it)."""
     return os.environ.get(TRANSPORT_ENV, "").strip().lower() == "grpc"
+
+
+CREDENTIALS_CHECK_S = 1.0
+"""How often a connection looks whether its credential file changed (one stat)."""
+
+
+def _stamp(path: Path | None) -> tuple[int, int, int] | None:
+    if path is None:
+        return None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 class PageTooLarge(Exception):
@@ -63,6 +83,8 @@ class EtcdConnection:
         self.tx = self.client.transactions
         """aetcd's comparison and operation builders (`tx.version(key) == 0`, `tx.put(...)`)."""
         self._ssl: ssl.SSLContext | None = None
+        self._source_stamp = _stamp(tls.source) if tls is not None else None
+        self._source_checked = time.monotonic()
 
     @property
     def url(self) -> str:
@@ -85,8 +107,34 @@ class EtcdConnection:
         except (aetcd.exceptions.ClientError, OSError, TimeoutError) as exc:
             log.debug("closing etcd client: %r", exc)
 
+    def renew_tls(self) -> bool:
+        """Take the credential file's certificate and key again if the file changed (looked
+        at most every CREDENTIALS_CHECK_S): the connections opened from now on present them,
+        those open go on. True when it took new ones."""
+        tls = self.tls
+        now = time.monotonic()
+        if tls is None or tls.source is None or now - self._source_checked < CREDENTIALS_CHECK_S:
+            return False
+        self._source_checked = now
+        stamp = _stamp(tls.source)
+        if stamp is None or stamp == self._source_stamp:
+            return False
+        self._source_stamp = stamp
+        try:
+            renewed = load_credentials(tls.source).tls()
+        except ConfigError as exc:
+            log.warning("keeping the etcd credentials in use: %s", exc.problems[0])
+            return False
+        self.tls = renewed
+        self._ssl = None  # the next h2 connection's context is made from the new ones
+        if isinstance(self.client, TlsClient):
+            self.client.renew(renewed)
+        log.info("etcd credentials renewed from %s", tls.source)
+        return True
+
     async def call(self, fn: Callable[[], Awaitable[T]]) -> T:
         """One aetcd call, its errors as the registry's."""
+        self.renew_tls()
         try:
             return await fn()
         except (
@@ -154,6 +202,7 @@ class EtcdConnection:
     async def h2_channel(self) -> H2Channel:
         """A connection of its own to the first endpoint that answers (sites.registry.h2grpc)."""
         context = None
+        self.renew_tls()
         if self.tls is not None:
             if self._ssl is None:
                 self._ssl = self.tls.ssl_context()

@@ -42,7 +42,7 @@ import aetcd.watcher
 import grpc
 import yaml
 from aetcd import rpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from sites.kits.private import write_private
 from sites.model import keys
@@ -80,6 +80,9 @@ class EtcdTls:
     ca_pem: bytes | None
     cert_pem: bytes | None = None
     key_pem: bytes | None = None
+    source: Path | None = None
+    """The credential file they were read from: a connection re-reads it when it changes (a
+    renewed certificate, `cpn certs rotate`), for the connections it opens next."""
 
     def channel_credentials(self) -> Any:
         return grpc.ssl_channel_credentials(
@@ -129,8 +132,15 @@ class EtcdCredentials(BaseModel):
             raise ValueError("expected a PEM block (-----BEGIN ...)")
         return value
 
+    _source: Path | None = PrivateAttr(default=None)
+
+    def model_post_init(self, context: Any) -> None:
+        if isinstance(context, dict) and isinstance(context.get("source"), Path):
+            self._source = context["source"]
+
     def tls(self) -> EtcdTls:
-        return EtcdTls(self.ca.encode(), self.cert.encode(), self.key.encode())
+        """The TLS material, and the file it came from (load_credentials's)."""
+        return EtcdTls(self.ca.encode(), self.cert.encode(), self.key.encode(), self._source)
 
 
 def load_credentials(path: Path) -> EtcdCredentials:
@@ -152,7 +162,7 @@ def load_credentials(path: Path) -> EtcdCredentials:
     if not isinstance(doc, dict):
         raise ConfigError([Problem(source, "", "expected a mapping (endpoints, user, ...)")])
     try:
-        return EtcdCredentials.model_validate(doc)
+        return EtcdCredentials.model_validate(doc, context={"source": path})
     except ValidationError as exc:
         raise ConfigError(validation_problems(source, exc)) from None
 
@@ -171,11 +181,50 @@ def write_credentials(path: Path, creds: EtcdCredentials) -> None:
 
 class TlsClient(aetcd.Client):  # type: ignore[misc]
     """aetcd's client over a TLS channel: aetcd itself opens only insecure channels. The
-    connect below is aetcd 1.0's with `secure_channel` in place of `insecure_channel`."""
+    connect below is aetcd 1.0's with `secure_channel` in place of `insecure_channel`; `renew`
+    swaps the channel for one with a renewed certificate."""
+
+    channel: Any  # aetcd's, untyped: set by connect()
+    metadata: Any
 
     def __init__(self, *, tls: EtcdTls, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._tls = tls
+        self._retired: list[Any] = []  # channels replaced by renew(): closed with the client
+
+    def _secure_channel(self) -> Any:
+        return rpc.secure_channel(
+            f"{self._host}:{self._port}",
+            self._tls.channel_credentials(),
+            options=self._options.items(),
+        )
+
+    def _stubs(self) -> None:
+        self.kvstub = rpc.KVStub(self.channel)
+        self.clusterstub = rpc.ClusterStub(self.channel)
+        self.leasestub = rpc.LeaseStub(self.channel)
+        self.maintenancestub = rpc.MaintenanceStub(self.channel)
+        self._watcher = aetcd.watcher.Watcher(
+            rpc.WatchStub(self.channel),
+            timeout=self._timeout,
+            metadata=self.metadata,
+        )
+
+    def renew(self, tls: EtcdTls) -> None:
+        """Present `tls` (a renewed certificate) from now on: calls made next go over a new
+        channel; the old one's calls and streams go on (its handshake was with a certificate
+        still valid) and it is closed with the client."""
+        self._tls = tls
+        if self.channel is not None and self._connected.is_set():
+            self._retired.append(self.channel)
+            self.channel = self._secure_channel()
+            self._stubs()
+
+    async def close(self) -> None:
+        await super().close()
+        retired, self._retired = self._retired, []
+        for channel in retired:
+            await channel.close()
 
     @aetcd.client._handle_errors  # type: ignore[untyped-decorator]  # noqa: SLF001
     async def connect(self) -> None:
@@ -186,11 +235,7 @@ class TlsClient(aetcd.Client):  # type: ignore[misc]
             return
         try:
             self._is_connecting = True
-            self.channel = rpc.secure_channel(
-                f"{self._host}:{self._port}",
-                self._tls.channel_credentials(),
-                options=self._options.items(),
-            )
+            self.channel = self._secure_channel()
             if self._username is not None and self._password is not None:
                 self.auth_stub = rpc.AuthStub(self.channel)
                 resp = await self.auth_stub.Authenticate(
@@ -198,13 +243,7 @@ class TlsClient(aetcd.Client):  # type: ignore[misc]
                     timeout=self._timeout,
                 )
                 self.metadata = (("token", resp.token),)
-            self.kvstub = rpc.KVStub(self.channel)
-            self.clusterstub = rpc.ClusterStub(self.channel)
-            self.leasestub = rpc.LeaseStub(self.channel)
-            self.maintenancestub = rpc.MaintenanceStub(self.channel)
-            self._watcher = aetcd.watcher.Watcher(
-                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
-            )
+            self._stubs()
             self._connected.set()
         finally:
             self._is_connecting = False

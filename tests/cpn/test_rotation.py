@@ -24,6 +24,7 @@ from cpn.secure import credentials_for, init_pki
 from sites.emulation.etcd_server import EmbeddedEtcd
 from sites.kits.tls import PeerTrust, ReloadingServer
 from sites.model.errors import RegistryUnavailable
+from sites.registry import connection
 from sites.registry.client import Registry
 from sites.registry.security import EtcdTls, load_credentials, write_credentials
 
@@ -180,12 +181,14 @@ def test_cli_lists_rotates_and_revokes(pki: Pki, capsys: pytest.CaptureFixture[s
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
-async def test_etcd_refuses_a_revoked_client_and_serves_its_renewed_certificate(
-    pki: Pki,
+async def test_etcd_refuses_a_revoked_client_and_takes_renewed_certificates(
+    pki: Pki, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = EmbeddedEtcd(
-        data_dir=pki.directory.parent / "etcd", unsafe_no_fsync=True, tls=init_pki(pki)
-    )
+    """etcd reads its CRL and its own certificate at every handshake; a running client takes
+    its renewed credential file for the connections it opens next."""
+    monkeypatch.setattr(connection, "CREDENTIALS_CHECK_S", 0.0)  # look at every call
+    etcd_tls = init_pki(pki)
+    server = EmbeddedEtcd(data_dir=pki.directory / "etcd", unsafe_no_fsync=True, tls=etcd_tls)
     server.start()
     try:
         site = pki.issue("site-x", common_name="site-x")
@@ -196,6 +199,22 @@ async def test_etcd_refuses_a_revoked_client_and_serves_its_renewed_certificate(
         with pytest.raises(RegistryUnavailable):  # its next handshake
             async with Registry.from_urls(server.url, tls=tls, timeout_s=3):
                 pass
+
+        path = credentials_for(pki, "site-y", server.url, name="y")
+        async with Registry.from_credentials(load_credentials(path), timeout_s=3) as reg:
+            await reg.put_raw("/cpn/v1/probe", b"2")
+            old, old_tls = held_named(pki, "credentials/y"), load_credentials(path).tls()
+            new = renew(pki, old)
+            pki.write_crl([old.serial])  # from now on only the renewed one opens a connection
+            await reg.put_raw("/cpn/v1/probe", b"3")  # a new channel, the new certificate
+            assert reg.tls is not None and serial_of(reg.tls.cert_pem or b"") == new.serial
+            # and the HTTP/2 connection transactions open (the first one, made now)
+            assert await reg.commit(guards=[], puts={"/cpn/v1/probe": b"4"})
+            assert await reg.get_raw("/cpn/v1/probe") is not None
+        with pytest.raises(RegistryUnavailable):  # the old certificate is refused
+            async with Registry.from_urls(server.url, tls=old_tls, timeout_s=3):
+                pass
+
         client = ssl.create_default_context(cafile=str(pki.ca_path))
         client.load_cert_chain(pki.issue("root").cert_path, pki.directory / "root-key.pem")
         port = int(server.url.rsplit(":", 1)[1])
