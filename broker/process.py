@@ -31,6 +31,7 @@ import secrets
 import ssl
 import time
 from collections.abc import Coroutine, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,9 +39,11 @@ import aiohttp
 from broker.leader import decisions as dc
 from broker.leader.actions import Actor
 from broker.leader.alerts import AlertKeeper, alert_inputs
+from broker.leader.backups import BackupKeeper
 from broker.leader.data_outbox import MANIFEST_TIMEOUT_S, DataOutboxLoop, run_outbox
 from broker.leader.data_terms import DataTerms
 from broker.leader.history import HistoryKeeper
+from broker.leader.recovery import RecoveryKeeper
 from broker.leader.replicas import ReplicaReconciler
 from broker.leader.scaler import Scaler
 from broker.model.errors import BrokerError
@@ -106,6 +109,7 @@ class Broker:
         url: str = "",
         sovereignty: Mapping[str, frozenset[str]] | None = None,
         agent_ssl: ssl.SSLContext | None = None,
+        backup_dir: Path | None = None,
     ) -> None:
         self.registry = registry
         self.catalog = catalog
@@ -191,6 +195,29 @@ class Broker:
             stale_after_s=self.settings.inference.routing.scoring.signals_stale_after_s,
             on_error=lambda service: self.metrics.service_errors.labels(service).inc(),
         )
+        # a restore from a backup: scheduling held while the agents' runs are settled, and the
+        # leader's scheduled backups (docs/backup.md)
+        self.recovery = RecoveryKeeper(
+            registry=registry,
+            leadership=self.leadership,
+            actor=self.actor,
+            audit=self.audit,
+            view=self.view,
+            context=self.context,
+            clock=self.clock,
+            kick=self._kick.set,
+        )
+        self.backups = (
+            BackupKeeper(
+                registry=registry,
+                leadership=self.leadership,
+                settings=self.settings.backup,
+                directory=backup_dir,
+                clock=self.clock,
+            )
+            if backup_dir is not None and self.settings.backup.enabled
+            else None
+        )
         self.history = HistoryKeeper(
             registry=registry,
             leadership=self.leadership,
@@ -269,6 +296,9 @@ class Broker:
         self.supervisor.spawn("leader election", self.leadership.run, restart=RESTART)
         self.supervisor.spawn("scheduler", self._schedule_loop, restart=RESTART)
         self.supervisor.spawn("history", self.history.run, restart=RESTART)
+        self.supervisor.spawn("restore", self.recovery.run, restart=RESTART)
+        if self.backups is not None:
+            self.supervisor.spawn("backups", self.backups.run, restart=RESTART)
         self.supervisor.spawn("replicas", self.replicas.run, restart=RESTART)
         self.supervisor.spawn("traffic", self.traffic_publisher.run, restart=RESTART)
         self.supervisor.spawn("autoscaler", self.scaler.run, restart=RESTART)
@@ -364,6 +394,8 @@ class Broker:
             self._kick.clear()
             if not self.is_leader:
                 self._fair = None  # a new term starts from the registry's
+                continue
+            if self.recovery.holding:  # a restore is being settled (broker.leader.recovery)
                 continue
             started = time.monotonic()
             try:

@@ -101,6 +101,8 @@ async def serve(
         agent_ssl=agent_ssl,
         # managed services' replicas for a client region run where it may be served
         sovereignty=clients.sovereignty() if clients is not None else None,
+        # the leader's scheduled backups (docs/backup.md): none in-process without a state dir
+        backup_dir=settings.backup.dir or (state_dir / "backups" if state_dir else None),
     )
     router = None
     if clients is not None:

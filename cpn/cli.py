@@ -4,7 +4,7 @@ User errors exit 2 with one line on stderr (`cpn: error: ...`); an unreachable r
 another run-time failure exits 1. `-o json` prints machine-readable output.
 
 The commands are in one module per group, each with its `add_parsers` (cpn/<group>_cli.py: up,
-site, certs, serve, job, token, usage, tenant, service, load); what they share is in
+site, certs, serve, job, token, usage, tenant, service, load, backup); what they share is in
 cpn.cli_base. Here: the parser that gathers them, the commands with their own parser
 (`_DELEGATED`, imported by name when run), and `main`, which maps errors to exit codes.
 """
@@ -71,6 +71,7 @@ GROUPS: tuple[tuple[str, str, tuple[Callable[..., Any], ...]], ...] = (
     ("tenant_cli", "add_parsers", (broker_arg,)),
     ("service_cli", "add_parsers", (broker_arg,)),
     ("load_cli", "add_parsers", (broker_arg,)),
+    ("backup_cli", "add_parsers", (etcd_arg,)),
     ("token_cli", "add_whoami", (broker_arg,)),
 )
 # command (or alias) -> its group's module: a command's run imports its group alone (every
@@ -84,6 +85,7 @@ COMMANDS: dict[str, str] = {
     "token": "token_cli", "audit": "token_cli", "usage": "usage_cli", "alerts": "usage_cli",
     "tenants": "tenant_cli", "tenant": "tenant_cli", "services": "service_cli",
     "service": "service_cli", "load": "load_cli", "whoami": "token_cli",
+    "backup": "backup_cli", "restore": "backup_cli", "recovery": "backup_cli",
 }  # fmt: skip
 
 

@@ -30,7 +30,7 @@ from sites.model.assignments import Report, RunState
 from sites.model.data import CheckpointMark
 from sites.registry.client import Guard
 
-__all__ = ["reports", "retry_or_fail", "stop_with_gang"]
+__all__ = ["apply_report", "reports", "retry_or_fail", "stop_with_gang"]
 
 
 def reports(p: Pass, steps: WorkflowSteps) -> None:
@@ -63,6 +63,14 @@ def reports(p: Pass, steps: WorkflowSteps) -> None:
         if job_id in p.touched:
             continue
         _report(p, steps, record, entry[1], report, report_rev)
+
+
+def apply_report(
+    p: Pass, steps: WorkflowSteps, record: JobRecord, rev: int, report: Report, report_rev: int
+) -> None:
+    """What a report of `record`'s current run does to it (a restore's recovery applies the
+    report of a run it takes on: broker.leader.recovery)."""
+    _report(p, steps, record, rev, report, report_rev)
 
 
 def _report(

@@ -346,6 +346,30 @@ class HistorySettings(BaseModel):
     )
 
 
+class BackupSettings(BaseModel):
+    """The leader's scheduled backups of the registry (broker.leader.backups, docs/backup.md)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(
+        default=True,
+        description="the leader snapshots etcd every interval_s into `dir`: a registry lost "
+        "whole (every member) is rebuilt from the newest (`cpn restore`)",
+    )
+    interval_s: Duration = Field(
+        default=3600.0,
+        gt=0,
+        description="between two backups; what a restore loses is at most this much of the "
+        "registry's history (the agents' reports give back what ran meanwhile)",
+    )
+    keep: int = Field(default=24, ge=1, description="the newest this many are kept")
+    dir: Path | None = Field(
+        default=None,
+        description="where; default: <the broker's state dir>/backups. Put it on another "
+        "disk than etcd's, or copy it off the host (docs/backup.md)",
+    )
+
+
 class AuthSettings(BaseModel):
     """Who may call the API (broker.state.auth, docs/auth.md)."""
 
@@ -374,6 +398,7 @@ class BrokerSettings(BaseModel):
     scheduling: SchedulingSettings = SchedulingSettings()
     history: HistorySettings = HistorySettings()
     auth: AuthSettings = AuthSettings()
+    backup: BackupSettings = BackupSettings()
     inference: InferenceSettings = InferenceSettings()
     alerts: AlertSettings = Field(
         default=AlertSettings(),

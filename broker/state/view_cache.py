@@ -160,6 +160,8 @@ class ViewCache:
             return record
         elif prefix == keys.ASSIGNMENTS:
             site, job = keys.split(key, keys.ASSIGNMENTS)[:2]
+            if job == keys.RESTORE_MARK:  # a restore's mark (broker.leader.recovery reads it)
+                return None
             assignment = None if value is None else _decoded(_assignment, value, key)
             if assignment is None:
                 view.assignments.pop((site, job), None)

@@ -56,11 +56,12 @@ LINK_BANDWIDTH_REL = 0.20  # of the last bandwidth written
 
 def status_changed(old: SiteStatus, new: SiteStatus) -> bool:
     """`new` says something `old` (the status last written) does not, within the tolerances."""
-    if (old.site, old.instance, old.mode, old.interval_s) != (
+    if (old.site, old.instance, old.mode, old.interval_s, old.restored) != (
         new.site,
         new.instance,
         new.mode,
         new.interval_s,
+        new.restored,
     ):
         return True
     if old.capacity != new.capacity or old.free != new.free or old.nodes != new.nodes:

@@ -205,6 +205,7 @@ class Agent:
             settle_s=2 * self.settings.interval_s,  # a publish, and the brokers' watch
             data=self.data,
             metrics=self.metrics,
+            on_restored=self._restored,
         )
         # the workload holds the jobs and keepalive the lease: if either dies the agent stops
         # (its lease expires and the broker moves the jobs); the measuring loops restart
@@ -467,6 +468,9 @@ class Agent:
         self.prober.set_peers(peers)
         self.data.peer_urls = urls  # a peer that restarted elsewhere is found again by staging
 
+    def _restored(self) -> None:
+        self._confirm = True  # the status says so at the next publish (docs/backup.md)
+
     def _on_spec(self, items: dict[str, bytes]) -> None:
         if not items:
             self._confirm = True  # the site left: the next publish finds out and stops
@@ -511,6 +515,7 @@ class Agent:
             host=host,
             nodes=self.workload.node_usage() if self.workload is not None else (),
             confinement=self.confinement,
+            restored=self.workload.restored if self.workload is not None else None,
         )
 
     def _resources(self) -> SiteResources:

@@ -11,6 +11,13 @@ attempt+fence already has a report is not run again; one left `starting`/`runnin
 crashed predecessor (whose process died with it) is reported `failed` as lost, for the broker
 to retry. Long form: docs/executor.md.
 
+After a restore of the registry from a backup (docs/backup.md), the site's assignments hold a
+restore mark (keys.restore_mark) in the same read as the restored assignments: while it is
+there nothing is started or stopped for the assignments' sake, every run this agent knows
+(ended ones too: KEEP_FINISHED_S) is reported again with its assignment, and `restored` names
+the restore, which the agent's status then carries; the leader broker decides each run's fate
+and removes the mark, and the agent converges on the assignments again.
+
 A run whose assignment carries `serve` is a managed service's replica (sites.agent.replicas,
 kept by sites.agent.serving): it is given a port, probed until ready, published as its own
 endpoint of the service here (`replica_endpoints`: several replicas of a service may run at one
@@ -57,6 +64,7 @@ from sites.model.capacity import Capacity
 from sites.model.catalog import DeviceCatalog
 from sites.model.data import StagingProgress
 from sites.model.errors import RegistryError
+from sites.model.recovery import RestoreMark
 from sites.model.spec import SiteSpec
 from sites.model.status import AgentRecord, GpuDevice, NodeUsage, ServiceEndpoint
 from sites.registry.client import Registry
@@ -69,6 +77,12 @@ log = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0
 KEEP_FINISHED = 200  # finished runs listed by /jobs once their assignment is gone
+# ... and kept at least this long (at most KEEP_FINISHED_MAX): a restore from a backup brings
+# back assignments of runs that ended since it was taken; this agent knows they ran (never
+# twice), and reports them again so that the ledger bills them (docs/backup.md). A day covers
+# the leader's hourly backups many times over.
+KEEP_FINISHED_S = 86400.0
+KEEP_FINISHED_MAX = 20_000
 RETRY_MIN_S = 0.2
 QUEUE_POLL_S = 1.0  # how often a run queued in the site's scheduler is looked at again
 RETRY_MAX_S = 5.0
@@ -95,6 +109,7 @@ class Workload:
         settle_s: float = 1.0,
         data: DataPlane | None = None,
         metrics: AgentMetrics | None = None,
+        on_restored: Callable[[], None] | None = None,
     ) -> None:
         self.registry = registry
         self.data = data  # stages inputs and checkpoints, saves outputs (sites.agent.data)
@@ -118,6 +133,12 @@ class Workload:
         self._tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[Any] | None = None
         self._closing = asyncio.Event()
+        # a restore of the registry (module docstring): its mark, and the restore whose runs
+        # were all reported again
+        self._mark: RestoreMark | None = None
+        self.restored: str | None = None
+        self._rereporting: asyncio.Task[None] | None = None
+        self._on_restored = on_restored or (lambda: None)
         self._serving = Serving(
             site=self.site,
             runs=self._runs.values,
@@ -168,7 +189,8 @@ class Workload:
 
     async def _list_assignments(self) -> list[Assignment]:
         kvs = await self._list(keys.assignments(self.site), "assignments")
-        parsed = (self._parse(key, raw) for key, raw, _ in kvs)
+        mark = keys.restore_mark(self.site)
+        parsed = (self._parse(key, raw) for key, raw, _ in kvs if key != mark)
         return [a for a in parsed if a is not None]
 
     def _resumable(self, assignments: Iterable[Assignment]) -> list[Assignment]:
@@ -299,7 +321,11 @@ class Workload:
     def _desired(self) -> dict[str, Assignment]:
         desired: dict[str, Assignment] = {}
         parsed: dict[str, tuple[bytes, Assignment | None]] = {}
+        mark: RestoreMark | None = None
         for key, raw in self._mirror.items.items():
+            if key == keys.restore_mark(self.site):
+                mark = self._parse_mark(key, raw)
+                continue
             cached = self._parsed.get(key)
             assignment = (
                 cached[1] if cached is not None and cached[0] == raw else self._parse(key, raw)
@@ -308,7 +334,30 @@ class Workload:
             if assignment is not None:
                 desired[assignment.job] = assignment
         self._parsed = parsed
+        if self._mark is not None and mark is None:
+            log.info("the registry's restore %s is settled; following the assignments again",
+                     self._mark.generation)  # fmt: skip
+        self._mark = mark
         return desired
+
+    def _parse_mark(self, key: str, raw: bytes) -> RestoreMark:
+        try:
+            return RestoreMark.model_validate_json(raw)
+        except ValidationError:  # a mark it cannot read still holds the runs as they are
+            log.warning("malformed restore mark at %s", key)
+            return RestoreMark(generation="?", restored_at=0.0, snapshot_revision=0)
+
+    async def _rereport(self, mark: RestoreMark) -> None:
+        """Every run known here reported again, with its assignment; then `restored`."""
+        runs = list(self._runs.values())
+        log.warning(
+            "the registry was restored from a backup (revision %d, restore %s): reporting "
+            "the %d runs this agent knows again",
+            mark.snapshot_revision, mark.generation, len(runs),
+        )  # fmt: skip
+        await asyncio.gather(*(self._write(run) for run in runs))
+        self.restored = mark.generation
+        self._on_restored()
 
     def _parse(self, key: str, raw: bytes) -> Assignment | None:
         parts = keys.split(key, keys.assignments(self.site))
@@ -328,7 +377,15 @@ class Workload:
         return assignment
 
     def _reconcile(self, desired: dict[str, Assignment]) -> None:
-        """Decide and act, without awaiting: stop what is withdrawn, start what is new."""
+        """Decide and act, without awaiting: stop what is withdrawn, start what is new; while
+        the registry's restore is being settled, report the runs again instead (module
+        docstring)."""
+        mark = self._mark
+        if mark is not None:
+            busy = self._rereporting is not None and not self._rereporting.done()
+            if mark.generation != self.restored and not busy:
+                self._rereporting = self._spawn(self._rereport(mark), "restore")
+            return
         for job, run in self._runs.items():
             wanted = desired.get(job)
             if (
@@ -402,7 +459,12 @@ class Workload:
             (run for job, run in self._runs.items() if not run.live and job not in desired),
             key=lambda run: run.finished_at or 0.0,
         )
-        for run in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+        now = self.clock.time()
+        extra = max(0, len(finished) - KEEP_FINISHED)
+        for i, run in enumerate(finished[:extra]):
+            recent = now - (run.finished_at or 0.0) < KEEP_FINISHED_S
+            if recent and len(finished) - i <= KEEP_FINISHED_MAX:
+                break  # kept: it may come back with a restore (KEEP_FINISHED_S)
             del self._runs[run.job]
 
     # -- one run ------------------------------------------------------------------------------
@@ -680,6 +742,8 @@ class Workload:
         delay = RETRY_MIN_S
         while not self._closing.is_set():
             report = run.report(self.clock.time())
+            if self._mark is not None:  # what the broker rebuilds a job it lost from
+                report = report.model_copy(update={"assignment": run.assignment})
             record = self._record()
             if record is not None:
                 try:

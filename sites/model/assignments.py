@@ -136,3 +136,8 @@ class Report(Frozen):
     outputs: tuple[OutputMade, ...] = Field(default=(), description="saved on success")
     egress: tuple[Egress, ...] = Field(default=(), description="bytes pulled from other sites")
     updated_at: float
+    assignment: Assignment | None = Field(
+        default=None,
+        description="sent again after a restore (docs/backup.md): the run's assignment, from "
+        "which the broker rebuilds a job the restored registry does not know",
+    )

@@ -179,6 +179,16 @@ def reports(site: str) -> str:
     return f"{REPORTS}{site}/"
 
 
+# the registry was restored from a backup (sites.model.recovery, docs/backup.md): the record of
+# the recovery, and a mark among each site's assignments, seen by its agent in the same read
+RECOVERY = ROOT + "recovery"
+RESTORE_MARK = "~restored"
+
+
+def restore_mark(site: str) -> str:
+    return f"{ASSIGNMENTS}{site}/{RESTORE_MARK}"
+
+
 def report(site: str, job: str) -> str:
     return f"{REPORTS}{site}/{job}"
 

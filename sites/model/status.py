@@ -159,6 +159,11 @@ class SiteStatus(Frozen):
     confinement: str = Field(
         default="", description="how the site confines tenants' runs (sites.executors.confinement)"
     )
+    restored: str | None = Field(
+        default=None,
+        description="the registry restore (its generation) whose runs this agent has reported "
+        "again, every one it knows (docs/backup.md)",
+    )
 
     @property
     def refusal(self) -> str | None:

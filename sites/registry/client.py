@@ -284,6 +284,11 @@ class Registry:
         """Defragment one member's database ("host:port")."""
         await maintenance.defragment(self._conn, endpoint)
 
+    async def snapshot_to(self, write: Callable[[bytes], None]) -> tuple[str, int]:
+        """Stream a snapshot of etcd's database to `write` (maintenance.snapshot); returns the
+        member it came from and the revision it holds."""
+        return await maintenance.snapshot(self._conn, write)
+
     async def auth(self, method: str, request: Any) -> Any:
         """One call of etcd's Auth service; sites.registry.admin drives it."""
         return await maintenance.auth(self._conn, method, request)

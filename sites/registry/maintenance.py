@@ -1,11 +1,12 @@
 """etcd's maintenance and auth services for the registry: compaction, each member's database
-size, defragmentation (the leader's history loop, broker.leader.history) and the calls of etcd's
-Auth service (sites.registry.admin drives those).
+size, defragmentation (the leader's history loop, broker.leader.history), snapshots (backups:
+sites.registry.backups) and the calls of etcd's Auth service (sites.registry.admin drives those).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,3 +118,39 @@ async def auth(conn: EtcdConnection, method: str, request: Any) -> Any:
         if exc.code() == rpc.StatusCode.PERMISSION_DENIED:
             raise PermissionDenied(f"etcd {method}: {exc.details()}") from exc
         raise RegistryError(f"etcd {method}: {exc.details()}") from exc
+
+
+async def snapshot(
+    conn: EtcdConnection, write: Callable[[bytes], None], *, timeout_s: float = 600.0
+) -> tuple[str, int]:
+    """Stream a snapshot of etcd's whole database (the maintenance API's Snapshot call, etcd's
+    own integrity hash at its end) from the first member that answers, each chunk to `write`;
+    returns (the member "host:port", the revision its first answer's header names).
+
+    RegistryUnavailable if no member answers; RegistryError if the stream breaks (what was
+    written then is incomplete: the caller discards it)."""
+    for host, port in conn.endpoints:
+        client = make_client(host, port, timeout=int(timeout_s), tls=conn.tls)
+        try:
+            try:
+                await conn.call(client.connect)
+            except (RegistryUnavailable, rpc.AioRpcError) as exc:
+                log.debug("etcd member %s:%d does not answer: %s", host, port, exc)
+                continue
+            revision = 0
+            try:
+                stream = client.maintenancestub.Snapshot(
+                    rpc.SnapshotRequest(), timeout=timeout_s, metadata=client.metadata
+                )
+                async for chunk in stream:
+                    if not revision:
+                        revision = int(chunk.header.revision)
+                    write(bytes(chunk.blob))
+            except rpc.AioRpcError as exc:
+                raise RegistryError(
+                    f"snapshot from etcd {host}:{port} broke off: {exc.details()}"
+                ) from exc
+            return f"{host}:{port}", revision
+        finally:
+            await client.close()
+    raise RegistryUnavailable(f"no etcd member of {conn.url} answers")

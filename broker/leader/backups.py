@@ -1,0 +1,65 @@
+"""The leader's scheduled backups: a snapshot of etcd every `interval_s` into a directory,
+the newest `keep` kept (sites.registry.backups, docs/backup.md).
+
+Only the leader takes them, so a federation of several brokers takes one per interval. The
+next is due one interval after the newest in the directory, so a new leader (or a restarted
+one) neither takes one at once nor waits a whole interval more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from broker.placement.settings import BackupSettings
+from broker.state.leadership import Leadership
+from sites.kits.clock import Clock
+from sites.model.errors import RegistryError
+from sites.registry.backups import BackupError, BackupInfo, BackupStore
+from sites.registry.client import Registry
+
+__all__ = ["BackupKeeper"]
+
+log = logging.getLogger(__name__)
+
+POLL_S = 10.0  # how often a replica looks whether it leads and a backup is due
+
+
+class BackupKeeper:
+    def __init__(
+        self,
+        *,
+        registry: Registry,
+        leadership: Leadership,
+        settings: BackupSettings,
+        directory: Path,
+        clock: Clock,
+    ) -> None:
+        self.registry = registry
+        self.leadership = leadership
+        self.settings = settings
+        self.store = BackupStore(directory, keep=settings.keep)
+        self.clock = clock
+        self._started = clock.time()
+
+    def due_at(self) -> float:
+        """One interval after the newest backup (or after this replica started)."""
+        newest = self.store.backups()
+        last = newest[-1].taken_at if newest else self._started
+        return last + float(self.settings.interval_s)
+
+    async def take_if_due(self) -> BackupInfo | None:
+        if not self.leadership.is_leader or self.clock.time() < self.due_at():
+            return None
+        try:
+            return await self.store.take(self.registry, now=self.clock.time())
+        except (RegistryError, BackupError, OSError) as exc:
+            log.warning("scheduled backup into %s failed: %s", self.store.directory, exc)
+            return None
+
+    async def run(self) -> None:
+        """Supervised: a failed backup is logged and tried again at the next poll."""
+        while True:
+            await self.take_if_due()
+            await asyncio.sleep(min(POLL_S, float(self.settings.interval_s)))

@@ -1,0 +1,195 @@
+"""The disaster drill (docs/backup.md): a backup, work run and submitted after it, every etcd
+member destroyed, the registry restored from the backup while the agents and the broker keep
+running; then no job ran twice, every job is finished, running once or listed as lost, and
+the ledger holds exactly the runs that happened.
+
+bench/disaster_drill.py runs it larger (CPN_DRILL_JOBS) and prints its figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from sites.emulation.etcd_server import EtcdCluster
+from sites.model import keys
+from sites.registry.client import Registry
+from tests.broker.conftest import (
+    BROKER_SETTINGS,
+    Federation,
+    federation_site,
+    join_sites,
+    shared_dir,
+)
+from tests.conftest import CONFIGS, REPO, Processes, write_admin_token
+
+SITES = {
+    "east-a": {"region": "east", "coordinates": {"lat": 31.2, "lon": 121.4}, "price": 3.0},
+    "east-b": {"region": "east", "coordinates": {"lat": 31.3, "lon": 120.6}, "price": 2.0},
+}
+JOBS = int(os.environ.get("CPN_DRILL_JOBS", "2"))  # of each kind, before and after the backup
+COLLECT_S = 20.0
+
+
+def cpn(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "cpn", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, (args, done.stdout, done.stderr)
+    return done.stdout
+
+
+def _federation(cluster: EtcdCluster, reg: Registry, processes: Processes, tmp: Path) -> Path:
+    cfg = tmp / "configs"
+    (cfg / "sites").mkdir(parents=True)
+    shutil.copy(CONFIGS / "devices.yaml", cfg / "devices.yaml")
+    shutil.copytree(CONFIGS / "latency", cfg / "latency")
+    (cfg / "broker.yaml").write_text(yaml.safe_dump(BROKER_SETTINGS))
+    regions = {"user_regions": [{"id": "user-east", "lat": 31.23, "lon": 121.47}]}
+    (cfg / "regions.yaml").write_text(yaml.safe_dump(regions))
+    (cfg / "tenants.yaml").write_text(yaml.safe_dump({"tenants": {}}))
+    shared = shared_dir(tmp)
+    for site_id, spec in SITES.items():
+        doc = federation_site(site_id, {"shared": shared, **spec})
+        (cfg / "sites" / f"{site_id}.yaml").write_text(yaml.safe_dump(doc))
+    join_sites(cluster.url, sorted((cfg / "sites").glob("*.yaml")), cfg / "devices.yaml")
+    return cfg
+
+
+async def _segments(reg: Registry) -> set[tuple[str, int]]:
+    """(job, attempt) of every usage segment of a run (egress segments aside)."""
+    _, kvs = await reg.list_prefix(keys.USAGE_SEGMENTS)
+    out = set()
+    for key, _, _ in kvs:
+        day, job, attempt = keys.split(key, keys.USAGE_SEGMENTS)[:3]
+        if not job.endswith(".egress"):
+            out.add((job, int(attempt)))
+    return out
+
+
+@pytest.mark.e2e
+async def test_a_registry_lost_whole_comes_back_from_its_backup(
+    processes: Processes, tmp_path: Path
+) -> None:
+    cluster = EtcdCluster(3, data_dir=tmp_path / "etcd", unsafe_no_fsync=True)
+    cluster.start()
+    try:
+        async with Registry.from_urls(cluster.url) as reg:
+            await write_admin_token(reg)
+            cfg = _federation(cluster, reg, processes, tmp_path)
+            fed = Federation(registry=reg, processes=processes, config_dir=cfg)
+            for site_id in SITES:
+                fed.start_agent(site_id)
+            fed.start_broker()
+            deadline = time.monotonic() + 30
+            while not all(s["state"] == "up" for s in json.loads(fed.get("/v1/sites")[1])["items"]):
+                assert time.monotonic() < deadline, "sites not up"
+                await asyncio.sleep(0.2)
+            ran = tmp_path / "shared" / "ran"
+
+            def work(name: str, seconds: float) -> str:
+                line = f'echo "$CPN_JOB_ID $CPN_ATTEMPT $CPN_SITE" >> {ran}; sleep {seconds}'
+                record = fed.submit(name=name, command=["sh", "-c", line])
+                return str(record["id"])
+
+            # before the backup: jobs done, and jobs running that end after it
+            done_before = [work(f"done-before-{i}", 0) for i in range(JOBS)]
+            running_before = [work(f"running-before-{i}", 6) for i in range(JOBS)]
+            for job in done_before:
+                fed.wait_state(job, "SUCCEEDED")
+            for job in running_before:
+                fed.wait_state(job, "RUNNING")
+            backups = tmp_path / "backups"
+            taken = json.loads(
+                cpn("backup", "create", "--etcd", cluster.url, "--dir", str(backups), "-o", "json")
+            )
+            # after it: jobs accepted, run and finished; jobs accepted and still running
+            done_after = [work(f"done-after-{i}", 0) for i in range(JOBS)]
+            running_after = [work(f"running-after-{i}", 8) for i in range(JOBS)]
+            for job in done_after:
+                fed.wait_state(job, "SUCCEEDED")
+            for job in running_after:
+                fed.wait_state(job, "RUNNING")
+            billed_before = await _segments(reg)
+
+            # the disaster: every member and its data gone
+            started = time.monotonic()
+            for i, name in enumerate(cluster.names):
+                cluster.kill(i)
+                shutil.rmtree(cluster.data_dir / name)
+            members = [f"--member={n}={cluster._peer(i)}" for i, n in enumerate(cluster.names)]
+            snapshot = str(backups / f"{taken['name']}.db")
+            cpn("restore", snapshot, "--data-dir", str(cluster.data_dir), *members,
+                "--collect-s", str(COLLECT_S))  # fmt: skip
+            for i in range(len(cluster.names)):
+                cluster._launch(i, "existing")  # on the same ports: clients reconnect
+            for i in range(len(cluster.names)):
+                assert cluster._healthy(i, 30), f"member {i} did not come back"
+            rec: dict[str, Any] = json.loads(
+                subprocess.run(
+                    [sys.executable, "-m", "cpn", "recovery", "--etcd", cluster.url,
+                     "--wait", "60", "-o", "json"],
+                    capture_output=True, text=True, cwd=REPO, timeout=90, check=False,
+                ).stdout
+            )  # fmt: skip
+            recovered_s = time.monotonic() - started
+            assert rec["phase"] == "done", rec
+            assert sorted(rec["reported"]) == sorted(SITES), rec  # every agent answered
+            fates = {j["job"]: j for j in rec["jobs"]}
+            lost = [j for j in rec["jobs"] if j["fate"] == "lost"]
+
+            accepted = done_before + running_before + done_after + running_after
+            deadline = time.monotonic() + 40
+            while True:
+                states = {j: fed.job(j)["state"] for j in accepted}
+                if all(s in ("SUCCEEDED", "FAILED", "CANCELLED") for s in states.values()):
+                    break
+                assert time.monotonic() < deadline, states
+                await asyncio.sleep(0.5)
+
+            runs = Counter(line.split()[0] for line in ran.read_text().splitlines())
+            assert all(n == 1 for n in runs.values()), runs  # no job ran twice
+            assert set(runs) == set(accepted)
+            # nothing an agent reported was lost: every job ended as it ran, none is "lost"
+            assert not lost, lost
+            assert all(s == "SUCCEEDED" for s in states.values()), states
+            for job in done_after:  # accepted after the backup: rebuilt from its agent's report
+                assert fates[job]["fate"] == "recovered", fates.get(job)
+            for job in running_after:
+                assert fates[job]["fate"] == "recovered", fates.get(job)
+            # the ledger holds each run once: what it had, what the restore gave back
+            ledger = await _segments(reg)
+            ran_runs = {(job, 1) for job in accepted}
+            assert ledger == ran_runs, (ledger ^ ran_runs, billed_before)
+            # the audit log says why
+            _, audit = await reg.list_prefix(keys.AUDIT)
+            entries = [json.loads(raw) for _, raw, _ in audit]
+            restored = {e["target"] for e in entries if e["actor"] == "restore"}
+            assert set(done_after + running_after) <= restored
+            kinds = Counter(j["fate"] for j in rec["jobs"])
+            print(
+                f"drill: {len(accepted)} jobs ({JOBS} of each kind); recovered in "
+                f"{recovered_s:.1f} s from the members' loss to the restore settled; settled "
+                f"{dict(sorted(kinds.items()))}; lost {len(lost)}; runs {sum(runs.values())}, "
+                f"ledger {len(ledger)}"
+            )
+    finally:
+        for i in range(len(cluster.names)):
+            cluster.kill(i)
+        cluster.stop()
