@@ -395,8 +395,8 @@ class Broker:
             if not self.is_leader:
                 self._fair = None  # a new term starts from the registry's
                 continue
-            if self.recovery.holding:  # a restore is being settled (broker.leader.recovery)
-                continue
+            if self.recovery.holding or self.views.restore_marks:
+                continue  # a restore is being settled (broker.leader.recovery)
             started = time.monotonic()
             try:
                 await self.reconcile()

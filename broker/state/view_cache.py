@@ -71,6 +71,10 @@ class ViewCache:
             sites=Snapshot(revision=0, link_journal=[], site_journal=[]),
             derived=Derived(tracked=True),
         )
+        # the sites whose assignments hold a restore's mark: in the same read as the restored
+        # registry, so no scheduling pass decides on it before the restore is settled
+        # (broker.leader.recovery)
+        self.restore_marks: set[str] = set()
         self.mirror = RootMirror(
             registry=registry, prefixes=PREFIXES, on_reset=self._reset, on_event=self._event
         )
@@ -97,6 +101,7 @@ class ViewCache:
             view.jobs.clear()
         elif prefix == keys.ASSIGNMENTS:
             view.assignments.clear()
+            self.restore_marks.clear()
         elif prefix == keys.REPORTS:
             view.reports.clear()
         for key, value, rev in kvs:
@@ -161,6 +166,7 @@ class ViewCache:
         elif prefix == keys.ASSIGNMENTS:
             site, job = keys.split(key, keys.ASSIGNMENTS)[:2]
             if job == keys.RESTORE_MARK:  # a restore's mark (broker.leader.recovery reads it)
+                (self.restore_marks.add if value is not None else self.restore_marks.discard)(site)
                 return None
             assignment = None if value is None else _decoded(_assignment, value, key)
             if assignment is None:
