@@ -1,0 +1,93 @@
+"""`cpn backup create|ls|verify`, `cpn restore`, `cpn recovery` (cpn.backup_cli) against the
+session's etcd: what they print, and each bad input refused with exit 2 and one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cpn import cli
+from sites.emulation.etcd_server import EmbeddedEtcd
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code, _, err = run(capsys, *argv)
+    assert code == 2, err
+    assert err.startswith("cpn: error: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture
+def backed_up(
+    etcd: EmbeddedEtcd, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> tuple[Path, dict[str, object]]:
+    code, out, err = run(
+        capsys, "backup", "create", "--etcd", etcd.url, "--dir", str(tmp_path), "-o", "json"
+    )
+    assert code == 0, err
+    return tmp_path, json.loads(out)
+
+
+@pytest.mark.e2e  # verify and restore start a scratch etcd
+def test_a_backup_is_listed_verified_and_restored(
+    backed_up: tuple[Path, dict[str, object]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    where, info = backed_up
+    name = str(info["name"])
+    code, out, _ = run(capsys, "backup", "ls", "--dir", str(where))
+    assert code == 0 and name in out
+    code, out, err = run(capsys, "backup", "verify", name, "--dir", str(where))
+    assert code == 0, err
+    assert "ok: size and sha256 match its description" in out and "restored and read back" in out
+    data = tmp_path / "restored"
+    code, out, err = run(capsys, "restore", name, "--dir", str(where), "--data-dir", str(data))
+    assert code == 0, err
+    assert (data / "cpn" / "member").is_dir()
+    assert "start: etcd --name cpn" in out and "cpn recovery --wait" in out
+    # never over a directory that exists
+    err = refused(capsys, "restore", name, "--dir", str(where), "--data-dir", str(data))
+    assert "exists: restore into a new directory" in err
+
+
+@pytest.mark.e2e
+def test_a_damaged_or_foreign_snapshot_is_refused_in_one_line(
+    backed_up: tuple[Path, dict[str, object]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    where, info = backed_up
+    path = where / f"{info['name']}.db"
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert "the file is damaged" in refused(capsys, "backup", "verify", str(path))
+    foreign = tmp_path / "foreign.db"
+    foreign.write_bytes(b"not a snapshot" * 100)
+    assert "etcdutl snapshot status" in refused(capsys, "backup", "verify", str(foreign))
+    assert "no such snapshot file" in refused(
+        capsys, "backup", "verify", str(tmp_path / "missing.db")
+    )
+
+
+def test_a_restore_with_bad_members_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    snap = str(tmp_path / "x.db")
+    base = ("restore", snap, "--data-dir", str(tmp_path / "d"))
+    assert "expected NAME=http(s)://HOST:PORT" in refused(capsys, *base, "--member", "cpn0")
+    two = ("--member", "a=http://127.0.0.1:1", "--member", "b=http://127.0.0.1:2")
+    assert "no quorum" in refused(capsys, *base, *two)
+    assert "--collect-s: must be > 0" in refused(capsys, *base, "--collect-s", "0")
+
+
+def test_recovery_of_a_registry_never_restored(
+    etcd: EmbeddedEtcd, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "recovery", "--etcd", etcd.url)
+    assert code == 0 and "was not restored" in out
