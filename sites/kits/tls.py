@@ -140,6 +140,7 @@ class PeerTrust:
             return False
         self.context.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
         self.loads += 1
+        log.info("%s: the CRL loaded (%d since start)", self.crl, self.loads)
         return True
 
     async def follow(self, interval_s: float = CRL_POLL_S) -> None:

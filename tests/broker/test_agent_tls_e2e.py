@@ -1,5 +1,7 @@
 """A site's agent on HTTPS (`cpn agent --tls-cert`, as `cpn up --secure` starts it): the broker
-reads a job's log from it only when it trusts the federation's CA (`cpn broker --agent-ca`)."""
+reads a job's log from it only when it trusts the federation's CA (`cpn broker --agent-ca`),
+refuses its certificate once revoked (`--agent-crl`) and reads it again once the running agent
+serves a renewed one."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cpn.certs import Pki
+from cpn.rotation import held, renew, revoke
 from cpn.secure import agent_certificate
 from sites.emulation.etcd_server import free_port
 from tests.broker.conftest import SITES, Federation
@@ -65,10 +68,12 @@ def test_the_broker_reads_a_log_from_an_https_agent_only_with_the_federations_ca
     assert "certificate verify failed" in body["error"]["message"], body
 
     # a replica that trusts the federation's CA reads it (any replica serves the API)
+    pki.write_crl()
     port = free_port()
     fed.processes.start(
         "broker", "--etcd", fed.registry.url, "--listen", f"127.0.0.1:{port}",
         "--config-dir", str(fed.config_dir), "--agent-ca", str(pki.ca_path),
+        "--agent-crl", str(pki.crl_path),
         "--state-dir", str(tmp_path / "trusting-state"), name="broker-trusting",
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -80,5 +85,16 @@ def test_the_broker_reads_a_log_from_an_https_agent_only_with_the_federations_ca
             return False
 
     wait_until(answers, "the trusting broker answers")
+    # the agent's certificate revoked (a stolen key): the running broker loads the CRL within
+    # a second and refuses the certificate at its next handshake; renewed, the running agent
+    # serves the new one and is read again
+    revoke(pki, ["agent-east-a"])
+    wait_until(
+        lambda: "the CRL loaded (2 since start)" in fed.processes.log("broker-trusting"),
+        "the broker loads the new CRL",
+    )
+    status, text = get(f"{url}/v1/jobs/{job}/logs")
+    assert status == 502 and "certificate revoked" in text, text
+    renew(pki, next(c for c in held(pki) if c.name == "agent-east-a"))
     status, text = get(f"{url}/v1/jobs/{job}/logs")
     assert status == 200 and "hello from east-a" in text, text
