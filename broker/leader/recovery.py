@@ -155,8 +155,10 @@ def adopted(record: JobRecord, report: Report, a: Assignment, region: str, now: 
     )
 
 
-def decide(p: Pass, rec: Recovery, found: Found) -> Settled:
-    """The actions (on `p`), each job's fate and the bills (module docstring). Pure."""
+def decide(view: View, now: float, ctx: Context, rec: Recovery, found: Found) -> Settled:
+    """The actions, each job's fate and the bills (module docstring). Pure: the pass decides
+    on the view with the reports as `found` (read after the agents' acknowledgements)."""
+    p = Pass(dataclasses.replace(view, reports=dict(found.reports)), now, ctx)
     steps = WorkflowSteps(p)
     out = Settled()
     by_job: dict[str, list[tuple[str, Report, int]]] = {}
@@ -166,6 +168,7 @@ def decide(p: Pass, rec: Recovery, found: Found) -> Settled:
         runs = sorted(by_job[job], key=lambda r: (r[1].attempt, r[1].fence))
         out.fates += _job(p, steps, job, runs, found, out.bills)
     out.fates += _unknown_to_sites(p, rec, found)
+    out.actions = list(p.actions)
     return out
 
 
@@ -301,10 +304,11 @@ class Bill:
 
 @dataclasses.dataclass
 class Settled:
-    """What `decide` returns besides the pass's actions."""
+    """What `decide` returns."""
 
     fates: list[RecoveredJob] = dataclasses.field(default_factory=list)
     bills: list[Bill] = dataclasses.field(default_factory=list)
+    actions: list[Action] = dataclasses.field(default_factory=list)
 
 
 def _stop_all(job: str, runs: list[tuple[str, Report, int]], why: str) -> list[RecoveredJob]:
@@ -495,10 +499,8 @@ class RecoveryKeeper:
 
     async def _settle(self, rec: Recovery, rev: int, now: float) -> Recovery:
         found = await self._found()
-        view = dataclasses.replace(self.view(), reports=dict(found.reports))
-        p = Pass(view, now, self.context())
-        settled = decide(p, rec, found)
-        outcome = await self.actor.carry_out(p.actions)
+        settled = decide(self.view(), now, self.context(), rec, found)
+        outcome = await self.actor.carry_out(settled.actions)
         if outcome.deposed or outcome.stale:
             raise RegistryError(
                 f"{len(outcome.stale)} of the restore's decisions met a changed record; deciding "

@@ -135,8 +135,10 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
                 shutil.rmtree(cluster.data_dir / name)
             members = [f"--member={n}={cluster._peer(i)}" for i, n in enumerate(cluster.names)]
             snapshot = str(backups / f"{taken['name']}.db")
+            restore_started = time.monotonic()
             cpn("restore", snapshot, "--data-dir", str(cluster.data_dir), *members,
                 "--collect-s", str(COLLECT_S))  # fmt: skip
+            restore_s = time.monotonic() - restore_started
             for i in range(len(cluster.names)):
                 cluster._launch(i, "existing")  # on the same ports: clients reconnect
             for i in range(len(cluster.names)):
@@ -183,6 +185,16 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
             restored = {e["target"] for e in entries if e["actor"] == "restore"}
             assert set(done_after + running_after) <= restored
             kinds = Counter(j["fate"] for j in rec["jobs"])
+            figures = os.environ.get("CPN_DRILL_FIGURES")  # bench/disaster_drill.py reads them
+            if figures:
+                Path(figures).write_text(json.dumps({
+                    "jobs": len(accepted), "after_backup": len(done_after + running_after),
+                    "recovered_s": recovered_s, "restore_s": restore_s,
+                    "settled_s": (rec["closed_at"] or 0) - (rec["opened_at"] or 0),
+                    "fates": dict(kinds), "lost": len(lost), "runs": sum(runs.values()),
+                    "ran_twice": sum(1 for n in runs.values() if n > 1),
+                    "ledger": len(ledger), "snapshot_bytes": taken["size_bytes"],
+                }))  # fmt: skip
             print(
                 f"drill: {len(accepted)} jobs ({JOBS} of each kind); recovered in "
                 f"{recovered_s:.1f} s from the members' loss to the restore settled; settled "
