@@ -1,5 +1,6 @@
 """Certificates that rotate: what a PKI directory holds, which certificates are due for renewal,
-their renewal, and revocation (`cpn certs ls|rotate|revoke`; long form: docs/security.md).
+their renewal, and revocation (`cpn certs ls|rotate|revoke`; long form: docs/auth.md,
+"Certificates that rotate").
 
 A PKI directory (cpn.certs) holds two kinds of certificates:
 
