@@ -56,6 +56,8 @@ def _day(when: dt.datetime) -> str:
 
 
 def cmd_certs_ls(args: argparse.Namespace) -> int:
+    from cryptography import x509
+
     from cpn.rotation import held
 
     pki = pki_of(args)
@@ -76,8 +78,10 @@ def cmd_certs_ls(args: argparse.Namespace) -> int:
     ]
     crl = pki.crl()
     crl_next = None if crl is None or crl.next_update_utc is None else crl.next_update_utc
+    ca_expires = x509.load_pem_x509_certificate(pki.ca_pem()).not_valid_after_utc
     if args.output == "json":
         doc = {
+            "ca": {"not_after": ca_expires.isoformat(), "days_left": (ca_expires - now).days},
             "certificates": rows,
             "crl": None
             if crl is None
@@ -91,6 +95,10 @@ def cmd_certs_ls(args: argparse.Namespace) -> int:
             f"{c.name:<28} {c.common_name:<24} {_day(c.not_after):<17} "
             f"{row['days_left']:>5}  {row['state']}"
         )
+    ca_state = "due: not renewed by rotate" if ca_expires <= now + within else "ok"
+    print(
+        f"CA {pki.ca_path}: until {_day(ca_expires)} ({(ca_expires - now).days} days), {ca_state}"
+    )
     if crl is None:
         print("no CRL: nothing revoked (`cpn certs rotate` writes one)")
     else:
