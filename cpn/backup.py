@@ -47,6 +47,7 @@ __all__ = [
 
 DEFAULT_COLLECT_S = 60.0  # how long the leader waits for agents that do not report
 ETCDUTL_TIMEOUT_S = 300
+MARKS_PER_TXN = 500
 
 
 @dataclass(frozen=True)
@@ -243,9 +244,11 @@ async def restore(
                 sites=tuple(sites),
             )
             mark = recovery.mark().model_dump_json().encode()
-            puts = {keys.RECOVERY: recovery.model_dump_json().encode()}
-            puts.update({keys.restore_mark(site): mark for site in sites})
-            await reg.commit(guards=(), puts=puts)
+            for i in range(0, len(sites), MARKS_PER_TXN):  # within etcd's --max-txn-ops
+                marks = {keys.restore_mark(site): mark for site in sites[i : i + MARKS_PER_TXN]}
+                await reg.commit(guards=(), puts=marks)
+            # the record last: nothing of the restore is in the snapshot without it
+            await reg.put_raw(keys.RECOVERY, recovery.model_dump_json().encode())
             marked = etcd.data_dir / "marked.db"
             with open(marked, "wb") as f:
 

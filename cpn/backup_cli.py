@@ -156,9 +156,11 @@ async def cmd_recovery(args: argparse.Namespace) -> int:
     if args.output == "json":
         print(rec.model_dump_json(indent=1))
         return 0 if rec.phase is Phase.done else 3
+    counts = ", ".join(f"{n} {fate}" for fate, n in rec.counts.items())
     print(
         f"restore {rec.generation} of {rec.snapshot} (revision {rec.snapshot_revision}): "
         f"{rec.phase.value}; {len(rec.reported)}/{len(rec.sites)} sites reported"
+        + (f"; settled: {counts}" if counts else "")
     )
     for fate in Fate:
         jobs = rec.fated(fate)

@@ -523,9 +523,7 @@ class RecoveryKeeper:
                     message=j.reason,
                 )
             )
-        done = rec.model_copy(
-            update={"phase": Phase.done, "closed_at": now, "jobs": (*rec.jobs, *settled.fates)}
-        )
+        done = rec.settled(settled.fates, closed_at=now)
         ok = await self.registry.commit(
             guards=(self.leadership.guard(), Guard(keys.RECOVERY, mod_revision=rev)),
             puts={keys.RECOVERY: done.model_dump_json().encode()},
@@ -535,10 +533,10 @@ class RecoveryKeeper:
             raise RegistryError("the restore's record changed meanwhile (or leadership moved)")
         lost = done.fated(Fate.lost)
         log.warning(
-            "restore %s settled: %s",
+            "restore %s settled: %s%s",
             rec.generation,
-            ", ".join(f"{len(done.fated(f))} {f.value}" for f in Fate)
-            + (f"; lost: {' '.join(j.job for j in lost)}" if lost else ""),
+            ", ".join(f"{n} {fate}" for fate, n in done.counts.items()) or "nothing to settle",
+            f"; lost: {' '.join(j.job for j in lost)}" if lost else "",
         )
         self._holding = False
         self.kick()

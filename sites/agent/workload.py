@@ -83,6 +83,9 @@ KEEP_FINISHED = 200  # finished runs listed by /jobs once their assignment is go
 # the leader's hourly backups many times over.
 KEEP_FINISHED_S = 86400.0
 KEEP_FINISHED_MAX = 20_000
+# after a restore, the runs that ended since the backup was taken (by the backup's clock, so
+# with this margin for the clocks' difference) are reported again, and every live one
+RESTORE_CLOCK_SKEW_S = 600.0
 RETRY_MIN_S = 0.2
 QUEUE_POLL_S = 1.0  # how often a run queued in the site's scheduler is looked at again
 RETRY_MAX_S = 5.0
@@ -349,7 +352,8 @@ class Workload:
 
     async def _rereport(self, mark: RestoreMark) -> None:
         """Every run known here reported again, with its assignment; then `restored`."""
-        runs = list(self._runs.values())
+        since = (mark.snapshot_taken_at or 0.0) - RESTORE_CLOCK_SKEW_S
+        runs = [r for r in self._runs.values() if r.live or (r.finished_at or since) >= since]
         log.warning(
             "the registry was restored from a backup (revision %d, restore %s): reporting "
             "the %d runs this agent knows again",

@@ -25,6 +25,9 @@ class RestoreMark(_Frozen):
     generation: str = Field(description="this restore's id")
     restored_at: float = Field(description="unix s, when `cpn restore` rebuilt the registry")
     snapshot_revision: int
+    snapshot_taken_at: float | None = Field(
+        default=None, description="unix s; agents report again the runs that ended after it"
+    )
 
 
 class Phase(enum.StrEnum):
@@ -49,6 +52,9 @@ class RecoveredJob(_Frozen):
     attempt: int | None = None
 
 
+MAX_LISTED = 1000  # settled jobs other than the lost listed in the record (an etcd value)
+
+
 class Recovery(_Frozen):
     generation: str
     snapshot: str = Field(description="the backup's file name")
@@ -63,14 +69,34 @@ class Recovery(_Frozen):
     opened_at: float | None = Field(default=None, description="when a leader first saw it")
     closed_at: float | None = None
     reported: tuple[str, ...] = Field(default=(), description="sites whose agents reported all")
-    jobs: tuple[RecoveredJob, ...] = ()
+    jobs: tuple[RecoveredJob, ...] = Field(
+        default=(),
+        description=f"each settled job: every lost one, at most {MAX_LISTED} others (the audit "
+        "log has them all)",
+    )
+    counts: dict[str, int] = Field(default_factory=dict, description="jobs settled, per fate")
 
     def mark(self) -> RestoreMark:
         return RestoreMark(
             generation=self.generation,
             restored_at=self.restored_at,
             snapshot_revision=self.snapshot_revision,
+            snapshot_taken_at=self.snapshot_taken_at,
         )
 
     def fated(self, fate: Fate) -> list[RecoveredJob]:
         return [j for j in self.jobs if j.fate is fate]
+
+    def settled(self, jobs: list[RecoveredJob], *, closed_at: float) -> Recovery:
+        """The record once done: its counts, the lost jobs all, the others up to MAX_LISTED."""
+        counts = {f.value: sum(1 for j in jobs if j.fate is f) for f in Fate}
+        lost = [j for j in jobs if j.fate is Fate.lost]
+        others = [j for j in jobs if j.fate is not Fate.lost][:MAX_LISTED]
+        return self.model_copy(
+            update={
+                "phase": Phase.done,
+                "closed_at": closed_at,
+                "jobs": (*lost, *others),
+                "counts": {k: n for k, n in counts.items() if n},
+            }
+        )

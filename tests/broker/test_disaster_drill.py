@@ -108,13 +108,28 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
                 record = fed.submit(name=name, command=["sh", "-c", line])
                 return str(record["id"])
 
-            # before the backup: jobs done, and jobs running that end after it
+            def mark(seconds: float) -> list[str]:
+                line = f'echo "$CPN_JOB_ID $CPN_ATTEMPT $CPN_SITE" >> {ran}; sleep {seconds}'
+                return ["sh", "-c", line]
+
+            # before the backup: jobs done, and jobs running that end after it; a workflow
+            # whose second step waits for the first, running: it runs after the backup
             done_before = [work(f"done-before-{i}", 0) for i in range(JOBS)]
             running_before = [work(f"running-before-{i}", 6) for i in range(JOBS)]
+            steps = [
+                {"name": "first", "command": mark(2)},
+                {"name": "second", "after": ["first"], "command": mark(0)},
+            ]
+            status, wf = fed.request(
+                "POST", "/v1/workflows", {"name": "wf", "tenant": "t1", "steps": steps}
+            )
+            assert status == 201, wf
+            first, second = (s["job"] for s in wf["steps"])
             for job in done_before:
                 fed.wait_state(job, "SUCCEEDED")
-            for job in running_before:
+            for job in (*running_before, first):
                 fed.wait_state(job, "RUNNING")
+            assert fed.job(second)["state"] == "PENDING"
             backups = tmp_path / "backups"
             taken = json.loads(
                 cpn("backup", "create", "--etcd", cluster.url, "--dir", str(backups), "-o", "json")
@@ -126,6 +141,7 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
                 fed.wait_state(job, "SUCCEEDED")
             for job in running_after:
                 fed.wait_state(job, "RUNNING")
+            fed.wait_state(second, "SUCCEEDED")
             billed_before = await _segments(reg)
 
             # the disaster: every member and its data gone
@@ -156,7 +172,7 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
             fates = {j["job"]: j for j in rec["jobs"]}
             lost = [j for j in rec["jobs"] if j["fate"] == "lost"]
 
-            accepted = done_before + running_before + done_after + running_after
+            accepted = [*done_before, *running_before, *done_after, *running_after, first, second]
             deadline = time.monotonic() + 40
             while True:
                 states = {j: fed.job(j)["state"] for j in accepted}
@@ -175,6 +191,10 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
                 assert fates[job]["fate"] == "recovered", fates.get(job)
             for job in running_after:
                 assert fates[job]["fate"] == "recovered", fates.get(job)
+            # the step the backup had waiting ran after it: its run taken on, its workflow whole
+            assert fates[second]["fate"] == "adopted", fates.get(second)
+            status, wf = fed.request("GET", f"/v1/workflows/{wf['id']}")
+            assert [s["state"] for s in wf["steps"]] == ["SUCCEEDED", "SUCCEEDED"], wf
             # the ledger holds each run once: what it had, what the restore gave back
             ledger = await _segments(reg)
             ran_runs = {(job, 1) for job in accepted}
@@ -183,7 +203,7 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
             _, audit = await reg.list_prefix(keys.AUDIT)
             entries = [json.loads(raw) for _, raw, _ in audit]
             restored = {e["target"] for e in entries if e["actor"] == "restore"}
-            assert set(done_after + running_after) <= restored
+            assert {*done_after, *running_after, second} <= restored
             kinds = Counter(j["fate"] for j in rec["jobs"])
             figures = os.environ.get("CPN_DRILL_FIGURES")  # bench/disaster_drill.py reads them
             if figures:
