@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import itertools
 import json
 import os
@@ -16,6 +17,7 @@ from typing import Any
 
 import psutil
 import pytest
+from cryptography import x509
 
 from sites.model import keys
 from sites.model.catalog import DeviceCatalog
@@ -291,9 +293,9 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
         for site in sites:
             assert any(f"credentials/{site}.yaml" in a for a in agents), agents
             # its endpoint on HTTPS with its own certificate; peers checked against the CA
-            assert any(f"agent-{site}.pem" in a and "--tls-ca" in a for a in agents), agents
+            assert any(f"agent-{site}.pem" in a and "--tls-crl" in a for a in agents), agents
         assert any("credentials/cpn-broker.yaml" in a and "--tls-cert" in a for a in agents)
-        assert any("--agent-ca" in a for a in agents)  # the broker verifies the agents
+        assert any("--agent-crl" in a for a in agents)  # the broker verifies the agents
 
         # an agent's credentials cannot write another site's status
         from sites.model.errors import PermissionDenied
@@ -332,6 +334,35 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
         # own user (its role's prefix grant), become ready and answer through the gateway
         await wait_for(lambda: demo_service_ready(env, 1), timeout=90, interval=0.5)
         assert infer_demo(state, ssl.create_default_context(cafile=state["ca"]))["choices"]
+
+        # every certificate renewed under the running demo, as a daily `cpn certs rotate`
+        # does within its window: nothing restarts; the broker serves its new certificate,
+        # each agent takes its renewed etcd credentials for its next connections, and work
+        # goes on through them
+        from cpn.certs import Pki
+        from cpn.rotation import rotate
+
+        report = rotate(Pki(pki), now=dt.datetime.now(dt.UTC), within=dt.timedelta(days=3650))
+        renewed = {old.name: new for old, new in report.renewed}
+        assert {"etcd", "broker", "credentials/cpn-broker"} | {
+            n for site in sites for n in (f"agent-{site}", f"credentials/{site}")
+        } <= set(renewed), renewed
+        host, port = state["broker"].removeprefix("https://").rsplit(":", 1)
+        served = ssl.get_server_certificate((host, int(port)), ca_certs=state["ca"])
+        broker_cert = renewed["broker"]
+        assert broker_cert is not None
+        assert x509.load_pem_x509_certificate(served.encode()).serial_number == broker_cert.serial
+
+        def renewed_in_logs() -> bool:
+            logs = [pki.parent / f"agent-{site}.log" for site in sites]
+            return all("etcd credentials renewed" in p.read_text(errors="replace") for p in logs)
+
+        await wait_for(renewed_in_logs, timeout=30, interval=0.2)
+        again = cpn("submit", str(job))
+        assert again.returncode == 0, again.stderr
+        job_id = again.stdout.split()[1]
+        await wait_for(finished, timeout=30, interval=0.5)
+        assert all_up()
 
         # without the CA, the broker's certificate is not trusted: exit 1, one line
         untrusted = subprocess.run(
