@@ -4,7 +4,6 @@ listed, and the leader's schedule."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 
@@ -75,25 +74,45 @@ def test_keep_is_not_negative(tmp_path: Path) -> None:
         BackupStore(tmp_path, keep=-1)
 
 
+class StepClock(SystemClock):
+    """Wall time that moves only when the test says (the keeper reads nothing else)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+
 async def test_the_leader_backs_up_one_interval_after_the_newest(
     registry: Registry, tmp_path: Path
 ) -> None:
-    settings = BackupSettings(interval_s=0.3, keep=2)
+    clock = StepClock(time.time())
+    settings = BackupSettings(interval_s=3600, keep=2)
     async with leading(registry, "backups-test") as leadership:
         keeper = BackupKeeper(
             registry=registry,
             leadership=leadership,
             settings=settings,
             directory=tmp_path,
-            clock=SystemClock(),
+            clock=clock,
         )
         assert await keeper.take_if_due() is None  # not one at once
-        await asyncio.sleep(0.35)
+        clock.now += 3600
         first = await keeper.take_if_due()
-        assert first is not None
+        assert first is not None and first.taken_at == clock.now
+        clock.now += 3599
         assert await keeper.take_if_due() is None  # the next is an interval after it
-        assert keeper.due_at() == pytest.approx(first.taken_at + 0.3)
         for _ in range(2):
-            await asyncio.sleep(0.35)
+            clock.now += 3600
             assert await keeper.take_if_due() is not None
-        assert len(keeper.store.backups()) == 2
+        assert len(keeper.store.backups()) == 2  # keep
+        # a new leader (a new keeper) goes on from the newest in the directory
+        again = BackupKeeper(
+            registry=registry,
+            leadership=leadership,
+            settings=settings,
+            directory=tmp_path,
+            clock=clock,
+        )
+        assert again.due_at() == clock.now + 3600
