@@ -200,7 +200,7 @@ def run_one(metering: bool, args: argparse.Namespace) -> dict[str, float]:
             spy = None
             if args.perf and pid is not None:
                 spy = subprocess.Popen(
-                    ["perf", "record", "-F", "1999", "-p", str(pid), "-o",
+                    ["perf", "record", "-g", "-F", "1999", "-p", str(pid), "-o",
                      f"{args.perf}-{'on' if metering else 'off'}-{int(stream)}.data"],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 )  # fmt: skip

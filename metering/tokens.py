@@ -18,8 +18,8 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,9 +38,9 @@ __all__ = [
 _MILLION = 1_000_000.0
 
 
-@dataclass(frozen=True, slots=True)
-class TokenUse:
-    """One proxied inference request's tokens, as the gateway settles it."""
+class TokenUse(NamedTuple):
+    """One proxied inference request's tokens, as the gateway settles it (a named tuple: made
+    twice per request on the gateway's path, where a frozen dataclass's 13 fields cost 2 us)."""
 
     request_id: str  # the X-Request-Id the client saw: a settlement's identity
     tenant: str

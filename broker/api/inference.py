@@ -84,12 +84,14 @@ class Picked(list[Upstream]):
 class _Settling:
     """A ledger ticket that, once settled, also charges the limits and counts the metrics."""
 
-    __slots__ = ("accountant", "progress", "ticket")
+    __slots__ = ("accountant", "progress", "ticket", "word", "words")
 
     def __init__(self, accountant: TokenAccountant, ticket: Ticket) -> None:
         self.accountant = accountant
         self.ticket = ticket
         self.progress = ticket.progress  # per streamed chunk: the ticket's own, no frame here
+        self.words = ticket.words  # where the gateway's Meter stores it instead (one slot's)
+        self.word = ticket.word
 
     def settle(
         self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool

@@ -155,8 +155,30 @@ def _encode(text: str, size: int) -> bytes | None:
 
 
 def _cut(text: str, size: int) -> bytes:
-    data = text.encode("utf-8", "surrogatepass").replace(b"\0", b"")[:size]
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= size and b"\0" not in data:
+        return data  # the common request id
+    data = data.replace(b"\0", b"")[:size]
     return data.decode("utf-8", "ignore").encode()
+
+
+# (tenant, token id, requested, service, model, site, client region) -> their slot fields
+# (_STRINGS after the request id), None when one does not fit: they repeat request to request
+_NAMES: dict[tuple[str, str | None, str, str, str, str, str], tuple[bytes, ...] | None] = {}
+
+
+def _names(use: TokenUse) -> tuple[bytes, ...] | None:
+    key = (use.tenant, use.token_id, use.requested, use.service, use.model, use.site,
+           use.client_region)  # fmt: skip
+    found = _NAMES.get(key, ())
+    if found != ():
+        return found
+    texts = [_encode(value or "", size) for value, (_, size) in zip(key, _STRINGS[1:], strict=True)]
+    names = None if None in texts else tuple(t for t in texts if t is not None)
+    if len(_NAMES) >= _ENCODED_MAX:
+        _NAMES.clear()
+    _NAMES[key] = names
+    return names
 
 
 def _decode(data: bytes) -> str:
@@ -190,25 +212,34 @@ class _Pending:
 class Ticket:
     """One streamed request's tokens, from before its first byte to its end."""
 
-    __slots__ = ("_delivered", "_ledger", "_offset", "_opened", "_settled", "slot", "usd")
+    __slots__ = ("_ledger", "_offset", "_opened", "_settled", "slot", "usd")
 
     def __init__(self, ledger: TokenLedger, slot: int, opened: TokenUse) -> None:
         self._ledger = ledger
         self.slot = slot  # -1: kept in memory only (no slot free, or a name too long)
         self._offset = ledger.slot_offset(slot) + _DELIVERED_AT if slot >= 0 else -1
         self._opened = opened  # the identity, with prompt tokens and zero completion
-        self._delivered = 0
         self._settled: TokenUse | None = None
         self.usd = 0.0  # what its settlement cost
+
+    @property
+    def words(self) -> memoryview | None:
+        """The mapped file as int64 words, for the gateway's Meter to store the delivered
+        count into itself (routing.gateway.openai.Meter.track); None: no slot."""
+        return self._ledger.words if self._offset >= 0 else None
+
+    @property
+    def word(self) -> int:
+        """The index of this ticket's delivered count in `words` (-1: none)."""
+        return self._offset // _SEQ.size if self._offset >= 0 else -1
 
     def progress(self, completion_tokens: int) -> None:
         """Tokens that reached the client so far: one store into the mapped slot."""
         if self._settled is not None:
             return
-        self._delivered = n = _count(completion_tokens)
         mm = self._ledger.mapped
         if self._offset >= 0 and mm is not None:
-            _SEQ.pack_into(mm, self._offset, n)
+            _SEQ.pack_into(mm, self._offset, _count(completion_tokens))
 
     def settle(
         self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool
@@ -323,6 +354,9 @@ class TokenLedger:
         self._fd = -1
         self.mapped: mmap.mmap | None = None
         mm, self.slots, self._seq = self._map(slots)
+        # the same file as int64 words (every counter is 8-aligned): the gateway's Meter
+        # stores a stream's delivered count through it (Ticket.words); released on close
+        self.words: memoryview | None = memoryview(mm).cast("q")
         states = mm[_HEADER_SIZE : _HEADER_SIZE + self.slots * SLOT_SIZE : SLOT_SIZE]
         # low slots first, so the pages a quiet broker touches stay few
         self._free: list[int] = [i for i in range(self.slots - 1, -1, -1) if states[i] == FREE]
@@ -412,17 +446,13 @@ class TokenLedger:
         if mm is None:
             self._warn_memory("settled after close")
             return -1
-        texts = []
-        for name, size in _STRINGS:
-            value = getattr(use, name)
-            if name == "request_id":
-                texts.append(_cut(value, size))
-                continue
-            data = _encode(value or "", size)
-            if data is None:
-                self._warn_memory(f"{name} {value!r} is longer than {size} bytes or holds NUL")
-                return -1
-            texts.append(data)
+        names = _names(use)
+        if names is None:
+            for name, size in _STRINGS[1:]:
+                value = getattr(use, name)
+                if _encode(value or "", size) is None:
+                    self._warn_memory(f"{name} {value!r} is longer than {size} bytes or holds NUL")
+            return -1
         if not self._free:
             self._warn_memory(f"all {self.slots} slots are taken")
             return -1
@@ -443,7 +473,8 @@ class TokenLedger:
             use.at,
             usd,
             0,
-            *texts,
+            _cut(use.request_id, _STRINGS[0][1]),
+            *names,
         )
         mm[off] = state
         return slot
@@ -642,6 +673,9 @@ class TokenLedger:
             log.warning("token ledger: last flush failed, kept in %s: %s", self.path, exc)
         finally:
             mm, self.mapped = self.mapped, None
+            words, self.words = self.words, None
+            if words is not None:
+                words.release()  # a Meter storing into it after this stops (ValueError)
             if mm is not None:
                 mm.flush()
                 mm.close()

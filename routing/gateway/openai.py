@@ -112,12 +112,15 @@ class OpenAIRequest(NamedTuple):
     strip_usage: bool  # the gateway asked for the stream's usage: take it out of the answer
     priority: int | None  # the body's own `priority` (vLLM's field), if it had one
     doc: dict[str, object]  # the parsed body, to rewrite (`body_for`)
-    changed: bool  # doc differs from the body as sent
+    changed: bool  # doc differs from the body as sent (and from `spliced`)
     size: int  # the body's bytes as sent
+    spliced: bytes | None = None  # the body as sent with include_usage put in front: `doc`
 
 
-def read_request(body: bytes, kind: str) -> OpenAIRequest:
-    """The routing facts of an OpenAI request body; BadRequest when it has none."""
+def read_request(body: bytes, kind: str, *, ask_usage: bool = True) -> OpenAIRequest:
+    """The routing facts of an OpenAI request body; BadRequest when it has none.
+    `ask_usage`: a stream that did not ask for its usage is sent asking for it (the gateway
+    meters tokens); False (metering off) sends it as it came."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -133,7 +136,10 @@ def read_request(body: bytes, kind: str) -> OpenAIRequest:
     if not isinstance(stream, bool):
         raise BadRequest("`stream` must be true or false", "stream")
     changed = strip = False
-    if stream and kind != "embeddings":
+    spliced: bytes | None = None
+    if stream and ask_usage and kind != "embeddings":
+        # a new first member when the body has none by that name (a second would win)
+        splice = "stream_options" not in doc and body.startswith(b"{")
         options = doc.get("stream_options")
         if options is None:
             options = {}
@@ -141,11 +147,15 @@ def read_request(body: bytes, kind: str) -> OpenAIRequest:
             raise BadRequest("`stream_options` must be an object", "stream_options")
         if options.get("include_usage") is not True:
             doc["stream_options"] = {**options, "include_usage": True}
-            changed = strip = True
+            strip = True
+            if splice:  # no encoding of the whole body: 5 us of 8 per request
+                spliced = _INCLUDE_USAGE + body[1:]
+            else:
+                changed = True
     priority = doc.get("priority")
     if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
         raise BadRequest("`priority` must be an integer", "priority")
-    return OpenAIRequest(model, bool(stream), strip, priority, doc, changed, len(body))
+    return OpenAIRequest(model, bool(stream), strip, priority, doc, changed, len(body), spliced)
 
 
 def body_for(
@@ -172,7 +182,7 @@ def body_for(
         doc["priority"] = server_priority
         changed = True
     if not changed:
-        return original
+        return original if request.spliced is None else request.spliced
     return json.dumps(doc, separators=(",", ":")).encode()
 
 
@@ -207,6 +217,7 @@ def _usage_of(value: object) -> Usage | None:
     return Usage(max(prompt, 0), max(completion, 0), min(max(cached, 0), max(prompt, 0)))
 
 
+_INCLUDE_USAGE = b'{"stream_options":{"include_usage":true},'
 _EVENT_END = b"\n\n"
 _USAGE_NULLS = (b',"usage":null', b', "usage": null', b'"usage":null,', b'"usage": null, ')
 _USAGE_KEYS = (b'"usage":{', b'"usage": {')
@@ -231,13 +242,37 @@ def _usage_at(data: bytes) -> Usage | None:
 class Meter:
     """The usage of one answer, read as it passes (see the module docstring)."""
 
-    __slots__ = ("strip", "usage", "chunks", "_rest")
+    __slots__ = ("strip", "usage", "chunks", "_rest", "_usage_null", "_words", "_word")
 
     def __init__(self, *, strip: bool) -> None:
         self.strip = strip
         self.usage: Usage | None = None
         self.chunks = 0  # stream events with choices that went to the client
         self._rest = b""
+        self._usage_null = b""  # the server's `"usage":null` as it writes it, once seen
+        self._words: memoryview | None = None
+        self._word = -1
+
+    def track(self, words: memoryview, word: int) -> None:
+        """Store `chunks` into words[word] (the token ledger's write-ahead slot, a mapped
+        file) each time it grows, before the events it counts are returned to be sent: a
+        broker killed between the two bills a chunk its client may miss, never one it got
+        unbilled. Per chunk a store, no call out of the compiled code."""
+        self._words = words
+        self._word = word
+        self._store()
+
+    @property
+    def tracking(self) -> bool:
+        return self._words is not None
+
+    def _store(self) -> None:
+        words = self._words
+        if words is not None:
+            try:
+                words[self._word] = self.chunks
+            except ValueError:  # the ledger unmapped (the broker stopping): keep counting
+                self._words = None
 
     def whole(self, body: bytes) -> None:
         """A JSON answer's usage, if it has one."""
@@ -247,6 +282,8 @@ class Meter:
 
     def feed(self, chunk: bytes) -> bytes:
         """A piece of a stream as read: what to send the client now (maybe b"")."""
+        if not self._rest and chunk.endswith(_EVENT_END):
+            return self._events(chunk)  # the common read: whole events, nothing kept
         data = self._rest + chunk if self._rest else chunk
         end = data.rfind(_EVENT_END)
         if end < 0:
@@ -265,15 +302,29 @@ class Meter:
 
     def _events(self, block: bytes) -> bytes:
         """Whole events: count them, take their usage, and strip what the client did not ask
-        for. Bytes operations over the whole block; only the usage event is parsed."""
-        self.chunks += block.count(b"data: {") + block.count(b"data:{")
-        has_usage = b'"usage":{' in block or b'"usage": {' in block
+        for. Bytes operations over the whole block (four scans of a chunk that carries a
+        `"usage":null`, two of one without); only the usage event is parsed."""
+        n = block.count(b"data: {")
+        if n == 0:
+            n = block.count(b"data:{")
+        if n:
+            self.chunks += n
+            self._store()
+        if b'"usage"' not in block:
+            return block
         if self.strip:
-            for null in _USAGE_NULLS:  # a server writes its JSON one way: the first found
-                if null in block:
-                    block = block.replace(null, b"")
-                    break
-        if not has_usage:
+            null = self._usage_null
+            if null:
+                block = block.replace(null, b"")
+            else:
+                for candidate in _USAGE_NULLS:  # a server writes its JSON one way: keep it
+                    if candidate in block:
+                        self._usage_null = candidate
+                        block = block.replace(candidate, b"")
+                        break
+            if b'"usage"' not in block:
+                return block
+        if b'"usage":{' not in block and b'"usage": {' not in block:
             return block
         out = []
         for event in block.split(_EVENT_END):
@@ -285,6 +336,7 @@ class Meter:
                     self.usage = usage
                 if b'"choices":[]' in event or b'"choices": []' in event:
                     self.chunks -= 1  # the usage chunk carries no choice
+                    self._store()
                     if self.strip:
                         continue
                 elif self.strip:

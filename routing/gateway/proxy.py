@@ -240,6 +240,15 @@ the body's differs (an alias's, a service's); None: send the body's."""
 class Ticket(Protocol):
     """One metered answer (broker.state.token_ledger's write-ahead ticket)."""
 
+    @property
+    def words(self) -> memoryview | None:
+        """The ledger's file as int64 words, where the answer's Meter stores its delivered
+        chunks itself (Meter.track); None: call `progress` instead."""
+
+    @property
+    def word(self) -> int:
+        """The index in `words` of this answer's delivered count."""
+
     def progress(self, completion_tokens: int) -> None:
         """Tokens of the answer that reached the client so far (per streamed chunk)."""
 
@@ -650,7 +659,7 @@ class InferenceProxy:
         request: OpenAIRequest | None = None
         if kind is not None:
             try:
-                request = read_request(body, kind)
+                request = read_request(body, kind, ask_usage=accountant is not None)
             except BadRequest as bad:
                 if not service:
                     raise _Refusal(400, "invalid_request", bad.message, bad.param) from None
@@ -1062,8 +1071,14 @@ class InferenceProxy:
                     meter.whole(whole)  # billed whether or not the client stayed for it
                     metered.settle_whole(upstream.site, meter)
                 return
+            progress = False  # per chunk a call to ticket.progress (a Meter tracks no slot)
             if meter is not None and metered is not None:
                 ticket = metered.open(upstream.site)  # written ahead of the first byte
+                words = ticket.words
+                if words is not None:
+                    meter.track(words, ticket.word)
+                else:
+                    progress = True
             length = response.content_length
             if meter is not None and meter.strip:
                 length = None  # what is taken out changes the length
@@ -1095,7 +1110,7 @@ class InferenceProxy:
                         if not chunk:
                             if meter is not None:
                                 rest = meter.end()
-                                if ticket is not None:
+                                if progress and ticket is not None:
                                     ticket.progress(meter.chunks)
                                 if rest and not await ex.send(rest):
                                     return
@@ -1104,9 +1119,10 @@ class InferenceProxy:
                         chunk = meter.feed(chunk)
                         if not chunk:
                             continue
-                        if ticket is not None:
+                        if progress and ticket is not None:
                             # written ahead of the bytes: a kill between the two bills a chunk
-                            # the client may miss, never one it got unbilled
+                            # the client may miss, never one it got unbilled (a tracking
+                            # Meter stored it in feed)
                             ticket.progress(meter.chunks)
                     if not await ex.send(chunk):
                         return  # the client left; the finally drops the upstream connection

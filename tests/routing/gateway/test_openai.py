@@ -154,3 +154,62 @@ def test_the_model_is_renamed_as_its_server_serves_it() -> None:
     same = b'{"model":"qwen2.5-7b-instruct"}'
     kept = body_for(read_request(same, "chat"), same, server_priority=None, model=None)
     assert kept is same
+
+
+def test_with_metering_off_a_stream_goes_as_it_came() -> None:
+    raw = b'{"model":"m","stream":true,"messages":[]}'
+    request = read_request(raw, "chat", ask_usage=False)
+    assert request.stream and not request.strip_usage
+    assert body_for(request, raw, server_priority=None) is raw
+
+
+@pytest.mark.parametrize("cut", [1, 3, 40, 1000])
+def test_a_tracking_meter_stores_its_count_before_the_events_go_out(cut: int) -> None:
+    """Meter.track: the delivered count is in the ledger's word before feed returns the events
+    it counts (write-ahead), and the usage chunk the gateway takes out is not counted."""
+    stream = _stream_with_usage()
+    words = memoryview(bytearray(8 * 4)).cast("q")
+    meter = Meter(strip=True)
+    meter.track(words, 2)
+    assert meter.tracking and words[2] == 0
+    sent = 0
+    for i in range(0, len(stream), cut):
+        out = meter.feed(stream[i : i + cut])
+        sent += out.count(b'"choices":[{')
+        assert words[2] >= sent  # never behind what went out
+    meter.end()
+    assert words[2] == meter.chunks == 3 and list(words) == [0, 0, 3, 0]
+    words.release()  # the ledger unmapped: the meter counts on, storing nowhere
+    meter.feed(_chunk("d", None))
+    assert meter.chunks == 4 and not meter.tracking
+
+
+def test_each_servers_way_of_writing_a_null_usage_is_taken_out() -> None:
+    for spaced in (False, True):
+        doc = {"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}}], "usage": None}
+        sep = (", ", ": ") if spaced else (",", ":")
+        event = b"data: " + json.dumps(doc, separators=sep).encode() + b"\n\n"
+        meter = Meter(strip=True)
+        for _ in range(3):
+            out = meter.feed(event)
+            assert b"usage" not in out and json.loads(out[len(b"data: ") :])["choices"]
+        assert meter.chunks == 3
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","stream":true,"messages":[]}',  # spliced: a new first member
+        b'{"model":"m","stream":true,"stream_options":null}',  # re-encoded: one member only
+        b'{"model":"m","stream":true,"stream_options":{"continuous_usage_stats":true}}',
+        b' {"model":"m","stream":true}',
+    ],
+)
+def test_include_usage_reaches_the_server_whatever_the_body_had(raw: bytes) -> None:
+    request = read_request(raw, "chat")
+    sent = body_for(request, raw, server_priority=None)
+    assert sent.count(b'"stream_options"') == 1
+    doc = json.loads(sent)
+    assert doc["stream_options"]["include_usage"] is True and doc["model"] == "m"
+    renamed = json.loads(body_for(request, raw, server_priority=None, model="served"))
+    assert renamed["stream_options"]["include_usage"] is True and renamed["model"] == "served"
