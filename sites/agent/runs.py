@@ -1,11 +1,19 @@
 """One attempt of a job at this site as the agent knows it (`Run`): its devices, its state and
 what it reports, its GPU metering, and its log (`JobLog`, what /jobs/{job}/log serves).
 The workload (sites.agent.workload) makes and follows them.
+
+An ended run is also written down beside its log (`journal`, `ended_runs`:
+<work_dir>/jobs/<job>/attempt-<n>.ended.json, its assignment and its last report), so that an
+agent that restarts still knows what ran here: never again, and reported again after a
+restore of the registry (docs/backup.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -13,12 +21,14 @@ from pathlib import Path
 from typing import Any
 
 from sites.agent.replicas import Replica
-from sites.executors.base import RunHandle
+from sites.executors.base import RunHandle, job_dir
 from sites.kits.clock import Clock
 from sites.model.assignments import Assignment, Report, RunState
 from sites.model.data import CheckpointMark, Egress, OutputMade, StagingProgress
 from sites.model.errors import SitesError
 from sites.model.status import GpuDevice
+
+log = logging.getLogger(__name__)
 
 LOG_POLL_S = 0.2
 LOG_CHUNK = 64 * 1024
@@ -63,6 +73,7 @@ class Run:
     outputs: tuple[OutputMade, ...] = ()
     egress: dict[str, int] = field(default_factory=dict)  # source site -> bytes
     syncs: int = 0  # checkpoint syncs tried: numbers them within the attempt
+    journaled: bool = False  # its end is written down (`journal`)
 
     @property
     def job(self) -> str:
@@ -79,6 +90,10 @@ class Run:
     def same_attempt(self, assignment: Assignment) -> bool:
         a = self.assignment
         return (a.attempt, a.fence) == (assignment.attempt, assignment.fence)
+
+    def same_attempt_as(self, report: Report) -> bool:
+        a = self.assignment
+        return (a.attempt, a.fence) == (report.attempt, report.fence)
 
     def finish(self, state: RunState, now: float, exit_code: int | None, message: str) -> None:
         self.state = state
@@ -160,6 +175,60 @@ class Run:
             "withdrawn": self.withdrawn.is_set(),
             "replica": None if self.replica is None else self.replica.state.value,
         }
+
+
+ENDED_SUFFIX = ".ended.json"
+
+
+def ended_path(work_dir: Path, job: str, attempt: int) -> Path:
+    return job_dir(work_dir, job) / f"attempt-{attempt}{ENDED_SUFFIX}"
+
+
+def journal(work_dir: Path, run: Run, report: Report) -> None:
+    """Write down an ended run (its assignment and final report), whole or not at all."""
+    path = ended_path(work_dir, run.job, run.assignment.attempt)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    doc = {
+        "assignment": run.assignment.model_dump(mode="json"),
+        "report": report.model_dump(mode="json", exclude={"assignment"}),
+    }
+    part.write_text(json.dumps(doc))
+    os.replace(part, path)
+
+
+def ended_runs(work_dir: Path, since: float) -> list[Run]:
+    """The runs written down here that ended at or after `since`, oldest first."""
+    out = []
+    for path in (work_dir / "jobs").glob(f"*/attempt-*{ENDED_SUFFIX}"):
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            doc = json.loads(path.read_text())
+            a = Assignment.model_validate(doc["assignment"])
+            r = Report.model_validate(doc["report"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring %s: %s", path, exc)
+            continue
+        if not r.state.terminal or (r.finished_at or 0.0) < since:
+            continue
+        run = Run(
+            assignment=a,
+            devices=r.devices,
+            state=r.state,
+            started_at=r.started_at,
+            finished_at=r.finished_at,
+            exit_code=r.exit_code,
+            message=r.message,
+            reason=r.reason,
+            usage=r.usage,
+            outputs=r.outputs,
+            log_path=Path(r.log_path) if r.log_path else None,
+        )
+        run.egress = {e.source: e.bytes for e in r.egress}
+        run.journaled = True
+        out.append(run)
+    return sorted(out, key=lambda run: run.finished_at or 0.0)
 
 
 @dataclass(frozen=True)

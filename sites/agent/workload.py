@@ -47,7 +47,7 @@ from sites.agent.fit import (
 )
 from sites.agent.metrics import AgentMetrics
 from sites.agent.replicas import ReplicaState
-from sites.agent.runs import JobLog, Run, UnknownJob, exit_message
+from sites.agent.runs import JobLog, Run, UnknownJob, ended_runs, exit_message, journal
 from sites.agent.serving import Serving
 from sites.executors.base import (
     JOB_ID_RE,
@@ -164,7 +164,12 @@ class Workload:
         """
         self._main = asyncio.current_task()
         self._reported = await self._load_reports()
-        resumable = self._resumable(await self._list_assignments())
+        ended = self._recall()
+        resumable = [
+            a
+            for a in self._resumable(await self._list_assignments())
+            if not (a.job in ended and ended[a.job].same_attempt(a))
+        ]
         keep = {(a.job, a.attempt, a.fence) for a in resumable}
         for record in await self.executor.reap(self.stop_grace_s, keep):
             log.warning(
@@ -174,10 +179,30 @@ class Workload:
             )
         for assignment in resumable:
             await self._adopt(assignment)
+        for run in ended.values():
+            prior = self._reported.get(run.job)
+            if prior is not None and not prior.state.terminal and run.same_attempt_as(prior):
+                # it ended, and the agent stopped before the registry had its end: say it now
+                self._spawn(self._write(run), f"report {run.job}")
         async with asyncio.TaskGroup() as group:
             group.create_task(self._mirror.run(), name=f"workload {self.site} assignments")
             group.create_task(self._reconcile_loop(), name=f"workload {self.site} reconcile")
             group.create_task(self._serving.follow_loads(), name=f"workload {self.site} replicas")
+
+    def _recall(self) -> dict[str, Run]:
+        """The runs a previous agent here wrote down as ended (sites.agent.runs.journal) in the
+        last KEEP_FINISHED_S: known again, so none runs twice, and reported after a restore."""
+        runs = ended_runs(self.executor.work_dir, self.clock.time() - KEEP_FINISHED_S)
+        latest = {run.job: run for run in runs}  # oldest first: the latest attempt stays
+        for job, run in latest.items():
+            self._runs.setdefault(job, run)
+        if latest:
+            log.info(
+                "%d runs that ended here in the last %.0f h known again",
+                len(latest),
+                KEEP_FINISHED_S / 3600,
+            )
+        return latest
 
     async def _list(self, prefix: str, what: str) -> list[tuple[str, bytes, int]]:
         """Everything under `prefix`, retried with backoff until etcd answers."""
@@ -338,8 +363,10 @@ class Workload:
                 desired[assignment.job] = assignment
         self._parsed = parsed
         if self._mark is not None and mark is None:
-            log.info("the registry's restore %s is settled; following the assignments again",
-                     self._mark.generation)  # fmt: skip
+            log.info(
+                "the registry's restore %s is settled; following the assignments again",
+                self._mark.generation,
+            )
         self._mark = mark
         return desired
 
@@ -357,8 +384,10 @@ class Workload:
         log.warning(
             "the registry was restored from a backup (revision %d, restore %s): reporting "
             "the %d runs this agent knows again",
-            mark.snapshot_revision, mark.generation, len(runs),
-        )  # fmt: skip
+            mark.snapshot_revision,
+            mark.generation,
+            len(runs),
+        )
         await asyncio.gather(*(self._write(run) for run in runs))
         self.restored = mark.generation
         self._on_restored()
@@ -537,9 +566,12 @@ class Workload:
         staging failed or the run was withdrawn meanwhile (reported)."""
         data = self.data
         if data is None:
-            run.finish(RunState.failed, self.clock.time(), None,
-                       f"not run: site {self.site} has no data store for its inputs or "
-                       "checkpoints")  # fmt: skip
+            run.finish(
+                RunState.failed,
+                self.clock.time(),
+                None,
+                f"not run: site {self.site} has no data store for its inputs or checkpoints",
+            )
             await self._write(run)
             return None
         run.state = RunState.staging
@@ -644,8 +676,9 @@ class Workload:
             async with asyncio.timeout(LAST_CHECKPOINT_S):
                 await self._sync(run, a, target)
         except TimeoutError:
-            log.warning("job %s: its last checkpoint did not sync in %.0fs", a.job,
-                        LAST_CHECKPOINT_S)  # fmt: skip
+            log.warning(
+                "job %s: its last checkpoint did not sync in %.0fs", a.job, LAST_CHECKPOINT_S
+            )
 
     def _count(self, name: str, **labels: str) -> None:
         if self._metrics is not None:
@@ -742,7 +775,14 @@ class Workload:
         return self._serving.endpoints(now)
 
     async def _write(self, run: Run) -> None:
-        """Write the run's report; retried with backoff until it lands or the agent stops."""
+        """Write the run's report (an ended run's written down first: sites.agent.runs.journal);
+        retried with backoff until it lands or the agent stops."""
+        if run.state.terminal and not run.journaled:
+            try:
+                journal(self.executor.work_dir, run, run.report(self.clock.time()))
+                run.journaled = True
+            except OSError as exc:
+                log.warning("job %s: its end not written down: %s", run.job, exc)
         delay = RETRY_MIN_S
         while not self._closing.is_set():
             report = run.report(self.clock.time())
