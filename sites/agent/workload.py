@@ -9,7 +9,9 @@ as a Run (sites.agent.runs), a withdrawn one
 while etcd is unavailable. An attempt runs at most once per site: at start, a job whose
 attempt+fence already has a report is not run again; one left `starting`/`running` by a
 crashed predecessor (whose process died with it) is reported `failed` as lost, for the broker
-to retry. Long form: docs/executor.md.
+to retry; the runs that ended here in the last day are known again from what each wrote down
+when it ended (sites.agent.runs.journal), so none runs twice even once its report is gone.
+Long form: docs/executor.md.
 
 After a restore of the registry from a backup (docs/backup.md), the site's assignments hold a
 restore mark (keys.restore_mark) in the same read as the restored assignments: while it is
