@@ -43,7 +43,13 @@ def _when(at: float | None) -> str:
 
 
 def _snapshot_path(args: argparse.Namespace) -> Path:
-    """A file path as given, else a backup's name in --dir."""
+    """A file path as given, else a backup's name in --dir (none: the newest there)."""
+    if args.snapshot is None:
+        store = BackupStore(_backup_dir(args))
+        newest = store.backups()
+        if not newest:
+            raise UsageError(f"no backup in {store.directory} (--dir)")
+        return store.path(newest[-1].name)
     given = Path(args.snapshot)
     if given.suffix == ".db" or given.exists() or "/" in args.snapshot:
         return given
@@ -207,7 +213,7 @@ def add_parsers(
     dir_arg(ls)
     ls.set_defaults(func=cmd_backup_ls)
     check = sub.add_parser("verify", help="restore a backup into a scratch etcd and read it back")
-    check.add_argument("snapshot", metavar="NAME|FILE")
+    check.add_argument("snapshot", metavar="NAME|FILE", nargs="?", help="default: the newest")
     dir_arg(check)
     check.set_defaults(func=cmd_backup_verify)
 

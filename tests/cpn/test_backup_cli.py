@@ -44,9 +44,10 @@ def test_a_backup_is_listed_verified_and_restored(
     name = str(info["name"])
     code, out, _ = run(capsys, "backup", "ls", "--dir", str(where))
     assert code == 0 and name in out
-    code, out, err = run(capsys, "backup", "verify", name, "--dir", str(where))
+    code, out, err = run(capsys, "backup", "verify", "--dir", str(where))  # the newest
     assert code == 0, err
     assert "ok: size and sha256 match its description" in out and "restored and read back" in out
+    assert name in out
     data = tmp_path / "restored"
     code, out, err = run(capsys, "restore", name, "--dir", str(where), "--data-dir", str(data))
     assert code == 0, err
@@ -73,6 +74,7 @@ def test_a_damaged_or_foreign_snapshot_is_refused_in_one_line(
     assert "no such snapshot file" in refused(
         capsys, "backup", "verify", str(tmp_path / "missing.db")
     )
+    assert "no backup in" in refused(capsys, "backup", "verify", "--dir", str(tmp_path / "none"))
 
 
 def test_a_restore_with_bad_members_is_refused(
