@@ -28,6 +28,7 @@ from sites.model.catalog import DeviceCatalog
 from sites.model.config import load_sites, site_files
 from sites.model.latency import LatencyModel
 from sites.registry.client import Registry
+from sites.registry.crl import follow_crl
 from sites.registry.security import EtcdTls
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,10 @@ async def serve(
         await broker.start()
         if agent_crl is not None:
             broker.supervisor.spawn("crl", agent_trust.follow, restart=RESTART)
+        if agent_ca is not None:  # the CRL of that CA, as `cpn certs revoke --publish` puts it
+            broker.supervisor.spawn(
+                "published crl", lambda: follow_crl(registry, agent_trust), restart=RESTART
+            )
         if router is not None:  # a route finds the topology built and current
             router.sync(broker.view().sites)
             broker.supervisor.spawn(

@@ -10,8 +10,8 @@ import datetime as dt
 import json
 from collections.abc import Callable
 
-from cpn.certs import DEFAULT_HOSTS, RENEW_WITHIN_DAYS
-from cpn.cli_base import CliParser, UsageError, etcd_url, pki_of
+from cpn.certs import DEFAULT_HOSTS, RENEW_WITHIN_DAYS, Pki
+from cpn.cli_base import CliParser, UsageError, etcd_arg, etcd_url, pki_of, registry_of
 
 __all__ = [
     "add_parsers",
@@ -107,7 +107,16 @@ def cmd_certs_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_certs_rotate(args: argparse.Namespace) -> int:
+async def _publish(args: argparse.Namespace, pki: Pki) -> None:
+    """Put the CRL in etcd, where every broker and agent follows it (sites.registry.crl)."""
+    from sites.registry.crl import publish_crl
+
+    async with registry_of(args) as registry:
+        await publish_crl(registry, pki.crl_path.read_bytes())
+        print(f"published the CRL at {registry.url}")
+
+
+async def cmd_certs_rotate(args: argparse.Namespace) -> int:
     from cpn.rotation import rotate
 
     pki = pki_of(args)
@@ -121,6 +130,8 @@ def cmd_certs_rotate(args: argparse.Namespace) -> int:
         print(f"nothing expires within {args.within} days")
     if report.crl_signed:
         print(f"{'would sign' if args.dry_run else 'signed'} the CRL again: {pki.crl_path}")
+        if args.publish and not args.dry_run:
+            await _publish(args, pki)
     if report.ca_due:
         print(
             f"warning: the CA expires {_day(report.ca_expires)}: rotation does not renew it "
@@ -129,7 +140,7 @@ def cmd_certs_rotate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_certs_revoke(args: argparse.Namespace) -> int:
+async def cmd_certs_revoke(args: argparse.Namespace) -> int:
     from cpn.rotation import revoke
 
     pki = pki_of(args)
@@ -138,6 +149,8 @@ def cmd_certs_revoke(args: argparse.Namespace) -> int:
         if new is not None:
             print(f"  issued {new.name} anew (serial {new.serial:x}, until {_day(new.not_after)})")
     print(f"CRL: {pki.crl_path}")
+    if args.publish:
+        await _publish(args, pki)
     return 0
 
 
@@ -188,6 +201,13 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
     )
     for p in (ls, rotate, revoke):
         p.add_argument("--certs", "--dir", dest="certs", metavar="DIR", help="default: cpn up's")
+    for p in (rotate, revoke):
+        p.add_argument(
+            "--publish",
+            action="store_true",
+            help="and put the CRL in etcd, where every broker and agent follows it",
+        )
+        etcd_arg(p)
     ls.set_defaults(func=cmd_certs_ls)
     rotate.set_defaults(func=cmd_certs_rotate)
     revoke.set_defaults(func=cmd_certs_revoke)

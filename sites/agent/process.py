@@ -61,6 +61,7 @@ from sites.model.status import (
     SiteStatus,
 )
 from sites.registry.client import Registry
+from sites.registry.crl import follow_crl
 from sites.registry.mirror import PrefixMirror
 
 log = logging.getLogger(__name__)
@@ -220,8 +221,13 @@ class Agent:
             self.supervisor.spawn("slurm", self._slurm_loop, restart=RESTART)
         for name, loop in self.data.loops():
             self.supervisor.spawn(name, loop, restart=RESTART)
-        if self.peer_trust is not None and self.peer_trust.crl is not None:
-            self.supervisor.spawn("crl", self.peer_trust.follow, restart=RESTART)
+        trust = self.peer_trust
+        if trust is not None and trust.crl is not None:
+            self.supervisor.spawn("crl", trust.follow, restart=RESTART)
+        if trust is not None and self.settings.tls_ca is not None:  # the CRL of that CA
+            self.supervisor.spawn(
+                "published crl", lambda: follow_crl(self.registry, trust), restart=RESTART
+            )
         self.prober.set_self(self.probe_url)
         log.info(
             "agent of %s up: %s, lease ttl %ss, probes %s%s",

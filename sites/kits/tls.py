@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import tempfile
 from pathlib import Path
 
 from sites.model.errors import ConfigError, Problem
@@ -111,7 +112,8 @@ class ReloadingServer:
 
 class PeerTrust:
     """A client's TLS context (client_context's) that also refuses the certificates `crl` (a PEM
-    CRL of the CA) revokes, once that file exists: `refresh()` adds it again when it changed.
+    CRL of the CA) revokes, once that file exists: `refresh()` adds it again when it changed;
+    `load_pem` adds one published in etcd (sites.registry.crl).
 
     The CRL is added to the context's trust store in place (an aiohttp connector holds the
     context), and OpenSSL checks a leaf against the newest of its CA's CRLs (the latest
@@ -122,6 +124,7 @@ class PeerTrust:
         self.context = client_context(ca)
         self.crl = crl
         self._stamp: Stamp | None = None
+        self._pem: bytes | None = None
         self.loads = 0
         self.refresh()
 
@@ -133,14 +136,29 @@ class PeerTrust:
         if stamp is None or stamp == self._stamp:
             return False
         self._stamp = stamp
+        return self._load(self.crl, str(self.crl))
+
+    def load_pem(self, pem: bytes) -> bool:
+        """Add a CRL given as PEM (one published in etcd: sites.registry.crl) unless it is the
+        one added last; True when it loaded."""
+        if pem == self._pem:
+            return False
+        self._pem = pem
+        # OpenSSL reads CRLs from files only: a private directory, removed at once
+        with tempfile.TemporaryDirectory(prefix="cpn-crl-") as tmp:
+            path = Path(tmp) / "crl.pem"
+            path.write_bytes(pem)
+            return self._load(path, "the published CRL")
+
+    def _load(self, path: Path, what: str) -> bool:
         try:
-            self.context.load_verify_locations(cafile=str(self.crl))
+            self.context.load_verify_locations(cafile=str(path))
         except (OSError, ssl.SSLError) as exc:
-            log.warning("%s: the CRL does not load, the last one stays: %s", self.crl, _why(exc))
+            log.warning("%s does not load, the last CRL stays: %s", what, _why(exc))
             return False
         self.context.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
         self.loads += 1
-        log.info("%s: the CRL loaded (%d since start)", self.crl, self.loads)
+        log.info("%s: the CRL loaded (%d since start)", what, self.loads)
         return True
 
     async def follow(self, interval_s: float = CRL_POLL_S) -> None:

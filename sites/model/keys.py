@@ -98,6 +98,7 @@ FINISHED_INDEX = ROOT + "index/finished/"
 HISTORY = ROOT + "history/jobs/"
 MIGRATIONS = ROOT + "migrations/"
 TOKENS = ROOT + "tokens/"
+CRL = ROOT + "pki/crl"  # the CA's revocation list (PEM): `cpn certs revoke --publish` puts it
 TENANCY = ROOT + "tenancy/"  # cohorts, priority classes, tenants, fair-share levels
 TENANCY_CONFIG = TENANCY + "config"  # cohorts, priority classes, fair_share, preemption
 TENANCY_TENANTS = TENANCY + "tenants/"

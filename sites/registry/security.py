@@ -21,7 +21,8 @@ Users and roles (`bootstrap_auth`, `grant_site`):
     cpn-broker   role cpn-broker            read and write under /cpn/
     site-<id>    role site-<id>             its own status, last_seen, agent lock and secret,
                                             links, reports and service endpoints; reads the
-                                            peers' agent records, its spec, its assignments
+                                            peers' agent records, its spec, its assignments,
+                                            the published CRL
 """
 
 from __future__ import annotations
@@ -297,6 +298,7 @@ def site_grants(spec: SiteSpec) -> list[Grant]:
         Grant(READ, keys.assignments(site), prefix=True),
         Grant(READWRITE, keys.data_replicas(site), prefix=True),  # what its data store holds
         Grant(READ, keys.data_orders(site), prefix=True),  # replications the broker asks of it
+        Grant(READ, keys.CRL),  # the certificates its peers may no longer present
     ]
     grants += [Grant(READWRITE, keys.service(s.name, site)) for s in spec.services]
     # the managed replicas the broker places here, whatever service they are of

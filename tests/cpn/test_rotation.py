@@ -23,10 +23,13 @@ from cpn.rotation import Held, held, renew, revoke, rotate
 from cpn.secure import credentials_for, init_pki
 from sites.emulation.etcd_server import EmbeddedEtcd
 from sites.kits.tls import PeerTrust, ReloadingServer
+from sites.model import keys
 from sites.model.errors import RegistryUnavailable
 from sites.registry import connection
 from sites.registry.client import Registry
+from sites.registry.crl import follow_crl, publish_crl
 from sites.registry.security import EtcdTls, load_credentials, write_credentials
+from tests.conftest import wait_for
 
 NOW = dt.datetime.now(dt.UTC)
 MONTH = dt.timedelta(days=30)
@@ -154,13 +157,34 @@ async def test_a_revoked_certificate_is_refused_at_the_next_handshake(pki: Pki) 
         assert await handshake(port, trust.context) == new.serial
 
 
+async def test_a_crl_published_in_etcd_is_followed_at_once(pki: Pki, registry: Registry) -> None:
+    """No file on the client's host: the CRL comes through etcd (sites.registry.crl)."""
+    issued = pki.issue("agent-p", server=True, client=False)
+    trust = PeerTrust(pki.ca_path, None)
+    follower = asyncio.create_task(follow_crl(registry, trust), name="published crl")
+    try:
+        async with tls_server(ReloadingServer(issued.cert_path, issued.key_path).context) as port:
+            assert await handshake(port, trust.context) == serial_of(issued.cert_pem)
+            revoke(pki, ["agent-p"])
+            await publish_crl(registry, pki.crl_path.read_bytes())
+            await wait_for(lambda: trust.loads == 1, timeout=10)
+            with pytest.raises(ssl.SSLCertVerificationError, match="revoked"):
+                await handshake(port, trust.context)
+            assert not trust.load_pem(pki.crl_path.read_bytes())  # the same one: not again
+    finally:
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+
+
 def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
 
-def test_cli_lists_rotates_and_revokes(pki: Pki, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_lists_rotates_and_revokes(
+    pki: Pki, capsys: pytest.CaptureFixture[str], etcd: EmbeddedEtcd
+) -> None:
     pki.issue("agent-c", server=True, client=False)
     expiring(pki, "agent-c", days=3)
     d = str(pki.directory)
@@ -173,6 +197,18 @@ def test_cli_lists_rotates_and_revokes(pki: Pki, capsys: pytest.CaptureFixture[s
     assert code == 0 and "revoked agent-c" in out and "issued agent-c anew" in out
     code, out, _ = cli(capsys, "certs", "ls", "--dir", d)
     assert "1 revoked" in out
+    code, out, err = cli(
+        capsys, "certs", "revoke", "broker", "--dir", d, "--publish", "--etcd", etcd.url
+    )
+    assert code == 0 and "published the CRL" in out, err
+
+    async def published() -> bytes | None:
+        async with Registry.from_urls(etcd.url) as reg:
+            got = await reg.get_raw(keys.CRL)
+            await reg.commit(guards=[], deletes=[keys.CRL])
+            return None if got is None else got[0]
+
+    assert asyncio.run(published()) == pki.crl_path.read_bytes()
     for argv, message in (
         (("revoke", "nope"), "no certificate 'nope'"),
         (("rotate", "--within", "-1"), "--within: -1 days"),

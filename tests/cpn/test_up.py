@@ -310,8 +310,11 @@ async def test_up_secure_runs_the_demo_on_tls_and_per_site_etcd_users(tmp_path: 
                 pass
 
         # the README's commands: the CLI finds the broker, its token and its CA by itself
-        who = cpn("whoami")
-        assert who.returncode == 0 and "admin" in who.stdout, who.stderr
+        # the sites can be up before the broker answers (a loaded machine): its first answer
+        who = await wait_for(
+            lambda: (w := cpn("whoami")).returncode == 0 and w, timeout=60, interval=0.5
+        )
+        assert "admin" in who.stdout, who.stderr
         job = tmp_path / "job.yaml"
         job.write_text("name: demo\ntenant: t\ncpu: 1\ncommand: [sh, -c, 'echo hi']\n")
         submitted = cpn("submit", str(job))
