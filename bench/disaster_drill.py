@@ -67,13 +67,18 @@ def main() -> None:
         log(f"drill {i + 1}/{args.runs}: {4 * args.jobs} jobs ...")
         f = drill(args.jobs)
         fates = f["fates"] if isinstance(f["fates"], dict) else {}
+
+        def sec(key: str, f: dict[str, object] = f) -> str:
+            return f"{float(str(f.get(key, 'nan'))):.1f}"
+
         rows.append(
             [
                 str(f["jobs"]),
                 str(f["after_backup"]),
-                f"{float(str(f['restore_s'])):.1f}",
-                f"{float(str(f['settled_s'])):.1f}",
-                f"{float(str(f['recovered_s'])):.1f}",
+                sec("restore_s"),
+                sec("members_s"),
+                sec("settled_s"),
+                sec("recovered_s"),
                 ", ".join(f"{n} {k}" for k, n in sorted(fates.items())) or "-",
                 str(f["lost"]),
                 str(f["ran_twice"]),
@@ -81,23 +86,20 @@ def main() -> None:
                 num(float(str(f["snapshot_bytes"])) / 1e6, 2),
             ]
         )
-    print(
-        table(
-            [
-                "jobs",
-                "after backup",
-                "cpn restore s",
-                "settle s",
-                "recovery s",
-                "settled",
-                "lost",
-                "ran twice",
-                "runs / segments",
-                "snapshot MB",
-            ],
-            rows,
-        )
-    )
+    headers = [
+        "jobs",
+        "after backup",
+        "cpn restore s",
+        "members up s",
+        "settle s",
+        "recovery s",
+        "settled",
+        "lost",
+        "ran twice",
+        "runs / segments",
+        "snapshot MB",
+    ]
+    print(table(headers, rows))
     print(
         "recovery s: from every member's loss to the restore settled (cpn restore, the "
         "members' start, the agents' reports, the leader's decisions); target: lost 0, ran "

@@ -159,6 +159,7 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
                 cluster._launch(i, "existing")  # on the same ports: clients reconnect
             for i in range(len(cluster.names)):
                 assert cluster._healthy(i, 30), f"member {i} did not come back"
+            members_s = time.monotonic() - restore_started - restore_s
             rec: dict[str, Any] = json.loads(
                 subprocess.run(
                     [sys.executable, "-m", "cpn", "recovery", "--etcd", cluster.url,
@@ -209,7 +210,7 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
             if figures:
                 Path(figures).write_text(json.dumps({
                     "jobs": len(accepted), "after_backup": len(done_after + running_after),
-                    "recovered_s": recovered_s, "restore_s": restore_s,
+                    "recovered_s": recovered_s, "restore_s": restore_s, "members_s": members_s,
                     "settled_s": (rec["closed_at"] or 0) - (rec["opened_at"] or 0),
                     "fates": dict(kinds), "lost": len(lost), "runs": sum(runs.values()),
                     "ran_twice": sum(1 for n in runs.values() if n > 1),
