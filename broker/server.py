@@ -81,9 +81,10 @@ async def serve(
         settings = load_settings(config_dir / "broker.yaml")
     site_keys = read_site_keys(settings.inference, str(config_dir / "broker.yaml"))
     host, port = listen.rsplit(":", 1)
-    ssl_context = None
+    reloading = None
     if tls_cert is not None and tls_key is not None:
-        ssl_context = ReloadingServer(tls_cert, tls_key).context
+        reloading = ReloadingServer(tls_cert, tls_key)
+    ssl_context = None if reloading is None else reloading.context
     agent_trust = PeerTrust(agent_ca, agent_crl)
     agent_ssl = agent_trust.context
     scheme = "https" if ssl_context else "http"
@@ -105,6 +106,8 @@ async def serve(
         # the leader's scheduled backups (docs/backup.md): none in-process without a state dir
         backup_dir=settings.backup.dir or (state_dir / "backups" if state_dir else None),
     )
+    if reloading is not None:
+        reloading.expose(broker.metrics.registry, "cpn_broker")
     router = None
     if clients is not None:
         router = Router(

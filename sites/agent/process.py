@@ -567,17 +567,17 @@ class Agent:
     async def _serve(self) -> None:
         """Start the HTTP server and the probe responder; what peers are told of them."""
         settings = self.settings
+        tls = None
+        if settings.tls_cert is not None and settings.tls_key is not None:
+            # re-read when `cpn certs rotate` renews them (sites.kits.tls)
+            tls = ReloadingServer(settings.tls_cert, settings.tls_key)
+            tls.expose(self.metrics.registry, "cpn_agent", site=self.spec.id)
         await self.server.start(
             listen=settings.listen,
             advertise=settings.advertise,
             probe_listen=settings.probe_listen,
             probe_advertise=settings.probe_advertise,
-            ssl_context=(
-                None
-                if settings.tls_cert is None or settings.tls_key is None
-                # re-read when `cpn certs rotate` renews them (sites.kits.tls)
-                else ReloadingServer(settings.tls_cert, settings.tls_key).context
-            ),
+            ssl_context=None if tls is None else tls.context,
         )
         self.url, self.probe_url = self.server.url, self.server.probe_url
 

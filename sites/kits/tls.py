@@ -16,6 +16,9 @@ import ssl
 import tempfile
 from pathlib import Path
 
+from cryptography import x509
+from prometheus_client import CollectorRegistry, Gauge
+
 from sites.model.errors import ConfigError, Problem
 
 __all__ = ["CRL_POLL_S", "PeerTrust", "ReloadingServer", "client_context", "server_context"]
@@ -66,6 +69,13 @@ def _stamp(*paths: Path) -> Stamp | None:
         return None
 
 
+def _not_after(cert: Path) -> float:
+    try:
+        return x509.load_pem_x509_certificate(cert.read_bytes()).not_valid_after_utc.timestamp()
+    except (OSError, ValueError):
+        return 0.0
+
+
 class ReloadingServer:
     """A server's TLS context that serves the certificate its files hold now, with no restart.
 
@@ -85,6 +95,19 @@ class ReloadingServer:
         self.context.sni_callback = self._on_hello
         self.reloads = 0
         self.last_error: str | None = None
+        self.not_after = _not_after(cert)
+        """When the certificate served expires (Unix time; 0 when it cannot be read)."""
+
+    def expose(self, registry: CollectorRegistry, prefix: str, **labels: str) -> None:
+        """`<prefix>_certificate_expiry_timestamp_seconds` in `registry`: what to alert on
+        well before it comes (`cpn certs rotate` renews within its window)."""
+        gauge = Gauge(
+            f"{prefix}_certificate_expiry_timestamp_seconds",
+            "When the TLS certificate this server presents expires (Unix time)",
+            list(labels),
+            registry=registry,
+        )
+        (gauge.labels(**labels) if labels else gauge).set_function(lambda: self.not_after)
 
     def refresh(self) -> bool:
         """Load the files again if they changed since the last look; True when it did."""
@@ -100,6 +123,7 @@ class ReloadingServer:
             return False
         self.reloads += 1
         self.last_error = None
+        self.not_after = _not_after(self.cert)
         log.info("serving the renewed certificate %s", self.cert)
         return True
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
+from prometheus_client import CollectorRegistry
 
 from cpn.certs import Pki, Profile, profile_of
 from cpn.cli import main
@@ -120,8 +121,12 @@ def test_rotate_renews_what_expires_within_the_window_and_keeps_names(pki: Pki) 
 
 
 async def test_a_running_server_serves_the_renewed_certificate(pki: Pki) -> None:
-    issued = pki.issue("agent-a", server=True, client=False)
+    issued = pki.write("agent-a", *pki.sign(Profile("agent-a", client=False, server=True), days=20))
     reloading = ReloadingServer(issued.cert_path, issued.key_path)
+    metrics = CollectorRegistry()
+    reloading.expose(metrics, "cpn_test", site="a")
+    expiry = "cpn_test_certificate_expiry_timestamp_seconds"
+    assert metrics.get_sample_value(expiry, {"site": "a"}) < (NOW + MONTH).timestamp()
     client = ssl.create_default_context(cafile=str(pki.ca_path))
     async with tls_server(reloading.context) as port:
         assert await handshake(port, client) == serial_of(issued.cert_pem)
@@ -129,6 +134,7 @@ async def test_a_running_server_serves_the_renewed_certificate(pki: Pki) -> None
         reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=client)
         new = renew(pki, held_named(pki, "agent-a"))
         assert await handshake(port, client) == new.serial
+        assert metrics.get_sample_value(expiry, {"site": "a"}) == new.not_after.timestamp()
         writer.write(b"still here")
         assert await reader.readexactly(10) == b"still here"
         writer.close()
