@@ -446,7 +446,13 @@ class HistoryKeeper:
         if not keep:
             return None
         now = time.monotonic()
-        self._revisions.append((now, await self.registry.revision()))
+        revision = await self.registry.revision()
+        if self._revisions and revision < self._revisions[-1][1]:
+            # the registry went back: restored from a backup (docs/backup.md); what was sampled
+            # and compacted before is of another history
+            self._revisions.clear()
+            self._compacted = 0
+        self._revisions.append((now, revision))
         if now - self._compacted_at < float(self.settings.compaction_interval_s):
             return None
         target = None
