@@ -45,6 +45,22 @@ def cmd_certs_issue(args: argparse.Namespace) -> int:
     return 0
 
 
+def _held_pki(args: argparse.Namespace) -> Pki:
+    """The directory `ls`, `rotate` and `revoke` work on: --dir, else $CPN_CERTS, else the
+    running `cpn up --secure`'s (its run's pki/), else the state directory's pki/."""
+    import os
+    from pathlib import Path
+
+    from cpn.secure import CERTS_ENV
+    from cpn.state import read_up_state
+
+    if not getattr(args, "certs", None) and not os.environ.get(CERTS_ENV):
+        state = read_up_state()
+        if state and state.get("ca"):
+            return Pki(Path(state["ca"]).parent)
+    return pki_of(args)
+
+
 def _within(args: argparse.Namespace) -> dt.timedelta:
     if args.within < 0:
         raise UsageError(f"--within: {args.within} days; expected 0 or more")
@@ -60,7 +76,7 @@ def cmd_certs_ls(args: argparse.Namespace) -> int:
 
     from cpn.rotation import held
 
-    pki = pki_of(args)
+    pki = _held_pki(args)
     now = dt.datetime.now(dt.UTC)
     within = _within(args)
     revoked = set(pki.revoked())
@@ -119,7 +135,7 @@ async def _publish(args: argparse.Namespace, pki: Pki) -> None:
 async def cmd_certs_rotate(args: argparse.Namespace) -> int:
     from cpn.rotation import rotate
 
-    pki = pki_of(args)
+    pki = _held_pki(args)
     report = rotate(pki, now=dt.datetime.now(dt.UTC), within=_within(args), dry_run=args.dry_run)
     for old, new in report.renewed:
         if new is None:
@@ -141,10 +157,21 @@ async def cmd_certs_rotate(args: argparse.Namespace) -> int:
 
 
 async def cmd_certs_revoke(args: argparse.Namespace) -> int:
-    from cpn.rotation import revoke
+    from cpn.rotation import held, revoke
 
-    pki = pki_of(args)
-    for old, new in revoke(pki, args.name, reissue=args.reissue):
+    pki = _held_pki(args)
+    names = list(args.name)
+    have = {c.name for c in held(pki)} if args.site else set()
+    for site in args.site:
+        of_site = [n for n in (f"agent-{site}", f"credentials/{site}") if n in have]
+        if not of_site:
+            raise UsageError(
+                f"--site {site}: no agent-{site} nor credentials/{site} in {pki.directory}"
+            )
+        names += [n for n in of_site if n not in names]
+    if not names:
+        raise UsageError("name the certificates to revoke (as `cpn certs ls` does) or --site")
+    for old, new in revoke(pki, names, reissue=args.reissue):
         print(f"revoked {old.name} (serial {old.serial:x})")
         if new is not None:
             print(f"  issued {new.name} anew (serial {new.serial:x}, until {_day(new.not_after)})")
@@ -195,12 +222,21 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
     revoke = certs_sub.add_parser(
         "revoke", help="add certificates to the CRL: refused at their next handshake"
     )
-    revoke.add_argument("name", nargs="+", help="as `cpn certs ls` names them")
+    revoke.add_argument("name", nargs="*", help="as `cpn certs ls` names them")
     revoke.add_argument(
         "--reissue", action="store_true", help="and give each a new certificate in its place"
     )
     for p in (ls, rotate, revoke):
-        p.add_argument("--certs", "--dir", dest="certs", metavar="DIR", help="default: cpn up's")
+        p.add_argument(
+            "--certs", "--dir", dest="certs", metavar="DIR", help="default: a running cpn up's"
+        )
+    revoke.add_argument(
+        "--site",
+        action="append",
+        default=[],
+        metavar="SITE",
+        help="every certificate of the site: agent-SITE and credentials/SITE (repeatable)",
+    )
     for p in (rotate, revoke):
         p.add_argument(
             "--publish",

@@ -215,8 +215,13 @@ def test_cli_lists_rotates_and_revokes(
             return None if got is None else got[0]
 
     assert asyncio.run(published()) == pki.crl_path.read_bytes()
+    credentials_for(pki, "site-c", "https://127.0.0.1:2379", name="c")
+    code, out, _ = cli(capsys, "certs", "revoke", "--site", "c", "--dir", d)
+    assert code == 0 and "revoked agent-c" in out and "revoked credentials/c" in out
     for argv, message in (
         (("revoke", "nope"), "no certificate 'nope'"),
+        (("revoke",), "name the certificates to revoke"),
+        (("revoke", "--site", "nowhere"), "--site nowhere: no agent-nowhere"),
         (("rotate", "--within", "-1"), "--within: -1 days"),
     ):
         code, out, err = cli(capsys, "certs", *argv, "--dir", d)
