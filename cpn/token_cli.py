@@ -223,7 +223,9 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser], broker_arg: BrokerA
     )
     broker_arg(create, ("table", "json", "token"))
     create.set_defaults(func=cmd_token_create)
-    tlist = token_sub.add_parser("list", help="the tokens you may see (never their secrets)")
+    tlist = token_sub.add_parser(
+        "list", aliases=["ls"], help="the tokens you may see (never their secrets)"
+    )
     tlist.add_argument(
         "--stale",
         metavar="DURATION",

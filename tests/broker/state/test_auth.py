@@ -456,7 +456,7 @@ def test_the_cli_bootstraps_a_token_from_etcd_and_uses_its_config(
     listed = run_cpn("token", "list")
     assert listed.returncode == 0 and json.loads(user.stdout)["id"] in listed.stdout
     assert "LAST USED" in listed.stdout
-    stale = run_cpn("token", "list", "--stale", "1d", "-o", "json")  # not the new ones
+    stale = run_cpn("token", "ls", "--stale", "1d", "-o", "json")  # not the new ones
     assert stale.returncode == 0, stale.stderr
     stale_ids = {t["id"] for t in json.loads(stale.stdout)}
     assert not stale_ids & {json.loads(user.stdout)["id"], json.loads(made.stdout)["id"]}
