@@ -146,12 +146,12 @@ async def cmd_certs_rotate(args: argparse.Namespace) -> int:
         print(f"nothing expires within {args.within} days")
     if report.crl_signed:
         print(f"{'would sign' if args.dry_run else 'signed'} the CRL again: {pki.crl_path}")
-        if args.publish and not args.dry_run:
-            await _publish(args, pki)
+    if args.publish and not args.dry_run and pki.crl_path.exists():
+        await _publish(args, pki)  # the current CRL, whether signed now or not: idempotent
     if report.ca_due:
         print(
             f"warning: the CA expires {_day(report.ca_expires)}: rotation does not renew it "
-            "(docs/security.md: replacing the CA)"
+            "(docs/auth.md: what is not done yet)"
         )
     return 0
 
