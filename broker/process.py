@@ -46,6 +46,7 @@ from broker.leader.history import HistoryKeeper
 from broker.leader.recovery import RecoveryKeeper
 from broker.leader.replicas import ReplicaReconciler
 from broker.leader.scaler import Scaler
+from broker.leader.start_backoff import StartBackoff, expired
 from broker.model.errors import BrokerError
 from broker.model.jobs import JobRecord, JobSpec
 from broker.model.tenants import TenancyFile
@@ -274,6 +275,7 @@ class Broker:
         self._http: aiohttp.ClientSession | None = None
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
         self._down = dc.DownSince()
+        self._start_backoff = StartBackoff()
         self._last_batch = 0.0
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -484,10 +486,30 @@ class Broker:
         self._observe_placed(outcome.done, now, "fast")
         if outcome.deposed:
             return
+        await self._back_off(decided, outcome.done, view, now)
         if now - self._last_batch >= self.settings.scheduling.batch_interval_s:
             self._last_batch = now
             done = frozenset(job for action in outcome.done for job in action.job_ids)
             await self._batch_pass(now, done)
+
+    async def _back_off(
+        self, decided: dc.Decided, done: list[dc.Action], view: View, now: float
+    ) -> None:
+        """Cordon the sites where attempts keep failing to start, lift the back-offs that are
+        over (broker.leader.start_backoff); only what the pass committed counts."""
+        committed = {job for action in done for job in action.job_ids}
+        cordons = self._start_backoff.observe(
+            [f for f in decided.start_failed if f.job in committed],
+            [site for job, site in decided.started if job in committed],
+            now,
+            self.settings.scheduling,
+        )
+        for site, cordon in cordons:
+            if await self.registry.back_off(site, cordon):
+                log.warning("site %s cordoned: %s", site, cordon.reason)
+        for site, until in expired(view.sites.cordons, now):
+            if await self.registry.lift_back_off(site, until):
+                log.info("site %s: its back-off is over, the cordon lifted", site)
 
     async def _batch_pass(self, now: float, just_written: frozenset[str]) -> None:
         """CP-SAT over every pending job the fast path left waiting (broker.plan.batch)."""

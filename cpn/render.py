@@ -56,7 +56,7 @@ def sites_table(views: Sequence[SiteView], *, catalog: DeviceCatalog, now: float
         peers = ", ".join(f"{p} {ms:.1f}" for p, ms in list(v.rtt_ms.items())[:3])
         rows.append([
             v.id,
-            v.state.value,
+            site_state(v),
             ago(None if v.last_seen is None else now - v.last_seen),
             v.region,
             gpus or "-",
@@ -151,6 +151,14 @@ def nodes_table(views: Sequence[SiteView], *, catalog: DeviceCatalog) -> str:
                 f"{'-' if free is None else _num(free.free_mem_gb)}/{_num(row.mem_gb)}",
             ])  # fmt: skip
     return table(headers, rows) if rows else "no site declares its nodes"
+
+
+def site_state(v: SiteView) -> str:
+    """The STATE column: the site's state; a site the leader backs off from (attempts kept
+    failing to start there: its automatic cordon, broker.leader.start_backoff) says so."""
+    if v.cordon is not None and v.cordon.until is not None:
+        return "backing off"
+    return v.state.value
 
 
 def confinement_short(line: str) -> str:

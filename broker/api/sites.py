@@ -24,7 +24,7 @@ from pydantic import BaseModel, Field
 from sites.model.capacity import Capacity
 from sites.model.snapshot import JournalCursor, Snapshot
 from sites.model.spec import Coordinates, SiteSpec
-from sites.model.status import LinkStatus, SiteState, SiteStatus, SiteView
+from sites.model.status import Cordon, LinkStatus, SiteState, SiteStatus, SiteView
 
 __all__ = [
     "JOURNAL_CHUNK",
@@ -80,13 +80,19 @@ class SiteInfo(BaseModel):
         description="how the site confines tenants' runs, as its agent last published it "
         "(docs/security.md); null before a report",
     )
+    cordon: Cordon | None = Field(
+        default=None,
+        description="why the site takes no new work: an operator's (leaving), or the leader's "
+        "back-off from a site where attempts kept failing to start (with `until`); null: none",
+    )
 
 
 def site_info(site: SiteView, now: float) -> SiteInfo:
     """One entry of GET /v1/sites, from the registry's view of the site."""
     return _site_info(
-        site.id, site.region, site.state, site.last_seen, site.rtt_ms, site.status, site.spec, now
-    )
+        site.id, site.region, site.state, site.last_seen, site.rtt_ms, site.status, site.spec,
+        now, site.cordon,
+    )  # fmt: skip
 
 
 def _site_info(
@@ -98,6 +104,7 @@ def _site_info(
     status: SiteStatus | None,
     spec: SiteSpec,
     now: float | None,
+    cordon: Cordon | None = None,
 ) -> SiteInfo:
     # every part is a validated value of the registry's view already: constructed, not
     # validated again (GET /v1/sites builds a thousand of these a second at 1,000 sites)
@@ -115,6 +122,7 @@ def _site_info(
         if status is None or not status.nodes
         else {n.node: dict(n.free_devices) for n in status.nodes},
         confinement=None if status is None else status.confinement or None,
+        cordon=cordon,
     )
 
 
@@ -131,7 +139,10 @@ def _render(sites: Snapshot, site: str, rtt: dict[str, float]) -> _Row | None:
     seen = sites.last_seen.get(site)
     last_seen = status.published_at if status else (seen.at if seen else None)
     nearest = dict(sorted(rtt.items(), key=itemgetter(1)))
-    info = _site_info(site, spec.region, sites.state(site), last_seen, nearest, status, spec, None)
+    info = _site_info(
+        site, spec.region, sites.state(site), last_seen, nearest, status, spec, None,
+        sites.cordons.get(site),
+    )  # fmt: skip
     # the key comes after id, region, state and last_seen, whose JSON holds no bare quote
     head, found, tail = info.model_dump_json().encode().partition(_AGO_NULL)
     assert found, "SiteInfo renders last_seen_ago_s"

@@ -124,6 +124,8 @@ def prometheus_rules(settings: AlertSettings) -> dict[str, Any]:
     verdicts = (
         (Rule.site_refusing, s.site_refusing.enabled,
          "site {{ $labels.site }} takes no job: its executor refuses them"),
+        (Rule.site_backing_off, s.site_backing_off.enabled,
+         "site {{ $labels.site }} backed off: attempts kept failing to start there"),
         (Rule.quota_high, s.quota.enabled, "tenant {{ $labels.tenant }} near its GPU quota"),
         (Rule.budget_exceeded, s.budget.enabled and bool(s.budget.monthly_usd),
          "tenant {{ $labels.tenant }} over its monthly budget"),

@@ -70,5 +70,9 @@ def decide(view: View, now: float, ctx: Context) -> Decided:
     place(p)
     pending = sum(1 for r, _ in view.jobs.values() if r.state is JobState.PENDING)
     return Decided(
-        actions=tuple(p.actions), pending=pending, preempt_failed=tuple(p.preempt_failed)
+        actions=tuple(p.actions),
+        pending=pending,
+        preempt_failed=tuple(p.preempt_failed),
+        start_failed=tuple(p.start_failed),
+        started=tuple(p.started),
     )

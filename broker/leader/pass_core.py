@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from broker.leader.data_terms import DataFields, DataTerms
+from broker.leader.start_backoff import StartFailure
 from broker.model.jobs import TRANSITIONS, Event, JobRecord, JobState
 from broker.model.lifecycle import RetryPolicy
 from broker.model.tenants import TenancyFile
@@ -123,6 +124,8 @@ class Decided:
     actions: tuple[Action, ...]
     pending: int  # PENDING jobs in the view
     preempt_failed: tuple[str, ...] = ()  # jobs a preemption was sought for, in vain
+    start_failed: tuple[StartFailure, ...] = ()  # attempts that failed before they started
+    started: tuple[tuple[str, str], ...] = ()  # (job, site) of runs that started
 
 
 class Pass:
@@ -138,6 +141,10 @@ class Pass:
         self.gangs = gangs(view)
         self.quotas = ctx.quotas or Quotas(TenancyFile(), ctx.catalog)
         self.preempt_failed: list[str] = []  # jobs a preemption was sought for, in vain
+        # attempts that failed before they started, and sites where one started: the leader's
+        # back-off from sites that keep refusing (broker.leader.start_backoff)
+        self.start_failed: list[StartFailure] = []
+        self.started: list[tuple[str, str]] = []  # (job, site)
 
     def emit(self, action: Action) -> None:
         self.actions.append(action)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from broker.leader.pass_core import Action, ActionKind, JobWrite, Pass, run_keys
+from broker.leader.start_backoff import StartFailure
 from broker.leader.workflow_steps import WorkflowSteps
 from broker.model.data_outbox import DataOutbox
 from broker.model.jobs import MAX_START_FAILED_SITES, Event, JobRecord, JobState
@@ -26,7 +27,7 @@ from broker.ops.gangs import gang_key
 from broker.ops.usage_segments import EndReason, egress_puts
 from broker.state.view import LIVE
 from sites.model import keys
-from sites.model.assignments import Report, RunState
+from sites.model.assignments import EXECUTOR_REFUSED, Report, RunState
 from sites.model.data import CheckpointMark
 from sites.registry.client import Guard
 
@@ -115,6 +116,7 @@ def _report(
                 if kept
                 else ", from the start: no checkpoint was kept (no other site stores data)"
             )
+        p.started.append((record.id, site))
         ev = Event(
             at=now,
             type="running",
@@ -167,6 +169,10 @@ def _report(
         before = tuple(s for s in new.failed_to_start_at if s != site)
         marked = (*before, site)[-MAX_START_FAILED_SITES:]
         new = new.model_copy(update={"failed_to_start_at": marked})
+        if report.reason == EXECUTOR_REFUSED:  # the site's fault, not the job's
+            p.start_failed.append(
+                StartFailure(record.id, record.attempt, site, report.message or why)
+            )
     ended = EndReason.failed if report.state is RunState.failed else EndReason.stopped
     if report.reason == EndReason.out_of_memory:
         ended = EndReason.out_of_memory

@@ -12,6 +12,8 @@ The rules (docs/alerts.md has the long form):
     site_down         a joined, uncordoned site whose agent holds no lease
     site_refusing     a live, uncordoned site whose executor refuses every job (its status:
                       no Slurm to reach, no way to confine runs); placement passes it by
+    site_backing_off  a site the leader cordoned for a while because attempts kept failing to
+                      start there (broker.leader.start_backoff)
     link_loss         a probed link losing more than loss_ratio of its probes
     link_rtt          a link's RTT over rtt_factor x its baseline (and rtt_min_excess_ms more)
     utilization_high  a site's accelerators, cores or memory in use over a threshold
@@ -56,6 +58,7 @@ __all__ = [
 class Rule(enum.StrEnum):
     site_down = "site_down"
     site_refusing = "site_refusing"
+    site_backing_off = "site_backing_off"
     link_loss = "link_loss"
     link_rtt = "link_rtt"
     utilization_high = "utilization_high"
@@ -84,6 +87,16 @@ class SiteRefusingRule(_Frozen):
     enabled: bool = True
     for_s: Duration = Field(
         default=60.0, ge=0, description="refusing this long before it fires (an agent's start)"
+    )
+    severity: Severity = "warning"
+
+
+class SiteBackingOffRule(_Frozen):
+    enabled: bool = True
+    for_s: Duration = Field(
+        default=0.0,
+        ge=0,
+        description="backing off this long before it fires: it counted its failures already",
     )
     severity: Severity = "warning"
 
@@ -235,6 +248,7 @@ class AlertSettings(_Frozen):
     delivery: DeliverySettings = DeliverySettings()
     site_down: SiteDownRule = SiteDownRule()
     site_refusing: SiteRefusingRule = SiteRefusingRule()
+    site_backing_off: SiteBackingOffRule = SiteBackingOffRule()
     link: LinkRule = LinkRule()
     utilization: UtilizationRule = UtilizationRule()
     quota: QuotaRule = QuotaRule()
@@ -261,6 +275,7 @@ class AlertSettings(_Frozen):
         table: dict[Rule, RuleSettings] = {
             Rule.site_down: self.site_down,
             Rule.site_refusing: self.site_refusing,
+            Rule.site_backing_off: self.site_backing_off,
             Rule.link_loss: self.link,
             Rule.link_rtt: self.link,
             Rule.utilization_high: self.utilization,
@@ -275,6 +290,7 @@ class AlertSettings(_Frozen):
 RuleSettings = (
     SiteDownRule
     | SiteRefusingRule
+    | SiteBackingOffRule
     | LinkRule
     | UtilizationRule
     | QuotaRule
@@ -408,6 +424,8 @@ def evaluate(
         found += site_down(inputs.sites)
     if settings.site_refusing.enabled:
         found += site_refusing(inputs.sites)
+    if settings.site_backing_off.enabled:
+        found += site_backing_off(inputs.sites)
     if settings.link.enabled:
         found += links(inputs.sites, settings.link, baselines or {}, inputs.now)
     if settings.utilization.enabled:
@@ -423,9 +441,15 @@ def evaluate(
     return {f.key: f for f in found}
 
 
+def _operator_cordoned(sites: Snapshot, site: str) -> bool:
+    """Cordoned by an operator (leaving): a back-off's cordon (with `until`) hides nothing."""
+    cordon = sites.cordons.get(site)
+    return cordon is not None and cordon.until is None
+
+
 def site_down(sites: Snapshot) -> Iterable[Finding]:
     for site, spec in sites.specs.items():
-        if site in sites.cordons or sites.alive(site):
+        if _operator_cordoned(sites, site) or sites.alive(site):
             continue
         seen = sites.last_seen.get(site)
         when = (
@@ -446,7 +470,7 @@ def site_down(sites: Snapshot) -> Iterable[Finding]:
 def site_refusing(sites: Snapshot) -> Iterable[Finding]:
     for site, status in sites.statuses.items():
         refusal = status.refusal
-        if refusal is None or site in sites.cordons or not sites.alive(site):
+        if refusal is None or _operator_cordoned(sites, site) or not sites.alive(site):
             continue
         spec = sites.specs.get(site)
         region = spec.region if spec is not None else ""
@@ -455,6 +479,22 @@ def site_refusing(sites: Snapshot) -> Iterable[Finding]:
             (site,),
             {"site": site, "region": region},
             f"site {site} ({region}) takes no job: {refusal}",
+            1.0,
+        )
+
+
+def site_backing_off(sites: Snapshot) -> Iterable[Finding]:
+    for site, cordon in sites.cordons.items():
+        if cordon.until is None:
+            continue
+        spec = sites.specs.get(site)
+        region = spec.region if spec is not None else ""
+        until = datetime.fromtimestamp(cordon.until, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+        yield Finding(
+            Rule.site_backing_off,
+            (site,),
+            {"site": site, "region": region},
+            f"site {site} ({region}) takes no new work until {until}: {cordon.reason}",
             1.0,
         )
 

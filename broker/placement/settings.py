@@ -257,6 +257,23 @@ class SchedulingSettings(BaseModel):
         default=2.0, ge=0, description="first retry backoff; it doubles per retry"
     )
     retry_max_s: Duration = Field(default=300.0, ge=0, description="backoff cap")
+    start_failures: int = Field(
+        default=3,
+        ge=0,
+        description="attempts failing to start at one site (its executor refused them) within "
+        "start_failure_window_s, with none started there meanwhile, that make the leader cordon "
+        "the site for a back-off (broker.leader.start_backoff); 0: never",
+    )
+    start_failure_window_s: Duration = Field(
+        default=600.0, gt=0, description="the window start_failures are counted in"
+    )
+    start_backoff_s: Duration = Field(
+        default=60.0,
+        gt=0,
+        description="a site's first back-off; each next one, with no run started there between, "
+        "doubles, up to start_backoff_max_s",
+    )
+    start_backoff_max_s: Duration = Field(default=900.0, gt=0, description="back-off cap")
     batch_interval_s: Duration = Field(
         default=30.0,
         gt=0,

@@ -61,7 +61,7 @@ from sites.executors.base import (
 )
 from sites.kits.clock import Clock
 from sites.model import keys
-from sites.model.assignments import Assignment, Report, RunState
+from sites.model.assignments import EXECUTOR_REFUSED, Assignment, Report, RunState
 from sites.model.capacity import Capacity
 from sites.model.catalog import DeviceCatalog
 from sites.model.data import StagingProgress
@@ -547,6 +547,8 @@ class Workload:
             handle = await self.executor.start(a, devices, run.log_path)
         except ExecutorError as exc:
             run.finish(RunState.failed, self.clock.time(), None, str(exc))
+            if exc.site:  # the leader counts it against the site (broker.leader.start_backoff)
+                run.reason = EXECUTOR_REFUSED
             log.warning("job %s attempt %d: %s", a.job, a.attempt, exc)
             await self._write(run)
             return

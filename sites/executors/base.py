@@ -37,7 +37,13 @@ VISIBLE_DEVICES_ENV = {
 
 
 class ExecutorError(SitesError):
-    """A run could not be started (bad job id, missing program, executor unavailable)."""
+    """A run could not be started (bad job id, missing program, executor unavailable).
+    `site`: the site's executor is at fault (no controller, no sandbox, a broken work dir),
+    not the job: the leader counts those against the site (broker.leader.start_backoff)."""
+
+    def __init__(self, message: str, *, site: bool = False) -> None:
+        super().__init__(message)
+        self.site = site
 
 
 @dataclass(frozen=True)
@@ -213,7 +219,7 @@ class UnavailableExecutor:
         devices: tuple[int, ...],  # noqa: ARG002
         log_path: Path,  # noqa: ARG002
     ) -> RunHandle:
-        raise ExecutorError(self.reason)
+        raise ExecutorError(self.reason, site=True)
 
     async def wait(self, handle: RunHandle) -> RunExit:  # noqa: ARG002
         raise ExecutorError(self.reason)

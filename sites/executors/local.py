@@ -31,6 +31,7 @@ Exceptions: ``ExecutorError`` (a ``sites.model.errors.SitesError``) when a run c
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -71,6 +72,8 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 KILL_WAIT_S = 5.0  # a process in uninterruptible sleep (D) dies only when its I/O ends
+# a spawn failing with these is the job's program's fault, not the site's
+_PROGRAM_ERRNOS = frozenset({errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.E2BIG})
 
 
 # -- layout and environment (shared by every executor) ---------------------------------------
@@ -125,13 +128,14 @@ class LocalExecutor:
                 assignment, devices, vendor=vendor, job_vars=job_vars, argv=argv, cwd=cwd
             )
         except (Refused, AccountError, CgroupError, OSError) as exc:
-            raise ExecutorError(f"cannot confine the run: {exc}") from exc
+            raise ExecutorError(f"cannot confine the run: {exc}", site=True) from exc
         try:
             proc = await self._spawn(run, log_path)
         except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the job's argv or env
             self._discard(run)
             raise ExecutorError(
-                f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}"
+                f"cannot start {argv[0]!r}: {getattr(exc, 'strerror', None) or exc}",
+                site=isinstance(exc, OSError) and exc.errno not in _PROGRAM_ERRNOS,
             ) from exc
         except ExecutorError:
             self._discard(run)
@@ -168,7 +172,7 @@ class LocalExecutor:
             await proc.wait()
             self._procs.pop(handle.ref, None)
             await self._release(handle.ref)
-            raise ExecutorError(f"cannot write {jdir / RUN_RECORD}: {exc}") from exc
+            raise ExecutorError(f"cannot write {jdir / RUN_RECORD}: {exc}", site=True) from exc
         log.info(
             "job %s attempt %d started: pid %d, devices %s, %s",
             handle.job,

@@ -199,25 +199,31 @@ class SlurmExecutor:
             script.chmod(0o700)  # sbatch reads it as root and hands Slurm a copy
             blocked = unreachable_dir(cwd, user)
         except Refused as exc:
-            raise ExecutorError(str(exc)) from exc
+            raise ExecutorError(str(exc), site=True) from exc
         except OSError as exc:
             raise ExecutorError(
-                f"cannot make the files of job {a.job} in {jdir}: {exc.strerror or exc}"
+                f"cannot make the files of job {a.job} in {jdir}: {exc.strerror or exc}",
+                site=True,
             ) from exc
         if blocked is not None:
             raise ExecutorError(
                 f"user {user.name} cannot reach {blocked} (mode {blocked.stat().st_mode & 0o777:o}"
-                "): a Slurm site's work_dir must be passable by its tenants' users"
+                "): a Slurm site's work_dir must be passable by its tenants' users",
+                site=True,
             )
         # sbatch's own environment: PATH and SLURM_CONF, nothing else of the agent's (no
         # SBATCH_* either); run from the job dir, the job's SLURM_SUBMIT_DIR
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "SLURM_CONF")}
         got = await self.commands.run("sbatch", *args, str(script), env=env, cwd=jdir)
         if got.returncode != 0:
-            raise ExecutorError(f"sbatch refused job {a.job}: {got.error}")
+            # the controller unreachable, a partition gone: the site's (a job's own mistakes
+            # are refused before, by slurm_batch)
+            raise ExecutorError(f"sbatch refused job {a.job}: {got.error}", site=True)
         slurm_id = got.stdout.strip().split(";")[0]
         if not slurm_id.isdigit():
-            raise ExecutorError(f"sbatch gave no job id for {a.job}: {got.stdout.strip()!r}")
+            raise ExecutorError(
+                f"sbatch gave no job id for {a.job}: {got.stdout.strip()!r}", site=True
+            )
         handle = self._handle(a, slurm_id, log_path, self._clock.time())
         self._record(handle)
         log.info("job %s attempt %d submitted: slurm job %s", a.job, a.attempt, slurm_id)

@@ -103,6 +103,11 @@ class RunState(enum.StrEnum):
         return self in (RunState.succeeded, RunState.failed, RunState.stopped)
 
 
+EXECUTOR_REFUSED = "executor_refused"
+"""A failed report's `reason` when the run never started because the site's executor could not
+run anything (sites.executors.base.ExecutorError.site), not because of the job."""
+
+
 class Report(Frozen):
     job: str
     site: str
@@ -121,7 +126,9 @@ class Report(Frozen):
         "cpu_core_s, mem_gb_s, gpu_s:<model>, energy_j (where measured); None: not accounted",
     )
     reason: str | None = Field(
-        default=None, description="why the run ended, as a word: out_of_memory; None: its exit"
+        default=None,
+        description="why the run ended, as a word: out_of_memory; executor_refused (it never "
+        "started: the site's executor could not run it, not the job's fault); None: its exit",
     )
     confinement: str | None = Field(
         default=None, description="how the site confines the run: sandbox, account, limits"

@@ -73,6 +73,12 @@ class PriceHistory(Frozen):
 class Cordon(Frozen):
     since: float
     reason: str = ""
+    until: float | None = Field(
+        default=None,
+        description="unix s an automatic cordon ends (the leader's back-off from a site where "
+        "attempts keep failing to start: broker.leader.start_backoff); None: an operator's, "
+        "until uncordoned",
+    )
 
 
 class LastSeen(Frozen):

@@ -22,7 +22,14 @@ from sites.model.assignments import Report
 from sites.model.endpoints import parse_endpoints, uses_tls
 from sites.model.snapshot import Snapshot
 from sites.model.spec import SiteSpec
-from sites.model.status import AgentRecord, AgentSecret, LinkStatus, ServiceEndpoint, SiteStatus
+from sites.model.status import (
+    AgentRecord,
+    AgentSecret,
+    Cordon,
+    LinkStatus,
+    ServiceEndpoint,
+    SiteStatus,
+)
 from sites.registry import maintenance, paging, watch
 from sites.registry.connection import TRANSPORT_ENV, EtcdConnection
 from sites.registry.leases import Leases
@@ -217,6 +224,14 @@ class Registry:
 
     async def cordon(self, site: str, *, reason: str, now: float) -> None:
         await self._sites.cordon(site, reason=reason, now=now)
+
+    async def back_off(self, site: str, cordon: Cordon) -> bool:
+        """An automatic cordon, put only on a joined site not cordoned (SiteLifecycle)."""
+        return await self._sites.back_off(site, cordon)
+
+    async def lift_back_off(self, site: str, until: float) -> bool:
+        """The automatic cordon ending at `until` lifted, and only it (SiteLifecycle)."""
+        return await self._sites.lift_back_off(site, until)
 
     async def leave(self, site: str, *, now: float) -> LeaveResult:
         """Cordon the site; remove it (spec, cordon, last_seen) only if no job is assigned."""

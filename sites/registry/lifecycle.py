@@ -39,6 +39,15 @@ def _encode(value: BaseModel) -> bytes:
     return value.model_dump_json().encode()
 
 
+def _automatic(raw: bytes, until: float | None = None) -> bool:
+    """Whether a cordon's value is an automatic one (ending at `until`, when given)."""
+    try:
+        cordon = Cordon.model_validate_json(raw)
+    except ValueError:
+        return False
+    return cordon.until is not None and (until is None or cordon.until == until)
+
+
 @dataclass(frozen=True)
 class LeaveResult:
     removed: bool
@@ -97,6 +106,30 @@ class SiteLifecycle:
         if not ok:
             raise NotJoined(site)
 
+    async def back_off(self, site: str, cordon: Cordon) -> bool:
+        """Put an automatic cordon (one with `until`: broker.leader.start_backoff) while the
+        site is joined and not cordoned already; False when it was not put."""
+        tx = self._conn.tx
+        key = keys.site_cordon(site).encode()
+        ok, _ = await self._conn.transaction(
+            compare=[tx.version(keys.site_spec(site).encode()) > 0, tx.version(key) == 0],
+            success=[tx.put(key, _encode(cordon))],
+        )
+        return bool(ok)
+
+    async def lift_back_off(self, site: str, until: float) -> bool:
+        """Delete the site's automatic cordon that ends at `until`, and only that one (an
+        operator's cordon put since stays); False when there was none to delete."""
+        key = keys.site_cordon(site)
+        got = await self._reads.get_raw(key)
+        if got is None or not _automatic(got[0], until):
+            return False
+        tx = self._conn.tx
+        ok, _ = await self._conn.transaction(
+            compare=[tx.mod(key.encode()) == got[1]], success=[tx.delete(key.encode())]
+        )
+        return bool(ok)
+
     async def leave(self, site: str, *, now: float) -> LeaveResult:
         """Cordon the site; remove it (spec, cordon, last_seen) only if no job is assigned.
 
@@ -105,7 +138,7 @@ class SiteLifecycle:
         """
         tx = self._conn.tx
         existing = await self._reads.get_raw(keys.site_cordon(site))
-        if existing is None:
+        if existing is None or _automatic(existing[0]):  # a back-off ends; leaving does not
             await self.cordon(site, reason="leaving", now=now)
         prefix = keys.assignments(site).encode()
         end = aetcd.utils.prefix_range_end(prefix)

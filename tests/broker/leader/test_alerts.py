@@ -6,6 +6,7 @@ leader could not deliver is delivered by the next leader after a failover."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import threading
 import time
@@ -224,3 +225,50 @@ def _healthy(fed: Federation) -> bool:
     except OSError:
         return False
     return status == 200
+
+
+def test_a_site_where_starts_keep_failing_is_backed_off_alerted_and_tried_again(
+    make_federation: Callable[..., Federation], receiver: Receiver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A site whose executor breaks after its agent started (here its jobs directory turned
+    into a file: every run fails before it starts) gets start_failures attempts, each retried
+    elsewhere; then the leader cordons it for a back-off (`backing off`, its reason and end),
+    site_backing_off fires, new work goes elsewhere at once; once the back-off is over the
+    cordon is lifted, the alert resolves, and the next job runs there again."""
+    scheduling = {**BROKER_SETTINGS["scheduling"], "start_failures": 2, "start_backoff_s": 8.0}
+    settings = {**BROKER_SETTINGS, "scheduling": scheduling, "alerts": alert_settings(receiver)}
+    monkeypatch.setattr(fed_conftest, "BROKER_SETTINGS", settings)
+    fed = make_federation({s: fed_conftest.SITES[s] for s in ("east-a", "east-b")})
+    jobs = fed.config_dir / "state" / "sites" / "east-b" / "jobs"  # b is the cheaper
+    shutil.rmtree(jobs, ignore_errors=True)
+    jobs.parent.mkdir(parents=True, exist_ok=True)
+    jobs.write_text("not a directory")
+
+    gpu = {"model": "H100", "count": 1}  # at b's price, cheaper: placed there first
+    first = [fed.submit(name=f"b{i}", gpu=gpu, command=["true"]) for i in range(2)]
+
+    def cordon() -> dict[str, Any] | None:
+        status, page = fed.request("GET", "/v1/sites")
+        assert status == 200, page
+        (site,) = (s for s in page["items"] if s["id"] == "east-b")
+        return site.get("cordon")  # type: ignore[no-any-return]
+
+    backing = wait(cordon, 15, "east-b cordoned")
+    assert backing["until"] is not None and backing["reason"].startswith("backing off for 8 s")
+    assert "2 attempts failed to start" in backing["reason"], backing
+    for job in first:
+        done = fed.wait_state(job["id"], "SUCCEEDED", "FAILED", timeout=30)
+        assert done["state"] == "SUCCEEDED" and done["placement"]["site"] == "east-a", done
+        assert any(e.get("site") == "east-b" and "cannot confine" in e["message"]
+                   for e in done["events"]), done["events"]  # fmt: skip
+    wait(lambda: alerts(fed, state="firing", rule="site_backing_off"), 10, "the alert fires")
+    moved = fed.submit(name="meanwhile", gpu=gpu, command=["true"])
+    done = fed.wait_state(moved["id"], "SUCCEEDED", "FAILED", timeout=30)
+    assert done["placement"]["site"] == "east-a" and done["attempt"] == 1, done
+
+    jobs.unlink()  # repaired; the back-off ends by itself
+    wait(lambda: cordon() is None, 20, "the back-off lifted")
+    wait(lambda: receiver.delivered("ops", "resolved"), 15, "site_backing_off resolved")
+    again = fed.submit(name="again", gpu=gpu, command=["true"])
+    done = fed.wait_state(again["id"], "SUCCEEDED", "FAILED", timeout=30)
+    assert done["placement"]["site"] == "east-b" and done["attempt"] == 1, done

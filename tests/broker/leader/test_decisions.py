@@ -8,6 +8,7 @@ import pytest
 
 from broker.leader import decisions as dc
 from broker.leader.data_terms import DataFields
+from broker.leader.start_backoff import StartFailure
 from broker.model.jobs import Event, JobRecord, JobSpec, JobState, Placement
 from broker.placement.settings import SchedulingSettings
 from broker.placement.staging import DataView
@@ -15,7 +16,7 @@ from broker.plan.problem import Assignment as PlanAssignment
 from broker.plan.problem import PlanResult, PlanStatus
 from broker.state.view import View
 from sites.model import keys
-from sites.model.assignments import Assignment, Report, RunState
+from sites.model.assignments import EXECUTOR_REFUSED, Assignment, Report, RunState
 from sites.model.capacity import normalize_inventory
 from sites.model.catalog import DeviceCatalog
 from sites.model.snapshot import Snapshot
@@ -152,6 +153,7 @@ def test_report_running_then_succeeded() -> None:
     decided = dc.decide(v, NOW, ctx())
     assert kinds(decided) == [("advance", ("j1",))]
     assert decided.actions[0].jobs[0].record.state is JobState.RUNNING
+    assert decided.started == (("j1", "a"),)  # a start forgets a's failures to start
     done = report.model_copy(update={"state": RunState.succeeded, "exit_code": 0})
     v = view(snapshot("a"), (running(record, "a"), rev), reports={("a", "j1"): (done, 4)})
     action = dc.decide(v, NOW, ctx()).actions[0]
@@ -471,12 +473,23 @@ def test_a_retry_goes_elsewhere_than_where_its_attempt_failed_before_starting() 
         message="slurm executor: no Slurm configuration at /etc/slurm/slurm.conf",
     )  # fmt: skip
     v = view(snapshot("a", "b"), (running(record, "a"), rev), reports={("a", "j1"): (refused, 4)})
-    new = dc.decide(v, NOW, ctx()).actions[0].jobs[0].record
+    decided = dc.decide(v, NOW, ctx())
+    new = decided.actions[0].jobs[0].record
     assert new.state is JobState.PENDING and new.failed_to_start_at == ("a",)
+    # the leader counts it against the site (broker.leader.start_backoff) only when the agent
+    # says the site's executor was at fault (not a program missing from the job's command)
+    assert decided.start_failed == ()
+    refused = refused.model_copy(update={"reason": EXECUTOR_REFUSED})
+    v = view(snapshot("a", "b"), (running(record, "a"), rev), reports={("a", "j1"): (refused, 4)})
+    decided = dc.decide(v, NOW, ctx())
+    assert decided.actions[0].jobs[0].record.failed_to_start_at == ("a",)
+    assert decided.start_failed == (StartFailure("j1", 1, "a", refused.message),)
     # a run that started and then failed marks nothing
     ran = refused.model_copy(update={"started_at": NOW - 60, "exit_code": 1})
     v = view(snapshot("a", "b"), (running(record, "a"), rev), reports={("a", "j1"): (ran, 4)})
-    assert dc.decide(v, NOW, ctx()).actions[0].jobs[0].record.failed_to_start_at == ()
+    decided = dc.decide(v, NOW, ctx())
+    assert decided.actions[0].jobs[0].record.failed_to_start_at == ()
+    assert decided.start_failed == ()
     # the retry: a is the cheaper, but b is chosen, and the reason says why
     retry = new.model_copy(update={"not_before": 0.0})
     decided = dc.decide(view(snapshot("a", "b"), (retry, 12)), NOW, ctx())

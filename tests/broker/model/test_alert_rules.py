@@ -81,6 +81,24 @@ def test_site_refusing_fires_for_a_live_uncordoned_site_that_takes_no_job() -> N
     assert rules(AlertInputs(now=NOW, sites=snap), off) == {"site_down/d"}
 
 
+def test_site_backing_off_fires_while_the_leader_backs_off_and_hides_no_other_finding() -> None:
+    snap = snapshot("a", "b", down=("c", "d"))
+    why = "backing off for 60 s: 3 attempts failed to start here within 10 min, none started"
+    snap.cordons["a"] = Cordon(since=NOW, reason=why, until=NOW + 60)
+    snap.cordons["c"] = Cordon(since=NOW, reason=why, until=NOW + 60)  # down too: both said
+    snap.cordons["d"] = Cordon(since=0.0, reason="leaving")  # an operator's: nothing
+    found = evaluate(AlertInputs(now=NOW, sites=snap), ON)
+    assert set(found) == {"site_backing_off/a", "site_backing_off/c", "site_down/c"}
+    assert found["site_backing_off/a"].summary == (
+        "site a (east) takes no new work until 1970-01-12 13:47:40 UTC: " + why
+    )
+    assert ON.severity(Rule.site_backing_off) == "warning"
+    off = ON.model_copy(
+        update={"site_backing_off": ON.site_backing_off.model_copy(update={"enabled": False})}
+    )
+    assert rules(AlertInputs(now=NOW, sites=snap), off) == {"site_down/c"}
+
+
 def test_link_loss_and_rtt_over_its_baseline() -> None:
     snap = snapshot("a", "b")
     snap.links[("a", "b")] = link("a", "b", 10.0, loss_pct=20.0)

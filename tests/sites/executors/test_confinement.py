@@ -323,8 +323,9 @@ async def test_a_site_without_a_sandbox_refuses_or_runs_unsandboxed(
     refusing = confined()
     line = refusing.confinement()
     assert line.startswith("refusing jobs") and "bwrap not found" in line
-    with pytest.raises(ExecutorError, match="refuses jobs"):
+    with pytest.raises(ExecutorError, match="refuses jobs") as refused:
         await refusing.start(assignment("r", ["/bin/true"]), (), refusing.work_dir / "r.log")
+    assert refused.value.site  # the site's fault: counted against it by the leader
     monkeypatch.undo()
     if not ROOT:
         return
@@ -619,7 +620,11 @@ async def test_a_job_the_kernel_cannot_start_fails_and_leaves_no_cgroup(
     message (never an agent error) and its cgroup, made before the start, is gone."""
     ex = confined()
     a = assignment("nul", ["true"], env={"BAD": "a\x00b"})
-    with pytest.raises(ExecutorError, match="cannot start 'true'.*null byte"):
+    with pytest.raises(ExecutorError, match="cannot start 'true'.*null byte") as failed:
         await ex.start(a, (), job_dir(ex.work_dir, "nul") / "attempt-1.log")
+    assert not failed.value.site  # the job's own: never counted against the site
+    with pytest.raises(ExecutorError, match="no such executable") as missing:
+        await ex.start(assignment("nx", ["no-such-program-here"]), (), ex.work_dir / "nx.log")
+    assert not missing.value.site
     cgroups = ex.confiner.cgroups
     assert cgroups is None or not cgroups.group("nul.1").dirs

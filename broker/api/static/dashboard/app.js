@@ -241,9 +241,14 @@ class Dashboard {
       const cell = (k, unit) => el("td", {}, u ? bar(u[k][0], u[k][1], unit ? `${num(u[k][0])}/${num(u[k][1])} ${unit}` : undefined) : "-");
       // a site whose executor refuses every job (its confinement line says so) takes none
       const refusing = s.state === "up" && (s.confinement || "").startsWith("refusing jobs");
+      // and one where attempts kept failing to start: the leader's back-off (its cordon says
+      // until when and why)
+      const backoff = s.cordon && s.cordon.until != null;
       const state = refusing
         ? el("td", { class: "cordoned", title: s.confinement }, "refusing jobs")
-        : el("td", { class: s.state }, s.state);
+        : backoff
+          ? el("td", { class: "cordoned", title: s.cordon.reason }, "backing off")
+          : el("td", { class: s.state, title: s.cordon ? s.cordon.reason : "" }, s.state);
       return el("tr", { "data-site": s.id, "data-state": s.state },
         el("td", {}, s.id), el("td", {}, s.region), state,
         cell("gpu"), cell("cpu"), cell("mem", "GB"), cell("accel", "GB"),
