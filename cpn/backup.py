@@ -27,12 +27,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cpn.certs import Pki
+from cpn.secure import init_pki
 from sites.emulation.etcd_server import EmbeddedEtcd, find_binary
 from sites.model import keys
 from sites.model.errors import EtcdStartError
 from sites.model.recovery import Recovery
 from sites.registry.backups import PARTIAL, BackupError, BackupInfo, BackupStore
 from sites.registry.client import Registry
+from sites.registry.security import ROOT_USER, EtcdTls
 
 __all__ = [
     "Member",
@@ -160,18 +163,29 @@ def _restore_dir(snapshot: Path, target: Path, member: Member, cluster: str, tok
 
 
 class _Scratch:
-    """The snapshot restored into a temporary directory and an etcd serving it on loopback."""
+    """The snapshot restored into a temporary directory and an etcd serving it on loopback,
+    with TLS of a throwaway CA and a client certificate of etcd's root user: a snapshot of a
+    secure etcd (auth on: docs/auth.md) is read and marked as root, one without auth as
+    anyone."""
 
     def __init__(self, snapshot: Path) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="cpn-restore-"))
         self.snapshot = snapshot
+        pki = Pki(self.dir / "pki")
+        server = init_pki(pki)
+        root = pki.issue("scratch-root", common_name=ROOT_USER)
+        self.tls = EtcdTls(pki.ca_pem(), root.cert_pem, root.key_pem)
         self.etcd = EmbeddedEtcd(
-            data_dir=self.dir, name="scratch", unsafe_no_fsync=True, log_path=self.dir / "etcd.log"
+            data_dir=self.dir,
+            name="scratch",
+            unsafe_no_fsync=True,
+            log_path=self.dir / "etcd.log",
+            tls=server,
         )
 
-    def __enter__(self) -> EmbeddedEtcd:
+    def __enter__(self) -> Registry:
         try:
-            scratch = Member("scratch", "http://127.0.0.1:2380")
+            scratch = Member("scratch", "https://127.0.0.1:2380")
             cluster = f"{scratch.name}={scratch.peer_url}"
             _restore_dir(self.snapshot, self.dir / "member-data", scratch, cluster, "scratch")
             self.etcd.start()
@@ -181,7 +195,7 @@ class _Scratch:
         except BaseException:
             self.__exit__()
             raise
-        return self.etcd
+        return Registry.from_urls(self.etcd.url, tls=self.tls)
 
     def __exit__(self, *exc: object) -> None:
         self.etcd.stop()
@@ -201,8 +215,8 @@ async def verify(path: Path) -> VerifyResult:
     """The snapshot read back whole (module docstring); BackupError naming what is wrong."""
     info = _described(path)
     status = snapshot_status(path)
-    with _Scratch(path) as etcd:
-        async with Registry.from_urls(etcd.url) as reg:
+    with _Scratch(path) as handle:
+        async with handle as reg:
             revision = await reg.revision()
             total, sites, jobs, _ = await _counts(reg)
     if revision < status.revision:
@@ -231,8 +245,9 @@ async def restore(
     info = _described(snapshot)
     status = snapshot_status(snapshot)
     generation = secrets.token_hex(8)
-    with _Scratch(snapshot) as etcd:
-        async with Registry.from_urls(etcd.url) as reg:
+    scratch = _Scratch(snapshot)
+    with scratch as handle:
+        async with handle as reg:
             _, _, jobs_live, sites = await _counts(reg)
             recovery = Recovery(
                 generation=generation,
@@ -249,7 +264,7 @@ async def restore(
                 await reg.commit(guards=(), puts=marks)
             # the record last: nothing of the restore is in the snapshot without it
             await reg.put_raw(keys.RECOVERY, recovery.model_dump_json().encode())
-            marked = etcd.data_dir / "marked.db"
+            marked = scratch.dir / "marked.db"
             with open(marked, "wb") as f:
 
                 def write(chunk: bytes) -> None:

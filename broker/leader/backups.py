@@ -1,5 +1,7 @@
 """The leader's scheduled backups: a snapshot of etcd every `interval_s` into a directory,
-the newest `keep` kept (sites.registry.backups, docs/backup.md).
+the newest `keep` kept (sites.registry.backups, docs/backup.md). A failed one is tried again a
+minute later; one that etcd refuses (a secure etcd snapshots for its root role only) is said
+once an interval.
 
 Only the leader takes them, so a federation of several brokers takes one per interval. The
 next is due one interval after the newest in the directory, so a new leader (or a restarted
@@ -15,7 +17,7 @@ from pathlib import Path
 from broker.placement.settings import BackupSettings
 from broker.state.leadership import Leadership
 from sites.kits.clock import Clock
-from sites.model.errors import RegistryError
+from sites.model.errors import PermissionDenied, RegistryError
 from sites.registry.backups import BackupError, BackupInfo, BackupStore
 from sites.registry.client import Registry
 
@@ -24,6 +26,7 @@ __all__ = ["BackupKeeper"]
 log = logging.getLogger(__name__)
 
 POLL_S = 10.0  # how often a replica looks whether it leads and a backup is due
+RETRY_S = 60.0  # after a failed backup (etcd or the disk), the next try
 
 
 class BackupKeeper:
@@ -42,6 +45,7 @@ class BackupKeeper:
         self.store = BackupStore(directory, keep=settings.keep)
         self.clock = clock
         self._started = clock.time()
+        self._retry_at = 0.0  # after a failure: not before
 
     def due_at(self) -> float:
         """One interval after the newest backup (or after this replica started)."""
@@ -50,13 +54,25 @@ class BackupKeeper:
         return last + float(self.settings.interval_s)
 
     async def take_if_due(self) -> BackupInfo | None:
-        if not self.leadership.is_leader or self.clock.time() < self.due_at():
+        now = self.clock.time()
+        if not self.leadership.is_leader or now < max(self.due_at(), self._retry_at):
             return None
         try:
-            return await self.store.take(self.registry, now=self.clock.time())
+            return await self.store.take(self.registry, now=now)
+        except PermissionDenied as exc:
+            # a secure etcd lets only its root role snapshot; the broker's user is not root
+            # (docs/auth.md): said once an interval, not every poll
+            self._retry_at = now + float(self.settings.interval_s)
+            log.error(
+                "no scheduled backup: %s; back up with root's credentials (`cpn backup "
+                "create --etcd-credentials ROOT.yaml`, from cron) or set backup.enabled "
+                "false (docs/backup.md)",
+                exc,
+            )
         except (RegistryError, BackupError, OSError) as exc:
+            self._retry_at = now + min(RETRY_S, float(self.settings.interval_s))
             log.warning("scheduled backup into %s failed: %s", self.store.directory, exc)
-            return None
+        return None
 
     async def run(self) -> None:
         """Supervised: a failed backup is logged and tried again at the next poll."""

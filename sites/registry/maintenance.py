@@ -147,6 +147,12 @@ async def snapshot(
                         revision = int(chunk.header.revision)
                     write(bytes(chunk.blob))
             except rpc.AioRpcError as exc:
+                denied = "permission denied" in (exc.details() or "")  # etcd: code UNKNOWN
+                if exc.code() == rpc.StatusCode.PERMISSION_DENIED or denied:  # root only
+                    raise PermissionDenied(
+                        f"etcd {host}:{port} refused a snapshot: {exc.details()} (etcd lets only "
+                        "its root role take snapshots)"
+                    ) from exc
                 raise RegistryError(
                     f"snapshot from etcd {host}:{port} broke off: {exc.details()}"
                 ) from exc

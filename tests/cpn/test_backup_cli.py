@@ -3,13 +3,19 @@ session's etcd: what they print, and each bad input refused with exit 2 and one 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from cpn import cli
 from sites.emulation.etcd_server import EmbeddedEtcd
+from sites.model.errors import PermissionDenied
+from sites.registry.backups import BackupStore
+from sites.registry.security import BROKER_USER, ROOT_USER
+from tests.sites.registry.test_etcd_security import SecureEtcd, secure  # noqa: F401 - its fixture
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -93,3 +99,31 @@ def test_recovery_of_a_registry_never_restored(
 ) -> None:
     code, out, _ = run(capsys, "recovery", "--etcd", etcd.url)
     assert code == 0 and "was not restored" in out
+
+
+@pytest.mark.e2e
+def test_a_secure_etcd_is_backed_up_as_root_only_and_verified(
+    secure: SecureEtcd,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """etcd lets only its root role snapshot: the broker's user is refused (the leader says so,
+    broker.leader.backups), root's credentials back up, and verify and restore read the
+    backup (auth on) through a scratch etcd as root."""
+
+    async def as_broker() -> None:
+        async with secure.registry(BROKER_USER) as broker:
+            await BackupStore(tmp_path / "refused").take(broker, now=time.time())
+
+    with pytest.raises(PermissionDenied, match="only its root role take snapshots"):
+        asyncio.run(as_broker())
+    creds = str(secure.credentials(ROOT_USER))
+    where = str(tmp_path / "b")
+    code, _, err = run(capsys, "backup", "create", "--etcd-credentials", creds, "--dir", where)
+    assert code == 0, err
+    code, out, err = run(capsys, "backup", "verify", "--dir", where)
+    assert code == 0 and "restored and read back" in out, err
+    name = BackupStore(Path(where)).backups()[-1].name
+    data = str(tmp_path / "restored")
+    code, out, err = run(capsys, "restore", name, "--dir", where, "--data-dir", data)
+    assert code == 0, err
