@@ -57,7 +57,31 @@ def _model(catalog: ModelCatalog) -> Handler:
     return get_model
 
 
-_BODY = {"description": "OpenAI's request body; `model` chooses what serves it"}
+# what the gateway reads of the body (routing.gateway.openai.read_request); the rest goes to
+# the model server as sent
+_BODY = {
+    "type": "object",
+    "description": "OpenAI's request body; `model` chooses what serves it; the other fields "
+    "go to the model server as sent",
+    "required": ["model"],
+    "properties": {
+        "model": {
+            "type": "string",
+            "pattern": r"\S",
+            "description": "a model, service, adapter or alias name (not blank)",
+        },
+        "stream": {"type": ["boolean", "null"], "description": "server-sent events"},
+        "stream_options": {
+            "type": ["object", "null"],
+            "description": "with `stream: true`, the gateway sets include_usage (it meters tokens)",
+        },
+        "priority": {
+            "type": ["integer", "null"],
+            "description": "vLLM's request priority; the gateway sets it from X-Cpn-Priority or "
+            "the tenant's",
+        },
+    },
+}
 _ANSWER = Reply(
     "the model server's answer, streamed through (server-sent events with `stream: true`)",
     headers={
@@ -69,7 +93,12 @@ _ANSWER = Reply(
 )
 _HEADERS = (
     Param("X-Cpn-Client-Region", "header", "the client region; else the peer address's CIDR"),
-    Param("X-Cpn-Priority", "header", "the request's priority: higher first, negative sheddable"),
+    Param(
+        "X-Cpn-Priority",
+        "header",
+        "the request's priority: higher first, negative sheddable (default: its tenant's)",
+        {"type": "integer"},
+    ),
     Param("X-Cpn-Session", "header", "keeps a session on one site"),
 )
 

@@ -224,7 +224,7 @@ def document(operations: Iterable[Operation], *, title: str, version: str) -> di
     refs = {key: _renamed(value, renames) for key, value in refs.items()}
     schemas: dict[str, Any] = {"Error": ERROR_SCHEMA, "OpenAIError": OPENAI_ERROR_SCHEMA}
     for name, schema in defs.get("$defs", {}).items():
-        schemas[name.removesuffix("-Input")] = _renamed(schema, renames)
+        schemas[name.removesuffix("-Input")] = _keys_named(_renamed(schema, renames))
 
     def resolve(schema: Schema | None, mode: JsonSchemaMode) -> dict[str, Any]:
         if schema is None:
@@ -264,6 +264,21 @@ def document(operations: Iterable[Operation], *, title: str, version: str) -> di
         "paths": paths,
         "components": {"schemas": schemas},
     }
+
+
+def _keys_named(schema: Any) -> Any:
+    """`schema` with a mapping's key pattern as its `propertyNames` too: pydantic writes a
+    `dict[Name, X]` as `patternProperties`, which says nothing of a key that does not match,
+    while the broker refuses it (a 400 naming the key)."""
+    if isinstance(schema, list):
+        return [_keys_named(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _keys_named(value) for key, value in schema.items()}
+    patterns = out.get("patternProperties")
+    if isinstance(patterns, dict) and len(patterns) == 1 and "propertyNames" not in out:
+        out["propertyNames"] = {"pattern": next(iter(patterns))}
+    return out
 
 
 def _renamed(schema: Any, renames: Mapping[str, str]) -> Any:

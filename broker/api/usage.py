@@ -36,6 +36,15 @@ SYNC_WAIT_S = 10.0
 _DATE_RE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _SITE_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _MONEY = ("gpu_usd", "cpu_usd", "mem_usd")
+_DATE = {"type": "string", "format": "date"}
+# parse_query's `by`: names between commas, blanks around them and empty parts skipped
+_DIMENSION = "(" + "|".join(DIMENSIONS) + ")"
+_BY_PATTERN = rf"^[\s,]*{_DIMENSION}(\s*,[\s,]*{_DIMENSION})*[\s,]*$"
+
+
+def _or_empty(pattern: str) -> dict[str, str]:
+    """A string parameter matching `pattern`, or empty (taken as absent)."""
+    return {"type": "string", "pattern": f"^$|{pattern}"}
 
 
 class UsageQuery(BaseModel):
@@ -214,13 +223,20 @@ def usage_operations() -> list[Operation]:
             "GET", "/v1/usage", usage, "Usage, cost, energy, carbon and inference tokens per "
             "tenant, site, model, client region or day (the ledger)", "usage",
             params=(
-                Param("tenant", "query", "only this tenant (a tenant's token: its own)"),
-                Param("site", "query", "only this site"),
-                Param("from", "query", "first UTC day, YYYY-MM-DD (default: 30 days to `to`)"),
-                Param("to", "query", "last UTC day, YYYY-MM-DD, inclusive (default: today)"),
+                Param("tenant", "query", "only this tenant (a tenant's token: its own); "
+                      "empty: every tenant", _or_empty(NAME_RE)),
+                Param("site", "query", "only this site; empty: every site",
+                      _or_empty(_SITE_RE.pattern)),
+                Param("from", "query", "first UTC day, YYYY-MM-DD (default: 30 days to `to`); "
+                      f"not after `to`, at most {MAX_DAYS} days before it (not expressible in "
+                      "JSON Schema: a 400 names from otherwise)", _DATE),
+                Param("to", "query", "last UTC day, YYYY-MM-DD, inclusive (default: today)",
+                      _DATE),
                 Param("by", "query", "group by one or more of tenant, site, model, "
-                      "client_region, day (comma-separated; default tenant); model: a job's "
-                      "accelerator model, an inference request's served model"),
+                      "client_region, day (comma-separated; default tenant), each once (a "
+                      "name twice is a 400, not expressible in JSON Schema); model: a job's "
+                      "accelerator model, an inference request's served model",
+                      {"type": "string", "pattern": _BY_PATTERN}),
             ),
             replies={200: Reply("the figures per group, their total, idle cost", UsageReport)},
             errors=(400, 401, 403, 503),

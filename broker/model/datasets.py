@@ -23,7 +23,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from broker.model.errors import NotFound
-from broker.model.jobs import NAME_RE
+from broker.model.jobs import NAME_RE, given
 from sites.model.data import DATASET_NAME_RE, Manifest
 
 __all__ = [
@@ -112,7 +112,12 @@ class DatasetVersion(Frozen):
 
 
 class PutBegin(Frozen):
-    """POST /v1/datasets/{owner}/{name}/uploads: a new version's files, and where to store it."""
+    """POST /v1/datasets/{owner}/{name}/uploads: a new version's files, and where to store it
+    (a site or a region, not both; neither: the best site)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"not": {"allOf": [given("site"), given("region")]}}
+    )
 
     manifest: Manifest = Field(description="the files: path, size, sha256 (sorted, unique)")
     site: SiteName | None = Field(default=None, description="store it at this site")
@@ -149,7 +154,17 @@ class UploadCommit(Frozen):
 
 
 class ShareRequest(Frozen):
-    """PUT /v1/datasets/{owner}/{name}/shares: tenants to add to and remove from its shares."""
+    """PUT /v1/datasets/{owner}/{name}/shares: tenants to add to and remove from its shares,
+    at least one; a tenant in both lists is a 400 (not expressible in JSON Schema)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["add"], "properties": {"add": {"minItems": 1}}},
+                {"required": ["remove"], "properties": {"remove": {"minItems": 1}}},
+            ]
+        }
+    )
 
     add: tuple[TenantName, ...] = Field(default=(), max_length=MAX_SHARES)
     remove: tuple[TenantName, ...] = Field(default=(), max_length=MAX_SHARES)
@@ -167,6 +182,8 @@ class ShareRequest(Frozen):
 class ReplicateRequest(Frozen):
     """POST /v1/datasets/{owner}/{name}/replicate: keep a version (default the latest) pinned
     at a site, or at the best site of a region."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [given("site"), given("region")]})
 
     version: int | None = Field(default=None, ge=1, description="default: the latest")
     site: SiteName | None = None

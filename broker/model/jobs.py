@@ -32,6 +32,8 @@ from sites.model.catalog import mig_model, shared_model
 from sites.model.data import (
     CHECKPOINT_DIR,
     DATASET_NAME_RE,
+    MAX_PATH,
+    PATH_PART,
     CheckpointMark,
     StagingProgress,
     clean_path,
@@ -69,6 +71,22 @@ def check_env(env: dict[str, str]) -> dict[str, str]:
     return env
 
 
+def given(name: str) -> JsonDict:
+    """JSON Schema: the object has `name`, and not as null."""
+    return {"required": [name], "properties": {name: {"not": {"type": "null"}}}}
+
+
+def at_least(name: str, low: int) -> JsonDict:
+    """JSON Schema: the object has `name`, at least `low`."""
+    return {"required": [name], "properties": {name: {"minimum": low}}}
+
+
+# a path of the work dir (clean_path's rule), '/'s after it allowed
+RELATIVE_PATH = f"{PATH_PART}(?:/{PATH_PART})*/*"
+_OWNER = NAME_RE.strip("^$")
+DATASET_REF = f"^(?:{_OWNER}/)?{DATASET_NAME_RE.pattern.strip('^$')}(?:@[0-9]*[1-9][0-9]*)?$"
+
+
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -90,11 +108,57 @@ class GpuRequest(TenantInput):
     device (at least that fraction of it: sites whose devices are cut into at most 1/share
     slices). `per_node` asks for that many devices on each node it runs on, at sites that
     declare their nodes (count a multiple of it); by default a job takes one node when one
-    node has the devices, else whole nodes."""
+    node has the devices, else whole nodes.
+
+    The document says which fields go together; that `count` is a multiple of `per_node` it
+    cannot say (a 400 names per_node)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {"not": {"allOf": [given("model"), given("models")]}},
+                {"not": {"allOf": [given("profile"), given("share")]}},
+                {
+                    "not": {
+                        "allOf": [given("per_node"), {"anyOf": [given("profile"), given("share")]}]
+                    }
+                },
+                {
+                    "if": {"anyOf": [given("profile"), given("share")]},
+                    "then": {"anyOf": [given("model"), given("models")]},
+                },
+                {
+                    "if": given("share"),
+                    "then": {"properties": {"count": {"maximum": 1}}},
+                },
+                {
+                    "if": at_least("count", 1),
+                    "then": {"anyOf": [given("model"), given("models"), given("min_mem_gb")]},
+                },
+                {
+                    "if": {
+                        "anyOf": [
+                            given("model"),
+                            given("models"),
+                            given("min_mem_gb"),
+                            given("profile"),
+                        ]
+                    },
+                    "then": {"anyOf": [at_least("count", 1), given("share")]},
+                },
+            ]
+        }
+    )
 
     count: int = Field(default=0, ge=0, le=4096)
-    model: str | None = Field(default=None, description="exactly this model")
-    models: tuple[str, ...] | None = Field(default=None, description="any of these models")
+    model: str | None = Field(
+        default=None, min_length=1, description="exactly this model (of the device catalog)"
+    )
+    models: tuple[Annotated[str, Field(min_length=1)], ...] | None = Field(
+        default=None,
+        min_length=1,
+        description="any of these models (of the device catalog)",
+    )
     min_mem_gb: float | None = Field(default=None, gt=0, description="per-device memory floor")
     profile: str | None = Field(
         default=None,
@@ -102,7 +166,12 @@ class GpuRequest(TenantInput):
         description="a MIG profile of the named models (e.g. 3g.40gb): count instances of it",
     )
     share: float | None = Field(
-        default=None, gt=0, lt=1, description="a time-sliced share of one device (e.g. 0.25)"
+        default=None,
+        gt=0,
+        lt=1,
+        description="a time-sliced share of one device (e.g. 0.25), at most 0.5 (more is a "
+        "whole device)",
+        json_schema_extra={"maximum": 0.5},
     )
     per_node: int | None = Field(
         default=None, ge=1, le=64, description="devices on each node, at sites with nodes"
@@ -187,6 +256,10 @@ class GpuRequest(TenantInput):
 
 
 class DataLocation(TenantInput):
+    """Where the job's data is: a region or a site (one of them)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [given("region"), given("site")]})
+
     region: Name | None = None
     site: Name | None = None
     size_gb: float = Field(default=0.0, ge=0)
@@ -244,8 +317,14 @@ class InputSpec(TenantInput):
     pins it at submit: `dataset` becomes `owner/name@version`, `digest` and `bytes` are filled
     (any value given is replaced)."""
 
-    dataset: str = Field(min_length=1, max_length=160)
-    path: str = Field(min_length=1, max_length=512)
+    dataset: str = Field(min_length=1, max_length=160, json_schema_extra={"pattern": DATASET_REF})
+    path: str = Field(
+        min_length=1,
+        max_length=512,
+        description="absolute (not /, nor under /bin, /etc, /usr... : not expressible in JSON "
+        "Schema, a 400 names it) or relative to the work dir; no two inputs' paths overlap",
+        json_schema_extra={"pattern": f"^/?{RELATIVE_PATH}$"},
+    )
     digest: str | None = Field(default=None, description="set by the broker at submit")
     bytes: int = Field(default=0, ge=0, description="set by the broker at submit")
 
@@ -259,7 +338,9 @@ class OutputDecl(TenantInput):
     """A path of the work dir saved as a new version of the tenant's dataset `dataset` when the
     job succeeds."""
 
-    path: str = Field(min_length=1, max_length=512)
+    path: str = Field(
+        min_length=1, max_length=512, json_schema_extra={"pattern": f"^{RELATIVE_PATH}$"}
+    )
     dataset: str = Field(pattern=DATASET_NAME_RE.pattern)
 
     @field_validator("path")
@@ -270,7 +351,10 @@ class OutputDecl(TenantInput):
 
 class CheckpointStore(TenantInput):
     """Where a job's checkpoints are kept (a site, or the best site of a region) besides the
-    site it runs on; by default the nearest other live site."""
+    site it runs on; by default the nearest other live site. A region or a site (one of
+    them)."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [given("region"), given("site")]})
 
     region: Name | None = None
     site: Name | None = None
@@ -283,7 +367,10 @@ class CheckpointStore(TenantInput):
 
 
 class UserLocation(TenantInput):
-    region: Name
+    region: Name = Field(
+        description="a user region of the broker's configs/regions.yaml (else a 400: "
+        "configuration, not expressible in this document)"
+    )
     max_latency_ms: float | None = Field(default=None, gt=0)
 
 
@@ -298,6 +385,36 @@ class Gang(TenantInput):
 
 
 class JobSpec(TenantInput):
+    """A job. What the document cannot say in JSON Schema, a 400 names: a region both allowed
+    and denied, inputs whose paths overlap, regions no site is in, a deadline in the past, a
+    gang member whose gang.size differs from its gang's (docs/api.md)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "allOf": [
+                {  # a CPU core or an accelerator
+                    "anyOf": [
+                        {"not": {"required": ["cpu"]}},
+                        at_least("cpu", 1),
+                        {
+                            "required": ["gpu"],
+                            "properties": {
+                                "gpu": {"anyOf": [at_least("count", 1), given("share")]}
+                            },
+                        },
+                    ]
+                },
+                {
+                    "if": {
+                        "required": ["latency_weight"],
+                        "properties": {"latency_weight": {"exclusiveMinimum": 0}},
+                    },
+                    "then": given("user"),
+                },
+            ]
+        }
+    )
+
     name: Name
     tenant: Name
     priority: int = Field(
@@ -306,7 +423,8 @@ class JobSpec(TenantInput):
     priority_class: Name | None = Field(
         default=None,
         description="a class of configs/tenants.yaml (best-effort, batch, production, "
-        "critical...): sets priority and best_effort at submit",
+        "critical...): sets priority and best_effort at submit; another name is a 400 (the "
+        "broker's configuration, not expressible in this document)",
     )
     best_effort: bool = Field(
         default=False,
@@ -325,15 +443,21 @@ class JobSpec(TenantInput):
     gang: Gang | None = None
     deadline: datetime | None = Field(default=None, description="ISO 8601; must finish by then")
     budget_usd: float | None = Field(default=None, gt=0)
-    command: tuple[str, ...] = Field(min_length=1)
+    command: tuple[str, ...] = Field(
+        min_length=1,
+        description="an argv array, or a string split as a POSIX shell would (unbalanced "
+        "quotes are a 400: not expressible in JSON Schema)",
+    )
     env: dict[str, str] = Field(
         default_factory=dict, json_schema_extra={"propertyNames": ENV_NAMES_SCHEMA}
     )
     checkpoint_path: str | None = Field(
         default=None,
         description="relative: a directory of the work dir (CPN_CHECKPOINT_PATH) synced to a "
-        "durable replica at another site and restored wherever the job runs next; absolute: a "
-        "path the site provides (a shared file system), not carried",
+        "durable replica at another site and restored wherever the job runs next, at most "
+        f"{MAX_PATH} characters; absolute: a path the site provides (a shared file system), "
+        "not carried",
+        json_schema_extra={"pattern": f"^(?:/[\\s\\S]*|{RELATIVE_PATH})$"},
     )
     checkpoint_interval_s: float | None = Field(
         default=None,

@@ -148,7 +148,12 @@ class ServiceSpec(TenantInput):
     slo: Slo
     scaling: ScalingPolicy
     min_replicas: int = Field(default=1, ge=0, le=1_000)
-    max_replicas: int = Field(default=4, ge=1, le=1_000)
+    max_replicas: int = Field(
+        default=4,
+        ge=1,
+        le=1_000,
+        description="at least min_replicas (a 400 otherwise: not expressible in JSON Schema)",
+    )
     regions: tuple[Name, ...] | None = Field(
         default=None, description="the regions replicas may run in; default: any"
     )

@@ -49,7 +49,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from broker.model.jobs import Name
+from broker.model.jobs import NAME_RE, Name, given
 from sites.model.config import read_yaml, validate_mapping
 from sites.model.durations import Duration
 
@@ -167,8 +167,22 @@ class InferencePolicy(TokenLimits):
 
 
 class TenantPolicy(_Model):
+    """A tenant's policy; that its cohort exists is not expressible in JSON Schema (a 400
+    names cohort)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"anyOf": [given("borrowing_limit"), given("lending_limit")]},
+            "then": given("cohort"),
+        }
+    )
+
     quota: Amounts = Field(default_factory=Amounts, description="nominal, federation-wide")
-    regions: dict[Name, Amounts] = Field(default_factory=dict, description="per-region caps")
+    regions: dict[Name, Amounts] = Field(
+        default_factory=dict,
+        description="per-region caps",
+        json_schema_extra={"propertyNames": {"pattern": NAME_RE}},
+    )
     cohort: Name | None = None
     weight: float = Field(default=1.0, gt=0, le=1000, description="fair-share weight")
     borrowing_limit: Amounts | None = None

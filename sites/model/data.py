@@ -53,10 +53,19 @@ def clean_path(path: str, what: str = "path") -> str:
     return path
 
 
+# clean_path's rule as a JSON Schema pattern: parts of any character but '/', '\\' and NUL,
+# none of them '.' or '..' (no lookahead: every generator reads this)
+PATH_PART = r"(?:[^/\\\x00.][^/\\\x00]*|\.[^/\\\x00.][^/\\\x00]*|\.\.[^/\\\x00]+)"
+PATH_PATTERN = f"^{PATH_PART}(?:/{PATH_PART})*$"
+
+
 class FileEntry(Frozen):
-    path: str = Field(description="relative to the dataset's root, '/' between parts")
+    path: str = Field(
+        description="relative to the dataset's root, '/' between parts",
+        json_schema_extra={"minLength": 1, "maxLength": MAX_PATH, "pattern": PATH_PATTERN},
+    )
     size: int = Field(ge=0, description="bytes")
-    sha256: str
+    sha256: str = Field(json_schema_extra={"pattern": SHA256_RE.pattern})
 
     @field_validator("path")
     @classmethod
@@ -74,7 +83,11 @@ class FileEntry(Frozen):
 class Manifest(Frozen):
     """A dataset version or a checkpoint: its files, sorted by path, each path once."""
 
-    files: tuple[FileEntry, ...] = Field(max_length=MAX_FILES)
+    files: tuple[FileEntry, ...] = Field(
+        max_length=MAX_FILES,
+        description="each path once, and no path both a file and another's directory (not "
+        "expressible in JSON Schema: a 400 names files otherwise)",
+    )
 
     @field_validator("files")
     @classmethod
