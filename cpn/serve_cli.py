@@ -18,6 +18,7 @@ from cpn.cli_base import UsageError, catalog_of, etcd_access, registry_of
 from sites.agent.collectors.probes import METHODS
 from sites.agent.process import Agent
 from sites.agent.settings import AgentSettings
+from sites.kits.clock import process_clock
 from sites.model.config import config_dir, load_site
 
 __all__ = ["add_parsers", "cmd_agent", "cmd_broker"]
@@ -49,8 +50,12 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         tls_ca=args.tls_ca,
         tls_crl=args.tls_crl,
     )
+    try:
+        clock = process_clock()  # the system's, unless a fault is injected (docs/chaos.md)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     async with registry_of(args) as registry:
-        agent = Agent(spec=spec, catalog=catalog, registry=registry, settings=settings)
+        agent = Agent(spec=spec, catalog=catalog, registry=registry, settings=settings, clock=clock)
         await agent.start()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -104,6 +104,7 @@ FEDERATION_FILES = frozenset(
         "tests/broker/leader/test_alerts.py",
         "tests/broker/test_agent_tls_e2e.py",
         "tests/broker/test_autoscaling_e2e.py",
+        "tests/broker/test_chaos_soak.py",
         "tests/broker/test_data_e2e.py",
         "tests/broker/test_jobs_e2e.py",
         "tests/broker/test_nodes_e2e.py",
