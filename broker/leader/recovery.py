@@ -70,6 +70,12 @@ class Found:
     assignments: Mapping[tuple[str, str], Assignment]
     records: Mapping[str, tuple[JobRecord, int] | None]  # job -> its record (None: unknown)
     archived: frozenset[str]  # jobs whose record is in the history
+    # unfinished jobs the leader's view held before the restore and the registry lacks now
+    # (View.vanished, checked against etcd): accepted after the backup
+    vanished: Mapping[str, JobRecord] = dataclasses.field(default_factory=dict)
+
+    def reports_jobs(self) -> frozenset[str]:
+        return frozenset(job for _, job in self.reports)
 
 
 def _ended(report: Report) -> EndReason:
@@ -167,6 +173,7 @@ def decide(view: View, now: float, ctx: Context, rec: Recovery, found: Found) ->
     for job in sorted(by_job):
         runs = sorted(by_job[job], key=lambda r: (r[1].attempt, r[1].fence))
         out.fates += _job(p, steps, job, runs, found, out.bills)
+    out.fates += _vanished(p, rec, found)
     out.fates += _unknown_to_sites(p, rec, found)
     out.actions = list(p.actions)
     return out
@@ -335,6 +342,62 @@ def _stop_all(job: str, runs: list[tuple[str, Report, int]], why: str) -> list[R
     return out
 
 
+def _vanished(p: Pass, rec: Recovery, found: Found) -> list[RecoveredJob]:
+    """Jobs accepted after the backup that no agent reported, as the leader's view last held
+    them: a pending (or suspended) one re-created as it was, anything else lost."""
+    out = []
+    for job, record in sorted(found.vanished.items()):
+        if job in p.touched or job in found.reports_jobs():
+            continue
+        site = record.placement.site if record.placement else None
+        part = (
+            f"workflow {record.workflow.workflow}"
+            if record.workflow is not None
+            else "a managed service's replicas"
+            if record.replica is not None
+            else f"gang {record.spec.gang.name}"
+            if record.spec.gang is not None
+            else None
+        )
+        if record.state in (JobState.PENDING, JobState.SUSPENDED) and part is None:
+            ev = Event(
+                at=p.now,
+                type="recovered",
+                message="accepted after the backup the registry was restored from, and not run "
+                f"yet: re-created from the leader's view (restore {rec.generation})",
+            )
+            new = record.with_event(ev, updated_at=p.now)
+            p.emit(Action(ActionKind.advance, (JobWrite(new, 0),), f"{job}: re-created"))
+            out.append(
+                RecoveredJob(
+                    job=job,
+                    fate=Fate.recovered,
+                    tenant=record.spec.tenant,
+                    reason=f"{record.state.value} when the registry was lost, "
+                    "not run: re-created as it was",
+                )
+            )
+            continue
+        where = f" at {site}" if site else ""
+        why = (
+            f"part of {part}, accepted after the backup: not re-created"
+            if part is not None
+            else f"{record.state.value}{where} when the registry was lost, and no agent reported "
+            "its run: it may have run; not run again"
+        )
+        out.append(
+            RecoveredJob(
+                job=job,
+                fate=Fate.lost,
+                site=site,
+                tenant=record.spec.tenant,
+                attempt=record.attempt or None,
+                reason=why,
+            )
+        )
+    return out
+
+
 def _unknown_to_sites(p: Pass, rec: Recovery, found: Found) -> list[RecoveredJob]:
     """Live records whose site's agent reported everything and not their run: lost."""
     out = []
@@ -495,7 +558,19 @@ class RecoveryKeeper:
         missing = [j for j in jobs if records[j] is None]
         archived = await self.registry.get_many([keys.archived_job(j) for j in missing])
         gone = frozenset(k.rsplit("/", 1)[-1] for k in archived)
-        return Found(reports=reports, assignments=assignments, records=records, archived=gone)
+        vanished = {j: r for j, (r, _) in self.view().vanished.items() if j not in records}
+        if vanished:  # those the registry has (finished while a watch was broken) stay out
+            held = await self.registry.get_many([keys.job(j) for j in vanished])
+            held.update(await self.registry.get_many([keys.archived_job(j) for j in vanished]))
+            known = {k.rsplit("/", 1)[-1] for k in held}
+            vanished = {j: r for j, r in vanished.items() if j not in known}
+        return Found(
+            reports=reports,
+            assignments=assignments,
+            records=records,
+            archived=gone,
+            vanished=vanished,
+        )
 
     async def _settle(self, rec: Recovery, rev: int, now: float) -> Recovery:
         found = await self._found()

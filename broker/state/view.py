@@ -78,6 +78,10 @@ class View:
     jobs: dict[str, tuple[JobRecord, int]] = field(default_factory=dict)  # id -> (record, rev)
     assignments: dict[tuple[str, str], Assignment] = field(default_factory=dict)
     reports: dict[tuple[str, str], tuple[Report, int]] = field(default_factory=dict)
+    # unfinished jobs a re-list no longer found, as last seen (id -> (record, when)): after a
+    # restore from a backup, the jobs accepted since, which the leader re-creates
+    # (broker.leader.recovery); bounded by view_cache.VANISHED_MAX and VANISHED_S
+    vanished: dict[str, tuple[JobRecord, float]] = field(default_factory=dict)
     # what `federation` derived last, reused while what it reads is unchanged
     derived: Derived = field(default_factory=Derived, repr=False, compare=False)
 

@@ -47,6 +47,8 @@ PREFIXES = (
 
 
 _SITE_PREFIXES = keys.SNAPSHOT
+VANISHED_S = 3600.0  # how long a job a re-list did not find is remembered (View.vanished)
+VANISHED_MAX = 10_000
 
 
 class ViewCache:
@@ -98,6 +100,7 @@ class ViewCache:
         elif prefix in (keys.SERVICES, keys.REPLICAS):
             sites.clear_services(prefix)
         elif prefix == keys.JOBS:
+            before = {job: record for job, (record, _) in view.jobs.items()}
             view.jobs.clear()
         elif prefix == keys.ASSIGNMENTS:
             view.assignments.clear()
@@ -106,11 +109,27 @@ class ViewCache:
             view.reports.clear()
         for key, value, rev in kvs:
             self._apply(prefix, key, value, rev)
+        if prefix == keys.JOBS:
+            self._vanished(before)
         if prefix in _SITE_PREFIXES:
             sites.version += 1  # the clear above moved it too, even when etcd held nothing
             sites.layout_version += 1  # a follower of the link journal syncs in full
             view.derived.full = True
         self._on_change()
+
+    def _vanished(self, before: dict[str, JobRecord]) -> None:
+        """Unfinished jobs the re-list did not find (a job that finished while the watch was
+        broken is among them too: the leader checks each against the registry before it acts).
+        """
+        view, now = self._view, self._clock.time()
+        gone = view.vanished
+        for job, record in before.items():
+            if job not in view.jobs:
+                gone[job] = (record, now)
+        for job in [j for j, (_, at) in gone.items() if j in view.jobs or now - at > VANISHED_S]:
+            del gone[job]
+        for job in sorted(gone, key=lambda j: gone[j][1])[: max(0, len(gone) - VANISHED_MAX)]:
+            del gone[job]
 
     def _event(self, prefix: str, key: str, value: bytes | None, rev: int) -> None:
         unfinished = prefix == keys.JOBS and key[len(keys.JOBS) :] in self._view.jobs

@@ -134,3 +134,29 @@ def test_a_replica_of_a_service_the_registry_lost_is_stopped() -> None:
     (fate,) = settled.fates
     assert fate.fate is Fate.stopped and "replica of service chat" in fate.reason
     assert settled.actions == []  # no assignment is written: its agent stops it
+
+
+def test_a_job_the_leader_saw_pending_is_re_created_and_one_it_saw_running_is_lost() -> None:
+    waiting, _ = job("waiting-abc123", gpu={"count": 1, "model": "H100"})
+    placed, _ = job("placed-abc123", gpu={"count": 1, "model": "H100"})
+    placed = running(placed, "a")
+    reported = assignment("seen-abc123", "a", 1, 150)
+    seen, _ = job("seen-abc123")
+    found = Found(
+        reports={("a", reported.job): (report(reported, RunState.running), 7)},
+        assignments={},
+        records={reported.job: None},
+        archived=frozenset(),
+        vanished={j.id: j for j in (waiting, placed, seen)},
+    )
+    settled = decide(view(snapshot("a", "b")), NOW, ctx(), rec("a", "b"), found)
+    fates = {f.job: f for f in settled.fates}
+    assert fates["waiting-abc123"].fate is Fate.recovered
+    assert "not run: re-created as it was" in fates["waiting-abc123"].reason
+    assert fates["placed-abc123"].fate is Fate.lost
+    assert "no agent reported its run" in fates["placed-abc123"].reason
+    assert fates["seen-abc123"].fate is Fate.recovered  # from its run, once
+    writes = {w.record.id: w for a in settled.actions for w in a.jobs}
+    assert writes["waiting-abc123"].revision == 0
+    assert writes["waiting-abc123"].record.state is JobState.PENDING
+    assert "placed-abc123" not in writes  # lost: listed, nothing written
