@@ -397,8 +397,8 @@ class Broker:
             if not self.is_leader:
                 self._fair = None  # a new term starts from the registry's
                 continue
-            if self.recovery.holding or self.views.restore_marks:
-                continue  # a restore is being settled (broker.leader.recovery)
+            if self.recovery.holding or self.views.restore_marks or self.views.relisting:
+                continue  # a restore being settled (broker.leader.recovery), a half re-list
             started = time.monotonic()
             try:
                 await self.reconcile()

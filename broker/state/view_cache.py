@@ -77,6 +77,10 @@ class ViewCache:
         # registry, so no scheduling pass decides on it before the restore is settled
         # (broker.leader.recovery)
         self.restore_marks: set[str] = set()
+        # True from a re-list's first prefix to its last: the view holds some prefixes as etcd
+        # has them now and others as they were (after a restore, the restored jobs beside the
+        # lost registry's assignments): no scheduling pass decides on it meanwhile
+        self.relisting = False
         self.mirror = RootMirror(
             registry=registry, prefixes=PREFIXES, on_reset=self._reset, on_event=self._event
         )
@@ -90,6 +94,8 @@ class ViewCache:
     def _reset(self, prefix: str, kvs: KeyValues) -> None:
         """A (re-)list of `prefix`: its part of the view is replaced by what etcd holds."""
         view, sites = self._view, self._view.sites
+        if prefix == PREFIXES[0]:
+            self.relisting = True
         if prefix == keys.SITES:
             for table in (sites.specs, sites.statuses, sites.cordons, sites.last_seen):
                 table.clear()
@@ -115,6 +121,8 @@ class ViewCache:
             sites.version += 1  # the clear above moved it too, even when etcd held nothing
             sites.layout_version += 1  # a follower of the link journal syncs in full
             view.derived.full = True
+        if prefix == PREFIXES[-1]:
+            self.relisting = False
         self._on_change()
 
     def _vanished(self, before: dict[str, JobRecord]) -> None:

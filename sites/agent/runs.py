@@ -74,6 +74,9 @@ class Run:
     egress: dict[str, int] = field(default_factory=dict)  # source site -> bytes
     syncs: int = 0  # checkpoint syncs tried: numbers them within the attempt
     journaled: bool = False  # its end is written down (`journal`)
+    # one report of it written at a time, in order: one computed before a restore's mark was
+    # seen never lands after the one that carries its assignment (sites.agent.workload)
+    write_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def job(self) -> str:

@@ -780,7 +780,11 @@ class Workload:
 
     async def _write(self, run: Run) -> None:
         """Write the run's report (an ended run's written down first: sites.agent.runs.journal);
-        retried with backoff until it lands or the agent stops."""
+        retried with backoff until it lands or the agent stops; one write of a run at a time."""
+        async with run.write_lock:
+            await self._write_now(run)
+
+    async def _write_now(self, run: Run) -> None:
         if run.state.terminal and not run.journaled:
             try:
                 journal(self.executor.work_dir, run, run.report(self.clock.time()))
