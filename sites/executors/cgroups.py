@@ -1,6 +1,9 @@
 """A cgroup per run: CPU, memory, process and device limits, and an OOM verdict.
 
-One group per run, ``cpn-<site>/<job>.<attempt>``, under the agent's own cgroup: on cgroup v2
+One group per run, ``cpn-<site>-<scope>/<job>.<attempt>``, under the agent's own cgroup (the
+scope names the agent's work dir: an agent restarted on the same work dir reaps what its
+predecessor left, and never the runs of another agent of a site of the same name on the host,
+as two test federations, or two federations' demos, would have): on cgroup v2
 one directory in the unified tree, on v1 (and hybrid hosts, whose unified tree has no
 controllers) one directory in each of the memory, cpu, pids and devices hierarchies. The run's
 first process joins the groups itself before it becomes the job (sites.executors.local's launcher),
@@ -123,13 +126,18 @@ class RunGroup:
 class Cgroups:
     """The site's run groups under the agent's own cgroup (``parent`` per controller)."""
 
-    def __init__(self, *, version: int, parents: dict[str, Path], site: str) -> None:
+    def __init__(
+        self, *, version: int, parents: dict[str, Path], site: str, scope: str = ""
+    ) -> None:
         self.version = version
         self.parents = parents  # controller ("" on v2) -> the agent's group
         self.site = site
+        self.dir_name = f"cpn-{site}-{scope}" if scope else f"cpn-{site}"
 
     @classmethod
-    def detect(cls, site: str, root: Path = ROOT, proc_cgroup: Path | None = None) -> Cgroups:
+    def detect(
+        cls, site: str, root: Path = ROOT, proc_cgroup: Path | None = None, scope: str = ""
+    ) -> Cgroups:
         """The host's layout; CgroupError when runs cannot be limited here (and why)."""
         lines = (proc_cgroup or Path("/proc/self/cgroup")).read_text().splitlines()
         paths: dict[str, str] = {}
@@ -143,7 +151,7 @@ class Cgroups:
             missing = [c for c in ("memory", "cpu", "pids") if c not in enabled]
             if missing:
                 raise CgroupError(f"cgroup v2 without the {', '.join(missing)} controller(s)")
-            return cls(version=2, parents={"": parent}, site=site)
+            return cls(version=2, parents={"": parent}, site=site, scope=scope)
         parents: dict[str, Path] = {}
         for name in V1_CONTROLLERS:
             mount = root / name
@@ -152,10 +160,10 @@ class Cgroups:
                     raise CgroupError("no cgroup memory controller is mounted")
                 continue
             parents[name] = mount / paths.get(name, "")
-        return cls(version=1, parents=parents, site=site)
+        return cls(version=1, parents=parents, site=site, scope=scope)
 
     def _site_dirs(self) -> dict[str, Path]:
-        return {c: p / f"cpn-{self.site}" for c, p in self.parents.items()}
+        return {c: p / self.dir_name for c, p in self.parents.items()}
 
     def check(self) -> None:
         """Make the site's group in each hierarchy (v2: with its controllers on), or say why not."""

@@ -18,6 +18,7 @@ Long form: docs/security.md.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -169,7 +170,7 @@ class Confiner:
                 self.refusal = "network: egress needs slirp4netns (not found); refusing jobs"
         if s.limits:
             try:
-                cgroups = Cgroups.detect(self.site)
+                cgroups = Cgroups.detect(self.site, scope=work_dir_scope(self.work_dir))
                 cgroups.check()
                 self.cgroups = cgroups
                 self.limits_note = f"cgroup v{cgroups.version} limits"
@@ -367,3 +368,8 @@ def _agent_secrets(work_dir: Path) -> list[str]:
     home = Path.home()
     found += [str(home / ".config" / "cpn"), str(home / ".local" / "state" / "cpn")]
     return found
+
+
+def work_dir_scope(work_dir: Path) -> str:
+    """8 hex digits naming an agent's work dir, the scope of its runs' cgroups."""
+    return hashlib.sha256(str(work_dir.resolve()).encode()).hexdigest()[:8]
