@@ -109,12 +109,20 @@ JOB: dict[str, Any] = {
 # -- the federation: the same documents in the agents' process and in the broker's config -----
 
 
-def federation_docs(n: int, interval_s: float, seed: int) -> list[dict[str, Any]]:
-    """registry_fanin's synthetic sites, each declaring the publish interval it runs at."""
+def federation_docs(
+    n: int, interval_s: float, seed: int, alike: bool = False
+) -> list[dict[str, Any]]:
+    """registry_fanin's synthetic sites, each declaring the publish interval it runs at; with
+    `alike`, a fleet of edge sites as alike as they come: one region, one place, the same
+    devices and prices (only their ids differ), so that placement ties on every price."""
     rng = random.Random(seed + n)
     docs = [fanin.site_doc(site, rng) for site in fanin.site_ids(n)]
     for doc in docs:
         doc["agent"] = {**doc["agent"], "interval_s": interval_s}
+        if alike:
+            doc["region"] = fanin.REGIONS[1]
+            doc["coordinates"] = {"lat": 31.2, "lon": 121.4}
+            doc["inventory"]["devices"] = [{"model": "H100", "count": 16}]
     return docs
 
 
@@ -147,7 +155,7 @@ async def agents_main(args: argparse.Namespace) -> None:
     JSON line per second on stdout; SIGTERM/SIGINT stop."""
     n, interval = args.sites, args.interval
     catalog = DeviceCatalog.load()
-    docs = federation_docs(n, interval, args.seed)
+    docs = federation_docs(n, interval, args.seed, args.alike)
     specs = [SiteSpec.model_validate(doc) for doc in docs]
     ids = [spec.id for spec in specs]
     serving = set(serving_sites(ids, args.service_sites))
@@ -789,7 +797,7 @@ def gc_pauses(log_text: str, since: float = 0.0, until: float = float("inf")) ->
 async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     row_dir = tmp / f"{n}x{interval:g}s"
     row_dir.mkdir()
-    docs = federation_docs(n, interval, args.seed)
+    docs = federation_docs(n, interval, args.seed, args.alike)
     cfg = row_dir / "configs"
     write_config(cfg, docs)
     # as sites.agent.process does: a lease of 3 intervals (at least MIN_TTL_S), refreshed every
@@ -816,6 +824,7 @@ async def run_row(n: int, interval: float, args: argparse.Namespace, tmp: Path) 
                 "--peers", str(args.peers), "--agents-per-client", str(args.agents_per_client),
                 "--emulator", args.emulator, "--transport", args.transport,
                 "--churn", str(args.churn), "--refresh-s", str(args.refresh_s),
+                *(["--alike"] if args.alike else []),
             ],
             row_dir / "agents.log",
             stdout_pipe=True,
@@ -1197,6 +1206,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--agents-per-client", type=int, default=100, help="SimAgents per Registry client"
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--alike",
+        action="store_true",
+        help="every site alike (one region and place, the same devices and prices): ties",
+    )
     p.add_argument("--json", metavar="FILE", type=Path, help="also write the figures here")
     p.add_argument(
         "--profile",
@@ -1255,6 +1269,7 @@ def parse_agents_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--transport", choices=TRANSPORTS, default="h2")
     p.add_argument("--churn", type=float, default=0.1)
     p.add_argument("--refresh-s", type=float, default=30.0)
+    p.add_argument("--alike", action="store_true")
     return p.parse_args(argv)
 
 
