@@ -81,6 +81,8 @@ def main() -> int:
     ]
     print(table(["invariant", "checked", "violations", ""], rows))
     print(f"jobs that succeeded in two runs (a run ended, its report lost): {f['succeeded_twice']}")
+    why = sorted(f.get("why_failed", {}).items(), key=lambda kv: -kv[1])
+    print(table(["why FAILED jobs failed", "jobs"], [[k, str(n)] for k, n in why]))
     broken = [v for v in f["invariants"] if v["violations"]]
     for v in broken:
         print(f"\n{v['name']}: {v['violations']} broken, e.g.")
