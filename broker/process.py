@@ -418,7 +418,9 @@ class Broker:
             fair=self._fair,
             budgets=self.budgets(),
             written=tuple(self.actor.written.values()),
-            down_since=self._down.since,
+            # just after a restore the agents' restored leases may lapse while their clients
+            # reconnect: no site is failed over before the restore's quiet period ends
+            down_since=self._down.since if now >= self.recovery.quiet_until else {},
             data=self.data_terms,
             preempt_skip=frozenset(
                 j for j, at in self._preempt_failed.items() if now - at < PREEMPT_RETRY_S

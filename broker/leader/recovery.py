@@ -463,6 +463,10 @@ class RecoveryKeeper:
         self.clock = clock
         self.kick = kick
         self._holding = False
+        # until then no site is failed over (broker.process: Context.down_since): the restored
+        # leases of the agents lapse while their clients reconnect, and a job moved away from
+        # a site that is only reconnecting would run twice
+        self.quiet_until = 0.0
 
     @property
     def holding(self) -> bool:
@@ -491,6 +495,8 @@ class RecoveryKeeper:
     async def step(self) -> Recovery | None:
         """One look: hold, collect, or settle. Returns the record as it is now."""
         got = await self._record()
+        if got is not None and got[0].closed_at is not None:
+            self.quiet_until = max(self.quiet_until, got[0].closed_at + got[0].collect_s)
         if got is None or got[0].phase is Phase.done:
             if self._holding:
                 self._holding = False
@@ -613,6 +619,7 @@ class RecoveryKeeper:
             ", ".join(f"{n} {fate}" for fate, n in done.counts.items()) or "nothing to settle",
             f"; lost: {' '.join(j.job for j in lost)}" if lost else "",
         )
+        self.quiet_until = now + rec.collect_s
         self._holding = False
         self.kick()
         return done

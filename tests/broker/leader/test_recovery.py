@@ -3,11 +3,15 @@ what etcd holds of the runs the agents reported again."""
 
 from __future__ import annotations
 
-from broker.leader.recovery import Found, decide
+from broker.leader.recovery import Found, RecoveryKeeper, decide
 from broker.model.jobs import JobState
+from broker.state.audit import AuditLog
+from sites.kits.clock import SystemClock
 from sites.model import keys
 from sites.model.assignments import Assignment, Report, RunState
-from sites.model.recovery import Fate, Recovery
+from sites.model.recovery import Fate, Phase, Recovery
+from sites.registry.client import Registry
+from tests.broker.history_data import leading
 from tests.broker.leader.test_decisions import ctx, job, running, snapshot, view
 
 NOW = 1_800_000_000.0
@@ -160,3 +164,26 @@ def test_a_job_the_leader_saw_pending_is_re_created_and_one_it_saw_running_is_lo
     assert writes["waiting-abc123"].revision == 0
     assert writes["waiting-abc123"].record.state is JobState.PENDING
     assert "placed-abc123" not in writes  # lost: listed, nothing written
+
+
+async def test_after_a_restore_no_site_is_failed_over_for_its_quiet_period(
+    registry: Registry,
+) -> None:
+    """The agents' restored leases may lapse while their clients reconnect: a leader (this one
+    or the next) keeps every site from failover until collect_s after the restore settled."""
+    done = rec("a").model_copy(update={"phase": Phase.done, "closed_at": NOW})
+    await registry.put_raw(keys.RECOVERY, done.model_dump_json().encode())
+    async with leading(registry, "recovery-test") as leadership:
+        keeper = RecoveryKeeper(
+            registry=registry,
+            leadership=leadership,
+            actor=None,  # type: ignore[arg-type]
+            audit=AuditLog(registry=registry),
+            view=lambda: view(snapshot("a")),
+            context=ctx,
+            clock=SystemClock(),
+            kick=lambda: None,
+        )
+        assert keeper.quiet_until == 0.0
+        assert (await keeper.step()) == done
+        assert keeper.quiet_until == NOW + done.collect_s and not keeper.holding
