@@ -25,6 +25,7 @@ from broker.model.jobs import (
     DataLocation,
     Event,
     Frozen,
+    Gang,
     JobRecord,
     JobSpec,
     JobState,
@@ -67,7 +68,12 @@ class StepSpec(JobSpec):
     """One step: a job spec (its tenant is the workflow's) with its parents and outputs."""
 
     tenant: Name | None = Field(  # type: ignore[assignment]
-        default=None, description="the workflow's tenant (may be left out)"
+        default=None, description="the workflow's tenant (may be left out; another is a 400)"
+    )
+    gang: Gang | None = Field(
+        default=None,
+        description="none: a workflow step is not a gang member",
+        json_schema_extra={"type": "null"},
     )
     after: tuple[Name, ...] = Field(
         default=(), max_length=MAX_STEPS, description="steps that must succeed before this one"
@@ -95,7 +101,9 @@ class WorkflowSpec(TenantInput):
     steps: tuple[StepSpec, ...] = Field(
         min_length=1,
         max_length=MAX_STEPS,
-        description=f"at most {MAX_STEPS}: they are created in one etcd transaction",
+        description=f"at most {MAX_STEPS}: they are created in one etcd transaction; names "
+        "unique, `after` naming other steps, once each, with no cycle (not expressible in JSON "
+        "Schema: a 400 names the step's field)",
     )
 
 
