@@ -215,6 +215,7 @@ class Broker:
                 settings=self.settings.backup,
                 directory=backup_dir,
                 clock=self.clock,
+                metrics=self.metrics,
             )
             if backup_dir is not None and self.settings.backup.enabled
             else None

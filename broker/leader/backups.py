@@ -16,6 +16,7 @@ from pathlib import Path
 
 from broker.placement.settings import BackupSettings
 from broker.state.leadership import Leadership
+from broker.state.metrics import BrokerMetrics
 from sites.kits.clock import Clock
 from sites.model.errors import PermissionDenied, RegistryError
 from sites.registry.backups import BackupError, BackupInfo, BackupStore
@@ -38,12 +39,14 @@ class BackupKeeper:
         settings: BackupSettings,
         directory: Path,
         clock: Clock,
+        metrics: BrokerMetrics | None = None,
     ) -> None:
         self.registry = registry
         self.leadership = leadership
         self.settings = settings
         self.store = BackupStore(directory, keep=settings.keep)
         self.clock = clock
+        self.metrics = metrics
         self._started = clock.time()
         self._retry_at = 0.0  # after a failure: not before
 
@@ -58,11 +61,12 @@ class BackupKeeper:
         if not self.leadership.is_leader or now < max(self.due_at(), self._retry_at):
             return None
         try:
-            return await self.store.take(self.registry, now=now)
+            info = await self.store.take(self.registry, now=now)
         except PermissionDenied as exc:
             # a secure etcd lets only its root role snapshot; the broker's user is not root
             # (docs/auth.md): said once an interval, not every poll
             self._retry_at = now + float(self.settings.interval_s)
+            self._count("refused")
             log.error(
                 "no scheduled backup: %s; back up with root's credentials (`cpn backup "
                 "create --etcd-credentials ROOT.yaml`, from cron) or set backup.enabled "
@@ -71,8 +75,19 @@ class BackupKeeper:
             )
         except (RegistryError, BackupError, OSError) as exc:
             self._retry_at = now + min(RETRY_S, float(self.settings.interval_s))
+            self._count("failed")
             log.warning("scheduled backup into %s failed: %s", self.store.directory, exc)
+        else:
+            self._count("ok")
+            if self.metrics is not None:
+                self.metrics.backup_last_success.set(info.taken_at)
+                self.metrics.backup_bytes.set(info.size_bytes)
+            return info
         return None
+
+    def _count(self, outcome: str) -> None:
+        if self.metrics is not None:
+            self.metrics.backups.labels(outcome).inc()
 
     async def run(self) -> None:
         """Supervised: a failed backup is logged and tried again at the next poll."""

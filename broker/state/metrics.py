@@ -203,6 +203,22 @@ class BrokerMetrics:
             ["endpoint"],
             registry=r,
         )
+        # the leader's scheduled backups (broker.leader.backups, docs/backup.md): alert on
+        # time() - the last success > twice the interval
+        self.backups = Counter(
+            "cpn_broker_backups_total",
+            "scheduled backups of etcd the leader tried, by outcome (ok, failed, refused)",
+            ["outcome"],
+            registry=r,
+        )
+        self.backup_last_success = Gauge(
+            "cpn_broker_backup_last_success_timestamp_seconds",
+            "unix time of the newest scheduled backup this replica took",
+            registry=r,
+        )
+        self.backup_bytes = Gauge(
+            "cpn_broker_backup_size_bytes", "size of the newest scheduled backup", registry=r
+        )
         self.etcd_db_bytes = Gauge(
             "cpn_etcd_db_size_bytes", "etcd member's database file", ["endpoint"], registry=r
         )

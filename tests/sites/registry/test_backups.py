@@ -11,6 +11,7 @@ import pytest
 
 from broker.leader.backups import BackupKeeper
 from broker.placement.settings import BackupSettings
+from broker.state.metrics import BrokerMetrics
 from sites.kits.clock import SystemClock
 from sites.model.errors import RegistryError
 from sites.registry.backups import BackupError, BackupStore, backup_name
@@ -96,6 +97,7 @@ async def test_the_leader_backs_up_one_interval_after_the_newest(
             settings=settings,
             directory=tmp_path,
             clock=clock,
+            metrics=BrokerMetrics(),
         )
         assert await keeper.take_if_due() is None  # not one at once
         clock.now += 3600
@@ -107,6 +109,10 @@ async def test_the_leader_backs_up_one_interval_after_the_newest(
             clock.now += 3600
             assert await keeper.take_if_due() is not None
         assert len(keeper.store.backups()) == 2  # keep
+        metrics = keeper.metrics
+        assert metrics is not None
+        assert metrics.backups.labels("ok")._value.get() == 3
+        assert metrics.backup_last_success._value.get() == clock.now
         # a new leader (a new keeper) goes on from the newest in the directory
         again = BackupKeeper(
             registry=registry,
