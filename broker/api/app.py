@@ -491,7 +491,20 @@ def openapi_document(app: web.Application) -> dict[str, object]:
     router = app.get(ROUTER)
     if router is not None:
         client_regions_documented(doc, sorted(router.clients.regions))
+    user_regions_documented(doc, sorted(app[BROKER].operations.user_regions))
     return secured(doc, operations)
+
+
+def user_regions_documented(doc: dict[str, Any], regions: list[str]) -> None:
+    """The user regions a job's `user.region` may name (configs/regions.yaml; the broker
+    refuses another, broker.ops.operations) as its enum, in `doc`."""
+    user = doc["components"]["schemas"].get("UserLocation")
+    if user is not None:
+        user["properties"]["region"] = {
+            "type": "string",
+            "enum": regions,
+            "description": "a user region of the broker's configs/regions.yaml",
+        }
 
 
 def client_regions_documented(doc: dict[str, Any], regions: list[str]) -> None:

@@ -373,8 +373,8 @@ class CheckpointStore(TenantInput):
 
 class UserLocation(TenantInput):
     region: Name = Field(
-        description="a user region of the broker's configs/regions.yaml (else a 400: "
-        "configuration, not expressible in this document)"
+        description="a user region of the broker's configs/regions.yaml (the served document "
+        "lists them)"
     )
     max_latency_ms: float | None = Field(default=None, gt=0)
 

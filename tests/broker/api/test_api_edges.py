@@ -102,6 +102,7 @@ def _stand_in() -> Broker:
             supervisor=_Supervisor(),
             traffic=None,
             tenancy=SimpleNamespace(file=SimpleNamespace(tenants={})),
+            operations=SimpleNamespace(user_regions=frozenset(USER_REGIONS)),
         ),
     )
 

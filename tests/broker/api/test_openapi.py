@@ -59,7 +59,6 @@ FAILING_WARNINGS = [
 # depends on the federation's state or the broker's configuration, or compares values, which
 # JSON Schema cannot say; each field's description in the document says it. {key: why}
 JOB_REFUSALS = {
-    "user.region": "regions.yaml's user regions",
     "priority_class": "tenants.yaml's classes",
     r"gpu\.models?(\[\d+\])?|gpu\.profile|gpu\.min_mem_gb": "the device catalog's",
     "gpu.per_node": "count a multiple of per_node",
