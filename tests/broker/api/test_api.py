@@ -381,7 +381,12 @@ def _stand_in() -> Broker:
     return cast(
         Broker,
         SimpleNamespace(
-            tokens=None, audit=None, settings=BrokerSettings(), clock=SystemClock(), agent_ssl=None
+            tokens=None,
+            audit=None,
+            settings=BrokerSettings(),
+            clock=SystemClock(),
+            agent_ssl=None,
+            operations=SimpleNamespace(user_regions=frozenset()),  # the document lists them
         ),
     )
 
