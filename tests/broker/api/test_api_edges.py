@@ -7,6 +7,10 @@ enforces is in the document, a value the document forbids is a 400 naming its fi
 value it allows gets past validation (the stand-in broker behind answers 404 or 503, never a
 400). The app is make_app's and the Gateway's, served by aiohttp's test server on loopback, on
 stand-ins for the broker's state (no etcd, no process): the checks come before any state is read.
+
+The same for GET /v1/usage's query and the OpenAI routes' body and X-Cpn-Priority; and the
+rules between a body's fields (a job's, a dataset upload's, a tenant's...): the document's
+schema takes a body exactly when the broker's model does.
 """
 
 from __future__ import annotations
@@ -14,19 +18,28 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import AsyncIterator
+from datetime import date
 from types import SimpleNamespace
 from typing import Any, cast
 
+import jsonschema_rs
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from pydantic import ValidationError
 from yarl import URL
 
 from broker.api.app import make_app, openapi_document
 from broker.api.inference import Gateway
+from broker.api.usage import parse_query
 from broker.model.alert_rules import AlertState, Rule
-from broker.model.errors import NotFound
+from broker.model.datasets import PutBegin, ReplicateRequest, ShareRequest
+from broker.model.errors import InvalidRequest, NotFound
+from broker.model.jobs import JobSpec
 from broker.model.regions import load_user_regions
+from broker.model.tenants import TenantPolicy
+from broker.model.workflows import WorkflowSpec
+from broker.model.workflows import check as check_workflow
 from broker.placement.settings import AuthSettings, BrokerSettings, InferenceSettings
 from broker.process import Broker
 from broker.state.auth import Role
@@ -482,3 +495,189 @@ async def test_an_infer_request_the_document_allows_gets_past_the_checks(
     reply = await client.post(INFER + tail, data=b"{}", headers=sent)
     assert reply.status == 404, await reply.text()  # no site serves it: past every check
     assert await _error(reply) == ("unknown_service", "service")
+
+
+# -- bodies: the document's rules between fields are the models' -------------------------------
+
+JOB: dict[str, Any] = {"name": "j", "tenant": "ai-lab", "command": ["true"]}
+H100 = {"count": 1, "model": "H100"}
+# (component, body, whether the broker's model takes it)
+BODIES: list[tuple[str, dict[str, Any], bool]] = [
+    ("JobSpec", JOB, True),
+    ("JobSpec", {**JOB, "cpu": 0, "gpu": H100}, True),
+    ("JobSpec", {**JOB, "cpu": 0}, False),
+    ("JobSpec", {**JOB, "gpu": {"share": 0.25, "model": "H100"}}, True),
+    ("JobSpec", {**JOB, "gpu": {"model": "H100"}}, False),
+    ("JobSpec", {**JOB, "gpu": {"count": 2}}, False),
+    ("JobSpec", {**JOB, "gpu": {"count": 2, "min_mem_gb": 80}}, True),
+    ("JobSpec", {**JOB, "gpu": {**H100, "models": ["H200"]}}, False),
+    ("JobSpec", {**JOB, "gpu": {"count": 1, "models": []}}, False),
+    ("JobSpec", {**JOB, "gpu": {"count": 1, "min_mem_gb": 80, "profile": "3g.40gb"}}, False),
+    ("JobSpec", {**JOB, "gpu": {**H100, "profile": "3g.40gb", "share": 0.25}}, False),
+    ("JobSpec", {**JOB, "gpu": {**H100, "share": 0.75}}, False),
+    ("JobSpec", {**JOB, "gpu": {"count": 2, "model": "H100", "share": 0.25}}, False),
+    ("JobSpec", {**JOB, "gpu": {"count": 2, "model": "H100", "per_node": 2}}, True),
+    ("JobSpec", {**JOB, "gpu": {**H100, "profile": "1g.10gb", "per_node": 1}}, False),
+    ("JobSpec", {**JOB, "latency_weight": 1.0, "user": {"region": "shanghai"}}, True),
+    ("JobSpec", {**JOB, "latency_weight": 1.0}, False),
+    ("JobSpec", {**JOB, "latency_weight": 0.0}, True),
+    ("JobSpec", {**JOB, "data": {"region": "cn-east"}}, True),
+    ("JobSpec", {**JOB, "data": {}}, False),
+    ("JobSpec", {**JOB, "data": {"region": "cn-east", "site": "east-a"}}, False),
+    ("JobSpec", {**JOB, "checkpoint_store": {"site": "east-a"}}, True),
+    ("JobSpec", {**JOB, "checkpoint_store": {"site": None}}, False),
+    ("JobSpec", {**JOB, "checkpoint_path": "ckpt/"}, True),
+    ("JobSpec", {**JOB, "checkpoint_path": "/shared/ckpt"}, True),
+    ("JobSpec", {**JOB, "checkpoint_path": ""}, False),
+    ("JobSpec", {**JOB, "checkpoint_path": "a/../b"}, False),
+    ("JobSpec", {**JOB, "inputs": [{"dataset": "ai-lab/d@2", "path": "/data/d"}]}, True),
+    ("JobSpec", {**JOB, "inputs": [{"dataset": "d@3", "path": "d"}]}, True),
+    ("JobSpec", {**JOB, "inputs": [{"dataset": "d", "path": "../d"}]}, False),
+    ("JobSpec", {**JOB, "outputs": [{"dataset": "d", "path": "out/"}]}, True),
+    ("JobSpec", {**JOB, "outputs": [{"dataset": "d", "path": "./out"}]}, False),
+    ("WorkflowSpec", {"name": "w", "tenant": "ai-lab", "steps": [{**JOB, "name": "a"}]}, True),
+    ("PutBegin", {"manifest": {"files": []}, "site": "east-a"}, True),
+    ("PutBegin", {"manifest": {"files": []}, "site": "east-a", "region": "cn-east"}, False),
+    ("PutBegin", {"manifest": {"files": [{"path": "a/b", "size": 1, "sha256": "0" * 64}]}}, True),
+    ("PutBegin", {"manifest": {"files": [{"path": "a//b", "size": 1, "sha256": "0" * 64}]}}, False),
+    ("PutBegin", {"manifest": {"files": [{"path": "a", "size": 1, "sha256": "A" * 64}]}}, False),
+    ("ReplicateRequest", {"region": "cn-east", "version": 2}, True),
+    ("ReplicateRequest", {"version": 2}, False),
+    ("ReplicateRequest", {"region": "cn-east", "site": "east-a"}, False),
+    ("ShareRequest", {"remove": ["startup"]}, True),
+    ("ShareRequest", {"add": []}, False),
+    ("TenantPolicy", {"cohort": "c", "lending_limit": {"gpus": 1}}, True),
+    ("TenantPolicy", {"lending_limit": {"gpus": 1}}, False),
+    ("TenantPolicy", {"regions": {"cn-east": {"gpus": 1}}}, True),
+    ("TenantPolicy", {"regions": {"CN East": {"gpus": 1}}}, False),
+]
+
+
+@pytest.mark.parametrize(("component", "body", "taken"), BODIES)
+def test_the_document_takes_a_body_when_the_model_does(
+    component: str, body: dict[str, Any], taken: bool
+) -> None:
+    schema = {"$ref": f"#/components/schemas/{component}", "components": DOC["components"]}
+    documented = jsonschema_rs.Draft202012Validator(schema, validate_formats=True)
+    model = {
+        "JobSpec": JobSpec,
+        "WorkflowSpec": WorkflowSpec,
+        "PutBegin": PutBegin,
+        "ReplicateRequest": ReplicateRequest,
+        "ShareRequest": ShareRequest,
+        "TenantPolicy": TenantPolicy,
+    }[component]
+    try:
+        model.model_validate_json(json.dumps(body), strict=True)
+    except ValidationError:
+        accepted = False
+    else:
+        accepted = True
+    assert accepted is taken
+    assert documented.is_valid(body) is taken
+
+
+WORKFLOW_GANG = {
+    "name": "w",
+    "tenant": "ai-lab",
+    "steps": [{**JOB, "name": "a", "gang": {"name": "g", "size": 2}}],
+}
+
+
+def test_a_workflow_step_in_a_gang_is_refused_by_the_document_as_by_the_broker() -> None:
+    schema = {"$ref": "#/components/schemas/WorkflowSpec", "components": DOC["components"]}
+    assert not jsonschema_rs.Draft202012Validator(schema).is_valid(WORKFLOW_GANG)
+    spec = WorkflowSpec.model_validate_json(json.dumps(WORKFLOW_GANG), strict=True)
+    with pytest.raises(InvalidRequest) as refused:
+        check_workflow(spec)
+    assert refused.value.field == "steps[0].gang"
+
+
+# -- GET /v1/usage and the OpenAI routes ----------------------------------------------------------
+
+
+def _param_takes(path: str, name: str, value: str) -> bool:
+    schema = _param(path, "get", name)["schema"]
+    return bool(jsonschema_rs.Draft202012Validator(schema, validate_formats=True).is_valid(value))
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("from", ""),
+        ("to", "2026-13-01"),
+        ("to", "1 May"),
+        ("by", ""),
+        ("by", "tenant,bogus"),
+        ("by", "tenant site"),
+        ("tenant", "Bad"),
+        ("site", "-x"),
+    ],
+)
+async def test_a_usage_query_the_document_forbids_is_a_400(
+    client: TestClient[web.Request, web.Application], name: str, value: str
+) -> None:
+    assert not _param_takes("/v1/usage", name, value)
+    reply = await client.get("/v1/usage", params={name: value})
+    assert reply.status == 400, await reply.text()
+    assert await _error(reply) == ("invalid", name)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("from", "2026-01-31"),
+        ("by", "tenant,,site"),
+        ("by", " day , model,"),
+        ("by", "client_region"),
+        ("tenant", ""),
+        ("tenant", "ai-lab"),
+        ("site", ""),
+        ("site", "east-a"),
+    ],
+)
+def test_a_usage_query_the_document_allows_is_parsed(name: str, value: str) -> None:
+    assert _param_takes("/v1/usage", name, value)
+    parse_query({name: value, "to": "2026-02-01"}, date(2026, 2, 1))
+
+
+OPENAI_BODIES: list[tuple[bytes, dict[str, str], str | None]] = [
+    (b"{}", {}, "model"),
+    (b'{"model": " "}', {}, "model"),
+    (b'{"model": 7}', {}, "model"),
+    (b"[]", {}, None),
+    (b'{"model": "m", "stream": 1}', {}, "stream"),
+    (b'{"model": "m", "priority": 1.5}', {}, "priority"),
+    (b'{"model": "m"}', {"X-Cpn-Priority": "high"}, "X-Cpn-Priority"),
+]
+
+
+@pytest.mark.parametrize(("body", "headers", "field"), OPENAI_BODIES)
+async def test_an_openai_request_the_document_forbids_is_a_400(
+    client: TestClient[web.Request, web.Application],
+    body: bytes,
+    headers: dict[str, str],
+    field: str | None,
+) -> None:
+    operation = DOC["paths"]["/v1/chat/completions"]["post"]
+    schema = operation["requestBody"]["content"]["application/json"]["schema"]
+    priority = next(p for p in operation["parameters"] if p["name"] == "X-Cpn-Priority")
+    documented = jsonschema_rs.Draft202012Validator(schema).is_valid(json.loads(body))
+    if "X-Cpn-Priority" in headers:
+        assert priority["schema"] == {"type": "integer"}
+    else:
+        assert not documented
+    sent = {"Content-Type": "application/json", "X-Cpn-Client-Region": REGION, **headers}
+    reply = await client.post("/v1/chat/completions", data=body, headers=sent)
+    assert reply.status == 400, await reply.text()
+    assert (await reply.json())["error"]["param"] == field
+
+
+async def test_an_openai_request_the_document_allows_gets_past_the_checks(
+    client: TestClient[web.Request, web.Application],
+) -> None:
+    body = {"model": "m", "stream": None, "priority": 3, "messages": []}
+    sent = {"X-Cpn-Client-Region": REGION, "X-Cpn-Priority": "-2"}
+    reply = await client.post("/v1/chat/completions", json=body, headers=sent)
+    assert reply.status == 404, await reply.text()  # no such model here: past every check
+    assert (await reply.json())["error"]["code"] == "model_not_found"
