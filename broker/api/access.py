@@ -27,7 +27,7 @@ from aiohttp.typedefs import Middleware
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from broker.api.bodies import page_response, query_limit, read_model
-from broker.api.openapi import OPERATIONS, Many, Operation, Param, Reply, spec_path
+from broker.api.openapi import CONTINUE, OPERATIONS, Many, Operation, Param, Reply, spec_path
 from broker.model import audit_intent
 from broker.model.audit_intent import AuditIntent, audit_puts, committed
 from broker.model.jobs import NAME_RE
@@ -572,7 +572,7 @@ def access_operations() -> list[Operation]:
                     "limit", "query", "at most this many entries (default 100)",
                     {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},
                 ),
-                Param("continue", "query", "the previous page's `continue`"),
+                CONTINUE,
             ),
             replies={200: Reply("a page of audit entries", {"type": "object"})},
             errors=(400, 401, 403, 410),

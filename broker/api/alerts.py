@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from broker.api.access import principal
 from broker.api.bodies import page_response, query_limit
-from broker.api.openapi import Operation, Param, Reply
+from broker.api.openapi import CONTINUE, Operation, Param, Reply
 from broker.leader.alerts import AlertKeeper
 from broker.model.alert_rules import AlertRecord, AlertState, Rule
 from broker.model.errors import InvalidRequest
@@ -111,7 +111,7 @@ def alerts_operations() -> list[Operation]:
                       {"type": "string", "enum": [r.value for r in Rule]}),
                 Param("limit", "query", f"at most this many (default {DEFAULT_LIMIT})",
                       {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT}),
-                Param("continue", "query", "the previous page's `continue`: the next page"),
+                CONTINUE,
             ),
             replies={200: Reply("a page of alerts, firing first", AlertList)},
             errors=(400, 401, 403),

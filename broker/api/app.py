@@ -43,7 +43,7 @@ from broker.api.bodies import UNSUPPORTED_MEDIA, page_response, query_limit, rea
 from broker.api.dashboard import dashboard_operations
 from broker.api.datasets import dataset_operations
 from broker.api.keys import BROKER, HTTP, ROUTER
-from broker.api.openapi import OPERATIONS, Operation, Param, Reply, document, register
+from broker.api.openapi import CONTINUE, OPERATIONS, Operation, Param, Reply, document, register
 from broker.api.services import service_operations
 from broker.api.sites import SiteInfo, SiteRows
 from broker.api.tenants import tenant_operations
@@ -547,13 +547,14 @@ def job_operations() -> list[Operation]:
                 Param(
                     "since", "query",
                     "only jobs created since: RFC 3339 time, unix seconds, or a duration ago "
-                    "('24h', '7d')",
+                    "('24h', '7d'); empty: any time; another value is a 400 (Python's ISO 8601 "
+                    "and number readings: not expressible in JSON Schema)",
                 ),
                 Param(
                     "limit", "query", f"at most this many jobs (default {DEFAULT_LIMIT})",
                     {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},
                 ),
-                Param("continue", "query", "the previous page's `continue`: the next page"),
+                CONTINUE,
                 Param(
                     "include", "query", "'archived': archived jobs too",
                     {"type": "string", "enum": ["archived"]},
@@ -605,7 +606,7 @@ def job_operations() -> list[Operation]:
                     "limit", "query", f"at most this many sites (default {SITES_LIMIT})",
                     {"type": "integer", "minimum": 1, "maximum": SITES_MAX_LIMIT},
                 ),
-                Param("continue", "query", "the previous page's `continue`: the next page"),
+                CONTINUE,
             ),
             replies={200: Reply("a page of sites, by id", SiteList)}, errors=(400,),
         ),

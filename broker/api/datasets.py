@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from broker.api.access import note, principal
 from broker.api.bodies import page_response, query_limit
 from broker.api.keys import BROKER, HTTP
-from broker.api.openapi import JSON, Operation, Param, Reply
+from broker.api.openapi import CONTINUE, JSON, Operation, Param, Reply
 from broker.model.datasets import (
     DatasetInfo,
     DatasetMeta,
@@ -319,7 +319,7 @@ def dataset_operations() -> list[Operation]:
             "limit", "query", f"at most this many datasets (default {LIST_LIMIT})",
             {"type": "integer", "minimum": 1, "maximum": LIST_MAX},
         ),
-        Param("continue", "query", "the previous page's `continue`: the next page"),
+        CONTINUE,
     )  # fmt: skip
     return [
         Operation(

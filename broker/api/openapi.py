@@ -25,6 +25,7 @@ from broker.model.errors import InvalidRequest
 
 __all__ = [
     "ANY_METHODS",
+    "CONTINUE",
     "ERROR_SCHEMA",
     "JSON",
     "OPERATIONS",
@@ -164,6 +165,13 @@ class Operation:
 
 
 OPERATIONS = web.AppKey("operations", list[Operation])
+# a list's page token: what it holds JSON Schema cannot say, so the description does
+CONTINUE = Param(
+    "continue",
+    "query",
+    "the previous page's `continue`: the next page; empty: the first page; a value this API "
+    "did not give is a 400 (not expressible in JSON Schema)",
+)
 
 
 def register(app: web.Application, op: Operation) -> None:

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from broker.api.access import note, principal, submitting
 from broker.api.bodies import query_limit, read_model
-from broker.api.openapi import Operation, Param, Reply
+from broker.api.openapi import CONTINUE, Operation, Param, Reply
 from broker.model.errors import InvalidRequest
 from broker.model.jobs import NAME_RE
 from broker.model.services import ServiceSpec
@@ -112,7 +112,7 @@ def service_operations() -> list[Operation]:
                     "limit", "query", f"at most this many (default {DEFAULT_LIMIT})",
                     {"type": "integer", "minimum": 1, "maximum": MAX_LIMIT},
                 ),
-                Param("continue", "query", "the previous page's `continue`"),
+                CONTINUE,
             ),
             replies={200: Reply("a page of services, by name", ServiceList)},
             errors=(400, 503),

@@ -70,6 +70,14 @@ JOB_REFUSALS = {
 }
 REFUSED_BY_STATE: dict[str, dict[str, str]] = {
     "POST /v1/route": {"client_address": "clients.yaml's CIDRs"},
+    "GET /v1/jobs": {
+        "since: since .* is not a": "an ISO 8601 time or a number, as Python reads them",
+        "continue: .*not a continue token": "a token the broker made",
+    },
+    **{
+        f"GET /v1/{listed}": {"continue: .*not a continue token": "a token the broker made"}
+        for listed in ("sites", "services", "audit", "alerts")
+    },
     "POST /v1/jobs": JOB_REFUSALS,
     "POST /v1/workflows": {
         **{rf"steps\[\d+\]\.(?:{field})": why for field, why in JOB_REFUSALS.items()},
@@ -89,7 +97,7 @@ REFUSED_BY_STATE: dict[str, dict[str, str]] = {
     "GET /v1/usage": {
         r"from: (at most \d+ days|from \S+ is after to)": "at most 3660 days before `to`"
     },
-    "GET /v1/datasets": {"continue: .* is not a continue token": "a token the broker made"},
+    "GET /v1/datasets": {"continue: .*not a continue token": "a token the broker made"},
     "POST /v1/datasets/{owner}/{name}/uploads": {
         "(site|region): .* up with a data store": "a site up with a data store",
         "manifest.files": "each path once",
