@@ -32,25 +32,27 @@ TEST = "tests/broker/test_chaos_soak.py"
 def soak(minutes: float, seed: int) -> tuple[dict[str, Any], str]:
     """The soak's figures and the tail of its output (the test fails when an invariant broke
     beyond the known finding, and still writes its figures)."""
-    with tempfile.TemporaryDirectory(prefix="cpn-soak-") as scratch:
-        figures = Path(scratch) / "figures.json"
-        env = {
-            **os.environ,
-            "CPN_SOAK_S": str(minutes * 60),
-            "CPN_SOAK_SEED": str(seed),
-            "CPN_SOAK_FIGURES": str(figures),
-        }
-        timeout = int(minutes * 60 + 600)
-        done = subprocess.run(
-            [sys.executable, "-m", "pytest", TEST, "-q", "-p", "no:cacheprovider",
-             "-o", f"timeout={timeout}"],
-            cwd=ROOT, env=env, capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        tail = (done.stdout + done.stderr)[-4000:]
-        if not figures.exists():
-            raise SystemExit(f"the soak did not run to its checks:\n{tail}")
-        got: dict[str, Any] = json.loads(figures.read_text())
-        return got, tail if done.returncode else ""
+    # the run's processes' logs and files stay (other runs of pytest rotate theirs away)
+    kept = Path(tempfile.mkdtemp(prefix=f"cpn-soak-{seed}-"))
+    log_stamped(f"soak: logs, stamps and figures under {kept}")
+    figures = kept / "figures.json"
+    env = {
+        **os.environ,
+        "CPN_SOAK_S": str(minutes * 60),
+        "CPN_SOAK_SEED": str(seed),
+        "CPN_SOAK_FIGURES": str(figures),
+    }
+    timeout = int(minutes * 60 + 600)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", TEST, "-q", "-p", "no:cacheprovider",
+         "-o", f"timeout={timeout}", f"--basetemp={kept / 'pytest'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    tail = (done.stdout + done.stderr)[-4000:]
+    if not figures.exists():
+        raise SystemExit(f"the soak did not run to its checks:\n{tail}")
+    got: dict[str, Any] = json.loads(figures.read_text())
+    return got, tail if done.returncode else ""
 
 
 def main() -> int:
@@ -88,6 +90,13 @@ def main() -> int:
         print(f"\n{v['name']}: {v['violations']} broken, e.g.")
         for line in v["examples"]:
             print(f"  {line}")
+    for job, known in f.get("evidence", {}).items():
+        print(f"\nevidence: {job} ({known['name']}): states {' -> '.join(known['states'])}")
+        for key in ("events", "stamps", "segments", "kills_near"):
+            for line in known[key][-15:]:
+                print(f"  {key[:-1]}: {line}")
+        for other, states in known["gang"].items():
+            print(f"  gang member {other}: {' -> '.join(states)}")
     if failed:
         print(f"\nthe soak's test failed:\n{failed}", file=sys.stderr)
     return 1 if broken or failed else 0

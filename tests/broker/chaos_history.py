@@ -96,16 +96,29 @@ class Verdict:
         return len(self.broken)
 
 
+def live_runs(history: History) -> set[tuple[str, int]]:
+    """The runs still going at the end: no end stamp, no kill of their agent after they began,
+    of a job whose last state is RUNNING."""
+    return {
+        key
+        for key, run in history.runs.items()
+        if history.states.get(run.job, ["?"])[-1] == "RUNNING" and run_end(history, run) is None
+    }
+
+
 def terminal_once(history: History) -> Verdict:
-    """Every accepted job ends in exactly one terminal state, or is still RUNNING (once)."""
+    """Every accepted job ends in exactly one terminal state, or is still RUNNING with exactly
+    one run going (as its stamps say)."""
     broken = []
+    live = Counter(job for job, _ in live_runs(history))
     for job, states in history.states.items():
         entered = sum(1 for s in states if s in TERMINAL)
-        left = any(
-            a in TERMINAL and b not in TERMINAL for a, b in zip(states, states[1:], strict=False)
-        )
+        pairs = zip(states, states[1:], strict=False)
+        left = any(a in TERMINAL and b not in TERMINAL for a, b in pairs)
         if entered > 1 or left:
             broken.append(f"{job}: states {' -> '.join(states)}")
+        elif states[-1] == "RUNNING" and live[job] != 1:
+            broken.append(f"{job}: RUNNING at the end with {live[job]} runs going")
         elif states[-1] not in TERMINAL and states[-1] != "RUNNING":
             broken.append(f"{job}: still {states[-1]} at the end ({' -> '.join(states)})")
     return Verdict("one terminal state (or running once)", len(history.states), broken)
@@ -155,11 +168,14 @@ def no_overlap_reports(history: History, slack_s: float = 0.05) -> Verdict:
 
 
 def ledger_equals_runs(history: History) -> Verdict:
-    """The ledger holds one segment for each run that started, and none for a run that did not."""
-    ran = set(history.runs)
+    """The ledger holds one segment for each run that started and ended, and none for a run
+    that never started (a run still going is billed when it ends)."""
+    live = live_runs(history)
+    ran = set(history.runs) - live
     billed = set(history.segments)
     broken = [f"{j} attempt {a}: ran, not billed" for j, a in sorted(ran - billed)]
-    broken += [f"{j} attempt {a}: billed, never ran" for j, a in sorted(billed - ran)]
+    broken += [f"{j} attempt {a}: billed, never ran" for j, a in sorted(billed - ran - live)]
+    broken += [f"{j} attempt {a}: billed while it runs" for j, a in sorted(billed & live)]
     return Verdict("ledger = runs", len(ran | billed), broken)
 
 
