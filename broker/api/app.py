@@ -496,15 +496,23 @@ def openapi_document(app: web.Application) -> dict[str, object]:
 
 
 def user_regions_documented(doc: dict[str, Any], regions: list[str]) -> None:
-    """The user regions a job's `user.region` may name (configs/regions.yaml; the broker
-    refuses another, broker.ops.operations) as its enum, in `doc`."""
-    user = doc["components"]["schemas"].get("UserLocation")
-    if user is not None:
-        user["properties"]["region"] = {
+    """The user regions (configs/regions.yaml) as the enum of what names one, in `doc`: a
+    job's `user.region`, a service's `clients` and the keys of its `slo.regions` (the broker
+    refuses another: broker.ops.operations, broker.ops.services)."""
+    schemas = doc["components"]["schemas"]
+    if "UserLocation" in schemas:
+        schemas["UserLocation"]["properties"]["region"] = {
             "type": "string",
             "enum": regions,
             "description": "a user region of the broker's configs/regions.yaml",
         }
+    if "ServiceSpec" in schemas:
+        schemas["ServiceSpec"]["properties"]["clients"]["items"] = {
+            "type": "string",
+            "enum": regions,
+        }
+    if "Slo" in schemas:
+        schemas["Slo"]["properties"]["regions"]["propertyNames"] = {"enum": regions}
 
 
 def client_regions_documented(doc: dict[str, Any], regions: list[str]) -> None:

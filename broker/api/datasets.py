@@ -37,7 +37,7 @@ from broker.model.datasets import (
 from broker.model.errors import InvalidRequest
 from broker.model.jobs import NAME_RE
 from broker.ops.datasets import DataPlaneError, Datasets, parse_upload
-from sites.model.data import DATASET_NAME_RE, Manifest, clean_path
+from sites.model.data import DATASET_NAME_RE, MAX_PATH, PATH_PATTERN, Manifest, clean_path
 
 __all__ = ["dataset_operations"]
 
@@ -305,7 +305,10 @@ UPLOAD = Param(
     "upload", "path", "the upload's id (its begin's answer)",
     {"type": "string", "pattern": r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.[0-9a-f]{16}$"},
 )  # fmt: skip
-PATH = Param("path", "path", "the file's path in the dataset ('/' between parts)")
+PATH = Param(
+    "path", "path", "the file's path in the dataset ('/' between parts)",
+    {"type": "string", "minLength": 1, "maxLength": MAX_PATH, "pattern": PATH_PATTERN},
+)  # fmt: skip
 BASE = "/v1/datasets/{owner}/{name}"
 ONLY_JSON = (JSON,)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from typing import Any
 
 from aiohttp import web
@@ -106,7 +106,9 @@ def parse_query(params: dict[str, str], today: date) -> UsageQuery:
     if unknown:
         raise InvalidRequest(f"unknown parameter {unknown[0]!r}", field=unknown[0])
     last = _day(params["to"], "to") if "to" in params else today
-    first = _day(params["from"], "from") if "from" in params else last - timedelta(DEFAULT_DAYS - 1)
+    # the default window stops at the calendar's first day (date.min), not past it (a 500)
+    default_first = date.fromordinal(max(1, last.toordinal() - (DEFAULT_DAYS - 1)))
+    first = _day(params["from"], "from") if "from" in params else default_first
     if first > last:
         raise InvalidRequest(f"from ({first}) is after to ({last})", field="from")
     if (last - first).days + 1 > MAX_DAYS:
@@ -134,7 +136,8 @@ def idle_costs(book: UsageBook, sites: Snapshot, query: UsageQuery, now: float) 
     """Per site in `sites`: capacity x list price over the window (from the first metered
     run, up to now), minus what the ledger billed there for devices, cores and memory."""
     start = datetime.combine(query.first, datetime.min.time(), UTC).timestamp()
-    end = datetime.combine(query.last + timedelta(1), datetime.min.time(), UTC).timestamp()
+    # the last day's end, as seconds: its next midnight may be past the calendar (9999-12-31)
+    end = datetime.combine(query.last, datetime.min.time(), UTC).timestamp() + 86400.0
     if book.earliest is not None:
         start = max(start, book.earliest)
     end = min(end, now)

@@ -51,7 +51,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from broker.model.jobs import NAME_RE, Name, given
 from sites.model.config import read_yaml, validate_mapping
-from sites.model.durations import Duration
+from sites.model.durations import PositiveDuration
 
 __all__ = [
     "DEFAULT_CLASSES",
@@ -110,7 +110,7 @@ class Budget(_Model):
         default=None, gt=0, description="USD per calendar month (UTC)"
     )
     gpu_hours: float | None = Field(default=None, gt=0, description="GPU-hours per window")
-    window: Duration = Field(default=30 * 86400.0, gt=0, description="the gpu_hours window")
+    window: PositiveDuration = Field(default=30 * 86400.0, gt=0, description="the gpu_hours window")
 
 
 class InferenceBudget(_Model):
@@ -209,6 +209,16 @@ class TenantPolicy(_Model):
 
 
 class CohortPolicy(_Model):
+    """A cohort's policy; that its parent exists is not expressible in JSON Schema (a 400
+    names parent)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"anyOf": [given("borrowing_limit"), given("lending_limit")]},
+            "then": given("parent"),
+        }
+    )
+
     parent: Name | None = None
     quota: Amounts = Field(default_factory=Amounts, description="the cohort's own pool")
     borrowing_limit: Amounts | None = None
@@ -242,7 +252,7 @@ DEFAULT_CLASSES: dict[str, PriorityClass] = {
 
 
 class FairShareSettings(_Model):
-    half_life: Duration = Field(
+    half_life: PositiveDuration = Field(
         default=7 * 86400.0, gt=0, description="usage decays by half every half_life (Slurm's 7d)"
     )
 

@@ -12,7 +12,13 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field
 
-__all__ = ["DURATION_PATTERN", "Duration", "parse_duration_s"]
+__all__ = [
+    "DURATION_PATTERN",
+    "POSITIVE_DURATION_PATTERN",
+    "Duration",
+    "PositiveDuration",
+    "parse_duration_s",
+]
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(d|h|m|s)")
 _UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
@@ -42,3 +48,16 @@ DURATION_PATTERN = r"^\s*([0-9]+(\.[0-9]+)? *[dhmsDHMS] *)+\s*$"
 also reads, left out)."""
 DurationInput = Annotated[float, Field(ge=0)] | Annotated[str, Field(pattern=DURATION_PATTERN)]
 Duration = Annotated[float, BeforeValidator(parse_duration_s, json_schema_input_type=DurationInput)]
+
+_PART = r"[0-9]+(\.[0-9]+)? *[dhmsDHMS] *"
+_NONZERO = r"([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*) *[dhmsDHMS] *"
+POSITIVE_DURATION_PATTERN = rf"^\s*({_PART})*{_NONZERO}({_PART})*\s*$"
+"""DURATION_PATTERN with one part above zero (no lookahead: every generator reads this)."""
+PositiveDurationInput = (
+    Annotated[float, Field(gt=0)] | Annotated[str, Field(pattern=POSITIVE_DURATION_PATTERN)]
+)
+PositiveDuration = Annotated[
+    float, BeforeValidator(parse_duration_s, json_schema_input_type=PositiveDurationInput)
+]
+"""A Duration whose field says gt=0: the document says so too (Duration's input schema does
+not carry the field's bound)."""

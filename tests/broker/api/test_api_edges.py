@@ -31,7 +31,7 @@ from yarl import URL
 
 from broker.api.app import make_app, openapi_document
 from broker.api.inference import Gateway
-from broker.api.usage import parse_query
+from broker.api.usage import parse_query, report
 from broker.model.alert_rules import AlertState, Rule
 from broker.model.datasets import PutBegin, ReplicateRequest, ShareRequest
 from broker.model.errors import InvalidRequest, NotFound
@@ -45,6 +45,7 @@ from broker.process import Broker
 from broker.state.auth import Role
 from broker.state.metrics import BrokerMetrics
 from broker.state.router import Router
+from metering.usage import UsageBook
 from routing.decision.clients import load_clients
 from routing.gateway.proxy import REGION_HEADER
 from sites.kits.clock import SystemClock
@@ -681,3 +682,14 @@ async def test_an_openai_request_the_document_allows_gets_past_the_checks(
     reply = await client.post("/v1/chat/completions", json=body, headers=sent)
     assert reply.status == 404, await reply.text()  # no such model here: past every check
     assert (await reply.json())["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize(
+    "query",
+    [{"to": "0001-01-01"}, {"to": "0001-01-15"}, {"from": "9999-12-01", "to": "9999-12-31"}],
+)
+def test_usage_at_the_calendars_edges_is_a_report(query: dict[str, str]) -> None:
+    # schemathesis found `?to=0001-01-01` a 500: the default window went past date.min
+    parsed = parse_query(query, date(2026, 2, 1))
+    answer = report(UsageBook(), Snapshot(revision=0), parsed, 1.7e9)
+    assert answer.total["charge_usd"] == 0.0 and answer.idle == []

@@ -87,15 +87,20 @@ REFUSED_BY_STATE: dict[str, dict[str, str]] = {
     "POST /v1/workflows/{workflow}/cancel": {"step": "a step the workflow has"},
     "PUT /v1/services/{name}": {
         "name": "the path's name",
+        r"clients\[\d+\]: client region .* may be served from": "the sovereignty rules",
         "max_replicas": "at least min_replicas",
         "command": "a shell string's quotes",
         r"gpu\.models?(\[\d+\])?|gpu\.profile|gpu\.min_mem_gb": "the device catalog's",
         "gpu.per_node": "count a multiple of per_node",
     },
     "PUT /v1/tenants/{tenant}": {"cohort": "a cohort that exists"},
-    "PUT /v1/tenancy": {r"tenants\..*\.cohort": "a cohort of the file"},
+    "PUT /v1/tenancy": {
+        r"tenants\..*\.cohort": "a cohort of the file",
+        r"cohorts\..*\.parent": "a cohort of the file",
+    },
     "GET /v1/usage": {
-        r"from: (at most \d+ days|from \S+ is after to)": "at most 3660 days before `to`"
+        r"from: (at most \d+ days|from \S+ is after to)": "at most 3660 days before `to`",
+        "by: by names a dimension twice": "each dimension once",
     },
     "GET /v1/datasets": {"continue: .*not a continue token": "a token the broker made"},
     "POST /v1/datasets/{owner}/{name}/uploads": {
