@@ -5,7 +5,9 @@ A gang is placed, in one transaction, once all `size` members are PENDING and pa
 backoff; fewer members wait ("k/n members submitted"). A member that disagrees with the gang's
 first member on gang.size or on its shape fails with that reason, and so do members beyond the
 size (newest first); the others keep waiting. A member that runs while another waits
-(suspended and resumed alone) is re-queued, so the gang restarts whole.
+(suspended and resumed alone) is re-queued, so the gang restarts whole. A member re-queued
+after others of its gang ended (its site died after a peer succeeded) fails: the gang cannot
+form again.
 """
 
 from __future__ import annotations
@@ -82,6 +84,18 @@ def _gang_ready(
             closed = p.closed(record, EndReason.withdrawn)
             write = JobWrite(new, rev, puts=closed, deletes=run_keys(record))
             p.emit(Action(ActionKind.requeue, (write,), ev.message))
+        return None
+    if len(waiting) < size and len(members) < size and any(r.attempt > 0 for r, _ in waiting):
+        # placed whole before (all `size` members were there), and members ended since (one
+        # succeeded while its peer's site died): the gang can never form again, and a member
+        # does not run alone; waiting for members that cannot come would be for ever
+        ended = size - len(members)
+        for record, rev in waiting:
+            p.fail_spec(
+                record, rev,
+                f"gang {name} cannot form again: {ended} of its {size} members ended since "
+                "it was placed, and a member does not run alone (submit the gang again)",
+            )  # fmt: skip
         return None
     if len(waiting) < size:
         for record, rev in waiting:

@@ -252,6 +252,20 @@ def test_incomplete_gang_waits() -> None:
     assert "1/2 members submitted" in decided.actions[0].message
 
 
+def test_a_gang_member_requeued_after_a_peer_ended_fails_instead_of_waiting_for_ever() -> None:
+    """Placed whole, then one member succeeded and the other's site died: the re-queued member
+    can never form its gang again (found by the chaos soak: it waited for ever)."""
+    record, rev = member("m2", 2)
+    requeued = record.model_copy(update={"attempt": 1, "retries": 1})
+    decided = dc.decide(view(snapshot("a"), (requeued, rev)), NOW, ctx())
+    assert kinds(decided) == [("fail", ("m2",))]
+    assert "gang t1/g cannot form again: 1 of its 2 members ended" in decided.actions[0].message
+    # a member never placed still waits for its peers
+    assert kinds(dc.decide(view(snapshot("a"), member("m1", 1)), NOW, ctx())) == [
+        ("unschedulable", ("m1",))
+    ]
+
+
 def test_gang_members_disagreeing_on_size_fail_and_the_loop_goes_on() -> None:
     v = view(snapshot("a"), member("m1", 1), member("m2", 2, size=3), job("plain", 3, gpu=gpu()))
     decided = dc.decide(v, NOW, ctx())
