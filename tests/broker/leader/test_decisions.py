@@ -246,6 +246,13 @@ def test_gang_is_placed_whole_in_one_action() -> None:
     assert len(decided.actions[0].assignments) == 2
 
 
+def test_gang_members_of_one_name_are_placed_whole() -> None:
+    (first, r1), (second, r2) = member("m1", 1), member("m2", 2)
+    alike = second.model_copy(update={"spec": second.spec.model_copy(update={"name": "m1"})})
+    decided = dc.decide(view(snapshot("a"), (first, r1), (alike, r2)), NOW, ctx())
+    assert kinds(decided) == [("place", ("m1", "m2"))]
+
+
 def test_incomplete_gang_waits() -> None:
     decided = dc.decide(view(snapshot("a"), member("m1", 1)), NOW, ctx())
     assert kinds(decided) == [("unschedulable", ("m1",))]

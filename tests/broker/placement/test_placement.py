@@ -469,6 +469,14 @@ def test_place_gang_largest_first_and_spread() -> None:
     assert isinstance(out, list) and sorted(d.site for d in out) == ["a", "b"]
 
 
+def test_place_gang_tells_members_apart_by_place_not_name() -> None:
+    """Two members may share a name (their records' ids differ): both are placed."""
+    fed = Federation(sites=(offer("a", gpus={"H100": 16}),))
+    same = [gang(2)[0], gang(2)[0]]
+    out = place_gang(same, fed, now=NOW, usage=TenantUsage(), groups=GroupState())
+    assert isinstance(out, list) and len(out) == 2
+
+
 @pytest.mark.parametrize(
     ("members", "field"),
     [
@@ -476,7 +484,6 @@ def test_place_gang_largest_first_and_spread() -> None:
         ([job()], "gang"),
         (gang(3)[:2], "gang.size"),
         ([*gang(2)[:1], job(name="x", gang={"name": "other", "size": 2})], "gang"),
-        ([gang(2)[0], gang(2)[0]], "gang"),
     ],
 )
 def test_place_gang_rejects_a_malformed_gang(members: list[JobSpec], field: str) -> None:
