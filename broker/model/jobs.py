@@ -24,7 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic.config import JsonDict
+from pydantic.config import JsonDict, JsonValue
 
 from broker.model.errors import IllegalTransition
 from sites.model.assignments import NodeShare, Serve
@@ -81,6 +81,15 @@ def at_least(name: str, low: int) -> JsonDict:
     return {"required": [name], "properties": {name: {"minimum": low}}}
 
 
+# JSON Schema: a CPU core (cpu absent is 1) or an accelerator (JobSpec, ServiceSpec)
+CORE_OR_DEVICE: list[JsonValue] = [
+    {"not": {"required": ["cpu"]}},
+    at_least("cpu", 1),
+    {
+        "required": ["gpu"],
+        "properties": {"gpu": {"anyOf": [at_least("count", 1), given("share")]}},
+    },
+]
 # a path of the work dir (clean_path's rule), '/'s after it allowed
 RELATIVE_PATH = f"{PATH_PART}(?:/{PATH_PART})*/*"
 _OWNER = NAME_RE.strip("^$")
@@ -399,14 +408,7 @@ class JobSpec(TenantInput):
     # valid variant of the body to test
     model_config = ConfigDict(
         json_schema_extra={
-            "anyOf": [
-                {"not": {"required": ["cpu"]}},
-                at_least("cpu", 1),
-                {
-                    "required": ["gpu"],
-                    "properties": {"gpu": {"anyOf": [at_least("count", 1), given("share")]}},
-                },
-            ],
+            "anyOf": CORE_OR_DEVICE,
             "not": {
                 "required": ["latency_weight"],
                 "properties": {"latency_weight": {"exclusiveMinimum": 0}},

@@ -34,9 +34,10 @@ import hashlib
 from collections.abc import Mapping
 from typing import Annotated
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from broker.model.jobs import (
+    CORE_OR_DEVICE,
     ENV_NAMES_SCHEMA,
     CommandInput,
     Frozen,
@@ -128,6 +129,8 @@ class ScalingPolicy(TenantInput):
 
 class ServiceSpec(TenantInput):
     """One managed inference service (module docstring)."""
+
+    model_config = ConfigDict(json_schema_extra={"anyOf": CORE_OR_DEVICE})
 
     name: Name
     tenant: Name
