@@ -22,6 +22,7 @@ from aiohttp import web
 
 from broker.api.access import principal
 from broker.api.openapi import JSON, Operation, Param, Reply
+from broker.model.jobs import NOT_BLANK
 from broker.state.models import ModelCatalog
 from routing.gateway.openai import error_body, unknown_model
 
@@ -67,7 +68,7 @@ _BODY = {
     "properties": {
         "model": {
             "type": "string",
-            "pattern": r"\S",
+            "pattern": NOT_BLANK,
             "description": "a model, service, adapter or alias name (not blank)",
         },
         "stream": {"type": ["boolean", "null"], "description": "server-sent events"},

@@ -47,8 +47,11 @@ ENV_NAME_RE = r"^[A-Za-z_][A-Za-z0-9_]*$"
 RESERVED_ENV = "CPN_"  # cpn sets these itself
 ENV_NAMES_SCHEMA: JsonDict = {"pattern": ENV_NAME_RE, "not": {"pattern": f"^{RESERVED_ENV}"}}
 """What check_env allows as a name, for JSON Schema's propertyNames."""
+# a character Python's str.strip keeps (a command string, routing.gateway.openai's `model`): JSON
+# Schema's \s (ECMA-262's) leaves out \x1c-\x1f and \x85, and takes \ufeff
+NOT_BLANK = "[^\t-\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
 # what `command` accepts: a shell string (split by shlex) or the argument list itself
-CommandInput = Annotated[str, Field(pattern=r"\S")] | Annotated[list[str], Field(min_length=1)]
+CommandInput = Annotated[str, Field(pattern=NOT_BLANK)] | Annotated[list[str], Field(min_length=1)]
 
 
 def split_command(value: object) -> object:

@@ -20,6 +20,7 @@ from broker.api.inference import Gateway
 from broker.api.keys import HTTP
 from broker.api.openapi import spec_path
 from broker.api.sites import SiteInfo, SiteRows, site_info, site_row
+from broker.model.jobs import NOT_BLANK
 from broker.process import Broker
 from broker.state.router import Router
 from sites.emulation.etcd_server import EmbeddedEtcd
@@ -442,7 +443,7 @@ def test_the_document_describes_bodies_errors_and_parameters() -> None:
         assert ref.removeprefix("#/components/schemas/") in schemas, ref
     spec = schemas["JobSpec"]["properties"]
     assert spec["max_retries"]["type"] == "integer"
-    assert {"type": "string", "pattern": "\\S"} in spec["command"]["anyOf"]  # a shell string
+    assert {"type": "string", "pattern": NOT_BLANK} in spec["command"]["anyOf"]  # a shell string
     infer = doc["paths"]["/v1/infer/{service}/{path}"]["post"]
     where = {(p["name"], p["in"]) for p in infer["parameters"]}
     assert {("service", "path"), ("path", "path"), ("X-Cpn-Client-Region", "header")} <= where
