@@ -29,12 +29,22 @@ from benchkit import ROOT, log_stamped, table
 TEST = "tests/broker/test_chaos_soak.py"
 
 
-def soak(minutes: float, seed: int) -> tuple[dict[str, Any], str]:
+def soak(minutes: float, seed: int, tree: str) -> tuple[dict[str, Any], str]:
     """The soak's figures and the tail of its output (the test fails when an invariant broke
     beyond the known finding, and still writes its figures)."""
     # the run's processes' logs and files stay (other runs of pytest rotate theirs away)
     kept = Path(tempfile.mkdtemp(prefix=f"cpn-soak-{seed}-"))
     log_stamped(f"soak: logs, stamps and figures under {kept}")
+    root = ROOT
+    if tree == "head":
+        # the committed code, not the working tree: every process the soak restarts imports the
+        # code anew, and an edit under way in a shared checkout would break the restarts
+        root = kept / "tree"
+        root.mkdir()
+        archive = subprocess.run(
+            ["git", "archive", "HEAD"], cwd=ROOT, capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive, check=True)
     figures = kept / "figures.json"
     env = {
         **os.environ,
@@ -46,8 +56,9 @@ def soak(minutes: float, seed: int) -> tuple[dict[str, Any], str]:
     done = subprocess.run(
         [sys.executable, "-m", "pytest", TEST, "-q", "-p", "no:cacheprovider",
          "-o", f"timeout={timeout}", f"--basetemp={kept / 'pytest'}"],
-        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+        cwd=root, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
+    (kept / "pytest.out").write_text(done.stdout + done.stderr)
     tail = (done.stdout + done.stderr)[-4000:]
     if not figures.exists():
         raise SystemExit(f"the soak did not run to its checks:\n{tail}")
@@ -59,9 +70,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=5.0, help="of faults (then it settles)")
     parser.add_argument("--seed", type=int, default=int(time.time()), help="the faults' dice")
+    parser.add_argument(
+        "--tree",
+        choices=("head", "work"),
+        default="head",
+        help="run the committed code (a copy of HEAD, the default) or the working tree",
+    )
     args = parser.parse_args()
     log_stamped(f"soak: {args.minutes:g} min of faults, seed {args.seed} ...")
-    f, failed = soak(args.minutes, args.seed)
+    f, failed = soak(args.minutes, args.seed, args.tree)
     log_stamped("soak: done")
     print(
         f"chaos {f['chaos_s']:.0f} s, settled in {f['settle_s']:.1f} s; {f['jobs']} jobs "
@@ -97,6 +114,10 @@ def main() -> int:
                 print(f"  {key[:-1]}: {line}")
         for other, states in known["gang"].items():
             print(f"  gang member {other}: {' -> '.join(states)}")
+    for crash in f.get("crashed", []):
+        print(
+            f"\na client, fault loop or watch died (its part of the history stops there): {crash}"
+        )
     if failed:
         print(f"\nthe soak's test failed:\n{failed}", file=sys.stderr)
     return 1 if broken or failed else 0

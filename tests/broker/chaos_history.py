@@ -5,6 +5,7 @@ so each check is a value and a list of what broke it."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,9 @@ class History:
     names: dict[str, str] = field(default_factory=dict)  # job id -> its name
     gaps: int = 0  # the watch lost events (a compacted revision): its checks are not whole
     runs: dict[tuple[str, int], Run] = field(default_factory=dict)
+    # (job, attempt) of every run an agent's executor logged as started (its sandbox up, the
+    # command maybe not yet at its first line when it was stopped)
+    launched: set[tuple[str, int]] = field(default_factory=set)
     # (job, attempt) -> (site, start, end, seconds) of every usage segment of a run
     segments: dict[tuple[str, int], tuple[str, float, float, float]] = field(default_factory=dict)
     kills: list[Kill] = field(default_factory=list)
@@ -60,6 +64,15 @@ def record_job(history: History, job: str, doc: dict[str, Any]) -> None:
     attempt, fence = int(doc.get("attempt", 0)), int(doc.get("fence", 0))
     if attempt and fence:
         history.fences.setdefault(job, {}).setdefault(attempt, set()).add(fence)
+
+
+LAUNCHED = re.compile(r"job (\S+) attempt (\d+) started: pid")
+
+
+def record_launches(history: History, agent_log: str) -> None:
+    """The runs an agent's log says its executor started."""
+    for job, attempt in LAUNCHED.findall(agent_log):
+        history.launched.add((job, int(attempt)))
 
 
 def record_marker(history: History, line: str) -> None:
@@ -168,13 +181,14 @@ def no_overlap_reports(history: History, slack_s: float = 0.05) -> Verdict:
 
 
 def ledger_equals_runs(history: History) -> Verdict:
-    """The ledger holds one segment for each run that started and ended, and none for a run
-    that never started (a run still going is billed when it ends)."""
+    """The ledger holds one segment for each run whose command ran (its stamp) and ended, and
+    none for a run no agent launched (a run still going is billed when it ends)."""
     live = live_runs(history)
     ran = set(history.runs) - live
+    launched = ran | history.launched
     billed = set(history.segments)
     broken = [f"{j} attempt {a}: ran, not billed" for j, a in sorted(ran - billed)]
-    broken += [f"{j} attempt {a}: billed, never ran" for j, a in sorted(billed - ran - live)]
+    broken += [f"{j} attempt {a}: billed, never ran" for j, a in sorted(billed - launched - live)]
     broken += [f"{j} attempt {a}: billed while it runs" for j, a in sorted(billed & live)]
     return Verdict("ledger = runs", len(ran | billed), broken)
 
