@@ -105,6 +105,13 @@ class Amounts(_Model):
         return bool(self.flat())
 
 
+def _limited(name: str) -> dict[str, Any]:
+    """JSON Schema: the object's `name` is Amounts that limit something (Amounts.__bool__)."""
+    some = [given(dimension) for dimension in DIMENSIONS]
+    some.append({"required": ["gpu_models"], "properties": {"gpu_models": {"minProperties": 1}}})
+    return {"required": [name], "properties": {name: {"type": "object", "anyOf": some}}}
+
+
 class Budget(_Model):
     usd_per_month: float | None = Field(
         default=None, gt=0, description="USD per calendar month (UTC)"
@@ -172,7 +179,7 @@ class TenantPolicy(_Model):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "if": {"anyOf": [given("borrowing_limit"), given("lending_limit")]},
+            "if": {"anyOf": [_limited("borrowing_limit"), _limited("lending_limit")]},
             "then": given("cohort"),
         }
     )
@@ -214,7 +221,7 @@ class CohortPolicy(_Model):
 
     model_config = ConfigDict(
         json_schema_extra={
-            "if": {"anyOf": [given("borrowing_limit"), given("lending_limit")]},
+            "if": {"anyOf": [_limited("borrowing_limit"), _limited("lending_limit")]},
             "then": given("parent"),
         }
     )
@@ -258,6 +265,9 @@ class FairShareSettings(_Model):
 
 
 class TenancyFile(_Model):
+    """The tenancy file; what JSON Schema cannot say is a 400 naming the field: a name both a
+    tenant's and a cohort's, a cohort or parent the file does not define."""
+
     tenants: dict[Name, TenantPolicy] = Field(default_factory=dict)
     cohorts: dict[Name, CohortPolicy] = Field(default_factory=dict)
     priority_classes: dict[Name, PriorityClass] = Field(

@@ -549,6 +549,9 @@ BODIES: list[tuple[str, dict[str, Any], bool]] = [
     ("ShareRequest", {"add": []}, False),
     ("TenantPolicy", {"cohort": "c", "lending_limit": {"gpus": 1}}, True),
     ("TenantPolicy", {"lending_limit": {"gpus": 1}}, False),
+    ("TenantPolicy", {"lending_limit": {"gpu_models": {"H100": 1}}}, False),
+    ("TenantPolicy", {"lending_limit": {}, "borrowing_limit": {"gpu_models": {}}}, True),
+    ("TenantPolicy", {"cohort": None, "lending_limit": None, "borrowing_limit": None}, True),
     ("TenantPolicy", {"regions": {"cn-east": {"gpus": 1}}}, True),
     ("TenantPolicy", {"regions": {"CN East": {"gpus": 1}}}, False),
 ]
