@@ -10,6 +10,8 @@
     │   │                               roles (sites.registry.security)
     │   └── RevisionCompacted           a read or watch asked for a revision etcd has already
     │                                   compacted away; read again at the current revision
+    ├── BackupError (ValueError)        a registry backup that cannot be read or used: missing,
+    │                                   unfinished, or not what it says (sites.registry.backups)
     ├── NotJoined (LookupError)         the site id has no spec in the registry
     ├── AgentConflict                   another live agent already holds the site
     ├── EtcdStartError                  the embedded etcd did not start
