@@ -46,6 +46,9 @@ class History:
     # (job, attempt) of every run an agent's executor logged as started (its sandbox up, the
     # command maybe not yet at its first line when it was stopped)
     launched: set[tuple[str, int]] = field(default_factory=set)
+    # runs whose agent died before its `running` report was written: the broker never knew
+    # they ran (their record has no `running` event for the attempt)
+    unreported: set[tuple[str, int]] = field(default_factory=set)
     # (job, attempt) -> (site, start, end, seconds) of every usage segment of a run
     segments: dict[tuple[str, int], tuple[str, float, float, float]] = field(default_factory=dict)
     kills: list[Kill] = field(default_factory=list)
@@ -89,13 +92,23 @@ def record_marker(history: History, line: str) -> None:
         history.runs[key].outcome = what
 
 
+KILL_RACE_S = 1.0  # a run's stamp can follow its agent's SIGKILL by this much (fork, exec)
+
+
 def run_end(history: History, run: Run) -> float | None:
-    """When a run ended: its own stamp, else the first kill of its site's agent after it
-    started (a SIGKILLed agent's runs die with it), else None (unknown)."""
+    """When a run ended: its own stamp, else the SIGKILL of the agent instance that launched
+    it (its runs die with it: the first kill of its site's agent whose restart came after the
+    run began, the kill no more than KILL_RACE_S before its start stamp), else None."""
     if run.end is not None:
         return run.end
-    kills = [k.at for k in history.kills if k.target == f"agent:{run.site}" and k.at > run.start]
-    return min(kills) if kills else None
+    kills = [
+        k.at
+        for k in history.kills
+        if k.target == f"agent:{run.site}"
+        and k.at > run.start - KILL_RACE_S
+        and (k.back_at is None or k.back_at > run.start)
+    ]
+    return max(min(kills), run.start) if kills else None
 
 
 @dataclass

@@ -44,6 +44,8 @@ def test_a_run_killed_with_its_agent_ends_at_the_kill() -> None:
     )
     history.kills.append(ch.Kill(target="agent:a", at=102.0))
     assert not ch.no_overlap_runs(history).broken
+    history.kills[0].at = 100.0 - 0.01  # killed as it stamped: a fork's race, still its run
+    assert not ch.no_overlap_runs(history).broken
     history.kills[0].at = 103.5  # the agent died after the next run started: they overlapped
     assert ch.no_overlap_runs(history).broken == [
         "j: attempt 2 started 0.50 s before attempt 1 ended"
