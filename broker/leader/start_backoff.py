@@ -90,12 +90,6 @@ class StartBackoff:
             out.append((site, Cordon(since=now, reason=reason[:500], until=now + seconds)))
         return out
 
-    def forget(self, sites: Iterable[str]) -> None:
-        """Sites gone from the federation."""
-        for site in sites:
-            self._failed.pop(site, None)
-            self._level.pop(site, None)
-
 
 def expired(cordons: Mapping[str, Cordon], now: float) -> list[tuple[str, float]]:
     """(site, until) of the automatic cordons whose back-off is over."""

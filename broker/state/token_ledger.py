@@ -134,24 +134,13 @@ def _count(value: object) -> int:
     return min(max(n, 0), MAX_TOKENS)
 
 
-_ENCODED: dict[tuple[str, int], bytes | None] = {}
-_ENCODED_MAX = 4096
+_NAMES_MAX = 4096
 
 
 def _encode(text: str, size: int) -> bytes | None:
-    """`text` as a slot holds it, None when it does not fit; kept, as the names (tenants,
-    models, sites, regions) repeat from request to request."""
-    key = (text, size)
-    found = _ENCODED.get(key, b"")
-    if found != b"" or key in _ENCODED:
-        return found
-    data: bytes | None = text.encode("utf-8", "surrogatepass")
-    if data is not None and (len(data) > size or b"\0" in data):
-        data = None
-    if len(_ENCODED) >= _ENCODED_MAX:
-        _ENCODED.clear()
-    _ENCODED[key] = data
-    return data
+    """`text` as a slot holds it, None when it does not fit (kept per identity by _names)."""
+    data = text.encode("utf-8", "surrogatepass")
+    return None if len(data) > size or b"\0" in data else data
 
 
 def _cut(text: str, size: int) -> bytes:
@@ -175,7 +164,7 @@ def _names(use: TokenUse) -> tuple[bytes, ...] | None:
         return found
     texts = [_encode(value or "", size) for value, (_, size) in zip(key, _STRINGS[1:], strict=True)]
     names = None if None in texts else tuple(t for t in texts if t is not None)
-    if len(_NAMES) >= _ENCODED_MAX:
+    if len(_NAMES) >= _NAMES_MAX:
         _NAMES.clear()
     _NAMES[key] = names
     return names
