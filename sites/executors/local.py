@@ -128,7 +128,11 @@ class LocalExecutor:
                 assignment, devices, vendor=vendor, job_vars=job_vars, argv=argv, cwd=cwd
             )
         except (Refused, AccountError, CgroupError, OSError) as exc:
-            raise ExecutorError(f"cannot confine the run: {exc}", site=True) from exc
+            # a tenant with no account here is that tenant's, not the site's: its jobs alone
+            # must not back the site off for everyone (broker.leader.start_backoff)
+            raise ExecutorError(
+                f"cannot confine the run: {exc}", site=not isinstance(exc, AccountError)
+            ) from exc
         try:
             proc = await self._spawn(run, log_path)
         except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the job's argv or env

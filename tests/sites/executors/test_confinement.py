@@ -635,5 +635,10 @@ async def test_a_job_the_kernel_cannot_start_fails_and_leaves_no_cgroup(
     with pytest.raises(ExecutorError, match="no such executable") as missing:
         await ex.start(assignment("nx", ["no-such-program-here"]), (), ex.work_dir / "nx.log")
     assert not missing.value.site
+    # a tenant with no account here is that tenant's matter: never counted against the site
+    closed = confined(accounts={"uid_range": None})
+    with pytest.raises(ExecutorError, match="no account") as unknown:
+        await closed.start(assignment("na", ["true"]), (), closed.work_dir / "na.log")
+    assert not unknown.value.site
     cgroups = ex.confiner.cgroups
     assert cgroups is None or not cgroups.group("nul.1").dirs
