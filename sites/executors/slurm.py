@@ -216,9 +216,9 @@ class SlurmExecutor:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "SLURM_CONF")}
         got = await self.commands.run("sbatch", *args, str(script), env=env, cwd=jdir)
         if got.returncode != 0:
-            # the controller unreachable, a partition gone: the site's (a job's own mistakes
-            # are refused before, by slurm_batch)
-            raise ExecutorError(f"sbatch refused job {a.job}: {got.error}", site=True)
+            raise ExecutorError(
+                f"sbatch refused job {a.job}: {got.error}", site=unreachable(got.error)
+            )
         slurm_id = got.stdout.strip().split(";")[0]
         if not slurm_id.isdigit():
             raise ExecutorError(
@@ -509,3 +509,22 @@ class SlurmExecutor:
             if record is not None and record.site == self.site:
                 out[record.job] = record
         return out
+
+
+# what sbatch says when the site's Slurm, not the job, is the trouble (its controller down or
+# unreachable, its configuration unreadable); a job sbatch refuses for what it asks (a node
+# configuration, an account or QOS limit) is that job's, and never backs the site off
+_UNREACHABLE = (
+    "unable to contact slurm controller",
+    "socket timed out",
+    "connection refused",
+    "could not establish a configuration source",
+    "no such file or directory",
+    "slurm_conf",
+)
+
+
+def unreachable(error: str) -> bool:
+    """Whether an sbatch error is the site's Slurm being unusable, not the job's request."""
+    low = error.lower()
+    return any(marker in low for marker in _UNREACHABLE)
