@@ -12,7 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -121,27 +121,37 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def join_sites(url: str, files: list[Path], catalog: Path) -> None:
-    """Join the site files to the etcd at `url`, as `cpn site join` does, on a loop and a
-    connection of its own (a test's event loop may be running in this thread)."""
+    """Join the site files to the etcd at `url`, as `cpn site join` does."""
+
+    async def join(registry: Registry) -> None:
+        for spec in load_sites(files, DeviceCatalog.load(catalog)):
+            await registry.join(spec)
+
+    with_registry(url, join, "join sites")
+
+
+def with_registry(url: str, fn: Callable[[Registry], Awaitable[Any]], name: str) -> Any:
+    """fn(registry) on a loop, a thread and a connection to the etcd at `url` of its own (a
+    test's event loop may be running in this thread); its result, or its error raised here."""
+    got: list[Any] = []
     failed: list[BaseException] = []
 
-    async def join() -> None:
-        specs = load_sites(files, DeviceCatalog.load(catalog))
+    async def call() -> Any:
         async with Registry.from_urls(url) as registry:
-            for spec in specs:
-                await registry.join(spec)
+            return await fn(registry)
 
     def run() -> None:
         try:
-            asyncio.run(join())
+            got.append(asyncio.run(call()))
         except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
             failed.append(exc)
 
-    thread = threading.Thread(target=run, name="join sites")
+    thread = threading.Thread(target=run, name=name)
     thread.start()
     thread.join()
     if failed:
         raise failed[0]
+    return got[0]
 
 
 def shared_dir(tmp_path: Path) -> Path:

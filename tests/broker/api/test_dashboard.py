@@ -26,8 +26,9 @@ from typing import Any
 import pytest
 import yaml
 
+from sites.model.status import Cordon
 from tests.broker import conftest as fed_conftest
-from tests.broker.conftest import BROKER_SETTINGS, SITES, Federation
+from tests.broker.conftest import BROKER_SETTINGS, SITES, Federation, with_registry
 from tests.conftest import ADMIN_TOKEN, AUTH
 
 webdriver = pytest.importorskip("selenium.webdriver")
@@ -270,6 +271,19 @@ def test_the_dashboard_shows_sites_jobs_usage_and_a_firing_alert(
     )[0]
     assert "user-east 1" in decision.text, decision.text
     assert block.find_elements(By.CSS_SELECTOR, "ul.events li"), block.text
+
+    # a site the leader backs off (attempts kept failing to start there: an automatic cordon
+    # with its end, broker.leader.start_backoff) says so, and why, in the sites table
+    now = time.time()
+    why = "backing off for 60 s: 3 attempts failed to start here within 10 min, none started"
+    cordon = Cordon(since=now, reason=why, until=now + 60)
+    assert with_registry(
+        fed.registry.url, lambda reg: reg.back_off("east-a", cordon), "back off east-a"
+    )
+    cell = wait_dom(
+        browser, "east-a backing off", css('#sites tr[data-site="east-a"] td.cordoned')
+    )[0]
+    assert cell.text == "backing off" and cell.get_attribute("title") == why, cell.text
 
     shot = tmp_path / "dashboard.png"
     assert browser.save_screenshot(str(shot)), shot
