@@ -8,9 +8,11 @@ is guarded on the job record's revision, so a second writer (a retried action, a
 finds the run already over and writes nothing; and the key is the run's own, so even a
 repeated put replaces, never adds. docs/metering.md has the long form.
 
-    seconds     end - start; start is when the site reported the run running
-                (Report.started_at), end when it finished, was withdrawn (cancel, suspend,
-                a gang restart) or, for a lost site, when the site was last seen
+    seconds     end - start, both read on ONE clock (`clock`): the site's, when the site
+                reported both (Report.started_at and its finished_at, or its last_seen for a
+                lost site: a site's clock that runs ahead or behind bills its run's length all
+                the same), else the broker's (its `running` event, the withdrawal); never
+                less than 0 nor more than the broker has seen pass since it placed the run
     *_s         billed resource-seconds: the run's request (its share of the site) x seconds;
                 for cores and memory the scheduler's measured use when it is larger
                 (OpenCost's max(request, usage)); devices are held whole
@@ -47,6 +49,7 @@ from sites.model.status import PriceHistory
 __all__ = [
     "EndReason",
     "Run",
+    "TimeSource",
     "Segment",
     "close",
     "day_of",
@@ -56,6 +59,13 @@ __all__ = [
 
 _HOUR = 3600.0
 _J_PER_KWH = 3.6e6
+
+
+class TimeSource(enum.StrEnum):
+    """Whose clock a time was read on: a run's length is the difference of two of one source."""
+
+    site = "site"  # the site's agent (a report's started_at, finished_at; its last_seen)
+    broker = "broker"  # the broker that wrote it (an event's `at`, the write's now)
 
 
 class EndReason(enum.StrEnum):
@@ -81,12 +91,14 @@ class Run:
     gpus: int
     cpu: int
     mem_gb: float
-    started_at: float | None  # Report.started_at, else the broker's "running" event
+    started_at: float | None  # Report.started_at: the site's clock (None: not reported)
     egress_gb: float = 0.0
     egress_usd: float = 0.0  # as priced at placement (Placement.egress_usd)
     measured: dict[str, float] | None = None  # Report.usage: the site scheduler's accounting
     best_effort: bool = False  # ran as best-effort work (on spare, oversubscribed capacity)
     utilization: float | None = None  # device utilization 0..1 over the run, when known
+    running_since: float | None = None  # the broker's clock: its "running" event of the run
+    placed_at: float | None = None  # the broker's clock: when it placed this attempt
 
 
 class Prices(BaseModel):
@@ -151,6 +163,12 @@ class Segment(BaseModel):
     energy_method: Literal["measured", "gpu-measured", "catalog"]
     co2_kg: float
     recorded_at: float
+    clock: TimeSource | None = Field(
+        default=None,
+        description="whose clock start and end were read on: the site's (both reported by "
+        "it) or the broker's; None: written before segments said (start the site's, end "
+        "clamped to the broker's)",
+    )
     kind: Literal["run", "egress"] = Field(
         default="run", description="run: a run's use; egress: data moved for it, billed alone"
     )
@@ -223,6 +241,36 @@ def _watts(catalog: DeviceCatalog, model: str | None) -> float:
     return float(catalog.get(model).power_w or 0.0)
 
 
+def span(
+    run: Run, *, end: float, ended_by: TimeSource, now: float
+) -> tuple[float, float, TimeSource] | None:
+    """(start, end, clock) of `run` ended at `end` (read on `ended_by`'s clock), both times on
+    one clock; None when it never started. The site's clock when the site gave both times (a
+    skewed clock bills the length it measured); else the broker's: from its `running` event
+    to `end`, or to `now` when `end` is the site's (the broker's end of a run it only learned
+    of). Clamped: at least 0 s, at most what the broker saw pass since it placed the run, and
+    a broker end never after `now`."""
+    if run.started_at is not None and ended_by is TimeSource.site:
+        start, stop, clock = run.started_at, end, TimeSource.site
+    elif run.running_since is not None:
+        start, clock = run.running_since, TimeSource.broker
+        stop = min(end, now) if ended_by is TimeSource.broker else now
+    elif run.started_at is not None:
+        # reported running but the broker had not yet seen it, then ended by the broker (a
+        # cancel between the two): the site's start, no earlier than the placement
+        start, clock = run.started_at, TimeSource.broker
+        if run.placed_at is not None:
+            start = max(start, run.placed_at)
+        stop = min(end, now)
+        start = min(start, stop)
+    else:
+        return None
+    seconds = max(0.0, stop - start)
+    if run.placed_at is not None:  # no run is longer than the broker saw pass since placing it
+        seconds = min(seconds, max(0.0, now - run.placed_at))
+    return start, start + seconds, clock
+
+
 def close(
     run: Run,
     *,
@@ -232,14 +280,15 @@ def close(
     catalog: DeviceCatalog,
     now: float,
     history: PriceHistory | None = None,
+    ended_by: TimeSource = TimeSource.site,
 ) -> Segment | None:
-    """The segment of `run` ended at `end`; None when it never started (nothing was held).
-    With the site's price `history`, each part of the run is billed at the prices then in
-    force (`price_periods`); without, at the spec's."""
-    if run.started_at is None:
+    """The segment of `run` ended at `end` (read on `ended_by`'s clock: `span`); None when it
+    never started (nothing was held). With the site's price `history`, each part of the run
+    is billed at the prices then in force (`price_periods`); without, at the spec's."""
+    timed = span(run, end=end, ended_by=ended_by, now=now)
+    if timed is None:
         return None
-    start = run.started_at
-    end = max(start, min(end, now))  # a clock ahead of the broker's cannot bill the future
+    start, end, clock = timed
     seconds = end - start
     measured = dict(run.measured) if run.measured else None
     gpu_s = run.gpus * seconds
@@ -302,6 +351,7 @@ def close(
         energy_method=method,
         co2_kg=energy_kwh * prices.grid_kgco2_per_kwh,
         recorded_at=now,
+        clock=clock,
     )
 
 

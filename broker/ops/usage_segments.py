@@ -14,6 +14,11 @@ When a run ends and what it is billed from:
                                 the ledger bills what is known to have run, never the
                                 failover grace in which nobody knew
 
+A run's length is read on one clock (metering.ledger.span): the site's when its start and its
+end both came from the site (a site whose clock is off bills what it measured), else the
+broker's (its `running` event to its own end); the placement (the assignment's assigned_at)
+bounds it.
+
 Data moved between sites is billed apart (`egress_puts`, `bill_egress`): one egress segment
 per run (its report's `egress`, under the run's key with '.egress' after the job id) or per
 replication (broker.ops.datasets), each source's bytes at its own site's usd_per_gb_egress
@@ -29,7 +34,7 @@ from broker.model.jobs import JobRecord, JobState
 from broker.placement.pricing import egress_usd
 from broker.state.view import LIVE, View
 from metering import ledger
-from metering.ledger import EndReason, Run
+from metering.ledger import EndReason, Run, TimeSource
 from sites.model import keys
 from sites.model.assignments import Report
 from sites.model.catalog import DeviceCatalog
@@ -65,16 +70,26 @@ def _running_since(record: JobRecord) -> float | None:
     return None
 
 
-def run_of(record: JobRecord, report: Report | None) -> Run | None:
-    """The live run of `record` (None when it has none), as the ledger bills it."""
+def _placed_at(record: JobRecord) -> float | None:
+    """When the broker placed this attempt (its "placed" or "re-placed" event), if it kept it."""
+    for event in reversed(record.events):
+        if event.type in ("placed", "re-placed") and event.attempt == record.attempt:
+            return event.at
+    return None
+
+
+def run_of(
+    record: JobRecord, report: Report | None, *, placed_at: float | None = None
+) -> Run | None:
+    """The live run of `record` (None when it has none), as the ledger bills it; `placed_at`
+    (the broker's clock) when the record's events no longer say."""
     placement = record.placement
     if placement is None or record.state not in LIVE:
         return None
     started = report.started_at if report is not None else None
-    if started is None:
-        started = _running_since(record)
-    if started is None and record.state is JobState.RUNNING:
-        started = record.updated_at  # a record that ran without either: its last change
+    running = _running_since(record)
+    if running is None and started is None and record.state is JobState.RUNNING:
+        running = record.updated_at  # a record that ran without either: its last change
     spec = record.spec
     # the data's estimated egress; moving inputs is billed from what the run pulled (egress_puts)
     egress_usd = max(0.0, (placement.egress_usd or 0.0) - (placement.staging_usd or 0.0))
@@ -94,6 +109,8 @@ def run_of(record: JobRecord, report: Report | None) -> Run | None:
         egress_usd=egress_usd,
         measured=dict(report.usage) if report is not None and report.usage else None,
         best_effort=spec.best_effort,
+        running_since=running,
+        placed_at=_placed_at(record) or placed_at,
     )
 
 
@@ -110,22 +127,25 @@ def closing_puts(
         return {}
     site = record.placement.site
     report = _report(view, record, site)
-    run = run_of(record, report)
+    assignment = view.assignments.get((site, record.id))
+    placed = assignment.assigned_at if assignment and assignment.fence == record.fence else None
+    run = run_of(record, report, placed_at=placed)
     if run is None:
         return {}
-    end = now
+    end, ended_by = now, TimeSource.broker
     if reason in _FROM_REPORT and report is not None:
-        end = report.finished_at or report.updated_at
+        end, ended_by = report.finished_at or report.updated_at, TimeSource.site
     elif reason is EndReason.site_lost:
         seen = view.sites.last_seen.get(site)
         status = view.sites.statuses.get(site)
         if seen is not None:
-            end = seen.at
+            end, ended_by = seen.at, TimeSource.site
         elif status is not None:
-            end = status.published_at
+            end, ended_by = status.published_at, TimeSource.site
     segment = ledger.close(
         run,
         end=end,
+        ended_by=ended_by,
         reason=reason,
         spec=view.sites.specs.get(site),
         catalog=catalog,

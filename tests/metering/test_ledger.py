@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from metering.ledger import EndReason, Run, Segment, close, puts
+from metering.ledger import EndReason, Run, Segment, TimeSource, close, puts
 from metering.pieces import FIELDS, pieces
 from metering.usage import UsageBook
 from sites.model.catalog import DeviceCatalog
@@ -64,13 +64,54 @@ def test_nvml_measured_gpu_energy_and_utilization() -> None:
     assert seg.energy_kwh == pytest.approx((gpu_w + cpu_w) * 3600 * 1.2 / 3.6e6)
 
 
-def test_a_run_that_never_started_has_no_segment_and_the_future_is_not_billed() -> None:
+def test_a_run_that_never_started_has_no_segment_and_none_outlasts_its_placement() -> None:
     assert close(run(started_at=None), end=5.0, reason=EndReason.withdrawn, spec=SPEC,
                  catalog=CATALOG, now=5.0) is None  # fmt: skip
-    r = run()
-    seg = close(r, end=r.started_at + 100, reason=EndReason.site_lost, spec=SPEC,  # type: ignore[operator]
-                catalog=CATALOG, now=r.started_at + 10)  # type: ignore[operator]  # fmt: skip
-    assert seg is not None and seg.seconds == 10
+    # a site that says its run took 100 s when the broker placed it 11 s ago (its clock
+    # jumped): billed the 11 s the broker saw pass, no more
+    t = 1000 * DAY
+    seg = close(run(started_at=t, placed_at=t - 1), end=t + 100, reason=EndReason.site_lost,
+                spec=SPEC, catalog=CATALOG, now=t + 10)  # fmt: skip
+    assert seg is not None and seg.seconds == 11 and seg.clock == TimeSource.site
+
+
+# A run that really ran 2.4 s, from T to T + 2.4 on the host's true clock; the broker placed it
+# at T - 0.2, saw it running at T + 0.5 and learns of its end at T + 2.9. Its site's clock reads
+# `skew` seconds off (ahead > 0, behind < 0: CPN_FAULT_CLOCK_SKEW_S in the chaos soak).
+T = 1000 * DAY + 7200
+SKEWS = [3.0, -2.0, 0.0, 3600.0, -3600.0]
+
+
+def skewed(skew: float) -> Run:
+    return run(started_at=T + skew, running_since=T + 0.5, placed_at=T - 0.2)
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+def test_a_site_whose_clock_is_off_bills_the_length_it_measured(skew: float) -> None:
+    """Start and end both from the site's report: its clock's offset cancels out (it used to
+    be clamped to the broker's clock at the end only: 3 s ahead billed 2.4 s runs 0 s)."""
+    seg = close(skewed(skew), end=T + skew + 2.4, reason=EndReason.succeeded, spec=SPEC,
+                catalog=CATALOG, now=T + 2.9)  # fmt: skip
+    assert seg is not None and seg.clock == TimeSource.site
+    assert seg.seconds == pytest.approx(2.4)
+    assert seg.end - seg.start == pytest.approx(2.4) and seg.start == T + skew
+
+
+@pytest.mark.parametrize("skew", SKEWS)
+def test_an_end_of_the_brokers_is_billed_on_the_brokers_clock(skew: float) -> None:
+    """A cancel (the broker's end) is billed from the broker's own `running` event, never
+    from the site's start: the length does not depend on the site's clock."""
+    seg = close(skewed(skew), end=T + 5.0, ended_by=TimeSource.broker,
+                reason=EndReason.withdrawn, spec=SPEC, catalog=CATALOG, now=T + 5.0)  # fmt: skip
+    assert seg is not None and seg.clock == TimeSource.broker
+    assert (seg.start, seg.end) == (T + 0.5, T + 5.0) and seg.seconds == pytest.approx(4.5)
+    # one the broker had not yet seen running: the site's start, within [placed, end]
+    r = run(started_at=T + skew, placed_at=T - 0.2)
+    seg = close(r, end=T + 5.0, ended_by=TimeSource.broker, reason=EndReason.withdrawn,
+                spec=SPEC, catalog=CATALOG, now=T + 5.0)  # fmt: skip
+    assert seg is not None and seg.clock == TimeSource.broker
+    assert seg.start == min(max(T + skew, T - 0.2), T + 5.0) and seg.end == T + 5.0
+    assert 0.0 <= seg.seconds <= 5.2 + 1e-6
 
 
 def test_day_shares_add_up_to_the_segment() -> None:

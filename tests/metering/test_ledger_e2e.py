@@ -189,3 +189,71 @@ async def test_a_run_killed_over_its_memory_is_billed_and_told_out_of_memory(
     assert running and "bwrap sandbox" in running[-1]["message"], done["events"]
     (seg,) = (await segments(registry, job["id"])).values()
     assert seg.reason == "out_of_memory", seg
+
+
+# Two sites whose agents' clocks are off (CPN_FAULT_CLOCK_SKEW_S, docs/chaos.md): one 3 s
+# ahead of the broker's, one 2 s behind; each the only site with its model, so a job goes
+# where its model is.
+SKEWED: dict[str, dict[str, Any]] = {
+    "ahead": {"region": "east", "coordinates": {"lat": 31.2, "lon": 121.4}, "price": 3.0,
+              "model": "H100", "refresh_s": 0},
+    "behind": {"region": "east", "coordinates": {"lat": 31.3, "lon": 120.6}, "price": 2.0,
+               "model": "L40S", "refresh_s": 0},
+}  # fmt: skip
+SKEW_S = {"ahead": 3.0, "behind": -2.0}
+
+
+async def test_a_site_whose_clock_is_off_is_billed_what_its_runs_ran(
+    make_federation: Callable[..., Federation],
+    registry: Registry,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run's length is read on one clock: the site's when it reported both ends (a site 3 s
+    ahead used to bill a 2 s run 0 s: its start was its own, its end clamped to the broker's),
+    the broker's when the broker ended it (a cancel: from its own `running` event)."""
+    from sites.kits.clock import FAULT_CLOCK_SKEW_ENV
+
+    fed = make_federation(SKEWED, agents=False)
+    for site, skew in SKEW_S.items():
+        monkeypatch.setenv(FAULT_CLOCK_SKEW_ENV, str(skew))
+        fed.start_agent(site)
+    monkeypatch.delenv(FAULT_CLOCK_SKEW_ENV)
+    deadline = time.monotonic() + 30
+    while not all(s["state"] == "up" for s in json.loads(fed.get("/v1/sites")[1])["items"]):
+        assert time.monotonic() < deadline, fed.get("/v1/sites")
+        await asyncio.sleep(0.1)
+    logs = {site: tmp_path / "shared" / f"ran-{site}" for site in SKEW_S}
+    models = {site: spec["model"] for site, spec in SKEWED.items()}
+    done = {
+        site: fed.submit(
+            name=f"on-{site}",
+            gpu={"model": models[site], "count": 1},
+            command=stamped(logs[site], "sleep 2"),
+        )
+        for site in SKEW_S
+    }
+    for site, job in done.items():
+        record = fed.wait_state(job["id"], "SUCCEEDED", "FAILED", timeout=30)
+        assert record["state"] == "SUCCEEDED" and record["placement"]["site"] == site, record
+        (seg,) = (await segments(registry, job["id"])).values()
+        (start, end) = held(logs[site])[1]
+        assert seg.clock == "site" and abs(seg.seconds - (end - start)) < TOLERANCE_S, (
+            site, seg.seconds, end - start,
+        )  # fmt: skip
+        # the site's own times, each off by its skew
+        assert abs(seg.start - SKEW_S[site] - start) < TOLERANCE_S, (site, seg.start, start)
+    for site, model in models.items():
+        gpu = {"model": model, "count": 1}
+        job = fed.submit(name=f"cancel-{site}", gpu=gpu, command=["sleep", "60"])
+        fed.wait_state(job["id"], "RUNNING")
+        running_at = time.time()
+        await asyncio.sleep(1.5)
+        assert fed.request("POST", f"/v1/jobs/{job['id']}/cancel")[0] == 200
+        cancelled_at = time.time()
+        (seg,) = (await segments(registry, job["id"])).values()
+        assert seg.reason == "withdrawn" and seg.clock == "broker", seg
+        # the broker's running event came at most a pass before the test saw RUNNING
+        assert cancelled_at - running_at - 0.1 <= seg.seconds <= cancelled_at - running_at + 1.0, (
+            site, seg.seconds, cancelled_at - running_at,
+        )  # fmt: skip
