@@ -41,7 +41,7 @@ from sites.agent.perception import (
 from sites.agent.server import AgentServer
 from sites.agent.settings import AgentSettings
 from sites.agent.workload import Workload
-from sites.executors.base import Executor, UnavailableExecutor
+from sites.executors.base import Executor, UnavailableExecutor, mark_alive
 from sites.executors.factory import make_executor
 from sites.executors.slurm import SlurmExecutor
 from sites.kits.clock import Clock, SystemClock
@@ -213,6 +213,7 @@ class Agent:
         workload = self.workload
         self.supervisor.spawn("workload", workload.run)
         self.supervisor.spawn("keepalive", self._keepalive_loop)
+        self.supervisor.spawn("alive", self._alive_loop, restart=RESTART)
         self.supervisor.spawn("publish", self._publish_loop, restart=RESTART)
         self.supervisor.spawn("peers", self._peers.run, restart=RESTART)
         self.supervisor.spawn("spec", self._spec_key.run, restart=RESTART)
@@ -327,6 +328,18 @@ class Agent:
         self._forget_written()
         self._published_services.clear()
         await self._acquire()
+
+    async def _alive_loop(self) -> None:
+        """Write down every interval that this agent is alive, on its own clock (not etcd's: a
+        registry down must not age it): a run it leaves when it dies is billed up to then
+        (sites.executors.base.mark_alive, sites.agent.runs.ended_runs)."""
+        work_dir = self.executor.work_dir
+        while True:
+            try:
+                await asyncio.to_thread(mark_alive, work_dir, self.clock.time())
+            except OSError as exc:
+                log.warning("cannot write down that the agent is alive in %s: %s", work_dir, exc)
+            await self.clock.sleep(self.settings.interval_s)
 
     async def _publish_loop(self) -> None:
         next_at = self.clock.monotonic()

@@ -5,7 +5,11 @@ The workload (sites.agent.workload) makes and follows them.
 An ended run is also written down beside its log (`journal`, `ended_runs`:
 <work_dir>/jobs/<job>/attempt-<n>.ended.json, its assignment and its last report), so that an
 agent that restarts still knows what ran here: never again, and reported again after a
-restore of the registry (docs/backup.md).
+restore of the registry (docs/backup.md). A run whose agent died before writing its end down
+is known from the executor's run record (sites.executors.base.RunRecord): launched, when, and
+when it exited, or, when it died with its agent, that agent's last sign of life (`mark_alive`);
+the next agent reports it lost with those times, so the ledger bills what ran: no more (the
+next agent's start), no less (a run never reported running is billed too).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from sites.agent.replicas import Replica
-from sites.executors.base import RunHandle, job_dir
+from sites.executors.base import RUN_RECORD, RunHandle, RunRecord, job_dir, last_alive, read_record
 from sites.kits.clock import Clock
 from sites.model.assignments import Assignment, Report, RunState
 from sites.model.data import CheckpointMark, Egress, OutputMade, StagingProgress
@@ -231,7 +237,54 @@ def ended_runs(work_dir: Path, since: float) -> list[Run]:
         run.egress = {e.source: e.bytes for e in r.egress}
         run.journaled = True
         out.append(run)
+    out += _left_by_a_dead_agent(work_dir, since)
     return sorted(out, key=lambda run: run.finished_at or 0.0)
+
+
+LOST_EXITED = "lost: it ended as its agent stopped, before its exit status was written down"
+LOST_WITH_AGENT = "lost: its agent died while it ran, and it ended with it; exit status unknown"
+
+
+def _left_by_a_dead_agent(work_dir: Path, since: float) -> list[Run]:
+    """The runs an agent launched (its executor's run record) and died before writing down
+    their end: each a failed run with the record's start, ended when the executor saw it exit,
+    else when its agent was last alive (its death signal took the run with it). A run still
+    going is not one of them (the executor's reap stops it; it is reported lost then)."""
+    out = []
+    for path in (work_dir / "jobs").glob(f"*/{RUN_RECORD}"):
+        record = read_record(path)
+        if record is None or record.assignment is None:
+            continue  # not the local executor's (a Slurm job can be adopted), or unreadable
+        if ended_path(work_dir, record.job, record.attempt).exists() or _still_going(record):
+            continue
+        end, message = record.ended_at, LOST_EXITED
+        if end is None:
+            seen = last_alive(work_dir, record.agent_pid)
+            end, message = max(record.started_at, seen or 0.0), LOST_WITH_AGENT
+        if end < since:
+            continue
+        run = Run(
+            assignment=record.assignment,
+            state=RunState.failed,
+            started_at=record.started_at,
+            finished_at=end,
+            message=message,
+            log_path=Path(record.log_path),
+        )
+        out.append(run)
+    return out
+
+
+def _still_going(record: RunRecord) -> bool:
+    """Is the recorded process alive (its pid not reused by another: its start time)?"""
+    if record.ended_at is not None or record.pid is None:
+        return False
+    try:
+        proc = psutil.Process(record.pid)
+        created, zombie = proc.create_time(), proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+    return not zombie and (record.created_at is None or abs(created - record.created_at) <= 0.5)
 
 
 @dataclass(frozen=True)

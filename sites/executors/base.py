@@ -80,7 +80,9 @@ RunKey = tuple[str, int, int]  # (job, attempt, fence): one run of one job
 
 
 class RunRecord(BaseModel):
-    """What run.json holds: enough for a later agent to find and stop the run."""
+    """What run.json holds: enough for a later agent to find and stop the run, and, when the
+    agent that launched it died before reporting its end, to report and bill it
+    (sites.agent.runs.ended_runs)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -94,6 +96,10 @@ class RunRecord(BaseModel):
     started_at: float
     log_path: str
     agent_pid: int
+    # what the agent was asked to run (the local executor's runs): a later agent reports it
+    assignment: Assignment | None = None
+    # when the executor saw it exit (the agent's clock); None: running, or its agent died first
+    ended_at: float | None = None
 
     @property
     def key(self) -> RunKey:
@@ -271,3 +277,47 @@ def remove_record(path: Path, ref: str) -> None:
     record = read_record(path) if path.exists() else None
     if record is not None and record.ref == ref:
         path.unlink(missing_ok=True)
+
+
+def end_record(path: Path, ref: str, at: float) -> None:
+    """The run `ref` exited at `at`: its record says so (removed by the next agent's reap, or
+    replaced by the job's next run here), so an agent that dies before the run's end is written
+    down (sites.agent.runs.journal) leaves its end behind."""
+    record = read_record(path) if path.exists() else None
+    if record is not None and record.ref == ref:
+        write_record(path, record.model_copy(update={"ended_at": at}))
+
+
+# Each agent process writes down, at every publish, that it is alive (`mark_alive`): a run it
+# launched that a later agent finds dead with no end ended no later than that (its death signal
+# killed it with its agent), and is billed up to it, as a lost site is to its last_seen.
+ALIVE_DIR = "agents"
+
+
+def _alive_path(work_dir: Path, agent_pid: int) -> Path:
+    return work_dir / ALIVE_DIR / f"{agent_pid}.alive"
+
+
+def mark_alive(work_dir: Path, now: float, agent_pid: int | None = None) -> None:
+    """This agent process is alive at `now` (its own clock, the clock its runs' times use)."""
+    path = _alive_path(work_dir, os.getpid() if agent_pid is None else agent_pid)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(repr(now))
+    tmp.replace(path)
+
+
+def last_alive(work_dir: Path, agent_pid: int) -> float | None:
+    """When agent process `agent_pid` last said it was alive (`mark_alive`); None: never."""
+    try:
+        return float(_alive_path(work_dir, agent_pid).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def forget_dead_agents(work_dir: Path) -> None:
+    """Remove the marks of agent processes other than this one (after the runs they left were
+    read: sites.agent.runs.ended_runs, before the executor's reap)."""
+    for path in (work_dir / ALIVE_DIR).glob("*.alive"):
+        if path.stem != str(os.getpid()):
+            path.unlink(missing_ok=True)

@@ -52,11 +52,12 @@ from sites.executors.base import (
     RunRecord,
     check_job_id,
     command_argv,
+    end_record,
+    forget_dead_agents,
     handle_of,
     job_dir,
     job_env,
     read_record,
-    remove_record,
     write_record,
 )
 from sites.executors.cgroups import CgroupError
@@ -165,6 +166,7 @@ class LocalExecutor:
             started_at=handle.started_at,
             log_path=str(log_path),
             agent_pid=os.getpid(),
+            assignment=assignment,
         )
         self._procs[handle.ref] = proc
         self._runs[handle.ref] = run
@@ -257,8 +259,11 @@ class LocalExecutor:
                 if run is not None and run.group is not None:
                     oom = run.group.oom_kills()
                 self._procs.pop(handle.ref, None)
+                ended_at = self._clock.time()
                 await self._release(handle.ref)
-                remove_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, handle.ref)
+                # kept, with its end, until the next agent's reap: should this agent die before
+                # the run's end is written down, the next one reports and bills it to then
+                end_record(job_dir(self.work_dir, handle.job) / RUN_RECORD, handle.ref, ended_at)
         if run is not None and run.sandboxed and code > 128:
             code = -(code - 128)  # bubblewrap exits 128+n for a run killed by signal n
         if oom and run is not None:  # counted in the run's own group: there is one
@@ -318,6 +323,7 @@ class LocalExecutor:
                 path.unlink(missing_ok=True)
             elif record.site == self.site:
                 found.append((path, record))
+        forget_dead_agents(self.work_dir)  # the runs they left were read (ended_runs)
         alive = [(p, r) for p, r in found if _leftover_alive(r)]
         for _, record in alive:
             log.warning(

@@ -147,7 +147,9 @@ async def test_job_runs_with_its_environment_then_succeeds(
     done = await wait_report(registry, "runner", "train-1", RunState.succeeded)
     assert (done.exit_code, done.attempt, done.fence) == (0, 2, 7)
     assert done.finished_at is not None and done.started_at == running.started_at
-    assert not (job_dir(work, "train-1") / "run.json").exists()
+    # its record stays, with its end, until the next agent's start (sites.agent.runs)
+    ended = RunRecord.model_validate_json((job_dir(work, "train-1") / "run.json").read_bytes())
+    assert ended.ended_at is not None and ended.started_at <= ended.ended_at <= done.finished_at
     async with await agent_http(registry, "runner") as http:
         async with http.get(f"{url}/jobs/train-1/log") as resp:
             assert resp.status == 200 and resp.headers["X-Cpn-Attempt"] == "2"
@@ -251,24 +253,46 @@ async def test_killed_agent_takes_its_job_along_and_its_successor_does_not_rerun
     # the shell dies with the agent (PDEATHSIG); its background child only with the group
     script = "echo run >> starts; sleep 300 & echo $! > grandchild; wait"
     await assign(registry, assignment("crashy", "j", script))
-    await wait_report(registry, "crashy", "j", RunState.running)
+    # and one whose `running` report never landed (as when the agent dies right after the
+    # launch): the registry still says `starting` when the next agent comes
+    await assign(registry, assignment("crashy", "k", "echo run >> starts; sleep 300"))
+    running = await wait_report(registry, "crashy", "j", RunState.running)
+    await wait_report(registry, "crashy", "k", RunState.running)
     record = RunRecord.model_validate_json((job_dir(work, "j") / "run.json").read_bytes())
-    assert record.pid is not None
+    k_record = RunRecord.model_validate_json((job_dir(work, "k") / "run.json").read_bytes())
+    assert record.pid is not None and k_record.pid is not None
     grandchild_file = cwd_of(work, "j") / "grandchild"
     await wait_for(lambda: grandchild_file.exists() and grandchild_file.read_text().strip(), 5)
     # the pid it wrote is its pid in the sandbox's namespace: find it from the host
     grandchild = _host_pid(["sleep", "300"], cwd_of(work, "j"))
     try:
+        await asyncio.sleep(1.0)  # both ran a while
         agent.send_signal(signal.SIGKILL)
         agent.wait()
-        await wait_for(lambda: not alive(record.pid or 0), timeout=5)
+        killed_at = time.time()
+        await wait_for(lambda: not alive(record.pid or 0) and not alive(k_record.pid or 0), 5)
+        starting = (await get_report(registry, "crashy", "k")).model_copy(  # type: ignore[union-attr]
+            update={"state": RunState.starting, "started_at": None}
+        )
+        await registry.put_raw(keys.report("crashy", "k"), starting.model_dump_json().encode())
+        await asyncio.sleep(2.0)  # the next agent comes a while after
 
+        restarted_at = time.time()
         await start_agent(processes, registry, tmp_path / "crashy.yaml", "crashy")
         lost = await wait_report(registry, "crashy", "j", RunState.failed)
         assert "lost" in lost.message and lost.attempt == 1
+        # it ended with its agent: billed to the agent's last sign of life (written down every
+        # interval), not to the next agent's start
+        assert lost.started_at == running.started_at and lost.finished_at is not None
+        assert killed_at - 1.5 < lost.finished_at <= killed_at < restarted_at, lost
+        # the one never reported running: its start is the executor's record of its launch
+        k_lost = await wait_report(registry, "crashy", "k", RunState.failed)
+        assert "lost" in k_lost.message and k_lost.started_at == k_record.started_at, k_lost
+        assert k_lost.finished_at is not None and killed_at - 1.5 < k_lost.finished_at <= killed_at
         assert not alive(grandchild)  # reaped through the process group
         assert not (job_dir(work, "j") / "run.json").exists()
         assert (cwd_of(work, "j") / "starts").read_text() == "run\n"  # never run twice
+        assert (cwd_of(work, "k") / "starts").read_text() == "run\n"
     finally:
         kill_if_alive(grandchild)
 
@@ -468,7 +492,8 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(
     assert 0.5 <= time.monotonic() - started < 3
     assert (await asyncio.wait_for(executor.wait(handle), 5)).code == -signal.SIGKILL
     assert not alive(child) and handle.pid is not None and not alive(handle.pid)
-    assert not (job_dir(work, "stubborn") / "run.json").exists()
+    ended = RunRecord.model_validate_json((job_dir(work, "stubborn") / "run.json").read_bytes())
+    assert ended.ended_at is not None  # kept with its end, for the next agent's start
 
 
 @pytest.mark.e2e
