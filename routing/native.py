@@ -54,6 +54,7 @@ MODULES: tuple[str, ...] = (
     "routing.gateway.prefix",
     "routing.gateway.ratelimit",
     "routing.gateway.openai",
+    "routing.gateway.tally",
     "routing.decision.selection",
     "routing.decision.policy",
     "routing.decision.candidates",

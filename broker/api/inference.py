@@ -7,6 +7,7 @@ ejections feed back into selection; an active checker GETs every endpoint's /hea
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -35,7 +36,7 @@ from broker.state.inference_limits import InferenceLimits
 from broker.state.metrics import BrokerMetrics, LoopCounter
 from broker.state.models import ModelCatalog
 from broker.state.router import Router
-from broker.state.token_ledger import Ticket, TokenLedger, TokenLedgerError
+from broker.state.token_ledger import TokenLedger, TokenLedgerError
 from metering.tokens import TokenUse
 from routing.decision.candidates import site_replicas
 from routing.gateway.health import (
@@ -61,6 +62,7 @@ from routing.gateway.proxy import (
     upstream_key,
 )
 from routing.gateway.ratelimit import RateLimit, TenantLimiter
+from routing.gateway.tally import REFRESH_S, Account, Counts, Tally
 from routing.gateway.upstream import UpstreamPool
 from sites.kits.clock import Clock
 from sites.model.errors import ConfigError, Problem
@@ -81,30 +83,13 @@ class Picked(list[Upstream]):
     overflow = False
 
 
-class _Settling:
-    """A ledger ticket that, once settled, also charges the limits and counts the metrics."""
-
-    __slots__ = ("accountant", "progress", "ticket", "word", "words")
-
-    def __init__(self, accountant: TokenAccountant, ticket: Ticket) -> None:
-        self.accountant = accountant
-        self.ticket = ticket
-        self.progress = ticket.progress  # per streamed chunk: the ticket's own, no frame here
-        self.words = ticket.words  # where the gateway's Meter stores it instead (one slot's)
-        self.word = ticket.word
-
-    def settle(
-        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool
-    ) -> None:
-        ticket = self.ticket
-        use = ticket.settle(prompt_tokens, completion_tokens, cached_tokens, counted=counted)
-        self.accountant.charged(use, ticket.usd)
-
-
 class TokenAccountant:
-    """routing.gateway.proxy's Accountant in the broker: the replica's limits
-    (broker.state.inference_limits) before a request, its token ledger
-    (broker.state.token_ledger) and metrics after."""
+    """The books behind the gateway's compiled accounting (routing.gateway.tally.Tally, the
+    proxy's Accountant): the replica's limits (broker.state.inference_limits), its token
+    ledger (broker.state.token_ledger) and metrics. The Tally keeps the per-request sums and
+    comes here only when they cannot answer: a request beyond its tenant's headroom, an
+    account to look up (a new row after each ledger flush, a new day, once a second), a token
+    with limits of its own."""
 
     def __init__(
         self,
@@ -120,13 +105,23 @@ class TokenAccountant:
         self.metrics = metrics
         self.snapshot = snapshot
         self.clock = clock
+        self.tally = Tally(books=self, clock=clock, file=ledger.file)
 
     def admit(self, tenant: str, token_id: str | None) -> tuple[int, str, str, str, Extra] | None:
         limits = self.limits
         if limits is None:
+            self.tally.gate(tenant, token_id, _UNLIMITED, math.inf)
             return None
-        refusal = limits.admit(tenant, token_id, self.clock.time())
+        now = self.clock.time()
+        refusal = limits.admit(tenant, token_id, now)
         if refusal is None:
+            counts = limits.counts(tenant, token_id)
+            if counts is None:  # the token's own limits: every request asks them
+                self.tally.shut(tenant, token_id)
+                return None
+            until = self.clock.monotonic() + limits.flush_s
+            limits.grant(tenant, counts, now, until, limits.flush_s)
+            self.tally.gate(tenant, token_id, counts, until)
             return None
         retry = refusal.retry_after_header
         headers: Extra = (
@@ -136,50 +131,56 @@ class TokenAccountant:
         )
         return refusal.status, refusal.code, refusal.message, refusal.field, headers
 
-    def open(self, billed: Billed, prompt_tokens: int) -> _Settling:
-        ticket = self.ledger.open(
-            request_id=billed.request_id or new_request_id(""),
-            tenant=billed.tenant,
-            token_id=billed.token_id,
-            requested=billed.requested,
-            service=billed.service,
-            model=self._served_model(billed.service, billed.site),
-            site=billed.site,
-            client_region=billed.region,
-            prompt_tokens=prompt_tokens,
-        )
-        return _Settling(self, ticket)
-
-    def settle(self, billed: Billed, usage: tuple[int, int, int], counted: bool) -> None:
+    def account(self, billed: Billed, at: float) -> Account:
+        model = self._served_model(billed.service, billed.site)
         use = TokenUse(
-            request_id=billed.request_id or new_request_id(""),
+            request_id=billed.request_id,
             tenant=billed.tenant,
             token_id=billed.token_id,
-            model=self._served_model(billed.service, billed.site),
+            model=model,
             requested=billed.requested,
             service=billed.service,
             site=billed.site,
             client_region=billed.region,
-            prompt_tokens=usage[0],
-            completion_tokens=usage[1],
-            cached_tokens=usage[2],
-            at=self.clock.time(),
-            counted=counted,
+            prompt_tokens=0,
+            completion_tokens=0,
+            cached_tokens=0,
+            at=at,
         )
-        self.charged(use, self.ledger.settle(use))
+        ledger = self.ledger
+        price = ledger.price_of(use)
+        per_token = 1e-6
+        if price is None:
+            rates = (0.0, 0.0, 0.0)
+        else:
+            cached = price.input if price.cached_input is None else price.cached_input
+            rates = (price.input * per_token, price.output * per_token, cached * per_token)
+        limits = self.limits
+        counts = _UNLIMITED if limits is None else limits.counts(billed.tenant, billed.token_id)
+        day_end = (at // 86400 + 1) * 86400
+        return Account(
+            row=ledger.row(use),
+            input_usd=rates[0],
+            output_usd=rates[1],
+            cached_usd=rates[2],
+            metric=self.metrics.inference.row(billed.tenant, model, billed.site),
+            counts=counts,
+            template=ledger.template(use),
+            until=min(day_end, at + REFRESH_S),
+        )
+
+    def charge(self, tenant: str, token_id: str | None, tokens: int, usd: float, at: float) -> None:
+        if self.limits is not None:
+            self.limits.charge(tenant, token_id, tokens=tokens, usd=usd, now=at)
 
     def _served_model(self, service: str, site: str) -> str:
         """The model `service` serves at `site` (its endpoint's), what prices are keyed by."""
         ep = self.snapshot().services.get((service, site))
         return ep.model if ep is not None else service
 
-    def charged(self, use: TokenUse, usd: float) -> None:
-        """A settled use (costing `usd`, as the ledger priced it) on the limits and metrics."""
-        if self.limits is not None:
-            self.limits.charge(
-                use.tenant, use.token_id, tokens=use.total_tokens, usd=usd, now=use.at
-            )
-        self.metrics.inference_tokens(use)
+
+_UNLIMITED = Counts()  # metering without limits: admitted, nothing counted
+_UNLIMITED.grant(False, math.inf, 0, 0, 0.0)
 
 
 def token_price(snapshot: Callable[[], Snapshot]) -> Callable[[str, str, float], TokenPrice | None]:
@@ -386,7 +387,7 @@ class Gateway:
                 resolve_model=self.resolve,
                 served_name=self.catalog.served_name,
                 default_region=settings.client_region,
-                accountant=self.accountant,
+                accountant=self.accountant.tally if self.accountant is not None else None,
                 default_priority=self._default_priority,
                 pass_priority=frozenset(settings.pass_priority),
                 queue_timeout_s=settings.queue.timeout_s,

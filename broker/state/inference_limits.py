@@ -58,6 +58,7 @@ from pydantic import ValidationError
 
 from broker.model.tenants import InferencePolicy, TokenLimits
 from broker.state.inference_counts import (
+    PEER_BUSY_S,
     WINDOW_S,
     InferenceStanding,
     LimitRecord,
@@ -72,6 +73,7 @@ from broker.state.inference_counts import (
     over_budget,
     over_rate,
 )
+from routing.gateway.tally import Counts
 from sites.kits.clock import Clock
 from sites.model import keys
 from sites.model.errors import RegistryError
@@ -137,6 +139,8 @@ class InferenceLimits:
         self._revisions: dict[str, int] = {}  # key -> mod_revision seen
         self._awaiting: dict[str, bytes] = {}  # own key -> what was written, until seen back
         self._latest: dict[str, int] = {}  # own key -> the newest mod_revision seen of it
+        # tenant -> what the gateway counted on its own since the last take (`_take_counts`)
+        self._counts: dict[str, Counts] = {}
         self._restored = False
         self._lock = asyncio.Lock()
         self.mirror = PrefixMirror(
@@ -156,6 +160,7 @@ class InferenceLimits:
 
     def admit(self, tenant: str, token_id: str | None, now: float) -> Refusal | None:
         """None: go (the request is counted); else why not. O(1) amortized, no I/O."""
+        self._take_counts(tenant, now)
         policy = self._policy(tenant)
         own = self._token_limits(token_id) if token_id is not None else None
         tenant_limited = policy is not None and policy.limited
@@ -197,6 +202,10 @@ class InferenceLimits:
         token_limited = own is not None and own.limited
         if not ((policy is not None and policy.limited) or token_limited):
             return
+        self._take_counts(tenant, now)
+        counts = self._counts.get(tenant)
+        if counts is not None:
+            counts.expire()  # its headroom did not see this charge
         tokens = max(0, int(tokens))
         usd = max(0.0, float(usd)) if math.isfinite(usd) else 0.0
         second, month = int(now), self._months(now)
@@ -209,8 +218,78 @@ class InferenceLimits:
             s.charge(month, tokens, usd)
         self._dirty.add(tenant)
 
+    # -- the gateway's own counts (routing.gateway.tally) ----------------------------------------
+
+    def counts(self, tenant: str, token_id: str | None) -> Counts | None:
+        """The counts the gateway keeps for `tenant`'s requests with `token_id`; None when the
+        token has limits of its own (those requests come here, `admit` and `charge`)."""
+        own = self._token_limits(token_id) if token_id is not None else None
+        if own is not None and own.limited:
+            return None
+        counts = self._counts.get(tenant)
+        if counts is None:
+            counts = self._counts[tenant] = Counts()
+        return counts
+
+    def grant(
+        self, tenant: str, counts: Counts, now: float, until: float, horizon_s: float
+    ) -> None:
+        """Give `counts` the headroom `admit` would leave the tenant until unix now +
+        `horizon_s` (`until` on the monotonic clock): each request or token counted in it
+        raises the window by at most 1 + the busy peers (`Scope.estimate`: each peer's guess
+        is at least this replica's unpublished counts), so the headroom is what is left
+        below each limit divided by that; budgets are left as they are."""
+        policy = self._policy(tenant)
+        if policy is None or not policy.limited:
+            counts.grant(False, until, 0, 0, 0.0)
+            return
+        scope = self._scope(tenant)
+        big = 1 << 62
+        requests_left, tokens_left, usd_left = big, big, math.inf
+        budget = policy.budget
+        if budget is not None:
+            tokens, usd = scope.in_month(self._months(now))
+            if budget.tokens_per_month is not None:
+                tokens_left = budget.tokens_per_month - tokens
+            if budget.usd_per_month is not None:
+                usd_left = budget.usd_per_month - usd
+        rpm, tpm = policy.requests_per_minute, policy.tokens_per_minute
+        if rpm is not None or tpm is not None:
+            later = now + horizon_s
+            requests, tokens = scope.window(int(now))
+            mine_requests, mine_tokens = scope.unpublished
+            peers = 0
+            for at, request_rate, token_rate in scope.peers.values():
+                if later - at >= 0 and now - at <= PEER_BUSY_S:
+                    age = max(0.0, later - at)
+                    requests += max(math.ceil(request_rate * age), mine_requests)
+                    tokens += max(math.ceil(token_rate * age), mine_tokens)
+                    peers += 1
+            if rpm is not None:
+                requests_left = (rpm - requests) // (1 + peers)
+            if tpm is not None:
+                tokens_left = min(tokens_left, (tpm - tokens) // (1 + peers))
+        counts.grant(True, until, requests_left, tokens_left, usd_left)
+
+    def _take_counts(self, tenant: str, now: float) -> None:
+        """What the gateway counted for `tenant` since the last take, into its scope."""
+        counts = self._counts.get(tenant)
+        if counts is None:
+            return
+        requests, tokens, usd = counts.take()
+        if not (requests or tokens or usd):
+            return
+        second, month = int(now), self._months(now)
+        scope = self._scope(tenant)
+        scope.own.add(second, requests, tokens)
+        scope.counted(requests, tokens)
+        if tokens or usd:
+            scope.charge(month, tokens, usd)
+        self._dirty.add(tenant)
+
     def standing(self, tenant: str, now: float) -> dict[str, object]:
         """The tenant's limits and what all replicas used of them (`InferenceStanding` as JSON)."""
+        self._take_counts(tenant, now)
         policy = self._policy(tenant) or InferencePolicy()
         second, month = int(now), self._months(now)
         scope = self._tenants.get(tenant)
@@ -249,6 +328,8 @@ class InferenceLimits:
     # -- the mirror -----------------------------------------------------------------------------
 
     def _reset(self, kvs: KeyValues) -> None:
+        for counts in self._counts.values():
+            counts.expire()
         for scope in (*self._tenants.values(), *self._tokens.values()):
             scope.others = Window()
             scope.other_months = {}
@@ -290,6 +371,9 @@ class InferenceLimits:
                     self._token_scope(tenant, token_id).restore(got, month)
             return
         self._revisions[key] = 0 if value is None else rev
+        counts = self._counts.get(tenant)
+        if counts is not None:
+            counts.expire()  # another replica's counts: the headroom is looked at again
         at = new.at if new is not None else 0.0
         self._scope(tenant).apply_other(old, new, writer, at)
         tokens_old = {} if old is None else old.by_token
@@ -304,9 +388,13 @@ class InferenceLimits:
     async def flush(self, now: float | None = None) -> bool:
         """Publish this replica's changed counts: one guarded transaction; True if written."""
         async with self._lock:
-            if not self._dirty or not self.mirror.synced.is_set():
+            if not self.mirror.synced.is_set():
                 return False
             now = self._clock.time() if now is None else now
+            for tenant in list(self._counts):
+                self._take_counts(tenant, now)
+            if not self._dirty:
+                return False
             second, month = int(now), self._months(now)
             seq = self.seq + 1
             puts: dict[str, bytes] = {}

@@ -440,11 +440,17 @@ class InferenceCounters(LoopCollector):
         # (tenant, model, site) -> [prompt, completion, cached, requests]
         self.sums: dict[tuple[str, str, str], list[int]] = {}
 
-    def add(self, use: TokenUse) -> None:
-        key = (use.tenant, use.model, use.site)
+    def row(self, tenant: str, model: str, site: str) -> list[int]:
+        """The sums of (tenant, model, site): [prompt, completion, cached, requests], which
+        the gateway's compiled accounting adds to (routing.gateway.tally.Account.metric)."""
+        key = (tenant, model, site)
         row = self.sums.get(key)
         if row is None:
             row = self.sums[key] = [0, 0, 0, 0]
+        return row
+
+    def add(self, use: TokenUse) -> None:
+        row = self.row(use.tenant, use.model, use.site)
         row[0] += use.prompt_tokens
         row[1] += use.completion_tokens
         row[2] += use.cached_tokens

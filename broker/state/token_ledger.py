@@ -59,6 +59,7 @@ from pydantic import ValidationError
 
 from broker.model.errors import BrokerError, StaleRecord
 from metering.tokens import TokenDay, TokenRow, TokenUse, cost_usd, row_key, token_day
+from routing.gateway.tally import Row, SlotFile
 from sites.kits.clock import Clock, SystemClock
 from sites.model import keys
 from sites.model.errors import RegistryError
@@ -92,7 +93,6 @@ _SEQ_AT = 24  # the header's flush seq
 _SEQ = struct.Struct("<q")
 
 FREE, OPEN, SETTLED, ROW = 0, 1, 2, 3
-_ROW_COUNTS = struct.Struct("<qq")  # a row's requests and counted requests, at _DELIVERED_AT
 _COUNTED, _HAS_TOKEN = 1, 2
 # the strings of a slot: (field, bytes)
 _STRINGS = (
@@ -189,6 +189,7 @@ class _Pending:
     prompt: int = 0
     completion: int = 0
     cached: int = 0
+    row: Row | None = None  # a row's live sums, until a flush takes them (`_take_rows`)
 
     @classmethod
     def one(cls, use: TokenUse, usd: float, slot: int, mark: int) -> _Pending:
@@ -346,9 +347,15 @@ class TokenLedger:
         # the same file as int64 words (every counter is 8-aligned): the gateway's Meter
         # stores a stream's delivered count through it (Ticket.words); released on close
         self.words: memoryview | None = memoryview(mm).cast("q")
+        # the file as the gateway's compiled accounting writes it (routing.gateway.tally):
+        # rows' sums and streams' slots, with the free slots (one list, shared)
+        self.file = SlotFile(
+            self.words, memoryview(mm).cast("d"), memoryview(mm), [], _HEADER_SIZE, SLOT_SIZE
+        )
         states = mm[_HEADER_SIZE : _HEADER_SIZE + self.slots * SLOT_SIZE : SLOT_SIZE]
         # low slots first, so the pages a quiet broker touches stay few
         self._free: list[int] = [i for i in range(self.slots - 1, -1, -1) if states[i] == FREE]
+        self.file.free = self._free
         self._unrecovered: list[int] = [i for i in range(self.slots) if states[i] != FREE]
 
     # -- the file ----------------------------------------------------------------------------
@@ -508,30 +515,51 @@ class TokenLedger:
         self._add(use, usd)
         return usd
 
-    def _add(self, use: TokenUse, usd: float) -> None:
-        """Add a settled use to its row's sums, in the row's slot (claimed with the row's
-        first use): between two flushes one slot and one queued item per day, tenant, model,
-        site and client region, however many requests."""
-        day = token_day(use.at)
-        key = (day, use.tenant, use.model, use.site, use.client_region)
+    def row(self, use: TokenUse) -> Row:
+        """The live row `use` goes into: the sums of its day, tenant, model, site and client
+        region since the last flush, in one slot claimed by the row's first use (between two
+        flushes one slot and one queued item per row, however many requests). The gateway's
+        compiled accounting adds to it (routing.gateway.tally) until a flush takes it."""
+        key = (token_day(use.at), use.tenant, use.model, use.site, use.client_region)
         item = self._rows.get(key)
-        if item is None:
-            slot = self._claim(use, ROW, 0, 0.0)
-            item = _Pending(use, 0.0, slot, 0, 0)
-            self._rows[key] = item
-            self._queue.append(item)
-        item.requests += 1
-        item.counted += 1 if use.counted else 0
-        item.prompt += use.prompt_tokens
-        item.completion += use.completion_tokens
-        item.cached += use.cached_tokens
-        item.usd += usd
-        mm = self.mapped
-        if item.slot >= 0 and mm is not None:
-            off = self.slot_offset(item.slot)
-            _ROW_COUNTS.pack_into(mm, off + _DELIVERED_AT, item.requests, item.counted)
-            final = (item.prompt, item.completion, item.cached, use.at, item.usd, item.mark)
-            _FINAL.pack_into(mm, off + _FINAL_AT, *final)
+        if item is not None and item.row is not None:
+            return item.row
+        slot = self._claim(use, ROW, 0, 0.0)
+        word = (self.slot_offset(slot) + _DELIVERED_AT) // _SEQ.size if slot >= 0 else -1
+        row = Row(self.file, word)
+        item = _Pending(use, 0.0, slot, 0, 0, row=row)
+        self._rows[key] = item
+        self._queue.append(item)
+        return row
+
+    def template(self, use: TokenUse) -> bytes | None:
+        """An open stream's slot for `use`'s names as the gateway copies it (its state byte
+        free, no request id, no counts: routing.gateway.tally.Tally.open writes those); None
+        when a name does not fit a slot."""
+        names = _names(use)
+        if names is None:
+            return None
+        flags = _HAS_TOKEN if use.token_id else 0
+        return _SLOT.pack(FREE, flags, 0.0, 0, 0, 0, 0, 0, 0.0, 0.0, 0, b"", *names)
+
+    def _add(self, use: TokenUse, usd: float) -> None:
+        """Add a settled use to its row's sums (`row`), stored into the row's slot."""
+        self.row(use).add(
+            use.prompt_tokens, use.completion_tokens, use.cached_tokens, use.counted, usd, use.at
+        )
+
+    def _take_rows(self, batch: list[_Pending]) -> None:
+        """A flush takes the live rows: their sums into their queued items, and what settles
+        from now on goes into new rows (the gateway's accounts see `live` False)."""
+        for item in batch:
+            row = item.row
+            if row is None:
+                continue
+            row.live = False
+            item.row = None
+            item.requests, item.counted = row.requests, row.counted
+            item.prompt, item.completion, item.cached = row.prompt, row.completion, row.cached
+            item.usd = row.usd
 
     def settle_slot(self, slot: int, use: TokenUse) -> float:
         """A ticket's end: its numbers into its row (Ticket.settle), then its slot freed (a
@@ -548,17 +576,23 @@ class TokenLedger:
             mm[self.slot_offset(slot)] = FREE
             self._free.append(slot)
 
-    def _usd(self, use: TokenUse) -> float:
+    def price_of(self, use: TokenUse) -> TokenPrice | None:
+        """`use`'s price (None: free, or the lookup failed, which is logged)."""
         try:
-            usd = cost_usd(use, self.price(use.site, use.model, use.at))
+            return self.price(use.site, use.model, use.at)
         except Exception:  # a price lookup's bug must not cost the settlement itself
             log.exception("token ledger: no price for %s at %s", use.model, use.site)
-            return 0.0
+            return None
+
+    def _usd(self, use: TokenUse) -> float:
+        usd = cost_usd(use, self.price_of(use))
         return usd if math.isfinite(usd) and usd > 0 else 0.0
 
     def pending(self) -> int:
         """Settled uses not yet in etcd (recovered ones included)."""
-        waiting = sum(item.requests for item in self._queue) + self._in_flight
+        waiting = self._in_flight + sum(
+            item.requests if item.row is None else item.row.requests for item in self._queue
+        )
         mm = self.mapped
         for slot in self._unrecovered:  # a row's slot holds many
             off = self.slot_offset(slot)
@@ -663,6 +697,7 @@ class TokenLedger:
         finally:
             mm, self.mapped = self.mapped, None
             words, self.words = self.words, None
+            self.file.release()  # the gateway's stores into it after this stop (ValueError)
             if words is not None:
                 words.release()  # a Meter storing into it after this stops (ValueError)
             if mm is not None:
@@ -680,6 +715,7 @@ class TokenLedger:
                 return 0
             batch, self._queue = self._queue, []
             self._rows = {}  # what settles from now on goes into new rows, for the next flush
+            self._take_rows(batch)
             self._in_flight = sum(item.requests for item in batch)
             groups: dict[str, list[_Pending]] = {}
             for item in batch:

@@ -9,11 +9,19 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from broker.api.inference import TokenAccountant
 from broker.model.tenants import InferencePolicy, TokenLimits
 from broker.state.inference_limits import InferenceLimits, LimitRecord, Refusal
+from broker.state.metrics import BrokerMetrics
+from broker.state.token_ledger import TokenLedger
+from routing.gateway.proxy import Billed
+from routing.gateway.tally import Tally
 from sites.model import keys
 from sites.registry.client import Registry
 
@@ -347,3 +355,118 @@ def test_a_writer_id_must_be_a_name() -> None:
             registry=None,  # type: ignore[arg-type]
             writer="a/b", policy=lambda _: None, token_limits=lambda _: None, clock=SimClock(),
         )  # fmt: skip
+
+
+# -- the gateway's compiled accounting (routing.gateway.tally) over these limits --------------
+
+
+def accountant(book: InferenceLimits, clock: SimClock, state_dir: Path) -> TokenAccountant:
+    """The broker's books over `book`, with a token ledger in `state_dir` (never flushed
+    here) and a snapshot with no services (the model is the service's name)."""
+    ledger = TokenLedger(
+        registry=book.registry,
+        writer=book.writer,
+        state_dir=state_dir,
+        price=lambda site, model, at: None,
+        clock=clock,
+    )
+    snapshot = SimpleNamespace(services={})
+    return TokenAccountant(
+        ledger=ledger,
+        limits=book,
+        metrics=BrokerMetrics(),
+        snapshot=lambda: snapshot,  # type: ignore[arg-type,return-value]
+        clock=clock,
+    )
+
+
+def billed(tenant: str, token_id: str | None = None) -> Billed:
+    return Billed("r-1", tenant, token_id, "m1", "svc", "bj", "cn-north")
+
+
+async def test_the_gateways_headroom_holds_two_replicas_within_5_percent(
+    limits: Make, tmp_path: Path
+) -> None:
+    """The two-replica test with admission and settlement through each replica's Tally:
+    several requests between two flushes, most of them admitted on the headroom the limits
+    granted without asking them. The limit holds as it does with every request asked."""
+    clock = SimClock()
+    policies = {"ai-lab": policy(tokens_per_minute=12_000)}
+    a, b = limits("broker-a", policies, clock), limits("broker-b", policies, clock)
+    await synced(a, b)
+    books = [accountant(a, clock, tmp_path / "a"), accountant(b, clock, tmp_path / "b")]
+    asked = 0
+    for one in books:
+        admit = one.admit
+
+        def counting(tenant: str, token_id: str | None, admit: Any = admit) -> Any:
+            nonlocal asked
+            asked += 1
+            return admit(tenant, token_id)
+
+        one.admit = counting  # type: ignore[method-assign]
+    # in flight at once at most 2 flushes' requests (12 x 20 tokens: 2 % of the limit)
+    per_request, latency_steps = 20, 2
+    in_flight: list[tuple[int, Tally]] = []
+    charged: list[tuple[float, int]] = []
+    step = 0
+    start = clock.t
+    while clock.t < start + 150:
+        for i in range(6):  # 60 requests a second offered, 3 to each replica per flush
+            tally = books[i % 2].tally
+            clock.t = start + step * 0.1 + i * 0.015
+            if tally.admit("ai-lab", None) is None:
+                in_flight.append((step + latency_steps, tally))
+        for done in [f for f in in_flight if f[0] <= step]:
+            in_flight.remove(done)
+            done[1].settle(billed("ai-lab"), (per_request // 2, per_request // 2, 0), False)
+            charged.append((clock.t, per_request))
+        clock.t = start + (step + 1) * 0.1 - 0.001
+        await exchange("ai-lab", a, b)
+        step += 1
+        if step == 50:  # the first 5 s, below the limit: each replica asked once per flush
+            assert asked <= 50 * 6 // 2
+        clock.t = start + step * 0.1
+    for one in books:
+        await one.ledger.close()
+    sums = windows(charged, start + 30, start + 90)
+    assert max(sums) <= 12_000 * 1.05
+    assert min(sums) >= 12_000 * 0.90
+
+
+async def test_the_gateways_counts_reach_the_limits_and_a_budget(
+    limits: Make, tmp_path: Path
+) -> None:
+    """Requests admitted and settled by the Tally alone are published at the next flush, and
+    spend a budget: once spent, the books refuse (429, x-should-retry: false)."""
+    clock = SimClock()
+    policies = {"ai-lab": policy(budget={"tokens_per_month": 1_000})}
+    a = limits("broker-a", policies, clock)
+    await synced(a)
+    books = accountant(a, clock, tmp_path / "a")
+    tally = books.tally
+    assert tally.admit("ai-lab", None) is None  # asks the books: the headroom is granted
+    for _ in range(5):
+        assert tally.admit("ai-lab", None) is None
+        tally.settle(billed("ai-lab"), (60, 40, 0), False)
+    assert await a.flush()
+    await until(lambda: a.heard("ai-lab", "broker-a") == a.seq)
+    got = await a.registry.get_raw(keys.inference_limit("ai-lab", "broker-a"))
+    assert got is not None
+    record = LimitRecord.model_validate_json(got[0])
+    assert record.tokens == 500
+    assert sum(r for _, r, _ in record.buckets) == 6
+    refused = None
+    for _ in range(10):
+        refused = tally.admit("ai-lab", None)
+        if refused is not None:
+            break
+        tally.settle(billed("ai-lab"), (60, 40, 0), False)
+    assert refused is not None
+    status, code, _, field, headers = refused
+    assert (status, code) == (429, "budget_exhausted")
+    assert field == "tenants.ai-lab.inference.budget.tokens_per_month"
+    assert headers == (("x-should-retry", "false"),)
+    standing = a.standing("ai-lab", clock.t)["tokens_this_month"]
+    assert isinstance(standing, dict) and standing["used"] == 1_000
+    await books.ledger.close()
