@@ -241,14 +241,17 @@ class GrantError(Exception):
 class Claims(Frozen):
     site: str = Field(description="the serving site: whose data key signs it")
     sub: str = Field(description="who uses it: a site id, or 'broker'")
-    scope: str = Field(description="obj:<digest> | ckpt:<tenant>/<job> | upload:<tenant>/<id>")
+    scope: str = Field(
+        description="obj:<digest> | ckpt:<tenant>/<job> | upload:<tenant>/<id> | "
+        "backups:federation (the registry's backups kept at the site: brokers only)"
+    )
     op: Op
     exp: float = Field(description="unix seconds it expires")
 
     @model_validator(mode="after")
     def _scope(self) -> Claims:
         kind, _, rest = self.scope.partition(":")
-        if kind not in ("obj", "ckpt", "upload") or not rest:
+        if kind not in ("obj", "ckpt", "upload", "backups") or not rest:
             raise ValueError(f"unknown scope {self.scope!r}")
         return self
 
@@ -282,6 +285,9 @@ def verify(key: str, token: str, *, site: str, now: float) -> Claims:
     if claims.exp < now:
         raise GrantError("grant expired")
     return claims
+
+
+BACKUPS_SCOPE = "backups:federation"  # the registry's backups a site keeps (docs/backup.md)
 
 
 def allows(claims: Claims, scope: str, op: Op) -> bool:

@@ -17,14 +17,14 @@ import logging
 import os
 import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
 from sites.model.errors import SitesError
 from sites.registry.client import Registry
 
-__all__ = ["BackupError", "BackupInfo", "BackupStore", "backup_name"]
+__all__ = ["BackupError", "BackupInfo", "BackupStore", "backup_name", "check_backup_name"]
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +49,44 @@ class BackupInfo:
     size_bytes: int = 0
     sha256: str = ""  # of the whole .db file
     registry: str = ""  # the endpoints it was taken through
+    # the sites whose data store holds a copy checked by its sha256 (broker.ops.backup_copies)
+    copies: tuple[str, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
 
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
     @classmethod
     def from_json(cls, text: str, where: str) -> BackupInfo:
         try:
-            raw = json.loads(text)
-            return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
-        except (ValueError, TypeError) as exc:
+            return cls.from_dict(json.loads(text), where)
+        except ValueError as exc:
             raise BackupError(f"{where}: not a backup description: {exc}") from None
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> BackupInfo:
+        """BackupError naming `where` when `raw` is not a description of a backup by name."""
+        try:
+            if not isinstance(raw, dict):
+                raise TypeError("not an object")
+            got = {k: raw[k] for k in cls.__dataclass_fields__ if k in raw}
+            got["copies"] = tuple(str(s) for s in got.get("copies") or ())
+            info = cls(**got)
+            check_backup_name(info.name)
+            if not isinstance(info.sha256, str) or not isinstance(info.size_bytes, int):
+                raise TypeError("sha256 or size_bytes of the wrong type")
+        except (TypeError, BackupError) as exc:
+            raise BackupError(f"{where}: not a backup description: {exc}") from None
+        return info
+
+
+def check_backup_name(name: str) -> str:
+    """BackupError unless `name` is a backup's ('cpn-20261207T201500123Z')."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise BackupError(f"{name!r} is not a backup's name (cpn-YYYYMMDDTHHMMSSmmmZ)")
+    return name
 
 
 def backup_name(at: float) -> str:
@@ -144,6 +171,59 @@ class BackupStore:
     def info_path(self, name: str) -> Path:
         return self.directory / f"{name}.json"
 
+    def part_path(self, name: str) -> Path:
+        """Where a copy of `name` is written until it is checked (`adopt`)."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        return self.path(check_backup_name(name)).with_name(f"{name}{SUFFIX}{PARTIAL}")
+
+    def adopt(self, info: BackupInfo, part: Path) -> BackupInfo:
+        """Keep `part` (a copy of the backup `info` describes, received or fetched) as that
+        backup once its size and sha256 match `info`, then its description: BackupError
+        (and `part` removed) when they do not. A copy is never kept under its final name
+        unchecked."""
+        check_backup_name(info.name)
+        try:
+            size = part.stat().st_size
+            if size != info.size_bytes:
+                raise BackupError(
+                    f"the copy of {info.name} has {size} bytes, its description says "
+                    f"{info.size_bytes}"
+                )
+            found = sha256_of(part)
+            if found != info.sha256:
+                raise BackupError(
+                    f"the copy of {info.name} has sha256 {found[:12]}..., its description "
+                    f"says {info.sha256[:12]}...: damaged on its way"
+                )
+            with open(part, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(part, self.path(info.name))
+            self._write_info(info)
+        except BaseException:
+            part.unlink(missing_ok=True)
+            raise
+        return info
+
+    def record_copies(self, name: str, sites: tuple[str, ...]) -> BackupInfo:
+        """The description of `name` with `sites` as where its remote copies are."""
+        info = self.get(name)
+        if info.copies == sites:
+            return info
+        info = replace(info, copies=sites)
+        self._write_info(info)
+        return info
+
+    def remove(self, name: str) -> bool:
+        """Delete the backup `name` (its description first); False if there was none."""
+        check_backup_name(name)
+        found = self.info_path(name).exists() or self.path(name).exists()
+        self.info_path(name).unlink(missing_ok=True)
+        self.path(name).unlink(missing_ok=True)
+        return found
+
+    def bytes_held(self) -> int:
+        return sum(i.size_bytes for i in self.backups())
+
     def _write_info(self, info: BackupInfo) -> None:
         path = self.info_path(info.name)
         part = path.with_name(path.name + PARTIAL)
@@ -199,6 +279,5 @@ class BackupStore:
         backups = self.backups()
         gone = [info.name for info in backups[: max(0, len(backups) - self.keep)]]
         for name in gone:
-            self.info_path(name).unlink(missing_ok=True)  # the description first: not listed
-            self.path(name).unlink(missing_ok=True)
+            self.remove(name)
         return gone

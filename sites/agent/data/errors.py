@@ -3,9 +3,12 @@
     SitesError
     └── DataError                       status 500 (a bug if it reaches a client)
         ├── BadInput (ValueError)       400 a path, sha256, digest or body that is malformed
+        ├── Unauthorized                401 no credential, or one that is not good here
+        ├── Forbidden                   403 a good credential that does not cover what is asked
         ├── NotHeld (LookupError)       404 no complete object, file or checkpoint here
         ├── Conflict                    409 what a commit names is missing or does not match
         ├── TooLarge                    413 a body over what the store may hold
+        ├── StoreFull                   507 what the store holds leaves no room for it
         ├── StagingError                no source could serve what a staging needed (one line)
         └── PeerError                   another site's store failed a push (one line)
 
@@ -31,6 +34,16 @@ class BadInput(DataError, ValueError):
     code = "invalid"
 
 
+class Unauthorized(DataError):
+    status = 401
+    code = "unauthorized"
+
+
+class Forbidden(DataError):
+    status = 403
+    code = "forbidden"
+
+
 class NotHeld(DataError, LookupError):
     status = 404
     code = "not_found"
@@ -44,6 +57,11 @@ class Conflict(DataError):
 class TooLarge(DataError):
     status = 413
     code = "too_large"
+
+
+class StoreFull(DataError):
+    status = 507
+    code = "store_full"
 
 
 class StagingError(DataError):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import operator
 import os
 import secrets
 from collections.abc import Awaitable, Callable
@@ -25,6 +26,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
+from sites.agent.data.backups import BackupShelf
 from sites.agent.data.errors import BadInput, DataError, TooLarge
 from sites.agent.data.store import DataStore, check_name, check_sha
 from sites.agent.data.transfer import GRANT_HEADER, SHA_HEADER
@@ -60,7 +62,7 @@ def _guarded(handler: Handler) -> Handler:
         except _Refused as exc:
             return error(exc.status, exc.code, str(exc), exc.field)
         except DataError as exc:
-            if exc.status >= 500:
+            if exc.status == 500:
                 log.exception("data route %s failed", request.path)
             return error(exc.status, exc.code, str(exc), exc.field)
 
@@ -76,6 +78,12 @@ ROUTES = (
     ("PUT", "/data/blobs/{sha}", "put_blob"),
     ("GET", "/data/checkpoints/{tenant}/{job}/latest", "latest_checkpoint"),
     ("PUT", "/data/checkpoints/{tenant}/{job}/{seq}", "put_checkpoint"),
+    # the registry's backups kept here for the federation (sites.agent.data.backups)
+    ("GET", "/data/backups", "shelf.list_backups"),
+    ("GET", "/data/backups/{name}", "shelf.get_backup"),
+    ("PUT", "/data/backups/{name}", "shelf.put_backup"),
+    ("DELETE", "/data/backups/{name}", "shelf.delete_backup"),
+    ("PUT", "/data/backup-readers", "shelf.put_readers"),
 )
 
 
@@ -88,7 +96,7 @@ def add_routes(router: web.UrlDispatcher, resolve: Callable[[], DataRoutes | Non
             routes = resolve()
             if routes is None:
                 return error(503, "unavailable", "the data store is not open yet", None)
-            answer: Handler = getattr(routes, name)
+            answer: Handler = operator.attrgetter(name)(routes)
             return await _guarded(answer)(request)
 
         if method == "GET":
@@ -129,6 +137,10 @@ class DataRoutes:
         self.key = key
         self.clock = clock
         self._committed = committed
+        self.shelf = BackupShelf(
+            directory=store.root / "backups", site=site, key=key, clock=clock,
+            limit_bytes=store.limit_bytes,
+        )  # fmt: skip
 
     def add_to(self, router: web.UrlDispatcher) -> None:
         add_routes(router, lambda: self)
