@@ -4,7 +4,7 @@
 broker evaluates (broker.model.alert_rules), in PromQL over the metrics the broker and the agents
 export. Rules whose inputs are exported as metrics (site up, link loss and RTT, per-site
 capacity and use) are native PromQL; the rest (a site refusing jobs, quota, budget, pending
-jobs, service SLOs) read
+jobs, service SLOs, backups without a copy at a site) read
 the leader's own verdict, `cpn_alerts_firing`, which every replica exports. The metric names
 are in METRICS, the one place; tests/broker/leader/test_alert_export.py checks each against what the
 broker's and an agent's registries really export, and `promtool check rules` the output.
@@ -133,6 +133,8 @@ def prometheus_rules(settings: AlertSettings) -> dict[str, Any]:
          "tenant {{ $labels.tenant }} has jobs pending too long"),
         (Rule.slo_latency, s.slo.enabled and bool(s.slo.latency_ms),
          "service {{ $labels.service }} at {{ $labels.site }} over its latency SLO"),
+        (Rule.backup_stale, s.backup_stale.enabled,
+         "no recent backup has a copy at a site"),
     )  # fmt: skip
     for rule, enabled, summary in verdicts:
         if not enabled:

@@ -85,7 +85,12 @@ class Notification(BaseModel):
 
 
 def alert_inputs(
-    view: View, quotas: Mapping[str, int], book: UsageBook | None, now: float
+    view: View,
+    quotas: Mapping[str, int],
+    book: UsageBook | None,
+    now: float,
+    *,
+    backup_copied_at: float | None = None,
 ) -> AlertInputs:
     """The rules' inputs from a replica's view: one pass over the unfinished jobs and the
     live assignments, and (when the ledger is loaded) one query of this month's spend."""
@@ -102,6 +107,7 @@ def alert_inputs(
         gpus_by_tenant=usage(view, None).gpus_by_tenant,
         quotas=quotas,
         month_usd_by_tenant=month,
+        backup_copied_at=backup_copied_at,
     )
 
 

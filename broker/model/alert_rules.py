@@ -22,6 +22,8 @@ The rules (docs/alerts.md has the long form):
     jobs_pending      a tenant with jobs waiting longer than limit_s for a site
     slo_latency       a service's latency SLO burning its error budget (multi-window burn
                       rate over the latency its endpoint at a site publishes)
+    backup_stale      no backup younger than max_age_s has a copy at a site's data store
+                      (broker.leader.backups): losing the broker's host would lose them all
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Rule(enum.StrEnum):
     budget_exceeded = "budget_exceeded"
     jobs_pending = "jobs_pending"
     slo_latency = "slo_latency"
+    backup_stale = "backup_stale"
 
 
 class _Frozen(BaseModel):
@@ -172,6 +175,18 @@ class PendingRule(_Frozen):
     severity: Severity = "warning"
 
 
+class BackupStaleRule(_Frozen):
+    enabled: bool = True
+    max_age_s: Duration = Field(
+        default=10800.0,
+        gt=0,
+        description="the newest backup with a copy at a site older than this fires (three "
+        "hourly backups in a row not copied)",
+    )
+    for_s: Duration = Field(default=0.0, ge=0)
+    severity: Severity = "warning"
+
+
 class SloRule(_Frozen):
     """An inference SLO and its error budget: `target` of the time, a service's endpoint at a
     site answers within `latency_ms` (the latency its agent publishes every interval); the
@@ -255,6 +270,7 @@ class AlertSettings(_Frozen):
     budget: BudgetRule = BudgetRule()
     pending: PendingRule = PendingRule()
     slo: SloRule = SloRule()
+    backup_stale: BackupStaleRule = BackupStaleRule()
 
     @model_validator(mode="after")
     def _unique_webhooks(self) -> AlertSettings:
@@ -283,6 +299,7 @@ class AlertSettings(_Frozen):
             Rule.budget_exceeded: self.budget,
             Rule.jobs_pending: self.pending,
             Rule.slo_latency: self.slo,
+            Rule.backup_stale: self.backup_stale,
         }
         return table[rule]
 
@@ -297,6 +314,7 @@ RuleSettings = (
     | BudgetRule
     | PendingRule
     | SloRule
+    | BackupStaleRule
 )
 
 
@@ -320,6 +338,8 @@ class AlertInputs:
     gpus_by_tenant: Mapping[str, int] = field(default_factory=dict)
     quotas: Mapping[str, int] = field(default_factory=dict)
     month_usd_by_tenant: Mapping[str, float] | None = None  # None: the ledger is not loaded
+    # when the newest backup with a copy at a site was taken; None: backups are not copied
+    backup_copied_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -438,6 +458,8 @@ def evaluate(
         found += pending(inputs.pending, inputs.now, settings.pending)
     if settings.slo.enabled:
         found += slo(slo_samples or {}, inputs.now, settings.slo)
+    if settings.backup_stale.enabled and inputs.backup_copied_at is not None:
+        found += backup_stale(inputs.backup_copied_at, inputs.now, settings.backup_stale)
     return {f.key: f for f in found}
 
 
@@ -587,6 +609,19 @@ def budget(month_usd: Mapping[str, float], settings: BudgetRule) -> Iterable[Fin
                 f"tenant {tenant} spent {spent:.2f} USD this month, over its {limit:.2f} USD",
                 spent / limit,
             )
+
+
+def backup_stale(copied_at: float, now: float, settings: BackupStaleRule) -> Iterable[Finding]:
+    age = now - copied_at
+    if age > settings.max_age_s:
+        yield Finding(
+            Rule.backup_stale,
+            ("backups",),
+            {},
+            f"no backup of the last {age / 3600:.1f} h has a copy at a site: losing the "
+            "broker's host loses them (docs/backup.md)",
+            age,
+        )
 
 
 def pending(jobs: Iterable[PendingJob], now: float, settings: PendingRule) -> Iterable[Finding]:
