@@ -39,7 +39,7 @@ import aiohttp
 from broker.leader import decisions as dc
 from broker.leader.actions import Actor
 from broker.leader.alerts import AlertKeeper, alert_inputs
-from broker.leader.backups import BackupKeeper
+from broker.leader.backups import BackupKeeper, CopyInputs
 from broker.leader.data_outbox import MANIFEST_TIMEOUT_S, DataOutboxLoop, run_outbox
 from broker.leader.data_terms import DataTerms
 from broker.leader.history import HistoryKeeper
@@ -50,6 +50,8 @@ from broker.leader.start_backoff import StartBackoff, expired
 from broker.model.errors import BrokerError
 from broker.model.jobs import JobRecord, JobSpec
 from broker.model.tenants import TenancyFile
+from broker.ops.backup_copies import Shelf
+from broker.ops.backup_copies import shelves as backup_shelves
 from broker.ops.budgets import NOTHING_BILLED, Billed, billed, budgets_left
 from broker.ops.data_orders import OrderKeeper
 from broker.ops.datasets import Datasets
@@ -61,7 +63,7 @@ from broker.placement.settings import BrokerSettings
 from broker.placement.tenancy import BudgetLeft, FairShare, held_by_tenant
 from broker.plan.solver import solve
 from broker.state.audit import AuditLog
-from broker.state.auth import TokenBook
+from broker.state.auth import Role, TokenBook
 from broker.state.data_index import DataIndex
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
@@ -216,6 +218,12 @@ class Broker:
                 directory=backup_dir,
                 clock=self.clock,
                 metrics=self.metrics,
+                # each also put at sites' data stores, off this host (broker.ops.backup_copies)
+                copying=CopyInputs(
+                    shelves=self._backup_shelves,
+                    readers=self._backup_readers,
+                    http=lambda: self._http,
+                ),  # fmt: skip
             )
             if backup_dir is not None and self.settings.backup.enabled
             else None
@@ -266,6 +274,7 @@ class Broker:
                 gpu_quotas(self.tenancy.file),
                 self.usage if self.usage_mirror.synced.is_set() else None,
                 self.clock.time(),
+                backup_copied_at=self.backups.remote_fresh_at() if self.backups else None,
             ),
             metrics=self.metrics.registry,
             external_url=url,
@@ -278,6 +287,20 @@ class Broker:
         self._down = dc.DownSince()
         self._start_backoff = StartBackoff()
         self._last_batch = 0.0
+
+    def _backup_shelves(self) -> list[Shelf]:
+        """The sites that may keep a copy of a backup now (up, uncordoned, with a store)."""
+        data_keys = {s: k for s in self.data.stores() if (k := self.data.data_key(s))}
+        return backup_shelves(self.view().sites, data_keys)
+
+    def _backup_readers(self) -> list[dict[str, object]]:
+        """The admin tokens that may fetch a backup from a site (their hashes only)."""
+        now = self.clock.time()
+        return [
+            {"id": t.id, "sha256": t.sha256, "expires_at": t.expires_at}
+            for t in self.tokens.tokens.values()
+            if t.role is Role.admin and (t.expires_at is None or t.expires_at > now)
+        ]
 
     # -- lifecycle ----------------------------------------------------------------------------
 

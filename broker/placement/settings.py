@@ -383,7 +383,22 @@ class BackupSettings(BaseModel):
     dir: Path | None = Field(
         default=None,
         description="where; default: <the broker's state dir>/backups. Put it on another "
-        "disk than etcd's, or copy it off the host (docs/backup.md)",
+        "disk than etcd's (docs/backup.md)",
+    )
+    copies: int = Field(
+        default=2,
+        ge=0,
+        description="each backup is also put at this many sites' data stores (fewer where "
+        "fewer are up with one), so that it outlives the broker's host; 0: none",
+    )
+    prefer_regions: tuple[str, ...] = Field(
+        default=(),
+        description="the copies go to sites of these regions first, in this order",
+    )
+    home_region: str | None = Field(
+        default=None,
+        description="the broker's own region: its sites keep copies last (a disaster that "
+        "takes the broker's data center may take them too)",
     )
 
 
