@@ -190,9 +190,16 @@ STARTED: list[Proc] = []  # stopped, by pid, in reverse order, on every exit pat
 
 
 def start_process(
-    name: str, argv: list[str], log_path: Path, *, stdout_pipe: bool, stdin_pipe: bool = False
+    name: str,
+    argv: list[str],
+    log_path: Path,
+    *,
+    stdout_pipe: bool,
+    stdin_pipe: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Proc:
-    """argv in the repository root, its stderr (and stdout unless piped) appended to log_path."""
+    """argv in the repository root, its stderr (and stdout unless piped) appended to log_path;
+    `env` is added to this process's environment."""
     with open(log_path, "ab") as logfile:
         popen = subprocess.Popen(
             argv,
@@ -200,6 +207,7 @@ def start_process(
             stdout=subprocess.PIPE if stdout_pipe else logfile,
             stderr=logfile,
             cwd=ROOT,
+            env={**os.environ, **env} if env else None,
         )
     proc = Proc(name, popen, log_path)
     STARTED.append(proc)
