@@ -1,9 +1,12 @@
-"""`cpn backup create|ls|verify`, `cpn restore SNAPSHOT`, `cpn recovery`: the registry's
-backups, a registry rebuilt from one, and what became of the runs it did not know
-(cpn.backup, sites.registry.backups, docs/backup.md).
+"""`cpn backup create|ls|fetch|verify`, `cpn restore SNAPSHOT`, `cpn recovery`: the
+registry's backups and their copies at the sites, a registry rebuilt from one, and what became
+of the runs it did not know (cpn.backup, cpn.backup_remote, sites.registry.backups,
+docs/backup.md).
 
-A bad snapshot, a damaged one or a data directory that exists exits 2 with one line; an
-unreachable registry exits 1.
+A bad snapshot, a damaged one, a data directory that exists, a site that refuses (no such
+backup there, a token that may not read it) exits 2 with one line; an unreachable registry or
+agent exits 1; a backup taken whose copy failed at a site chosen for one exits 3 (fewer sites
+up with a data store than --copies is a warning only).
 """
 
 from __future__ import annotations
@@ -12,16 +15,20 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
+from broker.ops.backup_copies import CopyError, CopyPlan, Remote, copy_out, fetch, listing
 from cpn.backup import DEFAULT_COLLECT_S, Member, parse_member, restore, verify
+from cpn.backup_remote import agent_session, is_url, readers_of, remote_by_url, shelves_of
 from cpn.cli_base import CliParser, UsageError, registry_of
+from sites.kits.clock import SystemClock
 from sites.model import keys
 from sites.model.recovery import Fate, Phase, Recovery
-from sites.registry.backups import BackupStore
+from sites.registry.backups import BackupInfo, BackupStore, check_backup_name
 
 __all__ = ["add_parsers"]
 
@@ -57,28 +64,144 @@ def _snapshot_path(args: argparse.Namespace) -> Path:
 
 
 async def cmd_backup_create(args: argparse.Namespace) -> int:
+    if args.copies < 0:
+        raise UsageError(f"--copies: must be >= 0, got {args.copies}")
     store = BackupStore(_backup_dir(args), keep=args.keep)
+    before = {i.name: i.copies for i in store.backups()}
+    failed: dict[str, str] = {}
     async with registry_of(args) as registry:
         info = await store.take(registry, now=time.time())
+        if args.copies > 0:
+            kept = {i.name for i in store.backups()}
+            plan = CopyPlan(
+                copies=args.copies, prefer_regions=tuple(args.prefer_region),
+                home_region=args.home_region, keep=args.keep,
+            )  # fmt: skip
+            candidates, readers = await shelves_of(registry), await readers_of(registry)
+            async with agent_session(args.agent_ca) as http:
+                outcome = await copy_out(
+                    http, store, info, candidates=candidates, plan=plan, readers=readers,
+                    clock=SystemClock(), sub="operator",
+                    pruned={n: c for n, c in before.items() if n not in kept and c},
+                )  # fmt: skip
+            info, failed = store.get(info.name), outcome.failed
+            if outcome.short:
+                print(f"cpn: warning: backup {info.name}: {outcome.short}", file=sys.stderr)
     if args.output == "json":
-        print(info.to_json())
+        print(json.dumps({**info.to_dict(), "failed": failed}, indent=1, sort_keys=True))
     else:
         print(
             f"backup {info.name}: revision {info.revision}, {info.size_bytes:,} bytes from "
             f"{info.member}, at {store.path(info.name)}"
         )
-    return 0
+        if args.copies > 0:
+            print(f"copies (sha256 checked there): {', '.join(info.copies) or 'none'}")
+    for site, why in failed.items():
+        print(f"cpn: warning: no copy at {site}: {why}", file=sys.stderr)
+    return 3 if failed else 0
 
 
-def cmd_backup_ls(args: argparse.Namespace) -> int:
+def _where(info: BackupInfo) -> str:
+    return ", ".join(("local", *info.copies))
+
+
+async def cmd_backup_ls(args: argparse.Namespace) -> int:
+    if args.source is not None or args.sites:
+        return await _cmd_backup_ls_remote(args)
     backups = BackupStore(_backup_dir(args)).backups()
     if args.output == "json":
-        print(json.dumps([json.loads(i.to_json()) for i in backups], indent=1))
+        print(json.dumps([i.to_dict() for i in backups], indent=1))
         return 0
-    print(f"{'NAME':<26} {'TAKEN':<24} {'REVISION':>9} {'BYTES':>12}")
+    print(f"{'NAME':<26} {'TAKEN':<24} {'REVISION':>9} {'BYTES':>12}  COPIES")
     for i in backups:
-        print(f"{i.name:<26} {_when(i.taken_at):<24} {i.revision:>9} {i.size_bytes:>12,}")
+        print(
+            f"{i.name:<26} {_when(i.taken_at):<24} {i.revision:>9} {i.size_bytes:>12,}  {_where(i)}"
+        )
     return 0
+
+
+async def _remotes(args: argparse.Namespace) -> list[Remote]:
+    """--from's agent (by URL: the admin token), or the site's (through the registry: a grant),
+    or every site's that may hold copies now."""
+    if args.source and is_url(args.source):
+        return [remote_by_url(args.source)]
+    async with registry_of(args) as registry:
+        candidates = await shelves_of(registry)
+    if args.source:
+        candidates = [s for s in candidates if s.site == args.source]
+        if not candidates:
+            raise UsageError(
+                f"--from {args.source}: no such site up with a data store now (give its "
+                "agent's URL instead, with an admin token in $CPN_TOKEN)"
+            )
+    clock = SystemClock()
+    return [s.remote(clock, "read", "operator") for s in candidates]
+
+
+def _refused(exc: CopyError) -> int:
+    """A site's refusal is the caller's (exit 2); one that cannot be reached is not (1)."""
+    if 400 <= exc.status < 500:
+        raise UsageError(str(exc)) from None
+    print(f"cpn: error: {exc}", file=sys.stderr)
+    return 1
+
+
+async def _cmd_backup_ls_remote(args: argparse.Namespace) -> int:
+    rows: list[tuple[str, BackupInfo]] = []
+    async with agent_session(args.agent_ca) as http:
+        for remote in await _remotes(args):
+            try:
+                rows += [(remote.where, i) for i in await listing(http, remote)]
+            except CopyError as exc:
+                if args.source:
+                    return _refused(exc)
+                print(f"cpn: warning: {exc}", file=sys.stderr)
+    if args.output == "json":
+        print(json.dumps([{**i.to_dict(), "site": w} for w, i in rows], indent=1))
+        return 0
+    print(f"{'SITE':<20} {'NAME':<26} {'TAKEN':<24} {'REVISION':>9} {'BYTES':>12}")
+    for w, i in sorted(rows, key=lambda r: (r[1].taken_at, r[0])):
+        print(f"{w:<20} {i.name:<26} {_when(i.taken_at):<24} {i.revision:>9} {i.size_bytes:>12,}")
+    return 0
+
+
+async def cmd_backup_fetch(args: argparse.Namespace) -> int:
+    if args.name is not None:
+        check_backup_name(args.name)
+    store = BackupStore(_backup_dir(args))
+    last: CopyError | None = None
+    async with agent_session(args.agent_ca) as http:
+        for remote in await _remotes(args):
+            try:
+                name = args.name
+                if name is None:
+                    held = await listing(http, remote)
+                    if not held:
+                        raise CopyError(remote.where, "holds no backup", 404)
+                    name = held[-1].name
+                if store.info_path(name).exists():
+                    raise UsageError(f"{name} is in {store.directory} already (--dir)")
+                info = await fetch(http, remote, name, store)
+            except CopyError as exc:
+                last = exc
+                continue
+            info = store.record_copies(info.name, (remote.where,))
+            if args.output == "json":
+                print(json.dumps({**info.to_dict(), "path": str(store.path(info.name))}))
+                return 0
+            print(
+                f"fetched {info.name} (taken {_when(info.taken_at)}, revision {info.revision}) "
+                f"from {remote.where}: {info.size_bytes:,} bytes, sha256 checked, at "
+                f"{store.path(info.name)}"
+            )
+            print(
+                f"next: cpn backup verify {info.name} --dir {store.directory}; then cpn "
+                f"restore {info.name} --dir {store.directory} --data-dir DIR (docs/backup.md)"
+            )
+            return 0
+    if last is None:
+        raise UsageError("no site is up with a data store to fetch from (--from)")
+    return _refused(last)
 
 
 async def cmd_backup_verify(args: argparse.Namespace) -> int:
@@ -196,6 +319,20 @@ def add_parsers(
         )
         p.add_argument("-o", "--output", choices=("table", "json"), default="table")
 
+    def from_arg(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument(
+            "--from",
+            dest="source",
+            metavar="SITE|URL",
+            help=f"{what}: a site's id (through etcd), or its agent's URL with an admin token "
+            "in $CPN_TOKEN (when etcd is gone)",
+        )
+
+    def agent_ca_arg(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--agent-ca", metavar="FILE", help="the CA the agents' https:// URLs are checked with"
+        )
+
     backup = add("backup", help="snapshots of the registry (docs/backup.md)")
     sub = backup.add_subparsers(dest="backup_command", required=True, parser_class=CliParser)
     create = sub.add_parser("create", help="take a snapshot of etcd now")
@@ -206,12 +343,43 @@ def add_parsers(
         type=int,
         default=0,
         metavar="N",
-        help="then keep only the newest N backups (default: all)",
+        help="then keep only the newest N backups, here and at each site (default: all)",
     )
+    create.add_argument(
+        "--copies",
+        type=int,
+        default=2,
+        metavar="N",
+        help="put it at N sites' data stores too (default 2; 0: none)",
+    )
+    create.add_argument(
+        "--prefer-region",
+        action="append",
+        default=[],
+        metavar="REGION",
+        help="copies to sites of this region first (repeat: in order)",
+    )
+    create.add_argument(
+        "--home-region", metavar="REGION", help="this host's region: its sites last"
+    )
+    agent_ca_arg(create)
     create.set_defaults(func=cmd_backup_create)
-    ls = sub.add_parser("ls", help="the backups in the directory, oldest first")
+    ls = sub.add_parser("ls", help="the backups and where their copies are, oldest first")
     dir_arg(ls)
+    etcd_arg(ls)
+    from_arg(ls, "list the backups a site holds instead")
+    ls.add_argument(
+        "--sites", action="store_true", help="list what every site up holds (through etcd)"
+    )
+    agent_ca_arg(ls)
     ls.set_defaults(func=cmd_backup_ls)
+    get = sub.add_parser("fetch", help="bring a backup back from a site, checked by sha256")
+    get.add_argument("name", metavar="NAME", nargs="?", help="default: the site's newest")
+    dir_arg(get)
+    etcd_arg(get)
+    from_arg(get, "fetch from this site (default: the first that holds it)")
+    agent_ca_arg(get)
+    get.set_defaults(func=cmd_backup_fetch)
     check = sub.add_parser("verify", help="restore a backup into a scratch etcd and read it back")
     check.add_argument("snapshot", metavar="NAME|FILE", nargs="?", help="default: the newest")
     dir_arg(check)

@@ -263,7 +263,13 @@ class Federation:
 def make_federation(
     etcd: EmbeddedEtcd, registry: Registry, processes: Processes, tmp_path: Path
 ) -> Iterator[Callable[..., Federation]]:
-    def make(sites: dict[str, dict[str, Any]] | None = None, *, agents: bool = True) -> Federation:
+    def make(
+        sites: dict[str, dict[str, Any]] | None = None,
+        *,
+        agents: bool = True,
+        settings: dict[str, Any] | None = None,
+    ) -> Federation:
+        """`settings`: configs/broker.yaml's, over BROKER_SETTINGS (top-level keys)."""
         cfg = tmp_path / "configs"
         (cfg / "sites").mkdir(parents=True)
         shutil.copy(CONFIGS / "devices.yaml", cfg / "devices.yaml")
@@ -276,7 +282,7 @@ def make_federation(
         }
         (cfg / "regions.yaml").write_text(yaml.safe_dump(regions))
         (cfg / "tenants.yaml").write_text(yaml.safe_dump({"tenants": {"small": {"gpus": 4}}}))
-        (cfg / "broker.yaml").write_text(yaml.safe_dump(BROKER_SETTINGS))
+        (cfg / "broker.yaml").write_text(yaml.safe_dump({**BROKER_SETTINGS, **(settings or {})}))
         chosen = sites or SITES
         shared = shared_dir(tmp_path)
         for site_id, spec in chosen.items():

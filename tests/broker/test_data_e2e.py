@@ -6,13 +6,16 @@ broker process, HTTP on loopback (docs/data.md).
 - the job's outputs become a new version of the tenant's dataset;
 - a suspended job resumes from what it saved in its stop grace, and a job whose site is killed
   mid-run resumes at another site from its last checkpoint (the job's own log says which step);
-- staging resumes after its source agent is killed and restarted, and skips a corrupt replica.
+- staging resumes after its source agent is killed and restarted, and skips a corrupt replica;
+- the broker's backups are copied to sites' data stores and fetched back once its host is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -22,9 +25,11 @@ from typing import Any
 
 import pytest
 
+from cpn import cli
+from sites.registry.backups import BackupStore
 from sites.registry.client import Registry
 from tests.broker.conftest import Federation
-from tests.conftest import run_cpn
+from tests.conftest import ADMIN_TOKEN, run_cpn
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
@@ -384,3 +389,89 @@ def test_staging_resumes_after_the_source_restarts_and_skips_a_corrupt_replica(
     # the run pulled from both: west's corrupt file was refused and fetched again from abroad
     staged = [e for e in _events(done) if "staging" in e and " from " in e]
     assert staged and "abroad" in staged[-1] and "west" in staged[-1], _events(done)
+
+
+def test_backups_leave_the_broker_host_and_come_back_from_a_site(
+    make_federation: Callable[..., Federation],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """docs/backup.md, "Copies at the sites": the leader's backups are put at two sites' data
+    stores (checked by sha256), pruned there with the local ones; with the broker's host lost
+    (its process killed, its backups deleted) `cpn backup fetch` brings the newest back from a
+    site with an admin token and `cpn backup verify` passes on it; a tenant's token is
+    refused."""
+    backup = {"interval_s": 1.0, "keep": 2, "copies": 2, "home_region": "east"}
+    fed = make_federation(SITES, settings={"backup": backup})
+    assert fed.broker is not None
+    args = [str(a) for a in fed.broker.args]  # type: ignore[union-attr]
+    local = Path(args[args.index("--state-dir") + 1]) / "backups"
+    stores = {site: fed.config_dir / f"state/sites/{site}/data-store/backups" for site in SITES}
+
+    def cpn(*argv: str) -> tuple[int, str, str]:  # in-process: no interpreter to start
+        code = cli.main(list(argv))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    seen: set[str] = set()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # three taken (one pruned), the newest copied twice
+        taken = BackupStore(local).backups()
+        seen |= {b.name for b in taken}
+        if len(seen) >= 3 and len(taken) == 2 and len(taken[-1].copies) == 2:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError(f"backups not copied: {BackupStore(local).backups()}")
+    first, newest = min(seen), taken[-1]
+    code, out, _ = cpn("backup", "ls", "--dir", str(local))
+    assert code == 0 and f"local, {', '.join(newest.copies)}" in out, out
+    # abroad first: not the broker's home region (east)
+    assert newest.copies[0] == "abroad" and newest.copies[1] in ("east-a", "east-b")
+    for site in newest.copies:
+        held = (stores[site] / f"{newest.name}.db").read_bytes()
+        assert hashlib.sha256(held).hexdigest() == newest.sha256
+    # retention: no site keeps the pruned first one, none more than keep
+    for site, where in stores.items():
+        names = sorted(p.stem for p in where.glob("cpn-*.json")) if where.exists() else []
+        assert first not in names and len(names) <= 2, (site, names)
+    code, out, err = cpn("backup", "ls", "--sites", "--etcd", fed.registry.url, "-o", "json")
+    assert code == 0, err
+    assert {(r["site"], r["name"]) for r in json.loads(out)} >= {
+        (s, newest.name) for s in newest.copies
+    }
+
+    tenant = _tenant_token(fed)
+    # the broker's host is lost: its process and its backups
+    fed.kill(fed.broker)
+    shutil.rmtree(local)
+    url = _agent_url(fed, "abroad")
+    new_host = tmp_path / "new-host"
+    monkeypatch.setenv("CPN_TOKEN", tenant)
+    code, _, err = cpn("backup", "fetch", "--from", url, "--dir", str(new_host))
+    assert code == 2 and err.count("\n") == 1 and "only an admin token" in err, err
+    monkeypatch.setenv("CPN_TOKEN", ADMIN_TOKEN)
+    code, out, err = cpn("backup", "fetch", "--from", url, "--dir", str(new_host))
+    assert code == 0, err
+    name = sorted(p.stem for p in stores["abroad"].glob("cpn-*.json"))[-1]
+    assert f"fetched {name}" in out and "sha256 checked" in out
+    verified = run_cpn("backup", "verify", name, "--dir", str(new_host), timeout=120)
+    assert verified.returncode == 0, verified.stderr
+    assert "ok: size and sha256 match its description" in verified.stdout
+
+
+def _agent_url(fed: Federation, site: str) -> str:
+    async def url() -> str:
+        async with Registry.from_urls(fed.registry.url) as registry:
+            agent = (await registry.snapshot()).view(site).agent
+            assert agent is not None
+            return agent.url
+
+    return asyncio.run(url())
+
+
+def _tenant_token(fed: Federation) -> str:
+    status, made = fed.request("POST", "/v1/tokens", {"role": "tenant-admin", "tenant": "t1"})
+    assert status == 201, made
+    return str(made["token"])
