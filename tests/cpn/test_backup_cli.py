@@ -1,4 +1,4 @@
-"""`cpn backup create|ls|verify`, `cpn restore`, `cpn recovery` (cpn.backup_cli) against the
+"""`cpn backup create|ls|fetch|verify`, `cpn restore`, `cpn recovery` (cpn.backup_cli) against the
 session's etcd: what they print, and each bad input refused with exit 2 and one line."""
 
 from __future__ import annotations
@@ -92,6 +92,29 @@ def test_a_restore_with_bad_members_is_refused(
     two = ("--member", "a=http://127.0.0.1:1", "--member", "b=http://127.0.0.1:2")
     assert "no quorum" in refused(capsys, *base, *two)
     assert "--collect-s: must be > 0" in refused(capsys, *base, "--collect-s", "0")
+
+
+def test_bad_copies_and_fetches_are_refused_in_one_line(
+    etcd: EmbeddedEtcd,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    d = ("--dir", str(tmp_path))
+    assert "--copies: must be >= 0" in refused(
+        capsys, "backup", "create", "--etcd", etcd.url, *d, "--copies", "-1"
+    )
+    assert "is not a backup's name" in refused(capsys, "backup", "fetch", "x.db", *d)
+    assert "no such site up with a data store" in refused(
+        capsys, "backup", "fetch", "--from", "nowhere", "--etcd", etcd.url, *d
+    )
+    monkeypatch.delenv("CPN_TOKEN")
+    assert "needs an admin token in $CPN_TOKEN" in refused(
+        capsys, "backup", "ls", "--from", "http://127.0.0.1:9", *d
+    )
+    assert "--agent-ca: no such file" in refused(
+        capsys, "backup", "ls", "--sites", "--etcd", etcd.url, "--agent-ca", "/none", *d
+    )
 
 
 def test_recovery_of_a_registry_never_restored(
