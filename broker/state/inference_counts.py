@@ -191,10 +191,11 @@ class Window:
         """[second, requests, tokens] of the non-empty seconds in the window at `second`."""
         self.advance(second)
         out = []
+        seconds, requests, tokens = self._seconds, self._requests, self._tokens
         for s in range(self._head - WINDOW_S + 1, self._head + 1):
-            r, t = self.at(s)
-            if r or t:
-                out.append((s, r, t))
+            i = s % WINDOW_S
+            if seconds[i] == s and (requests[i] or tokens[i]):
+                out.append((s, requests[i], tokens[i]))
         return out
 
 

@@ -99,6 +99,13 @@ MAX_PUTS = 100
 """Keys one flush writes at most (etcd's --max-txn-ops is 128 by default)."""
 CLEANUP_S = 60.0
 """How often a replica looks for keys of a past month to delete."""
+QUIET_S = 1.0
+"""How often the flush loop publishes a tenant far from its limits (`_far`): the others' view
+of it may be this old, which their estimate of its unseen counts (its rate times its record's
+age) covers; a tenant near a limit is published every flush_s."""
+FAR_S = 10.0
+"""A tenant is far from its limits when, at its recent rate (all replicas'), it would reach
+none of them within this many seconds."""
 _WRITER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
@@ -138,9 +145,11 @@ class InferenceLimits:
         self._records: dict[str, LimitRecord] = {}  # key -> the last record seen, every writer
         self._revisions: dict[str, int] = {}  # key -> mod_revision seen
         self._awaiting: dict[str, bytes] = {}  # own key -> what was written, until seen back
+        self._sent: dict[str, LimitRecord] = {}  # own key -> the record written, until seen back
         self._latest: dict[str, int] = {}  # own key -> the newest mod_revision seen of it
         # tenant -> what the gateway counted on its own since the last take (`_take_counts`)
         self._counts: dict[str, Counts] = {}
+        self._published: dict[str, float] = {}  # tenant -> when the loop last published it
         self._restored = False
         self._lock = asyncio.Lock()
         self.mirror = PrefixMirror(
@@ -336,6 +345,7 @@ class InferenceLimits:
         self._records.clear()
         self._revisions.clear()
         self._awaiting.clear()
+        self._sent.clear()
         self._latest.clear()
         month = self._months(self._clock.time())
         for key, value, rev in kvs:
@@ -350,7 +360,10 @@ class InferenceLimits:
         if not tenant or not writer:
             return
         new = None
-        if value is not None:
+        sent = self._sent.pop(key, None)
+        if sent is not None and value is not None and value == self._awaiting.get(key):
+            new = sent  # this replica's own write come back: not decoded again
+        elif value is not None:
             new = _decode(key, value)
             if new is None:
                 return  # unreadable: logged, the last good one kept
@@ -385,8 +398,43 @@ class InferenceLimits:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    async def flush(self, now: float | None = None) -> bool:
-        """Publish this replica's changed counts: one guarded transaction; True if written."""
+    def _far(self, tenant: str, now: float) -> bool:
+        """Whether `tenant`, at the rate all replicas counted it lately, would reach none of its
+        limits within FAR_S (a token with limits of its own: never far)."""
+        policy = self._policy(tenant)
+        if policy is None or not policy.limited or self._tenant_tokens.get(tenant):
+            return policy is None or not policy.limited
+        scope = self._scope(tenant)
+        second = int(now)
+        counted_requests = counted_tokens = 0
+        for s in range(second - PEER_BUSY_S + 1, second + 1):
+            for window in (scope.own, scope.others):
+                r, t = window.at(s)
+                counted_requests += r
+                counted_tokens += t
+        rate_requests = counted_requests / PEER_BUSY_S
+        rate_tokens = counted_tokens / PEER_BUSY_S
+        requests, tokens = scope.estimate(now)
+        rpm, tpm = policy.requests_per_minute, policy.tokens_per_minute
+        if rpm is not None and rpm - requests <= FAR_S * rate_requests:
+            return False
+        if tpm is not None and tpm - tokens <= FAR_S * rate_tokens:
+            return False
+        budget = policy.budget
+        if budget is not None:
+            month_tokens, usd = scope.in_month(self._months(now))
+            if budget.tokens_per_month is not None:
+                if budget.tokens_per_month - month_tokens <= FAR_S * rate_tokens:
+                    return False
+            if budget.usd_per_month is not None:
+                usd_rate = usd / month_tokens * rate_tokens if month_tokens else 0.0
+                if budget.usd_per_month - usd <= FAR_S * usd_rate:
+                    return False
+        return True
+
+    async def flush(self, now: float | None = None, *, paced: bool = False) -> bool:
+        """Publish this replica's changed counts: one guarded transaction; True if written.
+        `paced` (the loop's): a tenant far from its limits only every QUIET_S."""
         async with self._lock:
             if not self.mirror.synced.is_set():
                 return False
@@ -404,7 +452,15 @@ class InferenceLimits:
                 key = keys.inference_limit(tenant, self.writer)
                 if key in self._awaiting:
                     continue  # its last write has not come back yet: its revision is unknown
-                puts[key] = self._record(tenant, second, month, seq, now)
+                if (
+                    paced
+                    and now - self._published.get(tenant, -math.inf) < QUIET_S
+                    and self._far(tenant, now)
+                ):
+                    continue
+                record = self._record(tenant, second, month, seq, now)
+                self._sent[key] = record
+                puts[key] = record.model_dump_json().encode()
                 guards.append(Guard(key, mod_revision=self._revisions.get(key, 0)))
                 taken.append(tenant)
                 if len(taken) >= MAX_PUTS:
@@ -427,6 +483,7 @@ class InferenceLimits:
                 return False
             self.seq = seq
             for tenant in taken:  # what the others had not seen of these is published now
+                self._published[tenant] = now
                 self._scope(tenant).published()
                 for token_id in self._tenant_tokens.get(tenant, ()):
                     self._token_scope(tenant, token_id).published()
@@ -436,19 +493,19 @@ class InferenceLimits:
         self._dirty.update(tenants)
         for key in puts:
             self._awaiting.pop(key, None)
+            self._sent.pop(key, None)
             self._revisions[key] = self._latest.get(key, self._revisions.get(key, 0))
 
-    def _record(self, tenant: str, second: int, month: str, seq: int, now: float) -> bytes:
+    def _record(self, tenant: str, second: int, month: str, seq: int, now: float) -> LimitRecord:
         scope = self._scope(tenant)
         base = scope.record(second, month)
         by_token = {
             token_id: self._tokens[token_id].record(second, month)
             for token_id in sorted(self._tenant_tokens.get(tenant, ()))
         }
-        record = LimitRecord(
+        return LimitRecord(
             **base.model_dump(), writer=self.writer, seq=seq, at=now, by_token=by_token
         )
-        return record.model_dump_json().encode()
 
     async def clean(self, now: float | None = None) -> int:
         """Delete keys of a past month whose seconds are out of the window (any writer's, each
@@ -485,7 +542,7 @@ class InferenceLimits:
         while True:
             await self._clock.sleep(self.flush_s)
             try:
-                await self.flush()
+                await self.flush(paced=True)
                 if loop.time() - cleaned >= CLEANUP_S:
                     cleaned = loop.time()
                     await self.clean()

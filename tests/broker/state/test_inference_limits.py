@@ -17,7 +17,7 @@ import pytest
 
 from broker.api.inference import TokenAccountant
 from broker.model.tenants import InferencePolicy, TokenLimits
-from broker.state.inference_limits import InferenceLimits, LimitRecord, Refusal
+from broker.state.inference_limits import QUIET_S, InferenceLimits, LimitRecord, Refusal
 from broker.state.metrics import BrokerMetrics
 from broker.state.token_ledger import TokenLedger
 from routing.gateway.proxy import Billed
@@ -327,6 +327,42 @@ async def test_the_loops_publish_by_themselves(limits: Make, registry: Registry)
         seq = a.seq
         await asyncio.sleep(0.1)
         assert a.seq == seq  # nothing changed: nothing written
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_the_loop_publishes_a_tenant_far_from_its_limits_once_a_second(
+    limits: Make, registry: Registry
+) -> None:
+    """The flush loop writes a tenant near a limit every flush_s, one that would reach none
+    of them within FAR_S at its rate only every QUIET_S; a direct flush writes both."""
+    clock = SimClock()
+    policies = {
+        "far": policy(requests_per_minute=1_000_000),
+        "near": policy(requests_per_minute=40),
+    }
+    a = InferenceLimits(
+        registry=registry, writer="broker-a", policy=policies.get,
+        token_limits=lambda _: None, clock=clock, flush_s=0.02,
+    )  # fmt: skip
+    task = asyncio.create_task(a.run(), name="inference limits a")
+    try:
+        await synced(a)
+        writes = {"far": set(), "near": set()}  # the seqs each tenant's record was written at
+        for _ in range(10):
+            for tenant in writes:
+                assert a.admit(tenant, None, clock.t) is None
+            await asyncio.sleep(0.05)
+            for tenant, seen in writes.items():
+                seen.add(a.heard(tenant, "broker-a"))
+        assert len(writes["near"] - {0}) >= 5
+        assert len(writes["far"] - {0}) == 1
+        clock.t += QUIET_S
+        before = a.heard("far", "broker-a")
+        await until(lambda: a.heard("far", "broker-a") > before)
+        assert a.admit("far", None, clock.t) is None
+        assert await a.flush()  # a direct flush does not wait
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
