@@ -117,6 +117,17 @@ if _SLOT.size > SLOT_SIZE or _HEADER.size > _HEADER_SIZE:  # pragma: no cover - 
 Price = Callable[[str, str, float], TokenPrice | None]
 
 
+class _LostRace(Exception):
+    """A flush's guarded commit failed; `done`: uses found in already on that try."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(done)
+        self.done = done
+
+
+_WRITTEN_MAX = 4096  # TokenDay keys whose last written value a ledger keeps (one per tenant a day)
+
+
 class TokenLedgerError(BrokerError):
     """The ledger's file cannot be used (another process holds it, another writer's, not a
     ledger), or a TokenDay key in etcd does not decode."""
@@ -338,6 +349,9 @@ class TokenLedger:
         # (day, tenant, model, site, client region) -> the row's sums since the last flush
         self._rows: dict[tuple[str, str, str, str, str], _Pending] = {}
         self._in_flight = 0
+        # TokenDay key -> the day as this ledger last committed it, and its bytes: the next
+        # flush starts from it, guarded on the key still holding exactly those bytes
+        self._written: dict[str, tuple[TokenDay, bytes]] = {}
         self._flush_lock = asyncio.Lock()
         self._warned_memory = False
         self._after_commit: Callable[[], None] | None = None  # tests: a crash before the free
@@ -740,66 +754,95 @@ class TokenLedger:
         rest under a new flush seq, commit guarded; again on a lost race."""
         done = 0
         for _ in range(MAX_ATTEMPTS):
-            got = await self.registry.get_many(names)
-            days: dict[str, tuple[TokenDay, int]] = {}
-            for key in names:
-                day = self._day(key, got.get(key), groups[key][0].use)
-                revision = got[key][1] if key in got else 0
-                live = []
-                for item in groups[key]:
-                    if 0 < item.mark <= day.seq:
-                        self._free_item(item)  # an earlier flush of it committed
-                        done += item.requests
-                    else:
-                        live.append(item)
-                groups[key] = live
-                if live:
-                    days[key] = (day, revision)
-            if not days:
-                return done
-            seq = max(self._seq, *(day.seq for day, _ in days.values())) + 1
-            self._set_seq(seq)
-            puts: dict[str, bytes] = {}
-            for key, (day, _) in days.items():
-                # sums per row in plain numbers first: one model update per row, not per use
-                sums: dict[str, list[float]] = {}
-                for item in groups[key]:
-                    if item.mark == 0:
-                        self._mark(item, seq)
-                    use = item.use
-                    name = row_key(use.model, use.site, use.client_region)
-                    tally = sums.get(name)
-                    if tally is None:
-                        tally = sums[name] = [0, 0, 0, 0, 0, 0.0]
-                    tally[0] += item.requests
-                    tally[1] += item.prompt
-                    tally[2] += item.completion
-                    tally[3] += item.cached
-                    tally[4] += item.counted
-                    tally[5] += item.usd
-                for name, (n, prompt, completion, cached, counted, usd) in sums.items():
-                    row = day.rows.get(name)
-                    if row is None:
-                        row = day.rows[name] = TokenRow()
-                    row.requests += int(n)
-                    row.prompt_tokens += int(prompt)
-                    row.completion_tokens += int(completion)
-                    row.cached_tokens += int(cached)
-                    row.counted_requests += int(counted)
-                    row.usd += usd
-                day.seq = seq
-                puts[key] = day.model_dump_json().encode()
-            guards = [Guard(key, mod_revision=rev) for key, (_, rev) in days.items()]
-            if await self.registry.commit(guards=guards, puts=puts):
-                if self._after_commit is not None:
-                    self._after_commit()
-                for key in days:
-                    for item in groups[key]:
-                        self._free_item(item)
-                        done += item.requests
-                    groups[key] = []
-                return done
+            try:
+                done += await self._attempt(names, groups)
+            except _LostRace as lost:
+                done += lost.done
+                continue
+            except BaseException:
+                for key in names:  # the commit may have gone in: read them again
+                    self._written.pop(key, None)
+                raise
+            return done
         raise StaleRecord(f"token ledger: {len(names)} TokenDay keys changed under every try")
+
+    async def _attempt(self, names: Sequence[str], groups: dict[str, list[_Pending]]) -> int:
+        """One try of `_commit`: the keys as this ledger last wrote them (guarded on holding
+        exactly that: it is their only writer, so a flush reads them only after a start or a
+        failed try), else read; _LostRace when a guard failed."""
+        done = 0
+        written = {key: self._written[key] for key in names if key in self._written}
+        unknown = [key for key in names if key not in written]
+        got = await self.registry.get_many(unknown) if unknown else {}
+        days: dict[str, tuple[TokenDay, Guard]] = {}
+        for key in names:
+            if key in written:
+                day, value = written[key]
+                guard = Guard(key, value=value)
+            else:
+                day = self._day(key, got.get(key), groups[key][0].use)
+                guard = Guard(key, mod_revision=got[key][1] if key in got else 0)
+            live = []
+            for item in groups[key]:
+                if 0 < item.mark <= day.seq:
+                    self._free_item(item)  # an earlier flush of it committed
+                    done += item.requests
+                else:
+                    live.append(item)
+            groups[key] = live
+            if live:
+                days[key] = (day, guard)
+        if not days:
+            return done
+        seq = max(self._seq, *(day.seq for day, _ in days.values())) + 1
+        self._set_seq(seq)
+        puts: dict[str, bytes] = {}
+        for key, (day, _) in days.items():
+            # sums per row in plain numbers first: one model update per row, not per use
+            sums: dict[str, list[float]] = {}
+            for item in groups[key]:
+                if item.mark == 0:
+                    self._mark(item, seq)
+                use = item.use
+                name = row_key(use.model, use.site, use.client_region)
+                tally = sums.get(name)
+                if tally is None:
+                    tally = sums[name] = [0, 0, 0, 0, 0, 0.0]
+                tally[0] += item.requests
+                tally[1] += item.prompt
+                tally[2] += item.completion
+                tally[3] += item.cached
+                tally[4] += item.counted
+                tally[5] += item.usd
+            for name, (n, prompt, completion, cached, counted, usd) in sums.items():
+                row = day.rows.get(name)
+                if row is None:
+                    row = day.rows[name] = TokenRow()
+                row.requests += int(n)
+                row.prompt_tokens += int(prompt)
+                row.completion_tokens += int(completion)
+                row.cached_tokens += int(cached)
+                row.counted_requests += int(counted)
+                row.usd += usd
+            day.seq = seq
+            puts[key] = day.model_dump_json().encode()
+        guards = [guard for _, guard in days.values()]
+        if not await self.registry.commit(guards=guards, puts=puts):
+            for key in days:  # changed by another (a misconfigured twin): read them again
+                self._written.pop(key, None)
+            raise _LostRace(done)
+        if len(self._written) >= _WRITTEN_MAX:
+            self._written.clear()
+        for key, (day, _) in days.items():
+            self._written[key] = (day, puts[key])
+        if self._after_commit is not None:
+            self._after_commit()
+        for key in days:
+            for item in groups[key]:
+                self._free_item(item)
+                done += item.requests
+            groups[key] = []
+        return done
 
     def _day(self, key: str, raw: tuple[bytes, int] | None, use: TokenUse) -> TokenDay:
         if raw is None:

@@ -124,6 +124,37 @@ async def test_settled_uses_are_summed_per_day_tenant_and_row(
     assert (await days(registry))["2025-03-01"].seq == 2
 
 
+async def test_a_flush_starts_from_what_it_wrote_and_reads_a_key_changed_meanwhile(
+    ledgers: Callable[..., TokenLedger], registry: Registry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flush does not read back the TokenDay keys the ledger itself last wrote (it guards on
+    their holding exactly that); a key changed by another meanwhile fails the guard, is read,
+    and the sums stay right."""
+    ledger = ledgers(clock=WallClock(NOON))
+    reads: list[list[str]] = []
+    get_many = registry.get_many
+
+    async def counting(names, *args, **kw):  # type: ignore[no-untyped-def]
+        reads.append(list(names))
+        return await get_many(names, *args, **kw)
+
+    monkeypatch.setattr(registry, "get_many", counting)
+    ledger.settle(whole(1))
+    assert await ledger.flush() == 1
+    assert len(reads) == 1  # the first flush reads
+    ledger.settle(whole(2))
+    assert await ledger.flush() == 1
+    assert len(reads) == 1  # the second starts from what the first wrote
+    key = keys.usage_tokens("2025-03-01", "acme", ledger.writer)
+    changed = (await days(registry))["2025-03-01"]
+    changed.rows[ROW].requests += 5  # another writer (a misconfigured twin) wrote meanwhile
+    await registry.put_raw(key, changed.model_dump_json().encode())
+    ledger.settle(whole(3))
+    assert await ledger.flush() == 1
+    assert len(reads) == 2  # the guard failed: read again
+    assert (await days(registry))["2025-03-01"].rows[ROW].requests == 3 + 5
+
+
 async def test_a_flush_replayed_after_a_crash_between_commit_and_free_adds_nothing(
     ledgers: Callable[..., TokenLedger], registry: Registry, tmp_path: Path
 ) -> None:
