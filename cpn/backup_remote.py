@@ -33,7 +33,7 @@ from sites.registry.client import Registry
 
 __all__ = ["agent_session", "is_url", "readers_of", "remote_by_url", "shelves_of"]
 
-TIMEOUT_S = 600.0  # a whole copy or fetch of one backup
+TIMEOUT_S = 60.0  # a listing, a removal (a copy or a fetch: backup_copies.TRANSFER_TIMEOUT)
 
 
 def is_url(where: str) -> bool:

@@ -56,6 +56,9 @@ GRANT_HEADER = "X-Cpn-Grant"  # sites.agent.data.transfer's
 SHA_HEADER = "X-Cpn-Sha256"
 INFO_HEADER = "X-Cpn-Backup"  # sites.agent.data.backups'
 CHUNK = 1 << 20
+# a copy or a fetch moves the whole registry (up to etcd's quota, GBs) over a WAN path: no limit
+# on the whole, only on a stalled connection (the session's own limit is for small calls)
+TRANSFER_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=10.0, sock_read=120.0)
 
 
 class CopyError(BrokerError):
@@ -172,7 +175,8 @@ async def push(http: aiohttp.ClientSession, remote: Remote, path: Path, info: Ba
     }
     url = f"{remote.url}/data/backups/{info.name}"
     try:
-        async with http.put(url, data=_chunks(path), headers=headers) as answer:
+        put = http.put(url, data=_chunks(path), headers=headers, timeout=TRANSFER_TIMEOUT)
+        async with put as answer:
             if answer.status != 201:
                 raise await _error(remote.where, answer)
             got = await answer.json()
@@ -237,7 +241,8 @@ async def fetch(
         raise CopyError(remote.where, f"holds no backup {name} (its newest: {have})", 404)
     part = store.part_path(name)
     try:
-        async with http.get(f"{remote.url}/data/backups/{name}", headers=remote.headers) as a:
+        url = f"{remote.url}/data/backups/{name}"
+        async with http.get(url, headers=remote.headers, timeout=TRANSFER_TIMEOUT) as a:
             if a.status != 200:
                 raise await _error(remote.where, a)
             if a.headers.get(SHA_HEADER, info.sha256) != info.sha256:
