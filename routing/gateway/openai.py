@@ -302,16 +302,38 @@ class Meter:
 
     def _events(self, block: bytes) -> bytes:
         """Whole events: count them, take their usage, and strip what the client did not ask
-        for. Bytes operations over the whole block (four scans of a chunk that carries a
-        `"usage":null`, two of one without); only the usage event is parsed."""
+        for. The common block, one event whose `usage` (its last member, as vLLM and OpenAI
+        write it) is null, costs one scan and a look from its end (`"usage"` can only be a key
+        or a whole string value: a string's own quotes are escaped); the rest goes through
+        `_blocks`, and only a usage event is parsed."""
         n = block.count(b"data: {")
         if n == 0:
             n = block.count(b"data:{")
         if n:
             self.chunks += n
             self._store()
-        if b'"usage"' not in block:
+        at = block.rfind(b'"usage"')
+        if at < 0:
             return block
+        if n != 1:
+            return self._blocks(block)
+        after = at + 7
+        if block.startswith(b":null", after):
+            stop = after + 5
+        elif block.startswith(b": null", after):
+            stop = after + 6
+        else:
+            return self._blocks(block)  # a usage object, or "usage" as a value
+        if not self.strip:
+            return block
+        if block.startswith(b",", at - 1):
+            return block[: at - 1] + block[stop:]
+        if block.startswith(b", ", at - 2):
+            return block[: at - 2] + block[stop:]
+        return self._blocks(block)  # not after another member: the general way
+
+    def _blocks(self, block: bytes) -> bytes:
+        """`_events` for any block (its events already counted)."""
         if self.strip:
             null = self._usage_null
             if null:

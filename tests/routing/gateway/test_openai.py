@@ -196,6 +196,24 @@ def test_each_servers_way_of_writing_a_null_usage_is_taken_out() -> None:
         assert meter.chunks == 3
 
 
+@pytest.mark.parametrize("strip", [False, True])
+def test_usage_anywhere_in_an_event_or_as_a_word_is_handled(strip: bool) -> None:
+    """The look from an event's end finds its usage only where vLLM writes it (last): a null
+    usage first, or the word "usage" as the content, go the general way, with the same result."""
+    events = [
+        b'data: {"usage":null,"id":"c","choices":[{"index":0,"delta":{"content":"usage"}}]}\n\n',
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"usage"}}],"usage":null}\n\n',
+        b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"usage"}}]}\n\n',
+    ]
+    meter = Meter(strip=strip)
+    for event in events:
+        out = meter.feed(event)
+        doc = json.loads(out[len(b"data: ") :])
+        assert doc["choices"][0]["delta"]["content"] == "usage"
+        assert ("usage" in doc) == (not strip and b'"usage":null' in event)
+    assert meter.chunks == 3 and meter.usage is None
+
+
 @pytest.mark.parametrize(
     "raw",
     [
