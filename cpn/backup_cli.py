@@ -1,4 +1,4 @@
-"""`cpn backup create|ls|fetch|verify`, `cpn restore SNAPSHOT`, `cpn recovery`: the
+"""`cpn backup create|ls|fetch|verify|key`, `cpn restore SNAPSHOT`, `cpn recovery`: the
 registry's backups and their copies at the sites, a registry rebuilt from one, and what became
 of the runs it did not know (cpn.backup, cpn.backup_remote, sites.registry.backups,
 docs/backup.md).
@@ -26,6 +26,7 @@ from cpn.backup import DEFAULT_COLLECT_S, Member, parse_member, restore, verify
 from cpn.backup_remote import agent_session, is_url, readers_of, remote_by_url, shelves_of
 from cpn.cli_base import CliParser, UsageError, registry_of
 from sites.kits.clock import SystemClock
+from sites.kits.sealed import load_key, new_key
 from sites.model import keys
 from sites.model.recovery import Fate, Phase, Recovery
 from sites.registry.backups import BackupInfo, BackupStore, check_backup_name
@@ -75,7 +76,7 @@ async def cmd_backup_create(args: argparse.Namespace) -> int:
             kept = {i.name for i in store.backups()}
             plan = CopyPlan(
                 copies=args.copies, prefer_regions=tuple(args.prefer_region),
-                home_region=args.home_region, keep=args.keep,
+                home_region=args.home_region, keep=args.keep, key=_key(args),
             )  # fmt: skip
             candidates, readers = await shelves_of(registry), await readers_of(registry)
             async with agent_session(args.agent_ca) as http:
@@ -99,6 +100,23 @@ async def cmd_backup_create(args: argparse.Namespace) -> int:
     for site, why in failed.items():
         print(f"cpn: warning: no copy at {site}: {why}", file=sys.stderr)
     return 3 if failed else 0
+
+
+def _key(args: argparse.Namespace) -> bytes | None:
+    return load_key(Path(args.key)) if args.key else None
+
+
+def cmd_backup_key(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    if path.exists():
+        raise UsageError(f"{path} exists: a key is never overwritten (the copies need it)")
+    new_key(path)
+    print(
+        f"backup key at {path} (0600): give it as backup.key_file (configs/broker.yaml) or "
+        "--key; keep a copy off the broker's host, beside the admin token: without it the "
+        "sealed copies at the sites cannot be opened"
+    )
+    return 0
 
 
 def _where(info: BackupInfo) -> str:
@@ -181,7 +199,7 @@ async def cmd_backup_fetch(args: argparse.Namespace) -> int:
                     name = held[-1].name
                 if store.info_path(name).exists():
                     raise UsageError(f"{name} is in {store.directory} already (--dir)")
-                info = await fetch(http, remote, name, store)
+                info = await fetch(http, remote, name, store, _key(args))
             except CopyError as exc:
                 last = exc
                 continue
@@ -333,6 +351,9 @@ def add_parsers(
             "--agent-ca", metavar="FILE", help="the CA the agents' https:// URLs are checked with"
         )
 
+    def key_arg(p: argparse.ArgumentParser, what: str) -> None:
+        p.add_argument("--key", metavar="FILE", help=f"{what} (`cpn backup key FILE`)")
+
     backup = add("backup", help="snapshots of the registry (docs/backup.md)")
     sub = backup.add_subparsers(dest="backup_command", required=True, parser_class=CliParser)
     create = sub.add_parser("create", help="take a snapshot of etcd now")
@@ -363,6 +384,7 @@ def add_parsers(
         "--home-region", metavar="REGION", help="this host's region: its sites last"
     )
     agent_ca_arg(create)
+    key_arg(create, "seal the copies at the sites with this key")
     create.set_defaults(func=cmd_backup_create)
     ls = sub.add_parser("ls", help="the backups and where their copies are, oldest first")
     dir_arg(ls)
@@ -379,7 +401,11 @@ def add_parsers(
     etcd_arg(get)
     from_arg(get, "fetch from this site (default: the first that holds it)")
     agent_ca_arg(get)
+    key_arg(get, "open a sealed copy with this key")
     get.set_defaults(func=cmd_backup_fetch)
+    key = sub.add_parser("key", help="make a key to seal the copies at the sites with")
+    key.add_argument("file", metavar="FILE")
+    key.set_defaults(func=cmd_backup_key)
     check = sub.add_parser("verify", help="restore a backup into a scratch etcd and read it back")
     check.add_argument("snapshot", metavar="NAME|FILE", nargs="?", help="default: the newest")
     dir_arg(check)

@@ -28,6 +28,7 @@ from broker.placement.settings import BackupSettings
 from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from sites.kits.clock import Clock
+from sites.kits.sealed import SealError, load_key
 from sites.model.errors import PermissionDenied, RegistryError
 from sites.registry.backups import BackupError, BackupInfo, BackupStore
 from sites.registry.client import Registry
@@ -98,10 +99,11 @@ class BackupKeeper:
         self.last_copy: CopyOutcome | None = None
 
     def plan(self) -> CopyPlan:
+        """SealError when the key file cannot be read (each copy fails with it, counted)."""
         s = self.settings
         return CopyPlan(
             copies=s.copies, prefer_regions=s.prefer_regions, home_region=s.home_region,
-            keep=s.keep,
+            keep=s.keep, key=load_key(s.key_file) if s.key_file is not None else None,
         )  # fmt: skip
 
     def remote_fresh_at(self) -> float | None:
@@ -173,7 +175,7 @@ class BackupKeeper:
                 http, self.store, info, candidates=copying.shelves(), plan=self.plan(),
                 readers=copying.readers(), clock=self.clock, pruned=self._pruned,
             )  # fmt: skip
-        except (OSError, BackupError) as exc:  # the local file or its description
+        except (OSError, BackupError, SealError) as exc:  # the local file, its key
             outcome = CopyOutcome(name=info.name, copies=info.copies, failed={"-": str(exc)})
         self.last_copy = outcome
         self._pruned = {}

@@ -30,10 +30,11 @@ import aiohttp
 
 from broker.model.errors import BrokerError
 from sites.kits.clock import Clock
+from sites.kits.sealed import SealError, open_file, seal_file
 from sites.model.data import BACKUPS_SCOPE, Claims, Op, mint
 from sites.model.snapshot import Snapshot
 from sites.model.status import SiteState
-from sites.registry.backups import BackupError, BackupInfo, BackupStore
+from sites.registry.backups import PARTIAL, BackupError, BackupInfo, BackupStore, sha256_of
 
 __all__ = [
     "CopyError",
@@ -114,6 +115,7 @@ class CopyPlan:
     prefer_regions: tuple[str, ...] = ()
     home_region: str | None = None
     keep: int = 0  # at each site, the newest this many (0: all)
+    key: bytes | None = None  # the copies sealed with it (sites.kits.sealed); None: as taken
 
 
 def choose(
@@ -230,16 +232,25 @@ async def set_readers(
 
 
 async def fetch(
-    http: aiohttp.ClientSession, remote: Remote, name: str, store: BackupStore
+    http: aiohttp.ClientSession,
+    remote: Remote,
+    name: str,
+    store: BackupStore,
+    key: bytes | None = None,
 ) -> BackupInfo:
     """Bring backup `name` from the site into `store`, kept once its sha256 matches the site's
-    description of it (BackupError when not: nothing is kept)."""
+    description of it (BackupError when not: nothing is kept); a sealed copy is opened with
+    `key` and the snapshot within checked again."""
     infos = {i.name: i for i in await listing(http, remote)}
     info = infos.get(name)
     if info is None:
         have = ", ".join(sorted(infos)[-3:]) or "none"
         raise CopyError(remote.where, f"holds no backup {name} (its newest: {have})", 404)
+    if info.sealed and key is None:
+        raise BackupError(f"{name} at {remote.where} is sealed: give the backup key (--key)")
     part = store.part_path(name)
+    if info.sealed:
+        part = part.with_name(f"{name}.sealed{PARTIAL}")
     try:
         url = f"{remote.url}/data/backups/{name}"
         async with http.get(url, headers=remote.headers, timeout=TRANSFER_TIMEOUT) as a:
@@ -256,7 +267,32 @@ async def fetch(
     except BaseException:
         part.unlink(missing_ok=True)
         raise
-    return await asyncio.to_thread(store.adopt, info, part)
+    if not info.sealed or key is None:
+        return await asyncio.to_thread(store.adopt, info, part)
+    return await asyncio.to_thread(_unseal, store, info, part, key)
+
+
+def _unseal(store: BackupStore, info: BackupInfo, sealed: Path, key: bytes) -> BackupInfo:
+    """The sealed copy checked as the site describes it, opened, and kept as the snapshot."""
+    plain = store.part_path(info.name)
+    try:
+        size, found = sealed.stat().st_size, sha256_of(sealed)
+        if size != info.size_bytes or found != info.sha256:
+            raise BackupError(
+                f"the copy of {info.name} has {size} bytes, sha256 {found[:12]}..., its "
+                f"description says {info.size_bytes}, {info.sha256[:12]}...: damaged on its way"
+            )
+        try:
+            open_file(sealed, plain, key, info.name.encode())
+        except SealError as exc:
+            raise BackupError(str(exc)) from None
+    finally:
+        sealed.unlink(missing_ok=True)
+    within = replace(
+        info, sealed=False, sha256=info.plain_sha256, size_bytes=info.plain_size_bytes,
+        plain_sha256="", plain_size_bytes=0,
+    )  # fmt: skip
+    return store.adopt(within, plain)
 
 
 # -- after a backup ---------------------------------------------------------------------------
@@ -299,15 +335,23 @@ async def copy_out(
                 f"{len(chosen) + len(info.copies)} of {plan.copies} copies: no more sites are "
                 "up with a data store"
             )
-        for shelf in chosen:
-            remote = shelf.remote(clock, "write", sub)
-            try:
-                await set_readers(http, remote, readers)
-                await push(http, remote, store.path(info.name), info)
-            except CopyError as exc:
-                out.failed[shelf.site] = str(exc)
-                continue
-            out.copies = (*out.copies, shelf.site)
+        path, sent = store.path(info.name), info
+        if chosen and plan.key is not None:
+            path = path.with_name(f"{info.name}.sealed{PARTIAL}")
+            sent = await asyncio.to_thread(_seal, store, info, path, plan.key)
+        try:
+            for shelf in chosen:
+                remote = shelf.remote(clock, "write", sub)
+                try:
+                    await set_readers(http, remote, readers)
+                    await push(http, remote, path, sent)
+                except CopyError as exc:
+                    out.failed[shelf.site] = str(exc)
+                    continue
+                out.copies = (*out.copies, shelf.site)
+        finally:
+            if sent is not info:
+                path.unlink(missing_ok=True)
         if out.copies != info.copies:
             await asyncio.to_thread(store.record_copies, info.name, out.copies)
     by_site = {s.site: s for s in candidates}
@@ -339,6 +383,15 @@ async def _keep_newest(
                 out.pruned.setdefault(remote.where, []).append(old.name)
     except CopyError as exc:
         log.warning("retention of the backups at %s: %s", remote.where, exc)
+
+
+def _seal(store: BackupStore, info: BackupInfo, dst: Path, key: bytes) -> BackupInfo:
+    """The backup sealed into `dst` (bound to its name), and the description of what is sent."""
+    seal_file(store.path(info.name), dst, key, info.name.encode())
+    return replace(
+        info, sealed=True, sha256=sha256_of(dst), size_bytes=dst.stat().st_size,
+        plain_sha256=info.sha256, plain_size_bytes=info.size_bytes,
+    )  # fmt: skip
 
 
 def _holding(store: BackupStore) -> set[str]:

@@ -400,6 +400,12 @@ class BackupSettings(BaseModel):
         description="the broker's own region: its sites keep copies last (a disaster that "
         "takes the broker's data center may take them too)",
     )
+    key_file: Path | None = Field(
+        default=None,
+        description="seal the copies at sites with this key (`cpn backup key FILE`; AES-256-"
+        "GCM), so that a site's operator cannot read the registry in them. Keep the key off "
+        "this host too: without it the copies cannot be opened. None: copies as taken",
+    )
 
 
 class AuthSettings(BaseModel):

@@ -51,6 +51,11 @@ class BackupInfo:
     registry: str = ""  # the endpoints it was taken through
     # the sites whose data store holds a copy checked by its sha256 (broker.ops.backup_copies)
     copies: tuple[str, ...] = ()
+    # a copy sealed with the backup key (sites.kits.sealed): size_bytes and sha256 are the
+    # sealed file's, these the snapshot's within
+    sealed: bool = False
+    plain_sha256: str = ""
+    plain_size_bytes: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)

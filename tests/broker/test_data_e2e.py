@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from cpn import cli
+from sites.kits.sealed import new_key
 from sites.registry.backups import BackupStore
 from sites.registry.client import Registry
 from tests.broker.conftest import Federation
@@ -398,11 +399,15 @@ def test_backups_leave_the_broker_host_and_come_back_from_a_site(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """docs/backup.md, "Copies at the sites": the leader's backups are put at two sites' data
-    stores (checked by sha256), pruned there with the local ones; with the broker's host lost
-    (its process killed, its backups deleted) `cpn backup fetch` brings the newest back from a
-    site with an admin token and `cpn backup verify` passes on it; a tenant's token is
-    refused."""
-    backup = {"interval_s": 1.0, "keep": 2, "copies": 2, "home_region": "east"}
+    stores, sealed with the backup key (checked by sha256), pruned there with the local ones;
+    with the broker's host lost (its process killed, its backups deleted) `cpn backup fetch`
+    brings the newest back from a site with an admin token and the key, and `cpn backup verify`
+    passes on it; a tenant's token is refused."""
+    key = tmp_path / "backup.key"  # kept off the broker's host
+    new_key(key)
+    backup = {
+        "interval_s": 1.0, "keep": 2, "copies": 2, "home_region": "east", "key_file": str(key),
+    }  # fmt: skip
     fed = make_federation(SITES, settings={"backup": backup})
     assert fed.broker is not None
     args = [str(a) for a in fed.broker.args]  # type: ignore[union-attr]
@@ -429,9 +434,11 @@ def test_backups_leave_the_broker_host_and_come_back_from_a_site(
     assert code == 0 and f"local, {', '.join(newest.copies)}" in out, out
     # abroad first: not the broker's home region (east)
     assert newest.copies[0] == "abroad" and newest.copies[1] in ("east-a", "east-b")
-    for site in newest.copies:
+    for site in newest.copies:  # sealed with the key: checked there as the sealed file
         held = (stores[site] / f"{newest.name}.db").read_bytes()
-        assert hashlib.sha256(held).hexdigest() == newest.sha256
+        there = json.loads((stores[site] / f"{newest.name}.json").read_text())
+        assert there["sealed"] and there["plain_sha256"] == newest.sha256
+        assert hashlib.sha256(held).hexdigest() == there["sha256"] != newest.sha256
     # retention: no site keeps the pruned first one, none more than keep
     for site, where in stores.items():
         names = sorted(p.stem for p in where.glob("cpn-*.json")) if where.exists() else []
@@ -452,7 +459,11 @@ def test_backups_leave_the_broker_host_and_come_back_from_a_site(
     code, _, err = cpn("backup", "fetch", "--from", url, "--dir", str(new_host))
     assert code == 2 and err.count("\n") == 1 and "only an admin token" in err, err
     monkeypatch.setenv("CPN_TOKEN", ADMIN_TOKEN)
-    code, out, err = cpn("backup", "fetch", "--from", url, "--dir", str(new_host))
+    code, _, err = cpn("backup", "fetch", "--from", url, "--dir", str(new_host))
+    assert code == 2 and "is sealed: give the backup key" in err, err
+    code, out, err = cpn(
+        "backup", "fetch", "--from", url, "--dir", str(new_host), "--key", str(key)
+    )
     assert code == 0, err
     name = sorted(p.stem for p in stores["abroad"].glob("cpn-*.json"))[-1]
     assert f"fetched {name}" in out and "sha256 checked" in out

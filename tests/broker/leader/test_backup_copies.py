@@ -6,7 +6,8 @@ broker.leader.backups): real agents' data routes served over HTTP on loopback, i
   dataset's grant are refused with their JSON error;
 - a fetch brings one back checked, and refuses a copy damaged at the site;
 - retention prunes the sites' copies with the local ones; bad input names its field;
-- the leader's keeper copies after each backup, counts a failed copy and tries it again.
+- the leader's keeper copies after each backup, counts a failed copy and tries it again;
+- a copy sealed with the backup key is opened only with it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from broker.state.metrics import BrokerMetrics
 from sites.agent.data.serve import DataRoutes
 from sites.agent.data.store import DataStore
 from sites.kits.clock import SystemClock
+from sites.kits.sealed import load_key, new_key
 from sites.model.data import Claims, mint
 from sites.model.snapshot import Snapshot
 from sites.registry.backups import BackupError, BackupInfo, BackupStore, backup_name
@@ -253,3 +255,34 @@ async def test_the_leader_copies_each_backup_and_tries_a_failed_copy_again(
     fresh = AlertInputs(now=info.taken_at + 60, sites=Snapshot(revision=0),
                         backup_copied_at=info.taken_at)  # fmt: skip
     assert evaluate(fresh, rules) == {}
+
+
+async def test_sealed_copies_are_opened_only_with_their_key(
+    sites: dict[str, Site], http: aiohttp.ClientSession, tmp_path: Path
+) -> None:
+    new_key(tmp_path / "key")
+    new_key(tmp_path / "other")
+    key = load_key(tmp_path / "key")
+    store = BackupStore(tmp_path / "local")
+    body = b"token hashes and data keys " * 5000
+    info = made(store, time.time(), body)
+    out = await copy_out(
+        http, store, info, candidates=[sites["a"].shelf()], plan=CopyPlan(copies=1, key=key),
+        readers=READERS, clock=CLOCK,
+    )  # fmt: skip
+    assert out.copies == ("a",) and not out.failed
+    held = sites["a"].held(info.name).read_bytes()
+    assert b"token hashes" not in held and hashlib.sha256(held).hexdigest() != info.sha256
+    assert not list(store.directory.glob("*.part"))  # the sealed file sent is not kept here
+    remote = sites["a"].shelf().remote(CLOCK, "read", "test")
+    (site_info,) = await listing(http, remote)
+    assert site_info.sealed and site_info.plain_sha256 == info.sha256
+    new_host = BackupStore(tmp_path / "new-host")
+    with pytest.raises(BackupError, match="is sealed: give the backup key"):
+        await fetch(http, remote, info.name, new_host)
+    with pytest.raises(BackupError, match="cannot be opened with this key"):
+        await fetch(http, remote, info.name, new_host, load_key(tmp_path / "other"))
+    assert new_host.backups() == [] and not list(new_host.directory.iterdir())
+    got = await fetch(http, remote, info.name, new_host, key)
+    assert got.sha256 == info.sha256 and not got.sealed
+    assert new_host.path(info.name).read_bytes() == body
