@@ -97,6 +97,9 @@ class BackupKeeper:
         self._copy_retry_at = 0.0
         self._pruned: dict[str, tuple[str, ...]] = {}  # removed here, not yet at its sites
         self.last_copy: CopyOutcome | None = None
+        copied = [i.taken_at for i in self.store.backups() if i.copies]
+        if self._copy_metrics is not None and copied:  # a restarted leader says it at once
+            self._copy_metrics.last_remote.set(max(copied))
 
     def plan(self) -> CopyPlan:
         """SealError when the key file cannot be read (each copy fails with it, counted)."""
@@ -175,10 +178,10 @@ class BackupKeeper:
                 http, self.store, info, candidates=copying.shelves(), plan=self.plan(),
                 readers=copying.readers(), clock=self.clock, pruned=self._pruned,
             )  # fmt: skip
+            self._pruned = {}  # tried: one at a site down now goes with its retention later
         except (OSError, BackupError, SealError) as exc:  # the local file, its key
             outcome = CopyOutcome(name=info.name, copies=info.copies, failed={"-": str(exc)})
         self.last_copy = outcome
-        self._pruned = {}
         new = len(outcome.copies) - len(info.copies)
         if outcome.failed:
             self._copy_retry_at = self.clock.time() + min(
