@@ -5,7 +5,8 @@ load is a ConfigError naming it, raised where the process starts, not at the fir
 Certificates rotate under running processes (docs/security.md): a server re-reads its
 certificate when the files change (ReloadingServer), a client its CA's revocation list
 (PeerTrust), so a renewed certificate is served and a revoked one refused at the next
-handshake, with no restart.
+handshake, with no restart; and a client's connections already open to a peer it revokes are
+closed when the CRL loads (sites.kits.revocation).
 """
 
 from __future__ import annotations
@@ -14,14 +15,25 @@ import asyncio
 import logging
 import ssl
 import tempfile
+import weakref
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 from cryptography import x509
 from prometheus_client import CollectorRegistry, Gauge
 
+from sites.kits.revocation import Revocations, TrustedConnector
 from sites.model.errors import ConfigError, Problem
 
-__all__ = ["CRL_POLL_S", "PeerTrust", "ReloadingServer", "client_context", "server_context"]
+__all__ = [
+    "CRL_POLL_S",
+    "PeerTrust",
+    "ReloadingServer",
+    "client_context",
+    "peer_connector",
+    "server_context",
+]
 
 log = logging.getLogger(__name__)
 
@@ -142,15 +154,30 @@ class PeerTrust:
     The CRL is added to the context's trust store in place (an aiohttp connector holds the
     context), and OpenSSL checks a leaf against the newest of its CA's CRLs (the latest
     last_update, which cpn.certs makes later at each signing). Until a CRL has loaded nothing
-    is checked against one: a CRL check with no CRL would refuse every peer."""
+    is checked against one: a CRL check with no CRL would refuse every peer.
+
+    A handshake is where OpenSSL checks, so the connectors made by `connector()` are walked at
+    each load and their connections to a peer the CRL revokes are closed, idle or in use
+    (sites.kits.revocation): the next request opens a new one, which the handshake refuses."""
 
     def __init__(self, ca: Path | None, crl: Path | None) -> None:
         self.context = client_context(ca)
         self.crl = crl
         self._stamp: Stamp | None = None
         self._pem: bytes | None = None
+        self._revocations = Revocations()
+        self._connectors: weakref.WeakSet[TrustedConnector] = weakref.WeakSet()
         self.loads = 0
+        self.closed = 0
+        """Connections closed because a CRL loaded since they opened revokes their peer."""
         self.refresh()
+
+    def connector(self, **kwargs: Any) -> aiohttp.TCPConnector:
+        """An aiohttp connector verifying peers with this context (`kwargs` as TCPConnector's,
+        but ssl), whose connections to a revoked peer are closed as each CRL loads."""
+        made = TrustedConnector(revocations=self._revocations, ssl=self.context, **kwargs)
+        self._connectors.add(made)
+        return made
 
     def refresh(self) -> bool:
         """Add the CRL to the trust store if its file changed since the last look."""
@@ -160,7 +187,13 @@ class PeerTrust:
         if stamp is None or stamp == self._stamp:
             return False
         self._stamp = stamp
-        return self._load(self.crl, str(self.crl))
+        try:
+            pem = self.crl.read_bytes()
+        except OSError as exc:  # replaced again between the stat and the read
+            self._stamp = None
+            log.warning("%s does not load, the last CRL stays: %s", self.crl, _why(exc))
+            return False
+        return self._load(pem, str(self.crl))
 
     def load_pem(self, pem: bytes) -> bool:
         """Add a CRL given as PEM (one published in etcd: sites.registry.crl) unless it is the
@@ -168,21 +201,25 @@ class PeerTrust:
         if pem == self._pem:
             return False
         self._pem = pem
-        # OpenSSL reads CRLs from files only: a private directory, removed at once
+        return self._load(pem, "the published CRL")
+
+    def _load(self, pem: bytes, what: str) -> bool:
+        # OpenSSL reads CRLs from files only: a private directory, removed at once (so the
+        # bytes OpenSSL checks with are the bytes the open connections are checked against)
         with tempfile.TemporaryDirectory(prefix="cpn-crl-") as tmp:
             path = Path(tmp) / "crl.pem"
             path.write_bytes(pem)
-            return self._load(path, "the published CRL")
-
-    def _load(self, path: Path, what: str) -> bool:
-        try:
-            self.context.load_verify_locations(cafile=str(path))
-        except (OSError, ssl.SSLError) as exc:
-            log.warning("%s does not load, the last CRL stays: %s", what, _why(exc))
-            return False
+            try:
+                self.context.load_verify_locations(cafile=str(path))
+            except (OSError, ssl.SSLError) as exc:
+                log.warning("%s does not load, the last CRL stays: %s", what, _why(exc))
+                return False
         self.context.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF
         self.loads += 1
         log.info("%s: the CRL loaded (%d since start)", what, self.loads)
+        if self._revocations.add(pem):
+            for connector in list(self._connectors):
+                self.closed += len(connector.close_revoked())
         return True
 
     async def follow(self, interval_s: float = CRL_POLL_S) -> None:
@@ -190,3 +227,11 @@ class PeerTrust:
         while True:
             await asyncio.sleep(interval_s)
             self.refresh()
+
+
+def peer_connector(trust: PeerTrust | None, **kwargs: Any) -> aiohttp.TCPConnector:
+    """A connector to peers verified by `trust` (and closed when it revokes them), or with the
+    system's CAs when None."""
+    if trust is None:
+        return aiohttp.TCPConnector(ssl=True, **kwargs)
+    return trust.connector(**kwargs)

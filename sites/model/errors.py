@@ -12,6 +12,8 @@
     │                                   compacted away; read again at the current revision
     ├── BackupError (ValueError)        a registry backup that cannot be read or used: missing,
     │                                   unfinished, or not what it says (sites.registry.backups)
+    ├── PeerRevoked (aiohttp.ClientConnectionError)  a connection to a peer whose certificate
+    │                                   a CRL loaded since revokes (sites.kits.revocation)
     ├── NotJoined (LookupError)         the site id has no spec in the registry
     ├── AgentConflict                   another live agent already holds the site
     ├── EtcdStartError                  the embedded etcd did not start
