@@ -224,9 +224,56 @@ _USAGE_KEYS = (b'"usage":{', b'"usage": {')
 _DECODER = json.JSONDecoder()
 
 
+def _number_after(data: bytes, key: bytes, start: int) -> int:
+    """The whole number after `key` (and its colon) in data[start:]; -1: no key, -2: not a
+    plain whole number (null counts as 0)."""
+    at = data.find(key, start)
+    if at < 0:
+        return -1
+    i = at + len(key)
+    n = len(data)
+    while i < n and (data[i] == 58 or data[i] == 32):  # ':' ' '
+        i += 1
+    if data.startswith(b"null", i):
+        return 0
+    value = 0
+    digits = 0
+    while i < n and 48 <= data[i] <= 57:
+        value = value * 10 + data[i] - 48
+        digits += 1
+        i += 1
+    if digits == 0 or digits > 15 or (i < n and data[i] not in (44, 32, 125, 10, 13)):
+        return -2  # ',' ' ' '}' or a line's end must follow
+    return value
+
+
+def _usage_numbers(data: bytes) -> Usage | None:
+    """The usage read without parsing JSON, where servers write it (the answer's last member,
+    its numbers plain): None when it is not so (then it is parsed)."""
+    at = data.rfind(b'"usage"')
+    if at < 0:
+        return None
+    i = at + 7
+    n = len(data)
+    while i < n and (data[i] == 58 or data[i] == 32):
+        i += 1
+    if i >= n or data[i] != 123:  # '{'
+        return None
+    prompt = _number_after(data, b'"prompt_tokens"', i)
+    completion = _number_after(data, b'"completion_tokens"', i)
+    cached = _number_after(data, b'"cached_tokens"', i)
+    if prompt < 0 or completion == -2 or cached == -2:
+        return None
+    completion = max(completion, 0)
+    return Usage(prompt, completion, min(max(cached, 0), prompt))
+
+
 def _usage_at(data: bytes) -> Usage | None:
-    """The usage object in a JSON text, parsed alone (the rest of the answer is not): None
+    """The usage object in a JSON text, read alone (the rest of the answer is not): None
     when there is none."""
+    found = _usage_numbers(data)
+    if found is not None:
+        return found
     for key in _USAGE_KEYS:
         at = data.find(key)
         if at >= 0:
@@ -322,8 +369,10 @@ class Meter:
             stop = after + 5
         elif block.startswith(b": null", after):
             stop = after + 6
+        elif block.startswith(b":{", after) or block.startswith(b": {", after):
+            return self._usage_event(block, at)
         else:
-            return self._blocks(block)  # a usage object, or "usage" as a value
+            return self._blocks(block)  # "usage" as a value
         if not self.strip:
             return block
         if block.startswith(b",", at - 1):
@@ -331,6 +380,26 @@ class Meter:
         if block.startswith(b", ", at - 2):
             return block[: at - 2] + block[stop:]
         return self._blocks(block)  # not after another member: the general way
+
+    def _usage_event(self, block: bytes, at: int) -> bytes:
+        """A block with one event, whose usage (at `at`) is an object: the last chunk's
+        (`"choices":[]`, maybe with `data: [DONE]` after it), taken out when stripping; else
+        the general way."""
+        start = block.rfind(b"data:", 0, at)
+        stop = block.find(_EVENT_END, at)
+        if start < 0 or stop < 0:
+            return self._blocks(block)
+        if block.find(b'"choices":[]', start, stop) < 0:
+            if block.find(b'"choices": []', start, stop) < 0:
+                return self._blocks(block)  # usage beside choices (continuous usage stats)
+        usage = _usage_at(block[start:stop])
+        if usage is not None:
+            self.usage = usage
+        self.chunks -= 1  # the usage chunk carries no choice
+        self._store()
+        if not self.strip:
+            return block
+        return block[:start] + block[stop + len(_EVENT_END) :]
 
     def _blocks(self, block: bytes) -> bytes:
         """`_events` for any block (its events already counted)."""

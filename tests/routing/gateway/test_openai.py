@@ -116,6 +116,35 @@ def test_usage_of_a_whole_answer() -> None:
     assert nothing.usage is None
 
 
+@pytest.mark.parametrize(
+    ("usage", "expected"),
+    [
+        ({"prompt_tokens": 7, "completion_tokens": 3}, Usage(7, 3, 0)),
+        ({"completion_tokens": 3, "prompt_tokens": 7, "prompt_tokens_details": None},
+         Usage(7, 3, 0)),
+        ({"prompt_tokens": 7, "total_tokens": 7, "completion_tokens": None}, Usage(7, 0, 0)),
+        ({"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 9},
+          "completion_tokens": 3}, Usage(7, 3, 7)),
+        ({"prompt_tokens": -5, "completion_tokens": 3}, Usage(0, 3, 0)),
+        ({"prompt_tokens": 7.5, "completion_tokens": 3}, None),
+        ({"prompt_tokens": 12345678901234567, "completion_tokens": 1},
+         Usage(12345678901234567, 1, 0)),
+        ({"completion_tokens": 3}, None),
+        ("7 tokens", None),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("separators", [(",", ":"), (", ", ": ")])
+def test_usage_is_read_as_json_would_read_it(
+    usage: object, expected: Usage | None, separators: tuple[str, str]
+) -> None:
+    """The usage read without a JSON parse where it can be, else parsed: the same numbers."""
+    text = 'the "usage": {"prompt_tokens": 1} in a reply'  # escaped in JSON: not a key
+    doc = {"id": "x", "choices": [{"text": text}], "usage": usage}
+    meter = Meter(strip=False)
+    meter.whole(json.dumps(doc, separators=separators).encode())
+    assert meter.usage == expected
+
+
 @pytest.mark.parametrize("cut", [1, 5, 17, 64, 1000])
 def test_a_stream_the_client_asked_usage_for_passes_unchanged(cut: int) -> None:
     stream = _stream_with_usage()
