@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import ssl
 import time
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
@@ -75,6 +74,7 @@ from broker.state.view_cache import ViewCache, ViewCollector
 from metering.usage import UsageBook
 from sites.kits.clock import Clock, SystemClock
 from sites.kits.tasks import Backoff, Crash, Supervisor, measure_loop_lag
+from sites.kits.tls import PeerTrust, peer_connector
 from sites.model import keys
 from sites.model.bandwidth import path_bandwidth_mbps
 from sites.model.catalog import DeviceCatalog
@@ -93,10 +93,11 @@ BILLED_TTL_S = 10.0  # the ledger's part of the budgets left: a query, not once 
 RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
 
 
-def agent_connector(agent_ssl: ssl.SSLContext | None) -> aiohttp.TCPConnector:
-    """A connector for a session to the agents: https:// ones verified with `agent_ssl` (the
-    federation's CA), else with the system's CAs."""
-    return aiohttp.TCPConnector(ssl=agent_ssl if agent_ssl is not None else True)
+def agent_connector(agent_trust: PeerTrust | None) -> aiohttp.TCPConnector:
+    """A connector for a session to the agents: https:// ones verified with `agent_trust` (the
+    federation's CA and its CRL: a connection to an agent it revokes is closed as the CRL
+    loads), else with the system's CAs."""
+    return peer_connector(agent_trust)
 
 
 class Broker:
@@ -111,7 +112,7 @@ class Broker:
         clock: Clock | None = None,
         url: str = "",
         sovereignty: Mapping[str, frozenset[str]] | None = None,
-        agent_ssl: ssl.SSLContext | None = None,
+        agent_trust: PeerTrust | None = None,
         backup_dir: Path | None = None,
     ) -> None:
         self.registry = registry
@@ -279,9 +280,9 @@ class Broker:
             metrics=self.metrics.registry,
             external_url=url,
         )
-        # what the agents' https:// endpoints are verified against (the federation's CA);
-        # None: the system's CAs. Every session this broker opens to an agent uses it.
-        self.agent_ssl = agent_ssl
+        # what the agents' https:// endpoints are verified against (the federation's CA and its
+        # CRL); None: the system's CAs. Every session this broker opens to an agent uses it.
+        self.agent_trust = agent_trust
         self._http: aiohttp.ClientSession | None = None
         self.supervisor = Supervisor(owner=f"broker {self.instance}", on_crash=self._crashed)
         self._down = dc.DownSince()
@@ -330,7 +331,7 @@ class Broker:
         self.supervisor.spawn("autoscaler", self.scaler.run, restart=RESTART)
         self.supervisor.spawn("data orders", self.data_orders.run, restart=RESTART)
         self._http = aiohttp.ClientSession(
-            connector=agent_connector(self.agent_ssl),
+            connector=agent_connector(self.agent_trust),
             timeout=aiohttp.ClientTimeout(total=MANIFEST_TIMEOUT_S),
         )
         outbox = DataOutboxLoop(registry=self.registry, datasets=self.datasets, http=self._http)

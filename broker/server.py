@@ -86,7 +86,6 @@ async def serve(
         reloading = ReloadingServer(tls_cert, tls_key)
     ssl_context = None if reloading is None else reloading.context
     agent_trust = PeerTrust(agent_ca, agent_crl)
-    agent_ssl = agent_trust.context
     scheme = "https" if ssl_context else "http"
     clients = None
     if (config_dir / "clients.yaml").exists():
@@ -100,7 +99,7 @@ async def serve(
         tenancy=tenancy,
         settings=settings,
         url=f"{scheme}://{listen}",
-        agent_ssl=agent_ssl,
+        agent_trust=agent_trust,
         # managed services' replicas for a client region run where it may be served
         sovereignty=clients.sovereignty() if clients is not None else None,
         # the leader's scheduled backups (docs/backup.md): none in-process without a state dir

@@ -651,8 +651,8 @@ async def _check_access(app: web.Application) -> None:
 async def _http_session(app: web.Application) -> AsyncIterator[None]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=AGENT_CONNECT_TIMEOUT_S)
     # to the agents (job logs, datasets' files): https:// ones verified with the broker's
-    # agent CA
-    connector = agent_connector(app[BROKER].agent_ssl)
+    # agent CA, closed when its CRL revokes the agent
+    connector = agent_connector(app[BROKER].agent_trust)
     app[HTTP] = session = aiohttp.ClientSession(timeout=timeout, connector=connector)
     yield
     await session.close()

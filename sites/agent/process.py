@@ -104,7 +104,7 @@ class Agent:
             clock=self.clock,
             # bound like the probes: the WAN emulation shapes the path by who is calling
             local_host=listen_host if listen_host not in ("0.0.0.0", "", "localhost") else None,
-            client_ssl=None if self.peer_trust is None else self.peer_trust.context,
+            peer_trust=self.peer_trust,
         )
         self.record: AgentRecord | None = None
         self.url = ""

@@ -85,14 +85,18 @@ def test_the_broker_reads_a_log_from_an_https_agent_only_with_the_federations_ca
             return False
 
     wait_until(answers, "the trusting broker answers")
+    status, text = get(f"{url}/v1/jobs/{job}/logs")  # its connection to the agent stays open
+    assert status == 200 and "hello from east-a" in text, text
     # the agent's certificate revoked (a stolen key): the running broker loads the CRL within
-    # a second and refuses the certificate at its next handshake; renewed, the running agent
-    # serves the new one and is read again
-    revoke(pki, ["agent-east-a"])
+    # a second, closes the connection it kept to the agent and refuses the certificate at its
+    # next handshake; renewed, the running agent serves the new one and is read again
+    [(old, _)] = revoke(pki, ["agent-east-a"])
     wait_until(
         lambda: "the CRL loaded (2 since start)" in fed.processes.log("broker-trusting"),
         "the broker loads the new CRL",
     )
+    closed = f"serial {old.serial:#x}): its certificate is revoked"
+    wait_until(lambda: closed in fed.processes.log("broker-trusting"), "the connection closed")
     status, text = get(f"{url}/v1/jobs/{job}/logs")
     assert status == 502 and "certificate revoked" in text, text
     renew(pki, next(c for c in held(pki) if c.name == "agent-east-a"))

@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import shutil
-import ssl
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from sites.agent.data.store import DataStore
 from sites.agent.data.transfer import Progress, Stager
 from sites.executors.base import default_work_dir
 from sites.kits.clock import Clock
+from sites.kits.tls import PeerTrust
 from sites.model.assignments import Assignment
 from sites.model.data import (
     CheckpointMark,
@@ -96,7 +96,7 @@ class DataPlane:
         root: Path | None = None,
         retry_window_s: float | None = None,
         local_host: str | None = None,
-        client_ssl: ssl.SSLContext | None = None,
+        peer_trust: PeerTrust | None = None,
     ) -> None:
         self.spec = spec
         self.site = spec.id
@@ -109,7 +109,7 @@ class DataPlane:
         # the live agents' advertised URLs (the agent's mirror of /cpn/v1/agents/): a source
         # whose agent restarted at another address is reached there (its grant still holds)
         self.peer_urls: dict[str, str] = {}
-        self._client_ssl = client_ssl  # what peers' https:// endpoints are verified against
+        self._peer_trust = peer_trust  # what peers' https:// endpoints are verified against
         self._parts: _Parts | None = None
         self._key: str | None = None
         self._synced: dict[str, _Synced] = {}
@@ -139,7 +139,7 @@ class DataPlane:
         stager = Stager(
             store=store, clock=self.clock, limits=limits,
             parallel_files=self.settings.parallel_files, local_host=self._local_host,
-            ssl_context=self._client_ssl, resolve=lambda site: self.peer_urls.get(site),
+            trust=self._peer_trust, resolve=lambda site: self.peer_urls.get(site),
             **extra,
         )  # fmt: skip
         book = ReplicaBook(registry=self.registry, site=self.site, store=store)

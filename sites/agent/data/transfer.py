@@ -26,7 +26,6 @@ import asyncio
 import hashlib
 import logging
 import os
-import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +39,7 @@ from sites.agent.data.errors import StagingError
 from sites.agent.data.links import LinkLimits, Meter
 from sites.agent.data.store import DataStore, Kind
 from sites.kits.clock import Clock
+from sites.kits.tls import PeerTrust, peer_connector
 from sites.model.data import Egress, FileEntry, Manifest, Source, StagingProgress
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Stager:
         limits: LinkLimits,
         parallel_files: int = 16,
         local_host: str | None = None,
-        ssl_context: ssl.SSLContext | None = None,
+        trust: PeerTrust | None = None,
         resolve: Callable[[str], str | None] | None = None,
         retry_window_s: float = RETRY_WINDOW_S,
         backoff_initial_s: float = BACKOFF_INITIAL_S,
@@ -105,8 +105,9 @@ class Stager:
         # network's policy) sees which site is pulling, as the agent's probes do
         self.local_host = local_host
         # peers' https:// endpoints are verified against it (the federation's CA, `cpn agent
-        # --tls-ca`); None: the system's CAs
-        self.ssl_context = ssl_context
+        # --tls-ca`, and its CRL: a pull from a peer it revokes is cut as the CRL loads);
+        # None: the system's CAs
+        self.trust = trust
         # site -> its agent's URL now: a source that cannot be reached is tried at its new
         # address when its agent came back elsewhere (the grant is signed with its kept key)
         self.resolve = resolve
@@ -121,9 +122,8 @@ class Stager:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=5, sock_read=30)
-            connector = aiohttp.TCPConnector(
-                local_addr=None if self.local_host is None else (self.local_host, 0),
-                ssl=self.ssl_context if self.ssl_context is not None else True,
+            connector = peer_connector(
+                self.trust, local_addr=None if self.local_host is None else (self.local_host, 0)
             )
             self._session = aiohttp.ClientSession(
                 timeout=timeout, auto_decompress=False, connector=connector

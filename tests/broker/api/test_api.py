@@ -386,7 +386,7 @@ def _stand_in() -> Broker:
             audit=None,
             settings=BrokerSettings(),
             clock=SystemClock(),
-            agent_ssl=None,
+            agent_trust=None,
             operations=SimpleNamespace(user_regions=frozenset()),  # the document lists them
         ),
     )

@@ -105,7 +105,7 @@ def _stand_in() -> Broker:
         SimpleNamespace(
             settings=settings,
             clock=SystemClock(),
-            agent_ssl=None,
+            agent_trust=None,
             metrics=BrokerMetrics(),
             tokens=SimpleNamespace(registry=registry, tokens={}),
             audit=SimpleNamespace(write=_kept),

@@ -26,7 +26,7 @@ from sites.agent.data.transfer import Stager
 from sites.agent.server import AgentServer
 from sites.agent.settings import AgentSettings
 from sites.kits.clock import SystemClock
-from sites.kits.tls import client_context, server_context
+from sites.kits.tls import PeerTrust, client_context, peer_connector, server_context
 from sites.model.assignments import Assignment
 from sites.model.data import Source, StageInput
 from sites.model.errors import ConfigError
@@ -101,7 +101,7 @@ async def test_a_peer_that_trusts_the_federations_ca_stages_over_https(
     server, digest = https_agent.server, https_agent.digest
     assert server.url.startswith("https://127.0.0.1:")
     assert server.probe_url.startswith("http://")  # timing bytes only: stays plain
-    plane = await make_plane("site-x", client_ssl=client_context(pki.ca_path))
+    plane = await make_plane("site-x", peer_trust=PeerTrust(pki.ca_path, None))
     inp = StageInput(dataset="acme/d@1", digest=digest, bytes=sum(map(len, FILES.values())),
                      path="/data/d", sources=(https_agent.source(),))  # fmt: skip
     job = Assignment(job="j", site="site-x", tenant="acme", attempt=1, fence=1,
@@ -113,11 +113,11 @@ async def test_a_peer_that_trusts_the_federations_ca_stages_over_https(
     assert [e.source for e in egress] == ["site-a"]
 
 
-async def stager(tmp_path: Path, name: str, ssl_context: Any) -> Stager:
+async def stager(tmp_path: Path, name: str, trust: PeerTrust | None) -> Stager:
     return Stager(
         store=DataStore(tmp_path / name, LIMIT), clock=SystemClock(),
         limits=LinkLimits(default_mbps=None, per_site_mbps={}, clock=SystemClock()),
-        ssl_context=ssl_context, retry_window_s=0.3, backoff_initial_s=0.05,
+        trust=trust, retry_window_s=0.3, backoff_initial_s=0.05,
     )  # fmt: skip
 
 
@@ -126,21 +126,19 @@ async def test_a_client_without_the_federations_ca_is_refused(
     trust: str, https_agent: HttpsAgent, tmp_path: Path
 ) -> None:
     server, digest = https_agent.server, https_agent.digest
-    context = None
+    peer_trust = None
     if trust == "another CA":
         other = Pki(tmp_path / "other-pki")
         other.init()
-        context = client_context(other.ca_path)
-    pulling = await stager(tmp_path, "pull", context)
+        peer_trust = PeerTrust(other.ca_path, None)
+    pulling = await stager(tmp_path, "pull", peer_trust)
     try:
         with pytest.raises(StagingError, match="certificate verify failed"):
             await pulling.stage(digest, [https_agent.source()], lambda _: None)
         assert not pulling.store.has(digest)
     finally:
         await pulling.close()
-    async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(ssl=context if context is not None else True)
-    ) as http:
+    async with aiohttp.ClientSession(connector=peer_connector(peer_trust)) as http:
         with pytest.raises(aiohttp.ClientConnectorCertificateError):
             await http.get(f"{server.url}/data/manifests/{digest}")
 
