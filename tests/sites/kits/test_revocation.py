@@ -16,7 +16,7 @@ from aiohttp import web
 from cryptography import x509
 
 from cpn.certs import Issued, Pki
-from sites.kits.revocation import PeerRevoked, TrustedConnector
+from sites.kits.revocation import Peer, PeerRevoked, Revocations, TrustedConnector
 from sites.kits.tls import PeerTrust, peer_connector, server_context
 
 
@@ -175,3 +175,20 @@ async def test_without_a_trust_the_connector_is_a_plain_one() -> None:
         assert type(connector) is aiohttp.TCPConnector
     finally:
         await connector.close()
+
+
+def test_the_newest_crl_of_an_issuer_decides_as_openssl_does(pki: Pki) -> None:
+    """An older CRL loaded after a newer one (a stale file beside a published CRL) does not undo
+    a revocation; a block that does not parse is left out."""
+    issued = pki.issue("agent-c", server=True, client=False)
+    cert = x509.load_pem_x509_certificate(issued.cert_pem)
+    peer = Peer(cert.issuer, cert.serial_number, "CN=agent-c", "127.0.0.1:1")
+    older = pki.crl_path.read_bytes()  # the fixture's, revoking nothing
+    revocations = Revocations()
+    assert not revocations and revocations.add(pki.write_crl([serial(issued)]).read_bytes()) == 1
+    assert revocations.revokes(peer)
+    assert revocations.add(older) == 0 and revocations.revokes(peer)
+    broken = b"-----BEGIN X509 CRL-----\nbm90IGEgQ1JM\n-----END X509 CRL-----\n"
+    assert revocations.add(broken) == 0 and revocations.revokes(peer)
+    other = Peer(cert.issuer, cert.serial_number + 1, "CN=other", "127.0.0.1:2")
+    assert not revocations.revokes(other)
