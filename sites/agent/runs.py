@@ -271,6 +271,11 @@ def _left_by_a_dead_agent(work_dir: Path, since: float) -> list[Run]:
             message=message,
             log_path=Path(record.log_path),
         )
+        log.warning(
+            "job %s attempt %d: its agent (pid %d) died before writing its end down; ran "
+            "%.1f s by its run record (%s)",
+            record.job, record.attempt, record.agent_pid, end - record.started_at, message,
+        )  # fmt: skip
         out.append(run)
     return out
 
