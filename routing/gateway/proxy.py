@@ -88,6 +88,7 @@ from routing.gateway.openai import (
 from routing.gateway.openai import error_body as openai_error_body
 from routing.gateway.prefix import PREFIX_HEADER, header_key, prefix_key
 from routing.gateway.ratelimit import TenantLimiter
+from routing.gateway.tally import Billed, Stream, Tally
 from routing.gateway.upstream import (
     UpstreamBroken,
     UpstreamConnectError,
@@ -256,18 +257,6 @@ class Ticket(Protocol):
         self, prompt_tokens: int, completion_tokens: int, cached_tokens: int, *, counted: bool
     ) -> None:
         """The answer ended: bill it (`counted`: the server reported no usage)."""
-
-
-class Billed(NamedTuple):
-    """Whom a metered answer is billed to, and what served it."""
-
-    request_id: str  # X-Request-Id ("": none)
-    tenant: str
-    token_id: str | None  # the caller's API token (per-token limits)
-    requested: str  # the model the client named: a model, a service or an alias
-    service: str
-    site: str
-    region: str  # the client region
 
 
 class Accountant(Protocol):
@@ -580,6 +569,8 @@ class InferenceProxy:
         self.served_name = served_name
         self.default_region = default_region
         self.accountant = accountant
+        # the broker's accountant, called natively (a Protocol's calls go through Python's)
+        self.tally: Tally | None = accountant if isinstance(accountant, Tally) else None
         self.default_priority = default_priority
         self.pass_priority = pass_priority
         self.queue_timeout_s = queue_timeout_s
@@ -648,7 +639,11 @@ class InferenceProxy:
         kind = openai_kind(ex.tail)
         accountant = self.accountant if kind is not None else None
         if accountant is not None:
-            refused = accountant.admit(tenant, ex.token_id)
+            tally = self.tally
+            if tally is not None:
+                refused = tally.admit(tenant, ex.token_id)
+            else:
+                refused = accountant.admit(tenant, ex.token_id)
             if refused is not None:
                 raise _Refusal(*refused)
         body = await ex.read_body(self.max_body_bytes)
@@ -718,7 +713,7 @@ class InferenceProxy:
         if accountant is not None:
             metered = _Metered(
                 accountant, request, ex, tenant, service, region or "none",
-                request.model if request is not None else service,
+                request.model if request is not None else service, self.tally,
             )  # fmt: skip
         site = await self._forward(
             ex, service, candidates, body, route_ms, region, arrived, metered
@@ -1144,7 +1139,9 @@ class InferenceProxy:
 class _Metered:
     """An OpenAI path's request, to bill its answer: who asked, for what, from where."""
 
-    __slots__ = ("accountant", "request", "ex", "tenant", "service", "region", "requested")
+    __slots__ = (
+        "accountant", "request", "ex", "tenant", "service", "region", "requested", "tally",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -1155,8 +1152,10 @@ class _Metered:
         service: str,
         region: str,
         requested: str,
+        tally: Tally | None = None,
     ) -> None:
         self.accountant = accountant
+        self.tally = tally  # the accountant, when it is the compiled one: called natively
         self.request = request
         self.ex = ex
         self.tenant = tenant
@@ -1182,6 +1181,9 @@ class _Metered:
     def open(self, site: str) -> Ticket:
         request = self.request
         prompt = prompt_estimate(request) if request is not None else 0
+        tally = self.tally
+        if tally is not None:
+            return tally.open(self.billed(site), prompt)
         return self.accountant.open(self.billed(site), prompt)
 
     def settle_whole(self, site: str, meter: Meter) -> None:
@@ -1196,20 +1198,27 @@ class _Metered:
             request = self.request
             counts = (prompt_estimate(request) if request is not None else 0, 0, 0)
             counted = True
-        self.accountant.settle(self.billed(site), counts, counted)
+        tally = self.tally
+        if tally is not None:
+            tally.settle(self.billed(site), counts, counted)
+        else:
+            self.accountant.settle(self.billed(site), counts, counted)
 
     def settle(self, ticket: Ticket, meter: Meter, delivered: bool) -> None:
         """Bill the answer once: the server's usage, else what the gateway counted reached
         the client (nothing, for an answer that never reached it)."""
         usage = meter.usage
         if usage is not None and delivered:
-            ticket.settle(
-                usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens, counted=False
-            )
-            return
-        request = self.request
-        prompt = prompt_estimate(request) if request is not None and delivered else 0
-        ticket.settle(prompt, meter.chunks, 0, counted=True)
+            counts = (usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens)
+            counted = False
+        else:
+            request = self.request
+            prompt = prompt_estimate(request) if request is not None and delivered else 0
+            counts, counted = (prompt, meter.chunks, 0), True
+        if isinstance(ticket, Stream):  # the compiled accountant's: a native call
+            ticket.settle(counts[0], counts[1], counts[2], counted=counted)
+        else:
+            ticket.settle(counts[0], counts[1], counts[2], counted=counted)
 
 
 class _WebExchange:

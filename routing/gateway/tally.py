@@ -28,11 +28,23 @@ as the words this code writes, and its list of free slots.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
-from routing.gateway.proxy import Billed, Extra
+__all__ = [
+    "MAX_TOKENS",
+    "Account",
+    "Billed",
+    "Books",
+    "Counts",
+    "Gate",
+    "Row",
+    "SlotFile",
+    "Stream",
+    "Tally",
+]
 
-__all__ = ["Account", "Books", "Counts", "Gate", "MAX_TOKENS", "Row", "SlotFile", "Stream", "Tally"]
+Extra = Sequence[tuple[str, str]]  # as routing.gateway.proxy.Extra: headers of a refusal
 
 MAX_TOKENS = 1 << 40  # a count above this is clamped (as the ledger's)
 REFRESH_S = 1.0  # an account is looked up again at least this often (a price may change)
@@ -46,6 +58,37 @@ def _count(n: int) -> int:
     if n < 0:
         return 0
     return MAX_TOKENS if n > MAX_TOKENS else n
+
+
+class Billed:
+    """Whom a metered answer is billed to, and what served it (a native class: the proxy
+    makes one per metered request and this module reads its fields, each a load)."""
+
+    __slots__ = ("request_id", "tenant", "token_id", "requested", "service", "site", "region")
+
+    def __init__(
+        self,
+        request_id: str,  # X-Request-Id ("": none)
+        tenant: str,
+        token_id: str | None,  # the caller's API token (per-token limits)
+        requested: str,  # the model the client named: a model, a service or an alias
+        service: str,
+        site: str,
+        region: str,  # the client region
+    ) -> None:
+        self.request_id = request_id
+        self.tenant = tenant
+        self.token_id = token_id
+        self.requested = requested
+        self.service = service
+        self.site = site
+        self.region = region
+
+    def __repr__(self) -> str:
+        return (
+            f"Billed({self.request_id!r}, {self.tenant!r}, {self.token_id!r}, "
+            f"{self.requested!r}, {self.service!r}, {self.site!r}, {self.region!r})"
+        )
 
 
 class Clock(Protocol):
