@@ -63,7 +63,7 @@ _QUOTA_CODES = frozenset({"budget_exhausted", "insufficient_quota"})
 def openai_kind(tail: bytes) -> str | None:
     """The kind of a model server path ("v1/chat/completions", with or without a query), or
     None for one that carries no usage."""
-    if b"?" in tail:
+    if tail.find(b"?") >= 0:  # not `in`: see _has
         tail = tail.partition(b"?")[0]
     return KINDS.get(tail.rstrip(b"/"))
 
@@ -415,23 +415,23 @@ class Meter:
                 block = block.replace(null, b"")
             else:
                 for candidate in _USAGE_NULLS:  # a server writes its JSON one way: keep it
-                    if candidate in block:
+                    if _has(block, candidate):
                         self._usage_null = candidate
                         block = block.replace(candidate, b"")
                         break
-            if b'"usage"' not in block:
+            if not _has(block, b'"usage"'):
                 return block
-        if b'"usage":{' not in block and b'"usage": {' not in block:
+        if not _has(block, b'"usage":{') and not _has(block, b'"usage": {'):
             return block
         out = []
         for event in block.split(_EVENT_END):
             if not event:
                 continue
-            if b'"usage":{' in event or b'"usage": {' in event:
+            if _has(event, b'"usage":{') or _has(event, b'"usage": {'):
                 usage = _usage_at(event)
                 if usage is not None:
                     self.usage = usage
-                if b'"choices":[]' in event or b'"choices": []' in event:
+                if _has(event, b'"choices":[]') or _has(event, b'"choices": []'):
                     self.chunks -= 1  # the usage chunk carries no choice
                     self._store()
                     if self.strip:
@@ -442,6 +442,12 @@ class Meter:
         if not out:
             return b""
         return _EVENT_END.join(out) + _EVENT_END
+
+
+def _has(data: bytes, part: bytes) -> bool:
+    """`part in data` without its cost: bytes' `in` first tries its operand as an integer,
+    and a TypeError is made, formatted and dropped each time (about a microsecond)."""
+    return data.find(part) >= 0
 
 
 def _without_usage(event: bytes) -> bytes:

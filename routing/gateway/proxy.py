@@ -1498,7 +1498,7 @@ def has_dot_segment(tail: bytes) -> bool:
     site (RFC 3986, 5.2.4) would resolve it to another path than the one routed, another
     service's or none of the model server's API."""
     path = tail.split(b"?", 1)[0]
-    if b"." not in path and b"%2" not in path:
+    if path.find(b".") < 0 and path.find(b"%2") < 0:  # not `in`: it makes a TypeError
         return False
     for segment in path.split(b"/"):
         if segment.lower().replace(b"%2e", b".") in (b".", b".."):

@@ -421,7 +421,7 @@ class Tally:
         w = off // 8
         prompt = _count(prompt_tokens)
         rid = billed.request_id.encode("utf-8", "surrogatepass")
-        if len(rid) > _REQUEST_ID_SIZE or b"\0" in rid:  # it names the stream in logs only
+        if len(rid) > _REQUEST_ID_SIZE or rid.find(b"\0") >= 0:  # it names the stream in logs only
             rid = rid.replace(b"\0", b"")[:_REQUEST_ID_SIZE]
         try:
             octets[off : off + len(template)] = template

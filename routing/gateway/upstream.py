@@ -325,7 +325,8 @@ class _Connection(asyncio.Protocol):
                 except ValueError:
                     pass
             elif len(name) == 17 and name.lower() == b"transfer-encoding":
-                response.chunked = b"chunked" in value.lower()
+                # find, not `in`: bytes' `in` makes and drops a TypeError each time
+                response.chunked = value.lower().find(b"chunked") >= 0
         self.response = response
         if self.head or status in (204, 304, 101):
             # no body follows; after a HEAD llhttp would wait for the one Content-Length
