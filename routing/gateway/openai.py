@@ -363,8 +363,6 @@ class Meter:
         at = block.rfind(b'"usage"')
         if at < 0:
             return block
-        if n != 1:
-            return self._blocks(block)
         # what follows the key, byte by byte (indexing is native when compiled; a method
         # call per test was most of a chunk's cost): ':', maybe ' ', then null or an object
         size = len(block)
@@ -375,11 +373,21 @@ class Meter:
         if block[i] == 32:  # ' '
             i += 1
         if block[i] == 123:  # '{'
+            if n != 1:
+                return self._blocks(block)
             return self._usage_event(block, at)
         if block[i] != 110 or block[i + 1] != 117 or block[i + 2] != 108 or block[i + 3] != 108:
             return self._blocks(block)  # not null
+        # the block's last usage is null: it holds no usage chunk (that one is the stream's
+        # last event with choices or usage), only null usages to strip
         if not self.strip:
             return block
+        if n != 1:  # each event's null usage, written as the last one is
+            if i == at + 8 and block[at - 1] == 44:
+                return block.replace(_USAGE_NULLS[0], b"")
+            if i == at + 9 and block[at - 1] == 32 and block[at - 2] == 44:
+                return block.replace(_USAGE_NULLS[1], b"")
+            return self._blocks(block)
         stop = i + 4
         if block[at - 1] == 44:  # ','
             return block[: at - 1] + block[stop:]

@@ -225,6 +225,19 @@ def test_each_servers_way_of_writing_a_null_usage_is_taken_out() -> None:
         assert meter.chunks == 3
 
 
+@pytest.mark.parametrize("spaced", [False, True])
+def test_null_usages_of_several_events_read_at_once_are_taken_out(spaced: bool) -> None:
+    doc = {"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}}], "usage": None}
+    sep = (", ", ": ") if spaced else (",", ":")
+    block = (b"data: " + json.dumps(doc, separators=sep).encode() + b"\n\n") * 4
+    stripped = Meter(strip=True)
+    out = stripped.feed(block)
+    assert b"usage" not in out and out.count(b"\n\n") == 4 and stripped.chunks == 4
+    assert all(json.loads(e[len(b"data: ") :])["choices"] for e in out.split(b"\n\n") if e)
+    kept = Meter(strip=False)
+    assert kept.feed(block) == block and kept.chunks == 4
+
+
 @pytest.mark.parametrize("strip", [False, True])
 def test_usage_anywhere_in_an_event_or_as_a_word_is_handled(strip: bool) -> None:
     """The look from an event's end finds its usage only where vLLM writes it (last): a null
