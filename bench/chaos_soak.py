@@ -108,12 +108,16 @@ def main() -> int:
         for line in v["examples"]:
             print(f"  {line}")
     for job, known in f.get("evidence", {}).items():
+        if job.startswith("("):  # the sites and the brokers at the end: in figures.json
+            continue
         print(f"\nevidence: {job} ({known['name']}): states {' -> '.join(known['states'])}")
         for key in ("events", "stamps", "segments", "kills_near"):
             for line in known[key][-15:]:
                 print(f"  {key[:-1]}: {line}")
         for other, states in known["gang"].items():
             print(f"  gang member {other}: {' -> '.join(states)}")
+        for key in sorted(k for k in known if k.startswith(("report at", "assignment at"))):
+            print(f"  {key}: {known[key][:200]}")
     for crash in f.get("crashed", []):
         print(
             f"\na client, fault loop or watch died (its part of the history stops there): {crash}"
