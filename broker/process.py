@@ -29,9 +29,9 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -78,7 +78,7 @@ from sites.kits.tls import PeerTrust, peer_connector
 from sites.model import keys
 from sites.model.bandwidth import path_bandwidth_mbps
 from sites.model.catalog import DeviceCatalog
-from sites.model.errors import RegistryError
+from sites.model.errors import RegistryError, RegistryUnavailable
 from sites.registry.client import Registry
 from sites.registry.mirror import PrefixMirror
 
@@ -91,6 +91,32 @@ FALLBACK_MBPS = 1000.0  # a path with neither a measurement nor both sites' spec
 FAIR_SHARE_SAVE_S = 60.0
 BILLED_TTL_S = 10.0  # the ledger's part of the budgets left: a query, not once per pass
 RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
+
+
+T = TypeVar("T")
+
+STARTUP_RETRY_MAX_S = 5.0
+STARTUP_WAIT_S = 60.0
+
+
+async def until_answered(
+    what: str, call: Callable[[], Awaitable[T]], *, within_s: float = STARTUP_WAIT_S
+) -> T:
+    """`call()` until etcd answers it, for up to `within_s`: a broker started while etcd
+    elects a leader, or while a member is down, waits for it (logged) instead of exiting; one
+    pointed at no etcd at all still exits with the error, a minute later. The chaos soak's
+    broker-19, started as a member died, exited on its first transaction's deadline
+    (bench/JOURNAL.md, 2026-12-07, night)."""
+    delay, deadline = 0.25, time.monotonic() + within_s
+    while True:
+        try:
+            return await call()
+        except RegistryUnavailable as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: %s; trying again in %.2fs", what, exc, delay)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, STARTUP_RETRY_MAX_S)
 
 
 def agent_connector(agent_trust: PeerTrust | None) -> aiohttp.TCPConnector:
@@ -314,7 +340,8 @@ class Broker:
         self.supervisor.spawn("token use", self.tokens.follow_use, restart=RESTART)
         self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)
         self.supervisor.spawn("data index", self.data.run, restart=RESTART)
-        if await self.tenancy.seed(self.tenancy_seed):
+        seed = self.tenancy_seed
+        if await until_answered("seeding the tenancy", lambda: self.tenancy.seed(seed)):
             log.info("tenancy seeded from the config's tenants.yaml")
         self.supervisor.spawn("tenancy", self.tenancy.mirror.run, restart=RESTART)
         await self.views.synced(30)

@@ -18,7 +18,7 @@ from broker.api.inference import Gateway
 from broker.model.regions import load_user_regions, user_rtt_ms
 from broker.model.tenants import load_tenancy
 from broker.placement.settings import BrokerSettings, load_settings, read_site_keys
-from broker.process import RESTART, Broker
+from broker.process import RESTART, Broker, until_answered
 from broker.state.router import Router
 from routing import native
 from routing.decision.clients import load_clients
@@ -91,7 +91,7 @@ async def serve(
     if (config_dir / "clients.yaml").exists():
         clients = load_clients(config_dir / "clients.yaml", user_regions=regions, sites=specs)
     registry = Registry.from_urls(etcd, tls=etcd_tls)
-    await registry.connect()
+    await until_answered("connecting to etcd", registry.connect)
     broker = Broker(
         registry=registry,
         catalog=catalog,
