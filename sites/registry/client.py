@@ -161,6 +161,10 @@ class Registry:
         """How many keys are under `prefix` (a count-only read: no values travel)."""
         return await self._reads.count_prefix(prefix)
 
+    async def changed_since(self, prefix: str, revision: int) -> bool:
+        """Is a key under `prefix` last written after `revision`? (Reads.changed_since)"""
+        return await self._reads.changed_since(prefix, revision)
+
     async def revision(self) -> int:
         """etcd's current revision (a count-only read of one key)."""
         return await self._reads.revision()

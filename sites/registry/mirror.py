@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from sites.model import keys
-from sites.model.errors import RegistryError
+from sites.model.errors import RegistryError, RegistryUnavailable
 from sites.registry.client import Registry
 
 log = logging.getLogger(__name__)
 
 KeyValues = Sequence[tuple[str, bytes, int]]  # (key, value, mod_revision)
+
+WATCH_STALL_S = 10.0
+"""A RootMirror whose watch brought nothing this long while etcd holds newer keys under its
+root lists again (RootMirror._stalled)."""
 
 
 async def _follow_forever(follow: Callable[[], Awaitable[None]], what: str, retry_s: float) -> None:
@@ -128,6 +133,7 @@ class RootMirror:
         on_event: Callable[[str, str, bytes | None, int], None],
         root: str = keys.ROOT,
         retry_s: float = 1.0,
+        stall_s: float = WATCH_STALL_S,
     ) -> None:
         for prefix in prefixes:
             rest = prefix[len(root) :]
@@ -138,15 +144,59 @@ class RootMirror:
         self.prefixes = tuple(prefixes)
         self.revision = 0
         self.synced = asyncio.Event()
+        self.stalls = 0  # watches given up as stalled (stall_s)
         self._on_reset = on_reset
         self._on_event = on_event
         self._retry_s = retry_s
+        self._stall_s = stall_s
+        self._watching = False
+        self._moved_at = time.monotonic()
 
     async def run(self) -> None:
-        await _follow_forever(self._follow, self.root, self._retry_s)
+        await _follow_forever(self._follow_watched, self.root, self._retry_s)
+
+    async def _follow_watched(self) -> None:
+        """`_follow`, given up (RegistryUnavailable: listed again) when its watch stalls."""
+        follow = asyncio.ensure_future(self._follow())
+        stall = asyncio.ensure_future(self._stalled())
+        try:
+            done, _ = await asyncio.wait((follow, stall), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (follow, stall):
+                task.cancel()
+            await asyncio.gather(follow, stall, return_exceptions=True)
+        if follow in done:
+            follow.result()
+            return
+        self.stalls += 1
+        raise RegistryUnavailable(stall.result())
+
+    async def _stalled(self) -> str:
+        """Returns (why) once the watch has brought nothing for stall_s while etcd holds keys
+        under the root written after the last revision it brought: a watch that is open but
+        no longer follows (a 30-minute chaos soak's broker kept a view frozen at the moment
+        an etcd member died, its passes deciding on it for minutes: bench/JOURNAL.md,
+        2026-12-07, night). PINGs find a peer that is gone, not one that answers and lags."""
+        stall_s = self._stall_s
+        while True:
+            await asyncio.sleep(stall_s / 4)
+            quiet = time.monotonic() - self._moved_at
+            if not self._watching or quiet < stall_s:
+                continue
+            seen = self.revision
+            try:
+                newer = await self.registry.changed_since(self.root, seen)
+            except RegistryError:
+                continue  # etcd does not answer: the watch's own errors will tell
+            if newer and self.revision == seen and self._watching:
+                return (
+                    f"watch of {self.root} stalled: nothing came for {quiet:.0f}s while etcd "
+                    f"holds keys written after revision {seen}"
+                )
 
     async def _follow(self) -> None:
         root, cut = self.root, len(self.root)
+        self._watching = False
         # segment ("sites/") -> its prefix and the revision it was listed at
         listed: dict[str, tuple[str, int]] = {}
         for prefix in self.prefixes:
@@ -156,7 +206,9 @@ class RootMirror:
         self.revision = min(revision for _, revision in listed.values())
         self.synced.set()
         on_event = self._on_event
+        self._moved_at, self._watching = time.monotonic(), True
         async for batch in self.registry.watch_batches(root, start_revision=self.revision + 1):
+            self._moved_at = time.monotonic()
             applied, previous = 0, self.revision
             for event in batch:
                 if applied >= APPLY_SLICE and event.revision != previous:

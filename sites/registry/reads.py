@@ -166,6 +166,21 @@ class Reads:
         response = await self._range_request(request, prefix)
         return int(response.count)
 
+    async def changed_since(self, prefix: str, revision: int) -> bool:
+        """Is a key under `prefix` last written after `revision`? (keys only, one at most: no
+        values travel. Not count_only: etcd counts the whole range before its mod_revision
+        filter, so a count says nothing; the limit applies after the filter.)"""
+        key = prefix.encode()
+        request = rpc.RangeRequest(
+            key=key,
+            range_end=aetcd.utils.prefix_range_end(key),
+            keys_only=True,
+            limit=1,
+            min_mod_revision=revision + 1,
+        )
+        response = await self._range_request(request, prefix)
+        return len(response.kvs) > 0
+
     async def revision(self) -> int:
         """etcd's current revision (a count-only read of one key)."""
         request = rpc.RangeRequest(key=keys.LEADER.encode(), count_only=True)

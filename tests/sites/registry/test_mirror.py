@@ -172,3 +172,56 @@ def test_a_root_mirror_takes_one_segment_prefixes_only(registry: Registry) -> No
     for bad in ("/r/a", "/r/a/b/", "/s/a/", "/r/"):
         with pytest.raises(ValueError, match="one segment"):
             mirror(bad)
+
+
+async def test_a_root_mirror_whose_watch_stalls_lists_again(
+    registry: Registry, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A watch that stays open and brings nothing (an etcd member that answers and lags: a
+    stand-in, since no etcd here can be made to) is given up once etcd holds keys under the
+    root written after the last revision it brought, and the prefixes are listed again; a
+    root where nothing is written is left alone however quiet."""
+    root = keys.ROOT + "test-stall/"
+    a = root + "a/"
+    await registry.delete_prefix(root)
+    await registry.put_raw(a + "1", b"a1")
+    real = registry.watch_batches
+    stalled = [True]
+
+    async def silent(prefix: str, *, start_revision: int) -> Any:
+        await asyncio.Event().wait()  # open, and nothing ever comes
+        yield []  # (an async generator)
+
+    def watch(prefix: str, *, start_revision: int) -> Any:
+        if stalled[0]:
+            stalled[0] = False
+            return silent(prefix, start_revision=start_revision)
+        return real(prefix, start_revision=start_revision)
+
+    monkeypatch.setattr(registry, "watch_batches", watch)
+    lists: list[dict[str, bytes]] = []
+    mirror = RootMirror(
+        registry=registry,
+        prefixes=(a,),
+        on_reset=lambda prefix, kvs: lists.append({k: v for k, v, _ in kvs}),
+        on_event=lambda prefix, key, value, rev: None,
+        root=root,
+        retry_s=0.05,
+        stall_s=0.4,
+    )
+    sup = Supervisor(owner="test", stop_grace_s=30.0)
+    sup.spawn("root", mirror.run)
+    await asyncio.wait_for(mirror.synced.wait(), 10)
+    await asyncio.sleep(1.0)  # quiet, nothing written: no stall
+    assert mirror.stalls == 0 and len(lists) == 1
+    await registry.put_raw(root + "elsewhere", b"x")  # under the root, not a followed prefix
+    await registry.put_raw(a + "2", b"a2")
+    await until(lambda: len(lists) == 2)
+    assert lists[-1] == {a + "1": b"a1", a + "2": b"a2"}
+    assert mirror.stalls == 1
+    assert any("stalled: nothing came" in r.getMessage() for r in caplog.records)
+    await registry.put_raw(a + "3", b"a3")  # the second watch is etcd's own: it follows
+    await asyncio.sleep(1.0)
+    assert mirror.stalls == 1 and len(lists) == 2
+    async with asyncio.timeout(5):
+        await sup.stop()
