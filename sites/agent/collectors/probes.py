@@ -7,7 +7,12 @@ Methods:
   icmp         ICMP echo on a raw socket (root or CAP_NET_RAW).
   tcp-syn      SYN -> SYN-ACK with scapy (root).
 `auto` picks http when the WAN is emulated, else icmp when a raw ICMP socket can be made, else
-tcp-connect. Each peer is sampled `samples` times per interval, spread evenly; a link's figures
+tcp-connect. Each peer is sampled `samples` times per interval, spread evenly, within a budget of
+MAX_PROBES_PER_S for all peers together: past it (a site with hundreds of peers) each peer is
+sampled less often, its first sample at a random point of its period, so a federation of a
+thousand sites costs each agent a bounded rate of probes instead of a thousand peers x samples
+per interval (bench/JOURNAL.md, 2026-12-07, night: the demo's 13 agents beside 1,000 sites
+probed 2,500 times a second each and took the host's two cores). A link's figures
 are taken over the last `samples` samples, less the host overhead: the agent also probes its own
 responder through the same path (a zero-distance round trip: both hosts' stacks, the process
 wake-ups, a relay if any) and subtracts the minimum of that, as TWAMP subtracts the reflector's
@@ -30,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import random
 import statistics
 import time
 from collections import deque
@@ -50,6 +56,8 @@ from sites.model.status import LinkStatus
 log = logging.getLogger(__name__)
 
 METHODS = ("auto", "http", "tcp-connect", "icmp", "tcp-syn")
+MAX_PROBES_PER_S = 50.0
+"""All peers' RTT probes together, a second, at most (module docstring)."""
 
 
 def choose_method(method: str, *, emulated: bool) -> str:
@@ -90,12 +98,16 @@ class _Peer:
             "User-Agent: cpn-probe\r\n\r\n"
         ).encode()
 
-    async def run(self, period_s: float) -> None:
+    async def run(self, period_s: Callable[[], float], stagger: bool = False) -> None:
+        """Sample every period_s() (read again each time: it grows with the peers); with
+        `stagger`, the first sample at a random point of the first period."""
         try:
+            if stagger:
+                await asyncio.sleep(random.uniform(0.0, period_s()))
             while True:
                 started = time.monotonic()
                 self.samples.append(await self.sample())
-                await asyncio.sleep(max(0.0, period_s - (time.monotonic() - started)))
+                await asyncio.sleep(max(0.0, period_s() - (time.monotonic() - started)))
         finally:
             self._close()
 
@@ -430,8 +442,10 @@ class Prober:
         bandwidth_interval_s: float = BANDWIDTH_INTERVAL_S,
         bandwidth_probe_bytes: int = BANDWIDTH_PROBE_BYTES,
         bandwidth_probe_timeout_s: float = BANDWIDTH_PROBE_TIMEOUT_S,
+        max_probes_per_s: float = MAX_PROBES_PER_S,
     ) -> None:
         self.site = site
+        self.max_probes_per_s = max_probes_per_s
         self.method = method
         self.samples = samples
         self.interval_s = interval_s
@@ -463,11 +477,15 @@ class Prober:
             timeout_s=self.timeout_s,
             source=self.source,
         )
-        task = asyncio.create_task(
-            peer.run(self.interval_s / self.samples), name=f"probe {self.site}->self"
-        )
+        every = self.interval_s / self.samples
+        task = asyncio.create_task(peer.run(lambda: every), name=f"probe {self.site}->self")
         task.add_done_callback(_log_crash)
         self._self = (peer, task)
+
+    def period_s(self) -> float:
+        """How often each peer is sampled: `samples` times an interval, or less often when
+        that would pass MAX_PROBES_PER_S for all the peers."""
+        return max(self.interval_s / self.samples, len(self._peers) / self.max_probes_per_s)
 
     def host_overhead_ms(self) -> float:
         if self._self is None:
@@ -481,6 +499,8 @@ class Prober:
             peer, _ = self._peers[site]
             if site not in peers or Target.from_url(peers[site]) != peer.target:
                 self._drop(site)
+        # past the budget the new peers' first samples are spread over their period
+        stagger = len(peers) / self.max_probes_per_s > self.interval_s / self.samples
         for site, url in peers.items():
             if site == self.site or site in self._peers:
                 continue
@@ -497,7 +517,8 @@ class Prober:
                 source=self.source,
             )
             task = asyncio.create_task(
-                peer.run(self.interval_s / self.samples), name=f"probe {self.site}->{site}"
+                peer.run(self.period_s, stagger=stagger),
+                name=f"probe {self.site}->{site}",
             )
             task.add_done_callback(_log_crash)
             self._peers[site] = (peer, task)

@@ -364,3 +364,47 @@ def test_host_overhead_is_subtracted_and_clamped() -> None:
     assert link.host_overhead_ms == 0.5
     tiny = summarize("a", "b", [0.2], method="http", emulated=False, now=1, host_overhead_ms=0.3)
     assert tiny.rtt_ms == 0.0
+
+
+async def test_many_peers_share_a_budget_of_probes_a_second() -> None:
+    """Each peer is sampled `samples` times an interval while that stays within the budget;
+    past it (hundreds of peers) each is sampled less often, so the agent's probes a second
+    stay bounded whatever the federation's size (probes.MAX_PROBES_PER_S)."""
+    from aiohttp import web
+
+    from sites.agent.collectors.probes import Prober
+
+    seen = [0]
+
+    async def ok(_: web.Request) -> web.Response:
+        seen[0] += 1
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/probe", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    url = f"http://{host}:{port}"
+    few = Prober(site="a", method="http", samples=5, interval_s=1.0, timeout_s=1, source=None,
+                 emulated=False, max_probes_per_s=40.0)  # fmt: skip
+    many = Prober(site="a", method="http", samples=5, interval_s=1.0, timeout_s=1, source=None,
+                  emulated=False, max_probes_per_s=40.0)  # fmt: skip
+    try:
+        few.set_peers({f"p{i}": url for i in range(4)})
+        assert few.period_s() == pytest.approx(0.2)  # 5 a second each: 20 in all
+        await asyncio.sleep(1.0)
+        await few.close()
+        assert 12 <= seen[0] <= 28, seen[0]
+        seen[0] = 0
+        many.set_peers({f"p{i}": url for i in range(200)})
+        assert many.period_s() == pytest.approx(5.0)  # 200 peers at 40 a second in all
+        await asyncio.sleep(2.5)  # the first samples spread over the first period
+        assert seen[0] <= 40 * 2.5 * 1.3, seen[0]  # not 200 x 5 a second
+        assert 0 < seen[0], seen[0]
+        assert len(many.links(now=0)) >= 50  # a quarter of the peers measured already
+    finally:
+        await many.close()
+        await runner.cleanup()
