@@ -79,26 +79,14 @@ SETTLE_S = 60.0
 STABLE_S = 6.0
 BILLED_TOLERANCE_S = 1.5
 INFERENCE_GRACE_S = 5.0  # after a restart, the first tries that may still fail
-# A finding of this soak, left to the ledger's owner (docs/chaos.md, "Findings"): the ledger
-# clamps a run's reported end to the broker's clock ("a clock ahead of the broker's cannot
-# bill the future", metering/ledger.py close) while the start stays the agent's, so a site
-# whose clock runs ahead by s under-bills each run by up to s (a shorter run: 0 s). Those
-# violations are counted and printed (the bench counts them as broken); any other fails here.
-AHEAD = tuple(f" at {site}:" for site, skew in SKEW_S.items() if skew > 0)
-
-
-# Another, left to the agent's and the ledger's owners: a run whose agent was SIGKILLed after
-# it launched the run and before its `running` report reached etcd is reported lost by the
-# next agent and never billed (its record has no `running` event for the attempt), though its
-# command ran.
+# No finding of this soak is left open that its suite version lets pass: the ledger's clock
+# (a site ahead under-billed, 1a96222) and the runs never reported running (unbilled,
+# 7b13005) were fixed (docs/chaos.md, "Findings"). known_finding stays the one place to name
+# one while it is open: its violations are counted and printed, the bench counts them as
+# broken, and any other fails here.
 
 
 def known_finding(history: ch.History, verdict: ch.Verdict, line: str) -> bool:
-    if verdict.name.startswith("billed time"):
-        return any(site in line for site in AHEAD)
-    if verdict.name == "ledger = runs" and line.endswith("ran, not billed"):
-        job, _, attempt = line.split(":")[0].split(" ")
-        return (job, int(attempt)) in history.unreported
     return False
 
 
@@ -648,12 +636,13 @@ async def cluster(tmp_path: Path) -> Any:
         c.stop()
 
 
-# Known, open (issue 46's notes): on a quiet run of the whole suite, agents' reports of runs
-# that ended while an etcd member was down were never written ("report ... not written: etcd
-# ... Deadline Exceeded; retrying in 0.2s", then nothing), their jobs RUNNING at the end with
-# no run going and unbilled. Until that is found and fixed the soak reports, and does not
-# stop the suite; bench/chaos_soak.py counts the same violations as broken.
-@pytest.mark.xfail(strict=False, reason="agents' reports lost across etcd member kills (open)")
+# Not strict: on a quiet run of the whole suite, 7 jobs were RUNNING at the end with no run
+# going and unbilled, as an etcd member died ("report ... not written ... retrying", then
+# nothing). The likeliest cause, a broker view frozen by a watch that stayed open and silent,
+# has a safety net since (a1056c7: docs/chaos.md, "Findings"); it did not recur in 14 runs
+# since, but its cause is not proven. The soak reports, and does not stop the suite;
+# bench/chaos_soak.py counts every violation as broken.
+@pytest.mark.xfail(strict=False, reason="a view frozen across an etcd member's death (a1056c7)")
 async def test_the_federation_keeps_its_invariants_under_chaos(
     cluster: EtcdCluster, processes: Processes, standins: StandIns, tmp_path: Path
 ) -> None:
