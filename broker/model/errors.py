@@ -17,11 +17,13 @@ BrokerError
 │                                 status (409, 502, 503; broker.ops.datasets)
 ├── TokenLedgerError              the token ledger's file or writer is not this replica's own
 │                                 (broker.state.token_ledger)
+├── CopyError                     a site's agent could not be reached for a backup's copy, or
+│                                 refused it: names the site (broker.ops.backup_copies)
 └── PlacementError (ValueError)   a snapshot or decision placement cannot work with (a caller's
                                   bug or a stale view; broker.placement.place)
 
-PlanInputError, PlacementError and TokenLedgerError live beside the code that raises them,
-Unauthorized and Forbidden in broker.state.auth.
+PlanInputError, PlacementError, TokenLedgerError and CopyError live beside the code that raises
+them, Unauthorized and Forbidden in broker.state.auth.
 """
 
 from __future__ import annotations

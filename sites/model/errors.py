@@ -42,9 +42,12 @@
     ├── DataError                       the site's data plane (sites.agent.data.errors); each
     │   │                               carries the HTTP status its /data routes answer
     │   ├── BadInput (ValueError)       a path, sha256, digest or body that is malformed: 400
+    │   ├── Unauthorized                no grant or credential, or one that does not verify: 401
+    │   ├── Forbidden                   a valid credential that may not do this: 403
     │   ├── NotHeld (LookupError)       no complete object, file or checkpoint here: 404
     │   ├── Conflict                    a commit names what is missing or does not match: 409
     │   ├── TooLarge                    a body over what the store may hold: 413
+    │   ├── StoreFull                   the store has no room for it (a backup's copy): 507
     │   ├── StagingError                no source could serve what a staging needed
     │   └── PeerError                   another site's data store refused or was unreachable
     └── IllegalReplicaTransition        a managed replica asked to move between states it
