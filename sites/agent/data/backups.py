@@ -46,6 +46,7 @@ from sites.agent.data.errors import (
     StoreFull,
     TooLarge,
     Unauthorized,
+    json_list,
 )
 from sites.agent.data.transfer import GRANT_HEADER, SHA_HEADER
 from sites.kits.clock import Clock
@@ -188,13 +189,7 @@ class BackupShelf:
 
     async def put_readers(self, request: web.Request) -> web.Response:
         self._grant(request, "write")
-        try:
-            body = await request.json()
-            tokens = body["tokens"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BadInput('the body must be {"tokens": [...]}', "tokens") from exc
-        if not isinstance(tokens, list) or len(tokens) > MAX_READERS:
-            raise BadInput(f"tokens must be a list of at most {MAX_READERS}", "tokens")
+        tokens = await json_list(request, "tokens", MAX_READERS)
         kept = []
         for i, t in enumerate(tokens):
             if not (

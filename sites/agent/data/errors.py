@@ -17,7 +17,12 @@ Each carries `field`: the input that was wrong (a path, 'sha256', 'seq'), or Non
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from sites.model.errors import SitesError
+
+if TYPE_CHECKING:
+    from aiohttp import web
 
 
 class DataError(SitesError):
@@ -72,3 +77,16 @@ class PeerError(DataError):
     """Another site's store could not be reached, or refused a push (one line, naming it)."""
 
     code = "peer_failed"
+
+
+async def json_list(request: web.Request, name: str, limit: int) -> list[Any]:
+    """The list a route's JSON body holds under `name` ({"name": [...]}), at most `limit`
+    long; BadInput naming `name` otherwise."""
+    try:
+        body = await request.json()
+        items = body[name]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BadInput(f'the body must be {{"{name}": [...]}}', name) from exc
+    if not isinstance(items, list) or len(items) > limit:
+        raise BadInput(f"{name} must be a list of at most {limit}", name)
+    return items

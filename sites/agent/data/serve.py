@@ -27,7 +27,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from sites.agent.data.backups import BackupShelf
-from sites.agent.data.errors import BadInput, DataError, TooLarge
+from sites.agent.data.errors import BadInput, DataError, TooLarge, json_list
 from sites.agent.data.store import DataStore, check_name, check_sha
 from sites.agent.data.transfer import GRANT_HEADER, SHA_HEADER
 from sites.kits.clock import Clock
@@ -259,13 +259,7 @@ class DataRoutes:
 
     async def missing_blobs(self, request: web.Request) -> web.Response:
         self._may_push_blobs(self._claims(request))
-        try:
-            body = await request.json()
-            shas = body["sha256"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise BadInput('the body must be {"sha256": [...]}', "sha256") from exc
-        if not isinstance(shas, list) or len(shas) > MAX_MISSING_ASK:
-            raise BadInput(f"sha256 must be a list of at most {MAX_MISSING_ASK}", "sha256")
+        shas = await json_list(request, "sha256", MAX_MISSING_ASK)
         for s in shas:
             check_sha(s if isinstance(s, str) else repr(s))
         return web.json_response({"missing": self.store.missing_blobs(shas)})
