@@ -95,7 +95,7 @@ RESTART = Backoff(initial_s=0.5, max_s=30.0, reset_after_s=60.0)
 
 T = TypeVar("T")
 
-STARTUP_RETRY_MAX_S = 5.0
+STARTUP_RETRY = Backoff(initial_s=0.25, max_s=5.0)
 STARTUP_WAIT_S = 60.0
 
 
@@ -107,16 +107,17 @@ async def until_answered(
     pointed at no etcd at all still exits with the error, a minute later. The chaos soak's
     broker-19, started as a member died, exited on its first transaction's deadline
     (bench/JOURNAL.md, 2026-12-07, night)."""
-    delay, deadline = 0.25, time.monotonic() + within_s
+    deadline, tries = time.monotonic() + within_s, 0
     while True:
         try:
             return await call()
         except RegistryUnavailable as exc:
+            tries += 1
+            delay = STARTUP_RETRY.delay_s(tries)
             if time.monotonic() + delay > deadline:
                 raise
             log.warning("%s: %s; trying again in %.2fs", what, exc, delay)
             await asyncio.sleep(delay)
-            delay = min(2 * delay, STARTUP_RETRY_MAX_S)
 
 
 def agent_connector(agent_trust: PeerTrust | None) -> aiohttp.TCPConnector:

@@ -7,7 +7,7 @@ import logging
 import struct
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -288,8 +288,6 @@ def test_probe_method_choice() -> None:
 
 @pytest.mark.parametrize("method", ["http", "tcp-connect", "icmp", "tcp-syn"])
 async def test_probe_methods_measure_a_live_peer(method: str) -> None:
-    from aiohttp import web
-
     from sites.agent.collectors import icmp
     from sites.agent.collectors.probes import Prober
 
@@ -298,21 +296,12 @@ async def test_probe_methods_measure_a_live_peer(method: str) -> None:
     if method == "tcp-syn" and not icmp.scapy_available():
         pytest.skip("tcp-syn probes need root and scapy")
 
-    async def ok(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/probe", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
+    runner, url = await _probe_responder(lambda: None)
     prober = Prober(
         site="a", method=method, samples=3, interval_s=0.3, timeout_s=2, source=None, emulated=False
     )
     try:
-        prober.set_peers({"b": f"http://{host}:{port}"})
+        prober.set_peers({"b": url})
         # a full window of samples with none lost; under a loaded CI host scapy has once missed
         # one SYN-ACK of three on loopback, so later windows (0.3 s apart) get their turn
         for _ in range(200):
@@ -370,24 +359,14 @@ async def test_many_peers_share_a_budget_of_probes_a_second() -> None:
     """Each peer is sampled `samples` times an interval while that stays within the budget;
     past it (hundreds of peers) each is sampled less often, so the agent's probes a second
     stay bounded whatever the federation's size (probes.MAX_PROBES_PER_S)."""
-    from aiohttp import web
-
     from sites.agent.collectors.probes import Prober
 
     seen = [0]
 
-    async def ok(_: web.Request) -> web.Response:
+    def count() -> None:
         seen[0] += 1
-        return web.Response(text="ok")
 
-    app = web.Application()
-    app.router.add_get("/probe", ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    url = f"http://{host}:{port}"
+    runner, url = await _probe_responder(count)
     few = Prober(site="a", method="http", samples=5, interval_s=1.0, timeout_s=1, source=None,
                  emulated=False, max_probes_per_s=40.0)  # fmt: skip
     many = Prober(site="a", method="http", samples=5, interval_s=1.0, timeout_s=1, source=None,
@@ -408,3 +387,20 @@ async def test_many_peers_share_a_budget_of_probes_a_second() -> None:
     finally:
         await many.close()
         await runner.cleanup()
+
+
+async def _probe_responder(on_probe: Callable[[], None]) -> tuple[Any, str]:
+    """A /probe responder on loopback calling `on_probe` per request: (its runner, its URL)."""
+    from aiohttp import web
+
+    async def ok(_: web.Request) -> web.Response:
+        on_probe()
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/probe", ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
