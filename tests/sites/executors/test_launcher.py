@@ -61,6 +61,13 @@ PATHS = [
     True,
 ]  # fmt: skip
 PATH_IDS = ["setpriv", "python"]
+# each test runs on both launch paths, as the agent's own account and as a tenant's
+BY_PATH = pytest.mark.parametrize("python", PATHS, ids=PATH_IDS)
+BY_UID = pytest.mark.parametrize(
+    "uid",
+    [None, pytest.param(NOBODY, marks=pytest.mark.skipif(not ROOT, reason="drops as root"))],
+    ids=["same-uid", "tenant-uid"],
+)
 
 
 def _alive(pid: int) -> bool:
@@ -109,12 +116,8 @@ def agent(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("python", PATHS, ids=PATH_IDS)
-@pytest.mark.parametrize(
-    "uid",
-    [None, pytest.param(NOBODY, marks=pytest.mark.skipif(not ROOT, reason="drops as root"))],
-    ids=["same-uid", "tenant-uid"],
-)
+@BY_PATH
+@BY_UID
 def test_an_agent_killed_inside_the_launch_leaves_no_run(
     tmp_path: Path, python: bool, uid: tuple[int, int] | None
 ) -> None:
@@ -142,12 +145,8 @@ def test_an_agent_killed_inside_the_launch_leaves_no_run(
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("python", PATHS, ids=PATH_IDS)
-@pytest.mark.parametrize(
-    "uid",
-    [None, pytest.param(NOBODY, marks=pytest.mark.skipif(not ROOT, reason="drops as root"))],
-    ids=["same-uid", "tenant-uid"],
-)
+@BY_PATH
+@BY_UID
 def test_a_running_job_dies_with_its_agent_and_has_nothing_of_it(
     tmp_path: Path, python: bool, uid: tuple[int, int] | None
 ) -> None:
