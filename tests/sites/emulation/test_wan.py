@@ -627,7 +627,9 @@ def test_delay_is_exact_on_an_idle_shaped_path() -> None:
 def test_a_slow_reader_holds_the_source_back() -> None:
     """A client that stops reading: the emulator stops reading the backend at its queue cap
     instead of buffering the whole transfer, and delivers every byte once reading resumes."""
-    n = 8 * 1024 * 1024
+    # large beside the kernel's socket buffers, which autotune to several MiB on loopback
+    # (the client's receive side and the emulator's send side together held 4.0 MiB once)
+    n = 32 * 1024 * 1024
     cap = 256 * 1024
 
     async def scenario() -> tuple[int, int, int]:
@@ -637,7 +639,7 @@ def test_a_slow_reader_holds_the_source_back() -> None:
             reader, writer = await _connect(front, NODE_A_IP)
             writer.transport.pause_reading()  # type: ignore[attr-defined]
             writer.write(f"{n}\n".encode())
-            await asyncio.sleep(0.5)  # 8 MiB at 400 Mbit/s would take 0.17 s
+            await asyncio.sleep(1.0)  # 32 MiB at 400 Mbit/s would take 0.67 s
             (conn,) = wan.connections
             queued = conn.down._queued
             relayed = wan.stats()["routes"][f"{front[0]}:{front[1]}"]["bytes_to_client"]

@@ -25,7 +25,8 @@ def test_a_sealed_file_opens_whole(tmp_path: Path, small_chunks: None, size: int
     body = os.urandom(size)
     (tmp_path / "a").write_bytes(body)
     seal_file(tmp_path / "a", tmp_path / "s", key, b"cpn-x")
-    assert body == b"" or body not in (tmp_path / "s").read_bytes()
+    if size >= 16:  # a byte or two of random body turns up in random ciphertext by chance
+        assert body not in (tmp_path / "s").read_bytes()
     open_file(tmp_path / "s", tmp_path / "b", key, b"cpn-x")
     assert (tmp_path / "b").read_bytes() == body
 
