@@ -717,10 +717,15 @@ class Workload:
             self._spawn(self._withdraw(run), f"stop {a.job}")
         else:
             await self._while_queued(run, handle)
-        await self._write(run)
+        # The `running` report lands while the run goes on: with etcd away it is retried, and
+        # the run's end is still taken when the process ends, not when etcd is back (a run
+        # ending in an outage was billed until the outage ended). Its retries pick up the
+        # end, and the terminal write below waits for them (one write of a run at a time).
+        self._spawn(self._write(run), f"report {a.job}")
         if run.replica is not None and not (self._closing.is_set() or run.withdrawn.is_set()):
             self._spawn(self._serving.await_ready(run, handle), f"ready {a.job}")
         ended = await self.executor.wait(handle)
+        exited_at = self.clock.time()  # what is billed: saving the outputs is not the run
         if run.replica is not None:
             run.replica.move(ReplicaState.stopped)
         if self._closing.is_set():
@@ -745,7 +750,7 @@ class Workload:
         usage = {**run.metered(), **(ended.usage or {})}  # the scheduler's own figures win
         run.usage = usage or None
         run.reason = ended.reason
-        run.finish(state, self.clock.time(), code, message)
+        run.finish(state, exited_at, code, message)
         log.info("job %s attempt %d %s (exit %s): %s", a.job, a.attempt, state.value, code, message)
         await self._write(run)
 
@@ -785,15 +790,15 @@ class Workload:
             await self._write_now(run)
 
     async def _write_now(self, run: Run) -> None:
-        if run.state.terminal and not run.journaled:
-            try:
-                journal(self.executor.work_dir, run, run.report(self.clock.time()))
-                run.journaled = True
-            except OSError as exc:
-                log.warning("job %s: its end not written down: %s", run.job, exc)
         delay = RETRY_MIN_S
         while not self._closing.is_set():
-            report = run.report(self.clock.time())
+            report = run.report(self.clock.time())  # the run's latest state, on every try
+            if report.state.terminal and not run.journaled:
+                try:
+                    journal(self.executor.work_dir, run, report)
+                    run.journaled = True
+                except OSError as exc:
+                    log.warning("job %s: its end not written down: %s", run.job, exc)
             if self._mark is not None:  # what the broker rebuilds a job it lost from
                 report = report.model_copy(update={"assignment": run.assignment})
             record = self._record()
