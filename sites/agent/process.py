@@ -310,6 +310,7 @@ class Agent:
                 ttl = await self.registry.keepalive(record.lease_id)
                 self.metrics.lease_ttl.labels(self.spec.id).set(ttl)
                 kept_at = self.clock.monotonic()
+                self._answered()
             except LeaseLost:
                 log.warning(
                     "lease of %s expired (last kept alive %.1f s ago, TTL %d s); taking the "
@@ -435,6 +436,12 @@ class Agent:
         self._published_services = svc_names
         self.last_publish_at = now
         self.last_error = None
+        self._answered()
+
+    def _answered(self) -> None:
+        """A write of the agent's landed: what waits out a registry outage goes now."""
+        if self.workload is not None:
+            self.workload.registry_answered()
 
     async def _services_loop(self) -> None:
         # twice per interval, so a published endpoint's load is at most half an interval old

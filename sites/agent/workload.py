@@ -138,6 +138,9 @@ class Workload:
         self._tasks: set[asyncio.Task[None]] = set()
         self._main: asyncio.Task[Any] | None = None
         self._closing = asyncio.Event()
+        # set (and replaced) when the registry answers the agent again: report writes waiting
+        # out a backoff go at once (`registry_answered`)
+        self._answered = asyncio.Event()
         # a restore of the registry (module docstring): its mark, and the restore whose runs
         # were all reported again
         self._mark: RestoreMark | None = None
@@ -816,8 +819,24 @@ class Workload:
                 else:
                     self._reported[run.job] = report
                     return
-            await self.clock.sleep(delay)
+            await self._back_off(delay)
             delay = min(delay * 2, self._retry_max_s)
+
+    def registry_answered(self) -> None:
+        """The agent's publish or keepalive landed: etcd is back. Report writes waiting out a
+        backoff try again now: a run's end that waited up to `retry_max_s` more could be
+        overtaken by the site's next sign of life, and a lost site is billed to that."""
+        self._answered.set()
+        self._answered = asyncio.Event()
+
+    async def _back_off(self, delay: float) -> None:
+        answered = asyncio.ensure_future(self._answered.wait())
+        slept = asyncio.ensure_future(self.clock.sleep(delay))
+        try:
+            await asyncio.wait((answered, slept), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (answered, slept):
+                task.cancel()
 
     async def _load_reports(self) -> dict[str, Report]:
         kvs = await self._list(keys.reports(self.site), "reports")
