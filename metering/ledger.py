@@ -99,6 +99,12 @@ class Run:
     utilization: float | None = None  # device utilization 0..1 over the run, when known
     running_since: float | None = None  # the broker's clock: its "running" event of the run
     placed_at: float | None = None  # the broker's clock: when it placed this attempt
+    share: float | None = None  # a share of one device (gpus 1): the part billed and counted
+
+    @property
+    def devices(self) -> float:
+        """The devices billed: a share's part of one, else `gpus`."""
+        return self.share if self.share is not None else float(self.gpus)
 
 
 class Prices(BaseModel):
@@ -291,7 +297,7 @@ def close(
     start, end, clock = timed
     seconds = end - start
     measured = dict(run.measured) if run.measured else None
-    gpu_s = run.gpus * seconds
+    gpu_s = run.devices * seconds
     cpu_core_s = max(run.cpu * seconds, (measured or {}).get("cpu_core_s", 0.0))
     mem_gb_s = max(run.mem_gb * seconds, (measured or {}).get("mem_gb_s", 0.0))
     periods = price_periods(start, end, spec, history, run.model)
@@ -318,7 +324,7 @@ def close(
         utilization = run.utilization
         if utilization is None:
             utilization = (measured or {}).get("gpu_util_ratio", 1.0)
-        it_joules = run.gpus * _watts(catalog, run.model) * utilization * seconds + cpu_joules
+        it_joules = run.devices * _watts(catalog, run.model) * utilization * seconds + cpu_joules
     energy_kwh = it_joules * prices.pue / _J_PER_KWH
     return Segment(
         job=run.job,

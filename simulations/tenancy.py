@@ -500,7 +500,7 @@ class TenantBook:
 
     def sample(
         self,
-        held_gpus: Mapping[str, int],
+        held_gpus: Mapping[str, float],
         capacity: int,
         active: Sequence[str],
         borrowed: Mapping[str, float],

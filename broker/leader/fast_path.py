@@ -106,7 +106,13 @@ def place(p: Pass) -> None:
             for v in chosen.victims:
                 fair.hold(
                     v.tenant,
-                    p.quotas.demand(v.gpus, v.model, v.cpu, v.mem_gb, v.region),
+                    p.quotas.demand(
+                        v.share.share if v.share is not None else v.gpus,
+                        v.model,
+                        v.cpu,
+                        v.mem_gb,
+                        v.region,
+                    ),  # fmt: skip
                     sign=-1.0,
                 )
             decision = chosen.decision
@@ -115,7 +121,9 @@ def place(p: Pass) -> None:
         used = pl.charged(used, spec, decision)
         fair.hold(
             spec.tenant,
-            p.quotas.demand(decision.gpus, decision.model, spec.cpu, spec.mem_gb, decision.region),
+            p.quotas.demand(
+                decision.devices, decision.model, spec.cpu, spec.mem_gb, decision.region
+            ),
         )
         grouped = grouped.with_placed(spec.group, decision.site)
         taken += 1
@@ -211,7 +219,10 @@ def _shape(spec: JobSpec) -> tuple[object, ...] | None:
     if not pl.compute_only(spec):
         return None
     gpu = spec.gpu
-    return gpu.count, gpu.acceptable, gpu.min_mem_gb, spec.cpu, spec.mem_gb, spec.best_effort
+    return (
+        gpu.count, gpu.acceptable, gpu.min_mem_gb, gpu.share, gpu.mem_gb, spec.cpu, spec.mem_gb,
+        spec.best_effort,
+    )  # fmt: skip
 
 
 def _own_order(entry: tuple[JobRecord, int]) -> tuple[int, float, str]:

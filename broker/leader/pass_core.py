@@ -210,6 +210,7 @@ def place_action(
             env=spec.env,
             model=decision.model,
             gpus=spec.gpu.count,
+            share=decision.share,
             nodes=decision.nodes,
             cpu=spec.cpu,
             mem_gb=spec.mem_gb,

@@ -335,7 +335,7 @@ class AlertInputs:
     now: float
     sites: Snapshot
     pending: tuple[PendingJob, ...] = ()
-    gpus_by_tenant: Mapping[str, int] = field(default_factory=dict)
+    gpus_by_tenant: Mapping[str, float] = field(default_factory=dict)  # a share: its part
     quotas: Mapping[str, int] = field(default_factory=dict)
     month_usd_by_tenant: Mapping[str, float] | None = None  # None: the ledger is not loaded
     # when the newest backup with a copy at a site was taken; None: backups are not copied
@@ -581,7 +581,7 @@ def utilization(sites: Snapshot, settings: UtilizationRule) -> Iterable[Finding]
 
 
 def quota(
-    gpus_by_tenant: Mapping[str, int], quotas: Mapping[str, int], settings: QuotaRule
+    gpus_by_tenant: Mapping[str, float], quotas: Mapping[str, int], settings: QuotaRule
 ) -> Iterable[Finding]:
     for tenant, limit in quotas.items():
         held = gpus_by_tenant.get(tenant, 0)
@@ -593,7 +593,7 @@ def quota(
                 Rule.quota_high,
                 (tenant,),
                 {"tenant": tenant},
-                f"tenant {tenant} holds {held} of its {limit} GPUs ({share * 100:.0f}%)",
+                f"tenant {tenant} holds {held:g} of its {limit} GPUs ({share * 100:.0f}%)",
                 share,
             )
 

@@ -27,7 +27,7 @@ from pydantic import (
 from pydantic.config import JsonDict, JsonValue
 
 from broker.model.errors import IllegalTransition
-from sites.model.assignments import NodeShare, Serve
+from sites.model.assignments import DeviceShare, NodeShare, Serve
 from sites.model.catalog import mig_model, shared_model
 from sites.model.data import (
     CHECKPOINT_DIR,
@@ -39,6 +39,8 @@ from sites.model.data import (
     clean_path,
 )
 from sites.model.spec import MAX_TIME_SLICES
+
+MIN_SHARE = 0.05  # the smallest share of a device a job may ask (gpu.share)
 
 NAME_RE = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
 Name = Annotated[str, Field(pattern=NAME_RE)]
@@ -116,11 +118,12 @@ class GpuRequest(TenantInput):
     """Accelerators: one model, a set of acceptable models, or any model with a memory floor.
 
     A slice instead of whole devices (docs/catalog.md): `profile` asks for `count` MIG
-    instances of that profile (on the named models), `share` for a time-sliced share of one
-    device (at least that fraction of it: sites whose devices are cut into at most 1/share
-    slices). `per_node` asks for that many devices on each node it runs on, at sites that
-    declare their nodes (count a multiple of it); by default a job takes one node when one
-    node has the devices, else whole nodes.
+    instances of that profile (on the named models), `share` for a share of one device's
+    compute (0.05-1.0) and `mem_gb` for its memory: on any device of a sharing pool
+    (sites.model.spec.Sharing) with that room left, or a time slice cut in the site file of
+    at least that share (docs/gpu-sharing.md). `per_node` asks for that many devices on each
+    node it runs on, at sites that declare their nodes (count a multiple of it); by default a
+    job takes one node when one node has the devices, else whole nodes.
 
     The document says which fields go together; that `count` is a multiple of `per_node` it
     cannot say (a 400 names per_node)."""
@@ -143,6 +146,7 @@ class GpuRequest(TenantInput):
                     "if": given("share"),
                     "then": {"properties": {"count": {"maximum": 1}}},
                 },
+                {"if": given("mem_gb"), "then": given("share")},
                 {
                     "if": at_least("count", 1),
                     "then": {"anyOf": [given("model"), given("models"), given("min_mem_gb")]},
@@ -184,11 +188,17 @@ class GpuRequest(TenantInput):
     )
     share: float | None = Field(
         default=None,
+        ge=MIN_SHARE,
+        le=1.0,
+        description="a share of one device's compute, 0.05 to 1.0 (e.g. 0.25): on any device "
+        "of a sharing pool with that room left, or a time slice of at least that share",
+    )
+    mem_gb: float | None = Field(
+        default=None,
         gt=0,
-        lt=1,
-        description="a time-sliced share of one device (e.g. 0.25), at most 0.5 (more is a "
-        "whole device)",
-        json_schema_extra={"maximum": 0.5},
+        le=4096,
+        description="GB of one device's memory, with share (default: the share of the "
+        "device's memory)",
     )
     per_node: int | None = Field(
         default=None, ge=1, le=64, description="devices on each node, at sites with nodes"
@@ -212,9 +222,14 @@ class GpuRequest(TenantInput):
             raise ValueError("give either profile or share, not both")
         if info.data.get("count") not in (0, 1):  # 0: not given, a share is 1
             raise ValueError("a share is of one device: count must be 1")
-        if share > 0.5:
-            raise ValueError("a share above 0.5 is a whole device: ask for count 1 instead")
         return share
+
+    @field_validator("mem_gb")
+    @classmethod
+    def _memory_of_a_share(cls, mem_gb: float | None, info: ValidationInfo) -> float | None:
+        if mem_gb is not None and info.data.get("share") is None:
+            raise ValueError("mem_gb is one device's memory for a share: give share too")
+        return mem_gb
 
     @field_validator("per_node")
     @classmethod
@@ -267,9 +282,12 @@ class GpuRequest(TenantInput):
             return models
         if self.profile is not None:
             return tuple(mig_model(m, self.profile) for m in models)
+        # the devices themselves (their sharing pools), then the time slices cut in site
+        # files that are at least the share (sites.model.catalog: H100/ts4 is a quarter)
         share = self.share or 1.0
         most = min(MAX_TIME_SLICES, int(1.0 / share + 1e-9))
-        return tuple(shared_model(m, n) for m in models for n in range(2, most + 1))
+        sliced = tuple(shared_model(m, n) for m in models for n in range(2, most + 1))
+        return (*models, *sliced)
 
 
 class DataLocation(TenantInput):
@@ -631,6 +649,9 @@ class Placement(Frozen):
         default=(), description="at a site that declares its nodes: the job's part of each"
     )
     island: str | None = Field(default=None, description="the fabric island those nodes share")
+    share: DeviceShare | None = Field(
+        default=None, description="a share of one device of a sharing pool: which, how much"
+    )
 
 
 OnFailure = Literal["fail", "hold"]

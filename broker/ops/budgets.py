@@ -90,9 +90,9 @@ def budgets_left(tenancy: TenancyFile, spent: Billed, view: View) -> Mapping[str
         if record.state is JobState.SUSPENDED:
             continue
         live_usd[tenant] = live_usd.get(tenant, 0.0) + record.placement.cost_usd
-        live_gpu_h[tenant] = (
-            live_gpu_h.get(tenant, 0.0) + record.placement.gpus * record.spec.duration_hours
-        )
+        share = record.placement.share  # a share of one device counts its part
+        devices = share.share if share is not None else record.placement.gpus
+        live_gpu_h[tenant] = live_gpu_h.get(tenant, 0.0) + devices * record.spec.duration_hours
     out: dict[str, BudgetLeft] = {}
     for tenant, budget in budgeted.items():
         usd_total = math.inf if budget.usd_per_month is None else budget.usd_per_month

@@ -111,6 +111,7 @@ def run_of(
         best_effort=spec.best_effort,
         running_since=running,
         placed_at=_placed_at(record) or placed_at,
+        share=placement.share.share if placement.share is not None else None,
     )
 
 

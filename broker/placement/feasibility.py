@@ -69,9 +69,11 @@ from broker.placement.request import (
     Screen,
     node_choice,
     on_nodes,
+    share_room,
 )
 from broker.placement.site import SiteOffer
 from broker.placement.staging import StageTerms
+from sites.model.catalog import SLICE_SEP
 
 __all__ = [
     "FILTERS",
@@ -141,16 +143,19 @@ def request(
         late=job.deadline is not None and now + timedelta(hours=job.duration_hours) > job.deadline,
         spread_taken=spread_taken,
         colocate_at=colocate_at,
-        over_quota=gpu.count > 0 and usage.exceeds(job.tenant, gpu.count),
+        over_quota=gpu.count > 0 and usage.exceeds(job.tenant, gpu.share or gpu.count),
         headroom=usage.headroom(job.tenant),
         tenant_left_usd=math.inf if left is None else left.usd,
-        over_gpu_hours=left is not None and gpu.count * job.duration_hours > left.gpu_hours + 1e-9,
+        over_gpu_hours=left is not None
+        and (gpu.share or gpu.count) * job.duration_hours > left.gpu_hours + 1e-9,
         check_capacity=check_capacity,
         best_effort=job.best_effort,
         stage=stage,
         slack_hours=math.inf
         if job.deadline is None
         else (job.deadline - now).total_seconds() / 3600 - job.duration_hours,
+        share=gpu.share,
+        share_mem_gb=gpu.mem_gb,
     )
 
 
@@ -203,7 +208,8 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     `feasible` without building them.
     """
     # a job with inputs is priced per site by where its data is: the loop (staging's terms)
-    vector_ok = req.stage is None and not req.best_effort
+    # and a share of a device by the devices' room (the loop): neither is in the columns
+    vector_ok = req.stage is None and not req.best_effort and req.share is None
     if vector_ok and not first and len(fed.sites) >= columns.VECTOR_MIN_SITES:
         static, dynamic = fed.columns()
         return vector.screen(req, fed.sites, static, dynamic, cheapest=cheapest)
@@ -246,6 +252,7 @@ def screen_loop(
     best_effort = req.best_effort
     stage = req.stage
     slack = req.slack_hours
+    share = req.share
     # what must be free to pass the capacity part; nothing when it is skipped
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
 
@@ -297,6 +304,20 @@ def screen_loop(
                     continue
                 if floor is not None and site.gpu_mem_gb.get(name, 0.0) < floor:
                     continue
+                if share is not None and SLICE_SEP not in name:
+                    # a whole model: only a sharing pool's devices take a share, priced at
+                    # the share of the device
+                    shared = site.shared
+                    if shared is None or name not in shared.modes:
+                        continue
+                    room = share_room(req, site, name)
+                    if room > site.gpu_mem_gb.get(name, 0.0) + 1e-9:
+                        continue
+                    p = p * share
+                    if have < need and not shared.holds(name, share, room):
+                        have = 0
+                    else:
+                        have = max(have, need)
                 offered = True
                 if have >= need and (model is None or (p, -have, name) < (price, -free, model)):
                     model, price, free = name, p, have
@@ -348,7 +369,8 @@ def screen_loop(
             pair = (model, region)
             bad = quota_seen.get(pair)
             if bad is None:
-                bad = quota_seen[pair] = headroom.over(count, model, cpu, mem, region) is not None
+                devices = share if share is not None and model in site.gpu_mem_gb else count
+                bad = quota_seen[pair] = headroom.over(devices, model, cpu, mem, region) is not None
             if bad:
                 failed[QUOTA].append(sid)
                 continue
@@ -442,9 +464,13 @@ def reason(job: JobSpec, name: str) -> str:
         gpu = job.gpu
         models = " or ".join(gpu.acceptable) if gpu.acceptable else "a model"
         if gpu.share is not None and gpu.base_models:
-            most = len(gpu.acceptable or ()) // len(gpu.base_models) + 1
-            cut = "2" if most == 2 else f"2 to {most}"
-            models = " or ".join(gpu.base_models) + f" time-sliced into {cut} shares"
+            most = len(gpu.acceptable or ()) // len(gpu.base_models)
+            cut = (
+                "" if most < 2 else " or time-sliced into 2" + ("" if most == 2 else f" to {most}")
+            )
+            models = " or ".join(gpu.base_models) + f" shared (docs/gpu-sharing.md){cut}"
+            if most >= 2:
+                models += " shares"
         floor = f" with >= {gpu.min_mem_gb:g} GB" if gpu.min_mem_gb is not None else ""
         return f"lack {models}{floor}"
     if name == "gpus":

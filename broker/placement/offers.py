@@ -23,10 +23,11 @@ from broker.model.jobs import DataLocation, Group
 from broker.placement.columns import MAX_CHAIN, Dynamic, Static
 from broker.placement.nodes import NodesFree
 from broker.placement.pricing import Breakdown, egress_usd
+from broker.placement.sharing import Shared
 from broker.placement.site import Green, SiteOffer, Spare
 from broker.placement.staging import DataView
 from broker.placement.tenancy import BudgetLeft, Headroom, Usage
-from sites.model.assignments import NodeShare
+from sites.model.assignments import DeviceShare, NodeShare
 
 __all__ = [
     "Federation",
@@ -361,12 +362,12 @@ class TenantUsage:
     or the simple form (`quota_gpus`: a GPU count per tenant, no cohorts), and budgets left.
     A tenant without a quota is unlimited."""
 
-    gpus_by_tenant: Mapping[str, int] = field(default_factory=dict)
+    gpus_by_tenant: Mapping[str, float] = field(default_factory=dict)  # a share: its part
     quota_gpus: Mapping[str, int] = field(default_factory=dict)
     tree: Usage | None = None
     budgets: Mapping[str, BudgetLeft] = field(default_factory=dict)
 
-    def exceeds(self, tenant: str, gpus: int) -> bool:
+    def exceeds(self, tenant: str, gpus: float) -> bool:
         """Would `gpus` more put the tenant over its simple GPU quota?"""
         quota = self.quota_gpus.get(tenant)
         return quota is not None and self.gpus_by_tenant.get(tenant, 0) + gpus > quota
@@ -386,7 +387,7 @@ class TenantUsage:
             or (self.tree is not None and tenant in self.tree.quotas.limited)
         )
 
-    def plus(self, tenant: str, gpus: int) -> TenantUsage:
+    def plus(self, tenant: str, gpus: float) -> TenantUsage:
         used = {**self.gpus_by_tenant, tenant: self.gpus_by_tenant.get(tenant, 0) + gpus}
         return TenantUsage(used, self.quota_gpus, self.tree, self.budgets)
 
@@ -394,7 +395,7 @@ class TenantUsage:
         self,
         tenant: str,
         *,
-        gpus: int,
+        gpus: float,
         model: str | None,
         cpu: float,
         mem_gb: float,
@@ -406,7 +407,7 @@ class TenantUsage:
         """The usage after one placement (sign=-1: after one job's release)."""
         used = dict(self.gpus_by_tenant)
         if gpus:
-            used[tenant] = used.get(tenant, 0) + int(sign) * gpus
+            used[tenant] = used.get(tenant, 0) + sign * gpus
         tree = self.tree
         if tree is not None and tenant in tree.quotas.limited:
             tree = tree.plus(tenant, tree.quotas.demand(gpus, model, cpu, mem_gb, region), sign)
@@ -480,6 +481,7 @@ def release(
     *,
     best_effort: bool = False,
     nodes: Sequence[NodeShare] = (),
+    share: DeviceShare | None = None,
 ) -> Federation:
     """A finished job's devices, cores and memory back at its site (the inverse of
     broker.placement.place.apply; the simulator's completions, preemption's victims), and to its
@@ -488,8 +490,11 @@ def release(
     if model is not None and gpus and model not in site.free_gpus:
         raise PlacementError(f"{site_id} has no {model} to give back")
     return fed.with_offer(
-        moved(site, model, gpus, cpu, mem_gb, best_effort=best_effort, sign=1, nodes=nodes)
-    )
+        moved(
+            site, model, gpus, cpu, mem_gb, best_effort=best_effort, sign=1, nodes=nodes,
+            share=share,
+        )
+    )  # fmt: skip
 
 
 def moved(
@@ -502,13 +507,30 @@ def moved(
     best_effort: bool,
     sign: int,
     nodes: Sequence[NodeShare] = (),
+    share: DeviceShare | None = None,
 ) -> SiteOffer:
     """The offer after a job's capacity is taken (sign=-1) or given back (sign=1), on its
     nodes too when it has some. Memory is rounded to 1e-6 GB (a KB) so that repeated
-    subtraction does not drift below an exact fit."""
+    subtraction does not drift below an exact fit. `share`: a share of one device of a
+    sharing pool (broker.placement.sharing): a whole device moves only when it becomes a
+    part or whole again."""
     n = gpus if model is not None else 0
     spare = site.spare
     node_free = site.nodes
+    if share is not None and model is not None and site.shared is not None:
+        shared, whole = site.shared.with_share(
+            share.node, model, share.device, share.share, share.mem_gb, sign
+        )
+        n = abs(whole)
+        if node_free is not None and share.node is not None:
+            node_free = node_free.moved(
+                model, (NodeShare(node=share.node, gpus=n, cpu=cpu, mem_gb=mem_gb),), sign
+            )
+        gpus_left = {**site.free_gpus, model: site.free_gpus.get(model, 0) + sign * n}
+        free_mem = round(site.free_mem_gb + sign * mem_gb, 6)
+        return with_free(
+            site, gpus_left, site.free_cpu + sign * cpu, free_mem, nodes=node_free, shared=shared
+        )
     if node_free is not None and nodes:
         node_free = node_free.moved(model, nodes, sign)
     if spare is None:
@@ -546,9 +568,10 @@ def with_free(
     spare: Spare | None = None,
     *,
     nodes: NodesFree | None = None,
+    shared: Shared | None = None,
 ) -> SiteOffer:
-    """The offer with other free capacity (apply and release); `spare` and `nodes`: the
-    site's own unless given."""
+    """The offer with other free capacity (apply and release); `spare`, `nodes` and `shared`:
+    the site's own unless given."""
     # dataclasses.replace costs twice as much as SiteOffer(...), and that three times as much
     # as _site_offer(...) (broker.model.frozen); this runs once per placement and release
     return _site_offer(
@@ -566,6 +589,8 @@ def with_free(
         site.spare if spare is None else spare,
         site.green,
         site.nodes if nodes is None else nodes,
+        site.shared if shared is None else shared,
+        site.mix,
     )
 
 

@@ -47,6 +47,8 @@ from broker.model.frozen import maker
 from broker.model.jobs import JobSpec, Placement
 from broker.model.jobs import RunnerUp as JobRunnerUp
 from broker.placement.feasibility import reason, request, screen
+from broker.placement.fragmentation import NO_MIX, Scorer
+from broker.placement.nodes import Chosen
 from broker.placement.offers import (
     Federation,
     GroupState,
@@ -59,8 +61,9 @@ from broker.placement.offers import (
 from broker.placement.price_index import cheapest, compute_only, indexable, price_floors
 from broker.placement.pricing import Breakdown
 from broker.placement.request import FILTERS
+from broker.placement.sharing import choose_node, choose_share, share_mem_gb
 from broker.placement.site import SiteOffer, Spare
-from sites.model.assignments import NodeShare
+from sites.model.assignments import DeviceShare, NodeShare
 
 __all__ = [
     "FILTERS",
@@ -118,6 +121,13 @@ class Decision:
     # of breakdown.egress_usd, what moving the job's inputs adds (staging_usd): billed from the
     # bytes the run actually pulls, not from this estimate
     staging_usd: float = 0.0
+    share: DeviceShare | None = None  # a share of one device of a sharing pool: which, how much
+
+    @property
+    def devices(self) -> float:
+        """The devices the job holds as quotas, fair share and metering count them: a share's
+        part of one, else `gpus`."""
+        return self.share.share if self.share is not None else float(self.gpus)
 
     def placement(self) -> Placement:
         """The record's placement (broker.model.jobs.Placement)."""
@@ -138,6 +148,7 @@ class Decision:
             staging_usd=round(self.staging_usd, 6) or None,
             nodes=self.nodes,
             island=self.island,
+            share=self.share,
             runner_up=(
                 None
                 if self.runner_up is None
@@ -385,7 +396,7 @@ def charged(usage: TenantUsage, job: JobSpec, decision: Decision) -> TenantUsage
     """The tenants' usage with the decision's job held (quotas over cohorts, budgets)."""
     return usage.placed(
         job.tenant,
-        gpus=decision.gpus,
+        gpus=decision.devices,
         model=decision.model,
         cpu=job.cpu,
         mem_gb=job.mem_gb,
@@ -406,7 +417,9 @@ def apply(fed: Federation, decision: Decision, job: JobSpec) -> Federation:
     site = fed.site(decision.site)
     best_effort = job.best_effort and site.spare is not None
     free = site.spare if best_effort and site.spare is not None else site
-    if decision.model is not None and decision.gpus:
+    if decision.share is not None:
+        _check_share(site, decision, job)
+    elif decision.model is not None and decision.gpus:
         have = free.free_gpus.get(decision.model, 0)
         if have < decision.gpus:
             raise PlacementError(
@@ -433,8 +446,25 @@ def apply(fed: Federation, decision: Decision, job: JobSpec) -> Federation:
             best_effort=job.best_effort,
             sign=-1,
             nodes=decision.nodes,
+            share=decision.share,
         )
     )
+
+
+def _check_share(site: SiteOffer, decision: Decision, job: JobSpec) -> None:
+    """PlacementError when the decision's device no longer has the room for its share."""
+    share, model, shared = decision.share, decision.model, site.shared
+    if share is None or model is None or shared is None or model not in shared.modes:
+        raise PlacementError(f"{decision.site} shares no {decision.model} device")
+    part = shared.on(share.node, model).get(share.device)
+    if part is None:
+        room = site.free_gpus.get(model, 0) >= 1
+    else:
+        room = part[0] >= share.share - 1e-9 and part[1] >= share.mem_gb - 1e-9
+    if not room:
+        raise PlacementError(
+            f"{decision.site}: device {share.device} of {model} no longer has room for {job.name}"
+        )
 
 
 def _check_gang(jobs: Sequence[JobSpec]) -> None:
@@ -488,7 +518,11 @@ def _place(
         f"{green}, egress {egress:.2f}, latency {latency:.2f}); next: "
         + ("none" if runner_up is None else f"{runner_up.site} {runner_up.cost_usd:.2f}")
     )
-    shares, island, where = _nodes_for(job, site, model, islands)
+    device = share_at(job, site, model)
+    if device is not None:
+        shares, island, where = _share_nodes(job, device, model)
+    else:
+        shares, island, where = _nodes_for(job, site, model, islands)
     where += _staging_words(job, fed, site.id)
     staged = staging_usd(job, fed, site.id, compute)
     return Decision(
@@ -505,6 +539,7 @@ def _place(
         nodes=shares,
         island=island,
         staging_usd=staged,
+        share=device,
     )
 
 
@@ -567,10 +602,53 @@ def nodes_at(
     if nodes is None or (job.best_effort and site.spare is not None):
         return (), None, ""
     gpu = job.gpu
-    chosen = nodes.choose(model, gpu.count, gpu.per_node, job.cpu, job.mem_gb, prefer_island)
+    chosen: Chosen | None = None
+    one_node = gpu.per_node is None and gpu.count <= nodes.size.get(model or "", 0)
+    if prefer_island is None and nodes.packing == "pack" and (one_node or not gpu.count):
+        # one node: where the expected fragmentation grows least (broker.placement.sharing)
+        count = gpu.count if model is not None else 0
+        chosen = choose_node(nodes, site.shared, model, count, job.cpu, job.mem_gb, scorer_of(site))
+    else:
+        chosen = nodes.choose(model, gpu.count, gpu.per_node, job.cpu, job.mem_gb, prefer_island)
     if chosen is None:
         return None
     return chosen.shares, chosen.island, "; " + chosen.describe(model)
+
+
+def scorer_of(site: SiteOffer) -> Scorer:
+    """The site's node scores against the shapes it holds (broker.placement.fragmentation)."""
+    return (site.mix or NO_MIX).scorer()
+
+
+def share_at(job: JobSpec, site: SiteOffer, model: str | None) -> DeviceShare | None:
+    """The device for a job's share of one at `site` (broker.placement.sharing): None when
+    the job asks no share or `model` is not a sharing pool's (a time slice cut in the site
+    file); PlacementError when no device has the room (a caller's stale snapshot)."""
+    gpu = job.gpu
+    shared = site.shared
+    if gpu.share is None or model is None or shared is None or model not in shared.modes:
+        return None
+    scorer = scorer_of(site)
+    mem = share_mem_gb(gpu.share, gpu.mem_gb, site.gpu_mem_gb.get(model, 0.0))
+    found = choose_share(
+        shared, site.nodes, site.free_gpus.get(model, 0), site.free_cpu, site.free_mem_gb,
+        model, gpu.share, mem, job.cpu, job.mem_gb, scorer,
+    )  # fmt: skip
+    if found is None:
+        raise PlacementError(f"{site.id}: no {model} device has room for {job.name}'s share")
+    return found
+
+
+def _share_nodes(
+    job: JobSpec, device: DeviceShare, model: str | None
+) -> tuple[tuple[NodeShare, ...], str | None, str]:
+    """A share's node part (its cores and memory; its device is in the share) and words."""
+    what = f"; {device.share:g} of {model} device {device.device} ({device.mode}"
+    what += f", {device.mem_gb:g} GB)"
+    if device.node is None:
+        return (), None, what
+    node = NodeShare(node=device.node, gpus=0, cpu=job.cpu, mem_gb=job.mem_gb)
+    return (node,), None, f"{what} on node {device.node}"
 
 
 def _nodes_for(

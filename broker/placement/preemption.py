@@ -44,7 +44,7 @@ from broker.placement import place as pl
 from broker.placement.offers import Federation, GroupState, TenantUsage, release
 from broker.placement.site import SiteOffer
 from broker.placement.tenancy import Usage
-from sites.model.assignments import NodeShare
+from sites.model.assignments import DeviceShare, NodeShare
 
 __all__ = [
     "CAPACITY_FILTERS",
@@ -70,11 +70,12 @@ def give_back(
     """The snapshot and the tenants' usage with the victims' capacity and quota given back."""
     for v in victims:
         fed = release(
-            fed, v.site, v.model, v.gpus, v.cpu, v.mem_gb, best_effort=v.best_effort, nodes=v.nodes
-        )
+            fed, v.site, v.model, v.gpus, v.cpu, v.mem_gb, best_effort=v.best_effort,
+            nodes=v.nodes, share=v.share,
+        )  # fmt: skip
         usage = usage.placed(
             v.tenant,
-            gpus=v.gpus,
+            gpus=v.share.share if v.share is not None else v.gpus,
             model=v.model,
             cpu=v.cpu,
             mem_gb=v.mem_gb,
@@ -111,6 +112,7 @@ def running_of(record: JobRecord, assigned_at: float | None, now: float) -> Runn
         hours=spec.duration_hours,
         gang=gang_of(spec),
         nodes=placement.nodes,
+        share=placement.share,
     )
 
 
@@ -161,6 +163,7 @@ class Running:
     hours: float  # its duration estimate
     gang: str | None = None  # gang key: its members go together
     nodes: tuple[NodeShare, ...] = ()  # at a site that declares its nodes: its part of each
+    share: DeviceShare | None = None  # a share of one device (broker.placement.sharing)
 
 
 @dataclass(frozen=True, slots=True)

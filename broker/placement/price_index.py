@@ -58,7 +58,7 @@ def compute_only(job: JobSpec) -> bool:
 
 def indexable(job: JobSpec) -> bool:
     """A compute-only job on the physical capacity (best-effort work may use spare)."""
-    return compute_only(job) and not job.best_effort
+    return compute_only(job) and not job.best_effort and job.gpu.share is None
 
 
 # (lowest hourly USD the request could cost at the site, position, offered models, hourly USD

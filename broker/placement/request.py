@@ -98,6 +98,8 @@ class Request:
     best_effort: bool = False  # may use an oversubscribed site's spare capacity
     stage: StageTerms | None = None  # bringing the job's inputs to each site; None: no inputs
     slack_hours: float = math.inf  # hours between now + duration and the deadline
+    share: float | None = None  # a share of one device's compute (count 1); None: whole ones
+    share_mem_gb: float | None = None  # GB of its memory; None: the share of the device's
 
 
 def on_nodes(
@@ -142,6 +144,21 @@ def node_choice(
     nodes = site.nodes
     assert nodes is not None
     count, per_node, cpu, mem = req.count, req.per_node, req.cpu, req.mem_gb
+    shared = site.shared
+    if req.share is not None and shared is not None and model is not None and model in shared.modes:
+        # a share of a sharing pool's device: a node with a whole one free, or a device with
+        # shares and the room, on a node with the cores and memory
+        if nodes.fits(model, 1, None, cpu, mem):
+            return model, price, free
+        room = share_room(req, site, model)
+        for (node, m), on in shared.parts.items():
+            if m != model or node is None:
+                continue
+            n = nodes.nodes[nodes.position(node)]
+            if n.cpu >= cpu and n.mem_gb >= mem - 1e-9:
+                if any(c >= req.share - 1e-9 and g >= room - 1e-9 for c, g in on.values()):
+                    return model, price, free
+        return None
     if per_node is None and count <= nodes.size.get(model, 0):  # type: ignore[arg-type]
         # one node: exact from the nodes' frontier (one entry at most sites)
         floor_mem = mem - 1e-9
@@ -168,6 +185,13 @@ def node_choice(
             continue
         return other, p, -minus_free
     return None
+
+
+def share_room(req: Request, site: SiteOffer, model: str) -> float:
+    """The device memory (GB) a share request holds on `model` at `site`."""
+    if req.share_mem_gb is not None:
+        return req.share_mem_gb
+    return round((req.share or 1.0) * site.gpu_mem_gb.get(model, 0.0), 6)
 
 
 @dataclass(slots=True)

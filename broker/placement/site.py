@@ -4,10 +4,12 @@ best-effort room, green pricing), and how a site file's devices become its price
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from broker.placement.fragmentation import Mix
 from broker.placement.nodes import NodesFree, Packing
+from broker.placement.sharing import Shared
 from sites.model.catalog import DeviceCatalog, expand, split_model
 from sites.model.layout import layout
 from sites.model.spec import Prices, SiteSpec
@@ -31,6 +33,8 @@ class SiteOffer:
     spare: Spare | None = None  # an oversubscribed site's best-effort room; None: none
     green: Green | None = None  # energy and carbon priced into `prices` (broker.placement.green)
     nodes: NodesFree | None = None  # a site that declares its nodes: what each has free
+    shared: Shared | None = None  # its sharing pools' devices with shares on them (sharing)
+    mix: Mix | None = None  # the request shapes it holds (broker.placement.fragmentation)
 
     @classmethod
     def from_spec(
@@ -58,6 +62,7 @@ class SiteOffer:
             prices=slice_prices(spec.prices, pools, catalog),
             labels=spec.labels,
             nodes=NodesFree.of_spec(spec, pools=node_pools(spec, catalog), packing=packing),
+            shared=shared_pools(spec, catalog),
         )
 
 
@@ -68,6 +73,24 @@ def device_pools(spec: SiteSpec, catalog: DeviceCatalog) -> dict[str, int]:
     if any(pool.partitions for pool in inventory.devices):
         return expand(inventory, catalog)
     return {pool.model: pool.count for pool in inventory.devices}
+
+
+def shared_pools(
+    spec: SiteSpec,
+    catalog: DeviceCatalog,
+    held: Iterable[tuple[str | None, str, int, float, float]] = (),
+) -> Shared | None:
+    """The site's sharing pools (sites.model.spec.Sharing) with `held` shares on them (node,
+    model, device, share, GB); None for a site that shares no pool."""
+    modes = {
+        pool.model: str(pool.sharing)
+        for pool in spec.inventory.devices
+        if pool.sharing is not None and pool.whole
+    }
+    if not modes:
+        return None
+    mem = {m: float(catalog.get(m).mem_gb or 0.0) if m in catalog else 0.0 for m in modes}
+    return Shared.of(modes, mem, held)
 
 
 def node_pools(spec: SiteSpec, catalog: DeviceCatalog) -> dict[str, dict[str, int]] | None:

@@ -166,7 +166,7 @@ class Quotas:
         return 1.0 if policy is None else policy.weight
 
     def demand(
-        self, count: int, model: str | None, cpu: float, mem_gb: float, region: str
+        self, count: float, model: str | None, cpu: float, mem_gb: float, region: str
     ) -> dict[Key, float]:
         """What one job holds, under every key (module docstring)."""
         base: dict[Key, float] = {"cpu": float(cpu), "mem_gb": float(mem_gb), "jobs": 1.0}
@@ -343,12 +343,12 @@ class Headroom:
     quotas: Quotas
     tenant: str
     available: Mapping[Key, float]
-    _cache: dict[tuple[int, str | None, float, float, str], Key | None] = field(
+    _cache: dict[tuple[float, str | None, float, float, str], Key | None] = field(
         default_factory=dict
     )
 
     def over(
-        self, count: int, model: str | None, cpu: float, mem_gb: float, region: str
+        self, count: float, model: str | None, cpu: float, mem_gb: float, region: str
     ) -> Key | None:
         """The first key the job would exceed placed so (None: it fits). Cached: a scan asks
         the same few (model, region) pairs at every site."""
@@ -433,7 +433,7 @@ class BudgetLeft:
 
 
 def held_by_tenant(
-    quotas: Quotas, rows: Iterable[tuple[str, int, str | None, float, float, str]]
+    quotas: Quotas, rows: Iterable[tuple[str, float, str | None, float, float, str]]
 ) -> dict[str, dict[Key, float]]:
     """tenant -> key -> held, from (tenant, devices, model, cores, memory GB, region) rows."""
     # summed per (tenant, model, region) first: demand is linear in devices, cores and memory
@@ -451,7 +451,7 @@ def held_by_tenant(
     out: dict[str, dict[Key, float]] = {}
     for (tenant, model, region), (devices, cores, mem, jobs) in groups.items():
         mine = out.setdefault(tenant, {})
-        demand = quotas.demand(round(devices), model, cores, mem, region)
+        demand = quotas.demand(round(devices, 6), model, cores, mem, region)
         demand["jobs"] = demand[f"jobs@{region}"] = jobs
         for k, v in demand.items():
             mine[k] = mine.get(k, 0.0) + v

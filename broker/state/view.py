@@ -11,16 +11,18 @@ made of is unchanged.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from broker.model.jobs import JobRecord, JobState
 from broker.placement import place as pl
+from broker.placement.fragmentation import Mix, TaskShape
 from broker.placement.green import green_of, priced
 from broker.placement.nodes import NodesFree, Packing
 from broker.placement.offers import with_free
-from broker.placement.site import Green, device_pools, node_pools, slice_prices
+from broker.placement.site import Green, device_pools, node_pools, shared_pools, slice_prices
 from broker.placement.staging import DataView
 from broker.placement.tenancy import BudgetLeft, Quotas, held_by_tenant
 from sites.model.assignments import Assignment, Report
@@ -175,6 +177,10 @@ class _Held:
     gpus: Mapping[str, int] = field(default_factory=dict)
     best_effort: tuple[float, float, Mapping[str, int]] = (0.0, 0.0, {})  # cpu, memory, devices
     nodes: Mapping[str, tuple[dict[str, int], int, float]] = field(default_factory=dict)
+    # shares of sharing pools' devices (broker.placement.sharing): (node, model, device, share,
+    # GB) each, sorted
+    shares: tuple[tuple[str | None, str, int, float, float], ...] = ()
+    mix: tuple[tuple[TaskShape, int], ...] = ()  # the shapes of the work held, with counts
 
 
 _NOTHING_HELD = _Held()
@@ -186,14 +192,26 @@ def _held(live: Mapping[tuple[str, str], Assignment]) -> dict[str, _Held]:
     held_gpus: dict[str, dict[str, int]] = {}
     be_held: dict[str, tuple[float, float, dict[str, int]]] = {}  # best-effort's part of it
     held_nodes: dict[str, dict[str, tuple[dict[str, int], int, float]]] = {}
+    shares: dict[str, list[tuple[str | None, str, int, float, float]]] = {}
+    shapes: dict[str, Counter[TaskShape]] = {}
     for a in live.values():
+        share = a.share
+        shapes.setdefault(a.site, Counter())[
+            Mix.shape_of(share.share if share is not None else a.gpus, a.cpu, a.mem_gb)
+        ] += 1
+        if share is not None and a.model is not None:
+            # a device with shares is held once, however many: counted after the loop
+            shares.setdefault(a.site, []).append(
+                (share.node, a.model, share.device, share.share, share.mem_gb)
+            )
+            a = a.model_copy(update={"gpus": 0})
         if a.nodes:
             on = held_nodes.setdefault(a.site, {})
-            for share in a.nodes:
-                node_gpus, node_cpu, node_mem = on.get(share.node, ({}, 0, 0.0))
-                if a.model is not None and share.gpus:
-                    node_gpus[a.model] = node_gpus.get(a.model, 0) + share.gpus
-                on[share.node] = (node_gpus, node_cpu + share.cpu, node_mem + share.mem_gb)
+            for part in a.nodes:
+                node_gpus, node_cpu, node_mem = on.get(part.node, ({}, 0, 0.0))
+                if a.model is not None and part.gpus:
+                    node_gpus[a.model] = node_gpus.get(a.model, 0) + part.gpus
+                on[part.node] = (node_gpus, node_cpu + part.cpu, node_mem + part.mem_gb)
         held_cpu[a.site] = held_cpu.get(a.site, 0.0) + a.cpu
         held_mem[a.site] = held_mem.get(a.site, 0.0) + a.mem_gb
         if a.model is not None and a.gpus:
@@ -204,6 +222,15 @@ def _held(live: Mapping[tuple[str, str], Assignment]) -> dict[str, _Held]:
             if a.model is not None and a.gpus:
                 be_gpus[a.model] = be_gpus.get(a.model, 0) + a.gpus
             be_held[a.site] = (cpu + a.cpu, mem + a.mem_gb, be_gpus)
+    for site, found in shares.items():
+        g = held_gpus.setdefault(site, {})
+        on = held_nodes.setdefault(site, {})
+        for node, model, _device in {(n, m, d) for n, m, d, _, _ in found}:
+            g[model] = g.get(model, 0) + 1
+            if node is not None:
+                node_gpus, node_cpu, node_mem = on.get(node, ({}, 0, 0.0))
+                node_gpus[model] = node_gpus.get(model, 0) + 1
+                on[node] = (node_gpus, node_cpu, node_mem)
     return {
         site: _Held(
             cpu=cpu,
@@ -211,9 +238,15 @@ def _held(live: Mapping[tuple[str, str], Assignment]) -> dict[str, _Held]:
             gpus=held_gpus.get(site, {}),
             best_effort=be_held.get(site, _NO_BEST_EFFORT),
             nodes=held_nodes.get(site, _NO_NODES),
+            shares=tuple(sorted(shares.get(site, ()), key=_share_order)),
+            mix=tuple(sorted(shapes[site].items())),
         )
         for site, cpu in held_cpu.items()
     }
+
+
+def _share_order(row: tuple[str | None, str, int, float, float]) -> tuple[str, str, int, float]:
+    return (row[0] or "", row[1], row[2], row[3])
 
 
 def _offer(
@@ -243,6 +276,8 @@ def _offer(
         best_effort=h.best_effort,
         settings=settings,
         held_nodes=h.nodes,
+        held_shares=h.shares,
+        held_mix=h.mix,
     )
     entry = cached.get(site_id)
     offer = entry[1] if entry is not None and entry[0].same(inputs) else inputs.offer(site_id)
@@ -270,6 +305,8 @@ class _OfferInputs:
     held_nodes: Mapping[str, tuple[dict[str, int], int, float]] = field(
         default_factory=dict
     )  # node -> what live work holds there: devices by model, cores, GB
+    held_shares: tuple[tuple[str | None, str, int, float, float], ...] = ()
+    held_mix: tuple[tuple[TaskShape, int], ...] = ()
 
     def same(self, other: _OfferInputs) -> bool:
         """The spec and the catalog by identity (replaced when they change), the rest by value
@@ -285,6 +322,8 @@ class _OfferInputs:
             and self.held_gpus == other.held_gpus
             and self.best_effort == other.best_effort
             and self.held_nodes == other.held_nodes
+            and self.held_shares == other.held_shares
+            and self.held_mix == other.held_mix
             and _green_terms(self.settings) == _green_terms(other.settings)
             and _packing(self.settings) == _packing(other.settings)
         )
@@ -325,6 +364,8 @@ class _OfferInputs:
                 pools=node_pools(spec, catalog),
                 packing=_packing(self.settings),
             ),
+            shared=shared_pools(spec, catalog, self.held_shares),
+            mix=Mix.of_counts(dict(self.held_mix)) if self.held_mix else None,
         )
         over = spec.oversubscription
         return offer if over is None else self._oversubscribed(offer, cap, over)
@@ -380,14 +421,15 @@ def _green_terms(settings: SchedulingSettings | None) -> tuple[bool, float]:
 
 def held_rows(
     view: View, written: Iterable[Assignment] = ()
-) -> list[tuple[str, int, str | None, float, float, str]]:
+) -> list[tuple[str, float, str | None, float, float, str]]:
     """(tenant, devices, model, cores, memory GB, region) of every live assignment."""
     specs = view.sites.specs
     rows = []
     for a in live_assignments(view, written).values():
         spec = specs.get(a.site)
         region = spec.region if spec is not None else "?"
-        rows.append((a.tenant, a.gpus, a.model, float(a.cpu), a.mem_gb, region))
+        devices = a.share.share if a.share is not None else a.gpus  # a share counts its part
+        rows.append((a.tenant, devices, a.model, float(a.cpu), a.mem_gb, region))
     return rows
 
 
@@ -396,14 +438,14 @@ def usage(
     quotas: Quotas | None,
     written: Iterable[Assignment] = (),
     budgets: Mapping[str, BudgetLeft] | None = None,
-    rows: list[tuple[str, int, str | None, float, float, str]] | None = None,
+    rows: list[tuple[str, float, str | None, float, float, str]] | None = None,
     held: dict[str, dict[str, float]] | None = None,
 ) -> pl.TenantUsage:
     """What the tenants hold now (live assignments), against their quotas and budgets;
     `rows` (held_rows) and `held` (held_by_tenant of them) when the caller has them."""
     if rows is None:
         rows = held_rows(view, written)
-    gpus: dict[str, int] = {}
+    gpus: dict[str, float] = {}
     for tenant, count, *_ in rows:
         gpus[tenant] = gpus.get(tenant, 0) + count
     tree = None

@@ -80,7 +80,9 @@ def allocate(
     # site the non-best-effort ones (best-effort work lives above the physical)
     holding = live if over is None else [run for run in live if not run.assignment.best_effort]
     devices: tuple[int, ...] = ()
-    if a.gpus > 0:
+    if a.share is not None:
+        devices = _shared_device(a, resources, holding)
+    elif a.gpus > 0:
         if a.model is None:
             raise DoesNotFit(f"asks for {a.gpus} accelerator(s) but names no model")
         pool = resources.devices.get(a.model, ())
@@ -106,6 +108,65 @@ def allocate(
     return devices
 
 
+def _shared_device(a: Assignment, resources: SiteResources, holding: Sequence[Run]) -> tuple[int]:
+    """The device of a share (Assignment.share): the broker names it by its position among
+    the devices with shares of its node (of the site); the device the live shares at that
+    position run on, else a device of the model that no run holds."""
+    share, model = a.share, a.model
+    if share is None or model is None:
+        raise DoesNotFit("a share names no device model")
+    if share.node is not None and resources.nodes:
+        node = resources.nodes.get(share.node)
+        if node is None:
+            raise DoesNotFit(f"the broker chose node {share.node!r}, which this site lacks")
+        pool = node.get(model, ())
+    else:
+        pool = resources.devices.get(model, ())
+    if not pool:
+        raise DoesNotFit(f"site has no {model} devices to share")
+    mine = [
+        run
+        for run in holding
+        if run.assignment.model == model
+        and (other := run.assignment.share) is not None
+        and (other.node, other.device) == (share.node, share.device)
+        and run.devices
+    ]
+    if mine:
+        used = sum(run.assignment.share.share for run in mine if run.assignment.share)
+        if used + share.share > 1.0 + 1e-9:
+            raise DoesNotFit(
+                f"device {share.device} of {model} has {max(0.0, 1.0 - used):.2f} of its "
+                f"compute left, the share asks {share.share:g}"
+            )
+        return (mine[0].devices[0],)
+    taken = {i for run in holding if run.assignment.model == model for i in run.devices}
+    free = [i for i in pool if i not in taken]
+    if not free:
+        raise DoesNotFit(f"no {model} device is free for a new shared device")
+    return (free[-1],)  # from the top: whole-device runs take from the bottom
+
+
+def share_env(a: Assignment) -> dict[str, str]:
+    """What a run on a share of a device is told (over its own env: what cpn sets wins):
+    CPN_GPU_SHARE, CPN_GPU_MEM_GB and CPN_GPU_SHARING always; on an MPS pool the limits MPS
+    clients honour, CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (the compute share, in percent) and
+    CUDA_MPS_PINNED_DEVICE_MEM_LIMIT (the memory, on the one device the run sees: ordinal
+    0). Time slicing limits neither (docs/gpu-sharing.md)."""
+    share = a.share
+    if share is None:
+        return {}
+    env = {
+        "CPN_GPU_SHARE": f"{share.share:.4g}",
+        "CPN_GPU_MEM_GB": f"{share.mem_gb:.6g}",
+        "CPN_GPU_SHARING": share.mode,
+    }
+    if share.mode == "mps":
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(1, round(share.share * 100)))
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={max(1, int(share.mem_gb * 1024))}M"
+    return env
+
+
 def sliced(
     a: Assignment, devices: tuple[int, ...], resources: SiteResources, catalog: DeviceCatalog
 ) -> tuple[Assignment, tuple[int, ...]]:
@@ -113,7 +174,10 @@ def sliced(
     devices they are on (the visibility variable lists those) and the slices themselves in
     CPN_GPU_SLICES (MIG instance or time-slice ids) and CPN_GPU_SHARE (the share of a device
     each is); a run on whole devices, the physical indices of its positions (a partitioned
-    pool's whole devices come after its partitioned ones)."""
+    pool's whole devices come after its partitioned ones); a run on a share of a sharing
+    pool's device (Assignment.share), that device and its limits (`share_env`)."""
+    if a.share is not None:
+        return a.model_copy(update={"env": {**a.env, **share_env(a)}}), devices
     found = resources.slots.get(a.model or "")
     if not devices or found is None:
         return a, devices
@@ -153,7 +217,9 @@ def _share(
 ) -> tuple[int, ...]:
     """A best-effort run's devices, cores and memory on an oversubscribed site (allocate)."""
     devices: tuple[int, ...] = ()
-    if a.gpus > 0:
+    if a.share is not None:
+        devices = _shared_device(a, resources, live)
+    elif a.gpus > 0:
         if a.model is None:
             raise DoesNotFit(f"asks for {a.gpus} accelerator(s) but names no model")
         pool = resources.devices.get(a.model, ())

@@ -38,6 +38,19 @@ class NodeShare(Frozen):
     mem_gb: float = Field(default=0.0, ge=0)
 
 
+class DeviceShare(Frozen):
+    """A job's share of one device of a sharing pool (sites.model.spec.Sharing): which device
+    the broker chose (`device`: its position among the model's devices of `node`, or of the
+    site when it declares no nodes; the agent maps it to a physical device) and how much of
+    its compute and memory the job holds."""
+
+    device: int = Field(ge=0)
+    node: str | None = None
+    share: float = Field(gt=0, le=1, description="of the device's compute")
+    mem_gb: float = Field(ge=0, description="of the device's memory")
+    mode: str = Field(description="the pool's sharing mode: time-slicing or mps")
+
+
 class Serve(Frozen):
     """A run that is a replica of a managed inference service (broker.model.services): the agent
     gives it a port ($CPN_PORT, `{port}` in its command), probes its readiness, publishes it
@@ -66,6 +79,9 @@ class Assignment(Frozen):
     env: dict[str, str] = Field(default_factory=dict)
     model: str | None = Field(default=None, description="accelerator model, None for CPU-only")
     gpus: int = Field(default=0, ge=0)
+    share: DeviceShare | None = Field(
+        default=None, description="a share of one device (gpus 1): which device, how much"
+    )
     nodes: tuple[NodeShare, ...] = Field(
         default=(), description="the broker's choice of nodes, at a site that declares them"
     )

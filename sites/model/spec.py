@@ -89,16 +89,31 @@ class Partitioning(Frozen):
         return slices
 
 
+class Sharing(enum.StrEnum):
+    """How a pool's whole devices are shared by jobs that ask a share of one (`gpu.share`,
+    `gpu.mem_gb`; docs/gpu-sharing.md). Any share lands on any device with that room left,
+    nothing is cut in advance."""
+
+    time_slicing = "time-slicing"  # the device's time is shared; nothing limits a job's part
+    mps = "mps"  # NVIDIA MPS: each job's compute and memory limits are passed in its environment
+
+
 class DevicePool(Frozen):
     """A pool of identical accelerators; `model` names a catalog entry (configs/devices.yaml).
 
     `partitions` cut some of them into MIG instances or time-sliced shares (in declaration
-    order, the pool's devices 0, 1, ...); the rest stay whole. Long form: docs/catalog.md.
+    order, the pool's devices 0, 1, ...); the rest stay whole. `sharing`: the whole devices
+    also take any share of one (docs/gpu-sharing.md). Long form: docs/catalog.md.
     """
 
     model: str = Field(min_length=1)
     count: int = Field(ge=1, le=1_000_000)
     partitions: tuple[Partitioning, ...] = ()
+    sharing: Sharing | None = Field(
+        default=None,
+        description="time-slicing or mps: the pool's whole devices take any share of one "
+        "(gpu.share, gpu.mem_gb); None: whole devices only",
+    )
 
     @field_validator("model")
     @classmethod

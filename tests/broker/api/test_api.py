@@ -76,13 +76,15 @@ def test_a_value_of_the_wrong_json_type_is_a_400_naming_the_field(
 @pytest.mark.parametrize(
     ("gpu", "field", "words"),
     [
-        ({"model": "H100", "share": 0.75}, "gpu.share", "a share above 0.5 is a whole device"),
+        ({"model": "H100", "share": 1.5}, "gpu.share", "less than or equal to 1"),
+        ({"model": "H100", "share": 0.04}, "gpu.share", "greater than or equal to 0.05"),
+        ({"model": "H100", "mem_gb": 20}, "gpu.mem_gb", "give share too"),
         ({"model": "H100", "share": 0.25, "count": 2}, "gpu.share", "count must be 1"),
         ({"min_mem_gb": 40, "count": 1, "profile": "3g.40gb"}, "gpu.profile",
          "needs model or models"),
         ({"model": "H100", "count": 12, "per_node": 8}, "gpu.per_node",
          "not a multiple of per_node"),
-        ({"model": "H100", "share": 0}, "gpu.share", "greater than 0"),
+        ({"model": "H100", "share": 0}, "gpu.share", "greater than or equal to 0.05"),
         ({"model": "H100", "count": 1, "per_node": 0}, "gpu.per_node", "greater than or equal"),
         ({"model": "A100-80GB", "profile": "1g.18gb", "count": 1}, "gpu.profile",
          "A100-80GB has no MIG profile '1g.18gb'"),

@@ -65,9 +65,13 @@ def test_a_slice_request_names_the_pseudo_models_it_accepts() -> None:
     assert job(profile="1g.10gb", count=1).gpu.acceptable == ("A100-80GB/1g.10gb",)
     share = job(share=0.25).gpu
     assert share.count == 1
-    assert share.acceptable == ("A100-80GB/ts2", "A100-80GB/ts3", "A100-80GB/ts4")
+    # the device itself (a sharing pool's), then the time slices of at least the share
+    assert share.acceptable == ("A100-80GB", "A100-80GB/ts2", "A100-80GB/ts3", "A100-80GB/ts4")
+    assert job(share=0.75).gpu.acceptable == ("A100-80GB",)  # more than half: no time slice
     for bad, words in (
-        ({"share": 0.75}, "a share above 0.5 is a whole device"),
+        ({"share": 1.5}, "less than or equal to 1"),
+        ({"share": 0.01}, "greater than or equal to 0.05"),
+        ({"mem_gb": 10}, "give share too"),
         ({"share": 0.25, "count": 2}, "a share is of one device"),
         ({"profile": "1g.10gb", "share": 0.25, "count": 1}, "either profile or share"),
         ({"count": 8, "per_node": 3}, "not a multiple of per_node"),
@@ -108,7 +112,9 @@ def test_mig_instances_fill_their_device_and_never_go_over_it() -> None:
     bare = Federation(sites=(SiteOffer.from_spec(site([], 1), CATALOG),))
     none = place(job("s", share=0.25), bare, now=NOW, usage=TenantUsage(), groups=GroupState())
     assert isinstance(none, Unschedulable)
-    assert none.message == "0/1 sites: 1 lack A100-80GB time-sliced into 2 to 4 shares"
+    assert none.message == (
+        "0/1 sites: 1 lack A100-80GB shared (docs/gpu-sharing.md) or time-sliced into 2 to 4 shares"
+    )
     out = place(job("s", share=0.25), fed, now=NOW, usage=TenantUsage(), groups=GroupState())
     assert not isinstance(out, Unschedulable) and out.model == "A100-80GB/ts4"
 
