@@ -24,12 +24,14 @@ from pathlib import Path
 from broker.ops.backup_copies import CopyError, CopyPlan, Remote, copy_out, fetch, listing
 from cpn.backup import DEFAULT_COLLECT_S, Member, parse_member, restore, verify
 from cpn.backup_remote import agent_session, is_url, readers_of, remote_by_url, shelves_of
-from cpn.cli_base import CliParser, UsageError, registry_of
+from cpn.cli_base import CliParser, UsageError, etcd_access, registry_of
 from sites.kits.clock import SystemClock
 from sites.kits.sealed import load_key, new_key
 from sites.model import keys
+from sites.model.errors import RegistryUnavailable
 from sites.model.recovery import Fate, Phase, Recovery
 from sites.registry.backups import BackupInfo, BackupStore, check_backup_name
+from sites.registry.client import Registry
 
 __all__ = ["add_parsers"]
 
@@ -258,6 +260,10 @@ async def cmd_restore(args: argparse.Namespace) -> int:
         )
     if args.collect_s <= 0:
         raise UsageError(f"--collect-s: must be > 0, got {args.collect_s}")
+    if args.wait < 0:
+        raise UsageError(f"--wait: must be >= 0, got {args.wait}")
+    if args.wait > 0:
+        etcd_access(args)  # where to wait, known before anything is written
     data_dir = Path(args.data_dir)
     out = await restore(
         _snapshot_path(args), data_dir, members, now=time.time(), collect_s=args.collect_s
@@ -278,25 +284,59 @@ async def cmd_restore(args: argparse.Namespace) -> int:
     print(
         f"the snapshot knows {len(rec.sites)} site(s) and {out.jobs_live} unfinished job(s). "
         f"Once etcd is up, agents report their runs again and the leader broker decides "
-        f"each (at most {rec.collect_s:g} s for silent sites): `cpn recovery --wait` prints "
-        "what was adopted, recovered, stopped and lost"
+        f"each (at most {rec.collect_s:g} s for silent sites): "
+        + (
+            f"waiting up to {args.wait:g} s for them (start the members now)"
+            if args.wait > 0
+            else "`cpn recovery --wait` prints what was adopted, recovered, stopped and lost"
+        ),
+        flush=True,
     )
-    return 0
+    if args.wait <= 0:
+        return 0
+    args.output = "table"
+    return _print_recovery(args, await _read_recovery(args, generation=rec.generation))
 
 
-async def _read_recovery(args: argparse.Namespace) -> Recovery | None:
-    async with registry_of(args) as registry:
-        deadline = time.monotonic() + args.wait
-        while True:
-            got = await registry.get_raw(keys.RECOVERY)
-            rec = Recovery.model_validate_json(got[0]) if got is not None else None
-            if rec is None or rec.phase is Phase.done or time.monotonic() >= deadline:
+async def _read_recovery(
+    args: argparse.Namespace, *, generation: str | None = None
+) -> Recovery | None:
+    """The registry's Recovery, waiting up to `--wait` s for it to be done; with the restore's
+    `generation`, for the registry to come up with it first (its members are being started
+    beside `cpn restore --wait`)."""
+    deadline = time.monotonic() + args.wait
+    while True:
+        try:
+            async with registry_of(args) as registry:
+                return await _poll_recovery(registry, deadline, generation)
+        except RegistryUnavailable:
+            if generation is None or time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.5)  # its members are still starting
+
+
+async def _poll_recovery(
+    registry: Registry, deadline: float, generation: str | None
+) -> Recovery | None:
+    while True:
+        got = await registry.get_raw(keys.RECOVERY)
+        rec = Recovery.model_validate_json(got[0]) if got is not None else None
+        late = time.monotonic() >= deadline
+        if generation is not None and (rec is None or rec.generation != generation):
+            if late:
                 return rec
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # not the restored registry yet
+            continue
+        if rec is None or rec.phase is Phase.done or late:
+            return rec
+        await asyncio.sleep(0.5)
 
 
 async def cmd_recovery(args: argparse.Namespace) -> int:
-    rec = await _read_recovery(args)
+    return _print_recovery(args, await _read_recovery(args))
+
+
+def _print_recovery(args: argparse.Namespace, rec: Recovery | None) -> int:
     if rec is None:
         print("the registry was not restored from a backup")
         return 0
@@ -435,6 +475,16 @@ def add_parsers(
         help="how long the leader broker waits for agents that do not report",
     )
     rest.add_argument("--dir", metavar="DIR", help="backup directory a NAME is looked up in")
+    rest.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="then wait up to S seconds for the rebuilt registry (at --etcd; start its "
+        "members meanwhile) to come up and the leader to decide every run, and print what was "
+        "adopted, recovered, stopped and lost, as `cpn recovery` does",
+    )
+    etcd_arg(rest)
     rest.set_defaults(func=cmd_restore)
 
     rec = add("recovery", help="what the last restore adopted, recovered, stopped and lost")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -155,14 +156,28 @@ async def test_a_registry_lost_whole_comes_back_from_its_backup(
             members = [f"--member={n}={cluster._peer(i)}" for i, n in enumerate(cluster.names)]
             snapshot = str(backups / f"{taken['name']}.db")
             restore_started = time.monotonic()
-            cpn("restore", snapshot, "--data-dir", str(cluster.data_dir), *members,
-                "--collect-s", str(COLLECT_S))  # fmt: skip
+            # `cpn restore --wait`: it rebuilds the members' data, then waits for them (started
+            # below) and the leader's decisions, and prints what was lost
+            restoring = subprocess.Popen(
+                [sys.executable, "-m", "cpn", "restore", snapshot, "--data-dir",
+                 str(cluster.data_dir), *members, "--collect-s", str(COLLECT_S),
+                 "--wait", "60", "--etcd", cluster.url],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+            )  # fmt: skip
+            assert restoring.stdout is not None
+            line = await asyncio.to_thread(restoring.stdout.readline)  # every member's data
+            assert line.startswith("restored "), (line, restoring.communicate())
             restore_s = time.monotonic() - restore_started
             for i in range(len(cluster.names)):
                 cluster._launch(i, "existing")  # on the same ports: clients reconnect
             for i in range(len(cluster.names)):
                 assert cluster._healthy(i, 30), f"member {i} did not come back"
             members_s = time.monotonic() - restore_started - restore_s
+            rest, err = restoring.communicate(timeout=90)
+            said = line + rest
+            assert restoring.returncode == 0, (said, err)
+            assert re.search(r": done; (\d+)/\1 sites reported", said), said
+            assert "\nlost:" not in said, said  # nothing lost: the operator's list is empty
             rec: dict[str, Any] = json.loads(
                 subprocess.run(
                     [sys.executable, "-m", "cpn", "recovery", "--etcd", cluster.url,
