@@ -92,6 +92,8 @@ def test_a_restore_with_bad_members_is_refused(
     two = ("--member", "a=http://127.0.0.1:1", "--member", "b=http://127.0.0.1:2")
     assert "no quorum" in refused(capsys, *base, *two)
     assert "--collect-s: must be > 0" in refused(capsys, *base, "--collect-s", "0")
+    assert "--wait: must be >= 0" in refused(capsys, *base, "--wait", "-1")
+    assert not (tmp_path / "d").exists()  # nothing written for a refused command
 
 
 def test_bad_copies_and_fetches_are_refused_in_one_line(
