@@ -83,7 +83,19 @@ class Mix:
 
     @classmethod
     def of_counts(cls, counts: Mapping[TaskShape, float], version: int = 0) -> Mix:
-        top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:MIX_SHAPES]
+        """The mix of shapes seen `counts` times: shapes of one accelerator demand are one
+        class, with their mean cores and memory (a rare large shape, 8 whole devices say,
+        keeps its class however its cores vary); the MIX_SHAPES most seen classes."""
+        classes: dict[float, list[float]] = {}
+        for (gpus, cpu, mem), n in counts.items():
+            row = classes.setdefault(gpus, [0.0, 0.0, 0.0])
+            row[0] += n
+            row[1] += n * cpu
+            row[2] += n * mem
+        merged = {
+            (gpus, round(c / n), round(m / n, 1)): n for gpus, (n, c, m) in classes.items() if n
+        }
+        top = sorted(merged.items(), key=lambda kv: (-kv[1], kv[0]))[:MIX_SHAPES]
         total = sum(n for _, n in top)
         if total <= 0:
             return cls((), version)

@@ -603,7 +603,7 @@ def nodes_at(
         return (), None, ""
     gpu = job.gpu
     chosen: Chosen | None = None
-    one_node = gpu.per_node is None and gpu.count <= nodes.size.get(model or "", 0)
+    one_node = gpu.per_node in (None, gpu.count) and gpu.count <= nodes.size.get(model or "", 0)
     if prefer_island is None and nodes.packing == "pack" and (one_node or not gpu.count):
         # one node: where the expected fragmentation grows least (broker.placement.sharing)
         count = gpu.count if model is not None else 0
