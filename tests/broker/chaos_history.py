@@ -50,7 +50,10 @@ class History:
     # they ran (their record has no `running` event for the attempt)
     unreported: set[tuple[str, int]] = field(default_factory=set)
     # (job, attempt) -> (site, start, end, seconds) of every usage segment of a run
-    segments: dict[tuple[str, int], tuple[str, float, float, float]] = field(default_factory=dict)
+    # (job, attempt) -> (site, start, end, seconds billed, whose clock: "site" or "broker")
+    segments: dict[tuple[str, int], tuple[str, float, float, float, str]] = field(
+        default_factory=dict
+    )
     kills: list[Kill] = field(default_factory=list)
     skew_s: dict[str, float] = field(default_factory=dict)  # site -> its agent's clock skew
     waited_too_long: list[str] = field(default_factory=list)  # "job: why" (the sampler's)
@@ -186,8 +189,9 @@ def no_overlap_reports(history: History, slack_s: float = 0.05) -> Verdict:
     the reported start, the reported end or the lost site's last sign of life), each site's
     times taken back by its known clock skew."""
     by_job: dict[str, list[tuple[int, float, float]]] = {}
-    for (job, attempt), (site, start, end, _) in history.segments.items():
-        skew = history.skew_s.get(site, 0.0)
+    for (job, attempt), (site, start, end, _, clock) in history.segments.items():
+        # a segment on the broker's clock (metering.ledger.span) is not off by the site's skew
+        skew = history.skew_s.get(site, 0.0) if clock == "site" else 0.0
         by_job.setdefault(job, []).append((attempt, start - skew, end - skew))
     broken = [f"{job}: {why}" for job, spans in by_job.items() for why in _overlaps(spans, slack_s)]
     return Verdict("no overlapping attempts (agents' reports)", len(history.segments), broken)

@@ -57,23 +57,37 @@ def test_a_run_killed_with_its_agent_ends_at_the_kill() -> None:
 def test_reports_are_taken_back_by_the_site_skew() -> None:
     history = ch.History(skew_s={"ahead": 3.0})
     # attempt 1 ran 100-102 by the host's clock, attempt 2 from 102.5: reported 103-105, 102.5
-    history.segments = {("j", 1): ("ahead", 103.0, 105.0, 2.0), ("j", 2): ("b", 102.5, 104.0, 1.5)}
+    history.segments = {
+        ("j", 1): ("ahead", 103.0, 105.0, 2.0, "site"),
+        ("j", 2): ("b", 102.5, 104.0, 1.5, "site"),
+    }
     assert not ch.no_overlap_reports(history).broken
-    history.segments[("j", 2)] = ("b", 101.0, 103.0, 2.0)
+    history.segments[("j", 2)] = ("b", 101.0, 103.0, 2.0, "site")
     assert ch.no_overlap_reports(history).broken == [
         "j: attempt 2 started 1.00 s before attempt 1 ended"
+    ]
+    # a segment on the broker's clock is not taken back: attempt 1 read 100-102 by the broker
+    history.segments[("j", 1)] = ("ahead", 100.0, 102.0, 2.0, "broker")
+    history.segments[("j", 2)] = ("b", 102.5, 104.0, 1.5, "site")
+    assert not ch.no_overlap_reports(history).broken
+    history.segments[("j", 2)] = ("b", 101.5, 104.0, 2.5, "site")
+    assert ch.no_overlap_reports(history).broken == [
+        "j: attempt 2 started 0.50 s before attempt 1 ended"
     ]
 
 
 def test_ledger_equals_runs_and_billed_time() -> None:
     history = _history("start j 1 a 100.0", "end j 1 0 102.0", "start k 1 a 100.0")
-    history.segments = {("j", 1): ("a", 100.0, 102.0, 2.0), ("x", 1): ("a", 1.0, 2.0, 1.0)}
+    history.segments = {
+        ("j", 1): ("a", 100.0, 102.0, 2.0, "site"),
+        ("x", 1): ("a", 1.0, 2.0, 1.0, "site"),
+    }
     assert ch.ledger_equals_runs(history).broken == [
         "k attempt 1: ran, not billed",
         "x attempt 1: billed, never ran",
     ]
     assert not ch.billed_time(history, 0.5).broken
-    history.segments[("j", 1)] = ("a", 103.0, 103.0, 0.0)
+    history.segments[("j", 1)] = ("a", 103.0, 103.0, 0.0, "site")
     assert ch.billed_time(history, 0.5).broken == ["j attempt 1 at a: billed 0.00 s, ran 2.00 s"]
     # stopped before its first line: no stamp, but its agent launched it
     ch.record_launches(history, "... INFO sites.executors.local: job x attempt 1 started: pid 7")

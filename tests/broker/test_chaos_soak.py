@@ -563,7 +563,9 @@ def _configs(tmp: Path, cluster: EtcdCluster, standin_urls: dict[str, str]) -> P
     return cfg
 
 
-async def _segments(reg: Registry) -> dict[tuple[str, int], tuple[str, float, float, float]]:
+async def _segments(
+    reg: Registry,
+) -> dict[tuple[str, int], tuple[str, float, float, float, str]]:
     _, kvs = await reg.list_prefix(keys.USAGE_SEGMENTS)
     out = {}
     for key, raw, _ in kvs:
@@ -576,6 +578,7 @@ async def _segments(reg: Registry) -> dict[tuple[str, int], tuple[str, float, fl
             float(seg["start"]),
             float(seg["end"]),
             float(seg["seconds"]),
+            seg.get("clock") or "site",  # none: written before segments said (the site's)
         )
     return out
 
