@@ -5,12 +5,13 @@ assignments that still apply become place actions, a gang committed only whole.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from broker.leader.pass_core import Action, Context, place_action
 from broker.model import workflows as wf
-from broker.model.jobs import JobRecord, JobState
+from broker.model.jobs import JobRecord, JobSpec, JobState
 from broker.model.tenants import TenancyFile
 from broker.ops.gangs import gang_key, gang_problem, gangs
 from broker.placement import place as pl
@@ -20,7 +21,7 @@ from broker.plan import batch
 from broker.plan.problem import PlanProblem, PlanResult
 from broker.state.view import View, federation, groups, held_rows, usage
 
-__all__ = ["batch_jobs", "batch_order", "batch_problem", "decide_batch"]
+__all__ = ["as_share", "batch_jobs", "batch_order", "batch_problem", "decide_batch"]
 
 
 def batch_jobs(
@@ -112,10 +113,49 @@ def decide_batch(
             continue  # part of a gang: never alone
         try:
             taken = fed
-            for record, _, decision in group:
+            shared = []
+            for record, rev, decision in group:
+                decision = as_share(taken.site(decision.site), record.spec, decision)
                 taken = pl.apply(taken, decision, record.spec)
+                shared.append((record, rev, decision))
         except pl.PlacementError:
             continue  # capacity taken meanwhile; the next pass sees it
         fed = taken
-        actions.append(place_action(group, now, ctx.data))
+        actions.append(place_action(shared, now, ctx.data))
     return actions
+
+
+def as_share(site: pl.SiteOffer, spec: JobSpec, decision: pl.Decision) -> pl.Decision:
+    """The plan's decision for a job that asks a share of one device (gpu.share): on a sharing
+    pool's model, the device the fast path would choose (broker.placement.sharing) and the
+    compute priced at the share, instead of the whole device the plan's totals counted;
+    any other decision as it is."""
+    model = decision.model
+    device = pl.share_at(spec, site, model) if decision.share is None else None
+    if device is None:
+        return decision
+    nodes, island, where = pl.share_nodes(spec, device, model)
+    parts = pl.breakdown_at(
+        site,
+        spec.duration_hours,
+        1,
+        model,
+        spec.cpu,
+        (
+            decision.breakdown.compute_usd
+            - (1.0 - device.share)
+            * spec.duration_hours
+            * site.prices.usd_per_gpu_hour.get(model or "", 0.0),
+            decision.breakdown.egress_usd,
+            decision.breakdown.latency_usd,
+        ),
+    )
+    return dataclasses.replace(
+        decision,
+        share=device,
+        nodes=nodes,
+        island=island,
+        breakdown=parts,
+        cost_usd=parts.total_usd,
+        reason=decision.reason.split("; ")[0] + where,
+    )

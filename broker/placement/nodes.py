@@ -19,7 +19,7 @@ devices (a CPU-only job takes one node). Pure: no I/O.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Literal
@@ -103,28 +103,34 @@ class NodesFree:
         nodes: tuple[Node, ...],
         size: Mapping[str, int],
         packing: Packing = "pack",
+        counts: dict[str, list[int]] | None = None,
     ) -> None:
         self.nodes = nodes
         self.size = size  # model -> the most devices of it one node has (free or not)
         self.packing: Packing = packing
         # built here, with the offer (the view's work at a bounded rate), not on a submit:
-        # per model the most free on one node, and how many nodes have at least d free
-        most: dict[str, int] = {}
-        counts: dict[str, list[int]] = {m: [0] * (n + 2) for m, n in size.items()}
-        for node in nodes:
-            for model, n in node.gpus.items():
-                if n > most.get(model, 0):
-                    most[model] = n
-                row = counts.get(model)
-                if row is not None:
-                    row[min(n, len(row) - 2)] += 1
-        for row in counts.values():
-            for d in range(len(row) - 3, -1, -1):
-                row[d] += row[d + 1]
-        self.most = most  # model -> the most free on one node
+        # how many nodes have at least d free of each model (`moved` passes them updated)
+        if counts is None:
+            counts = {m: [0] * (n + 2) for m, n in size.items()}
+            for node in nodes:
+                for model, n in node.gpus.items():
+                    row = counts.get(model)
+                    if row is not None:
+                        row[min(n, len(row) - 2)] += 1
+            for row in counts.values():
+                for d in range(len(row) - 3, -1, -1):
+                    row[d] += row[d + 1]
+        # model -> the most free on one node
+        self.most = {
+            m: next((d for d in range(len(row) - 2, -1, -1) if row[d]), 0)
+            for m, row in counts.items()
+        }
         # model (None: cores only) -> the nodes' (free devices, cores, GB) that no other node
-        # has as much of in all three: a one-node request fits iff one of these holds it
-        self.frontier = _frontiers(nodes, size)
+        # has as much of in all three: a one-node request fits iff one of these holds it;
+        # worked out per model when first read (a move makes a new one)
+        self.frontier: Mapping[str | None, tuple[tuple[int, int, float], ...]] = _Frontiers(
+            nodes, size
+        )
         # the fewest and the most free cores and GB a node has: when a part's cores and
         # memory are at most the floors, the devices alone decide (broker.placement.feasibility's
         # shortcut); above the ceilings, no node holds it
@@ -442,12 +448,25 @@ class NodesFree:
     def moved(self, model: str | None, shares: Iterable[NodeShare], sign: int) -> NodesFree:
         """The nodes after a job's shares are taken (sign=-1) or given back (sign=1)."""
         nodes = list(self.nodes)
+        counts = self._ge
+        copied = False
         for share in shares:
             i = self.position(share.node)
             node = nodes[i]
             gpus = node.gpus
             if model is not None and share.gpus:
-                gpus = {**gpus, model: gpus.get(model, 0) + sign * share.gpus}
+                was = gpus.get(model, 0)
+                gpus = {**gpus, model: was + sign * share.gpus}
+                row = counts.get(model)
+                if row is not None:  # the node's row of `at_least`, moved from was to now
+                    if not copied:
+                        counts = {m: list(r) for m, r in counts.items()}
+                        row = counts[model]
+                        copied = True
+                    top = len(row) - 2
+                    now = gpus[model]
+                    for d in range(min(was, now, top) + 1, min(max(was, now), top) + 1):
+                        row[d] += 1 if now > was else -1
             nodes[i] = Node(
                 node.name,
                 node.island,
@@ -455,7 +474,7 @@ class NodesFree:
                 node.cpu + sign * share.cpu,
                 round(node.mem_gb + sign * share.mem_gb, 6),
             )
-        out = NodesFree(tuple(nodes), self.size, self.packing)
+        out = NodesFree(tuple(nodes), self.size, self.packing, counts)
         out._by_name = self._by_name
         out._islands = self._islands
         return out
@@ -469,24 +488,44 @@ class NodesFree:
         return sum(n for node in self.nodes if 0 < (n := node.gpus.get(model, 0)) < demand)
 
 
-def _frontiers(
-    nodes: Sequence[Node], size: Mapping[str, int]
-) -> dict[str | None, tuple[tuple[int, int, float], ...]]:
-    out: dict[str | None, tuple[tuple[int, int, float], ...]] = {}
-    for model in (None, *size):
-        rows = sorted(
-            {
-                (0 if model is None else node.gpus.get(model, 0), node.cpu, node.mem_gb)
-                for node in nodes
-            },
-            reverse=True,
-        )
-        kept: list[tuple[int, int, float]] = []
-        for row in rows:  # most devices first: a row is dominated only by one kept before it
-            if not any(k[1] >= row[1] and k[2] >= row[2] for k in kept):
-                kept.append(row)
-        out[model] = tuple(kept)
-    return out
+class _Frontiers(Mapping[str | None, tuple[tuple[int, int, float], ...]]):
+    """NodesFree.frontier: per model (None: cores only), worked out when first read."""
+
+    __slots__ = ("_known", "_nodes", "_size")
+
+    def __init__(self, nodes: Sequence[Node], size: Mapping[str, int]) -> None:
+        self._nodes = nodes
+        self._size = size
+        self._known: dict[str | None, tuple[tuple[int, int, float], ...]] = {}
+
+    def __getitem__(self, model: str | None) -> tuple[tuple[int, int, float], ...]:
+        known = self._known.get(model)
+        if known is None:
+            if model is not None and model not in self._size:
+                raise KeyError(model)
+            known = self._known[model] = _frontier(self._nodes, model)
+        return known
+
+    def __iter__(self) -> Iterator[str | None]:
+        return iter((None, *self._size))
+
+    def __len__(self) -> int:
+        return len(self._size) + 1
+
+
+def _frontier(nodes: Sequence[Node], model: str | None) -> tuple[tuple[int, int, float], ...]:
+    rows = sorted(
+        {
+            (0 if model is None else node.gpus.get(model, 0), node.cpu, node.mem_gb)
+            for node in nodes
+        },
+        reverse=True,
+    )
+    kept: list[tuple[int, int, float]] = []
+    for row in rows:  # most devices first: a row is dominated only by one kept before it
+        if not any(k[1] >= row[1] and k[2] >= row[2] for k in kept):
+            kept.append(row)
+    return tuple(kept)
 
 
 def shape(

@@ -93,6 +93,9 @@ __all__ = [
     "place_gang",
     "price_floors",
     "release",
+    "scorer_of",
+    "share_at",
+    "share_nodes",
 ]
 
 # -- the answers ----------------------------------------------------------------------------
@@ -520,7 +523,7 @@ def _place(
     )
     device = share_at(job, site, model)
     if device is not None:
-        shares, island, where = _share_nodes(job, device, model)
+        shares, island, where = share_nodes(job, device, model)
     else:
         shares, island, where = _nodes_for(job, site, model, islands)
     where += _staging_words(job, fed, site.id)
@@ -639,7 +642,7 @@ def share_at(job: JobSpec, site: SiteOffer, model: str | None) -> DeviceShare | 
     return found
 
 
-def _share_nodes(
+def share_nodes(
     job: JobSpec, device: DeviceShare, model: str | None
 ) -> tuple[tuple[NodeShare, ...], str | None, str]:
     """A share's node part (its cores and memory; its device is in the share) and words."""

@@ -42,6 +42,7 @@ class Shared:
     device_mem_gb: Mapping[str, float]
     parts: Mapping[tuple[str | None, str], Mapping[int, Part]]
     best: Mapping[str, tuple[Part, ...]]
+    busy: frozenset[str | None] = frozenset()  # the nodes with shares on a device
 
     @classmethod
     def of(
@@ -58,7 +59,7 @@ class Shared:
             on = parts.setdefault((node, model), {})
             c, g = on.get(device, (1.0, device_mem_gb.get(model, 0.0)))
             on[device] = (round(c - share, 9), round(g - mem, 6))
-        return cls(modes, device_mem_gb, parts, _frontiers(parts))
+        return cls(modes, device_mem_gb, parts, _frontiers(parts), frozenset(n for n, _ in parts))
 
     def holds(self, model: str, share: float, mem_gb: float) -> bool:
         """Has a partly used device of `model` the room (whole free devices: the offer's)."""
@@ -99,7 +100,8 @@ class Shared:
         best[model] = _frontier(
             p for (_, m), ps in parts.items() if m == model for p in ps.values()
         )
-        return Shared(self.modes, self.device_mem_gb, parts, best), moved
+        busy = self.busy | {node} if on else frozenset(n for n, _ in parts)
+        return Shared(self.modes, self.device_mem_gb, parts, best, busy), moved
 
 
 def share_mem_gb(share: float, mem_gb: float | None, device_mem_gb: float) -> float:
@@ -125,25 +127,36 @@ def choose_share(
     full_mem = shared.device_mem_gb.get(model, 0.0)
     if mem_gb > full_mem + _EPS or share > 1.0 + _EPS:
         return None
-    rows: list[tuple[str | None, int, int, float]]  # (node, whole free, cores, GB)
+    rows: Iterable[tuple[str | None, int, int, float]]  # (node, whole free, cores, GB)
     if nodes is None:
-        rows = [(None, site_whole, site_cpu, site_mem_gb)]
+        rows = ((None, site_whole, site_cpu, site_mem_gb),)
     else:
-        rows = [
-            (n.name, n.gpus.get(model, 0), n.cpu, n.mem_gb)
-            for n in nodes.nodes
-            if model in n.gpus and n.cpu >= cpu and n.mem_gb >= host_mem_gb - _EPS
-        ]
-    best: tuple[tuple[float, float, int, int], str | None, int] | None = None
+        rows = ((n.name, n.gpus.get(model, -1), n.cpu, n.mem_gb) for n in nodes.nodes)
+    busy = shared.busy
+    known: dict[tuple[int, int, float], float] = {}  # alike nodes without shares: scored once
+    best: tuple[tuple[float, float, int, int, int], str | None, int] | None = None
     for order, (name, whole, node_cpu, node_mem) in enumerate(rows):
-        if node_cpu < cpu or node_mem < host_mem_gb - _EPS:
+        if whole < 0 or node_cpu < cpu or node_mem < host_mem_gb - _EPS:
+            continue  # not a node of the model, or without the cores or memory
+        left_cpu, left_mem = node_cpu - cpu, round(node_mem - host_mem_gb, 6)
+        new_part = (round(1.0 - share, 9),) if share < 1.0 - _EPS else ()
+        if name not in busy:
+            if whole < 1:
+                continue
+            alike = (whole, node_cpu, node_mem)
+            delta = known.get(alike)
+            if delta is None:
+                before = NodeState(whole, (), node_cpu, node_mem)
+                delta = known[alike] = scorer.delta(
+                    before, NodeState(whole - 1, new_part, left_cpu, left_mem)
+                )
+            key = (delta, 2.0 - share, whole - 1, order, 0)
+            if best is None or key < best[0]:
+                best = (key, name, 0)
             continue
         on = shared.on(name, model)
-        if not on and whole < 1:
-            continue
         parts = tuple(sorted((c for c, _ in on.values()), reverse=True))
         before = NodeState(whole, parts, node_cpu, node_mem)
-        left_cpu, left_mem = node_cpu - cpu, round(node_mem - host_mem_gb, 6)
         seen: set[Part] = set()
         for device, (c, g) in sorted(on.items()):
             if c < share - _EPS or g < mem_gb - _EPS or (c, g) in seen:
@@ -154,16 +167,15 @@ def choose_share(
             if c - share > _EPS:
                 after_parts.append(round(c - share, 9))
             after = NodeState(whole, tuple(sorted(after_parts, reverse=True)), left_cpu, left_mem)
-            key = (scorer.delta(before, after), c - share, order, device)
+            key = (scorer.delta(before, after), c - share, whole, order, device)
             if best is None or key < best[0]:
                 best = (key, name, device)
         if whole >= 1:
-            after_parts = [*parts, round(1.0 - share, 9)] if share < 1.0 - _EPS else list(parts)
             after = NodeState(
-                whole - 1, tuple(sorted(after_parts, reverse=True)), left_cpu, left_mem
+                whole - 1, tuple(sorted((*parts, *new_part), reverse=True)), left_cpu, left_mem
             )
             device = next(i for i in range(len(on) + 1) if i not in on)
-            key = (scorer.delta(before, after), 1.0 - share + 1.0, order, device)
+            key = (scorer.delta(before, after), 2.0 - share, whole - 1, order, device)
             if best is None or key < best[0]:
                 best = (key, name, device)
     if best is None:
@@ -185,34 +197,45 @@ def choose_node(
 ) -> Chosen | None:
     """One node for a request of `count` whole devices of `model` (0 / None: CPU-only) where
     the expected fragmentation grows least; ties: CPU-only work to the node with the fewest
-    free accelerators, other work to the fullest node (best fit). None: no node holds it."""
+    free accelerators, other work to the fullest node (best fit). None: no node holds it.
+    Nodes alike (the same free devices, cores and memory, no shares) are scored once."""
+    busy = shared.busy if shared is not None else frozenset()
+    known: dict[tuple[int, float, tuple[tuple[str, int], ...]], tuple[float, float]] = {}
     best: tuple[tuple[float, float, float, int], int] | None = None
     for i, node in enumerate(nodes.nodes):
-        if node.cpu < cpu or node.mem_gb < mem_gb - _EPS:
+        node_cpu, node_mem = node.cpu, node.mem_gb
+        if node_cpu < cpu or node_mem < mem_gb - _EPS:
             continue
-        have = node.gpus.get(model, 0) if model is not None else 0
+        gpus = node.gpus
+        have = gpus.get(model, 0) if model is not None else 0
         if have < count:
             continue
-        delta = 0.0
-        devices = 0.0
-        for m, whole in node.gpus.items():
-            on = shared.on(node.name, m) if shared is not None else _NO_PARTS
-            parts = tuple(sorted((c for c, _ in on.values()), reverse=True))
-            before = NodeState(whole, parts, node.cpu, node.mem_gb)
-            taken = count if m == model else 0
-            after = NodeState(whole - taken, parts, node.cpu - cpu, round(node.mem_gb - mem_gb, 6))
-            delta += scorer.delta(before, after)
-            devices += before.free
+        alike = None if node.name in busy else (node_cpu, node_mem, tuple(gpus.items()))
+        scored = None if alike is None else known.get(alike)
+        if scored is None:
+            delta = devices = 0.0
+            for m, whole in gpus.items():
+                on = _NO_PARTS if shared is None or alike is not None else shared.on(node.name, m)
+                parts = tuple(sorted((c for c, _ in on.values()), reverse=True))
+                before = NodeState(whole, parts, node_cpu, node_mem)
+                taken = count if m == model else 0
+                after = NodeState(whole - taken, parts, node_cpu - cpu, round(node_mem - mem_gb, 6))
+                delta += scorer.delta(before, after)
+                devices += before.free
+            scored = (delta, devices)
+            if alike is not None:
+                known[alike] = scored
+        delta, devices = scored
         tie = cpu_key(devices) if not count else float(have)
-        key = (delta, tie, float(node.cpu - cpu), i)
+        key = (delta, tie, float(node_cpu - cpu), i)
         if best is None or key < best[0]:
             best = (key, i)
     if best is None:
         return None
     node = nodes.nodes[best[1]]
-    gpus = count if model is not None else 0
+    gpus_taken = count if model is not None else 0
     return Chosen(
-        (NodeShare(node=node.name, gpus=gpus, cpu=cpu, mem_gb=mem_gb),), node.island, False
+        (NodeShare(node=node.name, gpus=gpus_taken, cpu=cpu, mem_gb=mem_gb),), node.island, False
     )
 
 

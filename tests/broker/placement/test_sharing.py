@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from broker.leader.batch_pass import as_share
 from broker.model.jobs import JobSpec
 from broker.placement.fragmentation import Learner, Mix, NodeState, frag
 from broker.placement.place import (
@@ -288,3 +289,23 @@ def test_metering_bills_a_share_by_its_part_of_the_device() -> None:
     assert whole is not None and part is not None
     assert part.gpu_s == pytest.approx(0.25 * 3600) and whole.gpu_s == pytest.approx(3600)
     assert part.gpu_usd == pytest.approx(0.25 * whole.gpu_usd)
+
+
+def test_the_batch_pass_turns_a_plans_whole_device_into_the_share_asked() -> None:
+    # the plan counts a share as one device of the site's totals; its commit takes the share
+    fed = Federation(sites=(SiteOffer.from_spec(site(gpus=2), CATALOG),))
+    job = share("a", 0.25)
+    whole = job_spec(name="a", cpu=2, mem_gb=8, gpu={"model": "H100", "count": 1})
+    planned = place(whole, fed, now=NOW, usage=TenantUsage(), groups=GroupState())
+    assert isinstance(planned, Decision) and planned.share is None
+    got = as_share(fed.sites[0], job, planned)
+    assert got.share is not None and got.share.share == 0.25 and got.nodes[0].gpus == 0
+    hours = job.duration_hours
+    assert got.breakdown.compute_usd == pytest.approx(
+        planned.breakdown.compute_usd - 0.75 * 2.0 * hours
+    )
+    after = apply(fed, got, job)
+    assert after.sites[0].free_gpus["H100"] == 1  # one device holds the share, one is whole
+    # a decision that is not for a share, or already one, is left as it is
+    assert as_share(fed.sites[0], whole, planned) is planned
+    assert as_share(after.sites[0], job, got) is got
