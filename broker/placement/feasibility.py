@@ -69,7 +69,6 @@ from broker.placement.request import (
     Screen,
     node_choice,
     on_nodes,
-    share_room,
 )
 from broker.placement.site import SiteOffer
 from broker.placement.staging import StageTerms
@@ -253,6 +252,8 @@ def screen_loop(
     stage = req.stage
     slack = req.slack_hours
     share = req.share
+    share_names = None if share is None or named is None else frozenset(named)
+    share_mem = req.share_mem_gb
     # what must be free to pass the capacity part; nothing when it is skipped
     need, cpu_need, mem_need = (count, cpu, mem) if check else (0, 0, 0.0)
 
@@ -297,7 +298,11 @@ def screen_loop(
         if count:
             offered = False
             prices = site.prices.usd_per_gpu_hour
-            for name in free_gpus if named is None else named:
+            # a share names many slicings (ts2..ts16 of each model): the site's few models
+            # are read instead, each asked whether it is named
+            for name in free_gpus if named is None or share_names is not None else named:
+                if share_names is not None and name not in share_names:
+                    continue
                 p = prices.get(name)
                 have = free_gpus.get(name)
                 if p is None or have is None:
@@ -310,8 +315,9 @@ def screen_loop(
                     shared = site.shared
                     if shared is None or name not in shared.modes:
                         continue
-                    room = share_room(req, site, name)
-                    if room > site.gpu_mem_gb.get(name, 0.0) + 1e-9:
+                    device_mem = site.gpu_mem_gb.get(name, 0.0)
+                    room = share * device_mem if share_mem is None else share_mem
+                    if room > device_mem + 1e-9:
                         continue
                     p = p * share
                     if have < need and not shared.holds(name, share, room):
