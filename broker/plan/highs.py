@@ -69,7 +69,9 @@ class MipResult:
 class _Model:
     """The model in row-wise arrays, with the column of every x, y and z."""
 
-    def __init__(self, problem: PlanProblem, cands: Sequence[Sequence[Candidate]]) -> None:
+    def __init__(
+        self, problem: PlanProblem, cands: Sequence[Sequence[Candidate]], *, cuts: bool = True
+    ) -> None:
         self.cost: list[float] = []
         self.offset = 0.0
         self.xs: list[list[int]] = []
@@ -115,6 +117,10 @@ class _Model:
                 for j in members:
                     ids = self.xs[j]
                     self.rows.append((ids + [z], [1.0] * len(ids) + [-1.0], 0.0, 0.0))
+                if cuts:
+                    self._group_cuts(
+                        problem, cands, members, dict.fromkeys(self.sites_of(cands, members), z)
+                    )
                 continue
             at: dict[str, list[list[int]]] = defaultdict(list)  # site -> per member, its x
             for j in members:
@@ -135,7 +141,49 @@ class _Model:
             for site, per_member in at.items():
                 for ids in per_member:
                     self.rows.append((ids + [ys[site]], [1.0] * len(ids) + [-1.0], -inf, 0.0))
+            if cuts:
+                self._group_cuts(problem, cands, members, ys)
         self._arrays()
+
+    @staticmethod
+    def sites_of(cands: Sequence[Sequence[Candidate]], members: Sequence[int]) -> set[str]:
+        return {c.site for j in members for c in cands[j]}
+
+    def _group_cuts(
+        self,
+        problem: PlanProblem,
+        cands: Sequence[Sequence[Candidate]],
+        members: Sequence[int],
+        indicator: Mapping[str, int],
+    ) -> None:
+        """The group's capacity cuts: what its members use of a site's pool is at most the
+        pool times the group's indicator there (y[g,s] for a colocate group, z[g] for a gang),
+
+            sum_{j in g, o at s} a_jr x[j,o] - cap_sr w <= 0
+
+        valid as every x[j,o] <= w and the pool holds at most cap_sr; they cut off the LP's
+        trick of placing a group too large for any one site (colocate) or for the sites it
+        uses (gang) by a fraction of it everywhere. Only pools the group alone can overfill."""
+        pools: dict[tuple[str, str], tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
+        for j in members:
+            job = problem.jobs[j]
+            cpu, mem = to_milli(job.cpu), to_milli(job.mem_gb)
+            for i, c in zip(self.xs[j], cands[j], strict=True):
+                if c.model is not None:
+                    cols, vals = pools[(c.site, "gpu:" + c.model)]
+                    cols.append(i)
+                    vals.append(float(job.gpu.count))
+                for what, amount in (("cpu", cpu), ("mem", mem)):
+                    if amount:
+                        cols, vals = pools[(c.site, what)]
+                        cols.append(i)
+                        vals.append(float(amount))
+        for (site_id, what), (cols, vals) in pools.items():
+            cap = capacity(problem, site_id, what)
+            if sum(vals) > cap:
+                self.rows.append(
+                    (cols + [indicator[site_id]], vals + [-float(cap)], -math.inf, 0.0)
+                )
 
     def _new_col(self) -> int:
         self.cost.append(0.0)

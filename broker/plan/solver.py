@@ -43,12 +43,16 @@ Search, each step starting from the cheapest valid plan so far (docs/placement.m
    small). Only this can report OPTIMAL.
 5. Above it (CP-SAT's presolve alone outlasts a 10 s budget on 2 cores there, and its 2-core
    search did not improve on greedy in the hard instances of bench/plan_family.py): HiGHS's
-   branch and cut on LP neighbourhoods, HIGHS_STEPS, from the best plan.
+   branch and cut on LP neighbourhoods, the first LNS_AFTER of HIGHS_STEPS, from the best
+   plan; then the large-neighbourhood search over sites and whole groups
+   (broker.plan.neighbourhood: HiGHS sub-MIPs of a few hundred freed jobs, the rest held)
+   until the deadline.
 
 Reported figures are in USD: the objective is recomputed from the chosen assignments
 (broker.plan.checker.evaluate); the bound is the best of CP-SAT's bound / SCALE, the LP's
 Lagrangian bound (broker.plan.highs: a true bound from whatever duals the LP had when it
-stopped, less a 1e-9 relative slack) and the capacity-free sum_j min(p_j, min_o c[j,o]), never
+stopped, less a 1e-9 relative slack; the LP holds the group capacity cuts, so at its optimum
+it is at least the plain LP relaxation's) and the capacity-free sum_j min(p_j, min_o c[j,o]), never
 above the objective. SCALE = 10_000 counts costs to 0.0001 USD per job; plans closer than that
 may tie.
 
@@ -71,7 +75,7 @@ from contextlib import contextmanager
 
 from ortools.sat.python import cp_model
 
-from broker.plan import aggregate
+from broker.plan import aggregate, neighbourhood
 from broker.plan.checker import evaluate
 from broker.plan.construct import (
     construct,
@@ -106,6 +110,10 @@ LP_SHARE = 0.6  # the LP relaxation may use this share of the remaining time bud
 # by round, on time the HiGHS steps need (bench/plan_family.py's `wide`: 2.2 -> 0.64 %); it
 # may use LP_STALL_SHARE of the time left, as it usually stops well before
 SIFT_STALL = 1e-4
+# ... only above STALL_OPTIONS (issue 45): below, the whole sifting fits the budget (2,000 jobs x
+# 100 sites: 2-3 s), and the bound it ends with is the LP's (with the group cuts, above it),
+# where the stalled one was up to 0.6 % below the LP
+STALL_OPTIONS = 150_000
 LP_STALL_SHARE = 0.7
 RENS_SHARE = 0.4  # of the time left: the sub-model over the LP's support
 NEIGHBOURHOOD_SHARE = 0.5  # of the time left: the support plus NEIGHBOURS options per job
@@ -119,6 +127,11 @@ BIG_MODEL_MIN_S = 2.0  # a model above FULL_MODEL_OPTIONS needs this much left t
 # HiGHS's sub-models: RENS and each job's cheapest option by reduced cost, which HiGHS
 # closes in about a second; then two and four such options with the incumbent's
 HIGHS_STEPS = ((1, False, 0.4), (2, True, 0.7), (4, True, 1.0))
+# above FULL_MODEL_OPTIONS, the first LNS_AFTER of them, then the neighbourhood search over
+# whole groups (broker.plan.neighbourhood) for the time left (issue 45, measured on
+# bench/plan_family.py: hard 0.76 -> 0.44 %, latency 0.49 -> 0.29 %, and groups-issue from
+# 3.7 % above HiGHS's bound to under 1 %; the third step's seconds bought little there)
+LNS_AFTER = 2
 MIN_MIP_S = 0.5  # a HiGHS step with less time than this left is not started
 MIN_SEARCH_S = 0.2  # CP-SAT always gets this much, even when building used the budget
 FINISH_S = 0.3  # kept back from the budget to check the plan and report
@@ -216,7 +229,7 @@ def solve(
     if gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective):
         return _result(problem, best, bound, proven=best.objective <= bound)
     total = sum(len(row) for row in cands)
-    stall = SIFT_STALL if total > FULL_MODEL_OPTIONS and gap_limit is None else None
+    stall = SIFT_STALL if total > STALL_OPTIONS and gap_limit is None else None
     share = LP_SHARE if stall is None else LP_STALL_SHARE
     relaxed = relax(problem, cands, share * left(), start=best.plan, stall=stall)
     if relaxed is not None:
@@ -239,8 +252,10 @@ def solve(
 
     full = True  # whether the full model is worth its time
     if relaxed is not None and total > FULL_MODEL_OPTIONS:
-        # large: HiGHS on sub-models from the incumbent (docs/placement.md, measured)
-        _highs_steps(problem, cands, relaxed, best, deadline)
+        # large: HiGHS on sub-models from the incumbent, then the neighbourhood search over
+        # sites and whole groups (docs/placement.md, measured)
+        _highs_steps(problem, cands, relaxed, best, deadline, HIGHS_STEPS[:LNS_AFTER])
+        neighbourhood.search(problem, cands, relaxed, best.plan, deadline, best.offer_best)
         full = False
     elif relaxed is not None:
         # sub-models, each holding the incumbent: RENS (the LP's support; small, CP-SAT
@@ -289,10 +304,11 @@ def _highs_steps(
     relaxed: Relaxation,
     best: _Incumbent,
     deadline: float,
+    steps: tuple[tuple[int, bool, float], ...],
 ) -> None:
-    """HiGHS branch and cut on neighbourhoods of the LP (HIGHS_STEPS), each from the best
-    plan so far and holding its options, until the deadline."""
-    for width, held, share in HIGHS_STEPS:
+    """HiGHS branch and cut on neighbourhoods of the LP (`steps`, of HIGHS_STEPS), each from
+    the best plan so far and holding its options, until the deadline."""
+    for width, held, share in steps:
         budget = deadline - time.monotonic()
         if budget < MIN_MIP_S:
             return
@@ -325,6 +341,11 @@ class _Incumbent:
         if not self.offer_if_valid(plan):
             violations = evaluate(self.problem, plan)[1]
             raise RuntimeError(f"plan violates {violations[0]}")  # a bug here, not input
+
+    def offer_best(self, plan: dict[str, Assignment]) -> dict[str, Assignment]:
+        """`offer`, then the best plan so far."""
+        self.offer(plan)
+        return self.plan
 
     def offer_if_valid(self, plan: dict[str, Assignment]) -> bool:
         """Keep `plan` if it meets every hard constraint and is cheaper; whether it met them."""

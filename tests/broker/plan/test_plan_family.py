@@ -193,11 +193,14 @@ def test_cpn_plan_stalls_its_lp_on_large_models_and_the_batch_pass_does_not(
     bench: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the stall rule trades the LP's bound for time left to the HiGHS steps: for `cpn plan`
-    # (no gap limit) above FULL_MODEL_OPTIONS; a pass with a gap limit stops on that bound
+    # (no gap limit) above STALL_OPTIONS; a pass with a gap limit stops on that bound, and
+    # below STALL_OPTIONS the sifting runs to its end (issue 45: the bound is the LP's)
     prob = load_problem(hard_small(bench, 1))
     seen = keyword_of_calls(monkeypatch, "relax", "stall")
     monkeypatch.setattr(solver, "FULL_MODEL_OPTIONS", 10)
-    for gap_limit in (None, 0.0):
-        result = solve(prob, time_limit_s=5, workers=1, gap_limit=gap_limit)
-        assert evaluate(prob, result.assignments)[1] == []
-    assert seen == [solver.SIFT_STALL, None]
+    for stall_options in (10, 10**9):
+        monkeypatch.setattr(solver, "STALL_OPTIONS", stall_options)
+        for gap_limit in (None, 0.0):
+            result = solve(prob, time_limit_s=5, workers=1, gap_limit=gap_limit)
+            assert evaluate(prob, result.assignments)[1] == []
+    assert seen == [solver.SIFT_STALL, None, None, None]
