@@ -56,6 +56,7 @@ from broker.ops.data_orders import OrderKeeper
 from broker.ops.datasets import Datasets
 from broker.ops.operations import Operations
 from broker.ops.services import Services
+from broker.ops.usage_segments import amend_lost
 from broker.ops.workflows import Workflows
 from broker.placement.preemption import PREEMPT_RETRY_S
 from broker.placement.settings import BrokerSettings
@@ -76,6 +77,7 @@ from sites.kits.clock import Clock, SystemClock
 from sites.kits.tasks import Backoff, Crash, Supervisor, measure_loop_lag
 from sites.kits.tls import PeerTrust, peer_connector
 from sites.model import keys
+from sites.model.assignments import Report
 from sites.model.bandwidth import path_bandwidth_mbps
 from sites.model.catalog import DeviceCatalog
 from sites.model.errors import RegistryError, RegistryUnavailable
@@ -174,7 +176,12 @@ class Broker:
             metrics=self.metrics,
             on_elected=self._kick,
         )
-        self.actor = Actor(registry=registry, leadership=self.leadership, metrics=self.metrics)
+        self.actor = Actor(
+            registry=registry,
+            leadership=self.leadership,
+            metrics=self.metrics,
+            late_report=self._bill_late_end,
+        )
         self.operations = Operations(
             registry=registry,
             store=self.store,
@@ -514,6 +521,23 @@ class Broker:
         if now - self._fair_saved >= FAIR_SHARE_SAVE_S:
             self._fair_saved = now
             await self.tenancy.save_fair(self._fair, self.leadership.guard())
+
+    async def _bill_late_end(self, report: Report) -> None:
+        """A run's end that came after its run was closed without it (its site lost): bill
+        that end (broker.ops.usage_segments.amend_lost)."""
+        sites = self.view().sites
+        if await amend_lost(
+            self.registry,
+            report,
+            spec=sites.specs.get(report.site),
+            catalog=self.catalog,
+            history=sites.price_history.get(report.site),
+            now=self.clock.time(),
+        ):
+            log.info(
+                "job %s attempt %d: billed to its end at %s, reported after its site was lost",
+                report.job, report.attempt, report.site,
+            )  # fmt: skip
 
     async def reconcile(self) -> None:
         """One pass: decide on the view, carry the actions out; a batch pass when it is due."""

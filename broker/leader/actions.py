@@ -10,7 +10,7 @@ writes as a deposed leader. Only registry errors escape (the loop backs off and 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from broker.leader.pass_core import Action, ActionKind
@@ -18,7 +18,7 @@ from broker.state.leadership import Leadership
 from broker.state.metrics import BrokerMetrics
 from broker.state.store import writes
 from sites.model import keys
-from sites.model.assignments import Assignment
+from sites.model.assignments import Assignment, Report
 from sites.registry.client import Guard, Registry
 
 __all__ = ["Actor", "Outcome"]
@@ -46,11 +46,18 @@ class Outcome:
 
 class Actor:
     def __init__(
-        self, *, registry: Registry, leadership: Leadership, metrics: BrokerMetrics
+        self,
+        *,
+        registry: Registry,
+        leadership: Leadership,
+        metrics: BrokerMetrics,
+        late_report: Callable[[Report], Awaitable[object]] | None = None,
     ) -> None:
         self.registry = registry
         self.leadership = leadership
         self.metrics = metrics
+        # a drop_report's late end, billed before the report goes (Action.late)
+        self.late_report = late_report
         # assignments committed that the view has not mirrored yet: capacity they hold
         self.written: dict[str, Assignment] = {}
 
@@ -68,6 +75,8 @@ class Actor:
             if not self.leadership.is_leader:
                 out.deposed = True
                 break
+            if action.late is not None and self.late_report is not None:
+                await self.late_report(action.late)
             guards = [self.leadership.guard(), *action.guards]
             puts: dict[str, bytes] = {}
             deletes = list(action.deletes)

@@ -32,7 +32,7 @@ from broker.placement.staging import DataView
 from broker.placement.tenancy import BudgetLeft, FairShare, Quotas
 from broker.state.view import LIVE, View
 from sites.model import keys
-from sites.model.assignments import Assignment
+from sites.model.assignments import Assignment, Report
 from sites.model.catalog import DeviceCatalog
 from sites.registry.client import Guard
 
@@ -81,6 +81,9 @@ class Action:
     deletes: tuple[str, ...] = ()  # keys deleted besides the jobs' own (drop_report)
     guards: tuple[Guard, ...] = ()
     assignments: tuple[Assignment, ...] = ()  # written by a place action
+    # a drop_report's report: a run's end that came after its run was closed without it (its
+    # site lost); the actor bills that end first (broker.ops.usage_segments.amend_lost)
+    late: Report | None = None
 
     @property
     def job_ids(self) -> tuple[str, ...]:

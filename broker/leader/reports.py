@@ -58,6 +58,7 @@ def reports(p: Pass, steps: WorkflowSteps) -> None:
                         f"report of {job_id} on {site}: the run no longer matters",
                         deletes=(keys.report(site, job_id),),
                         guards=(Guard(keys.report(site, job_id), mod_revision=report_rev),),
+                        late=report,
                     )
                 )
             continue

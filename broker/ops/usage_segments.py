@@ -30,19 +30,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from pydantic import ValidationError
+
 from broker.model.jobs import JobRecord, JobState
 from broker.placement.pricing import egress_usd
 from broker.state.view import LIVE, View
 from metering import ledger
 from metering.ledger import EndReason, Run, TimeSource
 from sites.model import keys
-from sites.model.assignments import Report
+from sites.model.assignments import Report, RunState
 from sites.model.catalog import DeviceCatalog
 from sites.model.data import Egress
 from sites.model.spec import SiteSpec
+from sites.model.status import PriceHistory
 from sites.registry.client import Guard, Registry
 
-__all__ = ["EndReason", "bill_egress", "closing_puts", "egress_key", "egress_puts", "run_of"]
+__all__ = [
+    "EndReason",
+    "amend_lost",
+    "bill_egress",
+    "closing_puts",
+    "egress_key",
+    "egress_puts",
+    "ended_by_report",
+    "run_of",
+]
 
 _FROM_REPORT = (
     EndReason.succeeded,
@@ -154,6 +166,85 @@ def closing_puts(
         history=view.sites.price_history.get(site),
     )
     return ledger.puts(segment)
+
+
+def ended_by_report(report: Report) -> EndReason:
+    """What a terminal report says ended its run."""
+    if report.state is RunState.succeeded:
+        return EndReason.succeeded
+    if report.reason == EndReason.out_of_memory:
+        return EndReason.out_of_memory
+    return EndReason.failed if report.state is RunState.failed else EndReason.stopped
+
+
+async def amend_lost(
+    registry: Registry,
+    report: Report,
+    *,
+    spec: SiteSpec | None,
+    catalog: DeviceCatalog,
+    history: PriceHistory | None,
+    now: float,
+) -> bool:
+    """A run closed `site_lost` at its site's last sign of life, whose end came in later
+    (`report`, terminal, from the agent that ran it once etcd answered it again): its segment
+    is closed again at the end the site reported, on the site's clock as before, so that the
+    run is billed what it ran rather than up to when its site was last seen. Only a segment
+    of this very run (its fence and its reported start) still under the segments (not rolled
+    up) is changed; written guarded on what was read. True when it was amended."""
+    if (
+        not report.state.terminal
+        or report.started_at is None
+        or report.finished_at is None
+        or report.finished_at < report.started_at
+    ):
+        return False
+    days = {ledger.day_of(report.started_at), ledger.day_of(report.finished_at)}
+    for day in sorted(days):
+        key = ledger.segment_key(day, report.job, report.attempt)
+        got = await registry.get_raw(key)
+        if got is None:
+            continue
+        try:
+            old = ledger.Segment.model_validate_json(got[0])
+        except ValidationError:
+            return False
+        if (
+            old.reason is not EndReason.site_lost
+            or old.clock is not TimeSource.site
+            or old.kind != "run"
+            or old.fence != report.fence
+            or old.site != report.site
+            or abs(old.start - report.started_at) > 1e-3
+            or abs(old.end - report.finished_at) < 1e-3
+        ):
+            return False
+        # a share of one device is billed gpu_s = share x seconds (metering.ledger)
+        part = old.gpu_s / old.seconds if old.gpus == 1 and old.seconds > 0 else 1.0
+        run = Run(
+            job=old.job, tenant=old.tenant, attempt=old.attempt, fence=old.fence,
+            site=old.site, model=old.model, gpus=old.gpus, cpu=old.cpu, mem_gb=old.mem_gb,
+            started_at=old.start, egress_gb=old.egress_gb, egress_usd=old.egress_usd,
+            measured=dict(report.usage) if report.usage else old.measured,
+            best_effort=old.best_effort, share=part if part < 1.0 - 1e-9 else None,
+        )  # fmt: skip
+        new = ledger.close(
+            run,
+            end=report.finished_at,
+            ended_by=TimeSource.site,
+            reason=ended_by_report(report),
+            spec=spec,
+            catalog=catalog,
+            now=now,
+            history=history,
+        )
+        if new is None:
+            return False
+        deletes = [key] if new.key != key else []
+        return await registry.commit(
+            guards=[Guard(key, mod_revision=got[1])], puts=ledger.puts(new), deletes=deletes
+        )
+    return False
 
 
 def egress_key(job: str, attempt: int, at: float) -> str:
