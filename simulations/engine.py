@@ -76,6 +76,7 @@ from broker.placement.preemption import lost_s
 from broker.placement.settings import SchedulingSettings
 from broker.placement.tenancy import Quotas
 from broker.plan.solver import collector_paused
+from simulations.allocation import Allocation
 from simulations.arrivals import Arrivals, generate
 from simulations.autoscaling import run_services
 from simulations.data_placement import Place, placer
@@ -188,6 +189,10 @@ class Simulation:
         self.full = list(offers)  # every site's offer with nothing running
         has_nodes = any(o.nodes is not None for o in offers)
         self.fragmentation = Fragmentation(self.fed) if has_nodes else None
+        # allocation and unusable devices per site and model, for any policy; its mix of the
+        # shapes seen is what cpn's node and device choice scores against (has_nodes)
+        self.allocation = Allocation(self.fed)
+        self.mixed = has_nodes and self.policy.kind in (PolicyKind.fast_path, PolicyKind.batch)
         self.gpu_total = [sum(o.free_gpus.values()) for o in offers]
         self.core_total = [o.free_cpu for o in offers]
         self.tenancy = self.fedinfo.tenancy
@@ -416,6 +421,12 @@ class Simulation:
                 self._push(self.now + self.scenario.inference_step_s, _INFER, 0, 0)
 
     def _sample(self) -> None:
+        mix = self.allocation.mix_for()
+        if mix is not None and self.mixed:
+            for offer in self.fed.sites:
+                if offer.nodes is not None:
+                    self.fed = self.fed.with_offer(dataclasses.replace(offer, mix=mix))
+        self.allocation.sample(self.fed)
         self.sampled.sample(self.fed, self.pending, len(self.runs))
         if self.fragmentation is not None:
             self.fragmentation.sample(self.fed, self.queue.waiting_classes())
@@ -446,6 +457,7 @@ class Simulation:
 
     def _arrive(self, j: int) -> None:
         cls = self.classes.of(j)
+        self.allocation.saw(cls.spec)
         self.job_class[j] = cls
         self.queue.arrive(j, cls)
 

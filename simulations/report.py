@@ -299,12 +299,40 @@ def _fragmentation(results: Results, top: int) -> list[_Section]:
     return [_Section("GPU fragmentation at sites with nodes", rows)]
 
 
+def _allocation(results: Results) -> list[_Section]:
+    """Devices allocated and free devices the shapes seen cannot use, per model (time
+    averages, simulations.allocation); none for a results file without them."""
+    alloc = _map(results.get("allocation"))
+    by_model = _map(alloc.get("by_model"))
+    if not by_model:
+        return []
+    rows: list[tuple[str, ...]] = [
+        (
+            "all models",
+            f"{format_percent(_f(alloc, 'allocated_mean'))} allocated; "
+            f"{_number(_f(alloc, 'unusable_gpus_mean') or 0.0)} of "
+            f"{_number(_f(alloc, 'free_gpus_mean') or 0.0)} free GPUs unusable by the shapes "
+            f"seen ({format_percent(_f(alloc, 'unusable_fraction'))})",
+        )
+    ]
+    for model in sorted(by_model):
+        rows.append(
+            (
+                str(model),
+                f"{format_percent(_f(by_model, model, 'allocated_mean'))} allocated, "
+                f"{_number(_f(by_model, model, 'unusable_gpus_mean') or 0.0)} GPUs unusable",
+            )
+        )
+    return [_Section("Allocation and unusable accelerators (time averages)", rows)]
+
+
 def _sections(results: Results, top: int = TOP) -> list[_Section]:
     sections = [
         _Section("Scenario", _scenario_rows(results)),
         _Section("Jobs", _job_rows(results)),
         _Section("GPU utilization", _gpu_rows(results, top)),
         *_fragmentation(results, top),
+        *_allocation(results),
         *_tenancy(results),
         _footprint(results),
         *_data(results),

@@ -64,6 +64,13 @@ class _Fragmentation(Protocol):
     def results(self, site_ids: list[str]) -> dict[str, Any]: ...
 
 
+class _Allocation(Protocol):
+    """simulations.allocation.Allocation: allocated and unusable devices, any policy."""
+
+    def results(self) -> dict[str, Any]: ...
+    def series_results(self) -> dict[str, Any]: ...
+
+
 class Run(Protocol):
     """What `collect` reads of a finished simulation (simulations.engine.Simulation)."""
 
@@ -145,6 +152,8 @@ class Run(Protocol):
     def infer(self) -> _Inference | None: ...
     @property
     def fragmentation(self) -> _Fragmentation | None: ...  # None: no site declares nodes
+    @property
+    def allocation(self) -> _Allocation: ...
     @property
     def failure_log(self) -> Sequence[Mapping[str, Any]]: ...
     @property
@@ -280,9 +289,11 @@ def collect(sim: Run, wall_s: float) -> dict[str, Any]:
             "cpu_utilization": {site: sim.util_cpu[s] for s, site in enumerate(sites)},
             "site_up": {site: sim.up_series[s] for s, site in enumerate(sites)},
             **({"fragmentation": list(frag.series)} if frag is not None else {}),
+            **sim.allocation.series_results(),
         },
         "utilization": utilization,
         "fragmentation": frag.results(list(sites)) if frag is not None else None,
+        "allocation": sim.allocation.results(),
         "inference": sim.infer.results() if sim.infer is not None else None,
         "cost": {
             "total_usd": math.fsum(sim.cost_site),

@@ -163,3 +163,42 @@ def test_preempted_jobs_give_their_node_shares_back(tmp_path: Path) -> None:
     results = sim.run()
     assert results["tenancy"]["preemptions"] > 0
     node_books_balance(sim)
+
+
+@pytest.mark.parametrize("kind", ["fast-path", "fifo-first-fit"])
+@pytest.mark.parametrize("edits", [None, []])
+def test_allocation_and_unusable_devices_per_site_and_model_for_any_policy(
+    scenario: Callable[..., Scenario], kind: str, edits: list[Any] | None
+) -> None:
+    results = Simulation(scenario(policy={"kind": kind}, edits=edits)).run()
+    alloc = results["allocation"]
+    assert set(alloc["by_site"]) == {"a", "b"}
+    a = alloc["by_site"]["a"]["H100"]
+    assert a["devices"] == 64 and 0 < a["allocated_mean"] < 1
+    assert 0 <= a["unusable_gpus_mean"] <= a["free_gpus_mean"] + 1e-9
+    assert 0 < alloc["allocated_mean"] < 1 and 0 <= alloc["unusable_fraction"] <= 1
+    # the shapes seen: accelerator shapes only, their weights summing to 1
+    assert alloc["mix"] and all(row[0] > 0 for row in alloc["mix"])
+    assert sum(row[-1] for row in alloc["mix"]) == pytest.approx(1.0, abs=1e-4)
+    series = results["series"]
+    n = len(series["t_s"])
+    assert len(series["allocation_by_model"]["H100"]) == n
+    assert len(series["allocation_by_site"]["b"]["H100"]) == n
+    assert len(series["unusable_gpus_by_site"]["a"]["H100"]) == n
+    mean = sum(series["allocation_by_site"]["a"]["H100"]) / n
+    assert mean == pytest.approx(a["allocated_mean"])
+    text = summary_text(results, width=140)
+    assert "Allocation and unusable accelerators" in text
+
+
+def test_unusable_devices_count_what_the_shapes_seen_cannot_use(
+    scenario: Callable[..., Scenario],
+) -> None:
+    # nodes of 8 with only 8-GPU jobs arriving: a node with 1 to 7 free is unusable whole,
+    # and spreading leaves more such nodes than packing does
+    eights = {"workloads": [jobs(gpus={"choices": {8: 0.5, 1: 0.5}})]}
+    out = {}
+    for packing in ("pack", "spread"):
+        out[packing] = Simulation(scenario(policy={"node_packing": packing}, **eights)).run()
+    pack, spread = (out[p]["allocation"] for p in ("pack", "spread"))
+    assert spread["unusable_gpus_mean"] > pack["unusable_gpus_mean"]
