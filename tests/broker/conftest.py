@@ -91,6 +91,7 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
                     "model": model,
                     "count": spec.get("count", 16),
                     **({"partitions": spec["partitions"]} if "partitions" in spec else {}),
+                    **({"sharing": spec["sharing"]} if "sharing" in spec else {}),
                 }
             ],
             "cpu_cores": 256,

@@ -139,3 +139,51 @@ def test_time_slices_are_packed_onto_one_device_and_never_over_it(
                        command=["sh", "-c", show])  # fmt: skip
     fed.wait_state(whole["id"], "RUNNING")
     assert "devices=1 slices=\n" in log_of(fed, whole["id"], "devices=")
+
+
+def test_shares_of_a_sharing_pool_share_a_device_and_get_their_limits(
+    make_federation: Callable[..., Federation],
+) -> None:
+    # two A100-80GB in an MPS sharing pool: shares go on any device with the room, and each run
+    # is told its device and its limits through the confined executor's environment
+    west = {**SITES["west"], "count": 2, "sharing": "mps"}
+    fed = make_federation({"west": west})
+    show = (
+        'echo "devices=$CUDA_VISIBLE_DEVICES pct=$CUDA_MPS_ACTIVE_THREAD_PERCENTAGE '
+        'mem=$CUDA_MPS_PINNED_DEVICE_MEM_LIMIT share=$CPN_GPU_SHARE mode=$CPN_GPU_SHARING"; '
+        "sleep 60"
+    )
+    jobs = []
+    for i, part in enumerate((0.3, 0.6, 0.5)):
+        jobs.append(
+            fed.submit(name=f"s{i}", gpu={"model": "A100-80GB", "share": part}, cpu=1, mem_gb=4,
+                       command=["sh", "-c", show])
+        )  # fmt: skip
+        fed.wait_state(jobs[-1]["id"], "RUNNING")  # in turn: each placed on what is left
+    running = [fed.job(j["id"]) for j in jobs]
+    shares = [r["placement"]["share"] for r in running]
+    assert [s["share"] for s in shares] == [0.3, 0.6, 0.5]
+    # three shares on two devices, none over one: which goes where is the fragmentation-aware
+    # choice's (0.6 beside 0.3 would leave 0.1 that the 0.3 shape seen cannot use)
+    on: dict[int, float] = {}
+    for s in shares:
+        on[s["device"]] = on.get(s["device"], 0.0) + s["share"]
+    assert len(on) == 2 and max(on.values()) <= 1.0, shares
+    lines = [log_of(fed, r["id"], "devices=") for r in running]
+    devices = [line.split("devices=")[1].split()[0] for line in lines]
+    # the agent runs the shares the broker put on one device on one physical device
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        same = shares[a]["device"] == shares[b]["device"]
+        assert (devices[a] == devices[b]) == same, (shares, lines)
+    assert "pct=30 mem=0=24576M share=0.3 mode=mps" in lines[0], lines[0]
+    assert "pct=60 mem=0=49152M share=0.6 mode=mps" in lines[1], lines[1]
+    # both devices hold shares: a whole-device job waits, and says why
+    whole = fed.submit(name="whole", gpu={"model": "A100-80GB", "count": 1}, cpu=1, mem_gb=4,
+                       command=["true"])  # fmt: skip
+    record = fed.job(whole["id"])
+    deadline = time.monotonic() + 10
+    while not record.get("unschedulable") and time.monotonic() < deadline:
+        time.sleep(0.1)
+        record = fed.job(whole["id"])
+    assert record["state"] == "PENDING"
+    assert "not enough free GPUs" in record["unschedulable"], record["unschedulable"]
