@@ -77,6 +77,7 @@ class Static:
         "region",
         "region_index",
         "rtt",
+        "sharing",
         "sid_rank",
     )
 
@@ -107,6 +108,20 @@ class Static:
         # id of a user-region RTT mapping (Federation.rtt_from's, stable in a lineage) -> the
         # mapping (kept, so the id is not reused) and its column (nan: no figure)
         self.rtt: dict[int, tuple[Mapping[str, float], Floats]] = {}
+        # model -> the sites whose pool of it is a sharing pool (broker.placement.sharing),
+        # worked out when first asked: a lineage keeps every site's modes (offers'
+        # _chain_columns)
+        self.sharing: dict[str, Bools] = {}
+
+    def sharing_column(self, model: str, sites: Sequence[SiteOffer]) -> Bools:
+        known = self.sharing.get(model)
+        if known is None:
+            known = self.sharing[model] = np.fromiter(
+                ((sh := site.shared) is not None and model in sh.modes for site in sites),
+                dtype=np.bool_,
+                count=len(sites),
+            )
+        return known
 
     def rtt_column(self, rtts: Mapping[str, float]) -> Floats:
         known = self.rtt.get(id(rtts))

@@ -207,8 +207,7 @@ def screen(req: Request, fed: Federation, *, first: bool = False, cheapest: bool
     `feasible` without building them.
     """
     # a job with inputs is priced per site by where its data is: the loop (staging's terms)
-    # and a share of a device by the devices' room (the loop): neither is in the columns
-    vector_ok = req.stage is None and not req.best_effort and req.share is None
+    vector_ok = req.stage is None and not req.best_effort
     if vector_ok and not first and len(fed.sites) >= columns.VECTOR_MIN_SITES:
         static, dynamic = fed.columns()
         return vector.screen(req, fed.sites, static, dynamic, cheapest=cheapest)

@@ -306,6 +306,7 @@ class Federation:
                 or old.region != new.region
                 or old.prices != new.prices
                 or old.gpu_mem_gb != new.gpu_mem_gb
+                or _modes(old) != _modes(new)
             ):
                 return
         for pos in changed:
@@ -469,6 +470,11 @@ def breakdown_at(
         return _breakdown(compute, egress, latency)
     energy, carbon, kg = green.parts(duration_hours, count, model, cpu)
     return _breakdown(compute, egress, latency, energy, carbon, kg)
+
+
+def _modes(offer: SiteOffer) -> Mapping[str, str] | None:
+    """The site's sharing pools' modes (the columns' sharing_column), None without."""
+    return None if offer.shared is None else offer.shared.modes
 
 
 def release(

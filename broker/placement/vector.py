@@ -11,9 +11,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from broker.placement import request as fz
-from broker.placement.columns import Bools, Dynamic, Floats, Static
+from broker.placement.columns import Bools, Dynamic, Floats, Ints, Static
 from broker.placement.request import Request, Screen
 from broker.placement.site import SiteOffer
+from sites.model.catalog import SLICE_SEP
 
 
 def screen(
@@ -80,6 +81,7 @@ def screen(
         node_have = np.full(n, -1, dtype=np.int64)
         node_model = np.full(n, -1, dtype=np.int64)
         floor = req.min_mem_gb
+        share = req.share
         for name in names:
             m = static.model_index.get(name)
             if m is None:
@@ -89,6 +91,12 @@ def screen(
             acceptable = (have >= 0) & ~np.isnan(p)
             if floor is not None:
                 acceptable &= static.gpu_mem[m] >= floor
+            whole_model = share is not None and SLICE_SEP not in name
+            if whole_model:  # a share on a sharing pool's device: the loop's rules
+                pools = static.sharing_column(name, sites)
+                acceptable, have, p = _shared(
+                    req, sites, name, acceptable & pools, have, p, static.gpu_mem[m]
+                )
             offered |= acceptable
             enough = acceptable & (have >= need)
             better = enough & ((p < best_price) | ((p == best_price) & (have > best_have)))
@@ -97,6 +105,10 @@ def screen(
             model_at = np.where(better, m, model_at)
             if on_nodes is not None:
                 holds, unsure = cols.holds(m, req, on_nodes & enough)
+                if whole_model:
+                    # a share: a node with a whole device free holds it; else a partly used
+                    # device may, which node_choice answers site by site
+                    unsure = unsure | (on_nodes & enough & ~holds)
                 unknown |= unsure
                 here = enough & (holds | ~cols.has_nodes)
                 better = here & ((p < node_price) | ((p == node_price) & (have > node_have)))
@@ -170,8 +182,11 @@ def screen(
             for code in unique.tolist():
                 mi, r = divmod(int(code), n_regions)
                 model = static.models[mi - 1] if count and mi > 0 else None
+                devices: float = count
+                if req.share is not None and model is not None and SLICE_SEP not in model:
+                    devices = req.share  # a share of one device counts its part
                 over.append(
-                    headroom.over(count, model, req.cpu, req.mem_gb, regions[r]) is not None
+                    headroom.over(devices, model, req.cpu, req.mem_gb, regions[r]) is not None
                 )
             bad_pair = np.array(over, dtype=np.bool_)
             quota = np.zeros(n, dtype=np.bool_)
@@ -210,3 +225,28 @@ def screen(
         for i in at.tolist()
     ]
     return fz.Screen(options, failed, len(np.flatnonzero(alive)))
+
+
+def _shared(
+    req: Request,
+    sites: Sequence[SiteOffer],
+    name: str,
+    acceptable: Bools,
+    have: Ints,
+    price: Floats,
+    device_mem: Floats,
+) -> tuple[Bools, Ints, Floats]:
+    """A share request's (acceptable, free, price) columns for the whole model `name` at the
+    sharing pools (`acceptable` already says which), as feasibility.screen_loop works them
+    out: a device with the memory asked, free when a whole one is, or a partly used one has
+    the room (one question per site that has none whole), priced at the share of the device."""
+    share = req.share or 1.0
+    room = share * device_mem if req.share_mem_gb is None else np.full(len(sites), req.share_mem_gb)
+    acceptable = acceptable & (room <= device_mem + 1e-9)
+    whole = have >= 1
+    out = np.where(acceptable & whole, have, 0)
+    for i in np.flatnonzero(acceptable & ~whole).tolist():
+        shared = sites[i].shared
+        if shared is not None and shared.holds(name, share, float(room[i])):
+            out[i] = 1
+    return acceptable, out, price * share

@@ -34,6 +34,7 @@ from broker.placement.place import (
     charged,
     place,
 )
+from broker.placement.sharing import Shared
 from broker.placement.tenancy import BudgetLeft, Quotas
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import Prices
@@ -291,3 +292,53 @@ def test_a_successor_takes_the_ids_and_chains_the_columns_of_the_changed_offers_
     equal(repriced.columns()[1], repriced)
     with pytest.raises(PlacementError):
         after.successor(tuple(sites[:-1]), [], after.user_rtt_ms)
+
+
+@pytest.mark.parametrize("tenancy", [False, True])
+def test_columns_give_what_the_loop_gives_for_shares_of_a_device(tenancy: bool) -> None:
+    # sharing pools at about half the sites, some devices already holding shares (a site's
+    # whole free devices then fewer): share requests screened by the columns and by the loop
+    rng = random.Random(11)
+    fed = federation(150, rng)
+    offers = []
+    for offer in fed.sites:
+        if rng.random() < 0.5:
+            held = []
+            for model in offer.free_gpus:
+                for device in range(rng.randint(0, 3)):
+                    node = rng.choice(offer.nodes.nodes).name if offer.nodes else None
+                    held.append((node, model, device, rng.choice((0.3, 0.6, 0.9)), 20.0))
+            pools = Shared.of(dict.fromkeys(offer.free_gpus, "mps"), dict(offer.gpu_mem_gb), held)
+            offer = dataclasses.replace(offer, shared=pools)
+        offers.append(offer)
+    fed = Federation(sites=tuple(offers), user_rtt_ms=fed.user_rtt_ms)
+    usage = usage_of(tenancy)
+    groups = GroupState()
+    placed = 0
+    for i in range(120):
+        spec = job(i, rng, fed)
+        gpu: dict[str, Any] = (
+            {"model": rng.choice(tuple(MODELS))}
+            if rng.random() < 0.5
+            else {"models": rng.sample(tuple(MODELS), 2)}
+        )
+        gpu["share"] = rng.choice((0.05, 0.1, 0.25, 0.5, 0.75, 1.0))
+        if rng.random() < 0.3:
+            gpu["mem_gb"] = rng.choice((10.0, 40.0, 90.0))
+        spec = JobSpec.model_validate(
+            {**spec.model_dump(exclude_defaults=True), "gpu": gpu, "cpu": 2, "mem_gb": 8}
+        )
+        req = request(spec, fed, now=NOW, usage=usage, groups=groups)
+        static, dynamic = fed.columns()
+        for cheapest in (True, False):
+            same(
+                vector.screen(req, fed.sites, static, dynamic, cheapest=cheapest),
+                screen_loop(req, fed, cheapest=cheapest),
+            )
+        outcome = place(spec, fed, now=NOW, usage=usage, groups=groups)
+        if isinstance(outcome, Decision):
+            placed += 1
+            fed = apply(fed, outcome, spec)
+            usage = charged(usage, spec, outcome)
+            groups = groups.with_placed(spec.group, outcome.site)
+    assert placed > 20
