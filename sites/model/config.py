@@ -103,11 +103,43 @@ def check_spec(source: str, spec: SiteSpec, catalog: DeviceCatalog) -> list[Prob
                         )
                     )
     problems += _check_slurm(source, spec, catalog)
+    problems += _check_sharing(source, spec, catalog)
     seen: set[str] = set()
     for i, svc in enumerate(spec.services):
         if svc.name in seen:
             problems.append(Problem(source, f"services[{i}].name", f"{svc.name!r} listed twice"))
         seen.add(svc.name)
+    return problems
+
+
+def _check_sharing(source: str, spec: SiteSpec, catalog: DeviceCatalog) -> list[Problem]:
+    """A sharing pool (docs/gpu-sharing.md): MPS on NVIDIA devices only; none at a Slurm site,
+    whose scheduler shares GPUs by its own GRES (shard, mps) and would give a share's run a
+    whole device."""
+    problems = []
+    for i, pool in enumerate(spec.inventory.devices):
+        if pool.sharing is None:
+            continue
+        where = f"inventory.devices[{i}].sharing"
+        if spec.executor.kind == "slurm":
+            problems.append(
+                Problem(
+                    source,
+                    where,
+                    "a Slurm site shares GPUs by Slurm's own GRES (shard, mps); declare "
+                    "time slices under partitions instead",
+                )
+            )
+        elif pool.sharing == "mps" and pool.model in catalog.devices:
+            vendor = catalog.devices[pool.model].vendor
+            if vendor != "nvidia":
+                problems.append(
+                    Problem(
+                        source,
+                        where,
+                        f"MPS is NVIDIA's; {pool.model} is a {vendor} device: use time-slicing",
+                    )
+                )
     return problems
 
 

@@ -68,6 +68,7 @@ INVALID = [
     ("agent", {"refresh_s": 7200}, "agent.refresh_s"),
     ("labels", {"Bad Key": "x"}, "labels"),
     ("surprise", 1, "surprise"),
+    ("inventory.devices.0.sharing", "vgpu", "inventory.devices[0].sharing"),
 ]  # fmt: skip
 
 
@@ -160,3 +161,28 @@ def test_unreachable_etcd_is_one_line_exit_1() -> None:
     assert result.returncode == 1
     assert result.stderr.startswith("cpn: error: etcd at http://127.0.0.1:1 is unavailable")
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("model", "executor", "words"),
+    [
+        ("MI300X", {}, "MPS is NVIDIA's; MI300X is a amd device: use time-slicing"),
+        ("H100", {"kind": "slurm", "partition": "gpu"}, "a Slurm site shares GPUs by Slurm's"),
+    ],
+)
+def test_a_sharing_pool_the_site_cannot_run_is_named(
+    tmp_path: Path, catalog: DeviceCatalog, model: str, executor: dict[str, Any], words: str
+) -> None:
+    doc = site_doc("bad")
+    doc["inventory"]["devices"] = [{"model": model, "count": 8, "sharing": "mps"}]
+    doc["prices"]["usd_per_gpu_hour"] = {model: 2.0}
+    if executor:
+        doc["executor"] = executor
+    with pytest.raises(ConfigError) as info:
+        load_site(write(tmp_path, "bad.yaml", doc), catalog)
+    found = {p.field: p.reason for p in info.value.problems}
+    assert words in found["inventory.devices[0].sharing"], found
+    # time slicing is any vendor's, at a site with the local executor
+    doc["inventory"]["devices"][0]["sharing"] = "time-slicing"
+    doc.pop("executor", None)
+    assert load_site(write(tmp_path, "ok.yaml", doc), catalog).inventory.devices[0].sharing
