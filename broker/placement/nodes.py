@@ -7,8 +7,10 @@ island (NVLink domain, InfiniBand island). `NodesFree` is what a site's nodes ha
 filter broker.placement.feasibility runs, cheap: most sites answer from `most`); `choose` picks the
 nodes
 (best fit by default: the fullest nodes that still fit, so that whole nodes stay free for large
-jobs; `spread`: the emptiest, as Kubernetes' default LeastAllocated score does). The fast
-path, the batch pass's commit, the simulator and the agent's allocation read the same shapes.
+jobs; `spread`: the emptiest, as Kubernetes' default LeastAllocated score does; a one-node
+request with `pack` is placed by broker.placement.sharing.choose_node instead, fragmentation
+first). The fast path, the batch pass's commit, the simulator and the agent's allocation read
+the same shapes.
 
 Shapes: `per_node` devices on each of count / per_node nodes when the job says so; else one
 node when one node of the site has that many devices of the model, else whole nodes (the

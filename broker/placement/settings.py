@@ -304,7 +304,8 @@ class SchedulingSettings(BaseModel):
     node_packing: Literal["pack", "spread"] = Field(
         default="pack",
         description="at sites that declare their nodes: pack a job onto the fullest nodes "
-        "that hold it (whole nodes stay free for large jobs), or spread onto the emptiest",
+        "that hold it (whole nodes stay free for large jobs; a one-node job where the site's "
+        "expected fragmentation grows least, docs/gpu-sharing.md), or spread onto the emptiest",
     )
 
 
