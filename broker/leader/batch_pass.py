@@ -82,7 +82,8 @@ def batch_order(jobs: Sequence[batch.Pending], fair: Fairness) -> dict[str, int]
         out[job.id] = pos
         spec = job.spec
         model = spec.gpu.acceptable[0] if spec.gpu.count and spec.gpu.acceptable else None
-        fair.hold(spec.tenant, fair.quotas.demand(spec.gpu.count, model, spec.cpu, spec.mem_gb, ""))
+        devices = spec.gpu.share or spec.gpu.count  # a share of one device counts its part
+        fair.hold(spec.tenant, fair.quotas.demand(devices, model, spec.cpu, spec.mem_gb, ""))
     return out
 
 

@@ -27,6 +27,7 @@ from broker.placement.offers import Federation, TenantUsage
 from broker.placement.request import Offered
 from broker.placement.site import SiteOffer
 from broker.placement.tenancy import Headroom
+from sites.model.catalog import SLICE_SEP
 
 __all__ = [
     "TIER_HEAP_MIN",
@@ -79,7 +80,7 @@ def _order(job: JobSpec, fed: Federation) -> _Order:
     there (its cheapest acceptable model), then position. Prices and models never change within
     a snapshot lineage, so this is built once per request shape."""
     gpu = job.gpu
-    key = (gpu.count, gpu.acceptable, gpu.min_mem_gb, job.cpu, job.mem_gb)
+    key = (gpu.count, gpu.acceptable, gpu.min_mem_gb, gpu.share, job.cpu, job.mem_gb)
     order: _Order = fed.site_order(key, lambda: _build_order(job, fed))
     return order
 
@@ -96,7 +97,11 @@ def _build_order(job: JobSpec, fed: Federation) -> _Order:
             offered = offered_at[pos]
             if not offered:
                 continue  # the model filter would stop it: never feasible in this lineage
-            lowest = min(p for _, p in offered)
+            share = gpu.share
+            if share is None:
+                lowest = min(p for _, p in offered)
+            else:  # a share of a whole model's device costs its part of the device's rate
+                lowest = min(p if SLICE_SEP in name else p * share for name, p in offered)
         rates = site.prices
         base = pricing.hourly_usd(
             job.cpu, job.mem_gb, rates.usd_per_core_hour, rates.usd_per_gb_mem_hour

@@ -28,6 +28,7 @@ from broker.placement.place import (
     apply,
     charged,
     place,
+    price_floors,
 )
 from broker.state.view import _held
 from metering.ledger import EndReason, Run, close
@@ -309,3 +310,17 @@ def test_the_batch_pass_turns_a_plans_whole_device_into_the_share_asked() -> Non
     # a decision that is not for a share, or already one, is left as it is
     assert as_share(fed.sites[0], whole, planned) is planned
     assert as_share(after.sites[0], job, got) is got
+
+
+def test_a_shares_price_floor_is_its_part_of_the_device() -> None:
+    # the submit's budget check and preemption rank sites by a lower bound of the cost: a
+    # share's is its part of the device's rate, not the whole device's
+    fed = Federation(sites=(SiteOffer.from_spec(site(), CATALOG),))
+    job = share("a", 0.25)
+    floors = price_floors(job, fed)
+    whole = price_floors(
+        job_spec(name="w", cpu=2, mem_gb=8, gpu={"model": "H100", "count": 1}), fed
+    )
+    assert floors[0][0] == pytest.approx(whole[0][0] - 0.75 * 2.0)
+    decision, _ = placed(job, fed)
+    assert floors[0][0] * job.duration_hours <= decision.cost_usd + 1e-9
