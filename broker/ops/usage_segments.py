@@ -56,6 +56,8 @@ __all__ = [
     "run_of",
 ]
 
+_ENDED_ITSELF = (RunState.succeeded, RunState.failed)  # not stopped: the broker's end bills
+
 _FROM_REPORT = (
     EndReason.succeeded,
     EndReason.failed,
@@ -146,6 +148,15 @@ def closing_puts(
     if run is None:
         return {}
     end, ended_by = now, TimeSource.broker
+    if (
+        reason not in _FROM_REPORT
+        and report is not None
+        and report.state in _ENDED_ITSELF
+        and report.finished_at is not None
+    ):
+        # ended by the broker (a gang's restart, a lost site, a preemption) after the run had
+        # ended by itself, its report not yet taken in: billed to the end it reported
+        reason = ended_by_report(report)
     if reason in _FROM_REPORT and report is not None:
         end, ended_by = report.finished_at or report.updated_at, TimeSource.site
     elif reason is EndReason.site_lost:
@@ -186,12 +197,15 @@ async def amend_lost(
     history: PriceHistory | None,
     now: float,
 ) -> bool:
-    """A run closed `site_lost` at its site's last sign of life, whose end came in later
-    (`report`, terminal, from the agent that ran it once etcd answered it again): its segment
-    is closed again at the end the site reported, on the site's clock as before, so that the
-    run is billed what it ran rather than up to when its site was last seen. Only a segment
-    of this very run (its fence and its reported start) still under the segments (not rolled
-    up) is changed; written guarded on what was read. True when it was amended."""
+    """A run closed without its end, whose end came in later (`report`, terminal, from the
+    agent that ran it once etcd answered it again): its segment is closed again at the end the
+    site reported, on the site's clock, so that the run is billed what it ran. A run closed
+    `site_lost` at its site's last sign of life is billed its reported span either way; one
+    the broker took back (withdrawn, preempted) after it had ended by itself (succeeded,
+    failed) only when that is shorter (a run stopped in its grace is billed to the broker's
+    end). Only a segment of this very run (its fence; for a lost one its reported start)
+    still under the segments (not rolled up) is changed; written guarded on what was read.
+    True when it was amended."""
     if (
         not report.state.terminal
         or report.started_at is None
@@ -209,15 +223,23 @@ async def amend_lost(
             old = ledger.Segment.model_validate_json(got[0])
         except ValidationError:
             return False
-        if (
-            old.reason is not EndReason.site_lost
-            or old.clock is not TimeSource.site
-            or old.kind != "run"
-            or old.fence != report.fence
-            or old.site != report.site
-            or abs(old.start - report.started_at) > 1e-3
-            or abs(old.end - report.finished_at) < 1e-3
-        ):
+        ran = report.finished_at - report.started_at
+        if old.kind != "run" or old.fence != report.fence or old.site != report.site:
+            return False
+        if old.reason is EndReason.site_lost:
+            # closed at the site's last sign of life, on its clock: its own run's end, either way
+            if (
+                old.clock is not TimeSource.site
+                or abs(old.start - report.started_at) > 1e-3
+                or abs(old.end - report.finished_at) < 1e-3
+            ):
+                return False
+        elif old.reason in (EndReason.withdrawn, EndReason.preempted):
+            # taken back by the broker after it had ended by itself: billed shorter, never
+            # longer (a run stopped in its grace is billed to the broker's end)
+            if report.state not in _ENDED_ITSELF or ran >= old.seconds - 1e-3:
+                return False
+        else:
             return False
         # a share of one device is billed gpu_s = share x seconds (metering.ledger)
         part = old.gpu_s / old.seconds if old.gpus == 1 and old.seconds > 0 else 1.0

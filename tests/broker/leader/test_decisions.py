@@ -15,6 +15,7 @@ from broker.placement.staging import DataView
 from broker.plan.problem import Assignment as PlanAssignment
 from broker.plan.problem import PlanResult, PlanStatus
 from broker.state.view import View
+from metering.ledger import EndReason, Segment, TimeSource
 from sites.model import keys
 from sites.model.assignments import EXECUTOR_REFUSED, Assignment, Report, RunState
 from sites.model.capacity import normalize_inventory
@@ -311,6 +312,33 @@ def test_a_lost_member_requeues_its_whole_gang() -> None:
     assert action.kind is dc.ActionKind.migrate and action.job_ids == ("m1", "m2")
     assert all(w.record.state is JobState.PENDING for w in action.jobs)
     assert keys.assignment("b", "m2") in action.jobs[1].deletes  # its run is withdrawn
+
+
+def test_a_member_that_ended_before_its_gang_was_requeued_is_billed_to_its_end() -> None:
+    """Its peer failed: the gang is requeued (the peer's report, at site a, comes first in the
+    pass) while the member's own end (at b) waits in the view; the member is billed to the end
+    it reported, not to the requeue."""
+    m1, r1 = member("m1", 1)
+    m2, r2 = member("m2", 2)
+    ended = Report(
+        job="m1", site="b", attempt=1, fence=5, state=RunState.succeeded, exit_code=0,
+        started_at=NOW - 10, finished_at=NOW - 8, updated_at=NOW - 8,
+    )  # fmt: skip
+    failed = Report(
+        job="m2", site="a", attempt=1, fence=5, state=RunState.failed, exit_code=1,
+        started_at=NOW - 10, finished_at=NOW - 1, updated_at=NOW - 1,
+    )  # fmt: skip
+    v = view(
+        snapshot("a", "b"), (running(m1, "b"), r1), (running(m2, "a"), r2),
+        reports={("b", "m1"): (ended, 9), ("a", "m2"): (failed, 8)},
+    )  # fmt: skip
+    action = dc.decide(v, NOW, ctx()).actions[0]
+    assert action.kind is dc.ActionKind.requeue and set(action.job_ids) == {"m1", "m2"}
+    (write,) = [w for w in action.jobs if w.record.id == "m1"]
+    (raw,) = [v for k, v in write.puts.items() if k.startswith(keys.USAGE_SEGMENTS)]
+    segment = Segment.model_validate_json(raw)
+    assert segment.reason is EndReason.succeeded and segment.clock is TimeSource.site
+    assert segment.seconds == pytest.approx(2.0)
 
 
 def test_a_member_that_fails_for_good_fails_its_gang() -> None:

@@ -1,7 +1,8 @@
-"""A run closed `site_lost` at its site's last sign of life, whose end came in later from the
-agent that ran it (broker.ops.usage_segments.amend_lost, the chaos soak's last billing
-finding): its segment is closed again at the end the site reported, on a real etcd. Only that
-run's own segment changes: not another fence's, not one ended otherwise, not one rolled up."""
+"""A run closed without its end, whose end came in later from the agent that ran it
+(broker.ops.usage_segments.amend_lost, the chaos soak's last billing findings): closed
+`site_lost` at its site's last sign of life, or taken back by the broker after it had ended,
+its segment is closed again at the end the site reported, on a real etcd. Only that run's own
+segment changes: not another fence's, not one ended with its report, not one rolled up."""
 
 from __future__ import annotations
 
@@ -91,11 +92,31 @@ async def test_a_late_end_on_the_next_day_moves_the_segment_to_that_day(
     assert got is not None and got.end == pytest.approx(finished)
 
 
-async def test_only_the_runs_own_lost_segment_is_amended(registry: Registry) -> None:
+async def test_a_run_taken_back_after_it_ended_is_billed_shorter_never_longer(
+    registry: Registry,
+) -> None:
+    """Withdrawn by the broker (a gang's restart) after it had ended by itself, its end not
+    yet in: billed to that end. Stopped in its grace: the broker's end stands."""
     withdrawn = _closed(START + 3.0, EndReason.withdrawn)
     await _put(registry, withdrawn)
     assert not await _amend(registry, _report(START + 1.0, RunState.stopped))
     assert await _segment(registry, withdrawn.key) == withdrawn
+    assert not await _amend(registry, _report(START + 4.0))  # longer: the broker's end stands
+    assert await _amend(registry, _report(START + 1.0))
+    now = await _segment(registry, withdrawn.key)
+    assert now is not None and now.seconds == pytest.approx(1.0)
+    assert now.reason is EndReason.succeeded
+
+
+async def test_only_the_runs_own_lost_segment_is_amended(registry: Registry) -> None:
+    preempted = _closed(START + 3.0, EndReason.preempted)
+    await _put(registry, preempted)
+    assert not await _amend(registry, _report(START + 1.0, RunState.stopped))
+    assert await _segment(registry, preempted.key) == preempted
+    succeeded = _closed(START + 3.0, EndReason.succeeded)
+    await _put(registry, succeeded)
+    assert not await _amend(registry, _report(START + 1.0))  # ended with its report: as is
+    assert await _segment(registry, succeeded.key) == succeeded
 
     other_fence = _closed(START + 3.0, EndReason.site_lost, fence=8)
     await _put(registry, other_fence)
