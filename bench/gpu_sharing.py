@@ -526,17 +526,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             for problem in problems[:5]:
                 print(f"    {problem}")
-    print("\nmean over seeds (allocation %, fragmentation % of free GPUs, ms a placement):")
-    print(f"{'policy':<12} {'alloc@100':>9} {'alloc@130':>9} {'frag@100':>8} {'frag@130':>8} "
+    print(
+        "\nmean over seeds (allocation %, fragmentation in GPUs and % of the free GPUs, "
+        "ms a placement):"
+    )
+    print(f"{'policy':<12} {'alloc@100':>9} {'alloc@130':>9} {'frag@100':>13} {'frag@130':>13} "
           f"{'ms mean':>8} {'ms p99':>8} {'over':>5}")  # fmt: skip
     base = rows.get("best-fit")
     for name, found in rows.items():
         a100 = statistics.fmean(r["a100"] for r in found)
         a130 = statistics.fmean(r["a130"] for r in found)
+        g100 = statistics.fmean(r["g100"] for r in found)
+        g130 = statistics.fmean(r["g130"] for r in found)
         line = (
             f"{name:<12} {a100:9.2f} {a130:9.2f} "
-            f"{statistics.fmean(r['f100'] for r in found):8.2f} "
-            f"{statistics.fmean(r['f130'] for r in found):8.2f} "
+            f"{g100:5.0f} ({statistics.fmean(r['f100'] for r in found):4.1f}%) "
+            f"{g130:5.0f} ({statistics.fmean(r['f130'] for r in found):4.1f}%) "
             f"{statistics.fmean(r['mean_ms'] for r in found):8.3f} "
             f"{max(r['p99_ms'] for r in found):8.3f} {sum(int(r['over']) for r in found):5d}"
         )
