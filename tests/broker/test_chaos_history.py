@@ -89,6 +89,11 @@ def test_ledger_equals_runs_and_billed_time() -> None:
     assert not ch.billed_time(history, 0.5).broken
     history.segments[("j", 1)] = ("a", 103.0, 103.0, 0.0, "site")
     assert ch.billed_time(history, 0.5).broken == ["j attempt 1 at a: billed 0.00 s, ran 2.00 s"]
+    # its agent killed before it took the end in: billed to its last sign of life, less
+    history.kills.append(ch.Kill(target="agent:a", at=103.0))
+    assert not ch.billed_time(history, 0.5).broken
+    history.segments[("j", 1)] = ("a", 100.0, 104.0, 4.0, "site")  # never more than it ran
+    assert ch.billed_time(history, 0.5).broken == ["j attempt 1 at a: billed 4.00 s, ran 2.00 s"]
     # stopped before its first line: no stamp, but its agent launched it
     ch.record_launches(history, "... INFO sites.executors.local: job x attempt 1 started: pid 7")
     assert ch.ledger_equals_runs(history).broken == ["k attempt 1: ran, not billed"]
