@@ -548,6 +548,7 @@ class Simulation:
             cost_usd=decision.cost_usd,
             nodes=decision.nodes,
             stage_s=stage_s,
+            share=decision.share,
         )
         self.runs[j] = run
         self.on_site[s].add(j)
@@ -616,7 +617,7 @@ class Simulation:
         if self.valued:
             self.usage = self.usage.placed(
                 cls.tenant,
-                gpus=cls.gpus,
+                gpus=run.share.share if run.share is not None else cls.gpus,
                 model=run.model,
                 cpu=cls.cpu,
                 mem_gb=cls.mem,
@@ -635,6 +636,7 @@ class Simulation:
             cls.cpu,
             cls.mem,
             nodes=run.nodes,
+            share=run.share,
         )
 
     def end(self, j: int, run: JobRun) -> JobClass:

@@ -28,7 +28,7 @@ from broker.placement import request as rq
 from simulations.arrivals import Arrivals
 from simulations.tenancy import Gate
 from simulations.workloads import WorkloadError
-from sites.model.assignments import NodeShare
+from sites.model.assignments import DeviceShare, NodeShare
 
 __all__ = ["JobClass", "JobClasses", "JobRun", "job_like", "unique_rows"]
 
@@ -119,6 +119,7 @@ class JobRun:
     cost_usd: float = 0.0  # the placement's estimate (preemption weighs it)
     nodes: tuple[NodeShare, ...] = ()  # at a site that declares its nodes: its part of each
     stage_s: float = 0.0  # from `start`, its inputs arrive: its work begins then
+    share: DeviceShare | None = None  # a share of one device (broker.placement.sharing)
 
 
 def job_like(spec: JobSpec, name: str, duration_hours: float) -> JobSpec:

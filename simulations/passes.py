@@ -342,6 +342,7 @@ class TenancyPasses:
             cost_usd=run.cost_usd,
             hours=sim.hours[j],
             nodes=run.nodes,
+            share=run.share,
         )
 
     def started(self, item: int, spec: JobSpec, decision: pl.Decision) -> None:
