@@ -374,7 +374,8 @@ def screen_loop(
             pair = (model, region)
             bad = quota_seen.get(pair)
             if bad is None:
-                devices = share if share is not None and model in site.gpu_mem_gb else count
+                # a share of a whole model's device counts its part (a time slice: its own)
+                devices = share if share is not None and model and SLICE_SEP not in model else count
                 bad = quota_seen[pair] = headroom.over(devices, model, cpu, mem, region) is not None
             if bad:
                 failed[QUOTA].append(sid)

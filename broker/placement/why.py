@@ -23,6 +23,7 @@ import numpy as np
 from broker.model.jobs import JobSpec
 from broker.placement import place as pl
 from broker.placement.tenancy import SHARE_DIMENSIONS, BudgetLeft, FairShare, Quotas
+from sites.model.catalog import SLICE_SEP
 
 __all__ = ["DEFAULT_HALF_LIFE_S", "Fairness", "own_order", "why_pending"]
 
@@ -138,10 +139,10 @@ def quota_detail(
 ) -> str | None:
     """'quota: tenant a holds 6 gpus and may take 2 more (its quota 8, ...); the job needs 4'."""
     tenant = spec.tenant
-    if used.exceeds(tenant, spec.gpu.count):
+    if used.exceeds(tenant, spec.gpu.share or spec.gpu.count):
         held = used.gpus_by_tenant.get(tenant, 0)
         quota = used.quota_gpus.get(tenant, 0)
-        return f"quota: tenant {tenant} holds {held} of its {quota} GPUs"
+        return f"quota: tenant {tenant} holds {held:g} of its {quota} GPUs"
     headroom = used.headroom(tenant)
     tree = used.tree
     if headroom is None or tree is None or not sites:
@@ -153,13 +154,16 @@ def quota_detail(
         offered = fed.offered(spec.gpu.acceptable, spec.gpu.min_mem_gb)[fed.position(site.id)]
         models = [m for m, _ in offered] or [None]
     for model in models:
-        key = headroom.over(count, model, spec.cpu, spec.mem_gb, site.region)
+        # a share of a whole model's device counts its part (a time slice: its own)
+        share = spec.gpu.share
+        devices = share if share is not None and model and SLICE_SEP not in model else count
+        key = headroom.over(devices, model, spec.cpu, spec.mem_gb, site.region)
         if key is None:
             continue
         q = tree.quotas
         node = q.nodes[tenant]
         holds = tree.held.get(tenant, {}).get(key, 0.0)
-        need = q.demand(count, model, spec.cpu, spec.mem_gb, site.region).get(key, 0.0)
+        need = q.demand(devices, model, spec.cpu, spec.mem_gb, site.region).get(key, 0.0)
         more = max(0.0, headroom.available.get(key, 0.0))
         where = f"its quota {_num(node.nominal.get(key, 0.0))}"
         if node.parent is not None:

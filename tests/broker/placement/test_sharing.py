@@ -17,6 +17,7 @@ import pytest
 
 from broker.leader.batch_pass import as_share
 from broker.model.jobs import JobSpec
+from broker.model.tenants import TenancyFile
 from broker.placement.fragmentation import Learner, Mix, NodeState, frag
 from broker.placement.place import (
     Decision,
@@ -30,6 +31,7 @@ from broker.placement.place import (
     place,
     price_floors,
 )
+from broker.placement.tenancy import Quotas
 from broker.state.view import _held
 from metering.ledger import EndReason, Run, close
 from sites.agent.fit import DoesNotFit, allocate, declared_resources, share_env, sliced
@@ -324,3 +326,18 @@ def test_a_shares_price_floor_is_its_part_of_the_device() -> None:
     assert floors[0][0] == pytest.approx(whole[0][0] - 0.75 * 2.0)
     decision, _ = placed(job, fed)
     assert floors[0][0] * job.duration_hours <= decision.cost_usd + 1e-9
+
+
+def test_a_tenants_quota_over_cohorts_holds_shares_by_their_part() -> None:
+    quotas = Quotas(
+        TenancyFile.model_validate({"tenants": {"acme": {"quota": {"gpus": 1}}}}), CATALOG
+    )
+    fed = Federation(sites=(SiteOffer.from_spec(site(gpus=4), CATALOG),))
+    usage = TenantUsage(tree=quotas.empty())
+    for i in range(4):  # four quarters: one GPU, the quota
+        job = share(f"q{i}", 0.25)
+        out = place(job, fed, now=NOW, usage=usage, groups=GroupState())
+        assert isinstance(out, Decision), out
+        fed, usage = apply(fed, out, job), charged(usage, job, out)
+    fifth = place(share("q4", 0.25), fed, now=NOW, usage=usage, groups=GroupState())
+    assert isinstance(fifth, Unschedulable) and fifth.reasons == {"quota": ["west"]}
