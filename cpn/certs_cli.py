@@ -9,9 +9,13 @@ import argparse
 import datetime as dt
 import json
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from cpn.certs import DEFAULT_HOSTS, RENEW_WITHIN_DAYS, Pki
 from cpn.cli_base import CliParser, UsageError, etcd_arg, etcd_url, pki_of, registry_of
+
+if TYPE_CHECKING:
+    from cpn.rotation import Held
 
 __all__ = [
     "add_parsers",
@@ -157,7 +161,7 @@ async def cmd_certs_rotate(args: argparse.Namespace) -> int:
 
 
 async def cmd_certs_revoke(args: argparse.Namespace) -> int:
-    from cpn.rotation import held, revoke
+    from cpn.rotation import held, revoke, site_of
 
     pki = _held_pki(args)
     names = list(args.name)
@@ -171,14 +175,48 @@ async def cmd_certs_revoke(args: argparse.Namespace) -> int:
         names += [n for n in of_site if n not in names]
     if not names:
         raise UsageError("name the certificates to revoke (as `cpn certs ls` does) or --site")
-    for old, new in revoke(pki, names, reissue=args.reissue):
-        print(f"revoked {old.name} (serial {old.serial:x})")
-        if new is not None:
-            print(f"  issued {new.name} anew (serial {new.serial:x}, until {_day(new.not_after)})")
+    sites = {n: s for n in names if (s := site_of(pki, n)) is not None}
+    if not (args.reissue and args.publish and sites):
+        for old, new in revoke(pki, names, reissue=args.reissue):
+            _said(old, new)
+        print(f"CRL: {pki.crl_path}")
+        if args.publish:
+            await _publish(args, pki)
+        elif sites:
+            print(
+                "connections to etcd the revoked credentials have open stay until they close: "
+                "--reissue --publish gives each site a new etcd user and deletes the old one, "
+                "which cuts them at once"
+            )
+        return 0
+    # A site's credentials revoked and reissued, and etcd told: a new etcd user for each (the
+    # new certificate's CN), the old users deleted once the new certificates are written. etcd
+    # reads its CRL at a handshake only; a request's user it checks at each request, so what
+    # the revoked certificates hold open is refused from then on (docs/auth.md).
+    from sites.registry.admin import drop_site_users, replace_site_user
+
+    async with registry_of(args) as registry:
+        users: dict[str, str] = {}
+        replaced: list[str] = []
+        for name, site in sites.items():
+            user, old_users = await replace_site_user(registry, site)
+            users[name] = user
+            replaced += old_users
+        for old, new in revoke(pki, names, reissue=True, users=users):
+            _said(old, new)
+        await drop_site_users(registry, replaced)
+        for name, user in users.items():
+            print(f"  {name}: etcd user {user}")
+        print(f"deleted etcd users {', '.join(replaced) or '(none)'}: their connections end now")
     print(f"CRL: {pki.crl_path}")
-    if args.publish:
-        await _publish(args, pki)
+    await _publish(args, pki)
     return 0
+
+
+def _said(old: Held, new: Held | None) -> None:
+    print(f"revoked {old.name} (serial {old.serial:x})")
+    if new is not None:
+        print(f"  issued {new.name} anew (serial {new.serial:x}, until {_day(new.not_after)})")
 
 
 async def cmd_etcd_secure(args: argparse.Namespace) -> int:

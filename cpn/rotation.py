@@ -20,15 +20,20 @@ compromised key: the site gets a new one, the old one is refused).
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cryptography import x509
 
 from cpn.certs import Pki, PkiError, profile_of
 from sites.model.errors import ConfigError
-from sites.registry.security import EtcdCredentials, load_credentials, write_credentials
+from sites.registry.security import (
+    EtcdCredentials,
+    load_credentials,
+    site_user,
+    write_credentials,
+)
 
 __all__ = ["Held", "RotationReport", "due", "held", "renew", "revoke", "rotate"]
 
@@ -103,14 +108,21 @@ def due(certs: Sequence[Held], now: dt.datetime, within: dt.timedelta) -> list[H
     return [c for c in certs if c.state(now, set(), within) in ("due", "expired")]
 
 
-def renew(pki: Pki, old: Held) -> Held:
+def renew(pki: Pki, old: Held, *, user: str | None = None) -> Held:
     """A new certificate with the same names and usages as `old`, and a new key, written
-    where `old` was."""
-    cert_pem, key_pem = pki.sign(profile_of(old.cert))
+    where `old` was; `user`: a credential's certificate for another etcd user (its CN)."""
+    profile = profile_of(old.cert)
+    if user is not None:
+        if not old.in_credentials:
+            raise PkiError(f"{old.name}: not an etcd user's credentials")
+        profile = replace(profile, common_name=user)
+    cert_pem, key_pem = pki.sign(profile)
     if old.in_credentials:
         creds = _credentials(old.path)
-        updated = creds.model_copy(update={"cert": cert_pem.decode(), "key": key_pem.decode()})
-        write_credentials(old.path, updated)
+        update = {"cert": cert_pem.decode(), "key": key_pem.decode()}
+        if user is not None:
+            update["user"] = user
+        write_credentials(old.path, creds.model_copy(update=update))
     else:
         pki.write(old.name, cert_pem, key_pem)
     return Held(old.name, old.path, x509.load_pem_x509_certificate(cert_pem))
@@ -150,10 +162,15 @@ def rotate(
 
 
 def revoke(
-    pki: Pki, names: Sequence[str], *, reissue: bool = False
+    pki: Pki,
+    names: Sequence[str],
+    *,
+    reissue: bool = False,
+    users: Mapping[str, str] | None = None,
 ) -> list[tuple[Held, Held | None]]:
     """Add the certificates held under `names` to the CRL (PkiError naming an unknown one), and
-    with `reissue` give each a new certificate in its place; [(revoked, its successor)]."""
+    with `reissue` give each a new certificate in its place, for the etcd user `users` names
+    for it, if any (`site_of`); [(revoked, its successor)]."""
     by_name = {c.name: c for c in held(pki)}
     unknown = [n for n in names if n not in by_name]
     if unknown:
@@ -161,4 +178,17 @@ def revoke(
         raise PkiError(f"no certificate {unknown[0]!r} in {pki.directory} (there are: {known})")
     chosen = [by_name[n] for n in names]
     pki.write_crl([c.serial for c in chosen])
-    return [(c, renew(pki, c) if reissue else None) for c in chosen]
+    users = users or {}
+    return [(c, renew(pki, c, user=users.get(c.name)) if reissue else None) for c in chosen]
+
+
+def site_of(pki: Pki, name: str) -> str | None:
+    """The site whose etcd user `name` (`credentials/<site>`) is the credential of; None for
+    any other certificate."""
+    if not name.startswith(CREDENTIALS):
+        return None
+    site = name[len(CREDENTIALS) :]
+    path = pki.directory / f"{name}.yaml"
+    if not path.exists() or not _credentials(path).user.startswith(site_user(site)):
+        return None
+    return site

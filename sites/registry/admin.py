@@ -4,6 +4,7 @@ broker's and each site's user and role granted (docs/security.md).
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,16 +84,46 @@ async def bootstrap_auth(registry: Registry) -> bool:
     return True
 
 
+async def site_users(registry: Registry, site: str) -> list[str]:
+    """The etcd users of `site`: `site-<site>`, and those that replaced it when its client
+    certificate was revoked (`site-<site>.<random>`, `replace_site_user`); a site id has no
+    dot, so no other site's user is among them."""
+    reply = await registry.auth("UserList", rpc.AuthUserListRequest())
+    base = site_user(site)
+    return sorted(u for u in reply.users if u == base or u.startswith(base + "."))
+
+
 async def grant_site(registry: Registry, spec: SiteSpec) -> str:
-    """The site's own user and role, with `site_grants(spec)`; returns the user's name."""
-    user = site_user(spec.id)
-    await ensure_role(registry, user, site_grants(spec))
-    await ensure_user(registry, user, user)
+    """The site's own role, with `site_grants(spec)`, and its user (the one it has: a site
+    whose certificate was revoked keeps its replaced user); returns the user's name."""
+    role = site_user(spec.id)
+    await ensure_role(registry, role, site_grants(spec))
+    users = await site_users(registry, spec.id)
+    user = users[-1] if users else role
+    await ensure_user(registry, user, role)
     return user
 
 
+async def replace_site_user(registry: Registry, site: str) -> tuple[str, list[str]]:
+    """A new user for `site`, holding its role, for its reissued client certificate (a new
+    CN); (the new user, the users it replaces). Delete those (`drop_site_users`) once the new
+    certificate is in its credential file: etcd checks a request's user at each request, so the
+    connections the revoked certificate has open are refused from then on, where its CRL is
+    read at a handshake only."""
+    role = site_user(site)
+    old = await site_users(registry, site)
+    user = f"{role}.{secrets.token_hex(4)}"
+    await ensure_user(registry, user, role)
+    return user, old
+
+
+async def drop_site_users(registry: Registry, users: Sequence[str]) -> None:
+    for user in users:
+        await _quiet(registry, "UserDelete", rpc.AuthUserDeleteRequest(name=user), "not found")
+
+
 async def revoke_site(registry: Registry, site: str) -> None:
-    """Remove a site's user and role (`cpn site leave` once the site is gone)."""
-    user = site_user(site)
-    await _quiet(registry, "UserDelete", rpc.AuthUserDeleteRequest(name=user), "not found")
-    await _quiet(registry, "RoleDelete", rpc.AuthRoleDeleteRequest(role=user), "not found")
+    """Remove a site's users and role (`cpn site leave` once the site is gone)."""
+    await drop_site_users(registry, await site_users(registry, site))
+    role = site_user(site)
+    await _quiet(registry, "RoleDelete", rpc.AuthRoleDeleteRequest(role=role), "not found")

@@ -244,6 +244,53 @@ async def test_the_cli_joins_a_site_with_its_credentials_and_revokes_them_on_lea
             await gone.put_raw(keys.site_status("sec-cli"), b"{}")
 
 
+async def test_a_revoked_sites_open_connection_is_cut_at_once_and_its_new_one_works(
+    secure: SecureEtcd, root: Registry, spec_of: Callable[..., SiteSpec]
+) -> None:
+    """etcd reads its CRL at a handshake only: `cpn certs revoke --site --reissue --publish`
+    gives the site a new etcd user for its new certificate and deletes the old user, so what
+    the revoked certificate holds open (a thief's connection) is refused at its next request."""
+    spec = spec_of("sec-rev")
+    await root.join(spec)
+    await site_credentials(root, secure.pki, spec)
+    stolen = secure.registry(spec.id)  # the old certificate, held in memory
+    await stolen.connect()
+    try:
+        await stolen.put_raw(keys.site_status(spec.id), b"{}")  # its connection is open
+        revoked = run_cpn(
+            "certs", "revoke", "--site", spec.id, "--reissue", "--publish",
+            "--dir", str(secure.pki.directory),
+            "--etcd-credentials", str(secure.credentials(ROOT_USER)),
+        )  # fmt: skip
+        assert revoked.returncode == 0, revoked.stderr
+        assert "deleted etcd users site-sec-rev:" in revoked.stdout, revoked.stdout
+        with pytest.raises(RegistryError):  # the open connection: refused at once
+            await stolen.put_raw(keys.site_status(spec.id), b"{}")
+    finally:
+        await stolen.close()
+    user = load_credentials(secure.credentials(spec.id)).user
+    assert user.startswith("site-sec-rev.")
+    async with secure.registry(spec.id) as renewed:  # the reissued credentials: its own keys
+        await renewed.put_raw(keys.site_status(spec.id), b"{}")
+        with pytest.raises(PermissionDenied):
+            await renewed.put_raw(keys.site_status("sec-other"), b"{}")
+
+    async def users() -> list[str]:
+        reply = await root.auth("UserList", rpc.AuthUserListRequest())
+        return [u for u in reply.users if u.startswith("site-sec-rev")]
+
+    assert await users() == [user]
+    await root.join(spec)  # joined again (its services changed, say): the same, new user
+    assert await site_credentials(root, secure.pki, spec) == secure.credentials(spec.id)
+    assert await users() == [user]
+    assert load_credentials(secure.credentials(spec.id)).user == user
+    left = run_cpn(
+        "site", "leave", spec.id, "--etcd-credentials", str(secure.credentials(ROOT_USER))
+    )
+    assert left.returncode == 0, left.stderr
+    assert await users() == []
+
+
 async def test_an_agent_runs_on_its_sites_credentials(
     secure: SecureEtcd,
     root: Registry,
@@ -265,6 +312,23 @@ async def test_an_agent_runs_on_its_sites_credentials(
         return "sec-agent" in snap.statuses
 
     await wait_for(published, timeout=30, interval=0.2)
+
+    # its credentials revoked and reissued for a new etcd user: the agent goes on with the new
+    # ones (it reads its credential file again when it changes), its old user gone
+    revoked = run_cpn(
+        "certs", "revoke", "--site", "sec-agent", "--reissue", "--publish",
+        "--dir", str(secure.pki.directory),
+        "--etcd-credentials", str(secure.credentials(ROOT_USER)),
+    )  # fmt: skip
+    assert revoked.returncode == 0, revoked.stderr
+    after = (await root.get_raw(keys.site_last_seen("sec-agent")) or (b"", 0))[1]
+
+    async def publishing() -> bool:
+        got = await root.get_raw(keys.site_last_seen("sec-agent"))
+        return got is not None and got[1] > after
+
+    await wait_for(publishing, timeout=30, interval=0.2)
+    await wait_for(published, timeout=5, interval=0.2)
 
 
 def test_bad_credential_files_exit_2_with_one_line(secure: SecureEtcd, tmp_path: Path) -> None:
