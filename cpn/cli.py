@@ -25,6 +25,10 @@ from cpn.certs import PkiError
 from cpn.cli_base import CliParser, UsageError, broker_arg, etcd_arg
 from cpn.client import ApiError
 from cpn.config import ConfigFileError
+from cpn.sdk.connection import NoBroker
+from cpn.sdk.errors import ApiError as SdkApiError
+from cpn.sdk.errors import ConfigError as SdkConfigError
+from cpn.sdk.errors import CpnError, Invalid
 from sites.model.catalog import CatalogError
 from sites.model.errors import AgentConflict, ConfigError, NotJoined, RegistryError, SitesError
 
@@ -158,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 2 if 400 <= exc.status < 500 else 1
+    except CpnError as exc:  # the SDK's (cpn.sdk.errors), which the job commands use
+        print(f"cpn: error: {exc}", file=sys.stderr)
+        return sdk_exit_code(exc)
     except (
         UsageError,
         ConfigFileError,
@@ -179,6 +186,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def sdk_exit_code(exc: CpnError) -> int:
+    """2 for what the user can fix (a refused request, a bad value or config file), else 1
+    (an unreachable broker or a failing one, as cpn.client's errors; no broker configured at
+    all is 1 too, as it was before the job commands used the SDK)."""
+    if isinstance(exc, Invalid):
+        return 2
+    if isinstance(exc, SdkApiError):
+        return 2 if 400 <= exc.status < 500 else 1
+    if isinstance(exc, SdkConfigError) and not isinstance(exc, NoBroker):
+        return 2
+    return 1
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import ssl
 import sys
 from collections.abc import AsyncIterator
@@ -10,8 +9,8 @@ from typing import Any
 
 import aiohttp
 
-from cpn.config import ConfigFileError, load_contexts
-from cpn.state import read_up_state
+from cpn.config import ConfigFileError
+from cpn.sdk.connection import NoBroker, resolve
 
 
 class ApiError(Exception):
@@ -26,39 +25,20 @@ def broker_url(explicit: str | None) -> str:
 
 
 def connection(explicit: str | None) -> tuple[str, str | None]:
-    """(broker URL, token) as cpn.config describes: --broker, $CPN_BROKER, the config file's
-    current entry, the running `cpn up`; $CPN_TOKEN, else the token stored for that URL."""
-    current, contexts = load_contexts()  # ConfigFileError: the CLI exits 2
-    state = read_up_state()
-    url = explicit or os.environ.get("CPN_BROKER")
-    if not url and current in contexts:
-        url = contexts[current].url
-    if not url and state:
-        url = state.get("broker")
-    if not url:
-        raise ApiError(0, "no broker: pass --broker URL, set CPN_BROKER, or start `cpn up`")
-    url = url.rstrip("/")
-    token = os.environ.get("CPN_TOKEN") or None
-    if token is None:
-        token = next((c.token for c in contexts.values() if c.url == url and c.token), None)
-    if token is None and state and str(state.get("broker", "")).rstrip("/") == url:
-        token = state.get("token")
-    return url, token
+    """(broker URL, token) as cpn.config describes, found as the SDK finds them
+    (cpn.sdk.connection): --broker, $CPN_BROKER, the config file's current entry, the running
+    `cpn up`; $CPN_TOKEN, else the token stored for that URL."""
+    try:
+        found = resolve(explicit)
+    except NoBroker as exc:
+        raise ApiError(0, str(exc)) from None
+    return found.url, found.token
 
 
 def certificate_authority(url: str) -> str | None:
     """The CA file to trust for an https:// broker: $CPN_CA, else the config entry of that
     URL's `ca`, else the running `cpn up --secure`'s; None: the system's CAs."""
-    env = os.environ.get("CPN_CA")
-    if env:
-        return env
-    _, contexts = load_contexts()
-    ca = next((c.ca for c in contexts.values() if c.url == url and c.ca), None)
-    if ca is None:
-        state = read_up_state()
-        if state and str(state.get("broker", "")).rstrip("/") == url:
-            ca = state.get("ca")
-    return ca
+    return resolve(url).ca
 
 
 class BrokerClient:

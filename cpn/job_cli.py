@@ -1,6 +1,6 @@
 """`cpn submit`, `cpn jobs`, `cpn describe`, `cpn workflow list|describe|cancel|retry`,
 `cpn cancel|suspend|resume`, `cpn logs`: jobs and workflows (docs/workflows.md), through the
-broker's API (/v1/jobs, /v1/workflows).
+Python SDK (cpn.sdk, docs/sdk.md) over the broker's API (/v1/jobs, /v1/workflows).
 
 A job file that is not a YAML mapping exits 2 with one line (UsageError); the broker's
 refusal (HTTP 4xx) exits 2 with its message.
@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpn import render
 from cpn.cli_base import BrokerArg, CliParser, UsageError
-from cpn.client import ApiError, BrokerClient
+from cpn.sdk.errors import NotFound
 from sites.kits.clock import SystemClock
+
+if TYPE_CHECKING:
+    from cpn.sdk.client import AsyncClient
 
 __all__ = [
     "JOBS_PAGE",
@@ -44,17 +48,20 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     data = _load_job_file(args.file)  # a readable YAML mapping, or exit 2 with one line
     # sent as the YAML it is: the broker parses it (timestamps such as a deadline included)
     text = Path(args.file).read_text()
-    workflow = "steps" in data  # a workflow file: a DAG of steps (docs/workflows.md)
-    async with BrokerClient.to(args.broker) as client:
-        path = "/v1/workflows" if workflow else "/v1/jobs"
-        record = await client.call("POST", path, yaml=text)
+    async with _client(args) as client:
+        if "steps" in data:  # a workflow file: a DAG of steps (docs/workflows.md)
+            workflow = await client.workflows.submit(text)
+            if args.output == "json":
+                print(json.dumps(workflow.model_dump(mode="json"), indent=2))
+            else:
+                steps = ", ".join(f"{s.name}={s.job}" for s in workflow.steps)
+                print(f"workflow {workflow.id} submitted ({workflow.state.value}): {steps}")
+            return 0
+        record = await client.jobs.submit(text)
     if args.output == "json":
-        print(json.dumps(record, indent=2))
-    elif workflow:
-        steps = ", ".join(f"{s['name']}={s['job']}" for s in record["steps"])
-        print(f"workflow {record['id']} submitted ({record['state']}): {steps}")
+        print(json.dumps(record.model_dump(mode="json"), indent=2))
     else:
-        print(f"job {record['id']} submitted ({record['state']})")
+        print(f"job {record.id} submitted ({record.state.value})")
     return 0
 
 
@@ -63,10 +70,6 @@ JOBS_PAGE = 500
 
 async def cmd_jobs(args: argparse.Namespace) -> int:
     """Page through GET /v1/jobs, newest first, printing each page as it comes."""
-    filters = (("tenant", args.tenant), ("state", args.state), ("site", args.site))
-    params = {k: v for k, v in (*filters, ("since", args.since)) if v}
-    if args.all:
-        params["include"] = "archived"
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be at least 1")
     table = render.PagedTable(render.JOB_HEADERS)
@@ -74,8 +77,18 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
     shown = 0
     if args.output == "json":
         print("[")
-    async with BrokerClient.to(args.broker) as client:
-        async for items in client.pages("/v1/jobs", params, limit=args.limit, page=JOBS_PAGE):
+    async with _client(args) as client:
+        pages = client.jobs.pages(
+            tenant=args.tenant or None,
+            state=args.state or None,
+            site=args.site or None,
+            since=args.since or None,
+            include_archived=args.all,
+            limit=args.limit,
+            page_size=JOBS_PAGE,
+        )
+        async for records in pages:
+            items = [record.model_dump(mode="json") for record in records]
             for i, item in enumerate(items):
                 if args.output == "json":
                     sep = "," if shown + i > 0 else ""
@@ -95,18 +108,14 @@ async def cmd_jobs(args: argparse.Namespace) -> int:
 
 async def cmd_describe(args: argparse.Namespace) -> int:
     """A job, or else a workflow of that id (its DAG and each step's state)."""
-    async with BrokerClient.to(args.broker) as client:
+    async with _client(args) as client:
         try:
-            record = await client.call("GET", f"/v1/jobs/{args.job}")
-        except ApiError as exc:
-            if exc.status != 404:
-                raise
+            record = (await client.jobs.get(args.job)).model_dump(mode="json")
+        except NotFound:
             try:
-                record = await client.call("GET", f"/v1/workflows/{args.job}")
-            except ApiError as missing:
-                if missing.status != 404:
-                    raise
-                raise ApiError(404, f"no job or workflow {args.job!r}") from None
+                record = (await client.workflows.get(args.job)).model_dump(mode="json")
+            except NotFound:
+                raise NotFound(404, f"no job or workflow {args.job!r}", code="not_found") from None
     if args.output == "json":
         print(json.dumps(record, indent=2))
     elif "steps" in record:
@@ -118,20 +127,23 @@ async def cmd_describe(args: argparse.Namespace) -> int:
 
 async def cmd_workflow(args: argparse.Namespace) -> int:
     """cpn workflow list | describe | cancel | retry (docs/workflows.md)."""
-    params = {"step": args.step} if getattr(args, "step", None) else {}
-    async with BrokerClient.to(args.broker) as client:
+    step = getattr(args, "step", None) or None
+    async with _client(args) as client:
+        workflows = client.workflows
         if args.workflow_command == "list":
-            answer = await client.call("GET", "/v1/workflows", **params)
+            items = await workflows.list()
             if args.output == "json":
-                print(json.dumps(answer["items"], indent=2))
-            for item in answer["items"] if args.output != "json" else ():
-                print(f"{item['id']}  tenant {item['tenant']}  {item['steps']} steps")
+                print(json.dumps([item.model_dump(mode="json") for item in items], indent=2))
+            for item in items if args.output != "json" else ():
+                print(f"{item.id}  tenant {item.tenant}  {item.steps} steps")
             return 0
         if args.workflow_command == "describe":
-            record = await client.call("GET", f"/v1/workflows/{args.workflow}")
+            workflow = await workflows.get(args.workflow)
+        elif args.workflow_command == "cancel":
+            workflow = await workflows.cancel(args.workflow, step=step)
         else:
-            path = f"/v1/workflows/{args.workflow}/{args.workflow_command}"
-            record = await client.call("POST", path, **params)
+            workflow = await workflows.retry(args.workflow, step=step)
+    record = workflow.model_dump(mode="json")
     if args.output == "json":
         print(json.dumps(record, indent=2))
     else:
@@ -140,17 +152,29 @@ async def cmd_workflow(args: argparse.Namespace) -> int:
 
 
 async def cmd_job_action(args: argparse.Namespace) -> int:
-    async with BrokerClient.to(args.broker) as client:
-        record = await client.call("POST", f"/v1/jobs/{args.job}/{args.action}")
-    print(f"job {record['id']} {record['state']}")
+    async with _client(args) as client:
+        jobs = client.jobs
+        act = {"cancel": jobs.cancel, "suspend": jobs.suspend, "resume": jobs.resume}[args.action]
+        record = await act(args.job)
+    print(f"job {record.id} {record.state.value}")
     return 0
 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
-    params = {"follow": "1"} if args.follow else {}
-    async with BrokerClient.to(args.broker) as client:
-        await client.stream(f"/v1/jobs/{args.job}/logs", **params)
+    async with _client(args) as client:
+        async for text in client.jobs.stream_logs(args.job, follow=args.follow):
+            sys.stdout.write(text)
+            sys.stdout.flush()
     return 0
+
+
+def _client(args: argparse.Namespace) -> AsyncClient:
+    """The SDK's client of --broker (else what cpn.config finds); a command's calls are not
+    bounded in time (a page of a long history, a submit behind a busy registry). Imported
+    here: `cpn --help` builds this module's parsers without the SDK's models."""
+    from cpn.sdk.client import AsyncClient
+
+    return AsyncClient(args.broker, timeout_s=None)
 
 
 def add_parsers(add: Callable[..., argparse.ArgumentParser], broker_arg: BrokerArg) -> None:

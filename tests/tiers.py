@@ -114,6 +114,7 @@ FEDERATION_FILES = frozenset(
         "tests/broker/test_services_replicas_e2e.py",
         "tests/broker/test_workflows_e2e.py",
         "tests/cpn/test_load.py",
+        "tests/cpn/test_sdk_e2e.py",
         "tests/cpn/test_up.py",
         "tests/metering/test_ledger_e2e.py",
         "tests/metering/test_prometheus.py",
