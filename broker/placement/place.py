@@ -29,6 +29,10 @@ Among feasible (site, model) the lowest cost wins; ties go to more free devices 
 A gang member is not placed alone (`place` answers "gang"); `place_gang` places all members
 or none, greedily, taking capacity, quota and group state as it goes.
 
+A share of one device (gpu.share) takes its device by broker.placement.device_choice. Over
+600 lines: the answers, placing one job and a gang, and the waits for a data holder share the
+request's terms and reasons, and are read together.
+
 Errors: `PlacementError` (BrokerError, ValueError) when `apply` is given a decision the snapshot
 cannot honour (stale: unknown site, capacity gone) or a snapshot has duplicate site ids;
 `InvalidRequest` (field "gang") for a malformed gang.
@@ -46,8 +50,8 @@ from broker.model.errors import InvalidRequest
 from broker.model.frozen import maker
 from broker.model.jobs import JobSpec, Placement
 from broker.model.jobs import RunnerUp as JobRunnerUp
+from broker.placement.device_choice import scorer_of, share_at, share_nodes
 from broker.placement.feasibility import reason, request, screen
-from broker.placement.fragmentation import NO_MIX, Scorer
 from broker.placement.nodes import Chosen
 from broker.placement.offers import (
     Federation,
@@ -61,7 +65,7 @@ from broker.placement.offers import (
 from broker.placement.price_index import cheapest, compute_only, indexable, price_floors
 from broker.placement.pricing import Breakdown
 from broker.placement.request import FILTERS
-from broker.placement.sharing import choose_node, choose_share, share_mem_gb
+from broker.placement.sharing import choose_node
 from broker.placement.site import SiteOffer, Spare
 from sites.model.assignments import DeviceShare, NodeShare
 
@@ -616,42 +620,6 @@ def nodes_at(
     if chosen is None:
         return None
     return chosen.shares, chosen.island, "; " + chosen.describe(model)
-
-
-def scorer_of(site: SiteOffer) -> Scorer:
-    """The site's node scores against the shapes it holds (broker.placement.fragmentation)."""
-    return (site.mix or NO_MIX).scorer()
-
-
-def share_at(job: JobSpec, site: SiteOffer, model: str | None) -> DeviceShare | None:
-    """The device for a job's share of one at `site` (broker.placement.sharing): None when
-    the job asks no share or `model` is not a sharing pool's (a time slice cut in the site
-    file); PlacementError when no device has the room (a caller's stale snapshot)."""
-    gpu = job.gpu
-    shared = site.shared
-    if gpu.share is None or model is None or shared is None or model not in shared.modes:
-        return None
-    scorer = scorer_of(site)
-    mem = share_mem_gb(gpu.share, gpu.mem_gb, site.gpu_mem_gb.get(model, 0.0))
-    found = choose_share(
-        shared, site.nodes, site.free_gpus.get(model, 0), site.free_cpu, site.free_mem_gb,
-        model, gpu.share, mem, job.cpu, job.mem_gb, scorer,
-    )  # fmt: skip
-    if found is None:
-        raise PlacementError(f"{site.id}: no {model} device has room for {job.name}'s share")
-    return found
-
-
-def share_nodes(
-    job: JobSpec, device: DeviceShare, model: str | None
-) -> tuple[tuple[NodeShare, ...], str | None, str]:
-    """A share's node part (its cores and memory; its device is in the share) and words."""
-    what = f"; {device.share:g} of {model} device {device.device} ({device.mode}"
-    what += f", {device.mem_gb:g} GB)"
-    if device.node is None:
-        return (), None, what
-    node = NodeShare(node=device.node, gpus=0, cpu=job.cpu, mem_gb=job.mem_gb)
-    return (node,), None, f"{what} on node {device.node}"
 
 
 def _nodes_for(
