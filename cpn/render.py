@@ -319,6 +319,12 @@ def describe_job(r: dict[str, Any]) -> str:
         what = (
             f"{placement['gpus']} x {placement['model']}" if placement.get("model") else "CPU only"
         )
+        share = placement.get("share")
+        if share:  # a share of one device of a sharing pool (docs/gpu-sharing.md)
+            what = (
+                f"{share['share']:g} of {placement['model']} device {share['device']} "
+                f"({share['mode']}, {share['mem_gb']:g} GB)"
+            )
         lines.append(
             f"Site:        {placement['site']} ({placement['region']}), {what}, "
             f"est. {placement['cost_usd']:.2f} USD"

@@ -97,6 +97,20 @@ def test_describe_shows_the_placements_nodes_and_island() -> None:
     assert "Nodes:" not in render.describe_job({**record, "placement": {**placement, "nodes": []}})
 
 
+def test_describe_shows_a_share_of_a_device() -> None:
+    placement = {
+        "site": "hpc", "region": "r1", "model": "H100", "gpus": 1, "cost_usd": 0.6,
+        "reason": "cheapest of 1 feasible site", "nodes": [],
+        "share": {"device": 2, "node": None, "share": 0.3, "mem_gb": 24.0, "mode": "mps"},
+    }  # fmt: skip
+    record = {
+        "id": "nb-1", "state": "RUNNING", "attempt": 1, "retries": 0, "placement": placement,
+        "spec": {"tenant": "t1", "priority": 100, "max_retries": 3, "command": ["nb"]},
+    }  # fmt: skip
+    line = next(x for x in render.describe_job(record).splitlines() if x.startswith("Site:"))
+    assert line == "Site:        hpc (r1), 0.3 of H100 device 2 (mps, 24 GB), est. 0.60 USD"
+
+
 def test_placement_nodes_in_words() -> None:
     cpu_only = {"model": None, "nodes": [{"node": "c", "gpus": 0, "cpu": 16, "mem_gb": 64.0}]}
     assert render.placement_nodes(cpu_only) == "c (16 cores)"
