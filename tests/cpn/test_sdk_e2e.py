@@ -73,6 +73,14 @@ def test_the_blocking_client_submits_waits_reads_lists_and_cancels(
         assert [r.id for r in page.items] == [long.id] and page.continue_
         rest = client.jobs.page(limit=1, continue_=page.continue_)
         assert [r.id for r in rest.items] == [first.id] and rest.continue_ is None
+        assert {r.id for r in client.jobs.list(since="1h")} == {first.id, long.id}
+
+        # the broker's own model as the spec: only the fields set are sent
+        spec = cpn.JobSpec(name="sdk-model", tenant="t1", cpu=1, command="echo from-model")
+        modelled = client.jobs.wait(client.jobs.submit(spec).id, timeout=60, poll_s=0.2)
+        assert modelled.state is cpn.JobState.SUCCEEDED and modelled.spec == spec
+        assert "from-model" in client.jobs.logs(modelled.id)
+        assert list(client.services.list()) == []
 
         # the broker's refusals, each its class, naming its field
         with pytest.raises(cpn.NotFound) as missing:
