@@ -1,5 +1,6 @@
 """`cpn services`, `cpn service apply FILE`, `cpn service describe|delete NAME`: managed
-inference services (docs/services.md), through /v1/services.
+inference services (docs/services.md), through the Python SDK (cpn.sdk, docs/sdk.md) over
+/v1/services.
 
 A file that is not a YAML mapping with a `name` exits 2 with one line; the broker's refusal of
 a field (HTTP 4xx) exits 2 with its message and the field it names.
@@ -12,14 +13,14 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cpn.client import BrokerClient
 from sites.model.config import read_yaml
 
-__all__ = ["add_parsers", "describe_service"]
+if TYPE_CHECKING:
+    from cpn.sdk.client import AsyncClient
 
-PAGE = 500
+__all__ = ["add_parsers", "describe_service"]
 
 
 class ServiceFileError(ValueError):
@@ -37,10 +38,10 @@ def _name_of(path: str) -> str:
 
 
 async def cmd_apply(args: argparse.Namespace) -> int:
-    name = _name_of(args.file)
+    _name_of(args.file)  # a mapping with a name, or exit 2 naming the file
     text = Path(args.file).read_text()
-    async with BrokerClient.to(args.broker) as client:
-        view = await client.call("PUT", f"/v1/services/{name}", yaml=text)
+    async with _client(args) as client:
+        view = (await client.services.apply(text)).model_dump(mode="json")
     if args.output == "json":
         print(json.dumps(view, indent=2))
     else:
@@ -49,17 +50,9 @@ async def cmd_apply(args: argparse.Namespace) -> int:
 
 
 async def cmd_list(args: argparse.Namespace) -> int:
-    params = {"limit": str(PAGE)}
-    if args.tenant:
-        params["tenant"] = args.tenant
-    items: list[dict[str, Any]] = []
-    async with BrokerClient.to(args.broker) as client:
-        while True:
-            page = await client.call("GET", "/v1/services", **params)
-            items += page["items"]
-            if not page.get("continue"):
-                break
-            params["continue"] = page["continue"]
+    async with _client(args) as client:
+        listed = client.services.list(tenant=args.tenant or None)
+        items = [s.model_dump(mode="json") async for s in listed]
     if args.output == "json":
         print(json.dumps(items, indent=2))
         return 0
@@ -118,21 +111,29 @@ def describe_service(view: dict[str, Any], now: float | None = None) -> str:
 
 
 async def cmd_describe(args: argparse.Namespace) -> int:
-    async with BrokerClient.to(args.broker) as client:
-        view = await client.call("GET", f"/v1/services/{args.name}")
+    async with _client(args) as client:
+        view = (await client.services.get(args.name)).model_dump(mode="json")
     print(json.dumps(view, indent=2) if args.output == "json" else describe_service(view))
     return 0
 
 
 async def cmd_delete(args: argparse.Namespace) -> int:
-    async with BrokerClient.to(args.broker) as client:
-        view = await client.call("DELETE", f"/v1/services/{args.name}")
+    async with _client(args) as client:
+        view = (await client.services.delete(args.name)).model_dump(mode="json")
     if args.output == "json":
         print(json.dumps(view, indent=2))
     else:
         live = sum(r["state"] != "draining" for r in view["replicas"])
         print(f"service {view['name']} deleted: its {live} replica(s) drain and stop")
     return 0
+
+
+def _client(args: argparse.Namespace) -> AsyncClient:
+    """The SDK's client of --broker (else what cpn.config finds), imported when a command
+    runs, not when `cpn --help` builds the parsers."""
+    from cpn.sdk.client import AsyncClient
+
+    return AsyncClient(args.broker, timeout_s=None)
 
 
 def add_parsers(

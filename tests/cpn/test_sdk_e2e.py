@@ -8,6 +8,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
+import yaml
 
 import cpn
 from tests.broker.conftest import SITES, Federation, make_federation
@@ -165,3 +166,43 @@ async def test_the_async_client_follows_logs_suspends_resumes_and_runs_workflows
             pending = await client.jobs.submit({**job("sdk-huge", "true"), "cpu": 100_000})
             await client.jobs.logs(pending.id)
         assert no_logs.value.code == "no_logs"
+
+
+def test_services_are_applied_read_listed_and_deleted(
+    make_federation: Callable[..., Federation],
+) -> None:
+    fed = make_federation(ONE_SITE, agents=False)  # replicas stay pending: no site is up
+    doc = {
+        "name": "chat",
+        "tenant": "t1",
+        "model": "standin-7b",
+        "command": ["sh", "-c", "sleep 300"],
+        "cpu": 1,
+        "slo": {"p95_ms": 2000},
+        "scaling": {"target_qps_per_replica": 5},
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "clients": ["user-east"],
+    }
+    with cpn.Client(fed.broker_url) as client:
+        applied = client.services.apply(doc)
+        assert (applied.name, applied.generation, applied.spec.max_replicas) == ("chat", 1, 2)
+        assert client.services.apply(doc).generation == 1  # unchanged: no new generation
+        # its file's text; the bounds are not the replicas' template: the same generation
+        text = yaml.safe_dump({**doc, "max_replicas": 3})
+        bigger = client.services.apply(text)
+        assert (bigger.generation, bigger.spec.max_replicas) == (1, 3)
+        assert [(s.name, s.tenant, s.max_replicas) for s in client.services.list()] == [
+            ("chat", "t1", 3)
+        ]
+        got = client.services.get("chat")
+        assert got.tenant == "t1" and all(r.state == "pending" for r in got.replicas)
+        with pytest.raises(cpn.Invalid) as bad:
+            client.services.apply({**doc, "min_replicas": 3, "max_replicas": 2})
+        assert (bad.value.status, bad.value.field) == (400, "max_replicas")
+        with pytest.raises(cpn.Conflict) as taken:
+            client.services.apply({**doc, "tenant": "t2"})
+        assert (taken.value.status, taken.value.field) == (409, "name")
+        assert client.services.delete("chat").deleting
+        with pytest.raises(cpn.NotFound):
+            client.services.get("nope")
