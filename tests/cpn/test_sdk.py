@@ -245,3 +245,46 @@ def test_job_states_read_names_in_any_case_and_comma_separated() -> None:
         job_states([], "states")
     assert none.value.field == "states"
     assert json.dumps(sorted(got)) == '["PENDING", "RUNNING"]'
+
+
+# -- the CLI's job commands over the SDK: exit codes as before ------------------------------
+
+
+def test_the_job_commands_exit_as_they_did(
+    no_config: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cpn import cli
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    # refused before sending: exit 2, one line naming the option's field
+    assert cli.main(["jobs", "--state", "sleeping", "--broker", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cpn: error: unknown job state")
+    assert err.rstrip().endswith("(field: state)")
+    # an unreachable broker: 1, as every command
+    assert cli.main(["describe", "j-1", "--broker", url]) == 1
+    assert f"broker at {url} is unreachable" in capsys.readouterr().err
+    # no broker anywhere: 1, as before the SDK; a URL that is not one: 2
+    assert cli.main(["logs", "j-1"]) == 1
+    assert capsys.readouterr().err.startswith("cpn: error: no broker: pass --broker URL")
+    assert cli.main(["cancel", "j-1", "--broker", "127.0.0.1:8080"]) == 2
+    assert "expected http:// or https://" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (errors.Invalid(0, "bad", "limit"), 2),
+        (errors.NotFound(404, "no job"), 2),
+        (errors.Conflict(409, "finished"), 2),
+        (errors.ServerError(503, "registry down"), 1),
+        (errors.TransportError("unreachable"), 1),
+        (errors.ConfigError("config.yaml: readable by others"), 2),
+        (NoBroker("no broker"), 1),
+        (errors.WaitTimeout("late"), 1),
+    ],
+)
+def test_each_sdk_error_has_the_clis_exit_code(exc: errors.CpnError, code: int) -> None:
+    from cpn import cli
+
+    assert cli.sdk_exit_code(exc) == code
