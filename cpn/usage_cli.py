@@ -1,5 +1,6 @@
 """`cpn usage [chargeback]`, `cpn alerts [rules]`: what the federation used, cost and emitted
-(GET /v1/usage; a month's chargeback CSV and PNG by metering.chargeback; docs/metering.md),
+(GET /v1/usage, through the SDK: docs/sdk.md; a month's chargeback CSV and PNG by
+metering.chargeback; docs/metering.md),
 and the alerts firing and resolved lately (GET /v1/alerts; the rules as a Prometheus file;
 docs/alerts.md).
 """
@@ -26,19 +27,25 @@ async def cmd_usage(args: argparse.Namespace) -> int:
     chargeback CSV and PNG (metering.chargeback)."""
     from metering import chargeback
 
-    params = {k: v for k, v in (("tenant", args.tenant), ("site", args.site)) if v}
+    window = {"from": getattr(args, "from_", None), "to": getattr(args, "to", None)}
+    by = getattr(args, "by", None) or "tenant"
     if args.usage_command == "chargeback":
         if args.month is None:
             raise UsageError("cpn usage chargeback needs --month YYYY-MM")
         first, last = chargeback.month_range(args.month)
-        params.update({"from": first.isoformat(), "to": last.isoformat()})
-        params["by"] = chargeback.CHARGEBACK_BY
-    else:
-        params.update({k: v for k, v in (("from", args.from_), ("to", args.to)) if v})
-        if args.by:
-            params["by"] = args.by
-    async with BrokerClient.to(args.broker) as client:
-        report = await client.call("GET", "/v1/usage", **params)
+        window = {"from": first.isoformat(), "to": last.isoformat()}
+        by = chargeback.CHARGEBACK_BY
+    from cpn.sdk.client import AsyncClient  # here: `cpn --help` does without the SDK's models
+
+    async with AsyncClient(args.broker, timeout_s=None) as client:
+        answer = await client.usage.get(
+            tenant=args.tenant or None,
+            site=args.site or None,
+            from_=window["from"] or None,
+            to=window["to"] or None,
+            by=by,
+        )
+    report = answer.model_dump(mode="json", by_alias=True)
     if args.usage_command == "chargeback":
         for path in chargeback.chargeback(report, args.month, Path(args.out)):
             print(path)
