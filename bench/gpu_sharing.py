@@ -12,6 +12,8 @@ Each policy places the same arrivals (one seed, one sequence):
   fragmentation against the shapes seen so far grows least (broker.placement.fragmentation,
   broker.placement.sharing). The mix it scores against is learned from the arrivals (folded
   every 64), not given.
+- cpn-no-mix: the same with no mix learned (every score 0, so its best-fit tie-breaks
+  decide): what the sharing model alone gives, without the fragmentation-aware choice.
 - best-fit: the node whose free GPUs and cores (a weighted sum of their free fractions) are
   least after the task, and on it the device with the least room that holds a share.
 - random-fit: a node that holds the task, at random, and on it a device at random.
@@ -41,6 +43,7 @@ not from the policy's own state).
 
     .venv/bin/python bench/gpu_sharing.py                 # 3 seeds, all policies, ~4 min
     .venv/bin/python bench/gpu_sharing.py --seeds 1 --policies cpn best-fit
+    .venv/bin/python bench/gpu_sharing.py --cluster tight   # cores bind (TIGHT_NODES)
 """
 
 from __future__ import annotations
@@ -77,6 +80,17 @@ NODES: tuple[tuple[int, str | None, int, int, float], ...] = (
     (100, "A800-80GB", 1, 16, 128.0),
     (150, None, 0, 96, 512.0),
 )
+# --cluster tight: the same nodes with two thirds of the cores and memory or less, and a
+# quarter of the tasks CPU-only: cores bind, and where CPU-only work goes strands GPUs
+TIGHT_NODES: tuple[tuple[int, str | None, int, int, float], ...] = (
+    (200, "H100", 8, 64, 512.0),
+    (300, "A100-80GB", 8, 64, 512.0),
+    (250, "L40S", 4, 32, 256.0),
+    (200, "H20", 2, 24, 192.0),
+    (100, "A800-80GB", 1, 12, 96.0),
+    (150, None, 0, 64, 512.0),
+)
+TIGHT_CPU_ONLY = 0.25
 SHARES = {
     0.05: 0.04, 0.1: 0.12, 0.2: 0.1, 0.25: 0.14, 0.3: 0.08, 0.4: 0.08,
     0.5: 0.2, 0.6: 0.06, 0.7: 0.06, 0.8: 0.06, 0.9: 0.06,
@@ -112,15 +126,20 @@ class Node:
 Placed = tuple[int, int, tuple[tuple[int, float], ...]]
 
 
-def cluster() -> list[Node]:
+NodeTable = tuple[tuple[int, str | None, int, int, float], ...]
+
+
+def cluster(table: NodeTable) -> list[Node]:
     nodes = []
-    for count, model, gpus, cpu, mem in NODES:
+    for count, model, gpus, cpu, mem in table:
         for i in range(count):
             nodes.append(Node(f"{(model or 'cpu').lower()}-{i}", model, gpus, cpu, mem))
     return nodes
 
 
-def draw(rng: random.Random, nodes: Sequence[Node], capacity: float) -> list[Task]:
+def draw(
+    rng: random.Random, nodes: Sequence[Node], capacity: float, cpu_only: float = CPU_ONLY
+) -> list[Task]:
     """Tasks until their GPUs reach the last level of the capacity (and a little beyond)."""
     weights: dict[str, int] = {}
     size: dict[str, int] = {}
@@ -132,7 +151,7 @@ def draw(rng: random.Random, nodes: Sequence[Node], capacity: float) -> list[Tas
     tasks: list[Task] = []
     asked = 0.0
     while asked < LEVELS[-1] * capacity:
-        if rng.random() < CPU_ONLY:
+        if rng.random() < cpu_only:
             cpu = rng.choices([2, 4, 8, 16, 32], [0.3, 0.3, 0.2, 0.15, 0.05])[0]
             tasks.append(Task(0.0, cpu, cpu * MEM_PER_CORE, None))
             continue
@@ -157,10 +176,10 @@ def draw(rng: random.Random, nodes: Sequence[Node], capacity: float) -> list[Tas
 # -- cpn: the broker's placement ------------------------------------------------------------
 
 
-def site_spec(nodes: Sequence[Node]) -> SiteSpec:
+def site_spec(table: NodeTable, nodes: Sequence[Node]) -> SiteSpec:
     groups: list[dict[str, Any]] = []
     pools: dict[str, int] = {}
-    for count, model, gpus, cpu, mem in NODES:
+    for count, model, gpus, cpu, mem in table:
         prefix = (model or "cpu").lower()
         groups.append(
             {
@@ -211,9 +230,14 @@ def job_of(i: int, task: Task, models: Sequence[str]) -> JobSpec:
 
 
 def run_cpn(
-    nodes: Sequence[Node], tasks: Sequence[Task], catalog: DeviceCatalog, marks: Sequence[int]
+    table: NodeTable,
+    nodes: Sequence[Node],
+    tasks: Sequence[Task],
+    catalog: DeviceCatalog,
+    marks: Sequence[int],
+    learn: bool = True,
 ) -> tuple[list[Placed], list[float], dict[int, list[Placed]]]:
-    spec = site_spec(nodes)
+    spec = site_spec(table, nodes)
     offer = SiteOffer.from_spec(spec, catalog)
     fed = Federation(sites=(offer,))
     index = {n.name: i for i, n in enumerate(nodes)}
@@ -229,7 +253,7 @@ def run_cpn(
         job = job_of(i, task, models)
         version = learner.mix.version
         learner.saw(Mix.shape_of(task.gpus, task.cpu, task.mem_gb))
-        if learner.mix.version != version:  # the site's mix: what it has seen, folded
+        if learn and learner.mix.version != version:  # the site's mix: what it has seen
             fed = fed.with_offer(dataclasses.replace(fed.sites[0], mix=learner.mix))
         started = time.perf_counter()
         decision = place(job, fed, now=NOW, usage=usage, groups=groups, explain=False)
@@ -348,6 +372,10 @@ def gpu_packing(c: Cluster, task: Task, rng: random.Random) -> tuple[int, int | 
     return None if best is None else (best[1], best[2])
 
 
+# cpn as it runs, and cpn with no mix learned (every fragmentation score 0: its tie-breaks,
+# best fit, decide), to tell the fragmentation-aware choice from the sharing model
+CPN = ("cpn", "cpn-no-mix")
+
 BASELINES: dict[str, Policy] = {
     "best-fit": best_fit,
     "random-fit": random_fit,
@@ -437,9 +465,9 @@ def states(
     ]
 
 
-def full_mix(nodes: Sequence[Node]) -> Mix:
+def full_mix(nodes: Sequence[Node], cpu_only: float) -> Mix:
     """The whole documented mix (a large sample of it), as every policy is measured against."""
-    sample = draw(random.Random(12345), nodes, 20_000.0)
+    sample = draw(random.Random(12345), nodes, 20_000.0, cpu_only)
     counts: dict[tuple[float, int, float], float] = {}
     for task in sample:
         shape = Mix.shape_of(task.gpus, task.cpu, task.mem_gb)
@@ -469,21 +497,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument(
-        "--policies", nargs="+", default=["cpn", *BASELINES], choices=["cpn", *BASELINES]
+        "--cluster",
+        choices=("default", "tight"),
+        default="default",
+        help="tight: fewer cores and memory a node, a quarter of the tasks CPU-only",
+    )
+    parser.add_argument(
+        "--policies", nargs="+", default=[*CPN, *BASELINES], choices=[*CPN, *BASELINES]
     )
     args = parser.parse_args(argv)
+    table, cpu_only = (
+        (TIGHT_NODES, TIGHT_CPU_ONLY) if args.cluster == "tight" else (NODES, CPU_ONLY)
+    )
     catalog = DeviceCatalog.load()
-    nodes = cluster()
+    nodes = cluster(table)
     gpus = sum(n.gpus for n in nodes)
-    mix = full_mix(nodes)
+    mix = full_mix(nodes, cpu_only)
     print(
         f"cluster: {len(nodes)} nodes ({sum(1 for n in nodes if n.model is None)} CPU-only), "
         f"{gpus} GPUs of {len({n.model for n in nodes if n.model})} models; mix: "
-        f"{CPU_ONLY:.0%} CPU-only, of GPU tasks {FRACTIONAL:.0%} shares 0.05-0.9"
+        f"{cpu_only:.0%} CPU-only, of GPU tasks {FRACTIONAL:.0%} shares 0.05-0.9"
     )
     rows: dict[str, list[dict[str, float]]] = {}
     for seed in range(args.seeds):
-        tasks = draw(random.Random(seed), nodes, float(gpus))
+        tasks = draw(random.Random(seed), nodes, float(gpus), cpu_only)
         asked, marks = 0.0, []
         levels = list(LEVELS)
         for i, task in enumerate(tasks):
@@ -493,8 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             asked += task.gpus
         for name in args.policies:
             started = time.perf_counter()
-            if name == "cpn":
-                placed, took, snaps = run_cpn(nodes, tasks, catalog, marks)
+            if name in CPN:
+                placed, took, snaps = run_cpn(table, nodes, tasks, catalog, marks, name == "cpn")
             else:
                 placed, took, snaps = run_baseline(nodes, tasks, BASELINES[name], seed, marks)
             wall = time.perf_counter() - started
