@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ imports them
     from cpn.sdk import (
+        Alert,
         ApiError,
         AsyncClient,
         Client,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
         ServiceSummary,
         TransportError,
         Unauthorized,
+        UnexpectedAnswer,
         UsageReport,
         WaitTimeout,
         WhoAmI,
@@ -47,11 +49,11 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
 
 # the SDK's names (cpn.sdk.__all__; tests/cpn/test_sdk.py keeps the two equal)
 __all__ = [
-    "ApiError", "AsyncClient", "Client", "ConfigError", "Conflict", "Connection", "CpnError",
-    "Forbidden", "Gone", "Invalid", "JobEnded", "JobPage", "JobRecord", "JobSpec", "JobState",
-    "NoBroker", "NotFound", "RateLimited", "ServerError", "Service", "ServiceSummary",
-    "TransportError", "Unauthorized", "UsageReport", "WaitTimeout", "WhoAmI", "Workflow",
-    "WorkflowStep", "WorkflowSummary",
+    "Alert", "ApiError", "AsyncClient", "Client", "ConfigError", "Conflict", "Connection",
+    "CpnError", "Forbidden", "Gone", "Invalid", "JobEnded", "JobPage", "JobRecord", "JobSpec",
+    "JobState", "NoBroker", "NotFound", "RateLimited", "ServerError", "Service", "ServiceSummary",
+    "TransportError", "Unauthorized", "UnexpectedAnswer", "UsageReport", "WaitTimeout", "WhoAmI",
+    "Workflow", "WorkflowStep", "WorkflowSummary",
 ]  # fmt: skip
 
 

@@ -29,9 +29,11 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
         ServerError,
         TransportError,
         Unauthorized,
+        UnexpectedAnswer,
         WaitTimeout,
     )
     from cpn.sdk.models import (
+        Alert,
         JobPage,
         Service,
         ServiceSummary,
@@ -46,11 +48,11 @@ if TYPE_CHECKING:  # for type checkers and editors; at run time __getattr__ impo
 _ERRORS = (
     "ApiError", "ConfigError", "Conflict", "CpnError", "Forbidden", "Gone", "Invalid",
     "JobEnded", "NotFound", "RateLimited", "ServerError", "TransportError", "Unauthorized",
-    "WaitTimeout",
+    "UnexpectedAnswer", "WaitTimeout",
 )  # fmt: skip
 _MODELS = (
-    "JobPage", "Service", "ServiceSummary", "UsageReport", "WhoAmI", "Workflow", "WorkflowStep",
-    "WorkflowSummary",
+    "Alert", "JobPage", "Service", "ServiceSummary", "UsageReport", "WhoAmI", "Workflow",
+    "WorkflowStep", "WorkflowSummary",
 )  # fmt: skip
 # name -> the module that defines it
 MODULES: dict[str, str] = {
@@ -66,6 +68,7 @@ MODULES: dict[str, str] = {
 }
 
 __all__ = [  # MODULES' names (tests/cpn/test_sdk.py keeps them equal)
+    "Alert",
     "ApiError",
     "AsyncClient",
     "Client",
@@ -89,6 +92,7 @@ __all__ = [  # MODULES' names (tests/cpn/test_sdk.py keeps them equal)
     "ServiceSummary",
     "TransportError",
     "Unauthorized",
+    "UnexpectedAnswer",
     "UsageReport",
     "WaitTimeout",
     "WhoAmI",

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from types import TracebackType
 
+from cpn.sdk.alerts import AsyncAlerts
 from cpn.sdk.connection import Connection, resolve
 from cpn.sdk.jobs import AsyncJobs, AsyncWorkflows
 from cpn.sdk.models import WhoAmI
-from cpn.sdk.services import AsyncServices, AsyncUsage
-from cpn.sdk.transport import Transport
+from cpn.sdk.services import AsyncServices
+from cpn.sdk.transport import Transport, parse
+from cpn.sdk.usage import AsyncUsage
 
 __all__ = ["AsyncClient"]
 
@@ -25,7 +27,7 @@ class AsyncClient:
     `url`, `token` and `ca` default to what the `cpn` CLI uses ($CPN_BROKER, $CPN_TOKEN,
     $CPN_CA, the config file, a running `cpn up`: cpn.sdk.connection). `timeout_s` bounds each
     request (None: unbounded; a log stream is never bounded); `connect_timeout_s` the connect.
-    Resources: `jobs`, `workflows`, `services`, `usage`; `whoami()`.
+    Resources: `jobs`, `workflows`, `services`, `usage`, `alerts`; `whoami()`.
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class AsyncClient:
         self.workflows = AsyncWorkflows(self._transport)
         self.services = AsyncServices(self._transport)
         self.usage = AsyncUsage(self._transport)
+        self.alerts = AsyncAlerts(self._transport)
 
     @property
     def url(self) -> str:
@@ -52,7 +55,7 @@ class AsyncClient:
 
     async def whoami(self) -> WhoAmI:
         """The token's role and tenant, and whether the broker checks tokens at all."""
-        return WhoAmI.model_validate(await self._transport.request("GET", "/v1/whoami"))
+        return parse(WhoAmI, await self._transport.request("GET", "/v1/whoami"))
 
     async def aclose(self) -> None:
         await self._transport.aclose()

@@ -8,6 +8,8 @@
     │                        job as last seen
     ├── JobEnded             `jobs.wait`: the job finished in a state that was not asked for
     │                        (it can never reach one that was); `.record`
+    ├── UnexpectedAnswer     a success answer that is not JSON, or not the record the SDK
+    │                        expects (a broker of another version, a proxy's page)
     └── ApiError             the broker answered 4xx/5xx `{"error": {"code", "message", "field"}}`:
         │                    `.status`, `.code`, `.message`, `.field`, `.request_id`
         ├── Invalid          400, 413, 415, 422: the request is wrong; `.field` names what
@@ -42,6 +44,7 @@ __all__ = [
     "ServerError",
     "TransportError",
     "Unauthorized",
+    "UnexpectedAnswer",
     "WaitTimeout",
     "api_error",
 ]
@@ -73,6 +76,10 @@ class JobEnded(CpnError):
     def __init__(self, message: str, record: Any) -> None:
         super().__init__(message)
         self.record = record
+
+
+class UnexpectedAnswer(CpnError):
+    """A success answer the SDK cannot read: not JSON, or not the record it expects."""
 
 
 class ApiError(CpnError):

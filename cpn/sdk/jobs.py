@@ -16,8 +16,8 @@ from pydantic import BaseModel
 
 from broker.model.jobs import TERMINAL, JobRecord, JobSpec, JobState
 from cpn.sdk.errors import Invalid, JobEnded, RateLimited, ServerError, TransportError, WaitTimeout
-from cpn.sdk.models import JobPage, Workflow, WorkflowSummary
-from cpn.sdk.transport import Transport, segment
+from cpn.sdk.models import JobPage, Workflow, WorkflowList, WorkflowSummary
+from cpn.sdk.transport import Transport, parse, segment
 
 __all__ = ["AsyncJobs", "AsyncWorkflows", "States", "job_states", "spec_body"]
 
@@ -74,13 +74,13 @@ class AsyncJobs:
     async def submit(self, spec: JobSpec | Mapping[str, Any] | str) -> JobRecord:
         """Submit a job; its record (PENDING, or PLACED when the fast path placed it)."""
         body = await self._t.request("POST", "/v1/jobs", **spec_body(spec, "spec"))
-        return JobRecord.model_validate(body)
+        return parse(JobRecord, body)
 
     async def get(self, job_id: str) -> JobRecord:
         """A job's record: state, placement and its reasons, why it is pending
         (`unschedulable`), events, exit code."""
         body = await self._t.request("GET", f"/v1/jobs/{segment(job_id, 'job')}")
-        return JobRecord.model_validate(body)
+        return parse(JobRecord, body)
 
     async def page(
         self,
@@ -110,7 +110,7 @@ class AsyncJobs:
             params["include"] = "archived"
         if continue_:
             params["continue"] = continue_
-        return JobPage.model_validate(await self._t.request("GET", "/v1/jobs", params=params))
+        return parse(JobPage, await self._t.request("GET", "/v1/jobs", params=params))
 
     async def pages(
         self,
@@ -168,7 +168,7 @@ class AsyncJobs:
 
     async def _act(self, job_id: str, action: str) -> JobRecord:
         body = await self._t.request("POST", f"/v1/jobs/{segment(job_id, 'job')}/{action}")
-        return JobRecord.model_validate(body)
+        return parse(JobRecord, body)
 
     async def cancel(self, job_id: str) -> JobRecord:
         """Cancel a job for good (a finished one: Conflict)."""
@@ -253,7 +253,7 @@ class AsyncWorkflows:
     async def submit(self, spec: Mapping[str, Any] | str) -> Workflow:
         """Submit a workflow (a mapping of its fields, or its file's YAML text)."""
         body = await self._t.request("POST", "/v1/workflows", **spec_body(spec, "spec"))
-        return Workflow.model_validate(body)
+        return parse(Workflow, body)
 
     async def list(
         self, *, tenant: str | None = None, limit: int | None = None
@@ -267,16 +267,16 @@ class AsyncWorkflows:
                 raise Invalid(0, f"limit must be at least 1, got {limit!r}", "limit")
             params["limit"] = str(limit)
         body = await self._t.request("GET", "/v1/workflows", params=params)
-        return [WorkflowSummary.model_validate(item) for item in body["items"]]
+        return parse(WorkflowList, body).items
 
     async def get(self, workflow_id: str) -> Workflow:
         body = await self._t.request("GET", f"/v1/workflows/{segment(workflow_id, 'workflow')}")
-        return Workflow.model_validate(body)
+        return parse(Workflow, body)
 
     async def _act(self, workflow_id: str, action: str, step: str | None) -> Workflow:
         path = f"/v1/workflows/{segment(workflow_id, 'workflow')}/{action}"
         body = await self._t.request("POST", path, params={"step": step} if step else None)
-        return Workflow.model_validate(body)
+        return parse(Workflow, body)
 
     async def cancel(self, workflow_id: str, *, step: str | None = None) -> Workflow:
         """Cancel every unfinished step (or one)."""

@@ -19,6 +19,8 @@ from broker.model.services import ScalingDecision, ScalingEvent, ServiceSpec
 from broker.model.workflows import WorkflowState
 
 __all__ = [
+    "Alert",
+    "AlertPage",
     "JobPage",
     "RegionCount",
     "Replica",
@@ -28,6 +30,7 @@ __all__ = [
     "UsageReport",
     "WhoAmI",
     "Workflow",
+    "WorkflowList",
     "WorkflowStep",
     "WorkflowSummary",
 ]
@@ -50,6 +53,10 @@ class WorkflowSummary(_View):
     tenant: str
     steps: int
     created_at: float
+
+
+class WorkflowList(_View):
+    items: list[WorkflowSummary]
 
 
 class WorkflowStep(_View):
@@ -158,6 +165,28 @@ class UsageReport(_View):
     items: list[dict[str, Any]]
     total: dict[str, float]
     idle: list[IdleCost] | None
+
+
+class Alert(_View):
+    """One alert (broker.model.alert_rules.AlertRecord, with its Alertmanager name and
+    fingerprint)."""
+
+    rule: str = Field(description="site_down, quota, budget, pending, ...")
+    subject: list[str]
+    state: str = Field(description="firing or resolved")
+    severity: str
+    labels: dict[str, str] = Field(description="what it is about: site, peer, tenant, ...")
+    summary: str
+    value: float
+    starts_at: float
+    ends_at: float | None = None
+    alertname: str
+    fingerprint: str
+
+
+class AlertPage(_View):
+    items: list[Alert]
+    continue_: str | None = Field(default=None, alias="continue")
 
 
 class WhoAmI(_View):

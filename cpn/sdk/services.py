@@ -1,10 +1,8 @@
-"""Managed inference services through /v1/services (docs/services.md), and the tenant's usage
-(/v1/usage, docs/metering.md)."""
+"""Managed inference services through /v1/services (docs/services.md)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from datetime import date
 from typing import Any
 
 import yaml as pyyaml
@@ -13,10 +11,10 @@ from pydantic import BaseModel
 from broker.model.services import ServiceSpec
 from cpn.sdk.errors import Invalid
 from cpn.sdk.jobs import spec_body
-from cpn.sdk.models import Service, ServicePage, ServiceSummary, UsageReport
-from cpn.sdk.transport import Transport, segment
+from cpn.sdk.models import Service, ServicePage, ServiceSummary
+from cpn.sdk.transport import Transport, parse, segment
 
-__all__ = ["AsyncServices", "AsyncUsage"]
+__all__ = ["AsyncServices"]
 
 PAGE_SIZE = 500
 
@@ -48,11 +46,11 @@ class AsyncServices:
         name = _name_of(spec)
         path = f"/v1/services/{segment(name, 'name')}"
         body = await self._t.request("PUT", path, **spec_body(spec, "spec"))
-        return Service.model_validate(body)
+        return parse(Service, body)
 
     async def get(self, name: str) -> Service:
         body = await self._t.request("GET", f"/v1/services/{segment(name, 'name')}")
-        return Service.model_validate(body)
+        return parse(Service, body)
 
     async def list(self, *, tenant: str | None = None) -> AsyncIterator[ServiceSummary]:
         """Services by name, fetched a page at a time as the iteration goes."""
@@ -60,9 +58,7 @@ class AsyncServices:
         if tenant:
             params["tenant"] = tenant
         while True:
-            page = ServicePage.model_validate(
-                await self._t.request("GET", "/v1/services", params=params)
-            )
+            page = parse(ServicePage, await self._t.request("GET", "/v1/services", params=params))
             for item in page.items:
                 yield item
             if not page.continue_:
@@ -72,32 +68,4 @@ class AsyncServices:
     async def delete(self, name: str) -> Service:
         """Delete a service: its replicas drain and stop, then it is gone."""
         body = await self._t.request("DELETE", f"/v1/services/{segment(name, 'name')}")
-        return Service.model_validate(body)
-
-
-class AsyncUsage:
-    def __init__(self, transport: Transport) -> None:
-        self._t = transport
-
-    async def get(
-        self,
-        *,
-        tenant: str | None = None,
-        site: str | None = None,
-        from_: date | str | None = None,
-        to: date | str | None = None,
-        by: str | tuple[str, ...] | list[str] = ("tenant",),
-    ) -> UsageReport:
-        """Usage, cost, energy, carbon and inference tokens per group (`by`: tenant, site,
-        model, client_region, day) over UTC days `from_`..`to` (default: the last 30)."""
-        params: dict[str, str] = {}
-        if tenant:
-            params["tenant"] = tenant
-        if site:
-            params["site"] = site
-        if from_ is not None:
-            params["from"] = from_.isoformat() if isinstance(from_, date) else from_
-        if to is not None:
-            params["to"] = to.isoformat() if isinstance(to, date) else to
-        params["by"] = by if isinstance(by, str) else ",".join(by)
-        return UsageReport.model_validate(await self._t.request("GET", "/v1/usage", params=params))
+        return parse(Service, body)

@@ -20,11 +20,13 @@ from typing import Any, TypeVar
 
 from broker.model.jobs import TERMINAL, JobRecord, JobSpec
 from broker.model.services import ServiceSpec
+from cpn.sdk.alerts import AsyncAlerts
 from cpn.sdk.client import AsyncClient
 from cpn.sdk.connection import Connection
 from cpn.sdk.errors import CpnError
 from cpn.sdk.jobs import PAGE_SIZE, AsyncJobs, AsyncWorkflows, States
 from cpn.sdk.models import (
+    Alert,
     JobPage,
     Service,
     ServiceSummary,
@@ -33,7 +35,8 @@ from cpn.sdk.models import (
     Workflow,
     WorkflowSummary,
 )
-from cpn.sdk.services import AsyncServices, AsyncUsage
+from cpn.sdk.services import AsyncServices
+from cpn.sdk.usage import AsyncUsage
 
 __all__ = ["Client"]
 
@@ -207,7 +210,7 @@ class Services:
 
 
 class Usage:
-    """The blocking twin of cpn.sdk.services.AsyncUsage."""
+    """The blocking twin of cpn.sdk.usage.AsyncUsage."""
 
     def __init__(self, portal: _Portal, usage: AsyncUsage) -> None:
         self._p, self._a = portal, usage
@@ -222,6 +225,16 @@ class Usage:
         by: str | tuple[str, ...] | list[str] = ("tenant",),
     ) -> UsageReport:
         return self._p.call(self._a.get(tenant=tenant, site=site, from_=from_, to=to, by=by))
+
+
+class Alerts:
+    """The blocking twin of cpn.sdk.alerts.AsyncAlerts."""
+
+    def __init__(self, portal: _Portal, alerts: AsyncAlerts) -> None:
+        self._p, self._a = portal, alerts
+
+    def list(self, *, state: str | None = None, rule: str | None = None) -> Iterator[Alert]:
+        return self._p.iterate(self._a.list(state=state, rule=rule))
 
 
 class Client:
@@ -244,6 +257,7 @@ class Client:
         self.workflows = Workflows(self._portal, self._async.workflows)
         self.services = Services(self._portal, self._async.services)
         self.usage = Usage(self._portal, self._async.usage)
+        self.alerts = Alerts(self._portal, self._async.alerts)
 
     @property
     def connection(self) -> Connection:

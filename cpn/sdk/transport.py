@@ -7,17 +7,28 @@ The session is opened on first use, in the event loop that uses it, and closed b
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
+from pydantic import BaseModel, ValidationError
 
 from cpn.sdk.connection import Connection
-from cpn.sdk.errors import ApiError, ConfigError, Invalid, TransportError, api_error
+from cpn.sdk.errors import (
+    ConfigError,
+    CpnError,
+    Invalid,
+    TransportError,
+    UnexpectedAnswer,
+    api_error,
+)
 
-__all__ = ["Transport", "segment"]
+__all__ = ["Transport", "parse", "segment"]
+
+M = TypeVar("M", bound=BaseModel)
 
 USER_AGENT = "cpn-sdk/1"
 
@@ -28,6 +39,18 @@ def segment(value: str, field: str) -> str:
     if not isinstance(value, str) or not value:
         raise Invalid(0, f"{field} must be a non-empty string, got {value!r}", field)
     return quote(value, safe="")
+
+
+def parse(model: type[M], body: Any) -> M:
+    """`body` as `model`; an answer that is not one is an UnexpectedAnswer naming the field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        where = ".".join(str(part) for part in first["loc"]) or "the answer"
+        raise UnexpectedAnswer(
+            f"the broker's answer is not a {model.__name__}: {where}: {first['msg']}"
+        ) from None
 
 
 class Transport:
@@ -44,13 +67,22 @@ class Transport:
         self._stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s)
         self._ssl = _ssl_context(connection)
         self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     @property
     def url(self) -> str:
         return self.connection.url
 
     def _open(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is not None and not self._session.closed and self._loop is not loop:
+            # aiohttp's connections belong to the loop that opened them
+            raise CpnError(
+                "this AsyncClient was first used in another event loop: make one per loop "
+                "(or use cpn.Client, which runs its own)"
+            )
         if self._session is None or self._session.closed:
+            self._loop = loop
             headers = {"User-Agent": USER_AGENT}
             if self.connection.token:
                 headers["Authorization"] = f"Bearer {self.connection.token}"
@@ -91,10 +123,8 @@ class Transport:
                 except ValueError:
                     data = None
                     if resp.status < 400:
-                        raise ApiError(
-                            resp.status,
-                            f"{method} {path}: the answer is not JSON",
-                            code="malformed_answer",
+                        raise UnexpectedAnswer(
+                            f"{method} {path}: the answer ({resp.status}) is not JSON"
                         ) from None
                 if resp.status >= 400:
                     raise api_error(resp.status, data, resp.headers)

@@ -5,6 +5,7 @@ for the broker's error paths), and bad input refused before anything is sent.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -159,6 +160,8 @@ async def _answers(request: web.Request) -> web.StreamResponse:
         return web.Response(text="<html>bad gateway</html>", status=502, content_type="text/html")
     if kind == "notjson":
         return web.Response(text="hello", status=200)
+    if kind == "notajob":
+        return web.json_response({"id": "notajob", "state": "SLEEPING"})
     raise web.HTTPNotFound
 
 
@@ -182,9 +185,26 @@ async def test_answers_that_are_not_the_apis_become_errors_too(standin: str) -> 
         assert limited.value.retry_after_s == 2.0 and limited.value.code == "rate_limited"
         with pytest.raises(errors.ServerError, match="HTTP 502"):
             await client.jobs.get("html")
-        with pytest.raises(errors.ApiError, match="not JSON") as not_json:
+        with pytest.raises(errors.UnexpectedAnswer, match=r"answer \(200\) is not JSON"):
             await client.jobs.get("notjson")
-        assert not_json.value.code == "malformed_answer"
+        with pytest.raises(errors.UnexpectedAnswer, match="not a JobRecord: spec: Field required"):
+            await client.jobs.get("notajob")
+
+
+async def test_an_async_client_stays_in_the_loop_it_first_ran_in(standin: str) -> None:
+    async with cpn.AsyncClient(standin, token=ADMIN_TOKEN) as client:
+        with pytest.raises(errors.NotFound):
+            await client.jobs.get("nothing")  # its connections now belong to this loop
+
+        def elsewhere() -> BaseException | None:
+            try:
+                asyncio.run(client.jobs.get("nothing"))
+            except errors.CpnError as exc:
+                return exc
+            return None
+
+        got = await asyncio.to_thread(elsewhere)
+        assert isinstance(got, errors.CpnError) and "another event loop" in str(got)
 
 
 async def test_a_broker_that_is_not_there_is_a_transport_error(no_config: Path) -> None:

@@ -99,6 +99,10 @@ def test_the_blocking_client_submits_waits_reads_lists_and_cancels(
         with pytest.raises(cpn.Invalid) as bad_by:
             client.usage.get(by="colour")
         assert (bad_by.value.status, bad_by.value.field) == (400, "by")
+        assert all(isinstance(a, cpn.Alert) for a in client.alerts.list(state="firing"))
+        with pytest.raises(cpn.Invalid) as bad_alerts:
+            list(client.alerts.list(state="burning"))
+        assert (bad_alerts.value.status, bad_alerts.value.field) == (400, "state")
 
     with cpn.Client(fed.broker_url, token=STRANGER) as stranger:
         with pytest.raises(cpn.Unauthorized) as refused:
