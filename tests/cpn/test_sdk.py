@@ -43,6 +43,8 @@ def test_the_tree() -> None:
         assert issubclass(cls, errors.ApiError) and issubclass(cls, errors.CpnError)
     assert issubclass(errors.TransportError, ConnectionError)
     assert issubclass(errors.WaitTimeout, TimeoutError)
+    for cls in (errors.ConfigError, errors.WaitTimeout, errors.JobEnded, errors.UnexpectedAnswer):
+        assert issubclass(cls, errors.CpnError) and not issubclass(cls, errors.ApiError)
     assert issubclass(NoBroker, errors.ConfigError)
 
 

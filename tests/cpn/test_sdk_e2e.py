@@ -50,9 +50,12 @@ def test_the_blocking_client_submits_waits_reads_lists_and_cancels(
         assert "line-two" in "".join(client.jobs.stream_logs(first.id))
 
         # a long one: running, then cancelled
-        long = client.jobs.submit(job("sdk-long", "sleep 300"))
+        long = client.jobs.submit(job("sdk-long", "echo started; sleep 300"))
         running = client.jobs.wait(long.id, states="RUNNING", timeout=60, poll_s=0.2)
         assert running.state is cpn.JobState.RUNNING
+        following = client.jobs.stream_logs(long.id, follow=True)
+        assert "started" in next(following)
+        following.close()  # left early: its HTTP answer is closed, nothing leaks (warnings fail)
         with pytest.raises(cpn.WaitTimeout) as slow:
             client.jobs.wait(long.id, timeout=0.5)
         assert slow.value.record.state is cpn.JobState.RUNNING
