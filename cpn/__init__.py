@@ -61,3 +61,7 @@ def __getattr__(name: str) -> Any:
     if name in __all__:
         return getattr(importlib.import_module("cpn.sdk"), name)
     raise AttributeError(f"module 'cpn' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -32,6 +32,7 @@ def test_cpn_exports_the_sdk_names_and_each_resolves() -> None:
     for name in cpn.__all__:
         assert getattr(cpn, name) is getattr(cpn.sdk, name), name
     assert cpn.Client.__name__ == "Client" and cpn.JobState.RUNNING.value == "RUNNING"
+    assert {"Client", "AsyncClient", "NotFound"} <= set(dir(cpn)) & set(dir(cpn.sdk))
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = cpn.Nope  # type: ignore[attr-defined]
 
