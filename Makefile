@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NATIVE := $(VENV)/.native-stamp
 
-.PHONY: up test test-fast lint fmt bench clean slurm prometheus chromium native sandbox
+.PHONY: up test test-fast lint fmt bench clean slurm prometheus chromium native sandbox systemd
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,7 +42,7 @@ up: $(NATIVE) sandbox
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
-test: lint native sandbox slurm prometheus chromium
+test: lint native sandbox slurm prometheus chromium systemd
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The unit tier: every test not marked e2e (tests/tiers.py), no agent, broker or cpn process.
@@ -63,6 +63,11 @@ slurm:
 # a real Prometheus scrapes a test federation): the Debian package, installed when missing.
 prometheus:
 	@.ci/install-prometheus || echo "make: Prometheus could not be installed; its tests will skip" >&2
+
+# systemd-analyze for tests/cpn/test_systemd_units.py (`systemd-analyze verify` on the units of
+# configs/systemd/): the Debian package systemd, installed when missing; nothing is started.
+systemd:
+	@.ci/install-systemd || echo "make: systemd-analyze could not be installed; the unit tests will skip" >&2
 
 # Headless Chromium and chromedriver for tests/broker/api/test_dashboard.py and
 # bench/dashboard_paint.py: the Debian packages chromium and chromium-driver, when missing.

@@ -23,6 +23,7 @@ from broker.state.router import Router
 from routing import native
 from routing.decision.clients import load_clients
 from routing.gateway.lane_site import LaneSite
+from sites.kits import sd_notify
 from sites.kits.tls import PeerTrust, ReloadingServer
 from sites.model.catalog import DeviceCatalog
 from sites.model.config import load_sites, site_files
@@ -189,7 +190,13 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         if ready is not None:
             ready.set()
+        # under systemd (Type=notify): started once the view is built and the API answers
+        sd_notify.notify("READY=1", f"STATUS=broker {broker.instance} serving {scheme}://{listen}")
+        interval = sd_notify.watchdog_interval_s()
+        if interval is not None:
+            broker.supervisor.spawn("watchdog", lambda: sd_notify.watchdog_loop(interval))
         await stop.wait()
+        sd_notify.notify("STOPPING=1")
     finally:
         await runner.cleanup()
         await registry.close()

@@ -76,6 +76,7 @@ GROUPS: tuple[tuple[str, str, tuple[Callable[..., Any], ...]], ...] = (
     ("service_cli", "add_parsers", (broker_arg,)),
     ("load_cli", "add_parsers", (broker_arg,)),
     ("backup_cli", "add_parsers", (etcd_arg,)),
+    ("ops_cli", "add_parsers", ()),
     ("token_cli", "add_whoami", (broker_arg,)),
 )
 # command (or alias) -> its group's module: a command's run imports its group alone (every
@@ -90,6 +91,7 @@ COMMANDS: dict[str, str] = {
     "tenants": "tenant_cli", "tenant": "tenant_cli", "services": "service_cli",
     "service": "service_cli", "load": "load_cli", "whoami": "token_cli",
     "backup": "backup_cli", "restore": "backup_cli", "recovery": "backup_cli",
+    "systemd": "ops_cli",
 }  # fmt: skip
 
 

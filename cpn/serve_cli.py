@@ -18,6 +18,7 @@ from cpn.cli_base import UsageError, catalog_of, etcd_access, registry_of
 from sites.agent.collectors.probes import METHODS
 from sites.agent.process import Agent
 from sites.agent.settings import AgentSettings
+from sites.kits import sd_notify
 from sites.kits.clock import process_clock
 from sites.model.config import config_dir, load_site
 
@@ -61,7 +62,13 @@ async def cmd_agent(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, agent.stopped.set)
         print(f"agent of {spec.id} serving {agent.url} (pid {os.getpid()})", flush=True)
+        # under systemd (Type=notify): started once the site is held and its server answers
+        sd_notify.notify("READY=1", f"STATUS=agent of {spec.id} serving {agent.url}")
+        interval = sd_notify.watchdog_interval_s()
+        if interval is not None:
+            agent.supervisor.spawn("watchdog", lambda: sd_notify.watchdog_loop(interval))
         await agent.stopped.wait()
+        sd_notify.notify("STOPPING=1")
         await agent.stop()
         if agent.stop_reason:
             print(f"agent of {spec.id} stopped: {agent.stop_reason}", file=sys.stderr)
