@@ -186,8 +186,10 @@ async def cmd_audit(args: argparse.Namespace) -> int:
 
 
 async def cmd_whoami(args: argparse.Namespace) -> int:
-    async with BrokerClient.to(args.broker) as client:
-        me = await client.call("GET", "/v1/whoami")
+    from cpn.sdk.client import AsyncClient  # here: `cpn --help` does without the SDK's models
+
+    async with AsyncClient(args.broker, timeout_s=None) as client:
+        me = (await client.whoami()).model_dump(mode="json")
     if args.output == "json":
         print(json.dumps(me, indent=2))
     elif not me["auth"]:

@@ -1,8 +1,7 @@
 """`cpn usage [chargeback]`, `cpn alerts [rules]`: what the federation used, cost and emitted
-(GET /v1/usage, through the SDK: docs/sdk.md; a month's chargeback CSV and PNG by
-metering.chargeback; docs/metering.md),
+(GET /v1/usage; a month's chargeback CSV and PNG by metering.chargeback; docs/metering.md),
 and the alerts firing and resolved lately (GET /v1/alerts; the rules as a Prometheus file;
-docs/alerts.md).
+docs/alerts.md). The broker is asked through the Python SDK (cpn.sdk, docs/sdk.md).
 """
 
 from __future__ import annotations
@@ -11,11 +10,9 @@ import argparse
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from cpn import render
 from cpn.cli_base import BrokerArg, UsageError
-from cpn.client import BrokerClient
 from sites.kits.clock import SystemClock
 from sites.model.config import config_dir
 
@@ -68,11 +65,11 @@ async def cmd_alerts(args: argparse.Namespace) -> int:
         where = Path(args.config_dir) if args.config_dir else config_dir()
         print(rules_yaml(load_settings(where / "broker.yaml").alerts), end="")
         return 0
-    params = {"state": args.state} if args.state else {}
-    rows: list[dict[str, Any]] = []
-    async with BrokerClient.to(args.broker) as client:
-        async for items in client.pages("/v1/alerts", params, limit=None):
-            rows += items
+    from cpn.sdk.client import AsyncClient
+
+    async with AsyncClient(args.broker, timeout_s=None) as client:
+        listed = client.alerts.list(state=args.state or None)
+        rows = [alert.model_dump(mode="json") async for alert in listed]
     if args.output == "json":
         print(json.dumps(rows, indent=2))
         return 0

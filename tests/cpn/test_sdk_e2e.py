@@ -4,6 +4,7 @@ federation of tests/broker/conftest.py, one site), blocking and async clients bo
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
@@ -12,6 +13,7 @@ import yaml
 
 import cpn
 from tests.broker.conftest import SITES, Federation, make_federation
+from tests.conftest import ADMIN_TOKEN, run_cpn
 
 __all__ = ["make_federation"]  # the fixture, for this module's tests
 
@@ -213,3 +215,10 @@ def test_services_are_applied_read_listed_and_deleted(
         assert client.services.delete("chat").deleting
         with pytest.raises(cpn.NotFound):
             client.services.get("nope")
+    # the commands that read through the SDK, beside the job, service and usage ones
+    who = run_cpn("whoami", "--broker", fed.broker_url)
+    assert who.returncode == 0 and who.stdout.strip() == f"token {ADMIN_TOKEN[4:20]}: admin"
+    alerts = run_cpn("alerts", "-o", "json", "--broker", fed.broker_url)
+    assert alerts.returncode == 0 and isinstance(json.loads(alerts.stdout), list), alerts.stderr
+    table = run_cpn("alerts", "--state", "firing", "--broker", fed.broker_url)
+    assert table.returncode == 0 and table.stdout.startswith("STATE"), table.stderr
