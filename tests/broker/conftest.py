@@ -116,6 +116,8 @@ def federation_site(site_id: str, spec: dict[str, Any]) -> dict[str, Any]:
         doc["topology"] = spec["topology"]
     if "data" in spec:  # the site's data store settings (docs/agent.md: link limits, cache)
         doc["data"] = spec["data"]
+    if "services" in spec:  # inference services the site hosts (a stand-in's URL)
+        doc["services"] = spec["services"]
     if "shared" in spec:  # a scratch dir every site's runs may write (a shared file system)
         doc["executor"] = {"confinement": {"rw_paths": [str(spec["shared"])]}}
     return doc
