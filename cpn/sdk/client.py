@@ -12,6 +12,7 @@ from types import TracebackType
 
 from cpn.sdk.alerts import AsyncAlerts
 from cpn.sdk.connection import Connection, resolve
+from cpn.sdk.datasets import AsyncDatasets
 from cpn.sdk.jobs import AsyncJobs, AsyncWorkflows
 from cpn.sdk.models import WhoAmI
 from cpn.sdk.services import AsyncServices
@@ -27,7 +28,7 @@ class AsyncClient:
     `url`, `token` and `ca` default to what the `cpn` CLI uses ($CPN_BROKER, $CPN_TOKEN,
     $CPN_CA, the config file, a running `cpn up`: cpn.sdk.connection). `timeout_s` bounds each
     request (None: unbounded; a log stream is never bounded); `connect_timeout_s` the connect.
-    Resources: `jobs`, `workflows`, `services`, `usage`, `alerts`; `whoami()`.
+    Resources: `jobs`, `workflows`, `services`, `usage`, `alerts`, `datasets`; `whoami()`.
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class AsyncClient:
         self.services = AsyncServices(self._transport)
         self.usage = AsyncUsage(self._transport)
         self.alerts = AsyncAlerts(self._transport)
+        self.datasets = AsyncDatasets(self._transport)
 
     @property
     def url(self) -> str:

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mapping
 from datetime import date, datetime
 from types import TracebackType
 from typing import Any, TypeVar
 
+from broker.model.datasets import DatasetInfo, DatasetMeta, DatasetSummary, ReplicationStarted
 from broker.model.jobs import TERMINAL, JobRecord, JobSpec
 from broker.model.services import ServiceSpec
 from cpn.sdk.alerts import AsyncAlerts
 from cpn.sdk.client import AsyncClient
 from cpn.sdk.connection import Connection
+from cpn.sdk.datasets import AsyncDatasets
 from cpn.sdk.errors import CpnError
 from cpn.sdk.jobs import PAGE_SIZE, AsyncJobs, AsyncWorkflows, States
 from cpn.sdk.models import (
@@ -37,6 +39,7 @@ from cpn.sdk.models import (
 )
 from cpn.sdk.services import AsyncServices
 from cpn.sdk.usage import AsyncUsage
+from sites.model.data import Manifest
 
 __all__ = ["Client"]
 
@@ -237,6 +240,35 @@ class Alerts:
         return self._p.iterate(self._a.list(state=state, rule=rule))
 
 
+class Datasets:
+    """The blocking twin of cpn.sdk.datasets.AsyncDatasets."""
+
+    def __init__(self, portal: _Portal, datasets: AsyncDatasets) -> None:
+        self._p, self._a = portal, datasets
+
+    def list(self) -> Iterator[DatasetSummary]:
+        return self._p.iterate(self._a.list())
+
+    def get(self, ref: str) -> DatasetInfo:
+        return self._p.call(self._a.get(ref))
+
+    def delete(self, ref: str) -> DatasetMeta:
+        return self._p.call(self._a.delete(ref))
+
+    def share(
+        self, ref: str, *, add: Iterable[str] = (), remove: Iterable[str] = ()
+    ) -> DatasetMeta:
+        return self._p.call(self._a.share(ref, add=add, remove=remove))
+
+    def replicate(
+        self, ref: str, *, site: str | None = None, region: str | None = None
+    ) -> ReplicationStarted:
+        return self._p.call(self._a.replicate(ref, site=site, region=region))
+
+    def manifest(self, ref: str) -> Manifest:
+        return self._p.call(self._a.manifest(ref))
+
+
 class Client:
     """A blocking client of one broker; AsyncClient's arguments (cpn.sdk.client)."""
 
@@ -258,6 +290,7 @@ class Client:
         self.services = Services(self._portal, self._async.services)
         self.usage = Usage(self._portal, self._async.usage)
         self.alerts = Alerts(self._portal, self._async.alerts)
+        self.datasets = Datasets(self._portal, self._async.datasets)
 
     @property
     def connection(self) -> Connection:

@@ -233,6 +233,11 @@ BAD: list[tuple[str, Callable[[Any], Any], str]] = [
     ("a service without a name", lambda c: c.services.apply({"tenant": "t1"}), "name"),
     ("a service file not YAML", lambda c: c.services.apply("name: [x"), "spec"),
     ("an empty workflow id", lambda c: c.workflows.get(""), "workflow"),
+    ("a dataset without its owner", lambda c: c.datasets.get("corpus"), "dataset"),
+    ("a dataset's version to describe", lambda c: c.datasets.get("t1/corpus@2"), "dataset"),
+    ("a manifest of no version", lambda c: c.datasets.manifest("t1/corpus"), "dataset"),
+    ("a replica nowhere", lambda c: c.datasets.replicate("t1/corpus"), "site"),
+    ("a share of a string", lambda c: c.datasets.share("t1/corpus", remove="t2"), "remove"),
 ]
 
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import yaml
@@ -116,7 +117,7 @@ def test_the_blocking_client_submits_waits_reads_lists_and_cancels(
 
 
 async def test_the_async_client_follows_logs_suspends_resumes_and_runs_workflows(
-    make_federation: Callable[..., Federation],
+    make_federation: Callable[..., Federation], tmp_path: Path
 ) -> None:
     fed = make_federation(ONE_SITE)
     async with cpn.AsyncClient(fed.broker_url) as client:
@@ -175,6 +176,30 @@ async def test_the_async_client_follows_logs_suspends_resumes_and_runs_workflows
             pending = await client.jobs.submit({**job("sdk-huge", "true"), "cpu": 100_000})
             await client.jobs.logs(pending.id)
         assert no_logs.value.code == "no_logs"
+
+    # datasets: put by the CLI (its files stream resumably), the rest through the SDK
+    (tmp_path / "corpus.txt").write_text("tokens\n" * 100)
+    put = await asyncio.to_thread(
+        run_cpn, "data", "put", "t1/corpus", str(tmp_path / "corpus.txt"), "--site", "east-a",
+        "--broker", fed.broker_url,
+    )  # fmt: skip
+    assert put.returncode == 0, put.stderr
+    async with cpn.AsyncClient(fed.broker_url) as client:
+        assert [(d.tenant, d.name, d.latest) async for d in client.datasets.list()] == [
+            ("t1", "corpus", 1)
+        ]
+        info = await client.datasets.get("t1/corpus")
+        assert [(v.version, v.bytes, v.home) for v in info.versions] == [(1, 700, "east-a")]
+        manifest = await client.datasets.manifest("t1/corpus@1")
+        assert [(f.path, f.size) for f in manifest.files] == [("corpus.txt", 700)]
+        assert (await client.datasets.share("t1/corpus", add=["t2"])).shared_with == ("t2",)
+        with pytest.raises(cpn.NotFound):
+            await client.datasets.get("t1/nothing")
+        with pytest.raises(cpn.Invalid) as bad:
+            await client.datasets.share("t1/corpus", add=["t2"], remove=["t2"])
+        assert bad.value.status == 400
+        assert (await client.datasets.delete("t1/corpus")).latest == 1
+        assert [d async for d in client.datasets.list()] == []
 
 
 def test_services_are_applied_read_listed_and_deleted(
