@@ -11,12 +11,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from setuptools import setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,4 +74,24 @@ class OptionalBuildExt(build_ext):
         built.write_text(json.dumps(_compiled_from, indent=1) + "\n")
 
 
-setup(ext_modules=_ext_modules(), cmdclass={"build_ext": OptionalBuildExt})
+class BuildPyWithConfigs(build_py):
+    """The packages, and a copy of configs/ as sites/_configs (sites.model.configs_home): an
+    installed cpn reads its device catalog, demo sites and the rest from the package, never
+    from a checkout. Only into a build directory: an in-place or editable build keeps reading
+    the repository's configs/."""
+
+    def run(self) -> None:
+        super().run()
+        if self.editable_mode:
+            return
+        target = Path(self.build_lib) / "sites" / "_configs"
+        shutil.rmtree(target, ignore_errors=True)
+        shutil.copytree(
+            HERE / "configs", target, ignore=shutil.ignore_patterns("state", "__pycache__")
+        )
+
+
+setup(
+    ext_modules=_ext_modules(),
+    cmdclass={"build_ext": OptionalBuildExt, "build_py": BuildPyWithConfigs},
+)

@@ -78,6 +78,7 @@ GROUPS: tuple[tuple[str, str, tuple[Callable[..., Any], ...]], ...] = (
     ("backup_cli", "add_parsers", (etcd_arg,)),
     ("ops_cli", "add_parsers", ()),
     ("token_cli", "add_whoami", (broker_arg,)),
+    ("version_cli", "add_parsers", ()),
 )
 # command (or alias) -> its group's module: a command's run imports its group alone (every
 # group's imports together took about half a second of each `cpn` process's start).
@@ -92,6 +93,7 @@ COMMANDS: dict[str, str] = {
     "service": "service_cli", "load": "load_cli", "whoami": "token_cli",
     "backup": "backup_cli", "restore": "backup_cli", "recovery": "backup_cli",
     "systemd": "ops_cli",
+    "version": "version_cli",
 }  # fmt: skip
 
 

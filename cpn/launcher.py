@@ -88,9 +88,17 @@ class SitePlan:
 
 CONTEXT = "up"  # the CLI config entry `cpn up` writes (cpn.config)
 READY_WAIT_S = 60.0  # how long `cpn up` waits for the broker and every site before it says so
-TRY = (
-    "try: cpn sites; cpn submit configs/jobs/train-small.yaml; cpn jobs   (Ctrl-C stops everything)"
-)
+
+
+def try_hint(config_dir: Path) -> str:
+    """What to try once the demo is up; its job file where these configs have it (a checkout's
+    configs/ as a relative path from the repository, an installed package's as a full one)."""
+    job = config_dir / "jobs" / "train-small.yaml"
+    try:
+        shown = str(job.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        shown = str(job)
+    return f"try: cpn sites; cpn submit {shown}; cpn jobs   (Ctrl-C stops everything)"
 
 
 def _report_failure(task: asyncio.Task[None]) -> None:
@@ -440,13 +448,17 @@ class Launcher:
                     missing = f"the broker's first answer ({exc or 'no answer within 5 s'})"
                 else:
                     if wanted <= up:
-                        print(f"cpn up: ready, {len(wanted)} sites up. {TRY}", flush=True)
+                        print(
+                            f"cpn up: ready, {len(wanted)} sites up. "
+                            f"{try_hint(self.settings.config_dir)}",
+                            flush=True,
+                        )
                         return
                     missing = f"sites not up yet: {', '.join(sorted(wanted - up))}"
                 await asyncio.sleep(0.5)
         print(
             f"cpn up: still waiting after {READY_WAIT_S:.0f} s for {missing} "
-            f"(logs: {self.run_dir}). {TRY}",
+            f"(logs: {self.run_dir}). {try_hint(self.settings.config_dir)}",
             flush=True,
         )
 

@@ -43,6 +43,7 @@ from pydantic import (
     model_validator,
 )
 
+from sites.model.configs_home import configs_home
 from sites.model.errors import SitesError
 from sites.model.mig import Figure, MigProfile, MigSpec, layout_problem
 from sites.model.spec import MAX_TIME_SLICES, DevicePool, Inventory
@@ -186,11 +187,12 @@ class DeviceSpec(BaseModel):
 
 
 def default_path() -> Path:
-    """configs/devices.yaml: under $CPN_CONFIG_DIR when set, else next to the package."""
+    """devices.yaml: under $CPN_CONFIG_DIR when set, else in the configs cpn ships
+    (sites.model.configs_home)."""
     config_dir = os.environ.get(CONFIG_DIR_ENV)
     if config_dir:
         return Path(config_dir) / "devices.yaml"
-    return Path(__file__).resolve().parents[2] / "configs" / "devices.yaml"
+    return configs_home() / "devices.yaml"
 
 
 class DeviceCatalog(BaseModel):

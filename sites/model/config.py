@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from sites.model.catalog import DeviceCatalog, partition_problems
+from sites.model.configs_home import configs_home
 from sites.model.errors import ConfigError, Problem
 from sites.model.spec import SiteSpec
 
@@ -23,11 +24,11 @@ M = TypeVar("M", bound=BaseModel)
 
 
 def config_dir() -> Path:
-    """$CPN_CONFIG_DIR, else the repository's configs/."""
+    """$CPN_CONFIG_DIR, else the configs cpn ships (sites.model.configs_home)."""
     env = os.environ.get("CPN_CONFIG_DIR")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "configs"
+    return configs_home()
 
 
 def field_path(loc: Iterable[int | str]) -> str:
