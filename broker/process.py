@@ -83,6 +83,7 @@ from sites.model.catalog import DeviceCatalog
 from sites.model.errors import RegistryError, RegistryUnavailable
 from sites.registry.client import Registry
 from sites.registry.mirror import PrefixMirror
+from sites.registry.schema import ensure_schema
 
 __all__ = ["Broker"]
 
@@ -348,6 +349,11 @@ class Broker:
         self.supervisor.spawn("token use", self.tokens.follow_use, restart=RESTART)
         self.supervisor.spawn("usage", self.usage_mirror.run, restart=RESTART)
         self.supervisor.spawn("data index", self.data.run, restart=RESTART)
+        now = self.clock.time()
+        schema = await until_answered(
+            "the registry's schema", lambda: ensure_schema(self.registry, now=now, write=True)
+        )
+        log.info("registry schema %d (readers from %d)", schema.version, schema.min_reader)
         seed = self.tenancy_seed
         if await until_answered("seeding the tenancy", lambda: self.tenancy.seed(seed)):
             log.info("tenancy seeded from the config's tenants.yaml")

@@ -31,6 +31,7 @@ from cpn.sdk.errors import ConfigError as SdkConfigError
 from cpn.sdk.errors import CpnError, Invalid
 from sites.model.catalog import CatalogError
 from sites.model.errors import AgentConflict, ConfigError, NotJoined, RegistryError, SitesError
+from sites.model.schema import SchemaTooNew
 
 __all__ = ["CliParser", "UsageError", "build_parser", "main"]
 
@@ -92,7 +93,7 @@ COMMANDS: dict[str, str] = {
     "tenants": "tenant_cli", "tenant": "tenant_cli", "services": "service_cli",
     "service": "service_cli", "load": "load_cli", "whoami": "token_cli",
     "backup": "backup_cli", "restore": "backup_cli", "recovery": "backup_cli",
-    "systemd": "ops_cli",
+    "systemd": "ops_cli", "dashboards": "ops_cli",
     "version": "version_cli",
 }  # fmt: skip
 
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         CatalogError,
         NotJoined,
         AgentConflict,
+        SchemaTooNew,
         PkiError,
         ValueError,
     ) as exc:

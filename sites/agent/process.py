@@ -50,7 +50,13 @@ from sites.kits.tls import PeerTrust, ReloadingServer
 from sites.model import keys
 from sites.model.capacity import Capacity
 from sites.model.catalog import DeviceCatalog
-from sites.model.errors import LeaseLost, NotJoined, RegistryError, RegistryUnavailable
+from sites.model.errors import (
+    LeaseLost,
+    NotJoined,
+    PermissionDenied,
+    RegistryError,
+    RegistryUnavailable,
+)
 from sites.model.spec import SiteSpec
 from sites.model.status import (
     AgentRecord,
@@ -63,6 +69,7 @@ from sites.model.status import (
 from sites.registry.client import Registry
 from sites.registry.crl import follow_crl
 from sites.registry.mirror import PrefixMirror
+from sites.registry.schema import ensure_schema
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +172,10 @@ class Agent:
     async def start(self) -> None:
         if await self.registry.get_spec(self.spec.id) is None:
             raise NotJoined(self.spec.id)
+        try:  # a registry a newer cpn laid out: SchemaTooNew, before anything is taken
+            await ensure_schema(self.registry, now=self.clock.time(), write=False)
+        except PermissionDenied:  # a site role granted before it could read the schema
+            log.warning("site %s: cannot read the registry's schema (join it again)", self.spec.id)
         if isinstance(self.executor, SlurmExecutor):
             why = await self.executor.unreachable()
             if why is not None:  # as if Slurm were not installed: the site runs, no job starts

@@ -16,6 +16,8 @@
     │                                   a CRL loaded since revokes (sites.kits.revocation)
     ├── NotJoined (LookupError)         the site id has no spec in the registry
     ├── AgentConflict                   another live agent already holds the site
+    ├── SchemaTooNew                    the registry's layout is newer than this cpn can run
+    │                                   against (sites.model.schema)
     ├── EtcdStartError                  the embedded etcd did not start
     ├── SlurmStartError                 the local test/demo Slurm did not start
     │                                   (sites.emulation.slurm_cluster)

@@ -32,6 +32,7 @@
                                                    the same    the same, per tenant
 /cpn/v1/history/jobs/<id>        zlib(JobRecord)               broker, when it archives a job
 /cpn/v1/migrations/<name>        {"done_at": ...}              broker, once per migration
+/cpn/v1/schema                   Schema                        broker: the layout it holds
 /cpn/v1/tokens/<id>              TokenRecord (hash only)       broker or `cpn token create`
 /cpn/v1/audit/<inv>/<id>         AuditEntry                    broker, for every change
 /cpn/v1/usage/segments/<day>/<job>/<attempt>  Segment          broker, when a run ends
@@ -97,6 +98,7 @@ HISTORY_INDEX = ROOT + "index/history/"
 FINISHED_INDEX = ROOT + "index/finished/"
 HISTORY = ROOT + "history/jobs/"
 MIGRATIONS = ROOT + "migrations/"
+SCHEMA = ROOT + "schema"  # the layout the registry holds (sites.model.schema)
 TOKENS = ROOT + "tokens/"
 CRL = ROOT + "pki/crl"  # the CA's revocation list (PEM): `cpn certs revoke --publish` puts it
 TENANCY = ROOT + "tenancy/"  # cohorts, priority classes, tenants, fair-share levels

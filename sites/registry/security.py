@@ -299,6 +299,7 @@ def site_grants(spec: SiteSpec) -> list[Grant]:
         Grant(READWRITE, keys.data_replicas(site), prefix=True),  # what its data store holds
         Grant(READ, keys.data_orders(site), prefix=True),  # replications the broker asks of it
         Grant(READ, keys.CRL),  # the certificates its peers may no longer present
+        Grant(READ, keys.SCHEMA),  # the registry's layout, checked at its start
     ]
     grants += [Grant(READWRITE, keys.service(s.name, site)) for s in spec.services]
     # the managed replicas the broker places here, whatever service they are of
