@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mapping
 from datetime import date, datetime
 from types import TracebackType
@@ -58,6 +59,9 @@ class _Portal:
         if not self._thread.is_alive():
             coro.close()
             raise CpnError("the client is closed")
+        if threading.current_thread() is self._thread:  # waiting here would wait forever
+            coro.close()
+            raise CpnError("a Client is not called from its own loop's thread")
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
             return future.result()
@@ -79,14 +83,24 @@ class _Portal:
                 self.call(close())
 
     def close(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
+        if not self._thread.is_alive():
+            return
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        if threading.current_thread() is not self._thread:  # (collected in it: it just stops)
             self._thread.join()
             self._loop.close()
 
 
 async def _next(items: AsyncIterator[T]) -> T:
     return await anext(items)
+
+
+def _close(portal: _Portal, client: AsyncClient) -> None:
+    try:
+        portal.call(client.aclose())
+    except CpnError:
+        pass  # the portal is gone already
+    portal.close()
 
 
 class Jobs:
@@ -291,6 +305,9 @@ class Client:
         self.usage = Usage(self._portal, self._async.usage)
         self.alerts = Alerts(self._portal, self._async.alerts)
         self.datasets = Datasets(self._portal, self._async.datasets)
+        # a client never closed is closed when collected, or at the interpreter's exit (while
+        # its daemon thread still runs), so its connections do not leak with a warning
+        self._finalizer = weakref.finalize(self, _close, self._portal, self._async)
 
     @property
     def connection(self) -> Connection:
@@ -304,11 +321,7 @@ class Client:
         return self._portal.call(self._async.whoami())
 
     def close(self) -> None:
-        try:
-            self._portal.call(self._async.aclose())
-        except CpnError:
-            pass  # closed already
-        self._portal.close()
+        self._finalizer()  # once: a second close does nothing
 
     def __enter__(self) -> Client:
         return self

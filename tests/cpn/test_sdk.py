@@ -6,9 +6,11 @@ for the broker's error paths), and bad input refused before anything is sent.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -316,3 +318,20 @@ def test_each_sdk_error_has_the_clis_exit_code(exc: errors.CpnError, code: int) 
     from cpn import cli
 
     assert cli.sdk_exit_code(exc) == code
+
+
+def test_a_client_never_closed_is_closed_when_collected(no_config: Path) -> None:
+    def portals() -> int:
+        return sum(t.name == "cpn-sdk" for t in threading.enumerate())
+
+    before = portals()
+
+    def use() -> None:
+        client = cpn.Client(f"http://127.0.0.1:{free_port()}")
+        with pytest.raises(errors.TransportError):
+            client.jobs.get("j-1")  # its session opened: unclosed, aiohttp would warn
+        assert portals() == before + 1
+
+    use()
+    gc.collect()
+    assert portals() == before
