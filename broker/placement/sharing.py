@@ -25,7 +25,17 @@ from broker.placement.fragmentation import NodeState, Scorer, cpu_key
 from broker.placement.nodes import Chosen, NodesFree
 from sites.model.assignments import DeviceShare, NodeShare
 
-__all__ = ["Part", "Shared", "choose_node", "choose_share", "share_mem_gb"]
+__all__ = [
+    "NodeKey",
+    "Part",
+    "ShareKey",
+    "Shared",
+    "choose_node",
+    "choose_share",
+    "score_node",
+    "score_share",
+    "share_mem_gb",
+]
 
 _EPS = 1e-9
 Part = tuple[float, float]  # what a partly used device has left: (compute share, memory GB)
@@ -124,6 +134,32 @@ def choose_share(
 ) -> DeviceShare | None:
     """The device for a share (module docstring): a partly used one with the room, or a whole
     free one; None when none holds it (with the node's cores and memory)."""
+    found = score_share(
+        shared, nodes, site_whole, site_cpu, site_mem_gb, model, share, mem_gb, cpu,
+        host_mem_gb, scorer,
+    )  # fmt: skip
+    return None if found is None else found[1]
+
+
+ShareKey = tuple[float, float, int, int, int]  # (growth, room left, whole left, node, device)
+NodeKey = tuple[float, float, float, int]  # (growth, tie-break, cores left, node)
+
+
+def score_share(
+    shared: Shared,
+    nodes: NodesFree | None,
+    site_whole: int,
+    site_cpu: int,
+    site_mem_gb: float,
+    model: str,
+    share: float,
+    mem_gb: float,
+    cpu: int,
+    host_mem_gb: float,
+    scorer: Scorer,
+) -> tuple[ShareKey, DeviceShare] | None:
+    """choose_share's device with its key (lower is better; keys of one site's models
+    compare: the growth is in devices against one mix)."""
     full_mem = shared.device_mem_gb.get(model, 0.0)
     if mem_gb > full_mem + _EPS or share > 1.0 + _EPS:
         return None
@@ -180,8 +216,8 @@ def choose_share(
                 best = (key, name, device)
     if best is None:
         return None
-    _, name, device = best
-    return DeviceShare(
+    key, name, device = best
+    return key, DeviceShare(
         device=device, node=name, share=share, mem_gb=mem_gb, mode=shared.modes[model]
     )
 
@@ -195,6 +231,20 @@ def choose_node(
     mem_gb: float,
     scorer: Scorer,
 ) -> Chosen | None:
+    """score_node's choice without its key."""
+    found = score_node(nodes, shared, model, count, cpu, mem_gb, scorer)
+    return None if found is None else found[1]
+
+
+def score_node(
+    nodes: NodesFree,
+    shared: Shared | None,
+    model: str | None,
+    count: int,
+    cpu: int,
+    mem_gb: float,
+    scorer: Scorer,
+) -> tuple[NodeKey, Chosen] | None:
     """One node for a request of `count` whole devices of `model` (0 / None: CPU-only) where
     the expected fragmentation grows least; ties: CPU-only work to the node with the fewest
     free accelerators, other work to the fullest node (best fit). None: no node holds it.
@@ -234,9 +284,8 @@ def choose_node(
         return None
     node = nodes.nodes[best[1]]
     gpus_taken = count if model is not None else 0
-    return Chosen(
-        (NodeShare(node=node.name, gpus=gpus_taken, cpu=cpu, mem_gb=mem_gb),), node.island, False
-    )
+    part = NodeShare(node=node.name, gpus=gpus_taken, cpu=cpu, mem_gb=mem_gb)
+    return best[0], Chosen((part,), node.island, False)
 
 
 def _frontiers(
