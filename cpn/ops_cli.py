@@ -1,16 +1,19 @@
-"""`cpn systemd install`: the services of an installed cpn (cpn.systemd)."""
+"""`cpn systemd install`: the services of an installed cpn (cpn.systemd); `cpn dashboards
+export DIR`: the Grafana dashboards of its metrics (metering.grafana, docs/dashboards.md)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from cpn import systemd
 from cpn.cli_base import CliParser, UsageError
+from metering import grafana
 
-__all__ = ["add_parsers", "cmd_systemd_install"]
+__all__ = ["add_parsers", "cmd_dashboards_export", "cmd_systemd_install"]
 
 
 def cmd_systemd_install(args: argparse.Namespace) -> int:
@@ -45,8 +48,20 @@ def cmd_systemd_install(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dashboards_export(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for uid, board in grafana.dashboards().items():
+        path = out / f"{uid}.json"
+        path.write_text(json.dumps(board, indent=2, ensure_ascii=False) + "\n")
+        print(f"wrote {path} ({board['title']}, {len(board['panels'])} panels)")
+    return 0
+
+
 def add_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
-    """`cpn systemd install`, added with cpn.cli's `add`."""
+    """`cpn systemd install` and `cpn dashboards export`, added with cpn.cli's `add`."""
     unit = add("systemd", help="install the agent's and the broker's systemd units")
     sub = unit.add_subparsers(dest="systemd_command", required=True, parser_class=CliParser)
     inst = sub.add_parser(
@@ -60,3 +75,13 @@ def add_parsers(add: Callable[..., argparse.ArgumentParser]) -> None:
         "--cpn", metavar="PATH", help="the cpn command the units run (default: this one)"
     )
     inst.set_defaults(func=cmd_systemd_install)
+
+    boards = add("dashboards", help="the Grafana dashboards of cpn's metrics")
+    boards_sub = boards.add_subparsers(
+        dest="dashboards_command", required=True, parser_class=CliParser
+    )
+    export = boards_sub.add_parser(
+        "export", help="write each dashboard as DIR/<uid>.json (Grafana's JSON model)"
+    )
+    export.add_argument("dir", metavar="DIR", help="where to write them (made if missing)")
+    export.set_defaults(func=cmd_dashboards_export)

@@ -1,6 +1,7 @@
 """The metrics on a real federation (etcd, two agent processes, a broker process): every
 /metrics endpoint passes `promtool check metrics`, and a real Prometheus scrapes them all and
-answers PromQL for per-site capacity and per-tenant cost (docs/metrics.md).
+answers PromQL for per-site capacity and per-tenant cost (docs/metrics.md), and every panel
+of the Grafana dashboards (metering/grafana.py, docs/dashboards.md) returns series.
 
 Prometheus and promtool come from the Debian package `prometheus` (`make prometheus`,
 .ci/install-prometheus); without them these tests skip, saying so.
@@ -21,10 +22,12 @@ from typing import Any
 import pytest
 import yaml
 
+from metering import grafana
 from sites.emulation.etcd_server import free_port
 from sites.model import keys
 from tests.broker.conftest import Federation
 from tests.conftest import ADMIN_TOKEN, AUTH
+from tests.routing.standins import StandIns
 
 pytestmark = pytest.mark.e2e  # starts processes (tests/tiers.py)
 
@@ -233,3 +236,114 @@ async def test_prometheus_scrapes_the_federation_and_answers_promql(
         "max by (tenant) (cpn_broker_jobs_finished_total)", "tenant", lambda got: "t1" in got
     )
     assert finished == {"t1": float(len(done))}
+
+
+# -- the Grafana dashboards (metering/grafana.py): every panel's query answers ----------------
+
+MODEL = "chat-model"
+CLIENTS = {"client_regions": [{"id": "user-east", "attach": [{"site": "east-a"}]}]}
+# what a dashboard's variables and Grafana's own macros stand for here
+MACROS = {
+    "$__rate_interval": "15s",  # four scrape intervals and more, as Grafana's is
+    "$__range": "5m",
+    '=~"$site"': '=~"east-a"',
+    '=~"$tenant"': '=~"t1"',
+    '=~"$client_region"': '=~"user-east"',
+    '=~"$model"': f'=~"{MODEL}"',
+}
+
+
+def expand(expr: str) -> str:
+    for macro, value in MACROS.items():
+        expr = expr.replace(macro, value)
+    if "$" in expr:
+        raise AssertionError(f"a variable this test does not give a value: {expr}")
+    return expr
+
+
+def chat(fed: Federation, token: str) -> dict[str, Any]:
+    """One chat completion through the broker's gateway, from client region user-east."""
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    ).encode()
+    req = urllib.request.Request(
+        fed.broker_url + "/v1/chat/completions",
+        data=body,
+        method="POST",
+        headers={
+            "Authorization": f"Bearer {token}",
+            "Content-Type": "application/json",
+            "X-Cpn-Client-Region": "user-east",
+        },
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        answer: dict[str, Any] = json.loads(resp.read())
+    return answer
+
+
+@needs_prometheus
+async def test_every_dashboard_panel_returns_series(
+    make_federation: Callable[..., Federation],
+    prometheus: Callable[[dict[str, list[str]]], Prometheus],
+    standins: StandIns,
+    tmp_path: Path,
+) -> None:
+    model_server = await standins.start(MODEL, "--median-ms", "5", "--p99-ms", "10")
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "clients.yaml").write_text(yaml.safe_dump(CLIENTS))
+    service = {"name": "chat", "model": MODEL, "url": model_server, "max_concurrency": 4}
+    fed = make_federation({**SITES, "east-a": {**SITES["east-a"], "services": [service]}})
+    # the activity the panels read: finished jobs (the ledger, the scheduler's latency), a
+    # running one and one that waits for it (unfinished jobs, the batch solver), inference
+    # requests of tenant t1 from a client region (routing, the gateway, tokens)
+    run_jobs(fed)
+    running = fed.submit(
+        name="holds-east", gpu={"model": "H100", "count": 16}, command=["sleep", "120"]
+    )
+    fed.wait_state(running["id"], "RUNNING", timeout=30)
+    waiting = fed.submit(name="waits", gpu={"model": "H100", "count": 16}, command=["true"])
+    status, made = fed.request("POST", "/v1/tokens", {"role": "tenant-user", "tenant": "t1"})
+    assert status == 201, made
+    for _ in range(3):
+        answer = chat(fed, made["token"])
+        assert answer["model"] == MODEL and answer["usage"]["completion_tokens"] > 0, answer
+    assert fed.job(waiting["id"])["state"] == "PENDING"
+
+    agents = await agent_urls(fed)
+    prom = prometheus(
+        {"broker": [hostport(fed.broker_url)], "agents": [hostport(u) for u in agents.values()]}
+    )
+    boards = grafana.dashboards()
+    assert set(boards) == {
+        "cpn-federation", "cpn-site", "cpn-tenant", "cpn-inference", "cpn-scheduler"
+    }  # fmt: skip
+    pending = {
+        (uid, title, expand(expr)) for uid, board in boards.items()
+        for title, expr in grafana.queries(board)
+    }  # fmt: skip
+    assert len(pending) > 50
+    # the variables' lists: each has the value the panels are asked with
+    wanted = {"site": "east-a", "tenant": "t1", "client_region": "user-east", "model": MODEL}
+    variables = {
+        (uid, name, f"count by ({label}) ({metric})", label)
+        for uid, board in boards.items()
+        for name, metric, label in grafana.variable_queries(board)
+    }
+    assert {name for _, name, _, _ in variables} == set(wanted)
+
+    def has_value(promql: str, label: str, value: str) -> bool:
+        return value in {r["metric"].get(label) for r in prom.query(promql)}
+
+    deadline = time.monotonic() + 60
+    while (pending or variables) and time.monotonic() < deadline:
+        if prom.proc.poll() is not None:
+            raise AssertionError("prometheus exited: " + prom.log.read_text())
+        try:
+            pending = {q for q in pending if not prom.query(q[2])}
+            variables = {v for v in variables if not has_value(v[2], v[3], wanted[v[1]])}
+        except OSError:
+            pass
+        if pending or variables:
+            time.sleep(1)
+    assert not pending, "panels without series:\n" + "\n".join(map(str, sorted(pending)))
+    assert not variables, variables
