@@ -253,7 +253,13 @@ async def test_a_revoked_sites_open_connection_is_cut_at_once_and_its_new_one_wo
     spec = spec_of("sec-rev")
     await root.join(spec)
     await site_credentials(root, secure.pki, spec)
-    stolen = secure.registry(spec.id)  # the old certificate, held in memory
+    held = load_credentials(secure.credentials(spec.id))
+    # the old certificate, held in memory (not following the credential file, as the agent's
+    # connection does)
+    stolen = Registry.from_urls(
+        held.endpoints,
+        tls=EtcdTls(held.ca.encode(), held.cert.encode(), held.key.encode()),
+    )
     await stolen.connect()
     try:
         await stolen.put_raw(keys.site_status(spec.id), b"{}")  # its connection is open
