@@ -11,7 +11,6 @@ made of is unchanged.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -193,12 +192,18 @@ def _held(live: Mapping[tuple[str, str], Assignment]) -> dict[str, _Held]:
     be_held: dict[str, tuple[float, float, dict[str, int]]] = {}  # best-effort's part of it
     held_nodes: dict[str, dict[str, tuple[dict[str, int], int, float]]] = {}
     shares: dict[str, list[tuple[str | None, str, int, float, float]]] = {}
-    shapes: dict[str, Counter[TaskShape]] = {}
+    shapes: dict[str, dict[TaskShape, int]] = {}
+    shape_of: dict[tuple[float, int, float], TaskShape] = {}  # jobs' shapes repeat: each once
     for a in live.values():
         share = a.share
-        shapes.setdefault(a.site, Counter())[
-            Mix.shape_of(share.share if share is not None else a.gpus, a.cpu, a.mem_gb)
-        ] += 1
+        key = (share.share if share is not None else a.gpus, a.cpu, a.mem_gb)
+        shape = shape_of.get(key)
+        if shape is None:
+            shape = shape_of[key] = Mix.shape_of(*key)
+        counts = shapes.get(a.site)
+        if counts is None:
+            counts = shapes[a.site] = {}
+        counts[shape] = counts.get(shape, 0) + 1
         if share is not None and a.model is not None:
             # a device with shares is held once, however many: counted after the loop
             shares.setdefault(a.site, []).append(
