@@ -19,7 +19,7 @@ from cpn.rotation import held, renew, revoke
 from cpn.secure import agent_certificate
 from sites.emulation.etcd_server import free_port
 from tests.broker.conftest import SITES, Federation
-from tests.conftest import AUTH
+from tests.conftest import AUTH, run_cpn
 
 pytestmark = pytest.mark.e2e  # starts agent and broker processes (tests/tiers.py)
 
@@ -102,3 +102,20 @@ def test_the_broker_reads_a_log_from_an_https_agent_only_with_the_federations_ca
     renew(pki, next(c for c in held(pki) if c.name == "agent-east-a"))
     status, text = get(f"{url}/v1/jobs/{job}/logs")
     assert status == 200 and "hello from east-a" in text, text
+
+    # a backup's copy goes to the HTTPS agent's data store only with the federation's CA
+    # (docs/backup.md, "Copies at the sites"), and comes back from it checked
+    backups = tmp_path / "backups"
+    base = ("backup", "create", "--etcd", fed.registry.url, "--dir", str(backups), "--copies", "1")
+    untrusted = run_cpn(*base, timeout=120)
+    assert "certificate verify failed" in untrusted.stdout + untrusted.stderr, untrusted
+    created = run_cpn(*base, "--agent-ca", str(pki.ca_path), "-o", "json", timeout=120)
+    assert created.returncode == 0, created.stderr
+    name = json.loads(created.stdout)["name"]
+    store = fed.config_dir / "state" / "sites" / "east-a" / "data-store" / "backups"
+    assert (store / f"{name}.db").exists(), sorted(store.glob("*")) if store.exists() else []
+    fetched = run_cpn(
+        "backup", "fetch", name, "--from", "east-a", "--etcd", fed.registry.url,
+        "--dir", str(tmp_path / "new-host"), "--agent-ca", str(pki.ca_path), timeout=120,
+    )  # fmt: skip
+    assert fetched.returncode == 0 and "sha256 checked" in fetched.stdout, fetched
