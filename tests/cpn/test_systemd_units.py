@@ -23,6 +23,7 @@ import pytest
 
 from cpn import systemd
 from sites.emulation.etcd_server import free_port
+from sites.kits import sd_notify
 from sites.model.catalog import DeviceCatalog
 from sites.model.config import load_sites
 from sites.model.status import SiteState
@@ -213,8 +214,6 @@ async def test_broker_notifies_ready_once_its_api_answers(
 
 
 async def test_no_notify_socket_sends_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from sites.kits import sd_notify
-
     monkeypatch.delenv("NOTIFY_SOCKET", raising=False)
     assert sd_notify.notify("READY=1") is False
     monkeypatch.setenv("WATCHDOG_USEC", "10000000")
@@ -222,3 +221,17 @@ async def test_no_notify_socket_sends_nothing(monkeypatch: pytest.MonkeyPatch) -
     assert sd_notify.watchdog_interval_s() is None
     monkeypatch.delenv("WATCHDOG_PID")
     assert sd_notify.watchdog_interval_s() == 5.0
+
+
+def test_notify_reaches_an_abstract_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$NOTIFY_SOCKET may name a socket in the abstract namespace ("@..."), as systemd's
+    user managers and containers give it."""
+    name = f"cpn-test-notify-{id(monkeypatch)}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(b"\0" + name.encode())
+        sock.settimeout(5)
+        monkeypatch.setenv("NOTIFY_SOCKET", f"@{name}")
+        assert sd_notify.notify("READY=1", "STATUS=up") is True
+        assert sock.recv(4096) == b"READY=1\nSTATUS=up"
+    # a socket that is gone: False, logged, and the process goes on
+    assert sd_notify.notify("WATCHDOG=1") is False
