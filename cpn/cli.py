@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         print(f"cpn: error: {exc}", file=sys.stderr)
         return 2 if 400 <= exc.status < 500 else 1
-    except CpnError as exc:  # the SDK's (cpn.sdk.errors), which the job commands use
+    except CpnError as exc:  # the SDK's (cpn.sdk.errors): the commands that ask through it
         print(f"cpn: error: {exc}", file=sys.stderr)
         return sdk_exit_code(exc)
     except (

@@ -1,4 +1,6 @@
-"""A small client of the broker's API for the CLI."""
+"""A small client of the broker's API for the CLI commands not yet on the Python SDK (cpn.sdk:
+tokens, audit, tenants, datasets' files, load, `cpn up`'s wait); it finds the broker, token and
+CA as the SDK does (cpn.sdk.connection)."""
 
 from __future__ import annotations
 
