@@ -164,3 +164,32 @@ def test_neighbourhood_search_offers_only_valid_plans_never_worse(groups: Module
     # each step holds the plan it started from, so none is worse than it
     assert all(o <= evaluate(prob, start)[0] + 1e-6 for o in offered)
     assert best["objective"] <= evaluate(prob, start)[0]
+
+
+def test_extended_family_is_what_the_issue_asks_and_broad(groups: ModuleType) -> None:
+    family = importlib.import_module("plan_family")
+    kinds: set[str] = set()
+    shapes = set()
+    for inst in family.EXTENDED:
+        assert inst.mix is not None and inst.target == family.GROUPS_TARGET_GAP
+        data = groups.generate_grouped(inst.jobs, inst.sites, inst.seed, inst.mix)
+        jobs = data["jobs"]
+        sizes: dict[str, int] = {}
+        for job in jobs:
+            if job["group"] is not None:
+                sizes[job["group"]["name"]] = sizes.get(job["group"]["name"], 0) + 1
+                kinds.add(job["group"]["kind"])
+        grouped = sum(sizes.values())
+        assert 0.2 <= grouped / len(jobs) <= 0.35
+        assert max(sizes.values()) <= 50
+        # the last group may be cut short to hit the share; the rest have 10-50 members
+        assert sum(n for n in sizes.values() if n >= 10) >= 0.9 * grouped
+        supply = sum(sum(s["capacity"]["gpu"].values()) for s in data["sites"])
+        demand = sum(job["gpu"]["count"] for job in jobs)
+        assert 1.4 <= demand / supply <= 2.2
+        assert any(job["max_latency_ms"] is not None for job in jobs)
+        assert any(job["allowed_regions"] is not None for job in jobs)
+        shapes.add((inst.jobs, inst.sites, inst.mix.members, inst.mix.kinds))
+    assert kinds == {"spread", "colocate", "gang"}
+    assert len({inst.seed for inst in family.EXTENDED}) == len(family.EXTENDED)
+    assert len(shapes) == len(family.EXTENDED)  # no two alike
