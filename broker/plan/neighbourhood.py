@@ -46,9 +46,11 @@ def search(
     plan: Mapping[str, Assignment],
     deadline: float,
     offer: Callable[[dict[str, Assignment]], dict[str, Assignment]],
+    enough: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Steps (module docstring) from `plan` until `deadline` (time.monotonic()); `offer`
-    takes each step's plan and returns the best plan so far."""
+    """Steps (module docstring) from `plan` until `deadline` (time.monotonic()) or until
+    `enough()` (the caller's gap limit met); `offer` takes each step's plan and returns the
+    best plan so far."""
     rng = random.Random(SEED)
     index = {job.id: j for j, job in enumerate(problem.jobs)}
     regions: dict[str, list[str]] = defaultdict(list)
@@ -61,7 +63,7 @@ def search(
     members = {name: [index[job.id] for job in jobs] for name, (_, jobs) in problem.groups.items()}
     best = dict(plan)
     step = 0
-    while deadline - time.monotonic() > MIN_STEP_S:
+    while deadline - time.monotonic() > MIN_STEP_S and not enough():
         kind = step % 4
         if relaxed is not None and kind == 2:
             sites = _disagreement(problem, cands, relaxed, best, rng)

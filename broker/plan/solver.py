@@ -255,7 +255,17 @@ def solve(
         # large: HiGHS on sub-models from the incumbent, then the neighbourhood search over
         # sites and whole groups (docs/placement.md, measured)
         _highs_steps(problem, cands, relaxed, best, deadline, HIGHS_STEPS[:LNS_AFTER])
-        neighbourhood.search(problem, cands, relaxed, best.plan, deadline, best.offer_best)
+        neighbourhood.search(
+            problem,
+            cands,
+            relaxed,
+            best.plan,
+            deadline,
+            best.offer_best,
+            enough=lambda: (
+                gap_limit is not None and best.objective - bound <= gap_limit * abs(best.objective)
+            ),
+        )
         full = False
     elif relaxed is not None:
         # sub-models, each holding the incumbent: RENS (the LP's support; small, CP-SAT

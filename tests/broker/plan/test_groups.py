@@ -193,3 +193,21 @@ def test_extended_family_is_what_the_issue_asks_and_broad(groups: ModuleType) ->
     assert kinds == {"spread", "colocate", "gang"}
     assert len({inst.seed for inst in family.EXTENDED}) == len(family.EXTENDED)
     assert len(shapes) == len(family.EXTENDED)  # no two alike
+
+
+def test_neighbourhood_search_stops_once_the_caller_has_enough(groups: ModuleType) -> None:
+    prob = grouped(groups, 7)
+    cands = candidates(prob)
+    start = greedy(prob)
+    offered: list[dict[str, Assignment]] = []
+
+    def offer(plan: dict[str, Assignment]) -> dict[str, Assignment]:
+        assert evaluate(prob, plan)[1] == []
+        offered.append(plan)
+        return plan
+
+    later = time.monotonic() + 30.0
+    neighbourhood.search(prob, cands, None, start, later, offer, enough=lambda: True)
+    assert offered == []  # met before the first step
+    neighbourhood.search(prob, cands, None, start, later, offer, enough=lambda: bool(offered))
+    assert len(offered) == 1  # one step, then met
