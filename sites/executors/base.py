@@ -25,6 +25,8 @@ JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 RUN_RECORD = "run.json"
+# a run record's ref before its launch, the pid not known yet (sites.executors.local.start)
+LAUNCHING = "launching"
 
 
 # Device visibility per catalog vendor: the runtime then sees only the devices the job holds.

@@ -13,6 +13,7 @@ import psutil
 from sites.agent.runs import LOST_EXITED, LOST_WITH_AGENT, ended_runs, journal
 from sites.agent.runs import Run as AgentRun
 from sites.executors.base import (
+    LAUNCHING,
     RUN_RECORD,
     RunRecord,
     forget_dead_agents,
@@ -21,6 +22,7 @@ from sites.executors.base import (
     mark_alive,
     write_record,
 )
+from sites.executors.local import _leftover_alive
 from sites.model.assignments import Assignment, RunState
 
 DEAD_AGENT = 2**22 + 7  # above any pid_max: no process has it
@@ -82,3 +84,15 @@ def test_without_a_sign_of_life_a_run_is_billed_nothing_and_marks_are_forgotten(
     mark_alive(tmp_path, T + 1.0)
     forget_dead_agents(tmp_path)
     assert last_alive(tmp_path, DEAD_AGENT) is None and last_alive(tmp_path, os.getpid()) == T + 1
+
+
+def test_a_run_recorded_before_its_launch_is_billed_from_there(tmp_path: Path) -> None:
+    """Its agent killed between the launch and the full record (sites.executors.local.start):
+    the record written before the launch, with no pid, is reported lost from its time, and no
+    reap looks for its processes (they died with the agent)."""
+    mark_alive(tmp_path, T + 0.5, agent_pid=DEAD_AGENT)
+    rec = record(tmp_path, "launching", ref=LAUNCHING, pid=None, created_at=None)
+    (run,) = ended_runs(tmp_path, since=T - 60)
+    assert (run.job, run.started_at, run.finished_at) == ("launching", T, T + 0.5)
+    assert run.message == LOST_WITH_AGENT
+    assert not _leftover_alive(rec)
