@@ -205,7 +205,12 @@ def ledger_equals_runs(history: History) -> Verdict:
     launched = ran | history.launched
     billed = set(history.segments)
     broken = [f"{j} attempt {a}: ran, not billed" for j, a in sorted(ran - billed)]
-    broken += [f"{j} attempt {a}: billed, never ran" for j, a in sorted(billed - launched - live)]
+    # a segment of no length bills nothing: the next agent's report of a run recorded as it was
+    # launched, whose agent died in that instant (it may never have started)
+    nothing = {key for key, seg in history.segments.items() if seg[3] <= 0.0}
+    broken += [
+        f"{j} attempt {a}: billed, never ran" for j, a in sorted(billed - launched - live - nothing)
+    ]
     broken += [f"{j} attempt {a}: billed while it runs" for j, a in sorted(billed & live)]
     return Verdict("ledger = runs", len(ran | billed), broken)
 
