@@ -80,6 +80,7 @@ class Run:
     egress: dict[str, int] = field(default_factory=dict)  # source site -> bytes
     syncs: int = 0  # checkpoint syncs tried: numbers them within the attempt
     journaled: bool = False  # its end is written down (`journal`)
+    reported: bool = False  # its end is in etcd, as far as this agent knows (`mark_reported`)
     # one report of it written at a time, in order: one computed before a restore's mark was
     # seen never lands after the one that carries its assignment (sites.agent.workload)
     write_lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
@@ -206,6 +207,19 @@ def journal(work_dir: Path, run: Run, report: Report) -> None:
     os.replace(part, path)
 
 
+REPORTED_SUFFIX = ".reported"
+
+
+def reported_path(work_dir: Path, job: str, attempt: int) -> Path:
+    return job_dir(work_dir, job) / f"attempt-{attempt}{REPORTED_SUFFIX}"
+
+
+def mark_reported(work_dir: Path, run: Run) -> None:
+    """Its terminal report landed: a later agent need not say its end again."""
+    reported_path(work_dir, run.job, run.assignment.attempt).touch()
+    run.reported = True
+
+
 def ended_runs(work_dir: Path, since: float) -> list[Run]:
     """The runs written down here that ended at or after `since`, oldest first."""
     out = []
@@ -236,6 +250,7 @@ def ended_runs(work_dir: Path, since: float) -> list[Run]:
         )
         run.egress = {e.source: e.bytes for e in r.egress}
         run.journaled = True
+        run.reported = reported_path(work_dir, a.job, a.attempt).exists()
         out.append(run)
     out += _left_by_a_dead_agent(work_dir, since)
     return sorted(out, key=lambda run: run.finished_at or 0.0)

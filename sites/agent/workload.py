@@ -49,7 +49,15 @@ from sites.agent.fit import (
 )
 from sites.agent.metrics import AgentMetrics
 from sites.agent.replicas import ReplicaState
-from sites.agent.runs import JobLog, Run, UnknownJob, ended_runs, exit_message, journal
+from sites.agent.runs import (
+    JobLog,
+    Run,
+    UnknownJob,
+    ended_runs,
+    exit_message,
+    journal,
+    mark_reported,
+)
 from sites.agent.serving import Serving
 from sites.executors.base import (
     JOB_ID_RE,
@@ -89,6 +97,10 @@ KEEP_FINISHED_MAX = 20_000
 # with this margin for the clocks' difference) are reported again, and every live one
 RESTORE_CLOCK_SKEW_S = 600.0
 RETRY_MIN_S = 0.2
+# at its start, an agent reports again the ends of runs that never reached the registry (no
+# mark that their report landed) from this far back, this many at most
+LATE_END_S = 3600.0
+LATE_ENDS_MAX = 500
 QUEUE_POLL_S = 1.0  # how often a run queued in the site's scheduler is looked at again
 RETRY_MAX_S = 5.0
 LAST_CHECKPOINT_S = 60.0  # a withdrawn run's last checkpoint sync, at most
@@ -184,11 +196,26 @@ class Workload:
             )
         for assignment in resumable:
             await self._adopt(assignment)
+        late = 0
+        now = self.clock.time()
         for run in ended.values():
             prior = self._reported.get(run.job)
             if prior is not None and not prior.state.terminal and run.same_attempt_as(prior):
                 # it ended, and the agent stopped before the registry had its end: say it now
                 self._spawn(self._write(run), f"report {run.job}")
+            elif (
+                prior is None
+                and not run.reported
+                and now - (run.finished_at or 0.0) < LATE_END_S
+                and late < LATE_ENDS_MAX
+            ):
+                # its end never reached etcd, and the broker has moved on (its site was lost
+                # meanwhile): said now all the same, the leader bills the run to it
+                # (broker.ops.usage_segments.amend_lost) and drops the report
+                late += 1
+                self._spawn(self._write(run), f"late end {run.job}")
+        if late:
+            log.info("%d runs' ends that never reached the registry reported now", late)
         async with asyncio.TaskGroup() as group:
             group.create_task(self._mirror.run(), name=f"workload {self.site} assignments")
             group.create_task(self._reconcile_loop(), name=f"workload {self.site} reconcile")
@@ -818,6 +845,11 @@ class Workload:
                     )
                 else:
                     self._reported[run.job] = report
+                    if report.state.terminal and not run.reported:
+                        try:
+                            mark_reported(self.executor.work_dir, run)
+                        except OSError as exc:
+                            log.warning("job %s: its report not marked written: %s", run.job, exc)
                     return
             await self._back_off(delay)
             delay = min(delay * 2, self._retry_max_s)

@@ -13,6 +13,7 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from sites.model.assignments import Assignment, Report, RunState
 from sites.model.catalog import DeviceCatalog
 from sites.model.config import load_site
 from sites.model.errors import RegistryUnavailable
+from sites.model.spec import SiteSpec
 from sites.model.status import AgentRecord
 from sites.registry.client import Registry
 from tests.conftest import wait_for
@@ -39,80 +41,135 @@ class ReportsAway(Registry):
 
     away = False
     refused = 0
+    only: frozenset[str] | None = None  # the jobs whose writes it fails (None: every job's)
 
     async def write_report(self, record: AgentRecord, report: Report) -> None:
-        if self.away:
+        mine = self.only is None or report.job in self.only
+        if self.away and mine:
             self.refused += 1
             raise RegistryUnavailable("etcd away (the test's outage)")
         await super().write_report(record, report)
-        self.away = report.state is RunState.starting
+        if mine:
+            self.away = report.state is RunState.starting
+
+
+@dataclass
+class Site:
+    """One site's workload, in this process, on the real etcd; its report writes through a
+    ReportsAway."""
+
+    name: str
+    spec: SiteSpec
+    catalog: DeviceCatalog
+    record: AgentRecord
+    registry: Registry
+
+    async def start(self) -> tuple[Workload, ReportsAway, asyncio.Task[None]]:
+        reports = ReportsAway(endpoints=self.registry.endpoints)
+        await reports.connect()
+        clock = SystemClock()
+        workload = Workload(
+            registry=reports,
+            spec=self.spec,
+            catalog=self.catalog,
+            executor=make_executor(self.spec, catalog=self.catalog, clock=clock),
+            clock=clock,
+            record=lambda: self.record,
+            retry_max_s=30.0,
+        )
+        return workload, reports, asyncio.create_task(workload.run())
+
+    async def report(self, job: str) -> Report | None:
+        got = await self.registry.get_raw(keys.report(self.name, job))
+        return None if got is None else Report.model_validate_json(got[0])
+
+    async def state_is(self, job: str, state: RunState) -> bool:
+        got = await self.report(job)
+        return got is not None and got.state is state
+
+    async def assign(self, job: str, seconds: float) -> Assignment:
+        a = Assignment(
+            job=job, site=self.name, tenant="t1", attempt=1, fence=3,
+            command=("sh", "-c", f"sleep {seconds}"), assigned_at=time.time(),
+        )  # fmt: skip
+        await self.registry.put_raw(keys.assignment(self.name, job), a.model_dump_json().encode())
+        return a
+
+
+async def _stop(workload: Workload, reports: ReportsAway, main: asyncio.Task[None]) -> None:
+    await workload.stop()
+    main.cancel()
+    await asyncio.gather(main, return_exceptions=True)
+    await reports.close()
+
+
+async def _site(
+    registry: Registry, site_file: Callable[..., Path], tmp_path: Path, name: str
+) -> Site:
+    catalog = DeviceCatalog.load()
+    spec = load_site(site_file(name, executor={"work_dir": str(tmp_path / "work")}), catalog)
+    await registry.join(spec)
+    record = AgentRecord(
+        site=name, instance="test", pid=os.getpid(), host="test", started_at=time.time(),
+        url="http://127.0.0.1:9", lease_id=0,
+    )  # fmt: skip
+    await registry.put_raw(keys.agent(name), record.model_dump_json().encode())
+    return Site(name, spec, catalog, record, registry)
 
 
 async def test_a_run_ending_while_its_reports_cannot_land_is_billed_its_own_time(
     registry: Registry, site_file: Callable[..., Path], tmp_path: Path
 ) -> None:
-    site = "outage"
-    catalog = DeviceCatalog.load()
-    spec = load_site(site_file(site, executor={"work_dir": str(tmp_path / "work")}), catalog)
-    await registry.join(spec)
-    reports = ReportsAway(endpoints=registry.endpoints)
-    await reports.connect()
-    record = AgentRecord(
-        site=site,
-        instance="test",
-        pid=os.getpid(),
-        host="test",
-        started_at=time.time(),
-        url="http://127.0.0.1:9",
-        lease_id=0,
-    )
-    await registry.put_raw(keys.agent(site), record.model_dump_json().encode())
-    clock = SystemClock()
-    workload = Workload(
-        registry=reports,
-        spec=spec,
-        catalog=catalog,
-        executor=make_executor(spec, catalog=catalog, clock=clock),
-        clock=clock,
-        record=lambda: record,
-        retry_max_s=30.0,
-    )
-    main = asyncio.create_task(workload.run())
+    site = await _site(registry, site_file, tmp_path, "outage")
+    workload, reports, main = await site.start()
     try:
-        job = Assignment(
-            job="brief-1",
-            site=site,
-            tenant="t1",
-            attempt=1,
-            fence=3,
-            command=("sh", "-c", "sleep 1"),
-            assigned_at=time.time(),
-        )
-
-        async def report() -> Report | None:
-            got = await registry.get_raw(keys.report(site, job.job))
-            return None if got is None else Report.model_validate_json(got[0])
-
-        async def state_is(state: RunState) -> bool:
-            got = await report()
-            return got is not None and got.state is state
-
-        await registry.put_raw(keys.assignment(site, job.job), job.model_dump_json().encode())
-        await wait_for(lambda: state_is(RunState.starting), timeout=20)
+        await site.assign("brief-1", 1)
+        await wait_for(lambda: site.state_is("brief-1", RunState.starting), timeout=20)
         await wait_for(lambda: reports.refused > 0, timeout=20)  # `running` did not land
         # the run (1 s) ends in the outage; five tries in 3 s (0.2 s, doubling), then the
         # writes wait 3.2 s more
         await wait_for(lambda: reports.refused >= 5, timeout=20)
         reports.away = False
         workload.registry_answered()  # the agent's publish landed: the end goes now
-        await wait_for(lambda: state_is(RunState.succeeded), timeout=2.5)
-        ended = await report()
+        await wait_for(lambda: site.state_is("brief-1", RunState.succeeded), timeout=2.5)
+        ended = await site.report("brief-1")
         assert ended is not None and ended.started_at is not None
         assert ended.finished_at is not None
         ran = ended.finished_at - ended.started_at
         assert 0.9 <= ran < 2.0, ran  # not the outage's 3 s and more
     finally:
-        await workload.stop()
-        main.cancel()
-        await asyncio.gather(main, return_exceptions=True)
-        await reports.close()
+        await _stop(workload, reports, main)
+
+
+async def test_an_end_that_never_reached_etcd_is_said_by_the_next_agent(
+    registry: Registry, site_file: Callable[..., Path], tmp_path: Path
+) -> None:
+    """The agent stops (dies) while its run's end cannot land, and the broker moves on (the
+    site lost: the assignment and the report taken back). The next agent says the end all the
+    same, from what the first wrote down, for the leader to bill the run to it; an end that did
+    land is not said again."""
+    site = await _site(registry, site_file, tmp_path, "late-end")
+    workload, reports, main = await site.start()
+    reports.only = frozenset({"lost-1"})
+    try:
+        await site.assign("lost-1", 0.5)
+        await site.assign("fine-1", 0.2)
+        await wait_for(lambda: site.state_is("fine-1", RunState.succeeded), timeout=20)
+        await wait_for(lambda: reports.refused > 0, timeout=20)  # lost-1's never land
+        await asyncio.sleep(1.5)  # lost-1 ended meanwhile, written down only here
+    finally:
+        await _stop(workload, reports, main)
+    for job in ("lost-1", "fine-1"):  # the broker moved on: its failover, its advance
+        await registry.delete_prefix(keys.assignment(site.name, job))
+        await registry.delete_prefix(keys.report(site.name, job))
+
+    workload, reports, main = await site.start()
+    try:
+        await wait_for(lambda: site.state_is("lost-1", RunState.succeeded), timeout=20)
+        late = await site.report("lost-1")
+        assert late is not None and late.finished_at is not None and late.started_at is not None
+        assert late.finished_at - late.started_at < 1.5
+        await asyncio.sleep(0.5)
+        assert await site.report("fine-1") is None  # its end had landed: not said again
+    finally:
+        await _stop(workload, reports, main)
