@@ -101,6 +101,14 @@ def test_the_wheel_installs_and_runs_outside_the_repository(tmp_path: Path) -> N
     info = json.loads(_run(bin_dir, "version", "-o", "json", cwd=away, env=env))
     assert info["hot_path"] == "not built" and info["configs_from"] == "package", info
     assert info["configs"].startswith(str(tmp_path / "venv-pure")), info
+    # what an operator installs from it: the units (from the package's configs) and dashboards
+    root = tmp_path / "root"
+    _run(bin_dir, "systemd", "install", "--root", str(root), cwd=away, env=env)
+    units = root / "etc" / "systemd" / "system"
+    assert {"cpn-agent@.service", "cpn-broker.service"} <= {p.name for p in units.iterdir()}
+    assert str(bin_dir / "cpn") in (units / "cpn-broker.service").read_text()
+    _run(bin_dir, "dashboards", "export", str(tmp_path / "dashboards"), cwd=away, env=env)
+    assert len(list((tmp_path / "dashboards").glob("*.json"))) == 5
 
     port = free_port()
     up = subprocess.Popen(
