@@ -11,7 +11,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 NATIVE := $(VENV)/.native-stamp
 
-.PHONY: up test test-fast lint fmt bench clean slurm prometheus chromium native sandbox systemd
+.PHONY: up test test-fast lint fmt bench clean slurm prometheus chromium native sandbox systemd wheel-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ TEST_WORKERS ?= 2
 
 test: lint native sandbox slurm prometheus chromium systemd
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
+
+# The compiled wheel built, installed into a fresh venv outside the repository and run from
+# there (tests/cpn/test_wheel.py; the pure wheel is in the suite): CI runs it after `make test`.
+wheel-check: native
+	CPN_TEST_COMPILED_WHEEL=1 $(BIN)/pytest -p no:cacheprovider tests/cpn/test_wheel.py
 
 # The unit tier: every test not marked e2e (tests/tiers.py), no agent, broker or cpn process.
 test-fast: native

@@ -204,8 +204,9 @@ async def amend_lost(
     the broker took back (withdrawn, preempted) after it had ended by itself (succeeded,
     failed) only when that is shorter (a run stopped in its grace is billed to the broker's
     end). Only a segment of this very run (its fence; for a lost one its reported start)
-    still under the segments (not rolled up) is changed; written guarded on what was read.
-    True when it was amended."""
+    still under the segments (not rolled up) is changed; written guarded on what was read. A
+    late end that carries its assignment (keys.late_report) of a run with no segment at all is
+    billed from it (`_bill_unbilled`). True when a segment was written."""
     if (
         not report.state.terminal
         or report.started_at is None
@@ -266,7 +267,44 @@ async def amend_lost(
         return await registry.commit(
             guards=[Guard(key, mod_revision=got[1])], puts=ledger.puts(new), deletes=deletes
         )
-    return False
+    return await _bill_unbilled(registry, report, spec=spec, catalog=catalog, history=history,
+                                now=now)  # fmt: skip
+
+
+async def _bill_unbilled(
+    registry: Registry,
+    report: Report,
+    *,
+    spec: SiteSpec | None,
+    catalog: DeviceCatalog,
+    history: PriceHistory | None,
+    now: float,
+) -> bool:
+    """A late end (keys.late_report, its assignment with it) of a run the broker closed with
+    no segment (it never knew the run had started: its agent died before its `running`
+    report): billed from the run's own assignment, its start to its end on the site's clock.
+    Guarded on the key being absent (a segment written meanwhile wins)."""
+    a = report.assignment
+    if a is None or report.started_at is None or report.finished_at is None:
+        return False
+    if (a.job, a.site, a.attempt, a.fence) != (report.job, report.site, report.attempt,
+                                               report.fence):  # fmt: skip
+        return False
+    run = Run(
+        job=a.job, tenant=a.tenant, attempt=a.attempt, fence=a.fence, site=a.site,
+        model=a.model, gpus=a.gpus, cpu=a.cpu, mem_gb=a.mem_gb, started_at=report.started_at,
+        measured=dict(report.usage) if report.usage else None, best_effort=a.best_effort,
+        share=a.share.share if a.share is not None else None,
+    )  # fmt: skip
+    new = ledger.close(
+        run, end=report.finished_at, ended_by=TimeSource.site, reason=ended_by_report(report),
+        spec=spec, catalog=catalog, now=now, history=history,
+    )  # fmt: skip
+    if new is None:
+        return False
+    return await registry.commit(
+        guards=[Guard(new.key, mod_revision=0)], puts=ledger.puts(new), deletes=[]
+    )
 
 
 def egress_key(job: str, attempt: int, at: float) -> str:

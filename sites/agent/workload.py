@@ -213,7 +213,7 @@ class Workload:
                 # meanwhile): said now all the same, the leader bills the run to it
                 # (broker.ops.usage_segments.amend_lost) and drops the report
                 late += 1
-                self._spawn(self._write(run), f"late end {run.job}")
+                self._spawn(self._write(run, late=True), f"late end {run.job}")
         if late:
             log.info("%d runs' ends that never reached the registry reported now", late)
         async with asyncio.TaskGroup() as group:
@@ -813,13 +813,15 @@ class Workload:
         (sites.agent.serving)."""
         return self._serving.endpoints(now)
 
-    async def _write(self, run: Run) -> None:
+    async def _write(self, run: Run, *, late: bool = False) -> None:
         """Write the run's report (an ended run's written down first: sites.agent.runs.journal);
-        retried with backoff until it lands or the agent stops; one write of a run at a time."""
+        retried with backoff until it lands or the agent stops; one write of a run at a time.
+        `late`: an end the broker never had, said at its late key with its assignment
+        (keys.late_report), where a later attempt's report cannot overwrite it."""
         async with run.write_lock:
-            await self._write_now(run)
+            await self._write_now(run, late=late)
 
-    async def _write_now(self, run: Run) -> None:
+    async def _write_now(self, run: Run, *, late: bool = False) -> None:
         delay = RETRY_MIN_S
         while not self._closing.is_set():
             report = run.report(self.clock.time())  # the run's latest state, on every try
@@ -829,12 +831,12 @@ class Workload:
                     run.journaled = True
                 except OSError as exc:
                     log.warning("job %s: its end not written down: %s", run.job, exc)
-            if self._mark is not None:  # what the broker rebuilds a job it lost from
+            if self._mark is not None or late:  # what the broker rebuilds or bills a run from
                 report = report.model_copy(update={"assignment": run.assignment})
             record = self._record()
             if record is not None:
                 try:
-                    await self.registry.write_report(record, report)
+                    await self.registry.write_report(record, report, late=late)
                 except RegistryError as exc:
                     log.warning(
                         "report of job %s (%s) not written: %s; retrying in %.1fs",
@@ -844,7 +846,8 @@ class Workload:
                         delay,
                     )
                 else:
-                    self._reported[run.job] = report
+                    if not late:
+                        self._reported[run.job] = report
                     if report.state.terminal and not run.reported:
                         try:
                             mark_reported(self.executor.work_dir, run)
@@ -874,6 +877,8 @@ class Workload:
         kvs = await self._list(keys.reports(self.site), "reports")
         reports: dict[str, Report] = {}
         for key, raw, _ in kvs:
+            if keys.LATE in key.rsplit("/", 1)[-1]:
+                continue  # a late end said before (keys.late_report), not the job's report
             try:
                 report = Report.model_validate_json(raw)
             except ValidationError:

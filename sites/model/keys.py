@@ -196,6 +196,16 @@ def report(site: str, job: str) -> str:
     return f"{REPORTS}{site}/{job}"
 
 
+LATE = "~"  # no job id has one (JOB_ID_RE)
+
+
+def late_report(site: str, job: str, attempt: int) -> str:
+    """A run's end said after the broker moved on (its site lost meanwhile): beside the job's
+    own report, which a later attempt at the same site may already hold; the leader bills the
+    run to it and deletes it (broker.ops.usage_segments.amend_lost)."""
+    return f"{REPORTS}{site}/{job}{LATE}{attempt}"
+
+
 def job(job_id: str) -> str:
     return f"{JOBS}{job_id}"
 

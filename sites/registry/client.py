@@ -264,9 +264,12 @@ class Registry:
         agent holds it (SiteLifecycle.acquire_agent)."""
         await self._sites.acquire_agent(record, is_stale=is_stale, secret=secret)
 
-    async def write_report(self, record: AgentRecord, report: Report) -> None:
-        """Write a job report, fenced by the agent lock like publish(); LeaseLost if not ours."""
-        await self._sites.write_report(record, report)
+    async def write_report(
+        self, record: AgentRecord, report: Report, *, late: bool = False
+    ) -> None:
+        """Write a job report, fenced by the agent lock like publish(); LeaseLost if not ours.
+        `late`: at its late key (keys.late_report), not the job's own."""
+        await self._sites.write_report(record, report, late=late)
 
     async def publish(
         self,

@@ -210,13 +210,21 @@ class SiteLifecycle:
             await self._delete_if_unchanged(key, int(meta.mod_revision))
         raise Conflict(f"could not take the agent lock of site {site!r}: it keeps changing")
 
-    async def write_report(self, record: AgentRecord, report: Report) -> None:
-        """Write a job report, fenced by the agent lock like publish(); LeaseLost if not ours."""
+    async def write_report(
+        self, record: AgentRecord, report: Report, *, late: bool = False
+    ) -> None:
+        """Write a job report, fenced by the agent lock like publish(); LeaseLost if not ours.
+        `late`: at its late key (keys.late_report), not the job's own."""
         tx = self._conn.tx
         akey = keys.agent(record.site).encode()
+        key = (
+            keys.late_report(report.site, report.job, report.attempt)
+            if late
+            else keys.report(report.site, report.job)
+        )
         ok, _ = await self._conn.transaction(
             compare=[tx.value(akey) == _encode(record)],
-            success=[tx.put(keys.report(report.site, report.job).encode(), _encode(report))],
+            success=[tx.put(key.encode(), _encode(report))],
         )
         if not ok:
             raise LeaseLost(f"site {record.site!r}: this agent no longer holds the agent lock")

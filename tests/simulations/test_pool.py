@@ -56,7 +56,8 @@ def test_ctrl_c_stops_the_workers_at_once_and_leaks_nothing(tmp_path: Path) -> N
     stopped = time.monotonic()
     run.send_signal(signal.SIGINT)
     _, err = run.communicate(timeout=30)
-    assert time.monotonic() - stopped < 10
+    # not its run to the end (minutes): stopped, with its workers; 17 s once on a loaded host
+    assert time.monotonic() - stopped < 25
     assert run.returncode == 130
     assert err.decode().strip().splitlines() == ["cpn simulate: interrupted; no results written"]
     time.sleep(0.5)

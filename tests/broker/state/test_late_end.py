@@ -11,7 +11,7 @@ import pytest
 from broker.ops.usage_segments import amend_lost
 from metering import ledger
 from metering.ledger import EndReason, Run, Segment, TimeSource
-from sites.model.assignments import Report, RunState
+from sites.model.assignments import Assignment, Report, RunState
 from sites.model.catalog import DeviceCatalog
 from sites.model.spec import SiteSpec
 from sites.registry.client import Registry
@@ -127,3 +127,24 @@ async def test_only_the_runs_own_lost_segment_is_amended(registry: Registry) -> 
     assert not await _amend(registry, _report(START + 1.0))
     still_running = _report(START + 1.0, RunState.running)
     assert not await _amend(registry, still_running)
+
+
+async def test_a_late_end_of_a_run_with_no_segment_is_billed_from_its_assignment(
+    registry: Registry,
+) -> None:
+    """Its agent died before its `running` report: the broker closed it with no segment, and
+    the next agent says its end at the late key with its assignment."""
+    assignment = Assignment(
+        job="j", site="lost-a", tenant="acme", attempt=1, fence=7, command=("true",),
+        cpu=2, mem_gb=4.0, assigned_at=START - 1,
+    )  # fmt: skip
+    late = _report(START + 0.5, RunState.failed).model_copy(update={"assignment": assignment})
+    assert await _amend(registry, late)
+    want = _closed(START + 0.5, EndReason.failed, gpus=0)
+    got = await _segment(registry, want.key)
+    assert got is not None and got.seconds == pytest.approx(0.5) and got.tenant == "acme"
+    assert got.total_usd == pytest.approx(want.total_usd)
+    assert not await _amend(registry, late)  # once: the segment is there now
+    other = late.model_copy(update={"assignment": assignment.model_copy(update={"fence": 8})})
+    await registry.delete_prefix(want.key)
+    assert not await _amend(registry, other)  # not this run's assignment: nothing

@@ -43,12 +43,14 @@ class ReportsAway(Registry):
     refused = 0
     only: frozenset[str] | None = None  # the jobs whose writes it fails (None: every job's)
 
-    async def write_report(self, record: AgentRecord, report: Report) -> None:
-        mine = self.only is None or report.job in self.only
+    async def write_report(
+        self, record: AgentRecord, report: Report, *, late: bool = False
+    ) -> None:
+        mine = (self.only is None or report.job in self.only) and not late
         if self.away and mine:
             self.refused += 1
             raise RegistryUnavailable("etcd away (the test's outage)")
-        await super().write_report(record, report)
+        await super().write_report(record, report, late=late)
         if mine:
             self.away = report.state is RunState.starting
 
@@ -87,9 +89,9 @@ class Site:
         got = await self.report(job)
         return got is not None and got.state is state
 
-    async def assign(self, job: str, seconds: float) -> Assignment:
+    async def assign(self, job: str, seconds: float, attempt: int = 1) -> Assignment:
         a = Assignment(
-            job=job, site=self.name, tenant="t1", attempt=1, fence=3,
+            job=job, site=self.name, tenant="t1", attempt=attempt, fence=2 + attempt,
             command=("sh", "-c", f"sleep {seconds}"), assigned_at=time.time(),
         )  # fmt: skip
         await self.registry.put_raw(keys.assignment(self.name, job), a.model_dump_json().encode())
@@ -163,13 +165,28 @@ async def test_an_end_that_never_reached_etcd_is_said_by_the_next_agent(
         await registry.delete_prefix(keys.assignment(site.name, job))
         await registry.delete_prefix(keys.report(site.name, job))
 
+    # a later attempt of it placed here meanwhile: its report is the job's own key, the late
+    # end goes beside it (keys.late_report), with its assignment for the leader to bill from
+    await site.assign("lost-1", 5.0, attempt=2)
     workload, reports, main = await site.start()
+    reports.only = frozenset()  # etcd answers this agent
     try:
-        await wait_for(lambda: site.state_is("lost-1", RunState.succeeded), timeout=20)
-        late = await site.report("lost-1")
-        assert late is not None and late.finished_at is not None and late.started_at is not None
-        assert late.finished_at - late.started_at < 1.5
+        late_key = keys.late_report(site.name, "lost-1", 1)
+
+        async def late() -> Report | None:
+            got = await registry.get_raw(late_key)
+            return None if got is None else Report.model_validate_json(got[0])
+
+        ended = await wait_for(late, timeout=20)
+        assert ended.state is RunState.succeeded and ended.attempt == 1
+        assert ended.assignment is not None and ended.assignment.attempt == 1
+        assert ended.finished_at is not None and ended.started_at is not None
+        assert ended.finished_at - ended.started_at < 1.5
+        await wait_for(lambda: site.state_is("lost-1", RunState.running), timeout=20)
+        now = await site.report("lost-1")
+        assert now is not None and now.attempt == 2  # the job's own report: its new attempt
         await asyncio.sleep(0.5)
         assert await site.report("fine-1") is None  # its end had landed: not said again
+        assert await registry.get_raw(keys.late_report(site.name, "fine-1", 1)) is None
     finally:
         await _stop(workload, reports, main)
