@@ -43,7 +43,13 @@ def _alive(pids: list[int]) -> list[int]:
 
 @pytest.mark.e2e
 def test_ctrl_c_stops_the_workers_at_once_and_leaks_nothing(tmp_path: Path) -> None:
-    run = _cpn("simulate", str(DEMO), "--no-progress", "--out", str(tmp_path / "out"))
+    # four weeks: a loaded host ran the one-week demo to its end before the interrupt landed
+    path = tmp_path / "long.yaml"
+    doc = yaml.safe_load(DEMO.read_text())
+    doc["horizon"] = "28d"
+    doc["federation"]["configs"] = str(REPO / "configs")
+    path.write_text(yaml.safe_dump(doc))
+    run = _cpn("simulate", str(path), "--no-progress", "--out", str(tmp_path / "out"))
     deadline = time.monotonic() + 60
     kids: list[int] = []
     while time.monotonic() < deadline:  # the worker of the inference part, the tracker
